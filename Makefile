@@ -1,0 +1,15 @@
+# The two set-up commands of the README. Both start from a fresh clone: infra/bootstrap.sh makes .venv.
+.PHONY: up test down status
+up:
+	bash infra/bootstrap.sh
+	.venv/bin/ropewalk up
+
+test:
+	bash infra/bootstrap.sh
+	.venv/bin/python -m pytest -q
+
+down:
+	.venv/bin/ropewalk down
+
+status:
+	.venv/bin/ropewalk status

