@@ -1,0 +1,268 @@
+"""Producer and consumer wrappers over confluent-kafka that speak Ropewalk events.
+
+* `EventProducer`: idempotent, `acks=all`, murmur2 partitioner (co-partitioned with faust/aiokafka and
+  Java clients); publishes each writer schema to `_schemas` before the first event that uses it; delivery
+  errors are collected and raised by `flush()` (and by the next `send`), never swallowed.
+* `EventConsumer`: decodes every record with the reader's schemas; a record that fails to decode or
+  validate is routed to `deadletter` with its reason and origin, and the consumer goes on with the next.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+
+from infra.config import Config
+from streams import deadletter as dl
+from streams import schemalog
+from streams.events import Event
+from streams.serde import INVALID_EVENT, UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
+from streams.topics import BY_NAME, KEY_ENTITLEMENT, KEY_JOB, KEY_MACHINE, Topics
+
+
+class DeliveryError(RuntimeError):
+    """One or more records were not acknowledged by the broker."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decoded event and where it sits in the log."""
+
+    event: Event
+    topic: str  # physical topic name
+    partition: int
+    offset: int
+    key: bytes | None
+    log_timestamp_ms: int
+
+
+def producer_conf(cfg: Config, **extra) -> dict:
+    conf = {
+        "bootstrap.servers": cfg.bootstrap_servers,
+        "enable.idempotence": True,
+        "acks": "all",
+        "partitioner": "murmur2_random",  # the Java/aiokafka default: keeps topics co-partitioned
+        "linger.ms": 5,
+        "batch.num.messages": 10000,
+        "queue.buffering.max.messages": 500000,
+        "log_level": 3,
+    }
+    conf.update(extra)
+    return conf
+
+
+def key_of(topic_logical: str, event: Event) -> str:
+    kind = BY_NAME[topic_logical].key
+    if kind == KEY_ENTITLEMENT:
+        return event.entitlement
+    if kind == KEY_MACHINE:
+        return event.payload["machine_id"]
+    if kind == KEY_JOB:
+        return event.payload["job_id"]
+    return event.entity_id
+
+
+class EventProducer:
+    def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, **conf):
+        self.cfg = cfg
+        self.registry = registry
+        self.topics = Topics(cfg.topic_prefix, cfg.partitions)
+        self.name = name
+        self._producer = Producer(producer_conf(cfg, **conf))
+        self._schemas_published: set[bytes] = set()
+        self._errors: list[str] = []
+        self._lock = threading.Lock()
+        self.sent = 0
+
+    # -- events ----------------------------------------------------------------------------------
+    def send(self, event: Event, *, topic: str | None = None, validate: bool = True) -> None:
+        """Encode and produce asynchronously to the event's topic, keyed per the catalogue."""
+        self._raise_errors()
+        logical = topic or self.topics.logical(self.topics.for_event(event.type))
+        schema = self.registry.reader(event.type)
+        if schema.fingerprint not in self._schemas_published:
+            schemalog.publish(self._producer, self.topics, schema)
+            self._flush_or_raise(10.0)
+            self._schemas_published.add(schema.fingerprint)
+        value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
+        self.send_raw(self.topics.name(logical), key_of(logical, event).encode(), value)
+
+    def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
+                 timestamp_ms: int | None = None, headers: list | None = None) -> None:
+        kwargs = {"key": key, "value": value, "on_delivery": self._on_delivery}
+        if partition is not None:
+            kwargs["partition"] = partition
+        if timestamp_ms is not None:
+            kwargs["timestamp"] = timestamp_ms
+        if headers:
+            kwargs["headers"] = headers
+        while True:
+            try:
+                self._producer.produce(topic, **kwargs)
+                break
+            except BufferError:  # local queue full: let deliveries drain
+                self._producer.poll(0.1)
+        self.sent += 1
+        if self.sent % 1000 == 0:
+            self._producer.poll(0)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        self._flush_or_raise(timeout_s)
+
+    def _flush_or_raise(self, timeout_s: float) -> None:
+        remaining = self._producer.flush(timeout_s)
+        if remaining:
+            with self._lock:
+                self._errors.append(f"{remaining} records still undelivered after {timeout_s:.0f}s")
+        self._raise_errors()
+
+    def _on_delivery(self, err, msg) -> None:
+        if err is not None:
+            with self._lock:
+                self._errors.append(f"{msg.topic()}: {err.str()}")
+
+    def _raise_errors(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
+            raise DeliveryError(f"{len(errors)} records not delivered: {'; '.join(errors[:3])}{more}")
+
+    def close(self) -> None:
+        self.flush()
+
+
+def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:
+    conf = {
+        "bootstrap.servers": cfg.bootstrap_servers,
+        "group.id": group_id or "ropewalk-reader-unused",  # required by librdkafka even when assigning
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "enable.partition.eof": True,
+        "session.timeout.ms": 6000,
+        "heartbeat.interval.ms": 1000,
+        "fetch.wait.max.ms": 100,
+        "log_level": 3,
+    }
+    conf.update(extra)
+    return conf
+
+
+class EventConsumer:
+    """Reads topics and yields decoded `Record`s; bad records go to the dead-letter topic.
+
+    With `group_id` it joins the consumer group (partitions are shared among members); without, it
+    assigns every partition of `topics` itself, starting at `start_offsets` or the beginning.
+    """
+
+    def __init__(self, cfg: Config, registry: SchemaRegistry, topics: Iterable[str], *, name: str,
+                 group_id: str | None = None, dead_letters: "dl.DeadLetters | None" = None,
+                 start_offsets: Mapping[tuple[str, int], int] | None = None, **conf):
+        self.cfg = cfg
+        self.registry = registry
+        self.catalogue = Topics(cfg.topic_prefix, cfg.partitions)
+        self.name = name
+        self.physical_topics = list(topics)
+        self.dead_letters = dead_letters
+        self._consumer = Consumer(consumer_conf(cfg, group_id, **conf))
+        self.eof: set[tuple[str, int]] = set()
+        self.dead_lettered = 0
+        if group_id:
+            self._consumer.subscribe(self.physical_topics)
+        else:
+            self.assign(start_offsets or {})
+
+    def partitions(self) -> list[tuple[str, int]]:
+        md = self._consumer.list_topics(timeout=10)
+        out = []
+        for t in self.physical_topics:
+            tmd = md.topics.get(t)
+            if tmd is None or tmd.error is not None:
+                raise RuntimeError(f"topic {t} does not exist; run `ropewalk up` (it provisions topics)")
+            out.extend((t, p) for p in sorted(tmd.partitions))
+        return out
+
+    def assign(self, start_offsets: Mapping[tuple[str, int], int],
+               only: Iterable[tuple[str, int]] | None = None) -> None:
+        """Assign `only` these partitions (default: all of `partitions()`), from `start_offsets` or the start."""
+        chosen = self.partitions() if only is None else list(only)
+        self._consumer.assign([TopicPartition(t, p, start_offsets.get((t, p), OFFSET_BEGINNING)) for t, p in chosen])
+
+    def pause(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Stop fetching these partitions (e.g. a bounded read that reached its end)."""
+        self._consumer.pause([TopicPartition(t, p) for t, p in partitions])
+
+    def fetched_high_watermark(self, tp: tuple[str, int]) -> int | None:
+        """The high watermark reported by the latest fetch response of `tp` (None before the first one).
+        Unlike `watermarks()`, this is the true end on Tansu too."""
+        _, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
+        return high if high >= 0 else None  # librdkafka answers OFFSET_INVALID (-1001) before a fetch
+
+    def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(low, high) per partition as the broker lists them. Beware: Tansu lists the first offset of the
+        last batch + 1 as high, so bounded reads must go to end-of-partition (`eof`), not to `high`."""
+        return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)
+                for t, p in self.partitions()}
+
+    def poll(self, max_records: int = 1000, timeout_s: float = 1.0) -> list[Record]:
+        out: list[Record] = []
+        for msg in self._consumer.consume(max_records, timeout_s):
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    self.eof.add((msg.topic(), msg.partition()))
+                    continue
+                raise RuntimeError(f"consumer {self.name}: {err.str()}")
+            self.eof.discard((msg.topic(), msg.partition()))
+            rec = self._decode(msg)
+            if rec is not None:
+                out.append(rec)
+        return out
+
+    def _decode(self, msg) -> Record | None:
+        value = msg.value()
+        try:
+            try:
+                type_, data = self.registry.decode(value)
+            except DecodeError as exc:
+                if exc.reason != UNKNOWN_FINGERPRINT:
+                    raise
+                # A writer newer (or older) than this code: learn its schema from the log, then retry.
+                schemalog.load(self.cfg, self.registry, only=fingerprint_of(value))
+                type_, data = self.registry.decode(value)
+            event = Event.from_record(type_, data)
+            check_placement(self.catalogue, msg.topic(), msg.key(), event)
+        except DecodeError as exc:
+            self._dead_letter(msg, exc.reason, exc.detail)
+            return None
+        ts_type, ts = msg.timestamp()
+        return Record(event, msg.topic(), msg.partition(), msg.offset(), msg.key(), ts)
+
+    def _dead_letter(self, msg, reason: str, detail: str) -> None:
+        self.dead_lettered += 1
+        if self.dead_letters is None:
+            raise DecodeError(reason, f"{msg.topic()}[{msg.partition()}]@{msg.offset()}: {detail}")
+        self.dead_letters.route(topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+                                key=msg.key(), value=msg.value(), reason=reason, detail=detail)
+
+    def commit(self) -> None:
+        self._consumer.commit(asynchronous=False)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def check_placement(catalogue: Topics, physical_topic: str, key: bytes | None, event: Event) -> None:
+    """An event must be on its own topic, keyed as the catalogue says (sharding depends on it)."""
+    logical = catalogue.logical(physical_topic)
+    if logical is None or logical == "_schemas":
+        return
+    spec = BY_NAME[logical]
+    if event.type not in spec.events:
+        raise DecodeError(INVALID_EVENT, f"{event.type} does not belong on topic {logical}")
+    want = key_of(logical, event)
+    got = key.decode("utf-8", "replace") if key is not None else None
+    if spec.key in (KEY_ENTITLEMENT, KEY_MACHINE, KEY_JOB) and got != want:
+        raise DecodeError(INVALID_EVENT, f"record key {got!r} differs from the event's {spec.key} {want!r}")

@@ -1,0 +1,81 @@
+"""The in-memory form of an event: its type, its envelope and its payload.
+
+Decision functions build `Event`s and never see bytes; the producer fills `schema_version` from the schema
+it writes with and encodes. `Event.from_record` is the inverse of `to_record`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENVELOPE_FIELDS = ("event_id", "entitlement", "entity_id", "timestamp_ms", "producer", "causation_id",
+                   "schema_version")
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # schema short name, e.g. "JobSubmitted"
+    entitlement: str  # partition key of entitlement-keyed topics; free/<dc> for free-pool machines
+    entity_id: str  # job, task, machine or request id the event is about
+    payload: Mapping[str, Any]  # the event's own fields (everything but the envelope)
+    producer: str = "unknown"
+    causation_id: str | None = None  # event_id of the event that caused this one
+    timestamp_ms: int = 0
+    event_id: str = ""
+    schema_version: int = 0  # filled by the producer / by decoding
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def to_record(self, schema_version: int | None = None) -> dict:
+        env = {
+            "event_id": self.event_id,
+            "entitlement": self.entitlement,
+            "entity_id": self.entity_id,
+            "timestamp_ms": self.timestamp_ms,
+            "producer": self.producer,
+            "causation_id": self.causation_id,
+            "schema_version": self.schema_version if schema_version is None else schema_version,
+        }
+        return {"envelope": env, **self.payload}
+
+    @classmethod
+    def from_record(cls, type_: str, record: Mapping[str, Any]) -> "Event":
+        env = record["envelope"]
+        payload = {k: v for k, v in record.items() if k != "envelope"}
+        return cls(type=type_, entitlement=env["entitlement"], entity_id=env["entity_id"], payload=payload,
+                   producer=env["producer"], causation_id=env.get("causation_id"),
+                   timestamp_ms=env["timestamp_ms"], event_id=env["event_id"],
+                   schema_version=env["schema_version"])
+
+    def to_json(self) -> dict:
+        """JSON-friendly dict: envelope fields flat, payload under `payload`, bytes as hex."""
+        return {"type": self.type, "event_id": self.event_id, "entitlement": self.entitlement,
+                "entity_id": self.entity_id, "timestamp_ms": self.timestamp_ms, "producer": self.producer,
+                "causation_id": self.causation_id, "schema_version": self.schema_version,
+                "payload": _jsonable(self.payload)}
+
+
+def new_event(type_: str, payload: Mapping[str, Any], *, entitlement: str, entity_id: str, producer: str,
+              causation_id: str | None = None, timestamp_ms: int | None = None,
+              event_id: str | None = None) -> Event:
+    """A new event with a fresh id and the current time unless given (pure code passes both)."""
+    return Event(type=type_, entitlement=entitlement, entity_id=entity_id, payload=dict(payload),
+                 producer=producer, causation_id=causation_id,
+                 timestamp_ms=int(time.time() * 1000) if timestamp_ms is None else timestamp_ms,
+                 event_id=event_id or str(uuid.uuid4()))
+
+
+def derived_event_id(*parts: Any) -> str:
+    """A deterministic event id (UUID5) from what caused it, so re-processing emits the same ids."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "ropewalk:" + "/".join(map(str, parts))))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, Mapping):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,169 @@
+"""Thin wiring between faust and Ropewalk's log: an app configured for it, source topics that hand the
+agent raw bytes, and a decoding loop that never lets a bad record kill an agent.
+
+    app = make_app(cfg, "scheduler")
+    intents = source_topic(app, cfg, "intents")
+
+    @app.agent(intents)
+    async def schedule(stream):
+        async for record, event in decoded(stream, registry, dead_letters, catalogue, cfg=cfg):
+            ...  # pure decision code on `event`; `record` says where it sits in the log
+
+Why raw bytes: faust decodes values inside its stream machinery, and a deserialization error there is
+logged and the record skipped — out of reach of dead-letter routing. So agents consume `raw` and decode
+here, with the same `SchemaRegistry` the confluent tools use. A record that fails to decode (garbage, a
+truncated body, a fingerprint unknown even to `_schemas`) or fails `check_placement` (wrong topic, key
+differing from the envelope) becomes a `DeadLetterRecorded` on `deadletter` with its reason constant and
+origin topic/partition/offset, and the loop goes on with the next record.
+
+Delivery: at-least-once, as the whole system is (DESIGN.md: faust `exactly_once` is not sound on Tansu).
+A dead letter is flushed to the broker before the loop asks faust for the next record, i.e. before the bad
+record is acked and its offset can be committed; a crash in between re-routes it with the same derived
+event id, which readers de-duplicate.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import faust
+
+from infra.config import Config
+from streams import schemalog
+from streams.clients import Record, check_placement
+from streams.deadletter import DeadLetters
+from streams.events import Event
+from streams.serde import UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
+from streams.topics import Topics
+
+# A fingerprint that `_schemas` did not know is not looked up again for this long (per `decoded` loop):
+# producers publish a schema before its first record, so a miss is almost always a foreign or corrupt
+# record, and re-reading `_schemas` for each of a burst of them would stall the agent.
+SCHEMA_RELOOKUP_S = 30.0
+# How long routing one dead letter may wait for the broker's ack before the agent fails loudly.
+DEAD_LETTER_FLUSH_S = 15.0
+
+
+def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
+    """The non-default faust settings Ropewalk runs with, each with its reason (faust-streaming 0.15.3)."""
+    servers = [s.strip() for s in cfg.bootstrap_servers.split(",") if s.strip()]
+    return {
+        # faust wants URLs; several bootstrap servers are a list of them.
+        "broker": [f"kafka://{s}" for s in servers],
+        # The consumer group id is the app id. Prefixed like the topics, so two regions (or two tests) on
+        # one cluster never share a group, nor the internal topics faust names after the id.
+        "id": cfg.topic_prefix + app_id,
+        # Tables live in memory and are rebuilt from their changelog topics at start (the log is the
+        # source of truth; DESIGN.md). Memory is also faust's default; stated because it is a choice.
+        "store": "memory://",
+        # Keep faust's data directory under the run directory instead of `<id>-data` in the cwd.
+        "datadir": str(Path(cfg.run_dir) / "faust" / "{conf.name}-data"),
+        # Internal topics faust creates (changelogs, group_by repartitions) are co-partitioned with ours.
+        "topic_partitions": cfg.partitions,
+        # The catalogue's topics are created by streams.topics.provision; faust only ever declares
+        # *internal* topics (table changelogs, group_by repartition topics, the leader topic). Tables
+        # need their changelogs, so declaring stays allowed (True is the default; see make_app).
+        "topic_allow_declare": True,
+        # The leader-election topic only serves `on_leader=True` timers; Ropewalk has none, and each
+        # extra subscribed topic is one more thing a rebalance has to assign.
+        "topic_disable_leader": True,
+        # Values arrive as bytes; `decoded` turns them into Events (see the module docstring).
+        "key_serializer": "raw",
+        "value_serializer": "raw",
+        # A new group reads its topics from the beginning: the log is the state (also faust's default).
+        "consumer_auto_offset_reset": "earliest",
+        # Group timing. Measured on Tansu with aiokafka 0.14: a new group's first JoinGroup is held for
+        # about half the *session* timeout (1/3/5/10 s for 2/6/10/20 s), whatever the rebalance timeout
+        # (1-60 s made no difference). Faust's 60 s default would make every worker start take 30 s.
+        # 6 s is the lowest a stock Kafka broker accepts (group.min.session.timeout.ms), so the setting is
+        # portable; a dead worker's entitlements move after 6 s instead of a minute. Heartbeats run on
+        # faust's consumer thread, not on the agents' event loop, so a slow handler cannot starve them.
+        "broker_session_timeout": 6.0,
+        # At most a third of the session timeout (Kafka's rule), so two lost heartbeats do not evict.
+        "broker_heartbeat_interval": 2.0,
+        # How long the coordinator waits for every member to rejoin once a rebalance starts; a member
+        # first finishes its current event (stream_wait_empty) and commits. Faust's 60 s would let one
+        # stuck worker stall every shard that long; Ropewalk's handlers take milliseconds.
+        "broker_rebalance_timeout": 10.0,
+        # No HTTP server per worker: Ropewalk's front end is its own process; a web port per worker would
+        # also collide when several workers run on one machine (and in tests).
+        "web_enabled": False,
+    }
+
+
+def make_app(cfg: Config, app_id: str, **settings: Any) -> faust.App:
+    """A faust app for Ropewalk's log; `settings` override `app_settings` (tests lower the timeouts).
+
+    Left at faust's defaults on purpose: `producer_partitioner` (aiokafka's murmur2, which is what the
+    confluent producers' `murmur2_random` computes, so keyed topics stay co-partitioned across both
+    clients), `producer_acks` (-1 = all), `processing_guarantee` (at_least_once).
+    """
+    conf = app_settings(cfg, app_id)
+    conf.update(settings)
+    app_name = conf.pop("id")
+    Path(cfg.run_dir, "faust").mkdir(parents=True, exist_ok=True)
+    return faust.App(app_name, **conf)
+
+
+def source_topic(app: faust.App, cfg: Config, logical: str, **options: Any) -> faust.TopicT:
+    """The faust topic for a catalogue topic: its physical name, raw keys and values, and its configured
+    partition count (faust checks co-partitioning of an agent's topics against it)."""
+    catalogue = Topics(cfg.topic_prefix, cfg.partitions)
+    options.setdefault("key_serializer", "raw")
+    options.setdefault("value_serializer", "raw")
+    options.setdefault("partitions", catalogue.partitions_of(logical))
+    return app.topic(catalogue.name(logical), **options)
+
+
+async def decoded(stream: faust.StreamT, registry: SchemaRegistry, dead_letters: DeadLetters,
+                  catalogue: Topics, *, cfg: Config | None = None) -> AsyncIterator[tuple[Record, Event]]:
+    """Decode a raw faust stream: yields `(record, event)` for every good record (`record.event is event`),
+    routes every bad one to `deadletter` and goes on. With `cfg`, a fingerprint this process does not know
+    is looked up in `_schemas` (in a thread: it is a blocking read) before the record is given up on."""
+    loop = asyncio.get_running_loop()
+    missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
+    async for ev in stream.events():
+        msg = ev.message
+        value = msg.value
+        try:
+            try:
+                type_, data = registry.decode(value)
+            except DecodeError as exc:
+                fp = fingerprint_of(value)
+                if exc.reason != UNKNOWN_FINGERPRINT or cfg is None or fp is None:
+                    raise
+                if time.monotonic() - missed.get(fp, float("-inf")) < SCHEMA_RELOOKUP_S:
+                    raise
+                await loop.run_in_executor(None, lambda: schemalog.load(cfg, registry, only=fp))
+                if registry.writer(fp) is None:
+                    missed[fp] = time.monotonic()
+                    raise
+                type_, data = registry.decode(value)
+            event = Event.from_record(type_, data)
+            check_placement(catalogue, msg.topic, msg.key, event)
+        except DecodeError as exc:
+            await route_dead_letter(dead_letters, msg, exc.reason, exc.detail)
+            continue
+        ts = msg.timestamp
+        record = Record(event, msg.topic, msg.partition, msg.offset, msg.key,
+                        int(round(ts * 1000)) if ts is not None else 0)
+        yield record, event
+
+
+async def route_dead_letter(dead_letters: DeadLetters, message: Any, reason: str, detail: str) -> None:
+    """Route a faust `Message` (or anything with topic/partition/offset/key/value) to `deadletter` and
+    wait for the broker's ack. Runs in a thread: the first dead letter of a producer also publishes its
+    schema and flushes synchronously, and waiting for the ack must not stall the event loop that every
+    agent of the worker (and faust's producer) shares."""
+
+    def route() -> None:
+        dead_letters.route(topic=message.topic, partition=message.partition, offset=message.offset,
+                           key=message.key, value=message.value, reason=reason, detail=detail)
+        dead_letters.producer.flush(DEAD_LETTER_FLUSH_S)
+
+    await asyncio.get_running_loop().run_in_executor(None, route)
+
+
+__all__ = ["make_app", "app_settings", "source_topic", "decoded", "route_dead_letter"]

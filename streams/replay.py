@@ -1,0 +1,391 @@
+"""The replay/audit reader: read the log from the beginning (or given offsets) up to where it ended when the
+replay started, keep the events a filter matches, and yield them in log order per partition.
+
+    run = replay(cfg, registry, ReplayFilter(entitlement="ads", since_ms=t0))
+    for rec in run:                      # streams.clients.Record, decoded
+        print(format_text(rec))          # or format_json(rec): one JSON line
+    print(run.stats.matched, run.stats.read, run.stats.skipped, run.stats.events_per_s)
+
+API
+* `ReplayFilter` (frozen) and `matches(flt, event)`: a pure predicate; every set field must match (AND).
+  `topics` is a tuple of logical names (default: every data topic, deadletter included, _schemas never).
+* `replay(...)` returns a `Replay`: iterable ONCE; the broker is contacted when iteration starts. Its
+  `.stats` (`ReplayStats`: read, matched, skipped, skipped_by_reason, partitions, elapsed_s, events_per_s)
+  is updated while iterating and final when the iteration ends; `.ends` holds each partition's end offset.
+* `format_text(rec)` / `format_json(rec)`: one line per event, for humans / for scripts.
+
+Guarantees and choices
+* Termination: every partition has an end offset, fixed the first time the consumer learns it: the high
+  watermark of its first fetch response (at or beyond where the partition ended when the replay started, as
+  high watermarks only grow), or its start if ListOffsets showed it empty before assignment. A partition is
+  finished when the consumer has read up to that end or reported end-of-partition (which it only does at a
+  high watermark of a fetch made after the start). Records at or beyond the end are ignored undecoded, so a
+  replay ends even while producers keep writing; it contains every record that existed when it started (and
+  possibly a few written in the milliseconds before the first fetch). Not the ListOffsets high watermark
+  alone: the embedded broker answers it with the last record batch's base offset + 1, which falls short of
+  the true end by the rest of that batch.
+* Order: within one (topic, partition), records come in offset order. Nothing is promised across partitions.
+* Undecodable records never stop a replay: they are counted in `stats.skipped` (by reason in
+  `stats.skipped_by_reason`) and, if the caller passed `dead_letters` (anything with `route(**kw)`, e.g.
+  `streams.deadletter.DeadLetters`), forwarded there too. Only records examined are counted: a record that
+  the entitlement narrowing (below) skips without decoding is not.
+* Entitlement narrowing: when `entitlement` is set, each co-partitioned (entitlement-keyed) topic is read on
+  the single partition murmur2 sends that key to (see streams/partitioner.py), and records on it with another
+  key are skipped without being decoded. This is sound whatever other filters are set: on those topics the
+  record key IS the envelope entitlement (the consumer dead-letters a record whose key disagrees).
+  Other topics (heartbeats, deadletter, state.*) are read whole and filtered on the envelope.
+* Time: `since_ms`/`until_ms` compare the event's own envelope `timestamp_ms` (since inclusive, until
+  exclusive). Kafka's offsets-for-times is not used: it is unreliable on the embedded broker, and the log
+  time is when the record was appended, not when the event happened.
+* `start_offsets` maps PHYSICAL (topic, partition) to the first offset to read (>= 0, at most the partition's
+  end: a later one is out of range and the consumer resets to the beginning); others start at the beginning.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping
+
+
+from infra.config import Config
+from streams.clients import EventConsumer, Record
+from streams.events import Event
+from streams.partitioner import partition_for
+from streams.serde import SchemaRegistry
+from streams.topics import BY_NAME, CATALOGUE, TOPIC_OF_EVENT, TopicError, Topics
+
+DATA_TOPICS: tuple[str, ...] = tuple(t.name for t in CATALOGUE if t.name != "_schemas")  # logical names
+
+
+# --- the filter (pure) --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplayFilter:
+    """What to keep. Unset (None) fields match everything; set fields must all match."""
+
+    entitlement: str | None = None  # envelope entitlement
+    job: str | None = None  # payload job_id, or entity_id == job, or a task of the job (`<job>/<n>`)
+    machine: str | None = None  # payload machine_id, any of machine_ids, or any placement's machine_id
+    since_ms: int | None = None  # envelope timestamp_ms >= since_ms
+    until_ms: int | None = None  # envelope timestamp_ms < until_ms
+    topics: tuple[str, ...] | None = None  # logical topic names; None: every data topic
+
+    def __post_init__(self) -> None:
+        if self.topics is not None:
+            unknown = [t for t in self.topics if t not in DATA_TOPICS]
+            if unknown:
+                raise TopicError(f"unknown topic(s) {', '.join(map(repr, unknown))}; known: {', '.join(DATA_TOPICS)}")
+
+    def logical_topics(self) -> tuple[str, ...]:
+        """The logical topics to read, in catalogue order."""
+        wanted = DATA_TOPICS if self.topics is None else set(self.topics)
+        return tuple(t for t in DATA_TOPICS if t in wanted)
+
+
+def matches(f: ReplayFilter, event: Event) -> bool:
+    """Whether `event` passes every field of `f` that is set. Pure."""
+    if f.entitlement is not None and event.entitlement != f.entitlement:
+        return False
+    if f.since_ms is not None and event.timestamp_ms < f.since_ms:
+        return False
+    if f.until_ms is not None and event.timestamp_ms >= f.until_ms:
+        return False
+    if f.topics is not None and TOPIC_OF_EVENT.get(event.type) not in f.topics:
+        return False
+    if f.job is not None and not _about_job(f.job, event):
+        return False
+    if f.machine is not None and not _about_machine(f.machine, event):
+        return False
+    return True
+
+
+def _about_job(job: str, event: Event) -> bool:
+    p = event.payload
+    task_prefix = job + "/"  # task ids are <job>/<n>
+    task_id = p.get("task_id")
+    return (p.get("job_id") == job or event.entity_id == job or event.entity_id.startswith(task_prefix)
+            or (isinstance(task_id, str) and task_id.startswith(task_prefix)))
+
+
+def _about_machine(machine: str, event: Event) -> bool:
+    p = event.payload
+    if p.get("machine_id") == machine:
+        return True
+    if machine in (p.get("machine_ids") or ()):
+        return True
+    return any(pl.get("machine_id") == machine for pl in (p.get("placements") or ()))
+
+
+# --- the reader ---------------------------------------------------------------------------------
+@dataclass
+class ReplayStats:
+    read: int = 0  # records examined within the captured range (decoded or not)
+    matched: int = 0  # records yielded
+    skipped: int = 0  # undecodable records (see skipped_by_reason)
+    skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    partitions: int = 0  # partitions read (after narrowing)
+    elapsed_s: float = 0.0
+
+    @property
+    def events_per_s(self) -> float:
+        return self.read / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class _SkipCounter:
+    """The replay's dead-letter sink (duck-typed like DeadLetters): counts, and forwards if asked to."""
+
+    def __init__(self, forward=None):
+        self.forward = forward
+        self.by_reason: Counter[str] = Counter()
+
+    def route(self, **kw) -> None:
+        self.by_reason[kw["reason"]] += 1
+        if self.forward is not None:
+            self.forward.route(**kw)
+
+
+class _BoundedConsumer(EventConsumer):
+    """An EventConsumer in assign mode that reads each partition up to its end as of the start of the replay.
+
+    The end of a partition is fixed the first time it is known: the high watermark of the first fetch response
+    for it (librdkafka's cached watermark, always at or beyond the end the partition had when the replay
+    started), or the partition's start if it was empty. The ListOffsets high watermark, queried before
+    assignment, is only used as a lower bound and to see empty partitions: the embedded broker (Tansu) answers
+    it with the base offset of the last record batch + 1, short of the true end by the rest of that batch.
+
+    `narrow` maps a physical topic to a record key: only the partition that key hashes to is read, and records
+    with another key are skipped undecoded. `next_offset[tp]` is how far each partition has been read.
+    """
+
+    def __init__(self, cfg: Config, registry: SchemaRegistry, topics: list[str], *, narrow: Mapping[str, bytes],
+                 sink: _SkipCounter, start_offsets: Mapping[tuple[str, int], int]):
+        # Set before super().__init__, which calls partitions() and assign().
+        self.narrow = dict(narrow)
+        self.floor: dict[tuple[str, int], int] = {}  # ListOffsets high watermark: a lower bound of the end
+        self.ends: dict[tuple[str, int], int] = {}  # fixed once known (see the class docstring)
+        self.next_offset: dict[tuple[str, int], int] = {}
+        self.examined = 0
+        super().__init__(cfg, registry, topics, name="replay", dead_letters=sink, start_offsets=start_offsets)
+
+    def partitions(self) -> list[tuple[str, int]]:
+        every = super().partitions()
+        count = Counter(t for t, _ in every)
+        return [(t, p) for t, p in every if t not in self.narrow or p == partition_for(self.narrow[t], count[t])]
+
+    def assign(self, start_offsets: Mapping[tuple[str, int], int]) -> None:
+        for tp, (low, high) in self.watermarks().items():
+            self.next_offset[tp] = max(low, start_offsets.get(tp, low))
+            self.floor[tp] = high
+            if high <= low:  # empty when the replay started: done, and never fetched
+                self.ends[tp] = low
+        super().assign(start_offsets, only=[tp for tp in self.next_offset if not self.finished(tp)])
+
+    def end_of(self, tp: tuple[str, int]) -> int | None:
+        """The partition's end offset, or None until a fetch response for it has arrived."""
+        end = self.ends.get(tp)
+        if end is None:
+            high = self.fetched_high_watermark(tp)
+            if high is not None:
+                end = self.ends[tp] = max(high, self.floor[tp])
+        return end
+
+    def finished(self, tp: tuple[str, int]) -> bool:
+        end = self.end_of(tp)
+        # End-of-partition is reported at the high watermark of a fetch made after the start: past the end too.
+        return tp in self.eof or (end is not None and self.next_offset[tp] >= end)
+
+    def _decode(self, msg) -> Record | None:
+        tp = (msg.topic(), msg.partition())
+        offset, end = msg.offset(), self.end_of(tp)
+        if end is not None and offset >= end:  # written after the start; everything before it was delivered
+            self.next_offset[tp] = max(self.next_offset[tp], end)
+            return None
+        self.next_offset[tp] = offset + 1
+        self.examined += 1
+        key = self.narrow.get(tp[0])
+        if key is not None and msg.key() != key:
+            return None  # another entitlement sharing the partition: not decoded
+        return super()._decode(msg)
+
+
+class ReplayStalled(RuntimeError):
+    """The broker delivered nothing for too long while partitions were unfinished."""
+
+
+class Replay:
+    """One replay run: iterate it (once) for the matching `Record`s; read `.stats` during or after."""
+
+    def __init__(self, cfg: Config, registry: SchemaRegistry, flt: ReplayFilter = ReplayFilter(),
+                 start_offsets: Mapping[tuple[str, int], int] | None = None, dead_letters=None, batch: int = 5000,
+                 stall_timeout_s: float = 30.0):
+        self.cfg = cfg
+        self.registry = registry
+        self.filter = flt
+        self.start_offsets = dict(start_offsets or {})
+        self.dead_letters = dead_letters
+        self.batch = batch
+        self.stall_timeout_s = stall_timeout_s
+        self.stats = ReplayStats()
+        self.ends: dict[tuple[str, int], int] = {}  # end offset per (physical topic, partition), set by the run
+        self._started = False
+
+    def physical_topics(self) -> tuple[list[str], dict[str, bytes]]:
+        """(topics to read, {topic: key} for the co-partitioned ones narrowed to one entitlement)."""
+        names = Topics(self.cfg.topic_prefix, self.cfg.partitions)
+        logical = self.filter.logical_topics()
+        narrow = {}
+        if self.filter.entitlement is not None:
+            key = self.filter.entitlement.encode("utf-8")
+            narrow = {names.name(t): key for t in logical if BY_NAME[t].copartitioned}
+        return [names.name(t) for t in logical], narrow
+
+    def __iter__(self) -> Iterator[Record]:
+        if self._started:
+            raise RuntimeError("a Replay runs once; call replay() again for another run")
+        self._started = True
+        return self._run()
+
+    def _run(self) -> Iterator[Record]:
+        t0 = time.monotonic()
+        topics, narrow = self.physical_topics()
+        sink = _SkipCounter(self.dead_letters)
+        consumer = _BoundedConsumer(self.cfg, self.registry, topics, narrow=narrow, sink=sink,
+                                    start_offsets=self.start_offsets)
+        st = self.stats
+        try:
+            st.partitions = len(consumer.next_offset)
+            pending = {tp for tp in consumer.next_offset if not consumer.finished(tp)}
+            last_progress = time.monotonic()
+            while pending:
+                records = consumer.poll(self.batch, 0.1)  # returns early only when `batch` are ready
+                for rec in records:
+                    if matches(self.filter, rec.event):
+                        st.matched += 1
+                        yield rec
+                done = {tp for tp in pending if consumer.finished(tp)}
+                consumer.pause(done)  # finished; producers may still be writing to them
+                pending -= done
+                if consumer.examined != st.read or done:
+                    last_progress = time.monotonic()
+                elif time.monotonic() - last_progress > self.stall_timeout_s:
+                    left = ", ".join(f"{t}[{p}]@{consumer.next_offset[(t, p)]}/{consumer.ends.get((t, p), '?')}"
+                                     for t, p in sorted(pending))
+                    raise ReplayStalled(f"replay: no records for {self.stall_timeout_s:.0f}s; unfinished: {left}")
+                self._update(consumer, sink, t0)
+        finally:
+            consumer.close()
+            self.ends = dict(consumer.ends)
+            self._update(consumer, sink, t0)
+
+    def _update(self, consumer: _BoundedConsumer, sink: _SkipCounter, t0: float) -> None:
+        st = self.stats
+        st.read = consumer.examined
+        st.skipped = sum(sink.by_reason.values())
+        st.skipped_by_reason = dict(sink.by_reason)
+        st.elapsed_s = time.monotonic() - t0
+
+
+def replay(cfg: Config, registry: SchemaRegistry, flt: ReplayFilter = ReplayFilter(),
+           start_offsets: Mapping[tuple[str, int], int] | None = None, dead_letters=None,
+           batch: int = 5000) -> Replay:
+    """A replay of the log as it is when iteration starts, filtered by `flt` (see the module docstring)."""
+    return Replay(cfg, registry, flt, start_offsets=start_offsets, dead_letters=dead_letters, batch=batch)
+
+
+# --- output -------------------------------------------------------------------------------------
+def logical_topic(rec: Record) -> str:
+    """The record's logical topic: the one its event type belongs to (the consumer checks it is on it)."""
+    topic = TOPIC_OF_EVENT.get(rec.event.type)
+    if topic is not None:
+        return topic
+    # Not reachable for decoded records; fall back on the longest catalogue name the physical name ends with.
+    ends = [t.name for t in CATALOGUE if rec.topic.endswith(t.name)]
+    return max(ends, key=len) if ends else rec.topic
+
+
+def iso_time(ms: int) -> str:
+    """ms since epoch as ISO-8601 UTC with milliseconds, e.g. 2026-11-22T10:00:00.123Z."""
+    dt = datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(milliseconds=ms)
+    return dt.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def format_text(rec: Record) -> str:
+    """One human line: time, topic, partition@offset, type, entity id, payload summary."""
+    ev = rec.event
+    summary = _SUMMARIES.get(ev.type, _summary_generic)(ev.payload)
+    return (f"{iso_time(ev.timestamp_ms)} {logical_topic(rec):<14} {rec.partition}@{rec.offset:<7} "
+            f"{ev.type:<28} {ev.entity_id}  {summary}").rstrip()
+
+
+def format_json(rec: Record) -> str:
+    """One JSON line: envelope fields, type, payload (bytes as hex), logical topic, partition, offset."""
+    doc = rec.event.to_json()
+    doc.update(topic=logical_topic(rec), partition=rec.partition, offset=rec.offset)
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+
+
+def _compact(value: Any) -> str:
+    """A short rendering of a payload value: strings bare unless they need quotes, collections shortened."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value if value and not any(c.isspace() or c in '="{}[],' for c in value) else json.dumps(value)
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, Mapping):
+        items = [f"{k}:{_compact(v)}" for k, v in list(value.items())[:4]]
+        more = f",+{len(value) - 4}" if len(value) > 4 else ""
+        return "{" + ",".join(items) + more + "}"
+    if isinstance(value, (list, tuple)):
+        if len(value) <= 3 and all(not isinstance(v, (Mapping, list, tuple)) for v in value):
+            return "[" + ",".join(_compact(v) for v in value) + "]"
+        return f"[{len(value)} items]"
+    return str(value)
+
+
+def _kv(**fields: Any) -> str:
+    return " ".join(f"{k}={_compact(v)}" for k, v in fields.items())
+
+
+def _summary_generic(p: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={_compact(v)}" for k, v in p.items() if v is not None and v != "" and v != {} and v != [])
+
+
+def _summary_rejected(p: Mapping[str, Any]) -> str:
+    return _kv(job=p["job_id"], reason=p["reason"], message=p["message"], unplaced=len(p["unplaced_task_ids"]),
+               filter_rejections=p.get("filter_rejections") or {})
+
+
+def _summary_allocated(p: Mapping[str, Any]) -> str:
+    out = _kv(job=p["job_id"], placements=len(p["placements"]), filter_rejections=p.get("filter_rejections") or {})
+    if p.get("machines_added"):
+        out += f" machines_added={len(p['machines_added'])}"
+    if p.get("commit_attempts", 1) != 1:
+        out += f" commit_attempts={p['commit_attempts']}"
+    return out
+
+
+def _summary_deallocated(p: Mapping[str, Any]) -> str:
+    return _kv(job=p["job_id"], placements=len(p["placements"]),
+               machines_released=len(p.get("machines_released") or ()))
+
+
+def _summary_dead_letter(p: Mapping[str, Any]) -> str:
+    return (f"origin={p['origin_topic']}[{p['origin_partition']}]@{p['origin_offset']} "
+            + _kv(reason=p["reason"], detail=p["detail"], consumer=p["consumer"]))
+
+
+_SUMMARIES: Mapping[str, Callable[[Mapping[str, Any]], str]] = MappingProxyType({
+    "AllocationRejected": _summary_rejected,
+    "TasksAllocated": _summary_allocated,
+    "TasksDeallocated": _summary_deallocated,
+    "DeadLetterRecorded": _summary_dead_letter,
+})
+
+__all__ = ["ReplayFilter", "matches", "Replay", "ReplayStats", "ReplayStalled", "replay", "format_text",
+           "format_json", "logical_topic", "iso_time", "DATA_TOPICS"]
