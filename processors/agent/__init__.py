@@ -1,0 +1,1 @@
+"""The agent: runs tasks on a machine (a real process agent and simulated agents for scale)."""

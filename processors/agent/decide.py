@@ -1,0 +1,378 @@
+"""Agent decisions: task commands, process exits and ticks → task state reports, heartbeats and actions. Pure.
+
+No processes, no Kafka, no clock: ``decide(state, input, now_ms) -> (new_state, events, actions)``. The
+wiring (``process.py``: real OS processes; ``simulated.py``: many pretend machines) carries out the
+``actions`` (spawn a task's argv/env, kill a task) and feeds back what happened (``Spawned``,
+``SpawnFailed``, ``Exited``) and the passing of time (``Tick``).
+
+Inputs:
+
+* ``Command``: a TaskCommanded addressed to this machine. START runs the task; a START for a task already
+  running at the same spec version, or any command whose event id was already applied, is a no-op
+  (delivery is at-least-once). A START/RESTART at another spec version, or a RESTART of a live task, kills
+  it and runs the new spec once it has exited. STOP kills it (STOPPED once it exited); a STOP for a task
+  the agent does not run is answered STOPPED at once, so the scheduler's STOPPING completes.
+* ``Spawned`` / ``SpawnFailed``: the wiring started the process (→ RUNNING) or could not (→ FAILED).
+* ``Exited``: the process ended. Exit 0 → STOPPED (``exited``). Non-zero (or unknown: a process that
+  vanished while the agent was down) → restarted in place after a backoff, up to ``Policy.max_restarts``
+  times, silently (the control plane still sees it RUNNING); after that, FAILED with the exit code.
+* ``Tick``: restarts whose backoff elapsed are spawned; one AgentHeartbeat (sequence + 1, live task ids).
+
+Per task the agent keeps a ``TaskRun`` whose ``phase`` is the agent's own view (SPAWNING, RUNNING, BACKOFF,
+KILLING, STOPPED, FAILED) and ``reported`` the last TaskState it announced (``previous_state`` of the next).
+
+Event ids are ``derived_event_id`` over the machine, the task, the command that began the run, the restart
+number and the state, so re-deciding the same inputs emits the same ids; heartbeats over the machine, the
+agent's incarnation (its boot time) and the sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping, Union
+
+from streams.events import Event, derived_event_id, new_event
+
+PRODUCER = "agent"
+
+# Restart-on-crash policy defaults (``Policy``): a crashed task is restarted in place this many times, the
+# n-th restart after BACKOFF_MS * 2**(n-1) (at most MAX_BACKOFF_MS), before it is reported FAILED.
+MAX_RESTARTS = 2
+BACKOFF_MS = 500
+MAX_BACKOFF_MS = 10_000
+# A killed task gets SIGTERM, then SIGKILL after this grace (the wiring's business; here for one place).
+STOP_GRACE_MS = 5_000
+
+# TaskCommand symbols of schemas/TaskCommanded.avsc.
+START = "START"
+STOP = "STOP"
+RESTART = "RESTART"
+
+# TaskState symbols the agent reports (schemas/TaskStateChanged.avsc).
+STARTING = "STARTING"
+RUNNING = "RUNNING"
+STOPPED = "STOPPED"
+FAILED = "FAILED"
+UNKNOWN = "UNKNOWN"  # previous_state of a task the agent never ran
+
+# The agent's own phases of a task.
+P_SPAWNING = "spawning"  # spawn asked of the wiring, not confirmed yet
+P_RUNNING = "running"  # the process is up
+P_BACKOFF = "backoff"  # crashed; restarted when the backoff elapses (still RUNNING to the control plane)
+P_KILLING = "killing"  # kill asked; STOPPED when it exits, or the next spec is spawned (``then``)
+P_STOPPED = "stopped"
+P_FAILED = "failed"
+LIVE = frozenset({P_SPAWNING, P_RUNNING, P_BACKOFF, P_KILLING})  # a heartbeat lists these tasks
+HAS_PROCESS = frozenset({P_SPAWNING, P_RUNNING, P_KILLING})  # a process exists (or is being made)
+
+# Reasons carried by TaskStateChanged.reason.
+REASON_SPAWNING = "spawning"  # STARTING: the agent is starting the process
+REASON_PROCESS_UP = "process_up"  # RUNNING: the process started
+REASON_EXITED = "exited"  # STOPPED: exit code 0 on its own
+REASON_STOP_COMMANDED = "stop_commanded"  # STOPPED: killed after a STOP
+REASON_NOT_RUNNING = "not_running"  # STOPPED: a STOP for a task this agent does not run
+REASON_RESTART_LIMIT = "restart_limit"  # FAILED: crashed again after Policy.max_restarts local restarts
+REASON_SPAWN_FAILED = "spawn_failed"  # FAILED: the process could not be started (no such file, ...)
+
+# Why an action is asked (Action.reason).
+WHY_COMMANDED = "commanded"  # a START/RESTART/STOP command
+WHY_RESTART_POLICY = "restart_policy"  # a local restart after a crash
+WHY_NEW_SPEC = "new_spec"  # killed to run another spec version / a RESTART
+
+# Action kinds.
+SPAWN = "spawn"
+KILL = "kill"
+
+
+class AgentError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_restarts: int = MAX_RESTARTS
+    backoff_ms: int = BACKOFF_MS
+    max_backoff_ms: int = MAX_BACKOFF_MS
+
+    def backoff(self, restart_number: int) -> int:
+        """Delay before the ``restart_number``-th restart (1-based)."""
+        return min(self.max_backoff_ms, self.backoff_ms * 2 ** max(0, restart_number - 1))
+
+
+DEFAULT_POLICY = Policy()
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What to run: one START/RESTART command's task, spec version, argv and env."""
+
+    job_id: str
+    entitlement: str  # the key of the task's events (the command's envelope entitlement)
+    spec_version: int
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]  # sorted pairs (hashable, stable)
+    run_id: str  # event id of the command that began this run: causation of the run's reports
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRun:
+    task_id: str
+    spec: Spec
+    phase: str
+    reported: str  # last TaskState announced (UNKNOWN before the first)
+    restarts: int = 0  # local restarts of this run
+    restart_at_ms: int | None = None  # when in BACKOFF
+    exit_code: int | None = None  # of the last exit
+    then: Spec | None = None  # when KILLING: the spec to run after the exit (None: it is a stop)
+    commands: tuple[str, ...] = ()  # event ids of the last commands applied (duplicates are no-ops)
+
+
+@dataclass(frozen=True)
+class AgentState:
+    machine_id: str
+    incarnation: int = 0  # the agent's boot time (ms): heartbeat ids differ across agent restarts
+    sequence: int = 0  # of the last heartbeat
+    tasks: Mapping[str, TaskRun] = field(default_factory=lambda: MappingProxyType({}))
+
+    def live_task_ids(self) -> list[str]:
+        return sorted(t for t, run in self.tasks.items() if run.phase in LIVE)
+
+    def _with(self, run: TaskRun | None = None, **changes) -> "AgentState":
+        if run is not None:
+            tasks = dict(self.tasks)
+            tasks[run.task_id] = run
+            changes["tasks"] = MappingProxyType(tasks)
+        return replace(self, **changes)
+
+
+# -- inputs and actions ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Command:
+    event: Event  # a TaskCommanded
+
+
+@dataclass(frozen=True)
+class Spawned:
+    task_id: str
+
+
+@dataclass(frozen=True)
+class SpawnFailed:
+    task_id: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Exited:
+    task_id: str
+    exit_code: int | None  # None: unknown (the process vanished while the agent was not watching)
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+Input = Union[Command, Spawned, SpawnFailed, Exited, Tick]
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # SPAWN or KILL
+    task_id: str
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    spec_version: int = 0
+    reason: str = ""
+
+
+KEEP_COMMAND_IDS = 8  # per task: enough to recognise a redelivered command
+
+
+# -- deciding ----------------------------------------------------------------------------------------------------
+
+def initial_state(machine_id: str, incarnation: int = 0, sequence: int = 0) -> AgentState:
+    return AgentState(machine_id=machine_id, incarnation=incarnation, sequence=sequence)
+
+
+def decide(state: AgentState, inp: Input, now_ms: int, policy: Policy = DEFAULT_POLICY
+           ) -> tuple[AgentState, list[Event], list[Action]]:
+    """One input → (new state, events to produce, actions for the wiring)."""
+    if isinstance(inp, Command):
+        return _on_command(state, inp.event, now_ms)
+    if isinstance(inp, Spawned):
+        return _on_spawned(state, inp.task_id, now_ms)
+    if isinstance(inp, SpawnFailed):
+        return _on_spawn_failed(state, inp.task_id, now_ms)
+    if isinstance(inp, Exited):
+        return _on_exited(state, inp.task_id, inp.exit_code, now_ms, policy)
+    if isinstance(inp, Tick):
+        return _on_tick(state, now_ms)
+    raise AgentError(f"unknown agent input {inp!r}")
+
+
+def _report(state: AgentState, run: TaskRun, new_state: str, reason: str, now_ms: int,
+            exit_code: int | None = None) -> Event:
+    s = run.spec
+    return new_event("TaskStateChanged", {
+        "task_id": run.task_id, "job_id": s.job_id, "machine_id": state.machine_id, "state": new_state,
+        "previous_state": run.reported, "exit_code": exit_code, "spec_version": s.spec_version, "reason": reason},
+        entitlement=s.entitlement, entity_id=run.task_id, producer=f"{PRODUCER}/{state.machine_id}",
+        causation_id=s.run_id, timestamp_ms=now_ms,
+        event_id=derived_event_id(PRODUCER, state.machine_id, run.task_id, s.run_id, run.restarts, new_state))
+
+
+def _spawn(run: TaskRun, reason: str) -> Action:
+    s = run.spec
+    return Action(SPAWN, run.task_id, s.argv, dict(s.env), s.spec_version, reason)
+
+
+def _kill(task_id: str, reason: str) -> Action:
+    return Action(KILL, task_id, reason=reason)
+
+
+def _spec_of(ev: Event) -> Spec:
+    p = ev.payload
+    return Spec(job_id=p["job_id"], entitlement=ev.entitlement, spec_version=p.get("spec_version", 1),
+                argv=tuple(p.get("argv") or ()), env=tuple(sorted((p.get("env") or {}).items())),
+                run_id=ev.event_id)
+
+
+def _start(state: AgentState, task_id: str, spec: Spec, previous: str, commands: tuple[str, ...], now_ms: int):
+    run = TaskRun(task_id=task_id, spec=spec, phase=P_SPAWNING, reported=previous, commands=commands)
+    ev = _report(state, run, STARTING, REASON_SPAWNING, now_ms)
+    return state._with(replace(run, reported=STARTING)), [ev], [_spawn(run, WHY_COMMANDED)]
+
+
+def _on_command(state: AgentState, ev: Event, now_ms: int):
+    if ev.type != "TaskCommanded":
+        raise AgentError(f"expected a TaskCommanded, got {ev.type}")
+    p = ev.payload
+    if p["machine_id"] != state.machine_id:
+        return state, [], []  # addressed to another machine
+    task_id, command = p["task_id"], p["command"]
+    run = state.tasks.get(task_id)
+    if run is not None and ev.event_id and ev.event_id in run.commands:
+        return state, [], []  # the same command again (redelivery)
+    seen = ((run.commands if run else ()) + ((ev.event_id,) if ev.event_id else ()))[-KEEP_COMMAND_IDS:]
+    if command in (START, RESTART):
+        spec = _spec_of(ev)
+        if run is None or run.phase in (P_STOPPED, P_FAILED):
+            return _start(state, task_id, spec, run.reported if run else UNKNOWN, seen, now_ms)
+        same = run.spec.spec_version == spec.spec_version and run.then is None
+        if command == START and same:
+            return state._with(replace(run, commands=seen)), [], []  # already running this spec version
+        if run.phase == P_BACKOFF:  # no process: start the new spec at once
+            return _start(state, task_id, spec, run.reported, seen, now_ms)
+        if run.phase == P_KILLING:  # already being killed: run the new spec after it
+            return state._with(replace(run, then=spec, commands=seen)), [], []
+        return (state._with(replace(run, phase=P_KILLING, then=spec, commands=seen)), [],
+                [_kill(task_id, WHY_NEW_SPEC)])
+    if command == STOP:
+        if run is None or run.phase in (P_STOPPED, P_FAILED):
+            if run is not None and run.phase == P_STOPPED:
+                return state._with(replace(run, commands=seen)), [], []  # already stopped
+            gone = run or TaskRun(task_id=task_id, spec=_spec_of(ev), phase=P_STOPPED, reported=UNKNOWN)
+            out = _report(state, replace(gone, spec=replace(gone.spec, run_id=ev.event_id)), STOPPED,
+                          REASON_NOT_RUNNING, now_ms)
+            return state._with(replace(gone, phase=P_STOPPED, reported=STOPPED, commands=seen)), [out], []
+        if run.phase == P_BACKOFF:  # nothing to kill
+            out = _report(state, run, STOPPED, REASON_STOP_COMMANDED, now_ms, run.exit_code)
+            return (state._with(replace(run, phase=P_STOPPED, reported=STOPPED, restart_at_ms=None,
+                                        commands=seen)), [out], [])
+        if run.phase == P_KILLING:
+            return state._with(replace(run, then=None, commands=seen)), [], []  # the kill is under way
+        return state._with(replace(run, phase=P_KILLING, then=None, commands=seen)), [], [
+            _kill(task_id, WHY_COMMANDED)]
+    raise AgentError(f"unknown task command {command!r}")
+
+
+def _on_spawned(state: AgentState, task_id: str, now_ms: int):
+    run = state.tasks.get(task_id)
+    if run is None or run.phase != P_SPAWNING:
+        return state, [], []
+    events = []
+    if run.reported != RUNNING:  # a local restart of a RUNNING task is not news
+        events.append(_report(state, run, RUNNING, REASON_PROCESS_UP, now_ms))
+    return state._with(replace(run, phase=P_RUNNING, reported=RUNNING)), events, []
+
+
+def _on_spawn_failed(state: AgentState, task_id: str, now_ms: int):
+    run = state.tasks.get(task_id)
+    if run is None or run.phase != P_SPAWNING:
+        return state, [], []
+    out = _report(state, run, FAILED, REASON_SPAWN_FAILED, now_ms)
+    return state._with(replace(run, phase=P_FAILED, reported=FAILED)), [out], []
+
+
+def _on_exited(state: AgentState, task_id: str, code: int | None, now_ms: int, policy: Policy):
+    run = state.tasks.get(task_id)
+    if run is None or run.phase not in HAS_PROCESS:
+        return state, [], []  # not ours, or already accounted for
+    if run.phase == P_KILLING:
+        if run.then is not None:  # killed to run another spec
+            return _start(state, task_id, run.then, run.reported, run.commands, now_ms)
+        out = _report(state, run, STOPPED, REASON_STOP_COMMANDED, now_ms, code)
+        return state._with(replace(run, phase=P_STOPPED, reported=STOPPED, exit_code=code)), [out], []
+    if code == 0:
+        out = _report(state, run, STOPPED, REASON_EXITED, now_ms, 0)
+        return state._with(replace(run, phase=P_STOPPED, reported=STOPPED, exit_code=0)), [out], []
+    if run.restarts < policy.max_restarts:
+        n = run.restarts + 1
+        return state._with(replace(run, phase=P_BACKOFF, restarts=n, exit_code=code,
+                                   restart_at_ms=now_ms + policy.backoff(n))), [], []
+    out = _report(state, run, FAILED, REASON_RESTART_LIMIT, now_ms, code)
+    return state._with(replace(run, phase=P_FAILED, reported=FAILED, exit_code=code)), [out], []
+
+
+def _on_tick(state: AgentState, now_ms: int):
+    actions, tasks = [], None
+    for task_id in sorted(state.tasks):
+        run = state.tasks[task_id]
+        if run.phase == P_BACKOFF and run.restart_at_ms is not None and run.restart_at_ms <= now_ms:
+            tasks = dict(state.tasks) if tasks is None else tasks
+            tasks[task_id] = replace(run, phase=P_SPAWNING, restart_at_ms=None)
+            actions.append(_spawn(run, WHY_RESTART_POLICY))
+    if tasks is not None:
+        state = replace(state, tasks=MappingProxyType(tasks))
+    seq = state.sequence + 1
+    hb = heartbeat(state.machine_id, state.incarnation, seq, state.live_task_ids(), now_ms)
+    return replace(state, sequence=seq), [hb], actions
+
+
+def heartbeat(machine_id: str, incarnation: int, sequence: int, running_task_ids: list[str], now_ms: int) -> Event:
+    """The AgentHeartbeat of one machine (shared with the simulated agents' idle machines)."""
+    return new_event("AgentHeartbeat", {"machine_id": machine_id, "running_task_ids": running_task_ids,
+                                        "sequence": sequence},
+                     entitlement="", entity_id=machine_id, producer=f"{PRODUCER}/{machine_id}",
+                     timestamp_ms=now_ms,
+                     event_id=derived_event_id(PRODUCER, "heartbeat", machine_id, incarnation, sequence))
+
+
+def forget_finished(state: AgentState) -> AgentState:
+    """Drop STOPPED/FAILED tasks (bounded memory); a redelivered old command may then act again."""
+    keep = {t: r for t, r in state.tasks.items() if r.phase not in (P_STOPPED, P_FAILED)}
+    return state if len(keep) == len(state.tasks) else replace(state, tasks=MappingProxyType(keep))
+
+
+# -- persistence (the process agent's state file) ---------------------------------------------------------------
+
+def run_to_json(run: TaskRun) -> dict:
+    def spec(s: Spec | None):
+        return None if s is None else {"job_id": s.job_id, "entitlement": s.entitlement,
+                                       "spec_version": s.spec_version, "argv": list(s.argv),
+                                       "env": dict(s.env), "run_id": s.run_id}
+    return {"task_id": run.task_id, "spec": spec(run.spec), "phase": run.phase, "reported": run.reported,
+            "restarts": run.restarts, "restart_at_ms": run.restart_at_ms, "exit_code": run.exit_code,
+            "then": spec(run.then), "commands": list(run.commands)}
+
+
+def run_from_json(d: Mapping) -> TaskRun:
+    def spec(s):
+        return None if s is None else Spec(job_id=s["job_id"], entitlement=s["entitlement"],
+                                           spec_version=s["spec_version"], argv=tuple(s["argv"]),
+                                           env=tuple(sorted(s["env"].items())), run_id=s["run_id"])
+    return TaskRun(task_id=d["task_id"], spec=spec(d["spec"]), phase=d["phase"], reported=d["reported"],
+                   restarts=d["restarts"], restart_at_ms=d["restart_at_ms"], exit_code=d["exit_code"],
+                   then=spec(d["then"]), commands=tuple(d["commands"]))

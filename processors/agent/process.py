@@ -1,0 +1,370 @@
+"""The process agent: runs one machine's tasks as local OS processes. Thin wiring around ``decide``.
+
+    python -m processors.agent.process --machine-id M [--work-dir DIR] [--tick-ms 1000]
+
+* Reads every partition of ``tasks`` (keyed by entitlement, so any partition may hold a command for this
+  machine) and keeps the TaskCommanded addressed to ``--machine-id``.
+* Each task runs as ``argv`` with the command's env on top of the agent's, in its own session (its own
+  process group, so a stop takes its children too), stdout+stderr appended to ``<work>/logs/<task>.log``.
+  A kill is SIGTERM to the group, then SIGKILL after ``STOP_GRACE_MS``; after any exit the group is
+  SIGKILLed so nothing is left behind.
+* The control plane going away is not the agent's business: when the broker is unreachable the agent keeps
+  its tasks running (and restarting), the producer buffers the reports (no delivery timeout), and the
+  consumer resumes from the agent's own offsets when the broker is back.
+* ``<work>/agent-state.json`` holds the agent's view — each task's run and process (pid, start time), the
+  next offset of every partition, the heartbeat sequence — written atomically after every change. A
+  restarted agent re-adopts the processes still alive (same pid *and* start time) instead of starting
+  duplicates; a task whose process vanished meanwhile counts as a crash (exit code unknown).
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+
+from confluent_kafka import KafkaException
+
+from infra.config import Config
+from streams.deadletter import DeadLetters
+from streams.clients import EventConsumer, EventProducer
+from streams.events import Event
+from streams.serde import SchemaRegistry
+from streams.topics import Topics
+
+from . import decide as d
+from processors.worker import LoopWorker
+
+log = logging.getLogger("ropewalk.agent")
+
+STATE_FILE = "agent-state.json"
+STATE_FORMAT = 1
+DEFAULT_TICK_MS = 1000
+POLL_S = 0.1
+CATCH_UP_IDLE_POLLS = 20  # a fresh agent's backlog ends at end-of-partition everywhere, or this many empty polls
+# Reports are buffered, never dropped, while the broker is away (librdkafka: 0 = no delivery timeout), and
+# kept in order by one request in flight. Not idempotent: measured against the embedded broker, an idempotent
+# producer never delivers again after a broker restart that lost its producer state (its buffered records stay
+# queued forever), and an agent must outlive any control-plane outage. A retried record may be written twice;
+# every report has a derived event id, so readers drop the copy (at-least-once, idempotent processing).
+PRODUCER_CONF = {"message.timeout.ms": 0, "enable.idempotence": False,
+                 "max.in.flight.requests.per.connection": 1, "linger.ms": 5}
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def process_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None if gone or a
+    zombie. With the pid it names one process: a pid reused by another process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            rest = fh.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if rest[0] == "Z":
+        return None
+    return int(rest[19])
+
+
+@dataclass
+class Proc:
+    pid: int
+    start_time: int | None
+    popen: subprocess.Popen | None = None  # None for a process adopted from an earlier agent
+    kill_deadline_ms: int | None = None  # SIGKILL after this, when a SIGTERM was sent
+
+    def poll(self) -> tuple[bool, int | None]:
+        """(exited, exit code; None when unknown)."""
+        if self.popen is not None:
+            code = self.popen.poll()
+            return (code is not None), code
+        return process_start_time(self.pid) != self.start_time, None
+
+
+class ProcessAgent(LoopWorker):
+    def __init__(self, cfg: Config, machine_id: str, work_dir: Path | str, *, registry: SchemaRegistry | None = None,
+                 tick_ms: int = DEFAULT_TICK_MS, policy: d.Policy = d.DEFAULT_POLICY,
+                 stop_grace_ms: int = d.STOP_GRACE_MS):
+        self.cfg = cfg
+        self.machine_id = machine_id
+        self.work_dir = Path(work_dir)
+        self.registry = registry or SchemaRegistry.from_dir()
+        self.tick_ms = tick_ms
+        self.policy = policy
+        self.stop_grace_ms = stop_grace_ms
+        topics = Topics(cfg.topic_prefix, cfg.partitions)
+        self.topic, self.partitions = topics.name("tasks"), topics.partitions_of("tasks")
+        (self.work_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, Proc] = {}
+        self.offsets: dict[tuple[str, int], int] = {}
+        self.state, fresh = self._load()
+        self.producer = self._new_producer()
+        self._unsent: deque[Event] = deque()
+        self.consumer: EventConsumer | None = None
+        self._catch_up = fresh  # a fresh agent applies only the latest command per task of the backlog
+        self._backlog: dict[str, Event] = {}
+        self._idle_polls = 0
+        self._next_tick = 0
+        self.errors = 0  # broker/delivery errors survived
+
+    # -- state file ------------------------------------------------------------------------------------------
+    @property
+    def state_path(self) -> Path:
+        return self.work_dir / STATE_FILE
+
+    def _load(self) -> tuple[d.AgentState, bool]:
+        try:
+            doc = json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            return d.initial_state(self.machine_id, incarnation=now_ms()), True
+        if doc.get("machine_id") != self.machine_id:
+            raise SystemExit(f"{self.state_path} belongs to machine {doc.get('machine_id')!r}, not "
+                             f"{self.machine_id!r}; use another --work-dir")
+        runs = {r["task_id"]: d.run_from_json(r) for r in doc["tasks"]}
+        state = d.AgentState(self.machine_id, incarnation=now_ms(), sequence=doc.get("sequence", 0),
+                             tasks=MappingProxyType(runs))
+        self.offsets = {(t, int(p)): o for t, p, o in doc.get("offsets", [])}
+        for task_id, pr in doc.get("procs", {}).items():
+            self.procs[task_id] = Proc(pid=pr["pid"], start_time=pr["start_time"],
+                                       kill_deadline_ms=pr.get("kill_deadline_ms"))
+        return state, False
+
+    def save(self) -> None:
+        doc = {"format": STATE_FORMAT, "machine_id": self.machine_id, "sequence": self.state.sequence,
+               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
+               "tasks": [d.run_to_json(r) for r in self.state.tasks.values()],
+               "procs": {t: {"pid": p.pid, "start_time": p.start_time, "kill_deadline_ms": p.kill_deadline_ms}
+                         for t, p in self.procs.items()}}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        os.replace(tmp, self.state_path)
+
+    # -- deciding and acting ---------------------------------------------------------------------------------
+    def feed(self, inp: d.Input) -> None:
+        self.state, events, actions = d.decide(self.state, inp, now_ms(), self.policy)
+        for ev in events:
+            self._send(ev)
+        for act in actions:
+            self._act(act)
+        if events or actions or not isinstance(inp, d.Tick):
+            self.save()
+
+    def _send(self, ev: Event) -> None:
+        self._unsent.append(ev)
+        self._send_unsent()
+
+    def _send_unsent(self) -> None:
+        """Produce the reports not yet handed to the producer, in order. A broker that is away does not stop
+        the agent: what cannot be handed over now is tried again on the next step."""
+        while self._unsent:
+            try:
+                self.producer.send(self._unsent[0], validate=False)
+            except Exception as exc:  # DeliveryError (earlier records, or the schema not yet published)
+                self.errors += 1
+                log.warning("agent %s: cannot send %s: %s", self.machine_id, self._unsent[0].type, exc)
+                if isinstance(exc, KafkaException) and exc.args and exc.args[0].fatal():
+                    self.producer = self._new_producer()  # e.g. the broker lost the idempotent producer's id
+                return
+            self._unsent.popleft()
+
+    def _new_producer(self) -> EventProducer:
+        return EventProducer(self.cfg, self.registry, f"agent/{self.machine_id}", **PRODUCER_CONF)
+
+    def _act(self, act: d.Action) -> None:
+        if act.kind == d.SPAWN:
+            self._spawn(act)
+        elif act.kind == d.KILL:
+            self._kill(act.task_id)
+
+    def _spawn(self, act: d.Action) -> None:
+        logfile = self.work_dir / "logs" / (act.task_id.replace("/", "_") + ".log")
+        try:
+            with open(logfile, "ab") as out:
+                out.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} spawn {list(act.argv)} spec "
+                          f"{act.spec_version} ({act.reason})\n".encode())
+                out.flush()
+                popen = subprocess.Popen(list(act.argv), env={**os.environ, **act.env}, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, cwd=self.work_dir)
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            self.feed(d.SpawnFailed(act.task_id, str(exc)))
+            return
+        self.procs[act.task_id] = Proc(popen.pid, process_start_time(popen.pid), popen)
+        self.save()  # the pid is on disk before anything else happens: a restarted agent adopts it
+        self.feed(d.Spawned(act.task_id))
+
+    def _kill(self, task_id: str) -> None:
+        proc = self.procs.get(task_id)
+        if proc is None:  # no process (it vanished): the exit is all there is to report
+            self.feed(d.Exited(task_id, None))
+            return
+        _signal_group(proc.pid, signal.SIGTERM)
+        proc.kill_deadline_ms = now_ms() + self.stop_grace_ms
+
+    def check_processes(self) -> None:
+        for task_id, proc in list(self.procs.items()):
+            exited, code = proc.poll()
+            if exited:
+                _signal_group(proc.pid, signal.SIGKILL)  # whatever the task left in its group
+                del self.procs[task_id]
+                self.feed(d.Exited(task_id, code))
+            elif proc.kill_deadline_ms is not None and now_ms() >= proc.kill_deadline_ms:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.kill_deadline_ms = None
+
+    def adopt(self) -> None:
+        """After a restart: processes of the state file that are gone become exits (or are dropped)."""
+        for task_id, proc in list(self.procs.items()):
+            run = self.state.tasks.get(task_id)
+            if run is None or run.phase not in d.HAS_PROCESS:
+                del self.procs[task_id]  # not the agent's any more; leave it be
+            elif proc.start_time is None or process_start_time(proc.pid) != proc.start_time:
+                del self.procs[task_id]
+                self.feed(d.Exited(task_id, None))
+            else:
+                log.info("agent %s: adopted %s pid %d", self.machine_id, task_id, proc.pid)
+        for task_id, run in self.state.tasks.items():  # SPAWNING with no process on disk: spawn never happened
+            if run.phase == d.P_SPAWNING and task_id not in self.procs:
+                self.feed(d.SpawnFailed(task_id, "agent stopped while spawning"))
+        self.save()
+
+    # -- the log ---------------------------------------------------------------------------------------------
+    def _connect(self) -> bool:
+        try:
+            self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=f"agent/{self.machine_id}",
+                                          start_offsets=self.offsets,
+                                          dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"))
+            return True
+        except Exception as exc:  # broker away: try again later, tasks go on
+            self.errors += 1
+            self.consumer = None
+            log.warning("agent %s: cannot read %s: %s", self.machine_id, self.topic, exc)
+            return False
+
+    def poll_commands(self, timeout_s: float = POLL_S) -> int:
+        """Read and apply the commands for this machine; returns how many records were read."""
+        if self.consumer is None and not self._connect():
+            time.sleep(timeout_s)
+            return 0
+        try:
+            records = self.consumer.poll(1000, timeout_s)
+        except Exception as exc:  # a broker error: librdkafka reconnects by itself; records of the failed
+            self.errors += 1       # batch are read again from the agent's own offsets (duplicates are no-ops)
+            log.warning("agent %s: reading %s: %s", self.machine_id, self.topic, exc)
+            try:
+                self.consumer.assign(self.offsets, only=[(self.topic, i) for i in range(self.partitions)])
+            except Exception:
+                self._close_consumer()
+            time.sleep(timeout_s)
+            return 0
+        if self._catch_up:
+            return self._catch_up_with(records)
+        for rec in records:
+            self.offsets[(rec.topic, rec.partition)] = rec.offset + 1  # saved with the state the record makes
+            ev = rec.event
+            if ev.type == "TaskCommanded" and ev.payload["machine_id"] == self.machine_id:
+                self.feed(d.Command(ev))
+        if records:
+            self.save()
+        return len(records)
+
+    def _catch_up_with(self, records) -> int:
+        """A fresh agent reads the backlog to its end first and then applies only the last command per task
+        (a START long since followed by a STOP starts nothing)."""
+        for rec in records:
+            self.offsets[(rec.topic, rec.partition)] = rec.offset + 1
+            ev = rec.event
+            if ev.type == "TaskCommanded" and ev.payload["machine_id"] == self.machine_id:
+                self._backlog.pop(ev.payload["task_id"], None)
+                self._backlog[ev.payload["task_id"]] = ev
+        self._idle_polls = 0 if records else self._idle_polls + 1
+        if len(self.consumer.eof) >= self.partitions or self._idle_polls >= CATCH_UP_IDLE_POLLS:
+            self._catch_up = False
+            backlog, self._backlog = list(self._backlog.values()), {}
+            for ev in backlog:
+                self.feed(d.Command(ev))
+            self.save()
+        return len(records)
+
+    def _close_consumer(self) -> None:
+        if self.consumer is not None:
+            try:
+                self.consumer.close()
+            except Exception:
+                pass
+        self.consumer = None
+
+    # -- running ---------------------------------------------------------------------------------------------
+    def step(self) -> None:
+        self._send_unsent()
+        self.poll_commands()
+        self.check_processes()
+        if now_ms() >= self._next_tick:
+            self._next_tick = now_ms() + self.tick_ms
+            self.feed(d.Tick())
+        try:
+            self.producer._producer.poll(0)  # serve delivery reports (EventProducer polls only every 1000 sends)
+        except Exception:
+            pass
+
+    def run(self, until: float | None = None) -> None:
+        self.adopt()
+        self.loop(until)
+
+    def close(self) -> None:
+        """Leave the tasks running (a restarted agent adopts them); save, flush what the broker takes."""
+        self.save()
+        self._close_consumer()
+        try:
+            self.producer.flush(5.0)
+        except Exception as exc:
+            log.warning("agent %s: reports not delivered at exit: %s", self.machine_id, exc)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m processors.agent.process", description=__doc__.split("\n")[0])
+    ap.add_argument("--machine-id", required=True)
+    ap.add_argument("--work-dir", help="state file and task logs (default: $ROPEWALK_RUN_DIR/agents/<machine>)")
+    ap.add_argument("--tick-ms", type=int, default=DEFAULT_TICK_MS, help="heartbeat interval")
+    ap.add_argument("--max-restarts", type=int, default=d.MAX_RESTARTS)
+    ap.add_argument("--backoff-ms", type=int, default=d.BACKOFF_MS)
+    ap.add_argument("--stop-grace-ms", type=int, default=d.STOP_GRACE_MS)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = Config.from_env()
+    work = Path(args.work_dir) if args.work_dir else cfg.run_dir / "agents" / args.machine_id
+    agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
+                         policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts, backoff_ms=args.backoff_ms),
+                         stop_grace_ms=args.stop_grace_ms)
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <agent pid>: print every thread's stack to stderr
+    agent.stop_on_signals()
+    log.info("agent %s: work dir %s, reading %s", args.machine_id, work, agent.topic)
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Simulated agents: one process stands for many machines (up to 100,000). Thin wiring around ``decide``.
+
+    python -m processors.agent.simulated (--region FILE | --machines N) [--interval-ms 10000] [--start-delay-ms 200]
+
+No OS processes: a SPAWN action becomes ``Spawned`` (→ RUNNING) after ``start_delay_ms``, a KILL becomes
+``Exited(-SIGTERM)`` at once (→ STOPPED). Each machine's tasks go through the same ``decide`` as the process
+agent's; a machine holds an ``AgentState`` only while it has tasks (finished tasks are forgotten), so an idle
+machine costs one string and one slot in a list.
+
+Heartbeats: one per machine per ``interval_ms``, spread evenly over the interval (machine ``i`` beats at
+offset ``i/N`` of each round) and produced in batches; the sequence is the round number, so it increases by
+one per heartbeat of every machine. ``fail(machine)`` simulates a dead machine: no heartbeats, no reports,
+commands ignored, its tasks gone; ``recover(machine)`` brings it back empty (a new incarnation).
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from infra.config import Config
+from streams.clients import EventConsumer, EventProducer
+from streams.deadletter import DeadLetters
+from streams.events import Event
+from streams.serde import SchemaRegistry
+from streams.topics import Topics
+
+from . import decide as d
+from processors.worker import LoopWorker
+
+log = logging.getLogger("ropewalk.agent.simulated")
+
+DEFAULT_INTERVAL_MS = 10_000
+DEFAULT_START_DELAY_MS = 200
+KILLED_EXIT_CODE = -15  # what a SIGTERMed process reports
+MAX_BATCH = 20_000  # heartbeats produced per step at most (the rest catch up on the next steps)
+PRODUCER_CONF = {"linger.ms": 20, "batch.num.messages": 10000, "queue.buffering.max.messages": 1_000_000}
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class SimulatedAgents(LoopWorker):
+    def __init__(self, cfg: Config, machine_ids: Sequence[str], *, registry: SchemaRegistry | None = None,
+                 interval_ms: int = DEFAULT_INTERVAL_MS, start_delay_ms: int = DEFAULT_START_DELAY_MS,
+                 name: str = "agent/simulated"):
+        if interval_ms <= 0:
+            raise ValueError(f"interval_ms must be positive, got {interval_ms}")
+        self.cfg = cfg
+        self.registry = registry or SchemaRegistry.from_dir()
+        self.machines: list[str] = list(machine_ids)
+        self.known = frozenset(self.machines)
+        self.interval_ms = interval_ms
+        self.start_delay_ms = start_delay_ms
+        self.name = name
+        self.incarnation = now_ms()
+        self.states: dict[str, d.AgentState] = {}  # only machines with tasks
+        self.failed: set[str] = set()
+        self.incarnations: dict[str, int] = {}  # machines recovered from a failure: their new incarnation
+        self._spawns: list[tuple[int, str, str]] = []  # heap of (due ms, machine, task)
+        self.producer = EventProducer(cfg, self.registry, name, **PRODUCER_CONF)
+        self.topic = Topics(cfg.topic_prefix, cfg.partitions).name("tasks")
+        self.consumer: EventConsumer | None = None
+        self._round = 0  # heartbeat round: the sequence of this round's heartbeats
+        self._round_start = 0
+        self._next = 0  # index of the next machine to beat in this round
+        self.heartbeats = 0
+        self.reports = 0
+
+    # -- machines ------------------------------------------------------------------------------------------
+    def fail(self, machine_id: str) -> None:
+        """The machine dies: silence, and its tasks are gone with it."""
+        self.failed.add(machine_id)
+        self.states.pop(machine_id, None)
+
+    def recover(self, machine_id: str) -> None:
+        self.failed.discard(machine_id)
+        self.incarnations[machine_id] = now_ms()
+
+    # -- deciding ------------------------------------------------------------------------------------------
+    def feed(self, machine_id: str, inp: d.Input, now: int) -> None:
+        if machine_id in self.failed:
+            return
+        state = self.states.get(machine_id) or d.initial_state(
+            machine_id, incarnation=self.incarnations.get(machine_id, self.incarnation))
+        state, events, actions = d.decide(state, inp, now)
+        for ev in events:
+            self.producer.send(ev, validate=False)
+            self.reports += 1
+        for act in actions:
+            if act.kind == d.SPAWN:
+                heapq.heappush(self._spawns, (now + self.start_delay_ms, machine_id, act.task_id))
+            elif act.kind == d.KILL:
+                state, events, _ = d.decide(state, d.Exited(act.task_id, KILLED_EXIT_CODE), now)
+                for ev in events:
+                    self.producer.send(ev, validate=False)
+                    self.reports += 1
+        state = d.forget_finished(state)
+        if state.tasks:
+            self.states[machine_id] = state
+        else:
+            self.states.pop(machine_id, None)
+
+    def on_commands(self, events: Iterable[Event], now: int) -> int:
+        n = 0
+        for ev in events:
+            if ev.type == "TaskCommanded" and ev.payload["machine_id"] in self.known:
+                self.feed(ev.payload["machine_id"], d.Command(ev), now)
+                n += 1
+        return n
+
+    def due_spawns(self, now: int) -> int:
+        n = 0
+        while self._spawns and self._spawns[0][0] <= now:
+            _, machine_id, task_id = heapq.heappop(self._spawns)
+            if machine_id in self.states:
+                self.feed(machine_id, d.Spawned(task_id), now)
+                n += 1
+        return n
+
+    def due_heartbeats(self, now: int, max_batch: int = MAX_BATCH) -> int:
+        """Produce the heartbeats due by ``now`` (machine i at round start + i*interval/N), at most max_batch."""
+        total = len(self.machines)
+        if total == 0:
+            return 0
+        if self._next >= total:
+            if now < self._round_start + self.interval_ms:
+                return 0
+            self._round_start += self.interval_ms
+            if self._round_start + self.interval_ms <= now:  # fell a whole round behind: start afresh
+                self._round_start = now
+            self._round += 1
+            self._next = 0
+        if self._round == 0:
+            self._round, self._round_start = 1, now
+        due = min(total, (now - self._round_start) * total // self.interval_ms + 1)
+        end = min(due, self._next + max_batch)
+        send = self.producer.send
+        for i in range(self._next, end):
+            m = self.machines[i]
+            if m in self.failed:
+                continue
+            st = self.states.get(m)
+            send(d.heartbeat(m, self.incarnations.get(m, self.incarnation), self._round,
+                             st.live_task_ids() if st is not None else [], now), validate=False)
+            self.heartbeats += 1
+        sent = end - self._next
+        self._next = end
+        return sent
+
+    # -- running -------------------------------------------------------------------------------------------
+    def connect(self, start_offsets=None) -> None:
+        """Read every partition of ``tasks``, from ``start_offsets`` or the beginning."""
+        self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=self.name,
+                                      start_offsets=start_offsets or {},
+                                      dead_letters=DeadLetters(self.producer, self.name))
+
+    def step(self, poll_s: float = 0.05) -> None:
+        if self.consumer is not None:
+            records = self.consumer.poll(10_000, poll_s)
+            self.on_commands((r.event for r in records), now_ms())
+        else:
+            time.sleep(poll_s)
+        now = now_ms()
+        self.due_spawns(now)
+        self.due_heartbeats(now)
+        self.producer._producer.poll(0)  # serve delivery reports (EventProducer polls every 1000 sends only)
+
+    def run(self, until: float | None = None) -> None:
+        if self.consumer is None:
+            self.connect()
+        self.loop(until)
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+            self.consumer = None
+        self.producer.flush()
+
+
+def measure_heartbeats(cfg: Config, n_machines: int, interval_ms: int, seconds: float,
+                       registry: SchemaRegistry | None = None) -> dict:
+    """Heartbeats/s one process sustains: ``n_machines`` beating every ``interval_ms`` for ``seconds``
+    (everything flushed to the broker). With an interval shorter than one process can serve, the rate is the
+    ceiling."""
+    sim = SimulatedAgents(cfg, [f"sim-{i:06d}" for i in range(n_machines)], registry=registry,
+                          interval_ms=interval_ms)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        sim.due_heartbeats(now_ms())
+        sim.producer._producer.poll(0)
+    sim.producer.flush(120)
+    elapsed = time.monotonic() - t0
+    return {"machines": n_machines, "interval_ms": interval_ms, "seconds": round(elapsed, 2),
+            "heartbeats": sim.heartbeats, "per_s": round(sim.heartbeats / elapsed),
+            "wanted_per_s": round(n_machines * 1000 / interval_ms)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m processors.agent.simulated", description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--region", help="region YAML: one simulated agent per machine of it")
+    src.add_argument("--machines", type=int, help="N machines named sim-000000 …")
+    ap.add_argument("--interval-ms", type=int, default=DEFAULT_INTERVAL_MS, help="heartbeat interval per machine")
+    ap.add_argument("--start-delay-ms", type=int, default=DEFAULT_START_DELAY_MS, help="START → RUNNING delay")
+    ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = Config.from_env()
+    if args.measure_s:
+        import json
+        print(json.dumps(measure_heartbeats(cfg, args.machines or 0, args.interval_ms, args.measure_s)))
+        return 0
+    if args.region:
+        from processors.resourcebroker.region import iter_machines, load_region
+        ids = [m.id for m in iter_machines(load_region(Path(args.region)))]
+    else:
+        ids = [f"sim-{i:06d}" for i in range(args.machines)]
+    sim = SimulatedAgents(cfg, ids, interval_ms=args.interval_ms, start_delay_ms=args.start_delay_ms)
+    sim.stop_on_signals()
+    log.info("simulating %d machines, heartbeat every %d ms, reading %s", len(ids), args.interval_ms, sim.topic)
+    sim.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,515 @@
+"""`ropewalk`: the command line of Ropewalk (contract in DESIGN.md; outside tools script against it).
+
+Every read command takes --json and prints one JSON document (replay: one JSON event per line); every
+command exits non-zero with a one-line reason on error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from infra.config import Config
+
+
+class CliError(Exception):
+    """A one-line reason for a non-zero exit."""
+
+
+def _registry():
+    from streams.serde import SchemaRegistry
+
+    return SchemaRegistry.from_dir()
+
+
+def _topics(cfg: Config):
+    from streams.topics import Topics
+
+    return Topics(cfg.topic_prefix, cfg.partitions)
+
+
+def _admin(cfg: Config):
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 0})
+
+
+def _require_broker(cfg: Config) -> None:
+    from infra.services import broker_ready
+
+    if not broker_ready(cfg.bootstrap_servers):
+        raise CliError(f"cannot reach Kafka at {cfg.bootstrap_servers} (is `ropewalk up` running?)")
+
+
+def _print(doc, as_json: bool, text: str) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=True) if as_json else text)
+
+
+# --- up / down / status -------------------------------------------------------------------------
+def cmd_up(cfg: Config, args) -> int:
+    from infra import services
+    from streams.topics import provision
+
+    from infra import controlplane
+
+    t0 = time.monotonic()
+    st = services.up(cfg)
+    prov = provision(_admin(cfg), _topics(cfg))
+    region = controlplane.up(cfg, args.machines) if args.machines > 0 else {"workers": {}, "ready": True}
+    cp = region["workers"]
+    dead = [n for n, s in cp.items() if not s.get("running")]
+    doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
+           "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
+           "machines_up": region.get("machines_up", 0), "ready": region["ready"],
+           "seconds": round(time.monotonic() - t0, 2)}
+    lines = [
+        f"broker  {cfg.bootstrap_servers}  ({'embedded Tansu, pid %s' % st['broker'].get('pid') if cfg.embedded_broker else 'external'})",
+        f"redis   {cfg.redis_url}  ({'private redis-server, pid %s' % st['redis'].get('pid') if cfg.embedded_redis else 'external'})",
+        f"topics  {len(prov['topics'])} ready ({len(prov['created'])} created), {cfg.partitions} partitions per entitlement-keyed topic",
+        f"logs    {cfg.run_dir}",
+    ]
+    if cp:
+        lines.append(f"region  {region['machines_up']} of {args.machines} simulated machines UP in the index; workers: "
+                     + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running")))
+        lines.append("next    ropewalk entitlement create e1 --quota 4 ; ropewalk job submit FILE ; "
+                     "ropewalk job status JOB ; ropewalk watch jobs ; ropewalk replay ; ropewalk down")
+    else:
+        lines.append("next    ropewalk status | ropewalk produce intents EntitlementCreated FILE | ropewalk replay | ropewalk down")
+    _print(doc, args.json, "\n".join(lines))
+    if dead:
+        raise CliError(f"control plane: {', '.join(dead)} exited at start; see {cfg.run_dir}/<name>.log")
+    if not region["ready"]:
+        raise CliError(f"control plane: only {region['machines_up']} of {args.machines} machines reached the "
+                       f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
+    return 0
+
+
+def cmd_down(cfg: Config, args) -> int:
+    from infra import controlplane, services
+
+    st = {**{n: v for n, v in controlplane.down(cfg).items() if v.get("stopped")}, **services.down(cfg)}
+    _print(st, args.json, "\n".join(f"{k}: {'stopped' if v.get('stopped') else 'was not running'}" for k, v in st.items())
+           or "nothing to stop (external broker and Redis)")
+    return 0
+
+
+def cmd_status(cfg: Config, args) -> int:
+    from infra import controlplane, services
+
+    st = services.status(cfg)
+    workers = {n: w for n, w in controlplane.status(cfg).items() if w["running"] or w["pid"]}
+    doc = {"components": st, "control_plane": workers, "topics": {}}
+    if st["broker"]["ready"]:
+        doc["topics"] = _topic_counts(cfg)
+    lines = [f"{name:7} {'ready' if s['ready'] else 'DOWN':5}  {s['endpoint']}"
+             + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "") for name, s in st.items()]
+    lines += [f"{name:14} running  pid {w['pid']}  log {w['log']}" for name, w in workers.items()]
+    # Listed end offsets (high - low watermark): exact on Kafka; Tansu under-reports by the rest of each
+    # partition's last batch, so on the embedded broker this is a lower bound of the record count.
+    lines += [f"topic   {t:28} {n:>10} (listed end offsets)" for t, n in doc["topics"].items()]
+    _print(doc, args.json, "\n".join(lines))
+    return 0 if all(s["ready"] for s in st.values()) else 1
+
+
+def _topic_counts(cfg: Config) -> dict[str, int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": "ropewalk-status", "log_level": 0})
+    try:
+        md = c.list_topics(timeout=5)
+        out = {}
+        for name in _topics(cfg).all():
+            t = md.topics.get(name)
+            if t is None or t.error is not None:
+                continue
+            total = 0
+            for p in t.partitions:
+                lo, hi = c.get_watermark_offsets(TopicPartition(name, p), timeout=5)
+                total += hi - lo
+            out[name] = total
+        return out
+    finally:
+        c.close()
+
+
+# --- produce ------------------------------------------------------------------------------------
+def cmd_produce(cfg: Config, args) -> int:
+    from processors.frontend.produce import build_event, parse_documents
+    from streams.clients import EventProducer
+
+    text = sys.stdin.read() if args.file == "-" else _read(args.file)
+    registry = _registry()
+    events = [build_event(registry, args.topic, args.event_type, d, args.entitlement)
+              for d in parse_documents(text)]
+    _require_broker(cfg)
+    producer = EventProducer(cfg, registry, "cli", **{"message.timeout.ms": 15000})
+    for ev in events:
+        producer.send(ev, topic=args.topic)
+    producer.flush(20)
+    ids = [ev.event_id for ev in events]
+    _print({"produced": len(ids), "topic": args.topic, "event_ids": ids}, args.json, "\n".join(ids))
+    return 0
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+
+
+# --- entitlements and jobs ---------------------------------------------------------------------
+def _send(cfg: Config, registry, events: list) -> None:
+    from streams.clients import EventProducer
+
+    _require_broker(cfg)
+    producer = EventProducer(cfg, registry, "cli", **{"message.timeout.ms": 15000})
+    for ev in events:
+        producer.send(ev)
+    producer.flush(20)
+
+
+def cmd_entitlement_create(cfg: Config, args) -> int:
+    from processors.frontend.jobspec import JobSpecError, _name, _positive_int
+    from streams.events import new_event
+
+    try:
+        name = _name(args.name, "NAME")
+        quota = _positive_int(args.quota, "--quota")
+    except JobSpecError as exc:
+        raise CliError(str(exc)) from None
+    ev = new_event("EntitlementCreated", {"name": name, "quota_machines": quota, "machine_type": args.machine_type,
+                                          "dc_pin": args.dc, "host_profile": args.host_profile},
+                   entitlement=name, entity_id=name, producer="cli")
+    _send(cfg, _registry(), [ev])
+    _print({"entitlement": name, "event_id": ev.event_id}, args.json, name)
+    return 0
+
+
+def _spec_payload(path: str, entitlement: str | None = None) -> dict:
+    from processors.frontend.jobspec import JobSpecError, parse_text, validate_spec
+
+    try:
+        return validate_spec(parse_text(_read(path), path), entitlement)
+    except JobSpecError as exc:
+        raise CliError(f"{path}: {exc}") from None
+
+
+def _job_state(cfg: Config, registry, job: str):
+    from streams import state
+
+    _require_broker(cfg)
+    latest = state.current(cfg, registry, "jobs").get(job)
+    if latest is None:
+        raise CliError(f"unknown job {job!r} (no state published for it; `ropewalk watch jobs` lists jobs)")
+    return latest
+
+
+def cmd_job_submit(cfg: Config, args) -> int:
+    from streams.events import new_event
+
+    payload = _spec_payload(args.file)
+    ent = payload.pop("entitlement")
+    ev = new_event("JobSubmitted", {**payload, "spec_version": 1}, entitlement=ent, entity_id=payload["job_id"],
+                   producer="cli")
+    _send(cfg, _registry(), [ev])
+    _print({"job": payload["job_id"], "entitlement": ent, "event_id": ev.event_id}, args.json, payload["job_id"])
+    return 0
+
+
+def job_view(ev) -> dict:
+    """`job status --json`: the contract in DESIGN.md, from a JobStatePublished event."""
+    p = ev.payload
+    return {"job": p["job_id"], "name": p["name"], "entitlement": ev.entitlement, "state": p["state"],
+            "spec_version": p["spec_version"], "desired_tasks": p["desired_tasks"], "last_reason": p["last_reason"],
+            "updated_ms": ev.timestamp_ms,
+            "tasks": [{"id": t["task_id"], "state": t["state"], "machine": t["machine_id"], "dc": t["dc"],
+                       "msb": t["msb"], "rack": t["rack"], "spec_version": t["spec_version"], "reason": t["reason"]}
+                      for t in p["tasks"]]}
+
+
+def cmd_job_status(cfg: Config, args) -> int:
+    view = job_view(_job_state(cfg, _registry(), args.job))
+    lines = [f"job {view['job']}  entitlement {view['entitlement']}  state {view['state']}  "
+             f"spec v{view['spec_version']}  tasks {len(view['tasks'])}/{view['desired_tasks']}"]
+    if view["last_reason"]:
+        lines.append(f"reason: {view['last_reason']}")
+    lines += [f"  {t['id']:24} {t['state']:9} {t['machine'] or '-':24} {t['dc'] or '-'}/{t['msb'] or '-'}/{t['rack'] or '-'}"
+              + (f"  ({t['reason']})" if t["reason"] else "") for t in view["tasks"]]
+    _print(view, args.json, "\n".join(lines))
+    return 0
+
+
+def cmd_job_update(cfg: Config, args) -> int:
+    from streams.events import new_event
+
+    registry = _registry()
+    current = _job_state(cfg, registry, args.job)
+    payload = _spec_payload(args.file, current.entitlement)
+    if payload["job_id"] != args.job:
+        raise CliError(f"{args.file}: name: the spec names job {payload['job_id']!r}, not {args.job!r}")
+    payload.pop("entitlement")
+    version = current.payload["spec_version"] + 1
+    ev = new_event("JobSpecChanged", {**payload, "spec_version": version}, entitlement=current.entitlement,
+                   entity_id=args.job, producer="cli")
+    _send(cfg, registry, [ev])
+    _print({"job": args.job, "spec_version": version, "event_id": ev.event_id}, args.json, f"{args.job} v{version}")
+    return 0
+
+
+def cmd_job_resize(cfg: Config, args) -> int:
+    from streams.events import new_event
+
+    if args.tasks < 0:
+        raise CliError(f"N: expected a task count >= 0, got {args.tasks}")
+    registry = _registry()
+    current = _job_state(cfg, registry, args.job)
+    ev = new_event("JobResized", {"job_id": args.job, "tasks": args.tasks}, entitlement=current.entitlement,
+                   entity_id=args.job, producer="cli")
+    _send(cfg, registry, [ev])
+    _print({"job": args.job, "tasks": args.tasks, "event_id": ev.event_id}, args.json, f"{args.job} -> {args.tasks} tasks")
+    return 0
+
+
+def cmd_job_stop(cfg: Config, args) -> int:
+    from streams.events import new_event
+
+    registry = _registry()
+    current = _job_state(cfg, registry, args.job)
+    ev = new_event("JobStopped", {"job_id": args.job, "reason": args.reason}, entitlement=current.entitlement,
+                   entity_id=args.job, producer="cli")
+    _send(cfg, registry, [ev])
+    _print({"job": args.job, "event_id": ev.event_id}, args.json, f"{args.job} stopping")
+    return 0
+
+
+def cmd_machine_fail(cfg: Config, args) -> int:
+    from processors.resourcebroker.processor import fail_machine, recover_machine
+
+    _require_broker(cfg)
+    fn = fail_machine if args.action == "fail" else recover_machine
+    ids = fn(cfg, args.machine)
+    verb = "failed" if args.action == "fail" else "recovered"
+    _print({"machine": args.machine, "event_ids": ids}, args.json,
+           f"{args.machine} {verb}" if ids else f"{args.machine}: nothing to do (already {'down' if args.action == 'fail' else 'up'})")
+    return 0
+
+
+def cmd_watch(cfg: Config, args) -> int:
+    """Current state of everything first, then each change, until interrupted (or --once)."""
+    from streams.events import Event
+    from streams.state import StateReader
+
+    _require_broker(cfg)
+    reader = StateReader(cfg, _registry(), args.kind, args.entitlement)
+
+    def show(ev: Event) -> str:
+        if args.kind == "jobs":
+            v = job_view(ev)
+            if args.json:
+                return json.dumps(v, sort_keys=True)
+            running = sum(t["state"] == "RUNNING" for t in v["tasks"])
+            return f"{v['job']:28} {v['state']:9} {running}/{v['desired_tasks']} running  {v['last_reason']}"
+        p = ev.payload
+        if args.json:
+            return json.dumps({"id": p["machine_id"], "status": p["status"], "entitlement": p["assigned_entitlement"],
+                               **{k: p["topology"][k] for k in ("dc", "msb", "rack")}, "type": p["machine_type"]},
+                              sort_keys=True)
+        return f"{p['machine_id']:28} {p['status']:11} {p['assigned_entitlement'] or 'free':14} {p['machine_type']}"
+
+    try:
+        for ev in sorted(reader.catch_up().values(), key=lambda e: e.entity_id):
+            print(show(ev), flush=True)
+        if args.once:
+            return 0
+        for rec in reader.follow():
+            print(show(rec.event), flush=True)
+    finally:
+        reader.close()
+    return 0
+
+
+# --- replay -------------------------------------------------------------------------------------
+def _parse_time(value: str | None) -> int | None:
+    """ms since epoch, or an ISO-8601 time (UTC unless it has an offset)."""
+    if value is None:
+        return None
+    if value.isdigit():
+        return int(value)
+    from datetime import datetime, timezone
+
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise CliError(f"bad time {value!r}: use ms since epoch or ISO-8601 (2026-11-22T10:00:00Z)") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return int(dt.timestamp() * 1000)
+
+
+def cmd_replay(cfg: Config, args) -> int:
+    from streams import replay as rp
+
+    _require_broker(cfg)
+    flt = rp.ReplayFilter(entitlement=args.entitlement, job=args.job, machine=args.machine,
+                          since_ms=_parse_time(args.since), until_ms=_parse_time(args.until),
+                          topics=tuple(args.topic) if args.topic else None)
+    fmt = rp.format_json if args.json else rp.format_text
+    run = rp.replay(cfg, _registry(), flt)
+    out = sys.stdout
+    for rec in run:
+        out.write(fmt(rec) + "\n")
+    if not args.json:
+        s = run.stats
+        print(f"-- {s.matched} events matched of {s.read} read ({s.skipped} undecodable skipped) in {s.elapsed_s:.2f}s",
+              file=sys.stderr)
+    return 0
+
+
+# --- archive / restore --------------------------------------------------------------------------
+def cmd_archive(cfg: Config, args) -> int:
+    from streams import archive as ar
+
+    _require_broker(cfg)
+    st = ar.archive(cfg, Path(args.dir))
+    _print(_asdict(st), args.json, f"archived {st.records} records to {args.dir} in {st.seconds:.2f}s "
+           f"({st.records_per_s:,.0f} records/s)")
+    return 0
+
+
+def cmd_restore(cfg: Config, args) -> int:
+    from streams import archive as ar
+
+    _require_broker(cfg)
+    st = ar.restore(cfg, Path(args.dir), force=args.force)
+    _print(_asdict(st), args.json, f"restored {st.records} records from {args.dir} in {st.seconds:.2f}s "
+           f"({st.records_per_s:,.0f} records/s)")
+    return 0
+
+
+def _asdict(obj) -> dict:
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(obj) if is_dataclass(obj) else dict(obj)
+
+
+# --- schemas / topics ---------------------------------------------------------------------------
+def cmd_schemas(cfg: Config, args) -> int:
+    if args.action == "check":
+        from streams import compat
+
+        return compat.main([str(Path(__file__).resolve().parents[2] / "schemas")])
+    registry = _registry()
+    doc = [{"event": s.name, "topic": s.topic, "version": s.version, "fingerprint": s.fingerprint_hex}
+           for s in (registry.reader(n) for n in registry.event_names)]
+    _print(doc, args.json, "\n".join(f"{d['event']:30} {d['topic']:15} v{d['version']}  {d['fingerprint']}" for d in doc))
+    return 0
+
+
+def cmd_topics(cfg: Config, args) -> int:
+    from streams.topics import CATALOGUE
+
+    t = _topics(cfg)
+    doc = [{"topic": t.name(s.name), "partitions": t.partitions_of(s.name), "key": s.key,
+            "copartitioned": s.copartitioned, "config": dict(s.config), "events": list(s.events), "doc": s.doc}
+           for s in CATALOGUE]
+    _print(doc, args.json, "\n".join(f"{d['topic']:20} {d['partitions']:>3}p  key={d['key']:12} {d['doc']}" for d in doc))
+    return 0
+
+
+# --- parser -------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def cmd(name, fn, help_, json_flag=True):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(fn=fn)
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="print one JSON document")
+        return sp
+
+    sp = cmd("up", cmd_up, "start the broker and Redis (unless external ones are configured) and provision topics")
+    sp.add_argument("--machines", type=int, default=200,
+                    help="simulated machines of the local region (0: infrastructure and topics only)")
+    cmd("down", cmd_down, "stop everything `up` started")
+    cmd("status", cmd_status, "components, endpoints and topic sizes")
+    sp = cmd("produce", cmd_produce, "validate JSON against an event's schema, fill the envelope, produce it")
+    sp.add_argument("topic")
+    sp.add_argument("event_type")
+    sp.add_argument("file", help="JSON file (one object, an array, or JSON Lines), or - for stdin")
+    sp.add_argument("--entitlement", help="envelope.entitlement (the partition key) when the JSON has none")
+    ent = sub.add_parser("entitlement", help="entitlements: quota as a pseudo-cluster").add_subparsers(dest="action", required=True)
+    sp = ent.add_parser("create", help="create an entitlement")
+    sp.set_defaults(fn=cmd_entitlement_create)
+    sp.add_argument("name")
+    sp.add_argument("--quota", type=int, required=True, help="machines the entitlement may hold")
+    sp.add_argument("--host-profile")
+    sp.add_argument("--machine-type")
+    sp.add_argument("--dc", help="pin the entitlement to one data center")
+    sp.add_argument("--json", action="store_true")
+    job = sub.add_parser("job", help="submit, inspect and change jobs").add_subparsers(dest="action", required=True)
+    for name, fn, help_, extra in (
+        ("submit", cmd_job_submit, "submit a job spec (YAML or JSON); prints the job id", ("file",)),
+        ("status", cmd_job_status, "a job's tasks: state, machine, fault domains", ("job",)),
+        ("update", cmd_job_update, "replace a job's spec (rolling update)", ("job", "file")),
+        ("stop", cmd_job_stop, "stop a job and free its tasks", ("job",)),
+    ):
+        sp = job.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(fn=fn)
+        for a in extra:
+            sp.add_argument(a)
+        sp.add_argument("--json", action="store_true")
+        if name == "stop":
+            sp.add_argument("--reason", default="")
+    sp = job.add_parser("resize", help="change a job's task count")
+    sp.set_defaults(fn=cmd_job_resize)
+    sp.add_argument("job")
+    sp.add_argument("tasks", type=int, metavar="N")
+    sp.add_argument("--json", action="store_true")
+    mach = sub.add_parser("machine", help="operator actions on machines").add_subparsers(dest="action", required=True)
+    for name, help_ in (("fail", "mark a machine DOWN (its tasks move elsewhere)"), ("recover", "mark a machine UP again")):
+        sp = mach.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(fn=cmd_machine_fail)
+        sp.add_argument("machine")
+        sp.add_argument("--json", action="store_true")
+    sp = cmd("watch", cmd_watch, "follow a state stream: current state first, then each change")
+    sp.add_argument("kind", choices=["jobs", "machines"])
+    sp.add_argument("--entitlement")
+    sp.add_argument("--once", action="store_true", help="print the current state and exit")
+    sp = cmd("replay", cmd_replay, "audit timeline from the log (one event per line)")
+    for flag in ("entitlement", "job", "machine"):
+        sp.add_argument(f"--{flag}")
+    sp.add_argument("--since", help="ms since epoch or ISO-8601; inclusive")
+    sp.add_argument("--until", help="ms since epoch or ISO-8601; exclusive")
+    sp.add_argument("--topic", action="append", help="logical topic to read (repeatable); default all")
+    sp = cmd("archive", cmd_archive, "write every topic to Avro container files (incremental, resumable)")
+    sp.add_argument("dir", nargs="?", default="archive")
+    sp = cmd("restore", cmd_restore, "republish an archive into an empty broker")
+    sp.add_argument("dir", nargs="?", default="archive")
+    sp.add_argument("--force", action="store_true", help="restore even if topics already hold records")
+    sp = cmd("schemas", cmd_schemas, "list event schemas, or check they stay compatible with their git history")
+    sp.add_argument("action", choices=["list", "check"], nargs="?", default="list")
+    cmd("topics", cmd_topics, "the topic catalogue as configured")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = Config.from_env()
+        return args.fn(cfg, args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # every failure is one line with a reason, never a traceback
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"ropewalk: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

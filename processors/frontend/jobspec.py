@@ -1,0 +1,131 @@
+"""Job specs as users write them (YAML or JSON) → the payload of JobSubmitted / JobSpecChanged. Pure.
+
+    name: web
+    entitlement: e1
+    tasks: 6
+    command: ["sleep", "3600"]
+    resources: {cpu_millicores: 1000, memory_mib: 2048}
+    requirements: {machine_type: skylake}     # optional hard requirements: machine_type, dc
+    spread: msb                               # dc | msb | rack (default msb)
+    max_unavailable: 1                        # default 1
+    env: {KEY: value}                         # optional
+
+A wrong spec is refused with the field that is wrong: `resources.cpu_millicores: expected a positive
+integer, got string 'lots'`. The job id is `<entitlement>.<name>`: unique in the region (a scheduler shard
+only sees its own entitlements, so a bare name could not be checked for uniqueness across shards).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping
+
+from streams.validate import describe_value
+
+FIELDS = ("name", "entitlement", "tasks", "command", "resources", "requirements", "spread", "max_unavailable", "env")
+REQUIRED = ("name", "entitlement", "tasks", "command", "resources")
+REQUIREMENT_KEYS = ("machine_type", "dc")
+SPREADS = ("dc", "msb", "rack")
+MAX_TASKS = 100_000
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}\Z")
+
+
+class JobSpecError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+def job_id(entitlement: str, name: str) -> str:
+    return f"{entitlement}.{name}"
+
+
+def parse_text(text: str, source: str = "job spec") -> Any:
+    """YAML (a superset of JSON) → data; a syntax error names the line."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise JobSpecError("", f"{source} is not valid YAML/JSON{where}: {getattr(exc, 'problem', exc)}") from None
+
+
+def _positive_int(value: Any, field: str, limit: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (limit and value > limit):
+        bound = f" up to {limit:,}" if limit else ""
+        raise JobSpecError(field, f"expected a positive integer{bound}, got {describe_value(value)}")
+    return value
+
+
+def _name(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise JobSpecError(field, "expected a name of letters, digits, '_' or '-' (at most 63), "
+                                  f"got {describe_value(value)}")
+    return value
+
+
+def validate_spec(data: Any, entitlement_override: str | None = None) -> dict:
+    """The JobSubmitted payload (without spec_version) for a user's spec, or JobSpecError naming the field."""
+    if not isinstance(data, Mapping):
+        raise JobSpecError("", f"a job spec is a mapping of {', '.join(FIELDS)}; got {describe_value(data)}")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise JobSpecError(unknown[0], f"unknown field (known: {', '.join(FIELDS)})")
+    spec = dict(data)
+    if entitlement_override is not None:
+        spec["entitlement"] = entitlement_override
+    for f in REQUIRED:
+        if f not in spec or spec[f] is None:
+            raise JobSpecError(f, "missing required field")
+    name = _name(spec["name"], "name")
+    entitlement = _name(spec["entitlement"], "entitlement")
+    tasks = _positive_int(spec["tasks"], "tasks", MAX_TASKS)
+    command = spec["command"]
+    if isinstance(command, str):
+        raise JobSpecError("command", "expected a list of arguments (argv), e.g. [\"sleep\", \"3600\"]; "
+                                      f"got {describe_value(command)}")
+    if not isinstance(command, list) or not command:
+        raise JobSpecError("command", f"expected a non-empty list of strings, got {describe_value(command)}")
+    for i, arg in enumerate(command):
+        if not isinstance(arg, str):
+            raise JobSpecError(f"command[{i}]", f"expected a string, got {describe_value(arg)}")
+    res = spec["resources"]
+    if not isinstance(res, Mapping):
+        raise JobSpecError("resources", f"expected a mapping with cpu_millicores and memory_mib, got {describe_value(res)}")
+    extra = sorted(set(res) - {"cpu_millicores", "memory_mib"})
+    if extra:
+        raise JobSpecError(f"resources.{extra[0]}", "unknown field (known: cpu_millicores, memory_mib)")
+    for f in ("cpu_millicores", "memory_mib"):
+        if f not in res:
+            raise JobSpecError(f"resources.{f}", "missing required field")
+        _positive_int(res[f], f"resources.{f}", 2**31 - 1)
+    reqs = spec.get("requirements") or {}
+    if not isinstance(reqs, Mapping):
+        raise JobSpecError("requirements", f"expected a mapping, got {describe_value(reqs)}")
+    for k, v in reqs.items():
+        if k not in REQUIREMENT_KEYS:
+            raise JobSpecError(f"requirements.{k}", f"unknown requirement (known: {', '.join(REQUIREMENT_KEYS)})")
+        if not isinstance(v, str) or not v:
+            raise JobSpecError(f"requirements.{k}", f"expected a non-empty string, got {describe_value(v)}")
+    spread = spec.get("spread", "msb")
+    if spread not in SPREADS:
+        raise JobSpecError("spread", f"expected one of {', '.join(SPREADS)}, got {describe_value(spread)}")
+    max_unavailable = _positive_int(spec.get("max_unavailable", 1), "max_unavailable")
+    env = spec.get("env") or {}
+    if not isinstance(env, Mapping):
+        raise JobSpecError("env", f"expected a mapping of strings, got {describe_value(env)}")
+    for k, v in env.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise JobSpecError(f"env.{k}", f"expected a string value, got {describe_value(v)} (quote numbers)")
+    return {
+        "job_id": job_id(entitlement, name), "name": name, "tasks": tasks, "command": list(command),
+        "resources": {"cpu_millicores": res["cpu_millicores"], "memory_mib": res["memory_mib"]},
+        "requirements": dict(reqs), "spread": spread, "max_unavailable": max_unavailable, "env": dict(env),
+        "entitlement": entitlement,
+    }
+
+
+def spec_json(payload: Mapping[str, Any]) -> str:
+    return json.dumps(payload, sort_keys=True)

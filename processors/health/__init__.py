@@ -1,0 +1,1 @@
+"""The Health Check Service: agent heartbeats → machine health (pure decisions in ``decide``)."""

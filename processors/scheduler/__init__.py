@@ -1,0 +1,1 @@
+"""The scheduler: job and task lifecycle, sharded by entitlement (pure transitions in ``lifecycle``)."""

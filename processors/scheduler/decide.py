@@ -1,0 +1,1058 @@
+"""Scheduler shard decisions: the lifecycle of the jobs and tasks of one shard's entitlements. Pure.
+
+No faust, Kafka or Redis; no clock, no randomness: every decision is ``(state, event, now_ms) -> (new_state,
+events)`` over immutable state, and the same input on the same state gives the same output, event ids included.
+``decide`` dispatches a decoded event by type (``HANDLERS``); ``retry_unplaced`` is the timer's decision;
+``job_view`` is what ``ropewalk job status --json`` prints. See ``README.md`` for the flows as a diagram.
+
+**Who emits what.** The scheduler emits the commands (TaskCommanded START/STOP/RESTART, AllocationRequested,
+ServiceDiscoveryChanged) and the TaskStateChanged of the transitions no agent can report: PENDING (rescheduled),
+ALLOCATED, FAILED on a machine failure (the agent is gone), STOPPED of a task that never ran or is already dead.
+A command moves the task into its transitional state at once (START → STARTING, STOP → STOPPING, RESTART →
+STARTING) without a TaskStateChanged of its own: the agent reports STARTING, RUNNING and the exits, and its
+STARTING is then a duplicate the lifecycle table absorbs. A task moved off a lost machine while starting or
+running also gets a STOP addressed to that machine (a fence: an UNHEALTHY machine may still run it). The
+scheduler's own events come back on the topics it reads: ``decide`` ignores every event whose producer is the
+scheduler (``is_own``).
+
+**Restart policy.** A task that crashes (FAILED) or exits 0 (STOPPED on its own: a service's task is meant to
+run) on a machine not known to be down is restarted in place (TaskCommanded RESTART) up to ``MAX_RESTARTS``
+times, then left down with reason ``restart_limit``; a task that ran ``RESTART_RESET_MS`` gets its budget back.
+
+**Placements are the allocator's.** The scheduler never emits TasksDeallocated: it asks. A move (machine
+failure, or a rolling update that no longer fits the task's machine) is ONE AllocationRequested listing the
+task in both ``free_task_ids`` and ``place_task_ids`` (with ``avoid_machine_ids`` for a failure): one request is
+one atomic decision of the allocator, Twine's "per-task map of tasks to allocate or free" (§2.3), and the
+allocator's commit refuses to place a task that is still placed, so it must free first within the request.
+Retired tasks (shrink, stop) are freed with a request holding only ``free_task_ids``. Each decision sends at
+most one request per job. Request ids are ``<job>:v<spec_version>:r<n>`` with ``n`` a per-job counter in the
+state, so a replay names them alike. A newer request for a task supersedes the older one: the task remembers
+only its outstanding request, and a result for another request is stale.
+
+**Idempotence** (at-least-once delivery). Two lines: (1) each job keeps a bounded ring (``SEEN_LIMIT``) of the
+input event ids routed to it, and an event already in the ring changes nothing and emits nothing; (2) every
+handler is idempotent by content as well, so a redelivery older than the ring is still a no-op in the usual
+cases: a result for a request the task no longer awaits is stale, a lifecycle duplicate changes nothing
+(``lifecycle.apply``), a machine failure finds no task left on the machine, a resize to the current size, a
+stop of a stopping job and a spec version not newer than the job's are no-ops. What the ring alone guards: a
+crash report redelivered after the task was restarted in place would otherwise count as a second crash.
+
+**Agent reports are checked, never trusted.** A report naming another machine or another spec version than
+the task's current incarnation is stale (an agent lagging behind a move or an update) and ignored; a
+transition the lifecycle table refuses is ignored too. Neither raises: a shard must not crash on a bad report.
+The latest ignored report is kept in the job's ``last_ignored`` (also in ``job_view``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any
+
+from processors.allocator.placement import REQUIREMENT_KEYS, SPREAD_LEVELS
+from processors.cowmap import CowMap
+from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
+from processors.scheduler import lifecycle as lc
+from processors.scheduler.lifecycle import (
+    ALLOCATED, ALLOCATED_EV, CRASHED, EXITED_OK, FAILED, MACHINE_FAILED, PENDING, RESCHEDULED, RESTART_COMMANDED,
+    RUNNING, START_COMMANDED, STARTED, STARTING, STOP_COMMANDED, STOPPED, STOPPED_EV, STOPPING, IllegalTransition,
+)
+from streams.events import Event, derived_event_id, new_event
+
+PRODUCER = "scheduler"
+
+MAX_RESTARTS = 3  # restarts in place of a task that crashed or exited on a healthy machine, then it stays down
+RESTART_RESET_MS = 10 * 60_000  # a task that ran this long before it went down starts with a fresh restart budget
+SEEN_LIMIT = 1024  # input event ids remembered per job (the duplicate ring)
+
+# -- reasons: TaskStateChanged/TaskCommanded/ServiceDiscoveryChanged.reason, task reason, job last_reason -------
+# Why a task is (re)placed, stopped or restarted.
+REASON_SUBMITTED = "submitted"  # the job was submitted: a new task
+REASON_RESIZED = "resized"  # JobResized: a task added or retired
+REASON_JOB_STOPPED = "job_stopped"  # JobStopped: every task is stopped and freed
+REASON_ROLLING_UPDATE = "rolling_update"  # JobSpecChanged: replaced by the new spec version
+REASON_ALLOCATED = "allocated"  # TaskStateChanged →ALLOCATED: the allocator placed it
+REASON_PLACED = "placed"  # TaskCommanded START after a placement
+REASON_TASK_RUNNING = "task_running"  # ServiceDiscoveryChanged enabled: the agent reports it RUNNING
+REASON_CRASHED = "crashed"  # the agent reports it FAILED (non-zero exit, or could not start)
+REASON_EXITED = "exited"  # the agent reports it STOPPED on its own (exit 0)
+REASON_RESTART_POLICY = "restart_policy"  # TaskCommanded RESTART: crashed or exited, restarted in place
+REASON_RESTART_LIMIT = "restart_limit"  # left FAILED/STOPPED: MAX_RESTARTS restarts used up
+REASON_MACHINE_FAILED = "machine_failed"  # its machine went DOWN, or a FAILURE/POWER unavailability
+REASON_MACHINE_UNHEALTHY = "machine_unhealthy"  # its machine went UNHEALTHY (missed heartbeats)
+REASON_MACHINE_MAINTENANCE = "machine_maintenance"  # its machine went into MAINTENANCE
+# Why an intent was refused (job last_reason; nothing is emitted).
+REASON_DUPLICATE_JOB_ID = "duplicate_job_id"  # JobSubmitted for a job id that exists with another spec
+REASON_UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # JobSubmitted to an entitlement never created
+REASON_INVALID_SPEC = "invalid_spec"  # a spec the allocator could not serve (e.g. tasks < 0, spread "zone")
+REASON_JOB_NOT_ACTIVE = "job_not_active"  # resize/update of a job that is stopping, stopped or rejected
+REASON_STALE_SPEC_VERSION = "stale_spec_version"  # JobSpecChanged not newer than the job's spec version
+REASON_ENTITLEMENT_MISMATCH = "entitlement_mismatch"  # an intent keyed to another entitlement than the job's
+# Why an agent report was ignored (job last_ignored).
+REASON_STALE_REPORT = "stale_report"  # about another machine or spec version than the task's (a lagging agent)
+REASON_ILLEGAL_REPORT = "illegal_report"  # a transition the lifecycle table refuses from the task's state
+REASON_NOT_AN_AGENT_STATE = "not_an_agent_state"  # PENDING/ALLOCATED/STOPPING/UNKNOWN: not an agent's to say
+REASON_UNKNOWN_TASK = "unknown_task"  # no such task in the job (e.g. retired and freed already)
+
+# Task commands: the TaskCommand symbols of schemas/TaskCommanded.avsc.
+START = "START"
+STOP = "STOP"
+RESTART = "RESTART"
+
+# What the scheduler does with a task next (its intent), whatever state it is in.
+RUN = "run"  # keep it running at the job's spec version
+RETIRE = "retire"  # stop it and free its placement (shrink, job stop); it leaves the job
+UPDATE = "update"  # being stopped to start again at the job's spec version (rolling update, a grow reusing it)
+
+# The job's own status, and the state JobStatePublished/job_view show (derived by ``published_state``).
+JOB_ACTIVE = "active"
+JOB_STOPPING = "stopping"  # every task is being stopped
+JOB_STOPPED = "stopped"  # all stopped and their placements asked to be freed; deleted once the allocator says so
+JOB_REJECTED = "rejected"  # the submission was refused (unknown entitlement, invalid spec); a new one may replace it
+JOB_PENDING = "pending"  # published: active, some task not RUNNING
+JOB_RUNNING = "running"  # published: active, every task RUNNING
+JOB_UPDATING = "updating"  # published: active, a rolling update in progress
+
+KIND_POWER = "POWER"  # UnavailabilityKind: power loss of a fault domain, unavailable now like a failure
+UNAVAILABLE_KINDS = frozenset({KIND_FAILURE, KIND_POWER})  # planned MAINTENANCE notices wait for TaskControl
+MACHINE_LOST_REASON = MappingProxyType({  # machine status → why its tasks move
+    DOWN: REASON_MACHINE_FAILED,
+    UNHEALTHY: REASON_MACHINE_UNHEALTHY,
+    MAINTENANCE: REASON_MACHINE_MAINTENANCE,
+})
+ON_MACHINE = frozenset({ALLOCATED, STARTING, RUNNING, STOPPING, FAILED, STOPPED})  # states that hold a machine
+
+# Agent-reported state → lifecycle trigger (STOPPED depends on whether a stop was asked: see ``_report_trigger``).
+REPORT_TRIGGERS = MappingProxyType({
+    STARTING: START_COMMANDED,  # the agent acknowledges the start: a duplicate of the scheduler's own step
+    RUNNING: STARTED,
+    STOPPED: EXITED_OK,
+    FAILED: CRASHED,
+})
+
+
+class SchedulerError(ValueError):
+    pass
+
+
+class UnknownJob(SchedulerError, LookupError):
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        super().__init__(f"unknown job {job_id!r}: not in this scheduler shard")
+
+
+# -- the state -------------------------------------------------------------------------------------------------
+
+Pairs = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """What a placement holds on its machine: per-task resources under hard requirements."""
+
+    cpu: int
+    mem: int
+    requirements: Pairs = ()
+
+    def fits(self, wanted: "Terms") -> bool:
+        """Whether a task wanting ``wanted`` can run in this placement (same requirements, no more resources)."""
+        return wanted.cpu <= self.cpu and wanted.mem <= self.mem and wanted.requirements == self.requirements
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A job's spec without its task count (that is the job's ``desired``, changed by resizes too)."""
+
+    name: str
+    command: tuple[str, ...]
+    cpu: int
+    mem: int
+    requirements: Pairs = ()
+    spread: str = "msb"
+    max_unavailable: int = 1
+    env: Pairs = ()
+
+    @classmethod
+    def from_payload(cls, p: Mapping[str, Any]) -> "Spec":
+        """From a JobSubmitted / JobSpecChanged payload."""
+        return cls(name=p["name"], command=tuple(p["command"]), cpu=p["resources"]["cpu_millicores"],
+                   mem=p["resources"]["memory_mib"], requirements=tuple(sorted(p.get("requirements", {}).items())),
+                   spread=p.get("spread", "msb"), max_unavailable=p.get("max_unavailable", 1),
+                   env=tuple(sorted(p.get("env", {}).items())))
+
+    @property
+    def terms(self) -> Terms:
+        return Terms(self.cpu, self.mem, self.requirements)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One task, ``<job_id>/<index>``."""
+
+    id: str
+    index: int
+    state: str = PENDING
+    intent: str = RUN
+    spec_version: int = 1  # the version it runs (or will start with, while unplaced)
+    machine: str | None = None
+    dc: str | None = None
+    msb: str | None = None
+    rack: str | None = None
+    terms: Terms | None = None  # what its placement holds (None: unplaced)
+    discovery: bool = False  # enabled in service discovery
+    request_id: str | None = None  # the allocation request it awaits (None: none outstanding)
+    request_terms: Terms | None = None  # what that request asked for
+    parked: bool = False  # unplaced after a rejection: waits for a retry (resize, update, ``retry_unplaced``)
+    reason: str = ""  # why it is not (yet) RUNNING; cleared when it runs
+    restarts: int = 0  # restarts in place used (restart policy)
+    running_since_ms: int | None = None
+    row: Mapping[str, Any] = field(init=False, compare=False, repr=False)  # its JobStatePublished TaskStatus
+
+    def __post_init__(self) -> None:
+        # Built once per task version, so publishing a 15K-task job does not rebuild 15K rows per event.
+        object.__setattr__(self, "row", MappingProxyType({
+            "task_id": self.id, "state": self.state, "machine_id": self.machine, "dc": self.dc, "msb": self.msb,
+            "rack": self.rack, "spec_version": self.spec_version, "reason": self.reason}))
+
+
+@dataclass(frozen=True, slots=True)
+class Entitlement:
+    """An entitlement this shard serves (from EntitlementCreated); a job may only be submitted to a known one."""
+
+    name: str
+    quota_machines: int
+    machine_type: str | None = None
+    dc_pin: str | None = None
+    host_profile: str | None = None
+
+
+def _empty() -> Mapping:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job with its tasks: one record, so one faust table value (the ring and the tasks change together)."""
+
+    id: str
+    entitlement: str
+    spec: Spec
+    spec_version: int
+    desired: int  # task count asked for
+    status: str = JOB_ACTIVE
+    tasks: Mapping[str, Task] = field(default_factory=_empty)  # by id, kept in index order
+    last_reason: str = ""  # latest allocation rejection or refused intent
+    last_ignored: str = ""  # latest agent report ignored, and why
+    updating: bool = False  # a rolling update is in progress
+    requests: int = 0  # allocation requests sent (names the next one)
+    free_request_id: str | None = None  # the stop's final free request, until the allocator answers it
+    deleted: bool = False  # stopped and freed: the final JobStatePublished said so
+    origin: tuple = ()  # what JobSubmitted said (to tell a redelivery from a clashing job id)
+    seen: tuple[str, ...] = ()  # the duplicate ring: input event ids applied to this job, newest last
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    """One shard: its entitlements, its jobs (with their tasks), and the machines known not to be UP."""
+
+    entitlements: Mapping[str, Entitlement] = field(default_factory=_empty)
+    jobs: CowMap[Job] = field(default_factory=CowMap)
+    machines_down: Mapping[str, str] = field(default_factory=_empty)  # machine id → status or UE kind
+
+
+def request_id(job_id: str, spec_version: int, n: int) -> str:
+    """The id of a job's ``n``-th allocation request (1-based), sent under ``spec_version``."""
+    return f"{job_id}:v{spec_version}:r{n}"
+
+
+def task_id(job_id: str, index: int) -> str:
+    return f"{job_id}/{index}"
+
+
+def _index_of(tid: str) -> int:
+    return int(tid.rsplit("/", 1)[1])
+
+
+def published_state(job: Job) -> str:
+    """The job state JobStatePublished and ``job_view`` show."""
+    if job.status != JOB_ACTIVE:
+        return job.status
+    if job.updating:
+        return JOB_UPDATING
+    live = [t for t in job.tasks.values() if t.intent != RETIRE]
+    return JOB_RUNNING if len(live) == job.desired and all(t.state == RUNNING for t in live) else JOB_PENDING
+
+
+def _sorted_tasks(tasks: Mapping[str, Task]) -> list[Task]:
+    return sorted(tasks.values(), key=lambda t: t.index)
+
+
+def _by_index(tasks: Mapping[str, Task]) -> dict[str, Task]:
+    return dict(sorted(tasks.items(), key=lambda kv: kv[1].index))
+
+
+def job_view(state: SchedulerState, job_id: str) -> dict:
+    """What ``ropewalk job status --json`` prints. Raises UnknownJob."""
+    job = state.jobs.get(job_id)
+    if job is None:
+        raise UnknownJob(job_id)
+    return {
+        "job": job.id, "name": job.spec.name, "entitlement": job.entitlement, "state": published_state(job),
+        "spec_version": job.spec_version, "desired_tasks": job.desired, "last_reason": job.last_reason,
+        "last_ignored": job.last_ignored,
+        "tasks": [{"id": t.id, "state": t.state, "machine": t.machine, "dc": t.dc, "msb": t.msb, "rack": t.rack,
+                   "spec_version": t.spec_version, "reason": t.reason} for t in job.tasks.values()],
+    }
+
+
+# -- the working copy of one decision --------------------------------------------------------------------------
+
+class _Fold:
+    """The working copy of one call; the returned state is immutable. Emits with derived ids."""
+
+    def __init__(self, state: SchedulerState, now_ms: int, cause: Event | None, id_root: str | None = None):
+        self.state = state
+        self.now = now_ms
+        self.cause_id = cause.event_id if cause is not None else None  # recorded in each touched job's ring
+        self.causation_id = self.cause_id
+        self.id_root = id_root or self.cause_id or PRODUCER
+        self.work: dict[str, _JobWork] = {}
+        self.events: list[Event] = []
+        self._used: dict[tuple, int] = {}
+        self._down: dict[str, str] | None = None
+        self._entitlements: dict[str, Entitlement] | None = None
+
+    # machines and entitlements
+    def is_down(self, machine_id: str | None) -> bool:
+        down = self._down if self._down is not None else self.state.machines_down
+        return machine_id is not None and machine_id in down
+
+    def set_down(self, machine_id: str, status: str | None) -> None:
+        down = self._down if self._down is not None else self.state.machines_down
+        if down.get(machine_id) == status:
+            return
+        if self._down is None:
+            self._down = dict(self.state.machines_down)
+        if status is None:
+            self._down.pop(machine_id, None)
+        else:
+            self._down[machine_id] = status
+
+    def entitlements(self) -> Mapping[str, Entitlement]:
+        return self._entitlements if self._entitlements is not None else self.state.entitlements
+
+    def set_entitlement(self, ent: Entitlement) -> None:
+        if self.entitlements().get(ent.name) != ent:
+            self._entitlements = {**self.entitlements(), ent.name: ent}
+
+    # jobs
+    def job(self, job_id: str) -> Job | None:
+        w = self.work.get(job_id)
+        return w.job if w is not None else self.state.jobs.get(job_id)
+
+    def work_for(self, job_id: str) -> "_JobWork | None":
+        """The job's working copy, or None if the job is unknown or this event was applied to it already."""
+        w = self.work.get(job_id)
+        if w is not None:
+            return w
+        job = self.state.jobs.get(job_id)
+        if job is None or (self.cause_id is not None and self.cause_id in job.seen):
+            return None
+        w = self.work[job_id] = _JobWork(self, job)
+        return w
+
+    def new_job(self, job: Job) -> "_JobWork":
+        w = self.work[job.id] = _JobWork(self, job)
+        w.dirty = True
+        return w
+
+    # events
+    def emit(self, type_: str, entitlement: str, entity_id: str, payload: Mapping[str, Any], *disc: Any) -> None:
+        key = (type_, *disc)
+        n = self._used.get(key, 0)
+        self._used[key] = n + 1
+        eid = derived_event_id(self.id_root, *key, *((n,) if n else ()))
+        self.events.append(new_event(type_, payload, entitlement=entitlement, entity_id=entity_id,
+                                     producer=PRODUCER, causation_id=self.causation_id, timestamp_ms=self.now,
+                                     event_id=eid))
+
+    def result(self) -> tuple[SchedulerState, list[Event]]:
+        jobs = {job_id: w.finish() for job_id, w in self.work.items()}
+        changed = {k: v for k, v in jobs.items() if v is not self.state.jobs.get(k)}
+        if not changed and self._down is None and self._entitlements is None:
+            return self.state, self.events
+        return SchedulerState(
+            entitlements=MappingProxyType(self._entitlements) if self._entitlements is not None
+            else self.state.entitlements,
+            jobs=self.state.jobs.updated(changed),
+            machines_down=MappingProxyType(self._down) if self._down is not None else self.state.machines_down,
+        ), self.events
+
+
+def _visible(t: Task) -> tuple:
+    """What JobStatePublished shows of a task (and what ``published_state`` reads)."""
+    return t.state, t.intent, t.machine, t.dc, t.msb, t.rack, t.spec_version, t.reason
+
+
+_JOB_VISIBLE = frozenset({"spec", "spec_version", "desired", "status", "last_reason", "updating", "deleted"})
+
+
+class _JobWork:
+    """One job's working copy inside a decision: its task changes, the request being built, what to publish."""
+
+    def __init__(self, fold: _Fold, job: Job):
+        self.fold = fold
+        self.job = job
+        self._tasks: dict[str, Task] | None = None  # copied on the first write
+        self._added = False  # a task was added: the order by index must be restored
+        self.place: dict[str, None] = {}  # ordered sets of task ids for this decision's AllocationRequested
+        self.free: dict[str, None] = {}
+        self.avoid: set[str] = set()
+        self.dirty = False  # something JobStatePublished shows changed
+
+    @property
+    def tasks(self) -> Mapping[str, Task]:
+        return self._tasks if self._tasks is not None else self.job.tasks
+
+    def put(self, t: Task) -> Task:
+        old = self.tasks.get(t.id)
+        if self._tasks is None:
+            self._tasks = dict(self.job.tasks)
+        self._tasks[t.id] = t
+        if old is None:
+            self._added = True
+        if old is None or _visible(old) != _visible(t):
+            self.dirty = True
+        return t
+
+    def ordered(self) -> list[Task]:
+        """The tasks in index order."""
+        return _sorted_tasks(self.tasks) if self._added else list(self.tasks.values())
+
+    def drop(self, tid: str) -> None:
+        if self._tasks is None:
+            self._tasks = dict(self.job.tasks)
+        self._tasks.pop(tid, None)
+        self.dirty = True
+
+    def set(self, *, quiet: bool = False, **fields: Any) -> None:
+        """Change job fields; ``quiet``: a change JobStatePublished does not announce (a refused intent)."""
+        changed = [k for k, v in fields.items() if getattr(self.job, k) != v]
+        if changed:
+            self.job = replace(self.job, **fields)
+            self.dirty = self.dirty or (not quiet and any(k in _JOB_VISIBLE for k in changed))
+
+    def ignore(self, reason: str, detail: str) -> None:
+        self.set(quiet=True, last_ignored=f"{reason}: {detail}")
+
+    # emitting
+    def emit(self, type_: str, entity_id: str, payload: Mapping[str, Any], *disc: Any) -> None:
+        self.fold.emit(type_, self.job.entitlement, entity_id, payload, *disc)
+
+    def step(self, t: Task, trigger: str, *, emit_reason: str | None = None, **changes: Any) -> Task:
+        """Move ``t`` by ``trigger`` through the lifecycle table (raises IllegalTransition: a scheduler bug);
+        with ``emit_reason``, announce it with a TaskStateChanged."""
+        new = self.put(replace(t, state=lc.next_state(t.state, trigger), **changes))
+        if emit_reason is not None:
+            self.emit("TaskStateChanged", t.id, {
+                "task_id": t.id, "job_id": self.job.id, "machine_id": new.machine, "state": new.state,
+                "previous_state": t.state, "exit_code": None, "spec_version": new.spec_version,
+                "reason": emit_reason}, "state", t.id, new.state)
+        return new
+
+    def discovery(self, t: Task, enabled: bool, reason: str) -> Task:
+        self.emit("ServiceDiscoveryChanged", t.id, {
+            "task_id": t.id, "job_id": self.job.id, "machine_id": t.machine, "enabled": enabled, "reason": reason},
+            "discovery", t.id, enabled)
+        return self.put(replace(t, discovery=enabled))
+
+    def command(self, t: Task, command: str, reason: str) -> None:
+        spec = self.job.spec
+        starts = command != STOP
+        self.emit("TaskCommanded", t.id, {
+            "task_id": t.id, "job_id": self.job.id, "machine_id": t.machine, "command": command,
+            "argv": list(spec.command) if starts else [], "env": dict(spec.env) if starts else {},
+            "spec_version": t.spec_version, "reason": reason}, "command", t.id, command)
+
+    def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = ()) -> str:
+        job, spec = self.job, self.job.spec
+        n = job.requests + 1
+        rid = request_id(job.id, job.spec_version, n)
+        self.set(quiet=True, requests=n)
+        self.emit("AllocationRequested", rid, {
+            "request_id": rid, "job_id": job.id, "spec_version": job.spec_version,
+            "place_task_ids": sorted(place, key=_index_of), "free_task_ids": sorted(free, key=_index_of),
+            "resources": {"cpu_millicores": spec.cpu, "memory_mib": spec.mem},
+            "requirements": dict(spec.requirements), "spread": spec.spread, "avoid_machine_ids": sorted(avoid)},
+            "request", rid)
+        return rid
+
+    def retry_parked(self) -> None:
+        for t in self.ordered():
+            if t.parked and t.state == PENDING and t.intent == RUN:
+                self.put(replace(t, parked=False))
+                self.place[t.id] = None
+
+    # closing the decision
+    def finish(self) -> Job:
+        if self.job.status == JOB_ACTIVE:
+            _progress_update(self)
+            self._flush_request()
+        elif self.job.status == JOB_STOPPING:
+            self._finish_stop()
+        job = self.job
+        if self._tasks is not None:  # the working dict becomes the state's: nothing writes to it after this
+            job = replace(job, tasks=MappingProxyType(_by_index(self._tasks) if self._added else self._tasks))
+        if self.fold.cause_id is not None:
+            job = replace(job, seen=(*job.seen, self.fold.cause_id)[-SEEN_LIMIT:])
+        if self.dirty:
+            self.emit("JobStatePublished", job.id, _snapshot(job), "job", job.id)
+        return job
+
+    def _flush_request(self) -> None:
+        place = [tid for tid in self.place if (t := self.tasks.get(tid)) is not None and t.state == PENDING
+                 and t.intent == RUN]
+        if not place and not self.free:
+            return
+        terms = self.job.spec.terms
+        rid = self.request(place, self.free, self.avoid)
+        for tid in place:
+            self.put(replace(self.tasks[tid], request_id=rid, request_terms=terms, parked=False))
+
+    def _finish_stop(self) -> None:
+        """A stopping job whose tasks are all STOPPED: ask to free them all; stopped (deleted when answered)."""
+        if any(t.state != STOPPED for t in self.tasks.values()):
+            return
+        if not self.tasks:
+            self.set(status=JOB_STOPPED, deleted=True)
+            return
+        rid = self.request((), self.tasks)
+        self.set(status=JOB_STOPPED, free_request_id=rid)
+
+
+def _snapshot(job: Job) -> dict:
+    """The JobStatePublished payload."""
+    return {
+        "job_id": job.id, "name": job.spec.name, "state": published_state(job), "spec_version": job.spec_version,
+        "desired_tasks": job.desired,
+        "tasks": [t.row for t in job.tasks.values()],
+        "last_reason": job.last_reason, "deleted": job.deleted,
+    }
+
+
+# -- task steps: what each intent does next ----------------------------------------------------------------------
+
+def _advance(w: _JobWork, t: Task) -> None:
+    """Take the next step for ``t`` given its state and intent (after something happened to it)."""
+    if t.intent == RETIRE:
+        _advance_retiring(w, t)
+        return
+    if t.intent == UPDATE:
+        if t.state == STOPPING:
+            return
+        t = w.put(replace(t, intent=RUN))
+        if t.state == STOPPED:  # stopped for the update: start the job's spec version
+            _start_again(w, t, START, t.reason or REASON_ROLLING_UPDATE)
+            return
+    if t.state == PENDING:
+        if t.request_id is None and not t.parked:
+            w.place[t.id] = None
+    elif t.state == ALLOCATED:
+        if w.fold.is_down(t.machine):  # placed on a machine that failed meanwhile (the allocator raced the news)
+            _machine_lost(w, t, REASON_MACHINE_FAILED)
+        else:
+            t = w.step(t, START_COMMANDED, spec_version=w.job.spec_version)
+            w.command(t, START, REASON_PLACED)
+    elif t.state in (FAILED, STOPPED):  # went down on its own: the restart policy
+        if w.fold.is_down(t.machine):
+            _move(w, t, REASON_MACHINE_FAILED, avoid=t.machine)
+        elif t.restarts < MAX_RESTARTS:
+            _start_again(w, replace(t, restarts=t.restarts + 1), RESTART, REASON_RESTART_POLICY)
+        else:
+            w.put(replace(t, reason=REASON_RESTART_LIMIT))
+
+
+def _advance_retiring(w: _JobWork, t: Task) -> None:
+    if t.state in (STARTING, RUNNING):
+        _stop(w, t, t.reason)
+        return
+    if t.state in (PENDING, ALLOCATED, FAILED):  # nothing runs: stopped at once
+        held = t.machine is not None or t.request_id is not None
+        w.place.pop(t.id, None)
+        t = w.step(t, STOP_COMMANDED, emit_reason=t.reason, request_id=None, request_terms=None, parked=False)
+        if not held and w.job.status == JOB_ACTIVE:
+            w.drop(t.id)  # never placed nor asked for: nothing to free
+            return
+    if t.state == STOPPED and w.job.status == JOB_ACTIVE:  # a stopping job frees all at once (``_finish_stop``)
+        w.free[t.id] = None
+        w.drop(t.id)
+
+
+def _stop(w: _JobWork, t: Task, reason: str) -> Task:
+    """STOP a STARTING/RUNNING task: out of service discovery first, then the command (→ STOPPING)."""
+    if t.discovery:
+        t = w.discovery(t, False, reason)
+    t = w.step(t, STOP_COMMANDED, running_since_ms=None)
+    w.command(t, STOP, reason)
+    return t
+
+
+def _start_again(w: _JobWork, t: Task, command: str, reason: str) -> None:
+    """Start a FAILED/STOPPED task at the job's spec version on the machine it holds if it is up and its
+    placement fits the spec (TaskCommanded ``command``); else move it."""
+    if t.machine is None or w.fold.is_down(t.machine) or t.terms is None or not t.terms.fits(w.job.spec.terms):
+        _move(w, t, reason, avoid=t.machine if w.fold.is_down(t.machine) else None)
+        return
+    t = w.step(t, RESTART_COMMANDED, spec_version=w.job.spec_version)
+    w.command(t, command, reason)
+
+
+def _move(w: _JobWork, t: Task, reason: str, avoid: str | None = None) -> None:
+    """FAILED/STOPPED → PENDING, and ask the allocator to free its placement and place it again."""
+    t = w.step(t, RESCHEDULED, emit_reason=reason, machine=None, dc=None, msb=None, rack=None, terms=None,
+               spec_version=w.job.spec_version, running_since_ms=None, reason=reason)
+    w.free[t.id] = None
+    w.place[t.id] = None
+    if avoid is not None:
+        w.avoid.add(avoid)
+
+
+def _machine_lost(w: _JobWork, t: Task, reason: str) -> None:
+    """Twine's redeploy: out of service discovery, FAILED (or STOPPED if it was stopping), then moved away from
+    the machine, or freed if it was retiring. A task that was starting or running is also sent a STOP on the
+    machine it leaves: an UNHEALTHY machine (or one in maintenance) may still run it, and must not go on
+    running it once the task starts elsewhere."""
+    machine = t.machine
+    if t.discovery:
+        t = w.discovery(t, False, reason)
+    if t.state in (ALLOCATED, STARTING, RUNNING, STOPPING):
+        was = t.state
+        t = w.step(t, MACHINE_FAILED, emit_reason=reason, running_since_ms=None)
+        if was in (STARTING, RUNNING):
+            w.command(t, STOP, reason)  # the fence: addressed to the old machine, whatever it runs now
+    if t.intent == RETIRE:
+        _advance_retiring(w, t)
+    else:
+        _move(w, replace(t, intent=RUN, restarts=0), reason, avoid=machine)
+
+
+def _progress_update(w: _JobWork) -> None:
+    """Rolling update: replace tasks of an older spec version, never making more than ``max_unavailable``
+    tasks not RUNNING (counting any task not RUNNING for any reason)."""
+    if not w.job.updating:
+        return
+    version = w.job.spec_version
+    outdated = [t for t in w.ordered() if t.intent != RETIRE and t.spec_version < version]
+    if not outdated:
+        w.set(updating=False)
+        return
+    for t in outdated:  # already down (restart limit): replacing them costs no availability
+        if t.intent == RUN and t.state in (FAILED, STOPPED):
+            _start_again(w, replace(t, restarts=0, reason=REASON_ROLLING_UPDATE), START, REASON_ROLLING_UPDATE)
+    live = [t for t in w.tasks.values() if t.intent != RETIRE]
+    budget = w.job.spec.max_unavailable - sum(t.state != RUNNING for t in live)
+    for tid in (t.id for t in outdated):
+        if budget <= 0:
+            break
+        t = w.tasks[tid]
+        if t.intent == RUN and t.state == RUNNING and t.spec_version < version:
+            _stop(w, replace(t, intent=UPDATE, reason=REASON_ROLLING_UPDATE), REASON_ROLLING_UPDATE)
+            budget -= 1
+
+
+def _resize(w: _JobWork, n: int, reason: str) -> None:
+    """Grow: new PENDING tasks (a retiring task of that index is kept and started again); shrink: retire the
+    highest indices."""
+    job = w.job
+    for i in range(job.desired, n):
+        tid = task_id(job.id, i)
+        t = w.tasks.get(tid)
+        if t is None:
+            w.put(Task(id=tid, index=i, spec_version=job.spec_version, reason=reason))
+            w.place[tid] = None
+        elif t.intent == RETIRE:
+            _advance(w, w.put(replace(t, intent=UPDATE, reason=reason)))
+    for t in sorted(w.tasks.values(), key=lambda t: -t.index):
+        if t.index >= n and t.intent != RETIRE:
+            _advance_retiring(w, w.put(replace(t, intent=RETIRE, reason=reason)))
+    w.set(desired=n)
+
+
+# -- handlers: one per consumed event type -----------------------------------------------------------------------
+
+def _check_spec(p: Mapping[str, Any], spec: Spec) -> str | None:
+    """Why a spec cannot be served, or None."""
+    problems = []
+    if p["tasks"] < 0:
+        problems.append(f"tasks must be >= 0, got {p['tasks']}")
+    if not spec.command:
+        problems.append("command is empty")
+    if spec.cpu <= 0 or spec.mem <= 0:
+        problems.append(f"resources must be positive, got {spec.cpu}m cpu and {spec.mem} MiB")
+    if spec.max_unavailable < 1:
+        problems.append(f"max_unavailable must be >= 1, got {spec.max_unavailable}")
+    if spec.spread not in SPREAD_LEVELS:
+        problems.append(f"spread must be one of {', '.join(SPREAD_LEVELS)}, got {spec.spread!r}")
+    if unknown := sorted({k for k, _ in spec.requirements} - REQUIREMENT_KEYS):
+        problems.append(f"unsupported requirements {unknown}; supported: {sorted(REQUIREMENT_KEYS)}")
+    return f"{REASON_INVALID_SPEC}: {'; '.join(problems)}" if problems else None
+
+
+def _on_entitlement_created(fold: _Fold, ev: Event) -> None:
+    p = ev.payload
+    fold.set_entitlement(Entitlement(name=p["name"], quota_machines=p["quota_machines"],
+                                     machine_type=p.get("machine_type"), dc_pin=p.get("dc_pin"),
+                                     host_profile=p.get("host_profile")))
+
+
+def _on_job_submitted(fold: _Fold, ev: Event) -> None:
+    p = ev.payload
+    job_id, spec = p["job_id"], Spec.from_payload(p)
+    origin = (ev.entitlement, p["spec_version"], p["tasks"], spec)
+    existing = fold.state.jobs.get(job_id)
+    if existing is not None and existing.status != JOB_REJECTED:
+        w = fold.work_for(job_id)
+        if w is not None and existing.origin != origin:  # a clash, not a redelivery: refused, nothing emitted
+            w.set(quiet=True, last_reason=f"{REASON_DUPLICATE_JOB_ID}: job {job_id} exists with another spec "
+                                          f"(submitted to {existing.entitlement} at spec version "
+                                          f"{existing.origin[1]}); event {ev.event_id} refused")
+        return
+    if existing is not None and ev.event_id in existing.seen:
+        return
+    refusal = _check_spec(p, spec)
+    if ev.entitlement not in fold.entitlements():
+        refusal = f"{REASON_UNKNOWN_ENTITLEMENT}: entitlement {ev.entitlement!r} was never created"
+    w = fold.new_job(Job(id=job_id, entitlement=ev.entitlement, spec=spec, spec_version=p["spec_version"],
+                         desired=0, origin=origin, requests=existing.requests if existing else 0,
+                         seen=existing.seen if existing else ()))
+    if refusal is not None:
+        w.set(status=JOB_REJECTED, last_reason=refusal)
+        return
+    _resize(w, p["tasks"], REASON_SUBMITTED)
+
+
+def _intent_work(fold: _Fold, ev: Event) -> _JobWork | None:
+    """The job an intent is about, if it can take one (else the refusal is recorded, nothing emitted)."""
+    w = fold.work_for(ev.payload["job_id"])
+    if w is None:
+        return None
+    if ev.entitlement != w.job.entitlement:
+        w.set(quiet=True, last_reason=f"{REASON_ENTITLEMENT_MISMATCH}: {ev.type} {ev.event_id} is keyed to "
+                                      f"{ev.entitlement}, the job belongs to {w.job.entitlement}")
+        return None
+    if w.job.status != JOB_ACTIVE:
+        if w.job.status != JOB_REJECTED or ev.type != "JobStopped":
+            w.set(quiet=True, last_reason=f"{REASON_JOB_NOT_ACTIVE}: {ev.type} {ev.event_id} refused, "
+                                          f"the job is {w.job.status}")
+        return None
+    return w
+
+
+def _on_job_resized(fold: _Fold, ev: Event) -> None:
+    w = _intent_work(fold, ev)
+    if w is None:
+        return
+    n = ev.payload["tasks"]
+    if n < 0:
+        w.set(quiet=True, last_reason=f"{REASON_INVALID_SPEC}: tasks must be >= 0, got {n}")
+        return
+    _resize(w, n, REASON_RESIZED)
+    w.retry_parked()
+
+
+def _on_job_spec_changed(fold: _Fold, ev: Event) -> None:
+    w = _intent_work(fold, ev)
+    if w is None:
+        return
+    p = ev.payload
+    if p["spec_version"] == w.job.spec_version and Spec.from_payload(p) == w.job.spec:
+        return  # the change applied already (redelivered under another event id)
+    if p["spec_version"] <= w.job.spec_version:
+        w.set(quiet=True, last_reason=f"{REASON_STALE_SPEC_VERSION}: spec version {p['spec_version']} is not "
+                                      f"newer than {w.job.spec_version}")
+        return
+    spec = Spec.from_payload(p)
+    if (refusal := _check_spec(p, spec)) is not None:
+        w.set(quiet=True, last_reason=refusal)
+        return
+    version = p["spec_version"]
+    w.set(spec=spec, spec_version=version, updating=True)
+    for t in w.ordered():  # unplaced tasks will start the new version; re-ask if the terms changed
+        if t.state == PENDING and t.intent != RETIRE:
+            if t.request_id is not None and t.request_terms != spec.terms:
+                t = replace(t, request_id=None, request_terms=None)
+                w.free[t.id] = None  # the old request may place it before this one is read: free first
+                w.place[t.id] = None
+            w.put(replace(t, spec_version=version))
+    _resize(w, p["tasks"], REASON_RESIZED)
+    w.retry_parked()
+
+
+def _on_job_stopped(fold: _Fold, ev: Event) -> None:
+    w = _intent_work(fold, ev)
+    if w is None:
+        return
+    why = ev.payload.get("reason", "")
+    w.set(status=JOB_STOPPING, updating=False, last_reason=f"{REASON_JOB_STOPPED}: {why}" if why else "")
+    for t in sorted(w.tasks.values(), key=lambda t: -t.index):
+        _advance_retiring(w, w.put(replace(t, intent=RETIRE, reason=REASON_JOB_STOPPED)))
+
+
+def _on_tasks_allocated(fold: _Fold, ev: Event) -> None:
+    w = fold.work_for(ev.payload["job_id"])
+    if w is None:
+        return
+    rid = ev.payload["request_id"]
+    placed = False
+    for pl in ev.payload["placements"]:
+        t = w.tasks.get(pl["task_id"])
+        if t is None or t.request_id != rid or t.state != PENDING:
+            continue  # stale (superseded, retired) or applied already
+        t = w.step(t, ALLOCATED_EV, emit_reason=REASON_ALLOCATED, machine=pl["machine_id"], dc=pl["dc"],
+                   msb=pl["msb"], rack=pl["rack"], terms=t.request_terms, request_id=None, request_terms=None,
+                   parked=False)
+        _advance(w, t)
+        placed = True
+    if placed and not any(t.parked for t in w.tasks.values()):
+        w.set(last_reason="")
+
+
+def _on_allocation_rejected(fold: _Fold, ev: Event) -> None:
+    w = fold.work_for(ev.payload["job_id"])
+    if w is None:
+        return
+    p = ev.payload
+    rejected = False
+    for tid in p["unplaced_task_ids"]:
+        t = w.tasks.get(tid)
+        if t is None or t.request_id != p["request_id"] or t.state != PENDING:
+            continue
+        w.put(replace(t, request_id=None, request_terms=None, parked=True, reason=p["reason"]))
+        rejected = True
+    if rejected:
+        w.set(last_reason=f"{p['reason']}: {p['message']}" if p.get("message") else p["reason"])
+
+
+def _on_tasks_deallocated(fold: _Fold, ev: Event) -> None:
+    """Only the answer to a stopped job's final free request matters: the job's tasks are gone."""
+    w = fold.work_for(ev.payload["job_id"])
+    if w is None or w.job.status != JOB_STOPPED or w.job.free_request_id != ev.payload.get("request_id"):
+        return
+    for tid in list(w.tasks):
+        w.drop(tid)
+    w.set(deleted=True, free_request_id=None)
+
+
+def _report_trigger(t: Task, reported: str) -> str | None:
+    if reported == STOPPED and t.state == STOPPING:
+        return STOPPED_EV
+    return REPORT_TRIGGERS.get(reported)
+
+
+def _on_task_state_changed(fold: _Fold, ev: Event) -> None:
+    """An agent's report: STARTING, RUNNING, STOPPED, FAILED (exit_code)."""
+    p = ev.payload
+    w = fold.work_for(p["job_id"])
+    if w is None:
+        return
+    reported = p["state"]
+    t = w.tasks.get(p["task_id"])
+    if t is None:
+        w.ignore(REASON_UNKNOWN_TASK, f"{ev.event_id} reports {reported} for {p['task_id']}")
+        return
+    machine = p.get("machine_id")
+    if (machine is not None and machine != t.machine) or p.get("spec_version", 1) != t.spec_version:
+        w.ignore(REASON_STALE_REPORT, f"{ev.event_id} reports {t.id} {reported} on {machine} at spec version "
+                                      f"{p.get('spec_version', 1)}; the task is {t.state} on {t.machine} at "
+                                      f"{t.spec_version}")
+        return
+    trigger = _report_trigger(t, reported)
+    if trigger is None:
+        w.ignore(REASON_NOT_AN_AGENT_STATE, f"{ev.event_id} reports {t.id} {reported}")
+        return
+    try:
+        state, changed = lc.apply(t.state, trigger)
+    except IllegalTransition:
+        w.ignore(REASON_ILLEGAL_REPORT, f"{ev.event_id} reports {t.id} {reported} while it is {t.state}")
+        return
+    if not changed:
+        return
+    now = fold.now
+    if state == RUNNING:
+        t = w.put(replace(t, state=state, running_since_ms=now, reason=""))
+        w.discovery(t, True, REASON_TASK_RUNNING)
+        return
+    if state == STARTING:  # an agent ahead of the scheduler's own step (not seen: the START comes with it)
+        w.put(replace(t, state=state))
+        return
+    if t.state == STOPPING:  # a stop was asked: however it ended, the task keeps the stop's reason
+        reason = t.reason
+    else:
+        reason = REASON_CRASHED if trigger == CRASHED else REASON_EXITED
+    ran_long = t.running_since_ms is not None and now - t.running_since_ms >= RESTART_RESET_MS
+    if t.discovery:
+        t = w.discovery(t, False, reason)
+    t = w.put(replace(t, state=state, running_since_ms=None, restarts=0 if ran_long else t.restarts,
+                      reason=reason))
+    _advance(w, t)
+
+
+def _evacuate(fold: _Fold, ev: Event, machine_ids: Iterable[str], reason: str) -> None:
+    """Move every task of this shard off ``machine_ids``. Machine and unavailability events are keyed to the
+    machine's owner, so only that entitlement's jobs are looked at (all jobs for a free-pool key)."""
+    gone = set(machine_ids)
+    everyone = ev.entitlement not in fold.entitlements()
+    for job_id in sorted(fold.state.jobs):
+        job = fold.job(job_id)
+        if job.status not in (JOB_ACTIVE, JOB_STOPPING) or (not everyone and job.entitlement != ev.entitlement):
+            continue
+        hit = [t.id for t in job.tasks.values() if t.machine in gone and t.state in ON_MACHINE]
+        if not hit:
+            continue
+        w = fold.work_for(job_id)
+        if w is None:  # applied already
+            continue
+        for tid in hit:
+            _machine_lost(w, w.tasks[tid], reason)
+
+
+def _on_machine_status_changed(fold: _Fold, ev: Event) -> None:
+    mid, status = ev.payload["machine_id"], ev.payload["status"]
+    if status == UP:
+        fold.set_down(mid, None)
+    elif status in MACHINE_LOST_REASON:
+        fold.set_down(mid, status)
+        _evacuate(fold, ev, [mid], MACHINE_LOST_REASON[status])
+
+
+def _on_unavailability_started(fold: _Fold, ev: Event) -> None:
+    if ev.payload["kind"] not in UNAVAILABLE_KINDS:
+        return  # planned maintenance: advance notice for TaskControl (later), the status change moves tasks
+    for mid in ev.payload["machine_ids"]:
+        fold.set_down(mid, ev.payload["kind"])
+    _evacuate(fold, ev, ev.payload["machine_ids"], REASON_MACHINE_FAILED)
+
+
+Handler = Callable[[_Fold, Event], None]
+
+HANDLERS: Mapping[str, Handler] = MappingProxyType({
+    "EntitlementCreated": _on_entitlement_created,
+    "JobSubmitted": _on_job_submitted,
+    "JobSpecChanged": _on_job_spec_changed,
+    "JobResized": _on_job_resized,
+    "JobStopped": _on_job_stopped,
+    "TasksAllocated": _on_tasks_allocated,
+    "AllocationRejected": _on_allocation_rejected,
+    "TasksDeallocated": _on_tasks_deallocated,
+    "TaskStateChanged": _on_task_state_changed,
+    "MachineStatusChanged": _on_machine_status_changed,
+    "UnavailabilityStarted": _on_unavailability_started,
+})
+CONSUMED = frozenset(HANDLERS)  # event types the shard reads; every other type is ignored
+
+
+def is_own(event: Event) -> bool:
+    """Whether the scheduler produced ``event`` (its events come back on the topics it reads)."""
+    return event.producer == PRODUCER or event.producer.startswith(PRODUCER + "/")
+
+
+# -- records: the state as faust table values (MappingProxyType does not pickle) -------------------------------
+
+_TASK_FIELDS = tuple(f.name for f in fields(Task) if f.init)
+
+
+def _pairs(pairs: Pairs) -> list[list[str]]:
+    return [list(p) for p in pairs]
+
+
+def _terms_record(t: Terms | None) -> dict | None:
+    return None if t is None else {"cpu": t.cpu, "mem": t.mem, "requirements": _pairs(t.requirements)}
+
+
+def _terms_of(r: Mapping[str, Any] | None) -> Terms | None:
+    return None if r is None else Terms(r["cpu"], r["mem"], tuple(map(tuple, r["requirements"])))
+
+
+def _spec_record(s: Spec) -> dict:
+    return {"name": s.name, "command": list(s.command), "cpu": s.cpu, "mem": s.mem,
+            "requirements": _pairs(s.requirements), "spread": s.spread, "max_unavailable": s.max_unavailable,
+            "env": _pairs(s.env)}
+
+
+def _spec_of(r: Mapping[str, Any]) -> Spec:
+    return Spec(name=r["name"], command=tuple(r["command"]), cpu=r["cpu"], mem=r["mem"],
+                requirements=tuple(map(tuple, r["requirements"])), spread=r["spread"],
+                max_unavailable=r["max_unavailable"], env=tuple(map(tuple, r["env"])))
+
+
+def job_to_record(job: Job) -> dict:
+    """``job`` as plain JSON-able data (a faust table value); ``job_from_record`` reads it back equal."""
+    tasks = []
+    for t in job.tasks.values():
+        r = {name: getattr(t, name) for name in _TASK_FIELDS}
+        r["terms"], r["request_terms"] = _terms_record(t.terms), _terms_record(t.request_terms)
+        tasks.append(r)
+    origin = [*job.origin[:3], _spec_record(job.origin[3])] if job.origin else []
+    return {"id": job.id, "entitlement": job.entitlement, "spec": _spec_record(job.spec),
+            "spec_version": job.spec_version, "desired": job.desired, "status": job.status, "tasks": tasks,
+            "last_reason": job.last_reason, "last_ignored": job.last_ignored, "updating": job.updating,
+            "requests": job.requests, "free_request_id": job.free_request_id, "deleted": job.deleted,
+            "origin": origin, "seen": list(job.seen)}
+
+
+def job_from_record(r: Mapping[str, Any]) -> Job:
+    tasks = {}
+    for tr in r["tasks"]:
+        t = Task(**{**tr, "terms": _terms_of(tr["terms"]), "request_terms": _terms_of(tr["request_terms"])})
+        tasks[t.id] = t
+    o = r["origin"]
+    return Job(id=r["id"], entitlement=r["entitlement"], spec=_spec_of(r["spec"]), spec_version=r["spec_version"],
+               desired=r["desired"], status=r["status"], tasks=MappingProxyType(tasks), last_reason=r["last_reason"],
+               last_ignored=r["last_ignored"], updating=r["updating"], requests=r["requests"],
+               free_request_id=r["free_request_id"], deleted=r["deleted"],
+               origin=(*o[:3], _spec_of(o[3])) if o else (), seen=tuple(r["seen"]))
+
+
+def state_of(jobs: Iterable[Job] = (), entitlements: Iterable[Entitlement] = (),
+             machines_down: Mapping[str, str] | None = None) -> SchedulerState:
+    """A shard's state from its parts (e.g. read back from faust tables)."""
+    return SchedulerState(entitlements=MappingProxyType({e.name: e for e in entitlements}),
+                          jobs=CowMap((j.id, j) for j in jobs),
+                          machines_down=MappingProxyType(dict(machines_down or {})))
+
+
+# -- decisions ---------------------------------------------------------------------------------------------------
+
+def decide(state: SchedulerState, event: Event, now_ms: int) -> tuple[SchedulerState, list[Event]]:
+    """Apply one decoded input event: the new state and the events to produce (in order).
+
+    Event types outside ``CONSUMED`` and the scheduler's own events change nothing. An event id already in the
+    job's duplicate ring changes nothing and emits nothing. Emitted ids are ``derived_event_id`` of the input's
+    id and a discriminator; ``causation_id`` is the input's id; ``timestamp_ms`` is ``now_ms``.
+    """
+    handler = HANDLERS.get(event.type)
+    if handler is None or is_own(event):
+        return state, []
+    fold = _Fold(state, now_ms, event)
+    handler(fold, event)
+    return fold.result()
+
+
+def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int) -> tuple[SchedulerState, list[Event]]:
+    """``decide`` over many events in order (replaying a log): the final state and everything emitted."""
+    out: list[Event] = []
+    for ev in events:
+        state, emitted = decide(state, ev, now_ms)
+        out.extend(emitted)
+    return state, out
+
+
+def retry_unplaced(state: SchedulerState, now_ms: int) -> tuple[SchedulerState, list[Event]]:
+    """The timer's decision: ask again to place every task left unplaced by an AllocationRejected (one request
+    per job). Ids derive from the request ids, so a repeat from the same state emits the same events."""
+    fold = _Fold(state, now_ms, None, id_root=f"{PRODUCER}/retry")
+    for job_id in sorted(state.jobs):
+        job = state.jobs[job_id]
+        if job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()):
+            fold.work_for(job_id).retry_parked()
+    return fold.result()
