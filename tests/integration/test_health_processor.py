@@ -1,0 +1,239 @@
+"""The Health Check Service process on the real broker: five machines heartbeat; one goes silent → UNHEALTHY
+(heartbeat_missed) for exactly that one, then DOWN + UnavailabilityStarted FAILURE (the broker's
+machine_failed, health_check); its heartbeats resume → UP (heartbeat_resumed) + UnavailabilityEnded."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from infra.config import PROJECT_ROOT
+from processors.health import decide as hd
+from processors.resourcebroker import decide as bd
+from processors.resourcebroker.region import generate_region, machines
+from streams.clients import EventConsumer, EventProducer
+from streams.events import new_event
+from streams.topics import Topics
+
+
+PY = sys.executable
+TIMEOUT_MS = 1500
+TICK_MS = 200
+BEAT_S = 0.2
+
+
+def env_of(cfg, tmp_path) -> dict:
+    return {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
+            "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
+            "ROPEWALK_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+
+
+def wait_ready(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    """Read the process's log until its ready line; fail with the log if it dies or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = proc.log_path.read_text()
+        for line in text.splitlines():
+            if " ready" in line:
+                return line
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    stop(proc)
+    raise AssertionError("process not ready:\n" + "\n".join(proc.log_path.read_text().splitlines()[-40:]))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+class Heartbeats(threading.Thread):
+    """Heartbeats for ``machine_ids`` every BEAT_S with increasing sequence; ``silent`` ones skip theirs."""
+
+    def __init__(self, cfg, registry, machine_ids):
+        super().__init__(daemon=True)
+        self.producer = EventProducer(cfg, registry, "test-agents")
+        self.machine_ids = list(machine_ids)
+        self.silent: set[str] = set()
+        self.seq = 0
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def run(self):
+        try:
+            while not self.done.is_set():
+                self.seq += 1
+                for mid in self.machine_ids:
+                    if mid not in self.silent:
+                        self.producer.send(new_event("AgentHeartbeat", {"machine_id": mid, "running_task_ids": [],
+                                                                        "sequence": self.seq},
+                                                     entitlement="free/dc1", entity_id=mid, producer="test-agent"))
+                self.producer.flush()
+                time.sleep(BEAT_S)
+        except Exception as exc:  # surfaced by the test
+            self.error = exc
+
+    def stop(self):
+        self.done.set()
+        self.join(5)
+
+
+class Follow:
+    """Follows topics from the beginning and keeps every record."""
+
+    def __init__(self, cfg, registry, *logical):
+        t = Topics(cfg.topic_prefix, cfg.partitions)
+        self.consumer = EventConsumer(cfg, registry, [t.name(x) for x in logical], name="test-follow")
+        self.records = []
+
+    def until(self, pred, timeout_s, what):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.records += self.consumer.poll(5000, 0.2)
+            if pred(self.events()):
+                return self.events()
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; saw "
+                             f"{[(e.type, e.entity_id, e.payload.get('status'), e.payload.get('reason')) for e in self.events()][-20:]}")
+
+    def events(self):
+        return [r.event for r in self.records]
+
+    def close(self):
+        self.consumer.close()
+
+
+def status_changes(events, status=None):
+    return [e for e in events if e.type == "MachineStatusChanged" and (status is None or e.payload["status"] == status)]
+
+
+@pytest.fixture
+def region(cfg, registry):
+    ms = machines(generate_region(5, 1, 0))
+    _, events = bd.register_all(bd.BrokerState(), ms, int(time.time() * 1000))
+    p = EventProducer(cfg, registry, "test")
+    for ev in events:
+        p.send(ev)
+    p.flush()
+    return [m.id for m in ms]
+
+
+@pytest.fixture
+def health_proc(cfg, tmp_path):
+    procs = []
+
+    def start(*args):
+        log_path = tmp_path / f"health-{len(procs)}.log"
+        with open(log_path, "w") as out:
+            p = subprocess.Popen([PY, "-m", "processors.health.processor", "--timeout-ms", str(TIMEOUT_MS),
+                                  "--tick-ms", str(TICK_MS), *args], cwd=PROJECT_ROOT, env=env_of(cfg, tmp_path),
+                                 stdout=out, stderr=subprocess.STDOUT, text=True)
+        p.log_path = log_path
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        stop(p)
+
+
+def test_silent_machine_fails_and_recovers(cfg, registry, region, health_proc):
+    line = wait_ready(health_proc())
+    assert "5 machines watched" in line, line
+    beats = Heartbeats(cfg, registry, region)
+    beats.start()
+    follow = Follow(cfg, registry, "machines", "unavailability")
+    try:
+        # Past the startup hold and a few ticks: everyone heartbeats, nobody is judged.
+        time.sleep((TIMEOUT_MS + 3 * TICK_MS) / 1000)
+        follow.until(lambda evs: len(evs) >= 5, 10, "the registrations")
+        assert status_changes(follow.events()) == []
+
+        victim = region[2]
+        beats.silent.add(victim)
+        t0 = time.monotonic()
+        evs = follow.until(lambda evs: any(e.type == "UnavailabilityStarted" for e in evs),
+                           (TIMEOUT_MS + TICK_MS) / 1000 + 8, "UNHEALTHY + UnavailabilityStarted")
+        elapsed = time.monotonic() - t0
+        assert elapsed < (TIMEOUT_MS + TICK_MS) / 1000 + 5
+        unhealthy = status_changes(evs, bd.UNHEALTHY)
+        assert [(e.entity_id, e.payload["reason"], e.payload["previous_status"]) for e in unhealthy] == \
+            [(victim, hd.HEARTBEAT_MISSED, bd.UP)]
+        assert unhealthy[0].entitlement == "free/dc1"
+        down = status_changes(evs, bd.DOWN)
+        assert [(e.entity_id, e.payload["reason"]) for e in down] == [(victim, bd.REASON_HEALTH_CHECK)]
+        started = [e for e in evs if e.type == "UnavailabilityStarted"]
+        assert len(started) == 1
+        assert started[0].payload["kind"] == bd.KIND_FAILURE and started[0].payload["machine_ids"] == [victim]
+        assert started[0].entitlement == "free/dc1" and started[0].payload["reason"] == bd.REASON_HEALTH_CHECK
+
+        beats.silent.discard(victim)
+        evs = follow.until(lambda evs: any(e.type == "UnavailabilityEnded" for e in evs), 10,
+                           "UP + UnavailabilityEnded")
+        up = status_changes(evs, bd.UP)
+        assert [(e.entity_id, e.payload["reason"], e.payload["previous_status"]) for e in up] == \
+            [(victim, hd.HEARTBEAT_RESUMED, bd.DOWN)]
+        ended = [e for e in evs if e.type == "UnavailabilityEnded"]
+        assert len(ended) == 1 and ended[0].payload["unavailability_id"] == started[0].payload["unavailability_id"]
+        assert ended[0].entitlement == "free/dc1"
+
+        # Stays healthy: no more status changes for anyone over a few timeouts.
+        time.sleep(2 * TIMEOUT_MS / 1000)
+        follow.until(lambda evs: True, 1, "")
+        assert len(status_changes(follow.events())) == 3
+        assert beats.error is None
+    finally:
+        beats.stop()
+        follow.close()
+
+
+def test_grace_period_resume_opens_no_unavailability(cfg, registry, region, health_proc):
+    """With a grace period, a machine that speaks again before it ends goes UNHEALTHY → UP, no UE."""
+    wait_ready(health_proc("--grace-ms", "60000"))
+    beats = Heartbeats(cfg, registry, region)
+    beats.start()
+    follow = Follow(cfg, registry, "machines", "unavailability")
+    try:
+        time.sleep((TIMEOUT_MS + 3 * TICK_MS) / 1000)
+        victim = region[0]
+        beats.silent.add(victim)
+        follow.until(lambda evs: status_changes(evs, bd.UNHEALTHY), (TIMEOUT_MS + TICK_MS) / 1000 + 8, "UNHEALTHY")
+        beats.silent.discard(victim)
+        evs = follow.until(lambda evs: status_changes(evs, bd.UP), 10, "UP")
+        assert [(e.entity_id, e.payload["reason"], e.payload["previous_status"]) for e in status_changes(evs)] == \
+            [(victim, hd.HEARTBEAT_MISSED, bd.UP), (victim, hd.HEARTBEAT_RESUMED, bd.UNHEALTHY)]
+        time.sleep(1)
+        follow.until(lambda evs: True, 1, "")
+        assert not [e for e in follow.events() if e.type.startswith("Unavailability")]
+    finally:
+        beats.stop()
+        follow.close()
+
+
+def test_bad_heartbeat_record_goes_to_deadletter(cfg, registry, region, health_proc):
+    """Garbage on heartbeats is dead-lettered and the service keeps judging."""
+    wait_ready(health_proc())
+    p = EventProducer(cfg, registry, "test")
+    t = Topics(cfg.topic_prefix, cfg.partitions)
+    time.sleep(0.5)
+    p.send_raw(t.name("heartbeats"), region[0].encode(), b"not avro at all")
+    p.flush()
+    follow = Follow(cfg, registry, "deadletter", "machines")
+    try:
+        evs = follow.until(lambda evs: any(e.type == "DeadLetterRecorded" for e in evs), 15, "a dead letter")
+        dl = [e for e in evs if e.type == "DeadLetterRecorded"][0]
+        assert dl.payload["consumer"] == hd.PRODUCER and dl.payload["origin_topic"] == t.name("heartbeats")
+        # Still alive: nobody heartbeats here, so all five go UNHEALTHY after the timeout.
+        follow.until(lambda evs: len(status_changes(evs, bd.UNHEALTHY)) == 5, (2 * TIMEOUT_MS) / 1000 + 8,
+                     "five UNHEALTHY")
+    finally:
+        follow.close()

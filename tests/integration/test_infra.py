@@ -1,0 +1,110 @@
+"""infra start/stop on real processes: idempotent start, clear failures, nothing left behind."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra import services
+from infra.config import Config
+from infra.process import InfraError, ManagedProcess, pid_alive, port_open
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def own_cfg(tmp_path):
+    cfg = Config.from_env({"ROPEWALK_BROKER_PORT": str(free_port()), "ROPEWALK_REDIS_PORT": str(free_port()),
+                           "ROPEWALK_RUN_DIR": str(tmp_path / "run")})
+    yield cfg
+    services.down(cfg)
+
+
+def test_start_is_idempotent_and_stop_leaves_no_process(own_cfg):
+    first = services.up(own_cfg)
+    assert first["broker"]["started"] and first["redis"]["started"]
+    pids = {first["broker"]["pid"], first["redis"]["pid"]}
+    second = services.up(own_cfg)
+    assert not second["broker"]["started"] and not second["redis"]["started"]
+    assert {second["broker"]["pid"], second["redis"]["pid"]} == pids
+    st = services.status(own_cfg)
+    assert st["broker"]["ready"] and st["redis"]["ready"]
+    down = services.down(own_cfg)
+    assert down["broker"]["stopped"] and down["redis"]["stopped"]
+    assert not any(pid_alive(p) for p in pids)
+    assert not port_open(own_cfg.broker_port) and not port_open(own_cfg.redis_port)
+    assert not list(own_cfg.run_dir.glob("*.pid"))
+    assert services.down(own_cfg) == {"broker": {"name": "broker", "stopped": False},
+                                      "redis": {"name": "redis", "stopped": False}}
+
+
+def test_port_taken_fails_with_a_clear_message(own_cfg):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", own_cfg.broker_port))
+        s.listen()
+        with pytest.raises(InfraError, match=f"port {own_cfg.broker_port} is taken"):
+            services.up(own_cfg)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["/nonexistent/tansu"], "binary /nonexistent/tansu is missing"),
+    ([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], "exited with code 3 at start: boom"),
+])
+def test_start_failures_are_one_line_reasons(tmp_path, argv, message):
+    proc = ManagedProcess("thing", argv, free_port(), tmp_path, ready=lambda: True, start_timeout_s=5)
+    with pytest.raises(InfraError, match=message):
+        proc.start()
+    assert not proc.pid_file.exists()
+
+
+def test_a_process_that_never_listens_times_out_and_is_reported(tmp_path):
+    proc = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], free_port(), tmp_path,
+                          ready=lambda: True, start_timeout_s=1)
+    with pytest.raises(InfraError, match="not ready on port"):
+        proc.start()
+    pid = int(proc.pid_file.read_text())
+    proc.stop()
+    assert not pid_alive(pid)
+
+
+def test_cli_up_status_down(own_cfg):
+    env = {**os.environ, "ROPEWALK_BROKER_PORT": str(own_cfg.broker_port),
+           "ROPEWALK_REDIS_PORT": str(own_cfg.redis_port), "ROPEWALK_RUN_DIR": str(own_cfg.run_dir)}
+    exe = [sys.executable, "-m", "processors.frontend.cli"]
+
+    def run(*args):
+        return subprocess.run(exe + list(args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    assert run("status").returncode == 1  # nothing running yet
+    up = run("up", "--machines", "0", "--json")
+    assert up.returncode == 0, up.stderr
+    import json
+    doc = json.loads(up.stdout)
+    assert len(doc["topics"]) == 11 and all(n for n in doc["topics"].values())
+    st = run("status", "--json")
+    assert st.returncode == 0 and json.loads(st.stdout)["components"]["broker"]["ready"]
+    bad = run("produce", "intents", "JobResized", "-", "--entitlement", "e1")
+    assert bad.returncode == 1 and bad.stderr.startswith("ropewalk: input is empty")
+    assert run("down").returncode == 0
+    assert not port_open(own_cfg.broker_port)
+
+
+def test_external_services_are_not_started(tmp_path):
+    cfg = Config.from_env({"ROPEWALK_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
+                           "ROPEWALK_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+                           "ROPEWALK_RUN_DIR": str(tmp_path)})
+    assert not cfg.embedded_broker and not cfg.embedded_redis
+    with pytest.raises(InfraError, match="does not answer"):
+        services.up(cfg)
+    assert services.down(cfg) == {}

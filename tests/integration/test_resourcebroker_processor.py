@@ -1,0 +1,163 @@
+"""The Resource Broker process on the real broker: registers a generated region once (a restart folds the log
+and registers nothing again); the CLI-facing fail_machine / recover_machine produce status and unavailability
+events keyed to the machine's owner, and name an unknown machine."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from infra.config import PROJECT_ROOT
+from processors.resourcebroker import decide as d
+from processors.resourcebroker.processor import fail_machine, fold_machines, recover_machine
+from processors.resourcebroker.region import generate_region, machines
+from streams.clients import EventConsumer
+from streams.topics import Topics
+
+PY = sys.executable
+N = 50
+
+
+def env_of(cfg, tmp_path) -> dict:
+    return {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
+            "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
+            "ROPEWALK_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+
+
+def start_broker(cfg, tmp_path, *args) -> subprocess.Popen:
+    log_path = tmp_path / f"resourcebroker-{time.monotonic_ns()}.log"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([PY, "-m", "processors.resourcebroker.processor", *args], cwd=PROJECT_ROOT,
+                                env=env_of(cfg, tmp_path), stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = log_path
+    return proc
+
+
+def wait_ready(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    """Read the process's log until its ready line; fail with the log if it dies or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = proc.log_path.read_text()
+        for line in text.splitlines():
+            if " ready" in line:
+                return line
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    stop(proc)
+    raise AssertionError("process not ready:\n" + "\n".join(proc.log_path.read_text().splitlines()[-40:]))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def read_all(cfg, registry, logical, settle_s=1.0, timeout_s=20.0):
+    """Every event of a topic (read to end-of-partition on every partition)."""
+    topic = Topics(cfg.topic_prefix, cfg.partitions).name(logical)
+    c = EventConsumer(cfg, registry, [topic], name="test-reader")
+    out = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        want = set(c.partitions())
+        while time.monotonic() < deadline:
+            recs = c.poll(5000, 0.2)
+            out += recs
+            if not recs and want <= c.eof:
+                break
+    finally:
+        c.close()
+    return out
+
+
+@pytest.fixture
+def broker_proc(cfg, tmp_path):
+    procs = []
+
+    def start(*args):
+        p = start_broker(cfg, tmp_path, *args)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        stop(p)
+
+
+def test_registers_a_generated_region_once(cfg, registry, broker_proc):
+    p = broker_proc("--machines", str(N), "--seed", "3")
+    line = wait_ready(p)
+    assert f"{N} registered" in line
+    recs = read_all(cfg, registry, "machines")
+    regs = [r for r in recs if r.event.type == "MachineRegistered"]
+    assert len(regs) == N
+    expected = {m.id: m for m in machines(generate_region(N, 2, 3))}
+    assert {r.event.payload["machine_id"] for r in regs} == set(expected)
+    for r in regs:
+        dc = expected[r.event.payload["machine_id"]].dc
+        assert r.key == f"free/{dc}".encode() and r.event.entitlement == f"free/{dc}"
+    stop(p)
+    assert p.returncode == 0  # SIGTERM: a clean stop, not a kill
+
+    p2 = broker_proc("--machines", str(N), "--seed", "3")
+    line = wait_ready(p2)
+    assert f"{N} machines, 0 registered" in line, line
+    time.sleep(0.5)
+    regs2 = [r for r in read_all(cfg, registry, "machines") if r.event.type == "MachineRegistered"]
+    assert len(regs2) == N
+
+
+def test_fail_and_recover_machine(cfg, registry, broker_proc):
+    wait_ready(broker_proc("--machines", "10", "--dcs", "1"))
+    mid = machines(generate_region(10, 1, 0))[4].id
+    ids = fail_machine(cfg, mid, registry=registry)
+    assert len(ids) == 2
+    ms = {r.event.event_id: r for r in read_all(cfg, registry, "machines")}
+    ue = {r.event.event_id: r for r in read_all(cfg, registry, "unavailability")}
+    down, started = ms[ids[0]], ue[ids[1]]
+    assert down.event.type == "MachineStatusChanged" and down.event.payload["status"] == d.DOWN
+    assert down.event.payload["reason"] == d.REASON_OPERATOR and down.key == b"free/dc1"
+    assert started.event.type == "UnavailabilityStarted" and started.key == b"free/dc1"
+    assert started.event.payload["kind"] == d.KIND_FAILURE and started.event.payload["machine_ids"] == [mid]
+    assert fold_machines(cfg, registry).get(mid).status == d.DOWN
+    assert fail_machine(cfg, mid, registry=registry) == []  # DOWN already: nothing
+
+    ids2 = recover_machine(cfg, mid, registry=registry)
+    ms = {r.event.event_id: r for r in read_all(cfg, registry, "machines")}
+    ue = {r.event.event_id: r for r in read_all(cfg, registry, "unavailability")}
+    up, ended = ms[ids2[0]], ue[ids2[1]]
+    assert up.event.payload["status"] == d.UP and up.event.payload["previous_status"] == d.DOWN
+    assert ended.event.type == "UnavailabilityEnded" and ended.key == b"free/dc1"
+    assert ended.event.payload["unavailability_id"] == started.event.payload["unavailability_id"]
+    assert Counter(r.event.type for r in ue.values()) == {"UnavailabilityStarted": 1, "UnavailabilityEnded": 1}
+
+    with pytest.raises(d.UnknownMachine, match="no-such-machine"):
+        fail_machine(cfg, "no-such-machine", registry=registry)
+    with pytest.raises(d.UnknownMachine, match="no-such-machine"):
+        recover_machine(cfg, "no-such-machine", registry=registry)
+
+
+def test_fail_machine_keys_to_the_owner_entitlement(cfg, registry, broker_proc):
+    """A machine held by an entitlement: its failure is keyed to that entitlement (the scheduler shard's)."""
+    from streams.clients import EventProducer
+    from streams.events import new_event
+
+    wait_ready(broker_proc("--machines", "4", "--dcs", "1"))
+    mid = machines(generate_region(4, 1, 0))[0].id
+    p = EventProducer(cfg, registry, "test")
+    p.send(new_event("MachineAssignedToEntitlement", {"machine_id": mid, "dc": "dc1"}, entitlement="e7",
+                     entity_id=mid, producer="test"), validate=False)
+    p.flush()
+    ids = fail_machine(cfg, mid, "power", registry=registry)
+    ue = {r.event.event_id: r for r in read_all(cfg, registry, "unavailability")}
+    assert ue[ids[1]].key == b"e7" and ue[ids[1]].event.payload["reason"] == "power"

@@ -1,0 +1,344 @@
+"""The sharded scheduler on the real broker: workers are ``python -m processors.scheduler.shard`` subprocesses
+(so killing one is real), and the test plays the front end, the allocator and the agents by hand.
+
+* a job goes through submit -> AllocationRequested -> TasksAllocated -> START + JobStatePublished -> RUNNING
+  reports -> ServiceDiscoveryChanged(enabled) and a "running" job;
+* inputs delivered twice produce no duplicate output;
+* two workers share the partitions; one is SIGKILLed mid-stream, the survivor takes its partitions over
+  (tables recovered from the changelogs) and every job ends with the right tasks, none lost, none duplicated.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from processors.scheduler.decide import PRODUCER
+from streams.clients import EventConsumer, EventProducer
+from streams.events import new_event
+from streams.partitioner import partition_for
+from streams.topics import Topics
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST_ENV = {"ROPEWALK_FAUST_SESSION_TIMEOUT": "2", "ROPEWALK_FAUST_HEARTBEAT_INTERVAL": "0.5",
+            "ROPEWALK_FAUST_REBALANCE_TIMEOUT": "2", "ROPEWALK_FAUST_COMMIT_INTERVAL": "0.5",
+            "ROPEWALK_SCHEDULER_RETRY_S": "30"}
+ASSIGNED = re.compile(r"scheduler shard \d+: assigned partitions \[([\d, ]*)\]")
+
+
+# -- workers -----------------------------------------------------------------------------------------------------
+
+class Worker:
+    def __init__(self, cfg, run_dir: Path, name: str, **env_overrides: str):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = run_dir / f"{name}.log"
+        env = {**os.environ, **FAST_ENV, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers,
+               "ROPEWALK_REDIS_URL": cfg.redis_url, "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix,
+               "ROPEWALK_PARTITIONS": str(cfg.partitions), "ROPEWALK_RUN_DIR": str(run_dir / name), **env_overrides}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "processors.scheduler.shard"], cwd=ROOT, env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def partitions(self) -> set[int] | None:
+        """The partitions of the latest assignment this worker logged."""
+        found = ASSIGNED.findall(self.log_path.read_text(errors="replace"))
+        return {int(p) for p in found[-1].split(",") if p.strip()} if found else None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._log.close()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture
+def workers(cfg, tmp_path):
+    started: list[Worker] = []
+
+    def start(name: str, **env_overrides: str) -> Worker:
+        w = Worker(cfg, tmp_path, name, **env_overrides)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.kill()
+
+
+# -- the other components, by hand ------------------------------------------------------------------------------
+
+_ids = itertools.count()
+
+
+def ev(type_, payload, *, ent, entity, producer):
+    return new_event(type_, payload, entitlement=ent, entity_id=entity, producer=producer,
+                     event_id=f"test-{type_}-{next(_ids)}-{time.monotonic_ns()}")
+
+
+def entitlement(ent):
+    return ev("EntitlementCreated", {"name": ent, "quota_machines": 100, "machine_type": None, "dc_pin": None,
+                                     "host_profile": None}, ent=ent, entity=ent, producer="cli")
+
+
+def submit(ent, job, n):
+    return ev("JobSubmitted", {"job_id": job, "name": job, "spec_version": 1, "tasks": n, "command": ["sleep", "1"],
+                               "resources": {"cpu_millicores": 100, "memory_mib": 64}, "requirements": {},
+                               "spread": "msb", "max_unavailable": 1, "env": {}},
+              ent=ent, entity=job, producer="cli")
+
+
+def resize(ent, job, n):
+    return ev("JobResized", {"job_id": job, "tasks": n}, ent=ent, entity=job, producer="cli")
+
+
+def machine_down(ent, machine):
+    return ev("MachineStatusChanged", {"machine_id": machine, "status": "DOWN", "previous_status": "UP",
+                                       "reason": "test"}, ent=ent, entity=machine, producer="resourcebroker")
+
+
+def allocated(req, placements: dict[str, str]):
+    p = req.payload
+    return ev("TasksAllocated", {
+        "request_id": p["request_id"], "job_id": p["job_id"],
+        "placements": [{"task_id": t, "machine_id": m, "dc": "dc1", "msb": f"msb-{m}", "rack": f"rack-{m}"}
+                       for t, m in placements.items()],
+        "filter_rejections": {}, "fault_domain_bins": {}, "machines_added": [], "cache_hit": False,
+        "commit_attempts": 1}, ent=req.entitlement, entity=p["request_id"], producer="allocator")
+
+
+def report(cmd, state, exit_code=None):
+    p = cmd.payload
+    return ev("TaskStateChanged", {"task_id": p["task_id"], "job_id": p["job_id"], "machine_id": p["machine_id"],
+                                   "state": state, "previous_state": "STARTING", "exit_code": exit_code,
+                                   "spec_version": p["spec_version"], "reason": ""},
+              ent=cmd.entitlement, entity=p["task_id"], producer="agent")
+
+
+class Log:
+    """Everything the scheduler produced, read back (no consumer group: every partition from the start)."""
+
+    def __init__(self, cfg, registry):
+        t = Topics(cfg.topic_prefix, cfg.partitions)
+        self.consumer = EventConsumer(cfg, registry, [t.name("allocations"), t.name("tasks"), t.name("state.jobs")],
+                                      name="test-reader")
+        self.records = []  # scheduler outputs in arrival order (redeliveries included)
+        self.seen: set[str] = set()
+
+    def poll(self, timeout_s: float = 0.2) -> list:
+        """New scheduler events (first copy of each event id only)."""
+        new = []
+        for rec in self.consumer.poll(2000, timeout_s):
+            if rec.event.producer != PRODUCER:
+                continue
+            self.records.append(rec)
+            if rec.event.event_id not in self.seen:
+                self.seen.add(rec.event.event_id)
+                new.append(rec.event)
+        return new
+
+    def of(self, type_, **payload):
+        out, ids = [], set()
+        for r in self.records:
+            e = r.event
+            if e.type == type_ and e.event_id not in ids and all(e.payload.get(k) == v for k, v in payload.items()):
+                ids.add(e.event_id)
+                out.append(e)
+        return out
+
+    def latest_state(self) -> dict[str, dict]:
+        latest = {}
+        for r in self.records:
+            if r.event.type == "JobStatePublished":
+                latest[r.event.payload["job_id"]] = r.event.payload
+        return latest
+
+    def close(self):
+        self.consumer.close()
+
+
+class Hands:
+    """The allocator and the agents: answer each AllocationRequested (placing on fresh machines) and each
+    TaskCommanded once per event id, as a well-behaved component would."""
+
+    def __init__(self, producer: EventProducer):
+        self.producer = producer
+        self.machines = itertools.count(1)
+        self.placements: dict[str, list[str]] = defaultdict(list)  # task -> machines it was placed on, in order
+
+    def react(self, events) -> None:
+        for e in events:
+            p = e.payload
+            if e.type == "AllocationRequested" and p["place_task_ids"]:
+                where = {t: f"m{next(self.machines)}" for t in p["place_task_ids"]}
+                for t, m in where.items():
+                    self.placements[t].append(m)
+                self.producer.send(allocated(e, where))
+            elif e.type == "TaskCommanded" and p["command"] in ("START", "RESTART"):
+                self.producer.send(report(e, "STARTING"))
+                self.producer.send(report(e, "RUNNING"))
+            elif e.type == "TaskCommanded" and p["command"] == "STOP":
+                self.producer.send(report(e, "STOPPED", exit_code=0))
+        self.producer.flush()
+
+
+def run_until(log: Log, hands: Hands | None, done, timeout_s: float, what: str, workers=()):
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {w.log_path.name}\n{w.tail()}" for w in workers)
+            states = "\n".join(f"{j}: {s['state']} {[(t['task_id'], t['state'], t['machine_id']) for t in s['tasks']]}"
+                               for j, s in sorted(log.latest_state().items()))
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{states}\n{tails}")
+        new = log.poll()
+        if hands is not None:
+            hands.react(new)
+
+
+def all_running(log: Log, jobs: dict[str, int], down: set[str] = frozenset()) -> bool:
+    latest = log.latest_state()
+    for job, n in jobs.items():
+        s = latest.get(job)
+        if s is None or s["state"] != "running" or len(s["tasks"]) != n:
+            return False
+        if any(t["state"] != "RUNNING" or t["machine_id"] in down for t in s["tasks"]):
+            return False
+    return True
+
+
+# -- (1) one job through its lifecycle ----------------------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+def test_a_job_is_allocated_started_and_enabled(cfg, registry, workers):
+    w = workers("w1")
+    log, producer = Log(cfg, registry), EventProducer(cfg, registry, "test")
+    try:
+        producer.send(entitlement("e1"))
+        producer.send(submit("e1", "j1", 2))
+        producer.flush()
+        run_until(log, None, lambda: log.of("AllocationRequested", job_id="j1"), 40, "AllocationRequested", [w])
+        [req] = log.of("AllocationRequested", job_id="j1")
+        assert req.payload["place_task_ids"] == ["j1/0", "j1/1"] and req.entitlement == "e1"
+
+        producer.send(allocated(req, {"j1/0": "m1", "j1/1": "m2"}))
+        producer.flush()
+        run_until(log, None, lambda: len(log.of("TaskCommanded", command="START")) == 2, 20, "two STARTs", [w])
+        starts = {e.payload["task_id"]: e.payload["machine_id"] for e in log.of("TaskCommanded", command="START")}
+        assert starts == {"j1/0": "m1", "j1/1": "m2"}
+        run_until(log, None, lambda: any(t["state"] == "STARTING" for t in log.latest_state().get("j1", {})
+                                         .get("tasks", [])), 10, "a JobStatePublished after START", [w])
+
+        for cmd in log.of("TaskCommanded", command="START"):
+            producer.send(report(cmd, "STARTING"))
+            producer.send(report(cmd, "RUNNING"))
+        producer.flush()
+        run_until(log, None, lambda: all_running(log, {"j1": 2}), 20, "the job running", [w])
+        enabled = log.of("ServiceDiscoveryChanged", enabled=True)
+        assert sorted(e.payload["task_id"] for e in enabled) == ["j1/0", "j1/1"]
+        assert all(e.entitlement == "e1" for e in log.of("TaskCommanded"))
+    finally:
+        log.close()
+
+
+# -- (2) an event delivered twice -----------------------------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+def test_events_delivered_twice_produce_no_duplicate_output(cfg, registry, workers):
+    w = workers("w1")
+    log, producer = Log(cfg, registry), EventProducer(cfg, registry, "test")
+    try:
+        ent, sub = entitlement("e1"), submit("e1", "j1", 2)
+        for e in (ent, sub, ent, sub):
+            producer.send(e)
+        producer.flush()
+        run_until(log, None, lambda: log.of("AllocationRequested", job_id="j1"), 40, "AllocationRequested", [w])
+        [req] = log.of("AllocationRequested", job_id="j1")
+        result = allocated(req, {"j1/0": "m1", "j1/1": "m2"})
+        producer.send(result)
+        producer.send(result)
+        producer.flush()
+        run_until(log, None, lambda: len(log.of("TaskCommanded", command="START")) == 2, 20, "two STARTs", [w])
+        for cmd in log.of("TaskCommanded", command="START"):
+            for e in (report(cmd, "STARTING"), report(cmd, "RUNNING")):
+                producer.send(e)
+                producer.send(e)
+        # a marker job behind the duplicates: once it is answered, every duplicate was processed
+        producer.send(submit("e1", "marker", 1))
+        producer.flush()
+        run_until(log, None, lambda: all_running(log, {"j1": 2}) and log.of("AllocationRequested", job_id="marker"),
+                  30, "the job running and the marker", [w])
+        time.sleep(1.0)
+        log.poll(0.5)
+
+        ids = Counter(r.event.event_id for r in log.records)
+        assert not [i for i, n in ids.items() if n > 1], "an output event was produced twice"
+        assert len(log.of("AllocationRequested", job_id="j1")) == 1
+        assert len(log.of("TaskCommanded", command="START")) == 2
+        assert len(log.of("ServiceDiscoveryChanged", enabled=True)) == 2
+    finally:
+        log.close()
+
+
+# -- the retry timer ---------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+def test_the_timer_asks_again_for_rejected_tasks(cfg, registry, workers):
+    w = workers("w1", ROPEWALK_SCHEDULER_RETRY_S="1")
+    log, producer = Log(cfg, registry), EventProducer(cfg, registry, "test")
+    try:
+        producer.send(entitlement("e1"))
+        producer.send(submit("e1", "j1", 2))
+        producer.flush()
+        run_until(log, None, lambda: log.of("AllocationRequested", job_id="j1"), 40, "AllocationRequested", [w])
+        [req] = log.of("AllocationRequested", job_id="j1")
+        producer.send(ev("AllocationRejected", {
+            "request_id": req.payload["request_id"], "job_id": "j1", "reason": "no_feasible_machine",
+            "message": "none fits", "unplaced_task_ids": ["j1/0", "j1/1"], "filter_rejections": {}},
+            ent="e1", entity=req.payload["request_id"], producer="allocator"))
+        producer.flush()
+        run_until(log, None, lambda: len(log.of("AllocationRequested", job_id="j1")) == 2, 20, "a retry", [w])
+        retry = log.of("AllocationRequested", job_id="j1")[1]
+        assert retry.payload["place_task_ids"] == ["j1/0", "j1/1"]
+        assert retry.payload["request_id"] != req.payload["request_id"]
+        time.sleep(2.5)  # the retry's new request id was stored: later ticks do not ask again
+        log.poll(0.5)
+        assert len(log.of("AllocationRequested", job_id="j1")) == 2
+    finally:
+        log.close()
+
+
+# -- (3) two workers, one killed mid-stream ---------------------------------------------------------------------------
+
+def _committed(cfg) -> dict:
+    from confluent_kafka import Consumer, TopicPartition
+    t = Topics(cfg.topic_prefix, cfg.partitions)
+    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": cfg.topic_prefix + "scheduler"})
+    try:
+        tps = [TopicPartition(t.name(n), p) for n in ("intents", "machines") for p in range(cfg.partitions)]
+        return {f"{tp.topic.rsplit('.', 1)[-1]}[{tp.partition}]": (tp.offset, c.get_watermark_offsets(tp, timeout=5))
+                for tp in c.committed(tps, timeout=10)}
+    finally:
+        c.close()
+
+
+def _entitlements(partitions: int, per_partition: int) -> list[str]:
+    by_p: dict[int, list[str]] = defaultdict(list)
+    for i in itertools.count():
+        name = f"ent{i}"
+        p = partition_for(name, partitions)
+        if len(by_p[p]) < per_partition:
+            by_p[p].append(name)
+        if all(len(by_p[q]) == per_partition for q in range(partitions)):
+            return sorted(n for names in by_p.values() for n in names)

@@ -1,0 +1,787 @@
+"""Table-driven tests of the scheduler shard's pure decisions, playing the allocator and the agents by hand.
+
+Every input goes through ``Sim.feed``, which also checks, for that input: the same input on the same state
+gives the same output (ids included); delivering it a second time changes nothing and emits nothing; every
+emitted event encodes with the real schemas and carries the envelope the scheduler promises.
+"""
+import dataclasses
+import json
+from collections import deque
+
+import pytest
+
+from processors.scheduler import decide as sd
+from processors.scheduler.decide import (
+    JOB_PENDING, JOB_REJECTED, JOB_RUNNING, JOB_STOPPED, JOB_STOPPING, JOB_UPDATING, MAX_RESTARTS, PRODUCER,
+    REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_EXITED, REASON_ILLEGAL_REPORT, REASON_INVALID_SPEC,
+    REASON_JOB_NOT_ACTIVE, REASON_JOB_STOPPED, REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE,
+    REASON_MACHINE_UNHEALTHY, REASON_NOT_AN_AGENT_STATE, REASON_RESIZED, REASON_RESTART_LIMIT,
+    REASON_RESTART_POLICY, REASON_ROLLING_UPDATE, REASON_STALE_REPORT, REASON_STALE_SPEC_VERSION,
+    REASON_UNKNOWN_ENTITLEMENT, REASON_UNKNOWN_TASK, RESTART_RESET_MS, SchedulerState, UnknownJob, decide,
+    job_view, retry_unplaced,
+)
+from streams.events import new_event
+from streams.serde import SchemaRegistry
+
+REG = SchemaRegistry.from_dir()
+T0 = 1_700_000_000_000
+ENT = "e1"
+TOPOLOGY = {f"m{i}": ("dc1", f"msb{(i - 1) % 3 + 1}", f"r{i}") for i in range(1, 21)}
+
+
+# -- the other components, played by hand -----------------------------------------------------------------------
+
+_ids = iter(range(10**9))
+
+
+def ev(type_, payload, *, producer, ent=ENT, entity="x", ts=T0):
+    return new_event(type_, payload, entitlement=ent, entity_id=entity, producer=producer, timestamp_ms=ts,
+                     event_id=f"in-{type_}-{next(_ids)}")
+
+
+def entitlement(name=ENT):
+    return ev("EntitlementCreated", {"name": name, "quota_machines": 10, "machine_type": None, "dc_pin": None,
+                                     "host_profile": None}, producer="cli", ent=name, entity=name)
+
+
+def spec(job="j", n=3, *, version=1, cpu=1000, mem=2048, command=("sleep", "3600"), max_unavailable=1, **kw):
+    p = {"job_id": job, "name": job, "spec_version": version, "tasks": n, "command": list(command),
+         "resources": {"cpu_millicores": cpu, "memory_mib": mem}, "requirements": {}, "spread": "msb",
+         "max_unavailable": max_unavailable, "env": {"ROLE": "web"}}
+    p.update(kw)
+    return p
+
+
+def submit(job="j", n=3, ent=ENT, **kw):
+    return ev("JobSubmitted", spec(job, n, **kw), producer="cli", ent=ent, entity=job)
+
+
+def spec_changed(job="j", n=3, version=2, **kw):
+    return ev("JobSpecChanged", spec(job, n, version=version, **kw), producer="cli", entity=job)
+
+
+def resized(job, n):
+    return ev("JobResized", {"job_id": job, "tasks": n}, producer="cli", entity=job)
+
+
+def stopped(job, reason="done"):
+    return ev("JobStopped", {"job_id": job, "reason": reason}, producer="cli", entity=job)
+
+
+def placement(task, machine):
+    dc, msb, rack = TOPOLOGY[machine]
+    return {"task_id": task, "machine_id": machine, "dc": dc, "msb": msb, "rack": rack}
+
+
+def allocated(request, placements):
+    """The allocator's answer to ``request`` (an AllocationRequested): placements {task: machine}."""
+    p = request.payload
+    return ev("TasksAllocated", {"request_id": p["request_id"], "job_id": p["job_id"],
+                                 "placements": [placement(t, m) for t, m in placements.items()]},
+              producer="allocator", entity=p["request_id"])
+
+
+def rejected(request, tasks, reason="quota_exceeded", message="entitlement e1 holds 3 of 3 machines"):
+    p = request.payload
+    return ev("AllocationRejected", {"request_id": p["request_id"], "job_id": p["job_id"], "reason": reason,
+                                     "message": message, "unplaced_task_ids": list(tasks)},
+              producer="allocator", entity=p["request_id"])
+
+
+def deallocated(request):
+    p = request.payload
+    return ev("TasksDeallocated", {"request_id": p["request_id"], "job_id": p["job_id"], "placements": [],
+                                   "machines_released": []}, producer="allocator", entity=p["request_id"])
+
+
+def report(task, state, machine, *, version=1, exit_code=None, ts=T0):
+    """An agent's TaskStateChanged."""
+    return ev("TaskStateChanged", {"task_id": task, "job_id": task.rsplit("/", 1)[0], "machine_id": machine,
+                                   "state": state, "previous_state": "STARTING", "exit_code": exit_code,
+                                   "spec_version": version, "reason": ""}, producer="agent", entity=task, ts=ts)
+
+
+def machine_status(machine, status, ent=ENT):
+    return ev("MachineStatusChanged", {"machine_id": machine, "status": status, "previous_status": "UP",
+                                       "reason": "operator"}, producer="resourcebroker", ent=ent, entity=machine)
+
+
+def unavailability(machines, kind="FAILURE", ent=ENT):
+    return ev("UnavailabilityStarted", {"unavailability_id": "ue1", "kind": kind, "machine_ids": list(machines),
+                                        "start_ms": T0, "deadline_ms": None, "expected_duration_ms": None,
+                                        "reason": "operator"}, producer="resourcebroker", ent=ent, entity="ue1")
+
+
+def agent_reactions(out):
+    """What well-behaved agents report after the commands in ``out``."""
+    for e in out:
+        if e.type == "TaskCommanded":
+            p = e.payload
+            if p["command"] in ("START", "RESTART"):
+                yield report(p["task_id"], "STARTING", p["machine_id"], version=p["spec_version"])
+                yield report(p["task_id"], "RUNNING", p["machine_id"], version=p["spec_version"])
+            else:
+                yield report(p["task_id"], "STOPPED", p["machine_id"], version=p["spec_version"], exit_code=0)
+
+
+class Allocator:
+    """Places each task on the next machine of ``pool`` not avoided."""
+
+    def __init__(self, pool):
+        self.pool = list(pool)
+
+    def reactions(self, out):
+        for e in out:
+            if e.type == "AllocationRequested" and e.payload["place_task_ids"]:
+                avoid = set(e.payload["avoid_machine_ids"])
+                placements = {}
+                for t in e.payload["place_task_ids"]:
+                    m = next(m for m in self.pool if m not in avoid)
+                    self.pool.remove(m)
+                    placements[t] = m
+                yield allocated(e, placements)
+
+
+# -- the harness ------------------------------------------------------------------------------------------------
+
+class Sim:
+    def __init__(self, state=None):
+        self.state = state or SchedulerState()
+        self.now = T0
+
+    def feed(self, event, now=None):
+        now = self.now if now is None else now
+        new, out = decide(self.state, event, now)
+        again, out_again = decide(self.state, event, now)
+        assert (again, out_again) == (new, out), "same input, same state: same output"
+        dup_state, dup_out = decide(new, event, now)
+        assert dup_out == [] and dup_state == new, f"{event.type} delivered twice must change nothing"
+        for e in out:
+            REG.encode(e.type, e.to_record(schema_version=1))
+            assert (e.producer, e.causation_id, e.timestamp_ms) == (PRODUCER, event.event_id, now)
+            assert e.event_id and e.event_id != event.event_id
+        assert len({e.event_id for e in out}) == len(out)
+        self.state = new
+        return out
+
+    def feed_all(self, events, now=None):
+        out = []
+        for e in events:
+            out.extend(self.feed(e, now))
+        return out
+
+    def view(self, job="j"):
+        return job_view(self.state, job)
+
+    def tasks(self, job="j"):
+        return {t["id"]: (t["state"], t["machine"]) for t in self.view(job)["tasks"]}
+
+
+def kinds(out):
+    """Emitted events in a comparable short form."""
+    short = []
+    for e in out:
+        p = e.payload
+        if e.type == "AllocationRequested":
+            short.append(("request", tuple(p["place_task_ids"]), tuple(p["free_task_ids"]),
+                          tuple(p["avoid_machine_ids"])))
+        elif e.type == "TaskStateChanged":
+            short.append(("state", p["task_id"], p["state"], p["reason"]))
+        elif e.type == "TaskCommanded":
+            short.append((p["command"], p["task_id"], p["machine_id"], p["spec_version"]))
+        elif e.type == "ServiceDiscoveryChanged":
+            short.append(("discovery", p["task_id"], p["enabled"]))
+        elif e.type == "JobStatePublished":
+            short.append(("published", p["state"], p["deleted"]))
+    return short
+
+
+def of_type(out, type_):
+    return [e for e in out if e.type == type_]
+
+
+def running_job(n=3, machines=("m1", "m2", "m3"), job="j", sim=None, **kw):
+    """A job with ``n`` tasks RUNNING on ``machines``; returns the Sim."""
+    sim = sim or Sim()
+    if ENT not in sim.state.entitlements:
+        sim.feed(entitlement())
+    out = sim.feed(submit(job, n, **kw))
+    out = sim.feed(allocated(out[0], {f"{job}/{i}": machines[i] for i in range(n)}))
+    sim.feed_all(list(agent_reactions(out)))
+    assert all(s == "RUNNING" for s, _ in sim.tasks(job).values())
+    return sim
+
+
+# -- submit → allocate → start → run ----------------------------------------------------------------------------
+
+def test_deploy_step_by_step():
+    sim = Sim()
+    assert sim.feed(entitlement()) == []
+    out = sim.feed(submit("j", 3))
+    assert kinds(out) == [("request", ("j/0", "j/1", "j/2"), (), ()), ("published", JOB_PENDING, False)]
+    req = out[0]
+    assert req.payload["request_id"] == "j:v1:r1" and req.entity_id == "j:v1:r1" and req.entitlement == ENT
+    assert req.payload["resources"] == {"cpu_millicores": 1000, "memory_mib": 2048}
+    assert sim.tasks() == {"j/0": ("PENDING", None), "j/1": ("PENDING", None), "j/2": ("PENDING", None)}
+
+    out = sim.feed(allocated(req, {"j/0": "m1", "j/1": "m2", "j/2": "m3"}))
+    assert kinds(out) == [
+        ("state", "j/0", "ALLOCATED", "allocated"), ("START", "j/0", "m1", 1),
+        ("state", "j/1", "ALLOCATED", "allocated"), ("START", "j/1", "m2", 1),
+        ("state", "j/2", "ALLOCATED", "allocated"), ("START", "j/2", "m3", 1),
+        ("published", JOB_PENDING, False)]
+    start = of_type(out, "TaskCommanded")[0]
+    assert start.payload["argv"] == ["sleep", "3600"] and start.payload["env"] == {"ROLE": "web"}
+    assert sim.view()["tasks"][1] == {"id": "j/1", "state": "STARTING", "machine": "m2", "dc": "dc1", "msb": "msb2",
+                                      "rack": "r2", "spec_version": 1, "reason": "submitted"}
+
+    assert kinds(sim.feed(report("j/0", "STARTING", "m1"))) == []  # the agent acks the scheduler's own step
+    assert kinds(sim.feed(report("j/0", "RUNNING", "m1"))) == [("discovery", "j/0", True),
+                                                               ("published", JOB_PENDING, False)]
+    sim.feed_all([report("j/1", "RUNNING", "m2")])
+    assert kinds(sim.feed(report("j/2", "RUNNING", "m3"))) == [("discovery", "j/2", True),
+                                                               ("published", JOB_RUNNING, False)]
+    view = sim.view()
+    assert {k: view[k] for k in ("job", "entitlement", "state", "spec_version", "last_reason")} == {
+        "job": "j", "entitlement": ENT, "state": JOB_RUNNING, "spec_version": 1, "last_reason": ""}
+
+
+def test_job_view_of_unknown_job_raises():
+    with pytest.raises(UnknownJob):
+        job_view(SchedulerState(), "nope")
+
+
+def test_own_events_coming_back_change_nothing():
+    sim = Sim()
+    sim.feed(entitlement())
+    out = sim.feed(submit("j", 2))
+    out += sim.feed(allocated(out[0], {"j/0": "m1", "j/1": "m2"}))
+    for e in out:
+        assert decide(sim.state, e, T0) == (sim.state, [])
+
+
+# -- refusals ---------------------------------------------------------------------------------------------------
+
+REFUSED_SUBMISSIONS = {
+    "unknown-entitlement": (submit("j", 2, ent="e9"), REASON_UNKNOWN_ENTITLEMENT),
+    "negative-tasks": (submit("j", -1), REASON_INVALID_SPEC),
+    "bad-spread": (submit("j", 2, spread="zone"), REASON_INVALID_SPEC),
+    "no-unavailability-allowed": (submit("j", 2, max_unavailable=0), REASON_INVALID_SPEC),
+    "unknown-requirement": (submit("j", 2, requirements={"gpu": "a100"}), REASON_INVALID_SPEC),
+    "no-cpu": (submit("j", 2, cpu=0), REASON_INVALID_SPEC),
+}
+
+
+@pytest.mark.parametrize("event, reason", REFUSED_SUBMISSIONS.values(), ids=REFUSED_SUBMISSIONS)
+def test_refused_submission_is_recorded_with_its_reason(event, reason):
+    sim = Sim()
+    sim.feed(entitlement())
+    out = sim.feed(event)
+    assert kinds(out) == [("published", JOB_REJECTED, False)]
+    view = sim.view()
+    assert view["state"] == JOB_REJECTED and view["tasks"] == [] and view["last_reason"].startswith(reason + ":")
+    assert sim.feed(resized("j", 4)) == []
+
+
+def test_rejected_submission_can_be_submitted_again():
+    sim = Sim()
+    sim.feed(submit("j", 2))  # before the entitlement exists
+    assert sim.view()["state"] == JOB_REJECTED
+    sim.feed(entitlement())
+    out = sim.feed(submit("j", 2))
+    assert kinds(out) == [("request", ("j/0", "j/1"), (), ()), ("published", JOB_PENDING, False)]
+
+
+def test_duplicate_job_id():
+    sim = running_job(2, ("m1", "m2"))
+    before = sim.state
+    assert sim.feed(submit("j", 2)) == []  # the same submission again (a new event id): a no-op
+    assert job_view(sim.state, "j") == job_view(before, "j")
+    assert sim.feed(submit("j", 5, command=("other",))) == []  # another job under the same id: refused
+    view = sim.view()
+    assert view["last_reason"].startswith(REASON_DUPLICATE_JOB_ID + ":")
+    assert [t["state"] for t in view["tasks"]] == ["RUNNING", "RUNNING"] and view["desired_tasks"] == 2
+
+
+IGNORED_INPUTS = {  # (event, reason recorded in last_reason or None)
+    "resize-unknown-job": (resized("zz", 3), None),
+    "allocation-for-unknown-job": (ev("TasksAllocated", {"request_id": "zz:v1:r1", "job_id": "zz", "placements": []},
+                                      producer="allocator"), None),
+    "not-consumed": (ev("EntitlementUpdated", {"name": ENT, "quota_machines": 3}, producer="cli"), None),
+    "machine-registered": (ev("MachineRegistered", {"machine_id": "m1"}, producer="resourcebroker"), None),
+    "resize-keyed-to-another-entitlement": (ev("JobResized", {"job_id": "j", "tasks": 9}, producer="cli",
+                                               ent="e2"), sd.REASON_ENTITLEMENT_MISMATCH),
+    "negative-resize": (resized("j", -1), REASON_INVALID_SPEC),
+    "invalid-spec-change": (spec_changed("j", 2, version=2, spread="zone"), REASON_INVALID_SPEC),
+    "machine-up": (machine_status("m1", "UP"), None),
+    "deallocated-not-asked": (ev("TasksDeallocated", {"request_id": "j:v1:r1", "job_id": "j", "placements": []},
+                                 producer="allocator"), None),
+}
+
+
+@pytest.mark.parametrize("event, reason", IGNORED_INPUTS.values(), ids=IGNORED_INPUTS)
+def test_ignored_inputs(event, reason):
+    sim = running_job(2, ("m1", "m2"))
+    before = sim.view()
+    assert sim.feed(event) == []
+    after = sim.view()
+    assert after["tasks"] == before["tasks"] and after["desired_tasks"] == 2
+    assert after["last_reason"].startswith(reason + ":") if reason else after["last_reason"] == ""
+
+
+# -- allocation rejected ----------------------------------------------------------------------------------------
+
+def test_allocation_rejected_shows_why_and_retry_places_it():
+    sim = Sim()
+    sim.feed(entitlement())
+    req = sim.feed(submit("j", 3))[0]
+    sim.feed(allocated(req, {"j/0": "m1", "j/1": "m2"}))
+    out = sim.feed(rejected(req, ["j/2"]))
+    assert kinds(out) == [("published", JOB_PENDING, False)]
+    assert out[0].payload["last_reason"] == "quota_exceeded: entitlement e1 holds 3 of 3 machines"
+    view = sim.view()
+    assert view["last_reason"] == "quota_exceeded: entitlement e1 holds 3 of 3 machines"
+    assert view["tasks"][2] == {"id": "j/2", "state": "PENDING", "machine": None, "dc": None, "msb": None,
+                                "rack": None, "spec_version": 1, "reason": "quota_exceeded"}
+    assert sim.feed(rejected(req, ["j/2"])) == []  # the same answer again: no longer outstanding
+
+    state, out = retry_unplaced(sim.state, T0 + 30_000)
+    assert kinds(out) == [("request", ("j/2",), (), ())]
+    assert retry_unplaced(sim.state, T0 + 30_000) == (state, out)  # deterministic
+    assert retry_unplaced(state, T0 + 60_000) == (state, [])  # outstanding now: nothing to retry
+    sim.state = state
+    out = sim.feed(allocated(out[0], {"j/2": "m3"}))
+    assert ("START", "j/2", "m3", 1) in kinds(out) and sim.view()["last_reason"] == ""
+
+
+# -- stale and duplicate answers --------------------------------------------------------------------------------
+
+def test_stale_and_duplicate_tasks_allocated_are_ignored():
+    sim = Sim()
+    sim.feed(entitlement())
+    req = sim.feed(submit("j", 2))[0]
+    placed = sim.feed(allocated(req, {"j/0": "m1", "j/1": "m2"}))
+    assert len(of_type(placed, "TaskCommanded")) == 2
+    before = sim.view()
+    assert sim.feed(allocated(req, {"j/0": "m4", "j/1": "m5"})) == []  # same request answered again
+    fake = new_event("AllocationRequested", {"request_id": "j:v1:r99", "job_id": "j"}, entitlement=ENT,
+                     entity_id="j:v1:r99", producer="scheduler")
+    assert sim.feed(allocated(fake, {"j/0": "m6"})) == []  # a request never sent
+    assert sim.feed(rejected(fake, ["j/1"])) == []
+    assert sim.view() == before
+
+
+def test_spec_change_supersedes_an_outstanding_request():
+    sim = Sim()
+    sim.feed(entitlement())
+    old = sim.feed(submit("j", 2))[0]
+    out = sim.feed(spec_changed("j", 2, cpu=2000))
+    assert kinds(out)[0] == ("request", ("j/0", "j/1"), ("j/0", "j/1"), ())  # free first: the old one may land
+    new = out[0]
+    assert new.payload["resources"]["cpu_millicores"] == 2000 and new.payload["spec_version"] == 2
+    assert sim.feed(allocated(old, {"j/0": "m1", "j/1": "m2"})) == []  # superseded: stale
+    out = sim.feed(allocated(new, {"j/0": "m3", "j/1": "m4"}))
+    assert [k for k in kinds(out) if k[0] == "START"] == [("START", "j/0", "m3", 2), ("START", "j/1", "m4", 2)]
+
+
+# -- agent reports ----------------------------------------------------------------------------------------------
+
+# A job of three tasks: j/0 RUNNING on m1, j/1 STARTING on m2, j/2 PENDING (rejected).
+BOGUS_REPORTS = {
+    "running-while-pending": (report("j/2", "RUNNING", None), REASON_ILLEGAL_REPORT),
+    "starting-after-running (lagging agent)": (report("j/0", "STARTING", "m1"), REASON_ILLEGAL_REPORT),
+    "from-another-machine": (report("j/0", "FAILED", "m7", exit_code=1), REASON_STALE_REPORT),
+    "old-spec-version": (report("j/1", "RUNNING", "m2", version=0), REASON_STALE_REPORT),
+    "pending-is-not-an-agent-state": (report("j/0", "PENDING", "m1"), REASON_NOT_AN_AGENT_STATE),
+    "stopping-is-not-an-agent-state": (report("j/0", "STOPPING", "m1"), REASON_NOT_AN_AGENT_STATE),
+    "unknown-task": (report("j/9", "RUNNING", "m1"), REASON_UNKNOWN_TASK),
+    "unknown-job": (report("zz/0", "RUNNING", "m1"), None),
+}
+
+
+@pytest.mark.parametrize("event, reason", BOGUS_REPORTS.values(), ids=BOGUS_REPORTS)
+def test_bogus_agent_report_is_ignored_with_a_reason(event, reason):
+    sim = Sim()
+    sim.feed(entitlement())
+    req = sim.feed(submit("j", 3))[0]
+    sim.feed(allocated(req, {"j/0": "m1", "j/1": "m2"}))
+    sim.feed(rejected(req, ["j/2"]))
+    sim.feed(report("j/0", "RUNNING", "m1"))
+    before = sim.tasks()
+    assert sim.feed(event) == []
+    assert sim.tasks() == before
+    if reason is not None:
+        assert sim.view()["last_ignored"].startswith(reason + ":")
+
+
+def test_restart_policy_then_give_up():
+    sim = running_job(2, ("m1", "m2"))
+    for n in range(1, MAX_RESTARTS + 1):
+        out = sim.feed(report("j/0", "FAILED", "m1", exit_code=1))
+        assert kinds(out) == [("discovery", "j/0", False), ("RESTART", "j/0", "m1", 1),
+                              ("published", JOB_PENDING, False)]
+        assert of_type(out, "TaskCommanded")[0].payload["reason"] == REASON_RESTART_POLICY
+        assert sim.view()["tasks"][0]["reason"] == REASON_CRASHED
+        sim.feed_all(list(agent_reactions(out)))
+    out = sim.feed(report("j/0", "FAILED", "m1", exit_code=1))
+    assert kinds(out) == [("discovery", "j/0", False), ("published", JOB_PENDING, False)]
+    assert sim.view()["tasks"][0] | {} == {"id": "j/0", "state": "FAILED", "machine": "m1", "dc": "dc1",
+                                           "msb": "msb1", "rack": "r1", "spec_version": 1,
+                                           "reason": REASON_RESTART_LIMIT}
+    assert sim.tasks()["j/1"] == ("RUNNING", "m2")
+
+
+def test_restart_budget_comes_back_after_a_long_run():
+    sim = running_job(1, ("m1",))
+    for _ in range(MAX_RESTARTS):
+        out = sim.feed(report("j/0", "FAILED", "m1", exit_code=1))
+        sim.feed_all(list(agent_reactions(out)))  # running again at T0
+    later = T0 + RESTART_RESET_MS
+    out = sim.feed(report("j/0", "STOPPED", "m1", exit_code=0), now=later)  # ran long enough, then exited
+    assert ("RESTART", "j/0", "m1", 1) in kinds(out)
+    assert sim.view()["tasks"][0]["reason"] == REASON_EXITED
+
+
+# -- machine failure --------------------------------------------------------------------------------------------
+
+UNAVAILABLE = {
+    "status-down": (lambda: machine_status("m1", "DOWN"), REASON_MACHINE_FAILED),
+    "status-unhealthy": (lambda: machine_status("m1", "UNHEALTHY"), REASON_MACHINE_UNHEALTHY),
+    "status-maintenance": (lambda: machine_status("m1", "MAINTENANCE"), REASON_MACHINE_MAINTENANCE),
+    "ue-failure": (lambda: unavailability(["m1"], "FAILURE"), REASON_MACHINE_FAILED),
+    "ue-power": (lambda: unavailability(["m1", "m9"], "POWER"), REASON_MACHINE_FAILED),
+}
+
+
+@pytest.mark.parametrize("make, reason", UNAVAILABLE.values(), ids=UNAVAILABLE)
+def test_machine_failure_moves_exactly_the_affected_tasks(make, reason):
+    sim = running_job(4, ("m1", "m1", "m2", "m3"), job="a")
+    sim = running_job(2, ("m2", "m3"), job="b", sim=sim)
+    before_a, before_b = sim.state.jobs["a"].tasks, sim.state.jobs["b"]
+
+    out = sim.feed(make())
+    assert kinds(out) == [
+        ("discovery", "a/0", False), ("state", "a/0", "FAILED", reason), ("STOP", "a/0", "m1", 1),
+        ("state", "a/0", "PENDING", reason),
+        ("discovery", "a/1", False), ("state", "a/1", "FAILED", reason), ("STOP", "a/1", "m1", 1),
+        ("state", "a/1", "PENDING", reason),
+        ("request", ("a/0", "a/1"), ("a/0", "a/1"), ("m1",)),
+        ("published", JOB_PENDING, False)]
+    assert of_type(out, "TaskStateChanged")[0].payload["machine_id"] == "m1"
+    tasks = sim.state.jobs["a"].tasks
+    assert tasks["a/2"] is before_a["a/2"] and tasks["a/3"] is before_a["a/3"]  # untouched
+    assert sim.state.jobs["b"] is before_b  # another job, not on m1: not even its duplicate ring moved
+    assert sim.tasks("a")["a/0"] == ("PENDING", None) and sim.view("a")["tasks"][0]["reason"] == reason
+
+    # the other notification of the same failure finds nothing left on m1
+    other = unavailability(["m1"]) if make().type == "MachineStatusChanged" else machine_status("m1", "DOWN")
+    assert sim.feed(other) == []
+
+    out = sim.feed(allocated(out[-2], {"a/0": "m4", "a/1": "m5"}))
+    assert [k for k in kinds(out) if k[0] == "START"] == [("START", "a/0", "m4", 1), ("START", "a/1", "m5", 1)]
+    out = sim.feed_all(list(agent_reactions(out)))
+    assert [k for k in kinds(out) if k[0] == "discovery"] == [("discovery", "a/0", True), ("discovery", "a/1", True)]
+    assert sim.view("a")["state"] == JOB_RUNNING
+    assert sim.tasks("a") == {"a/0": ("RUNNING", "m4"), "a/1": ("RUNNING", "m5"), "a/2": ("RUNNING", "m2"),
+                              "a/3": ("RUNNING", "m3")}
+    # the old machine's agent, obeying the fence or lagging, still reports a/0: stale
+    assert sim.feed(report("a/0", "STOPPED", "m1", exit_code=0)) == []
+    assert sim.view("a")["last_ignored"].startswith(REASON_STALE_REPORT)
+
+
+def test_planned_maintenance_notice_moves_nothing_yet():
+    sim = running_job(2, ("m1", "m2"))
+    assert sim.feed(unavailability(["m1"], "MAINTENANCE")) == []
+
+
+def test_placement_on_a_machine_that_failed_meanwhile_is_moved_at_once():
+    sim = Sim()
+    sim.feed(entitlement())
+    req = sim.feed(submit("j", 2))[0]
+    assert sim.feed(machine_status("m1", "DOWN")) == []  # no task there yet
+    out = sim.feed(allocated(req, {"j/0": "m1", "j/1": "m2"}))  # the allocator had not seen it
+    assert kinds(out) == [
+        ("state", "j/0", "ALLOCATED", "allocated"), ("state", "j/0", "FAILED", REASON_MACHINE_FAILED),
+        ("state", "j/0", "PENDING", REASON_MACHINE_FAILED),
+        ("state", "j/1", "ALLOCATED", "allocated"), ("START", "j/1", "m2", 1),
+        ("request", ("j/0",), ("j/0",), ("m1",)), ("published", JOB_PENDING, False)]
+    sim.feed(machine_status("m1", "UP"))
+    assert sim.state.machines_down == {}
+
+
+# -- resize -----------------------------------------------------------------------------------------------------
+
+def test_resize_up():
+    sim = running_job(3)
+    out = sim.feed(resized("j", 5))
+    assert kinds(out) == [("request", ("j/3", "j/4"), (), ()), ("published", JOB_PENDING, False)]
+    assert sim.view()["desired_tasks"] == 5 and sim.tasks()["j/4"] == ("PENDING", None)
+    assert sim.feed(resized("j", 5)) == []  # already that size
+
+
+def test_resize_down_stops_the_highest_then_frees_them():
+    sim = running_job(4, ("m1", "m2", "m3", "m4"))
+    out = sim.feed(resized("j", 2))
+    assert kinds(out) == [("discovery", "j/3", False), ("STOP", "j/3", "m4", 1),
+                          ("discovery", "j/2", False), ("STOP", "j/2", "m3", 1),
+                          ("published", JOB_RUNNING, False)]  # the two tasks it keeps run: retiring ones don't count
+    assert of_type(out, "TaskCommanded")[0].payload["reason"] == REASON_RESIZED
+    assert sim.tasks()["j/3"] == ("STOPPING", "m4")
+    out = sim.feed(report("j/3", "STOPPED", "m4", exit_code=0))
+    assert kinds(out) == [("request", (), ("j/3",), ()), ("published", JOB_RUNNING, False)]
+    assert out[0].payload["spec_version"] == 1
+    out = sim.feed(report("j/2", "STOPPED", "m3", exit_code=0))
+    assert kinds(out) == [("request", (), ("j/2",), ()), ("published", JOB_RUNNING, False)]
+    assert sim.tasks() == {"j/0": ("RUNNING", "m1"), "j/1": ("RUNNING", "m2")}
+    assert sim.feed(report("j/3", "STOPPED", "m4", exit_code=0)) == []  # gone
+
+
+def test_resize_down_then_up_again_keeps_the_stopping_tasks():
+    sim = running_job(3)
+    sim.feed(resized("j", 1))
+    out = sim.feed(resized("j", 3))
+    assert kinds(out) == [("published", JOB_PENDING, False)]  # j/1, j/2 are still stopping: no new tasks
+    out = sim.feed(report("j/2", "STOPPED", "m3", exit_code=0))
+    assert [k for k in kinds(out) if k[0] in ("START", "request")] == [("START", "j/2", "m3", 1)]  # in place
+    out = sim.feed_all([report("j/1", "STOPPED", "m2", exit_code=0), report("j/1", "RUNNING", "m2"),
+                        report("j/2", "RUNNING", "m3")])
+    assert sim.view()["state"] == JOB_RUNNING and len(sim.tasks()) == 3
+
+
+def test_regrow_after_partial_shrink_keeps_index_order():
+    sim = running_job(4, ("m1", "m2", "m3", "m4"))
+    sim.feed(resized("j", 1))
+    sim.feed(report("j/3", "STOPPED", "m4", exit_code=0))  # j/3 freed and gone; j/1, j/2 still stopping
+    out = sim.feed(resized("j", 4))
+    assert kinds(out) == [("request", ("j/3",), (), ()), ("published", JOB_PENDING, False)]
+    assert list(sim.tasks()) == ["j/0", "j/1", "j/2", "j/3"]
+    assert [t["task_id"] for t in out[-1].payload["tasks"]] == ["j/0", "j/1", "j/2", "j/3"]
+
+
+def test_shrink_a_task_never_placed_is_dropped():
+    sim = Sim()
+    sim.feed(entitlement())
+    req = sim.feed(submit("j", 2))[0]
+    sim.feed(allocated(req, {"j/0": "m1"}))
+    sim.feed(rejected(req, ["j/1"]))
+    out = sim.feed(resized("j", 1))
+    assert kinds(out) == [("state", "j/1", "STOPPED", REASON_RESIZED), ("published", JOB_PENDING, False)]
+    assert set(sim.tasks()) == {"j/0"}
+
+
+# -- stop -------------------------------------------------------------------------------------------------------
+
+def test_stop_stops_everything_then_frees_then_deletes():
+    sim = Sim()
+    sim.feed(entitlement())
+    req = sim.feed(submit("j", 3))[0]
+    out = sim.feed(allocated(req, {"j/0": "m1", "j/1": "m2"}))
+    sim.feed_all(list(agent_reactions(out)))
+    sim.feed(rejected(req, ["j/2"]))
+
+    out = sim.feed(stopped("j"))
+    assert kinds(out) == [("state", "j/2", "STOPPED", REASON_JOB_STOPPED),
+                          ("discovery", "j/1", False), ("STOP", "j/1", "m2", 1),
+                          ("discovery", "j/0", False), ("STOP", "j/0", "m1", 1),
+                          ("published", JOB_STOPPING, False)]
+    assert sim.feed(stopped("j")) == [] and sim.feed(resized("j", 5)) == []
+    assert sim.view()["last_reason"].startswith(REASON_JOB_NOT_ACTIVE)
+    assert kinds(sim.feed(report("j/0", "STOPPED", "m1", exit_code=0))) == [("published", JOB_STOPPING, False)]
+    out = sim.feed(report("j/1", "FAILED", "m2", exit_code=143))  # killed while stopping: stopped all the same
+    assert kinds(out) == [("request", (), ("j/0", "j/1", "j/2"), ()), ("published", JOB_STOPPED, False)]
+    assert [t["state"] for t in out[-1].payload["tasks"]] == ["STOPPED"] * 3
+    out = sim.feed(deallocated(out[0]))
+    assert kinds(out) == [("published", JOB_STOPPED, True)] and out[0].payload["tasks"] == []
+    assert sim.view()["state"] == JOB_STOPPED and sim.view()["tasks"] == []
+    assert sim.feed(submit("j", 3)) == []  # the id stays taken
+
+
+def test_stop_a_job_with_no_tasks():
+    sim = Sim()
+    sim.feed(entitlement())
+    sim.feed(submit("j", 0))
+    assert kinds(sim.feed(stopped("j"))) == [("published", JOB_STOPPED, True)]
+
+
+def test_machine_failure_while_stopping():
+    sim = running_job(2, ("m1", "m2"))
+    sim.feed(stopped("j"))
+    out = sim.feed(machine_status("m1", "DOWN"))
+    assert kinds(out) == [("state", "j/0", "STOPPED", REASON_MACHINE_FAILED), ("published", JOB_STOPPING, False)]
+    out = sim.feed(report("j/1", "STOPPED", "m2", exit_code=0))
+    assert kinds(out)[0] == ("request", (), ("j/0", "j/1"), ())
+
+
+# -- rolling update ---------------------------------------------------------------------------------------------
+
+ROLLING_UPDATES = {  # tasks, max_unavailable, spec change, tasks expected to move
+    "in-place-one-at-a-time": (4, 1, dict(command=("sleep", "7200")), False),
+    "in-place-two-at-a-time": (5, 2, dict(command=("sleep", "7200")), False),
+    "in-place-smaller": (3, 1, dict(cpu=500), False),
+    "move-more-cpu": (4, 1, dict(cpu=4000), True),
+    "move-more-memory-three-at-a-time": (6, 3, dict(mem=8192), True),
+    "move-new-requirement": (3, 2, dict(requirements={"machine_type": "skylake"}), True),
+}
+
+
+@pytest.mark.parametrize("n, max_unavailable, change, moves", ROLLING_UPDATES.values(), ids=ROLLING_UPDATES)
+def test_rolling_update_never_exceeds_max_unavailable(n, max_unavailable, change, moves):
+    machines = tuple(f"m{i}" for i in range(1, n + 1))
+    sim = running_job(n, machines)
+    allocator = Allocator(f"m{i}" for i in range(n + 1, 21))
+    out = sim.feed(spec_changed("j", n, version=2, max_unavailable=max_unavailable, **change))
+    assert sim.view()["state"] == JOB_UPDATING
+    queue = deque([*agent_reactions(out), *allocator.reactions(out)])
+    stops = sum(k[0] == "STOP" for k in kinds(out))
+    assert stops == max_unavailable
+    seen_worst = 0
+    while queue:
+        out = sim.feed(queue.popleft())
+        down = sum(t["state"] != "RUNNING" for t in sim.view()["tasks"])
+        assert down <= max_unavailable
+        seen_worst = max(seen_worst, down)
+        for k in kinds(out):
+            if k[0] == "request":
+                assert k[1] == k[2] and k[3] == ()  # a move: free and place the task, avoiding nothing
+        queue.extend([*agent_reactions(out), *allocator.reactions(out)])
+    assert seen_worst == max_unavailable
+    view = sim.view()
+    assert view["state"] == JOB_RUNNING and view["spec_version"] == 2
+    assert all(t["spec_version"] == 2 and t["state"] == "RUNNING" for t in view["tasks"])
+    on_old_machines = [t["machine"] in machines for t in view["tasks"]]
+    assert on_old_machines == [not moves] * n
+
+
+def test_rolling_update_starts_the_new_version_in_place_with_start():
+    sim = running_job(2, ("m1", "m2"))
+    out = sim.feed(spec_changed("j", 2, version=2, command=("sleep", "7200")))
+    assert kinds(out) == [("discovery", "j/0", False), ("STOP", "j/0", "m1", 1), ("published", JOB_UPDATING, False)]
+    assert of_type(out, "TaskCommanded")[0].payload["reason"] == REASON_ROLLING_UPDATE
+    out = sim.feed(report("j/0", "STOPPED", "m1", exit_code=0))
+    assert kinds(out) == [("START", "j/0", "m1", 2), ("published", JOB_UPDATING, False)]
+    assert of_type(out, "TaskCommanded")[0].payload["argv"] == ["sleep", "7200"]
+    assert sim.feed(report("j/0", "RUNNING", "m1", version=1)) == []  # the old version's report: stale
+    out = sim.feed(report("j/0", "RUNNING", "m1", version=2))
+    assert kinds(out) == [("discovery", "j/0", True), ("discovery", "j/1", False), ("STOP", "j/1", "m2", 1),
+                          ("published", JOB_UPDATING, False)]
+
+
+def test_rolling_update_waits_for_tasks_down_for_other_reasons():
+    sim = running_job(3)
+    sim.feed(machine_status("m3", "DOWN"))  # j/2 is moving: already one task unavailable
+    out = sim.feed(spec_changed("j", 3, version=2, command=("v2",)))
+    assert [k for k in kinds(out) if k[0] == "STOP"] == []
+    assert sim.view()["state"] == JOB_UPDATING
+
+
+def test_rolling_update_replaces_a_task_that_gave_up():
+    sim = running_job(2, ("m1", "m2"))
+    for _ in range(MAX_RESTARTS):
+        sim.feed_all(list(agent_reactions(sim.feed(report("j/1", "FAILED", "m2", exit_code=1)))))
+    sim.feed(report("j/1", "FAILED", "m2", exit_code=1))
+    assert sim.view()["tasks"][1]["reason"] == REASON_RESTART_LIMIT
+    out = sim.feed(spec_changed("j", 2, version=2, command=("fixed",)))
+    assert [k for k in kinds(out) if k[0] in ("START", "STOP")] == [("START", "j/1", "m2", 2)]  # costs nothing
+
+
+def test_machine_failure_under_a_task_being_updated():
+    sim = running_job(2, ("m1", "m2"))
+    sim.feed(spec_changed("j", 2, version=2, command=("v2",)))  # j/0 STOPPING on m1 for the update
+    out = sim.feed(machine_status("m1", "DOWN"))
+    assert kinds(out) == [("state", "j/0", "STOPPED", REASON_MACHINE_FAILED),
+                          ("state", "j/0", "PENDING", REASON_MACHINE_FAILED),
+                          ("request", ("j/0",), ("j/0",), ("m1",)), ("published", JOB_UPDATING, False)]
+    out = sim.feed(allocated(out[-2], {"j/0": "m3"}))
+    assert ("START", "j/0", "m3", 2) in kinds(out)  # moved tasks start the new version
+    out = sim.feed(report("j/0", "RUNNING", "m3", version=2))
+    assert ("STOP", "j/1", "m2", 1) in kinds(out)
+
+
+def test_a_move_the_allocator_cannot_place_waits_with_the_reason():
+    sim = running_job(2, ("m1", "m2"))
+    req = sim.feed(machine_status("m1", "DOWN"))[-2]
+    out = sim.feed(rejected(req, ["j/0"], reason="no_feasible_machine", message="no machine fits"))
+    assert kinds(out) == [("published", JOB_PENDING, False)]
+    assert sim.view()["tasks"][0]["reason"] == "no_feasible_machine"
+    state, out = retry_unplaced(sim.state, T0 + 1)
+    assert kinds(out) == [("request", ("j/0",), (), ())]  # placed anew: its old placement was freed already
+
+
+def test_stale_spec_change_is_refused():
+    sim = running_job(2, ("m1", "m2"))
+    assert sim.feed(spec_changed("j", 2, version=1, command=("x",))) == []
+    assert sim.view()["last_reason"].startswith(REASON_STALE_SPEC_VERSION)
+
+
+def test_spec_change_redelivered_under_another_id_is_a_no_op():
+    sim = running_job(2, ("m1", "m2"))
+    sim.feed(spec_changed("j", 2, version=2, command=("v2",)))
+    before = sim.view()
+    assert sim.feed(spec_changed("j", 2, version=2, command=("v2",))) == []
+    assert sim.view() == before
+
+
+def test_rolling_update_with_resize():
+    sim = running_job(2, ("m1", "m2"))
+    out = sim.feed(spec_changed("j", 3, version=2, command=("v2",)))
+    # the new task counts as unavailable until it runs: no stop yet
+    assert kinds(out) == [("request", ("j/2",), (), ()), ("published", JOB_UPDATING, False)]
+    out = sim.feed(allocated(out[0], {"j/2": "m3"}))
+    assert ("START", "j/2", "m3", 2) in kinds(out)
+    out = sim.feed(report("j/2", "RUNNING", "m3", version=2))
+    assert ("STOP", "j/0", "m1", 1) in kinds(out)
+
+
+# -- determinism and duplicates over a whole history -------------------------------------------------------------
+
+def test_replaying_a_history_gives_the_same_state_and_events():
+    sim = running_job(3)
+    history = [resized("j", 4), machine_status("m2", "DOWN"), spec_changed("j", 4, version=2, command=("v2",))]
+    states, outs = [], []
+    for _ in range(2):
+        s = Sim(sim.state)
+        outs.append([s.feed(e) for e in history])
+        states.append(s.state)
+    assert states[0] == states[1] and outs[0] == outs[1]
+
+
+def test_every_input_delivered_twice_in_a_row():
+    """A whole scenario with each input delivered twice: the same final state and events as once."""
+    once, twice = Sim(), Sim()
+    pool = Allocator(f"m{i}" for i in range(1, 21))
+    inputs = deque([entitlement(), submit("j", 3)])
+    emitted_once, emitted_twice = [], []
+    scripted = deque([machine_status("m1", "DOWN"), resized("j", 2),
+                      spec_changed("j", 2, version=2, command=("v2",)), stopped("j")])
+    while inputs or scripted:
+        e = inputs.popleft() if inputs else scripted.popleft()
+        out = once.feed(e)
+        emitted_once += out
+        emitted_twice += twice.feed(e) + twice.feed(e)
+        inputs.extend([*agent_reactions(out), *pool.reactions(out)])
+        if not inputs and e.type == "JobStopped":
+            break
+    assert once.state == twice.state and emitted_once == emitted_twice
+    assert once.view()["state"] == JOB_STOPPED
+
+
+def test_state_survives_a_table_round_trip():
+    """Jobs as faust table values (JSON): read back equal, and the next decision is the same."""
+    sim = running_job(3)
+    sim.feed(resized("j", 5))
+    sim.feed(machine_status("m2", "UNHEALTHY"))
+    sim.feed(spec_changed("j", 5, version=2, command=("v2",), requirements={"dc": "dc1"}))
+    jobs = [sd.job_from_record(json.loads(json.dumps(sd.job_to_record(j)))) for j in sim.state.jobs.values()]
+    ents = [sd.Entitlement(**json.loads(json.dumps(dataclasses.asdict(e))))
+            for e in sim.state.entitlements.values()]
+    state = sd.state_of(jobs, ents, json.loads(json.dumps(dict(sim.state.machines_down))))
+    assert state == sim.state
+    nxt = report("j/0", "STOPPED", "m1", exit_code=0)
+    assert decide(state, nxt, T0) == decide(sim.state, nxt, T0)
+
+
+def test_duplicate_ring_is_bounded():
+    sim = running_job(1, ("m1",))
+    for i in range(sd.SEEN_LIMIT + 10):
+        sim.feed(report("j/0", "RUNNING", "m1"))
+    assert len(sim.state.jobs["j"].seen) == sd.SEEN_LIMIT
