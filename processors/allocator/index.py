@@ -17,8 +17,18 @@ Keys (all under ``prefix``; ``<m>`` a machine id, ``<e>`` an entitlement, ``<t>`
     placement          hash   task -> machine               taskres           hash task -> "cpu mem"
     req:<request_id>   hash   cpu, mem of an AllocationRequested, and t:<t> per task not yet answered
     applied:<consumer> hash   "topic/partition" -> last applied offset
+    epoch:<e>          string grows by every version bump of a machine while <e> holds it (the cache's check)
+    outbox:machines    hash   machine -> "version cause": changed, state not yet published to state.machines
 
 Empty sets vanish (Redis deletes them), so a key exists only while it holds something.
+
+**The outbox** (``outbox``/``states``/``outbox_done``). Every step that changes a machine (any version bump,
+or a new registration) queues it in ``outbox:machines``, in the same script, with the event (or the request,
+for a commit) that caused it. The allocator drains it to ``state.machines`` (processor.py): read the machines'
+current state, produce, flush, then remove each machine whose queued version is at most the one published.
+So a state change is published at least once even if the process dies right after the change, and an event
+applied again changes nothing and queues nothing. ``dump()`` leaves the outbox out (it is a queue, not
+materialized state); ``epoch:<e>`` is materialized like versions (a rebuild gives the same values).
 
 **Applying events** (``apply``/``apply_many``). One generic script checks the applied mark of the event's
 (topic, partition) — an offset at or below it changes nothing (at-least-once redelivery) — then applies the
@@ -67,7 +77,9 @@ task of the plan is placed already (CONFLICT_TASK_PLACED). **All or nothing per 
 passes, the script takes the added machines out of ``free:<dc>`` into ``ent:<e>``, places the tasks,
 subtracts capacity and bumps versions; if any fails it writes nothing and returns every conflicting machine
 with its reason (partial commit is explicit: the caller sees exactly which machines moved under it).
-``allocate`` then re-plans on a fresh snapshot and retries, up to ``max_attempts``. The commit is the
+``allocate`` then re-plans on a fresh snapshot and retries, up to ``max_attempts``. The script also returns
+the entitlement's epoch right before and after the commit, so the job-level cache (cache.py) can tell whether
+anything but this commit changed the entitlement's machines since it last looked. The commit is the
 allocator's authoritative write; the TasksAllocated (and MachineAssignedToEntitlement) events it then emits
 find their facts already written and change nothing but the applied mark.
 
@@ -77,6 +89,7 @@ a hash tag such as ``{region1}:`` so that every key lands on one slot).
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -86,6 +99,8 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from processors.allocator import placement
+from processors.allocator.cache import AllocationCache, build_entry, machines_after, shape_of
+from processors.allocator.cache import lookup as cache_lookup
 from processors.allocator.placement import (
     CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, NO_FEASIBLE_MACHINE,
     Entitlement, Machine, Plan, Request,
@@ -122,6 +137,7 @@ class CommitResult:
     ok: bool
     conflicts: Mapping[str, str]  # machine_id -> CONFLICT_* (empty when ok)
     versions: Mapping[str, int]  # machine_id -> version after the commit (empty on conflict)
+    epochs: tuple[int, int] = (0, 0)  # the entitlement's epoch right before and after the commit (when ok)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -130,6 +146,7 @@ class CommitResult:
 _LUA_PRELUDE = r"""
 local P = ARGV[1]
 local function k(s) return P .. s end
+local CAUSE = ''  -- the event (or request) whose step this is; set by each script
 local FIELDS = {""" + ", ".join(f"'{f}'" for f in _FIELDS) + r"""}
 local INDEXED = {dc = 'idx:dc:', type = 'idx:type:', status = 'idx:status:'}
 
@@ -186,11 +203,20 @@ local function unplace_task(m, t)
   take(m, -tonumber(cpu), -tonumber(mem))
 end
 
+-- the machine's state changed: queue it for state.machines (the publisher reads, produces, then removes it)
+local function changed(id, version)
+  redis.call('HSET', k('outbox:machines'), id, version .. ' ' .. CAUSE)
+end
+
 -- version += the number of kinds of change (each 0 or 1) this step made to the machine
 local function bump(m, kinds)
   local n = 0
   for _, c in pairs(kinds) do n = n + c end
-  if n > 0 then m.version = redis.call('HINCRBY', k('m:' .. m.id), 'version', n) end
+  if n > 0 then
+    m.version = redis.call('HINCRBY', k('m:' .. m.id), 'version', n)
+    changed(m.id, m.version)
+    if m.entitlement ~= '' then redis.call('INCRBY', k('epoch:' .. m.entitlement), n) end
+  end
   return m.version
 end
 
@@ -229,6 +255,7 @@ _LUA_APPLY = _LUA_PRELUDE + r"""
 local field, offset, kind, a = ARGV[2], tonumber(ARGV[3]), ARGV[4], cjson.decode(ARGV[5])
 local last = redis.call('HGET', KEYS[1], field)
 if last and tonumber(last) >= offset then return 0 end
+CAUSE = a.cause or ''
 
 local get = loader()
 local function unknown(id) return redis.error_reply('UNKNOWN_MACHINE ' .. id) end
@@ -247,6 +274,7 @@ H.MachineRegistered = function()
     redis.call('SADD', k('free:' .. a.dc), a.id)
     redis.call('SADD', k('dcs'), a.dc)
     redis.call('ZADD', k('z:cpu_free'), a.cpu, a.id)
+    changed(a.id, 1)
     return
   end
   local n = 0
@@ -356,8 +384,10 @@ return 1
 _LUA_COMMIT = _LUA_PRELUDE + r"""
 local ent, cpu, mem = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local plan, R = cjson.decode(ARGV[5]), cjson.decode(ARGV[6])
+CAUSE = ARGV[7] or ''
 local get = loader()
 local conflicts = {}
+local epoch_before = tonumber(redis.call('GET', k('epoch:' .. ent)) or '0')
 for _, p in ipairs(plan) do
   local id, expected, added, tasks = p[1], p[2], p[3] == 1, p[4]
   local m, reason = get(id), nil
@@ -383,7 +413,7 @@ for _, p in ipairs(plan) do
   versions[#versions + 1] = m.id
   versions[#versions + 1] = bump(m, {owner = owner, added = #p[4] > 0 and 1 or 0})
 end
-return {1, versions}
+return {1, versions, epoch_before, tonumber(redis.call('GET', k('epoch:' .. ent)) or '0')}
 """
 
 # ARGV: prefix, machine id, ... Returns one string: per machine present, its id and _FIELDS joined by \31,
@@ -398,6 +428,21 @@ end
 return table.concat(out, '\30')
 """
 _READ_CHUNK = 1000
+
+# KEYS[1] the outbox. ARGV: machine, version published, ... Removes a machine whose queued version is at most
+# the one published (a change queued meanwhile stays). Returns how many were removed.
+_LUA_OUTBOX_DONE = r"""
+local n = 0
+for i = 1, #ARGV, 2 do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v and tonumber(string.match(v, '^(%d+)')) <= tonumber(ARGV[i + 1]) then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+"""
+OUTBOX = "outbox:machines"
 
 _COMMIT_REASONS = json.dumps({"up": MACHINE_UP, "status": CONFLICT_STATUS, "owner": CONFLICT_OWNER,
                               "capacity": CONFLICT_CAPACITY, "version": CONFLICT_VERSION,
@@ -466,6 +511,7 @@ class MachineIndex:
         self._apply = redis_client.register_script(_LUA_APPLY)
         self._commit = redis_client.register_script(_LUA_COMMIT)
         self._read = redis_client.register_script(_LUA_READ)
+        self._outbox_done = redis_client.register_script(_LUA_OUTBOX_DONE)
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -478,7 +524,7 @@ class MachineIndex:
         topic, partition, offset = position
         return ([self.key(f"applied:{self.consumer}")],
                 [self.prefix, f"{topic}/{partition}", int(offset), event.type,
-                 json.dumps(_ARGS[event.type](event), separators=(",", ":"))])
+                 json.dumps({**_ARGS[event.type](event), "cause": event.event_id}, separators=(",", ":"))])
 
     def apply(self, event: Event, position: tuple[str, int, int]) -> bool:
         """Apply ``event`` read at ``position`` (topic, partition, offset); False if that offset was applied."""
@@ -553,15 +599,56 @@ class MachineIndex:
     def held_count(self, entitlement: str) -> int:
         return self.r.scard(self.key(f"ent:{entitlement}"))
 
+    def epoch(self, entitlement: str) -> int:
+        """The entitlement's epoch: it grows with every change to a machine while the entitlement holds it."""
+        return int(self.r.get(self.key(f"epoch:{entitlement}")) or 0)
+
     def placements(self) -> dict[str, str]:
         """task -> machine, every placement in the index."""
         return {_s(t): _s(m) for t, m in self.r.hgetall(self.key("placement")).items()}
 
+    @staticmethod
+    def in_snapshot(m: Machine, entitlement: str, dc: str | None = None, machine_type: str | None = None) -> bool:
+        """Whether ``snapshot(dc, machine_type, entitlement)`` (with the free pool) holds machine ``m``."""
+        return (m.entitlement is None or m.entitlement == entitlement) and dc in (None, m.dc) \
+            and machine_type in (None, m.machine_type)
+
+    # --- state.machines: the outbox ---------------------------------------------------------------------
+
+    def outbox(self, limit: int = 1000) -> dict[str, tuple[int, str]]:
+        """Up to ``limit`` machines whose state changed and is not published yet: id -> (version, cause)."""
+        out = {}
+        for mid, v in self.r.hscan_iter(self.key(OUTBOX), count=limit):
+            version, _, cause = _s(v).partition(" ")
+            out[_s(mid)] = (int(version), cause)
+            if len(out) >= limit:
+                break
+        return out
+
+    def states(self, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Every field of the machines of ``ids`` that exist (strings, as stored) plus ``task_ids`` (sorted),
+        each machine read in one MULTI so its fields and tasks agree."""
+        ids = list(ids)
+        pipe = self.r.pipeline(transaction=True)
+        for mid in ids:
+            pipe.hgetall(self.key(f"m:{mid}"))
+            pipe.smembers(self.key(f"tasks:{mid}"))
+        res = pipe.execute() if ids else []
+        return {mid: {"id": mid, **{_s(f): _s(v) for f, v in fields.items()}, "task_ids": sorted(map(_s, tasks))}
+                for mid, fields, tasks in zip(ids, res[::2], res[1::2]) if fields}
+
+    def outbox_done(self, published: Mapping[str, int]) -> int:
+        """Remove published machines from the outbox, unless a later change of theirs was queued meanwhile."""
+        flat = [x for mid, v in published.items() for x in (mid, int(v))]
+        return int(self._outbox_done(keys=[self.key(OUTBOX)], args=flat)) if flat else 0
+
     # --- the optimistic commit ------------------------------------------------------------------------
 
     def commit(self, plan_placements: Iterable[tuple[str, str]], expected_versions: Mapping[str, int],
-               entitlement: str, cpu: int, mem: int, machines_added: Iterable[str] = ()) -> CommitResult:
-        """Compare-and-set a plan: all its placements, or none and the conflicting machines; see the module doc."""
+               entitlement: str, cpu: int, mem: int, machines_added: Iterable[str] = (),
+               cause: str = "") -> CommitResult:
+        """Compare-and-set a plan: all its placements, or none and the conflicting machines; see the module doc.
+        ``cause`` (the request's event id) is recorded with the machines' changes for state.machines."""
         tasks: dict[str, list[str]] = defaultdict(list)
         for task_id, machine_id in plan_placements:
             tasks[machine_id].append(task_id)
@@ -571,12 +658,13 @@ class MachineIndex:
         if missing := set(tasks) - set(expected_versions):
             raise ValueError(f"no expected version for machines {sorted(missing)}")
         plan = [[mid, int(expected_versions[mid]), int(mid in added), ts] for mid, ts in sorted(tasks.items())]
-        ok, flat = self._commit(keys=[self.key("placement")],
+        ok, flat, *epochs = self._commit(keys=[self.key("placement")],
                                 args=[self.prefix, entitlement, int(cpu), int(mem),
-                                      json.dumps(plan, separators=(",", ":")), _COMMIT_REASONS])
+                                      json.dumps(plan, separators=(",", ":")), _COMMIT_REASONS, cause])
         pairs = dict(zip(map(_s, flat[::2]), flat[1::2]))
         if ok:
-            return CommitResult(True, MappingProxyType({}), MappingProxyType({m: int(v) for m, v in pairs.items()}))
+            return CommitResult(True, MappingProxyType({}), MappingProxyType({m: int(v) for m, v in pairs.items()}),
+                                (int(epochs[0]), int(epochs[1])))
         return CommitResult(False, MappingProxyType({m: _s(r) for m, r in pairs.items()}), MappingProxyType({}))
 
     # --- whole-index ------------------------------------------------------------------------------------
@@ -586,8 +674,9 @@ class MachineIndex:
         return sorted(_s(k) for k in self.r.scan_iter(match=pattern, count=1000))
 
     def dump(self) -> dict[str, Any]:
-        """Every key under the prefix (without it) -> its value: hash dict, set sorted list, zset dict, str."""
-        keys = self._keys()
+        """Every key of the index under the prefix (without it) -> its value: hash dict, set sorted list, zset
+        dict, str. The outbox is left out: it is the state publisher's queue, not materialized state."""
+        keys = [k for k in self._keys() if not k[len(self.prefix):].startswith("outbox:")]
         pipe = self.r.pipeline(transaction=False)
         for k in keys:
             pipe.type(k)
@@ -620,23 +709,46 @@ class MachineIndex:
 
 def allocate(index: MachineIndex, entitlement: Entitlement, request: Request,
              held_count_fn: Callable[[], int] | None = None,
-             max_attempts: int = 5) -> tuple[Plan, int, tuple[Mapping[str, str], ...]]:
+             max_attempts: int = 5, *, cache: AllocationCache | None = None,
+             before_commit: Callable[[Plan, int, Mapping[str, Machine]], None] | None = None, cause: str = "",
+             clock: Callable[[], float] = time.monotonic) -> tuple[Plan, int, tuple[Mapping[str, str], ...]]:
     """Snapshot -> ``placement.place`` -> ``index.commit``, re-planning on a fresh snapshot after a conflict.
 
     Returns the committed plan (its unplaced tasks and reason as ``place`` gave them), the attempts made, and
     the conflicts of each failed attempt. A plan that places nothing is returned without a commit; when every
     attempt conflicts, the plan places nothing and its reason is COMMIT_RETRIES_EXHAUSTED.
+
+    With a ``cache`` (processors/allocator/cache.py) the first attempt asks it first: a hit reads only the
+    entry's machines instead of the snapshot, and its plan (``cache_hit``) is committed like any other; a miss
+    places on the snapshot and stores a new entry. ``before_commit(plan, attempt, machines)`` runs before each
+    commit (the processor journals there); ``cause`` is recorded with the changes for state.machines.
     """
     if held_count_fn is None:
         def held_count_fn() -> int:
             return index.held_count(entitlement.name)
     dc = request.requirements.get("dc") or entitlement.dc_pin
     machine_type = request.requirements.get("machine_type") or entitlement.machine_type
+    shape = shape_of(entitlement, request) if cache is not None else None
     conflicts: list[Mapping[str, str]] = []
     plan = None
     for attempt in range(1, max_attempts + 1):
-        snap = index.snapshot(dc=dc, machine_type=machine_type, entitlement=entitlement.name)
-        plan = placement.place(snap, entitlement, request, held_count_fn())
+        plan = None
+        if shape is not None and attempt == 1 and (entry := cache.get(shape, clock())) is not None:
+            epoch, held = index.epoch(entitlement.name), held_count_fn()  # read before the machines
+            on = set(request.existing.values())
+            snap = index.machines(set(entry.machines) | on)
+            existing_on = {mid: m for mid in on if (m := snap.get(mid)) is not None
+                           and index.in_snapshot(m, entitlement.name, dc, machine_type)}
+            plan = cache_lookup(entry, snap, existing_on, entitlement, request, held, epoch)
+        if plan is None:
+            epoch = index.epoch(entitlement.name) if shape is not None else 0  # read before the snapshot
+            snap = index.snapshot(dc=dc, machine_type=machine_type, entitlement=entitlement.name)
+            held = held_count_fn()
+            outcome = placement.run(snap, entitlement, request, held)
+            plan = outcome.plan
+            if shape is not None:
+                cache.put(shape, build_entry(outcome.feasible, entitlement, request, plan.filter_rejections, held,
+                                             epoch, clock()) if plan.placements else None)
         if not plan.placements:
             if plan.reason == NO_FEASIBLE_MACHINE and (dc or machine_type):
                 # The narrowed snapshot hides why the other machines did not fit: explain over all of them
@@ -647,15 +759,23 @@ def allocate(index: MachineIndex, entitlement: Entitlement, request: Request,
                     plan = replace(plan, filter_rejections=wide.filter_rejections, message=wide.message)
             return plan, attempt, tuple(conflicts)
         touched = {mid for _, mid in plan.placements} | set(plan.machines_added)
+        if before_commit is not None:
+            before_commit(plan, attempt, snap)
         result = index.commit(plan.placements, {mid: snap[mid].version for mid in touched}, entitlement.name,
-                              request.cpu, request.mem, plan.machines_added)
+                              request.cpu, request.mem, plan.machines_added, cause=cause)
         if result.ok:
+            if cache is not None:  # write-through, into every entry
+                cache.observe_commit(entitlement.name, machines_after(snap, plan, entitlement.name, request.cpu,
+                                                                      request.mem, result.versions),
+                                     len(plan.machines_added), *result.epochs)
             return plan, attempt, tuple(conflicts)
+        if shape is not None:
+            cache.drop(shape)
         conflicts.append(result.conflicts)
     reasons = sorted({r for c in conflicts for r in c.values()})
     bins = Counter(placement.fault_domain(snap[mid], request.spread) for tid, mid in request.existing.items()
                    if tid not in request.task_ids and mid in snap)
-    return replace(plan, placements=(), machines_added=(), unplaced=request.task_ids,
+    return replace(plan, placements=(), machines_added=(), unplaced=request.task_ids, cache_hit=False,
                    fault_domain_bins=MappingProxyType(dict(sorted(bins.items()))),
                    reason=COMMIT_RETRIES_EXHAUSTED,
                    message=(f"{len(request.task_ids)} tasks of job {request.job_id} unplaced: {max_attempts} commit "

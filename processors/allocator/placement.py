@@ -1,19 +1,25 @@
 """Placement: which machines an allocation request's tasks go to. Pure: no I/O, no faust, Kafka or Redis.
 
 The pipeline (Nomad ``feasible/stack.go``, the Kubernetes scheduler framework), in the order written down in
-``FILTERS``, ``SCORES`` and ``place()``:
+``FILTERS``, ``SCORES`` and ``run()``:
 
 1. **filter** each machine of the snapshot through the hard filters, cheapest first; a machine is counted once,
    under the first filter that rejects it, so the event can say why machines were not used;
-2. **place tasks one at a time** on a local copy of free capacity: a candidate must still fit the task, and a
-   machine from the free pool may join the entitlement only while its quota has room;
-3. **score** the candidates (lower is better, compared in ``SCORES`` order) and **select** the best.
+2. **bin** the feasible machines by fault domain at the request's spread level; in each bin two queues ordered by
+   (free cpu, machine id), one of machines the entitlement holds and one of free-pool machines;
+3. **select**, one task at a time on a local copy of free capacity, the candidate that ``SCORES`` rank first: a
+   candidate must still fit the task, and a free-pool machine may join the entitlement only while its quota has
+   room. Only the head of each bin's queues can rank first in its bin (the bin's task count is the same for all
+   its machines), so a lazily updated heap over the bins' heads finds the best candidate in O(log bins) instead
+   of scoring every machine for every task; the decisions are exactly those of ``min(SCORES)`` over all fitting
+   candidates (tests/unit/test_placement.py compares both on seeded random regions).
 
 Every reason is a plain string constant that travels in TasksAllocated / AllocationRejected.
 """
 from __future__ import annotations
 
 from collections import Counter
+from heapq import heapify, heappop, heappush
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -108,53 +114,80 @@ class Plan:
     unplaced: tuple[str, ...]
     reason: str | None  # None when every task was placed
     message: str | None
+    cache_hit: bool = False  # the job-level allocation cache answered (processors/allocator/cache.py)
+
+
+# The bin of a machine at each spread level (``fault_domain``), as a function: select() calls it per machine.
+FAULT_DOMAIN_OF: Mapping[str, Callable[[Machine], str]] = MappingProxyType({
+    "dc": lambda m: m.dc,
+    "msb": lambda m: f"{m.dc}/{m.msb}",
+    "rack": lambda m: f"{m.dc}/{m.msb}/{m.rack}",
+})
 
 
 def fault_domain(machine: Machine, level: str) -> str:
     """The bin of ``machine`` at spread ``level``: ``dc``, ``dc/msb`` or ``dc/msb/rack``."""
-    return "/".join((machine.dc, machine.msb, machine.rack)[: SPREAD_LEVELS.index(level) + 1])
+    return FAULT_DOMAIN_OF[level](machine)
 
 
 def _by_id(snapshot: Mapping[str, Machine] | Iterable[Machine]) -> dict[str, Machine]:
     return {m.id: m for m in (snapshot.values() if isinstance(snapshot, Mapping) else snapshot)}
 
 
-def _meets(value: str, *wanted: str | None) -> bool:
-    """Whether ``value`` equals every wanted value that is set (None: no requirement)."""
-    return all(w in (None, value) for w in wanted)
+def _wanted(*values: str | None) -> Callable[[str], bool] | None:
+    """A test that a machine's value equals every wanted value that is set; None when nothing is wanted."""
+    wanted = {v for v in values if v is not None}
+    if not wanted:
+        return None
+    if len(wanted) > 1:  # two different requirements: no machine meets both
+        return lambda value: False
+    (only,) = wanted
+    return lambda value: value == only
 
 
-Filter = Callable[[Machine, Entitlement, Request], bool]
+def _attr_filter(attr: str, *wanted: str | None) -> Callable[[Machine], bool] | None:
+    test = _wanted(*wanted)
+    return None if test is None else (lambda m: test(getattr(m, attr)))
 
-# The hard filters, cheapest first: (reason, predicate that is True when the machine passes).
+
+# A filter builds, for one request, the predicate a machine must pass (True: passes), or None when every
+# machine passes (nothing is required), so that a request without requirements costs nothing.
+Filter = Callable[[Entitlement, "Request"], Callable[[Machine], bool] | None]
+
+# The hard filters, cheapest first: (reason, predicate builder).
 FILTERS: tuple[tuple[str, Filter], ...] = (
-    (FILTER_STATUS, lambda m, e, r: m.status == MACHINE_UP),
-    (FILTER_AVOIDED, lambda m, e, r: m.id not in r.avoid_machine_ids),
-    (FILTER_OTHER_ENTITLEMENT, lambda m, e, r: m.entitlement in (None, e.name)),
-    (FILTER_MACHINE_TYPE, lambda m, e, r: _meets(m.machine_type, r.requirements.get("machine_type"), e.machine_type)),
-    (FILTER_DC, lambda m, e, r: _meets(m.dc, r.requirements.get("dc"), e.dc_pin)),
-    (FILTER_CPU, lambda m, e, r: m.cpu_free >= r.cpu),
-    (FILTER_MEMORY, lambda m, e, r: m.mem_free >= r.mem),
+    (FILTER_STATUS, lambda e, r: lambda m: m.status == MACHINE_UP),
+    (FILTER_AVOIDED, lambda e, r: (lambda m: m.id not in r.avoid_machine_ids) if r.avoid_machine_ids else None),
+    (FILTER_OTHER_ENTITLEMENT, lambda e, r: lambda m: m.entitlement is None or m.entitlement == e.name),
+    (FILTER_MACHINE_TYPE, lambda e, r: _attr_filter("machine_type", r.requirements.get("machine_type"),
+                                                    e.machine_type)),
+    (FILTER_DC, lambda e, r: _attr_filter("dc", r.requirements.get("dc"), e.dc_pin)),
+    (FILTER_CPU, lambda e, r: lambda m: m.cpu_free >= r.cpu),
+    (FILTER_MEMORY, lambda e, r: lambda m: m.mem_free >= r.mem),
 )
 
 
 @dataclass
 class _Round:
-    """The working copy one ``place()`` call updates as it places tasks; never outlives the call."""
+    """The working copy one ``select()`` call updates as it places tasks; never outlives the call."""
 
     request: Request
-    cpu_free: dict[str, int]
+    cpu_free: dict[str, int]  # feasible machines only
     mem_free: dict[str, int]
     members: set[str]  # machines in the entitlement, including those this plan adds
     bins: Counter[str]  # the job's tasks per fault domain
 
-    def fits(self, m: Machine) -> bool:
-        return self.cpu_free[m.id] >= self.request.cpu and self.mem_free[m.id] >= self.request.mem
+    def fits(self, machine_id: str) -> bool:
+        return (machine_id in self.cpu_free and self.cpu_free[machine_id] >= self.request.cpu
+                and self.mem_free[machine_id] >= self.request.mem)
 
 
 Score = Callable[[Machine, _Round], object]
 
-# The soft preferences, most important first; lower is better, the machine id makes the order total.
+# The soft preferences, most important first; lower is better, the machine id makes the order total. select()
+# ranks candidates by exactly this key without calling these functions per machine (see the module doc): the
+# bin's task count, then machines the entitlement holds before free-pool ones, then the least free cpu left
+# (pack), then the id. tests/unit/test_placement.py checks select() against min() over SCORES.
 SCORES: tuple[tuple[str, Score], ...] = (
     ("spread", lambda m, w: w.bins[fault_domain(m, w.request.spread)]),
     ("stack_in_entitlement", lambda m, w: m.id not in w.members),
@@ -165,15 +198,171 @@ SCORES: tuple[tuple[str, Score], ...] = (
 
 def filter_machines(machines: Iterable[Machine], entitlement: Entitlement,
                     request: Request) -> tuple[list[Machine], dict[str, int]]:
-    """Run ``FILTERS``: the machines that pass all, and the count of rejected machines per first failing reason."""
-    feasible, rejected = [], Counter()
-    for m in machines:
-        reason = next((reason for reason, passes in FILTERS if not passes(m, entitlement, request)), None)
-        if reason is None:
-            feasible.append(m)
+    """Run ``FILTERS``: the machines that pass all, and the count of rejected machines per first failing reason.
+
+    One pass per filter over the machines still in: a machine is counted under the first filter it fails."""
+    remaining = list(machines)
+    rejected: dict[str, int] = {}
+    for reason, build in FILTERS:
+        passes = build(entitlement, request)
+        if passes is None:
+            continue
+        kept = [m for m in remaining if passes(m)]
+        if len(kept) < len(remaining):
+            rejected[reason] = len(remaining) - len(kept)
+        remaining = kept
+    return remaining, rejected
+
+
+def existing_bins(machines: Mapping[str, Machine], request: Request) -> Counter[str]:
+    """The job's tasks per fault domain before placing: ``request.existing`` on machines of ``machines`` (the
+    snapshot), leaving out the tasks this request places again."""
+    placing = set(request.task_ids)
+    return Counter(fault_domain(machines[mid], request.spread) for tid, mid in request.existing.items()
+                   if tid not in placing and mid in machines)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What ``select()`` decided, and the working state it ended with (free capacity, members, bins)."""
+
+    placements: tuple[tuple[str, str], ...]
+    added: tuple[str, ...]
+    unplaced: tuple[str, ...]
+    quota_hit: bool  # tasks stayed unplaced while a free-pool machine fitted: the quota was full
+    state: _Round
+
+    def fits(self, machine_id: str) -> bool:
+        """Whether a feasible machine still fits one more task of the request after the selection."""
+        return self.state.fits(machine_id)
+
+
+def select(feasible: Iterable[Machine], bins: Mapping[str, int], entitlement: Entitlement, request: Request,
+           held_machine_count: int) -> Selection:
+    """Place ``request``'s tasks one at a time on the best candidate by ``SCORES`` (see the module doc).
+
+    ``feasible`` passed ``FILTERS``; ``bins`` holds the job's tasks per fault domain already placed."""
+    feasible = list(feasible)
+    cpu, mem, bin_of = request.cpu, request.mem, FAULT_DOMAIN_OF[request.spread]
+    w = _Round(request=request, cpu_free={m.id: m.cpu_free for m in feasible},
+               mem_free={m.id: m.mem_free for m in feasible},
+               members={m.id for m in feasible if m.entitlement == entitlement.name}, bins=Counter(bins))
+    # Per bin: [held queue, free-pool queue], each a heap of (cpu_free, machine id) of machines that fit.
+    queues: dict[str, tuple[list, list]] = {}
+    members = w.members
+    for m in feasible:
+        b = bin_of(m)
+        q = queues.get(b)
+        if q is None:
+            q = queues[b] = ([], [])
+        q[m.id not in members].append((m.cpu_free, m.id))
+    for held_q, free_q in queues.values():
+        heapify(held_q)
+        heapify(free_q)
+    room = entitlement.quota_machines - held_machine_count
+    added: list[str] = []
+
+    def head(b: str) -> tuple | None:
+        """The bin's best candidate as its SCORES key (count, not held, cpu_free, id), or None."""
+        held_q, free_q = queues[b]
+        if held_q:
+            return (w.bins[b], False, held_q[0][0], held_q[0][1])
+        if free_q and len(added) < room:
+            return (w.bins[b], True, free_q[0][0], free_q[0][1])
+        return None
+
+    # The bins' heads, lazily updated: a bin's key only grows (its count grows when it takes a task, its
+    # candidates only shrink), so a popped entry that still equals its bin's head is the best candidate.
+    tops = [(*h, b) for b in queues if (h := head(b)) is not None]
+    heapify(tops)
+    placements: list[tuple[str, str]] = []
+    unplaced: tuple[str, ...] = ()
+    quota_hit = False
+    for i, task_id in enumerate(request.task_ids):
+        best = None
+        while tops:
+            entry = heappop(tops)
+            b = entry[-1]
+            now = head(b)
+            if now is None:
+                continue
+            if now == entry[:-1]:
+                best = (now, b)
+                break
+            heappush(tops, (*now, b))
+        if best is None:
+            # later tasks need the same: stop; a fitting machine left means the quota stopped us
+            unplaced, quota_hit = request.task_ids[i:], any(hq or fq for hq, fq in queues.values())
+            break
+        (_, is_free, _, mid), b = best
+        held_q, free_q = queues[b]
+        heappop(free_q if is_free else held_q)
+        if is_free:
+            w.members.add(mid)
+            added.append(mid)
+        w.cpu_free[mid] -= cpu
+        w.mem_free[mid] -= mem
+        w.bins[b] += 1
+        if w.cpu_free[mid] >= cpu and w.mem_free[mid] >= mem:
+            heappush(held_q, (w.cpu_free[mid], mid))
+        placements.append((task_id, mid))
+        if (h := head(b)) is not None:
+            heappush(tops, (*h, b))
+    return Selection(tuple(placements), tuple(added), unplaced, quota_hit, w)
+
+
+def plan_of(selection: Selection, entitlement: Entitlement, request: Request, held_machine_count: int,
+            rejections: Mapping[str, int]) -> Plan:
+    """The Plan of a selection: its placements, and the reason and message when tasks stayed unplaced."""
+    unplaced = selection.unplaced
+    reason = message = None
+    if unplaced:
+        counts = f"{len(unplaced)} of {len(request.task_ids)} tasks of job {request.job_id} unplaced"
+        if selection.quota_hit:
+            reason = QUOTA_EXCEEDED
+            message = (f"entitlement {entitlement.name} holds {held_machine_count + len(selection.added)} of "
+                       f"{entitlement.quota_machines} machines; raise its quota or free capacity ({counts})")
         else:
-            rejected[reason] += 1
-    return feasible, {reason: rejected[reason] for reason, _ in FILTERS if rejected[reason]}
+            reason = NO_FEASIBLE_MACHINE
+            why = ("machines rejected: " + ", ".join(f"{n} {r}" for r, n in rejections.items())
+                   if rejections else "the feasible machines are full")
+            message = (f"no machine fits a task of {request.cpu}m cpu and {request.mem} MiB"
+                       f"{''.join(f', {k}={v}' for k, v in sorted(request.requirements.items()))}"
+                       f" ({counts}); {why}")
+    return Plan(
+        placements=selection.placements,
+        machines_added=selection.added,
+        filter_rejections=MappingProxyType(dict(rejections)),
+        fault_domain_bins=MappingProxyType(dict(sorted(selection.state.bins.items()))),
+        unplaced=unplaced,
+        reason=reason,
+        message=message,
+    )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """``run()``'s result: the plan, the machines that passed the filters, and the selection behind the plan."""
+
+    plan: Plan
+    feasible: tuple[Machine, ...]
+    selection: Selection
+
+
+def run(snapshot: Mapping[str, Machine] | Iterable[Machine], entitlement: Entitlement, request: Request,
+        held_machine_count: int, *, existing_on: Mapping[str, Machine] | None = None,
+        rejections: Mapping[str, int] | None = None) -> Outcome:
+    """The pipeline: filter -> bin -> select -> plan. ``place()`` is this without the working parts.
+
+    ``existing_on`` (default: the snapshot) holds the machines of ``request.existing`` to count in the spread
+    bins; ``rejections`` (default: those the filters count here) are the ones the plan reports. The job-level
+    cache passes both: it runs the pipeline over the few machines of a cache entry."""
+    machines = _by_id(snapshot)
+    feasible, counted = filter_machines(machines.values(), entitlement, request)
+    bins = existing_bins(machines if existing_on is None else existing_on, request)
+    selection = select(feasible, bins, entitlement, request, held_machine_count)
+    plan = plan_of(selection, entitlement, request, held_machine_count, counted if rejections is None else rejections)
+    return Outcome(plan, tuple(feasible), selection)
 
 
 def place(snapshot: Mapping[str, Machine] | Iterable[Machine], entitlement: Entitlement,
@@ -185,60 +374,7 @@ def place(snapshot: Mapping[str, Machine] | Iterable[Machine], entitlement: Enti
     placed are listed in ``unplaced`` with ``reason`` QUOTA_EXCEEDED (a free machine fitted but the quota is
     full) or NO_FEASIBLE_MACHINE.
     """
-    machines = _by_id(snapshot)
-    feasible, rejections = filter_machines(sorted(machines.values(), key=lambda m: m.id), entitlement, request)
-    placing = set(request.task_ids)
-    w = _Round(
-        request=request,
-        cpu_free={m.id: m.cpu_free for m in feasible},
-        mem_free={m.id: m.mem_free for m in feasible},
-        members={m.id for m in feasible if m.entitlement == entitlement.name},
-        bins=Counter(fault_domain(machines[mid], request.spread) for tid, mid in request.existing.items()
-                     if tid not in placing and mid in machines),
-    )
-    room = entitlement.quota_machines - held_machine_count
-    placements: list[tuple[str, str]] = []
-    added: list[str] = []
-    unplaced: tuple[str, ...] = ()
-    quota_hit = False
-    for i, task_id in enumerate(request.task_ids):
-        fitting = [m for m in feasible if w.fits(m)]
-        candidates = [m for m in fitting if m.id in w.members or len(added) < room]
-        if not candidates:
-            unplaced, quota_hit = request.task_ids[i:], len(fitting) > 0  # later tasks need the same: stop
-            break
-        best = min(candidates, key=lambda m: tuple(score(m, w) for _, score in SCORES))
-        if best.id not in w.members:
-            w.members.add(best.id)
-            added.append(best.id)
-        w.cpu_free[best.id] -= request.cpu
-        w.mem_free[best.id] -= request.mem
-        w.bins[fault_domain(best, request.spread)] += 1
-        placements.append((task_id, best.id))
-
-    reason = message = None
-    if unplaced:
-        counts = f"{len(unplaced)} of {len(request.task_ids)} tasks of job {request.job_id} unplaced"
-        if quota_hit:
-            reason = QUOTA_EXCEEDED
-            message = (f"entitlement {entitlement.name} holds {held_machine_count + len(added)} of "
-                       f"{entitlement.quota_machines} machines; raise its quota or free capacity ({counts})")
-        else:
-            reason = NO_FEASIBLE_MACHINE
-            why = ("machines rejected: " + ", ".join(f"{n} {r}" for r, n in rejections.items())
-                   if rejections else "the feasible machines are full")
-            message = (f"no machine fits a task of {request.cpu}m cpu and {request.mem} MiB"
-                       f"{''.join(f', {k}={v}' for k, v in sorted(request.requirements.items()))}"
-                       f" ({counts}); {why}")
-    return Plan(
-        placements=tuple(placements),
-        machines_added=tuple(added),
-        filter_rejections=MappingProxyType(rejections),
-        fault_domain_bins=MappingProxyType(dict(sorted(w.bins.items()))),
-        unplaced=unplaced,
-        reason=reason,
-        message=message,
-    )
+    return run(snapshot, entitlement, request, held_machine_count).plan
 
 
 def release(snapshot: Mapping[str, Machine] | Iterable[Machine], entitlement_name: str,

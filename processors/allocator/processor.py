@@ -18,7 +18,7 @@ the request's, producer ``allocator``:
 
     TasksDeallocated + MachineReleasedToFreePool per machine the entitlement no longer uses   (free_task_ids)
     TasksAllocated (placements with dc/msb/rack, filter_rejections, fault_domain_bins, machines_added,
-                    cache_hit=False, commit_attempts) + MachineAssignedToEntitlement per machine added
+                    cache_hit, commit_attempts) + MachineAssignedToEntitlement per machine added
     AllocationRejected (reason constant, a message a user can act on, unplaced tasks, filter_rejections)
     -- a partial placement emits both TasksAllocated and AllocationRejected
 
@@ -40,12 +40,29 @@ So a request never allocates twice, and its result is produced at least once wit
 expires after ``JOURNAL_TTL_S``. Events the allocator produces come back to it on ``machines`` and
 ``allocations``; applying them finds their facts already written (the commit or the deallocation wrote them).
 
+**The job-level cache** (cache.py, Twine §2.3). Each ``Allocator`` holds an ``AllocationCache``; ``allocate``
+asks it before reading a snapshot, and ``TasksAllocated.cache_hit`` says whether it answered. Counters, added
+with the ``done`` journal write (once per request, never for a redelivery) and derived from the decision's own
+events: ``requests``, ``cache_hits``, ``cache_misses`` in ``metrics:allocator``; ``allocator_metrics()`` reads
+them with ``cache_hit_ratio`` = hits / (hits + misses).
+
+**state.machines.** Every change the index makes to a machine is queued in its outbox (index.py), atomically
+with the change. ``publish_machine_states`` drains it: the current state of each queued machine as a
+MachineStatePublished (key: machine id; event id derived from machine and version, so a state published twice
+is the same event), flushed before it leaves the outbox. The agent drains at most every PUBLISH_INTERVAL_S
+while events stream in, and a faust timer drains when idle; one process drains at a time (``outbox:lock``), so
+one machine's records reach the log in version order. An event applied twice queues nothing the second time,
+so it publishes nothing; a crash between producing and removing from the outbox publishes the same state
+(same event id) again.
+
 Redis keys of this module, under the prefix, beside the index's (``processors/allocator/index.py``)::
 
     entitlement:<e>       hash   quota_machines, machine_type, dc_pin, host_profile ("" = none)
     alloc:req:<event id>  hash   free, wal, done: JSON lists of events (see above)
     alloc:lock:<event id> string the process deciding the request now (expires after LOCK_TTL_S)
     applied:allocator     hash   the index's applied marks; the intents marks share it
+    metrics:allocator     hash   requests, cache_hits, cache_misses (integers)
+    outbox:lock           string the process draining the outbox to state.machines now (expires)
 """
 from __future__ import annotations
 
@@ -53,6 +70,7 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -65,6 +83,7 @@ import redis
 
 from infra.config import Config
 from processors.allocator import placement
+from processors.allocator.cache import AllocationCache
 from processors.allocator.index import DEFAULT_CONSUMER, EVENT_TYPES, MachineIndex, allocate
 from processors.allocator.placement import Entitlement, Machine, Plan, Request
 from streams.clients import DeliveryError, EventProducer
@@ -72,7 +91,7 @@ from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import decoded, make_app, route_dead_letter
 from streams.serde import SchemaRegistry
-from streams.topics import Topics
+from streams.topics import Topics, free_pool_key
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +112,9 @@ JOURNAL_TTL_S = 7 * 24 * 3600
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, DeliveryError)
 TRANSIENT_RETRIES = 3
 LOCK_TTL_S = 30.0  # longest one request's decision may hold its lock (a crashed holder's lock expires)
+METRICS_KEY = "metrics:allocator"  # hash: cache_hits, cache_misses, requests (HINCRBY; allocator_metrics)
+OUTBOX_LOCK = "outbox:lock"  # string: the process draining the index's outbox to state.machines now
+PUBLISH_INTERVAL_S = 0.25  # machine states are published at most this long after their change (when running)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -147,7 +169,7 @@ def plan_events(request: Event, plan: Plan, attempts: int, machines: Mapping[str
             "request_id": p["request_id"], "job_id": p["job_id"],
             "placements": _placement_rows(plan.placements, machines),
             "filter_rejections": dict(plan.filter_rejections), "fault_domain_bins": dict(plan.fault_domain_bins),
-            "machines_added": list(plan.machines_added), "cache_hit": False, "commit_attempts": attempts},
+            "machines_added": list(plan.machines_added), "cache_hit": plan.cache_hit, "commit_attempts": attempts},
             p["request_id"], ts))
         out += [_derived(request, "MachineAssignedToEntitlement", {
             "machine_id": mid, "dc": machines[mid].dc, "reason": f"allocation {p['request_id']}"},
@@ -172,6 +194,44 @@ def free_events(request: Event, to_free: Mapping[str, str], released: Sequence[s
                                                             "reason": RELEASED_EMPTY}, mid, ts, mid)
             for mid in released]
     return out
+
+
+def metric_increments(decision: Sequence[Event]) -> dict[str, int]:
+    """The allocator counters one decided request adds (METRICS_KEY): ``requests`` always; ``cache_hits`` or
+    ``cache_misses`` when tasks went through ``allocate`` -- read from the decision itself (TasksAllocated's
+    ``cache_hit``; a rejection is never a hit), so the counters can be recomputed from the log."""
+    out = {"requests": 1}
+    placed = [e for e in decision if e.type == "TasksAllocated"]
+    rejected = [e for e in decision if e.type == "AllocationRejected"
+                and e.payload["reason"] not in (UNKNOWN_ENTITLEMENT, INVALID_REQUEST)]
+    if placed:
+        out["cache_hits" if placed[0].payload.get("cache_hit") else "cache_misses"] = 1
+    elif rejected:
+        out["cache_misses"] = 1
+    return out
+
+
+MACHINE_STATUSES = frozenset({"UP", "UNHEALTHY", "DOWN", "MAINTENANCE"})  # MachineStatePublished's enum
+
+
+def machine_state_event(fields: Mapping[str, Any], cause: str | None, ts: int) -> Event:
+    """The MachineStatePublished of a machine as the index holds it (``MachineIndex.states``). Its id is derived
+    from (machine, version): a state published again is the same event, and readers dedupe by id."""
+    mid, version = fields["id"], int(fields["version"])
+    ent = fields["entitlement"] or None
+    return new_event("MachineStatePublished", {
+        "machine_id": mid,
+        "topology": {f: fields[f] for f in ("region", "dc", "msb", "rack")},
+        "machine_type": fields["type"],
+        "status": fields["status"] if fields["status"] in MACHINE_STATUSES else "UNKNOWN",
+        "assigned_entitlement": ent,
+        "capacity": {"cpu_millicores": int(fields["cpu_cap"]), "memory_mib": int(fields["mem_cap"])},
+        "free": {"cpu_millicores": int(fields["cpu_free"]), "memory_mib": int(fields["mem_free"])},
+        "host_profile": fields["host_profile"] or None,
+        "task_ids": list(fields["task_ids"]),
+        "version": version,
+    }, entitlement=ent or free_pool_key(fields["dc"]), entity_id=mid, producer=PRODUCER, causation_id=cause or None,
+        timestamp_ms=ts, event_id=derived_event_id(PRODUCER, "MachineStatePublished", mid, version))
 
 
 def event_to_json(e: Event) -> dict:
@@ -223,35 +283,6 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
-class _JournaledIndex:
-    """The index as ``allocate`` sees it for one request: before each commit it journals (``write_wal``) the
-    events that commit would make true. Placement is deterministic, so the plan is re-derived here from the
-    snapshot and held count ``allocate`` just read, and checked against what it commits."""
-
-    def __init__(self, index: MachineIndex, entitlement: Entitlement, request: Request, build, write_wal) -> None:
-        self._index, self._entitlement, self._request = index, entitlement, request
-        self._build, self._write_wal = build, write_wal
-        self._snapshot: dict[str, Machine] = {}
-        self._held = 0
-        self.commits = 0
-
-    def snapshot(self, **kwargs) -> dict[str, Machine]:
-        self._snapshot = self._index.snapshot(**kwargs)
-        return self._snapshot
-
-    def held_count(self, entitlement: str) -> int:
-        self._held = self._index.held_count(entitlement)
-        return self._held
-
-    def commit(self, plan_placements, expected_versions, entitlement, cpu, mem, machines_added=()):
-        self.commits += 1
-        plan = placement.place(self._snapshot, self._entitlement, self._request, self._held)
-        if tuple(plan.placements) != tuple(plan_placements) or tuple(plan.machines_added) != tuple(machines_added):
-            raise RuntimeError("allocate committed a plan that placement.place does not reproduce")
-        self._write_wal(self._build(plan, self.commits, self._snapshot))
-        return self._index.commit(plan_placements, expected_versions, entitlement, cpu, mem, machines_added)
-
-
 @dataclass
 class Allocator:
     """Applies events to the index and answers AllocationRequested; blocking (call it from a worker thread)."""
@@ -261,8 +292,14 @@ class Allocator:
     producer: EventProducer
     consumer: str = DEFAULT_CONSUMER
     max_attempts: int = 5
+    cache: AllocationCache | None = None  # the job-level allocation cache; one per allocator (None: a new one)
+    publish_interval_s: float = PUBLISH_INTERVAL_S
 
     def __post_init__(self) -> None:
+        if self.cache is None:
+            self.cache = AllocationCache()
+        self._publishing = threading.Lock()
+        self._published_at = 0.0
         self.index = MachineIndex(self.r, self.prefix, self.consumer)
         # Deallocations are written by the allocator itself (as commits are), through the index's idempotent
         # TasksDeallocated handler, under a mark field of their own that is removed right after.
@@ -305,6 +342,42 @@ class Allocator:
 
     def entitlement(self, name: str) -> Entitlement | None:
         return entitlement_of(name, {_s(k): _s(v) for k, v in self.r.hgetall(self.key(f"entitlement:{name}")).items()})
+
+    # --- state.machines ---------------------------------------------------------------------------------
+
+    def publish_machine_states(self, limit: int = 2000) -> int:
+        """Publish the current state of every machine in the index's outbox to ``state.machines``, flush, then
+        take them out of the outbox (a machine that changed again meanwhile stays). Returns how many were
+        published. One process drains at a time (``outbox:lock``), so records of one machine reach the log in
+        version order; a state published twice has the same event id (machine, version)."""
+        with self._publishing:
+            self._published_at = time.monotonic()
+            lock, token = self.key(OUTBOX_LOCK), uuid.uuid4().hex
+            if not self.r.set(lock, token, nx=True, px=int(LOCK_TTL_S * 1000)):
+                return 0  # another allocator is draining; what it misses stays for the next drain
+            try:
+                total = 0
+                while queued := self.index.outbox(limit):
+                    states = self.index.states(queued)
+                    ts = int(time.time() * 1000)
+                    for mid, fields in states.items():
+                        self.producer.send(machine_state_event(fields, queued[mid][1], ts))
+                    self.producer.flush()
+                    gone = {mid: 2**62 for mid in queued if mid not in states}  # cleared from the index
+                    self.index.outbox_done({**{mid: int(f["version"]) for mid, f in states.items()}, **gone})
+                    total += len(states)
+                    if len(queued) < limit:
+                        break
+                return total
+            finally:
+                self._unlock(keys=[lock], args=[token])
+
+    def maybe_publish_machine_states(self) -> int:
+        """``publish_machine_states`` unless the last drain was less than ``publish_interval_s`` ago: one
+        flush per interval, not per event, while events stream in (a timer drains the rest when idle)."""
+        if time.monotonic() - self._published_at < self.publish_interval_s:
+            return 0
+        return self.publish_machine_states()
 
     # --- an AllocationRequested -------------------------------------------------------------------------
 
@@ -357,6 +430,8 @@ class Allocator:
         pipe.hset(jkey, "done", _dumps(done))
         pipe.hdel(jkey, "free", "wal")
         pipe.expire(jkey, JOURNAL_TTL_S)
+        for counter, n in metric_increments(done).items():  # counted once per request, with its decision
+            pipe.hincrby(self.key(METRICS_KEY), counter, n)
         pipe.execute()
         return done
 
@@ -395,8 +470,11 @@ class Allocator:
             self.r.hset(jkey, "wal", _dumps(events))
             self.r.expire(jkey, JOURNAL_TTL_S)
 
-        journaled = _JournaledIndex(self.index, ent, req, build, write_wal)
-        plan, attempts, _conflicts = allocate(journaled, ent, req, max_attempts=self.max_attempts)
+        def before_commit(plan: Plan, attempt: int, machines: Mapping[str, Machine]) -> None:
+            write_wal(build(plan, attempt, machines))  # the events this commit would make true
+
+        plan, attempts, _conflicts = allocate(self.index, ent, req, max_attempts=self.max_attempts, cache=self.cache,
+                                              before_commit=before_commit, cause=request.event_id)
         involved = {m for _, m in plan.placements} | set(plan.machines_added)
         return plan_events(request, plan, attempts, self.index.machines(involved), ts)
 
@@ -431,6 +509,16 @@ class Allocator:
                                           {t: m for t, m in to_free.items() if m == mid},
                                           math.ceil(cost[mid][0] / n), math.ceil(cost[mid][1] / n), remaining)
         return free_events(request, to_free, released, machines, ts)
+
+
+def allocator_metrics(redis_client: redis.Redis, prefix: str) -> dict[str, Any]:
+    """The allocator's counters under ``prefix`` (every allocator process adds to the same hash):
+    ``requests`` (AllocationRequested decided, each once), ``cache_hits`` and ``cache_misses`` (those whose
+    tasks went through the job-level cache), and ``cache_hit_ratio`` = hits / (hits + misses), None before any."""
+    raw = {_s(k): int(v) for k, v in redis_client.hgetall(prefix + METRICS_KEY).items()}
+    out = {k: raw.get(k, 0) for k in ("cache_hits", "cache_misses", "requests")}
+    looked = out["cache_hits"] + out["cache_misses"]
+    return {**out, "cache_hit_ratio": out["cache_hits"] / looked if looked else None}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -469,8 +557,21 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
                 message = stream.current_event.message if stream.current_event is not None else None
                 await route_dead_letter(dead_letters, message or _Origin(record, registry, event),
                                         PROCESSING_FAILED, f"{event.type}: {type(exc).__name__}: {exc}")
+            await _publish(loop, allocator.maybe_publish_machine_states)
+
+    @app.timer(interval=allocator.publish_interval_s, name=f"{APP_ID}.publish_machine_states")
+    async def publish_machine_states():
+        """Drain what the agent's throttled drains left (the last changes before a pause)."""
+        await _publish(asyncio.get_running_loop(), allocator.publish_machine_states)
 
     return app, allocate_agent, allocator
+
+
+async def _publish(loop, drain) -> None:
+    try:  # the outbox keeps what was not published: a failure here only delays state.machines
+        await loop.run_in_executor(None, drain)
+    except Exception:  # noqa: BLE001
+        log.exception("allocator: publishing machine states failed; the outbox keeps them for the next drain")
 
 
 @dataclass(frozen=True)

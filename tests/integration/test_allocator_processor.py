@@ -15,7 +15,7 @@ import redis
 
 from processors.allocator.index import MachineIndex
 from processors.allocator.placement import FILTER_MACHINE_TYPE, NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED
-from processors.allocator.processor import PRODUCER, RELEASED_EMPTY, build_app
+from processors.allocator.processor import PRODUCER, RELEASED_EMPTY, allocator_metrics, build_app
 from streams.clients import EventConsumer, EventProducer
 from streams.deadletter import PROCESSING_FAILED
 from streams.events import Event, new_event
@@ -163,7 +163,7 @@ def test_allocates_a_job_spread_over_msbs(cfg, registry):
         [done] = log.events("TasksAllocated", request_id="r1")
         derived_from(req, done)
         p = done.payload
-        assert len(p["placements"]) == 6 and p["commit_attempts"] == 1 and p["cache_hit"] is False
+        assert len(p["placements"]) == 6 and p["commit_attempts"] == 1 and p["cache_hit"] is False  # first
         assert Counter(pl["msb"] for pl in p["placements"]) == {"msb1": 2, "msb2": 2, "msb3": 2}
         assert p["fault_domain_bins"] == {"dc1/msb1": 2, "dc1/msb2": 2, "dc1/msb3": 2}
         for pl in p["placements"]:
@@ -493,6 +493,36 @@ def test_entitlement_updates_and_unknown_entitlements(direct):
                                                         "spread": "planet"},
                                 entitlement="e1", entity_id="r3", producer="test"))
     assert [(e.type, e.payload["reason"]) for e in bad] == [("AllocationRejected", "invalid_request")]
+
+
+def test_the_job_level_cache_answers_a_second_job_of_the_same_shape_and_counts_it(direct):
+    def allocated(events):
+        [done] = [e for e in events if e.type == "TasksAllocated"]
+        return done.payload
+
+    first = allocated(direct.feed(requested("r1", "e1", "web", 3)))
+    r2 = requested("r2", "e1", "api", 3)
+    second = allocated(direct.feed(r2))
+    assert first["cache_hit"] is False and second["cache_hit"] is True
+    assert {p["machine_id"] for p in second["placements"]} == {p["machine_id"] for p in first["placements"]}
+    assert second["machines_added"] == [] and second["commit_attempts"] == 1
+    other_shape = allocated(direct.feed(requested("r3", "e1", "big", 1, cpu=2000)))
+    assert other_shape["cache_hit"] is False
+    again = direct.feed(r2)  # redelivered: the journal answers, not counted again
+    assert allocated(again) == second
+    direct.feed(requested("r4", "e1", "web", free=["web/0"]))  # frees only: a request, not a cache lookup
+    direct.feed(requested("r5", "nobody", "x", 1))  # rejected before placement: not a lookup either
+    metrics = allocator_metrics(direct.r, direct.prefix)
+    assert metrics == {"cache_hits": 1, "cache_misses": 2, "requests": 5, "cache_hit_ratio": 1 / 3}
+    assert {k.decode(): int(v) for k, v in direct.r.hgetall(direct.key("metrics:allocator")).items()} == {
+        "cache_hits": 1, "cache_misses": 2, "requests": 5}
+
+
+def test_allocator_metrics_before_any_request(cfg):
+    r = redis.Redis.from_url(cfg.redis_url)
+    assert allocator_metrics(r, cfg.topic_prefix) == {"cache_hits": 0, "cache_misses": 0, "requests": 0,
+                                                      "cache_hit_ratio": None}
+    r.close()
 
 
 # --- the worker process ----------------------------------------------------------------------------------------

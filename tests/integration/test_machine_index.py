@@ -12,6 +12,8 @@ from itertools import count
 import pytest
 import redis
 
+from processors.allocator import placement
+from processors.allocator.cache import AllocationCache
 from processors.allocator.index import (
     COMMIT_RETRIES_EXHAUSTED, CONFLICT_TASK_PLACED, MachineIndex, MissingResources, UnknownMachine, allocate,
 )
@@ -521,6 +523,95 @@ def test_allocate_gives_up_after_max_attempts(ix):
     assert plan.reason == COMMIT_RETRIES_EXHAUSTED and plan.placements == () and plan.unplaced == ("j/0",)
     assert "3 commit attempts met conflicts (machine_version_changed)" in plan.message
     assert ix.placements() == {}
+
+
+# --- (f) the job-level allocation cache on Redis --------------------------------------------------------------
+
+def cache_region(ix):
+    apply_all(ix, [reg(f"{msb}{i}", msb=msb, cpu=8000, mem=16384) for msb in "abc" for i in range(4)])
+
+
+def job(name, n=3, **kw):
+    return Request(f"{name}-r", name, "e1", tuple(f"{name}/{i}" for i in range(n)), 1000, 1024, **kw)
+
+
+def test_a_second_job_of_the_same_shape_hits_and_decides_as_a_full_placement(ix):
+    cache_region(ix)
+    cache = AllocationCache()
+    first, attempts, _ = allocate(ix, E1, job("a"), cache=cache)
+    assert not first.cache_hit and attempts == 1 and len(cache) == 1
+    expected = placement.place(ix.snapshot(entitlement="e1"), E1, job("b"), ix.held_count("e1"))
+    second, attempts, _ = allocate(ix, E1, job("b"), cache=cache)
+    assert second.cache_hit and attempts == 1
+    assert (second.placements, second.machines_added) == (expected.placements, expected.machines_added)
+    assert ix.placements() == {**dict(first.placements), **dict(second.placements)}
+    # the job grows: its placed tasks count in the spread (task ids 3.. of job b)
+    grown = Request("b-r2", "b", "e1", ("b/3", "b/4"), 1000, 1024, existing=dict(second.placements))
+    expected = placement.place(ix.snapshot(entitlement="e1"), E1, grown, ix.held_count("e1"))
+    third, _, _ = allocate(ix, E1, grown, cache=cache)
+    assert third.cache_hit and third.placements == expected.placements
+
+
+def test_a_change_the_cache_did_not_make_is_a_miss(ix):
+    cache_region(ix)
+    cache = AllocationCache()
+    first, _, _ = allocate(ix, E1, job("a"), cache=cache)
+    used = first.placements[0][1]
+    ix.apply(profile(used, "web"), ("machines", 0, 1000))  # a machine e1 holds changed: version and epoch
+    second, _, _ = allocate(ix, E1, job("b"), cache=cache)
+    assert not second.cache_hit
+    assert allocate(ix, E1, job("c"), cache=cache)[0].cache_hit
+
+
+def test_a_stale_hit_costs_a_retry_never_an_over_commit(ix):
+    """A rival fills every machine of the cached plan between the lookup and the commit: the hit's commit
+    conflicts, the entry is dropped, and the retry places on a full snapshot; no machine goes below zero."""
+    cache_region(ix)
+    cache = AllocationCache()
+    allocate(ix, E1, job("a"), cache=cache)
+    commit, calls = ix.commit, []
+
+    def rival_first(placements, versions, *args, **kw):
+        calls.append(dict(placements))
+        if len(calls) == 1:  # the cached plan: a rival takes what is left on each of its machines first
+            for mid in versions:
+                m = ix.machine(mid)
+                assert commit([(f"rival-{mid}/0", mid)], {mid: m.version}, "e1", m.cpu_free, m.mem_free).ok
+        return commit(placements, versions, *args, **kw)
+
+    ix.commit = rival_first
+    plan, attempts, conflicts = allocate(ix, E1, job("b"), cache=cache)
+    assert attempts == 2 and set(conflicts[0].values()) == {CONFLICT_CAPACITY}
+    assert plan.placements and not plan.cache_hit  # the retry was a miss, on other machines
+    assert not set(calls[0].values()) & set(calls[1].values())
+    for mid, m in ix.snapshot(entitlement="e1").items():
+        assert m.cpu_free >= 0 and m.mem_free >= 0, mid
+
+
+# --- (g) the outbox: what state.machines must publish ------------------------------------------------------------
+
+def test_every_change_queues_the_machine_once_with_its_version_and_cause(ix):
+    log = apply_all(ix, [reg("m1"), reg("m2")])
+    assert ix.outbox() == {"m1": (1, log.records[0][0].event_id), "m2": (1, log.records[1][0].event_id)}
+    assert "outbox:machines" not in ix.dump()  # the publisher's queue, not index state
+    assert ix.outbox_done({"m1": 1, "m2": 1}) == 2 and ix.outbox() == {}
+    # a redelivered registration (same offset, or a new one) changes nothing: nothing to publish
+    ix.apply(*log.records[0])
+    ix.apply(log.records[0][0], ("machines", 0, 99))
+    assert ix.outbox() == {}
+    # the allocator's commit queues what it changed, under the request's event id
+    assert ix.epoch("e1") == 0
+    result = ix.commit([("j/0", "m1")], {"m1": 1}, "e1", 1000, 1024, machines_added=["m1"], cause="req-1")
+    assert ix.outbox() == {"m1": (result.versions["m1"], "req-1")} and result.versions["m1"] == 3
+    assert result.epochs == (0, 2) and ix.epoch("e1") == 2  # owner + tasks, while e1 holds it
+    # a change queued after a state was read stays until its own state is published
+    ix.apply(status("m1", "DOWN", ent="e1"), ("machines", 0, 100))
+    assert ix.outbox_done({"m1": 3}) == 0 and ix.outbox()["m1"][0] == 4
+    assert ix.outbox_done({"m1": 4}) == 1 and ix.outbox() == {}
+    state = ix.states(["m1", "nope"])
+    assert list(state) == ["m1"] and state["m1"]["task_ids"] == ["j/0"] and state["m1"]["status"] == "DOWN"
+    assert (state["m1"]["id"], state["m1"]["entitlement"], state["m1"]["cpu_free"], state["m1"]["version"]) == (
+        "m1", "e1", "3000", "4")
 
 
 # --- (e) two allocator processes racing for one free pool ---------------------------------------------------

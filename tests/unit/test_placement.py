@@ -1,4 +1,6 @@
 """Table-driven tests of the allocator's pure placement pipeline."""
+import random
+
 import pytest
 
 from processors.allocator.placement import (
@@ -205,3 +207,123 @@ def test_commit_check(machine, version, n, ent, expected):
 def test_request_rejects_what_placement_cannot_honour(kw):
     with pytest.raises(ValueError):
         req(1, **kw)
+
+
+# --- the fast select() against a straightforward reference --------------------------------------------------
+
+def reference_place(snapshot, entitlement, request, held):
+    """place() as first written: every filter on every machine, then per task min() over SCORES of every
+    candidate. O(tasks x machines); the decisions place() must keep."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from processors.allocator.placement import SCORES, fault_domain
+
+    def meets(value, *wanted):
+        return all(w in (None, value) for w in wanted)
+
+    filters = (
+        (FILTER_STATUS, lambda x: x.status == "UP"),
+        (FILTER_AVOIDED, lambda x: x.id not in request.avoid_machine_ids),
+        (FILTER_OTHER_ENTITLEMENT, lambda x: x.entitlement in (None, entitlement.name)),
+        (FILTER_MACHINE_TYPE, lambda x: meets(x.machine_type, request.requirements.get("machine_type"),
+                                              entitlement.machine_type)),
+        (FILTER_DC, lambda x: meets(x.dc, request.requirements.get("dc"), entitlement.dc_pin)),
+        (FILTER_CPU, lambda x: x.cpu_free >= request.cpu),
+        (FILTER_MEMORY, lambda x: x.mem_free >= request.mem),
+    )
+    machines = {x.id: x for x in snapshot}
+    feasible, rejected = [], Counter()
+    for x in sorted(machines.values(), key=lambda x: x.id):
+        reason = next((r for r, ok in filters if not ok(x)), None)
+        if reason is None:
+            feasible.append(x)
+        else:
+            rejected[reason] += 1
+    placing = set(request.task_ids)
+    w = SimpleNamespace(request=request, cpu_free={x.id: x.cpu_free for x in feasible},
+                        mem_free={x.id: x.mem_free for x in feasible},
+                        members={x.id for x in feasible if x.entitlement == entitlement.name},
+                        bins=Counter(fault_domain(machines[mid], request.spread)
+                                     for tid, mid in request.existing.items() if tid not in placing and mid in machines))
+    room = entitlement.quota_machines - held
+    placements, added, unplaced, quota_hit = [], [], (), False
+    for i, task_id in enumerate(request.task_ids):
+        fitting = [x for x in feasible if w.cpu_free[x.id] >= request.cpu and w.mem_free[x.id] >= request.mem]
+        candidates = [x for x in fitting if x.id in w.members or len(added) < room]
+        if not candidates:
+            unplaced, quota_hit = request.task_ids[i:], len(fitting) > 0
+            break
+        best = min(candidates, key=lambda x: tuple(score(x, w) for _, score in SCORES))
+        if best.id not in w.members:
+            w.members.add(best.id)
+            added.append(best.id)
+        w.cpu_free[best.id] -= request.cpu
+        w.mem_free[best.id] -= request.mem
+        w.bins[fault_domain(best, request.spread)] += 1
+        placements.append((task_id, best.id))
+    return (tuple(placements), tuple(added), dict(sorted(w.bins.items())),
+            {r: rejected[r] for r, _ in filters if rejected[r]}, unplaced,
+            (QUOTA_EXCEEDED if quota_hit else NO_FEASIBLE_MACHINE) if unplaced else None)
+
+
+def random_region(rnd, n):
+    """``n`` machines over 2 DCs x 3 MSBs x 3 racks, some held by e1 or e2, partly used, a few not UP, two
+    types, a few sizes: enough ties and near-full machines to exercise every score and filter."""
+    out = []
+    for i in range(n):
+        cpu, mem = rnd.choice(((4000, 8192), (8000, 16384), (2000, 8192)))
+        used = rnd.choice((0, 0, 1000, 2000, 3000, cpu))
+        out.append(m(f"m{i:03d}", dc=rnd.choice(("dc1", "dc2")), msb=rnd.choice(("a", "b", "c")),
+                     rack=rnd.choice(("r1", "r2", "r3")), type=rnd.choice(("skylake", "skylake", "broadwell")),
+                     cpu=cpu, mem=mem, used_cpu=min(used, cpu), used_mem=min(used * 2, mem),
+                     ent=rnd.choice((None, None, None, "e1", "e2")),
+                     status=rnd.choice(("UP",) * 9 + ("DOWN",)), version=rnd.randint(1, 9)))
+    return out
+
+
+def random_request(rnd, machines):
+    job = f"j{rnd.randint(0, 3)}"
+    kw = {"spread": rnd.choice(("dc", "msb", "rack"))}
+    if rnd.random() < 0.3:
+        kw["requirements"] = {"machine_type": "skylake"} if rnd.random() < 0.5 else {"dc": rnd.choice(("dc1", "dc2"))}
+    if rnd.random() < 0.3:
+        kw["avoid_machine_ids"] = frozenset(rnd.sample([x.id for x in machines], 3))
+    if rnd.random() < 0.5:
+        kw["existing"] = {f"{job}/{i}": rnd.choice(machines).id for i in rnd.sample(range(40), 6)}
+    return req(rnd.randint(0, 30), job=job, cpu=rnd.choice((500, 1000, 1500)), mem=rnd.choice((512, 2048)), **kw)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_place_decides_as_the_reference_on_random_regions(seed):
+    rnd = random.Random(seed)
+    machines = random_region(rnd, rnd.choice((5, 30, 120)))
+    for _ in range(10):
+        ent = e1(quota=rnd.randint(0, 12), machine_type=rnd.choice((None, None, "skylake")),
+                 dc_pin=rnd.choice((None, None, None, "dc2")))
+        request_ = random_request(rnd, machines)
+        held = sum(x.entitlement == "e1" for x in machines) + rnd.randint(0, 2)
+        plan = place(machines, ent, request_, held)
+        got = (plan.placements, plan.machines_added, dict(plan.fault_domain_bins), dict(plan.filter_rejections),
+               plan.unplaced, plan.reason)
+        assert got == reference_place(machines, ent, request_, held)
+
+
+def test_the_random_regions_exercise_what_they_should():
+    """The comparison above is only worth something if its cases place, spread, add, hit the quota and filter."""
+    seen = set()
+    for seed in range(40):
+        rnd = random.Random(seed)
+        machines = random_region(rnd, rnd.choice((5, 30, 120)))
+        for _ in range(10):
+            ent = e1(quota=rnd.randint(0, 12), machine_type=rnd.choice((None, None, "skylake")),
+                     dc_pin=rnd.choice((None, None, None, "dc2")))
+            request_ = random_request(rnd, machines)
+            held = sum(x.entitlement == "e1" for x in machines) + rnd.randint(0, 2)
+            plan = place(machines, ent, request_, held)
+            seen |= {plan.reason} | set(plan.filter_rejections)
+            seen |= {"placed"} if plan.placements else set()
+            seen |= {"added"} if plan.machines_added else set()
+            seen |= {"several-bins"} if len(plan.fault_domain_bins) > 1 else set()
+    assert seen >= {None, QUOTA_EXCEEDED, NO_FEASIBLE_MACHINE, FILTER_STATUS, FILTER_AVOIDED, FILTER_CPU,
+                    FILTER_OTHER_ENTITLEMENT, FILTER_MACHINE_TYPE, FILTER_DC, "placed", "added", "several-bins"}
