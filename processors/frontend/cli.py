@@ -297,6 +297,23 @@ def cmd_machine_fail(cfg: Config, args) -> int:
     return 0
 
 
+def cmd_machine_list(cfg: Config, args) -> int:
+    """`machine list`: the latest state of every machine, from state.machines (published by the allocator)."""
+    from streams import state
+
+    _require_broker(cfg)
+    latest = state.current(cfg, _registry(), "machines", args.entitlement)
+    rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
+    if args.free:
+        rows = [r for r in rows if r["entitlement"] is None]
+    lines = [f"{r['id']:24} {r['status']:11} {r['entitlement'] or 'free':14} {r['dc']}/{r['msb']}/{r['rack']:14} "
+             f"{r['type']:10} cpu {r['free']['cpu_millicores']}/{r['capacity']['cpu_millicores']}m  "
+             f"mem {r['free']['memory_mib']}/{r['capacity']['memory_mib']} MiB free  {len(r['tasks'])} tasks"
+             for r in rows]
+    _print(rows, args.json, "\n".join(lines) or "no machines (none published on state.machines yet)")
+    return 0
+
+
 def cmd_watch(cfg: Config, args) -> int:
     """Current state of everything first, then each change, until interrupted (or --once)."""
     from streams.events import Event
@@ -368,6 +385,32 @@ def cmd_replay(cfg: Config, args) -> int:
     return 0
 
 
+# --- rebuild ------------------------------------------------------------------------------------
+def cmd_rebuild(cfg: Config, args) -> int:
+    from infra import controlplane
+    from processors.allocator.rebuild import rebuild_index
+
+    _require_broker(cfg)
+    allocator = controlplane.status(cfg)["allocator"]
+    if allocator["running"] and not args.force:
+        raise CliError(f"the allocator is running (pid {allocator['pid']}); stop it first (kill {allocator['pid']}; "
+                       f"`ropewalk up` starts it again), or pass --force")
+    st = rebuild_index(cfg, _registry())
+    lines = [f"rebuilt the allocator's Redis index from {st['events']} events ({st['index_events']} applied) in "
+             f"{st['seconds']:.2f}s ({st['events_per_s']:,.0f} events/s): {st['keys']} keys swapped in, "
+             f"{st['replaced']} replaced"]
+    if st["skipped"]:
+        lines.append(f"{st['skipped']} undecodable records skipped (the allocator dead-letters them too)")
+    if st["failed"]:
+        lines.append(f"{st['failed']} events could not be applied and were skipped, as the allocator does: "
+                     + "; ".join(st["errors"]))
+    lines.append("start the allocator again (`ropewalk up`) if you stopped it for the rebuild"
+                 if not allocator["running"] else "warning: the allocator was running (--force): stop it and rebuild "
+                                                  "again unless it was idle")
+    _print(st, args.json, "\n".join(lines))
+    return 0
+
+
 # --- archive / restore --------------------------------------------------------------------------
 def cmd_archive(cfg: Config, args) -> int:
     from streams import archive as ar
@@ -417,6 +460,19 @@ def cmd_topics(cfg: Config, args) -> int:
            for s in CATALOGUE]
     _print(doc, args.json, "\n".join(f"{d['topic']:20} {d['partitions']:>3}p  key={d['key']:12} {d['doc']}" for d in doc))
     return 0
+
+
+# --- bench --------------------------------------------------------------------------------------
+def cmd_bench(cfg: Config, args) -> int:
+    """The benchmark harness (bench/harness.py). It runs a broker, Redis and region of its own on free ports:
+    ``cfg`` (the user's region) is not touched."""
+    from infra.config import PROJECT_ROOT
+
+    if str(PROJECT_ROOT) not in sys.path:  # bench/ sits beside the installed packages, not among them
+        sys.path.append(str(PROJECT_ROOT))
+    from bench import harness
+
+    return harness.run_cli(args)
 
 
 # --- parser -------------------------------------------------------------------------------------
@@ -475,6 +531,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=cmd_machine_fail)
         sp.add_argument("machine")
         sp.add_argument("--json", action="store_true")
+    sp = mach.add_parser("list", help="machines: status, owner, fault domains, free capacity",
+                         description="machines: status, owner, fault domains, free capacity (from state.machines)")
+    sp.set_defaults(fn=cmd_machine_list)
+    which = sp.add_mutually_exclusive_group()
+    which.add_argument("--entitlement", help="only the machines this entitlement holds")
+    which.add_argument("--free", action="store_true", help="only the machines in the free pool")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp = cmd("watch", cmd_watch, "follow a state stream: current state first, then each change")
     sp.add_argument("kind", choices=["jobs", "machines"])
     sp.add_argument("--entitlement")
@@ -485,6 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--since", help="ms since epoch or ISO-8601; inclusive")
     sp.add_argument("--until", help="ms since epoch or ISO-8601; exclusive")
     sp.add_argument("--topic", action="append", help="logical topic to read (repeatable); default all")
+    sp = cmd("rebuild", cmd_rebuild, "rebuild every Redis index from the log and swap it in atomically; stop the "
+             "allocator first (refused while it runs; the swap is refused if it writes to the index meanwhile)")
+    sp.add_argument("--force", action="store_true",
+                    help="rebuild although the allocator's pid file shows it running (the swap is still refused "
+                         "if it writes to the index meanwhile)")
     sp = cmd("archive", cmd_archive, "write every topic to Avro container files (incremental, resumable)")
     sp.add_argument("dir", nargs="?", default="archive")
     sp = cmd("restore", cmd_restore, "republish an archive into an empty broker")
@@ -493,6 +561,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("schemas", cmd_schemas, "list event schemas, or check they stay compatible with their git history")
     sp.add_argument("action", choices=["list", "check"], nargs="?", default="list")
     cmd("topics", cmd_topics, "the topic catalogue as configured")
+    sp = cmd("bench", cmd_bench, "benchmark the whole pipeline on a region of its own (own ports and run dir); "
+             "prints every figure with its conditions")
+    sp.add_argument("--machines", type=int, help="simulated machines of the region (default 10000; --quick 1000)")
+    sp.add_argument("--quick", action="store_true", help="smoke size: about a minute")
+    sp.add_argument("--jobs", type=int, help="jobs of the burst phase (default 400; --quick 20)")
+    sp.add_argument("--partitions", type=int, help="partitions of each entitlement-keyed topic (default 8)")
+    sp.add_argument("--replay-events", type=int, help="log size of the audit replay (default 1,000,000)")
+    sp.add_argument("--keep", action="store_true", help="keep the run directory (worker logs) after the run")
     return p
 
 

@@ -1,0 +1,7 @@
+"""Ropewalk's benchmarks.
+
+``ropewalk bench`` (``bench/harness.py``) runs the whole-pipeline harness of issue #5 on an embedded broker,
+Redis and control plane of its own; the scripts beside it (``log_rates.py``, ``replay_rate.py``,
+``archive_rate.py``, ``commit_rate.py``, ``faust_overhead.py``) are the narrower log-level benchmarks whose
+numbers are in BENCHMARKS.md. Benchmarks are not tests: CI runs the harness at a smoke size only.
+"""

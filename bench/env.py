@@ -1,0 +1,183 @@
+"""The benchmark's own region: an embedded broker, a private Redis and the control-plane workers, on free ports,
+a temporary run directory and a topic prefix of its own, so a running ``ropewalk up`` is never disturbed.
+
+``BenchEnv`` is a context manager: entering starts the broker and Redis and provisions the topics; ``start_region``
+starts the workers (``infra.controlplane.processes``, with the benchmark's heartbeat settings) and waits until the
+allocator's index holds every machine UP; leaving stops every process it started (also on an error or Ctrl-C) and
+removes the run directory unless asked to keep it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from types import MappingProxyType
+
+from infra import controlplane, services
+from infra.config import Config
+from infra.process import ManagedProcess, pid_alive
+
+# Heartbeats of the simulated agents and the health check's silence timeout. `ropewalk up` beats every 2 s;
+# at 10,000+ machines on 2 cores that is 5,000+ records/s of background load that would starve the pipeline being
+# measured (and a starved agent would be judged dead), so the benchmark beats every 10 s and waits 60 s.
+HEARTBEAT_INTERVAL_MS = 10_000
+HEALTH_TIMEOUT_MS = 60_000
+HEALTH_TICK_MS = 2_000
+# Group timing of the faust workers (the scheduler and the allocator): a quick first join (see tests).
+FAUST_ENV = MappingProxyType({"ROPEWALK_FAUST_SESSION_TIMEOUT": "2", "ROPEWALK_FAUST_HEARTBEAT_INTERVAL": "0.5",
+                              "ROPEWALK_FAUST_REBALANCE_TIMEOUT": "2"})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """VmHWM (peak resident set) of a live process, KiB; None if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class BenchEnv:
+    def __init__(self, partitions: int = 8, keep: bool = False, run_dir: Path | None = None):
+        self.own_run_dir = run_dir is None
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="ropewalk-bench-"))
+        self.keep = keep
+        env = {"ROPEWALK_BROKER_PORT": str(free_port()), "ROPEWALK_REDIS_PORT": str(free_port()),
+               "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
+               "ROPEWALK_TOPIC_PREFIX": f"bench{uuid.uuid4().hex[:6]}."}
+        self.cfg = Config.from_env(env)
+        self.workers: list[ManagedProcess] = []
+        self.pids: dict[str, int] = {}  # every process started, by name (also after it stopped)
+        self.stopped_rss: dict[str, int | None] = {}
+
+    # -- infrastructure ------------------------------------------------------------------------------------
+    def __enter__(self) -> "BenchEnv":
+        try:
+            st = services.up(self.cfg)
+            for name in ("broker", "redis"):
+                if st[name].get("pid"):
+                    self.pids[name] = st[name]["pid"]
+            from confluent_kafka.admin import AdminClient
+
+            from streams.topics import Topics, provision
+
+            provision(AdminClient({"bootstrap.servers": self.cfg.bootstrap_servers, "log_level": 0}),
+                      Topics(self.cfg.topic_prefix, self.cfg.partitions))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def redis(self):
+        import redis
+
+        return redis.Redis.from_url(self.cfg.redis_url)
+
+    # -- the control plane ---------------------------------------------------------------------------------
+    def worker_processes(self, region: Path) -> list[ManagedProcess]:
+        """``infra.controlplane.processes`` with the benchmark's heartbeat interval and health timeout, and
+        quick faust group timing."""
+        out = []
+        for proc in controlplane.processes(self.cfg, region):
+            argv = list(proc.argv)
+            if proc.name == "agents":
+                argv[argv.index("--interval-ms") + 1] = str(HEARTBEAT_INTERVAL_MS)
+            elif proc.name == "health":
+                argv[argv.index("--timeout-ms") + 1] = str(HEALTH_TIMEOUT_MS)
+                argv[argv.index("--tick-ms") + 1] = str(HEALTH_TICK_MS)
+            out.append(dataclasses.replace(proc, argv=argv, env={**(proc.env or {}), **FAUST_ENV}))
+        return out
+
+    def start_region(self, machines: int, timeout_s: float = 300.0) -> dict:
+        """Write the generated region, start the workers, wait until the allocator indexed every machine UP."""
+        region = controlplane.write_region(self.cfg, machines)
+        self.workers = self.worker_processes(region)
+        t0 = time.monotonic()
+        for proc in self.workers:
+            st = proc.start()
+            if st.get("pid"):
+                self.pids[proc.name] = st["pid"]
+            if proc.name == "resourcebroker":
+                time.sleep(1.0)  # registrations reach the log before the agents and the health check start
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        while time.monotonic() < deadline:
+            dead = [p.name for p in self.workers if p.pid() is None]
+            if dead:
+                raise RuntimeError(f"bench: {', '.join(dead)} exited at start; see {self.run_dir}/<name>.log: "
+                                   + " | ".join(p._log_tail(3) for p in self.workers if p.name in dead))
+            seen = controlplane.machines_up(self.cfg)
+            if seen >= machines:
+                break
+            time.sleep(0.5)
+        if seen < machines:
+            raise RuntimeError(f"bench: only {seen} of {machines} machines reached the allocator's index in "
+                               f"{timeout_s:.0f} s; see {self.run_dir}/allocator.log")
+        return {"seconds": time.monotonic() - t0, "machines_up": seen}
+
+    def peak_rss(self) -> dict[str, int | None]:
+        """Peak RSS (KiB) of every process started: live ones from /proc, stopped ones as last read."""
+        out = dict(self.stopped_rss)
+        for name, pid in self.pids.items():
+            if pid_alive(pid):
+                out[name] = peak_rss_kib(pid)
+        import resource
+
+        out["harness"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return out
+
+    def stop_workers(self) -> None:
+        for proc in reversed(self.workers):
+            pid = self.pids.get(proc.name)
+            if pid is not None and pid_alive(pid):
+                self.stopped_rss[proc.name] = peak_rss_kib(pid)
+            try:
+                proc.stop()
+            except Exception as exc:  # noqa: BLE001 - go on stopping the others
+                print(f"bench: stopping {proc.name}: {exc}", file=sys.stderr)
+
+    def dead_workers(self) -> dict[str, str]:
+        """Workers that exited since they started, with the tail of their log."""
+        return {p.name: p._log_tail(3) for p in self.workers if p.pid() is None}
+
+    def log_tails(self, lines: int = 5) -> dict[str, str]:
+        return {p.name: p._log_tail(lines) for p in self.workers}
+
+    def close(self) -> None:
+        """Stop everything this environment started; remove its run directory (unless ``keep``)."""
+        self.stop_workers()
+        for name in ("broker", "redis"):
+            pid = self.pids.get(name)
+            if pid is not None and pid_alive(pid):
+                self.stopped_rss[name] = peak_rss_kib(pid)
+        try:
+            services.down(self.cfg)
+        except Exception as exc:  # noqa: BLE001
+            print(f"bench: stopping the broker/Redis: {exc}", file=sys.stderr)
+        if self.own_run_dir and not self.keep:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

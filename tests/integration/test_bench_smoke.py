@@ -1,0 +1,114 @@
+"""`ropewalk bench` at a smoke size: the harness runs end to end, prints one JSON document with every required
+figure (a number, or null only with a note saying why), its conditions, ratios consistent with the rates they are
+computed from, and leaves no process behind. Benchmarks are not tests: this proves the harness works, not how fast
+anything is."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.process import pid_alive
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # bench/ is not an installed package (the CLI adds it the same way)
+    sys.path.append(str(ROOT))
+MACHINES = 300
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@pytest.fixture(scope="module")
+def bench_doc(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ROPEWALK_")}  # the bench picks its own ports, run dir and prefix
+    out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", "bench", "--quick", "--machines",
+                          str(MACHINES), "--json"], cwd=tmp_path_factory.mktemp("cwd"), env=env,
+                         capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.timeout(240)
+def test_every_required_figure_is_a_number_or_explained(bench_doc):
+    from bench.harness import REQUIRED
+
+    doc = bench_doc
+    assert set(REQUIRED) <= set(doc), sorted(set(REQUIRED) - set(doc))
+    for key in REQUIRED:
+        value = doc[key]
+        assert _number(value) or (value is None and key in doc["notes"]), (key, value, doc["notes"])
+    assert doc["machines"] == MACHINES
+    assert doc["cores"] == len(os.sched_getaffinity(0))
+    assert doc["raw_produce_per_s"] > 0 and doc["raw_consume_per_s"] > 0
+    assert doc["alloc_jobs_per_s"] > 0 and doc["alloc_tasks_per_s"] > 0
+    if doc["cache_hit_ratio"] is not None:
+        assert 0 <= doc["cache_hit_ratio"] <= 1
+
+
+@pytest.mark.timeout(240)
+def test_conditions_and_consistency(bench_doc):
+    doc = bench_doc
+    c = doc["conditions"]
+    for key in ("machines", "jobs", "tasks_per_job", "partitions", "worker_processes", "cores"):
+        assert c[key] is not None, key
+    assert c["machines"] == MACHINES and c["partitions"] == doc["partitions"]
+    assert c["worker_processes"]["scheduler"] >= 1 and c["worker_processes"]["allocator"] >= 1
+    assert 12 <= doc["tasks_per_job"] <= 64
+    burst = doc["details"]["allocation"]["burst"]
+    assert burst["jobs"] > 0
+    # the burst's rates come from the same jobs and the same seconds
+    assert doc["alloc_tasks_per_s"] == pytest.approx(burst["tasks"] / burst["seconds"], rel=0.02)
+    assert doc["alloc_jobs_per_s"] == pytest.approx(burst["jobs"] / burst["seconds"], rel=0.02)
+    for lo, hi in (("alloc_p50_ms", "alloc_p99_ms"), ("failover_p50_ms", "failover_p99_ms")):
+        if doc[lo] is not None:
+            assert 0 < doc[lo] <= doc[hi]
+    fo = doc["details"]["failover"]
+    assert fo["machines_failed"] == max(1, round(MACHINES * 0.01))
+    assert fo["tasks_affected"] >= 1 and fo["tasks_moved"] <= fo["tasks_affected"]
+    rp = doc["details"]["replay"]
+    assert rp["job"]["matched"] >= 1 and rp["job"]["examined"] >= rp["job"]["matched"]
+    assert doc["redis_bytes_per_machine"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_every_rate_has_its_ratio_to_the_raw_rate(bench_doc):
+    doc = bench_doc
+    ratios = doc["ratios"]
+    for rate in ("alloc_jobs_per_s", "alloc_tasks_per_s", "rebuild_events_per_s", "replay_events_per_s"):
+        assert rate in ratios, rate
+    for rate, entry in ratios.items():
+        assert entry["base"] in ("raw_produce_per_s", "raw_consume_per_s")
+        if doc[rate] is None:
+            assert entry["ratio"] is None
+            continue
+        assert entry["ratio"] == pytest.approx(doc[rate] / doc[entry["base"]], rel=1e-3, abs=1e-6), rate
+
+
+@pytest.mark.timeout(240)
+def test_profile_memory_and_nothing_left_running(bench_doc):
+    doc = bench_doc
+    prof = doc["profile"]
+    assert prof["top_cumulative"] and prof["top_self"]
+    assert all(_number(row["cumulative_s"]) for row in prof["top_cumulative"])
+    assert prof["pipeline_stages"]["burst"]["allocator_p50_ms"] is not None
+    rss = doc["memory"]["peak_rss_kib"]
+    for name in ("broker", "redis", "allocator", "scheduler-0", "agents", "resourcebroker", "health"):
+        assert _number(rss.get(name)) and rss[name] > 0, (name, rss)
+    assert set(doc["pids"]) >= {"broker", "redis", "allocator", "scheduler-0", "agents"}
+    assert not [name for name, pid in doc["pids"].items() if pid_alive(pid)]
+
+
+def test_table_shows_every_required_figure(bench_doc):
+    from bench.harness import REQUIRED, format_table
+
+    table = format_table(bench_doc)
+    missing = [k for k in REQUIRED if k not in ("machines", "cores") and k not in table]
+    assert not missing
+    assert f"{MACHINES:,} machines" in table
