@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, AsyncIterator
 
 import faust
@@ -118,14 +119,19 @@ def source_topic(app: faust.App, cfg: Config, logical: str, **options: Any) -> f
 
 
 async def decoded(stream: faust.StreamT, registry: SchemaRegistry, dead_letters: DeadLetters,
-                  catalogue: Topics, *, cfg: Config | None = None) -> AsyncIterator[tuple[Record, Event]]:
+                  catalogue: Topics, *, cfg: Config | None = None,
+                  gate: Callable[[Any], Awaitable[bool]] | None = None) -> AsyncIterator[tuple[Record, Event]]:
     """Decode a raw faust stream: yields `(record, event)` for every good record (`record.event is event`),
     routes every bad one to `deadletter` and goes on. With `cfg`, a fingerprint this process does not know
-    is looked up in `_schemas` (in a thread: it is a blocking read) before the record is given up on."""
+    is looked up in `_schemas` (in a thread: it is a blocking read) before the record is given up on.
+    With `gate`, every message (good or bad) is first shown to it; one it returns False for is passed over
+    without decoding (the scheduler's offset guard: a duplicate, or a record after a gap it seeks back for)."""
     loop = asyncio.get_running_loop()
     missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
     async for ev in stream.events():
         msg = ev.message
+        if gate is not None and not await gate(msg):
+            continue
         value = msg.value
         try:
             try:

@@ -75,6 +75,7 @@ from typing import Any
 import faust
 
 from infra.config import Config
+from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.scheduler.decide import (
     PRODUCER, Entitlement, SchedulerState, decide, is_own, job_from_record, job_to_record, retry_unplaced, state_of,
 )
@@ -135,6 +136,7 @@ class ShardTables:
         self.entitlements = app.Table("scheduler-entitlements", **opts)
         self.machines_down = app.Table("scheduler-machines-down", **opts)
         self.machine_jobs = app.Table("scheduler-machine-jobs", **opts)
+        self.offsets = app.Table("scheduler-offsets", **opts)  # "<topic>/<partition>" -> next offset to apply
 
     def partition_of(self, entitlement: str) -> int:
         return partition_for(entitlement, self.partitions)
@@ -191,8 +193,9 @@ class ShardTables:
             await self.app.producer.flush()  # this record leaves alone, in a batch of its own
 
     async def store(self, before: SchedulerState, after: SchedulerState, records: Mapping[str, dict],
-              event_partition: int | None) -> int:
-        """Write back what ``decide`` changed; returns the number of jobs written."""
+              event_partition: int | None, applied: tuple[str, int] | None = None) -> int:
+        """Write back what ``decide`` changed; returns the number of jobs written. ``applied``: the source
+        partition key and offset of the event, whose next offset is written last (processors/scheduler/offsets.py)."""
         written = 0
         for job_id, job in after.jobs.items():
             if before.jobs.get(job_id) is job:
@@ -218,6 +221,8 @@ class ShardTables:
             for m in set(before.machines_down) | set(after.machines_down):
                 if before.machines_down.get(m) != after.machines_down.get(m):
                     await self._put(self.machines_down, part, m, after.machines_down.get(m))
+        if applied is not None and event_partition is not None:
+            await self._put(self.offsets, event_partition, applied[0], applied[1] + 1)
         return written
 
 
@@ -241,7 +246,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             producer.flush(FLUSH_S)
         await asyncio.get_running_loop().run_in_executor(None, send_all)
 
-    async def apply(event: Event, partition: int) -> None:
+    async def apply(event: Event, partition: int, applied: tuple[str, int] | None = None) -> None:
         async with lock:
             job_ids = tables.job_ids_for(event, partition)
             state, records = tables.load(event, job_ids)
@@ -253,15 +258,31 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             if out:
                 await produce(out)  # before the tables: see "Delivery" in the module docstring
             if new is not state:
-                await tables.store(state, new, records, partition)
+                await tables.store(state, new, records, partition, applied)
+
+    guard = OffsetGuard(tables.offsets.data)
+
+    async def seek_back(tp: Any, key: str, why: str) -> None:
+        target = guard.should_seek(key, time.monotonic())
+        if target is not None:
+            log.warning("scheduler: %s on %s: seeking back to offset %d", why, key, target)
+            await app.consumer.seek_wait({tp: target})  # in the consumer's thread, which owns the fetcher
+
+    async def gate(msg: Any) -> bool:
+        """The offset guard in front of decoding: apply in order, once (processors/scheduler/offsets.py)."""
+        key = partition_key(msg.topic, msg.partition)
+        v = guard.check(key, msg.offset, time.monotonic())
+        if v == GAP:
+            await seek_back(msg.tp, key, f"gap before offset {msg.offset}")
+        return v == APPLY
 
     @app.agent(source, name=f"{APP_ID}.schedule")
     async def schedule(stream):
-        async for record, event in decoded(stream, registry, dead_letters, catalogue, cfg=cfg):
+        async for record, event in decoded(stream, registry, dead_letters, catalogue, cfg=cfg, gate=gate):
             if is_own(event):
                 continue
             try:
-                await apply(event, record.partition)
+                await apply(event, record.partition, (partition_key(record.topic, record.partition), record.offset))
             except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
                 log.exception("scheduler: %s %s at %s[%d]@%d failed", event.type, event.event_id, record.topic,
                               record.partition, record.offset)
@@ -281,8 +302,22 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             if new is not state:
                 await tables.store(state, new, records, None)
 
+    @app.timer(STALL_S, name=f"{APP_ID}.stalls")
+    async def find_stalls() -> None:
+        now = time.monotonic()
+        for tp in app.assignor.assigned_actives():
+            if tp.topic in source_names:
+                key = partition_key(tp.topic, tp.partition)
+                try:
+                    high = app.consumer.highwater(tp)  # from the last fetch response (true on Tansu)
+                except Exception:  # noqa: BLE001 - a partition moving away in a rebalance: look next time
+                    continue
+                if guard.stalled(key, high, now):
+                    await seek_back(tp, key, "stalled below the high watermark")
+
     @app.on_partitions_assigned.connect
     async def announce(app, assigned, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
+        guard.forget()
         mine = sorted({tp.partition for tp in assigned if tp.topic in source_names})
         log.info("scheduler shard %d: assigned partitions %s", os.getpid(), mine)
 
