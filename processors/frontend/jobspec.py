@@ -7,8 +7,9 @@
     resources: {cpu_millicores: 1000, memory_mib: 2048}
     requirements: {machine_type: skylake}     # optional hard requirements: machine_type, dc
     spread: msb                               # dc | msb | rack (default msb)
-    max_unavailable: 1                        # default 1
+    max_unavailable: 1                        # default 1: tasks down at once, for any reason, in an update
     env: {KEY: value}                         # optional
+    controller: zk-leader-last                # optional: the job's TaskController (processors/taskcontrol)
 
 A wrong spec is refused with the field that is wrong: `resources.cpu_millicores: expected a positive
 integer, got string 'lots'`. The job id is `<entitlement>.<name>`: unique in the region (a scheduler shard
@@ -22,7 +23,8 @@ from typing import Any, Mapping
 
 from streams.validate import describe_value
 
-FIELDS = ("name", "entitlement", "tasks", "command", "resources", "requirements", "spread", "max_unavailable", "env")
+FIELDS = ("name", "entitlement", "tasks", "command", "resources", "requirements", "spread", "max_unavailable", "env",
+          "controller")
 REQUIRED = ("name", "entitlement", "tasks", "command", "resources")
 REQUIREMENT_KEYS = ("machine_type", "dc")
 SPREADS = ("dc", "msb", "rack")
@@ -119,11 +121,14 @@ def validate_spec(data: Any, entitlement_override: str | None = None) -> dict:
     for k, v in env.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise JobSpecError(f"env.{k}", f"expected a string value, got {describe_value(v)} (quote numbers)")
+    controller = spec.get("controller")
+    if controller is not None:
+        controller = _name(controller, "controller")
     return {
         "job_id": job_id(entitlement, name), "name": name, "tasks": tasks, "command": list(command),
         "resources": {"cpu_millicores": res["cpu_millicores"], "memory_mib": res["memory_mib"]},
         "requirements": dict(reqs), "spread": spread, "max_unavailable": max_unavailable, "env": dict(env),
-        "entitlement": entitlement,
+        "controller": controller, "entitlement": entitlement,
     }
 
 

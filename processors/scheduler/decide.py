@@ -53,6 +53,10 @@ from processors.allocator.placement import REQUIREMENT_KEYS, SPREAD_LEVELS
 from processors.cowmap import CowMap
 from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
 from processors.scheduler import lifecycle as lc
+from processors.taskcontrol import limiter
+from processors.taskcontrol import protocol as tc
+from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
+from processors.taskcontrol.protocol import CONTROLLED, OP_MOVE, OP_RESTART, OP_UPDATE
 from processors.scheduler.lifecycle import (
     ALLOCATED, ALLOCATED_EV, CRASHED, EXITED_OK, FAILED, MACHINE_FAILED, PENDING, RESCHEDULED, RESTART_COMMANDED,
     RUNNING, START_COMMANDED, STARTED, STARTING, STOP_COMMANDED, STOPPED, STOPPED_EV, STOPPING, IllegalTransition,
@@ -64,6 +68,12 @@ PRODUCER = "scheduler"
 MAX_RESTARTS = 3  # restarts in place of a task that crashed or exited on a healthy machine, then it stays down
 RESTART_RESET_MS = 10 * 60_000  # a task that ran this long before it went down starts with a fresh restart budget
 SEEN_LIMIT = 1024  # input event ids remembered per job (the duplicate ring)
+REASK_MS = 30_000  # the timer asks a job's TaskController again after this long without an answer or progress
+
+# Where a task's operation (UPDATE, MOVE, RESTART: see processors/taskcontrol) stands.
+OP_PENDING = "pending"  # awaiting the TaskController's ack
+OP_APPROVED = "approved"  # acked (or no controller): performed when ready, within max_unavailable and the limiter
+OP_RUNNING = "running"  # performed; completed when the task runs again (reported to the controller then)
 
 # -- reasons: TaskStateChanged/TaskCommanded/ServiceDiscoveryChanged.reason, task reason, job last_reason -------
 # Why a task is (re)placed, stopped or restarted.
@@ -171,6 +181,7 @@ class Spec:
     spread: str = "msb"
     max_unavailable: int = 1
     env: Pairs = ()
+    controller: str | None = None  # the job's TaskController; None: built-in policy (no approvals asked)
 
     @classmethod
     def from_payload(cls, p: Mapping[str, Any]) -> "Spec":
@@ -178,7 +189,7 @@ class Spec:
         return cls(name=p["name"], command=tuple(p["command"]), cpu=p["resources"]["cpu_millicores"],
                    mem=p["resources"]["memory_mib"], requirements=tuple(sorted(p.get("requirements", {}).items())),
                    spread=p.get("spread", "msb"), max_unavailable=p.get("max_unavailable", 1),
-                   env=tuple(sorted(p.get("env", {}).items())))
+                   env=tuple(sorted(p.get("env", {}).items())), controller=p.get("controller") or None)
 
     @property
     def terms(self) -> Terms:
@@ -206,6 +217,11 @@ class Task:
     reason: str = ""  # why it is not (yet) RUNNING; cleared when it runs
     restarts: int = 0  # restarts in place used (restart policy)
     running_since_ms: int | None = None
+    op: str | None = None  # the operation wanted on it: OP_UPDATE, OP_MOVE, OP_RESTART (processors/taskcontrol)
+    op_id: str | None = None  # its id, stable across TaskControl re-asks
+    op_state: str | None = None  # OP_PENDING, OP_APPROVED, OP_RUNNING
+    op_reason: str = ""  # why it is wanted
+    fence: bool = False  # a MOVE off a machine that may still run it: STOP it there when the move is performed
     row: Mapping[str, Any] = field(init=False, compare=False, repr=False)  # its JobStatePublished TaskStatus
 
     def __post_init__(self) -> None:
@@ -249,6 +265,18 @@ class Job:
     deleted: bool = False  # stopped and freed: the final JobStatePublished said so
     origin: tuple = ()  # what JobSubmitted said (to tell a redelivery from a clashing job id)
     seen: tuple[str, ...] = ()  # the duplicate ring: input event ids applied to this job, newest last
+    ops: int = 0  # operations created (names the next)
+    ops_open: int = 0  # tasks with an operation (0: nothing to drain)
+    bucket: Bucket | None = None  # the job's rate-limiter bucket (None: full)
+    throttled: tuple[str, ...] = ()  # operation ids the latest OperationsThrottled announced waiting
+    tc_seq: int = 0  # sequence of the latest TaskControlRequested
+    tc_outstanding: bool = False  # that request awaits its ack
+    tc_asked: tuple[str, ...] = ()  # the operation ids it asked about
+    tc_asked_ms: int | None = None  # when it was sent
+    tc_completed: tuple[str, ...] = ()  # approved operations completed since, for the next request
+    tc_sent_completed: tuple[str, ...] = ()  # those the outstanding request reported (re-sent if it is lost)
+    tc_notices: tuple = ()  # advance notices: (unavailability id, task ids, start_ms, deadline_ms)
+    tc_notice_new: bool = False  # a notice the controller has not been sent yet
 
 
 @dataclass(frozen=True)
@@ -258,6 +286,7 @@ class SchedulerState:
     entitlements: Mapping[str, Entitlement] = field(default_factory=_empty)
     jobs: CowMap[Job] = field(default_factory=CowMap)
     machines_down: Mapping[str, str] = field(default_factory=_empty)  # machine id → status or UE kind
+    shard_bucket: Bucket | None = None  # the shard's rate-limiter bucket (None: full)
 
 
 def request_id(job_id: str, spec_version: int, n: int) -> str:
@@ -299,7 +328,10 @@ def job_view(state: SchedulerState, job_id: str) -> dict:
     return {
         "job": job.id, "name": job.spec.name, "entitlement": job.entitlement, "state": published_state(job),
         "spec_version": job.spec_version, "desired_tasks": job.desired, "last_reason": job.last_reason,
-        "last_ignored": job.last_ignored,
+        "last_ignored": job.last_ignored, "controller": job.spec.controller,
+        "operations": [{"id": t.op_id, "task": t.id, "kind": t.op, "state": t.op_state, "reason": t.op_reason}
+                       for t in job.tasks.values() if t.op is not None] if job.ops_open else [],
+        "throttled": list(job.throttled),
         "tasks": [{"id": t.id, "state": t.state, "machine": t.machine, "dc": t.dc, "msb": t.msb, "rack": t.rack,
                    "spec_version": t.spec_version, "reason": t.reason} for t in job.tasks.values()],
     }
@@ -310,9 +342,12 @@ def job_view(state: SchedulerState, job_id: str) -> dict:
 class _Fold:
     """The working copy of one call; the returned state is immutable. Emits with derived ids."""
 
-    def __init__(self, state: SchedulerState, now_ms: int, cause: Event | None, id_root: str | None = None):
+    def __init__(self, state: SchedulerState, now_ms: int, cause: Event | None, id_root: str | None = None,
+                 limits: Limits = DEFAULT_LIMITS):
         self.state = state
         self.now = now_ms
+        self.limits = limits
+        self.shard_bucket = state.shard_bucket
         self.cause_id = cause.event_id if cause is not None else None  # recorded in each touched job's ring
         self.causation_id = self.cause_id
         self.id_root = id_root or self.cause_id or PRODUCER
@@ -366,6 +401,15 @@ class _Fold:
         w.dirty = True
         return w
 
+    # the rate limiter
+    def admit(self, w: "_JobWork") -> str | None:
+        """Take a token for one operation of ``w``'s job from its bucket and the shard's; None if taken, else
+        why the operation must wait (both buckets are left refilled, nothing taken)."""
+        job_b, shard_b, refused = limiter.admit(w.job.bucket, self.shard_bucket, self.limits, self.now)
+        w.set(quiet=True, bucket=job_b)
+        self.shard_bucket = shard_b
+        return refused
+
     # events
     def emit(self, type_: str, entitlement: str, entity_id: str, payload: Mapping[str, Any], *disc: Any) -> None:
         key = (type_, *disc)
@@ -379,13 +423,15 @@ class _Fold:
     def result(self) -> tuple[SchedulerState, list[Event]]:
         jobs = {job_id: w.finish() for job_id, w in self.work.items()}
         changed = {k: v for k, v in jobs.items() if v is not self.state.jobs.get(k)}
-        if not changed and self._down is None and self._entitlements is None:
+        if (not changed and self._down is None and self._entitlements is None
+                and self.shard_bucket == self.state.shard_bucket):
             return self.state, self.events
         return SchedulerState(
             entitlements=MappingProxyType(self._entitlements) if self._entitlements is not None
             else self.state.entitlements,
             jobs=self.state.jobs.updated(changed),
             machines_down=MappingProxyType(self._down) if self._down is not None else self.state.machines_down,
+            shard_bucket=self.shard_bucket,
         ), self.events
 
 
@@ -409,6 +455,10 @@ class _JobWork:
         self.free: dict[str, None] = {}
         self.avoid: set[str] = set()
         self.dirty = False  # something JobStatePublished shows changed
+        self.ops_delta = 0  # tasks that gained (+) or lost (-) an operation
+        self.waiting: dict[str, Task] = {}  # task id → its operation the limiter held back in this decision
+        self.refusal: str | None = None  # and why
+        self.ask = False  # the timer: ask the TaskController again even if a request is outstanding
 
     @property
     def tasks(self) -> Mapping[str, Task]:
@@ -421,6 +471,8 @@ class _JobWork:
         self._tasks[t.id] = t
         if old is None:
             self._added = True
+        if (old is not None and old.op is not None) != (t.op is not None):
+            self.ops_delta += 1 if t.op is not None else -1
         if old is None or _visible(old) != _visible(t):
             self.dirty = True
         return t
@@ -432,7 +484,9 @@ class _JobWork:
     def drop(self, tid: str) -> None:
         if self._tasks is None:
             self._tasks = dict(self.job.tasks)
-        self._tasks.pop(tid, None)
+        old = self._tasks.pop(tid, None)
+        if old is not None and old.op is not None:
+            self.ops_delta -= 1
         self.dirty = True
 
     def set(self, *, quiet: bool = False, **fields: Any) -> None:
@@ -493,13 +547,40 @@ class _JobWork:
                 self.put(replace(t, parked=False))
                 self.place[t.id] = None
 
+    # operations (processors/taskcontrol)
+    def new_op(self, t: Task, kind: str, reason: str, **changes: Any) -> Task:
+        """Want operation ``kind`` on ``t`` (ending any other it has): pending if the job's controller must
+        approve it, else approved at once."""
+        if t.op is not None:
+            t = self.end_op(t)
+        n = self.job.ops + 1
+        self.set(quiet=True, ops=n)
+        state = OP_PENDING if kind in CONTROLLED and self.job.spec.controller else OP_APPROVED
+        return self.put(replace(t, op=kind, op_id=f"{t.id}:{kind.lower()}:{n}", op_state=state, op_reason=reason,
+                                **changes))
+
+    def end_op(self, t: Task) -> Task:
+        """``t``'s operation is over (done or moot): one the controller approved is reported completed."""
+        if t.op is None:
+            return t
+        if self.job.spec.controller and t.op in CONTROLLED and t.op_state in (OP_APPROVED, OP_RUNNING):
+            self.set(quiet=True, tc_completed=(*self.job.tc_completed, t.op_id))
+        return self.put(replace(t, op=None, op_id=None, op_state=None, op_reason="", fence=False))
+
     # closing the decision
     def finish(self) -> Job:
+        if self.ops_delta:
+            self.set(quiet=True, ops_open=self.job.ops_open + self.ops_delta)
+            self.ops_delta = 0
         if self.job.status == JOB_ACTIVE:
             _progress_update(self)
+            _drain_ops(self)
+            _ask_controller(self)
             self._flush_request()
         elif self.job.status == JOB_STOPPING:
             self._finish_stop()
+        if self.ops_delta:
+            self.set(quiet=True, ops_open=self.job.ops_open + self.ops_delta)
         job = self.job
         if self._tasks is not None:  # the working dict becomes the state's: nothing writes to it after this
             job = replace(job, tasks=MappingProxyType(_by_index(self._tasks) if self._added else self._tasks))
@@ -564,15 +645,24 @@ def _advance(w: _JobWork, t: Task) -> None:
             t = w.step(t, START_COMMANDED, spec_version=w.job.spec_version)
             w.command(t, START, REASON_PLACED)
     elif t.state in (FAILED, STOPPED):  # went down on its own: the restart policy
-        if w.fold.is_down(t.machine):
-            _move(w, t, REASON_MACHINE_FAILED, avoid=t.machine)
+        if t.op_state == OP_RUNNING:  # down again during an approved update or move: it carries on
+            if w.fold.is_down(t.machine):
+                _move(w, t, REASON_MACHINE_FAILED, avoid=t.machine)
+            elif t.restarts < MAX_RESTARTS:
+                _start_again(w, replace(t, restarts=t.restarts + 1), RESTART, REASON_RESTART_POLICY)
+            else:
+                w.end_op(w.put(replace(t, reason=REASON_RESTART_LIMIT)))
+        elif w.fold.is_down(t.machine):
+            _try_perform(w, w.new_op(t, OP_MOVE, REASON_MACHINE_FAILED))
         elif t.restarts < MAX_RESTARTS:
-            _start_again(w, replace(t, restarts=t.restarts + 1), RESTART, REASON_RESTART_POLICY)
+            _try_perform(w, w.new_op(t, OP_RESTART, REASON_RESTART_POLICY))
         else:
             w.put(replace(t, reason=REASON_RESTART_LIMIT))
 
 
 def _advance_retiring(w: _JobWork, t: Task) -> None:
+    if t.op is not None:  # whatever was wanted of it is moot now
+        t = w.end_op(t)
     if t.state in (STARTING, RUNNING):
         _stop(w, t, t.reason)
         return
@@ -625,39 +715,147 @@ def _machine_lost(w: _JobWork, t: Task, reason: str) -> None:
     machine = t.machine
     if t.discovery:
         t = w.discovery(t, False, reason)
+    fence = False
     if t.state in (ALLOCATED, STARTING, RUNNING, STOPPING):
         was = t.state
         t = w.step(t, MACHINE_FAILED, emit_reason=reason, running_since_ms=None)
-        if was in (STARTING, RUNNING):
-            w.command(t, STOP, reason)  # the fence: addressed to the old machine, whatever it runs now
+        fence = was in (STARTING, RUNNING)
     if t.intent == RETIRE:
+        if fence:
+            w.command(t, STOP, reason)  # the fence: addressed to the old machine, whatever it runs now
         _advance_retiring(w, t)
-    else:
+    elif t.op_state == OP_RUNNING:  # taken down by an approved update or move already: moved on at once
+        if fence:
+            w.command(t, STOP, reason)
         _move(w, replace(t, intent=RUN, restarts=0), reason, avoid=machine)
+    else:  # a move to approve (TaskControl) and to pace (the limiter); the fence goes with it
+        _try_perform(w, w.new_op(replace(t, intent=RUN, restarts=0, reason=reason), OP_MOVE, reason, fence=fence))
 
 
 def _progress_update(w: _JobWork) -> None:
-    """Rolling update: replace tasks of an older spec version, never making more than ``max_unavailable``
+    """Rolling update: want an UPDATE operation on every task of an older spec version (approved by the job's
+    TaskController if it has one); ``_drain_ops`` performs them, never making more than ``max_unavailable``
     tasks not RUNNING (counting any task not RUNNING for any reason)."""
     if not w.job.updating:
         return
     version = w.job.spec_version
     outdated = [t for t in w.ordered() if t.intent != RETIRE and t.spec_version < version]
-    if not outdated:
+    if not outdated and not any(t.op == OP_UPDATE for t in w.tasks.values()):
         w.set(updating=False)
         return
-    for t in outdated:  # already down (restart limit): replacing them costs no availability
-        if t.intent == RUN and t.state in (FAILED, STOPPED):
+    for t in outdated:
+        if t.op is not None or t.intent != RUN:
+            continue
+        if t.state in (FAILED, STOPPED):  # already down (restart limit): replacing it costs no availability
             _start_again(w, replace(t, restarts=0, reason=REASON_ROLLING_UPDATE), START, REASON_ROLLING_UPDATE)
-    live = [t for t in w.tasks.values() if t.intent != RETIRE]
-    budget = w.job.spec.max_unavailable - sum(t.state != RUNNING for t in live)
-    for tid in (t.id for t in outdated):
-        if budget <= 0:
-            break
-        t = w.tasks[tid]
-        if t.intent == RUN and t.state == RUNNING and t.spec_version < version:
-            _stop(w, replace(t, intent=UPDATE, reason=REASON_ROLLING_UPDATE), REASON_ROLLING_UPDATE)
-            budget -= 1
+        else:
+            w.new_op(t, OP_UPDATE, REASON_ROLLING_UPDATE)
+
+
+# -- operations: approved (TaskControl), then paced (max_unavailable, the rate limiter) ---------------------------
+
+def _op_moot(w: _JobWork, t: Task) -> bool:
+    """Whether ``t``'s not yet performed operation no longer applies."""
+    if t.intent == RETIRE:
+        return True
+    if t.op == OP_UPDATE:
+        return t.spec_version >= w.job.spec_version or t.intent != RUN or t.state in (FAILED, STOPPED, PENDING)
+    return t.state not in (FAILED, STOPPED)  # MOVE, RESTART: of a task that went down
+
+
+def _try_perform(w: _JobWork, t: Task, budget: list[int] | None = None) -> Task:
+    """Perform ``t``'s approved operation if it is ready and the limiter allows it; an UPDATE also needs a
+    unit of ``budget`` (the job's max_unavailable left; computed here if not given)."""
+    if t.op_state != OP_APPROVED:
+        return t
+    if t.op == OP_UPDATE:
+        if t.state != RUNNING:  # not up yet (starting): taken down once it runs
+            return t
+        if budget is None:
+            budget = [_unavailable_budget(w)]
+        if budget[0] <= 0:
+            return t
+    refused = w.fold.admit(w)
+    if refused is not None:
+        w.waiting[t.id] = t
+        w.refusal = w.refusal or refused
+        return t
+    t = w.put(replace(t, op_state=OP_RUNNING))
+    if t.op == OP_UPDATE:
+        budget[0] -= 1
+        return _stop(w, replace(t, intent=UPDATE, reason=REASON_ROLLING_UPDATE), REASON_ROLLING_UPDATE)
+    if t.op == OP_MOVE:
+        if t.fence:
+            w.command(t, STOP, t.op_reason)  # the fence: addressed to the old machine, whatever it runs now
+        _move(w, replace(t, fence=False), t.op_reason, avoid=t.machine)
+        return w.tasks[t.id]
+    t = w.end_op(t)  # RESTART: over once commanded (a machine lost meanwhile makes it a move)
+    _start_again(w, replace(t, restarts=t.restarts + 1), RESTART, REASON_RESTART_POLICY)
+    return w.tasks[t.id]
+
+
+def _unavailable_budget(w: _JobWork) -> int:
+    return w.job.spec.max_unavailable - sum(t.state != RUNNING for t in w.tasks.values() if t.intent != RETIRE)
+
+
+def _drain_ops(w: _JobWork) -> None:
+    """Perform every approved operation that is ready, in task order, as the limiter allows; drop moot ones;
+    announce what the limiter holds back (OperationsThrottled) when that changed."""
+    if w.job.ops_open + w.ops_delta <= 0 and not w.job.throttled:
+        return
+    budget = [_unavailable_budget(w)]
+    for t in w.ordered():
+        if t.op is None or t.op_state == OP_RUNNING:
+            continue
+        if _op_moot(w, t):
+            w.end_op(t)
+        elif t.op_state == OP_PENDING and not w.job.spec.controller:  # the controller was removed
+            _try_perform(w, w.put(replace(t, op_state=OP_APPROVED)), budget)
+        else:
+            _try_perform(w, t, budget)
+    held = sorted(w.waiting.values(), key=lambda t: t.index)
+    waiting = tuple(t.op_id for t in held)
+    if waiting == w.job.throttled:
+        return
+    w.set(quiet=True, throttled=waiting)
+    if waiting:
+        lim = w.fold.limits
+        rate, b = ((lim.job, w.job.bucket) if w.refusal == limiter.REASON_RATE_LIMITED_JOB
+                   else (lim.shard, w.fold.shard_bucket))
+        scope = "job" if rate is lim.job else "shard"
+        w.emit("OperationsThrottled", w.job.id, {
+            "job_id": w.job.id, "reason": w.refusal,
+            "waiting": [{"operation_id": t.op_id, "task_id": t.id, "kind": t.op, "reason": t.op_reason}
+                        for t in held],
+            "retry_at_ms": limiter.next_ms(b, rate, w.fold.now), "limit": f"{scope}: {rate.describe()}"},
+            "throttled", w.job.id)
+
+
+def _ask_controller(w: _JobWork) -> None:
+    """Send the job's TaskController a request (Figure 8) when it has something new to say: approved
+    operations completed, operations it was not asked about, an advance notice; or when the timer says so.
+    One request at a time: the next waits for the ack of the latest (or for the timer)."""
+    job = w.job
+    if not job.spec.controller:
+        return
+    if job.tc_outstanding and not w.ask:
+        return
+    pending = [t for t in w.ordered() if t.op_state == OP_PENDING] if job.ops_open + w.ops_delta > 0 else []
+    asked = set(job.tc_asked)
+    news = job.tc_completed or job.tc_notice_new or any(t.op_id not in asked for t in pending)
+    if not news and not (w.ask and (pending or job.tc_outstanding)):
+        return
+    completed = (*job.tc_sent_completed, *job.tc_completed) if job.tc_outstanding else job.tc_completed
+    seq = job.tc_seq + 1
+    req = tc.Request(
+        job_id=job.id, entitlement=job.entitlement, controller=job.spec.controller, sequence=seq,
+        pending=tuple(tc.Operation(t.op_id, t.id, t.op, t.op_reason) for t in pending),
+        completed=completed,
+        notices=tuple(tc.AdvanceNotice(u, tuple(ts), s, d) for u, ts, s, d in job.tc_notices),
+        unhealthy=tuple(t.id for t in w.ordered() if t.state != RUNNING and t.intent != RETIRE))
+    w.emit("TaskControlRequested", job.id, tc.request_payload(req), "taskcontrol", job.id, seq)
+    w.set(quiet=True, tc_seq=seq, tc_outstanding=True, tc_asked=tuple(t.op_id for t in pending),
+          tc_asked_ms=w.fold.now, tc_completed=(), tc_sent_completed=completed, tc_notice_new=False)
 
 
 def _resize(w: _JobWork, n: int, reason: str) -> None:
@@ -880,6 +1078,8 @@ def _on_task_state_changed(fold: _Fold, ev: Event) -> None:
     now = fold.now
     if state == RUNNING:
         t = w.put(replace(t, state=state, running_since_ms=now, reason=""))
+        if t.op_state == OP_RUNNING:  # the update or move it was under is complete
+            t = w.end_op(t)
         w.discovery(t, True, REASON_TASK_RUNNING)
         return
     if state == STARTING:  # an agent ahead of the scheduler's own step (not seen: the START comes with it)
@@ -927,10 +1127,60 @@ def _on_machine_status_changed(fold: _Fold, ev: Event) -> None:
 
 def _on_unavailability_started(fold: _Fold, ev: Event) -> None:
     if ev.payload["kind"] not in UNAVAILABLE_KINDS:
-        return  # planned maintenance: advance notice for TaskControl (later), the status change moves tasks
+        _advance_notice(fold, ev)  # planned: the status change moves the tasks; controllers hear of it now
+        return
     for mid in ev.payload["machine_ids"]:
         fold.set_down(mid, ev.payload["kind"])
     _evacuate(fold, ev, ev.payload["machine_ids"], REASON_MACHINE_FAILED)
+
+
+def _advance_notice(fold: _Fold, ev: Event) -> None:
+    """Planned maintenance: every job of the machines' entitlement with a TaskController and tasks on them is
+    told in its next request (sent at once): which tasks, from when, until which deadline."""
+    p = ev.payload
+    gone = set(p["machine_ids"])
+    everyone = ev.entitlement not in fold.entitlements()
+    for job_id in sorted(fold.state.jobs):
+        job = fold.job(job_id)
+        if (job.status != JOB_ACTIVE or not job.spec.controller
+                or (not everyone and job.entitlement != ev.entitlement)):
+            continue
+        hit = tuple(t.id for t in job.tasks.values() if t.machine in gone)
+        if not hit or any(n[0] == p["unavailability_id"] for n in job.tc_notices):
+            continue
+        w = fold.work_for(job_id)
+        if w is None:
+            continue
+        notice = (p["unavailability_id"], hit, p["start_ms"], p.get("deadline_ms"))
+        w.set(quiet=True, tc_notices=(*w.job.tc_notices, notice), tc_notice_new=True)
+
+
+def _on_task_control_acked(fold: _Fold, ev: Event) -> None:
+    """The job's TaskController approved some of the pending operations of its latest request."""
+    p = ev.payload
+    w = fold.work_for(p["job_id"])
+    if w is None:
+        return
+    job = w.job
+    if not job.spec.controller:
+        w.ignore(tc.REASON_NO_CONTROLLER, f"{ev.event_id} acks request {p['sequence']}")
+        return
+    if p.get("controller") and p["controller"] != job.spec.controller:
+        w.ignore(tc.REASON_WRONG_CONTROLLER, f"{ev.event_id} is from {p['controller']}, the job's controller "
+                                              f"is {job.spec.controller}")
+        return
+    refusal = tc.ack_refusal(job.tc_seq, job.tc_outstanding, p["sequence"])
+    if refusal is not None:
+        w.ignore(refusal, f"{ev.event_id} acks request {p['sequence']}; the latest is {job.tc_seq}"
+                          f"{'' if job.tc_outstanding else ', answered already'}")
+        return
+    w.set(quiet=True, tc_outstanding=False, tc_sent_completed=())
+    approved = set(p["approved_operation_ids"])
+    if not approved:
+        return
+    for t in w.ordered():
+        if t.op_state == OP_PENDING and t.op_id in approved:
+            w.put(replace(t, op_state=OP_APPROVED))  # performed by ``_drain_ops`` as the decision closes
 
 
 Handler = Callable[[_Fold, Event], None]
@@ -947,6 +1197,7 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "TaskStateChanged": _on_task_state_changed,
     "MachineStatusChanged": _on_machine_status_changed,
     "UnavailabilityStarted": _on_unavailability_started,
+    "TaskControlAcked": _on_task_control_acked,
 })
 CONSUMED = frozenset(HANDLERS)  # event types the shard reads; every other type is ignored
 
@@ -976,13 +1227,13 @@ def _terms_of(r: Mapping[str, Any] | None) -> Terms | None:
 def _spec_record(s: Spec) -> dict:
     return {"name": s.name, "command": list(s.command), "cpu": s.cpu, "mem": s.mem,
             "requirements": _pairs(s.requirements), "spread": s.spread, "max_unavailable": s.max_unavailable,
-            "env": _pairs(s.env)}
+            "env": _pairs(s.env), "controller": s.controller}
 
 
 def _spec_of(r: Mapping[str, Any]) -> Spec:
     return Spec(name=r["name"], command=tuple(r["command"]), cpu=r["cpu"], mem=r["mem"],
                 requirements=tuple(map(tuple, r["requirements"])), spread=r["spread"],
-                max_unavailable=r["max_unavailable"], env=tuple(map(tuple, r["env"])))
+                max_unavailable=r["max_unavailable"], env=tuple(map(tuple, r["env"])), controller=r.get("controller"))
 
 
 def job_to_record(job: Job) -> dict:
@@ -997,7 +1248,11 @@ def job_to_record(job: Job) -> dict:
             "spec_version": job.spec_version, "desired": job.desired, "status": job.status, "tasks": tasks,
             "last_reason": job.last_reason, "last_ignored": job.last_ignored, "updating": job.updating,
             "requests": job.requests, "free_request_id": job.free_request_id, "deleted": job.deleted,
-            "origin": origin, "seen": list(job.seen)}
+            "origin": origin, "seen": list(job.seen), "ops": job.ops, "ops_open": job.ops_open,
+            "bucket": limiter.bucket_record(job.bucket), "throttled": list(job.throttled), "tc_seq": job.tc_seq,
+            "tc_outstanding": job.tc_outstanding, "tc_asked": list(job.tc_asked), "tc_asked_ms": job.tc_asked_ms,
+            "tc_completed": list(job.tc_completed), "tc_sent_completed": list(job.tc_sent_completed),
+            "tc_notices": [[u, list(ts), s, d] for u, ts, s, d in job.tc_notices], "tc_notice_new": job.tc_notice_new}
 
 
 def job_from_record(r: Mapping[str, Any]) -> Job:
@@ -1010,20 +1265,29 @@ def job_from_record(r: Mapping[str, Any]) -> Job:
                desired=r["desired"], status=r["status"], tasks=MappingProxyType(tasks), last_reason=r["last_reason"],
                last_ignored=r["last_ignored"], updating=r["updating"], requests=r["requests"],
                free_request_id=r["free_request_id"], deleted=r["deleted"],
-               origin=(*o[:3], _spec_of(o[3])) if o else (), seen=tuple(r["seen"]))
+               origin=(*o[:3], _spec_of(o[3])) if o else (), seen=tuple(r["seen"]), ops=r.get("ops", 0),
+               ops_open=r.get("ops_open", 0), bucket=limiter.bucket_of(r.get("bucket")),
+               throttled=tuple(r.get("throttled", ())), tc_seq=r.get("tc_seq", 0),
+               tc_outstanding=r.get("tc_outstanding", False), tc_asked=tuple(r.get("tc_asked", ())),
+               tc_asked_ms=r.get("tc_asked_ms"), tc_completed=tuple(r.get("tc_completed", ())),
+               tc_sent_completed=tuple(r.get("tc_sent_completed", ())),
+               tc_notices=tuple((u, tuple(ts), s, d) for u, ts, s, d in r.get("tc_notices", ())),
+               tc_notice_new=r.get("tc_notice_new", False))
 
 
 def state_of(jobs: Iterable[Job] = (), entitlements: Iterable[Entitlement] = (),
-             machines_down: Mapping[str, str] | None = None) -> SchedulerState:
-    """A shard's state from its parts (e.g. read back from faust tables)."""
+             machines_down: Mapping[str, str] | None = None, shard_bucket: Bucket | None = None) -> SchedulerState:
+    """A shard's state from its parts (e.g. read back from faust tables; ``shard_bucket`` from
+    ``limiter.bucket_of`` of the partition's stored record)."""
     return SchedulerState(entitlements=MappingProxyType({e.name: e for e in entitlements}),
                           jobs=CowMap((j.id, j) for j in jobs),
-                          machines_down=MappingProxyType(dict(machines_down or {})))
+                          machines_down=MappingProxyType(dict(machines_down or {})), shard_bucket=shard_bucket)
 
 
 # -- decisions ---------------------------------------------------------------------------------------------------
 
-def decide(state: SchedulerState, event: Event, now_ms: int) -> tuple[SchedulerState, list[Event]]:
+def decide(state: SchedulerState, event: Event, now_ms: int, *, limits: Limits = DEFAULT_LIMITS
+           ) -> tuple[SchedulerState, list[Event]]:
     """Apply one decoded input event: the new state and the events to produce (in order).
 
     Event types outside ``CONSUMED`` and the scheduler's own events change nothing. An event id already in the
@@ -1033,26 +1297,38 @@ def decide(state: SchedulerState, event: Event, now_ms: int) -> tuple[SchedulerS
     handler = HANDLERS.get(event.type)
     if handler is None or is_own(event):
         return state, []
-    fold = _Fold(state, now_ms, event)
+    fold = _Fold(state, now_ms, event, limits=limits)
     handler(fold, event)
     return fold.result()
 
 
-def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int) -> tuple[SchedulerState, list[Event]]:
+def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int, *, limits: Limits = DEFAULT_LIMITS
+               ) -> tuple[SchedulerState, list[Event]]:
     """``decide`` over many events in order (replaying a log): the final state and everything emitted."""
     out: list[Event] = []
     for ev in events:
-        state, emitted = decide(state, ev, now_ms)
+        state, emitted = decide(state, ev, now_ms, limits=limits)
         out.extend(emitted)
     return state, out
 
 
-def retry_unplaced(state: SchedulerState, now_ms: int) -> tuple[SchedulerState, list[Event]]:
+def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAULT_LIMITS
+                   ) -> tuple[SchedulerState, list[Event]]:
     """The timer's decision: ask again to place every task left unplaced by an AllocationRejected (one request
-    per job). Ids derive from the request ids, so a repeat from the same state emits the same events."""
-    fold = _Fold(state, now_ms, None, id_root=f"{PRODUCER}/retry")
+    per job); perform operations the rate limiter held back, as far as it now allows; ask a TaskController
+    again after ``REASK_MS`` without an answer (a lost request or ack) or with operations still pending.
+    Ids derive from the request ids, the operation ids and ``now_ms``, so a repeat from the same state emits
+    the same events."""
+    fold = _Fold(state, now_ms, None, id_root=f"{PRODUCER}/retry/{now_ms}", limits=limits)
     for job_id in sorted(state.jobs):
         job = state.jobs[job_id]
-        if job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()):
+        if job.status != JOB_ACTIVE:
+            continue
+        if any(t.parked for t in job.tasks.values()):
             fold.work_for(job_id).retry_parked()
+        if job.ops_open or job.throttled:
+            w = fold.work_for(job_id)  # its finish drains what is approved
+            if (job.spec.controller and job.tc_asked_ms is not None and now_ms - job.tc_asked_ms >= REASK_MS
+                    and (job.tc_outstanding or any(t.op_state == OP_PENDING for t in job.tasks.values()))):
+                w.ask = True
     return fold.result()

@@ -24,6 +24,9 @@ which recover the partitions' table data from the changelogs before they read on
     entitlements    entitlement name        -> the Entitlement's fields
     machines_down   machine id              -> status or unavailability kind (absent: UP)
     machine_jobs    "<entitlement>|<machine>" -> sorted job ids of that entitlement with a task placed on it
+    offsets         "<topic>/<partition>"   -> the next offset of that source partition to apply (offsets.py)
+    limits          "shard/<partition>"     -> the shard's token bucket for destructive operations
+                                               (processors/taskcontrol/limiter.py)
 
 Every value is written to the changelog partition of its entitlement (``partition_for(entitlement)``), which is
 the partition of the event being processed for every entitlement-keyed event; so a partition's changelog holds
@@ -57,7 +60,8 @@ partition's changelog. Keys this worker wrote for a partition it later loses sta
 the partition back (faust's memory store forgets only keys it recovered); reads by job id happen only on the
 owning partition, and every scan filters by partition, so they are never acted on.
 
-**Timer.** Every ``RETRY_S`` (``ROPEWALK_SCHEDULER_RETRY_S``, default 30 s) ``retry_unplaced`` re-asks placement of
+**Timer.** Every ``RETRY_S`` (``ROPEWALK_SCHEDULER_RETRY_S``, default 10 s) ``retry_unplaced`` releases throttled operations, re-asks
+controllers whose ack is overdue, and re-asks placement of
 tasks parked by an AllocationRejected, for the jobs of the partitions this worker actively owns (standby copies
 of other workers' partitions, which faust also keeps in the same tables, are left alone). The agent and the
 timer share an ``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
@@ -75,6 +79,7 @@ from typing import Any
 import faust
 
 from infra.config import Config
+from processors.taskcontrol.limiter import Limits, bucket_of, bucket_record
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.scheduler.decide import (
     PRODUCER, Entitlement, SchedulerState, decide, is_own, job_from_record, job_to_record, retry_unplaced, state_of,
@@ -90,9 +95,9 @@ from streams.topics import Topics
 log = logging.getLogger(__name__)
 
 APP_ID = "scheduler"
-SOURCES = ("intents", "allocations", "tasks", "machines", "unavailability")
+SOURCES = ("intents", "allocations", "tasks", "machines", "unavailability", "taskcontrol")
 MACHINE_EVENTS = frozenset({"MachineStatusChanged", "UnavailabilityStarted"})
-RETRY_S = 30.0  # default interval of the retry_unplaced timer
+RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
 FLUSH_S = 30.0  # how long producing one decision's output may wait for the broker's acks
 
 # Environment variables of a worker (beside infra.config's), mapped to faust settings; tests lower them.
@@ -110,6 +115,10 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """faust settings overridden by ``ROPEWALK_FAUST_*`` (seconds, floats); unset ones keep faustwire's."""
     env = os.environ if env is None else env
     return {setting: float(env[name]) for name, setting in FAUST_ENV.items() if env.get(name)}
+
+
+def shard_bucket_key(partition: int) -> str:
+    return f"shard/{partition}"
 
 
 def index_key(entitlement: str, machine: str) -> str:
@@ -136,7 +145,8 @@ class ShardTables:
         self.entitlements = app.Table("scheduler-entitlements", **opts)
         self.machines_down = app.Table("scheduler-machines-down", **opts)
         self.machine_jobs = app.Table("scheduler-machine-jobs", **opts)
-        self.offsets = app.Table("scheduler-offsets", **opts)  # "<topic>/<partition>" -> next offset to apply
+        self.offsets = app.Table("scheduler-offsets", **opts)
+        self.limits = app.Table("scheduler-limits", **opts)  # "shard/<partition>" -> the shard's token bucket  # "<topic>/<partition>" -> next offset to apply
 
     def partition_of(self, entitlement: str) -> int:
         return partition_for(entitlement, self.partitions)
@@ -176,6 +186,10 @@ class ShardTables:
         jobs = [job_from_record(r) for r in records.values()]
         return state_of(jobs, ents, down), records
 
+    def with_bucket(self, state: SchedulerState, partition: int) -> SchedulerState:
+        """``state`` with the rate-limiter bucket of the shard's ``partition`` (processors/taskcontrol/limiter.py)."""
+        return dataclasses.replace(state, shard_bucket=bucket_of(self.limits.data.get(shard_bucket_key(partition))))
+
     def active_job_ids(self, active_partitions: set[int]) -> list[str]:
         return sorted(k for k, r in list(self.jobs.data.items())
                       if r is not None and self.partition_of(r["entitlement"]) in active_partitions)
@@ -193,7 +207,8 @@ class ShardTables:
             await self.app.producer.flush()  # this record leaves alone, in a batch of its own
 
     async def store(self, before: SchedulerState, after: SchedulerState, records: Mapping[str, dict],
-              event_partition: int | None, applied: tuple[str, int] | None = None) -> int:
+              event_partition: int | None, applied: tuple[str, int] | None = None,
+              bucket_partition: int | None = None) -> int:
         """Write back what ``decide`` changed; returns the number of jobs written. ``applied``: the source
         partition key and offset of the event, whose next offset is written last (processors/scheduler/offsets.py)."""
         written = 0
@@ -221,6 +236,9 @@ class ShardTables:
             for m in set(before.machines_down) | set(after.machines_down):
                 if before.machines_down.get(m) != after.machines_down.get(m):
                     await self._put(self.machines_down, part, m, after.machines_down.get(m))
+        if bucket_partition is not None and after.shard_bucket != before.shard_bucket:
+            await self._put(self.limits, bucket_partition, shard_bucket_key(bucket_partition),
+                            bucket_record(after.shard_bucket))
         if applied is not None and event_partition is not None:
             await self._put(self.offsets, event_partition, applied[0], applied[1] + 1)
         return written
@@ -238,6 +256,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     source_names = [catalogue.name(t) for t in SOURCES]
     source = app.topic(*source_names, key_serializer="raw", value_serializer="raw", partitions=cfg.partitions)
     lock = asyncio.Lock()
+    limits = Limits.from_env(os.environ)
 
     async def produce(events: list[Event]) -> None:
         def send_all() -> None:
@@ -250,7 +269,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         async with lock:
             job_ids = tables.job_ids_for(event, partition)
             state, records = tables.load(event, job_ids)
-            new, out = decide(state, event, int(time.time() * 1000))
+            state = tables.with_bucket(state, partition)
+            new, out = decide(state, event, int(time.time() * 1000), limits=limits)
             if event.type in MACHINE_EVENTS:  # rare, and what moved where is worth a line
                 log.info("scheduler: %s %s of %s on partition %d: jobs %s, %d events", event.type,
                          event.payload.get("machine_id") or event.payload.get("machine_ids"), event.entitlement,
@@ -258,7 +278,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             if out:
                 await produce(out)  # before the tables: see "Delivery" in the module docstring
             if new is not state:
-                await tables.store(state, new, records, partition, applied)
+                await tables.store(state, new, records, partition, applied, bucket_partition=partition)
 
     guard = OffsetGuard(tables.offsets.data)
 
@@ -295,12 +315,14 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         if not active:
             return
         async with lock:
-            state, records = tables.load(None, tables.active_job_ids(active))
-            new, out = retry_unplaced(state, int(time.time() * 1000))
-            if out:
-                await produce(out)
-            if new is not state:
-                await tables.store(state, new, records, None)
+            for part in sorted(active):  # one partition at a time: each has its own shard bucket
+                state, records = tables.load(None, tables.active_job_ids({part}))
+                state = tables.with_bucket(state, part)
+                new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
+                if out:
+                    await produce(out)
+                if new is not state:
+                    await tables.store(state, new, records, None, bucket_partition=part)
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:

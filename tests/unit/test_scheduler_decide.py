@@ -11,6 +11,7 @@ from collections import deque
 import pytest
 
 from processors.scheduler import decide as sd
+from processors.taskcontrol import limiter
 from processors.scheduler.decide import (
     JOB_PENDING, JOB_REJECTED, JOB_RUNNING, JOB_STOPPED, JOB_STOPPING, JOB_UPDATING, MAX_RESTARTS, PRODUCER,
     REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_EXITED, REASON_ILLEGAL_REPORT, REASON_INVALID_SPEC,
@@ -774,7 +775,8 @@ def test_state_survives_a_table_round_trip():
     jobs = [sd.job_from_record(json.loads(json.dumps(sd.job_to_record(j)))) for j in sim.state.jobs.values()]
     ents = [sd.Entitlement(**json.loads(json.dumps(dataclasses.asdict(e))))
             for e in sim.state.entitlements.values()]
-    state = sd.state_of(jobs, ents, json.loads(json.dumps(dict(sim.state.machines_down))))
+    shard_bucket = limiter.bucket_of(json.loads(json.dumps(limiter.bucket_record(sim.state.shard_bucket))))
+    state = sd.state_of(jobs, ents, json.loads(json.dumps(dict(sim.state.machines_down))), shard_bucket)
     assert state == sim.state
     nxt = report("j/0", "STOPPED", "m1", exit_code=0)
     assert decide(state, nxt, T0) == decide(sim.state, nxt, T0)

@@ -148,4 +148,4 @@ def _body(schema, record):
 
 def test_schema_dir_names_match_files():
     schemas = load_schema_dir()
-    assert len(schemas) == 26 and all(s.fullname == f"ropewalk.events.{n}" for n, s in schemas.items())
+    assert len(schemas) == 27 and all(s.fullname == f"ropewalk.events.{n}" for n, s in schemas.items())

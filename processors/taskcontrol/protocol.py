@@ -1,0 +1,151 @@
+"""The TaskControl protocol (Twine §2.5, Figure 8) as data: requests, acks and their bookkeeping. Pure.
+
+The scheduler asks a job's TaskController, on the ``taskcontrol`` topic (keyed by the job's entitlement, so
+co-partitioned with everything else of the job), with ``TaskControlRequested``:
+
+    job_id, controller, sequence        (increases with every request of the job)
+    pending_operations                  operations awaiting approval: operation_id, task_id, kind, reason
+    completed_operation_ids             approved operations finished since the previous request
+    advance_notices                     planned maintenance ahead: unavailability_id, task_ids, start, deadline
+    unhealthy_task_ids                  every task of the job not RUNNING, whatever the cause
+
+and the controller answers ``TaskControlAcked(job_id, sequence, approved_operation_ids, controller)``. Only the
+ack of the job's latest request, while it is unanswered, counts (``ack_refusal``): an older sequence is stale,
+a second ack of the same one a duplicate, a newer one bogus. Operation ids are stable across re-asks.
+
+The controller side keeps, per job, what it approved and has not yet seen completed (``JobBook``, folded by
+``observe`` and ``record_ack``), so that ``decide(request, view)`` can count operations in flight.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+# Operation kinds: the OperationKind symbols of schemas/TaskControlRequested.avsc.
+OP_UPDATE = "UPDATE"  # stop the task to start it again at the job's new spec version (rolling update)
+OP_MOVE = "MOVE"  # place the task elsewhere (its machine was lost)
+OP_RESTART = "RESTART"  # start it again where it is (restart policy): rate limited, never asked
+CONTROLLED = frozenset({OP_UPDATE, OP_MOVE})  # kinds a job's TaskController approves
+
+# Why an ack is ignored (the job's last_ignored).
+REASON_STALE_ACK = "stale_ack"  # answers an older request than the job's latest
+REASON_DUPLICATE_ACK = "duplicate_ack"  # the latest request was answered already
+REASON_UNKNOWN_SEQUENCE = "unknown_sequence"  # answers a request never sent
+REASON_NO_CONTROLLER = "no_controller"  # the job declares no TaskController
+REASON_WRONG_CONTROLLER = "wrong_controller"  # signed by another controller than the job's
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    operation_id: str
+    task_id: str
+    kind: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AdvanceNotice:
+    unavailability_id: str
+    task_ids: tuple[str, ...]
+    start_ms: int
+    deadline_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    job_id: str
+    entitlement: str
+    controller: str
+    sequence: int
+    pending: tuple[Operation, ...] = ()
+    completed: tuple[str, ...] = ()
+    notices: tuple[AdvanceNotice, ...] = ()
+    unhealthy: tuple[str, ...] = ()
+    event_id: str = ""
+
+
+def request_payload(r: Request) -> dict[str, Any]:
+    return {
+        "job_id": r.job_id, "controller": r.controller, "sequence": r.sequence,
+        "pending_operations": [{"operation_id": o.operation_id, "task_id": o.task_id, "kind": o.kind,
+                                "reason": o.reason} for o in r.pending],
+        "completed_operation_ids": list(r.completed),
+        "advance_notices": [{"unavailability_id": n.unavailability_id, "task_ids": list(n.task_ids),
+                             "start_ms": n.start_ms, "deadline_ms": n.deadline_ms} for n in r.notices],
+        "unhealthy_task_ids": list(r.unhealthy),
+    }
+
+
+def request_of(payload: Mapping[str, Any], entitlement: str = "", event_id: str = "") -> Request:
+    return Request(
+        job_id=payload["job_id"], entitlement=entitlement, controller=payload.get("controller", ""),
+        sequence=payload["sequence"],
+        pending=tuple(Operation(o["operation_id"], o["task_id"], o["kind"], o.get("reason", ""))
+                      for o in payload["pending_operations"]),
+        completed=tuple(payload.get("completed_operation_ids", ())),
+        notices=tuple(AdvanceNotice(n["unavailability_id"], tuple(n["task_ids"]), n["start_ms"], n.get("deadline_ms"))
+                      for n in payload.get("advance_notices", ())),
+        unhealthy=tuple(payload.get("unhealthy_task_ids", ())), event_id=event_id)
+
+
+def ack_payload(job_id: str, sequence: int, approved: Iterable[str], controller: str) -> dict[str, Any]:
+    return {"job_id": job_id, "sequence": sequence, "approved_operation_ids": list(approved),
+            "controller": controller}
+
+
+def ack_refusal(latest: int, outstanding: bool, acked: int) -> str | None:
+    """Why an ack of request ``acked`` does not count, given the job's ``latest`` request and whether it is
+    still unanswered; None if it counts."""
+    if acked < latest:
+        return REASON_STALE_ACK
+    if acked > latest:
+        return REASON_UNKNOWN_SEQUENCE
+    return None if outstanding else REASON_DUPLICATE_ACK
+
+
+# -- the controller's bookkeeping -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobBook:
+    """What a controller knows of one job: the latest request answered, and the operations it approved that the
+    scheduler has not reported completed (in flight)."""
+
+    answered: int = 0  # sequence of the latest request answered (0: none)
+    in_flight: Mapping[str, Operation] = field(default_factory=dict)  # operation id -> operation
+
+
+@dataclass(frozen=True)
+class View:
+    """What ``decide`` sees beside the request: the operations it approved that are still in flight."""
+
+    job_id: str
+    in_flight: Mapping[str, Operation]
+
+    @property
+    def in_flight_tasks(self) -> frozenset[str]:
+        return frozenset(o.task_id for o in self.in_flight.values())
+
+
+def observe(book: JobBook, request: Request) -> JobBook:
+    """Fold a request in: completed operations leave the in-flight set."""
+    if not request.completed:
+        return book
+    done = set(request.completed)
+    return replace(book, in_flight={k: v for k, v in book.in_flight.items() if k not in done})
+
+
+def record_ack(book: JobBook, request: Request, approved: Iterable[str]) -> JobBook:
+    """Fold in an ack of ``request`` (this controller's own, read back from the log or just sent)."""
+    ops = {o.operation_id: o for o in request.pending}
+    flight = dict(book.in_flight)
+    for op_id in approved:
+        if op_id in ops:
+            flight[op_id] = ops[op_id]
+    return JobBook(answered=max(book.answered, request.sequence), in_flight=flight)
+
+
+def valid_approval(request: Request, approved: Iterable[str]) -> list[str]:
+    """``approved`` restricted to the request's pending operations, in the request's order, once each."""
+    wanted = set(approved)
+    return [o.operation_id for o in request.pending if o.operation_id in wanted]

@@ -1,0 +1,137 @@
+"""The reference TaskControllers and the controller library's bookkeeping, as tables over in-memory data."""
+import pytest
+
+from processors.taskcontrol import protocol as tc
+from processors.taskcontrol.controller import Books, absorb, answer, due, producer_name
+from processors.taskcontrol.controllers import LeaderLast, Pacing, ReplicaAware
+from processors.taskcontrol.protocol import Operation, Request, View
+from streams.events import new_event
+from streams.serde import SchemaRegistry
+
+REG = SchemaRegistry.from_dir()
+
+
+def upd(task):
+    return Operation(f"{task}:update", task, tc.OP_UPDATE, "rolling_update")
+
+
+def req(tasks, seq=1, unhealthy=(), completed=(), job="zk"):
+    return Request(job, "e1", "c", seq, tuple(upd(t) for t in tasks), tuple(completed), (), tuple(unhealthy), f"r{seq}")
+
+
+def view(*in_flight, job="zk"):
+    return View(job, {f"{t}:update": upd(t) for t in in_flight})
+
+
+def tasks_of(ids):
+    return [i.split(":")[0] for i in ids]
+
+
+LEADER_LAST = {  # request, view → approved tasks (leader: t0)
+    "followers-first-one-at-a-time": (req(["t0", "t1", "t2"]), view(), ["t1"]),
+    "nothing-while-one-is-in-flight": (req(["t0", "t2"]), view("t1"), []),
+    "nothing-while-a-follower-is-down": (req(["t0", "t2"], unhealthy=["t1"]), view(), []),
+    "a-down-follower-is-approved": (req(["t0", "t1", "t2"], unhealthy=["t2"]), view(), ["t2"]),
+    "the-leader-alone-and-all-serving": (req(["t0"]), view(), ["t0"]),
+    "the-leader-waits-for-the-last-follower": (req(["t0"]), view("t2"), []),
+    "the-leader-waits-for-a-sick-follower": (req(["t0"], unhealthy=["t1"]), view(), []),
+    "no-leader-known": (req(["t0", "t1"], job="other"), view(job="other"), ["t0"]),
+}
+
+
+@pytest.mark.parametrize("request_, view_, approved", LEADER_LAST.values(), ids=LEADER_LAST)
+def test_leader_last(request_, view_, approved):
+    assert tasks_of(LeaderLast({"zk": "t0"})(request_, view_)) == approved
+
+
+def test_leader_last_changes_the_leader_once_per_release():
+    """Replay a whole release: the controller alone decides the order; the leader is always the last."""
+    n, order = 5, []
+    decide = LeaderLast({"zk": "t0"})
+    pending, flight, seq = [f"t{i}" for i in range(n)], [], 0
+    while pending:
+        seq += 1
+        ok = tasks_of(decide(req(pending, seq), view(*flight)))
+        assert len(ok) <= 1
+        for t in ok:
+            pending.remove(t)
+            order.append(t)
+        flight = []  # each approved update completes before the next request
+    assert order[-1] == "t0" and sorted(order) == sorted(f"t{i}" for i in range(n))
+
+
+SHARDS = {"t0": ["a", "b"], "t1": ["a", "c"], "t2": ["b", "c"], "t3": ["a", "b"], "t4": ["c"]}  # a:3 b:3 c:3
+REPLICA_AWARE = {  # request, view, min_live → approved
+    "two-live-of-three-allows-disjoint": (req(["t0", "t1", "t2", "t3", "t4"]), view(), 2, ["t0", "t4"]),
+    "shard-c-has-room-after-t0": (req(["t1", "t4"]), view("t0"), 2, ["t4"]),
+    "a-task-down-for-another-reason-counts": (req(["t0", "t1"], unhealthy=["t3"]), view(), 2, []),
+    "a-down-task-is-approved": (req(["t3"], unhealthy=["t3"]), view(), 2, ["t3"]),
+    "one-live-is-enough": (req(["t0", "t1", "t2", "t3"]), view(), 1, ["t0", "t1", "t2"]),
+}
+
+
+@pytest.mark.parametrize("request_, view_, min_live, approved", REPLICA_AWARE.values(), ids=REPLICA_AWARE)
+def test_replica_aware(request_, view_, min_live, approved):
+    got = tasks_of(ReplicaAware(SHARDS, min_live)(request_, view_))
+    assert got == approved
+    down = set(request_.unhealthy) | set(view_.in_flight_tasks) | set(got)
+    for shard in {s for hosted in SHARDS.values() for s in hosted}:
+        live = sum(shard in hosted for t, hosted in SHARDS.items() if t not in down)
+        before = sum(shard in hosted for t, hosted in SHARDS.items()
+                     if t not in set(request_.unhealthy) | set(view_.in_flight_tasks))
+        assert live >= min(min_live, before)
+
+
+PACING = {  # load, in flight → approved count of 6 pending
+    "off-peak-fast": (0.2, 0, 4),
+    "normal": (0.6, 0, 2),
+    "peak-slow": (0.9, 0, 1),
+    "in-flight-count": (0.2, 3, 1),
+    "full": (0.9, 1, 0),
+}
+
+
+@pytest.mark.parametrize("load, flying, count", PACING.values(), ids=PACING)
+def test_pacing(load, flying, count):
+    got = Pacing(lambda: load)(req([f"t{i}" for i in range(6)]), view(*[f"x{i}" for i in range(flying)]))
+    assert len(got) == count
+
+
+# -- the library's bookkeeping --------------------------------------------------------------------------------
+
+def request_event(seq, pending, completed=(), controller="zk-ctl"):
+    r = Request("zk", "e1", controller, seq, tuple(upd(t) for t in pending), tuple(f"{t}:update" for t in completed))
+    return new_event("TaskControlRequested", tc.request_payload(r), entitlement="e1", entity_id="zk",
+                     producer="scheduler", event_id=f"req-{controller}-{seq}", timestamp_ms=1)
+
+
+def approve_all(request, view_):
+    return [o.operation_id for o in request.pending] + ["not-pending"]
+
+
+def test_library_answers_the_latest_once_and_tracks_in_flight():
+    b = Books()
+    for e in (request_event(1, ["t0", "t1"]), request_event(2, ["t0", "t1"]),
+              request_event(1, ["t9"], controller="another")):
+        b = absorb(b, e, "zk-ctl")
+    assert [r.sequence for r in due(b)] == [2], "superseded and other controllers' requests are not answered"
+    b, ack = answer(b, due(b)[0], approve_all, "zk-ctl", 5)
+    REG.encode(ack.type, ack.to_record(1))
+    assert ack.payload == {"job_id": "zk", "sequence": 2, "approved_operation_ids": ["t0:update", "t1:update"],
+                           "controller": "zk-ctl"} and ack.producer == producer_name("zk-ctl")
+    assert due(b) == [] and set(b.jobs["zk"].in_flight) == {"t0:update", "t1:update"}
+    b = absorb(b, ack, "zk-ctl")  # read back from the log: nothing changes
+    assert due(b) == [] and set(b.jobs["zk"].in_flight) == {"t0:update", "t1:update"}
+    b = absorb(b, request_event(3, [], completed=["t1"]), "zk-ctl")
+    assert set(b.jobs["zk"].in_flight) == {"t0:update"} and [r.sequence for r in due(b)] == [3]
+
+
+def test_library_rebuilt_from_the_log_does_not_answer_again():
+    b = Books()
+    r1 = request_event(1, ["t0"])
+    b = absorb(b, r1, "zk-ctl")
+    b, ack = answer(b, due(b)[0], approve_all, "zk-ctl", 5)
+    replayed = Books()
+    for e in (r1, ack):
+        replayed = absorb(replayed, e, "zk-ctl")
+    assert due(replayed) == [] and replayed.jobs == b.jobs
