@@ -34,24 +34,39 @@ class TopicSpec:
     doc: str = ""
 
 
-_COMPACT = MappingProxyType({"cleanup.policy": "compact"})
+# Retention. The log is the system of record: a topic that state is rebuilt from (the allocator's index, a
+# scheduler shard, the broker's registry, replay/audit) keeps every record. Kafka's default retention.ms is 7
+# days, after which it would delete the history a rebuild needs (rebuild.py refuses a partition that no longer
+# starts at offset 0), so every such topic is created with retention.ms=-1 (never delete by age; retention.bytes
+# is unbounded by default). state.* and _schemas are also compacted: only the last record per key is needed
+# (compaction never deletes a key's latest record; with cleanup.policy=compact retention.ms does not apply, it
+# is set anyway so that a later switch to compact,delete would not start deleting). Heartbeats are the only
+# topic with a bounded retention: liveness is judged on recent heartbeats and nothing is rebuilt from them.
+# The config applies when provisioning creates a topic; an existing topic keeps the config it was created with.
+_KEEP_FOREVER = MappingProxyType({"retention.ms": "-1"})
+_COMPACT = MappingProxyType({"cleanup.policy": "compact", "retention.ms": "-1"})
+HEARTBEAT_RETENTION_MS = 7 * 24 * 3600 * 1000  # Kafka's default, made explicit
+_HEARTBEATS = MappingProxyType({"retention.ms": str(HEARTBEAT_RETENTION_MS)})
 
 CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("intents", KEY_ENTITLEMENT, ("EntitlementCreated", "EntitlementUpdated", "JobSubmitted",
-              "JobSpecChanged", "JobResized", "JobStopped"), True, doc="user intent from the front end"),
+              "JobSpecChanged", "JobResized", "JobStopped"), True, config=_KEEP_FOREVER,
+              doc="user intent from the front end"),
     TopicSpec("machines", KEY_ENTITLEMENT, ("MachineRegistered", "MachineStatusChanged",
               "MachineAssignedToEntitlement", "MachineReleasedToFreePool", "HostProfileApplied"), True,
-              doc="machine registry and ownership; free-pool machines keyed free/<dc>"),
+              config=_KEEP_FOREVER, doc="machine registry and ownership; free-pool machines keyed free/<dc>"),
     TopicSpec("unavailability", KEY_ENTITLEMENT, ("UnavailabilityStarted", "UnavailabilityEnded"), True,
-              doc="failures, maintenance and power events"),
+              config=_KEEP_FOREVER, doc="failures, maintenance and power events"),
     TopicSpec("allocations", KEY_ENTITLEMENT, ("AllocationRequested", "TasksAllocated", "AllocationRejected",
-              "TasksDeallocated"), True, doc="allocator requests and decisions, with reasons"),
+              "TasksDeallocated"), True, config=_KEEP_FOREVER, doc="allocator requests and decisions, with reasons"),
     TopicSpec("tasks", KEY_ENTITLEMENT, ("TaskCommanded", "TaskStateChanged", "ServiceDiscoveryChanged"), True,
-              doc="task commands to agents and task state changes"),
-    TopicSpec("taskcontrol", KEY_ENTITLEMENT, ("TaskControlRequested", "TaskControlAcked"), True,
+              config=_KEEP_FOREVER, doc="task commands to agents and task state changes"),
+    TopicSpec("taskcontrol", KEY_ENTITLEMENT, ("TaskControlRequested", "TaskControlAcked", "OperationsThrottled"),
+              True, config=_KEEP_FOREVER,
               doc="TaskControl requests to application controllers and their acks"),
-    TopicSpec("heartbeats", KEY_MACHINE, ("AgentHeartbeat",), doc="agent liveness, high volume"),
-    TopicSpec("deadletter", KEY_ORIGIN, ("DeadLetterRecorded",), partitions=1,
+    TopicSpec("heartbeats", KEY_MACHINE, ("AgentHeartbeat",), config=_HEARTBEATS,
+              doc="agent liveness, high volume; bounded retention (HEARTBEAT_RETENTION_MS)"),
+    TopicSpec("deadletter", KEY_ORIGIN, ("DeadLetterRecorded",), partitions=1, config=_KEEP_FOREVER,
               doc="records that failed to decode or validate, with reason and origin"),
     TopicSpec("state.jobs", KEY_JOB, ("JobStatePublished",), config=_COMPACT,
               doc="latest state per job (take the last record per key: compaction is not enforced by Tansu)"),

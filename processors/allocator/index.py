@@ -38,7 +38,8 @@ twice (redelivered at a new offset, or already written by the allocator's commit
     MachineRegistered              create the machine in its DC's free pool, status REGISTERED_STATUS;
                                    re-registration updates changed attributes (free capacity follows capacity)
     MachineStatusChanged           set status                      HostProfileApplied    set host_profile
-    MachineAssignedToEntitlement   free pool -> <e>, only if the machine is in the free pool
+    MachineAssignedToEntitlement   free pool -> <e>, only if the machine is in the free pool; the
+                                   allocator's own (an echo) changes nothing: see "Allocator echoes"
     MachineReleasedToFreePool      <e> -> free pool, only if <e> (envelope.entitlement) still holds it and
                                    no task is on it (else the release is stale: <e> took it again)
     AllocationRequested            remember cpu/mem per task of the request in req:<id>
@@ -48,6 +49,22 @@ twice (redelivered at a new offset, or already written by the allocator's commit
     AllocationRejected             unplaced tasks leave req:<id>
     TasksDeallocated               each task placed on the named machine is removed (capacity comes back);
                                    machines_released go back to the free pool as for MachineReleasedToFreePool
+
+**Allocator echoes.** The allocator emits one MachineAssignedToEntitlement per machine its commit added, on
+``machines``, beside the TasksAllocated (``allocations``) whose ``machines_added`` names the same machines: same
+decision, same causation. So the echo carries no fact of its own: live, the commit wrote the assignment
+before the echo was produced; in a rebuild, the TasksAllocated makes it (an echo read first and ignored
+leaves the TasksAllocated to bump the version by owner + tasks, as the commit did). The echo is therefore
+applied as a no-op (only its applied mark moves) when its envelope producer is the allocator
+(``ALLOCATOR_PRODUCER``). Applying it by content ("take the machine if it is free") is unsound: ``machines``
+and ``allocations`` are read concurrently, so the echo can be read after a later decision of the same
+entitlement freed the machine's tasks and released it (TasksDeallocated, applied at once by the allocator);
+the machine is free again and the echo would take it back with no task on it, leaking quota until the
+release echo is read — for good if the entitlement placed on it meanwhile. No mark or version is needed for
+this rule, so it holds however late or however often (a redelivered decision) the echo is read. A
+MachineAssignedToEntitlement from any other producer (an operator, a test) is a fact of its own and is
+applied by content as above. Release echoes keep the content rule: a stale MachineReleasedToFreePool finds
+the machine re-taken with tasks on it and changes nothing (``releasable``).
 
 AllocationRequested/AllocationRejected are applied because TasksAllocated does not carry the tasks'
 resources: a rebuild takes them from the request, which precedes its result on the same partition.
@@ -81,7 +98,8 @@ with its reason (partial commit is explicit: the caller sees exactly which machi
 the entitlement's epoch right before and after the commit, so the job-level cache (cache.py) can tell whether
 anything but this commit changed the entitlement's machines since it last looked. The commit is the
 allocator's authoritative write; the TasksAllocated (and MachineAssignedToEntitlement) events it then emits
-find their facts already written and change nothing but the applied mark.
+find their facts already written and change nothing but the applied mark (the assign echoes by rule, see
+"Allocator echoes").
 
 The scripts build key names from the prefix, so the index needs one Redis (or, on a cluster, a prefix with
 a hash tag such as ``{region1}:`` so that every key lands on one slot).
@@ -115,6 +133,9 @@ COMMIT_RETRIES_EXHAUSTED = "commit_retries_exhausted"
 
 REGISTERED_STATUS = MACHINE_UP  # status of a newly registered machine until a MachineStatusChanged says otherwise
 DEFAULT_CONSUMER = "allocator"
+# The allocator's producer name (processor.PRODUCER; not imported: processor.py imports this module). Its
+# MachineAssignedToEntitlement events are echoes of a TasksAllocated.machines_added: see "Allocator echoes".
+ALLOCATOR_PRODUCER = "allocator"
 
 _FIELDS = ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free", "entitlement",
            "status", "host_profile", "version")
@@ -303,6 +324,7 @@ end
 H.MachineAssignedToEntitlement = function()
   local m = get(a.id)
   if not m then return unknown(a.id) end
+  if a.echo then return end  -- the allocator's echo: its commit / TasksAllocated carries the fact (module doc)
   if m.entitlement == '' then bump(m, {owner = set(m, 'entitlement', a.ent)}) end
 end
 
@@ -464,7 +486,8 @@ _ARGS: Mapping[str, Callable[[Event], dict]] = MappingProxyType({
         "status": REGISTERED_STATUS},
     "MachineStatusChanged": lambda e: {"id": e.payload["machine_id"], "status": e.payload["status"]},
     "HostProfileApplied": lambda e: {"id": e.payload["machine_id"], "host_profile": e.payload["host_profile"] or ""},
-    "MachineAssignedToEntitlement": lambda e: {"id": e.payload["machine_id"], "ent": e.entitlement},
+    "MachineAssignedToEntitlement": lambda e: {"id": e.payload["machine_id"], "ent": e.entitlement,
+                                               "echo": e.producer == ALLOCATOR_PRODUCER},
     "MachineReleasedToFreePool": lambda e: {"id": e.payload["machine_id"], "ent": e.entitlement},
     "AllocationRequested": lambda e: {
         "rid": e.payload["request_id"], "tasks": list(e.payload["place_task_ids"]),

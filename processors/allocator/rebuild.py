@@ -33,9 +33,7 @@ database: give a shared Redis's other users another database or the region a pre
 **Order.** The allocator reads ``intents``, ``machines`` and ``allocations`` concurrently, so its order across
 partitions is not in the log. The final state does depend on it: the apply script is idempotent per event,
 but a machine's ``version`` counts the kinds of change each step made, and release/assign guards look at the
-current owner and tasks (index.py, "Versions"). Examples: an entitlement's ``MachineAssignedToEntitlement``
-echo applied after a later ``TasksDeallocated`` released that machine takes it again; a ``TasksAllocated`` of
-e2 applied before the ``TasksDeallocated`` of e1 that freed its machine leaves the machine owned by e1 with
+current owner and tasks (index.py, "Versions"). Example: a ``TasksAllocated`` of e2 applied before the ``TasksDeallocated`` of e1 that freed its machine leaves the machine owned by e1 with
 e2's tasks on it. So the rebuild applies the records in one fixed order that follows causality as the log
 shows it: a k-way merge of the partitions (each in offset order) by ``(envelope timestamp_ms, rank)``, ties
 broken by (topic, partition). ``rank`` puts, within one millisecond, MachineRegistered first (a machine exists
@@ -46,8 +44,8 @@ it started the decision, and one allocator decides one request at a time, so dec
 This reproduces the live index whenever the live allocator read each decision's echoes before the next
 decision touching the same machines (the normal case; see the tests). Not reproduced: several allocator
 processes deciding concurrently about one machine, decisions within one millisecond about one machine,
-clocks that disagree between the producers of related events, and live races the live index itself gets
-wrong (an assign echo read after a later release). Closing those needs an order the allocator writes into
+and clocks that disagree between the producers of related events. (The allocator's own assign echoes change
+nothing since index.py's "Allocator echoes" rule, so their order no longer matters.) Closing those needs an order the allocator writes into
 its events (e.g. a sequence number its commit script increments).
 
 **Events the index cannot apply** (UnknownMachine, MissingResources) are skipped without a mark, as the live

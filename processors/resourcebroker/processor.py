@@ -5,8 +5,9 @@
 
 (Config from the environment: ``infra.config.Config.from_env``.)
 
-1. **Catch up**: fold the ``machines`` topic from the beginning to end-of-partition on every partition
-   (``EventConsumer.eof``; never the listed high watermark, which Tansu under-reports) into a BrokerState.
+1. **Catch up**: fold the ``machines`` topic from the beginning into a BrokerState, up to where each partition
+   ended when catching up started (``read_to_end``: the high watermark of the first fetch response, never the
+   listed one alone, which Tansu under-reports; or end-of-partition), so it ends while the topic is written.
 2. **Register**: ``register_all`` the region's machines against that state — only machines not registered yet
    (or whose type/capacity changed) produce a MachineRegistered (keyed ``free/<dc>``), so a restart registers
    nothing twice: idempotence comes from folding the log, not from a local file.
@@ -51,7 +52,7 @@ CATCH_UP_TIMEOUT_S = 120.0
 
 
 class CatchUpTimeout(RuntimeError):
-    """The topic did not reach end-of-partition everywhere in time (broker away, or a partition never EOFs)."""
+    """Catching up stalled: some partition made no progress towards its end for the timeout (broker away)."""
 
 
 def now_ms() -> int:
@@ -67,21 +68,70 @@ def _registry(registry: SchemaRegistry | None) -> SchemaRegistry:
 def read_to_end(consumer: EventConsumer, on_records: Callable[[list[Record]], None], *,
                 partitions: Iterable[tuple[str, int]] | None = None,
                 timeout_s: float = CATCH_UP_TIMEOUT_S) -> int:
-    """Poll ``consumer`` until every one of ``partitions`` (default: all it reads) reported end-of-partition
-    with nothing read after it; hand each batch to ``on_records``. Returns the number of records read."""
-    want = set(partitions if partitions is not None else consumer.partitions())
-    deadline = time.monotonic() + timeout_s
+    """Poll ``consumer`` until every one of ``partitions`` (default: all it reads) has been read up to where it
+    ended when the call started; hand each batch to ``on_records`` (records beyond that end, and records of
+    other partitions, included: the consumer goes on following from there). Returns the records handed over.
+
+    ``consumer`` must be freshly assigned (not polled yet), as both callers' are. The end of a partition is
+    fixed the first time it is known: the high watermark of the first fetch response for it (at or beyond the
+    end the partition had when the call started, as watermarks only grow), or its start if ListOffsets shows
+    it empty. Not the ListOffsets high watermark alone: Tansu answers it with the last batch's base offset + 1,
+    short of the true end (it is kept as a lower bound). A partition is finished when a record at or beyond
+    ``end - 1`` has been read, or it reported end-of-partition (only ever done at a fetch's high watermark).
+    So catching up terminates while producers keep writing (a region registering, heartbeats flowing).
+
+    ``timeout_s`` bounds a stall, not the whole read: ``CatchUpTimeout`` is raised when no unfinished
+    partition has advanced (no record read or dead-lettered on it, none finished) for ``timeout_s``. A big
+    topic that takes longer to fold but keeps moving does not time out."""
+    want = list(partitions if partitions is not None else consumer.partitions())
+    listed = consumer.watermarks()
+    floor: dict[tuple[str, int], int] = {}  # ListOffsets high watermark: a lower bound of the end
+    ends: dict[tuple[str, int], int] = {}  # fixed once known
+    pending: set[tuple[str, int]] = set()
+    for tp in want:
+        low, high = listed.get(tp, (0, 0))
+        floor[tp] = high
+        if tp in listed and high <= low:
+            ends[tp] = low  # empty when the read started: finished
+        else:
+            pending.add(tp)
+    next_offset: dict[tuple[str, int], int] = {}
+
+    def finished(tp: tuple[str, int]) -> bool:
+        if tp in consumer.eof:
+            return True
+        end = ends.get(tp)
+        if end is None:
+            high = consumer.fetched_high_watermark(tp)
+            if high is None:
+                return False  # no fetch response yet
+            end = ends[tp] = max(high, floor[tp])
+        return next_offset.get(tp, -1) >= end
+
     n = 0
-    while True:
+    dead_lettered = consumer.dead_lettered
+    last_progress = time.monotonic()
+    while pending:
         records = consumer.poll(POLL_MAX, POLL_S)
+        progressed = consumer.dead_lettered != dead_lettered
+        dead_lettered = consumer.dead_lettered
         if records:
             n += len(records)
             on_records(records)
-        elif want <= consumer.eof:
-            return n
-        if time.monotonic() > deadline:
-            missing = sorted(want - consumer.eof)
-            raise CatchUpTimeout(f"{consumer.name}: no end-of-partition after {timeout_s:.0f}s on {missing}")
+            for r in records:
+                tp = (r.topic, r.partition)
+                if tp in pending:
+                    next_offset[tp] = max(next_offset.get(tp, -1), r.offset + 1)
+                    progressed = True
+        done = {tp for tp in pending if finished(tp)}
+        pending -= done
+        if progressed or done:
+            last_progress = time.monotonic()
+        elif pending and time.monotonic() - last_progress > timeout_s:
+            left = ", ".join(f"{t}[{p}]@{next_offset.get((t, p), '-')}/{ends.get((t, p), '?')}"
+                             for t, p in sorted(pending))
+            raise CatchUpTimeout(f"{consumer.name}: no progress for {timeout_s:.0f}s; unfinished: {left}")
+    return n
 
 
 def fold_machines(cfg: Config, registry: SchemaRegistry | None = None, *,

@@ -483,6 +483,74 @@ def test_commit_then_its_events_equals_the_events_alone(ix):
     assert ix.dump() == live
 
 
+
+# --- (d') the allocator's assign echo ----------------------------------------------------------------------
+
+def decide_assign_then_release(ix):
+    """What the live allocator does (processor.py's own event builders): request r1 of e1 commits j/0 on a free
+    machine (TasksAllocated + MachineAssignedToEntitlement echo); request r2 frees j/0 and releases the machine
+    (TasksDeallocated, applied at once, + MachineReleasedToFreePool echo). Returns the machine, the log so far
+    (r1's request and TasksAllocated, r2's request and TasksDeallocated, in the order the index read them)
+    and the two echoes on ``machines``, not read yet."""
+    from processors.allocator.processor import free_events, plan_events
+
+    log = Log()
+    for e in (reg("m1"), reg("m2", msb="msb2")):
+        ix.apply(*log.add(e))
+    req1 = requested("r1", "e1", ["j/0"])
+    ix.apply(*log.add(req1))
+    plan, attempts, _ = allocate(ix, E1, Request("r1", "j", "e1", ("j/0",), 1000, 1024), cause=req1.event_id)
+    (mid,) = plan.machines_added  # the commit wrote the assignment
+    decision1 = plan_events(req1, plan, attempts, ix.machines([mid]), 1_795_000_000_000)
+    tasks_allocated, assign_echo = decision1
+    assert (tasks_allocated.type, assign_echo.type) == ("TasksAllocated", "MachineAssignedToEntitlement")
+    ix.apply(*log.add(tasks_allocated))  # its facts are written already: changes nothing
+    req2 = requested("r2", "e1", [], free=["j/0"])
+    ix.apply(*log.add(req2))
+    tasks_deallocated, release_echo = free_events(req2, {"j/0": mid}, [mid], ix.machines([mid]), 1_795_000_000_005)
+    assert release_echo.type == "MachineReleasedToFreePool"
+    ix.apply(*log.add(tasks_deallocated))
+    m = ix.machine(mid)
+    assert m.entitlement is None and (m.cpu_free, m.mem_free) == (4000, 8192)
+    return mid, log, assign_echo, release_echo
+
+
+def test_a_stale_assign_echo_read_after_a_later_release_leaves_the_machine_free(ix):
+    """The assign echo of r1 is read (on ``machines``) after r2's release: the machine stays in the free pool
+    with its full capacity, e1 holds nothing, and nothing else changes; r2's release echo then changes nothing."""
+    mid, log, assign_echo, release_echo = decide_assign_then_release(ix)
+    before = without_marks(ix.dump())
+    assert ix.apply(*log.add(assign_echo))
+    dump = ix.dump()
+    assert dump["m:" + mid]["entitlement"] == "" and mid in dump["free:dc1"] and "ent:e1" not in dump
+    assert (dump["m:" + mid]["cpu_free"], dump["m:" + mid]["mem_free"]) == ("4000", "8192")
+    assert ix.held_count("e1") == 0
+    assert without_marks(dump) == before  # not even a version bump
+    assert ix.apply(*log.add(release_echo))
+    assert without_marks(ix.dump()) == before
+    # A rebuild from these records in the same order gives the same index (the commit left nothing else).
+    live = ix.dump()
+    ix.rebuild(log.records)
+    assert ix.dump() == live
+
+
+def test_an_assign_echo_read_before_its_tasks_allocated_changes_nothing_either(ix):
+    """The echo never carries a fact of its own: read before its TasksAllocated (another interleaving of the
+    topics), the TasksAllocated still makes the same assignment, versions included."""
+    mid, log, assign_echo, release_echo = decide_assign_then_release(ix)
+    live = without_marks(ix.dump())
+    events = [e for e, _ in log.records]
+    at = next(i for i, e in enumerate(events) if e.type == "TasksAllocated")
+    reordered = Log()
+    ix.rebuild(reordered.add(e) for e in events[:at] + [assign_echo] + events[at:])
+    assert without_marks(ix.dump()) == live
+
+
+def test_an_assign_from_anyone_but_the_allocator_still_takes_a_free_machine(ix):
+    """Only the allocator's echoes are inert: an assignment nobody else wrote is applied as before."""
+    apply_all(ix, [reg("m1"), assign("m1", "e1")])
+    assert ix.machine("m1").entitlement == "e1" and ix.held_count("e1") == 1
+
 ALLOCATES = {
     # (machines to register, request, expected placements, expected reason)
     "places-and-commits": ([reg("a", msb="a"), reg("b", msb="b")], dict(n=2),

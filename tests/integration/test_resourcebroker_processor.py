@@ -161,3 +161,119 @@ def test_fail_machine_keys_to_the_owner_entitlement(cfg, registry, broker_proc):
     ids = fail_machine(cfg, mid, "power", registry=registry)
     ue = {r.event.event_id: r for r in read_all(cfg, registry, "unavailability")}
     assert ue[ids[1]].key == b"e7" and ue[ids[1]].event.payload["reason"] == "power"
+
+
+# -- catching up (read_to_end) -------------------------------------------------------------------------------------
+
+def registrations(n: int, seed: int, now_ms: int = 1_795_000_000_000) -> list:
+    """MachineRegistered events of a generated region of ``n`` machines over 2 DCs (two partitions' keys);
+    the event ids derive from the machine ids and ``now_ms``."""
+    _, events = d.register_all(d.BrokerState(), machines(generate_region(n, 2, seed)), now_ms)
+    return events
+
+
+def test_read_to_end_terminates_while_the_topic_is_written(cfg, registry):
+    """Another producer keeps writing to ``machines`` for the whole catch-up (as a big region registering does):
+    the read ends at where the partitions ended when it started (everything written before it is read), long
+    before its timeout. Reading until a poll comes back empty never ends here: polls keep returning records."""
+    import threading
+
+    from processors.resourcebroker.processor import read_to_end
+    from streams.clients import EventProducer
+
+    topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
+    before = registrations(3000, seed=1)
+    p = EventProducer(cfg, registry, "test")
+    for ev in before:
+        p.send(ev, validate=False)
+    p.flush()
+
+    stop_writing = threading.Event()
+    written_during = []
+
+    def writer() -> None:
+        wp = EventProducer(cfg, registry, "test-writer")
+        # more than can be written before the test stops it
+        for ev in registrations(50_000, seed=2, now_ms=1_795_000_000_001):
+            if stop_writing.is_set():
+                break
+            wp.send(ev, validate=False)
+            wp.flush()
+            written_during.append(ev.event_id)
+            time.sleep(0.005)
+        wp.flush()
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    try:
+        while len(written_during) < 20:  # the writer is going before catching up starts
+            time.sleep(0.01)
+        flushed_before = {ev.event_id for ev in before} | set(written_during)
+        consumer = EventConsumer(cfg, registry, [topic], name="test-catch-up")
+        seen: list = []
+        t0 = time.monotonic()
+        try:
+            n = read_to_end(consumer, seen.extend, timeout_s=10.0)
+        finally:
+            consumer.close()
+        elapsed = time.monotonic() - t0
+        assert t.is_alive() and not stop_writing.is_set(), "the writer must still be writing when the read ends"
+    finally:
+        stop_writing.set()
+        t.join(30)
+    assert elapsed < 10.0, elapsed
+    assert n == len(seen)
+    ids = [r.event.event_id for r in seen]
+    assert flushed_before <= set(ids)  # nothing written before the start is missing
+    assert len(ids) == len(set(ids))
+    for r in seen:
+        assert r.topic == topic
+    # Per partition, in offset order with no gap up to where the read stopped.
+    by_partition: dict[int, list[int]] = {}
+    for r in seen:
+        by_partition.setdefault(r.partition, []).append(r.offset)
+    for offsets in by_partition.values():
+        assert offsets == list(range(offsets[0], offsets[0] + len(offsets)))
+
+
+def test_read_to_end_of_empty_partitions_returns_at_once(cfg, registry):
+    from processors.resourcebroker.processor import read_to_end
+
+    topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
+    consumer = EventConsumer(cfg, registry, [topic], name="test-catch-up")
+    t0 = time.monotonic()
+    try:
+        assert read_to_end(consumer, lambda recs: None, timeout_s=5.0) == 0
+    finally:
+        consumer.close()
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_read_to_end_times_out_when_a_partition_is_stuck(cfg, registry):
+    """A partition that never advances (here: paused, so nothing is fetched from it, as with a broker away)
+    ends the catch-up with CatchUpTimeout naming it, after the stall timeout; the other partitions were read."""
+    from processors.resourcebroker.processor import CatchUpTimeout, read_to_end
+    from streams.clients import EventProducer
+
+    topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
+    events = registrations(200, seed=4)
+    p = EventProducer(cfg, registry, "test")
+    for ev in events:
+        p.send(ev, validate=False)
+    p.flush()
+    consumer = EventConsumer(cfg, registry, [topic], name="test-catch-up")
+    seen: list = []
+    try:
+        low_high = consumer.watermarks()
+        written = sorted(tp for tp, (low, high) in low_high.items() if high > low)
+        assert len(written) == 2  # two DCs: two free-pool keys
+        stuck = written[0]
+        consumer.pause([stuck])
+        t0 = time.monotonic()
+        with pytest.raises(CatchUpTimeout, match=rf"{topic}\[{stuck[1]}\]"):
+            read_to_end(consumer, seen.extend, timeout_s=2.0)
+        elapsed = time.monotonic() - t0
+    finally:
+        consumer.close()
+    assert 2.0 <= elapsed < 15.0
+    assert seen and {r.partition for r in seen} == {written[1][1]}
