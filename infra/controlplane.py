@@ -1,5 +1,7 @@
 """The control plane of a local region as managed processes: Resource Broker (registers a generated region),
-Health Check Service, allocator, one scheduler shard, and simulated agents for every machine.
+Health Check Service, allocator, one scheduler shard, simulated agents for every generated machine, and one
+real process agent for the region's ``local`` machine (``LOCAL_MACHINE_ID``, type ``process``, in a DC of its
+own): tasks placed there run as OS processes of this computer, logs under ``<run dir>/agents/<machine>/``.
 
 Each is a `python -m ...` worker with its pid and log under the run directory; `ropewalk up` starts them
 after the broker and Redis, `ropewalk down` stops them first. Configuration reaches them through the same
@@ -20,7 +22,12 @@ from infra.process import ManagedProcess
 HEARTBEAT_INTERVAL_MS = 2000
 HEALTH_TIMEOUT_MS = 10000
 READY_TIMEOUT_S = 90.0
-NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "health")
+NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health")
+LOCAL_DC = "local"
+LOCAL_MACHINE_TYPE = "process"
+LOCAL_CPU_MILLICORES = 2000
+LOCAL_MEMORY_MIB = 2048
+LOCAL_MACHINE_ID = "local-msb1-r01-m001"  # what region.iter_machines names the one machine of LOCAL_DC
 
 
 def _env(cfg: Config) -> dict[str, str]:
@@ -35,9 +42,19 @@ def write_region(cfg: Config, machines: int) -> Path:
     """The generated region as a spec file, so the broker and the simulated agents agree on machine ids."""
     from processors.resourcebroker.region import generate_region, spec_to_dict
 
+    spec = spec_to_dict(generate_region(machines))
+    spec["dcs"].append(local_dc())
     path = cfg.run_dir / "region.yaml"
-    path.write_text(yaml.safe_dump(spec_to_dict(generate_region(machines)), sort_keys=False))
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+def local_dc() -> dict:
+    """The region spec's DC of one machine for the process agent."""
+    return {"name": LOCAL_DC, "msbs": 1, "racks_per_msb": 1, "machines": 1, "machines_per_rack": 1,
+            "machine_types": LOCAL_MACHINE_TYPE,
+            "capacity": {LOCAL_MACHINE_TYPE: {"cpu_millicores": LOCAL_CPU_MILLICORES,
+                                              "memory_mib": LOCAL_MEMORY_MIB}}}
 
 
 def processes(cfg: Config, region: Path | None = None) -> list[ManagedProcess]:
@@ -47,7 +64,10 @@ def processes(cfg: Config, region: Path | None = None) -> list[ManagedProcess]:
         "resourcebroker": ["processors.resourcebroker.processor", *region_args],
         "allocator": ["processors.allocator.processor"],
         "scheduler-0": ["processors.scheduler.shard"],
-        "agents": ["processors.agent.simulated", *region_args, "--interval-ms", str(HEARTBEAT_INTERVAL_MS)],
+        "agents": ["processors.agent.simulated", *region_args, "--exclude", LOCAL_MACHINE_ID,
+                   "--interval-ms", str(HEARTBEAT_INTERVAL_MS)],
+        "agent-local": ["processors.agent.process", "--machine-id", LOCAL_MACHINE_ID,
+                        "--tick-ms", str(HEARTBEAT_INTERVAL_MS)],
         "health": ["processors.health.processor", "--timeout-ms", str(HEALTH_TIMEOUT_MS), "--tick-ms", "1000"],
     }
     out = []
@@ -76,7 +96,7 @@ def machines_up(cfg: Config) -> int:
 
 
 def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S) -> dict:
-    """Start the workers, then wait until the allocator's index holds all ``machines`` UP: a job submitted
+    """Start the workers, then wait until the allocator's index holds all ``machines`` (+ the local one) UP: a job submitted
     after ``up`` returns sees the whole region (not just the partitions indexed first). ``ready`` in the
     result says whether that happened within ``ready_timeout_s``; ``machines_up`` how many were seen."""
     region = write_region(cfg, machines)
@@ -91,13 +111,13 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S) -> 
         if any(proc.pid() is None for proc in processes(cfg)):
             break
         seen = machines_up(cfg)
-        if seen >= machines:
+        if seen >= machines + 1:
             break
         time.sleep(0.25)
     for proc in processes(cfg):
         if proc.pid() is None:  # died right after start: say why
             out[proc.name]["running"] = False
-    return {"workers": out, "machines_up": seen, "ready": seen >= machines}
+    return {"workers": out, "machines_up": seen, "ready": seen >= machines + 1}
 
 
 def down(cfg: Config) -> dict:

@@ -47,6 +47,15 @@ from processors.worker import LoopWorker
 log = logging.getLogger("ropewalk.agent")
 
 STATE_FILE = "agent-state.json"
+
+
+def task_log(work_dir: Path, task_id: str) -> Path:
+    """Where a task's stdout and stderr go."""
+    return Path(work_dir) / "logs" / (task_id.replace("/", "_") + ".log")
+
+
+def default_work_dir(run_dir: Path, machine_id: str) -> Path:
+    return Path(run_dir) / "agents" / machine_id
 STATE_FORMAT = 1
 DEFAULT_TICK_MS = 1000
 POLL_S = 0.1
@@ -188,7 +197,7 @@ class ProcessAgent(LoopWorker):
             self._kill(act.task_id)
 
     def _spawn(self, act: d.Action) -> None:
-        logfile = self.work_dir / "logs" / (act.task_id.replace("/", "_") + ".log")
+        logfile = task_log(self.work_dir, act.task_id)
         try:
             with open(logfile, "ab") as out:
                 out.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} spawn {list(act.argv)} spec "
@@ -355,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = Config.from_env()
-    work = Path(args.work_dir) if args.work_dir else cfg.run_dir / "agents" / args.machine_id
+    work = Path(args.work_dir) if args.work_dir else default_work_dir(cfg.run_dir, args.machine_id)
     agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
                          policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts, backoff_ms=args.backoff_ms),
                          stop_grace_ms=args.stop_grace_ms)

@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--region", help="region YAML: one simulated agent per machine of it")
     src.add_argument("--machines", type=int, help="N machines named sim-000000 …")
+    ap.add_argument("--exclude", action="append", default=[], metavar="MACHINE",
+                    help="a machine of the region another agent runs (repeatable)")
     ap.add_argument("--interval-ms", type=int, default=DEFAULT_INTERVAL_MS, help="heartbeat interval per machine")
     ap.add_argument("--start-delay-ms", type=int, default=DEFAULT_START_DELAY_MS, help="START → RUNNING delay")
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.region:
         from processors.resourcebroker.region import iter_machines, load_region
-        ids = [m.id for m in iter_machines(load_region(Path(args.region)))]
+        ids = [m.id for m in iter_machines(load_region(Path(args.region))) if m.id not in set(args.exclude)]
     else:
         ids = [f"sim-{i:06d}" for i in range(args.machines)]
     sim = SimulatedAgents(cfg, ids, interval_ms=args.interval_ms, start_delay_ms=args.start_delay_ms)

@@ -59,10 +59,11 @@ def cmd_up(cfg: Config, args) -> int:
     prov = provision(_admin(cfg), _topics(cfg))
     region = controlplane.up(cfg, args.machines) if args.machines > 0 else {"workers": {}, "ready": True}
     cp = region["workers"]
+    demo = _start_demo(cfg) if args.machines > 0 and region["ready"] and not args.no_demo else None
     dead = [n for n, s in cp.items() if not s.get("running")]
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
            "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
-           "machines_up": region.get("machines_up", 0), "ready": region["ready"],
+           "machines_up": region.get("machines_up", 0), "ready": region["ready"], "demo": demo,
            "seconds": round(time.monotonic() - t0, 2)}
     lines = [
         f"broker  {cfg.bootstrap_servers}  ({'embedded Tansu, pid %s' % st['broker'].get('pid') if cfg.embedded_broker else 'external'})",
@@ -71,8 +72,12 @@ def cmd_up(cfg: Config, args) -> int:
         f"logs    {cfg.run_dir}",
     ]
     if cp:
-        lines.append(f"region  {region['machines_up']} of {args.machines} simulated machines UP in the index; workers: "
+        lines.append(f"region  {region['machines_up']} machines UP in the index ({args.machines} simulated + "
+                     f"{controlplane.LOCAL_MACHINE_ID} run by the process agent); workers: "
                      + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running")))
+        if demo:
+            lines.append(f"demo    job {demo['job']} ({demo['state']}) runs `{' '.join(demo['command'])}` as a real "
+                         f"process on {controlplane.LOCAL_MACHINE_ID}; its output: {demo['logs']}")
         lines.append("next    ropewalk entitlement create e1 --quota 4 ; ropewalk job submit FILE ; "
                      "ropewalk job status JOB ; ropewalk watch jobs ; ropewalk replay ; ropewalk down")
     else:
@@ -84,6 +89,55 @@ def cmd_up(cfg: Config, args) -> int:
         raise CliError(f"control plane: only {region['machines_up']} of {args.machines} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
     return 0
+
+
+DEMO_ENTITLEMENT = "demo"
+DEMO_JOB = "hello"
+DEMO_COMMAND = ["sh", "-c", "while true; do echo \"hello from Ropewalk at $(date)\"; sleep 5; done"]
+DEMO_WAIT_S = 60.0
+
+
+def _start_demo(cfg: Config) -> dict:
+    """The demo of `up`: entitlement ``demo`` (1 machine of the process type) and job ``demo.hello``, one task
+    filling the local machine, so it runs as an OS process under the process agent. Waits (bounded) until it
+    runs; its state is reported either way. Submitting it again (a second `up`) changes nothing."""
+    from infra import controlplane
+    from streams import state
+    from streams.events import new_event
+
+    registry = _registry()
+    job_id = f"{DEMO_ENTITLEMENT}.{DEMO_JOB}"
+    if state.current(cfg, registry, "jobs").get(job_id) is None:
+        ent = new_event("EntitlementCreated", {"name": DEMO_ENTITLEMENT, "quota_machines": 1,
+                                               "machine_type": controlplane.LOCAL_MACHINE_TYPE, "dc_pin": None,
+                                               "host_profile": None},
+                        entitlement=DEMO_ENTITLEMENT, entity_id=DEMO_ENTITLEMENT, producer="cli")
+        spec = {"name": DEMO_JOB, "entitlement": DEMO_ENTITLEMENT, "tasks": 1, "command": DEMO_COMMAND,
+                "resources": {"cpu_millicores": controlplane.LOCAL_CPU_MILLICORES,
+                              "memory_mib": controlplane.LOCAL_MEMORY_MIB},
+                "requirements": {"machine_type": controlplane.LOCAL_MACHINE_TYPE}}
+        from processors.frontend.jobspec import validate_spec
+
+        payload = validate_spec(spec)
+        payload.pop("entitlement")
+        job = new_event("JobSubmitted", {**payload, "spec_version": 1}, entitlement=DEMO_ENTITLEMENT,
+                        entity_id=job_id, producer="cli")
+        _send(cfg, registry, [ent, job])
+    deadline = time.monotonic() + DEMO_WAIT_S
+    view = None
+    while time.monotonic() < deadline:
+        latest = state.current(cfg, registry, "jobs").get(job_id)
+        view = job_view(latest) if latest is not None else None
+        if view and view["tasks"] and all(t["state"] == "RUNNING" for t in view["tasks"]):
+            break
+        time.sleep(0.5)
+    task = view["tasks"][0]["id"] if view and view["tasks"] else None
+    from processors.agent.process import default_work_dir, task_log
+
+    logs = task_log(default_work_dir(cfg.run_dir, controlplane.LOCAL_MACHINE_ID), task or "<task>")
+    return {"job": job_id, "state": view["state"] if view else "SUBMITTED", "command": DEMO_COMMAND,
+            "running": bool(view and view["tasks"] and all(t["state"] == "RUNNING" for t in view["tasks"])),
+            "logs": str(logs)}
 
 
 def cmd_down(cfg: Config, args) -> int:
@@ -490,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("up", cmd_up, "start the broker and Redis (unless external ones are configured) and provision topics")
     sp.add_argument("--machines", type=int, default=200,
                     help="simulated machines of the local region (0: infrastructure and topics only)")
+    sp.add_argument("--no-demo", action="store_true",
+                    help="do not create the demo entitlement and job (demo.hello on the process agent)")
     cmd("down", cmd_down, "stop everything `up` started")
     cmd("status", cmd_status, "components, endpoints and topic sizes")
     sp = cmd("produce", cmd_produce, "validate JSON against an event's schema, fill the envelope, produce it")

@@ -56,8 +56,14 @@ def test_up_submit_fail_move_down(tmp_path):
         assert up.returncode == 0, up.stderr
         doc = json.loads(up.stdout)
         pids = [s["pid"] for s in doc["control_plane"].values()]
-        assert len(pids) == 5
-        assert doc["ready"] and doc["machines_up"] == 40  # up returns once the whole region is indexed
+        assert len(pids) == 6
+        assert doc["ready"] and doc["machines_up"] == 41  # up returns once the whole region is indexed
+        # the demo job runs as a real OS process under the process agent, and says so in its log
+        assert doc["demo"]["running"], doc["demo"]
+        demo = status("demo.hello")
+        assert [t["machine"] for t in demo["tasks"]] == ["local-msb1-r01-m001"]
+        wait_for(lambda: Path(doc["demo"]["logs"]).exists() and "hello from Ropewalk" in Path(doc["demo"]["logs"]).read_text(),
+                 "the demo task's output")
         assert cli("entitlement", "create", "e1", "--quota", "6").returncode == 0
         spec = tmp_path / "web.yaml"
         spec.write_text("name: web\nentitlement: e1\ntasks: 6\ncommand: [sleep, '3600']\n"
