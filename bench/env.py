@@ -96,7 +96,7 @@ class BenchEnv:
         """``infra.controlplane.processes`` with the benchmark's heartbeat interval and health timeout, and
         quick faust group timing."""
         out = []
-        for proc in controlplane.processes(self.cfg, region):
+        for proc in controlplane.processes(self.cfg, region, local=False):  # simulated machines only
             argv = list(proc.argv)
             if proc.name == "agents":
                 argv[argv.index("--interval-ms") + 1] = str(HEARTBEAT_INTERVAL_MS)
@@ -108,7 +108,7 @@ class BenchEnv:
 
     def start_region(self, machines: int, timeout_s: float = 300.0) -> dict:
         """Write the generated region, start the workers, wait until the allocator indexed every machine UP."""
-        region = controlplane.write_region(self.cfg, machines)
+        region = controlplane.write_region(self.cfg, machines, local=False)
         self.workers = self.worker_processes(region)
         t0 = time.monotonic()
         for proc in self.workers:

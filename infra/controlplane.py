@@ -38,12 +38,13 @@ def _env(cfg: Config) -> dict[str, str]:
     return env
 
 
-def write_region(cfg: Config, machines: int) -> Path:
+def write_region(cfg: Config, machines: int, *, local: bool = True) -> Path:
     """The generated region as a spec file, so the broker and the simulated agents agree on machine ids."""
     from processors.resourcebroker.region import generate_region, spec_to_dict
 
     spec = spec_to_dict(generate_region(machines))
-    spec["dcs"].append(local_dc())
+    if local:  # the process agent's machine
+        spec["dcs"].append(local_dc())
     path = cfg.run_dir / "region.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -57,7 +58,7 @@ def local_dc() -> dict:
                                               "memory_mib": LOCAL_MEMORY_MIB}}}
 
 
-def processes(cfg: Config, region: Path | None = None) -> list[ManagedProcess]:
+def processes(cfg: Config, region: Path | None = None, *, local: bool = True) -> list[ManagedProcess]:
     py = sys.executable
     region_args = ["--region", str(region)] if region else []
     specs = {
@@ -72,6 +73,8 @@ def processes(cfg: Config, region: Path | None = None) -> list[ManagedProcess]:
     }
     out = []
     for name in NAMES:
+        if name == "agent-local" and not local:
+            continue
         proc = ManagedProcess(name=name, argv=[py, "-m", *specs[name]], port=None, run_dir=cfg.run_dir,
                               ready=lambda: True, start_timeout_s=2.0, env=_env(cfg))
         out.append(proc)
