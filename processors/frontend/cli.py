@@ -520,11 +520,7 @@ def cmd_topics(cfg: Config, args) -> int:
 def cmd_bench(cfg: Config, args) -> int:
     """The benchmark harness (bench/harness.py). It runs a broker, Redis and region of its own on free ports:
     ``cfg`` (the user's region) is not touched."""
-    from infra.config import PROJECT_ROOT
-
-    if str(PROJECT_ROOT) not in sys.path:  # bench/ sits beside the installed packages, not among them
-        sys.path.append(str(PROJECT_ROOT))
-    from bench import harness
+    from bench import harness  # installed with the project (pyproject's packages include bench*)
 
     return harness.run_cli(args)
 
