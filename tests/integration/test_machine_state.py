@@ -18,6 +18,7 @@ from processors.allocator.processor import PRODUCER, Allocator, build_app
 from streams.clients import EventProducer
 from streams.events import Event, derived_event_id, new_event
 from streams.state import StateReader
+from test_allocator_processor import wait_for
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,14 +54,6 @@ def cli(cfg, *args):
     return subprocess.run([sys.executable, "-m", "processors.frontend.cli", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
-
-def wait_for(predicate, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return value
 
 
 class States:
