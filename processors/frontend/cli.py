@@ -516,6 +516,59 @@ def cmd_topics(cfg: Config, args) -> int:
     return 0
 
 
+# --- maintenance (Ops Planner) and experiments ---------------------------------------------------
+def _duration_ms(value: str) -> int:
+    """``90`` (seconds), ``90s``, ``15m``, ``2h`` or ``500ms`` → ms."""
+    units = (("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000))
+    for suffix, ms in units:
+        if value.endswith(suffix) and value[: -len(suffix)].isdigit():
+            return int(value[: -len(suffix)]) * ms
+    if value.isdigit():
+        return int(value) * 1000
+    raise CliError(f"bad duration {value!r}: use seconds, or 500ms, 90s, 15m, 2h")
+
+
+def _when_ms(value: str, now_ms: int) -> int:
+    """An absolute time (ms since epoch, ISO-8601) or ``+DURATION`` from now."""
+    return now_ms + _duration_ms(value[1:]) if value.startswith("+") else _parse_time(value)
+
+
+def cmd_maintenance(cfg: Config, args) -> int:
+    """`maintenance plan`: UnavailabilityStarted(MAINTENANCE) with advance notice and deadline for the machines of
+    the region concerned; `maintenance end UE`: the window is over (tasks stopped for it start again)."""
+    from processors.opsplanner import cli as ops
+    from processors.opsplanner.decide import Plan
+
+    _require_broker(cfg)
+    now = int(time.time() * 1000)
+    if args.action == "end":
+        events = ops.end_maintenance(cfg, _registry(), args.unavailability_id, now)
+        doc = {"unavailability_id": args.unavailability_id, "event_ids": [e.event_id for e in events],
+               "machines": sorted({m for e in events for m in e.payload.get("machine_ids", [e.payload.get("machine_id")])})}
+        _print(doc, args.json, f"maintenance {args.unavailability_id} ended: {len(doc['machines'])} machines")
+        return 0
+    start = _when_ms(args.start, now)
+    plan = Plan(start_ms=start, duration_ms=_duration_ms(args.duration),
+                deadline_ms=None if args.deadline is None else _when_ms(args.deadline, now),
+                machines=[m for m in args.machines.split(",") if m] if args.machines else None,
+                rack=args.rack, msb=args.msb, reason=args.reason)
+    events = ops.plan_maintenance(cfg, _registry(), plan, now)
+    p = events[0].payload
+    machines = sorted(m for e in events for m in e.payload["machine_ids"])
+    doc = {"unavailability_id": p["unavailability_id"], "machines": machines, "start_ms": p["start_ms"],
+           "deadline_ms": p["deadline_ms"], "expected_duration_ms": p["expected_duration_ms"],
+           "event_ids": [e.event_id for e in events]}
+    _print(doc, args.json, f"maintenance {p['unavailability_id']} planned: {len(machines)} machines, start "
+                           f"{p['start_ms']}, deadline {p['deadline_ms']}, {p['expected_duration_ms'] // 1000} s")
+    return 0
+
+
+def cmd_experiment(cfg: Config, args) -> int:  # noqa: ARG001 - in-process: no broker, no region
+    from processors.experiments import figure14
+
+    return figure14.main(args)
+
+
 # --- bench --------------------------------------------------------------------------------------
 def cmd_bench(cfg: Config, args) -> int:
     """The benchmark harness (bench/harness.py). It runs a broker, Redis and region of its own on free ports:
@@ -621,6 +674,44 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--partitions", type=int, help="partitions of each entitlement-keyed topic (default 8)")
     sp.add_argument("--replay-events", type=int, help="log size of the audit replay (default 1,000,000)")
     sp.add_argument("--keep", action="store_true", help="keep the run directory (worker logs) after the run")
+    mnt = sub.add_parser("maintenance", help="Ops Planner: planned maintenance with advance notice and deadline"
+                         ).add_subparsers(dest="action", required=True)
+    sp = mnt.add_parser("plan", help="announce maintenance of machines, a rack or an MSB",
+                        description="UnavailabilityStarted(MAINTENANCE) for the machines concerned: their jobs' "
+                                    "TaskControllers choose per task (move, stop and restart after, keep running); "
+                                    "at the deadline the scheduler stops what remains")
+    sp.set_defaults(fn=cmd_maintenance)
+    where = sp.add_mutually_exclusive_group(required=True)
+    where.add_argument("--machines", help="M1,M2,...")
+    where.add_argument("--rack", help="DC/MSB/RACK")
+    where.add_argument("--msb", help="DC/MSB")
+    sp.add_argument("--start", required=True, help="ms since epoch, ISO-8601, or +DURATION from now (+1h)")
+    sp.add_argument("--duration", required=True, help="seconds, or 500ms, 90s, 15m, 2h")
+    sp.add_argument("--deadline", help="when what remains is stopped (default: the start); same forms as --start")
+    sp.add_argument("--reason", default="maintenance")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp = mnt.add_parser("end", help="the maintenance is over: machines back UP, tasks stopped for it start again")
+    sp.set_defaults(fn=cmd_maintenance)
+    sp.add_argument("unavailability_id")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+    exp = sub.add_parser("experiment", help="reproduce the Twine paper's experiments").add_subparsers(
+        dest="experiment", required=True)
+    sp = exp.add_parser("figure14", help="rolling update + MSB failure under the ReplicaAware TaskController",
+                        description="Twine Figure 14: an in-process simulation of the processors' pure decisions "
+                                    "(no broker): a rolling update of a sharded job through TaskControl while an "
+                                    "MSB fails")
+    sp.set_defaults(fn=cmd_experiment)
+    sp.add_argument("--json", action="store_true", help="print one JSON document (conditions, totals, curves)")
+    sp.add_argument("--png", help="write the two panels to this PNG file (needs matplotlib: ropewalk[plot])")
+    sp.add_argument("--tasks", type=int, default=1000)
+    sp.add_argument("--shards", type=int, default=15000)
+    sp.add_argument("--replicas", type=int, default=3)
+    sp.add_argument("--msbs", type=int, default=20, help="MSBs the tasks are spread over (tasks/msbs fail)")
+    sp.add_argument("--msb-fail-at", type=int, default=120, help="seconds into the update")
+    sp.add_argument("--msb-down", type=int, default=295, help="seconds the MSB stays down")
+    sp.add_argument("--seed", type=int, default=14)
+    sp.add_argument("--placement", choices=["grouped", "random"], default="grouped",
+                    help="replica placement: grouped (Shard Manager-like replica sets, default) or random")
     return p
 
 

@@ -56,7 +56,9 @@ from processors.scheduler import lifecycle as lc
 from processors.taskcontrol import limiter
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
-from processors.taskcontrol.protocol import CONTROLLED, OP_MOVE, OP_RESTART, OP_UPDATE
+from processors.taskcontrol.protocol import (
+    CHOICE_KEEP, CHOICE_MOVE, CHOICE_STOP, CONTROLLED, OP_MOVE, OP_RESTART, OP_UPDATE,
+)
 from processors.scheduler.lifecycle import (
     ALLOCATED, ALLOCATED_EV, CRASHED, EXITED_OK, FAILED, MACHINE_FAILED, PENDING, RESCHEDULED, RESTART_COMMANDED,
     RUNNING, START_COMMANDED, STARTED, STARTING, STOP_COMMANDED, STOPPED, STOPPED_EV, STOPPING, IllegalTransition,
@@ -69,6 +71,8 @@ MAX_RESTARTS = 3  # restarts in place of a task that crashed or exited on a heal
 RESTART_RESET_MS = 10 * 60_000  # a task that ran this long before it went down starts with a fresh restart budget
 SEEN_LIMIT = 1024  # input event ids remembered per job (the duplicate ring)
 REASK_MS = 30_000  # the timer asks a job's TaskController again after this long without an answer or progress
+HELD_AT_DEADLINE = "DEADLINE"  # Task.maint_choice of a task the scheduler stopped at a maintenance deadline
+HELD = frozenset({CHOICE_STOP, HELD_AT_DEADLINE})  # stopped for a maintenance: started again when it ends
 
 # Where a task's operation (UPDATE, MOVE, RESTART: see processors/taskcontrol) stands.
 OP_PENDING = "pending"  # awaiting the TaskController's ack
@@ -90,7 +94,13 @@ REASON_RESTART_POLICY = "restart_policy"  # TaskCommanded RESTART: crashed or ex
 REASON_RESTART_LIMIT = "restart_limit"  # left FAILED/STOPPED: MAX_RESTARTS restarts used up
 REASON_MACHINE_FAILED = "machine_failed"  # its machine went DOWN, or a FAILURE/POWER unavailability
 REASON_MACHINE_UNHEALTHY = "machine_unhealthy"  # its machine went UNHEALTHY (missed heartbeats)
-REASON_MACHINE_MAINTENANCE = "machine_maintenance"  # its machine went into MAINTENANCE
+REASON_MACHINE_MAINTENANCE = "machine_maintenance"  # its machine went into MAINTENANCE, or moved off for it
+# Planned maintenance (UnavailabilityStarted MAINTENANCE with a deadline; see "Maintenance" below).
+REASON_MAINTENANCE_STOP = "maintenance_stop"  # its controller chose STOP: down until the maintenance ends
+REASON_MAINTENANCE_DEADLINE = "maintenance_deadline"  # still on the machine at the deadline: stopped
+REASON_MAINTENANCE_ENDED = "maintenance_ended"  # UnavailabilityEnded: a task stopped for it starts again
+REASON_NOT_UNDER_NOTICE = "not_under_notice"  # a choice for a task no open notice of the job names (ignored)
+REASON_CHOICE_TOO_LATE = "choice_too_late"  # a choice for a task the deadline stopped already (ignored)
 # Why an intent was refused (job last_reason; nothing is emitted).
 REASON_DUPLICATE_JOB_ID = "duplicate_job_id"  # JobSubmitted for a job id that exists with another spec
 REASON_UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # JobSubmitted to an entitlement never created
@@ -222,6 +232,8 @@ class Task:
     op_state: str | None = None  # OP_PENDING, OP_APPROVED, OP_RUNNING
     op_reason: str = ""  # why it is wanted
     fence: bool = False  # a MOVE off a machine that may still run it: STOP it there when the move is performed
+    maint_ue: str | None = None  # the planned maintenance (UE id) a choice or the deadline applies to it for
+    maint_choice: str | None = None  # CHOICE_MOVE / CHOICE_STOP / CHOICE_KEEP, or HELD_AT_DEADLINE
     row: Mapping[str, Any] = field(init=False, compare=False, repr=False)  # its JobStatePublished TaskStatus
 
     def __post_init__(self) -> None:
@@ -277,6 +289,7 @@ class Job:
     tc_sent_completed: tuple[str, ...] = ()  # those the outstanding request reported (re-sent if it is lost)
     tc_notices: tuple = ()  # advance notices: (unavailability id, task ids, start_ms, deadline_ms)
     tc_notice_new: bool = False  # a notice the controller has not been sent yet
+    maint: tuple = ()  # planned maintenance of its machines: (UE id, machine ids, start_ms, deadline_ms, enforced)
 
 
 @dataclass(frozen=True)
@@ -332,6 +345,8 @@ def job_view(state: SchedulerState, job_id: str) -> dict:
         "operations": [{"id": t.op_id, "task": t.id, "kind": t.op, "state": t.op_state, "reason": t.op_reason}
                        for t in job.tasks.values() if t.op is not None] if job.ops_open else [],
         "throttled": list(job.throttled),
+        "maintenance": [{"unavailability_id": u, "machines": list(ms), "start_ms": s, "deadline_ms": d,
+                         "deadline_enforced": e} for u, ms, s, d, e in job.maint],
         "tasks": [{"id": t.id, "state": t.state, "machine": t.machine, "dc": t.dc, "msb": t.msb, "rack": t.rack,
                    "spec_version": t.spec_version, "reason": t.reason} for t in job.tasks.values()],
     }
@@ -628,6 +643,14 @@ def _advance(w: _JobWork, t: Task) -> None:
     if t.intent == RETIRE:
         _advance_retiring(w, t)
         return
+    if t.maint_choice is not None and t.state in (FAILED, STOPPED) and t.op_state != OP_RUNNING:
+        if t.maint_choice in HELD:  # stopped for a maintenance: waits for its end (UnavailabilityEnded)
+            if t.intent != RUN:
+                w.put(replace(t, intent=RUN))
+            return
+        if t.maint_choice == CHOICE_MOVE:  # stopped to move off before the maintenance: placed elsewhere
+            _move(w, replace(t, intent=RUN), REASON_MACHINE_MAINTENANCE, avoid=t.machine)
+            return
     if t.intent == UPDATE:
         if t.state == STOPPING:
             return
@@ -700,7 +723,8 @@ def _start_again(w: _JobWork, t: Task, command: str, reason: str) -> None:
 def _move(w: _JobWork, t: Task, reason: str, avoid: str | None = None) -> None:
     """FAILED/STOPPED → PENDING, and ask the allocator to free its placement and place it again."""
     t = w.step(t, RESCHEDULED, emit_reason=reason, machine=None, dc=None, msb=None, rack=None, terms=None,
-               spec_version=w.job.spec_version, running_since_ms=None, reason=reason)
+               spec_version=w.job.spec_version, running_since_ms=None, reason=reason, maint_ue=None,
+               maint_choice=None)
     w.free[t.id] = None
     w.place[t.id] = None
     if avoid is not None:
@@ -713,6 +737,8 @@ def _machine_lost(w: _JobWork, t: Task, reason: str) -> None:
     machine it leaves: an UNHEALTHY machine (or one in maintenance) may still run it, and must not go on
     running it once the task starts elsewhere."""
     machine = t.machine
+    if w.job.spec.controller:  # the controller's picture is outdated: supersede an outstanding request
+        w.ask = True
     if t.discovery:
         t = w.discovery(t, False, reason)
     fence = False
@@ -745,6 +771,8 @@ def _progress_update(w: _JobWork) -> None:
         return
     for t in outdated:
         if t.op is not None or t.intent != RUN:
+            continue
+        if t.maint_choice in HELD:  # stopped for a maintenance: starts the new version when it ends
             continue
         if t.state in (FAILED, STOPPED):  # already down (restart limit): replacing it costs no availability
             _start_again(w, replace(t, restarts=0, reason=REASON_ROLLING_UPDATE), START, REASON_ROLLING_UPDATE)
@@ -1099,14 +1127,18 @@ def _on_task_state_changed(fold: _Fold, ev: Event) -> None:
 
 def _evacuate(fold: _Fold, ev: Event, machine_ids: Iterable[str], reason: str) -> None:
     """Move every task of this shard off ``machine_ids``. Machine and unavailability events are keyed to the
-    machine's owner, so only that entitlement's jobs are looked at (all jobs for a free-pool key)."""
+    machine's owner, so only that entitlement's jobs are looked at (all jobs for a free-pool key). When the
+    machines enter MAINTENANCE, tasks their controller keeps running through it, or that were stopped for it
+    (they start again where they are when it ends), stay."""
+    spare = reason == REASON_MACHINE_MAINTENANCE
     gone = set(machine_ids)
     everyone = ev.entitlement not in fold.entitlements()
     for job_id in sorted(fold.state.jobs):
         job = fold.job(job_id)
         if job.status not in (JOB_ACTIVE, JOB_STOPPING) or (not everyone and job.entitlement != ev.entitlement):
             continue
-        hit = [t.id for t in job.tasks.values() if t.machine in gone and t.state in ON_MACHINE]
+        hit = [t.id for t in job.tasks.values() if t.machine in gone and t.state in ON_MACHINE
+               and not (spare and (t.maint_choice == CHOICE_KEEP or t.maint_choice in HELD))]
         if not hit:
             continue
         w = fold.work_for(job_id)
@@ -1127,11 +1159,113 @@ def _on_machine_status_changed(fold: _Fold, ev: Event) -> None:
 
 def _on_unavailability_started(fold: _Fold, ev: Event) -> None:
     if ev.payload["kind"] not in UNAVAILABLE_KINDS:
-        _advance_notice(fold, ev)  # planned: the status change moves the tasks; controllers hear of it now
+        _record_maintenance(fold, ev)  # its deadline is enforced by the timer (``retry_unplaced``)
+        _advance_notice(fold, ev)  # controllers hear of it now and choose (TaskControlAcked maintenance_choices)
         return
     for mid in ev.payload["machine_ids"]:
         fold.set_down(mid, ev.payload["kind"])
     _evacuate(fold, ev, ev.payload["machine_ids"], REASON_MACHINE_FAILED)
+
+
+def _jobs_in_scope(fold: _Fold, ev: Event) -> list[str]:
+    """Active jobs an event keyed to a machine owner concerns: that entitlement's (every job for a free-pool key)."""
+    everyone = ev.entitlement not in fold.entitlements()
+    return [j for j in sorted(fold.state.jobs) if (job := fold.job(j)).status == JOB_ACTIVE
+            and (everyone or job.entitlement == ev.entitlement)]
+
+
+def _record_maintenance(fold: _Fold, ev: Event) -> None:
+    """Every active job with tasks on the machines remembers the maintenance: its machines and deadline."""
+    p = ev.payload
+    gone = frozenset(p["machine_ids"])
+    deadline = p.get("deadline_ms")
+    deadline = p["start_ms"] if deadline is None else deadline
+    for job_id in _jobs_in_scope(fold, ev):
+        job = fold.job(job_id)
+        if any(m[0] == p["unavailability_id"] for m in job.maint) or not any(
+                t.machine in gone for t in job.tasks.values()):
+            continue
+        w = fold.work_for(job_id)
+        if w is not None:
+            w.set(quiet=True, maint=(*w.job.maint, (p["unavailability_id"], tuple(sorted(gone)), p["start_ms"],
+                                                     deadline, False)))
+
+
+def _on_unavailability_ended(fold: _Fold, ev: Event) -> None:
+    """A maintenance is over: tasks stopped for it start again where they are (a task whose machine is down
+    meanwhile moves), kept ones are ordinary again, and the job forgets the notice."""
+    ue = ev.payload["unavailability_id"]
+    for job_id in _jobs_in_scope(fold, ev):
+        job = fold.job(job_id)
+        if not any(m[0] == ue for m in job.maint) and not any(t.maint_ue == ue for t in job.tasks.values()):
+            continue
+        w = fold.work_for(job_id)
+        if w is None:
+            continue
+        w.set(quiet=True, maint=tuple(m for m in w.job.maint if m[0] != ue),
+              tc_notices=tuple(n for n in w.job.tc_notices if n[0] != ue))
+        for t in w.ordered():
+            if t.maint_ue != ue:
+                continue
+            held = t.maint_choice in HELD and t.state in (FAILED, STOPPED)
+            t = w.put(replace(t, maint_ue=None, maint_choice=None))
+            if held:
+                _start_again(w, replace(t, restarts=0), START, REASON_MAINTENANCE_ENDED)
+
+
+def _enforce_deadlines(w: _JobWork) -> None:
+    """The timer at or after a maintenance deadline: every task still starting or running on the machines is
+    taken out of service discovery and stopped (reason ``maintenance_deadline``), unless its controller chose
+    to keep it running. With a controller it stays down until the maintenance ends and then starts again where
+    it is; without one (the built-in policy) it moves elsewhere once stopped. Each deadline is enforced once."""
+    now = w.fold.now
+    due = [m for m in w.job.maint if not m[4] and m[3] <= now]
+    if not due:
+        return
+    w.set(quiet=True, maint=tuple((*m[:4], True) if m in due else m for m in w.job.maint))
+    held = HELD_AT_DEADLINE if w.job.spec.controller else CHOICE_MOVE
+    for ue, machines, _start, _deadline, _ in due:
+        gone = set(machines)
+        for t in w.ordered():
+            if t.machine not in gone or t.intent == RETIRE or t.maint_choice == CHOICE_KEEP:
+                continue
+            if t.state not in (STARTING, RUNNING) or t.maint_choice is not None:
+                continue  # down already, stopping, or moving off by its controller's choice
+            if t.op is not None and t.op_state != OP_RUNNING:
+                t = w.end_op(t)  # moot: the deadline stops it
+            if t.op_state == OP_RUNNING:  # under an update: it restarts on the machine only after the window
+                t = w.end_op(t)
+            _stop(w, replace(t, intent=RUN, maint_ue=ue, maint_choice=held, reason=REASON_MAINTENANCE_DEADLINE),
+                  REASON_MAINTENANCE_DEADLINE)
+
+
+def _apply_choices(w: _JobWork, ev: Event, choices: Iterable[tc.Choice]) -> None:
+    """A controller's answers to advance notices: MOVE (stop, then placed elsewhere), STOP (stopped until the
+    maintenance ends), KEEP (left running through it). Choices for tasks no open notice names are ignored."""
+    open_ = {m[0]: (set(m[1]), m[4]) for m in w.job.maint}
+    for c in choices:
+        t = w.tasks.get(c.task_id)
+        machines, enforced = open_.get(c.unavailability_id, (set(), False))
+        if t is None or t.machine not in machines or t.intent == RETIRE:
+            w.ignore(REASON_NOT_UNDER_NOTICE, f"{ev.event_id} chooses {c.choice} for {c.task_id} under "
+                                              f"{c.unavailability_id}")
+            continue
+        if t.maint_choice == HELD_AT_DEADLINE or (enforced and c.choice == CHOICE_KEEP and t.state != RUNNING):
+            w.ignore(REASON_CHOICE_TOO_LATE, f"{ev.event_id} chooses {c.choice} for {c.task_id}: the deadline "
+                                             f"of {c.unavailability_id} stopped it already")
+            continue
+        if t.maint_choice == c.choice and t.maint_ue == c.unavailability_id:
+            continue  # chosen already
+        if t.op is not None and t.op_state != OP_RUNNING:
+            t = w.end_op(t)  # an update or move not performed yet is moot: the choice decides
+        t = w.put(replace(t, maint_ue=c.unavailability_id, maint_choice=c.choice))
+        if c.choice == CHOICE_KEEP:
+            continue
+        why = REASON_MAINTENANCE_STOP if c.choice == CHOICE_STOP else REASON_MACHINE_MAINTENANCE
+        if t.state in (STARTING, RUNNING) and t.op_state != OP_RUNNING:
+            _stop(w, replace(t, reason=why), why)
+        elif t.state in (FAILED, STOPPED) and t.op_state != OP_RUNNING:
+            _advance(w, t)
 
 
 def _advance_notice(fold: _Fold, ev: Event) -> None:
@@ -1175,6 +1309,7 @@ def _on_task_control_acked(fold: _Fold, ev: Event) -> None:
                           f"{'' if job.tc_outstanding else ', answered already'}")
         return
     w.set(quiet=True, tc_outstanding=False, tc_sent_completed=())
+    _apply_choices(w, ev, tc.choices_of(p))
     approved = set(p["approved_operation_ids"])
     if not approved:
         return
@@ -1197,6 +1332,7 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "TaskStateChanged": _on_task_state_changed,
     "MachineStatusChanged": _on_machine_status_changed,
     "UnavailabilityStarted": _on_unavailability_started,
+    "UnavailabilityEnded": _on_unavailability_ended,
     "TaskControlAcked": _on_task_control_acked,
 })
 CONSUMED = frozenset(HANDLERS)  # event types the shard reads; every other type is ignored
@@ -1252,7 +1388,8 @@ def job_to_record(job: Job) -> dict:
             "bucket": limiter.bucket_record(job.bucket), "throttled": list(job.throttled), "tc_seq": job.tc_seq,
             "tc_outstanding": job.tc_outstanding, "tc_asked": list(job.tc_asked), "tc_asked_ms": job.tc_asked_ms,
             "tc_completed": list(job.tc_completed), "tc_sent_completed": list(job.tc_sent_completed),
-            "tc_notices": [[u, list(ts), s, d] for u, ts, s, d in job.tc_notices], "tc_notice_new": job.tc_notice_new}
+            "tc_notices": [[u, list(ts), s, d] for u, ts, s, d in job.tc_notices], "tc_notice_new": job.tc_notice_new,
+            "maint": [[u, list(ms), s, d, e] for u, ms, s, d, e in job.maint]}
 
 
 def job_from_record(r: Mapping[str, Any]) -> Job:
@@ -1272,7 +1409,8 @@ def job_from_record(r: Mapping[str, Any]) -> Job:
                tc_asked_ms=r.get("tc_asked_ms"), tc_completed=tuple(r.get("tc_completed", ())),
                tc_sent_completed=tuple(r.get("tc_sent_completed", ())),
                tc_notices=tuple((u, tuple(ts), s, d) for u, ts, s, d in r.get("tc_notices", ())),
-               tc_notice_new=r.get("tc_notice_new", False))
+               tc_notice_new=r.get("tc_notice_new", False),
+               maint=tuple((u, tuple(ms), s, d, e) for u, ms, s, d, e in r.get("maint", ())))
 
 
 def state_of(jobs: Iterable[Job] = (), entitlements: Iterable[Entitlement] = (),
@@ -1314,7 +1452,8 @@ def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int, *, l
 
 def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAULT_LIMITS
                    ) -> tuple[SchedulerState, list[Event]]:
-    """The timer's decision: ask again to place every task left unplaced by an AllocationRejected (one request
+    """The timer's decision: stop what remains on machines whose planned maintenance reached its deadline
+    (``_enforce_deadlines``); ask again to place every task left unplaced by an AllocationRejected (one request
     per job); perform operations the rate limiter held back, as far as it now allows; ask a TaskController
     again after ``REASK_MS`` without an answer (a lost request or ack) or with operations still pending.
     Ids derive from the request ids, the operation ids and ``now_ms``, so a repeat from the same state emits
@@ -1324,6 +1463,8 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
         job = state.jobs[job_id]
         if job.status != JOB_ACTIVE:
             continue
+        if any(not m[4] and m[3] <= now_ms for m in job.maint):
+            _enforce_deadlines(fold.work_for(job_id))
         if any(t.parked for t in job.tasks.values()):
             fold.work_for(job_id).retry_parked()
         if job.ops_open or job.throttled:

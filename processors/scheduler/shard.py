@@ -96,7 +96,7 @@ log = logging.getLogger(__name__)
 
 APP_ID = "scheduler"
 SOURCES = ("intents", "allocations", "tasks", "machines", "unavailability", "taskcontrol")
-MACHINE_EVENTS = frozenset({"MachineStatusChanged", "UnavailabilityStarted"})
+MACHINE_EVENTS = frozenset({"MachineStatusChanged", "UnavailabilityStarted", "UnavailabilityEnded"})
 RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
 FLUSH_S = 30.0  # how long producing one decision's output may wait for the broker's acks
 
@@ -159,7 +159,7 @@ class ShardTables:
             return [p["job_id"]]
         if event.type not in MACHINE_EVENTS:
             return []
-        machines = p["machine_ids"] if event.type == "UnavailabilityStarted" else [p["machine_id"]]
+        machines = p["machine_ids"] if "machine_ids" in p else [p["machine_id"]]
         if self.entitlements.data.get(event.entitlement) is not None:
             ids: set[str] = set()
             for m in machines:

@@ -9,7 +9,10 @@ co-partitioned with everything else of the job), with ``TaskControlRequested``:
     advance_notices                     planned maintenance ahead: unavailability_id, task_ids, start, deadline
     unhealthy_task_ids                  every task of the job not RUNNING, whatever the cause
 
-and the controller answers ``TaskControlAcked(job_id, sequence, approved_operation_ids, controller)``. Only the
+and the controller answers ``TaskControlAcked(job_id, sequence, approved_operation_ids, controller,
+maintenance_choices)``. A choice answers an advance notice for one task (Twine §2.5): ``MOVE`` it off now,
+``STOP`` it now and restart it where it is after the maintenance, or ``KEEP`` it running through it (a short
+top-of-rack maintenance); a task with no choice is stopped at the notice's deadline. Only the
 ack of the job's latest request, while it is unanswered, counts (``ack_refusal``): an older sequence is stale,
 a second ack of the same one a duplicate, a newer one bogus. Operation ids are stable across re-asks.
 
@@ -27,6 +30,13 @@ OP_UPDATE = "UPDATE"  # stop the task to start it again at the job's new spec ve
 OP_MOVE = "MOVE"  # place the task elsewhere (its machine was lost)
 OP_RESTART = "RESTART"  # start it again where it is (restart policy): rate limited, never asked
 CONTROLLED = frozenset({OP_UPDATE, OP_MOVE})  # kinds a job's TaskController approves
+
+# A controller's choice for a task under an advance notice: the MaintenanceChoiceKind symbols of
+# schemas/TaskControlAcked.avsc.
+CHOICE_MOVE = "MOVE"  # move it off the machine now
+CHOICE_STOP = "STOP"  # stop it now; started again where it is when the maintenance ends
+CHOICE_KEEP = "KEEP"  # leave it running through the maintenance (short top-of-rack maintenance)
+CHOICES = frozenset({CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP})
 
 # Why an ack is ignored (the job's last_ignored).
 REASON_STALE_ACK = "stale_ack"  # answers an older request than the job's latest
@@ -50,6 +60,23 @@ class AdvanceNotice:
     task_ids: tuple[str, ...]
     start_ms: int
     deadline_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What a controller chose for ``task_id`` under the advance notice of ``unavailability_id``."""
+
+    unavailability_id: str
+    task_id: str
+    choice: str  # CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What ``decide`` may return instead of bare operation ids: approvals and maintenance choices."""
+
+    approved: tuple[str, ...] = ()
+    choices: tuple[Choice, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +116,34 @@ def request_of(payload: Mapping[str, Any], entitlement: str = "", event_id: str 
         unhealthy=tuple(payload.get("unhealthy_task_ids", ())), event_id=event_id)
 
 
-def ack_payload(job_id: str, sequence: int, approved: Iterable[str], controller: str) -> dict[str, Any]:
-    return {"job_id": job_id, "sequence": sequence, "approved_operation_ids": list(approved),
-            "controller": controller}
+def ack_payload(job_id: str, sequence: int, approved: Iterable[str], controller: str,
+                choices: Iterable[Choice] = ()) -> dict[str, Any]:
+    """The TaskControlAcked payload; ``maintenance_choices`` only when there are some (the schema's default)."""
+    p: dict[str, Any] = {"job_id": job_id, "sequence": sequence, "approved_operation_ids": list(approved),
+                         "controller": controller}
+    if choices := list(choices):
+        p["maintenance_choices"] = [{"unavailability_id": c.unavailability_id, "task_id": c.task_id,
+                                     "choice": c.choice} for c in choices]
+    return p
+
+
+def choices_of(payload: Mapping[str, Any]) -> tuple[Choice, ...]:
+    """The maintenance choices of a TaskControlAcked payload (none in acks written before they existed)."""
+    return tuple(Choice(c["unavailability_id"], c["task_id"], c["choice"])
+                 for c in payload.get("maintenance_choices") or ())
+
+
+def valid_choices(request: Request, choices: Iterable[Choice]) -> list[Choice]:
+    """``choices`` restricted to tasks the request's advance notices name, a known choice, one per task and
+    notice (the first wins), in the order given."""
+    noticed = {(n.unavailability_id, t) for n in request.notices for t in n.task_ids}
+    out, seen = [], set()
+    for c in choices:
+        key = (c.unavailability_id, c.task_id)
+        if c.choice in CHOICES and key in noticed and key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
 
 
 def ack_refusal(latest: int, outstanding: bool, acked: int) -> str | None:

@@ -1,0 +1,1 @@
+"""Experiments that reproduce the Twine paper's figures (``ropewalk experiment ...``)."""

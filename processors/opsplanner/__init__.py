@@ -1,0 +1,1 @@
+"""Ops Planner: planned maintenance with advance notice and a deadline (Twine §2.5)."""

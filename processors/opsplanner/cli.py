@@ -1,0 +1,69 @@
+"""The Ops Planner's command line entry (``ropewalk maintenance plan|end``): thin IO around ``decide.py``.
+
+``plan`` folds the ``machines`` topic (the Resource Broker's registry: where every machine is) to resolve the
+targets, and produces the UnavailabilityStarted events on ``unavailability``. ``end`` reads ``unavailability``
+for the plan's machines, folds ``machines``, and produces MachineStatusChanged(→UP) for machines in MAINTENANCE
+and UnavailabilityEnded. Cost: one full fold of ``machines`` per call (as ``ropewalk machine fail``).
+"""
+from __future__ import annotations
+
+import time
+
+from infra.config import Config
+from processors.opsplanner import decide as op
+from processors.opsplanner.decide import Plan, PlanError
+from streams.events import Event
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _produce(cfg: Config, registry, events: list[Event]) -> list[str]:
+    from processors.resourcebroker.processor import produce
+    from streams.clients import EventProducer
+
+    return produce(EventProducer(cfg, registry, op.PRODUCER), events)
+
+
+def plan_maintenance(cfg: Config, registry, plan: Plan, now_ms: int | None = None) -> list[Event]:
+    """Resolve ``plan`` against the region and produce its UnavailabilityStarted events; returns them."""
+    from processors.resourcebroker.processor import fold_machines
+
+    events = op.plan(fold_machines(cfg, registry), plan, _now_ms() if now_ms is None else now_ms)
+    _produce(cfg, registry, events)
+    return events
+
+
+def planned_machines(cfg: Config, registry, unavailability_id: str) -> list[str]:
+    """The machines of maintenance ``unavailability_id``, from its UnavailabilityStarted events on the log."""
+    from processors.resourcebroker.processor import read_to_end
+    from streams.clients import EventConsumer
+    from streams.topics import Topics
+
+    topic = Topics(cfg.topic_prefix, cfg.partitions).name("unavailability")
+    consumer = EventConsumer(cfg, registry, [topic], name=f"{op.PRODUCER}-read")
+    found: set[str] = set()
+    try:
+        def take(records) -> None:
+            for r in records:
+                p = r.event.payload
+                if r.event.type == "UnavailabilityStarted" and p["unavailability_id"] == unavailability_id:
+                    found.update(p["machine_ids"])
+
+        read_to_end(consumer, take)
+    finally:
+        consumer.close()
+    return sorted(found)
+
+
+def end_maintenance(cfg: Config, registry, unavailability_id: str, now_ms: int | None = None) -> list[Event]:
+    from processors.resourcebroker.processor import fold_machines
+
+    machines = planned_machines(cfg, registry, unavailability_id)
+    if not machines:
+        raise PlanError(f"no maintenance {unavailability_id!r} on the log")
+    events = op.end(fold_machines(cfg, registry), unavailability_id, machines,
+                    _now_ms() if now_ms is None else now_ms)
+    _produce(cfg, registry, events)
+    return events
