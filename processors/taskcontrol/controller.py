@@ -10,8 +10,9 @@ a ``TaskControlAcked`` echoing its sequence. The bookkeeping is the library's, a
 * a request older than one already answered is never answered (redelivery, replay);
 * of several unanswered requests of a job only the latest is answered (the older are superseded);
 * the controller's own acks read back mark their requests answered and their operations in flight, and a later
-  request's ``completed_operation_ids`` takes them out again: ``view.in_flight`` is what this controller
-  approved that the scheduler has not finished;
+  request's ``completed_operation_ids`` takes them out again, as does a later request listing them as pending
+  (that ack went stale under a re-ask): ``view.in_flight`` is what this controller approved that the scheduler
+  has not finished;
 * nothing is answered before the log is read to its end (a restarted controller does not answer what it
   answered before it stopped);
 * ``decide`` may return any ids: only operations pending in the request are acked, in the request's order.
@@ -54,6 +55,10 @@ def absorb(books: Books, event: Event, name: str) -> Books:
     if event.type == "TaskControlRequested" and p.get("controller") == name:
         req = tc.request_of(p, event.entitlement, event.event_id)
         book = tc.observe(books.jobs.get(req.job_id, JobBook()), req)
+        if again := {o.operation_id for o in req.pending} & set(book.in_flight):
+            # asked again: the scheduler never took the approval (its ack went stale under a re-ask), so it is
+            # not in flight; a replay, reading this request before that ack, never counts it either
+            book = JobBook(book.answered, {k: v for k, v in book.in_flight.items() if k not in again})
         latest = books.latest.get(req.job_id)
         newest = req if latest is None or req.sequence > latest.sequence else latest
         return Books(MappingProxyType({**books.jobs, req.job_id: book}),

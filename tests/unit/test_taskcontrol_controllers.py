@@ -135,3 +135,22 @@ def test_library_rebuilt_from_the_log_does_not_answer_again():
     for e in (r1, ack):
         replayed = absorb(replayed, e, "zk-ctl")
     assert due(replayed) == [] and replayed.jobs == b.jobs
+
+
+def test_an_ack_gone_stale_under_a_re_ask_is_not_in_flight_live_or_replayed():
+    """The scheduler re-asks (request 2, same pending op) before ack 1 lands, so it ignores ack 1 as stale: the
+    op is pending again, not in flight. A live controller must then approve it again, as a replay would (a
+    leader-last controller that still counted it in flight would approve nothing, and the release stalled)."""
+    leader_last = LeaderLast({"zk": "t0"}, 1)
+    r1, r2 = request_event(1, ["t0"]), request_event(2, ["t0"])
+    live = absorb(Books(), r1, "zk-ctl")
+    live, ack1 = answer(live, due(live)[0], leader_last, "zk-ctl", 5)
+    assert ack1.payload["approved_operation_ids"] == ["t0:update"]
+    for e in (r2, ack1):  # live order: the re-ask is read, then the stale ack comes back
+        live = absorb(live, e, "zk-ctl")
+    replayed = Books()
+    for e in (r1, r2, ack1):  # log order
+        replayed = absorb(replayed, e, "zk-ctl")
+    _, live_ack2 = answer(live, due(live)[0], leader_last, "zk-ctl", 6)
+    _, replay_ack2 = answer(replayed, due(replayed)[0], leader_last, "zk-ctl", 6)
+    assert live_ack2.payload["approved_operation_ids"] == replay_ack2.payload["approved_operation_ids"] == ["t0:update"]
