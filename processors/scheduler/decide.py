@@ -544,7 +544,11 @@ class _JobWork:
             "spec_version": t.spec_version, "reason": reason}, "command", t.id, command)
 
     def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = ()) -> str:
+        """An AllocationRequested; it avoids ``avoid`` and every machine of the job's planned maintenance (a task
+        moved off a machine of an MSB under maintenance must not land on its neighbour)."""
         job, spec = self.job, self.job.spec
+        if place:
+            avoid = set(avoid).union(*(machines for _, machines, *_ in job.maint))
         n = job.requests + 1
         rid = request_id(job.id, job.spec_version, n)
         self.set(quiet=True, requests=n)

@@ -235,3 +235,14 @@ def test_ops_planner_end_restarts_through_unavailability_ended():
     events = op.end(state, started.payload["unavailability_id"], started.payload["machine_ids"], now_ms=START + 5)
     assert [e.type for e in events] == ["UnavailabilityEnded"]
     assert events[0].payload == {"unavailability_id": started.payload["unavailability_id"], "machine_ids": ["m1"]}
+
+
+def test_a_task_moved_for_a_maintenance_avoids_every_machine_of_it():
+    """The regression seen with `ropewalk maintenance plan --msb`: a task stopped at the deadline was placed on
+    another machine of the same MSB. Placements of the job during the maintenance avoid all of its machines."""
+    sim = running_job(2, ("m1", "m2"))
+    sim.feed(maintenance(["m1", "m3"]))  # m3: a free machine of the same maintenance
+    out = settle(sim, tick(sim, DEADLINE), Allocator(["m3", "m4"]))
+    (request,) = of_type(out, "AllocationRequested")
+    assert request.payload["avoid_machine_ids"] == ["m1", "m3"]
+    assert sim.tasks()["j/0"] == ("RUNNING", "m4")
