@@ -104,6 +104,16 @@ def test_leader_last_rolling_update_from_the_log(cfg, registry, workers, control
     op_task = {o["operation_id"]: o["task_id"] for r in requests for o in r["pending_operations"]}
 
     # every update stop was acked before it happened, one at a time, the leader last
+    stops = update_stops(log, op_task)
+    assert sorted(stops) == [f"{JOB}/0", f"{JOB}/1", f"{JOB}/2"] and stops[-1] == LEADER
+    assert {op_task[o] for o in approved} == set(stops)
+    # the last request reports the leader's update completed and asks nothing more
+    assert requests[-1]["pending_operations"] == [] and op_task[requests[-1]["completed_operation_ids"][-1]] == LEADER
+
+
+def update_stops(log, op_task) -> list[str]:
+    """The tasks the rolling update stopped, in log order; asserts each was acked first and that each stop
+    waited until the task stopped before was RUNNING at version 2 again (one at a time)."""
     stops, acked_tasks, running_v2 = [], set(), set()
     for e in log:
         if e.type == "TaskControlAcked":
@@ -116,7 +126,4 @@ def test_leader_last_rolling_update_from_the_log(cfg, registry, workers, control
         elif (e.type == "TaskStateChanged" and e.producer != PRODUCER and e.payload["state"] == "RUNNING"
               and e.payload["spec_version"] == 2):
             running_v2.add(e.payload["task_id"])
-    assert sorted(stops) == [f"{JOB}/0", f"{JOB}/1", f"{JOB}/2"] and stops[-1] == LEADER
-    assert {op_task[o] for o in approved} == set(stops)
-    # the last request reports the leader's update completed and asks nothing more
-    assert requests[-1]["pending_operations"] == [] and op_task[requests[-1]["completed_operation_ids"][-1]] == LEADER
+    return stops

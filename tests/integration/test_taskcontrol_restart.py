@@ -28,7 +28,7 @@ import pytest
 from processors.scheduler.decide import PRODUCER
 from streams.clients import EventProducer
 from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
-from test_taskcontrol_leader_last import ENT, JOB, Reader, run_until
+from test_taskcontrol_leader_last import ENT, JOB, Reader, run_until, update_stops
 
 pytestmark = pytest.mark.integration
 
@@ -212,18 +212,7 @@ def test_a_controller_killed_and_restarted_mid_release(cfg, registry, workers, c
                            if r.event.type == "TaskCommanded" and r.event.payload["command"] == "STOP"
                            and r.event.payload["reason"] == "rolling_update")
     assert stop_records == Counter({t: 1 for t in FOLLOWERS + [LEADER]}), stop_records
-    stops, acked_tasks, running_v2 = [], set(), set()
-    for e in log:
-        if e.type == "TaskControlAcked":
-            acked_tasks |= {op_task[o] for o in e.payload["approved_operation_ids"]}
-        elif e.type == "TaskCommanded" and e.payload["command"] == "STOP" and e.payload["reason"] == "rolling_update":
-            t = e.payload["task_id"]
-            assert t in acked_tasks, f"{t} stopped before its operation was acked"
-            assert len(stops) == len(running_v2), f"{t} stopped while {stops[-1]} was not back yet"
-            stops.append(t)
-        elif (e.type == "TaskStateChanged" and e.producer != PRODUCER and e.payload["state"] == "RUNNING"
-              and e.payload["spec_version"] == 2):
-            running_v2.add(e.payload["task_id"])
+    stops = update_stops(log, op_task)
     assert stops == FOLLOWERS + [LEADER]
     assert not [s["last_ignored"] for s in (e.payload for e in log if e.type == "JobStatePublished")
                 if s.get("last_ignored", "").startswith(("duplicate_ack", "stale_ack", "unknown_sequence"))]
