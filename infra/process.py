@@ -75,13 +75,11 @@ class ManagedProcess:
             "log": str(self.log_file),
         }
 
-    def start(self) -> dict:
-        """Start the process unless it already runs; wait until it is ready. Idempotent."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        pid = self.pid()
-        if pid is not None:
-            self._wait_ready(pid)
-            return {**self.status(), "started": False}
+    def check_can_start(self) -> None:
+        """Raise InfraError (one line) if `start` would fail at once: the port is taken by a process that is
+        not ours, or the binary is missing. A no-op when the process already runs."""
+        if self.pid() is not None:
+            return
         if self.port is not None and port_open(self.port):
             raise InfraError(
                 f"{self.name}: port {self.port} is taken by another process; stop it or set "
@@ -89,6 +87,15 @@ class ManagedProcess:
             )
         if not Path(self.argv[0]).exists():
             raise InfraError(f"{self.name}: binary {self.argv[0]} is missing")
+
+    def start(self) -> dict:
+        """Start the process unless it already runs; wait until it is ready. Idempotent."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        pid = self.pid()
+        if pid is not None:
+            self._wait_ready(pid)
+            return {**self.status(), "started": False}
+        self.check_can_start()
         with open(self.log_file, "ab") as log:
             proc = subprocess.Popen(
                 self.argv,

@@ -84,9 +84,13 @@ def redis_server(cfg: Config) -> ManagedProcess:
 
 
 def up(cfg: Config) -> dict:
-    out = {}
-    out["broker"] = broker(cfg).start() if cfg.embedded_broker else _external("broker", cfg)
-    out["redis"] = redis_server(cfg).start() if cfg.embedded_redis else _external("redis", cfg)
+    # Every embedded service is checked (binary there, port free) before any is started, so a failure
+    # leaves nothing half-started behind.
+    procs = {name: make(cfg) for name, make, embedded in (("broker", broker, cfg.embedded_broker),
+                                                          ("redis", redis_server, cfg.embedded_redis)) if embedded}
+    for proc in procs.values():
+        proc.check_can_start()
+    out = {name: procs[name].start() if name in procs else _external(name, cfg) for name in ("broker", "redis")}
     for name, st in out.items():
         if not st.get("ready", True):
             raise InfraError(f"{name}: {st['endpoint']} does not answer")

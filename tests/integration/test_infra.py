@@ -1,5 +1,6 @@
 """infra start/stop on real processes: idempotent start, clear failures, nothing left behind."""
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -48,13 +49,48 @@ def test_start_is_idempotent_and_stop_leaves_no_process(own_cfg):
                                       "redis": {"name": "redis", "stopped": False}}
 
 
-def test_port_taken_fails_with_a_clear_message(own_cfg):
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", own_cfg.broker_port))
-        s.listen()
-        with pytest.raises(InfraError, match=f"port {own_cfg.broker_port} is taken"):
+def _take_port(port: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+# (case, what breaks the start: (env overrides, service whose port another process holds), expected message).
+# The message is checked as the whole one line `ropewalk up` prints after "ropewalk: ".
+UP_FAILURES = [
+    ("broker port taken", ({}, "broker"), r"broker: port {broker_port} is taken by another process; "
+                                          r"stop it or set ROPEWALK_BROKER_PORT to a free port"),
+    ("redis port taken", ({}, "redis"), r"redis: port {redis_port} is taken by another process; "
+                                        r"stop it or set ROPEWALK_REDIS_PORT to a free port"),
+    ("broker binary missing", ({"CALF_TANSU_BIN": "/nonexistent/tansu"}, None),
+     r"embedded broker: CALF_TANSU_BIN='/nonexistent/tansu' does not point at an executable file\."),
+    ("redis-server missing", ({"PATH": "{empty_dir}"}, None),
+     r"redis-server is missing: `apt-get install redis-server` \(as root\), or set ROPEWALK_REDIS_URL to a "
+     r"running Redis"),
+]
+
+
+@pytest.mark.parametrize("case,breakage,message", UP_FAILURES, ids=[c[0] for c in UP_FAILURES])
+def test_up_failures_are_one_line_and_start_nothing(own_cfg, tmp_path, monkeypatch, case, breakage, message):
+    env, taken = breakage
+    (tmp_path / "empty").mkdir()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(empty_dir=tmp_path / "empty"))
+    ports = {"broker": own_cfg.broker_port, "redis": own_cfg.redis_port}
+    holder = _take_port(ports[taken]) if taken else None
+    try:
+        with pytest.raises(InfraError) as exc:
             services.up(own_cfg)
+    finally:
+        if holder is not None:
+            holder.close()
+    assert re.fullmatch(message.format(broker_port=own_cfg.broker_port, redis_port=own_cfg.redis_port),
+                        str(exc.value)), str(exc.value)
+    # Checked before anything started: no process, no pid file, neither port served by us.
+    assert not list(own_cfg.run_dir.glob("*.pid"))
+    assert not any(port_open(p) for name, p in ports.items() if name != taken)
 
 
 @pytest.mark.parametrize("argv,message", [
