@@ -14,12 +14,16 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "ropewalk: Python 3.11 is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# A private redis-server is needed unless ROPEWALK_REDIS_URL points at a running Redis (the tests always
+# start their own, so `make test` needs the binary either way).
+if [ -z "${ROPEWALK_REDIS_URL:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "ropewalk: installing redis-server from Debian packages" >&2
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
       || { echo "ropewalk: apt-get install redis-server failed" >&2; exit 1; }
     # Debian's package may start a system instance on 6379; Ropewalk runs its own on its own port.
+    command -v redis-server >/dev/null 2>&1 \
+      || { echo "ropewalk: redis-server was installed but is not on PATH; add its directory to PATH" >&2; exit 1; }
   else
     echo "ropewalk: redis-server is missing: install it (e.g. 'sudo apt-get install redis-server') or set ROPEWALK_REDIS_URL" >&2
     exit 1
