@@ -2,14 +2,16 @@
 topic both ways, and bad records land in `deadletter` with a reason while the records around them are
 processed."""
 import copy
+import dataclasses
 import io
+import json
 import time
 
 import pytest
 from fastavro import schemaless_writer
 
 from streams import serde
-from streams.clients import EventConsumer, EventProducer
+from streams.clients import EventConsumer, EventProducer, key_of, producer_conf
 from streams.deadletter import DeadLetters
 from streams.events import new_event
 from streams.serde import MARKER, SchemaRegistry, build_schema
@@ -36,7 +38,9 @@ def test_every_event_type_round_trips_through_the_broker(cfg, registry, make_sam
         record = make_sample(copy.deepcopy(dict(registry.reader(name).raw)))
         env = record["envelope"]
         payload = {k: v for k, v in record.items() if k != "envelope"}
-        ev = new_event(name, payload, entitlement=env["entitlement"], entity_id=env["entity_id"], producer="test")
+        # Every optional filled (causation_id too), so each field's value has to survive the trip.
+        ev = new_event(name, payload, entitlement=env["entitlement"], entity_id=env["entity_id"], producer="test",
+                       causation_id=env["causation_id"], timestamp_ms=env["timestamp_ms"])
         producer.send(ev)
         sent[ev.event_id] = ev
     producer.flush()
@@ -44,12 +48,15 @@ def test_every_event_type_round_trips_through_the_broker(cfg, registry, make_sam
     c = EventConsumer(cfg, registry, topics.data_topics(), name="test")
     got = {r.event.event_id: r for r in read_all(c, len(sent))}
     c.close()
-    assert set(got) == set(sent)
+    assert set(got) == set(sent) and c.dead_lettered == 0
     for eid, ev in sent.items():
         rec = got[eid]
-        assert rec.event.payload == ev.payload and rec.event.type == ev.type
-        assert rec.event.schema_version == 1
-        assert topics.logical(rec.topic) == TOPIC_OF_EVENT[ev.type]
+        assert ev.causation_id is not None and ev.payload  # the sample really filled them
+        # The whole event, envelope and payload; the producer stamps the schema's version.
+        assert rec.event == dataclasses.replace(ev, schema_version=1)
+        logical = topics.logical(rec.topic)
+        assert logical == TOPIC_OF_EVENT[ev.type]
+        assert rec.key == key_of(logical, ev).encode()
 
 
 def _v2_registry():
@@ -177,6 +184,23 @@ def test_delivery_errors_are_raised_not_swallowed(cfg, registry):
     p.send_raw(cfg.topic_prefix + "no-such-topic-and-no-autocreate", b"k", b"v", partition=99)
     with pytest.raises(DeliveryError):
         p.flush(10)
+
+
+def test_producer_is_idempotent_with_acks_all(cfg, registry):
+    conf = producer_conf(cfg)
+    assert (conf["enable.idempotence"], conf["acks"]) == (True, "all")
+    # The broker's side of idempotence: it assigned this producer an id (librdkafka's statistics say so).
+    stats = []
+    p = EventProducer(cfg, registry, "test", **{"statistics.interval.ms": 100,
+                                                 "stats_cb": lambda s: stats.append(json.loads(s))})
+    p.send(job_stopped("e1", "j1"))
+    p.flush()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (stats and stats[-1].get("eos", {}).get("idemp_state") == "Assigned"):
+        p.flush(1)
+        time.sleep(0.1)
+    eos = stats[-1]["eos"] if stats else {}
+    assert eos.get("idemp_state") == "Assigned" and eos["producer_id"] >= 0, eos
 
 
 def test_provision_is_idempotent_and_checks_copartitioning(cfg):

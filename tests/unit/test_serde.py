@@ -32,6 +32,41 @@ def test_every_schema_is_documented_and_on_its_topic(name):
     assert any(w.endswith("ed") for w in words) or name == "AgentHeartbeat", "events are named in the past tense"
 
 
+# Units live in the field name and its doc: cpu in millicores, memory in MiB, times (and durations) in ms.
+UNIT_SUFFIXES = {"_millicores": "millicores", "_mib": "MiB", "_ms": "ms"}  # name suffix -> word the doc must use
+NEEDS_UNIT = re.compile(r"cpu|mem|time|duration|deadline|start|timeout|interval|delay|_at$")  # a quantity name
+NUMBERS = {"int", "long", "float", "double"}
+
+
+def numeric_fields(schema, path=""):
+    """(dotted path, doc) of every record field anywhere in `schema` whose type is (or may be) a number."""
+    if isinstance(schema, list):
+        for branch in schema:
+            yield from numeric_fields(branch, path)
+    elif isinstance(schema, dict):
+        if schema["type"] == "record":
+            for f in schema["fields"]:
+                types = f["type"] if isinstance(f["type"], list) else [f["type"]]
+                if NUMBERS & {t if isinstance(t, str) else t.get("type") for t in types}:
+                    yield f"{path}{f['name']}", f.get("doc", "")
+                yield from numeric_fields(f["type"], f"{path}{f['name']}.")
+        elif schema["type"] in ("array", "map"):
+            yield from numeric_fields(schema.get("items", schema.get("values")), path)
+
+
+@pytest.mark.parametrize("name", REG.event_names)
+def test_every_quantity_states_its_unit(name):
+    fields = list(numeric_fields(REG.reader(name).raw))
+    assert any(p == "envelope.timestamp_ms" for p, _ in fields)  # the walk reaches nested records
+    for path, doc in fields:
+        leaf = path.rsplit(".", 1)[-1]
+        suffix = next((s for s in UNIT_SUFFIXES if leaf.endswith(s)), None)
+        if suffix is None:
+            assert not NEEDS_UNIT.search(leaf), f"{name}.{path}: a quantity without a unit suffix {list(UNIT_SUFFIXES)}"
+        else:
+            assert re.search(rf"\b{UNIT_SUFFIXES[suffix]}\b", doc), f"{name}.{path}: doc does not say {UNIT_SUFFIXES[suffix]}"
+
+
 def test_fingerprint_is_the_avro_spec_crc64_little_endian():
     # Avro specification test vector: CRC-64-AVRO of the canonical form of "int" is 0x7275d51a3f395c8f.
     assert build_schema({"type": "record", "name": "X", "fields": []}, None).fingerprint != b""
