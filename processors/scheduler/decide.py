@@ -57,7 +57,7 @@ from processors.taskcontrol import limiter
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
 from processors.taskcontrol.protocol import (
-    CHOICE_KEEP, CHOICE_MOVE, CHOICE_STOP, CONTROLLED, OP_MOVE, OP_RESTART, OP_UPDATE,
+    CHOICE_KEEP, CHOICE_MOVE, CHOICE_STOP, CONTROLLED, OP_MOVE, OP_RESTART, OP_STOP, OP_UPDATE,
 )
 from processors.scheduler.lifecycle import (
     ALLOCATED, ALLOCATED_EV, CRASHED, EXITED_OK, FAILED, MACHINE_FAILED, PENDING, RESCHEDULED, RESTART_COMMANDED,
@@ -73,6 +73,7 @@ SEEN_LIMIT = 1024  # input event ids remembered per job (the duplicate ring)
 REASK_MS = 30_000  # the timer asks a job's TaskController again after this long without an answer or progress
 HELD_AT_DEADLINE = "DEADLINE"  # Task.maint_choice of a task the scheduler stopped at a maintenance deadline
 HELD = frozenset({CHOICE_STOP, HELD_AT_DEADLINE})  # stopped for a maintenance: started again when it ends
+LEAVING = frozenset({CHOICE_MOVE, CHOICE_STOP})  # choices that stop the task before the maintenance
 
 # Where a task's operation (UPDATE, MOVE, RESTART: see processors/taskcontrol) stands.
 OP_PENDING = "pending"  # awaiting the TaskController's ack
@@ -227,7 +228,7 @@ class Task:
     reason: str = ""  # why it is not (yet) RUNNING; cleared when it runs
     restarts: int = 0  # restarts in place used (restart policy)
     running_since_ms: int | None = None
-    op: str | None = None  # the operation wanted on it: OP_UPDATE, OP_MOVE, OP_RESTART (processors/taskcontrol)
+    op: str | None = None  # wanted on it: OP_UPDATE, OP_MOVE, OP_RESTART, OP_STOP (processors/taskcontrol)
     op_id: str | None = None  # its id, stable across TaskControl re-asks
     op_state: str | None = None  # OP_PENDING, OP_APPROVED, OP_RUNNING
     op_reason: str = ""  # why it is wanted
@@ -287,8 +288,8 @@ class Job:
     tc_asked_ms: int | None = None  # when it was sent
     tc_completed: tuple[str, ...] = ()  # approved operations completed since, for the next request
     tc_sent_completed: tuple[str, ...] = ()  # those the outstanding request reported (re-sent if it is lost)
-    tc_notices: tuple = ()  # advance notices: (unavailability id, task ids, start_ms, deadline_ms)
-    tc_notice_new: bool = False  # a notice the controller has not been sent yet
+    tc_notices: tuple = ()  # advance notices: (unavailability id, task ids, start_ms, deadline_ms, duration_ms)
+    tc_notice_new: bool = False  # notice news: a new notice, or a task back RUNNING under one (a next choice)
     maint: tuple = ()  # planned maintenance of its machines: (UE id, machine ids, start_ms, deadline_ms, enforced)
 
 
@@ -597,6 +598,7 @@ class _JobWork:
             _ask_controller(self)
             self._flush_request()
         elif self.job.status == JOB_STOPPING:
+            _drain_ops(self)  # its stops wait for the limiter like any other
             self._finish_stop()
         if self.ops_delta:
             self.set(quiet=True, ops_open=self.job.ops_open + self.ops_delta)
@@ -647,6 +649,8 @@ def _advance(w: _JobWork, t: Task) -> None:
     if t.intent == RETIRE:
         _advance_retiring(w, t)
         return
+    if t.op == OP_STOP and t.state not in (STARTING, RUNNING):  # went down before its stop's token came
+        t = w.end_op(t)
     if t.maint_choice is not None and t.state in (FAILED, STOPPED) and t.op_state != OP_RUNNING:
         if t.maint_choice in HELD:  # stopped for a maintenance: waits for its end (UnavailabilityEnded)
             if t.intent != RUN:
@@ -688,10 +692,14 @@ def _advance(w: _JobWork, t: Task) -> None:
 
 
 def _advance_retiring(w: _JobWork, t: Task) -> None:
-    if t.op is not None:  # whatever was wanted of it is moot now
+    """A retired task (shrink, job stop): one that runs is stopped through the limiter (an OP_STOP: it goes on
+    running, and serving, until its token comes); one that does not is stopped at once; once stopped it is freed
+    (with the job's other tasks, for a stopping job)."""
+    waits = t.op == OP_STOP and t.state in (STARTING, RUNNING)
+    if t.op is not None and not waits:  # whatever was wanted of it is moot now
         t = w.end_op(t)
     if t.state in (STARTING, RUNNING):
-        _stop(w, t, t.reason)
+        _try_perform(w, t if waits else w.new_op(t, OP_STOP, t.reason or REASON_RESIZED))
         return
     if t.state in (PENDING, ALLOCATED, FAILED):  # nothing runs: stopped at once
         held = t.machine is not None or t.request_id is not None
@@ -788,6 +796,8 @@ def _progress_update(w: _JobWork) -> None:
 
 def _op_moot(w: _JobWork, t: Task) -> bool:
     """Whether ``t``'s not yet performed operation no longer applies."""
+    if t.op == OP_STOP:  # of a running task still retiring or leaving for a maintenance
+        return t.state not in (STARTING, RUNNING) or (t.intent != RETIRE and t.maint_choice not in LEAVING)
     if t.intent == RETIRE:
         return True
     if t.op == OP_UPDATE:
@@ -800,6 +810,8 @@ def _try_perform(w: _JobWork, t: Task, budget: list[int] | None = None) -> Task:
     unit of ``budget`` (the job's max_unavailable left; computed here if not given)."""
     if t.op_state != OP_APPROVED:
         return t
+    if t.op == OP_STOP and t.state not in (STARTING, RUNNING):
+        return t
     if t.op == OP_UPDATE:
         if t.state != RUNNING:  # not up yet (starting): taken down once it runs
             return t
@@ -807,11 +819,16 @@ def _try_perform(w: _JobWork, t: Task, budget: list[int] | None = None) -> Task:
             budget = [_unavailable_budget(w)]
         if budget[0] <= 0:
             return t
-    refused = w.fold.admit(w)
+    # within one decision time stands still and buckets only drain: once refused, the job's next operations are
+    # refused for the same reason (10,000 waiting stops cost one bucket check per decision, not 10,000)
+    refused = w.refusal or w.fold.admit(w)
     if refused is not None:
         w.waiting[t.id] = t
         w.refusal = w.refusal or refused
         return t
+    if t.op == OP_STOP:  # over once commanded: a retiring task is freed, a leaving one held or moved, once stopped
+        reason = t.op_reason
+        return _stop(w, replace(w.end_op(t), reason=reason), reason)
     t = w.put(replace(t, op_state=OP_RUNNING))
     if t.op == OP_UPDATE:
         budget[0] -= 1
@@ -865,8 +882,10 @@ def _drain_ops(w: _JobWork) -> None:
 
 def _ask_controller(w: _JobWork) -> None:
     """Send the job's TaskController a request (Figure 8) when it has something new to say: approved
-    operations completed, operations it was not asked about, an advance notice; or when the timer says so.
-    One request at a time: the next waits for the ack of the latest (or for the timer)."""
+    operations completed, operations it was not asked about, an advance notice, a task running again while a
+    notice still has tasks awaiting a choice (the controller may make its next one: e.g. move the next task
+    once the one it moved runs elsewhere); or when the timer says so. One request at a time: the next waits for
+    the ack of the latest (or for the timer)."""
     job = w.job
     if not job.spec.controller:
         return
@@ -874,8 +893,13 @@ def _ask_controller(w: _JobWork) -> None:
         return
     pending = [t for t in w.ordered() if t.op_state == OP_PENDING] if job.ops_open + w.ops_delta > 0 else []
     asked = set(job.tc_asked)
-    news = job.tc_completed or job.tc_notice_new or any(t.op_id not in asked for t in pending)
-    if not news and not (w.ask and (pending or job.tc_outstanding)):
+    news = bool(job.tc_completed) or any(t.op_id not in asked for t in pending)
+    if not news and not job.tc_notice_new and not (w.ask and (pending or job.tc_outstanding)):
+        return
+    notices = _notices(w)
+    if job.tc_notice_new and not any(n.task_ids for n in notices):
+        w.set(quiet=True, tc_notice_new=False)  # every task under notice has its choice: nothing to ask
+    if not (news or w.job.tc_notice_new) and not (w.ask and (pending or job.tc_outstanding)):
         return
     completed = (*job.tc_sent_completed, *job.tc_completed) if job.tc_outstanding else job.tc_completed
     seq = job.tc_seq + 1
@@ -883,11 +907,26 @@ def _ask_controller(w: _JobWork) -> None:
         job_id=job.id, entitlement=job.entitlement, controller=job.spec.controller, sequence=seq,
         pending=tuple(tc.Operation(t.op_id, t.id, t.op, t.op_reason) for t in pending),
         completed=completed,
-        notices=tuple(tc.AdvanceNotice(u, tuple(ts), s, d) for u, ts, s, d in job.tc_notices),
-        unhealthy=tuple(t.id for t in w.ordered() if t.state != RUNNING and t.intent != RETIRE))
+        notices=notices,
+        unhealthy=tuple(t.id for t in w.ordered() if (t.state != RUNNING or t.op == OP_STOP) and t.intent != RETIRE))
     w.emit("TaskControlRequested", job.id, tc.request_payload(req), "taskcontrol", job.id, seq)
     w.set(quiet=True, tc_seq=seq, tc_outstanding=True, tc_asked=tuple(t.op_id for t in pending),
           tc_asked_ms=w.fold.now, tc_completed=(), tc_sent_completed=completed, tc_notice_new=False)
+
+
+def _notices(w: _JobWork) -> tuple[tc.AdvanceNotice, ...]:
+    """The job's open advance notices as its controller is told them: each names the tasks still on the
+    maintenance's machines that await a choice (none made yet for it, not retiring), so that a task moved off,
+    being stopped or kept is not asked about again."""
+    machines = {m[0]: frozenset(m[1]) for m in w.job.maint}
+    out = []
+    for ue, task_ids, start, deadline, duration in w.job.tc_notices:
+        gone = machines.get(ue)
+        if gone is not None:
+            task_ids = tuple(t.id for t in w.ordered() if t.machine in gone and t.intent != RETIRE
+                             and (t.maint_choice is None or t.maint_ue != ue))
+        out.append(tc.AdvanceNotice(ue, tuple(task_ids), start, deadline, duration))
+    return tuple(out)
 
 
 def _resize(w: _JobWork, n: int, reason: str) -> None:
@@ -900,6 +939,8 @@ def _resize(w: _JobWork, n: int, reason: str) -> None:
         if t is None:
             w.put(Task(id=tid, index=i, spec_version=job.spec_version, reason=reason))
             w.place[tid] = None
+        elif t.intent == RETIRE and t.op == OP_STOP:  # its stop still waits for a token: it simply stays
+            w.put(replace(w.end_op(t), intent=RUN, reason="" if t.state == RUNNING else reason))
         elif t.intent == RETIRE:
             _advance(w, w.put(replace(t, intent=UPDATE, reason=reason)))
     for t in sorted(w.tasks.values(), key=lambda t: -t.index):
@@ -1112,6 +1153,8 @@ def _on_task_state_changed(fold: _Fold, ev: Event) -> None:
         t = w.put(replace(t, state=state, running_since_ms=now, reason=""))
         if t.op_state == OP_RUNNING:  # the update or move it was under is complete
             t = w.end_op(t)
+        if w.job.tc_notices:  # e.g. a task moved off for a maintenance runs again: its controller's next choice
+            w.set(quiet=True, tc_notice_new=True)
         w.discovery(t, True, REASON_TASK_RUNNING)
         return
     if state == STARTING:  # an agent ahead of the scheduler's own step (not seen: the START comes with it)
@@ -1221,7 +1264,12 @@ def _enforce_deadlines(w: _JobWork) -> None:
     """The timer at or after a maintenance deadline: every task still starting or running on the machines is
     taken out of service discovery and stopped (reason ``maintenance_deadline``), unless its controller chose
     to keep it running. With a controller it stays down until the maintenance ends and then starts again where
-    it is; without one (the built-in policy) it moves elsewhere once stopped. Each deadline is enforced once."""
+    it is; without one (the built-in policy) it moves elsewhere once stopped. Each deadline is enforced once.
+
+    These stops take no token from the limiter (the one exception to it): the maintenance proceeds at its
+    deadline whatever the buckets hold, so a throttled deadline would mean nothing. For the same reason a task
+    whose stop still waits for a token (its controller chose MOVE or STOP, or it is retiring) is stopped now;
+    it keeps its choice (held, or moved once stopped) or its retirement."""
     now = w.fold.now
     due = [m for m in w.job.maint if not m[4] and m[3] <= now]
     if not due:
@@ -1231,10 +1279,12 @@ def _enforce_deadlines(w: _JobWork) -> None:
     for ue, machines, _start, _deadline, _ in due:
         gone = set(machines)
         for t in w.ordered():
-            if t.machine not in gone or t.intent == RETIRE or t.maint_choice == CHOICE_KEEP:
+            if t.machine not in gone or t.maint_choice == CHOICE_KEEP or t.state not in (STARTING, RUNNING):
+                continue  # elsewhere, kept running through it, down already or stopping
+            if t.intent == RETIRE or t.maint_choice is not None:
+                if t.op == OP_STOP:  # leaving anyway, its stop waits for a token: the deadline does not wait
+                    _stop(w, w.end_op(t), REASON_MAINTENANCE_DEADLINE)
                 continue
-            if t.state not in (STARTING, RUNNING) or t.maint_choice is not None:
-                continue  # down already, stopping, or moving off by its controller's choice
             if t.op is not None and t.op_state != OP_RUNNING:
                 t = w.end_op(t)  # moot: the deadline stops it
             if t.op_state == OP_RUNNING:  # under an update: it restarts on the machine only after the window
@@ -1266,8 +1316,8 @@ def _apply_choices(w: _JobWork, ev: Event, choices: Iterable[tc.Choice]) -> None
         if c.choice == CHOICE_KEEP:
             continue
         why = REASON_MAINTENANCE_STOP if c.choice == CHOICE_STOP else REASON_MACHINE_MAINTENANCE
-        if t.state in (STARTING, RUNNING) and t.op_state != OP_RUNNING:
-            _stop(w, replace(t, reason=why), why)
+        if t.state in (STARTING, RUNNING) and t.op_state != OP_RUNNING:  # through the limiter, like any stop
+            _try_perform(w, w.new_op(replace(t, reason=why), OP_STOP, why))
         elif t.state in (FAILED, STOPPED) and t.op_state != OP_RUNNING:
             _advance(w, t)
 
@@ -1289,7 +1339,7 @@ def _advance_notice(fold: _Fold, ev: Event) -> None:
         w = fold.work_for(job_id)
         if w is None:
             continue
-        notice = (p["unavailability_id"], hit, p["start_ms"], p.get("deadline_ms"))
+        notice = (p["unavailability_id"], hit, p["start_ms"], p.get("deadline_ms"), p.get("expected_duration_ms"))
         w.set(quiet=True, tc_notices=(*w.job.tc_notices, notice), tc_notice_new=True)
 
 
@@ -1392,7 +1442,8 @@ def job_to_record(job: Job) -> dict:
             "bucket": limiter.bucket_record(job.bucket), "throttled": list(job.throttled), "tc_seq": job.tc_seq,
             "tc_outstanding": job.tc_outstanding, "tc_asked": list(job.tc_asked), "tc_asked_ms": job.tc_asked_ms,
             "tc_completed": list(job.tc_completed), "tc_sent_completed": list(job.tc_sent_completed),
-            "tc_notices": [[u, list(ts), s, d] for u, ts, s, d in job.tc_notices], "tc_notice_new": job.tc_notice_new,
+            "tc_notices": [[u, list(ts), s, d, dur] for u, ts, s, d, dur in job.tc_notices],
+            "tc_notice_new": job.tc_notice_new,
             "maint": [[u, list(ms), s, d, e] for u, ms, s, d, e in job.maint]}
 
 
@@ -1412,7 +1463,8 @@ def job_from_record(r: Mapping[str, Any]) -> Job:
                tc_outstanding=r.get("tc_outstanding", False), tc_asked=tuple(r.get("tc_asked", ())),
                tc_asked_ms=r.get("tc_asked_ms"), tc_completed=tuple(r.get("tc_completed", ())),
                tc_sent_completed=tuple(r.get("tc_sent_completed", ())),
-               tc_notices=tuple((u, tuple(ts), s, d) for u, ts, s, d in r.get("tc_notices", ())),
+               tc_notices=tuple((n[0], tuple(n[1]), n[2], n[3], n[4] if len(n) > 4 else None)
+                                for n in r.get("tc_notices", ())),
                tc_notice_new=r.get("tc_notice_new", False),
                maint=tuple((u, tuple(ms), s, d, e) for u, ms, s, d, e in r.get("maint", ())))
 
@@ -1465,15 +1517,16 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
     fold = _Fold(state, now_ms, None, id_root=f"{PRODUCER}/retry/{now_ms}", limits=limits)
     for job_id in sorted(state.jobs):
         job = state.jobs[job_id]
-        if job.status != JOB_ACTIVE:
+        if job.status not in (JOB_ACTIVE, JOB_STOPPING):  # a stopping job's stops wait for tokens too
             continue
         if any(not m[4] and m[3] <= now_ms for m in job.maint):
             _enforce_deadlines(fold.work_for(job_id))
-        if any(t.parked for t in job.tasks.values()):
+        if job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()):
             fold.work_for(job_id).retry_parked()
         if job.ops_open or job.throttled:
             w = fold.work_for(job_id)  # its finish drains what is approved
-            if (job.spec.controller and job.tc_asked_ms is not None and now_ms - job.tc_asked_ms >= REASK_MS
+            if (job.status == JOB_ACTIVE and job.spec.controller and job.tc_asked_ms is not None
+                    and now_ms - job.tc_asked_ms >= REASK_MS
                     and (job.tc_outstanding or any(t.op_state == OP_PENDING for t in job.tasks.values()))):
                 w.ask = True
     return fold.result()

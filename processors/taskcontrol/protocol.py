@@ -6,13 +6,16 @@ co-partitioned with everything else of the job), with ``TaskControlRequested``:
     job_id, controller, sequence        (increases with every request of the job)
     pending_operations                  operations awaiting approval: operation_id, task_id, kind, reason
     completed_operation_ids             approved operations finished since the previous request
-    advance_notices                     planned maintenance ahead: unavailability_id, task_ids, start, deadline
-    unhealthy_task_ids                  every task of the job not RUNNING, whatever the cause
+    advance_notices                     planned maintenance ahead: unavailability_id, the tasks still on its
+                                        machines awaiting a choice, start, deadline, expected duration
+    unhealthy_task_ids                  every task of the job not RUNNING, whatever the cause, or about to stop
+                                        (its stop waits for a token of the rate limiter)
 
 and the controller answers ``TaskControlAcked(job_id, sequence, approved_operation_ids, controller,
 maintenance_choices)``. A choice answers an advance notice for one task (Twine §2.5): ``MOVE`` it off now,
 ``STOP`` it now and restart it where it is after the maintenance, or ``KEEP`` it running through it (a short
-top-of-rack maintenance); a task with no choice is stopped at the notice's deadline. Only the
+top-of-rack maintenance); a task with no choice is stopped at the notice's deadline. ``decide`` returns the
+approved ids, or an ``Answer(approved, choices)``; ``answer_of`` reads either. Only the
 ack of the job's latest request, while it is unanswered, counts (``ack_refusal``): an older sequence is stale,
 a second ack of the same one a duplicate, a newer one bogus. Operation ids are stable across re-asks.
 
@@ -29,6 +32,7 @@ from typing import Any
 OP_UPDATE = "UPDATE"  # stop the task to start it again at the job's new spec version (rolling update)
 OP_MOVE = "MOVE"  # place the task elsewhere (its machine was lost)
 OP_RESTART = "RESTART"  # start it again where it is (restart policy): rate limited, never asked
+OP_STOP = "STOP"  # stop it (shrink, job stop, a controller's maintenance MOVE/STOP choice): rate limited, never asked
 CONTROLLED = frozenset({OP_UPDATE, OP_MOVE})  # kinds a job's TaskController approves
 
 # A controller's choice for a task under an advance notice: the MaintenanceChoiceKind symbols of
@@ -60,6 +64,7 @@ class AdvanceNotice:
     task_ids: tuple[str, ...]
     start_ms: int
     deadline_ms: int | None = None
+    expected_duration_ms: int | None = None  # how long the machines will be out (None: not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,11 @@ class Answer:
 
     approved: tuple[str, ...] = ()
     choices: tuple[Choice, ...] = ()
+
+
+def answer_of(result: "Answer | Iterable[str]") -> Answer:
+    """What a controller's ``decide`` returned, as an ``Answer`` (bare operation ids approve, choose nothing)."""
+    return result if isinstance(result, Answer) else Answer(tuple(result))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +109,8 @@ def request_payload(r: Request) -> dict[str, Any]:
                                 "reason": o.reason} for o in r.pending],
         "completed_operation_ids": list(r.completed),
         "advance_notices": [{"unavailability_id": n.unavailability_id, "task_ids": list(n.task_ids),
-                             "start_ms": n.start_ms, "deadline_ms": n.deadline_ms} for n in r.notices],
+                             "start_ms": n.start_ms, "deadline_ms": n.deadline_ms,
+                             "expected_duration_ms": n.expected_duration_ms} for n in r.notices],
         "unhealthy_task_ids": list(r.unhealthy),
     }
 
@@ -111,8 +122,8 @@ def request_of(payload: Mapping[str, Any], entitlement: str = "", event_id: str 
         pending=tuple(Operation(o["operation_id"], o["task_id"], o["kind"], o.get("reason", ""))
                       for o in payload["pending_operations"]),
         completed=tuple(payload.get("completed_operation_ids", ())),
-        notices=tuple(AdvanceNotice(n["unavailability_id"], tuple(n["task_ids"]), n["start_ms"], n.get("deadline_ms"))
-                      for n in payload.get("advance_notices", ())),
+        notices=tuple(AdvanceNotice(n["unavailability_id"], tuple(n["task_ids"]), n["start_ms"], n.get("deadline_ms"),
+                                    n.get("expected_duration_ms")) for n in payload.get("advance_notices", ())),
         unhealthy=tuple(payload.get("unhealthy_task_ids", ())), event_id=event_id)
 
 

@@ -208,7 +208,8 @@ def test_planned_maintenance_is_an_advance_notice():
                 producer="opsplanner", entity="ue7")
     out = sim.feed(notice)
     (r,) = requests(out)
-    assert r.notices == (tc.AdvanceNotice("ue7", ("j/1",), T0 + 3_600_000, T0 + 7_200_000),) and r.pending == ()
+    assert r.notices == (tc.AdvanceNotice("ue7", ("j/1",), T0 + 3_600_000, T0 + 7_200_000, 600_000),)
+    assert r.pending == ()
     assert of_type(out, "TaskCommanded") == []
 
 
