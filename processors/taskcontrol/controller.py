@@ -1,4 +1,5 @@
-"""A library for writing a TaskController: one function ``decide(request, view) -> approved operation ids``.
+"""A library for writing a TaskController: one function ``decide(request, view) -> approved operation ids`` (or a
+``protocol.Answer(approved, choices)``, with per-task MOVE / STOP / KEEP choices under advance notices).
 
     from processors.taskcontrol.controller import TaskControllerProcess
     TaskControllerProcess(cfg, "zk", LeaderLast({"e1.zk": "e1.zk/0"})).run()
@@ -15,7 +16,8 @@ a ``TaskControlAcked`` echoing its sequence. The bookkeeping is the library's, a
   has not finished;
 * nothing is answered before the log is read to its end (a restarted controller does not answer what it
   answered before it stopped);
-* ``decide`` may return any ids: only operations pending in the request are acked, in the request's order.
+* ``decide`` may return any ids: only operations pending in the request are acked, in the request's order; only
+  choices for tasks the request's notices name are sent (``protocol.valid_choices``).
 
 The folding (``absorb``, ``due``, ``answer``) is pure; ``TaskControllerProcess`` is the thin Kafka wiring.
 """
@@ -34,7 +36,7 @@ from streams.events import Event, derived_event_id, new_event
 
 log = logging.getLogger(__name__)
 
-Decide = Callable[[Request, View], Iterable[str]]
+Decide = Callable[[Request, View], "tc.Answer | Iterable[str]"]
 
 
 def producer_name(name: str) -> str:
@@ -82,8 +84,10 @@ def due(books: Books) -> list[Request]:
 def answer(books: Books, request: Request, decide: Decide, name: str, now_ms: int) -> tuple[Books, Event]:
     """Ask ``decide``; the ack event (id derived from the request's) and the books with it recorded."""
     book = books.jobs.get(request.job_id, JobBook())
-    approved = tc.valid_approval(request, decide(request, View(request.job_id, book.in_flight)))
-    ack = new_event("TaskControlAcked", tc.ack_payload(request.job_id, request.sequence, approved, name),
+    result = tc.answer_of(decide(request, View(request.job_id, book.in_flight)))
+    approved = tc.valid_approval(request, result.approved)
+    choices = tc.valid_choices(request, result.choices)
+    ack = new_event("TaskControlAcked", tc.ack_payload(request.job_id, request.sequence, approved, name, choices),
                     entitlement=request.entitlement, entity_id=request.job_id, producer=producer_name(name),
                     causation_id=request.event_id or None, timestamp_ms=now_ms,
                     event_id=derived_event_id(request.event_id, "TaskControlAcked", name))
@@ -121,8 +125,9 @@ class TaskControllerProcess:
             self.books, ack = answer(self.books, req, self.decide, self.name, int(time.time() * 1000))
             self.producer.send(ack)
             sent += 1
-            log.info("taskcontroller %s: %s request %d: approved %s", self.name, req.job_id, req.sequence,
-                     ack.payload["approved_operation_ids"])
+            log.info("taskcontroller %s: %s request %d: approved %s, chose %s", self.name, req.job_id,
+                     req.sequence, ack.payload["approved_operation_ids"],
+                     [(c["task_id"], c["choice"]) for c in ack.payload.get("maintenance_choices", ())])
         if sent:
             self.producer.flush()
         self.answered += sent

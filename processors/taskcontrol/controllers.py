@@ -1,4 +1,5 @@
-"""Reference TaskControllers: each a ``decide(request, view) -> approved operation ids``. Pure.
+"""Reference TaskControllers: each a ``decide(request, view) -> Answer(approved operation ids, maintenance
+choices)``. Pure.
 
 * ``LeaderLast``  an ensemble (ZooKeeper-like): followers first, one at a time, the leader last, so an n-member
                   ensemble sees at most one leader change per release (Twine §2.5).
@@ -9,6 +10,25 @@
 
 Common rule: an operation on a task that is already down (in ``unhealthy_task_ids``, e.g. a MOVE off a failed
 machine) costs no availability and is approved, except by ``LeaderLast`` for the leader while followers wait.
+
+**Maintenance choices** (advance notices, Twine §2.5). Each request's notices name the tasks still awaiting a
+choice; a task left without one is asked about again in a later request (the scheduler asks again when a task
+runs again under an open notice) and stopped at the deadline if it never gets one. Approvals are decided first;
+the choices count the tasks those take down. A task under notice that is already down is MOVEd by all three
+(nothing is lost). Then:
+
+* ``LeaderLast``   MOVEs followers one at a time (while fewer than ``max_down`` tasks are down, in flight or
+                   unhealthy), the leader last: only when no follower awaits a choice, nothing is in flight and
+                   every other task serves. Never KEEP or STOP: an ensemble member out for the window is a quorum
+                   member lost, a move costs one member for as long as a restart.
+* ``ReplicaAware`` KEEPs a task when the maintenance is short (``expected_duration_ms <= keep_below_ms``) and each
+                   of its shards has ``min_live`` live replicas on tasks outside the maintenance (the Shard Manager
+                   case of §2.7: "if the maintenance duration is short and the shards have replicas elsewhere, do
+                   nothing"); else MOVEs it if each of its shards keeps ``min_live`` live replicas without it; else
+                   leaves it for a later request. Never KEEPs through a long (or unsaid) maintenance.
+* ``Pacing``       KEEPs every task when the maintenance is short (the top-of-rack switch case); else MOVEs
+                   tasks while fewer than ``width(load)`` are down (in flight or unhealthy, those it just
+                   approved included), the rest in later requests.
 
     python -m processors.taskcontrol.controllers leader-last --name zk --leader e1.zk=e1.zk/0
     python -m processors.taskcontrol.controllers replica-aware --name sm --shards shards.json --min-live 2
@@ -24,12 +44,30 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from processors.taskcontrol.protocol import Request, View
+from processors.taskcontrol.protocol import CHOICE_KEEP, CHOICE_MOVE, Answer, Choice, Request, View
+
+KEEP_BELOW_MS = 10 * 60_000  # default: a maintenance expected to last at most this long may be sat through
 
 
 def _down(request: Request, view: View) -> set[str]:
     """Tasks not serving: unhealthy for any reason, or taken by an operation this controller approved."""
     return set(request.unhealthy) | set(view.in_flight_tasks)
+
+
+def _under_notice(request: Request) -> list[tuple[str, str, int | None]]:
+    """(unavailability id, task, expected duration) of every task awaiting a maintenance choice, in notice
+    order, each task once (its first notice)."""
+    out, seen = [], set()
+    for n in request.notices:
+        for t in n.task_ids:
+            if t not in seen:
+                seen.add(t)
+                out.append((n.unavailability_id, t, n.expected_duration_ms))
+    return out
+
+
+def _short(duration_ms: int | None, keep_below_ms: int) -> bool:
+    return duration_ms is not None and duration_ms <= keep_below_ms
 
 
 @dataclass(frozen=True)
@@ -40,7 +78,7 @@ class LeaderLast:
     leaders: Mapping[str, str]  # job id → the leader's task id
     max_down: int = 1
 
-    def __call__(self, request: Request, view: View) -> list[str]:
+    def __call__(self, request: Request, view: View) -> Answer:
         leader = self.leaders.get(request.job_id)
         down = _down(request, view)
         approved = []
@@ -55,7 +93,26 @@ class LeaderLast:
             for op in request.pending:  # the leader, alone: only if every other task serves
                 if not (down - {op.task_id}):
                     approved.append(op.operation_id)
-        return approved
+                    down.add(op.task_id)
+        return Answer(tuple(approved), tuple(self._moves(request, view, leader, down, bool(followers))))
+
+    def _moves(self, request: Request, view: View, leader: str | None, down: set[str], ops_wait: bool
+               ) -> list[Choice]:
+        """Followers under notice moved one at a time, the leader last and alone."""
+        noticed = _under_notice(request)
+        choices = []
+        for ue, task, _ in noticed:
+            if task == leader:
+                continue
+            if task in down or len(down) < self.max_down:
+                choices.append(Choice(ue, task, CHOICE_MOVE))
+                down.add(task)
+        waiting = [t for _, t, _ in noticed if t != leader and t not in {c.task_id for c in choices}]
+        for ue, task, _ in noticed:
+            if (task == leader and not choices and not waiting and not ops_wait and not view.in_flight
+                    and not (down - {task})):
+                choices.append(Choice(ue, task, CHOICE_MOVE))
+        return choices
 
 
 @dataclass(frozen=True)
@@ -65,8 +122,9 @@ class ReplicaAware:
 
     shards: Mapping[str, Iterable[str]]
     min_live: int = 2
+    keep_below_ms: int = KEEP_BELOW_MS
 
-    def __call__(self, request: Request, view: View) -> list[str]:
+    def __call__(self, request: Request, view: View) -> Answer:
         down = _down(request, view)
         live = Counter(s for task, hosted in self.shards.items() if task not in down for s in hosted)
         approved = []
@@ -79,7 +137,26 @@ class ReplicaAware:
                 approved.append(op.operation_id)
                 down.add(op.task_id)
                 live.subtract(hosted)
-        return approved
+        return Answer(tuple(approved), tuple(self._choices(request, down, live)))
+
+    def _choices(self, request: Request, down: set[str], live: Counter) -> list[Choice]:
+        noticed = _under_notice(request)
+        affected = {t for _, t, _ in noticed}
+        # live replicas on tasks outside every maintenance: what serves a shard while kept tasks are out
+        outside = Counter(s for task, hosted in self.shards.items() if task not in down and task not in affected
+                          for s in hosted)
+        choices = []
+        for ue, task, duration in noticed:
+            hosted = list(self.shards.get(task, ()))
+            if task in down:
+                choices.append(Choice(ue, task, CHOICE_MOVE))
+            elif _short(duration, self.keep_below_ms) and all(outside[s] >= self.min_live for s in hosted):
+                choices.append(Choice(ue, task, CHOICE_KEEP))
+            elif all(live[s] - 1 >= self.min_live for s in hosted):
+                choices.append(Choice(ue, task, CHOICE_MOVE))
+                down.add(task)
+                live.subtract(hosted)
+        return choices
 
 
 @dataclass(frozen=True)
@@ -94,12 +171,14 @@ class Pacing:
     slow: int = 1
     normal: int = 2
     fast: int = 4
+    keep_below_ms: int = KEEP_BELOW_MS
 
     def width(self, load: float) -> int:
         return self.fast if load < self.low else self.slow if load > self.high else self.normal
 
-    def __call__(self, request: Request, view: View) -> list[str]:
-        room = self.width(self.load()) - len(view.in_flight)
+    def __call__(self, request: Request, view: View) -> Answer:
+        width = self.width(self.load())
+        room = width - len(view.in_flight)
         down = set(request.unhealthy)
         approved = []
         for op in request.pending:
@@ -108,7 +187,17 @@ class Pacing:
             elif room > 0:
                 approved.append(op.operation_id)
                 room -= 1
-        return approved
+        taken = _down(request, view) | {o.task_id for o in request.pending if o.operation_id in set(approved)}
+        choices = []
+        for ue, task, duration in _under_notice(request):
+            if task in down:
+                choices.append(Choice(ue, task, CHOICE_MOVE))
+            elif _short(duration, self.keep_below_ms):
+                choices.append(Choice(ue, task, CHOICE_KEEP))
+            elif len(taken) < width:
+                choices.append(Choice(ue, task, CHOICE_MOVE))
+                taken.add(task)
+        return Answer(tuple(approved), tuple(choices))
 
 
 def _pairs(items: list[str]) -> dict[str, str]:
@@ -133,17 +222,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shards", type=Path, help="JSON {task: [shard, ...]} (replica-aware)")
     ap.add_argument("--min-live", type=int, default=2)
     ap.add_argument("--load-file", type=Path, help="a file holding the current load, 0..1 (pacing)")
+    ap.add_argument("--keep-below-s", type=float, default=KEEP_BELOW_MS / 1000,
+                    help="a maintenance expected to last at most this many seconds may be sat through (KEEP) "
+                         "(replica-aware, pacing)")
     a = ap.parse_args(argv)
+    keep_below_ms = int(a.keep_below_s * 1000)
     if a.kind == "leader-last":
         decide = LeaderLast(_pairs(a.leader), a.max_down)
     elif a.kind == "replica-aware":
         if a.shards is None:
             raise SystemExit("replica-aware needs --shards FILE")
-        decide = ReplicaAware(json.loads(a.shards.read_text()), a.min_live)
+        decide = ReplicaAware(json.loads(a.shards.read_text()), a.min_live, keep_below_ms)
     else:
         if a.load_file is None:
             raise SystemExit("pacing needs --load-file FILE")
-        decide = Pacing(lambda: float(a.load_file.read_text().strip() or 0))
+        decide = Pacing(lambda: float(a.load_file.read_text().strip() or 0), keep_below_ms=keep_below_ms)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     TaskControllerProcess(Config.from_env(), a.name, decide).run()
 

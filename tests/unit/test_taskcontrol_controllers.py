@@ -23,8 +23,8 @@ def view(*in_flight, job="zk"):
     return View(job, {f"{t}:update": upd(t) for t in in_flight})
 
 
-def tasks_of(ids):
-    return [i.split(":")[0] for i in ids]
+def tasks_of(answer):
+    return [i.split(":")[0] for i in tc.answer_of(answer).approved]
 
 
 LEADER_LAST = {  # request, view → approved tasks (leader: t0)
@@ -94,7 +94,7 @@ PACING = {  # load, in flight → approved count of 6 pending
 @pytest.mark.parametrize("load, flying, count", PACING.values(), ids=PACING)
 def test_pacing(load, flying, count):
     got = Pacing(lambda: load)(req([f"t{i}" for i in range(6)]), view(*[f"x{i}" for i in range(flying)]))
-    assert len(got) == count
+    assert len(tasks_of(got)) == count
 
 
 # -- the library's bookkeeping --------------------------------------------------------------------------------
@@ -154,3 +154,117 @@ def test_an_ack_gone_stale_under_a_re_ask_is_not_in_flight_live_or_replayed():
     _, live_ack2 = answer(live, due(live)[0], leader_last, "zk-ctl", 6)
     _, replay_ack2 = answer(replayed, due(replayed)[0], leader_last, "zk-ctl", 6)
     assert live_ack2.payload["approved_operation_ids"] == replay_ack2.payload["approved_operation_ids"] == ["t0:update"]
+
+
+def test_library_sends_the_answers_choices_for_noticed_tasks_only():
+    r = Request("zk", "e1", "zk-ctl", 1, notices=(tc.AdvanceNotice("ue", ("t0",), 10, 5, 60_000),), event_id="r1")
+    b = absorb(Books(), new_event("TaskControlRequested", tc.request_payload(r), entitlement="e1", entity_id="zk",
+                                  producer="scheduler", event_id="r1", timestamp_ms=1), "zk-ctl")
+    (due_r,) = due(b)
+    assert due_r.notices == r.notices, "the notice, expected duration included, survives the payload"
+
+    def choose(request, view_):
+        return tc.Answer((), (tc.Choice("ue", "t0", tc.CHOICE_KEEP), tc.Choice("ue", "t9", tc.CHOICE_MOVE)))
+
+    b, ack = answer(b, due_r, choose, "zk-ctl", 5)
+    REG.encode(ack.type, ack.to_record(1))
+    assert tc.choices_of(ack.payload) == (tc.Choice("ue", "t0", tc.CHOICE_KEEP),), "t9 is under no notice"
+    assert due(b) == []
+
+
+# -- maintenance choices ------------------------------------------------------------------------------------------
+
+SHORT, LONG = 5 * 60_000, 2 * 3_600_000  # expected durations (the default keep threshold is 10 min)
+
+
+def notice_req(noticed, duration=LONG, pending=(), unhealthy=(), job="zk", seq=1):
+    """A request whose advance notice (ue) names ``noticed``; ``pending`` are update operations."""
+    return Request(job, "e1", "c", seq, tuple(upd(t) for t in pending), (),
+                   (tc.AdvanceNotice("ue", tuple(noticed), 10_000, 5_000, duration),), tuple(unhealthy), f"r{seq}")
+
+
+def chosen(answer):
+    return [(c.task_id, c.choice) for c in tc.answer_of(answer).choices]
+
+
+M, K = tc.CHOICE_MOVE, tc.CHOICE_KEEP
+LEADER_LAST_MAINTENANCE = {  # request, view → choices (leader t0, max_down 1)
+    "one-follower-at-a-time": (notice_req(["t0", "t1", "t2"]), view(), [("t1", M)]),
+    "short-or-long-it-moves": (notice_req(["t1", "t2"], SHORT), view(), [("t1", M)]),
+    "nothing-while-a-task-is-down": (notice_req(["t0", "t2"], unhealthy=["t1"]), view(), []),
+    "nothing-while-an-update-is-in-flight": (notice_req(["t2"]), view("t3"), []),
+    "a-down-follower-moves-at-once": (notice_req(["t1", "t2"], unhealthy=["t2"]), view(), [("t2", M)]),
+    "the-leader-last-and-alone": (notice_req(["t0"]), view(), [("t0", M)]),
+    "the-leader-waits-for-a-follower-back": (notice_req(["t0"], unhealthy=["t1"]), view(), []),
+    "the-leader-waits-for-follower-updates": (notice_req(["t0"], pending=["t1"]), view(), []),
+    "an-approved-update-uses-the-room": (notice_req(["t1", "t2"], pending=["t3"]), view(), []),
+}
+
+
+@pytest.mark.parametrize("request_, view_, choices", LEADER_LAST_MAINTENANCE.values(), ids=LEADER_LAST_MAINTENANCE)
+def test_leader_last_maintenance_choices(request_, view_, choices):
+    assert chosen(LeaderLast({"zk": "t0"})(request_, view_)) == choices
+
+
+def test_leader_last_moves_an_ensemble_off_one_at_a_time_leader_last():
+    """A whole maintenance of a 5-member ensemble: each request after the previous move ran elsewhere."""
+    decide, left, order, seq = LeaderLast({"zk": "t0"}), [f"t{i}" for i in range(5)], [], 0
+    while left:
+        seq += 1
+        got = chosen(decide(notice_req(left, seq=seq), view()))
+        assert len(got) == 1 and got[0][1] == M
+        left.remove(got[0][0])
+        order.append(got[0][0])
+    assert order == ["t1", "t2", "t3", "t4", "t0"]
+
+
+RA_SHARDS = {"t0": ["a"], "t1": ["a"], "t2": ["a"], "t3": ["b"], "t4": ["b"], "t5": ["b"], "t6": ["a", "b"]}
+REPLICA_AWARE_MAINTENANCE = {  # request, min_live → choices  (a: t0 t1 t2 t6, b: t3 t4 t5 t6)
+    "long-moves-while-replicas-stay": (notice_req(["t0", "t1", "t2"]), 2, [("t0", M), ("t1", M)]),
+    "long-never-keeps": (notice_req(["t3"]), 3, [("t3", M)]),
+    "long-left-for-later-when-short-of-replicas": (notice_req(["t0"], unhealthy=["t1", "t2"]), 2, []),
+    "short-keeps-with-replicas-elsewhere": (notice_req(["t0", "t3"], SHORT), 2, [("t0", K), ("t3", K)]),
+    "short-but-replicas-under-notice-too": (notice_req(["t0", "t1", "t2"], SHORT), 2, [("t0", M), ("t1", M)]),
+    "unsaid-duration-is-long": (notice_req(["t0"], None), 2, [("t0", M)]),
+    "a-down-task-moves": (notice_req(["t0"], unhealthy=["t0", "t1", "t2"]), 2, [("t0", M)]),
+    "updates-count-first": (notice_req(["t0", "t1"], pending=["t2"]), 2, [("t0", M)]),
+}
+
+
+@pytest.mark.parametrize("request_, min_live, choices", REPLICA_AWARE_MAINTENANCE.values(),
+                         ids=REPLICA_AWARE_MAINTENANCE)
+def test_replica_aware_maintenance_choices(request_, min_live, choices):
+    got = ReplicaAware(RA_SHARDS, min_live)(request_, view())
+    assert chosen(got) == choices
+    # whatever it moved or approved leaves every shard at least min_live live replicas (or as many as it had)
+    down = set(request_.unhealthy) | set(tasks_of(got)) | {t for t, c in chosen(got) if c == M}
+    before = set(request_.unhealthy)
+    for shard in ("a", "b"):
+        live = sum(shard in h for t, h in RA_SHARDS.items() if t not in down)
+        had = sum(shard in h for t, h in RA_SHARDS.items() if t not in before)
+        assert live >= min(min_live, had)
+
+
+PACING_MAINTENANCE = {  # load, duration, unhealthy, in flight → choices of 4 tasks under notice
+    "short-keeps-all": (0.9, SHORT, [], 0, [("t0", K), ("t1", K), ("t2", K), ("t3", K)]),
+    "long-off-peak-moves-fast": (0.2, LONG, [], 0, [("t0", M), ("t1", M), ("t2", M), ("t3", M)]),
+    "long-normal-moves-two": (0.6, LONG, [], 0, [("t0", M), ("t1", M)]),
+    "long-peak-moves-one": (0.9, LONG, [], 0, [("t0", M)]),
+    "down-tasks-count": (0.6, LONG, ["x1"], 0, [("t0", M)]),
+    "in-flight-counts": (0.6, LONG, [], 2, []),
+    "a-down-task-moves-anyway": (0.9, LONG, ["t2"], 1, [("t2", M)]),
+}
+
+
+@pytest.mark.parametrize("load, duration, unhealthy, flying, choices", PACING_MAINTENANCE.values(),
+                         ids=PACING_MAINTENANCE)
+def test_pacing_maintenance_choices(load, duration, unhealthy, flying, choices):
+    r = notice_req([f"t{i}" for i in range(4)], duration, unhealthy=unhealthy)
+    assert chosen(Pacing(lambda: load)(r, view(*[f"x{i + 5}" for i in range(flying)]))) == choices
+
+
+@pytest.mark.parametrize("keep_below_ms, choice", [(SHORT - 1, M), (SHORT, K)])
+def test_the_keep_threshold_is_configurable(keep_below_ms, choice):
+    r = notice_req(["t0"], SHORT)
+    assert chosen(Pacing(lambda: 0.2, keep_below_ms=keep_below_ms)(r, view())) == [("t0", choice)]
+    assert chosen(ReplicaAware({"t0": []}, 2, keep_below_ms)(r, view())) == [("t0", choice)]
