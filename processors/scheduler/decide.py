@@ -378,6 +378,10 @@ class _Fold:
         down = self._down if self._down is not None else self.state.machines_down
         return machine_id is not None and machine_id in down
 
+    def down_status(self, machine_id: str) -> str | None:
+        down = self._down if self._down is not None else self.state.machines_down
+        return down.get(machine_id)
+
     def set_down(self, machine_id: str, status: str | None) -> None:
         down = self._down if self._down is not None else self.state.machines_down
         if down.get(machine_id) == status:
@@ -1239,9 +1243,14 @@ def _record_maintenance(fold: _Fold, ev: Event) -> None:
 
 
 def _on_unavailability_ended(fold: _Fold, ev: Event) -> None:
-    """A maintenance is over: tasks stopped for it start again where they are (a task whose machine is down
-    meanwhile moves), kept ones are ordinary again, and the job forgets the notice."""
+    """A maintenance is over: its machines still in MAINTENANCE are UP (the Resource Broker says so on
+    ``machines`` too, but the two topics are not ordered), tasks stopped for it start again where they are (a task
+    whose machine is down meanwhile, e.g. failed, moves), kept ones are ordinary again, the job forgets the
+    notice."""
     ue = ev.payload["unavailability_id"]
+    for mid in ev.payload["machine_ids"]:  # over: a machine still in MAINTENANCE here is UP (its status change,
+        if fold.is_down(mid) and fold.down_status(mid) == MAINTENANCE:  # on another topic, may come after this)
+            fold.set_down(mid, None)
     for job_id in _jobs_in_scope(fold, ev):
         job = fold.job(job_id)
         if not any(m[0] == ue for m in job.maint) and not any(t.maint_ue == ue for t in job.tasks.values()):

@@ -246,3 +246,19 @@ def test_a_task_moved_for_a_maintenance_avoids_every_machine_of_it():
     (request,) = of_type(out, "AllocationRequested")
     assert request.payload["avoid_machine_ids"] == ["m1", "m3"]
     assert sim.tasks()["j/0"] == ("RUNNING", "m4")
+
+
+@pytest.mark.parametrize("status, final", [("MAINTENANCE", "m1"), ("DOWN", "m3")],
+                         ids=["window-still-open-here", "machine-failed-meanwhile"])
+def test_the_end_arriving_before_the_machine_is_up_restarts_in_place(status, final):
+    """UnavailabilityEnded and the machine's MachineStatusChanged(UP) travel on different topics: a shard may read
+    the end first. The maintenance being over, its machine is UP for the scheduler, and the held task starts
+    where it is; a machine that failed meanwhile stays down and the task moves."""
+    sim = running_job(2, ("m1", "m2"), controller=CTL)
+    (req,) = requests(sim.feed(maintenance(["m1"])))
+    settle(sim, sim.feed(ack_with(req.sequence, [("j/0", tc.CHOICE_STOP)])))
+    sim.feed(machine_status("m1", status))
+    out = sim.feed(ended(["m1"]))
+    settle(sim, out, Allocator(["m3"]))
+    assert sim.tasks()["j/0"] == ("RUNNING", final)
+    assert ("m1" in sim.state.machines_down) == (status == "DOWN")
