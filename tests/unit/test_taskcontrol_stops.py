@@ -17,9 +17,9 @@ from processors.scheduler.decide import (
 )
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import REASON_RATE_LIMITED_JOB, Limits, Rate
-from test_maintenance import DEADLINE, ack_with, ended, maintenance
+from test_maintenance import DEADLINE, ack_with, ended, maintenance, settle
 from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit is on sys.path)
-    REG, T0, Allocator, Sim, agent_reactions, allocated, entitlement, ev, of_type, report, resized, spec_changed,
+    REG, T0, Allocator, Sim, allocated, entitlement, ev, of_type, report, resized, spec_changed,
     stopped, submit,
 )
 from test_taskcontrol_scheduler import CTL, requests
@@ -59,22 +59,13 @@ class LimitedSim(Sim):
             REG.encode(e.type, e.to_record(schema_version=1))
         assert len({e.event_id for e in out}) == len(out)
 
-    def settle(self, out, allocator=None):
-        """Feed the agents' (and the allocator's) reactions until quiet; everything emitted on the way."""
-        log, todo = [], list(out)
-        while todo:
-            nxt = list(agent_reactions(todo)) + (list(allocator.reactions(todo)) if allocator else [])
-            todo = self.feed_all(nxt)
-            log.extend(todo)
-        return log
-
 
 def job_on(limits, n, job="j", **kw):
     """A LimitedSim with job ``job`` of ``n`` tasks RUNNING on m1..mn."""
     sim = LimitedSim(limits)
     sim.feed(entitlement())
     (req,) = of_type(sim.feed(submit(job, n, **kw)), "AllocationRequested")
-    sim.settle(sim.feed(allocated(req, {f"{job}/{i}": f"m{i + 1}" for i in range(n)})))
+    settle(sim, sim.feed(allocated(req, {f"{job}/{i}": f"m{i + 1}" for i in range(n)})))
     assert all(s == "RUNNING" for s, _ in sim.tasks(job).values())
     return sim
 
@@ -107,7 +98,7 @@ def test_retire_stops_take_tokens_and_wait_running(intent, reason, at_once, wait
     got, th = throttled(out)
     assert got == [(t, tc.OP_STOP) for t in waiting] and th["reason"] == REASON_RATE_LIMITED_JOB
     assert th["retry_at_ms"] == T0 + 1000
-    out += sim.settle(out)
+    out += settle(sim, out)
     view = sim.view()
     assert {t["id"]: t["state"] for t in view["tasks"] if t["id"] in waiting} == {t: "RUNNING" for t in waiting}
     assert {t["id"]: t["reason"] for t in view["tasks"] if t["id"] in waiting} == {t: reason for t in waiting}, \
@@ -121,7 +112,7 @@ def test_retire_stops_take_tokens_and_wait_running(intent, reason, at_once, wait
         out = sim.tick(now)
         done += len(stops(out, reason))
         assert done <= 3 + (now - T0) // 1000, "never faster than the bucket"
-        log += out + sim.settle(out)
+        log += out + settle(sim, out)
     assert done == 8 - len(left) and now == T0 + 1000 * len(waiting)
     freed = sorted(t for e in of_type(log, "AllocationRequested") for t in e.payload["free_task_ids"])
     assert freed == sorted(f"j/{i}" for i in range(len(left), 8)), "every stopped task freed, once"
@@ -178,7 +169,7 @@ def _update_throttled():
     sim = job_on(ONE_A_SECOND, 3, max_unavailable=3)
     out = sim.feed(spec_changed("j", 3, version=2, max_unavailable=3))
     assert [t for t, _ in throttled(out)[0]] == ["j/1", "j/2"]
-    sim.settle(out)  # j/0 updated; j/1 and j/2 wait for tokens
+    settle(sim, out)  # j/0 updated; j/1 and j/2 wait for tokens
     assert [t for t in sim.view()["throttled"]] == ["j/1:update:2", "j/2:update:3"]
     return sim, None
 
@@ -188,12 +179,12 @@ def _update_throttled():
 def test_a_job_stopped_while_its_update_waits_ends_stopped(setup):
     sim, _ = setup()
     out = sim.feed(stopped("j"))
-    out += sim.settle(out)
+    out += settle(sim, out)
     now = T0
     while sim.view()["state"] != JOB_STOPPED:
         now += 500
         assert now < T0 + 30_000, f"stuck: {sim.view()}"
-        sim.settle(sim.tick(now))
+        settle(sim, sim.tick(now))
     assert sim.view()["operations"] == [] and sim.view()["throttled"] == []
     assert of_type(sim.tick(now + sd.REASK_MS), "TaskControlRequested") == [], "a stopped job asks nothing"
 
@@ -202,12 +193,12 @@ def test_a_shrink_undone_before_the_tokens_came_stops_nothing_more():
     sim = job_on(ONE_A_SECOND, 4)
     out = sim.feed(resized("j", 1))
     assert stops(out) == ["j/3"] and [t for t, _ in throttled(out)[0]] == ["j/1", "j/2"]
-    sim.settle(out)
+    settle(sim, out)
     out = sim.feed(resized("j", 4))
     assert stops(out) == [] and sim.view()["throttled"] == [] and sim.view()["operations"] == []
-    out += sim.settle(out, Allocator(["m9"]))
+    out += settle(sim, out, Allocator(["m9"]))
     for now in (T0 + 1_000, T0 + 2_000, T0 + 5_000):
-        assert stops(sim.settle(sim.tick(now))) == []
+        assert stops(settle(sim, sim.tick(now))) == []
     assert sim.tasks() == {"j/0": ("RUNNING", "m1"), "j/1": ("RUNNING", "m2"), "j/2": ("RUNNING", "m3"),
                            "j/3": ("RUNNING", "m9")}, "j/1, j/2 never stopped; j/3 had left: a new one is placed"
     assert all(t["reason"] == "" for t in sim.view()["tasks"]) and sim.view()["state"] == "running"
@@ -219,7 +210,7 @@ def test_a_task_waiting_for_its_stop_token_that_fails_is_stopped_at_once(intent,
     sim = job_on(ONE_A_SECOND, 3)
     out = sim.feed(intent)
     assert stops(out) == ["j/2"] and ("j/1", tc.OP_STOP) in throttled(out)[0]
-    sim.settle(out)
+    settle(sim, out)
     out = sim.feed(report("j/1", "FAILED", "m2", exit_code=1))
     assert stops(out) == [], "nothing runs: no STOP, no token"
     assert ("j/1", "STOPPED") in [(e.payload["task_id"], e.payload["state"]) for e in of_type(out, "TaskStateChanged")]
@@ -228,7 +219,7 @@ def test_a_task_waiting_for_its_stop_token_that_fails_is_stopped_at_once(intent,
     while sim.view()["state"] != final:
         now += 500
         assert now < T0 + 10_000, f"stuck: {sim.view()}"
-        sim.settle(sim.tick(now))
+        settle(sim, sim.tick(now))
     assert sim.view()["throttled"] == []
 
 
@@ -242,22 +233,22 @@ def test_maintenance_stop_and_move_choices_take_tokens_the_deadline_does_not():
     assert stops(out) == ["j/0"]
     assert throttled(out)[0] == [("j/1", tc.OP_STOP), ("j/2", tc.OP_STOP)]
     assert sim.view()["operations"][0]["reason"] == REASON_MACHINE_MAINTENANCE
-    sim.settle(out, alloc)
+    settle(sim, out, alloc)
     out = sim.tick(T0 + 1_000)
     assert stops(out, REASON_MACHINE_MAINTENANCE) == ["j/1"], "the MOVE choice waited for its token"
-    out += sim.settle(out, alloc)
+    out += settle(sim, out, alloc)
     assert sim.tasks()["j/1"] == ("RUNNING", "m7")
     assert sim.tasks()["j/2"] == ("RUNNING", "m3") and sim.view()["throttled"], "j/2 waits for the next token"
     out = sim.tick(DEADLINE)  # the deadline comes before j/2's token would (the timer ticks late here)
     assert stops(out) == ["j/2"] and stops(out, REASON_MAINTENANCE_DEADLINE) == ["j/2"]
-    sim.settle(out, alloc)
+    settle(sim, out, alloc)
     assert sim.view()["throttled"] == [] and sim.view()["operations"] == []
     assert sim.tasks() == {"j/0": ("STOPPED", "m1"), "j/1": ("RUNNING", "m7"), "j/2": ("STOPPED", "m3"),
                            "j/3": ("RUNNING", "m4")}
     out = sim.feed(ended(["m1", "m2", "m3"]))
     assert sorted((e.payload["task_id"], e.payload["reason"]) for e in of_type(out, "TaskCommanded")) == [
         ("j/0", REASON_MAINTENANCE_ENDED), ("j/2", REASON_MAINTENANCE_ENDED)]
-    sim.settle(out, alloc)
+    settle(sim, out, alloc)
     assert all(s == "RUNNING" for s, _ in sim.tasks().values())
 
 
@@ -266,17 +257,17 @@ def test_the_deadline_stops_a_retiring_task_still_waiting_for_its_token():
     sim.feed(maintenance(["m2"]))
     out = sim.feed(resized("j", 1))
     assert stops(out) == ["j/2"]
-    sim.settle(out)
+    settle(sim, out)
     out = sim.tick(DEADLINE)
     assert stops(out, REASON_MAINTENANCE_DEADLINE) == ["j/1"]
-    sim.settle(out)
+    settle(sim, out)
     assert sim.tasks() == {"j/0": ("RUNNING", "m1")} and sim.view()["throttled"] == []
 
 
 def test_a_task_waiting_to_stop_for_a_maintenance_that_crashes_is_held():
     sim = job_on(ONE_A_SECOND, 3, controller=CTL, max_unavailable=3)
     (r,) = requests(sim.feed(maintenance(["m1", "m2"])))
-    sim.settle(sim.feed(ack_with(r.sequence, [("j/0", tc.CHOICE_STOP), ("j/1", tc.CHOICE_STOP)])))
+    settle(sim, sim.feed(ack_with(r.sequence, [("j/0", tc.CHOICE_STOP), ("j/1", tc.CHOICE_STOP)])))
     out = sim.feed(report("j/1", "FAILED", "m2", exit_code=1))
     assert of_type(out, "TaskCommanded") == [], "held: no restart, no stop"
     assert sim.view()["throttled"] == [] and sim.view()["operations"] == []
@@ -305,12 +296,12 @@ def test_notices_name_the_tasks_awaiting_a_choice_and_a_move_done_asks_for_the_n
     assert r1.notices[0].task_ids == ("j/0", "j/1") and r1.notices[0].expected_duration_ms == 900_000
     out = sim.feed(ack_with(r1.sequence, [("j/0", tc.CHOICE_MOVE)]))
     assert requests(out) == [], "a choice made is not news"
-    log = sim.settle(out, alloc)
+    log = settle(sim, out, alloc)
     assert sim.tasks()["j/0"] == ("RUNNING", "m7")
     (r2,) = requests(log)  # j/0 runs elsewhere: the controller may choose its next move
     assert r2.notices[0].task_ids == ("j/1",) and r2.unhealthy == ()
     out = sim.tick(T0 + 2_000)
     out += sim.feed(ack_with(r2.sequence, [("j/1", tc.CHOICE_MOVE)]), T0 + 2_000)
-    log = sim.settle(out, alloc)
+    log = settle(sim, out, alloc)
     assert requests(log) == [], "nothing left to choose: a task running again is no news"
     assert sim.tasks() == {"j/0": ("RUNNING", "m7"), "j/1": ("RUNNING", "m8"), "j/2": ("RUNNING", "m3")}
