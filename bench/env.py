@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
@@ -92,24 +93,30 @@ class BenchEnv:
         return redis.Redis.from_url(self.cfg.redis_url)
 
     # -- the control plane ---------------------------------------------------------------------------------
-    def worker_processes(self, region: Path) -> list[ManagedProcess]:
+    def worker_processes(self, region: Path, *, without: tuple[str, ...] = (),
+                         env: Mapping[str, str] | None = None) -> list[ManagedProcess]:
         """``infra.controlplane.processes`` with the benchmark's heartbeat interval and health timeout, and
-        quick faust group timing."""
+        quick faust group timing; ``without`` names workers not to run, ``env`` is added to every worker's."""
         out = []
         for proc in controlplane.processes(self.cfg, region, local=False):  # simulated machines only
+            if proc.name in without:
+                continue
             argv = list(proc.argv)
             if proc.name == "agents":
                 argv[argv.index("--interval-ms") + 1] = str(HEARTBEAT_INTERVAL_MS)
             elif proc.name == "health":
                 argv[argv.index("--timeout-ms") + 1] = str(HEALTH_TIMEOUT_MS)
                 argv[argv.index("--tick-ms") + 1] = str(HEALTH_TICK_MS)
-            out.append(dataclasses.replace(proc, argv=argv, env={**(proc.env or {}), **FAUST_ENV}))
+            out.append(dataclasses.replace(proc, argv=argv, env={**(proc.env or {}), **FAUST_ENV, **(env or {})}))
         return out
 
-    def start_region(self, machines: int, timeout_s: float = 300.0) -> dict:
-        """Write the generated region, start the workers, wait until the allocator indexed every machine UP."""
-        region = controlplane.write_region(self.cfg, machines, local=False)
-        self.workers = self.worker_processes(region)
+    def start_region(self, machines: int, timeout_s: float = 300.0, *, region: Path | None = None,
+                     without: tuple[str, ...] = (), env: Mapping[str, str] | None = None) -> dict:
+        """Write the generated region (or use the ``region`` file given, of ``machines`` machines), start the
+        workers (``without`` and ``env``: see ``worker_processes``), wait until the allocator indexed every machine
+        UP."""
+        region = region or controlplane.write_region(self.cfg, machines, local=False)
+        self.workers = self.worker_processes(region, without=without, env=env)
         t0 = time.monotonic()
         for proc in self.workers:
             st = proc.start()

@@ -2,7 +2,8 @@
 
     python -m processors.agent.simulated (--region FILE | --machines N) [--interval-ms 10000] [--start-delay-ms 200]
 
-No OS processes: a SPAWN action becomes ``Spawned`` (→ RUNNING) after ``start_delay_ms``, a KILL becomes
+No OS processes: a SPAWN action becomes ``Spawned`` (→ RUNNING) after ``start_delay_ms`` (times a factor drawn
+uniformly from ``[1 - start_jitter, 1 + start_jitter]`` with a seeded generator, when a jitter is set), a KILL becomes
 ``Exited(-SIGTERM)`` at once (→ STOPPED). Each machine's tasks go through the same ``decide`` as the process
 agent's; a machine holds an ``AgentState`` only while it has tasks (finished tasks are forgotten), so an idle
 machine costs one string and one slot in a list.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import logging
+import random
 import sys
 import time
 from pathlib import Path
@@ -48,15 +50,19 @@ def now_ms() -> int:
 class SimulatedAgents(LoopWorker):
     def __init__(self, cfg: Config, machine_ids: Sequence[str], *, registry: SchemaRegistry | None = None,
                  interval_ms: int = DEFAULT_INTERVAL_MS, start_delay_ms: int = DEFAULT_START_DELAY_MS,
-                 name: str = "agent/simulated"):
+                 start_jitter: float = 0.0, seed: int = 0, name: str = "agent/simulated"):
         if interval_ms <= 0:
             raise ValueError(f"interval_ms must be positive, got {interval_ms}")
+        if not 0.0 <= start_jitter < 1.0:
+            raise ValueError(f"start_jitter must be in [0, 1), got {start_jitter}")
         self.cfg = cfg
         self.registry = registry or SchemaRegistry.from_dir()
         self.machines: list[str] = list(machine_ids)
         self.known = frozenset(self.machines)
         self.interval_ms = interval_ms
         self.start_delay_ms = start_delay_ms
+        self.start_jitter = start_jitter
+        self._rng = random.Random(seed)
         self.name = name
         self.incarnation = now_ms()
         self.states: dict[str, d.AgentState] = {}  # only machines with tasks
@@ -94,7 +100,7 @@ class SimulatedAgents(LoopWorker):
             self.reports += 1
         for act in actions:
             if act.kind == d.SPAWN:
-                heapq.heappush(self._spawns, (now + self.start_delay_ms, machine_id, act.task_id))
+                heapq.heappush(self._spawns, (now + self.start_delay(), machine_id, act.task_id))
             elif act.kind == d.KILL:
                 state, events, _ = d.decide(state, d.Exited(act.task_id, KILLED_EXIT_CODE), now)
                 for ev in events:
@@ -105,6 +111,12 @@ class SimulatedAgents(LoopWorker):
             self.states[machine_id] = state
         else:
             self.states.pop(machine_id, None)
+
+    def start_delay(self) -> int:
+        """START → RUNNING of one task, ms: ``start_delay_ms``, jittered if a jitter is set."""
+        if not self.start_jitter:
+            return self.start_delay_ms
+        return round(self.start_delay_ms * self._rng.uniform(1 - self.start_jitter, 1 + self.start_jitter))
 
     def on_commands(self, events: Iterable[Event], now: int) -> int:
         n = 0

@@ -132,6 +132,7 @@ class Result:
     down_before_failure: frozenset[str] = frozenset()
     decisions: int = 0
     acks: int = 0
+    mode: str = SIMULATION_NOTE  # how the curves were made (this simulation, or figure14_pipeline's real run)
 
     def totals(self) -> dict[str, Any]:
         return {
@@ -146,7 +147,7 @@ class Result:
         }
 
     def document(self) -> dict[str, Any]:
-        return {"experiment": "figure14", "mode": SIMULATION_NOTE, "conditions": asdict(self.conditions),
+        return {"experiment": "figure14", "mode": self.mode, "conditions": asdict(self.conditions),
                 "failed_tasks": len(failed_tasks(self.conditions)), "totals": self.totals(), "curves": self.rows}
 
 
@@ -433,7 +434,7 @@ COLUMNS = ("t_s", "tasks_updating", "tasks_waiting", "tasks_updated", "failed_ms
 
 def table(result: Result) -> Iterator[str]:
     c = result.conditions
-    yield (f"Figure 14 ({SIMULATION_NOTE}): {c.tasks} tasks, {c.shards} shards x {c.replicas} replicas, "
+    yield (f"Figure 14 ({result.mode}): {c.tasks} tasks, {c.shards} shards x {c.replicas} replicas, "
            f"{c.placement} placement, ReplicaAware min live {c.min_live}; MSB {c.failed_msb} of {c.msbs} "
            f"({len(failed_tasks(c))} tasks) fails at T{c.msb_fail_at_s} for {c.msb_down_s} s")
     yield "  ".join(f"{h:>14}" for h in COLUMNS)
@@ -468,7 +469,7 @@ def write_png(result: Result, path: str) -> None:
     for ax in (a, b):
         ax.axvspan(c.msb_fail_at_s, c.msb_fail_at_s + c.msb_down_s, color="grey", alpha=0.15)
     fig.suptitle(f"Figure 14: {c.tasks} tasks, {c.shards} shards x {c.replicas}, {c.placement} placement; grey: "
-                 f"MSB down\nin-process simulation of the processors' pure decisions (no broker)", fontsize=9)
+                 f"MSB down\n{result.mode}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -482,6 +483,10 @@ def main(args) -> int:
     c = Conditions(tasks=args.tasks, shards=args.shards, replicas=args.replicas, msbs=args.msbs,
                    msb_fail_at_s=args.msb_fail_at, msb_down_s=args.msb_down, seed=args.seed,
                    placement=args.placement)
+    if getattr(args, "pipeline", False):
+        from processors.experiments import figure14_pipeline
+
+        return figure14_pipeline.main(args, c)
     t0 = time.monotonic()
     result = run(c)
     wall = time.monotonic() - t0

@@ -563,7 +563,7 @@ def cmd_maintenance(cfg: Config, args) -> int:
     return 0
 
 
-def cmd_experiment(cfg: Config, args) -> int:  # noqa: ARG001 - in-process: no broker, no region
+def cmd_experiment(cfg: Config, args) -> int:  # noqa: ARG001 - its own region (--pipeline) or none: not the user's
     from processors.experiments import figure14
 
     return figure14.main(args)
@@ -697,9 +697,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("experiment", help="reproduce the Twine paper's experiments").add_subparsers(
         dest="experiment", required=True)
     sp = exp.add_parser("figure14", help="rolling update + MSB failure under the ReplicaAware TaskController",
-                        description="Twine Figure 14: an in-process simulation of the processors' pure decisions "
-                                    "(no broker): a rolling update of a sharded job through TaskControl while an "
-                                    "MSB fails")
+                        description="Twine Figure 14: a rolling update of a sharded job through TaskControl while "
+                                    "an MSB fails. By default an in-process simulation of the processors' pure "
+                                    "decisions (no broker, seconds); with --pipeline a run of the real processes on "
+                                    "an embedded broker and Redis of its own (minutes)")
     sp.set_defaults(fn=cmd_experiment)
     sp.add_argument("--json", action="store_true", help="print one JSON document (conditions, totals, curves)")
     sp.add_argument("--png", help="write the two panels to this PNG file (needs matplotlib: ropewalk[plot])")
@@ -712,6 +713,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=14)
     sp.add_argument("--placement", choices=["grouped", "random"], default="grouped",
                     help="replica placement: grouped (Shard Manager-like replica sets, default) or random")
+    sp.add_argument("--pipeline", action="store_true",
+                    help="run it on the real pipeline (broker, Redis, processes, a TaskController process)")
+    sp.add_argument("--time-scale", type=float, default=10.0,
+                    help="--pipeline: the paper's seconds are divided by this (default 10: a 220 s start takes 22 s)")
+    sp.add_argument("--events-out", metavar="FILE",
+                    help="--pipeline: write the replayed events the curves were counted from (JSON lines)")
     return p
 
 
