@@ -288,6 +288,7 @@ class Job:
     tc_asked_ms: int | None = None  # when it was sent
     tc_completed: tuple[str, ...] = ()  # approved operations completed since, for the next request
     tc_sent_completed: tuple[str, ...] = ()  # those the outstanding request reported (re-sent if it is lost)
+    tc_sent_unhealthy: tuple[str, ...] = ()  # the tasks the outstanding request reported down
     tc_notices: tuple = ()  # advance notices: (unavailability id, task ids, start_ms, deadline_ms, duration_ms)
     tc_notice_new: bool = False  # notice news: a new notice, or a task back RUNNING under one (a next choice)
     maint: tuple = ()  # planned maintenance of its machines: (UE id, machine ids, start_ms, deadline_ms, enforced)
@@ -912,10 +913,12 @@ def _ask_controller(w: _JobWork) -> None:
         pending=tuple(tc.Operation(t.op_id, t.id, t.op, t.op_reason) for t in pending),
         completed=completed,
         notices=notices,
-        unhealthy=tuple(t.id for t in w.ordered() if (t.state != RUNNING or t.op == OP_STOP) and t.intent != RETIRE))
+        unhealthy=tuple(t.id for t in w.ordered() if (t.state != RUNNING or t.op == OP_STOP) and t.intent != RETIRE),
+        in_flight=tuple(t.op_id for t in w.ordered() if t.op in CONTROLLED and t.op_state in (OP_APPROVED, OP_RUNNING)))
     w.emit("TaskControlRequested", job.id, tc.request_payload(req), "taskcontrol", job.id, seq)
     w.set(quiet=True, tc_seq=seq, tc_outstanding=True, tc_asked=tuple(t.op_id for t in pending),
-          tc_asked_ms=w.fold.now, tc_completed=(), tc_sent_completed=completed, tc_notice_new=False)
+          tc_asked_ms=w.fold.now, tc_completed=(), tc_sent_completed=completed, tc_notice_new=False,
+          tc_sent_unhealthy=req.unhealthy)
 
 
 def _notices(w: _JobWork) -> tuple[tc.AdvanceNotice, ...]:
@@ -1371,14 +1374,23 @@ def _on_task_control_acked(fold: _Fold, ev: Event) -> None:
         w.ignore(refusal, f"{ev.event_id} acks request {p['sequence']}; the latest is {job.tc_seq}"
                           f"{'' if job.tc_outstanding else ', answered already'}")
         return
-    w.set(quiet=True, tc_outstanding=False, tc_sent_completed=())
+    down_when_asked = set(job.tc_sent_unhealthy)
+    w.set(quiet=True, tc_outstanding=False, tc_sent_completed=(), tc_sent_unhealthy=())
     _apply_choices(w, ev, tc.choices_of(p))
     approved = set(p["approved_operation_ids"])
     if not approved:
         return
+    stale = []
     for t in w.ordered():
         if t.op_state == OP_PENDING and t.op_id in approved:
+            if t.id in down_when_asked and t.state == RUNNING and t.op != OP_STOP:
+                stale.append(t.op_id)  # "it is down, taking it costs nothing" no longer holds: ask again
+                continue
             w.put(replace(t, op_state=OP_APPROVED))  # performed by ``_drain_ops`` as the decision closes
+    if stale:
+        w.ignore(tc.REASON_RECOVERED_SINCE_ASKED, f"{ev.event_id} approved {', '.join(stale)} while the request "
+                                                   "said the task was down; it runs again")
+        w.ask = True
 
 
 Handler = Callable[[_Fold, Event], None]
@@ -1451,6 +1463,7 @@ def job_to_record(job: Job) -> dict:
             "bucket": limiter.bucket_record(job.bucket), "throttled": list(job.throttled), "tc_seq": job.tc_seq,
             "tc_outstanding": job.tc_outstanding, "tc_asked": list(job.tc_asked), "tc_asked_ms": job.tc_asked_ms,
             "tc_completed": list(job.tc_completed), "tc_sent_completed": list(job.tc_sent_completed),
+            "tc_sent_unhealthy": list(job.tc_sent_unhealthy),
             "tc_notices": [[u, list(ts), s, d, dur] for u, ts, s, d, dur in job.tc_notices],
             "tc_notice_new": job.tc_notice_new,
             "maint": [[u, list(ms), s, d, e] for u, ms, s, d, e in job.maint]}
@@ -1472,6 +1485,7 @@ def job_from_record(r: Mapping[str, Any]) -> Job:
                tc_outstanding=r.get("tc_outstanding", False), tc_asked=tuple(r.get("tc_asked", ())),
                tc_asked_ms=r.get("tc_asked_ms"), tc_completed=tuple(r.get("tc_completed", ())),
                tc_sent_completed=tuple(r.get("tc_sent_completed", ())),
+               tc_sent_unhealthy=tuple(r.get("tc_sent_unhealthy", ())),
                tc_notices=tuple((n[0], tuple(n[1]), n[2], n[3], n[4] if len(n) > 4 else None)
                                 for n in r.get("tc_notices", ())),
                tc_notice_new=r.get("tc_notice_new", False),

@@ -48,6 +48,8 @@ REASON_DUPLICATE_ACK = "duplicate_ack"  # the latest request was answered alread
 REASON_UNKNOWN_SEQUENCE = "unknown_sequence"  # answers a request never sent
 REASON_NO_CONTROLLER = "no_controller"  # the job declares no TaskController
 REASON_WRONG_CONTROLLER = "wrong_controller"  # signed by another controller than the job's
+REASON_RECOVERED_SINCE_ASKED = "recovered_since_asked"  # approved while the request said the task was down; it
+#                                                        serves again, so the approval rests on a stale picture
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,7 @@ class Request:
     notices: tuple[AdvanceNotice, ...] = ()
     unhealthy: tuple[str, ...] = ()
     event_id: str = ""
+    in_flight: tuple[str, ...] | None = None  # the scheduler's approved, not completed operations (None: not said)
 
 
 def request_payload(r: Request) -> dict[str, Any]:
@@ -112,6 +115,7 @@ def request_payload(r: Request) -> dict[str, Any]:
                              "start_ms": n.start_ms, "deadline_ms": n.deadline_ms,
                              "expected_duration_ms": n.expected_duration_ms} for n in r.notices],
         "unhealthy_task_ids": list(r.unhealthy),
+        "in_flight_operation_ids": None if r.in_flight is None else list(r.in_flight),
     }
 
 
@@ -124,7 +128,8 @@ def request_of(payload: Mapping[str, Any], entitlement: str = "", event_id: str 
         completed=tuple(payload.get("completed_operation_ids", ())),
         notices=tuple(AdvanceNotice(n["unavailability_id"], tuple(n["task_ids"]), n["start_ms"], n.get("deadline_ms"),
                                     n.get("expected_duration_ms")) for n in payload.get("advance_notices", ())),
-        unhealthy=tuple(payload.get("unhealthy_task_ids", ())), event_id=event_id)
+        unhealthy=tuple(payload.get("unhealthy_task_ids", ())), event_id=event_id,
+        in_flight=None if payload.get("in_flight_operation_ids") is None else tuple(payload["in_flight_operation_ids"]))
 
 
 def ack_payload(job_id: str, sequence: int, approved: Iterable[str], controller: str,
@@ -191,11 +196,22 @@ class View:
 
 
 def observe(book: JobBook, request: Request) -> JobBook:
-    """Fold a request in: completed operations leave the in-flight set."""
+    """Fold a request in. A request that says what the scheduler holds in flight sets the in-flight set to
+    exactly that: an approval the scheduler never took (its ack went stale) or whose operation ended otherwise
+    (replaced by a new operation on the task, the task retired) leaves it, and nothing stays in flight for ever.
+    Older requests (``in_flight`` None): completed operations leave the in-flight set."""
+    if request.in_flight is not None:
+        return replace(book, in_flight={k: book.in_flight.get(k) or operation_of_id(k) for k in request.in_flight})
     if not request.completed:
         return book
     done = set(request.completed)
     return replace(book, in_flight={k: v for k, v in book.in_flight.items() if k not in done})
+
+
+def operation_of_id(operation_id: str) -> Operation:
+    """An operation from its id ``<task>:<kind>:<n>`` (the scheduler's form)."""
+    task, _, rest = operation_id.partition(":")
+    return Operation(operation_id, task, rest.partition(":")[0].upper())
 
 
 def record_ack(book: JobBook, request: Request, approved: Iterable[str]) -> JobBook:

@@ -99,8 +99,9 @@ def test_pacing(load, flying, count):
 
 # -- the library's bookkeeping --------------------------------------------------------------------------------
 
-def request_event(seq, pending, completed=(), controller="zk-ctl"):
-    r = Request("zk", "e1", controller, seq, tuple(upd(t) for t in pending), tuple(f"{t}:update" for t in completed))
+def request_event(seq, pending, completed=(), controller="zk-ctl", in_flight=None, ops=None):
+    r = Request("zk", "e1", controller, seq, ops if ops is not None else tuple(upd(t) for t in pending),
+                tuple(f"{t}:update" for t in completed), in_flight=in_flight)
     return new_event("TaskControlRequested", tc.request_payload(r), entitlement="e1", entity_id="zk",
                      producer="scheduler", event_id=f"req-{controller}-{seq}", timestamp_ms=1)
 
@@ -154,6 +155,34 @@ def test_an_ack_gone_stale_under_a_re_ask_is_not_in_flight_live_or_replayed():
     _, live_ack2 = answer(live, due(live)[0], leader_last, "zk-ctl", 6)
     _, replay_ack2 = answer(replayed, due(replayed)[0], leader_last, "zk-ctl", 6)
     assert live_ack2.payload["approved_operation_ids"] == replay_ack2.payload["approved_operation_ids"] == ["t0:update"]
+
+
+def test_an_approval_whose_operation_was_replaced_leaves_the_in_flight_set():
+    """Found by ``figure14 --pipeline`` (the release stalled with every task serving): ack 1 approves t1's MOVE #5,
+    but the scheduler had re-asked, so it is stale; t1's operation is then replaced by MOVE #6. #5 is never
+    pending or completed again, so by completions alone it stayed in flight for ever and a replica-aware
+    controller counted t1 down for the rest of the release. A request now says what the scheduler holds in
+    flight, and that is the in-flight set."""
+    move = lambda n: Operation(f"t1:move:{n}", "t1", tc.OP_MOVE, "machine_failed")  # noqa: E731
+    live = absorb(Books(), request_event(1, [], ops=(move(5),), in_flight=()), "zk-ctl")
+    live, ack1 = answer(live, due(live)[0], approve_all, "zk-ctl", 5)  # stale: request 2 was sent already
+    assert set(live.jobs["zk"].in_flight) == {"t1:move:5"}
+    for e in (request_event(2, [], ops=(move(6),), in_flight=()), ack1,
+              request_event(3, ["t2"], in_flight=("t1:move:6",)), request_event(4, ["t2"], in_flight=())):
+        live = absorb(live, e, "zk-ctl")
+        if e.type == "TaskControlRequested" and e.payload["sequence"] == 3:
+            assert set(live.jobs["zk"].in_flight) == {"t1:move:6"}, "what the scheduler took is in flight"
+            assert live.jobs["zk"].in_flight["t1:move:6"].task_id == "t1"
+    assert live.jobs["zk"].in_flight == {}
+    shards = {"t1": ["s"], "t2": ["s"], "t3": ["s"]}
+    assert tasks_of(ReplicaAware(shards, 2)(due(live)[0], View("zk", live.jobs["zk"].in_flight))) == ["t2"]
+
+
+def test_requests_without_the_in_flight_field_keep_the_completion_rule():
+    b = absorb(Books(), request_event(1, ["t0", "t1"]), "zk-ctl")
+    b, _ = answer(b, due(b)[0], approve_all, "zk-ctl", 5)
+    b = absorb(b, request_event(2, [], completed=["t0"]), "zk-ctl")  # in_flight None: an older scheduler's request
+    assert set(b.jobs["zk"].in_flight) == {"t1:update"}
 
 
 def test_library_sends_the_answers_choices_for_noticed_tasks_only():

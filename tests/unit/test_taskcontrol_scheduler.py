@@ -182,6 +182,26 @@ def test_a_crashed_task_counts_against_max_unavailable():
     assert of_type(out, "TaskCommanded") == [], "one task is down already: max_unavailable=1 is used up"
 
 
+def test_an_approval_resting_on_a_task_being_down_is_not_taken_once_it_runs_again():
+    """The request says j/2 is down (crashed, restarting), so taking it costs nothing and the controller approves its
+    update; j/2 runs again before the ack is read: performing it now would take a serving task on a stale picture.
+    Found by ``figure14 --pipeline`` when the update began while the scheduler still saw tasks STARTING: every task
+    was approved at once. j/0, serving when asked, is performed; j/2's approval is not, and the controller is asked
+    again with the present picture."""
+    sim = controlled_job(3, max_unavailable=3)
+    sim.feed(report("j/2", "FAILED", "m3", exit_code=1))
+    (s1,) = requests(sim.feed(spec_changed("j", 3, version=2, controller=CTL, max_unavailable=3)))
+    assert "j/2" in s1.unhealthy and "j/0" not in s1.unhealthy
+    assert requests(sim.feed(report("j/2", "RUNNING", "m3"))) == []
+    out = sim.feed(ack("j", 1, [op_of(s1, "j/0"), op_of(s1, "j/2")]))
+    stops = [k for k in kinds(out) if k[0] == "STOP"]
+    assert stops == [("STOP", "j/0", "m1", 1)]
+    (s2,) = requests(out)
+    assert [o.task_id for o in s2.pending] == ["j/1", "j/2"] and "j/2" not in s2.unhealthy
+    assert s2.in_flight == (op_of(s1, "j/0"),)
+    assert sim.state.jobs["j"].last_ignored.startswith(tc.REASON_RECOVERED_SINCE_ASKED)
+
+
 # -- machine failures are moves the controller approves --------------------------------------------------------------
 
 def test_a_move_waits_for_the_ack_then_fences_and_reschedules():
