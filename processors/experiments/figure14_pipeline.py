@@ -186,8 +186,10 @@ class Ledger:
         elif ev.type == "MachineStatusChanged" and p["status"] == "DOWN":
             self.failure_ids.add(ev.event_id)
         elif ev.type == "TaskControlRequested" and p["job_id"] == self.job:
-            # asked again: an approval the scheduler did not take (stale under a re-ask) is not in flight
-            self.approved -= {op["task_id"] for op in p["pending_operations"]}
+            if p.get("in_flight_operation_ids") is not None:  # what the scheduler holds approved: exactly that
+                self.approved = {op.split(":")[0] for op in p["in_flight_operation_ids"]}
+            else:  # asked again: an approval the scheduler did not take (stale under a re-ask) is not in flight
+                self.approved -= {op["task_id"] for op in p["pending_operations"]}
         elif ev.type == "TaskControlAcked" and p["job_id"] == self.job:
             self.acks += 1
             self._check_ack({op.split(":")[0] for op in p["approved_operation_ids"]}, p["sequence"], now)

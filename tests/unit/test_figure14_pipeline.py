@@ -43,10 +43,11 @@ def ack(t, sequence, *tasks):
               maintenance_choices=[])
 
 
-def request(t, sequence, *pending):
+def request(t, sequence, *pending, in_flight=None):
     return ev("TaskControlRequested", t, job_id=JOB, sequence=sequence, controller="shard-manager",
               pending_operations=[{"operation_id": f"{x}:update:1", "task_id": x, "kind": "UPDATE"} for x in pending],
-              completed_operation_ids=[], advance_notices=[], unhealthy_task_ids=[])
+              completed_operation_ids=[], advance_notices=[], unhealthy_task_ids=[],
+              in_flight_operation_ids=None if in_flight is None else [f"{x}:update:1" for x in in_flight])
 
 
 START = [ev("JobSubmitted", 1, producer="cli", job_id=JOB, spec_version=1)] + [running(x, 2) for x in "abcd"] + [
@@ -75,6 +76,10 @@ CASES = {
         ([ack(11, 1, "a"), ack(12, 2, "b")], set(), {"s1"}, set(), set(), set()),
     "an approval asked again was not taken, so it does not count":
         ([ack(11, 1, "a"), request(12, 2, "a", "b"), ack(13, 2, "b")], set(), set(), set(), set(), set()),
+    "a request saying the scheduler took no approval clears them":
+        ([ack(11, 1, "a"), request(12, 2, in_flight=()), ack(13, 2, "b")], set(), set(), set(), set(), set()),
+    "a request saying the scheduler holds an approval keeps it":
+        ([ack(11, 1, "a"), request(12, 2, in_flight=("a",)), ack(13, 2, "b")], set(), {"s1"}, set(), set(), set()),
     "an ack while a task sharing s1 is down counts":
         ([ack(11, 1, "a"), command("a", 12), ack(13, 2, "c")], set(), {"s1"}, set(), set(), {"a"}),
     "an ack of a task down already costs nothing":
