@@ -66,3 +66,18 @@ def test_bad_conditions_are_refused():
         f.Conditions(placement="striped")
     with pytest.raises(ValueError, match="replicas"):
         f.Conditions(tasks=2, replicas=3)
+
+
+def test_full_size():
+    """The issue's size (1,000 tasks, 15,000 shards x 3, an MSB of 50 tasks failing at T120 for 295 s), in-process
+    (~5 s): nothing lost through Ropewalk, and the failure's toll is what the failure alone causes. The same size on
+    the real pipeline is ``ropewalk experiment figure14 --pipeline`` (minutes; by hand, numbers in the README)."""
+    c = f.Conditions()
+    assert (c.tasks, c.shards, c.replicas, len(f.failed_tasks(c))) == (1000, 15000, 3, 50)
+    result = f.run(c)
+    totals = result.totals()
+    assert totals["shards_lost_second_replica_by_ropewalk"] == 0
+    hosted = f.place_replicas(c.tasks, c.shards, c.replicas, c.seed, c.placement)
+    assert result.by_failure == f.failure_alone(c, hosted, result.down_before_failure)
+    assert totals["shards_lost_second_replica_by_failure"] > 0 and totals["peak_concurrent_updates"] > 100
+    assert result.rows[-1]["tasks_updated"] == c.tasks
