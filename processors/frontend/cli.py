@@ -583,11 +583,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def cmd(name, fn, help_, json_flag=True):
+    def cmd(name, fn, help_, json_flag=True, json_help="print one JSON document"):
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.set_defaults(fn=fn)
         if json_flag:
-            sp.add_argument("--json", action="store_true", help="print one JSON document")
+            sp.add_argument("--json", action="store_true", help=json_help)
         return sp
 
     sp = cmd("up", cmd_up, "start the broker and Redis (unless external ones are configured) and provision topics")
@@ -647,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("kind", choices=["jobs", "machines"])
     sp.add_argument("--entitlement")
     sp.add_argument("--once", action="store_true", help="print the current state and exit")
-    sp = cmd("replay", cmd_replay, "audit timeline from the log (one event per line)")
+    sp = cmd("replay", cmd_replay, "audit timeline from the log (one event per line)",
+             json_help="print one JSON object per event, one per line (envelope, payload, topic, partition, offset)")
     for flag in ("entitlement", "job", "machine"):
         sp.add_argument(f"--{flag}")
     sp.add_argument("--since", help="ms since epoch or ISO-8601; inclusive")
