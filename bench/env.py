@@ -8,8 +8,10 @@ removes the run directory unless asked to keep it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import shutil
 import socket
 import sys
@@ -181,6 +183,19 @@ class BenchEnv:
             print(f"bench: stopping the broker/Redis: {exc}", file=sys.stderr)
         if self.own_run_dir and not self.keep:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Within: `kill` (SIGTERM) stops like Ctrl-C, so context managers (a BenchEnv) stop what they started."""
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def cores() -> int:

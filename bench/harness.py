@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -37,7 +36,7 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 from bench import workloads as w
-from bench.env import HEARTBEAT_INTERVAL_MS, BenchEnv, cores
+from bench.env import HEARTBEAT_INTERVAL_MS, BenchEnv, cores, sigterm_as_interrupt
 
 REQUIRED = ("machines", "cores", "raw_produce_per_s", "raw_consume_per_s", "alloc_jobs_per_s", "alloc_tasks_per_s",
             "alloc_p50_ms", "alloc_p99_ms", "cache_hit_ratio", "failover_p50_ms", "failover_p99_ms",
@@ -374,14 +373,8 @@ def run_cli(args) -> int:
     def progress(msg: str) -> None:
         print(f"bench [{time.monotonic() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    def on_term(signum, frame):  # `kill`: stop like Ctrl-C, so the context managers stop what they started
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
+    with sigterm_as_interrupt():
         doc = run(opts, progress)
-    finally:
-        signal.signal(signal.SIGTERM, old)
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_table(doc))
     return 0
 

@@ -484,8 +484,11 @@ def main(args, c: Conditions) -> int:
     """``ropewalk experiment figure14 --pipeline`` (args from the front end's parser)."""
     pc = PipelineConditions(base=c, time_scale=args.time_scale)
     say = (lambda msg: print(f"figure14: {msg}", file=sys.stderr, flush=True)) if not args.json else (lambda m: None)
+    from bench.env import sigterm_as_interrupt
+
     t0 = time.monotonic()
-    result, details = run(pc, say, Path(args.events_out) if args.events_out else None)
+    with sigterm_as_interrupt():  # `kill` stops the region's processes too
+        result, details = run(pc, say, Path(args.events_out) if args.events_out else None)
     wall = time.monotonic() - t0
     if args.png:
         sim.write_png(result, args.png)
