@@ -82,7 +82,8 @@ from infra.config import Config
 from processors.taskcontrol.limiter import Limits, bucket_of, bucket_record
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.scheduler.decide import (
-    PRODUCER, Entitlement, SchedulerState, decide, is_own, job_from_record, job_to_record, retry_unplaced, state_of,
+    PRODUCER, Entitlement, Job, SchedulerState, decide, is_own, job_from_record, job_to_record, retry_unplaced,
+    state_of,
 )
 from streams.clients import EventProducer
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
@@ -147,6 +148,11 @@ class ShardTables:
         self.machine_jobs = app.Table("scheduler-machine-jobs", **opts)
         self.offsets = app.Table("scheduler-offsets", **opts)
         self.limits = app.Table("scheduler-limits", **opts)  # "shard/<partition>" -> the shard's token bucket  # "<topic>/<partition>" -> next offset to apply
+        # A memo, not state: job id -> (the record this worker last wrote to the jobs table, the Job it was made
+        # from). Used only while the table still holds that very object (a recovery or another worker's write
+        # puts a new one), so it can never disagree with the table; it saves decoding (and re-encoding the
+        # unchanged tasks of) a big job on every event: 10 + 5 ms per event at 1,000 tasks.
+        self._decoded: dict[str, tuple[dict, Job]] = {}
 
     def partition_of(self, entitlement: str) -> int:
         return partition_for(entitlement, self.partitions)
@@ -183,8 +189,16 @@ class ShardTables:
                 machines.update(event.payload.get("machine_ids") or [event.payload.get("machine_id")])
         ents = [Entitlement(**e) for n in sorted(ent_names) if (e := self.entitlements.data.get(n)) is not None]
         down = {m: s for m in machines if m is not None and (s := self.machines_down.data.get(m)) is not None}
-        jobs = [job_from_record(r) for r in records.values()]
+        jobs = [self._job_of(j, r) for j, r in records.items()]
         return state_of(jobs, ents, down), records
+
+    def _job_of(self, job_id: str, record: dict) -> Job:
+        memo = self._decoded.get(job_id)
+        if memo is not None and memo[0] is record:
+            return memo[1]
+        job = job_from_record(record)
+        self._decoded[job_id] = (record, job)
+        return job
 
     def with_bucket(self, state: SchedulerState, partition: int) -> SchedulerState:
         """``state`` with the rate-limiter bucket of the shard's ``partition`` (processors/taskcontrol/limiter.py)."""
@@ -216,8 +230,10 @@ class ShardTables:
             if before.jobs.get(job_id) is job:
                 continue
             part = self.partition_of(job.entitlement)
-            rec = job_to_record(job)
+            old = before.jobs.get(job_id)
+            rec = job_to_record(job, (old, records[job_id]) if old is not None and job_id in records else None)
             await self._put(self.jobs, part, job_id, rec)
+            self._decoded[job_id] = (rec, job)
             written += 1
             old_m, new_m = _machines_of(records.get(job_id)), _machines_of(rec)
             for m in old_m ^ new_m:

@@ -782,6 +782,24 @@ def test_state_survives_a_table_round_trip():
     assert decide(state, nxt, T0) == decide(sim.state, nxt, T0)
 
 
+def test_a_record_made_from_the_previous_one_reuses_the_unchanged_tasks_and_equals_a_full_one():
+    """What the shard writes back after a decision: ``job_to_record(job, (before, its record))`` equals the record
+    built from scratch, and only the tasks the decision changed are built again."""
+    sim = running_job(3)
+    before = sim.state.jobs["j"]
+    record = sd.job_to_record(before)
+    for e in (report("j/1", "FAILED", "m2", exit_code=1), resized("j", 4), report("j/1", "RUNNING", "m2")):
+        sim.feed(e)
+        after = sim.state.jobs["j"]
+        incremental = sd.job_to_record(after, (before, record))
+        assert incremental == sd.job_to_record(after)
+        old = {id(r) for r in record["tasks"]}
+        rebuilt = {t.id for t, r in zip(after.tasks.values(), incremental["tasks"]) if id(r) not in old}
+        assert rebuilt == {t.id for t in after.tasks.values() if before.tasks.get(t.id) is not t}
+        assert 0 < len(rebuilt) < len(after.tasks)
+        before, record = after, incremental
+
+
 def test_duplicate_ring_is_bounded():
     sim = running_job(1, ("m1",))
     for i in range(sd.SEEN_LIMIT + 10):
