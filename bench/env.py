@@ -142,6 +142,17 @@ class BenchEnv:
                                f"{timeout_s:.0f} s; see {self.run_dir}/allocator.log")
         return {"seconds": time.monotonic() - t0, "machines_up": seen}
 
+    def start_worker(self, name: str, *module_args: str) -> ManagedProcess:
+        """One more worker, ``python -m MODULE ARGS`` with this environment's configuration (e.g. a
+        TaskController); stopped with the others."""
+        proc = ManagedProcess(name=name, argv=[sys.executable, "-m", *module_args], port=None, run_dir=self.run_dir,
+                              ready=lambda: True, start_timeout_s=2.0, env=controlplane.worker_env(self.cfg))
+        st = proc.start()
+        if st.get("pid"):
+            self.pids[name] = st["pid"]
+        self.workers.append(proc)
+        return proc
+
     def peak_rss(self) -> dict[str, int | None]:
         """Peak RSS (KiB) of every process started: live ones from /proc, stopped ones as last read."""
         out = dict(self.stopped_rss)

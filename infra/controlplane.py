@@ -30,7 +30,8 @@ LOCAL_MEMORY_MIB = 2048
 LOCAL_MACHINE_ID = "local-msb1-r01-m001"  # what region.iter_machines names the one machine of LOCAL_DC
 
 
-def _env(cfg: Config) -> dict[str, str]:
+def worker_env(cfg: Config) -> dict[str, str]:
+    """A worker process's environment: this one's, with ``cfg`` as ROPEWALK_* variables."""
     env = dict(os.environ)
     env.update({"ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
                 "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
@@ -76,7 +77,7 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
         if name == "agent-local" and not local:
             continue
         proc = ManagedProcess(name=name, argv=[py, "-m", *specs[name]], port=None, run_dir=cfg.run_dir,
-                              ready=lambda: True, start_timeout_s=2.0, env=_env(cfg))
+                              ready=lambda: True, start_timeout_s=2.0, env=worker_env(cfg))
         out.append(proc)
     return out
 

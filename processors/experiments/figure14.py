@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import json
 import random
+import textwrap
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -469,7 +470,7 @@ def write_png(result: Result, path: str) -> None:
     for ax in (a, b):
         ax.axvspan(c.msb_fail_at_s, c.msb_fail_at_s + c.msb_down_s, color="grey", alpha=0.15)
     fig.suptitle(f"Figure 14: {c.tasks} tasks, {c.shards} shards x {c.replicas}, {c.placement} placement; grey: "
-                 f"MSB down\n{result.mode}", fontsize=9)
+                 f"MSB down\n" + textwrap.fill(result.mode, 120), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

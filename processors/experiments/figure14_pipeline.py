@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -315,7 +314,6 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
     ``events_out``, the replayed events the counting read are written there, one JSON line each, in the order
     counted (so the curves can be recomputed, and audited, after the embedded broker is gone)."""
     from bench.env import BenchEnv
-    from infra.process import ManagedProcess
     from processors.agent.simulated import SimulatedAgents
     from processors.frontend.jobspec import validate_spec
     from processors.resourcebroker import decide as broker
@@ -323,7 +321,6 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
     from processors.resourcebroker.region import iter_machines, parse_region
     from streams.clients import EventProducer
     from streams.events import new_event
-    from streams.replay import ReplayFilter, replay
     from streams.serde import SchemaRegistry
 
     c = pc.base
@@ -344,15 +341,8 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
                       "ROPEWALK_LIMIT_JOB_PER_MINUTE": "1000000", "ROPEWALK_LIMIT_JOB_BURST": "1000000",
                       "ROPEWALK_LIMIT_SHARD_PER_MINUTE": "1000000", "ROPEWALK_LIMIT_SHARD_BURST": "1000000"}
         env.start_region(len(machine_ids), timeout_s=300.0, region=region_path, without=("agents",), env=worker_env)
-        ctl = ManagedProcess(
-            name="taskcontroller", port=None, run_dir=cfg.run_dir, ready=lambda: True, start_timeout_s=2.0,
-            argv=[sys.executable, "-m", "processors.taskcontrol.controllers", "replica-aware", "--name", CONTROLLER,
-                  "--shards", str(shards_path), "--min-live", str(c.min_live)],
-            env={**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
-                 "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
-                 "PYTHONUNBUFFERED": "1"})
-        ctl.start()
-        env.workers.append(ctl)
+        env.start_worker("taskcontroller", "processors.taskcontrol.controllers", "replica-aware", "--name", CONTROLLER,
+                         "--shards", str(shards_path), "--min-live", str(c.min_live))
         details["region_ready_s"] = round(time.monotonic() - t0, 1)
 
         agents = SimulatedAgents(cfg, machine_ids, registry=registry, interval_ms=pc.heartbeat_interval_ms,
@@ -404,30 +394,27 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
         recover_at = fail_at + c.msb_down_s / pc.time_scale
         phase = ["fail"]
 
-        def timeline() -> bool:
+        def msb(decision, agent_action) -> None:
+            """Every machine of the failed MSB: its agent first (all silent before any event leaves), then the
+            Resource Broker's pure decision; the events produced together."""
             nonlocal state
+            events = []
+            for m in victims:
+                agent_action(m)
+                state, evs = decision(state, m, broker.REASON_OPERATOR, int(time.time() * 1000))
+                events += evs
+            for ev in events:
+                producer.send(ev)
+            producer.flush(30)
+
+        def timeline() -> bool:
             now = time.time()
             if phase[0] == "fail" and now >= fail_at:
-                for m in victims:
-                    agents.fail(m)
-                events = []
-                for m in victims:
-                    state, evs = broker.machine_failed(state, m, broker.REASON_OPERATOR, int(time.time() * 1000))
-                    events += evs
-                for ev in events:
-                    producer.send(ev)
-                producer.flush(30)
+                msb(broker.machine_failed, agents.fail)
                 phase[0] = "recover"
                 progress(f"MSB {c.failed_msb + 1}: {len(victims)} machines failed")
             elif phase[0] == "recover" and now >= recover_at:
-                events = []
-                for m in victims:
-                    agents.recover(m)
-                    state, evs = broker.machine_recovered(state, m, broker.REASON_OPERATOR, int(time.time() * 1000))
-                    events += evs
-                for ev in events:
-                    producer.send(ev)
-                producer.flush(30)
+                msb(broker.machine_recovered, agents.recover)
                 phase[0] = "done"
                 progress(f"MSB {c.failed_msb + 1}: back up")
             return phase[0] == "done" and follower.at_version(2) >= c.tasks
@@ -450,34 +437,45 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
         progress("replaying the log")
 
         # the counting, from the log alone
-        by_partition: dict[tuple[str, int], list[Event]] = {}
-        flt = ReplayFilter(entitlement=ENT, topics=LOG_TOPICS)
-        read = replay(cfg, registry, flt)
-        for rec in read:
-            by_partition.setdefault((rec.topic, rec.partition), []).append(rec.event)
-        details["log_events"] = read.stats.matched
-        ledger = Ledger(hosted, c.min_live)
-        ordered = list(merged(by_partition.values()))
-        if events_out is not None:
-            with open(events_out, "w") as fh:
-                for e in ordered:
-                    fh.write(json.dumps(e.to_json(), sort_keys=True) + "\n")
-        rows, done_s, all_s = curves(ledger, ordered, start_ms=update.timestamp_ms,
-                                     time_scale=pc.time_scale, step_s=c.step_s, tasks=c.tasks)
+        events = read_log(cfg, registry)
         env.stop_workers()
+    if events_out is not None:
+        with open(events_out, "w") as fh:
+            for e in events:
+                fh.write(json.dumps(e.to_json(), sort_keys=True) + "\n")
+    result, counted = count(events, pc, update.timestamp_ms)
+    details.update({"timed_out": timed_out, "log_events": len(events), **counted})
+    return result, details
+
+
+def read_log(cfg, registry) -> list[Event]:
+    """The experiment's events of ``LOG_TOPICS`` replayed from the log, merged in time order."""
+    from streams.replay import ReplayFilter, replay
+
+    by_partition: dict[tuple[str, int], list[Event]] = {}
+    for rec in replay(cfg, registry, ReplayFilter(entitlement=ENT, topics=LOG_TOPICS)):
+        by_partition.setdefault((rec.topic, rec.partition), []).append(rec.event)
+    return list(merged(by_partition.values()))
+
+
+def count(events: Iterable[Event], pc: PipelineConditions, start_ms: int) -> tuple[Result, dict[str, Any]]:
+    """Pure: the curves and totals of ``events`` (time order) for an update that started at ``start_ms``, and what
+    else the counting saw."""
+    c = pc.base
+    ledger = Ledger(sim.place_replicas(c.tasks, c.shards, c.replicas, c.seed, c.placement), c.min_live)
+    rows, done_s, all_s = curves(ledger, events, start_ms=start_ms, time_scale=pc.time_scale, step_s=c.step_s,
+                                 tasks=c.tasks)
     result = Result(c, rows=rows, by_ropewalk=ledger.by_ropewalk, by_ropewalk_at_ack=ledger.by_ropewalk_at_ack,
                     by_failure=ledger.by_failure, peak_updating=ledger.peak_updating, update_done_s=done_s,
                     all_running_s=all_s, decisions=ledger.scheduler_events, acks=ledger.acks, mode=MODE)
-    details.update({
-        "timed_out": timed_out,
+    saw = ledger.scheduler_saw_failure_ms
+    return result, {
         "shards_lost_second_replica_by_ropewalk_raced_with_failure": len(ledger.raced),
         "tasks_down_otherwise": len(ledger.down_otherwise),
         "first_operations_that_lost_shards": ledger.offenders,
         "failed_msb_tasks": len(ledger.failed_tasks),
-        "scheduler_read_failure_after_ms": (None if ledger.failure_ms is None or ledger.scheduler_saw_failure_ms is None
-                                            else ledger.scheduler_saw_failure_ms - ledger.failure_ms),
-    })
-    return result, details
+        "scheduler_read_failure_after_ms": None if ledger.failure_ms is None or saw is None else saw - ledger.failure_ms,
+    }
 
 
 def main(args, c: Conditions) -> int:
