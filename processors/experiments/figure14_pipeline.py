@@ -22,15 +22,16 @@ tasks in the failed MSB are still down"). The run ends when every task runs the 
 timer is scaled the same way (``ROPEWALK_SCHEDULER_RETRY_S`` = 10 s / scale). Curves and totals are reported in
 the paper's seconds (wall seconds since the update × scale).
 
-**Counting, from the replayed log alone** (``Ledger``, pure; ``streams.replay`` reads the entitlement's events
-of ``intents``, ``tasks``, ``taskcontrol`` and ``unavailability``, merged by their envelope timestamps, each
-partition in offset order). A shard replica is live while its task is RUNNING (the agent's report). A task goes
-down *through Ropewalk* at the scheduler's TaskCommanded STOP (the decision, not the agent's later report: the
-earliest instant), *through the failure* at the UnavailabilityStarted(FAILURE) of its machine. A shard counts
-(once per total) when its live replicas fall below ``min_live``:
+**Counting, from the replayed log alone** (``count`` and ``Ledger``, pure; ``read_log`` replays the
+entitlement's events of ``intents``, ``machines``, ``tasks``, ``taskcontrol`` and ``unavailability``, merged by
+their envelope timestamps, each partition in offset order). A shard replica is live while its task is RUNNING
+(the agent's report). A task goes down *through Ropewalk* at the scheduler's TaskCommanded STOP (the decision,
+not the agent's later report: the earliest instant), *through the failure* at the UnavailabilityStarted(FAILURE)
+of its machine. A shard counts (once per total) when its live replicas fall below ``min_live``:
 
 * ``shards_lost_second_replica_by_ropewalk``: at a Ropewalk STOP, plus shards that an ack approved an operation
-  on while the tasks approved and not yet stopped would leave them below ``min_live`` (the simulation's rule);
+  on while the tasks it approves, with those the scheduler holds approved and not yet stopped (the latest
+  request's in-flight set), would leave them below ``min_live`` (the simulation's rule);
   ``…_raced_with_failure`` says how many of them fell at a STOP logged after the failure but before the
   scheduler had read it (the decision was made without knowing);
 * ``shards_lost_second_replica_by_failure``: at the failure;
@@ -59,11 +60,10 @@ MODE = ("real pipeline: broker, Redis, Resource Broker, allocator, scheduler sha
 MACHINE_TYPE = "cache"
 TASK_CPU, TASK_MEM = 1000, 1024  # one task fills one machine
 INITIAL_START_MS = 200  # starts of the initial deployment (before the experiment) are quick
-LOG_TOPICS = ("intents", "tasks", "taskcontrol", "unavailability")
+LOG_TOPICS = ("intents", "machines", "tasks", "taskcontrol", "unavailability")
 STOP = "STOP"
 OFFENDERS = 20  # operations that lost shards, listed in the details (the first ones)
 UPDATE_REASON = "rolling_update"
-FAILURE_REASON = "figure14_msb_failure"
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,6 @@ class PipelineConditions:
         if self.base.tasks % self.base.msbs:
             raise ValueError(f"tasks ({self.base.tasks}) must be a multiple of msbs ({self.base.msbs}): every MSB "
                              "holds the same number of machines, one task each")
-
-    def wall_ms(self, paper_s: float) -> int:
-        return int(paper_s * 1000 / self.time_scale)
 
 
 # -- counting from the log (pure) --------------------------------------------------------------------------------
@@ -210,8 +207,12 @@ class Ledger:
                 self.offenders.append({"at_ms": now, "task": t, "ack_sequence": sequence, "shards": len(short)})
 
     # -- rows --------------------------------------------------------------------------------------------------
+    def updated(self) -> int:
+        """Tasks running the job's newest spec version."""
+        return sum(1 for v in self.running.values() if v >= self.version)
+
     def row(self, t_s: float, tasks: int) -> dict[str, Any]:
-        updated = sum(1 for v in self.running.values() if v >= self.version)
+        updated = self.updated()
         updating = len(self.updating)
         down = Counter(self.total[s] - n for s, n in self.live.items())
         return {"t_s": round(t_s), "tasks_updating": updating, "tasks_updated": updated,
@@ -221,13 +222,15 @@ class Ledger:
 
 
 def curves(ledger: Ledger, events: Iterable[Event], *, start_ms: int, time_scale: float, step_s: float,
-           tasks: int) -> tuple[list[dict[str, Any]], float | None, float | None]:
+           tasks: int) -> tuple[list[dict[str, Any]], float | None]:
     """Fold ``events`` (time order) into ``ledger``; a row every ``step_s`` paper seconds from ``start_ms`` (the
-    update's JobSpecChanged), the update's duration and when every task ran again (paper seconds, or None)."""
+    update's JobSpecChanged), and when every task ran the new version (paper seconds; None: never). That is also
+    when every task ran again: unlike the simulation's, which ends the update when the scheduler says so, both
+    are read from the agents' reports here."""
     step_ms = step_s * 1000 / time_scale
     rows: list[dict[str, Any]] = []
     next_row = start_ms
-    done_s = all_s = None
+    done_s = None
 
     def paper_s(ms: float) -> float:
         return (ms - start_ms) * time_scale / 1000
@@ -237,14 +240,10 @@ def curves(ledger: Ledger, events: Iterable[Event], *, start_ms: int, time_scale
             rows.append(ledger.row(paper_s(next_row), tasks))
             next_row += step_ms
         ledger.apply(ev)
-        if ev.timestamp_ms >= start_ms and ledger.version > 1:
-            updated = sum(1 for v in ledger.running.values() if v >= ledger.version)
-            if done_s is None and updated == tasks:
-                done_s = round(paper_s(ev.timestamp_ms), 1)
-            if all_s is None and done_s is not None and len(ledger.running) == tasks:
-                all_s = round(paper_s(ev.timestamp_ms), 1)
+        if done_s is None and ev.timestamp_ms >= start_ms and ledger.version > 1 and ledger.updated() == tasks:
+            done_s = round(paper_s(ev.timestamp_ms), 1)
     rows.append(ledger.row(paper_s(next_row), tasks))
-    return rows, done_s, all_s
+    return rows, done_s
 
 
 def merged(streams: Iterable[Iterable[Event]]) -> Iterable[Event]:
@@ -265,7 +264,8 @@ def region_spec(c: Conditions) -> dict[str, Any]:
 
 
 def job_spec(c: Conditions, release: int) -> dict[str, Any]:
-    return {"name": JOB.split(".", 1)[1], "entitlement": ENT, "tasks": c.tasks, "command": ["cache", f"--release={release}"],
+    return {"name": JOB.split(".", 1)[1], "entitlement": ENT, "tasks": c.tasks,
+            "command": ["cache", f"--release={release}"],
             "resources": {"cpu_millicores": TASK_CPU, "memory_mib": TASK_MEM}, "spread": "msb",
             "max_unavailable": c.tasks, "controller": CONTROLLER}
 
@@ -463,18 +463,19 @@ def count(events: Iterable[Event], pc: PipelineConditions, start_ms: int) -> tup
     else the counting saw."""
     c = pc.base
     ledger = Ledger(sim.place_replicas(c.tasks, c.shards, c.replicas, c.seed, c.placement), c.min_live)
-    rows, done_s, all_s = curves(ledger, events, start_ms=start_ms, time_scale=pc.time_scale, step_s=c.step_s,
-                                 tasks=c.tasks)
+    rows, done_s = curves(ledger, events, start_ms=start_ms, time_scale=pc.time_scale, step_s=c.step_s,
+                          tasks=c.tasks)
     result = Result(c, rows=rows, by_ropewalk=ledger.by_ropewalk, by_ropewalk_at_ack=ledger.by_ropewalk_at_ack,
                     by_failure=ledger.by_failure, peak_updating=ledger.peak_updating, update_done_s=done_s,
-                    all_running_s=all_s, decisions=ledger.scheduler_events, acks=ledger.acks, mode=MODE)
+                    all_running_s=done_s, decisions=ledger.scheduler_events, acks=ledger.acks, mode=MODE)
     saw = ledger.scheduler_saw_failure_ms
     return result, {
         "shards_lost_second_replica_by_ropewalk_raced_with_failure": len(ledger.raced),
         "tasks_down_otherwise": len(ledger.down_otherwise),
         "first_operations_that_lost_shards": ledger.offenders,
         "failed_msb_tasks": len(ledger.failed_tasks),
-        "scheduler_read_failure_after_ms": None if ledger.failure_ms is None or saw is None else saw - ledger.failure_ms,
+        "scheduler_read_failure_after_ms": None if ledger.failure_ms is None or saw is None
+        else saw - ledger.failure_ms,
     }
 
 
