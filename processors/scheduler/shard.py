@@ -28,6 +28,11 @@ which recover the partitions' table data from the changelogs before they read on
     limits          "shard/<partition>"     -> the shard's token bucket for destructive operations
                                                (processors/taskcontrol/limiter.py)
 
+Beside the tables, a memo (not state): per job, the record this worker last wrote and the ``Job`` it was made
+from, used only while the table still holds that very object; it spares decoding a job on every event, and
+``job_to_record`` re-uses the records of the tasks a decision left alone. The whole job record is still written per
+event: for a 1,000-task job that is ~487 KB of JSON, the shard's main cost (BENCHMARKS.md, Figure 14).
+
 Every value is written to the changelog partition of its entitlement (``partition_for(entitlement)``), which is
 the partition of the event being processed for every entitlement-keyed event; so a partition's changelog holds
 exactly the state of that partition's entitlements, and a worker that takes the partition over recovers it.
