@@ -96,7 +96,7 @@ class Ledger:
     live: Counter = field(default_factory=Counter)  # shard -> replicas on RUNNING tasks
     total: Counter = field(default_factory=Counter)  # shard -> replicas
     running: dict[str, int] = field(default_factory=dict)  # task -> the spec version it runs
-    machine_of: dict[str, str] = field(default_factory=dict)  # task -> machine of its latest command
+    machine_of: dict[str, str] = field(default_factory=dict)  # task -> machine of its latest command or RUNNING
     version: int = 0  # the job's newest spec version
     updating: set[str] = field(default_factory=set)  # stopped for the update, not yet running the new version
     approved: set[str] = field(default_factory=set)  # approved by the controller, not yet stopped
@@ -460,7 +460,8 @@ def read_log(cfg, registry) -> list[Event]:
 
 def count(events: Iterable[Event], pc: PipelineConditions, start_ms: int) -> tuple[Result, dict[str, Any]]:
     """Pure: the curves and totals of ``events`` (time order) for an update that started at ``start_ms``, and what
-    else the counting saw."""
+    else the counting saw. ``scheduler_decisions`` here counts the events the scheduler emitted (the simulation
+    counts its ``decide`` calls)."""
     c = pc.base
     ledger = Ledger(sim.place_replicas(c.tasks, c.shards, c.replicas, c.seed, c.placement), c.min_live)
     rows, done_s = curves(ledger, events, start_ms=start_ms, time_scale=pc.time_scale, step_s=c.step_s,

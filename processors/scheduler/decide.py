@@ -1383,7 +1383,7 @@ def _on_task_control_acked(fold: _Fold, ev: Event) -> None:
     stale = []
     for t in w.ordered():
         if t.op_state == OP_PENDING and t.op_id in approved:
-            if t.id in down_when_asked and t.state == RUNNING and t.op != OP_STOP:
+            if t.id in down_when_asked and t.state == RUNNING:
                 stale.append(t.op_id)  # "it is down, taking it costs nothing" no longer holds: ask again
                 continue
             w.put(replace(t, op_state=OP_APPROVED))  # performed by ``_drain_ops`` as the decision closes

@@ -6,6 +6,8 @@ co-partitioned with everything else of the job), with ``TaskControlRequested``:
     job_id, controller, sequence        (increases with every request of the job)
     pending_operations                  operations awaiting approval: operation_id, task_id, kind, reason
     completed_operation_ids             approved operations finished since the previous request
+    in_flight_operation_ids             approved operations the scheduler is performing (not completed): the
+                                        controller's in-flight set is exactly this (null in older requests)
     advance_notices                     planned maintenance ahead: unavailability_id, the tasks still on its
                                         machines awaiting a choice, start, deadline, expected duration
     unhealthy_task_ids                  every task of the job not RUNNING, whatever the cause, or about to stop
