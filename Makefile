@@ -5,7 +5,7 @@ up:
 	.venv/bin/ropewalk up
 
 test:
-	bash infra/bootstrap.sh
+	bash infra/bootstrap.sh --for-tests
 	.venv/bin/python -m pytest -q
 
 down:

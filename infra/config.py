@@ -5,7 +5,9 @@ real Redis needs no code change.
 |-----------------------------|--------------------------------------|-------------------------------------------|
 | ROPEWALK_BOOTSTRAP_SERVERS  | 127.0.0.1:$ROPEWALK_BROKER_PORT       | Kafka bootstrap servers. When set, `up` does not start the embedded broker. |
 | ROPEWALK_REDIS_URL          | redis://127.0.0.1:$ROPEWALK_REDIS_PORT/0 | Redis. When set, `up` does not start a private redis-server. |
-| ROPEWALK_BROKER_PORT        | 19092                                | port of the embedded broker               |
+| ROPEWALK_BROKER_PORT        | 19092                                | port of the embedded broker (its clients) |
+| ROPEWALK_CONTROLLER_PORT    | $ROPEWALK_BROKER_PORT + 1            | port of the embedded broker's KRaft controller |
+| ROPEWALK_BROKER_HEAP_MB     | 512                                  | the embedded broker's Java heap (-Xmx)    |
 | ROPEWALK_REDIS_PORT         | 16379                                | port of the private redis-server          |
 | ROPEWALK_RUN_DIR            | <project>/.run                       | pids, logs, redis dir, archives           |
 | ROPEWALK_PARTITIONS         | 8                                    | partitions of every entitlement-keyed topic |
@@ -22,6 +24,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BROKER_PORT = 19092
 DEFAULT_REDIS_PORT = 16379
 DEFAULT_PARTITIONS = 8
+DEFAULT_BROKER_HEAP_MB = 512
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class Config:
     redis_url: str
     broker_port: int
     redis_port: int
+    controller_port: int  # the embedded broker's KRaft controller listener
+    broker_heap_mb: int  # the embedded broker's -Xmx
     run_dir: Path
     partitions: int
     topic_prefix: str
@@ -44,6 +49,9 @@ class Config:
         bootstrap = env.get("ROPEWALK_BOOTSTRAP_SERVERS", "").strip()
         redis_url = env.get("ROPEWALK_REDIS_URL", "").strip()
         partitions = _int(env, "ROPEWALK_PARTITIONS", DEFAULT_PARTITIONS)
+        heap = _int(env, "ROPEWALK_BROKER_HEAP_MB", DEFAULT_BROKER_HEAP_MB)
+        if heap < 128:
+            raise ValueError(f"ROPEWALK_BROKER_HEAP_MB must be >= 128, got {heap}")
         if partitions < 1:
             raise ValueError(f"ROPEWALK_PARTITIONS must be >= 1, got {partitions}")
         return cls(
@@ -51,6 +59,8 @@ class Config:
             redis_url=redis_url or f"redis://127.0.0.1:{redis_port}/0",
             broker_port=broker_port,
             redis_port=redis_port,
+            controller_port=_int(env, "ROPEWALK_CONTROLLER_PORT", broker_port + 1),
+            broker_heap_mb=heap,
             run_dir=Path(env.get("ROPEWALK_RUN_DIR") or PROJECT_ROOT / ".run"),
             partitions=partitions,
             topic_prefix=env.get("ROPEWALK_TOPIC_PREFIX", ""),

@@ -48,6 +48,8 @@ class ManagedProcess:
     ready: Callable[[], bool]  # True once the service answers its protocol, not just TCP
     start_timeout_s: float = 20.0
     env: dict[str, str] | None = None  # the child's environment (default: inherited)
+    extra_ports: tuple[tuple[int, str], ...] = ()  # other (port, variable that sets it) it listens on
+    prepare: Callable[[], None] | None = None  # run before each start (e.g. write config, format data)
 
     @property
     def pid_file(self) -> Path:
@@ -80,11 +82,11 @@ class ManagedProcess:
         not ours, or the binary is missing. A no-op when the process already runs."""
         if self.pid() is not None:
             return
-        if self.port is not None and port_open(self.port):
-            raise InfraError(
-                f"{self.name}: port {self.port} is taken by another process; stop it or set "
-                f"ROPEWALK_{self.name.upper()}_PORT to a free port"
-            )
+        for port, var in ((self.port, f"ROPEWALK_{self.name.upper()}_PORT"),
+                          *self.extra_ports):
+            if port is not None and port_open(port):
+                raise InfraError(f"{self.name}: port {port} is taken by another process; stop it or set {var} "
+                                 f"to a free port")
         if not Path(self.argv[0]).exists():
             raise InfraError(f"{self.name}: binary {self.argv[0]} is missing")
 
@@ -96,6 +98,8 @@ class ManagedProcess:
             self._wait_ready(pid)
             return {**self.status(), "started": False}
         self.check_can_start()
+        if self.prepare is not None:
+            self.prepare()
         with open(self.log_file, "ab") as log:
             proc = subprocess.Popen(
                 self.argv,

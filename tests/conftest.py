@@ -28,8 +28,10 @@ def _free_port(preferred: int) -> int:
 def infra_cfg(tmp_path_factory) -> Config:
     """A Config whose embedded broker and redis are started for this test session and stopped after."""
     run_dir = tmp_path_factory.mktemp("run")
+    broker_port = _free_port(TEST_BROKER_PORT)
     cfg = Config.from_env({
-        "ROPEWALK_BROKER_PORT": str(_free_port(TEST_BROKER_PORT)),
+        "ROPEWALK_BROKER_PORT": str(broker_port),
+        "ROPEWALK_CONTROLLER_PORT": str(_free_port(broker_port + 1)),
         "ROPEWALK_REDIS_PORT": str(_free_port(TEST_REDIS_PORT)),
         "ROPEWALK_RUN_DIR": str(run_dir),
         "ROPEWALK_PARTITIONS": "4",

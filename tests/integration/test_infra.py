@@ -26,7 +26,7 @@ def free_port() -> int:
 @pytest.fixture
 def own_cfg(tmp_path):
     cfg = Config.from_env({"ROPEWALK_BROKER_PORT": str(free_port()), "ROPEWALK_REDIS_PORT": str(free_port()),
-                           "ROPEWALK_RUN_DIR": str(tmp_path / "run")})
+                           "ROPEWALK_CONTROLLER_PORT": str(free_port()), "ROPEWALK_RUN_DIR": str(tmp_path / "run")})
     yield cfg
     services.down(cfg)
 
@@ -57,16 +57,24 @@ def _take_port(port: int) -> socket.socket:
     return s
 
 
-# (case, what breaks the start: (env overrides, service whose port another process holds), expected message).
-# The message is checked as the whole one line `ropewalk up` prints after "ropewalk: ".
+# (case, what breaks the start: (env overrides, service whose port another process holds, attribute of
+# infra.broker to point elsewhere), expected message). The message is checked as the whole one line
+# `ropewalk up` prints after "ropewalk: ". {java_only} is a directory whose only program is java.
 UP_FAILURES = [
-    ("broker port taken", ({}, "broker"), r"broker: port {broker_port} is taken by another process; "
-                                          r"stop it or set ROPEWALK_BROKER_PORT to a free port"),
-    ("redis port taken", ({}, "redis"), r"redis: port {redis_port} is taken by another process; "
-                                        r"stop it or set ROPEWALK_REDIS_PORT to a free port"),
-    ("broker binary missing", ({"CALF_TANSU_BIN": "/nonexistent/tansu"}, None),
-     r"embedded broker: CALF_TANSU_BIN='/nonexistent/tansu' does not point at an executable file\."),
-    ("redis-server missing", ({"PATH": "{empty_dir}"}, None),
+    ("broker port taken", ({}, "broker", None), r"broker: port {broker_port} is taken by another process; "
+                                                r"stop it or set ROPEWALK_BROKER_PORT to a free port"),
+    ("controller port taken", ({}, "controller", None),
+     r"broker: port {controller_port} is taken by another process; stop it or set ROPEWALK_CONTROLLER_PORT to "
+     r"a free port"),
+    ("redis port taken", ({}, "redis", None), r"redis: port {redis_port} is taken by another process; "
+                                              r"stop it or set ROPEWALK_REDIS_PORT to a free port"),
+    ("java missing", ({"PATH": "{empty_dir}"}, None, None),
+     r"embedded broker: java is missing: install Java 17\+ \(`bash infra/bootstrap.sh` does, as root\), or set "
+     r"ROPEWALK_BOOTSTRAP_SERVERS to a running Kafka"),
+    ("broker jars missing", ({}, None, "LIBS"),
+     r"embedded broker: {empty_dir}/kafka_2.13-\d+\.\d+\.\d+\.jar is missing; run `bash infra/bootstrap.sh` "
+     r"\(it copies Kafka \d+\.\d+\.\d+ from Maven Central\)"),
+    ("redis-server missing", ({"PATH": "{java_only}"}, None, None),
      r"redis-server is missing: `apt-get install redis-server` \(as root\), or set ROPEWALK_REDIS_URL to a "
      r"running Redis"),
 ]
@@ -74,11 +82,20 @@ UP_FAILURES = [
 
 @pytest.mark.parametrize("case,breakage,message", UP_FAILURES, ids=[c[0] for c in UP_FAILURES])
 def test_up_failures_are_one_line_and_start_nothing(own_cfg, tmp_path, monkeypatch, case, breakage, message):
-    env, taken = breakage
-    (tmp_path / "empty").mkdir()
+    import shutil
+
+    from infra import broker
+
+    env, taken, moved = breakage
+    empty, java_only = tmp_path / "empty", tmp_path / "java_only"
+    empty.mkdir()
+    java_only.mkdir()
+    (java_only / "java").symlink_to(shutil.which("java"))
     for name, value in env.items():
-        monkeypatch.setenv(name, value.format(empty_dir=tmp_path / "empty"))
-    ports = {"broker": own_cfg.broker_port, "redis": own_cfg.redis_port}
+        monkeypatch.setenv(name, value.format(empty_dir=empty, java_only=java_only))
+    if moved:
+        monkeypatch.setattr(broker, moved, empty)
+    ports = {"broker": own_cfg.broker_port, "controller": own_cfg.controller_port, "redis": own_cfg.redis_port}
     holder = _take_port(ports[taken]) if taken else None
     try:
         with pytest.raises(InfraError) as exc:
@@ -86,7 +103,8 @@ def test_up_failures_are_one_line_and_start_nothing(own_cfg, tmp_path, monkeypat
     finally:
         if holder is not None:
             holder.close()
-    assert re.fullmatch(message.format(broker_port=own_cfg.broker_port, redis_port=own_cfg.redis_port),
+    assert re.fullmatch(message.format(broker_port=own_cfg.broker_port, redis_port=own_cfg.redis_port,
+                                       controller_port=own_cfg.controller_port, empty_dir=re.escape(str(empty))),
                         str(exc.value)), str(exc.value)
     # Checked before anything started: no process, no pid file, neither port served by us.
     assert not list(own_cfg.run_dir.glob("*.pid"))
@@ -94,7 +112,7 @@ def test_up_failures_are_one_line_and_start_nothing(own_cfg, tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["/nonexistent/tansu"], "binary /nonexistent/tansu is missing"),
+    (["/nonexistent/program"], "binary /nonexistent/program is missing"),
     ([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], "exited with code 3 at start: boom"),
 ])
 def test_start_failures_are_one_line_reasons(tmp_path, argv, message):
