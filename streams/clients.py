@@ -77,8 +77,10 @@ class EventProducer:
         self.sent = 0
 
     # -- events ----------------------------------------------------------------------------------
-    def send(self, event: Event, *, topic: str | None = None, validate: bool = True) -> None:
-        """Encode and produce asynchronously to the event's topic, keyed per the catalogue."""
+    def send(self, event: Event, *, topic: str | None = None, validate: bool = True,
+             log_timestamp_ms: int | None = None) -> None:
+        """Encode and produce asynchronously to the event's topic, keyed per the catalogue. The record's log
+        timestamp is the time of sending unless ``log_timestamp_ms`` says otherwise (an import, a test)."""
         self._raise_errors()
         logical = topic or self.topics.logical(self.topics.for_event(event.type))
         schema = self.registry.reader(event.type)
@@ -87,7 +89,7 @@ class EventProducer:
             self._flush_or_raise(10.0)
             self._schemas_published.add(schema.fingerprint)
         value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
-        self.send_raw(self.topics.name(logical), key_of(logical, event).encode(), value)
+        self.send_raw(self.topics.name(logical), key_of(logical, event).encode(), value, timestamp_ms=log_timestamp_ms)
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
                  timestamp_ms: int | None = None, headers: list | None = None) -> None:
@@ -195,14 +197,12 @@ class EventConsumer:
         self._consumer.pause([TopicPartition(t, p) for t, p in partitions])
 
     def fetched_high_watermark(self, tp: tuple[str, int]) -> int | None:
-        """The high watermark reported by the latest fetch response of `tp` (None before the first one).
-        Unlike `watermarks()`, this is the true end on Tansu too."""
+        """The high watermark reported by the latest fetch response of `tp` (None before the first one)."""
         _, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
         return high if high >= 0 else None  # librdkafka answers OFFSET_INVALID (-1001) before a fetch
 
     def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
-        """(low, high) per partition as the broker lists them. Beware: Tansu lists the first offset of the
-        last batch + 1 as high, so bounded reads must go to end-of-partition (`eof`), not to `high`."""
+        """(low, high) per partition as the broker lists them (ListOffsets)."""
         return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)
                 for t, p in self.partitions()}
 

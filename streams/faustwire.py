@@ -16,7 +16,8 @@ truncated body, a fingerprint unknown even to `_schemas`) or fails `check_placem
 differing from the envelope) becomes a `DeadLetterRecorded` on `deadletter` with its reason constant and
 origin topic/partition/offset, and the loop goes on with the next record.
 
-Delivery: at-least-once, as the whole system is (DESIGN.md: faust `exactly_once` is not sound on Tansu).
+Delivery: at-least-once, as the whole system is (BENCHMARKS.md, "Transactions": why not faust's
+`exactly_once`).
 A dead letter is flushed to the broker before the loop asks faust for the next record, i.e. before the bad
 record is acked and its offset can be committed; a crash in between re-routes it with the same derived
 event id, which readers de-duplicate.
@@ -75,11 +76,9 @@ def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
         "value_serializer": "raw",
         # A new group reads its topics from the beginning: the log is the state (also faust's default).
         "consumer_auto_offset_reset": "earliest",
-        # Group timing. Measured on Tansu with aiokafka 0.14: a new group's first JoinGroup is held for
-        # about half the *session* timeout (1/3/5/10 s for 2/6/10/20 s), whatever the rebalance timeout
-        # (1-60 s made no difference). Faust's 60 s default would make every worker start take 30 s.
-        # 6 s is the lowest a stock Kafka broker accepts (group.min.session.timeout.ms), so the setting is
-        # portable; a dead worker's entitlements move after 6 s instead of a minute. Heartbeats run on
+        # Group timing. Faust's 60 s session timeout would let a dead worker hold its entitlements for a
+        # minute; 6 s is the lowest a stock Kafka broker accepts (group.min.session.timeout.ms), so the
+        # setting is portable (the embedded broker accepts 1 s, which tests use). Heartbeats run on
         # faust's consumer thread, not on the agents' event loop, so a slow handler cannot starve them.
         "broker_session_timeout": 6.0,
         # At most a third of the session timeout (Kafka's rule), so two lost heartbeats do not evict.

@@ -29,8 +29,7 @@ def load(cfg: Config, registry: SchemaRegistry, only: bytes | None = None, timeo
         md = c.list_topics(topic, timeout=timeout_s).topics.get(topic)
         if md is None or md.error is not None:
             return 0
-        # Read to end-of-partition, not to the listed high watermark: Tansu reports the first offset of the
-        # last batch + 1 as the high watermark, which would stop short of the batch's other records.
+        # Read to end-of-partition (reported at the high watermark of a fetch made now).
         live = set()
         for p in md.partitions:
             lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)

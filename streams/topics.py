@@ -43,8 +43,17 @@ class TopicSpec:
 # is set anyway so that a later switch to compact,delete would not start deleting). Heartbeats are the only
 # topic with a bounded retention: liveness is judged on recent heartbeats and nothing is rebuilt from them.
 # The config applies when provisioning creates a topic; an existing topic keeps the config it was created with.
+#
+# Compaction. The log cleaner only compacts closed segments, so a compacted topic rolls its active segment
+# after COMPACT_SEGMENT_MS (or 64 MiB): a key overwritten many times keeps at most that window of old
+# records plus the cleaned ones, and a reader (faust recovering a changelog, `watch` reading state.jobs) reads
+# little more than the latest value per key. The cleaner compacts a segment once half of the log is
+# overwritten (min.cleanable.dirty.ratio, Kafka's default 0.5); tombstones stay a day (delete.retention.ms) so
+# a slow reader still sees a delete. Faust's changelog topics get the same (CHANGELOG_CONFIG).
+COMPACT_SEGMENT_MS = 3600 * 1000
 _KEEP_FOREVER = MappingProxyType({"retention.ms": "-1"})
-_COMPACT = MappingProxyType({"cleanup.policy": "compact", "retention.ms": "-1"})
+CHANGELOG_CONFIG = MappingProxyType({"segment.ms": str(COMPACT_SEGMENT_MS), "segment.bytes": str(64 * 1024 * 1024)})
+_COMPACT = MappingProxyType({"cleanup.policy": "compact", "retention.ms": "-1", **CHANGELOG_CONFIG})
 HEARTBEAT_RETENTION_MS = 7 * 24 * 3600 * 1000  # Kafka's default, made explicit
 _HEARTBEATS = MappingProxyType({"retention.ms": str(HEARTBEAT_RETENTION_MS)})
 
@@ -69,7 +78,7 @@ CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("deadletter", KEY_ORIGIN, ("DeadLetterRecorded",), partitions=1, config=_KEEP_FOREVER,
               doc="records that failed to decode or validate, with reason and origin"),
     TopicSpec("state.jobs", KEY_JOB, ("JobStatePublished",), config=_COMPACT,
-              doc="latest state per job (take the last record per key: compaction is not enforced by Tansu)"),
+              doc="latest state per job (compacted: the latest record per key)"),
     TopicSpec("state.machines", KEY_MACHINE, ("MachineStatePublished",), config=_COMPACT,
               doc="latest state per machine"),
     TopicSpec("_schemas", KEY_FINGERPRINT, (), partitions=1, config=_COMPACT,
@@ -166,4 +175,32 @@ def provision(admin, topics: Topics, timeout_s: float = 15.0) -> dict:
         problems = check_copartitioning(topics, existing)
         if problems:
             raise TopicError("; ".join(problems))
+        wait_until_served(admin, {topics.name(s.name): topics.partitions_of(s.name) for s in missing}, timeout_s)
     return {"created": sorted(created), "topics": {n: existing.get(n) for n in topics.all()}}
+
+
+def wait_until_served(admin, partition_counts: Mapping[str, int], timeout_s: float = 15.0) -> None:
+    """Wait until the broker answers ListOffsets for every partition of these topics. CreateTopics returns once
+    the controller has recorded a topic; the broker that leads its partitions takes a moment more to serve them
+    (until then clients get NOT_LEADER_FOR_PARTITION)."""
+    import time
+
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import OffsetSpec
+
+    pending = [TopicPartition(t, p) for t, n in partition_counts.items() for p in range(n)]
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        futures = admin.list_offsets({tp: OffsetSpec.latest() for tp in pending}, request_timeout=timeout_s)
+        left = []
+        for tp, fut in futures.items():
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - not served yet: asked again below
+                left.append(TopicPartition(tp.topic, tp.partition))
+        if left and time.monotonic() > deadline:
+            raise TopicError(f"{len(left)} partitions not served {timeout_s:.0f}s after their creation, e.g. "
+                             f"{left[0].topic}[{left[0].partition}]")
+        pending = left
+        if pending:
+            time.sleep(0.05)

@@ -6,8 +6,8 @@
 (Config from the environment: ``infra.config.Config.from_env``.)
 
 1. **Catch up**: fold the ``machines`` topic from the beginning into a BrokerState, up to where each partition
-   ended when catching up started (``read_to_end``: the high watermark of the first fetch response, never the
-   listed one alone, which Tansu under-reports; or end-of-partition), so it ends while the topic is written.
+   ended when catching up started (``read_to_end``: the high watermark of the first fetch response, or
+   end-of-partition), so it ends while the topic is written.
 2. **Register**: ``register_all`` the region's machines against that state — only machines not registered yet
    (or whose type/capacity changed) produce a MachineRegistered (keyed ``free/<dc>``), so a restart registers
    nothing twice: idempotence comes from folding the log, not from a local file.
@@ -75,8 +75,7 @@ def read_to_end(consumer: EventConsumer, on_records: Callable[[list[Record]], No
     ``consumer`` must be freshly assigned (not polled yet), as both callers' are. The end of a partition is
     fixed the first time it is known: the high watermark of the first fetch response for it (at or beyond the
     end the partition had when the call started, as watermarks only grow), or its start if ListOffsets shows
-    it empty. Not the ListOffsets high watermark alone: Tansu answers it with the last batch's base offset + 1,
-    short of the true end (it is kept as a lower bound). A partition is finished when a record at or beyond
+    it empty (the ListOffsets high watermark is kept as a lower bound). A partition is finished when a record at or beyond
     ``end - 1`` has been read, or it reported end-of-partition (only ever done at a fetch's high watermark).
     So catching up terminates while producers keep writing (a region registering, heartbeats flowing).
 

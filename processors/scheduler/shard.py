@@ -51,14 +51,6 @@ state and re-emit the same events (ids derive from the input's id); a crash afte
 job's duplicate ring and emits nothing (its output was flushed already). A handler that raises sends the event to
 ``deadletter`` with reason ``processing_failed`` and the agent goes on.
 
-**One changelog record per batch (a Tansu workaround).** faust recovers a changelog partition up to the high
-watermark the broker lists. Tansu lists the first offset of the partition's last *batch* + 1 (measured: 9
-records in batches [0-4], [5], [6-8] list a high watermark of 7), so a recovering worker silently dropped the
-tail of the last batch: a job written in it was lost, and its later events were ignored. So every table write
-is flushed on its own (``app.producer.flush()`` after each), one record per batch, and the listed watermark
-is the true end. It costs a round trip per table write (one to a few per event); on Apache Kafka, which lists
-the true end, set ``ROPEWALK_SCHEDULER_ONE_RECORD_BATCHES=0``.
-
 Known limits: ``machines_down`` is keyed by machine alone and written to the partition of the event that
 changed it, so a machine that moves to an entitlement of another partition leaves its old entry in the old
 partition's changelog. Keys this worker wrote for a partition it later loses stay in its memory until it gets
@@ -96,7 +88,7 @@ from streams.events import Event
 from streams.faustwire import decoded, make_app, route_dead_letter
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
-from streams.topics import Topics
+from streams.topics import CHANGELOG_CONFIG, Topics
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +106,6 @@ FAUST_ENV = {
     "ROPEWALK_FAUST_COMMIT_INTERVAL": "broker_commit_interval",
 }
 RETRY_ENV = "ROPEWALK_SCHEDULER_RETRY_S"
-BATCHES_ENV = "ROPEWALK_SCHEDULER_ONE_RECORD_BATCHES"  # "0": let changelog records share batches (real Kafka)
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -141,18 +132,17 @@ class ShardTables:
     """The shard's faust tables, and how one decision's slice of ``SchedulerState`` is read from and written
     back to them. Writes go to the table's store and to the changelog partition of the entitlement."""
 
-    def __init__(self, app: faust.App, partitions: int, *, one_record_batches: bool = True):
+    def __init__(self, app: faust.App, partitions: int):
         self.app = app
         self.partitions = partitions
-        self.one_record_batches = one_record_batches
-        opts = {"default": None, "key_type": str, "value_type": None,
-                "partitions": partitions}
+        opts = {"default": None, "key_type": str, "value_type": None, "partitions": partitions,
+                "extra_topic_configs": dict(CHANGELOG_CONFIG)}
         self.jobs = app.Table("scheduler-jobs", **opts)
         self.entitlements = app.Table("scheduler-entitlements", **opts)
         self.machines_down = app.Table("scheduler-machines-down", **opts)
         self.machine_jobs = app.Table("scheduler-machine-jobs", **opts)
-        self.offsets = app.Table("scheduler-offsets", **opts)
-        self.limits = app.Table("scheduler-limits", **opts)  # "shard/<partition>" -> the shard's token bucket  # "<topic>/<partition>" -> next offset to apply
+        self.offsets = app.Table("scheduler-offsets", **opts)  # "<topic>/<partition>" -> next offset to apply
+        self.limits = app.Table("scheduler-limits", **opts)  # "shard/<partition>" -> the shard's token bucket
         # A memo, not state: job id -> (the record this worker last wrote to the jobs table, the Job it was made
         # from). Used only while the table still holds that very object (a recovery or another worker's write
         # puts a new one), so it can never disagree with the table; it saves decoding (and re-encoding the
@@ -222,8 +212,6 @@ class ShardTables:
         else:
             table.data[key] = value
             table.send_changelog(partition, key, value)
-        if self.one_record_batches:
-            await self.app.producer.flush()  # this record leaves alone, in a batch of its own
 
     async def store(self, before: SchedulerState, after: SchedulerState, records: Mapping[str, dict],
               event_partition: int | None, applied: tuple[str, int] | None = None,
@@ -265,15 +253,14 @@ class ShardTables:
         return written
 
 
-def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S,
-              one_record_batches: bool = True, **settings: Any):
+def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S, **settings: Any):
     """The scheduler's faust app, its agent, its timer and its tables; ``settings`` override faust's."""
     registry = registry or SchemaRegistry.from_dir()
     catalogue = Topics(cfg.topic_prefix, cfg.partitions)
     producer = EventProducer(cfg, registry, PRODUCER)
     dead_letters = DeadLetters(producer, PRODUCER)
     app = make_app(cfg, APP_ID, **settings)
-    tables = ShardTables(app, cfg.partitions, one_record_batches=one_record_batches)
+    tables = ShardTables(app, cfg.partitions)
     source_names = [catalogue.name(t) for t in SOURCES]
     source = app.topic(*source_names, key_serializer="raw", value_serializer="raw", partitions=cfg.partitions)
     lock = asyncio.Lock()
@@ -352,7 +339,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             if tp.topic in source_names:
                 key = partition_key(tp.topic, tp.partition)
                 try:
-                    high = app.consumer.highwater(tp)  # from the last fetch response (true on Tansu)
+                    high = app.consumer.highwater(tp)  # from the last fetch response
                 except Exception:  # noqa: BLE001 - a partition moving away in a rebalance: look next time
                     continue
                 if guard.stalled(key, high, now):
@@ -370,9 +357,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     retry_s = float(os.environ.get(RETRY_ENV) or RETRY_S)
-    one_record_batches = os.environ.get(BATCHES_ENV, "1") != "0"
-    app, _, _ = build_app(Config.from_env(), retry_s=retry_s, one_record_batches=one_record_batches,
-                          **settings_from_env())
+    app, _, _ = build_app(Config.from_env(), retry_s=retry_s, **settings_from_env())
     faust.Worker(app, loglevel="INFO").execute_from_commandline()
 
 

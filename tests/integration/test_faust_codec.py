@@ -5,8 +5,8 @@
 * the faust codec and the confluent tools write byte-identical records and read each other's;
 * faust/aiokafka and the confluent producers put a key on the same partition (co-partitioning).
 
-The faust app runs in-process (`app.start()` inside `asyncio.run`), with group timeouts lowered: on Tansu
-a new group's first join waits about half the session timeout.
+The faust app runs in-process (`app.start()` inside `asyncio.run`), with group timeouts lowered so a group
+forms and moves in seconds.
 """
 from __future__ import annotations
 
