@@ -21,9 +21,7 @@ Guarantees and choices
   finished when the consumer has read up to that end or reported end-of-partition (which it only does at a
   high watermark of a fetch made after the start). Records at or beyond the end are ignored undecoded, so a
   replay ends even while producers keep writing; it contains every record that existed when it started (and
-  possibly a few written in the milliseconds before the first fetch). Not the ListOffsets high watermark
-  alone: the embedded broker answers it with the last record batch's base offset + 1, which falls short of
-  the true end by the rest of that batch.
+  possibly a few written in the milliseconds before the first fetch).
 * Order: within one (topic, partition), records come in offset order. Nothing is promised across partitions.
 * Undecodable records never stop a replay: they are counted in `stats.skipped` (by reason in
   `stats.skipped_by_reason`) and, if the caller passed `dead_letters` (anything with `route(**kw)`, e.g.
@@ -35,8 +33,13 @@ Guarantees and choices
   record key IS the envelope entitlement (the consumer dead-letters a record whose key disagrees).
   Other topics (heartbeats, deadletter, state.*) are read whole and filtered on the envelope.
 * Time: `since_ms`/`until_ms` compare the event's own envelope `timestamp_ms` (since inclusive, until
-  exclusive). Kafka's offsets-for-times is not used: it is unreliable on the embedded broker, and the log
-  time is when the record was appended, not when the event happened.
+  exclusive). The reader also uses them to skip what cannot match: each partition starts at the first record
+  whose log timestamp (CreateTime: when its producer sent it; a restore keeps it) is at least
+  `since_ms - LOG_TIME_SLACK_MS`, and ends before the first whose log timestamp is at least
+  `until_ms + LOG_TIME_SLACK_MS` (Kafka's ListOffsets by time, one request for all partitions). Ropewalk's
+  producers send an event milliseconds after its envelope time, so nothing that matches is skipped; an event
+  whose envelope time is more than the slack away from when it was produced (hand-produced with a forged or
+  imported timestamp) may be.
 * `start_offsets` maps PHYSICAL (topic, partition) to the first offset to read (>= 0, at most the partition's
   end: a later one is out of range and the consumer resets to the beginning); others start at the beginning.
 """
@@ -59,6 +62,7 @@ from streams.serde import SchemaRegistry
 from streams.topics import BY_NAME, CATALOGUE, TOPIC_OF_EVENT, TopicError, Topics
 
 DATA_TOPICS: tuple[str, ...] = tuple(t.name for t in CATALOGUE if t.name != "_schemas")  # logical names
+LOG_TIME_SLACK_MS = 5 * 60 * 1000  # how far an event's envelope time may be from its log time (seeking by time)
 
 
 # --- the filter (pure) --------------------------------------------------------------------------
@@ -126,6 +130,7 @@ class ReplayStats:
     matched: int = 0  # records yielded
     skipped: int = 0  # undecodable records (see skipped_by_reason)
     skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    not_read: int = 0  # records left unread because their log time is outside since/until (see the module doc)
     partitions: int = 0  # partitions read (after narrowing)
     elapsed_s: float = 0.0
 
@@ -150,20 +155,22 @@ class _SkipCounter:
 class _BoundedConsumer(EventConsumer):
     """An EventConsumer in assign mode that reads each partition up to its end as of the start of the replay.
 
-    The end of a partition is fixed the first time it is known: the high watermark of the first fetch response
-    for it (librdkafka's cached watermark, always at or beyond the end the partition had when the replay
-    started), or the partition's start if it was empty. The ListOffsets high watermark, queried before
-    assignment, is only used as a lower bound and to see empty partitions: the embedded broker (Tansu) answers
-    it with the base offset of the last record batch + 1, short of the true end by the rest of that batch.
+    The end of a partition is fixed the first time it is known: the offset `until_ms` gives (see the module
+    doc), else the high watermark of the first fetch response for it (librdkafka's cached watermark, always at
+    or beyond the end the partition had when the replay started), or the partition's start if it was empty.
+    The ListOffsets high watermark, queried before assignment, is a lower bound of the end.
 
     `narrow` maps a physical topic to a record key: only the partition that key hashes to is read, and records
     with another key are skipped undecoded. `next_offset[tp]` is how far each partition has been read.
     """
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, topics: list[str], *, narrow: Mapping[str, bytes],
-                 sink: _SkipCounter, start_offsets: Mapping[tuple[str, int], int]):
+                 sink: _SkipCounter, start_offsets: Mapping[tuple[str, int], int],
+                 since_ms: int | None = None, until_ms: int | None = None):
         # Set before super().__init__, which calls partitions() and assign().
         self.narrow = dict(narrow)
+        self.since_ms, self.until_ms = since_ms, until_ms
+        self.skipped_by_time = 0  # records never read: before the since offset or from the until offset on
         self.floor: dict[tuple[str, int], int] = {}  # ListOffsets high watermark: a lower bound of the end
         self.ends: dict[tuple[str, int], int] = {}  # fixed once known (see the class docstring)
         self.next_offset: dict[tuple[str, int], int] = {}
@@ -176,12 +183,36 @@ class _BoundedConsumer(EventConsumer):
         return [(t, p) for t, p in every if t not in self.narrow or p == partition_for(self.narrow[t], count[t])]
 
     def assign(self, start_offsets: Mapping[tuple[str, int], int]) -> None:
-        for tp, (low, high) in self.watermarks().items():
-            self.next_offset[tp] = max(low, start_offsets.get(tp, low))
+        marks = self.watermarks()
+        since = self._offsets_for_time(marks, self.since_ms, -LOG_TIME_SLACK_MS)
+        until = self._offsets_for_time(marks, self.until_ms, LOG_TIME_SLACK_MS)
+        for tp, (low, high) in marks.items():
+            start = max(low, start_offsets.get(tp, low))
+            if tp in since:
+                self.skipped_by_time += max(0, since[tp] - start)
+                start = max(start, since[tp])
+            self.next_offset[tp] = start
             self.floor[tp] = high
-            if high <= low:  # empty when the replay started: done, and never fetched
+            if tp in until:  # the end is known now: nothing from there on can match
+                self.ends[tp] = max(start, until[tp])
+                self.skipped_by_time += max(0, high - self.ends[tp])
+            elif high <= low:  # empty when the replay started: done, and never fetched
                 self.ends[tp] = low
-        super().assign(start_offsets, only=[tp for tp in self.next_offset if not self.finished(tp)])
+        super().assign({tp: o for tp, o in self.next_offset.items()},
+                       only=[tp for tp in self.next_offset if not self.finished(tp)])
+
+    def _offsets_for_time(self, marks: Mapping[tuple[str, int], tuple[int, int]], ts: int | None,
+                          slack_ms: int) -> dict[tuple[str, int], int]:
+        """Per partition, the first offset whose log timestamp is at least ``ts + slack_ms`` (its high
+        watermark when there is none); empty when ``ts`` is None."""
+        if ts is None:
+            return {}
+        from confluent_kafka import TopicPartition
+
+        asked = [TopicPartition(t, p, max(0, ts + slack_ms)) for t, p in marks]
+        found = self._consumer.offsets_for_times(asked, timeout=10)
+        return {(tp.topic, tp.partition): tp.offset if tp.offset >= 0 else marks[(tp.topic, tp.partition)][1]
+                for tp in found}
 
     def end_of(self, tp: tuple[str, int]) -> int | None:
         """The partition's end offset, or None until a fetch response for it has arrived."""
@@ -253,7 +284,8 @@ class Replay:
         topics, narrow = self.physical_topics()
         sink = _SkipCounter(self.dead_letters)
         consumer = _BoundedConsumer(self.cfg, self.registry, topics, narrow=narrow, sink=sink,
-                                    start_offsets=self.start_offsets)
+                                    start_offsets=self.start_offsets, since_ms=self.filter.since_ms,
+                                    until_ms=self.filter.until_ms)
         st = self.stats
         try:
             st.partitions = len(consumer.next_offset)
@@ -283,6 +315,7 @@ class Replay:
     def _update(self, consumer: _BoundedConsumer, sink: _SkipCounter, t0: float) -> None:
         st = self.stats
         st.read = consumer.examined
+        st.not_read = consumer.skipped_by_time
         st.skipped = sum(sink.by_reason.values())
         st.skipped_by_reason = dict(sink.by_reason)
         st.elapsed_s = time.monotonic() - t0

@@ -15,7 +15,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from streams.clients import EventProducer, producer_conf
 from streams.events import new_event
 from streams.partitioner import murmur2, partition_for
-from streams.replay import ReplayFilter, replay
+from streams.replay import ReplayFilter, matches, replay
 from streams.serde import MALFORMED, NO_MARKER
 from streams.topics import BY_NAME, TOPIC_OF_EVENT, Topics, provision
 
@@ -76,10 +76,11 @@ def assigned(ent, machine, ts=None, eid=None):
     return mk("MachineAssignedToEntitlement", {"machine_id": machine, "dc": "dc1"}, ent, machine, ts, eid)
 
 
-def produce(cfg, registry, events, name="test"):
+def produce(cfg, registry, events, name="test", *, log_time_is_event_time=False):
+    """Produce ``events``; their log timestamps are the time of sending, or their envelope times."""
     p = EventProducer(cfg, registry, name)
     for e in events:
-        p.send(e)
+        p.send(e, log_timestamp_ms=e.timestamp_ms if log_time_is_event_time else None)
     p.flush()
     return p
 
@@ -203,7 +204,7 @@ FILTER_CASES = [
 @pytest.fixture(scope="module")
 def filter_cfg(infra_cfg, registry):
     c = fresh_cfg(infra_cfg)
-    produce(c, registry, filter_dataset())
+    produce(c, registry, filter_dataset(), log_time_is_event_time=True)  # as if imported: times of 1970
     return c
 
 
@@ -221,6 +222,34 @@ def test_replay_from_start_offsets(filter_cfg, registry):
     part = partition_for("ads", filter_cfg.partitions)
     run = replay(filter_cfg, registry, ReplayFilter(topics=("tasks",)), start_offsets={(tasks, part): 1})
     assert [r.event.event_id for r in run if r.partition == part] == ["ts-1-1"]  # ads's first task event skipped
+
+
+def test_replay_seeks_by_log_time(cfg, registry):
+    """since/until skip, by Kafka's offsets-for-times, the records whose log time is more than the slack outside
+    the window: they are not read at all (stats.not_read), and what is read gives the same answer as a full
+    scan filtered on the envelope times."""
+    from streams.replay import LOG_TIME_SLACK_MS
+
+    hour, t0 = 3_600_000, 1_790_000_000_000
+    events = [task_state("ads", f"job-{h}/{i}", "m1", t0 + h * hour + i, f"h{h}-{i}") for h in range(4) for i in range(25)]
+    produce(cfg, registry, events, log_time_is_event_time=True)
+    full = {r.event.event_id for r in replay(cfg, registry, ReplayFilter(topics=("tasks",)))}
+    assert len(full) == 100
+    for since_h, until_h, unread in ((1, None, 25), (None, 2, 25), (1, 3, 25), (3, None, 75), (None, None, 0)):
+        flt = ReplayFilter(topics=("tasks",), since_ms=None if since_h is None else t0 + since_h * hour,
+                           until_ms=None if until_h is None else t0 + until_h * hour)
+        run = replay(cfg, registry, flt)
+        got = {r.event.event_id for r in run}
+        assert got == {e.event_id for e in events if matches(flt, e)}
+        assert run.stats.not_read == unread and run.stats.read == 100 - unread, (since_h, until_h, run.stats)
+    # within the slack nothing is skipped: an event sent a minute after its envelope time is still found
+    late = task_state("ads", "late/0", "m1", t0 + 3 * hour - 60_000, "late")
+    assert 60_000 < LOG_TIME_SLACK_MS
+    p = EventProducer(cfg, registry, "test")
+    p.send(late, log_timestamp_ms=t0 + 3 * hour)
+    p.flush()
+    got = [r.event.event_id for r in replay(cfg, registry, ReplayFilter(topics=("tasks",), until_ms=t0 + 3 * hour))]
+    assert "late" in got
 
 
 # --- (3) termination while producers keep writing -----------------------------------------------
