@@ -133,7 +133,7 @@ class BenchEnv:
             if dead:
                 raise RuntimeError(f"bench: {', '.join(dead)} exited at start; see {self.run_dir}/<name>.log: "
                                    + " | ".join(p._log_tail(3) for p in self.workers if p.name in dead))
-            seen = controlplane.machines_up(self.cfg)
+            seen = controlplane.machines_indexed(self.cfg).get("UP", 0)
             if seen >= machines:
                 break
             time.sleep(0.5)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -67,7 +68,7 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
         "allocator": ["processors.allocator.processor"],
         "scheduler-0": ["processors.scheduler.shard"],
         "agents": ["processors.agent.simulated", *region_args, "--exclude", LOCAL_MACHINE_ID,
-                   "--interval-ms", str(HEARTBEAT_INTERVAL_MS)],
+                   "--interval-ms", str(HEARTBEAT_INTERVAL_MS), "--state-file", str(simulated_state_file(cfg))],
         "agent-local": ["processors.agent.process", "--machine-id", LOCAL_MACHINE_ID,
                         "--tick-ms", str(HEARTBEAT_INTERVAL_MS)],
         "health": ["processors.health.processor", "--timeout-ms", str(HEALTH_TIMEOUT_MS), "--tick-ms", "1000"],
@@ -82,27 +83,61 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
     return out
 
 
-def machines_up(cfg: Config) -> int:
-    """How many machines the allocator's Redis index holds in the free pool or an entitlement, status UP."""
+def simulated_state_file(cfg: Config) -> Path:
+    """Where the simulated machines keep their state across `down`/`up` (processors/agent/simulated.py)."""
+    return Path(cfg.run_dir) / "agents" / "simulated.json"
+
+
+def machines_indexed(cfg: Config) -> dict[str, int]:
+    """How many machines the allocator's Redis index holds, by status (UP, DOWN, ...)."""
     import redis
 
     from processors.allocator.index import MachineIndex
-    from processors.allocator.placement import MACHINE_UP
 
     client = redis.Redis.from_url(cfg.redis_url)
     try:
         index = MachineIndex(client, cfg.topic_prefix)
         start = len(index.key("m:"))
         ids = [key.decode()[start:] for key in client.scan_iter(index.key("m:*"), count=1000)]
-        return sum(m.status == MACHINE_UP for m in index.machines(ids).values())
+        return dict(Counter(m.status for m in index.machines(ids).values()))
+    finally:
+        client.close()
+
+
+def index_lost(cfg: Config) -> bool:
+    """Whether Redis lost the allocator's index while the log kept the allocator's position: its consumer group
+    has committed offsets but Redis has no applied marks (a Redis that was flushed, replaced, or lost its data
+    directory). Starting the allocator then would decide against an empty index from where it stopped."""
+    import redis
+
+    from processors.allocator.index import DEFAULT_CONSUMER
+    from processors.allocator.processor import APP_ID, SOURCES
+    from streams.groups import committed
+    from streams.topics import Topics
+
+    topics = Topics(cfg.topic_prefix, cfg.partitions)
+    if not any(committed(cfg, cfg.topic_prefix + APP_ID, map(topics.name, SOURCES)).values()):
+        return False
+    client = redis.Redis.from_url(cfg.redis_url)
+    try:
+        return not client.exists(f"{cfg.topic_prefix}applied:{DEFAULT_CONSUMER}")
     finally:
         client.close()
 
 
 def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S) -> dict:
-    """Start the workers, then wait until the allocator's index holds all ``machines`` (+ the local one) UP: a job submitted
-    after ``up`` returns sees the whole region (not just the partitions indexed first). ``ready`` in the
-    result says whether that happened within ``ready_timeout_s``; ``machines_up`` how many were seen."""
+    """Start the workers, then wait until the allocator's index holds all ``machines`` (+ the local one), whatever
+    their status: a job submitted after ``up`` returns sees the whole region (not just the partitions indexed
+    first). ``ready`` in the result says whether that happened within ``ready_timeout_s``; ``machines_indexed``
+    how many were seen, ``machines_up`` how many of them are UP. Before any worker starts, an index that Redis
+    lost (``index_lost``) is rebuilt from the log (``rebuilt`` in the result)."""
+    from processors.allocator.placement import MACHINE_UP
+
+    rebuilt = None
+    if index_lost(cfg):
+        from processors.allocator.rebuild import rebuild_index
+
+        rebuilt = rebuild_index(cfg)
     region = write_region(cfg, machines)
     out = {}
     for proc in processes(cfg, region):
@@ -110,18 +145,20 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S) -> 
         if proc.name == "resourcebroker":
             time.sleep(1.0)  # let registrations reach the log before the agents and the health check start
     deadline = time.monotonic() + ready_timeout_s
-    seen = 0
+    seen: dict[str, int] = {}
     while time.monotonic() < deadline:
         if any(proc.pid() is None for proc in processes(cfg)):
             break
-        seen = machines_up(cfg)
-        if seen >= machines + 1:
+        seen = machines_indexed(cfg)
+        if sum(seen.values()) >= machines + 1:
             break
         time.sleep(0.25)
     for proc in processes(cfg):
         if proc.pid() is None:  # died right after start: say why
             out[proc.name]["running"] = False
-    return {"workers": out, "machines_up": seen, "ready": seen >= machines + 1}
+    indexed = sum(seen.values())
+    return {"workers": out, "machines_indexed": indexed, "machines_up": seen.get(MACHINE_UP, 0),
+            "machines_by_status": seen, "ready": indexed >= machines + 1, "rebuilt": rebuilt}
 
 
 def down(cfg: Config) -> dict:

@@ -1,4 +1,4 @@
-"""Archive the log to disk and restore it into a broker: the embedded broker keeps its log in memory only.
+"""Archive the log to disk and restore it into a broker: an audit export and a disaster-recovery path.
 
 Format (a directory, one per region and topic prefix)::
 
@@ -24,11 +24,22 @@ Guarantees:
   and segments the manifest does not list (a crash between the two renames) are removed by the next run,
   which re-archives those records. So re-running gives no gaps and no duplicates. One run at a time per
   directory (a lock file enforces it).
-* Restore republishes into empty topics (provisioned with the archive's partition counts) under the target
-  configuration's prefix: `_schemas` first, then every partition's records in offset order to the SAME
-  partition number, with key, value, timestamp and headers, through an idempotent producer; delivery errors
-  raise. Offsets in the restored log may differ; the per-partition sequence of records is the same.
-  Consumer-group offsets are not archived. Archive a restored region into a NEW directory.
+* What is archived: every catalogue topic, and the changelog topics of the faust processors' tables (topics
+  under the prefix named ``*-changelog``: the scheduler shards' state). And the **committed offsets of every
+  consumer group** under the prefix (the faust processors' positions), captured at the start of each run,
+  *before* the ends of the partitions are: the archive then always holds every record a group has consumed,
+  and a restored processor resumes where the archived one was (re-reading what it read after its last
+  commit, which processing tolerates: at-least-once, idempotent).
+* Restore republishes into empty topics (provisioned with the archive's partition counts; changelogs created
+  compacted as faust would) under the target configuration's prefix: `_schemas` first, then every partition's
+  records in offset order to the SAME partition number, with key, value, timestamp and headers, through an
+  idempotent producer; delivery errors raise. Then it commits every archived group's offsets. A partition
+  archived from offset 0 without holes (every data topic: kept forever, no transaction markers) gets the
+  same offsets back, so positions kept outside the broker (an agent's state file, the scheduler's offset
+  table, the allocator's marks) stay true. Where the archived offsets had holes (compacted topics, records
+  lost to retention) the restored offsets are denser: group offsets are translated (the first record at or
+  after the archived committed offset), and the partitions whose offsets moved are reported
+  (``RestoreStats.offsets_moved``). Archive a restored region into a NEW directory.
 """
 from __future__ import annotations
 
@@ -47,8 +58,9 @@ from fastavro import parse_schema, reader
 from fastavro.write import Writer
 
 from infra.config import Config
+from streams import groups as consumer_groups
 from streams.clients import DeliveryError, consumer_conf, producer_conf
-from streams.topics import BY_NAME, CATALOGUE, Topics, provision
+from streams.topics import BY_NAME, CATALOGUE, CHANGELOG_CONFIG, Topics, provision, wait_until_served
 
 FORMAT = "ropewalk-archive/1"
 MANIFEST = "manifest.json"
@@ -71,8 +83,25 @@ LOG_RECORD_SCHEMA = {
 }
 
 
+CHANGELOG_SUFFIX = "-changelog"  # faust names a table's changelog topic "<app id>-<table>-changelog"
+
+
 class ArchiveError(RuntimeError):
     """The archive cannot be written or restored; the message says why and what to do."""
+
+
+def is_changelog(logical: str) -> bool:
+    return logical not in BY_NAME and logical.endswith(CHANGELOG_SUFFIX) and not logical.startswith("_")
+
+
+def physical_name(cat: Topics, logical: str) -> str:
+    """The physical name of a catalogue topic or of a changelog topic (both under the prefix)."""
+    return cat.prefix + logical if is_changelog(logical) else cat.name(logical)
+
+
+def changelogs_on(metadata, prefix: str) -> list[str]:
+    """The changelog topics (logical names) the broker holds under ``prefix``."""
+    return sorted(t[len(prefix):] for t in metadata.topics if t.startswith(prefix) and is_changelog(t[len(prefix):]))
 
 
 @dataclass
@@ -103,6 +132,8 @@ class RestoreStats:
     seconds: float = 0.0
     per_topic: dict[str, int] = field(default_factory=dict)
     partitions: dict[str, int] = field(default_factory=dict)
+    groups: dict[str, int] = field(default_factory=dict)  # group -> partitions whose offset was committed
+    offsets_moved: list[str] = field(default_factory=list)  # "topic[p]": restored offsets differ from archived
 
     @property
     def records_per_s(self) -> float:
@@ -112,11 +143,11 @@ class RestoreStats:
 # -- archive -------------------------------------------------------------------------------------------
 def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None, max_records: int | None = None,
             codec: str = "null", timeout_s: float = 30.0) -> ArchiveStats:
-    """Archive every record of `topics` (logical names; default: the whole catalogue) not yet in `out_dir`."""
+    """Archive every record of `topics` (logical names; default: the whole catalogue and the changelogs under the
+    prefix) not yet in `out_dir`, and the committed offsets of the consumer groups under the prefix."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cat = Topics(cfg.topic_prefix, cfg.partitions)
-    names = [t.name for t in CATALOGUE] if topics is None else [cat.logical(cat.name(t)) for t in topics]
     stats, started = ArchiveStats(), time.monotonic()
     schema = parse_schema(LOG_RECORD_SCHEMA)
     with _locked(out_dir):
@@ -130,6 +161,12 @@ def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None
         consumer = Consumer(consumer_conf(cfg, None, **{"enable.partition.eof": True, "auto.offset.reset": "error"}))
         open_segments: dict[tuple[str, int], _Segment] = {}
         try:
+            if topics is None:
+                names = [t.name for t in CATALOGUE] + changelogs_on(consumer.list_topics(timeout=timeout_s), cat.prefix)
+            else:
+                names = [t if is_changelog(t) else cat.logical(cat.name(t)) for t in topics]
+            # Before the partitions' ends (_plan): every record a group consumed is then in the archive.
+            manifest["groups"] = _group_offsets(cfg, cat, names)
             pending = _plan(consumer, cat, names, manifest, out_dir, stats, timeout_s)
             _write_manifest(out_dir, manifest)
             consumer.assign([TopicPartition(t, p, start) for (t, p), (start, _, _) in pending.items()])
@@ -220,14 +257,14 @@ def _plan(consumer, cat: Topics, names: list[str], manifest: dict, out_dir: Path
           timeout_s: float) -> dict[tuple[str, int], list]:
     """(physical topic, partition) -> [start offset, end offset (so far), logical topic] for every partition.
 
-    The end starts as the listed high watermark and is raised to the one the first fetch response reports:
-    some brokers (Tansu) list the base offset of the last batch + 1 as the high watermark. Also records
+    The end starts as the listed high watermark and is raised to the one the first fetch response reports
+    (records written meanwhile come along; either way every record a group had consumed is in). Also records
     partition counts in the manifest and cleans partition directories of what an interrupted run left.
     """
     md = consumer.list_topics(timeout=timeout_s)
     pending = {}
     for name in names:
-        physical = cat.name(name)
+        physical = physical_name(cat, name)
         tmd = md.topics.get(physical)
         if tmd is None or tmd.error is not None:
             stats.missing_topics.append(name)
@@ -246,6 +283,17 @@ def _plan(consumer, cat: Topics, names: list[str], manifest: dict, out_dir: Path
                 start = pstate["next_offset"] = lo
             pending[(physical, p)] = [start, hi, name]
     return pending
+
+
+def _group_offsets(cfg: Config, cat: Topics, names: list[str]) -> dict[str, dict[str, dict[str, int]]]:
+    """group -> logical topic -> partition (str) -> committed offset, for the groups under the prefix and the
+    archived topics."""
+    by_physical = {physical_name(cat, n): n for n in names}
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for group in consumer_groups.groups(cfg):
+        for (topic, p), offset in consumer_groups.committed(cfg, group, by_physical).items():
+            out.setdefault(group[len(cat.prefix):], {}).setdefault(by_physical[topic], {})[str(p)] = offset
+    return out
 
 
 def _check_not_behind(consumer, pending: dict, out_dir: Path) -> None:
@@ -310,9 +358,11 @@ def _clean_partition_dir(pdir: Path, segments: list) -> None:
 
 # -- restore -------------------------------------------------------------------------------------------
 def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: float = 30.0) -> RestoreStats:
-    """Republish the archive in `in_dir` into `cfg`'s broker under `cfg.topic_prefix`.
+    """Republish the archive in `in_dir` into `cfg`'s broker under `cfg.topic_prefix`, then commit the archived
+    consumer groups' offsets (translated where offsets moved; see the module doc).
 
-    Refuses (ArchiveError) when a target topic already holds records, unless `force`.
+    Refuses (ArchiveError) when a target topic already holds records, unless `force`; the group offsets are
+    refused by the broker while a group has live members (stop the control plane first).
     """
     from confluent_kafka.admin import AdminClient
 
@@ -322,18 +372,25 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
         raise ArchiveError(f"{in_dir} has no {MANIFEST}: not a Ropewalk archive")
     tstates = manifest["topics"]
     counts = {name: st["partition_count"] for name, st in tstates.items()}
-    shared = {n for name, n in counts.items() if BY_NAME[name].partitions is None}
+    shared = {n for name, n in counts.items() if is_changelog(name) or BY_NAME[name].partitions is None}
     if len(shared) > 1:
         raise ArchiveError(f"archive has topics with different partition counts {sorted(shared)}; "
                            "Ropewalk topics are co-partitioned")
     cat = Topics(cfg.topic_prefix, shared.pop() if shared else cfg.partitions)
     for name, n in counts.items():
-        if n != cat.partitions_of(name):
-            raise ArchiveError(f"archive's {name} has {n} partitions, the catalogue says {cat.partitions_of(name)}")
+        want = cat.partitions if is_changelog(name) else cat.partitions_of(name)
+        if n != want:
+            raise ArchiveError(f"archive's {name} has {n} partitions, the catalogue says {want}")
     stats, started = RestoreStats(partitions=dict(counts)), time.monotonic()
-    provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 3}), cat, timeout_s)
-    if not force:
-        _check_empty(cfg, cat, counts, timeout_s)
+    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 3})
+    provision(admin, cat, timeout_s)
+    _create_changelogs(admin, cat, {n: c for n, c in counts.items() if is_changelog(n)}, timeout_s)
+    bases = _ends(cfg, cat, counts, timeout_s)  # where each partition's restored records will start
+    if not force and (busy := [f"{physical_name(cat, n)}[{p}] (high watermark {hi})"
+                               for (n, p), hi in sorted(bases.items()) if hi > 0]):
+        raise ArchiveError(f"restore refused: target topics already hold records: {', '.join(busy[:5])}"
+                           f"{' ...' if len(busy) > 5 else ''}; restore into an empty broker or another "
+                           "ROPEWALK_TOPIC_PREFIX (or pass force=True to append)")
 
     errors: list[str] = []
 
@@ -351,11 +408,27 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
             more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
             raise DeliveryError(f"restore: {len(errors)} records not delivered: {'; '.join(errors[:3])}{more}")
 
-    order = sorted(tstates, key=lambda n: (n != "_schemas", [t.name for t in CATALOGUE].index(n)))
+    groups = manifest.get("groups") or {}
+    wanted: dict[tuple[str, int], list[int]] = {}  # (logical, p) -> archived committed offsets to translate
+    for per_topic in groups.values():
+        for name, per_partition in per_topic.items():
+            for p, offset in per_partition.items():
+                wanted.setdefault((name, int(p)), []).append(offset)
+    translated: dict[tuple[str, int, int], int] = {}  # (logical, p, archived offset) -> restored offset
+
+    catalogue_order = [t.name for t in CATALOGUE]
+    order = sorted(tstates, key=lambda n: (n != "_schemas", is_changelog(n),
+                                           catalogue_order.index(n) if n in catalogue_order else 0, n))
     for name in order:
-        physical = cat.name(name)
+        physical = physical_name(cat, name)
         for p, pstate in sorted(tstates[name]["partitions"].items(), key=lambda kv: int(kv[0])):
+            base, i = bases[(name, int(p))], 0
+            targets = sorted(set(wanted.get((name, int(p)), ())), reverse=True)
+            moved = False
             for rec in _read_partition(in_dir, name, int(p), pstate["segments"]):
+                while targets and targets[-1] <= rec["offset"]:
+                    translated[(name, int(p), targets.pop())] = base + i
+                moved = moved or base + i != rec["offset"]
                 kwargs = {"partition": int(p), "key": rec["key"], "value": rec["value"],
                           "on_delivery": on_delivery}
                 if rec["timestamp_type"] != "NOT_AVAILABLE":
@@ -368,22 +441,63 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
                         break
                     except BufferError:  # local queue full: let deliveries drain
                         producer.poll(0.1)
+                i += 1
                 stats.records += 1
                 stats.bytes += len(rec["key"] or b"") + len(rec["value"] or b"")
                 stats.per_topic[name] = stats.per_topic.get(name, 0) + 1
-                if name == "_schemas":
-                    # One record per batch, as producers write them: Tansu lists the base offset of the last
-                    # batch + 1 as the high watermark, and readers of _schemas stop there.
-                    flush()
-                elif stats.records % 1000 == 0:
+                if stats.records % 1000 == 0:
                     producer.poll(0)
+            for offset in targets:  # at or past the partition's end: the restored end
+                translated[(name, int(p), offset)] = base + i
+            if moved:
+                stats.offsets_moved.append(f"{physical}[{p}]")
     flush()
+    for group, per_topic in sorted(groups.items()):
+        offsets = {(physical_name(cat, name), int(p)): translated[(name, int(p), offset)]
+                   for name, per_partition in per_topic.items() for p, offset in per_partition.items()}
+        try:
+            consumer_groups.set_committed(cfg, cat.prefix + group, offsets)
+        except Exception as exc:  # noqa: BLE001 - e.g. the group has live members
+            raise ArchiveError(f"restore: cannot commit the offsets of group {cat.prefix + group}: {exc}; stop the "
+                               "control plane (`ropewalk down`) before restoring") from None
+        stats.groups[cat.prefix + group] = len(offsets)
     stats.seconds = time.monotonic() - started
     return stats
 
 
+def _create_changelogs(admin, cat: Topics, counts: dict[str, int], timeout_s: float) -> None:
+    """Create the changelog topics as faust would (compacted), with Ropewalk's compaction settings."""
+    from confluent_kafka import KafkaError
+    from confluent_kafka.admin import NewTopic
+
+    if not counts:
+        return
+    config = {"cleanup.policy": "compact", **CHANGELOG_CONFIG}
+    futures = admin.create_topics([NewTopic(physical_name(cat, n), c, 1, config=config) for n, c in counts.items()],
+                                  operation_timeout=timeout_s)
+    for name, fut in futures.items():
+        try:
+            fut.result()
+        except Exception as exc:  # noqa: BLE001
+            err = exc.args[0] if exc.args else None
+            if not (hasattr(err, "code") and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
+                raise ArchiveError(f"cannot create topic {name}: {exc}") from None
+    wait_until_served(admin, {physical_name(cat, n): c for n, c in counts.items()}, timeout_s)
+
+
+def _ends(cfg: Config, cat: Topics, counts: dict[str, int], timeout_s: float) -> dict[tuple[str, int], int]:
+    """(logical topic, partition) -> its high watermark on the target broker."""
+    c = Consumer(consumer_conf(cfg, None))
+    try:
+        return {(name, p): c.get_watermark_offsets(TopicPartition(physical_name(cat, name), p), timeout=timeout_s)[1]
+                for name, n in counts.items() for p in range(n)}
+    finally:
+        c.close()
+
+
 def read_archive(in_dir: Path | str) -> Iterator[dict]:
-    """Every archived record (LogRecord dicts), topic by topic in catalogue order, partitions in offset order."""
+    """Every archived record of the catalogue's topics (LogRecord dicts; not the changelogs), topic by topic in
+    catalogue order, partitions in offset order."""
     in_dir = Path(in_dir)
     manifest = _read_manifest(in_dir) or {"topics": {}}
     for spec in CATALOGUE:
@@ -407,23 +521,6 @@ def _read_partition(in_dir: Path, name: str, partition: int, segments: list) -> 
                 yield rec
         if n != count:
             raise ArchiveError(f"{path}: {n} records, the manifest says {count}")
-
-
-def _check_empty(cfg: Config, cat: Topics, counts: dict[str, int], timeout_s: float) -> None:
-    c = Consumer(consumer_conf(cfg, None))
-    try:
-        busy = []
-        for name, n in counts.items():
-            for p in range(n):
-                lo, hi = c.get_watermark_offsets(TopicPartition(cat.name(name), p), timeout=timeout_s)
-                if hi > lo:
-                    busy.append(f"{cat.name(name)}[{p}] (high watermark {hi})")
-        if busy:
-            raise ArchiveError(f"restore refused: target topics already hold records: {', '.join(busy[:5])}"
-                               f"{' ...' if len(busy) > 5 else ''}; restore into an empty broker or another "
-                               "ROPEWALK_TOPIC_PREFIX (or pass force=True to append)")
-    finally:
-        c.close()
 
 
 # -- manifest ------------------------------------------------------------------------------------------

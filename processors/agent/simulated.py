@@ -12,16 +12,28 @@ Heartbeats: one per machine per ``interval_ms``, spread evenly over the interval
 offset ``i/N`` of each round) and produced in batches; the sequence is the round number, so it increases by
 one per heartbeat of every machine. ``fail(machine)`` simulates a dead machine: no heartbeats, no reports,
 commands ignored, its tasks gone; ``recover(machine)`` brings it back empty (a new incarnation).
+
+**State file** (``--state-file``; ``ropewalk up`` gives ``<run dir>/agents/simulated.json``). The simulated
+machines outlive the process that simulates them, as real machines outlive their agent: the file holds every
+machine's tasks, the pending spawns, failed machines, incarnations, the heartbeat round and the next offset of
+every ``tasks`` partition. It is written atomically at most every ``SAVE_INTERVAL_S`` while something changed,
+and at exit. A restarted process resumes from it: the same tasks run, the same incarnations beat, and reading
+goes on from the saved offsets. Records read after the last save are read again: a command already applied is
+a no-op (``decide`` keeps each task's recent command ids) and a report sent again has the same event id.
+Without a state file (tests, the bench) a restart reads ``tasks`` from the beginning as a new incarnation.
 """
 from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import logging
+import os
 import random
 import sys
 import time
 from pathlib import Path
+from types import MappingProxyType
 from typing import Iterable, Sequence
 
 from infra.config import Config
@@ -41,6 +53,8 @@ DEFAULT_START_DELAY_MS = 200
 KILLED_EXIT_CODE = -15  # what a SIGTERMed process reports
 MAX_BATCH = 20_000  # heartbeats produced per step at most (the rest catch up on the next steps)
 PRODUCER_CONF = {"linger.ms": 20, "batch.num.messages": 10000, "queue.buffering.max.messages": 1_000_000}
+STATE_FORMAT = 1
+SAVE_INTERVAL_S = 5.0  # the state file is rewritten at most this often while something changed
 
 
 def now_ms() -> int:
@@ -50,7 +64,8 @@ def now_ms() -> int:
 class SimulatedAgents(LoopWorker):
     def __init__(self, cfg: Config, machine_ids: Sequence[str], *, registry: SchemaRegistry | None = None,
                  interval_ms: int = DEFAULT_INTERVAL_MS, start_delay_ms: int = DEFAULT_START_DELAY_MS,
-                 start_jitter: float = 0.0, seed: int = 0, name: str = "agent/simulated"):
+                 start_jitter: float = 0.0, seed: int = 0, name: str = "agent/simulated",
+                 state_file: Path | str | None = None):
         if interval_ms <= 0:
             raise ValueError(f"interval_ms must be positive, got {interval_ms}")
         if not 0.0 <= start_jitter < 1.0:
@@ -77,16 +92,67 @@ class SimulatedAgents(LoopWorker):
         self._next = 0  # index of the next machine to beat in this round
         self.heartbeats = 0
         self.reports = 0
+        self.offsets: dict[tuple[str, int], int] = {}  # tasks partition -> next offset to read
+        self.state_file = Path(state_file) if state_file is not None else None
+        self._dirty = False
+        self._saved_at = 0.0
+        if self.state_file is not None:
+            self._load()
+
+    # -- state file ------------------------------------------------------------------------------------------
+    def _load(self) -> None:
+        try:
+            doc = json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return
+        if doc.get("format") != STATE_FORMAT:
+            raise SystemExit(f"{self.state_file}: format {doc.get('format')!r}, this agent writes {STATE_FORMAT}")
+        self.incarnation = doc["incarnation"]
+        self.incarnations = {m: i for m, i in doc["incarnations"].items() if m in self.known}
+        self.failed = {m for m in doc["failed"] if m in self.known}
+        self.states = {m: d.AgentState(m, incarnation=st["incarnation"], sequence=st["sequence"],
+                                       tasks=MappingProxyType({r["task_id"]: d.run_from_json(r)
+                                                               for r in st["tasks"]}))
+                       for m, st in doc["states"].items() if m in self.known}
+        self._spawns = [(due, m, t) for due, m, t in doc["spawns"] if m in self.states]
+        heapq.heapify(self._spawns)
+        self._round = doc["round"] + 1  # a new round: its heartbeats are new events, every machine beats at once
+        self.offsets = {(t, int(p)): o for t, p, o in doc["offsets"]}
+        log.info("%s: resumed %d machines with tasks, %d failed, from %s", self.name, len(self.states),
+                 len(self.failed), self.state_file)
+
+    def save(self) -> None:
+        """Write the state file (atomically: a temp file renamed over it)."""
+        if self.state_file is None:
+            return
+        doc = {"format": STATE_FORMAT, "incarnation": self.incarnation, "incarnations": self.incarnations,
+               "failed": sorted(self.failed), "round": self._round,
+               "states": {m: {"incarnation": st.incarnation, "sequence": st.sequence,
+                              "tasks": [d.run_to_json(r) for r in st.tasks.values()]}
+                          for m, st in self.states.items()},
+               "spawns": sorted(self._spawns),
+               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())]}
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, separators=(",", ":")))
+        os.replace(tmp, self.state_file)
+        self._dirty, self._saved_at = False, time.monotonic()
+
+    def maybe_save(self) -> None:
+        if self._dirty and time.monotonic() - self._saved_at >= SAVE_INTERVAL_S:
+            self.save()
 
     # -- machines ------------------------------------------------------------------------------------------
     def fail(self, machine_id: str) -> None:
         """The machine dies: silence, and its tasks are gone with it."""
         self.failed.add(machine_id)
         self.states.pop(machine_id, None)
+        self._dirty = True
 
     def recover(self, machine_id: str) -> None:
         self.failed.discard(machine_id)
         self.incarnations[machine_id] = now_ms()
+        self._dirty = True
 
     # -- deciding ------------------------------------------------------------------------------------------
     def feed(self, machine_id: str, inp: d.Input, now: int) -> None:
@@ -111,6 +177,7 @@ class SimulatedAgents(LoopWorker):
             self.states[machine_id] = state
         else:
             self.states.pop(machine_id, None)
+        self._dirty = True
 
     def start_delay(self) -> int:
         """START → RUNNING of one task, ms: ``start_delay_ms``, jittered if a jitter is set."""
@@ -167,21 +234,24 @@ class SimulatedAgents(LoopWorker):
 
     # -- running -------------------------------------------------------------------------------------------
     def connect(self, start_offsets=None) -> None:
-        """Read every partition of ``tasks``, from ``start_offsets`` or the beginning."""
+        """Read every partition of ``tasks``, from ``start_offsets``, else the state file's, else the beginning."""
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=self.name,
-                                      start_offsets=start_offsets or {},
+                                      start_offsets=start_offsets or self.offsets,
                                       dead_letters=DeadLetters(self.producer, self.name))
 
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:
             records = self.consumer.poll(10_000, poll_s)
             self.on_commands((r.event for r in records), now_ms())
+            for r in records:
+                self.offsets[(r.topic, r.partition)] = r.offset + 1
         else:
             time.sleep(poll_s)
         now = now_ms()
         self.due_spawns(now)
         self.due_heartbeats(now)
         self.producer._producer.poll(0)  # serve delivery reports (EventProducer polls every 1000 sends only)
+        self.maybe_save()
 
     def run(self, until: float | None = None) -> None:
         if self.consumer is None:
@@ -193,6 +263,7 @@ class SimulatedAgents(LoopWorker):
             self.consumer.close()
             self.consumer = None
         self.producer.flush()
+        self.save()  # after the flush: the reports of the saved state are on the log
 
 
 def measure_heartbeats(cfg: Config, n_machines: int, interval_ms: int, seconds: float,
@@ -222,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a machine of the region another agent runs (repeatable)")
     ap.add_argument("--interval-ms", type=int, default=DEFAULT_INTERVAL_MS, help="heartbeat interval per machine")
     ap.add_argument("--start-delay-ms", type=int, default=DEFAULT_START_DELAY_MS, help="START → RUNNING delay")
+    ap.add_argument("--state-file", help="where the simulated machines' state is kept across restarts (JSON)")
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -235,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         ids = [m.id for m in iter_machines(load_region(Path(args.region))) if m.id not in set(args.exclude)]
     else:
         ids = [f"sim-{i:06d}" for i in range(args.machines)]
-    sim = SimulatedAgents(cfg, ids, interval_ms=args.interval_ms, start_delay_ms=args.start_delay_ms)
+    sim = SimulatedAgents(cfg, ids, interval_ms=args.interval_ms, start_delay_ms=args.start_delay_ms,
+                          state_file=args.state_file)
     sim.stop_on_signals()
     log.info("simulating %d machines, heartbeat every %d ms, reading %s", len(ids), args.interval_ms, sim.topic)
     sim.run()

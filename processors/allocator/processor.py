@@ -74,7 +74,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,11 +246,27 @@ def event_from_json(d: Mapping[str, Any]) -> Event:
                  event_id=d["event_id"])
 
 
-def _dumps(events: Sequence[Event]) -> str:
+DECISION_EVENTS = frozenset({"TasksAllocated", "AllocationRejected", "TasksDeallocated",
+                             "MachineAssignedToEntitlement", "MachineReleasedToFreePool"})
+
+
+def decisions_on_log(events: Iterable[Event]) -> dict[str, list[Event]]:
+    """The decisions the log holds, per request event id: the allocator's decision events (``DECISION_EVENTS``
+    it produced, caused by a request), in the order given. ``rebuild`` makes the ``done`` journal of each
+    from them, so a request redelivered after a restore is answered with its decision instead of deciding
+    again. Pure."""
+    out: dict[str, list[Event]] = {}
+    for e in events:
+        if e.type in DECISION_EVENTS and e.producer == PRODUCER and e.causation_id:
+            out.setdefault(e.causation_id, []).append(e)
+    return out
+
+
+def dump_events(events: Sequence[Event]) -> str:
     return json.dumps([event_to_json(e) for e in events], separators=(",", ":"), sort_keys=True)
 
 
-def _loads(blob: str | bytes) -> list[Event]:
+def load_events(blob: str | bytes) -> list[Event]:
     return [event_from_json(d) for d in json.loads(blob)]
 
 
@@ -391,7 +407,7 @@ class Allocator:
         deadline = time.monotonic() + LOCK_TTL_S * 2
         while not self.r.set(lock, token, nx=True, px=int(LOCK_TTL_S * 1000)):
             if (done := self.r.hget(jkey, "done")) is not None:
-                return _loads(done)
+                return load_events(done)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"request {request.event_id} stays locked by another allocator")
             time.sleep(0.05)
@@ -403,14 +419,14 @@ class Allocator:
     def _decide(self, request: Event, jkey: str) -> list[Event]:
         journal = {_s(k): _s(v) for k, v in self.r.hgetall(jkey).items()}
         if "done" in journal:
-            return _loads(journal["done"])
+            return load_events(journal["done"])
         ts = int(time.time() * 1000)
 
         if "free" in journal:
-            freeing = _loads(journal["free"])
+            freeing = load_events(journal["free"])
         else:
             freeing = self._free_events(request, ts)
-            self.r.hset(jkey, "free", _dumps(freeing))
+            self.r.hset(jkey, "free", dump_events(freeing))
             self.r.expire(jkey, JOURNAL_TTL_S)
         if freeing:
             mark = f"request:{request.event_id}"
@@ -419,7 +435,7 @@ class Allocator:
 
         placing = None
         if "wal" in journal:
-            wal = _loads(journal["wal"])
+            wal = load_events(journal["wal"])
             if self._committed(wal):
                 placing = wal
         if placing is None:
@@ -427,7 +443,7 @@ class Allocator:
 
         done = freeing + placing
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(jkey, "done", _dumps(done))
+        pipe.hset(jkey, "done", dump_events(done))
         pipe.hdel(jkey, "free", "wal")
         pipe.expire(jkey, JOURNAL_TTL_S)
         for counter, n in metric_increments(done).items():  # counted once per request, with its decision
@@ -467,7 +483,7 @@ class Allocator:
             return plan_events(request, plan, attempts, machines, ts)
 
         def write_wal(events: list[Event]) -> None:
-            self.r.hset(jkey, "wal", _dumps(events))
+            self.r.hset(jkey, "wal", dump_events(events))
             self.r.expire(jkey, JOURNAL_TTL_S)
 
         def before_commit(plan: Plan, attempt: int, machines: Mapping[str, Machine]) -> None:

@@ -12,9 +12,12 @@ offset) positions, so the marks come out the same too.
 not compared (``index_state``) and which the swap does not delete:
 
     alloc:req:*        the allocator's decision journal (free/wal/done per request event id): it guards
-                       redelivery of requests whose decision was made; the log cannot recreate it (it holds
-                       a decision's events before they are produced) and losing it would let a redelivered
-                       request allocate a second time
+                       redelivery of requests whose decision was made. Not compared and not deleted by the
+                       swap: its free/wal steps hold a decision's events before they are produced, which the
+                       log cannot give back. The ``done`` step of every decision that reached the log is
+                       written again from it (``journal``), so after a restore (or a lost Redis) a request
+                       redelivered from the restored consumer offsets is answered with its decision, not
+                       allocated a second time
     alloc:lock:*       a request being decided right now (expires by itself)
     metrics:*          the allocator's counters: about the process, not the index
     applied:*.direct   the allocator's mark for its own deallocations, removed right after each one (a
@@ -83,7 +86,9 @@ from confluent_kafka import Consumer, TopicPartition
 
 from infra.config import Config
 from processors.allocator.index import DEFAULT_CONSUMER, EVENT_TYPES, IndexApplyError, MachineIndex
-from processors.allocator.processor import ENTITLEMENT_EVENTS, SOURCES, Allocator
+from processors.allocator.processor import (
+    ENTITLEMENT_EVENTS, JOURNAL_TTL_S, SOURCES, Allocator, decisions_on_log, dump_events,
+)
 from streams.clients import consumer_conf
 from streams.events import Event
 from streams.replay import Replay, ReplayFilter
@@ -152,7 +157,8 @@ class RebuildStats:
     failed: int = 0  # apply errors seen (skipped without a mark, as live); see Rebuild.apply
     errors: list[str] = field(default_factory=list)  # the first MAX_ERRORS_SHOWN of them
     partitions: int = 0
-    keys: int = 0  # keys written (then renamed into place): the index state and the outbox
+    keys: int = 0  # keys written (then renamed into place): the index state, the outbox and the journals
+    journals: int = 0  # decisions on the log whose ``done`` journal was written (processor.py, "Redelivery")
     replaced: int = 0  # live index keys deleted by the swap
     read_s: float = 0.0
     apply_s: float = 0.0
@@ -254,6 +260,22 @@ class Rebuild:
             self._apply_batch(index, batch)
         self.stats.apply_s = time.monotonic() - t0
 
+    def journal(self, records: Iterable[tuple[Event, Position]], now_ms: int | None = None) -> None:
+        """The ``done`` journal (processor.py, "Redelivery") of every request whose decision is on the log and
+        younger than ``JOURNAL_TTL_S``, with the time it has left, under the scratch prefix."""
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        pipe = self.r.pipeline(transaction=False)
+        for n, (request_id, events) in enumerate(decisions_on_log(e for e, _ in records).items(), 1):
+            ttl_s = JOURNAL_TTL_S - (now_ms - events[0].timestamp_ms) // 1000
+            if ttl_s > 0:
+                key = f"{self.scratch}alloc:req:{request_id}"
+                pipe.hset(key, "done", dump_events(events))
+                pipe.expire(key, ttl_s)
+                self.stats.journals += 1
+            if n % APPLY_BATCH == 0:
+                pipe.execute()
+        pipe.execute()
+
     def _apply_batch(self, index: MachineIndex, batch: list[tuple[Event, Position]]) -> None:
         try:
             index.apply_many(batch, batch=len(batch))
@@ -313,7 +335,9 @@ class Rebuild:
         t0 = time.monotonic()
         try:
             self.guard()
-            self.apply(merged(self.read()))
+            records = list(merged(self.read()))
+            self.apply(records)
+            self.journal(records)
             self.swap()
         except BaseException:
             self.discard()

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from infra.broker import BrokerLayout
 from infra.config import Config
 
 
@@ -63,17 +64,22 @@ def cmd_up(cfg: Config, args) -> int:
     dead = [n for n, s in cp.items() if not s.get("running")]
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
            "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
-           "machines_up": region.get("machines_up", 0), "ready": region["ready"], "demo": demo,
+           "machines_up": region.get("machines_up", 0), "machines_indexed": region.get("machines_indexed", 0),
+           "rebuilt": region.get("rebuilt"), "ready": region["ready"], "demo": demo,
            "seconds": round(time.monotonic() - t0, 2)}
     lines = [
-        f"broker  {cfg.bootstrap_servers}  ({'embedded Tansu, pid %s' % st['broker'].get('pid') if cfg.embedded_broker else 'external'})",
+        f"broker  {cfg.bootstrap_servers}  ({'embedded Apache Kafka, pid %s, data in %s' % (st['broker'].get('pid'), BrokerLayout.of(cfg).data) if cfg.embedded_broker else 'external'})",
         f"redis   {cfg.redis_url}  ({'private redis-server, pid %s' % st['redis'].get('pid') if cfg.embedded_redis else 'external'})",
         f"topics  {len(prov['topics'])} ready ({len(prov['created'])} created), {cfg.partitions} partitions per entitlement-keyed topic",
         f"logs    {cfg.run_dir}",
     ]
     if cp:
-        lines.append(f"region  {region['machines_up']} machines UP in the index ({args.machines} simulated + "
-                     f"{controlplane.LOCAL_MACHINE_ID} run by the process agent); workers: "
+        by_status = ", ".join(f"{n} {s}" for s, n in sorted(region["machines_by_status"].items()))
+        if region.get("rebuilt"):
+            lines.append(f"index   Redis had lost the allocator's index: rebuilt from the log "
+                         f"({region['rebuilt']['events']} events in {region['rebuilt']['seconds']:.1f} s)")
+        lines.append(f"region  {region['machines_indexed']} machines in the index ({by_status}; {args.machines} "
+                     f"simulated + {controlplane.LOCAL_MACHINE_ID} run by the process agent); workers: "
                      + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running")))
         if demo:
             lines.append(f"demo    job {demo['job']} ({demo['state']}) runs `{' '.join(demo['command'])}` as a real "
@@ -86,7 +92,7 @@ def cmd_up(cfg: Config, args) -> int:
     if dead:
         raise CliError(f"control plane: {', '.join(dead)} exited at start; see {cfg.run_dir}/<name>.log")
     if not region["ready"]:
-        raise CliError(f"control plane: only {region['machines_up']} of {args.machines} machines reached the "
+        raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
     return 0
 
@@ -160,8 +166,8 @@ def cmd_status(cfg: Config, args) -> int:
     lines = [f"{name:7} {'ready' if s['ready'] else 'DOWN':5}  {s['endpoint']}"
              + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "") for name, s in st.items()]
     lines += [f"{name:14} running  pid {w['pid']}  log {w['log']}" for name, w in workers.items()]
-    # Listed end offsets (high - low watermark): exact on Kafka; Tansu under-reports by the rest of each
-    # partition's last batch, so on the embedded broker this is a lower bound of the record count.
+    # Listed end offsets (high - low watermark): the records of each topic (compacted topics: the offsets
+    # spanned, more than the records the cleaner left).
     lines += [f"topic   {t:28} {n:>10} (listed end offsets)" for t, n in doc["topics"].items()]
     _print(doc, args.json, "\n".join(lines))
     return 0 if all(s["ready"] for s in st.values()) else 1
@@ -477,12 +483,30 @@ def cmd_archive(cfg: Config, args) -> int:
 
 
 def cmd_restore(cfg: Config, args) -> int:
+    """Disaster recovery: the archive back into the (embedded or configured) broker, the consumer groups'
+    offsets, then the allocator's Redis index rebuilt from the restored log. `ropewalk up` then resumes."""
+    from infra import controlplane, services
+    from processors.allocator.rebuild import rebuild_index
     from streams import archive as ar
 
-    _require_broker(cfg)
+    running = [n for n, st in controlplane.status(cfg).items() if st["running"]]
+    if running:
+        raise CliError(f"the control plane is running ({', '.join(running)}); `ropewalk down` first: restored "
+                       f"processors must start from the restored positions")
+    services.up(cfg)
     st = ar.restore(cfg, Path(args.dir), force=args.force)
-    _print(_asdict(st), args.json, f"restored {st.records} records from {args.dir} in {st.seconds:.2f}s "
-           f"({st.records_per_s:,.0f} records/s)")
+    index = rebuild_index(cfg, _registry())
+    doc = {**_asdict(st), "index": index}
+    lines = [f"restored {st.records} records from {args.dir} in {st.seconds:.2f}s ({st.records_per_s:,.0f} records/s); "
+             f"offsets of {len(st.groups)} consumer groups committed ({', '.join(sorted(st.groups)) or 'none archived'})",
+             f"rebuilt the allocator's index from the restored log: {index['index_events']} events, "
+             f"{index['journals']} decisions journaled, in {index['seconds']:.2f}s"]
+    if st.offsets_moved:
+        lines.append(f"offsets differ from the archived ones in {len(st.offsets_moved)} partitions (holes in the "
+                     f"archived log; group offsets were translated): {', '.join(st.offsets_moved[:5])}"
+                     f"{' ...' if len(st.offsets_moved) > 5 else ''}")
+    lines.append("next    ropewalk up   (the processors resume where the archived ones were)")
+    _print(doc, args.json, "\n".join(lines))
     return 0
 
 
@@ -661,7 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "if it writes to the index meanwhile)")
     sp = cmd("archive", cmd_archive, "write every topic to Avro container files (incremental, resumable)")
     sp.add_argument("dir", nargs="?", default="archive")
-    sp = cmd("restore", cmd_restore, "republish an archive into an empty broker")
+    sp = cmd("restore", cmd_restore, "disaster recovery: an archive back into an empty broker (log, consumer "
+             "offsets, changelogs), then the Redis index rebuilt; `up` resumes")
     sp.add_argument("dir", nargs="?", default="archive")
     sp.add_argument("--force", action="store_true", help="restore even if topics already hold records")
     sp = cmd("schemas", cmd_schemas, "list event schemas, or check they stay compatible with their git history")

@@ -100,8 +100,7 @@ def _produce(cfg: Config, registry: SchemaRegistry, start: int, n: int, producer
 
 
 def read_log(cfg: Config, timeout_s: float = 20.0) -> dict[tuple[str, int], list[tuple]]:
-    """Every record of every catalogue topic, read to the end of each partition (end-of-partition events, not
-    listed watermarks: Tansu lists the last batch's base offset + 1):
+    """Every record of every catalogue topic, read to the end of each partition (end-of-partition events):
     (logical, partition) -> [(offset, key, value, headers, (timestamp type, timestamp))]."""
     cat = Topics(cfg.topic_prefix, cfg.partitions)
     c = Consumer(consumer_conf(cfg, None))

@@ -3,53 +3,21 @@ Redis and the control plane (Resource Broker, allocator, scheduler shard, simula
 an entitlement and a job are created; its tasks run spread over MSBs; a machine fails and its tasks move;
 `ropewalk down` leaves no process behind."""
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from infra.process import pid_alive
+from regioncli import RegionCli
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(240)
 def test_up_submit_fail_move_down(tmp_path):
-    env = {**os.environ, "ROPEWALK_BROKER_PORT": str(free_port()), "ROPEWALK_REDIS_PORT": str(free_port()),
-           "ROPEWALK_RUN_DIR": str(tmp_path / "run"), "ROPEWALK_PARTITIONS": "4",
-           "ROPEWALK_FAUST_SESSION_TIMEOUT": "2", "ROPEWALK_FAUST_HEARTBEAT_INTERVAL": "0.5",
-           "ROPEWALK_FAUST_REBALANCE_TIMEOUT": "2"}
-    for k in ("ROPEWALK_BOOTSTRAP_SERVERS", "ROPEWALK_REDIS_URL", "ROPEWALK_TOPIC_PREFIX"):
-        env.pop(k, None)
-
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "processors.frontend.cli", *args], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
-
-    def status(job):
-        out = cli("job", "status", job, "--json")
-        return json.loads(out.stdout) if out.returncode == 0 else None
-
-    def wait_for(pred, what, timeout_s=60):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            got = pred()
-            if got:
-                return got
-            time.sleep(0.5)
-        logs = {p.name: p.read_text()[-1500:] for p in (tmp_path / "run").glob("*.log")}
-        raise AssertionError(f"timed out waiting for {what}; logs: {json.dumps(logs, indent=1)}")
+    cli = RegionCli(tmp_path / "run")
+    status, wait_for = cli.status, cli.wait_for
 
     up = cli("up", "--machines", "40", "--json")
     try:
@@ -57,7 +25,7 @@ def test_up_submit_fail_move_down(tmp_path):
         doc = json.loads(up.stdout)
         pids = [s["pid"] for s in doc["control_plane"].values()]
         assert len(pids) == 6
-        assert doc["ready"] and doc["machines_up"] == 41  # up returns once the whole region is indexed
+        assert doc["ready"] and doc["machines_indexed"] == 41  # up returns once the whole region is indexed
         # the demo job runs as a real OS process under the process agent, and says so in its log
         assert doc["demo"]["running"], doc["demo"]
         demo = status("demo.hello")
@@ -71,8 +39,7 @@ def test_up_submit_fail_move_down(tmp_path):
         time.sleep(1)
         assert cli("job", "submit", str(spec)).stdout.strip() == "e1.web"
 
-        running = lambda: (lambda v: v if v and sum(t["state"] == "RUNNING" for t in v["tasks"]) == 6 else None)(
-            status("e1.web"))
+        running = lambda: cli.running("e1.web", 6)
         view = wait_for(running, "6 RUNNING tasks")
         msbs = {(t["dc"], t["msb"]) for t in view["tasks"]}
         assert len(msbs) >= 3, f"tasks not spread over MSBs: {msbs}"

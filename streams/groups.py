@@ -1,0 +1,86 @@
+"""Consumer groups and their committed offsets: where each processor resumes.
+
+    committed(cfg, group)                 -> {(topic, partition): next offset to read}
+    groups(cfg)                           -> the group ids under the configured topic prefix
+    set_committed(cfg, group, offsets)    -> commit offsets for a group that has no live member
+
+The faust processors (scheduler shards, allocator) keep their position in the log as the committed offsets of
+their consumer group (group id = topic prefix + app id, streams/faustwire.py); the broker keeps them in
+``__consumer_offsets`` (the embedded broker never expires them: infra/broker.py). ``archive`` saves them and
+``restore`` sets them again, so restored processors resume where the archived ones were (streams/archive.py).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from infra.config import Config
+
+TIMEOUT_S = 15.0
+# Errors of a group's coordinator that a moment cures (a broker that just started loads __consumer_offsets).
+COORDINATOR_MOVING = frozenset({KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
+                                KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TIMED_OUT,
+                                KafkaError._TRANSPORT})
+
+
+def _admin(cfg: Config) -> AdminClient:
+    return AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 3})
+
+
+def groups(cfg: Config, admin: AdminClient | None = None) -> list[str]:
+    """Every consumer group whose id starts with the topic prefix (all groups when the prefix is empty)."""
+    admin = admin or _admin(cfg)
+    listed = admin.list_consumer_groups(request_timeout=TIMEOUT_S).result()
+    return sorted(g.group_id for g in listed.valid if g.group_id.startswith(cfg.topic_prefix))
+
+
+# The offsets are read and written through a Consumer carrying the group id, which never joins the group
+# (no subscribe): librdkafka 2.16's AdminClient.list_consumer_group_offsets crashed the process (SIGSEGV in
+# rd_kafka_cgrp_op, from rd_kafka_handle_OffsetFetch) when asked right after the broker's first start.
+def _group_consumer(cfg: Config, group: str) -> Consumer:
+    return Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": group, "enable.auto.commit": False,
+                     "log_level": 3})
+
+
+def committed(cfg: Config, group: str, topics: Iterable[str]) -> dict[tuple[str, int], int]:
+    """The group's committed offsets (next offset to read) on ``topics``, per (topic, partition); partitions
+    without a committed offset (or topics that do not exist) are left out."""
+    c = _group_consumer(cfg, group)
+    try:
+        md = c.list_topics(timeout=TIMEOUT_S)
+        tps = [TopicPartition(t, p) for t in topics if (tmd := md.topics.get(t)) is not None and tmd.error is None
+               for p in sorted(tmd.partitions)]
+        if not tps:
+            return {}
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            try:
+                got = c.committed(tps, timeout=TIMEOUT_S)
+                break
+            except KafkaException as exc:  # the group's coordinator moving or loading (a broker just started)
+                err = exc.args[0] if exc.args else None
+                if getattr(err, "code", lambda: None)() not in COORDINATOR_MOVING or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        return {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset >= 0}
+    finally:
+        c.close()
+
+
+def set_committed(cfg: Config, group: str, offsets: Mapping[tuple[str, int], int]) -> None:
+    """Commit ``offsets`` for ``group``. The broker refuses while the group has live members (a running
+    processor): stop it first. Raises KafkaException with the broker's reason."""
+    if not offsets:
+        return
+    c = _group_consumer(cfg, group)
+    try:
+        done = c.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items())],
+                        asynchronous=False)
+        failed = [f"{tp.topic}[{tp.partition}]: {tp.error}" for tp in done or () if tp.error is not None]
+        if failed:
+            raise KafkaException(f"{len(failed)} offsets not committed: {'; '.join(failed[:3])}")
+    finally:
+        c.close()

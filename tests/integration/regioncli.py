@@ -1,0 +1,67 @@
+"""A local region driven through the `ropewalk` CLI, as a user drives it: its own ports and run directory,
+faust group timing lowered. Shared by the end-to-end tests (not a test module: no test_ prefix)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RegionCli:
+    def __init__(self, run_dir: Path, **extra_env: str):
+        self.run_dir = Path(run_dir)
+        self.env = {**os.environ, "ROPEWALK_BROKER_PORT": str(free_port()), "ROPEWALK_REDIS_PORT": str(free_port()),
+                    "ROPEWALK_CONTROLLER_PORT": str(free_port()), "ROPEWALK_RUN_DIR": str(self.run_dir),
+                    "ROPEWALK_PARTITIONS": "4", "ROPEWALK_FAUST_SESSION_TIMEOUT": "2",
+                    "ROPEWALK_FAUST_HEARTBEAT_INTERVAL": "0.5", "ROPEWALK_FAUST_REBALANCE_TIMEOUT": "2", **extra_env}
+        for k in ("ROPEWALK_BOOTSTRAP_SERVERS", "ROPEWALK_REDIS_URL", "ROPEWALK_TOPIC_PREFIX"):
+            self.env.pop(k, None)
+
+    def __call__(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "processors.frontend.cli", *args], env=self.env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    def json(self, *args: str):
+        """A read command's --json document (None when the command fails)."""
+        out = self(*args, "--json")
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def ok(self, *args: str) -> str:
+        out = self(*args)
+        assert out.returncode == 0, f"ropewalk {' '.join(args)}: {out.stderr}"
+        return out.stdout
+
+    def status(self, job: str):
+        return self.json("job", "status", job)
+
+    def replay(self) -> list[dict]:
+        out = self("replay", "--json")
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+    def wait_for(self, pred, what: str, timeout_s: float = 60):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = pred()
+            if got:
+                return got
+            time.sleep(0.5)
+        logs = {p.name: p.read_text()[-1500:] for p in self.run_dir.glob("*.log")}
+        raise AssertionError(f"timed out waiting for {what}; logs: {json.dumps(logs, indent=1)}")
+
+    def running(self, job: str, n: int):
+        """The job's status once n tasks are RUNNING (else None)."""
+        view = self.status(job)
+        return view if view and sum(t["state"] == "RUNNING" for t in view["tasks"]) == n else None
