@@ -27,6 +27,7 @@ from confluent_kafka.admin import AdminClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from infra.broker import KAFKA_VERSION
 from infra import services  # noqa: E402
 from infra.config import Config  # noqa: E402
 from streams.archive import archive, read_archive, restore  # noqa: E402
@@ -157,7 +158,7 @@ def main() -> None:
     print(f"\nconditions: {n} records ({args.records} events + {n - args.records} _schemas), avg key+value "
           f"{size / n:.0f} B, {args.partitions} partitions per topic ({total_parts} in all), {cores} cores, "
           f"confluent-kafka {confluent_kafka.__version__} / librdkafka {confluent_kafka.libversion()[0]}, "
-          f"fastavro {fastavro.__version__}, Tansu (memory); setup produce: {args.records / produce_s:,.0f} events/s")
+          f"fastavro {fastavro.__version__}, Kafka {KAFKA_VERSION}; setup produce: {args.records / produce_s:,.0f} events/s")
     print(f"archive file bytes: null {st.file_bytes / 1e6:.1f} MB, deflate {sd.file_bytes / 1e6:.1f} MB; "
           f"payload {st.bytes / 1e6:.1f} MB\n")
     print(f"{'step':<28}{'records':>10}{'MB':>8}{'s':>8}{'records/s':>12}{'MB/s':>8}  ratio to raw consume")

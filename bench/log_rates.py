@@ -16,6 +16,7 @@ import time
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from infra.broker import KAFKA_VERSION
 from infra import services
 from infra.config import Config
 from streams.clients import EventConsumer, EventProducer, producer_conf
@@ -93,7 +94,7 @@ def main() -> None:
         ec.close()
         raw_p = rows[0][1]
         print(f"conditions: {n} events of {size} bytes, {cfg.partitions} partitions, 100 entitlements, "
-              f"{os.cpu_count()} cores, embedded Tansu, confluent-kafka")
+              f"{os.cpu_count()} cores, embedded Apache Kafka {KAFKA_VERSION}, confluent-kafka")
         print(f"{'measure':42} {'events/s':>12} {'x raw':>7}")
         for label, rate in rows:
             base = raw_p if label.startswith("produce") else raw_c

@@ -397,7 +397,7 @@ def rebuild(env, registry: SchemaRegistry) -> dict[str, Any]:
 
 
 def log_size(cfg: Config) -> int:
-    """Records in every data topic (listed end offsets: on Tansu a lower bound by at most a batch per partition)."""
+    """Records in every data topic (listed end offsets)."""
     from streams.topics import CATALOGUE
 
     names = Topics(cfg.topic_prefix, cfg.partitions)
