@@ -1,12 +1,12 @@
 """Archive and restore rates against the raw confluent-kafka rates, measured in the same run.
 
-Starts the embedded broker and redis on ports 59092/56379 (run dir /tmp/rw-bench-archive), produces N events
-(~200-byte values) across the catalogue's topics, then measures:
+Starts the embedded broker and redis (bench.env.BenchEnv: free ports, a temporary run directory), produces N
+events (~200-byte values) across the catalogue's topics, then measures:
 
   raw consume   confluent Consumer reading the same records (assign, to end of every partition): baseline
   archive       streams.archive.archive (codec null, and deflate) into a temp dir
   read archive  fastavro reading the segments back
-  -- broker restarted: a fresh, empty broker --
+  -- a second, fresh broker (the disaster-recovery case) --
   raw produce   confluent idempotent Producer writing the archived records to other topics: baseline
   restore       streams.archive.restore into the empty topics
 
@@ -27,8 +27,8 @@ from confluent_kafka.admin import AdminClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infra.broker import KAFKA_VERSION
-from infra import services  # noqa: E402
+from bench.env import BenchEnv  # noqa: E402
+from infra.broker import KAFKA_VERSION  # noqa: E402
 from infra.config import Config  # noqa: E402
 from streams.archive import archive, read_archive, restore  # noqa: E402
 from streams.clients import EventProducer, consumer_conf, producer_conf  # noqa: E402
@@ -107,49 +107,43 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=200_000)
     ap.add_argument("--partitions", type=int, default=8)
     args = ap.parse_args()
-    run_dir = Path("/tmp/rw-bench-archive")
-    cfg = Config.from_env({"ROPEWALK_BROKER_PORT": "59092", "ROPEWALK_REDIS_PORT": "56379",
-                           "ROPEWALK_RUN_DIR": str(run_dir), "ROPEWALK_PARTITIONS": str(args.partitions),
-                           "ROPEWALK_TOPIC_PREFIX": "bench."})
     work = Path(tempfile.mkdtemp(prefix="rw-bench-archive-"))
     rows = []
     try:
-        services.up(cfg)
-        provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers}), Topics(cfg.topic_prefix, cfg.partitions))
-        registry = SchemaRegistry.from_dir()
-        producer = EventProducer(cfg, registry, "bench")
-        t0 = time.monotonic()
-        for i in range(args.records):
-            producer.send(events(i), validate=False)
-        producer.flush(120)
-        produce_s = time.monotonic() - t0
-        del producer  # a live producer would re-create (auto-create) its topics on the restarted broker
+        with BenchEnv(partitions=args.partitions) as source:
+            cfg = source.cfg
+            registry = SchemaRegistry.from_dir()
+            producer = EventProducer(cfg, registry, "bench")
+            t0 = time.monotonic()
+            for i in range(args.records):
+                producer.send(events(i), validate=False)
+            producer.flush(120)
+            produce_s = time.monotonic() - t0
 
-        n, size, dt = raw_consume(cfg)
-        raw_rate = n / dt
-        rows.append(("raw consume (baseline)", n, size, dt, "1.00"))
-        st = archive(cfg, work / "arc")
-        assert st.records == n and st.complete, (st.records, n)
-        rows.append(("archive (codec null)", st.records, st.bytes, st.seconds, f"{st.records_per_s / raw_rate:.2f}"))
-        sd = archive(cfg, work / "arc-deflate", codec="deflate")
-        rows.append(("archive (codec deflate)", sd.records, sd.bytes, sd.seconds, f"{sd.records_per_s / raw_rate:.2f}"))
-        t0 = time.monotonic()
-        recs = list(read_archive(work / "arc"))
-        read_s = time.monotonic() - t0
-        rows.append(("read archive (fastavro)", len(recs), st.bytes, read_s, "-"))
-
-        services.down(cfg)  # the log is gone; a fresh broker follows
-        services.up(cfg)
-        n2, size2, dt2 = raw_produce(cfg.with_(topic_prefix="rawproduce."), recs)
-        rows.append(("raw produce (baseline 2)", n2, size2, dt2, f"{(n2 / dt2) / raw_rate:.2f}"))
-        rs = restore(cfg, work / "arc")
-        rows.append(("restore", rs.records, rs.bytes, rs.seconds,
-                     f"{rs.records_per_s / raw_rate:.2f} ({rs.records_per_s / (n2 / dt2):.2f} of raw produce)"))
-        n3, size3, dt3 = raw_consume(cfg)
-        assert n3 == n, (n3, n)
-        rows.append(("raw consume of restored", n3, size3, dt3, f"{(n3 / dt3) / raw_rate:.2f}"))
+            n, size, dt = raw_consume(cfg)
+            raw_rate = n / dt
+            rows.append(("raw consume (baseline)", n, size, dt, "1.00"))
+            st = archive(cfg, work / "arc")
+            assert st.records == n and st.complete, (st.records, n)
+            rows.append(("archive (codec null)", st.records, st.bytes, st.seconds, f"{st.records_per_s / raw_rate:.2f}"))
+            sd = archive(cfg, work / "arc-deflate", codec="deflate")
+            rows.append(("archive (codec deflate)", sd.records, sd.bytes, sd.seconds,
+                         f"{sd.records_per_s / raw_rate:.2f}"))
+            t0 = time.monotonic()
+            recs = list(read_archive(work / "arc"))
+            read_s = time.monotonic() - t0
+            rows.append(("read archive (fastavro)", len(recs), st.bytes, read_s, "-"))
+        with BenchEnv(partitions=args.partitions) as target:  # a fresh broker: the disaster-recovery case
+            cfg = target.cfg
+            n2, size2, dt2 = raw_produce(cfg.with_(topic_prefix="rawproduce."), recs)
+            rows.append(("raw produce (baseline 2)", n2, size2, dt2, f"{(n2 / dt2) / raw_rate:.2f}"))
+            rs = restore(cfg.with_(topic_prefix=source.cfg.topic_prefix), work / "arc")
+            rows.append(("restore", rs.records, rs.bytes, rs.seconds,
+                         f"{rs.records_per_s / raw_rate:.2f} ({rs.records_per_s / (n2 / dt2):.2f} of raw produce)"))
+            n3, size3, dt3 = raw_consume(cfg.with_(topic_prefix=source.cfg.topic_prefix))
+            assert n3 == n, (n3, n)
+            rows.append(("raw consume of restored", n3, size3, dt3, f"{(n3 / dt3) / raw_rate:.2f}"))
     finally:
-        services.down(cfg)
         shutil.rmtree(work, ignore_errors=True)
 
     cores = len(os.sched_getaffinity(0))

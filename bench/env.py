@@ -1,7 +1,8 @@
 """The benchmark's own region: an embedded broker, a private Redis and the control-plane workers, on free ports,
 a temporary run directory and a topic prefix of its own, so a running ``ropewalk up`` is never disturbed.
 
-``BenchEnv`` is a context manager: entering starts the broker and Redis and provisions the topics; ``start_region``
+``BenchEnv`` is a context manager: entering starts the broker and Redis and provisions the topics (the single-purpose
+scripts beside the harness use just that: ``with BenchEnv(partitions) as env: ... env.cfg``); ``start_region``
 starts the workers (``infra.controlplane.processes``, with the benchmark's heartbeat settings) and waits until the
 allocator's index holds every machine UP; leaving stops every process it started (also on an error or Ctrl-C) and
 removes the run directory unless asked to keep it.
@@ -43,6 +44,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def distinct_free_ports(n: int) -> list[int]:
+    """``n`` free ports, all different (a port the OS just handed out may come back at once)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (p := free_port()) not in ports:
+            ports.append(p)
+    return ports
+
+
 def peak_rss_kib(pid: int) -> int | None:
     """VmHWM (peak resident set) of a live process, KiB; None if it is gone or unreadable."""
     try:
@@ -60,8 +70,9 @@ class BenchEnv:
         self.own_run_dir = run_dir is None
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="ropewalk-bench-"))
         self.keep = keep
-        env = {"ROPEWALK_BROKER_PORT": str(free_port()), "ROPEWALK_REDIS_PORT": str(free_port()),
-               "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
+        broker, controller, redis_port = distinct_free_ports(3)
+        env = {"ROPEWALK_BROKER_PORT": str(broker), "ROPEWALK_CONTROLLER_PORT": str(controller),
+               "ROPEWALK_REDIS_PORT": str(redis_port), "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
                "ROPEWALK_TOPIC_PREFIX": f"bench{uuid.uuid4().hex[:6]}."}
         self.cfg = Config.from_env(env)
         self.workers: list[ManagedProcess] = []
@@ -106,6 +117,8 @@ class BenchEnv:
             argv = list(proc.argv)
             if proc.name == "agents":
                 argv[argv.index("--interval-ms") + 1] = str(HEARTBEAT_INTERVAL_MS)
+                i = argv.index("--state-file")  # nothing restarts the bench's agents: no state file to write
+                del argv[i:i + 2]
             elif proc.name == "health":
                 argv[argv.index("--timeout-ms") + 1] = str(HEALTH_TIMEOUT_MS)
                 argv[argv.index("--tick-ms") + 1] = str(HEALTH_TICK_MS)

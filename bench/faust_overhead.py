@@ -1,8 +1,8 @@
 """How much does faust cost over the Kafka clients under it, and which faust settings win some of it back?
 
-Not a test: run it by hand, on its own broker and Redis (ports 49192/46479, run dir /tmp/rw-bench-faust):
+Not a test: run it by hand, on its own broker and Redis (bench.env.BenchEnv: free ports, a temporary run dir):
 
-    .venv/bin/python bench/faust_overhead.py [--records 100000] [--partitions 8] [--only NAME ...] [--keep]
+    .venv/bin/python bench/faust_overhead.py [--records 100000] [--partitions 8] [--only NAME ...]
 
 It produces N ~200-byte Ropewalk events (JobStopped, keyed over 1000 entitlements) to one topic with the
 confluent EventProducer, then reads the whole topic with each reader, each in a fresh process:
@@ -31,11 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infra import services  # noqa: E402
 from infra.config import Config  # noqa: E402
 
-BENCH_ENV = {"ROPEWALK_BROKER_PORT": "49192", "ROPEWALK_REDIS_PORT": "46479",
-             "ROPEWALK_RUN_DIR": "/tmp/rw-bench-faust"}
 # Group timing for a quick first join (see streams/faustwire.py); equal for every faust variant.
 FAST_GROUP = {"broker_session_timeout": 2.0, "broker_heartbeat_interval": 0.5, "broker_rebalance_timeout": 2.0}
 RECORD_BYTES = 200
@@ -267,20 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--only", nargs="*", help="substrings of run names to run (default: all)")
-    ap.add_argument("--keep", action="store_true", help="leave the bench broker and Redis running")
     args = ap.parse_args(argv)
 
-    from confluent_kafka.admin import AdminClient
+    from bench.env import BenchEnv
 
-    from streams.topics import Topics, provision
-
-    cfg = Config.from_env({**BENCH_ENV, "ROPEWALK_PARTITIONS": str(args.partitions)})
-    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    started = services.up(cfg)
-    cfg = cfg.with_(topic_prefix=f"bench{uuid.uuid4().hex[:6]}.")
-    provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers}), Topics(cfg.topic_prefix, cfg.partitions))
     results = []
-    try:
+    with BenchEnv(partitions=args.partitions) as env:
+        cfg = env.cfg
         results.append(produce(cfg, args.records))
         _print(results[-1])
         runs = [("confluent-kafka consume() (raw)", read_confluent, (cfg, args.records, False)),
@@ -297,9 +287,6 @@ def main(argv: list[str] | None = None) -> int:
                 res = {"name": name, "error": f"{type(exc).__name__}: {exc}"}
             results.append(res)
             _print(res)
-    finally:
-        if not args.keep and any(s.get("started") for s in started.values()):
-            services.down(cfg)
     print(json.dumps({"records": args.records, "partitions": args.partitions, "results": results}))
     return 0
 

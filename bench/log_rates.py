@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/log_rates.py [--events N]
 
-Starts its own embedded broker (ports 49292/46579, run dir /tmp/rw-bench-log), and measures:
+Starts its own embedded broker on free ports in a temporary run directory (bench.env.BenchEnv), and measures:
 raw confluent-kafka produce and consume of same-sized bytes; EventProducer (Avro encode, with and without
 field validation); EventConsumer (Avro decode + key/topic checks). Prints a table with ratios to the raw
 rates and the conditions. Stops what it started.
@@ -16,8 +16,8 @@ import time
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from bench.env import BenchEnv
 from infra.broker import KAFKA_VERSION
-from infra import services
 from infra.config import Config
 from streams.clients import EventConsumer, EventProducer, producer_conf
 from streams.events import new_event
@@ -52,10 +52,8 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=200_000)
     args = ap.parse_args()
     n = args.events
-    cfg = Config.from_env({"ROPEWALK_BROKER_PORT": "49292", "ROPEWALK_REDIS_PORT": "46579",
-                           "ROPEWALK_RUN_DIR": "/tmp/rw-bench-log", "ROPEWALK_PARTITIONS": "8"})
-    services.up(cfg)
-    try:
+    with BenchEnv(partitions=8) as env:
+        cfg = env.cfg
         reg = SchemaRegistry.from_dir()
         rows = []
         evs = list(events(n))
@@ -99,8 +97,6 @@ def main() -> None:
         for label, rate in rows:
             base = raw_p if label.startswith("produce") else raw_c
             print(f"{label:42} {rate:12,.0f} {rate / base:7.2f}")
-    finally:
-        services.down(cfg)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 
     .venv/bin/python bench/replay_rate.py [--events 200000] [--entitlements 100] [--partitions 8]
 
-Starts its own broker and redis (ports 49092/46379, run dir /tmp/rw-bench-replay), produces N
-TaskStateChanged events (~200 bytes each) over the entitlements to the `tasks` topic, then measures:
+Starts its own broker and redis (bench.env.BenchEnv: free ports, a temporary run directory), produces N
+TaskStateChanged events (~200 bytes each) over the entitlements to the `tasks` topic, their event times (and log
+times, as an import keeps them) 100 ms apart, so the log spans N/10 seconds, then measures:
 
   raw          a confluent-kafka Consumer in assign mode over every partition of `tasks`, bytes only
   replay all   streams.replay with no filter: every record decoded (Avro), checked and yielded
   replay ent   streams.replay --entitlement: one partition per co-partitioned topic (murmur2), other keys
                skipped undecoded
+  replay since streams.replay --since (the last tenth of the log's time): each partition starts at the offset
+               Kafka's offsets-for-times gives (less the slack), the records before are never read
 
 For each: records examined, events yielded, seconds (consumer creation to the last record), examined/s, and
 the "log rate" (the N events of the log covered per second, i.e. N / seconds) relative to the raw rate.
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
-from infra import services  # noqa: E402
+from bench.env import BenchEnv  # noqa: E402
 from infra.config import Config  # noqa: E402
 from streams.clients import EventProducer, consumer_conf  # noqa: E402
 from streams.events import new_event  # noqa: E402
@@ -35,7 +38,7 @@ from streams.replay import ReplayFilter, replay  # noqa: E402
 from streams.serde import SchemaRegistry  # noqa: E402
 from streams.topics import Topics, provision  # noqa: E402
 
-BROKER_PORT, REDIS_PORT, RUN_DIR = 49092, 46379, "/tmp/rw-bench-replay"
+EVENT_GAP_MS = 100  # between two events' times (the last one a minute ago: the broker refuses future times)
 
 
 def entitlement(i: int) -> str:
@@ -52,16 +55,21 @@ def make_event(i: int, ent: str, ts: int):
                      entitlement=ent, entity_id=f"{job}/{i % 17}", producer="bench/replay", timestamp_ms=ts)
 
 
-def produce(cfg: Config, registry: SchemaRegistry, n: int, entitlements: int) -> tuple[float, int]:
+def first_event_ms(n: int) -> int:
+    return int(time.time() * 1000) - 60_000 - n * EVENT_GAP_MS
+
+
+def produce(cfg: Config, registry: SchemaRegistry, n: int, entitlements: int) -> tuple[float, int, int]:
     rng = random.Random(42)
     p = EventProducer(cfg, registry, "bench")
     t0 = time.monotonic()
-    ts = 1_800_000_000_000
+    ts = first_event_ms(n)
     size = len(registry.encode("TaskStateChanged", make_event(0, entitlement(0), ts).to_record(1)))
     for i in range(n):
-        p.send(make_event(i, entitlement(rng.randrange(entitlements)), ts + i), validate=False)
+        t = ts + i * EVENT_GAP_MS
+        p.send(make_event(i, entitlement(rng.randrange(entitlements)), t), validate=False, log_timestamp_ms=t)
     p.flush(120)
-    return time.monotonic() - t0, size
+    return time.monotonic() - t0, size, ts
 
 
 def raw_rate(cfg: Config, topic: str, expected: int) -> tuple[int, int, float]:
@@ -94,17 +102,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; the fastest is kept")
     args = ap.parse_args(argv)
 
-    cfg = Config.from_env({"ROPEWALK_BROKER_PORT": str(BROKER_PORT), "ROPEWALK_REDIS_PORT": str(REDIS_PORT),
-                           "ROPEWALK_RUN_DIR": RUN_DIR, "ROPEWALK_PARTITIONS": str(args.partitions),
-                           "ROPEWALK_TOPIC_PREFIX": "bench."})
-    Path(RUN_DIR).mkdir(parents=True, exist_ok=True)
-    services.up(cfg)
-    try:
+    with BenchEnv(partitions=args.partitions) as env:
+        cfg = env.cfg
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers}), topics)
         registry = SchemaRegistry.from_dir()
         n = args.events
-        produce_s, size = produce(cfg, registry, n, args.entitlements)
+        produce_s, size, first_ms = produce(cfg, registry, n, args.entitlements)
         print(f"produced {n} TaskStateChanged events ({size} bytes each) over {args.entitlements} entitlements, "
               f"{cfg.partitions} partitions, in {produce_s:.1f}s ({n / produce_s:,.0f}/s)\n")
 
@@ -121,8 +125,10 @@ def main(argv=None) -> int:
         raw = best(lambda: ("raw confluent-kafka (bytes)", *raw_rate(cfg, topics.name("tasks"), n)))
         raw_s = raw[3]
         ent = entitlement(42)
+        since = first_ms + n * EVENT_GAP_MS * 9 // 10
         rows = [raw, best(replayed("replay all", ReplayFilter())),
-                best(replayed(f"replay --entitlement {ent}", ReplayFilter(entitlement=ent)))]
+                best(replayed(f"replay --entitlement {ent}", ReplayFilter(entitlement=ent))),
+                best(replayed("replay --since (last 10% of time)", ReplayFilter(since_ms=since)))]
 
         raw_rate_per_s = n / raw_s
         print(f"{'mode':<30} {'examined':>9} {'yielded':>8} {'seconds':>8} {'examined/s':>11} {'log/s':>11} "
@@ -131,8 +137,6 @@ def main(argv=None) -> int:
             print(f"{name:<30} {examined:>9} {yielded:>8} {secs:>8.2f} {examined / secs:>11,.0f} "
                   f"{n / secs:>11,.0f} {n / secs / raw_rate_per_s:>6.2f}x")
         print("\nlog/s: events of the whole log covered per second (N / seconds); vs raw: log/s over the raw rate")
-    finally:
-        services.down(cfg)
     return 0
 
 
