@@ -100,31 +100,27 @@ def resize(producer: EventProducer, job_id: str, entitlement: str, tasks: int) -
     return ev.timestamp_ms
 
 
-COUNTERS = ("cache_hits", "cache_misses", "requests")
+COUNTERS = ("requests", "placed", "rejected")
 
 
 def allocator_counters(redis_client, prefix: str) -> dict[str, int] | None:
-    """The allocator's counters: ``processors.allocator.processor.allocator_metrics`` if it exists, else the Redis
-    hash ``<prefix>metrics:allocator`` read directly; None when the allocator has published none."""
+    """The allocator's counters (``processors.allocator.processor.allocator_metrics``); None when it has
+    published none."""
     if not redis_client.exists(f"{prefix}metrics:allocator"):
         return None
-    try:
-        from processors.allocator.processor import allocator_metrics
-    except ImportError:
-        raw = redis_client.hgetall(f"{prefix}metrics:allocator")
-        got = {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
-    else:
-        got = allocator_metrics(redis_client, prefix)
+    from processors.allocator.processor import allocator_metrics
+
+    got = allocator_metrics(redis_client, prefix)
     return {k: int(got.get(k) or 0) for k in COUNTERS}
 
 
-def _hit_ratio(before: Mapping[str, int] | None, after: Mapping[str, int] | None) -> dict:
+def _counted(before: Mapping[str, int] | None, after: Mapping[str, int] | None) -> dict:
+    """What the allocator counted between two readings. The allocator has no job-level cache any more (every
+    decision runs on its in-memory fold of the region), so there is no hit ratio to report: None."""
     if after is None:
-        return {"cache_hits": None, "cache_misses": None, "requests": None, "cache_hit_ratio": None}
+        return {**dict.fromkeys(COUNTERS), "cache_hit_ratio": None}
     before = before or {}
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
-    looked = d["cache_hits"] + d["cache_misses"]
-    return {**d, "cache_hit_ratio": round(d["cache_hits"] / looked, 4) if looked else None}
+    return {**{k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}, "cache_hit_ratio": None}
 
 
 def stages(obs: LogObserver, submitted: Mapping[str, int]) -> dict[str, Any]:
@@ -197,7 +193,7 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
                     "t_last_ms": t_last,
                     "jobs_per_s": round(len(done) / secs, 3), "tasks_per_s": round(tasks / secs, 1),
                     "p50_ms": _ms(percentile(burst_lat, 50)), "p99_ms": _ms(percentile(burst_lat, 99)),
-                    **stages(obs, submitted), **_hit_ratio(c0, c1)}
+                    **stages(obs, submitted), **_counted(c0, c1)}
 
     # phase 3: repeated allocations for known jobs, on a quiet pipeline again
     if not wait_running(obs, max(1.0, deadline - time.monotonic())):
@@ -230,8 +226,8 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     out["repeat"] = {"jobs": len(rdone), "tasks": len(rdone) * REPEAT_GROW, "seconds": round(secs, 2),
                      "jobs_per_s": round(len(rdone) / secs, 3),
                      "p50_ms": _ms(percentile(rep_lat, 50)), "p99_ms": _ms(percentile(rep_lat, 99)),
-                     **stages(obs, resized), **_hit_ratio(c1, c2)}
-    out["whole_workload_cache"] = _hit_ratio(c0, c2)
+                     **stages(obs, resized), **_counted(c1, c2)}
+    out["whole_workload_cache"] = _counted(c0, c2)
     out["counters_available"] = c2 is not None
     out["rejected_tasks"] = dict(obs.rejected)
     out["notes"] = notes
@@ -493,19 +489,23 @@ def faust_overhead(env, records: int) -> dict[str, Any]:
 # -- where the allocation time goes ---------------------------------------------------------------------------------
 
 def profile_allocator(env, registry: SchemaRegistry, requests: int, seed: int = 13, top: int = 15) -> dict[str, Any]:
-    """cProfile of the allocator's handling of ``requests`` AllocationRequested events (``Allocator.handle``, the
-    code the allocator worker runs per request: apply, snapshot, placement, commit, produce), in this process on
-    the region's index after the workloads. The requests are drawn like the allocation workload's jobs (same
-    entitlements, shapes and DC requirements), so cache hits and misses come in a like mix; the cache starts
-    empty (a new ``Allocator``)."""
+    """cProfile of the allocator deciding ``requests`` AllocationRequested events one at a time (each a batch of
+    one: placement on the fold, the Redis commit, producing the decision), in this process, on a fold of the
+    region's log made first (``Allocator.catch_up``, timed: ``fold_s``). The requests are drawn like the allocation
+    workload's jobs (same entitlements, shapes and DC requirements)."""
     import cProfile
     import pstats
 
     from processors.allocator.processor import Allocator
+    from streams.clients import Record
 
     r = env.redis()
     producer = EventProducer(env.cfg, registry, "allocator")
-    alloc = Allocator(r, env.cfg.topic_prefix, producer)
+    alloc = Allocator(env.cfg, registry, r, producer)
+    t0 = time.monotonic()
+    folded = alloc.catch_up()
+    fold_s = time.monotonic() - t0
+    alloc.assign(range(env.cfg.partitions), fenced=False)
     topic = Topics(env.cfg.topic_prefix, env.cfg.partitions).name("allocations")
     dcs = sorted({m.split("-")[0] for m in _region_machines(env)})
     specs = job_specs(requests + 1, entitlement_names(4), dcs, random.Random(seed), "profile")
@@ -519,20 +519,25 @@ def profile_allocator(env, registry: SchemaRegistry, requests: int, seed: int = 
             "resources": p["resources"], "requirements": p["requirements"], "spread": p["spread"],
             "avoid_machine_ids": []}, entitlement=p["entitlement"], entity_id=job, producer="scheduler")
 
-    # Warm-up, not profiled: the producer's first connection and schema publications (about a second) are not
-    # allocation work.
-    alloc.handle(request(specs[0]), (f"{topic}~bench-profile", 0, 0))
+    offset = 10**12  # positions past the log's: these requests are fed by hand, not read
+
+    def decide(ev) -> list:
+        nonlocal offset
+        offset += 1
+        alloc.on_records([Record(ev, topic, 0, offset, ev.entitlement.encode(), 0)])
+        return alloc.decide_pending()
+
+    # Warm-up, not profiled: the producer's first connection and schema publications are not allocation work.
+    decide(request(specs[0]))
     events = [request(spec) for spec in specs[1:]]
     prof = cProfile.Profile()
     per_request = []
-    for i, ev in enumerate(events):
+    for ev in events:
         t0 = time.perf_counter()
         prof.enable()
-        out = alloc.handle(ev, (f"{topic}~bench-profile", 0, i + 1))
+        decide(ev)
         prof.disable()
-        hit = any(e.type == "TasksAllocated" and e.payload.get("cache_hit") for e in out)
-        per_request.append({"ms": round(1000 * (time.perf_counter() - t0), 1), "tasks": len(ev.payload["place_task_ids"]),
-                            "cache_hit": hit})
+        per_request.append({"ms": round(1000 * (time.perf_counter() - t0), 2), "tasks": len(ev.payload["place_task_ids"])})
     producer.flush(30)
     st = pstats.Stats(prof)
     total = st.total_tt
@@ -546,8 +551,11 @@ def profile_allocator(env, registry: SchemaRegistry, requests: int, seed: int = 
         return out
 
     r.close()
-    return {"target": "processors.allocator.processor.Allocator.handle(AllocationRequested), in-process, cProfile",
-            "requests": requests, "per_request": per_request,
+    ms = sorted(q["ms"] for q in per_request)
+    return {"target": "processors.allocator.processor.Allocator.decide_pending (one request per batch), in-process, "
+                      "cProfile", "requests": requests, "per_request": per_request,
+            "decide_p50_ms": percentile(ms, 50), "decide_p99_ms": percentile(ms, 99),
+            "fold_s": round(fold_s, 3), "fold": folded,
             "profiled_s": round(total, 3), "top_cumulative": rows("cumulative"), "top_self": rows("self")}
 
 

@@ -97,30 +97,7 @@ def machines_indexed(cfg: Config) -> dict[str, int]:
     client = redis.Redis.from_url(cfg.redis_url)
     try:
         index = MachineIndex(client, cfg.topic_prefix)
-        start = len(index.key("m:"))
-        ids = [key.decode()[start:] for key in client.scan_iter(index.key("m:*"), count=1000)]
-        return dict(Counter(m.status for m in index.machines(ids).values()))
-    finally:
-        client.close()
-
-
-def index_lost(cfg: Config) -> bool:
-    """Whether Redis lost the allocator's index while the log kept the allocator's position: its consumer group
-    has committed offsets but Redis has no applied marks (a Redis that was flushed, replaced, or lost its data
-    directory). Starting the allocator then would decide against an empty index from where it stopped."""
-    import redis
-
-    from processors.allocator.index import DEFAULT_CONSUMER
-    from processors.allocator.processor import APP_ID, SOURCES
-    from streams.groups import committed
-    from streams.topics import Topics
-
-    topics = Topics(cfg.topic_prefix, cfg.partitions)
-    if not any(committed(cfg, cfg.topic_prefix + APP_ID, map(topics.name, SOURCES)).values()):
-        return False
-    client = redis.Redis.from_url(cfg.redis_url)
-    try:
-        return not client.exists(f"{cfg.topic_prefix}applied:{DEFAULT_CONSUMER}")
+        return dict(Counter(m.status for m in index.machines(index.machine_ids()).values()))
     finally:
         client.close()
 
@@ -129,15 +106,10 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S) -> 
     """Start the workers, then wait until the allocator's index holds all ``machines`` (+ the local one), whatever
     their status: a job submitted after ``up`` returns sees the whole region (not just the partitions indexed
     first). ``ready`` in the result says whether that happened within ``ready_timeout_s``; ``machines_indexed``
-    how many were seen, ``machines_up`` how many of them are UP. Before any worker starts, an index that Redis
-    lost (``index_lost``) is rebuilt from the log (``rebuilt`` in the result)."""
+    how many were seen, ``machines_up`` how many of them are UP. (A Redis that lost the index is written again
+    by the allocator itself: it folds the log at start and projects the fold into a Redis that lags it.)"""
     from processors.allocator.placement import MACHINE_UP
 
-    rebuilt = None
-    if index_lost(cfg):
-        from processors.allocator.rebuild import rebuild_index
-
-        rebuilt = rebuild_index(cfg)
     region = write_region(cfg, machines)
     out = {}
     for proc in processes(cfg, region):
@@ -158,7 +130,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S) -> 
             out[proc.name]["running"] = False
     indexed = sum(seen.values())
     return {"workers": out, "machines_indexed": indexed, "machines_up": seen.get(MACHINE_UP, 0),
-            "machines_by_status": seen, "ready": indexed >= machines + 1, "rebuilt": rebuilt}
+            "machines_by_status": seen, "ready": indexed >= machines + 1}
 
 
 def down(cfg: Config) -> dict:

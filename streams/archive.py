@@ -482,7 +482,7 @@ def _create_changelogs(admin, cat: Topics, counts: dict[str, int], timeout_s: fl
             err = exc.args[0] if exc.args else None
             if not (hasattr(err, "code") and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
                 raise ArchiveError(f"cannot create topic {name}: {exc}") from None
-    wait_until_served(admin, {physical_name(cat, n): c for n, c in counts.items()}, timeout_s)
+    wait_until_served(admin, {physical_name(cat, n): c for n, c in counts.items()})
 
 
 def _ends(cfg: Config, cat: Topics, counts: dict[str, int], timeout_s: float) -> dict[tuple[str, int], int]:

@@ -1,79 +1,59 @@
-"""The allocator as a running processor: one faust agent over ``intents``, ``machines`` and ``allocations``.
+"""The allocator as a running processor: an in-memory fold of the log, decisions in batches, Redis as its view.
 
     python -m processors.allocator.processor        # a worker; configuration from ROPEWALK_* (infra.config)
 
-Every record is decoded by ``streams.faustwire.decoded`` (bad bytes -> ``deadletter``) and handed, one at a
-time and in a worker thread (the Redis calls and the producer's flush block), to ``Allocator.handle``:
+```
+ intents, machines, allocations      catch up: the whole log,        live: poll a batch ──► fold.apply each
+ (every partition, from offset 0) ──► merged in causal order ──►     (bad record ──► deadletter)
+                                      into the fold (fold.py)              │
+                                                                           ▼
+ faust group on `allocations` ──► owned partitions + fences    decide the pending requests of owned partitions
+ (ownership only: the agent acks)                                 (placement on the fold, one batch) ──►
+                                                                  Redis: ONE commit call for the batch ──►
+                                                                  produce the decisions, ONE flush ──►
+                                                                  Redis: project the changed machines ──►
+                                                                  state.machines from the outbox
+```
 
-    EntitlementCreated/Updated   -> the entitlement table in Redis (quota, type, DC pin), so every allocator
-                                    process sees it; other intents are ignored
-    machines / allocations event -> ``MachineIndex.apply`` at its (topic, partition, offset): idempotent
-    AllocationRequested          -> also: free ``free_task_ids``, then ``allocate`` ``place_task_ids``, and
-                                    produce the decision (below)
-    an event whose handling raises -> ``deadletter`` with reason ``processing_failed`` (after TRANSIENT_RETRIES
-                                    tries if Redis or the broker failed); the agent goes on
+**One fold of the whole region.** The free pool is shared by every entitlement, so each allocator process folds
+every partition of ``intents`` (entitlements), ``machines`` and ``allocations`` (requests and decisions) with
+a confluent-kafka consumer of its own, from the beginning: first the log as it is at start, merged in the
+causal order ``merged`` gives (the rule a rebuild follows), then each record as it arrives. Placement then costs
+what ``fastplace`` costs (about a millisecond for 36 tasks at 100,000 machines), never a read of the region.
 
-The decision events, all with ids derived from the request's event id, causation = the request, entitlement =
-the request's, producer ``allocator``:
+**Ownership is the faust group's.** The faust app consumes ``allocations`` in a consumer group only to be told
+which partitions this process owns (the agent acks and does nothing else: reading them is the fold's job).
+On each assignment the process raises the partitions' fences in Redis; a decision is committed only under its
+partition's current fence, so a stale owner (a zombie after a rebalance) can no longer commit or produce.
 
-    TasksDeallocated + MachineReleasedToFreePool per machine the entitlement no longer uses   (free_task_ids)
-    TasksAllocated (placements with dc/msb/rack, filter_rejections, fault_domain_bins, machines_added,
-                    cache_hit, commit_attempts) + MachineAssignedToEntitlement per machine added
-    AllocationRejected (reason constant, a message a user can act on, unplaced tasks, filter_rejections)
-    -- a partial placement emits both TasksAllocated and AllocationRejected
+**Deciding.** The requests of owned partitions that no decision on the log answers yet (``fold.is_decided``) are
+decided together: a request's frees first (TasksDeallocated + MachineReleasedToFreePool per machine the
+entitlement no longer uses), then its placement on the fold (TasksAllocated + MachineAssignedToEntitlement per
+machine added, and AllocationRejected for what stays unplaced, with the reason and the filters' counts). Each
+plan is committed to the fold at once, so the next request of the batch sees it; then the whole batch goes to
+Redis in ONE call (index.py): each decision re-checked machine by machine (several allocators may race for a
+free machine), written, and its events journaled under the request's id; then every event is produced and
+flushed once. Event ids derive from the request's event id: a decision produced twice is the same events.
 
-**Redelivery** (at-least-once; DESIGN.md). The decision is journaled in Redis, per request event id, in
-``alloc:req:<event id>`` (a hash), each step written *before* the step it guards:
+**Redelivery and crashes.** Nothing depends on faust's committed offsets: every start folds the log, and a
+request is pending exactly when no decision for it is on the log. A crash after the Redis commit and before the
+events reached the log leaves the decision journaled in Redis: the next attempt at that request gets it back
+from the commit (``JOURNALED``) and produces those very events. A conflict (another allocator changed a machine
+first) reloads the decision's machines from Redis into the fold and decides again, up to ``max_attempts``.
 
-    free    the freeing events, written before the deallocation is applied to the index (the apply is
-            idempotent by content, so applying again after a crash changes nothing)
-    wal     before each commit attempt: the events that commit would make true. The commit is all or nothing,
-            so after a crash "every placement of wal is in the index" means the commit happened, and the
-            events are re-emitted from the journal instead of allocating again
-    done    the whole decision, written before it is produced; a redelivered request (a crash before the
-            offset commit, or the same event sent twice) finds it and re-produces the *same* events, same
-            ids and timestamps: readers dedupe by event id, and the index applies them as no-ops
-
-One process decides a request at a time (a Redis lock per request event id): while a rebalance moves a
-partition, its old and new owner may both hold the request, and the second takes the first's decision.
-So a request never allocates twice, and its result is produced at least once with one identity. ``done``
-expires after ``JOURNAL_TTL_S``. Events the allocator produces come back to it on ``machines`` and
-``allocations``; applying them finds their facts already written (the commit or the deallocation wrote them).
-
-**The job-level cache** (cache.py, Twine §2.3). Each ``Allocator`` holds an ``AllocationCache``; ``allocate``
-asks it before reading a snapshot, and ``TasksAllocated.cache_hit`` says whether it answered. Counters, added
-with the ``done`` journal write (once per request, never for a redelivery) and derived from the decision's own
-events: ``requests``, ``cache_hits``, ``cache_misses`` in ``metrics:allocator``; ``allocator_metrics()`` reads
-them with ``cache_hit_ratio`` = hits / (hits + misses).
-
-**state.machines.** Every change the index makes to a machine is queued in its outbox (index.py), atomically
-with the change. ``publish_machine_states`` drains it: the current state of each queued machine as a
-MachineStatePublished (key: machine id; event id derived from machine and version, so a state published twice
-is the same event), flushed before it leaves the outbox. The agent drains at most every PUBLISH_INTERVAL_S
-while events stream in, and a faust timer drains when idle; one process drains at a time (``outbox:lock``), so
-one machine's records reach the log in version order. An event applied twice queues nothing the second time,
-so it publishes nothing; a crash between producing and removing from the outbox publishes the same state
-(same event id) again.
-
-Redis keys of this module, under the prefix, beside the index's (``processors/allocator/index.py``)::
-
-    entitlement:<e>       hash   quota_machines, machine_type, dc_pin, host_profile ("" = none)
-    alloc:req:<event id>  hash   free, wal, done: JSON lists of events (see above)
-    alloc:lock:<event id> string the process deciding the request now (expires after LOCK_TTL_S)
-    applied:allocator     hash   the index's applied marks; the intents marks share it
-    metrics:allocator     hash   requests, cache_hits, cache_misses (integers)
-    outbox:lock           string the process draining the outbox to state.machines now (expires)
+**Redis** is the allocator's materialized view (index.py): after each batch the fold's changed machines are
+projected (version-guarded, pipelined); at start, a Redis that lost or lags the index (its applied marks behind
+the fold's) is projected whole. ``state.machines`` is fed from Redis's outbox, as before.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import math
 import threading
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,14 +62,16 @@ import faust
 import redis
 
 from infra.config import Config
-from processors.allocator import placement
-from processors.allocator.cache import AllocationCache
-from processors.allocator.index import DEFAULT_CONSUMER, EVENT_TYPES, MachineIndex, allocate
-from processors.allocator.placement import Entitlement, Machine, Plan, Request
-from streams.clients import DeliveryError, EventProducer
+from processors.allocator.fold import (
+    EVENT_TYPES, FoldError, RegionFold, merged, releases,
+)
+from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, MachineIndex
+from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
+from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event, derived_event_id, new_event
-from streams.faustwire import decoded, make_app, route_dead_letter
+from streams.faustwire import make_app
+from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics, free_pool_key
 
@@ -98,35 +80,28 @@ log = logging.getLogger(__name__)
 PRODUCER = "allocator"
 APP_ID = "allocator"
 SOURCES = ("intents", "machines", "allocations")
-ENTITLEMENT_EVENTS = frozenset({"EntitlementCreated", "EntitlementUpdated"})
-ENTITLEMENT_FIELDS = ("quota_machines", "machine_type", "dc_pin", "host_profile")
 
-# Rejection reasons of the processor (beside placement's NO_FEASIBLE_MACHINE / QUOTA_EXCEEDED and the index's
-# COMMIT_RETRIES_EXHAUSTED).
+# Rejection reasons of the processor (beside placement's NO_FEASIBLE_MACHINE / QUOTA_EXCEEDED).
 UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # no EntitlementCreated seen for the request's entitlement
 INVALID_REQUEST = "invalid_request"  # e.g. an unknown spread level or an unsupported requirement
+COMMIT_RETRIES_EXHAUSTED = "commit_retries_exhausted"  # every attempt met a conflict in Redis
+ALLOCATOR_ERROR = "allocator_error"  # deciding raised (a bug): the request is answered, the fold folded again
 RELEASED_EMPTY = "entitlement_empty"  # MachineReleasedToFreePool.reason: no task of the entitlement left
 
-JOURNAL_TTL_S = 7 * 24 * 3600
-# Errors worth another try before an event is given up to the dead letters (Redis or the broker away briefly).
+# Errors that a moment cures (Redis or the broker away briefly): the loop folds the log again and goes on.
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, DeliveryError)
-TRANSIENT_RETRIES = 3
-LOCK_TTL_S = 30.0  # longest one request's decision may hold its lock (a crashed holder's lock expires)
-METRICS_KEY = "metrics:allocator"  # hash: cache_hits, cache_misses, requests (HINCRBY; allocator_metrics)
-OUTBOX_LOCK = "outbox:lock"  # string: the process draining the index's outbox to state.machines now
-PUBLISH_INTERVAL_S = 0.25  # machine states are published at most this long after their change (when running)
+MAX_ATTEMPTS = 5  # decisions of one request per batch before COMMIT_RETRIES_EXHAUSTED
+BATCH_REQUESTS = 500  # requests decided per Redis commit call at most
+POLL_RECORDS = 5000  # records the fold consumer takes per poll at most
+POLL_S = 0.02  # how long a poll waits for records when there are none
+PUBLISH_INTERVAL_S = 0.25  # machine states are published at most this long after their change
+OUTBOX_LOCK = "outbox:lock"  # string: the process draining the outbox to state.machines now
+LOCK_TTL_S = 30.0
+METRICS_KEY = "metrics:allocator"  # hash: requests, placed, rejected (HINCRBY; allocator_metrics)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Pure: an AllocationRequested and a plan -> the decision events. No faust, Kafka or Redis here.
-
-def entitlement_of(name: str, fields: Mapping[str, str]) -> Entitlement | None:
-    """The Entitlement from its Redis hash (None when no quota was ever set: not created)."""
-    if not fields.get("quota_machines"):
-        return None
-    return Entitlement(name, int(fields["quota_machines"]), machine_type=fields.get("machine_type") or None,
-                       dc_pin=fields.get("dc_pin") or None)
-
 
 def request_of(event: Event, existing: Mapping[str, str]) -> Request:
     """The placement Request of an AllocationRequested; raises ValueError if the request is invalid."""
@@ -139,9 +114,9 @@ def request_of(event: Event, existing: Mapping[str, str]) -> Request:
 
 
 def _derived(request: Event, type_: str, payload: Mapping[str, Any], entity_id: str, ts: int,
-             *id_parts: Any, entitlement: str | None = None) -> Event:
-    return new_event(type_, payload, entitlement=entitlement or request.entitlement, entity_id=entity_id,
-                     producer=PRODUCER, causation_id=request.event_id, timestamp_ms=ts,
+             *id_parts: Any) -> Event:
+    return new_event(type_, payload, entitlement=request.entitlement, entity_id=entity_id, producer=PRODUCER,
+                     causation_id=request.event_id, timestamp_ms=ts,
                      event_id=derived_event_id(PRODUCER, request.event_id, type_, *id_parts))
 
 
@@ -169,14 +144,14 @@ def plan_events(request: Event, plan: Plan, attempts: int, machines: Mapping[str
             "request_id": p["request_id"], "job_id": p["job_id"],
             "placements": _placement_rows(plan.placements, machines),
             "filter_rejections": dict(plan.filter_rejections), "fault_domain_bins": dict(plan.fault_domain_bins),
-            "machines_added": list(plan.machines_added), "cache_hit": plan.cache_hit, "commit_attempts": attempts},
+            "machines_added": list(plan.machines_added), "cache_hit": False, "commit_attempts": attempts},
             p["request_id"], ts))
         out += [_derived(request, "MachineAssignedToEntitlement", {
             "machine_id": mid, "dc": machines[mid].dc, "reason": f"allocation {p['request_id']}"},
             mid, ts, mid) for mid in plan.machines_added]
     if plan.unplaced:
-        out += rejection_events(request, plan.unplaced, plan.reason or placement.NO_FEASIBLE_MACHINE,
-                                plan.message or "", plan.filter_rejections, ts)
+        out += rejection_events(request, plan.unplaced, plan.reason or NO_FEASIBLE_MACHINE, plan.message or "",
+                                plan.filter_rejections, ts)
     return out
 
 
@@ -197,17 +172,13 @@ def free_events(request: Event, to_free: Mapping[str, str], released: Sequence[s
 
 
 def metric_increments(decision: Sequence[Event]) -> dict[str, int]:
-    """The allocator counters one decided request adds (METRICS_KEY): ``requests`` always; ``cache_hits`` or
-    ``cache_misses`` when tasks went through ``allocate`` -- read from the decision itself (TasksAllocated's
-    ``cache_hit``; a rejection is never a hit), so the counters can be recomputed from the log."""
+    """The counters one decided request adds (METRICS_KEY), read from the decision itself so they can be
+    recomputed from the log: ``requests`` always, ``placed`` / ``rejected`` when it placed / rejected tasks."""
     out = {"requests": 1}
-    placed = [e for e in decision if e.type == "TasksAllocated"]
-    rejected = [e for e in decision if e.type == "AllocationRejected"
-                and e.payload["reason"] not in (UNKNOWN_ENTITLEMENT, INVALID_REQUEST)]
-    if placed:
-        out["cache_hits" if placed[0].payload.get("cache_hit") else "cache_misses"] = 1
-    elif rejected:
-        out["cache_misses"] = 1
+    if any(e.type == "TasksAllocated" for e in decision):
+        out["placed"] = 1
+    if any(e.type == "AllocationRejected" for e in decision):
+        out["rejected"] = 1
     return out
 
 
@@ -246,22 +217,6 @@ def event_from_json(d: Mapping[str, Any]) -> Event:
                  event_id=d["event_id"])
 
 
-DECISION_EVENTS = frozenset({"TasksAllocated", "AllocationRejected", "TasksDeallocated",
-                             "MachineAssignedToEntitlement", "MachineReleasedToFreePool"})
-
-
-def decisions_on_log(events: Iterable[Event]) -> dict[str, list[Event]]:
-    """The decisions the log holds, per request event id: the allocator's decision events (``DECISION_EVENTS``
-    it produced, caused by a request), in the order given. ``rebuild`` makes the ``done`` journal of each
-    from them, so a request redelivered after a restore is answered with its decision instead of deciding
-    again. Pure."""
-    out: dict[str, list[Event]] = {}
-    for e in events:
-        if e.type in DECISION_EVENTS and e.producer == PRODUCER and e.causation_id:
-            out.setdefault(e.causation_id, []).append(e)
-    return out
-
-
 def dump_events(events: Sequence[Event]) -> str:
     return json.dumps([event_to_json(e) for e in events], separators=(",", ":"), sort_keys=True)
 
@@ -271,101 +226,333 @@ def load_events(blob: str | bytes) -> list[Event]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Redis wiring.
+# The processor.
 
-# KEYS[1] applied-mark hash, KEYS[2] the entitlement hash. ARGV: mark field, offset, event type, JSON fields.
-_LUA_ENTITLEMENT = r"""
-local last = redis.call('HGET', KEYS[1], ARGV[1])
-if last and tonumber(last) >= tonumber(ARGV[2]) then return 0 end
-if ARGV[3] == 'EntitlementCreated' then redis.call('DEL', KEYS[2]) end
-local a = cjson.decode(ARGV[4])
-for f, v in pairs(a) do redis.call('HSET', KEYS[2], f, v) end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
-"""
-
-# KEYS[1] the lock, ARGV[1] the holder's token: release only a lock this process still holds.
-_LUA_UNLOCK = r"""
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
-def _s(v: Any) -> Any:
-    return v.decode() if isinstance(v, bytes) else v
-
-
-def _glob_escape(s: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+@dataclass
+class Pending:
+    event: Event  # the AllocationRequested
+    partition: int
+    attempts: int = 0
 
 
 @dataclass
+class _Planned:
+    """One request's decision inside a batch, before Redis said yes."""
+
+    pending: Pending
+    events: list[Event]
+    decision: Decision | None  # None: nothing to commit (a rejection without frees)
+    touched: frozenset[str]  # machines the decision changed in the fold
+
+
 class Allocator:
-    """Applies events to the index and answers AllocationRequested; blocking (call it from a worker thread)."""
+    """The fold, the decisions and the Redis view of one allocator process; blocking (one thread drives it)."""
 
-    r: redis.Redis
-    prefix: str
-    producer: EventProducer
-    consumer: str = DEFAULT_CONSUMER
-    max_attempts: int = 5
-    cache: AllocationCache | None = None  # the job-level allocation cache; one per allocator (None: a new one)
-    publish_interval_s: float = PUBLISH_INTERVAL_S
-
-    def __post_init__(self) -> None:
-        if self.cache is None:
-            self.cache = AllocationCache()
-        self._publishing = threading.Lock()
+    def __init__(self, cfg: Config, registry: SchemaRegistry, redis_client: redis.Redis,
+                 producer: EventProducer | None, *, consumer: str = DEFAULT_CONSUMER,
+                 max_attempts: int = MAX_ATTEMPTS, batch: int = BATCH_REQUESTS,
+                 publish_interval_s: float = PUBLISH_INTERVAL_S):
+        self.cfg = cfg
+        self.registry = registry
+        self.r = redis_client
+        self.producer = producer
+        self.topics = Topics(cfg.topic_prefix, cfg.partitions)
+        self.allocations = self.topics.name("allocations")
+        self.fold = RegionFold()
+        self.index = MachineIndex(redis_client, cfg.topic_prefix, consumer)
+        self.max_attempts = max_attempts
+        self.batch = batch
+        self.publish_interval_s = publish_interval_s
+        self.lock = threading.RLock()  # the fold and the decisions: one thread at a time
+        self.pending: OrderedDict[str, Pending] = OrderedDict()  # request event id -> request, in arrival order
+        self.owned: dict[int, int | None] = {}  # allocations partition -> its fence (None: unfenced)
+        self.ends: dict[tuple[str, int], int] = {}  # where the catch-up ended: the live consumer starts there
+        self.caught_up = False
+        self.failed = 0  # records the fold could not apply (dead-lettered)
+        self.decided = 0
         self._published_at = 0.0
-        self.index = MachineIndex(self.r, self.prefix, self.consumer)
-        # Deallocations are written by the allocator itself (as commits are), through the index's idempotent
-        # TasksDeallocated handler, under a mark field of their own that is removed right after.
-        self._direct = MachineIndex(self.r, self.prefix, f"{self.consumer}.direct")
-        self._apply_entitlement = self.r.register_script(_LUA_ENTITLEMENT)
-        self._unlock = self.r.register_script(_LUA_UNLOCK)
+        self._projected_at = 0.0
+        self._projected_marks: dict[tuple[str, int], int] = {}
+        self._publishing = threading.Lock()
+        self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
+        self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
+        self._unlock = redis_client.register_script(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
 
     def key(self, name: str) -> str:
-        return self.prefix + name
+        return self.cfg.topic_prefix + name
 
-    # --- any event --------------------------------------------------------------------------------------
+    # --- the fold -----------------------------------------------------------------------------------------
+    def catch_up(self, *, stall_timeout_s: float = 60.0) -> dict[str, Any]:
+        """Fold the log as it is now, in the causal order ``merged`` gives, and make Redis agree with the fold
+        (projected whole when its marks are behind). Returns what it did."""
+        t0 = time.monotonic()
+        run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES), stall_timeout_s=stall_timeout_s)
+        parts: dict[tuple[str, int], list[tuple[Event, tuple[str, int, int]]]] = defaultdict(list)
+        for rec in run:
+            if rec.event.type in EVENT_TYPES:
+                parts[(rec.topic, rec.partition)].append((rec.event, (rec.topic, rec.partition, rec.offset)))
+        read_s = time.monotonic() - t0
+        failed = 0
+        with self.lock:
+            for event, position in merged(parts):
+                try:
+                    self.fold.apply(event, position)
+                except FoldError:
+                    failed += 1  # dead-lettered when it was first read live; skipped again, as then
+                    continue
+                if event.type == "AllocationRequested":
+                    self._arrived(event, position)
+            self.ends = dict(run.ends)
+            for tp, end in self.ends.items():  # records up to the end were seen, even those not applied
+                if end > 0:
+                    self.fold.marks[tp] = max(self.fold.marks.get(tp, -1), end - 1)
+            self.fold.drain_changes()
+            behind = self._redis_behind()
+            projected = self.index.project_all(self.fold) if behind else 0
+            self.caught_up = True
+        return {"records": run.stats.read, "applied": self.fold.applied, "failed": failed,
+                "machines": len(self.fold.machines), "pending": len(self.pending), "read_s": round(read_s, 3),
+                "seconds": round(time.monotonic() - t0, 3), "redis_behind": behind, "projected": projected}
 
-    def handle(self, event: Event, position: tuple[str, int, int]) -> list[Event]:
-        """Apply ``event`` read at ``position``; for an AllocationRequested also decide and produce (flushed
-        before returning). Returns the events produced."""
-        if event.type in ENTITLEMENT_EVENTS:
-            self.apply_entitlement(event, position)
+    def _redis_behind(self) -> bool:
+        marks = self.index.marks()
+        return any(marks.get(tp, -1) < o for tp, o in self.fold.marks.items())
+
+    def on_records(self, records: Iterable[Record], dead_letters: DeadLetters | None = None) -> None:
+        """Apply live records to the fold; an event it cannot apply goes to the dead letters."""
+        with self.lock:
+            for rec in records:
+                position = (rec.topic, rec.partition, rec.offset)
+                try:
+                    self.fold.apply(rec.event, position)
+                except FoldError as exc:
+                    self.failed += 1
+                    log.warning("allocator: %s at %s[%d]@%d: %s", rec.event.type, *position, exc)
+                    if dead_letters is not None:
+                        dead_letters.route(topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key,
+                                           value=self.registry.encode(rec.event.type, rec.event.to_record()),
+                                           reason=PROCESSING_FAILED, detail=f"{rec.event.type}: {exc}")
+                    continue
+                if rec.event.type == "AllocationRequested":
+                    self._arrived(rec.event, position)
+
+    def _arrived(self, event: Event, position: tuple[str, int, int]) -> None:
+        if position[0] == self.allocations and not self.fold.is_decided(event.event_id):
+            self.pending.setdefault(event.event_id, Pending(event, position[1]))
+
+    # --- ownership ----------------------------------------------------------------------------------------
+    def assign(self, partitions: Iterable[int], *, fenced: bool = True) -> None:
+        """This process owns these ``allocations`` partitions now: raise their fences (a former owner can no
+        longer commit) and decide their pending requests."""
+        parts = set(partitions)
+        fences = self.index.fence(parts) if fenced else dict.fromkeys(parts)
+        with self.lock:
+            self.owned.update(fences)
+
+    def revoke(self, partitions: Iterable[int]) -> None:
+        with self.lock:
+            for p in partitions:
+                self.owned.pop(p, None)
+
+    # --- deciding -----------------------------------------------------------------------------------------
+    def decide_pending(self) -> list[Event]:
+        """Decide the pending requests of owned partitions, ``batch`` per Redis commit; produce and flush the
+        decisions. Returns the events produced."""
+        out: list[Event] = []
+        while not self.stale:
+            with self.lock:
+                ready = [pd for rid, pd in self.pending.items() if pd.partition in self.owned
+                         and not self.fold.is_decided(rid)][:self.batch]
+                for rid in [rid for rid in self.pending if self.fold.is_decided(rid)]:
+                    del self.pending[rid]  # answered on the log meanwhile (another owner, or redelivered)
+                if not ready:
+                    break
+                events = self._decide_batch(ready)
+            out += events
+        return out
+
+    def _decide_batch(self, batch: list[Pending]) -> list[Event]:
+        produced: list[Event] = []
+        todo = batch
+        while todo:
+            ts = int(time.time() * 1000)
+            planned = []
+            for pd in todo:
+                try:
+                    planned.append(self._plan(pd, ts))
+                except TRANSIENT:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a bug must not stop the allocator: reject, fold again
+                    log.exception("allocator: deciding %s failed", pd.event.payload.get("request_id"))
+                    self.stale = True  # the fold may be half-changed: folded again after this batch
+                    planned.append(_Planned(pd, rejection_events(
+                        pd.event, pd.event.payload["place_task_ids"], ALLOCATOR_ERROR,
+                        f"the allocator failed deciding this request ({type(exc).__name__}: {exc}); "
+                        f"it was left unplaced", {}, ts), None, frozenset()))
+            results = self.index.commit([p.decision for p in planned if p.decision is not None])
+            by_request = iter(results)
+            retry: list[Pending] = []
+            reload: set[str] = set()
+            finished: list[tuple[Pending, list[Event]]] = []
+            for p in planned:
+                res = next(by_request) if p.decision is not None else None
+                if res is None or res.outcome == "ok":
+                    finished.append((p.pending, p.events))
+                elif res.outcome == JOURNALED:
+                    journaled = load_events(res.events)
+                    reload |= p.touched | machines_of(journaled)
+                    finished.append((p.pending, journaled))
+                elif res.outcome == FENCED:
+                    reload |= p.touched
+                    self.pending.pop(p.pending.event.event_id, None)  # another process owns its partition now
+                else:  # CONFLICT: the fold was behind Redis for these machines
+                    reload |= p.touched | set(res.conflicts)
+                    if p.pending.attempts >= self.max_attempts:
+                        finished.append((p.pending, self._exhausted(p.pending, res.conflicts, ts)))
+                    else:
+                        retry.append(p.pending)
+            if reload:
+                self._reload(reload)
+            for pd, events in finished:
+                self._produce(events)
+                produced += events
+                self.fold.remember_decided(pd.event.event_id)
+                self.pending.pop(pd.event.event_id, None)
+                self.index.add_metrics(metric_increments(events))
+                self.decided += 1
+            todo = retry
+        if produced:
+            self.producer.flush()
+        self.project_changes()
+        return produced
+
+    def _plan(self, pd: Pending, ts: int) -> _Planned:
+        """One request's decision on the fold (committed to the fold at once; Redis re-checks it)."""
+        pd.attempts += 1
+        request = pd.event
+        p = request.payload
+        freeing = self._free(request, ts) if pd.attempts == 1 else []
+        frees = tuple((r["task_id"], r["machine_id"]) for e in freeing if e.type == "TasksDeallocated"
+                      for r in e.payload["placements"])
+        released = tuple(mid for e in freeing if e.type == "TasksDeallocated" for mid in e.payload["machines_released"])
+        placing, plan_rows, _ = self._place(request, pd.attempts, ts)
+        events = freeing + placing
+        touched = machines_of(events)
+        if not frees and not plan_rows:
+            return _Planned(pd, events, None, touched)
+        res = p["resources"]
+        decision = Decision(request.event_id, pd.partition, self.owned.get(pd.partition), request.entitlement,
+                            res["cpu_millicores"], res["memory_mib"], frees, released, plan_rows,
+                            dump_events(events))
+        return _Planned(pd, events, decision, touched)
+
+    def _free(self, request: Event, ts: int) -> list[Event]:
+        task_ids = request.payload.get("free_task_ids") or ()
+        fold = self.fold
+        # Only placements on machines the request's entitlement holds: a task id already freed, or one on
+        # another entitlement's machine, is not this request's to free.
+        to_free = {t: mid for t in task_ids if (mid := fold.placement.get(t)) is not None
+                   and fold.machines[mid].entitlement == request.entitlement}
+        if not to_free:
             return []
-        if event.type not in EVENT_TYPES:
-            return []  # other intents
-        self.index.apply(event, position)
-        if event.type != "AllocationRequested":
-            return []
-        events = self.decide(event)
-        for e in events:
-            self.producer.send(e)
-        self.producer.flush()
+        released = releases(fold, request.entitlement, to_free)
+        views = {mid: fold.machines[mid].view() for mid in set(to_free.values())}
+        events = free_events(request, to_free, released, views, ts)
+        fold.free(events[0])
         return events
 
-    def apply_entitlement(self, event: Event, position: tuple[str, int, int]) -> bool:
-        topic, partition, offset = position
-        fields = {f: event.payload.get(f) for f in ENTITLEMENT_FIELDS}
-        if event.type == "EntitlementCreated":
-            fields = {f: "" if v is None else v for f, v in fields.items()}
-        else:
-            fields = {f: v for f, v in fields.items() if v is not None}
-        return bool(self._apply_entitlement(
-            keys=[self.key(f"applied:{self.consumer}"), self.key(f"entitlement:{event.entitlement}")],
-            args=[f"{topic}/{partition}", int(offset), event.type, json.dumps(fields)]))
+    def _place(self, request: Event, attempt: int, ts: int
+               ) -> tuple[list[Event], tuple[tuple[str, int, bool, tuple[str, ...]], ...], dict[str, Machine]]:
+        p = request.payload
+        tasks = list(p["place_task_ids"])
+        if not tasks:
+            return [], (), {}
+        fold = self.fold
+        ent = fold.entitlement(request.entitlement)
+        if ent is None:
+            return rejection_events(request, tasks, UNKNOWN_ENTITLEMENT,
+                                    f"entitlement {request.entitlement} does not exist; create it "
+                                    f"(ropewalk entitlement create {request.entitlement} --quota N)", {}, ts), (), {}
+        try:
+            req = request_of(request, fold.existing(p["job_id"]))
+        except ValueError as exc:
+            return rejection_events(request, tasks, INVALID_REQUEST, f"job {p['job_id']}: {exc}", {}, ts), (), {}
+        plan = fold.place(ent, req)
+        if not plan.placements and plan.reason == NO_FEASIBLE_MACHINE and (
+                req.requirements.get("dc") or ent.dc_pin or req.requirements.get("machine_type") or ent.machine_type):
+            # The narrowed snapshot hides why the other machines did not fit: explain over all of them
+            # (only the explanation is taken).
+            wide = fold.place(ent, req, wide=True)
+            if not wide.placements and wide.reason == NO_FEASIBLE_MACHINE:
+                plan = placement_with(plan, filter_rejections=wide.filter_rejections, message=wide.message)
+        machines = {mid: fold.machines[mid].view() for mid in {m for _, m in plan.placements} | set(plan.machines_added)}
+        rows: tuple = ()
+        if plan.placements:
+            by_machine: dict[str, list[str]] = defaultdict(list)
+            for t, mid in plan.placements:
+                by_machine[mid].append(t)
+            added = set(plan.machines_added)
+            rows = tuple((mid, machines[mid].version, mid in added, tuple(by_machine.get(mid, ())))
+                         for mid in sorted(set(by_machine) | added))
+            result = fold.commit(plan.placements, plan.machines_added, ent.name, req.cpu, req.mem,
+                                 {mid: machines[mid].version for mid in machines}, request.event_id)
+            if not result.ok:  # the fold placed on itself: a conflict here is a bug in placement or the fold
+                raise RuntimeError(f"request {p['request_id']}: the fold refused its own plan: {result.conflicts}")
+        return plan_events(request, plan, attempt, machines, ts), rows, machines
 
-    def entitlement(self, name: str) -> Entitlement | None:
-        return entitlement_of(name, {_s(k): _s(v) for k, v in self.r.hgetall(self.key(f"entitlement:{name}")).items()})
+    def _exhausted(self, pd: Pending, conflicts: Mapping[str, str], ts: int) -> list[Event]:
+        p = pd.event.payload
+        reasons = ", ".join(sorted(set(conflicts.values())))
+        return rejection_events(pd.event, p["place_task_ids"], COMMIT_RETRIES_EXHAUSTED,
+                                f"{len(p['place_task_ids'])} tasks of job {p['job_id']} unplaced: {pd.attempts} commit "
+                                f"attempts met conflicts ({reasons})", {}, ts)
 
-    # --- state.machines ---------------------------------------------------------------------------------
+    def _reload(self, machine_ids: Iterable[str]) -> None:
+        """Take these machines back from Redis into the fold (Redis was ahead: another allocator, or a journaled
+        decision)."""
+        fold = self.fold
+        for mid, f in self.index.reload(machine_ids).items():
+            m = fold.machines.get(mid)
+            if m is None:
+                continue
+            for t in list(m.tasks):
+                if t not in f["tasks"]:
+                    fold._unplace(m, t)
+            for t, (cpu, mem) in f["tasks"].items():
+                cur = fold.placement.get(t)
+                if cur != mid:
+                    if cur is not None:
+                        fold._unplace(fold.machines[cur], t)
+                    fold._place(m, t, cpu, mem)
+            for name in ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free",
+                         "entitlement", "status", "host_profile", "version"):
+                setattr(m, name, f[name])
+            fold.index.upsert(m.view())
 
+    def _produce(self, events: Sequence[Event]) -> None:
+        for e in events:
+            self.producer.send(e)
+
+    def project_changes(self, *, force: bool = False) -> int:
+        """Write the machines the fold changed since the last projection to Redis, with the marks and the
+        entitlements (the marks alone at most every ``publish_interval_s``: they move with every record)."""
+        changed = self.fold.drain_changes()
+        now = time.monotonic()
+        if not changed and not force and now - self._projected_at < self.publish_interval_s:
+            return 0
+        if not changed and self.fold.marks == self._projected_marks and not force:
+            return 0
+        self._projected_at = now
+        self._projected_marks = dict(self.fold.marks)
+        return self.index.project(self.fold, changed, entitlements=self.fold.entitlement_fields)
+
+    # --- state.machines -----------------------------------------------------------------------------------
     def publish_machine_states(self, limit: int = 2000) -> int:
-        """Publish the current state of every machine in the index's outbox to ``state.machines``, flush, then
-        take them out of the outbox (a machine that changed again meanwhile stays). Returns how many were
-        published. One process drains at a time (``outbox:lock``), so records of one machine reach the log in
-        version order; a state published twice has the same event id (machine, version)."""
+        """Publish the current state of every machine in the outbox to ``state.machines``, flush, then take them
+        out of the outbox (a machine that changed again meanwhile stays). One process drains at a time
+        (``outbox:lock``), so records of one machine reach the log in version order; a state published twice
+        has the same event id (machine, version)."""
         with self._publishing:
             self._published_at = time.monotonic()
             lock, token = self.key(OUTBOX_LOCK), uuid.uuid4().hex
@@ -389,223 +576,136 @@ class Allocator:
                 self._unlock(keys=[lock], args=[token])
 
     def maybe_publish_machine_states(self) -> int:
-        """``publish_machine_states`` unless the last drain was less than ``publish_interval_s`` ago: one
-        flush per interval, not per event, while events stream in (a timer drains the rest when idle)."""
         if time.monotonic() - self._published_at < self.publish_interval_s:
             return 0
         return self.publish_machine_states()
 
-    # --- an AllocationRequested -------------------------------------------------------------------------
-
-    def decide(self, request: Event) -> list[Event]:
-        """The request's decision: from the journal if it was made already, else made now (see module doc).
-
-        One process decides a request at a time (``alloc:lock:<event id>``): during a rebalance the old and
-        the new owner of a partition may both hold the request; the second waits and takes the first's."""
-        jkey = self.key(f"alloc:req:{request.event_id}")
-        lock, token = self.key(f"alloc:lock:{request.event_id}"), uuid.uuid4().hex
-        deadline = time.monotonic() + LOCK_TTL_S * 2
-        while not self.r.set(lock, token, nx=True, px=int(LOCK_TTL_S * 1000)):
-            if (done := self.r.hget(jkey, "done")) is not None:
-                return load_events(done)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"request {request.event_id} stays locked by another allocator")
-            time.sleep(0.05)
+    # --- the loop -----------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event, dead_letters: DeadLetters) -> None:
+        """Catch up, then follow the log: apply, decide, project, publish; until ``stop`` is set. A batch that
+        failed half-way (Redis or the broker away) leaves the fold ahead of both: the log is folded again
+        once they answer, and the batch's requests are decided again (a committed one comes back JOURNALED)."""
+        consumer = None
         try:
-            return self._decide(request, jkey)
+            while not stop.is_set():
+                try:
+                    if consumer is None or self.stale:
+                        if consumer is not None:
+                            consumer.close()
+                        self.refold()
+                        consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in SOURCES],
+                                                 name=PRODUCER, start_offsets=self.ends, dead_letters=dead_letters)
+                    records = consumer.poll(POLL_RECORDS, POLL_S)
+                    self.on_records(records, dead_letters)
+                    self.step()
+                except TRANSIENT as exc:
+                    self.stale = True
+                    log.warning("allocator: %s (%s); folding the log again once it answers", type(exc).__name__, exc)
+                    stop.wait(1.0)
+        except BaseException as exc:
+            self.crash = exc
+            log.exception("allocator: the loop failed")
+            raise
         finally:
-            self._unlock(keys=[lock], args=[token])
+            if consumer is not None:
+                consumer.close()
 
-    def _decide(self, request: Event, jkey: str) -> list[Event]:
-        journal = {_s(k): _s(v) for k, v in self.r.hgetall(jkey).items()}
-        if "done" in journal:
-            return load_events(journal["done"])
-        ts = int(time.time() * 1000)
-
-        if "free" in journal:
-            freeing = load_events(journal["free"])
-        else:
-            freeing = self._free_events(request, ts)
-            self.r.hset(jkey, "free", dump_events(freeing))
-            self.r.expire(jkey, JOURNAL_TTL_S)
-        if freeing:
-            mark = f"request:{request.event_id}"
-            self._direct.apply(freeing[0], (mark, 0, 0))
-            self.r.hdel(self._direct.key(f"applied:{self._direct.consumer}"), f"{mark}/0")
-
-        placing = None
-        if "wal" in journal:
-            wal = load_events(journal["wal"])
-            if self._committed(wal):
-                placing = wal
-        if placing is None:
-            placing = self._place_events(request, ts, jkey)
-
-        done = freeing + placing
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(jkey, "done", dump_events(done))
-        pipe.hdel(jkey, "free", "wal")
-        pipe.expire(jkey, JOURNAL_TTL_S)
-        for counter, n in metric_increments(done).items():  # counted once per request, with its decision
-            pipe.hincrby(self.key(METRICS_KEY), counter, n)
-        pipe.execute()
-        return done
-
-    def _committed(self, wal: Sequence[Event]) -> bool:
-        pairs = [(p["task_id"], p["machine_id"]) for e in wal if e.type == "TasksAllocated"
-                 for p in e.payload["placements"]]
-        if not pairs:
-            return False
-        now = self.r.hmget(self.key("placement"), [t for t, _ in pairs])
-        return all(_s(m) == mid for m, (_, mid) in zip(now, pairs))
-
-    def _existing(self, job_id: str) -> dict[str, str]:
-        """The job's placed tasks (task ids are ``<job>/<index>``), so spreading counts them."""
-        return {_s(t): _s(m) for t, m in self.r.hscan_iter(self.key("placement"), match=_glob_escape(job_id) + "/*",
-                                                            count=1000)}
-
-    def _place_events(self, request: Event, ts: int, jkey: str) -> list[Event]:
-        p = request.payload
-        tasks = list(p["place_task_ids"])
-        if not tasks:
-            return []
-        ent = self.entitlement(request.entitlement)
-        if ent is None:
-            return rejection_events(request, tasks, UNKNOWN_ENTITLEMENT,
-                                    f"entitlement {request.entitlement} does not exist; create it "
-                                    f"(ropewalk entitlement create {request.entitlement} --quota N)", {}, ts)
+    def step(self) -> None:
+        """After records were applied: decide, project, publish (a failure marks the fold stale)."""
         try:
-            req = request_of(request, self._existing(p["job_id"]))
-        except ValueError as exc:
-            return rejection_events(request, tasks, INVALID_REQUEST, f"job {p['job_id']}: {exc}", {}, ts)
+            self.decide_pending()
+            self.project_changes()
+        except BaseException:
+            self.stale = True
+            raise
+        if not self.stale:
+            self.maybe_publish_machine_states()
 
-        def build(plan: Plan, attempts: int, machines: Mapping[str, Machine]) -> list[Event]:
-            return plan_events(request, plan, attempts, machines, ts)
+    def refold(self) -> dict[str, Any]:
+        """A fresh fold of the log (at start, and after a batch failed half-way)."""
+        with self.lock:
+            self.fold = RegionFold()
+            self.pending.clear()
+            self.caught_up = self.stale = False
+        stats = self.catch_up()
+        log.info("allocator: folded the log: %s", stats)
+        return stats
 
-        def write_wal(events: list[Event]) -> None:
-            self.r.hset(jkey, "wal", dump_events(events))
-            self.r.expire(jkey, JOURNAL_TTL_S)
 
-        def before_commit(plan: Plan, attempt: int, machines: Mapping[str, Machine]) -> None:
-            write_wal(build(plan, attempt, machines))  # the events this commit would make true
+def machines_of(events: Iterable[Event]) -> frozenset[str]:
+    """The machines a decision's events change: placements, machines added and released."""
+    out: set[str] = set()
+    for e in events:
+        p = e.payload
+        out.update(r["machine_id"] for r in p.get("placements") or ())
+        out.update(p.get("machines_added") or ())
+        out.update(p.get("machines_released") or ())
+    return frozenset(out)
 
-        plan, attempts, _conflicts = allocate(self.index, ent, req, max_attempts=self.max_attempts, cache=self.cache,
-                                              before_commit=before_commit, cause=request.event_id)
-        involved = {m for _, m in plan.placements} | set(plan.machines_added)
-        return plan_events(request, plan, attempts, self.index.machines(involved), ts)
 
-    def _free_events(self, request: Event, ts: int) -> list[Event]:
-        task_ids = list(request.payload.get("free_task_ids") or ())
-        if not task_ids:
-            return []
-        where = {t: _s(m) for t, m in zip(task_ids, self.r.hmget(self.key("placement"), task_ids)) if m is not None}
-        machines = self.index.machines(set(where.values()))
-        # Only placements on machines the request's entitlement holds: a task id already freed, or one on
-        # another entitlement's machine, is not this request's to free.
-        to_free = {t: m for t, m in where.items()
-                   if m in machines and machines[m].entitlement == request.entitlement}
-        if not to_free:
-            return []
-        res = self.r.hmget(self.key("taskres"), list(to_free))
-        cost: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for (t, mid), r in zip(to_free.items(), res):
-            cpu, mem = map(int, _s(r).split()) if r is not None else (0, 0)
-            cost[mid][0] += cpu
-            cost[mid][1] += mem
-        pipe = self.r.pipeline(transaction=False)
-        mids = sorted(set(to_free.values()))
-        for mid in mids:
-            pipe.scard(self.key(f"tasks:{mid}"))
-        freed = Counter(to_free.values())
-        remaining = {mid: n - freed[mid] for mid, n in zip(mids, pipe.execute())}
-        released = []
-        for mid in mids:  # one machine at a time: the freed tasks of one machine may differ in size
-            n = freed[mid]
-            released += placement.release(machines, request.entitlement,
-                                          {t: m for t, m in to_free.items() if m == mid},
-                                          math.ceil(cost[mid][0] / n), math.ceil(cost[mid][1] / n), remaining)
-        return free_events(request, to_free, released, machines, ts)
+def placement_with(plan: Plan, **changes: Any) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, **changes)
 
 
 def allocator_metrics(redis_client: redis.Redis, prefix: str) -> dict[str, Any]:
-    """The allocator's counters under ``prefix`` (every allocator process adds to the same hash):
-    ``requests`` (AllocationRequested decided, each once), ``cache_hits`` and ``cache_misses`` (those whose
-    tasks went through the job-level cache), and ``cache_hit_ratio`` = hits / (hits + misses), None before any."""
-    raw = {_s(k): int(v) for k, v in redis_client.hgetall(prefix + METRICS_KEY).items()}
-    out = {k: raw.get(k, 0) for k in ("cache_hits", "cache_misses", "requests")}
-    looked = out["cache_hits"] + out["cache_misses"]
-    return {**out, "cache_hit_ratio": out["cache_hits"] / looked if looked else None}
+    """The allocator's counters under ``prefix``: ``requests`` decided (each once), ``placed``, ``rejected``. No
+    cache: every decision runs on the in-memory fold (``cache_hit_ratio`` is None, kept for readers of the old
+    figure)."""
+    raw = {k.decode() if isinstance(k, bytes) else k: int(v)
+           for k, v in redis_client.hgetall(prefix + METRICS_KEY).items()}
+    return {**{k: raw.get(k, 0) for k in ("requests", "placed", "rejected")}, "cache_hit_ratio": None}
 
 
 # ---------------------------------------------------------------------------------------------------------
-# faust wiring.
+# faust wiring: the consumer group on `allocations` says which partitions this process decides.
 
 def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_client: redis.Redis | None = None,
               consumer: str = DEFAULT_CONSUMER, **settings: Any):
-    """The allocator's faust app, its agent, and the ``Allocator`` it drives; ``settings`` override faust's."""
+    """The allocator's faust app, its (ownership-only) agent, and the ``Allocator`` it drives."""
     registry = registry or SchemaRegistry.from_dir()
     catalogue = Topics(cfg.topic_prefix, cfg.partitions)
     producer = EventProducer(cfg, registry, PRODUCER)
     dead_letters = DeadLetters(producer, PRODUCER)
-    allocator = Allocator(redis_client or redis.Redis.from_url(cfg.redis_url), cfg.topic_prefix, producer,
+    allocator = Allocator(cfg, registry, redis_client or redis.Redis.from_url(cfg.redis_url), producer,
                           consumer=consumer)
     app = make_app(cfg, APP_ID, **settings)
-    source = app.topic(*(catalogue.name(t) for t in SOURCES), key_serializer="raw", value_serializer="raw",
-                       partitions=cfg.partitions)
+    allocations = app.topic(catalogue.name("allocations"), key_serializer="raw", value_serializer="raw",
+                            partitions=cfg.partitions)
+    stop = threading.Event()
 
-    @app.agent(source, name=f"{APP_ID}.allocate")
-    async def allocate_agent(stream):
-        loop = asyncio.get_running_loop()
-        async for record, event in decoded(stream, registry, dead_letters, catalogue, cfg=cfg):
-            position = (record.topic, record.partition, record.offset)
-            try:
-                for attempt in range(1, TRANSIENT_RETRIES + 1):
-                    try:  # handle() is idempotent (index marks, the request journal): retrying is safe
-                        await loop.run_in_executor(None, allocator.handle, event, position)
-                        break
-                    except TRANSIENT as exc:
-                        if attempt == TRANSIENT_RETRIES:
-                            raise
-                        log.warning("allocator: %s at %s: %s; retrying", event.type, position, exc)
-                        await asyncio.sleep(0.5 * attempt)
-            except Exception as exc:  # noqa: BLE001 - one bad event must not stop the allocator
-                log.exception("allocator: %s at %s failed", event.type, position)
-                message = stream.current_event.message if stream.current_event is not None else None
-                await route_dead_letter(dead_letters, message or _Origin(record, registry, event),
-                                        PROCESSING_FAILED, f"{event.type}: {type(exc).__name__}: {exc}")
-            await _publish(loop, allocator.maybe_publish_machine_states)
+    @app.agent(allocations, name=f"{APP_ID}.own")
+    async def own(stream):
+        """Ownership only: the fold reads these records; being in the group says which partitions are ours."""
+        async for _ in stream.take_events(1000, within=0.1):
+            pass
 
-    @app.timer(interval=allocator.publish_interval_s, name=f"{APP_ID}.publish_machine_states")
-    async def publish_machine_states():
-        """Drain what the agent's throttled drains left (the last changes before a pause)."""
-        await _publish(asyncio.get_running_loop(), allocator.publish_machine_states)
+    @app.on_partitions_assigned.connect
+    async def assigned(app, assigned, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
+        mine = sorted({tp.partition for tp in assigned if tp.topic == allocator.allocations})
+        await asyncio.get_running_loop().run_in_executor(None, allocator.assign, mine)
+        log.info("allocator: owns allocations partitions %s (fences %s)", mine, allocator.owned)
 
-    return app, allocate_agent, allocator
+    @app.on_partitions_revoked.connect
+    async def revoked(app, revoked, **kwargs) -> None:  # noqa: ARG001
+        allocator.revoke({tp.partition for tp in revoked if tp.topic == allocator.allocations})
 
+    @app.task
+    async def run_loop() -> None:
+        """The allocator's own thread (blocking: the fold consumer, Redis, the producer), stopped with the app."""
+        thread = threading.Thread(target=allocator.run, args=(stop, dead_letters), name="allocator-loop",
+                                  daemon=True)
+        thread.start()
+        try:
+            while thread.is_alive():
+                await asyncio.sleep(0.5)
+            if allocator.crash is not None:
+                raise allocator.crash
+        finally:
+            stop.set()
 
-async def _publish(loop, drain) -> None:
-    try:  # the outbox keeps what was not published: a failure here only delays state.machines
-        await loop.run_in_executor(None, drain)
-    except Exception:  # noqa: BLE001
-        log.exception("allocator: publishing machine states failed; the outbox keeps them for the next drain")
-
-
-@dataclass(frozen=True)
-class _Origin:
-    """Where a record came from, for route_dead_letter when faust's message is not at hand (re-encoded)."""
-
-    record: Any
-    registry: SchemaRegistry
-    event: Event
-
-    topic = property(lambda self: self.record.topic)
-    partition = property(lambda self: self.record.partition)
-    offset = property(lambda self: self.record.offset)
-    key = property(lambda self: self.record.key)
-
-    @property
-    def value(self) -> bytes:
-        return self.registry.encode(self.event.type, self.event.to_record())
+    return app, own, allocator
 
 
 def main() -> None:

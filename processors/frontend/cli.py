@@ -65,7 +65,7 @@ def cmd_up(cfg: Config, args) -> int:
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
            "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
            "machines_up": region.get("machines_up", 0), "machines_indexed": region.get("machines_indexed", 0),
-           "rebuilt": region.get("rebuilt"), "ready": region["ready"], "demo": demo,
+           "ready": region["ready"], "demo": demo,
            "seconds": round(time.monotonic() - t0, 2)}
     lines = [
         f"broker  {cfg.bootstrap_servers}  ({'embedded Apache Kafka, pid %s, data in %s' % (st['broker'].get('pid'), BrokerLayout.of(cfg).data) if cfg.embedded_broker else 'external'})",
@@ -75,9 +75,6 @@ def cmd_up(cfg: Config, args) -> int:
     ]
     if cp:
         by_status = ", ".join(f"{n} {s}" for s, n in sorted(region["machines_by_status"].items()))
-        if region.get("rebuilt"):
-            lines.append(f"index   Redis had lost the allocator's index: rebuilt from the log "
-                         f"({region['rebuilt']['events']} events in {region['rebuilt']['seconds']:.1f} s)")
         lines.append(f"region  {region['machines_indexed']} machines in the index ({by_status}; {args.machines} "
                      f"simulated + {controlplane.LOCAL_MACHINE_ID} run by the process agent); workers: "
                      + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running")))
@@ -500,7 +497,7 @@ def cmd_restore(cfg: Config, args) -> int:
     lines = [f"restored {st.records} records from {args.dir} in {st.seconds:.2f}s ({st.records_per_s:,.0f} records/s); "
              f"offsets of {len(st.groups)} consumer groups committed ({', '.join(sorted(st.groups)) or 'none archived'})",
              f"rebuilt the allocator's index from the restored log: {index['index_events']} events, "
-             f"{index['journals']} decisions journaled, in {index['seconds']:.2f}s"]
+             f"{index['machines']} machines, in {index['seconds']:.2f}s"]
     if st.offsets_moved:
         lines.append(f"offsets differ from the archived ones in {len(st.offsets_moved)} partitions (holes in the "
                      f"archived log; group offsets were translated): {', '.join(st.offsets_moved[:5])}"

@@ -1,5 +1,6 @@
 """The allocator processor on the real broker and Redis: the faust app runs in-process (as in
-test_faust_codec), events go in with EventProducer, results are read back from the log and from Redis."""
+test_faust_codec), events go in with EventProducer, results are read back from the log and from Redis. The
+crash windows, the fence and the answer from the journal are driven by hand on an ``Allocator`` (no faust)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,12 +16,16 @@ import redis
 
 from processors.allocator.index import MachineIndex
 from processors.allocator.placement import FILTER_MACHINE_TYPE, NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED
-from processors.allocator.processor import PRODUCER, RELEASED_EMPTY, allocator_metrics, build_app
-from streams.clients import EventConsumer, EventProducer
+from processors.allocator.processor import (
+    COMMIT_RETRIES_EXHAUSTED, INVALID_REQUEST, PRODUCER, RELEASED_EMPTY, UNKNOWN_ENTITLEMENT, Allocator,
+    allocator_metrics, build_app,
+)
+from streams.clients import EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED
 from streams.events import Event, new_event
 from streams.serde import NO_MARKER
 from streams.topics import Topics
+from processors.allocator.rebuild import index_state
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +102,7 @@ def wait_for(predicate, what: str, timeout_s: float = 30.0):
     return value
 
 
-def run_allocator(cfg, registry, body, timeout_s: float = 100.0):
+def run_allocator(cfg, registry, body, timeout_s: float = 100.0, *, clear: bool = True):
     """Run the allocator's faust app while ``body(ctx)`` (blocking, in a thread) drives and checks it."""
     r = redis.Redis.from_url(cfg.redis_url)
     ctx = type("Ctx", (), {})()
@@ -121,7 +126,8 @@ def run_allocator(cfg, registry, body, timeout_s: float = 100.0):
         return asyncio.run(asyncio.wait_for(scenario(), timeout_s))
     finally:
         ctx.log.consumer.close()
-        ctx.index.clear()
+        if clear:
+            ctx.index.clear()
         r.close()
 
 
@@ -133,7 +139,9 @@ def setup_region(ctx, entitlements: dict[str, int]) -> None:
         ctx.producer.send(entitlement_created(name, quota))
     ctx.producer.flush()
     wait_for(lambda: len(ctx.index.machines(MACHINES)) == len(MACHINES), "the machines in the index")
-    wait_for(lambda: all(ctx.allocator.entitlement(e) for e in entitlements), "the entitlements in Redis")
+    wait_for(lambda: all(ctx.allocator.fold.entitlement(e) for e in entitlements), "the entitlements in the fold")
+    wait_for(lambda: all(ctx.r.exists(ctx.index.key(f"entitlement:{e}")) for e in entitlements),
+             "the entitlements in Redis")
 
 
 def send(ctx, *events: Event) -> None:
@@ -163,7 +171,7 @@ def test_allocates_a_job_spread_over_msbs(cfg, registry):
         [done] = log.events("TasksAllocated", request_id="r1")
         derived_from(req, done)
         p = done.payload
-        assert len(p["placements"]) == 6 and p["commit_attempts"] == 1 and p["cache_hit"] is False  # first
+        assert len(p["placements"]) == 6 and p["commit_attempts"] == 1 and p["cache_hit"] is False
         assert Counter(pl["msb"] for pl in p["placements"]) == {"msb1": 2, "msb2": 2, "msb3": 2}
         assert p["fault_domain_bins"] == {"dc1/msb1": 2, "dc1/msb2": 2, "dc1/msb3": 2}
         for pl in p["placements"]:
@@ -184,7 +192,12 @@ def test_allocates_a_job_spread_over_msbs(cfg, registry):
             assert machines[mid].entitlement == "e1"
         assert all(machines[m].cpu_free == CPU and machines[m].entitlement is None for m in set(MACHINES) - used)
         assert ctx.index.placements() == {pl["task_id"]: pl["machine_id"] for pl in p["placements"]}
-        assert ctx.index.held_count("e1") == 3
+        assert ctx.allocator.fold.held_count("e1") == 3
+        # The fold and Redis agree key for key once the decision's echoes are read back.
+        wait_for(lambda: index_state(ctx.index.dump()) == index_state(ctx.allocator.fold.dump()),
+                 "Redis equal to the fold")
+        assert allocator_metrics(ctx.r, cfg.topic_prefix) == {"requests": 1, "placed": 1, "rejected": 0,
+                                                             "cache_hit_ratio": None}
 
     run_allocator(cfg, registry, body)
 
@@ -225,32 +238,25 @@ def test_quota_gives_a_partial_placement_and_a_rejection(cfg, registry):
         assert rej.payload["reason"] == QUOTA_EXCEEDED and rej.payload["unplaced_task_ids"] == ["batch/4", "batch/5"]
         assert "quota" in rej.payload["message"] and "small" in rej.payload["message"]
         assert done.event_id != rej.event_id
-        assert ctx.index.held_count("small") == 1 and len(ctx.index.placements()) == 4
+        assert ctx.allocator.fold.held_count("small") == 1 and len(ctx.index.placements()) == 4
 
     run_allocator(cfg, registry, body)
 
 
-# --- (4) redelivery ------------------------------------------------------------------------------------------
+# --- (4) redelivery: a request whose decision is on the log is answered by it --------------------------------
 
 @pytest.mark.timeout(150)
-def test_a_request_delivered_twice_allocates_once_and_repeats_its_result(cfg, registry):
+def test_a_request_delivered_twice_is_decided_once(cfg, registry):
     def body(ctx):
         setup_region(ctx, {"e1": 10})
         req = requested("r1", "e1", "web", 6)
-        send(ctx, req, req)  # the same event (same id) twice, at two offsets
-        log = ctx.log.wait(lambda lg: len(lg.events("TasksAllocated", request_id="r1")) == 2 and lg,
-                           "two TasksAllocated")
-        first, second = log.events("TasksAllocated", request_id="r1")
-        assert first == second and first.event_id == second.event_id  # identical: readers dedupe by id
-        log = ctx.log.wait(lambda lg: len(lg.events("MachineAssignedToEntitlement")) == 6 and lg,
-                           "the assignments, twice")
-        assigned = Counter(e.event_id for e in log.events("MachineAssignedToEntitlement"))
-        assert len(assigned) == 3 and set(assigned.values()) == {2}
-        assert not log.events("AllocationRejected")  # the second delivery did not try to allocate again
-        assert len(ctx.index.placements()) == 6
-        assert sum(CPU - m.cpu_free for m in ctx.index.machines(MACHINES).values()) == 6000
-        # The request's pending set is cleared by the repeated result too.
-        wait_for(lambda: not ctx.r.exists(ctx.index.key("req:r1")), "req:r1 answered")
+        send(ctx, req)
+        ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated")
+        send(ctx, req, requested("r2", "e1", "api", 1))  # the same event again (a producer's retry), then another
+        log = ctx.log.wait(answered("r2", "TasksAllocated"), "the later request answered")
+        assert len(log.events("TasksAllocated", request_id="r1")) == 1  # the decision on the log answered it
+        assert len(log.events("MachineAssignedToEntitlement")) == 3
+        assert len(ctx.index.placements()) == 7
 
     run_allocator(cfg, registry, body)
 
@@ -288,16 +294,9 @@ def test_freeing_tasks_restores_capacity_and_releases_empty_machines(cfg, regist
         for e in log.events("MachineReleasedToFreePool"):
             derived_from(rest, e)
             assert e.payload["reason"] == RELEASED_EMPTY and e.payload["machine_id"] in used
-        assert ctx.index.placements() == {} and ctx.index.held_count("e1") == 0
+        assert ctx.index.placements() == {} and ctx.allocator.fold.held_count("e1") == 0
         for m in ctx.index.machines(MACHINES).values():
             assert (m.cpu_free, m.mem_free, m.entitlement) == (CPU, MEM, None)
-        # Once the allocator has read its own events back (the assignments, then the releases: one partition,
-        # key e1), the index is as the allocator wrote it.
-        last = max((r for r in log.records if r.event.type == "MachineReleasedToFreePool"), key=lambda r: r.offset)
-        wait_for(lambda: int(ctx.r.hget(ctx.index.key("applied:allocator"), f"{last.topic}/{last.partition}") or -1)
-                 >= last.offset, "the releases read back")
-        assert ctx.index.held_count("e1") == 0
-        assert all(m.entitlement is None for m in ctx.index.machines(MACHINES).values())
 
     run_allocator(cfg, registry, body)
 
@@ -310,7 +309,7 @@ def test_bad_records_go_to_deadletter_and_the_allocator_goes_on(cfg, registry):
         setup_region(ctx, {"e1": 10})
         catalogue = Topics(cfg.topic_prefix, cfg.partitions)
         ctx.producer.send_raw(catalogue.name("allocations"), b"e1", b"not an event at all")
-        # Decodes fine, but the index cannot apply it (a machine nobody registered): processing_failed.
+        # Decodes fine, but the fold cannot apply it (a machine nobody registered): processing_failed.
         send(ctx, new_event("MachineStatusChanged", {"machine_id": "ghost", "status": "DOWN",
                                                      "previous_status": "UP", "reason": "test"},
                             entitlement="e1", entity_id="ghost", producer="test"))
@@ -321,7 +320,7 @@ def test_bad_records_go_to_deadletter_and_the_allocator_goes_on(cfg, registry):
         assert reasons["allocations"]["reason"] == NO_MARKER
         assert reasons["allocations"]["payload"] == b"not an event at all"
         assert reasons["machines"]["reason"] == PROCESSING_FAILED
-        assert "UnknownMachine" in reasons["machines"]["detail"] and "ghost" in reasons["machines"]["detail"]
+        assert "UNKNOWN_MACHINE" in reasons["machines"]["detail"] and "ghost" in reasons["machines"]["detail"]
         assert all(p["consumer"] == PRODUCER for p in reasons.values())
         assert len(ctx.index.placements()) == 2
 
@@ -329,198 +328,210 @@ def test_bad_records_go_to_deadletter_and_the_allocator_goes_on(cfg, registry):
 
 
 @pytest.mark.timeout(150)
-def test_a_transient_redis_error_is_retried_not_dead_lettered(cfg, registry):
+def test_a_transient_redis_error_folds_the_log_again_and_decides_once(cfg, registry):
     def body(ctx):
         setup_region(ctx, {"e1": 10})
-        real, failures = ctx.allocator.handle, []
+        real, failures = ctx.allocator.index.commit, []
 
-        def flaky(event, position):
-            if event.type == "AllocationRequested" and not failures:
-                failures.append(position)
+        def flaky(decisions):
+            if not failures:
+                failures.append(len(decisions))
                 raise redis.ConnectionError("redis went away for a moment")
-            return real(event, position)
+            return real(decisions)
 
-        ctx.allocator.handle = flaky
+        ctx.allocator.index.commit = flaky
         send(ctx, requested("r1", "e1", "web", 3))
-        log = ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated after a retry")
-        assert len(failures) == 1 and not log.events("DeadLetterRecorded")
-        assert len(log.events("TasksAllocated")) == 1
+        log = ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated after the fold was redone")
+        assert failures == [1] and not log.events("DeadLetterRecorded")
+        assert len(log.events("TasksAllocated")) == 1 and len(ctx.index.placements()) == 3
 
     run_allocator(cfg, registry, body)
 
 
-# --- crash windows, without faust: the journal makes a re-handled request repeat its decision ------------------
+# --- a restarted allocator: the fold of the log, and a Redis that lost the index -------------------------------
+
+@pytest.mark.timeout(200)
+def test_a_restarted_allocator_folds_the_log_and_writes_a_lost_index_back(cfg, registry):
+    state = {}
+
+    def first(ctx):
+        setup_region(ctx, {"e1": 10})
+        send(ctx, requested("r1", "e1", "web", 5))
+        ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated")
+        wait_for(lambda: index_state(ctx.index.dump()) == index_state(ctx.allocator.fold.dump()), "Redis = fold")
+        state["index"] = index_state(ctx.index.dump())
+
+    run_allocator(cfg, registry, first, clear=False)
+    r = redis.Redis.from_url(cfg.redis_url)
+    MachineIndex(r, cfg.topic_prefix).clear()  # Redis lost everything (FLUSHALL, a new server)
+    r.close()
+
+    def second(ctx):
+        wait_for(lambda: ctx.allocator.caught_up, "the fold caught up")
+        wait_for(lambda: index_state(ctx.index.dump()) == state["index"], "the index written back whole")
+        send(ctx, requested("r1", "e1", "web", 5), requested("r2", "e1", "api", 2))
+        log = ctx.log.wait(answered("r2", "TasksAllocated"), "a new request decided")
+        assert len(log.events("TasksAllocated", request_id="r1")) == 1  # r1 stays answered by the log
+        assert len(ctx.index.placements()) == 7
+
+    run_allocator(cfg, registry, second)
+
+
+# --- by hand: the journal, the fence, the commit's re-check ---------------------------------------------------
 
 class RecordingProducer:
-    """Stands in for EventProducer: records what is sent; ``fail_sends`` makes the next sends raise."""
+    """Stands in for EventProducer: records what is sent."""
 
     def __init__(self):
         self.sent: list[Event] = []
-        self.fail_sends = 0
 
-    def send(self, event: Event) -> None:
-        if self.fail_sends:
-            self.fail_sends -= 1
-            raise RuntimeError("broker gone")
+    def send(self, event: Event, **_) -> None:
         self.sent.append(event)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         pass
 
 
-class Crash(Exception):
-    pass
-
-
 @pytest.fixture
-def direct(cfg):
-    """An Allocator on the real Redis, fed by hand at made-up positions, with the region of MACHINES."""
-    from processors.allocator.processor import Allocator
-
+def hand(cfg, registry):
+    """Two Allocators on the real Redis (no broker reads): fed records by hand at made-up positions."""
     r = redis.Redis.from_url(cfg.redis_url)
-    allocator = Allocator(r, cfg.topic_prefix, RecordingProducer())
+    topics = Topics(cfg.topic_prefix, cfg.partitions)
     offsets = Counter()
+    made = []
 
-    def feed(event: Event, topic: str = "allocations", offset: int | None = None) -> list[Event]:
-        if offset is None:
-            offset = offsets[topic]
-            offsets[topic] += 1
-        return allocator.handle(event, (topic, 0, offset))
+    def new() -> Allocator:
+        a = Allocator(cfg, registry, r, RecordingProducer())
+        made.append(a)
+        return a
 
-    allocator.feed = feed
-    for mid, msb in MACHINES.items():
-        feed(registered(mid, msb), "machines")
-    feed(entitlement_created("e1", 10), "intents")
-    yield allocator
-    allocator.index.clear()
+    def feed(allocators, event: Event, topic: str = "allocations", partition: int = 0) -> None:
+        physical = topics.name(topic)
+        rec = Record(event, physical, partition, offsets[physical, partition], event.entitlement.encode(), 0)
+        offsets[physical, partition] += 1
+        for a in allocators:
+            a.on_records([rec])
+
+    def region(*allocators) -> None:
+        for mid, msb in MACHINES.items():
+            feed(allocators, registered(mid, msb), "machines")
+        feed(allocators, entitlement_created("e1", 10), "intents")
+        feed(allocators, entitlement_created("e2", 10), "intents")
+        for a in allocators:
+            a.project_changes(force=True)
+
+    ctx = type("Hand", (), {"new": staticmethod(new), "feed": staticmethod(feed), "region": staticmethod(region),
+                            "r": r, "index": MachineIndex(r, cfg.topic_prefix)})()
+    yield ctx
+    ctx.index.clear()
     r.close()
 
 
-def test_a_crash_after_the_commit_re_emits_the_journaled_decision(direct):
-    real_commit = direct.index.commit
-    commits = []
-
-    def commit_then_crash(*args, **kwargs):
-        commits.append(args)
-        real_commit(*args, **kwargs)
-        raise Crash("the worker died right after the commit")
-
-    direct.index.commit = commit_then_crash
+def test_a_crash_after_the_commit_is_answered_from_the_journal(hand):
+    """The first allocator commits r1 in Redis and dies before its events reach the log; the next one folds a
+    log without the decision, decides r1 again, and the commit hands it the journaled decision: the same events,
+    produced, and no second placement."""
+    first = hand.new()
+    hand.region(first)
+    first.assign([0])
     req = requested("r1", "e1", "web", 6)
-    with pytest.raises(Crash):
-        direct.feed(req, offset=0)
-    direct.index.commit = lambda *a, **k: pytest.fail("a redelivered request committed again")
-    placed = direct.index.placements()
-    assert len(placed) == 6 and len(commits) == 1
+    hand.feed([first], req)
+    real_produce = first._produce
+    first._produce = lambda events: (_ for _ in ()).throw(RuntimeError("the worker died"))
+    with pytest.raises(RuntimeError, match="died"):
+        first.decide_pending()
+    first._produce = real_produce
+    placed = hand.index.placements()
+    assert len(placed) == 6 and first.producer.sent == []
 
-    events = direct.feed(req, offset=0)  # redelivered at the same offset
+    second = hand.new()  # a fresh fold of a log that has no decision for r1
+    hand.region(second)
+    second.assign([0])
+    hand.feed([second], req)
+    events = second.decide_pending()
     [done] = [e for e in events if e.type == "TasksAllocated"]
     assert {p["task_id"]: p["machine_id"] for p in done.payload["placements"]} == placed
-    assert done.payload["commit_attempts"] == 1 and len(done.payload["machines_added"]) == 3
-    assert sum(e.type == "MachineAssignedToEntitlement" for e in events) == 3
-    assert direct.index.placements() == placed
-    assert direct.feed(req, offset=5) == events  # and once more, at a new offset: the same events
+    assert hand.index.placements() == placed  # committed once
+    assert second.fold.placement == placed  # the fold took the journaled decision back from Redis
+    assert [e.event_id for e in events] == [e.event_id for e in second.producer.sent]
 
 
-def test_a_crash_before_producing_re_emits_the_same_events(direct):
-    req = requested("r1", "e1", "web", 4)
-    direct.producer.fail_sends = 1
-    with pytest.raises(RuntimeError, match="broker gone"):
-        direct.feed(req, offset=0)
-    events = direct.feed(req, offset=0)
-    assert [e.event_id for e in events] == [e.event_id for e in direct.producer.sent]
-    assert len(direct.index.placements()) == 4
+def test_a_stale_owner_is_fenced_and_decides_nothing(hand):
+    old, new = hand.new(), hand.new()
+    hand.region(old, new)
+    old.assign([0])
+    new.assign([0])  # the partition moved: the new owner raised its fence
+    req = requested("r1", "e1", "web", 2)
+    hand.feed([old, new], req)
+    assert old.decide_pending() == [] and old.producer.sent == []  # refused by the fence: nothing produced
+    assert hand.index.placements() == {} and old.fold.placement == {}  # and its fold took Redis's word back
+    events = new.decide_pending()
+    assert [e.type for e in events][:1] == ["TasksAllocated"] and len(hand.index.placements()) == 2
 
 
-def test_a_crash_while_freeing_re_emits_the_same_deallocation(direct):
-    direct.feed(requested("r1", "e1", "web", 2))
-    placed = direct.index.placements()
-    real_apply = direct._direct.apply
-
-    def apply_then_crash(*args, **kwargs):
-        real_apply(*args, **kwargs)
-        raise Crash("the worker died right after freeing")
-
-    direct._direct.apply = apply_then_crash
-    free = requested("r2", "e1", "web", free=list(placed))
-    with pytest.raises(Crash):
-        direct.feed(free, offset=1)
-    direct._direct.apply = real_apply
-    assert direct.index.placements() == {}
-    events = direct.feed(free, offset=1)
-    [dealloc] = [e for e in events if e.type == "TasksDeallocated"]
-    assert {p["task_id"]: p["machine_id"] for p in dealloc.payload["placements"]} == placed
-    assert sorted(dealloc.payload["machines_released"]) == sorted(set(placed.values()))
-    assert direct.index.held_count("e1") == 0
-
-
-def test_two_allocators_holding_one_request_decide_it_once(direct, cfg):
-    """During a rebalance the old and the new owner of a partition may both process a request."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from processors.allocator.processor import Allocator
-
-    other = Allocator(redis.Redis.from_url(cfg.redis_url), cfg.topic_prefix, RecordingProducer())
-    commits = []
-    for a in (direct, other):
-        real = a.index.commit
-
-        def counted(*args, _real=real, **kwargs):
-            commits.append(args)
-            time.sleep(0.2)  # hold the decision long enough for the other to arrive
-            return _real(*args, **kwargs)
-
-        a.index.commit = counted
-    req = requested("r1", "e1", "web", 6)
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda a: a.handle(req, ("allocations", 0, 0)), (direct, other)))
-    assert len(commits) == 1 and results[0] == results[1]
-    assert [e.type for e in results[0]].count("TasksAllocated") == 1 and len(direct.index.placements()) == 6
-    assert not any(e.type == "AllocationRejected" for e in results[0])
-    other.r.close()
+def test_two_allocators_racing_for_one_free_machine_commit_once_and_the_loser_decides_again(hand):
+    """Both folds see the same free pool; the first commit wins, the second (another entitlement) meets the
+    machines the first took (owner, version) in Redis, reloads them and places on others."""
+    a, b = hand.new(), hand.new()
+    hand.region(a, b)
+    a.assign([0])
+    b.assign([1])
+    hand.feed([a, b], requested("ra", "e1", "web", 4, cpu=2000), partition=0)
+    hand.feed([a, b], requested("rb", "e2", "api", 4, cpu=2000), partition=1)
+    ea = a.decide_pending()
+    eb = b.decide_pending()
+    placed_a = [e for e in ea if e.type == "TasksAllocated"][0].payload
+    placed_b = [e for e in eb if e.type == "TasksAllocated"][0].payload
+    assert placed_b["commit_attempts"] == 2  # the first attempt met a's commit
+    machines = hand.index.machines(MACHINES)
+    assert sum(CPU - m.cpu_free for m in machines.values()) == 16000  # 8 tasks of 2000m, none lost, none twice
+    assert len(hand.index.placements()) == 8
+    assert {p["machine_id"] for p in placed_a["placements"]}.isdisjoint(
+        {p["machine_id"] for p in placed_b["placements"]})
 
 
-def test_entitlement_updates_and_unknown_entitlements(direct):
-    rej = direct.feed(requested("r1", "nobody", "web", 1))
-    assert [(e.type, e.payload["reason"]) for e in rej] == [("AllocationRejected", "unknown_entitlement")]
-    direct.feed(new_event("EntitlementUpdated", {"quota_machines": 1, "machine_type": None, "dc_pin": None,
-                                                 "host_profile": None},
-                          entitlement="e1", entity_id="e1", producer="test"), "intents")
-    assert direct.entitlement("e1").quota_machines == 1
-    events = direct.feed(requested("r2", "e1", "web", 6))
-    assert [e.payload.get("reason") for e in events if e.type == "AllocationRejected"] == [QUOTA_EXCEEDED]
-    bad = direct.feed(new_event("AllocationRequested", {**requested("r3", "e1", "web2", 1).payload,
-                                                        "spread": "planet"},
-                                entitlement="e1", entity_id="r3", producer="test"))
-    assert [(e.type, e.payload["reason"]) for e in bad] == [("AllocationRejected", "invalid_request")]
+def test_every_attempt_in_conflict_ends_in_a_rejection(hand):
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+    a.index.commit = lambda decisions: [type("C", (), {"outcome": "conflict", "conflicts": {"m1a": "machine_version_changed"}})()
+                                        for _ in decisions]
+    hand.feed([a], requested("r1", "e1", "web", 2))
+    events = a.decide_pending()
+    assert [(e.type, e.payload["reason"]) for e in events] == [("AllocationRejected", COMMIT_RETRIES_EXHAUSTED)]
+    assert "5 commit attempts" in events[0].payload["message"]
 
 
-def test_the_job_level_cache_answers_a_second_job_of_the_same_shape_and_counts_it(direct):
-    def allocated(events):
-        [done] = [e for e in events if e.type == "TasksAllocated"]
-        return done.payload
+def test_entitlement_updates_unknown_entitlements_and_invalid_requests(hand):
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+    hand.feed([a], requested("r1", "nobody", "web", 1))
+    assert [(e.type, e.payload["reason"]) for e in a.decide_pending()] == [("AllocationRejected", UNKNOWN_ENTITLEMENT)]
+    hand.feed([a], new_event("EntitlementUpdated", {"quota_machines": 1, "machine_type": None, "dc_pin": None,
+                                                    "host_profile": None},
+                             entitlement="e1", entity_id="e1", producer="test"), "intents")
+    assert a.fold.entitlement("e1").quota_machines == 1
+    hand.feed([a], requested("r2", "e1", "web", 6))
+    assert [e.payload.get("reason") for e in a.decide_pending() if e.type == "AllocationRejected"] == [QUOTA_EXCEEDED]
+    hand.feed([a], new_event("AllocationRequested", {**requested("r3", "e1", "web2", 1).payload, "spread": "planet"},
+                             entitlement="e1", entity_id="r3", producer="test"))
+    assert [(e.type, e.payload["reason"]) for e in a.decide_pending()] == [("AllocationRejected", INVALID_REQUEST)]
 
-    first = allocated(direct.feed(requested("r1", "e1", "web", 3)))
-    r2 = requested("r2", "e1", "api", 3)
-    second = allocated(direct.feed(r2))
-    assert first["cache_hit"] is False and second["cache_hit"] is True
-    assert {p["machine_id"] for p in second["placements"]} == {p["machine_id"] for p in first["placements"]}
-    assert second["machines_added"] == [] and second["commit_attempts"] == 1
-    other_shape = allocated(direct.feed(requested("r3", "e1", "big", 1, cpu=2000)))
-    assert other_shape["cache_hit"] is False
-    again = direct.feed(r2)  # redelivered: the journal answers, not counted again
-    assert allocated(again) == second
-    direct.feed(requested("r4", "e1", "web", free=["web/0"]))  # frees only: a request, not a cache lookup
-    direct.feed(requested("r5", "nobody", "x", 1))  # rejected before placement: not a lookup either
-    metrics = allocator_metrics(direct.r, direct.prefix)
-    assert metrics == {"cache_hits": 1, "cache_misses": 2, "requests": 5, "cache_hit_ratio": 1 / 3}
-    assert {k.decode(): int(v) for k, v in direct.r.hgetall(direct.key("metrics:allocator")).items()} == {
-        "cache_hits": 1, "cache_misses": 2, "requests": 5}
+
+def test_a_partition_not_owned_is_not_decided(hand):
+    a = hand.new()
+    hand.region(a)
+    a.assign([1])
+    hand.feed([a], requested("r1", "e1", "web", 1), partition=0)
+    assert a.decide_pending() == [] and len(a.pending) == 1  # kept until its owner decides it, or this one owns it
+    a.assign([0])
+    assert [e.type for e in a.decide_pending()][:1] == ["TasksAllocated"]
 
 
 def test_allocator_metrics_before_any_request(cfg):
     r = redis.Redis.from_url(cfg.redis_url)
-    assert allocator_metrics(r, cfg.topic_prefix) == {"cache_hits": 0, "cache_misses": 0, "requests": 0,
+    assert allocator_metrics(r, cfg.topic_prefix) == {"requests": 0, "placed": 0, "rejected": 0,
                                                       "cache_hit_ratio": None}
     r.close()
 
@@ -546,7 +557,7 @@ def test_python_m_runs_the_allocator_worker(cfg, registry, tmp_path):
         producer.send(entitlement_created("e1", 10))
         producer.flush()
         wait_for(lambda: r.exists(index.key("entitlement:e1")) and len(index.machines(MACHINES)) == 6,
-                 "the worker applying machines and the entitlement", 60)
+                 "the worker folding machines and the entitlement", 60)
         producer.send(requested("r1", "e1", "web", 3))
         producer.flush()
         log.wait(answered("r1", "TasksAllocated"), "TasksAllocated from the worker", 60)

@@ -77,7 +77,7 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
         region.ok("down")
         again = region.json("up", "--machines", "24", "--no-demo")
         assert again and again["ready"], again  # ready although a machine is DOWN
-        assert again["machines_indexed"] == 25 and again["machines_up"] == 24 and again["rebuilt"] is None
+        assert again["machines_indexed"] == 25 and again["machines_up"] == 24
         time.sleep(QUIET_S)
         assert snapshot(region) == before
         assert decisions(region) == made
@@ -94,7 +94,7 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
         assert set(restored["groups"]) == {"allocator", "scheduler"}
         assert restored["offsets_moved"] == [p for p in restored["offsets_moved"] if "changelog" in p or "state." in p
                                              or "_schemas" in p], "a data topic's offsets moved"
-        assert restored["index"]["journals"] >= 4
+        assert restored["index"]["machines"] == 25
         back = region.json("up", "--machines", "24", "--no-demo")
         assert back and back["ready"], back
         time.sleep(QUIET_S)

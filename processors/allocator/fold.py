@@ -1,0 +1,572 @@
+"""The allocator's region as an in-memory fold of the log. Pure: no faust, Kafka or Redis.
+
+    fold = RegionFold()
+    fold.apply(event, (topic, partition, offset))     # every machine, allocation and entitlement event, in log order
+    plan = fold.place(entitlement, request)            # placement over the whole region, as placement.run decides
+    fold.commit(plan, ...)                             # the allocator's own decision, re-checked machine by machine
+
+What the fold holds is what the allocator needs to decide: every machine (topology, type, capacity, free cpu and
+memory, owner, status, host profile, version, the tasks on it), every placement (task -> machine, with the task's
+resources), the resources of requests not yet answered, the entitlements (quota, type, DC pin), and the
+decisions already on the log (by the request event id that caused them). Each record of the log is applied at
+its (topic, partition, offset): an offset at or below the partition's mark changes nothing (at-least-once
+redelivery), and every handler is idempotent by content as well, so a fact arriving twice (the allocator's own
+decision read back, a decision of another allocator already reloaded) changes nothing.
+
+**The rules** (one table, ``HANDLERS``; they are the rules the Redis index applied with Lua before the fold,
+unchanged, so versions and the materialized Redis keys come out the same)::
+
+    MachineRegistered              a new machine joins its DC's free pool, status REGISTERED_STATUS, version 1; a
+                                   re-registration updates changed attributes (free capacity follows capacity)
+    MachineStatusChanged           set status                      MachinesStatusChanged  the same, per machine
+    HostProfileApplied             set host_profile
+    MachineAssignedToEntitlement   free pool -> the entitlement, only if the machine is free; the allocator's own
+                                   (an echo of its TasksAllocated.machines_added) changes nothing
+    MachineReleasedToFreePool      the entitlement -> free pool, only if it still holds the machine and no task
+                                   is on it (else the release is stale: the entitlement took it again)
+    AllocationRequested            remember cpu/mem of the request's tasks until they are answered
+    TasksAllocated                 machines_added join the entitlement (if free); each task not already placed on
+                                   its machine is placed there (a task placed elsewhere is moved); answered
+    AllocationRejected             the unplaced tasks are answered
+    TasksDeallocated               each task placed on the named machine is removed; machines_released go back to
+                                   the free pool as for MachineReleasedToFreePool
+    EntitlementCreated/Updated     the entitlement's quota, machine type, DC pin, host profile
+
+An event about a machine the fold does not know raises ``UnknownMachine`` and changes nothing (not even the
+mark); a TasksAllocated that places a task whose request's resources were never seen raises ``MissingResources``.
+
+**Versions.** A machine's version counts changes: each kind of change one step makes to it (attributes, status,
+host profile, owner, tasks added, tasks removed) adds one, and a step that changes nothing adds none. So the
+allocator's commit and the events that record it bump a machine by the same amount whichever comes first, and
+two allocators folding the same log agree on every version (the optimistic commit in Redis compares them).
+
+**Placement** runs on ``fastplace.PlacementIndex``, kept in step with every machine change; its plans equal
+``placement.run`` over the snapshot the Redis index used to read (the entitlement's machines and the free pool,
+narrowed by DC and machine type), proven by tests/unit/test_fastplace.py and tests/unit/test_fold.py.
+
+**Changes.** Every machine a step changes is remembered in ``changed`` (id -> the event or request that
+changed it last) until ``drain_changes`` takes them: the allocator writes them to Redis and publishes their states
+to ``state.machines``.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from processors.allocator import placement
+from processors.allocator.fastplace import PlacementIndex
+from processors.allocator.placement import (
+    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Entitlement, Machine, Plan,
+    Request,
+)
+from streams.events import Event
+
+# Commit-time conflict: a task of the plan is already placed (a duplicate or replayed request).
+CONFLICT_TASK_PLACED = "task_already_placed"
+REGISTERED_STATUS = MACHINE_UP  # status of a newly registered machine until a status change says otherwise
+ALLOCATOR_PRODUCER = "allocator"  # processor.PRODUCER (not imported: processor.py imports this module)
+FREE = ""  # the owner of a machine in the free pool
+DECISION_TYPES = frozenset({"TasksAllocated", "AllocationRejected", "TasksDeallocated"})
+MAX_DECISIONS_REMEMBERED = 200_000  # request ids whose decision the fold has seen (oldest forgotten first)
+
+Position = tuple[str, int, int]  # (physical topic, partition, offset)
+
+
+class FoldError(RuntimeError):
+    """An event the fold cannot apply; nothing was changed (not even the mark)."""
+
+
+class UnknownMachine(FoldError):
+    pass
+
+
+class MissingResources(FoldError):
+    """A TasksAllocated places a task whose AllocationRequested (with its cpu/mem) was not applied."""
+
+
+@dataclass(slots=True)
+class MachineRec:
+    """A machine as the fold holds it (mutable, private to the fold; ``machine()`` gives the frozen view)."""
+
+    id: str
+    region: str
+    dc: str
+    msb: str
+    rack: str
+    type: str
+    cpu_cap: int
+    mem_cap: int
+    cpu_free: int
+    mem_free: int
+    entitlement: str  # FREE: in the free pool
+    status: str
+    host_profile: str  # "" = default
+    version: int
+    tasks: set[str] = field(default_factory=set)
+
+    def view(self) -> Machine:
+        return Machine(id=self.id, dc=self.dc, msb=self.msb, rack=self.rack, machine_type=self.type,
+                       cpu_free=self.cpu_free, mem_free=self.mem_free, cpu_capacity=self.cpu_cap,
+                       mem_capacity=self.mem_cap, entitlement=self.entitlement or None, status=self.status,
+                       version=self.version)
+
+    def fields(self) -> dict[str, Any]:
+        """The machine's fields as the Redis index and MachineStatePublished name them."""
+        return {"region": self.region, "dc": self.dc, "msb": self.msb, "rack": self.rack, "type": self.type,
+                "cpu_cap": self.cpu_cap, "mem_cap": self.mem_cap, "cpu_free": self.cpu_free,
+                "mem_free": self.mem_free, "entitlement": self.entitlement, "status": self.status,
+                "host_profile": self.host_profile, "version": self.version}
+
+
+@dataclass(slots=True)
+class PendingRequest:
+    """An AllocationRequested's resources per task, until each task is answered (placed or rejected)."""
+
+    cpu: int
+    mem: int
+    tasks: set[str]
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    ok: bool
+    conflicts: Mapping[str, str]  # machine id -> CONFLICT_* (empty when ok)
+    versions: Mapping[str, int]  # machine id -> version after the commit (empty on conflict)
+
+
+class _Step:
+    """The kinds of change one step makes per machine (each counts once toward the version)."""
+
+    __slots__ = ("kinds",)
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, set[str]] = defaultdict(set)
+
+    def add(self, machine_id: str, kind: str) -> None:
+        self.kinds[machine_id].add(kind)
+
+
+class RegionFold:
+    def __init__(self, index: PlacementIndex | None = None,
+                 max_decisions: int = MAX_DECISIONS_REMEMBERED) -> None:
+        self.machines: dict[str, MachineRec] = {}
+        self.placement: dict[str, str] = {}  # task -> machine
+        self.job_tasks: dict[str, set[str]] = defaultdict(set)  # job id -> its placed tasks (``<job>/<index>``)
+        self.taskres: dict[str, tuple[int, int]] = {}  # task -> (cpu, mem) it holds
+        self.requests: dict[str, PendingRequest] = {}  # request id -> resources of its unanswered tasks
+        self.entitlements: dict[str, Entitlement] = {}
+        self.entitlement_fields: dict[str, dict[str, Any]] = {}  # as EntitlementCreated/Updated set them
+        self.marks: dict[tuple[str, int], int] = {}  # (topic, partition) -> last applied offset
+        self.index = index or PlacementIndex()
+        self.changed: dict[str, str] = {}  # machine id -> cause (event or request id) of its last change
+        self.decided: OrderedDict[str, None] = OrderedDict()  # request event ids decided on the log
+        self.max_decisions = max_decisions
+        self.applied = 0  # events applied (not counting marks-only no-ops)
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def machine(self, machine_id: str) -> Machine | None:
+        m = self.machines.get(machine_id)
+        return None if m is None else m.view()
+
+    def held_count(self, entitlement: str) -> int:
+        return self.index.held_count(entitlement)
+
+    def entitlement(self, name: str) -> Entitlement | None:
+        return self.entitlements.get(name)
+
+    def is_decided(self, request_event_id: str) -> bool:
+        return request_event_id in self.decided
+
+    def existing(self, job_id: str) -> dict[str, str]:
+        """The job's placed tasks (task ids are ``<job>/<index>``), so spreading counts them."""
+        return {t: self.placement[t] for t in self.job_tasks.get(job_id, ())}
+
+    # -- applying the log ----------------------------------------------------------------------------------
+    def apply(self, event: Event, position: Position | None) -> bool:
+        """Apply ``event`` read at ``position`` (None: not from a partition, e.g. the allocator's own free);
+        False if that offset was applied already. Raises FoldError (nothing changed) if it cannot apply."""
+        if position is not None:
+            tp = (position[0], position[1])
+            last = self.marks.get(tp)
+            if last is not None and position[2] <= last:
+                return False
+        handler = HANDLERS.get(event.type)
+        if handler is not None:
+            handler(self, event)
+            self.applied += 1
+        if event.type in DECISION_TYPES and event.producer == ALLOCATOR_PRODUCER and event.causation_id:
+            self.remember_decided(event.causation_id)
+        if position is not None:
+            self.marks[(position[0], position[1])] = position[2]
+        return True
+
+    def remember_decided(self, request_event_id: str) -> None:
+        self.decided[request_event_id] = None
+        self.decided.move_to_end(request_event_id)
+        while len(self.decided) > self.max_decisions:
+            self.decided.popitem(last=False)
+
+    def dump(self, consumer: str = "allocator") -> dict[str, Any]:
+        """The fold as the Redis index holds it after a projection (index.py's keys, values as strings; empty
+        keys absent, as Redis drops them): what tests compare, and what a rebuild writes."""
+        out: dict[str, Any] = {}
+        for mid, m in self.machines.items():
+            out[f"m:{mid}"] = {k: str(v) for k, v in m.fields().items()}
+            if m.tasks:
+                out[f"tasks:{mid}"] = sorted(m.tasks)
+        if self.placement:
+            out["placement"] = dict(self.placement)
+            out["taskres"] = {t: f"{c} {m}" for t, (c, m) in self.taskres.items()}
+        for name, fields in self.entitlement_fields.items():
+            out[f"entitlement:{name}"] = {k: "" if v is None else str(v) for k, v in fields.items()}
+        if self.marks:
+            out[f"applied:{consumer}"] = {f"{t}/{p}": str(o) for (t, p), o in self.marks.items()}
+        return out
+
+    def drain_changes(self) -> dict[str, str]:
+        """The machines changed since the last drain (id -> cause), and forget them."""
+        out, self.changed = self.changed, {}
+        return out
+
+    # -- the allocator's own decision ----------------------------------------------------------------------
+    def check(self, placements: Sequence[tuple[str, str]], machines_added: Iterable[str], entitlement: str,
+              cpu: int, mem: int, expected: Mapping[str, int]) -> dict[str, str]:
+        """Re-check each machine of a plan against the fold now (placement.commit_check, plus a task already
+        placed): machine id -> CONFLICT_* for each that no longer holds; empty when the plan can commit."""
+        tasks: dict[str, list[str]] = defaultdict(list)
+        for t, mid in placements:
+            tasks[mid].append(t)
+        added = set(machines_added)
+        conflicts = {}
+        for mid in sorted(set(tasks) | added):
+            m = self.machines.get(mid)
+            if m is None or m.status != MACHINE_UP:
+                conflicts[mid] = CONFLICT_STATUS
+                continue
+            if m.entitlement != (FREE if mid in added else entitlement):
+                conflicts[mid] = CONFLICT_OWNER
+            elif m.cpu_free < cpu * len(tasks[mid]) or m.mem_free < mem * len(tasks[mid]):
+                conflicts[mid] = CONFLICT_CAPACITY
+            elif m.version != expected.get(mid, m.version):
+                conflicts[mid] = CONFLICT_VERSION
+            elif any(t in self.placement for t in tasks[mid]):
+                conflicts[mid] = CONFLICT_TASK_PLACED
+        return conflicts
+
+    def commit(self, placements: Sequence[tuple[str, str]], machines_added: Iterable[str], entitlement: str,
+               cpu: int, mem: int, expected: Mapping[str, int], cause: str) -> CommitResult:
+        """The allocator's decision, all or nothing: each machine re-checked, then the machines added join the
+        entitlement and the tasks are placed; each machine's version grows by the kinds of change made."""
+        conflicts = self.check(placements, machines_added, entitlement, cpu, mem, expected)
+        if conflicts:
+            return CommitResult(False, conflicts, {})
+        step = _Step()
+        for mid in machines_added:
+            if self._set(self.machines[mid], "entitlement", entitlement):
+                step.add(mid, "owner")
+        for t, mid in placements:
+            self._place(self.machines[mid], t, cpu, mem)
+            step.add(mid, "added")
+        versions = self._bump(step, cause)
+        return CommitResult(True, {}, versions)
+
+    def free(self, event: Event) -> None:
+        """Apply the allocator's own TasksDeallocated (a request's free step) before it is produced: the
+        request's placement then sees the capacity back. Its echo from the log changes nothing."""
+        HANDLERS["TasksDeallocated"](self, event)
+
+    # -- place ---------------------------------------------------------------------------------------------
+    def place(self, entitlement: Entitlement, request: Request, *, wide: bool = False) -> Plan:
+        """``placement.run`` over the snapshot the request is placed on (``wide``: over the entitlement and the
+        whole free pool, not narrowed by DC and machine type: only to explain a NO_FEASIBLE_MACHINE)."""
+        dc = None if wide else request.requirements.get("dc") or entitlement.dc_pin
+        machine_type = None if wide else request.requirements.get("machine_type") or entitlement.machine_type
+        return self.index.run(entitlement, request, self.held_count(entitlement.name), dc=dc,
+                              machine_type=machine_type)
+
+    # -- internals: the rules ------------------------------------------------------------------------------
+    def _get(self, machine_id: str) -> MachineRec:
+        m = self.machines.get(machine_id)
+        if m is None:
+            raise UnknownMachine(f"UNKNOWN_MACHINE {machine_id}")
+        return m
+
+    def _set(self, m: MachineRec, attr: str, value: Any) -> bool:
+        if getattr(m, attr) == value:
+            return False
+        setattr(m, attr, value)
+        return True
+
+    def _place(self, m: MachineRec, task: str, cpu: int, mem: int) -> None:
+        self.placement[task] = m.id
+        self.job_tasks[job_of(task)].add(task)
+        self.taskres[task] = (cpu, mem)
+        m.tasks.add(task)
+        m.cpu_free -= cpu
+        m.mem_free -= mem
+
+    def _unplace(self, m: MachineRec, task: str) -> None:
+        cpu, mem = self.taskres.pop(task)
+        del self.placement[task]
+        job = job_of(task)
+        tasks = self.job_tasks[job]
+        tasks.discard(task)
+        if not tasks:
+            del self.job_tasks[job]
+        m.tasks.discard(task)
+        m.cpu_free += cpu
+        m.mem_free += mem
+
+    def _releasable(self, m: MachineRec, entitlement: str) -> bool:
+        return m.entitlement == entitlement and not m.tasks
+
+    def _answer(self, request_id: str, tasks: Iterable[str]) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.tasks.difference_update(tasks)
+        if not req.tasks:
+            del self.requests[request_id]
+
+    def _bump(self, step: _Step, cause: str) -> dict[str, int]:
+        versions = {}
+        for mid, kinds in step.kinds.items():
+            m = self.machines[mid]
+            if kinds:
+                m.version += len(kinds)
+                self.changed[mid] = cause
+            self.index.upsert(m.view())
+            versions[mid] = m.version
+        return versions
+
+    def _touch(self, m: MachineRec, kinds: int, cause: str) -> None:
+        if kinds:
+            m.version += kinds
+            self.changed[m.id] = cause
+            self.index.upsert(m.view())
+
+
+# -- the handlers: one per event type (see the table in the module doc) ----------------------------------------
+
+def _registered(f: RegionFold, e: Event) -> None:
+    p = e.payload
+    mid, topo = p["machine_id"], p["topology"]
+    cpu, mem = p["capacity"]["cpu_millicores"], p["capacity"]["memory_mib"]
+    attrs = {"region": topo["region"], "dc": topo["dc"], "msb": topo["msb"], "rack": topo["rack"],
+             "type": p["machine_type"], "host_profile": p.get("host_profile") or ""}
+    m = f.machines.get(mid)
+    if m is None:
+        m = f.machines[mid] = MachineRec(id=mid, cpu_cap=cpu, mem_cap=mem, cpu_free=cpu, mem_free=mem,
+                                         entitlement=FREE, status=REGISTERED_STATUS, version=1, **attrs)
+        f.changed[mid] = e.event_id
+        f.index.upsert(m.view())
+        return
+    n = sum(f._set(m, a, v) for a, v in attrs.items())
+    if m.cpu_cap != cpu or m.mem_cap != mem:
+        m.cpu_free += cpu - m.cpu_cap
+        m.mem_free += mem - m.mem_cap
+        m.cpu_cap, m.mem_cap = cpu, mem
+        n += 1
+    f._touch(m, min(n, 1), e.event_id)
+
+
+def _status_changed(f: RegionFold, e: Event) -> None:
+    m = f._get(e.payload["machine_id"])
+    f._touch(m, int(f._set(m, "status", e.payload["status"])), e.event_id)
+
+
+def _statuses_changed(f: RegionFold, e: Event) -> None:
+    ms = [f._get(row["machine_id"]) for row in e.payload["machines"]]  # every machine known, or nothing changes
+    for m in ms:
+        f._touch(m, int(f._set(m, "status", e.payload["status"])), e.event_id)
+
+
+def _host_profile(f: RegionFold, e: Event) -> None:
+    m = f._get(e.payload["machine_id"])
+    f._touch(m, int(f._set(m, "host_profile", e.payload["host_profile"] or "")), e.event_id)
+
+
+def _assigned(f: RegionFold, e: Event) -> None:
+    m = f._get(e.payload["machine_id"])
+    if e.producer == ALLOCATOR_PRODUCER:
+        return  # an echo of TasksAllocated.machines_added: that event (or the commit) carries the fact
+    if m.entitlement == FREE:
+        f._touch(m, int(f._set(m, "entitlement", e.entitlement)), e.event_id)
+
+
+def _released(f: RegionFold, e: Event) -> None:
+    m = f._get(e.payload["machine_id"])
+    if f._releasable(m, e.entitlement):
+        f._touch(m, int(f._set(m, "entitlement", FREE)), e.event_id)
+
+
+def _requested(f: RegionFold, e: Event) -> None:
+    p = e.payload
+    tasks = p["place_task_ids"]
+    if not tasks:
+        return
+    res = p["resources"]
+    req = f.requests.get(p["request_id"])
+    if req is None:
+        f.requests[p["request_id"]] = PendingRequest(res["cpu_millicores"], res["memory_mib"], set(tasks))
+    else:
+        req.cpu, req.mem = res["cpu_millicores"], res["memory_mib"]
+        req.tasks.update(tasks)
+
+
+def _rejected(f: RegionFold, e: Event) -> None:
+    f._answer(e.payload["request_id"], e.payload["unplaced_task_ids"])
+
+
+def _allocated(f: RegionFold, e: Event) -> None:
+    p = e.payload
+    added = [f._get(mid) for mid in p.get("machines_added") or ()]
+    pairs = [(r["task_id"], r["machine_id"]) for r in p["placements"]]
+    for _, mid in pairs:
+        f._get(mid)
+    moving = [(t, mid) for t, mid in pairs if f.placement.get(t) != mid]
+    req = f.requests.get(p["request_id"])
+    if moving and req is None:
+        raise MissingResources(f"MISSING_RESOURCES {p['request_id']}")
+    step = _Step()
+    for m in added:
+        if m.entitlement == FREE and f._set(m, "entitlement", e.entitlement):
+            step.add(m.id, "owner")
+    for t, mid in moving:
+        cur = f.placement.get(t)
+        if cur is not None:
+            f._unplace(f.machines[cur], t)
+            step.add(cur, "removed")
+        f._place(f.machines[mid], t, req.cpu, req.mem)
+        step.add(mid, "added")
+    f._answer(p["request_id"], [t for t, _ in pairs])
+    f._bump(step, e.event_id)
+
+
+def _deallocated(f: RegionFold, e: Event) -> None:
+    p = e.payload
+    released = [f._get(mid) for mid in p.get("machines_released") or ()]
+    step = _Step()
+    for r in p["placements"]:
+        t, mid = r["task_id"], r["machine_id"]
+        if f.placement.get(t) == mid:
+            f._unplace(f.machines[mid], t)
+            step.add(mid, "removed")
+    for m in released:
+        if f._releasable(m, e.entitlement) and f._set(m, "entitlement", FREE):
+            step.add(m.id, "owner")
+    f._bump(step, e.event_id)
+
+
+ENTITLEMENT_FIELDS = ("quota_machines", "machine_type", "dc_pin", "host_profile")
+
+
+def _entitlement(f: RegionFold, e: Event) -> None:
+    name = e.entitlement
+    given = {k: e.payload.get(k) for k in ENTITLEMENT_FIELDS}
+    if e.type == "EntitlementCreated":
+        fields = {k: "" if v is None else v for k, v in given.items()}
+    else:
+        fields = {**f.entitlement_fields.get(name, {}), **{k: v for k, v in given.items() if v is not None}}
+    f.entitlement_fields[name] = fields
+    ent = entitlement_of(name, fields)
+    if ent is None:
+        f.entitlements.pop(name, None)
+    else:
+        f.entitlements[name] = ent
+
+
+def entitlement_of(name: str, fields: Mapping[str, Any]) -> Entitlement | None:
+    """The Entitlement from its fields (None when no quota was ever set: not created)."""
+    if fields.get("quota_machines") in (None, ""):
+        return None
+    return Entitlement(name, int(fields["quota_machines"]), machine_type=fields.get("machine_type") or None,
+                       dc_pin=fields.get("dc_pin") or None)
+
+
+HANDLERS: Mapping[str, Callable[[RegionFold, Event], None]] = {
+    "MachineRegistered": _registered,
+    "MachineStatusChanged": _status_changed,
+    "MachinesStatusChanged": _statuses_changed,
+    "HostProfileApplied": _host_profile,
+    "MachineAssignedToEntitlement": _assigned,
+    "MachineReleasedToFreePool": _released,
+    "AllocationRequested": _requested,
+    "AllocationRejected": _rejected,
+    "TasksAllocated": _allocated,
+    "TasksDeallocated": _deallocated,
+    "EntitlementCreated": _entitlement,
+    "EntitlementUpdated": _entitlement,
+}
+EVENT_TYPES = frozenset(HANDLERS)
+
+
+# -- the order a log is folded in -------------------------------------------------------------------------------
+
+_RANK_REGISTERED, _RANK_INTENTS, _RANK_ALLOCATIONS, _RANK_MACHINES = range(4)
+
+
+def _rank(event_type: str) -> int:
+    """Within one millisecond: a machine exists before anything names it; then intents, then allocations, then
+    the other machine events (an allocator decision's echoes carry its TasksAllocated's time and follow it)."""
+    if event_type == "MachineRegistered":
+        return _RANK_REGISTERED
+    if event_type in ("EntitlementCreated", "EntitlementUpdated"):
+        return _RANK_INTENTS
+    if event_type in ("AllocationRequested", "TasksAllocated", "AllocationRejected", "TasksDeallocated"):
+        return _RANK_ALLOCATIONS
+    return _RANK_MACHINES
+
+
+def order_key(event: Event) -> tuple[int, int]:
+    """Where ``event`` goes in the merge: its envelope time, then its rank within one millisecond."""
+    return event.timestamp_ms, _rank(event.type)
+
+
+def merged(partitions: Mapping[tuple[str, int], Sequence[tuple[Event, Position]]]
+           ) -> Iterable[tuple[Event, Position]]:
+    """Every partition's records, each partition in its own (offset) order, merged by ``order_key``; equal keys
+    in (topic, partition) order. A function of the log alone: the same records always give the same order.
+
+    Why an order at all: the fold's state depends on the order facts about one machine are applied, and the
+    log orders records only within a partition. Example: e1 frees a machine (TasksDeallocated, e1's partition),
+    then e2 takes it (TasksAllocated, e2's partition); applied the other way round, the machine would stay e1's
+    with e2's tasks on it. The allocator decides one request after another and stamps each decision with the
+    time it began, so the merge by time replays its decisions in the order they were made. Not reproduced:
+    decisions within one millisecond about one machine, and producers whose clocks disagree."""
+    return heapq.merge(*(partitions[tp] for tp in sorted(partitions)), key=lambda rec: order_key(rec[0]))
+
+
+def job_of(task_id: str) -> str:
+    """The job of a task id ``<job>/<index>``."""
+    return task_id.rpartition("/")[0]
+
+
+def releases(fold: RegionFold, entitlement: str, to_free: Mapping[str, str]) -> tuple[str, ...]:
+    """The machines the entitlement gives back to the free pool after freeing ``to_free`` (task -> machine):
+    ``placement.release`` over the fold (remaining tasks of the machine after the free)."""
+    by_machine: dict[str, list[str]] = defaultdict(list)
+    for t, mid in to_free.items():
+        by_machine[mid].append(t)
+    out: list[str] = []
+    machines = {mid: fold.machines[mid].view() for mid in by_machine if mid in fold.machines}
+    for mid in sorted(by_machine):
+        tasks = by_machine[mid]
+        if mid not in machines:
+            continue
+        cpu = sum(fold.taskres[t][0] for t in tasks)
+        mem = sum(fold.taskres[t][1] for t in tasks)
+        n = len(tasks)
+        remaining = {mid: len(fold.machines[mid].tasks) - n}
+        out += placement.release(machines, entitlement, {t: mid for t in tasks}, math.ceil(cpu / n),
+                                 math.ceil(mem / n), remaining)
+    return tuple(out)
+
+
+__all__ = ["RegionFold", "MachineRec", "PendingRequest", "CommitResult", "FoldError", "UnknownMachine",
+           "MissingResources", "HANDLERS", "EVENT_TYPES", "CONFLICT_TASK_PLACED", "REGISTERED_STATUS",
+           "releases", "entitlement_of", "merged", "order_key", "job_of"]
