@@ -12,6 +12,7 @@ real Redis needs no code change.
 | ROPEWALK_RUN_DIR            | <project>/.run                       | pids, logs, redis dir, archives           |
 | ROPEWALK_PARTITIONS         | 8                                    | partitions of every entitlement-keyed topic |
 | ROPEWALK_TOPIC_PREFIX       | ""                                   | prefix of every topic name (isolates tests, or several regions on one cluster) |
+| ROPEWALK_MAX_TASKS_PER_JOB  | 25000                                | the most tasks a job may have: `job submit` refuses more, the scheduler rejects more with a reason (Twine's largest jobs have ~15K tasks) |
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ DEFAULT_BROKER_PORT = 19092
 DEFAULT_REDIS_PORT = 16379
 DEFAULT_PARTITIONS = 8
 DEFAULT_BROKER_HEAP_MB = 512
+# Twine (OSDI 2020, §5 "the largest job has ≈15K tasks"): 25,000 serves every job the paper reports, with room.
+DEFAULT_MAX_TASKS_PER_JOB = 25_000
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Config:
     topic_prefix: str
     embedded_broker: bool  # True when Ropewalk itself runs the broker (no ROPEWALK_BOOTSTRAP_SERVERS)
     embedded_redis: bool  # True when Ropewalk itself runs redis-server (no ROPEWALK_REDIS_URL)
+    max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB  # job submit and the scheduler refuse bigger jobs
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
@@ -54,6 +58,9 @@ class Config:
             raise ValueError(f"ROPEWALK_BROKER_HEAP_MB must be >= 128, got {heap}")
         if partitions < 1:
             raise ValueError(f"ROPEWALK_PARTITIONS must be >= 1, got {partitions}")
+        max_tasks = _int(env, "ROPEWALK_MAX_TASKS_PER_JOB", DEFAULT_MAX_TASKS_PER_JOB)
+        if max_tasks < 1:
+            raise ValueError(f"ROPEWALK_MAX_TASKS_PER_JOB must be >= 1, got {max_tasks}")
         return cls(
             bootstrap_servers=bootstrap or f"127.0.0.1:{broker_port}",
             redis_url=redis_url or f"redis://127.0.0.1:{redis_port}/0",
@@ -66,6 +73,7 @@ class Config:
             topic_prefix=env.get("ROPEWALK_TOPIC_PREFIX", ""),
             embedded_broker=not bootstrap,
             embedded_redis=not redis_url,
+            max_tasks_per_job=max_tasks,
         )
 
     def with_(self, **changes) -> "Config":

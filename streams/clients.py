@@ -2,7 +2,8 @@
 
 * `EventProducer`: idempotent, `acks=all`, murmur2 partitioner (co-partitioned with faust/aiokafka and
   Java clients); publishes each writer schema to `_schemas` before the first event that uses it; delivery
-  errors are collected and raised by `flush()` (and by the next `send`), never swallowed.
+  errors are collected and raised by `flush()` (and by the next `send`), never swallowed. Every event it
+  sends carries the record header `producer` = its name (`PRODUCER_HEADER`), readable without decoding.
 * `EventConsumer`: decodes every record with the reader's schemas; a record that fails to decode or
   validate is routed to `deadletter` with its reason and origin, and the consumer goes on with the next.
 """
@@ -20,6 +21,9 @@ from streams import schemalog
 from streams.events import Event
 from streams.serde import INVALID_EVENT, UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
 from streams.topics import BY_NAME, KEY_ENTITLEMENT, KEY_JOB, KEY_MACHINE, Topics
+
+
+PRODUCER_HEADER = "producer"  # record header: the EventProducer's name (the envelope's producer, usually)
 
 
 class DeliveryError(RuntimeError):
@@ -75,6 +79,9 @@ class EventProducer:
         self._errors: list[str] = []
         self._lock = threading.Lock()
         self.sent = 0
+        # Every event this producer encodes carries who produced it as a record header (PRODUCER_HEADER), so a
+        # reader can pass over records by producer without decoding them (the scheduler skips its own echoes).
+        self._headers = [(PRODUCER_HEADER, name.encode())]
 
     # -- events ----------------------------------------------------------------------------------
     def send(self, event: Event, *, topic: str | None = None, validate: bool = True,
@@ -89,7 +96,8 @@ class EventProducer:
             self._flush_or_raise(10.0)
             self._schemas_published.add(schema.fingerprint)
         value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
-        self.send_raw(self.topics.name(logical), key_of(logical, event).encode(), value, timestamp_ms=log_timestamp_ms)
+        self.send_raw(self.topics.name(logical), key_of(logical, event).encode(), value, timestamp_ms=log_timestamp_ms,
+                      headers=self._headers)
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
                  timestamp_ms: int | None = None, headers: list | None = None) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, AsyncIterator
 
 import faust
@@ -125,36 +125,57 @@ async def decoded(stream: faust.StreamT, registry: SchemaRegistry, dead_letters:
     is looked up in `_schemas` (in a thread: it is a blocking read) before the record is given up on.
     With `gate`, every message (good or bad) is first shown to it; one it returns False for is passed over
     without decoding (the scheduler's offset guard: a duplicate, or a record after a gap it seeks back for)."""
-    loop = asyncio.get_running_loop()
     missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
     async for ev in stream.events():
         msg = ev.message
         if gate is not None and not await gate(msg):
             continue
-        value = msg.value
+        got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed)
+        if got is not None:
+            yield got
+
+
+async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadLetters, catalogue: Topics, *,
+                         cfg: Config | None = None, missed: dict[bytes, float] | None = None
+                         ) -> tuple[Record, Event] | None:
+    """One faust message as `(record, event)`, or None once a bad one is routed to `deadletter` (see `decoded`;
+    `missed` is the caller's memory of fingerprints `_schemas` did not have, kept across its messages)."""
+    missed = {} if missed is None else missed
+    value = msg.value
+    try:
         try:
-            try:
-                type_, data = registry.decode(value)
-            except DecodeError as exc:
-                fp = fingerprint_of(value)
-                if exc.reason != UNKNOWN_FINGERPRINT or cfg is None or fp is None:
-                    raise
-                if time.monotonic() - missed.get(fp, float("-inf")) < SCHEMA_RELOOKUP_S:
-                    raise
-                await loop.run_in_executor(None, lambda: schemalog.load(cfg, registry, only=fp))
-                if registry.writer(fp) is None:
-                    missed[fp] = time.monotonic()
-                    raise
-                type_, data = registry.decode(value)
-            event = Event.from_record(type_, data)
-            check_placement(catalogue, msg.topic, msg.key, event)
+            type_, data = registry.decode(value)
         except DecodeError as exc:
-            await route_dead_letter(dead_letters, msg, exc.reason, exc.detail)
-            continue
-        ts = msg.timestamp
-        record = Record(event, msg.topic, msg.partition, msg.offset, msg.key,
-                        int(round(ts * 1000)) if ts is not None else 0)
-        yield record, event
+            fp = fingerprint_of(value)
+            if exc.reason != UNKNOWN_FINGERPRINT or cfg is None or fp is None:
+                raise
+            if time.monotonic() - missed.get(fp, float("-inf")) < SCHEMA_RELOOKUP_S:
+                raise
+            await asyncio.get_running_loop().run_in_executor(None, lambda: schemalog.load(cfg, registry, only=fp))
+            if registry.writer(fp) is None:
+                missed[fp] = time.monotonic()
+                raise
+            type_, data = registry.decode(value)
+        event = Event.from_record(type_, data)
+        check_placement(catalogue, msg.topic, msg.key, event)
+    except DecodeError as exc:
+        await route_dead_letter(dead_letters, msg, exc.reason, exc.detail)
+        return None
+    ts = msg.timestamp
+    record = Record(event, msg.topic, msg.partition, msg.offset, msg.key,
+                    int(round(ts * 1000)) if ts is not None else 0)
+    return record, event
+
+
+def header_of(msg: Any, name: str) -> bytes | None:
+    """The value of record header ``name`` of a faust message (None if absent): read without decoding."""
+    headers = getattr(msg, "headers", None) or ()
+    if isinstance(headers, Mapping):
+        return headers.get(name)
+    for k, v in headers:
+        if k == name:
+            return v
+    return None
 
 
 async def route_dead_letter(dead_letters: DeadLetters, message: Any, reason: str, detail: str) -> None:
@@ -171,4 +192,4 @@ async def route_dead_letter(dead_letters: DeadLetters, message: Any, reason: str
     await asyncio.get_running_loop().run_in_executor(None, route)
 
 
-__all__ = ["make_app", "app_settings", "source_topic", "decoded", "route_dead_letter"]
+__all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter"]

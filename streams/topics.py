@@ -15,6 +15,7 @@ from typing import Mapping
 KEY_ENTITLEMENT = "entitlement"  # envelope.entitlement (free/<dc> for free-pool machines)
 KEY_MACHINE = "machine"  # machine id
 KEY_JOB = "job"  # job id
+KEY_ENTITY = "entity"  # envelope entity_id (state.tasks: <job id>#<part>)
 KEY_FINGERPRINT = "fingerprint"  # schema fingerprint, hex
 KEY_ORIGIN = "origin"  # the failed record's own key
 
@@ -62,13 +63,15 @@ CATALOGUE: tuple[TopicSpec, ...] = (
               "JobSpecChanged", "JobResized", "JobStopped"), True, config=_KEEP_FOREVER,
               doc="user intent from the front end"),
     TopicSpec("machines", KEY_ENTITLEMENT, ("MachineRegistered", "MachineStatusChanged",
-              "MachineAssignedToEntitlement", "MachineReleasedToFreePool", "HostProfileApplied"), True,
+              "MachineAssignedToEntitlement", "MachineReleasedToFreePool", "HostProfileApplied",
+              "MachinesStatusChanged"), True,
               config=_KEEP_FOREVER, doc="machine registry and ownership; free-pool machines keyed free/<dc>"),
     TopicSpec("unavailability", KEY_ENTITLEMENT, ("UnavailabilityStarted", "UnavailabilityEnded"), True,
               config=_KEEP_FOREVER, doc="failures, maintenance and power events"),
     TopicSpec("allocations", KEY_ENTITLEMENT, ("AllocationRequested", "TasksAllocated", "AllocationRejected",
               "TasksDeallocated"), True, config=_KEEP_FOREVER, doc="allocator requests and decisions, with reasons"),
-    TopicSpec("tasks", KEY_ENTITLEMENT, ("TaskCommanded", "TaskStateChanged", "ServiceDiscoveryChanged"), True,
+    TopicSpec("tasks", KEY_ENTITLEMENT, ("TaskCommanded", "TaskStateChanged", "ServiceDiscoveryChanged",
+              "TasksCommanded", "TaskStatesChanged"), True,
               config=_KEEP_FOREVER, doc="task commands to agents and task state changes"),
     TopicSpec("taskcontrol", KEY_ENTITLEMENT, ("TaskControlRequested", "TaskControlAcked", "OperationsThrottled"),
               True, config=_KEEP_FOREVER,
@@ -79,6 +82,8 @@ CATALOGUE: tuple[TopicSpec, ...] = (
               doc="records that failed to decode or validate, with reason and origin"),
     TopicSpec("state.jobs", KEY_JOB, ("JobStatePublished",), config=_COMPACT,
               doc="latest state per job (compacted: the latest record per key)"),
+    TopicSpec("state.tasks", KEY_ENTITY, ("JobTasksPublished",), config=_COMPACT,
+              doc="latest state of the tasks of jobs of more than 500 tasks, per chunk of 500 (key <job>#<part>)"),
     TopicSpec("state.machines", KEY_MACHINE, ("MachineStatePublished",), config=_COMPACT,
               doc="latest state per machine"),
     TopicSpec("_schemas", KEY_FINGERPRINT, (), partitions=1, config=_COMPACT,

@@ -24,6 +24,13 @@ KILLING, STOPPED, FAILED) and ``reported`` the last TaskState it announced (``pr
 Event ids are ``derived_event_id`` over the machine, the task, the command that began the run, the restart
 number and the state, so re-deciding the same inputs emits the same ids; heartbeats over the machine, the
 agent's incarnation (its boot time) and the sequence.
+
+**Batches** (``commands`` and ``batch``). The scheduler commands a job's tasks in one TasksCommanded (older logs:
+a TaskCommanded per task); ``commands`` gives the ones addressed to an agent's machines as TaskCommanded events,
+each with its command id (derived from the batch's id and its position) as event id, so ``decide`` sees what it
+always saw. ``decide`` still makes one TaskStateChanged per transition (with its derived id); the wiring sends
+what one poll step made as ``batch``: one TaskStatesChanged per entitlement (split to stay far below the
+broker's record limit), whose id is derived from its reports' ids.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping, Union
 
+from streams import batches
 from streams.events import Event, derived_event_id, new_event
 
 PRODUCER = "agent"
@@ -339,6 +347,20 @@ def _on_tick(state: AgentState, now_ms: int):
     seq = state.sequence + 1
     hb = heartbeat(state.machine_id, state.incarnation, seq, state.live_task_ids(), now_ms)
     return replace(state, sequence=seq), [hb], actions
+
+
+def commands(ev: Event, machine_ok) -> list[Event]:
+    """The commands of a TaskCommanded or TasksCommanded (else none) addressed to a machine ``machine_ok``
+    accepts, as TaskCommanded events in the batch's order (each one a ``Command`` for that machine's ``decide``)."""
+    return batches.command_events(ev, machine_ok)
+
+
+def batch(reports: list[Event], producer: str, now_ms: int) -> list[Event]:
+    """The TaskStateChanged reports of one step → TaskStatesChanged events, one per entitlement (split if big);
+    each one's id is derived from its reports' ids. Other events are not reports: ``AgentError``."""
+    if any(ev.type != "TaskStateChanged" for ev in reports):
+        raise AgentError("only TaskStateChanged reports are batched")
+    return batches.batch_reports(reports, producer=producer, timestamp_ms=now_ms)
 
 
 def heartbeat(machine_id: str, incarnation: int, sequence: int, running_task_ids: list[str], now_ms: int) -> Event:

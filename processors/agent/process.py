@@ -3,7 +3,10 @@
     python -m processors.agent.process --machine-id M [--work-dir DIR] [--tick-ms 1000]
 
 * Reads every partition of ``tasks`` (keyed by entitlement, so any partition may hold a command for this
-  machine) and keeps the TaskCommanded addressed to ``--machine-id``.
+  machine) and keeps the commands addressed to ``--machine-id`` (a job's TasksCommanded holds many machines'
+  commands; older logs hold a TaskCommanded per task).
+* Reports go out batched: the TaskStateChanged transitions of one step as one TaskStatesChanged per entitlement
+  (``decide.batch``); heartbeats as they come.
 * Each task runs as ``argv`` with the command's env on top of the agent's, in its own session (its own
   process group, so a stop takes its children too), stdout+stderr appended to ``<work>/logs/<task>.log``.
   A kill is SIGTERM to the group, then SIGKILL after ``STOP_GRACE_MS``; after any exit the group is
@@ -120,6 +123,7 @@ class ProcessAgent(LoopWorker):
         self.state, fresh = self._load()
         self.producer = self._new_producer()
         self._unsent: deque[Event] = deque()
+        self._reports: list[Event] = []  # this step's TaskStateChanged reports, batched into _unsent at its end
         self.consumer: EventConsumer | None = None
         self._catch_up = fresh  # a fresh agent applies only the latest command per task of the backlog
         self._backlog: dict[str, Event] = {}
@@ -170,7 +174,18 @@ class ProcessAgent(LoopWorker):
             self.save()
 
     def _send(self, ev: Event) -> None:
+        if ev.type == "TaskStateChanged":
+            self._reports.append(ev)  # sent batched by flush_reports (end of the step), in order
+            return
+        self.flush_reports()
         self._unsent.append(ev)
+        self._send_unsent()
+
+    def flush_reports(self) -> None:
+        """Hand the reports made since the last call to the producer, batched (``d.batch``)."""
+        if self._reports:
+            reports, self._reports = self._reports, []
+            self._unsent.extend(d.batch(reports, f"agent/{self.machine_id}", now_ms()))
         self._send_unsent()
 
     def _send_unsent(self) -> None:
@@ -279,11 +294,11 @@ class ProcessAgent(LoopWorker):
             return 0
         if self._catch_up:
             return self._catch_up_with(records)
+        mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1  # saved with the state the record makes
-            ev = rec.event
-            if ev.type == "TaskCommanded" and ev.payload["machine_id"] == self.machine_id:
-                self.feed(d.Command(ev))
+            for cmd in d.commands(rec.event, mine):
+                self.feed(d.Command(cmd))
         if records:
             self.save()
         return len(records)
@@ -291,12 +306,12 @@ class ProcessAgent(LoopWorker):
     def _catch_up_with(self, records) -> int:
         """A fresh agent reads the backlog to its end first and then applies only the last command per task
         (a START long since followed by a STOP starts nothing)."""
+        mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1
-            ev = rec.event
-            if ev.type == "TaskCommanded" and ev.payload["machine_id"] == self.machine_id:
-                self._backlog.pop(ev.payload["task_id"], None)
-                self._backlog[ev.payload["task_id"]] = ev
+            for cmd in d.commands(rec.event, mine):
+                self._backlog.pop(cmd.payload["task_id"], None)
+                self._backlog[cmd.payload["task_id"]] = cmd
         self._idle_polls = 0 if records else self._idle_polls + 1
         if len(self.consumer.eof) >= self.partitions or self._idle_polls >= CATCH_UP_IDLE_POLLS:
             self._catch_up = False
@@ -322,6 +337,7 @@ class ProcessAgent(LoopWorker):
         if now_ms() >= self._next_tick:
             self._next_tick = now_ms() + self.tick_ms
             self.feed(d.Tick())
+        self.flush_reports()
         try:
             self.producer._producer.poll(0)  # serve delivery reports (EventProducer polls only every 1000 sends)
         except Exception:
@@ -329,11 +345,16 @@ class ProcessAgent(LoopWorker):
 
     def run(self, until: float | None = None) -> None:
         self.adopt()
+        self.flush_reports()
         self.loop(until)
 
     def close(self) -> None:
         """Leave the tasks running (a restarted agent adopts them); save, flush what the broker takes."""
         self.save()
+        try:
+            self.flush_reports()
+        except Exception as exc:  # noqa: BLE001 - at exit, report and go
+            log.warning("agent %s: reports not handed over at exit: %s", self.machine_id, exc)
         self._close_consumer()
         try:
             self.producer.flush(5.0)

@@ -2,6 +2,10 @@
 
     python -m processors.agent.simulated (--region FILE | --machines N) [--interval-ms 10000] [--start-delay-ms 200]
 
+Commands arrive as a job's TasksCommanded (or, from older logs, TaskCommanded): each simulated machine takes the
+ones addressed to it. The reports one ``step`` makes, of every machine, go out as one TaskStatesChanged per
+entitlement (``decide.batch``), not one record per transition.
+
 No OS processes: a SPAWN action becomes ``Spawned`` (→ RUNNING) after ``start_delay_ms`` (times a factor drawn
 uniformly from ``[1 - start_jitter, 1 + start_jitter]`` with a seeded generator, when a jitter is set), a KILL becomes
 ``Exited(-SIGTERM)`` at once (→ STOPPED). Each machine's tasks go through the same ``decide`` as the process
@@ -92,6 +96,7 @@ class SimulatedAgents(LoopWorker):
         self._next = 0  # index of the next machine to beat in this round
         self.heartbeats = 0
         self.reports = 0
+        self._outbox: list[Event] = []  # this step's TaskStateChanged reports, sent batched at its end
         self.offsets: dict[tuple[str, int], int] = {}  # tasks partition -> next offset to read
         self.state_file = Path(state_file) if state_file is not None else None
         self._dirty = False
@@ -144,9 +149,10 @@ class SimulatedAgents(LoopWorker):
 
     # -- machines ------------------------------------------------------------------------------------------
     def fail(self, machine_id: str) -> None:
-        """The machine dies: silence, and its tasks are gone with it."""
+        """The machine dies: silence (even what it reported in this step is not sent), its tasks gone with it."""
         self.failed.add(machine_id)
         self.states.pop(machine_id, None)
+        self._outbox = [ev for ev in self._outbox if ev.payload.get("machine_id") != machine_id]
         self._dirty = True
 
     def recover(self, machine_id: str) -> None:
@@ -161,17 +167,13 @@ class SimulatedAgents(LoopWorker):
         state = self.states.get(machine_id) or d.initial_state(
             machine_id, incarnation=self.incarnations.get(machine_id, self.incarnation))
         state, events, actions = d.decide(state, inp, now)
-        for ev in events:
-            self.producer.send(ev, validate=False)
-            self.reports += 1
+        self._outbox += events
         for act in actions:
             if act.kind == d.SPAWN:
                 heapq.heappush(self._spawns, (now + self.start_delay(), machine_id, act.task_id))
             elif act.kind == d.KILL:
                 state, events, _ = d.decide(state, d.Exited(act.task_id, KILLED_EXIT_CODE), now)
-                for ev in events:
-                    self.producer.send(ev, validate=False)
-                    self.reports += 1
+                self._outbox += events
         state = d.forget_finished(state)
         if state.tasks:
             self.states[machine_id] = state
@@ -186,12 +188,21 @@ class SimulatedAgents(LoopWorker):
         return round(self.start_delay_ms * self._rng.uniform(1 - self.start_jitter, 1 + self.start_jitter))
 
     def on_commands(self, events: Iterable[Event], now: int) -> int:
+        """Apply the commands (TaskCommanded, or a job's TasksCommanded) addressed to the simulated machines."""
         n = 0
         for ev in events:
-            if ev.type == "TaskCommanded" and ev.payload["machine_id"] in self.known:
-                self.feed(ev.payload["machine_id"], d.Command(ev), now)
+            for cmd in d.commands(ev, self.known.__contains__):
+                self.feed(cmd.payload["machine_id"], d.Command(cmd), now)
                 n += 1
         return n
+
+    def send_reports(self, now: int) -> int:
+        """Produce the reports made since the last call, batched (``d.batch``); returns how many reports."""
+        reports, self._outbox = self._outbox, []
+        for ev in d.batch(reports, self.name, now):
+            self.producer.send(ev, validate=False)
+        self.reports += len(reports)
+        return len(reports)
 
     def due_spawns(self, now: int) -> int:
         n = 0
@@ -249,6 +260,7 @@ class SimulatedAgents(LoopWorker):
             time.sleep(poll_s)
         now = now_ms()
         self.due_spawns(now)
+        self.send_reports(now)
         self.due_heartbeats(now)
         self.producer._producer.poll(0)  # serve delivery reports (EventProducer polls every 1000 sends only)
         self.maybe_save()
@@ -262,6 +274,7 @@ class SimulatedAgents(LoopWorker):
         if self.consumer is not None:
             self.consumer.close()
             self.consumer = None
+        self.send_reports(now_ms())
         self.producer.flush()
         self.save()  # after the flush: the reports of the saved state are on the log
 

@@ -39,6 +39,7 @@ from processors.taskcontrol import controller as ctl
 from processors.taskcontrol.controllers import ReplicaAware
 from processors.taskcontrol.limiter import Limits, Rate
 from processors.taskcontrol.protocol import OP_UPDATE
+from streams import batches
 from streams.events import Event, new_event
 
 ENT = "figure14"
@@ -204,6 +205,8 @@ class _Run:
             self.state, out = sd.decide(before, event, self.now, limits=self.limits)
         self.result.decisions += 1
         touched = {e.payload["task_id"] for e in out if "task_id" in e.payload}
+        touched.update(c["task_id"] for e in out for c in batches.task_commands(e))
+        touched.update(r["task_id"] for e in out for r in batches.task_reports(e))
         if event is not None and "task_id" in event.payload:
             touched.add(event.payload["task_id"])
         self._account(touched, failure)
@@ -233,14 +236,15 @@ class _Run:
 
     def _react(self, e: Event) -> None:
         p, ms = e.payload, int(self.c.allocator_delay_s * 1000)
-        if e.type == "TaskCommanded":
-            if p["machine_id"] in self.down_machines:
-                return  # the agent is gone with its machine
-            if p["command"] == "STOP":
-                self.at(self.now + int(self.c.stop_s * 1000), ("report", p, "STOPPED"))
-            else:
-                spread = self.rng.uniform(1 - self.c.jitter, 1 + self.c.jitter)
-                self.at(self.now + int(self.c.start_s * spread * 1000), ("report", p, "RUNNING"))
+        if e.type in ("TaskCommanded", "TasksCommanded"):
+            for c in batches.task_commands(e):
+                if c["machine_id"] in self.down_machines:
+                    continue  # the agent is gone with its machine
+                if c["command"] == "STOP":
+                    self.at(self.now + int(self.c.stop_s * 1000), ("report", c, "STOPPED"))
+                else:
+                    spread = self.rng.uniform(1 - self.c.jitter, 1 + self.c.jitter)
+                    self.at(self.now + int(self.c.start_s * spread * 1000), ("report", c, "RUNNING"))
         elif e.type == "TaskControlRequested":
             self.books = ctl.absorb(self.books, e, CONTROLLER)
             self.at(self.now + int(self.c.controller_delay_s * 1000), ("controller",))

@@ -14,7 +14,8 @@ failure events are produced (the Resource Broker's pure ``machine_failed``, as `
 **The story.** The job ``figure14.cache`` (``tasks`` tasks, ``max_unavailable`` = all: TaskControl alone paces;
 the limiter opened wide, as in the simulation) is submitted and runs; its spec changes (a rolling update: every
 task gets an UPDATE operation the controller must approve); ``msb_fail_at_s`` later every machine of one MSB dies
-(its ``tasks / msbs`` tasks with it) and comes back ``msb_down_s`` later (MachineStatusChanged UP,
+(its ``tasks / msbs`` tasks with it: one MachinesStatusChanged DOWN and one UnavailabilityStarted for all of them,
+the Resource Broker's ``machines_failed``) and comes back ``msb_down_s`` later (MachinesStatusChanged UP,
 UnavailabilityEnded). With no spare machine, the failed MSB's tasks wait for it, as in the paper ("even if the 50
 tasks in the failed MSB are still down"). The run ends when every task runs the new version.
 
@@ -25,7 +26,8 @@ the paper's seconds (wall seconds since the update × scale).
 **Counting, from the replayed log alone** (``count`` and ``Ledger``, pure; ``read_log`` replays the
 entitlement's events of ``intents``, ``machines``, ``tasks``, ``taskcontrol`` and ``unavailability``, merged by
 their envelope timestamps, each partition in offset order). A shard replica is live while its task is RUNNING
-(the agent's report). A task goes down *through Ropewalk* at the scheduler's TaskCommanded STOP (the decision,
+(the agent's report, an item of its TaskStatesChanged). A task goes down *through Ropewalk* at the scheduler's STOP
+(an item of its TasksCommanded: the decision,
 not the agent's later report: the earliest instant), *through the failure* at the UnavailabilityStarted(FAILURE)
 of its machine. A shard counts (once per total) when its live replicas fall below ``min_live``:
 
@@ -52,6 +54,7 @@ from typing import Any
 import yaml
 
 from processors.experiments import figure14 as sim
+from streams import batches
 from processors.experiments.figure14 import CONTROLLER, ENT, JOB, Conditions, Result
 from streams.events import Event
 
@@ -154,24 +157,28 @@ class Ledger:
                 self.scheduler_saw_failure_ms = now
         if ev.type in ("JobSubmitted", "JobSpecChanged") and p["job_id"] == self.job:
             self.version = max(self.version, p["spec_version"])
-        elif ev.type == "TaskCommanded" and p["job_id"] == self.job:
-            task = p["task_id"]
-            self.machine_of[task] = p["machine_id"]
-            if p["command"] == STOP:
-                self.approved.discard(task)
-                if p["reason"] == UPDATE_REASON:
-                    self.updating.add(task)
-                self._down(task, self.by_ropewalk, now, raced=self._raced(now), why=p["reason"])
-        elif ev.type == "TaskStateChanged" and p["job_id"] == self.job:
-            task = p["task_id"]
-            if p["state"] == "RUNNING":
-                self.machine_of[task] = p["machine_id"] or self.machine_of.get(task, "")
-                self._up(task, p["spec_version"])
-                if p["spec_version"] >= self.version:
-                    self.updating.discard(task)
-            elif p["state"] in ("FAILED", "STOPPED", "LOST") and task in self.running:
-                self.down_otherwise.add(task)
-                self._down(task, set(), now)
+        elif ev.type in ("TaskCommanded", "TasksCommanded") and p["job_id"] == self.job:
+            for c in batches.task_commands(ev):
+                task = c["task_id"]
+                self.machine_of[task] = c["machine_id"]
+                if c["command"] == STOP:
+                    self.approved.discard(task)
+                    if c["reason"] == UPDATE_REASON:
+                        self.updating.add(task)
+                    self._down(task, self.by_ropewalk, now, raced=self._raced(now), why=c["reason"])
+        elif ev.type in ("TaskStateChanged", "TaskStatesChanged"):
+            for r in batches.task_reports(ev):
+                if r["job_id"] != self.job:
+                    continue
+                task = r["task_id"]
+                if r["state"] == "RUNNING":
+                    self.machine_of[task] = r["machine_id"] or self.machine_of.get(task, "")
+                    self._up(task, r["spec_version"])
+                    if r["spec_version"] >= self.version:
+                        self.updating.discard(task)
+                elif r["state"] in ("FAILED", "STOPPED", "LOST") and task in self.running:
+                    self.down_otherwise.add(task)
+                    self._down(task, set(), now)
         elif ev.type == "UnavailabilityStarted" and p["kind"] == "FAILURE":
             self.failure_ids.add(ev.event_id)
             self.failure_ms = now if self.failure_ms is None else min(self.failure_ms, now)
@@ -179,7 +186,7 @@ class Ledger:
             for task in [t for t in self.running if self.machine_of.get(t) in gone]:
                 self.failed_tasks.add(task)
                 self._down(task, self.by_failure, now)
-        elif ev.type == "MachineStatusChanged" and p["status"] == "DOWN":
+        elif ev.type in ("MachineStatusChanged", "MachinesStatusChanged") and p["status"] == "DOWN":
             self.failure_ids.add(ev.event_id)
         elif ev.type == "TaskControlRequested" and p["job_id"] == self.job:
             if p.get("in_flight_operation_ids") is not None:  # what the scheduler holds approved: exactly that
@@ -293,12 +300,14 @@ class _Follower:
     def poll(self) -> None:
         for rec in self.consumer.poll(10_000, 0.0):
             p = rec.event.payload
-            if rec.event.type == "TaskStateChanged" and p["job_id"] == JOB:
-                if p["state"] == "RUNNING":
-                    self.running[p["task_id"]] = p["spec_version"]
+            for r in batches.task_reports(rec.event):
+                if r["job_id"] != JOB:
+                    continue
+                if r["state"] == "RUNNING":
+                    self.running[r["task_id"]] = r["spec_version"]
                 else:
-                    self.running.pop(p["task_id"], None)
-            elif rec.event.type == "ServiceDiscoveryChanged" and p["job_id"] == JOB:
+                    self.running.pop(r["task_id"], None)
+            if rec.event.type == "ServiceDiscoveryChanged" and p["job_id"] == JOB:
                 (self.enabled.add if p["enabled"] else self.enabled.discard)(p["task_id"])
 
     def at_version(self, version: int) -> int:
@@ -396,13 +405,12 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
 
         def msb(decision, agent_action) -> None:
             """Every machine of the failed MSB: its agent first (all silent before any event leaves), then the
-            Resource Broker's pure decision; the events produced together."""
+            Resource Broker's pure decision for all of them (one MachinesStatusChanged and one
+            UnavailabilityStarted/Ended for the owner); the events produced together."""
             nonlocal state
-            events = []
             for m in victims:
                 agent_action(m)
-                state, evs = decision(state, m, broker.REASON_OPERATOR, int(time.time() * 1000))
-                events += evs
+            state, events = decision(state, victims, broker.REASON_OPERATOR, int(time.time() * 1000))
             for ev in events:
                 producer.send(ev)
             producer.flush(30)
@@ -410,11 +418,11 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
         def timeline() -> bool:
             now = time.time()
             if phase[0] == "fail" and now >= fail_at:
-                msb(broker.machine_failed, agents.fail)
+                msb(broker.machines_failed, agents.fail)
                 phase[0] = "recover"
                 progress(f"MSB {c.failed_msb + 1}: {len(victims)} machines failed")
             elif phase[0] == "recover" and now >= recover_at:
-                msb(broker.machine_recovered, agents.recover)
+                msb(broker.machines_recovered, agents.recover)
                 phase[0] = "done"
                 progress(f"MSB {c.failed_msb + 1}: back up")
             return phase[0] == "done" and follower.at_version(2) >= c.tasks

@@ -3,11 +3,13 @@
 The service watches every machine it learns of from the ``machines`` topic (``on_machine_event``: that is
 also where it learns the key of a machine's events — its entitlement or ``free/<dc>``) and every heartbeat:
 
-* ``on_heartbeat``: a heartbeat is judged by ``classify`` (a duplicate or an out-of-order one changes
-  nothing); an accepted heartbeat from a machine marked UNHEALTHY, newer than that verdict, emits
-  MachineStatusChanged(UNHEALTHY→UP, ``heartbeat_resumed``);
-* ``on_tick``: every UP machine silent for longer than ``timeout_ms`` emits
-  MachineStatusChanged(UP→UNHEALTHY, ``heartbeat_missed``), once: it is UNHEALTHY afterwards.
+* ``on_heartbeats`` (``on_heartbeat`` for one): each heartbeat is judged by ``classify`` (a duplicate or an
+  out-of-order one changes nothing); the machines marked UNHEALTHY that an accepted heartbeat newer than that
+  verdict resumes are announced together: one MachinesStatusChanged(UNHEALTHY→UP, ``heartbeat_resumed``) per
+  owner key;
+* ``on_tick``: every UP machine silent for longer than ``timeout_ms`` becomes UNHEALTHY, once, announced
+  together: one MachinesStatusChanged(UP→UNHEALTHY, ``heartbeat_missed``) per owner key (1% of a region
+  failing is one event per owner, not one per machine; Twine §2.1 has the HCS update the Resource Broker).
 
 Only UP and UNHEALTHY are the service's to judge. DOWN and MAINTENANCE belong to the Resource Broker: a
 machine there is not judged (its heartbeats are still recorded), and when it comes back UP its silence is
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from processors.cowmap import CowMap
 from processors.resourcebroker.decide import UNHEALTHY, UP
+from streams import batches
+from streams.batches import MACHINES_STATUS_CHANGED
 from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
 
@@ -101,7 +105,7 @@ def _apply(cur: MachineHealth | None, ev: Event) -> MachineHealth | None:
 
 
 APPLIED = frozenset({"MachineRegistered", "MachineStatusChanged", "MachineAssignedToEntitlement",
-                     "MachineReleasedToFreePool"})
+                     "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED})
 
 
 def on_machine_event(state: HealthState, event: Event) -> HealthState:
@@ -109,10 +113,22 @@ def on_machine_event(state: HealthState, event: Event) -> HealthState:
     return apply_all(state, (event,))
 
 
+def _per_machine(events: Iterable[Event]) -> Iterable[Event]:
+    """The events with each MachinesStatusChanged as a MachineStatusChanged per machine (same key, time, id)."""
+    for ev in events:
+        if ev.type != MACHINES_STATUS_CHANGED:
+            yield ev
+            continue
+        for m in batches.machine_statuses(ev):
+            yield Event(type="MachineStatusChanged", entitlement=ev.entitlement, entity_id=m["machine_id"],
+                        payload=m, producer=ev.producer, causation_id=ev.causation_id,
+                        timestamp_ms=ev.timestamp_ms, event_id=ev.event_id)
+
+
 def apply_all(state: HealthState, events: Iterable[Event]) -> HealthState:
     """Fold many machine events in one step (one copy of the touched shards)."""
     changes: dict[str, MachineHealth] = {}
-    for ev in events:
+    for ev in _per_machine(events):
         if ev.type not in APPLIED:
             continue
         mid = ev.payload["machine_id"]
@@ -133,7 +149,10 @@ def _check_heartbeat(heartbeat: Event) -> None:
 def classify(state: HealthState, heartbeat: Event) -> str:
     """The verdict on ``heartbeat`` (HB_*): whether it counts, and why not."""
     _check_heartbeat(heartbeat)
-    rec = state.machines.get(heartbeat.payload["machine_id"])
+    return _verdict(state.machines.get(heartbeat.payload["machine_id"]), heartbeat)
+
+
+def _verdict(rec: MachineHealth | None, heartbeat: Event) -> str:
     if rec is None:
         return HB_UNKNOWN_MACHINE
     seq = heartbeat.payload.get("sequence", 0)
@@ -144,52 +163,74 @@ def classify(state: HealthState, heartbeat: Event) -> str:
     return HB_DUPLICATE if seq == rec.last_sequence else HB_STALE
 
 
-def _status_event(rec: MachineHealth, status: str, reason: str, now_ms: int, event_id: str,
-                  causation_id: str | None, producer: str) -> Event:
-    return new_event("MachineStatusChanged",
-                     {"machine_id": rec.machine_id, "status": status, "previous_status": rec.status,
-                      "reason": reason},
-                     entitlement=rec.owner_key, entity_id=rec.machine_id, producer=producer,
-                     causation_id=causation_id, timestamp_ms=now_ms, event_id=event_id)
+def _statuses(recs: Iterable[MachineHealth], status: str, reason: str, now_ms: int, id_parts,
+              causation_id: str | None, producer: str) -> list[Event]:
+    """One MachinesStatusChanged(→``status``) per owner key for ``recs`` (keys and machines sorted; split to at
+    most ``batches.MAX_ITEMS`` machines). An event's id derives from ``reason``, its key and ``id_parts(rec)`` of
+    its machines: what it says, not when it is said."""
+    groups: dict[str, list[MachineHealth]] = {}
+    for rec in recs:
+        groups.setdefault(rec.owner_key, []).append(rec)
+    out = []
+    for key, group in sorted(groups.items()):
+        for part in batches.split(sorted(group, key=lambda h: h.machine_id)):
+            out.append(new_event(
+                MACHINES_STATUS_CHANGED,
+                {"status": status, "reason": reason,
+                 "machines": [{"machine_id": h.machine_id, "previous_status": h.status} for h in part]},
+                entitlement=key, entity_id=key, producer=producer, causation_id=causation_id, timestamp_ms=now_ms,
+                event_id=derived_event_id(PRODUCER, reason, key, *(id_parts(h) for h in part))))
+    return out
 
 
 def on_heartbeat(state: HealthState, heartbeat: Event, *,
                  producer: str = PRODUCER) -> tuple[HealthState, list[Event]]:
-    """Record a heartbeat (``classify``: only HB_ACCEPTED and HB_AGENT_RESTARTED count). If the machine is
-    marked UNHEALTHY and the heartbeat is newer than that verdict, emit MachineStatusChanged(UNHEALTHY→UP,
-    HEARTBEAT_RESUMED) caused by the heartbeat."""
-    verdict = classify(state, heartbeat)
-    if verdict not in COUNTED:
-        return state, []
-    mid, seq, ts = heartbeat.payload["machine_id"], heartbeat.payload.get("sequence", 0), heartbeat.timestamp_ms
-    rec = state.machines[mid]
-    new = replace(rec, last_sequence=seq, last_seen_ms=max(rec.last_seen_ms, ts))
-    events = []
-    if rec.status == UNHEALTHY and ts > rec.status_ms:
-        ev = _status_event(rec, UP, HEARTBEAT_RESUMED, ts,
-                           derived_event_id(PRODUCER, HEARTBEAT_RESUMED, mid, heartbeat.event_id or f"{seq}@{ts}"),
-                           heartbeat.event_id or None, producer)
-        events.append(ev)
-        new = replace(new, status=UP, status_ms=ts)
-    return state._with({mid: new}), events
+    """``on_heartbeats`` of one heartbeat."""
+    return on_heartbeats(state, (heartbeat,), producer=producer)
+
+
+def on_heartbeats(state: HealthState, heartbeats: Iterable[Event], *,
+                  producer: str = PRODUCER) -> tuple[HealthState, list[Event]]:
+    """Record heartbeats, in order (``classify``: only HB_ACCEPTED and HB_AGENT_RESTARTED count). The machines
+    marked UNHEALTHY that a counted heartbeat newer than that verdict resumes are UP again, announced as one
+    MachinesStatusChanged(UNHEALTHY→UP, HEARTBEAT_RESUMED) per owner key, at the newest of those heartbeats'
+    times, caused by the first of them; its id derives from the machines and their resuming heartbeats."""
+    changes: dict[str, MachineHealth] = {}
+    resumed: dict[str, tuple[MachineHealth, Event]] = {}  # machine -> (its record before, the heartbeat)
+    for heartbeat in heartbeats:
+        _check_heartbeat(heartbeat)
+        mid = heartbeat.payload["machine_id"]
+        rec = changes.get(mid) or state.machines.get(mid)
+        if _verdict(rec, heartbeat) not in COUNTED:
+            continue
+        seq, ts = heartbeat.payload.get("sequence", 0), heartbeat.timestamp_ms
+        new = replace(rec, last_sequence=seq, last_seen_ms=max(rec.last_seen_ms, ts))
+        if rec.status == UNHEALTHY and ts > rec.status_ms:
+            resumed[mid] = (rec, heartbeat)
+            new = replace(new, status=UP, status_ms=ts)
+        changes[mid] = new
+    if not resumed:
+        return state._with(changes), []
+    now = max(hb.timestamp_ms for _, hb in resumed.values())
+    first = next(iter(resumed.values()))[1]
+    by_mid = {mid: hb for mid, (_, hb) in resumed.items()}
+    events = _statuses((rec for rec, _ in resumed.values()), UP, HEARTBEAT_RESUMED, now,
+                       lambda h: f"{h.machine_id}@{by_mid[h.machine_id].event_id or by_mid[h.machine_id].timestamp_ms}",
+                       first.event_id or None, producer)
+    for mid in resumed:
+        changes[mid] = replace(changes[mid], status_ms=now)
+    return state._with(changes), events
 
 
 def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *,
             producer: str = PRODUCER) -> tuple[HealthState, list[Event]]:
-    """Mark every UP machine silent for longer than ``timeout_ms`` at ``now_ms`` UNHEALTHY:
-    MachineStatusChanged(UP→UNHEALTHY, HEARTBEAT_MISSED), in machine id order. A machine is reported once
-    per silence (the event id is derived from the silence: its last heartbeat), so a replayed tick emits the
-    same ids. One scan of the watched machines."""
+    """Mark every UP machine silent for longer than ``timeout_ms`` at ``now_ms`` UNHEALTHY, announced as one
+    MachinesStatusChanged(UP→UNHEALTHY, HEARTBEAT_MISSED) per owner key. A machine is reported once per
+    silence; an event's id derives from its machines' silences (each one's last heartbeat), so a replayed tick
+    that finds the same silences emits the same ids. One scan of the watched machines."""
     if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms <= 0:
         raise HealthError(f"timeout_ms must be a positive number of ms, got {timeout_ms!r}")
-    silent = sorted((h for h in state.machines.values() if h.status == UP and now_ms - h.last_seen_ms > timeout_ms),
-                    key=lambda h: h.machine_id)
-    events, changes = [], {}
-    for h in silent:
-        events.append(_status_event(
-            h, UNHEALTHY, HEARTBEAT_MISSED, now_ms,
-            derived_event_id(PRODUCER, HEARTBEAT_MISSED, h.machine_id, h.last_seen_ms, h.last_sequence),
-            None, producer))
-        changes[h.machine_id] = replace(h, status=UNHEALTHY, status_ms=now_ms)
-    return state._with(changes), events
-
+    silent = [h for h in state.machines.values() if h.status == UP and now_ms - h.last_seen_ms > timeout_ms]
+    events = _statuses(silent, UNHEALTHY, HEARTBEAT_MISSED, now_ms,
+                       lambda h: f"{h.machine_id}@{h.last_seen_ms}:{h.last_sequence}", None, producer)
+    return state._with({h.machine_id: replace(h, status=UNHEALTHY, status_ms=now_ms) for h in silent}), events

@@ -1,5 +1,5 @@
 """The Health Check Service process: thin confluent-kafka wiring around ``decide.py`` (and the Resource
-Broker's pure ``machine_failed`` / ``machine_recovered`` for the unavailability events).
+Broker's pure ``machines_failed`` / ``machines_recovered`` for the unavailability events).
 
     python -m processors.health.processor --timeout-ms T --tick-ms K [--grace-ms G]
 
@@ -9,20 +9,25 @@ high volume and a faust agent reads only ~12k records/s.
 ```
  machines (from the beginning) ──► on_machine_event ─► HealthState   (which machines, status, owner key)
                                └─► resourcebroker.apply ─► BrokerState (status reason, failure UE ids)
- heartbeats (from the end) ──────► on_heartbeat ─► UNHEALTHY→UP heartbeat_resumed        (within the grace)
+ heartbeats (from the end) ──────► on_heartbeats (a poll's) ─► UNHEALTHY→UP heartbeat_resumed (within the grace)
                                └─ DOWN by health_check, newer heartbeat
-                                   ─► machine_recovered(reason heartbeat_resumed)
-                                   ─► MachineStatusChanged DOWN→UP + UnavailabilityEnded
+                                   ─► machines_recovered(reason heartbeat_resumed)
+                                   ─► MachinesStatusChanged DOWN→UP + UnavailabilityEnded
  timer, every K ms ──────────────► on_tick(now, T) ─► UP→UNHEALTHY heartbeat_missed
-                               └─ UNHEALTHY for ≥ G ms ─► machine_failed(REASON_HEALTH_CHECK)
-                                   ─► MachineStatusChanged UNHEALTHY→DOWN + UnavailabilityStarted FAILURE
+                               └─ UNHEALTHY for ≥ G ms ─► machines_failed(REASON_HEALTH_CHECK)
+                                   ─► MachinesStatusChanged UNHEALTHY→DOWN + UnavailabilityStarted FAILURE
 ```
+
+**In batches.** Every status change is announced for many machines at once: one MachinesStatusChanged (and one
+UnavailabilityStarted / UnavailabilityEnded) per owner key per tick, or per poll of heartbeats, however many
+machines it concerns (1% of a 100,000-machine region failing is a handful of events, not 2,000), so the
+scheduler asks for all replacements of a tick in one AllocationRequested per job.
 
 How the two combine (resourcebroker README, "Left to the wiring"): the UNHEALTHY verdict opens no UE by
 itself; after a grace period (``--grace-ms``, default 0: at once, in the same tick) the process asks the
-broker's pure ``machine_failed(..., REASON_HEALTH_CHECK)`` for the DOWN status and the FAILURE UE, so the
-scheduler moves the machine's tasks. A machine the health check failed comes back when its heartbeats do:
-``machine_recovered(..., reason=heartbeat_resumed)`` emits DOWN→UP and ends that UE. A machine an operator
+broker's pure ``machines_failed(..., REASON_HEALTH_CHECK)`` for the DOWN status and the FAILURE UE, so the
+scheduler moves the machines' tasks. A machine the health check failed comes back when its heartbeats do:
+``machines_recovered(..., reason=heartbeat_resumed)`` emits DOWN→UP and ends that UE. A machine an operator
 failed (any other reason) is not recovered by heartbeats: only ``ropewalk machine recover`` does that.
 Every decision is re-taken from the log after a restart: an UNHEALTHY machine not yet failed is failed at
 the next tick; a DOWN(health_check) machine whose agent heartbeats is recovered.
@@ -49,6 +54,7 @@ from confluent_kafka import OFFSET_END
 from infra.config import Config
 from processors.resourcebroker import decide as broker
 from processors.resourcebroker.processor import read_to_end
+from streams import batches
 from streams.clients import EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
@@ -106,20 +112,44 @@ class HealthCheck(LoopWorker):
 
     # -- records ---------------------------------------------------------------------------------------------
     def handle(self, records: list[Record]) -> None:
+        """A poll's records in order; the heartbeats between two machine events are judged together
+        (``on_heartbeats``: one event per owner for the machines they resume)."""
+        beats: list[Record] = []
         for rec in records:
+            if rec.event.type == "AgentHeartbeat":
+                beats.append(rec)
+                continue
+            self._heartbeats(beats)
+            beats = []
             try:
                 self._handle(rec)
             except Exception as exc:  # noqa: BLE001 - one bad event must not stop the service
-                self.errors += 1
-                log.exception("health: %s at %s[%d]@%d failed", rec.event.type, rec.topic, rec.partition,
-                              rec.offset)
-                self._dead_letter(rec, exc)
+                self._failed([rec], exc)
+        self._heartbeats(beats)
+
+    def _failed(self, recs: list[Record], exc: Exception) -> None:
+        for rec in recs:
+            self.errors += 1
+            log.error("health: %s at %s[%d]@%d failed: %s", rec.event.type, rec.topic, rec.partition, rec.offset,
+                      exc)
+            self._dead_letter(rec, exc)
+
+    def _heartbeats(self, beats: list[Record]) -> None:
+        if not beats:
+            return
+        try:
+            self.on_heartbeats([r.event for r in beats])
+        except Exception:  # noqa: BLE001 - a bad batch: each heartbeat on its own, the bad ones dead-lettered
+            log.exception("health: a batch of %d heartbeats failed; judging them one by one", len(beats))
+            for rec in beats:
+                try:
+                    self.on_heartbeats([rec.event])
+                except Exception as one:  # noqa: BLE001
+                    self._failed([rec], one)
 
     def _handle(self, rec: Record) -> None:
         ev = rec.event
-        if ev.type == "AgentHeartbeat":
-            self.on_heartbeat(ev)
-        elif ev.type in d.APPLIED:
+        if ev.type in d.APPLIED:
             if ev.event_id in self._own:  # our own decision coming back: applied when we took it
                 self._own.discard(ev.event_id)
                 return
@@ -127,36 +157,54 @@ class HealthCheck(LoopWorker):
             self.broker = broker.apply(self.broker, ev)
 
     def on_heartbeat(self, hb: Event) -> None:
-        counted = d.classify(self.health, hb) in d.COUNTED
-        self.health, events = d.on_heartbeat(self.health, hb)
+        self.on_heartbeats([hb])
+
+    def on_heartbeats(self, beats: list[Event]) -> None:
+        """Judge a poll's heartbeats: UNHEALTHY machines they resume are UP (``d.on_heartbeats``, one event per
+        owner); machines this service failed (DOWN, ``health_check``) that a counted heartbeat newer than the
+        failure speaks for are recovered together (``broker.machines_recovered``)."""
+        before = self.health
+        counted = [hb for hb in beats if d.classify(before, hb) in d.COUNTED]
+        self.health, events = d.on_heartbeats(self.health, beats)
         self.emit(events)
-        if not counted:
-            return
-        mid = hb.payload["machine_id"]
-        rec = self.broker.get(mid)
-        held = self.health.machines.get(mid)
-        if (rec is not None and rec.status == broker.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK
-                and held is not None and hb.timestamp_ms > held.status_ms):
-            _, events = broker.machine_recovered(self.broker, mid, d.HEARTBEAT_RESUMED, hb.timestamp_ms,
-                                                 causation_id=hb.event_id or None, producer=PRODUCER)
+        back: dict[str, Event] = {}
+        for hb in counted:
+            mid = hb.payload["machine_id"]
+            rec = self.broker.get(mid)
+            held = self.health.machines.get(mid)
+            if (rec is not None and rec.status == broker.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK
+                    and held is not None and hb.timestamp_ms > held.status_ms):
+                back.setdefault(mid, hb)
+        if back:
+            first = next(iter(back.values()))
+            _, events = broker.machines_recovered(self.broker, back, d.HEARTBEAT_RESUMED,
+                                                  max(hb.timestamp_ms for hb in back.values()),
+                                                  causation_id=first.event_id or None, producer=PRODUCER)
             self.emit(events)
 
     # -- timer -----------------------------------------------------------------------------------------------
     def tick(self, now: int) -> None:
+        """Silent machines become UNHEALTHY; UNHEALTHY ones past the grace fail, all of a tick together
+        (``broker.machines_failed``: one MachinesStatusChanged and one UnavailabilityStarted per owner)."""
         self.health, events = d.on_tick(self.health, now, self.timeout_ms)
         self.emit(events)
+        due = []
         for mid in sorted(self.health.unhealthy):
             held = self.health.machines[mid]
             rec = self.broker.get(mid)
             if now - held.status_ms < self.grace_ms or rec is None or rec.status != broker.UNHEALTHY:
                 continue
-            try:
-                _, events = broker.machine_failed(self.broker, mid, broker.REASON_HEALTH_CHECK, now,
-                                                  causation_id=rec.status_event_id or None, producer=PRODUCER)
-            except broker.BrokerError as exc:
-                log.warning("health: cannot fail %s: %s", mid, exc)
-                continue
-            self.emit(events)
+            due.append(mid)
+        if not due:
+            return
+        cause = self.broker.get(due[0]).status_event_id or None  # the verdict (one for a tick's machines)
+        try:
+            _, events = broker.machines_failed(self.broker, due, broker.REASON_HEALTH_CHECK, now,
+                                               causation_id=cause, producer=PRODUCER)
+        except broker.BrokerError as exc:
+            log.warning("health: cannot fail %d machines: %s", len(due), exc)
+            return
+        self.emit(events)
 
     # -- output ----------------------------------------------------------------------------------------------
     def emit(self, events: list[Event]) -> None:
@@ -165,8 +213,8 @@ class HealthCheck(LoopWorker):
             return
         for ev in events:
             self.producer.send(ev)
-            log.info("health: %s %s %s %s", ev.type, ev.entity_id, ev.payload.get("status", ""),
-                     ev.payload.get("reason", ""))
+            log.info("health: %s %s %s %s %s", ev.type, ev.entity_id, ev.payload.get("status", ""),
+                     ev.payload.get("reason", ""), f"({len(batches.machine_ids(ev))} machines)")
         self.producer.flush()
         self.emitted += len(events)
         machine_events = [ev for ev in events if ev.type in d.APPLIED]

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from streams import batches
 from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
 
@@ -87,8 +88,9 @@ NO_CHANGE = frozenset({
     (UNHEALTHY, MAINTENANCE_ENDED),
 })
 
+MACHINES_STATUS_CHANGED = "MachinesStatusChanged"  # one status change of many machines of one owner
 MACHINE_EVENTS = ("MachineRegistered", "MachineStatusChanged", "MachineAssignedToEntitlement",
-                  "MachineReleasedToFreePool")
+                  "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED)
 
 
 class BrokerError(ValueError):
@@ -240,6 +242,15 @@ class _Fold:
         return rec
 
     def apply(self, ev: Event) -> None:
+        if ev.type == MACHINES_STATUS_CHANGED:  # one status for many machines: as one event per machine
+            for m in ev.payload["machines"]:
+                mid = m["machine_id"]
+                cur = self.get(mid) or _stub(mid)
+                new = replace(cur, status=ev.payload["status"], status_reason=ev.payload.get("reason", ""),
+                              status_event_id=ev.event_id)
+                if new != cur:
+                    self.changes[mid] = new
+            return
         fn = APPLIERS.get(ev.type)
         if fn is None:
             return
@@ -294,6 +305,28 @@ def _status_event(rec: MachineRecord, status: str, reason: str, now_ms: int, eve
                      {"machine_id": rec.id, "status": status, "previous_status": rec.status, "reason": reason},
                      entitlement=rec.owner_key, entity_id=rec.id, producer=producer, causation_id=causation_id,
                      timestamp_ms=now_ms, event_id=event_id)
+
+
+def _statuses_events(fold: "_Fold", changes: Iterable[tuple[MachineRecord, str]], reason: str, now_ms: int,
+                     trigger: str, causation_id: str | None, producer: str) -> list[Event]:
+    """One MachinesStatusChanged per owner key and new status for ``changes`` (machine, new status), each split
+    to at most ``batches.MAX_ITEMS`` machines, applied to ``fold``; returned in (owner, status) order. An event's
+    id derives from the trigger, the owner, the time, the cause and its machines: the same call, the same ids."""
+    groups: dict[tuple[str, str], list[MachineRecord]] = {}
+    for rec, status in changes:
+        groups.setdefault((rec.owner_key, status), []).append(rec)
+    out = []
+    for (key, status), recs in sorted(groups.items()):
+        rows = sorted(({"machine_id": r.id, "previous_status": r.status} for r in recs), key=lambda r: r["machine_id"])
+        for part in batches.split(rows):
+            ids = [r["machine_id"] for r in part]
+            ev = new_event(MACHINES_STATUS_CHANGED, {"status": status, "reason": reason, "machines": part},
+                           entitlement=key, entity_id=key, producer=producer, causation_id=causation_id,
+                           timestamp_ms=now_ms,
+                           event_id=derived_event_id(PRODUCER, trigger, key, status, now_ms, causation_id, *ids))
+            fold.emit(ev)
+            out.append(ev)
+    return out
 
 
 def failure_unavailability_id(status_event_id: str) -> str:
@@ -362,6 +395,56 @@ def machine_failed(state: BrokerState, machine_id: str, reason: str, now_ms: int
          "deadline_ms": None, "expected_duration_ms": None, "reason": reason},
         entitlement=rec.owner_key, entity_id=ue_id, producer=producer, causation_id=causation_id,
         timestamp_ms=now_ms, event_id=derived_event_id(ue_id, "started", rec.owner_key)))
+    return fold.result()
+
+
+def machines_failed(state: BrokerState, machine_ids: Iterable[str], reason: str, now_ms: int, *,
+                    causation_id: str | None = None, producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
+    """Many machines failed at once (a Health Check tick, a power loss): per owner key, ONE
+    MachinesStatusChanged(→DOWN) listing its machines and ONE UnavailabilityStarted(FAILURE) naming them (its
+    id derived from the status event's, which every machine's record keeps: ``machine_recovered`` names it).
+    Machines DOWN already are left out; nothing to do, nothing emitted. Raises UnknownMachine (nothing emitted)."""
+    _check_reason(reason)
+    fold = _Fold(state)
+    changes = []
+    for mid in sorted(set(machine_ids)):
+        rec = fold.known(mid)
+        status = next_status(mid, rec.status, FAILED)
+        if status is not None:
+            changes.append((rec, status))
+    for ev in _statuses_events(fold, changes, reason, now_ms, FAILED, causation_id, producer):
+        ue_id = failure_unavailability_id(ev.event_id)
+        fold.emit(new_event(
+            "UnavailabilityStarted",
+            {"unavailability_id": ue_id, "kind": KIND_FAILURE,
+             "machine_ids": [m["machine_id"] for m in ev.payload["machines"]], "start_ms": now_ms,
+             "deadline_ms": None, "expected_duration_ms": None, "reason": reason},
+            entitlement=ev.entitlement, entity_id=ue_id, producer=producer, causation_id=causation_id,
+            timestamp_ms=now_ms, event_id=derived_event_id(ue_id, "started", ev.entitlement)))
+    return fold.result()
+
+
+def machines_recovered(state: BrokerState, machine_ids: Iterable[str], reason: str, now_ms: int, *,
+                       causation_id: str | None = None,
+                       producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
+    """Many failed machines are back: per owner key ONE MachinesStatusChanged(DOWN→UP), and per failure UE of
+    theirs (per owner) one UnavailabilityEnded listing them. Machines UP already are left out; UNHEALTHY or in
+    MAINTENANCE raise IllegalStatusTransition and unknown ones UnknownMachine (nothing emitted)."""
+    _check_reason(reason)
+    fold = _Fold(state)
+    changes, ues = [], {}
+    for mid in sorted(set(machine_ids)):
+        rec = fold.known(mid)
+        status = next_status(mid, rec.status, RECOVERED)
+        if status is not None:
+            changes.append((rec, status))
+            ues.setdefault((rec.owner_key, failure_unavailability_id(rec.status_event_id)), []).append(mid)
+    _statuses_events(fold, changes, reason, now_ms, RECOVERED, causation_id, producer)
+    for (key, ue_id), ids in sorted(ues.items()):
+        fold.emit(new_event(
+            "UnavailabilityEnded", {"unavailability_id": ue_id, "machine_ids": ids},
+            entitlement=key, entity_id=ue_id, producer=producer, causation_id=causation_id, timestamp_ms=now_ms,
+            event_id=derived_event_id(ue_id, "ended", key, *ids)))
     return fold.result()
 
 
@@ -503,35 +586,38 @@ def plan_maintenance(state: BrokerState, targets: Iterable[str | Target], start_
 def maintenance_started(state: BrokerState, unavailability_id: str, machine_ids: Iterable[str], now_ms: int, *,
                         causation_id: str | None = None,
                         producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
-    """The window of UE ``unavailability_id`` opened: MachineStatusChanged(→MAINTENANCE, reason maintenance)
-    for each of ``machine_ids`` that is UP or UNHEALTHY (DOWN ones stay DOWN; repeats emit nothing)."""
+    """The window of UE ``unavailability_id`` opened: per owner key ONE MachinesStatusChanged(→MAINTENANCE,
+    reason maintenance) of its machines among ``machine_ids`` that are UP or UNHEALTHY (DOWN ones stay DOWN;
+    repeats emit nothing)."""
     fold = _Fold(state)
+    changes = []
     for mid in sorted(set(machine_ids)):
         rec = fold.known(mid)
         status = next_status(mid, rec.status, MAINTENANCE_STARTED)
         if status is not None:
-            fold.emit(_status_event(rec, status, REASON_MAINTENANCE, now_ms,
-                                    derived_event_id(unavailability_id, MAINTENANCE_STARTED, mid),
-                                    causation_id, producer))
+            changes.append((rec, status))
+    _statuses_events(fold, changes, REASON_MAINTENANCE, now_ms, f"{MAINTENANCE_STARTED}/{unavailability_id}",
+                     causation_id, producer)
     return fold.result()
 
 
 def maintenance_ended(state: BrokerState, unavailability_id: str, machine_ids: Iterable[str], now_ms: int, *,
                       causation_id: str | None = None,
                       producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
-    """The window of UE ``unavailability_id`` closed: MachineStatusChanged(MAINTENANCE→UP) per machine in
-    maintenance, then UnavailabilityEnded per owner listing its machines (all of ``machine_ids``: the UE is
-    over even for a machine that failed meanwhile — that one stays DOWN under its own FAILURE UE).
-    Ids are derived from the UE, so repeating the call re-emits the same UnavailabilityEnded ids."""
+    """The window of UE ``unavailability_id`` closed: per owner key ONE MachinesStatusChanged(MAINTENANCE→UP)
+    of its machines in maintenance, then UnavailabilityEnded per owner listing its machines (all of
+    ``machine_ids``: the UE is over even for a machine that failed meanwhile — that one stays DOWN under its own
+    FAILURE UE). Ids are derived from the UE, so repeating the call re-emits the same UnavailabilityEnded ids."""
     fold = _Fold(state)
     ids = sorted(set(machine_ids))
+    changes = []
     for mid in ids:
         rec = fold.known(mid)
         status = next_status(mid, rec.status, MAINTENANCE_ENDED)
         if status is not None:
-            fold.emit(_status_event(rec, status, REASON_MAINTENANCE_ENDED, now_ms,
-                                    derived_event_id(unavailability_id, MAINTENANCE_ENDED, mid),
-                                    causation_id, producer))
+            changes.append((rec, status))
+    _statuses_events(fold, changes, REASON_MAINTENANCE_ENDED, now_ms, f"{MAINTENANCE_ENDED}/{unavailability_id}",
+                     causation_id, producer)
     for key, group in _by_owner(fold, ids).items():
         fold.emit(new_event(
             "UnavailabilityEnded", {"unavailability_id": unavailability_id, "machine_ids": group},

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
+from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from processors.allocator.placement import REQUIREMENT_KEYS, SPREAD_LEVELS
 from processors.cowmap import CowMap
 from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
@@ -63,6 +64,8 @@ from processors.scheduler.lifecycle import (
     ALLOCATED, ALLOCATED_EV, CRASHED, EXITED_OK, FAILED, MACHINE_FAILED, PENDING, RESCHEDULED, RESTART_COMMANDED,
     RUNNING, START_COMMANDED, STARTED, STARTING, STOP_COMMANDED, STOPPED, STOPPED_EV, STOPPING, IllegalTransition,
 )
+from streams import batches
+from streams.batches import ENVELOPE_BYTES, batch_id, size_of, split
 from streams.events import Event, derived_event_id, new_event
 
 PRODUCER = "scheduler"
@@ -70,6 +73,8 @@ PRODUCER = "scheduler"
 MAX_RESTARTS = 3  # restarts in place of a task that crashed or exited on a healthy machine, then it stays down
 RESTART_RESET_MS = 10 * 60_000  # a task that ran this long before it went down starts with a fresh restart budget
 SEEN_LIMIT = 1024  # input event ids remembered per job (the duplicate ring)
+MAX_SPEC_BYTES = 256 * 1024  # a job's argv and env together at most (they travel in every TasksCommanded record)
+PUBLISH_PART_TASKS = 500  # JobTasksPublished: tasks per part of a job published in parts (index // this)
 REASK_MS = 30_000  # the timer asks a job's TaskController again after this long without an answer or progress
 HELD_AT_DEADLINE = "DEADLINE"  # Task.maint_choice of a task the scheduler stopped at a maintenance deadline
 HELD = frozenset({CHOICE_STOP, HELD_AT_DEADLINE})  # stopped for a maintenance: started again when it ends
@@ -109,6 +114,7 @@ REASON_INVALID_SPEC = "invalid_spec"  # a spec the allocator could not serve (e.
 REASON_JOB_NOT_ACTIVE = "job_not_active"  # resize/update of a job that is stopping, stopped or rejected
 REASON_STALE_SPEC_VERSION = "stale_spec_version"  # JobSpecChanged not newer than the job's spec version
 REASON_ENTITLEMENT_MISMATCH = "entitlement_mismatch"  # an intent keyed to another entitlement than the job's
+REASON_TOO_MANY_TASKS = "too_many_tasks"  # a job (submitted, resized, updated) beyond the maximum tasks per job
 # Why an agent report was ignored (job last_ignored).
 REASON_STALE_REPORT = "stale_report"  # about another machine or spec version than the task's (a lagging agent)
 REASON_ILLEGAL_REPORT = "illegal_report"  # a transition the lifecycle table refuses from the task's state
@@ -360,10 +366,11 @@ class _Fold:
     """The working copy of one call; the returned state is immutable. Emits with derived ids."""
 
     def __init__(self, state: SchedulerState, now_ms: int, cause: Event | None, id_root: str | None = None,
-                 limits: Limits = DEFAULT_LIMITS):
+                 limits: Limits = DEFAULT_LIMITS, max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB):
         self.state = state
         self.now = now_ms
         self.limits = limits
+        self.max_tasks = max_tasks
         self.shard_bucket = state.shard_bucket
         self.cause_id = cause.event_id if cause is not None else None  # recorded in each touched job's ring
         self.causation_id = self.cause_id
@@ -418,7 +425,7 @@ class _Fold:
         return w
 
     def new_job(self, job: Job) -> "_JobWork":
-        w = self.work[job.id] = _JobWork(self, job)
+        w = self.work[job.id] = _JobWork(self, job, new=True)
         w.dirty = True
         return w
 
@@ -432,11 +439,17 @@ class _Fold:
         return refused
 
     # events
-    def emit(self, type_: str, entitlement: str, entity_id: str, payload: Mapping[str, Any], *disc: Any) -> None:
+    def derive(self, type_: str, *disc: Any) -> str:
+        """The next derived id for ``(type_, *disc)`` in this decision (a repeat gets a counter)."""
         key = (type_, *disc)
         n = self._used.get(key, 0)
         self._used[key] = n + 1
-        eid = derived_event_id(self.id_root, *key, *((n,) if n else ()))
+        return derived_event_id(self.id_root, *key, *((n,) if n else ()))
+
+    def emit(self, type_: str, entitlement: str, entity_id: str, payload: Mapping[str, Any], *disc: Any,
+             event_id: str | None = None) -> None:
+        """Emit an event; its id derives from the decision and ``(type_, *disc)`` unless ``event_id`` is given."""
+        eid = event_id or self.derive(type_, *disc)
         self.events.append(new_event(type_, payload, entitlement=entitlement, entity_id=entity_id,
                                      producer=PRODUCER, causation_id=self.causation_id, timestamp_ms=self.now,
                                      event_id=eid))
@@ -467,10 +480,14 @@ _JOB_VISIBLE = frozenset({"spec", "spec_version", "desired", "status", "last_rea
 class _JobWork:
     """One job's working copy inside a decision: its task changes, the request being built, what to publish."""
 
-    def __init__(self, fold: _Fold, job: Job):
+    def __init__(self, fold: _Fold, job: Job, new: bool = False):
         self.fold = fold
         self.job = job
+        self.before = None if new else job  # the job as the decision found it
         self._tasks: dict[str, Task] | None = None  # copied on the first write
+        self.commands: list[dict[str, Any]] = []  # this decision's task commands (one TasksCommanded)
+        self.reports: list[dict[str, Any]] = []  # this decision's own task transitions (one TaskStatesChanged)
+        self.dirty_parts: set[int] = set()  # parts (PUBLISH_PART_TASKS) with a task whose visible state changed
         self._added = False  # a task was added: the order by index must be restored
         self.place: dict[str, None] = {}  # ordered sets of task ids for this decision's AllocationRequested
         self.free: dict[str, None] = {}
@@ -496,6 +513,7 @@ class _JobWork:
             self.ops_delta += 1 if t.op is not None else -1
         if old is None or _visible(old) != _visible(t):
             self.dirty = True
+            self.dirty_parts.add(t.index // PUBLISH_PART_TASKS)
         return t
 
     def ordered(self) -> list[Task]:
@@ -509,6 +527,7 @@ class _JobWork:
         if old is not None and old.op is not None:
             self.ops_delta -= 1
         self.dirty = True
+        self.dirty_parts.add(_index_of(tid) // PUBLISH_PART_TASKS)
 
     def set(self, *, quiet: bool = False, **fields: Any) -> None:
         """Change job fields; ``quiet``: a change JobStatePublished does not announce (a refused intent)."""
@@ -521,18 +540,21 @@ class _JobWork:
         self.set(quiet=True, last_ignored=f"{reason}: {detail}")
 
     # emitting
-    def emit(self, type_: str, entity_id: str, payload: Mapping[str, Any], *disc: Any) -> None:
-        self.fold.emit(type_, self.job.entitlement, entity_id, payload, *disc)
+    def emit(self, type_: str, entity_id: str, payload: Mapping[str, Any], *disc: Any,
+             event_id: str | None = None) -> None:
+        self.fold.emit(type_, self.job.entitlement, entity_id, payload, *disc, event_id=event_id)
 
     def step(self, t: Task, trigger: str, *, emit_reason: str | None = None, **changes: Any) -> Task:
         """Move ``t`` by ``trigger`` through the lifecycle table (raises IllegalTransition: a scheduler bug);
-        with ``emit_reason``, announce it with a TaskStateChanged."""
+        with ``emit_reason``, announce it in the decision's TaskStatesChanged (its report id derived as a
+        TaskStateChanged's would be)."""
         new = self.put(replace(t, state=lc.next_state(t.state, trigger), **changes))
         if emit_reason is not None:
-            self.emit("TaskStateChanged", t.id, {
+            self.reports.append({
+                "report_id": self.fold.derive("TaskStateChanged", "state", t.id, new.state),
                 "task_id": t.id, "job_id": self.job.id, "machine_id": new.machine, "state": new.state,
                 "previous_state": t.state, "exit_code": None, "spec_version": new.spec_version,
-                "reason": emit_reason}, "state", t.id, new.state)
+                "reason": emit_reason, "cause_id": None})
         return new
 
     def discovery(self, t: Task, enabled: bool, reason: str) -> Task:
@@ -542,12 +564,26 @@ class _JobWork:
         return self.put(replace(t, discovery=enabled))
 
     def command(self, t: Task, command: str, reason: str) -> None:
-        spec = self.job.spec
-        starts = command != STOP
-        self.emit("TaskCommanded", t.id, {
-            "task_id": t.id, "job_id": self.job.id, "machine_id": t.machine, "command": command,
-            "argv": list(spec.command) if starts else [], "env": dict(spec.env) if starts else {},
-            "spec_version": t.spec_version, "reason": reason}, "command", t.id, command)
+        """Command ``t``'s agent (in the decision's TasksCommanded; START/RESTART run the job's spec)."""
+        self.commands.append({"task_id": t.id, "machine_id": t.machine, "command": command,
+                              "spec_version": t.spec_version, "reason": reason})
+
+    def emit_batches(self) -> None:
+        """The decision's task transitions as TaskStatesChanged and its commands as TasksCommanded, each split
+        so that no record exceeds ``batches.MAX_RECORD_BYTES`` (normally one of each)."""
+        job = self.job
+        if self.reports:
+            for part in split(self.reports):
+                self.emit("TaskStatesChanged", part[0]["task_id"], {"reports": part},
+                          event_id=batch_id("TaskStatesChanged", (r["report_id"] for r in part)))
+            self.reports = []
+        if self.commands:
+            argv, env = list(job.spec.command), dict(job.spec.env)
+            parts = split(self.commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env) + 30)
+            for i, part in enumerate(parts):
+                self.emit("TasksCommanded", job.id, {"job_id": job.id, "argv": argv, "env": env, "commands": part,
+                                                     "part": i, "parts": len(parts)}, "commands", job.id, i)
+            self.commands = []
 
     def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = ()) -> str:
         """An AllocationRequested; it avoids ``avoid`` and every machine of the job's planned maintenance (a task
@@ -612,9 +648,34 @@ class _JobWork:
             job = replace(job, tasks=MappingProxyType(_by_index(self._tasks) if self._added else self._tasks))
         if self.fold.cause_id is not None:
             job = replace(job, seen=(*job.seen, self.fold.cause_id)[-SEEN_LIMIT:])
+        self.job = job
+        self.emit_batches()
         if self.dirty:
-            self.emit("JobStatePublished", job.id, _snapshot(job), "job", job.id)
+            self._publish(job)
         return job
+
+    def _publish(self, job: Job) -> None:
+        """JobStatePublished; for a job published in parts (``task_parts``), also a JobTasksPublished per part
+        whose tasks changed (every part when it was published whole before; parts gone as deleted ones)."""
+        after = task_parts(job)
+        before = task_parts(self.before) if self.before is not None else 0
+        self.emit("JobStatePublished", job.id, _snapshot(job, after), "job", job.id)
+        if not after and not before:
+            return
+        wanted = set(range(after)) if not before else {p for p in self.dirty_parts if p < after}
+        by_part: dict[int, list] = {p: [] for p in wanted}
+        if wanted:
+            for t in job.tasks.values():
+                rows = by_part.get(t.index // PUBLISH_PART_TASKS)
+                if rows is not None:
+                    rows.append(t.row)
+        for p in sorted(wanted):
+            self.emit("JobTasksPublished", f"{job.id}#{p}", {"job_id": job.id, "part": p, "parts": after,
+                                                             "tasks": by_part[p], "deleted": False},
+                      "tasks", job.id, p)
+        for p in range(after, before):
+            self.emit("JobTasksPublished", f"{job.id}#{p}", {"job_id": job.id, "part": p, "parts": after,
+                                                             "tasks": [], "deleted": True}, "tasks", job.id, p)
 
     def _flush_request(self) -> None:
         place = [tid for tid in self.place if (t := self.tasks.get(tid)) is not None and t.state == PENDING
@@ -637,13 +698,22 @@ class _JobWork:
         self.set(status=JOB_STOPPED, free_request_id=rid)
 
 
-def _snapshot(job: Job) -> dict:
-    """The JobStatePublished payload."""
+def task_parts(job: Job) -> int:
+    """0: ``job``'s tasks are published inside its JobStatePublished; n: in n JobTasksPublished parts (a task of
+    index i in part i // PUBLISH_PART_TASKS), because the job has a task of index PUBLISH_PART_TASKS or more."""
+    if not job.tasks:
+        return 0
+    last = next(reversed(job.tasks.values())).index  # tasks are kept in index order
+    return 0 if last < PUBLISH_PART_TASKS else last // PUBLISH_PART_TASKS + 1
+
+
+def _snapshot(job: Job, parts: int = 0) -> dict:
+    """The JobStatePublished payload (without the tasks when they are published in ``parts``)."""
     return {
         "job_id": job.id, "name": job.spec.name, "state": published_state(job), "spec_version": job.spec_version,
         "desired_tasks": job.desired,
-        "tasks": [t.row for t in job.tasks.values()],
-        "last_reason": job.last_reason, "deleted": job.deleted,
+        "tasks": [] if parts else [t.row for t in job.tasks.values()],
+        "last_reason": job.last_reason, "deleted": job.deleted, "task_parts": parts, "task_count": len(job.tasks),
     }
 
 
@@ -958,11 +1028,15 @@ def _resize(w: _JobWork, n: int, reason: str) -> None:
 
 # -- handlers: one per consumed event type -----------------------------------------------------------------------
 
-def _check_spec(p: Mapping[str, Any], spec: Spec) -> str | None:
+def _check_spec(p: Mapping[str, Any], spec: Spec, max_tasks: int) -> str | None:
     """Why a spec cannot be served, or None."""
+    if p["tasks"] > max_tasks:
+        return _too_many(p["tasks"], max_tasks)
     problems = []
     if p["tasks"] < 0:
         problems.append(f"tasks must be >= 0, got {p['tasks']}")
+    if size_of(list(spec.command)) + size_of(dict(spec.env)) > MAX_SPEC_BYTES:
+        problems.append(f"command and env take more than {MAX_SPEC_BYTES:,} bytes")
     if not spec.command:
         problems.append("command is empty")
     if spec.cpu <= 0 or spec.mem <= 0:
@@ -974,6 +1048,11 @@ def _check_spec(p: Mapping[str, Any], spec: Spec) -> str | None:
     if unknown := sorted({k for k, _ in spec.requirements} - REQUIREMENT_KEYS):
         problems.append(f"unsupported requirements {unknown}; supported: {sorted(REQUIREMENT_KEYS)}")
     return f"{REASON_INVALID_SPEC}: {'; '.join(problems)}" if problems else None
+
+
+def _too_many(n: int, max_tasks: int) -> str:
+    return (f"{REASON_TOO_MANY_TASKS}: {n:,} tasks asked, at most {max_tasks:,} per job "
+            "(ROPEWALK_MAX_TASKS_PER_JOB)")
 
 
 def _on_entitlement_created(fold: _Fold, ev: Event) -> None:
@@ -997,7 +1076,7 @@ def _on_job_submitted(fold: _Fold, ev: Event) -> None:
         return
     if existing is not None and ev.event_id in existing.seen:
         return
-    refusal = _check_spec(p, spec)
+    refusal = _check_spec(p, spec, fold.max_tasks)
     if ev.entitlement not in fold.entitlements():
         refusal = f"{REASON_UNKNOWN_ENTITLEMENT}: entitlement {ev.entitlement!r} was never created"
     w = fold.new_job(Job(id=job_id, entitlement=ev.entitlement, spec=spec, spec_version=p["spec_version"],
@@ -1034,6 +1113,9 @@ def _on_job_resized(fold: _Fold, ev: Event) -> None:
     if n < 0:
         w.set(quiet=True, last_reason=f"{REASON_INVALID_SPEC}: tasks must be >= 0, got {n}")
         return
+    if n > fold.max_tasks:
+        w.set(quiet=True, last_reason=_too_many(n, fold.max_tasks))
+        return
     _resize(w, n, REASON_RESIZED)
     w.retry_parked()
 
@@ -1050,7 +1132,7 @@ def _on_job_spec_changed(fold: _Fold, ev: Event) -> None:
                                       f"newer than {w.job.spec_version}")
         return
     spec = Spec.from_payload(p)
-    if (refusal := _check_spec(p, spec)) is not None:
+    if (refusal := _check_spec(p, spec, w.fold.max_tasks)) is not None:
         w.set(quiet=True, last_reason=refusal)
         return
     version = p["spec_version"]
@@ -1128,30 +1210,41 @@ def _report_trigger(t: Task, reported: str) -> str | None:
 
 
 def _on_task_state_changed(fold: _Fold, ev: Event) -> None:
-    """An agent's report: STARTING, RUNNING, STOPPED, FAILED (exit_code)."""
-    p = ev.payload
-    w = fold.work_for(p["job_id"])
-    if w is None:
-        return
+    """An agent's report (one transition): as one of a TaskStatesChanged."""
+    _on_task_states_changed(fold, ev)
+
+
+def _on_task_states_changed(fold: _Fold, ev: Event) -> None:
+    """Agents' reports (STARTING, RUNNING, STOPPED, FAILED with exit_code), in order; each job of the batch
+    takes it once (the batch's id joins each job's duplicate ring)."""
+    for r in batches.task_reports(ev):
+        w = fold.work_for(r["job_id"])
+        if w is not None:
+            _apply_report(w, r, r["report_id"])
+
+
+def _apply_report(w: _JobWork, p: Mapping[str, Any], rid: str) -> None:
+    """One agent report ``p`` (a TaskStateChanged's fields; ``rid`` its id, named in what is ignored)."""
+    fold = w.fold
     reported = p["state"]
     t = w.tasks.get(p["task_id"])
     if t is None:
-        w.ignore(REASON_UNKNOWN_TASK, f"{ev.event_id} reports {reported} for {p['task_id']}")
+        w.ignore(REASON_UNKNOWN_TASK, f"{rid} reports {reported} for {p['task_id']}")
         return
     machine = p.get("machine_id")
     if (machine is not None and machine != t.machine) or p.get("spec_version", 1) != t.spec_version:
-        w.ignore(REASON_STALE_REPORT, f"{ev.event_id} reports {t.id} {reported} on {machine} at spec version "
+        w.ignore(REASON_STALE_REPORT, f"{rid} reports {t.id} {reported} on {machine} at spec version "
                                       f"{p.get('spec_version', 1)}; the task is {t.state} on {t.machine} at "
                                       f"{t.spec_version}")
         return
     trigger = _report_trigger(t, reported)
     if trigger is None:
-        w.ignore(REASON_NOT_AN_AGENT_STATE, f"{ev.event_id} reports {t.id} {reported}")
+        w.ignore(REASON_NOT_AN_AGENT_STATE, f"{rid} reports {t.id} {reported}")
         return
     try:
         state, changed = lc.apply(t.state, trigger)
     except IllegalTransition:
-        w.ignore(REASON_ILLEGAL_REPORT, f"{ev.event_id} reports {t.id} {reported} while it is {t.state}")
+        w.ignore(REASON_ILLEGAL_REPORT, f"{rid} reports {t.id} {reported} while it is {t.state}")
         return
     if not changed:
         return
@@ -1203,12 +1296,19 @@ def _evacuate(fold: _Fold, ev: Event, machine_ids: Iterable[str], reason: str) -
 
 
 def _on_machine_status_changed(fold: _Fold, ev: Event) -> None:
-    mid, status = ev.payload["machine_id"], ev.payload["status"]
-    if status == UP:
-        fold.set_down(mid, None)
-    elif status in MACHINE_LOST_REASON:
-        fold.set_down(mid, status)
-        _evacuate(fold, ev, [mid], MACHINE_LOST_REASON[status])
+    """One machine's status (MachineStatusChanged), or many machines' (MachinesStatusChanged, one status): UP
+    clears them; DOWN, UNHEALTHY, MAINTENANCE move their tasks, all in this one decision (one
+    AllocationRequested per job for all of its tasks on them)."""
+    lost: dict[str, list[str]] = {}
+    for m in batches.machine_statuses(ev):
+        mid, status = m["machine_id"], m["status"]
+        if status == UP:
+            fold.set_down(mid, None)
+        elif status in MACHINE_LOST_REASON:
+            fold.set_down(mid, status)
+            lost.setdefault(status, []).append(mid)
+    for status, mids in lost.items():
+        _evacuate(fold, ev, mids, MACHINE_LOST_REASON[status])
 
 
 def _on_unavailability_started(fold: _Fold, ev: Event) -> None:
@@ -1405,7 +1505,9 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "AllocationRejected": _on_allocation_rejected,
     "TasksDeallocated": _on_tasks_deallocated,
     "TaskStateChanged": _on_task_state_changed,
+    "TaskStatesChanged": _on_task_states_changed,
     "MachineStatusChanged": _on_machine_status_changed,
+    "MachinesStatusChanged": _on_machine_status_changed,
     "UnavailabilityStarted": _on_unavailability_started,
     "UnavailabilityEnded": _on_unavailability_ended,
     "TaskControlAcked": _on_task_control_acked,
@@ -1514,8 +1616,8 @@ def state_of(jobs: Iterable[Job] = (), entitlements: Iterable[Entitlement] = (),
 
 # -- decisions ---------------------------------------------------------------------------------------------------
 
-def decide(state: SchedulerState, event: Event, now_ms: int, *, limits: Limits = DEFAULT_LIMITS
-           ) -> tuple[SchedulerState, list[Event]]:
+def decide(state: SchedulerState, event: Event, now_ms: int, *, limits: Limits = DEFAULT_LIMITS,
+           max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> tuple[SchedulerState, list[Event]]:
     """Apply one decoded input event: the new state and the events to produce (in order).
 
     Event types outside ``CONSUMED`` and the scheduler's own events change nothing. An event id already in the
@@ -1525,17 +1627,17 @@ def decide(state: SchedulerState, event: Event, now_ms: int, *, limits: Limits =
     handler = HANDLERS.get(event.type)
     if handler is None or is_own(event):
         return state, []
-    fold = _Fold(state, now_ms, event, limits=limits)
+    fold = _Fold(state, now_ms, event, limits=limits, max_tasks=max_tasks)
     handler(fold, event)
     return fold.result()
 
 
-def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int, *, limits: Limits = DEFAULT_LIMITS
-               ) -> tuple[SchedulerState, list[Event]]:
+def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int, *, limits: Limits = DEFAULT_LIMITS,
+               max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> tuple[SchedulerState, list[Event]]:
     """``decide`` over many events in order (replaying a log): the final state and everything emitted."""
     out: list[Event] = []
     for ev in events:
-        state, emitted = decide(state, ev, now_ms, limits=limits)
+        state, emitted = decide(state, ev, now_ms, limits=limits, max_tasks=max_tasks)
         out.extend(emitted)
     return state, out
 

@@ -2,25 +2,35 @@
 
     python -m processors.scheduler.shard     # one worker = one shard; configuration from ROPEWALK_* (infra.config)
 
-Start several workers and they share the partitions of ``intents``, ``allocations``, ``tasks``, ``machines`` and
-``unavailability``: **consumer-group partition assignment is the sharding** (DESIGN.md). All five are keyed by
-entitlement and co-partitioned, so the worker that owns partition p of one owns p of all, and sees every event of
-the entitlements hashed to p, in log order. Kill a worker and the group hands its partitions to the survivors,
-which recover the partitions' table data from the changelogs before they read on.
+Start several workers and they share the partitions of ``intents``, ``allocations``, ``tasks``, ``machines``,
+``unavailability`` and ``taskcontrol``: **consumer-group partition assignment is the sharding** (DESIGN.md). All are
+keyed by entitlement and co-partitioned, so the worker that owns partition p of one owns p of all, and sees every
+event of the entitlements hashed to p, in log order. Kill a worker and the group hands its partitions to the
+survivors, which recover the partitions' table data from the changelogs before they read on.
 
 ```
- intents, allocations, tasks,      decoded()            load the slice        decide()          produce + flush
- machines, unavailability  ──────► (bad bytes ──►  ──►  of the state the ──►  (pure)  ──►  ────► out events, in order
- (one faust topic, 5 names)         deadletter)         event concerns                        (EventProducer)
-                                                                                                    │
-                                          tables ◄── write back the changed jobs, index, etc. ◄─────┘
-                                          (changelog-backed, partition = the entitlement's)
+ intents, allocations, tasks,     take_events(500, 10 ms): a batch of records
+ machines, unavailability,  ────► gate: offset guard; record header producer=scheduler ──► passed over, not decoded
+ taskcontrol (one faust topic)    decode (bad bytes ──► deadletter)
+                                     │
+                                     ▼
+                         load the slice of the state the batch concerns (its jobs, entitlements, machines)
+                         decide() each event in order on it (pure; one that raises ──► deadletter, state kept)
+                                     │
+                                     ▼
+                         produce + flush the batch's output (a job's state published once per batch)
+                                     │
+                                     ▼
+     tables ◄── 1. new task chunks ─ flush ─ 2. job headers, index, entitlements, machines, buckets ─ flush ─
+                3. source offsets, tombstones of chunks no header names any more  (store.py: "Delivery")
  timer (RETRY_S) ──► retry_unplaced over the jobs of the partitions this worker actively owns ──► same path
 ```
 
 **Tables** (memory store, each backed by a changelog topic co-partitioned with the sources):
 
-    jobs            job id                  -> ``job_to_record(job)``: the job, its tasks and its duplicate ring
+    jobs            job id                  -> a job's header: the job without its tasks, and which chunk versions
+                                               hold them (processors/scheduler/store.py)
+    job_chunks      "<job>#<i>@<version>"   -> {"entitlement", "tasks": records of the job's tasks i*500..i*500+499}
     entitlements    entitlement name        -> the Entitlement's fields
     machines_down   machine id              -> status or unavailability kind (absent: UP)
     machine_jobs    "<entitlement>|<machine>" -> sorted job ids of that entitlement with a task placed on it
@@ -28,28 +38,41 @@ which recover the partitions' table data from the changelogs before they read on
     limits          "shard/<partition>"     -> the shard's token bucket for destructive operations
                                                (processors/taskcontrol/limiter.py)
 
-Beside the tables, a memo (not state): per job, the record this worker last wrote and the ``Job`` it was made
-from, used only while the table still holds that very object; it spares decoding a job on every event, and
-``job_to_record`` re-uses the records of the tasks a decision left alone. The whole job record is still written per
-event: for a 1,000-task job that is ~487 KB of JSON, the shard's main cost (BENCHMARKS.md, Figure 14).
+A changelog record holds at most one chunk of 500 tasks (~75 KB), whatever the job's size, and a batch writes
+only the chunks whose tasks changed, once per batch (not per event). Beside the tables, a memo (not state): per
+job, the header this worker last wrote and the ``Job`` it stands for, used only while the table still holds that
+very object; it spares assembling the job from its chunks on every batch.
 
 Every value is written to the changelog partition of its entitlement (``partition_for(entitlement)``), which is
 the partition of the event being processed for every entitlement-keyed event; so a partition's changelog holds
 exactly the state of that partition's entitlements, and a worker that takes the partition over recovers it.
 
-**Which jobs an event concerns.** Intents, allocation results and task reports name their job (``job_id``).
-Machine and unavailability events are keyed by the machine's owner, and ``decide`` only moves that
-entitlement's jobs off the machine, so the ``machine_jobs`` index answers in O(jobs on the machine) instead of a
-scan of the shard's jobs (the index costs a few table writes when a job's placements change). A machine event
-keyed to an entitlement this shard does not know (a free pool key, ``free/<dc>``) makes ``decide`` look at every
-job: then the jobs of the event's partition are scanned (O(jobs held by this worker)), which is rare.
+**Which jobs an event concerns.** Intents and allocation results name their job (``job_id``); a TaskStatesChanged
+names the jobs of its reports. Machine and unavailability events are keyed by the machines' owner, and ``decide``
+only moves that entitlement's jobs off the machines, so the ``machine_jobs`` index answers in O(jobs on the
+machines) instead of a scan of the shard's jobs. A machine event keyed to an entitlement this shard does not know
+(a free pool key, ``free/<dc>``) makes ``decide`` look at every job: then the jobs of the event's partition are
+scanned (O(jobs held by this worker)), which is rare.
 
-**Delivery** (at-least-once; DESIGN.md). For each event: decide, produce the output and *flush it*, then write
-the tables; faust commits the offset only after the handler returns, and flushes its producer (the changelog
-writes) before committing. A crash before the table writes makes the successor re-decide the event on the old
-state and re-emit the same events (ids derive from the input's id); a crash after them finds the event in the
-job's duplicate ring and emits nothing (its output was flushed already). A handler that raises sends the event to
-``deadletter`` with reason ``processing_failed`` and the agent goes on.
+**Own echoes.** The scheduler's own events come back on the topics it reads. Every record an ``EventProducer``
+sends carries the header ``producer``; a record whose header says ``scheduler`` is passed over in the gate,
+before decoding (after the offset guard has counted it). Records without the header (older logs, other writers)
+are decoded, and ``decide`` drops the scheduler's own by ``is_own``.
+
+**Batches.** faust's ``stream.take_events(BATCH_MAX, BATCH_WITHIN_S)`` hands the agent up to 500 records at a
+time (what has arrived within 10 ms). The batch is decided on one state, event after event in log order (each
+event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
+once: a job that many events of the batch touched is written once, with only its changed chunks.
+
+**Delivery** (at-least-once; DESIGN.md). For each batch: decide, produce the output and *flush it*, then write the
+tables in the three steps above; faust commits the offsets only after the batch is handed back (acked), and
+flushes its producer before committing. A crash before the table writes makes the successor re-decide the
+batch's events on the old state and re-emit the same events (ids derive from the input's ids); a crash between
+or after them leaves every job whole, old or new (store.py), and a job already at its new header finds the events
+in its duplicate ring and emits nothing (their output was flushed already). The offsets of step 3 are on the log
+only after the state they stand for (the flush of step 2): the offset guard never skips an event whose effect
+was lost. An event whose decision raises is sent to ``deadletter`` with reason ``processing_failed``; the rest of
+the batch goes on from the state before it.
 
 Known limits: ``machines_down`` is keyed by machine alone and written to the partition of the event that
 changed it, so a machine that moves to an entitlement of another partition leaves its old entry in the old
@@ -57,11 +80,12 @@ partition's changelog. Keys this worker wrote for a partition it later loses sta
 the partition back (faust's memory store forgets only keys it recovered); reads by job id happen only on the
 owning partition, and every scan filters by partition, so they are never acted on.
 
-**Timer.** Every ``RETRY_S`` (``ROPEWALK_SCHEDULER_RETRY_S``, default 10 s) ``retry_unplaced`` releases throttled operations, re-asks
-controllers whose ack is overdue, and re-asks placement of
-tasks parked by an AllocationRejected, for the jobs of the partitions this worker actively owns (standby copies
-of other workers' partitions, which faust also keeps in the same tables, are left alone). The agent and the
-timer share an ``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
+**Timer.** Every ``RETRY_S`` (``ROPEWALK_SCHEDULER_RETRY_S``, default 10 s) ``retry_unplaced`` releases throttled
+operations, re-asks controllers whose ack is overdue, and re-asks placement of tasks parked by an
+AllocationRejected, for the jobs of the partitions this worker actively owns (standby copies of other workers'
+partitions, which faust also keeps in the same tables, are left alone); then it deletes chunk records no header
+names (``store.orphans``: left by a write a crash interrupted). The agent and the timer share an
+``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
 """
 from __future__ import annotations
 
@@ -71,21 +95,23 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import faust
 
 from infra.config import Config
-from processors.taskcontrol.limiter import Limits, bucket_of, bucket_record
-from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
+from processors.scheduler import store as st
 from processors.scheduler.decide import (
-    PRODUCER, Entitlement, Job, SchedulerState, decide, is_own, job_from_record, job_to_record, retry_unplaced,
-    state_of,
+    PRODUCER, Entitlement, Job, SchedulerState, decide, retry_unplaced, state_of,
 )
-from streams.clients import EventProducer
+from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
+from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
+from streams import batches
+from streams.clients import PRODUCER_HEADER, EventProducer
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import decoded, make_app, route_dead_letter
+from streams.faustwire import decode_message, header_of, make_app, route_dead_letter
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
 from streams.topics import CHANGELOG_CONFIG, Topics
@@ -94,9 +120,13 @@ log = logging.getLogger(__name__)
 
 APP_ID = "scheduler"
 SOURCES = ("intents", "allocations", "tasks", "machines", "unavailability", "taskcontrol")
-MACHINE_EVENTS = frozenset({"MachineStatusChanged", "UnavailabilityStarted", "UnavailabilityEnded"})
+MACHINE_EVENTS = frozenset({"MachineStatusChanged", "MachinesStatusChanged", "UnavailabilityStarted",
+                            "UnavailabilityEnded"})
 RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
-FLUSH_S = 30.0  # how long producing one decision's output may wait for the broker's acks
+FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
+BATCH_MAX = 500  # records handed to one decision batch at most
+BATCH_WITHIN_S = 0.01  # how long a batch waits for more records before it is decided
+COALESCED = {"JobStatePublished": "job_id", "JobTasksPublished": None}  # only a batch's last one per key is produced
 
 # Environment variables of a worker (beside infra.config's), mapped to faust settings; tests lower them.
 FAUST_ENV = {
@@ -106,6 +136,7 @@ FAUST_ENV = {
     "ROPEWALK_FAUST_COMMIT_INTERVAL": "broker_commit_interval",
 }
 RETRY_ENV = "ROPEWALK_SCHEDULER_RETRY_S"
+PROFILE_ENV = "ROPEWALK_PROFILE_DIR"  # a directory: profile the worker (cProfile) and write its stats there at exit
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -122,32 +153,67 @@ def index_key(entitlement: str, machine: str) -> str:
     return f"{entitlement}|{machine}"
 
 
-def _machines_of(record: Mapping[str, Any] | None) -> set[str]:
-    if record is None:
+def is_own_record(msg: Any) -> bool:
+    """Whether a record's ``producer`` header names the scheduler (its own event, come back): read, not decoded."""
+    name = header_of(msg, PRODUCER_HEADER)
+    if name is None:
+        return False
+    return name == PRODUCER.encode() or name.startswith(PRODUCER.encode() + b"/")
+
+
+def coalesce(events: list[Event]) -> list[Event]:
+    """A batch's output with only the last JobStatePublished per job and JobTasksPublished per part (the state
+    topics keep only the latest per key anyway); everything else as it is, in order."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for ev in reversed(events):
+        if ev.type in COALESCED:
+            key = (ev.type, ev.entity_id)
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append(ev)
+    out.reverse()
+    return out
+
+
+def _machines(job: Job | None) -> set[str]:
+    if job is None:
         return set()
-    return {t["machine"] for t in record["tasks"] if t["machine"] is not None}
+    return {t.machine for t in job.tasks.values() if t.machine is not None}
+
+
+def job_ids_of(event: Event) -> list[str]:
+    """The jobs an event names itself (its ``job_id``, or its reports' jobs)."""
+    p = event.payload
+    if "job_id" in p:
+        return [p["job_id"]]
+    if event.type == "TaskStatesChanged":
+        return sorted({r["job_id"] for r in p["reports"]})
+    return []
 
 
 class ShardTables:
-    """The shard's faust tables, and how one decision's slice of ``SchedulerState`` is read from and written
-    back to them. Writes go to the table's store and to the changelog partition of the entitlement."""
+    """The shard's faust tables, and how one batch's slice of ``SchedulerState`` is read from and written back to
+    them. Writes go to the table's store and to the changelog partition of the entitlement."""
 
     def __init__(self, app: faust.App, partitions: int):
         self.app = app
         self.partitions = partitions
         opts = {"default": None, "key_type": str, "value_type": None, "partitions": partitions,
                 "extra_topic_configs": dict(CHANGELOG_CONFIG)}
-        self.jobs = app.Table("scheduler-jobs", **opts)
+        self.jobs = app.Table("scheduler-jobs", **opts)  # job id -> header (store.py)
+        self.job_chunks = app.Table("scheduler-job-chunks", **opts)  # "<job>#<i>@<v>" -> a chunk of its tasks
         self.entitlements = app.Table("scheduler-entitlements", **opts)
         self.machines_down = app.Table("scheduler-machines-down", **opts)
         self.machine_jobs = app.Table("scheduler-machine-jobs", **opts)
         self.offsets = app.Table("scheduler-offsets", **opts)  # "<topic>/<partition>" -> next offset to apply
         self.limits = app.Table("scheduler-limits", **opts)  # "shard/<partition>" -> the shard's token bucket
-        # A memo, not state: job id -> (the record this worker last wrote to the jobs table, the Job it was made
-        # from). Used only while the table still holds that very object (a recovery or another worker's write
-        # puts a new one), so it can never disagree with the table; it saves decoding (and re-encoding the
-        # unchanged tasks of) a big job on every event: 10 + 5 ms per event at 1,000 tasks.
+        # A memo, not state: job id -> (the header this worker last wrote or read, the Job it stands for). Used
+        # only while the table still holds that very object (a recovery or another worker's write puts a new one),
+        # so it can never disagree with the table.
         self._decoded: dict[str, tuple[dict, Job]] = {}
+        self.written_chunks = 0  # chunk records written (a figure for tests and profiles)
 
     def partition_of(self, entitlement: str) -> int:
         return partition_for(entitlement, self.partitions)
@@ -155,12 +221,10 @@ class ShardTables:
     # -- reading ----------------------------------------------------------------------------------------------
     def job_ids_for(self, event: Event, partition: int) -> list[str]:
         """The jobs ``event`` concerns (see the module docstring)."""
-        p = event.payload
-        if "job_id" in p:
-            return [p["job_id"]]
-        if event.type not in MACHINE_EVENTS:
-            return []
-        machines = p["machine_ids"] if "machine_ids" in p else [p["machine_id"]]
+        named = job_ids_of(event)
+        if named or event.type not in MACHINE_EVENTS:
+            return named
+        machines = batches.machine_ids(event)
         if self.entitlements.data.get(event.entitlement) is not None:
             ids: set[str] = set()
             for m in machines:
@@ -170,41 +234,44 @@ class ShardTables:
         return sorted(k for k, r in list(self.jobs.data.items())
                       if r is not None and self.partition_of(r["entitlement"]) == partition)
 
-    def load(self, event: Event | None, job_ids: Iterable[str]) -> tuple[SchedulerState, dict[str, dict]]:
-        """The slice of the state: the given jobs, the entitlements they and ``event`` name, and whether each
-        machine they (and ``event``) touch is down. Also the job records as read (to diff on write-back)."""
-        records = {j: r for j in job_ids if (r := self.jobs.data.get(j)) is not None}
-        ent_names = {r["entitlement"] for r in records.values()}
+    def load(self, events: Iterable[Event], job_ids: Iterable[str]) -> tuple[SchedulerState, dict[str, dict]]:
+        """The slice of the state: the given jobs, the entitlements they and ``events`` name, and whether each
+        machine they (and the machine events) touch is down. Also the job headers as read (to diff on write-back)."""
+        headers = {j: r for j in job_ids if (r := self.jobs.data.get(j)) is not None}
+        jobs = [self._job_of(j, r) for j, r in headers.items()]
+        ent_names = {j.entitlement for j in jobs}
         machines: set[str] = set()
-        for r in records.values():
-            machines |= _machines_of(r)
-        if event is not None:
+        for j in jobs:
+            machines |= _machines(j)
+        for event in events:
             ent_names.add(event.entitlement)
             if event.type in MACHINE_EVENTS:
-                machines.update(event.payload.get("machine_ids") or [event.payload.get("machine_id")])
+                machines.update(batches.machine_ids(event))
         ents = [Entitlement(**e) for n in sorted(ent_names) if (e := self.entitlements.data.get(n)) is not None]
-        down = {m: s for m in machines if m is not None and (s := self.machines_down.data.get(m)) is not None}
-        jobs = [self._job_of(j, r) for j, r in records.items()]
-        return state_of(jobs, ents, down), records
+        down = {m: s for m in machines if (s := self.machines_down.data.get(m)) is not None}
+        return state_of(jobs, ents, down), headers
 
-    def _job_of(self, job_id: str, record: dict) -> Job:
+    def _job_of(self, job_id: str, header: dict) -> Job:
         memo = self._decoded.get(job_id)
-        if memo is not None and memo[0] is record:
+        if memo is not None and memo[0] is header:
             return memo[1]
-        job = job_from_record(record)
-        self._decoded[job_id] = (record, job)
+        job = st.job_of(header, self.job_chunks.data)
+        self._decoded[job_id] = (header, job)
         return job
 
+    def bucket(self, partition: int) -> Bucket | None:
+        """The rate-limiter bucket of the shard's ``partition`` (processors/taskcontrol/limiter.py)."""
+        return bucket_of(self.limits.data.get(shard_bucket_key(partition)))
+
     def with_bucket(self, state: SchedulerState, partition: int) -> SchedulerState:
-        """``state`` with the rate-limiter bucket of the shard's ``partition`` (processors/taskcontrol/limiter.py)."""
-        return dataclasses.replace(state, shard_bucket=bucket_of(self.limits.data.get(shard_bucket_key(partition))))
+        return dataclasses.replace(state, shard_bucket=self.bucket(partition))
 
     def active_job_ids(self, active_partitions: set[int]) -> list[str]:
         return sorted(k for k, r in list(self.jobs.data.items())
                       if r is not None and self.partition_of(r["entitlement"]) in active_partitions)
 
     # -- writing ----------------------------------------------------------------------------------------------
-    async def _put(self, table: faust.Table, partition: int, key: str, value: Any) -> None:
+    def _put(self, table: faust.Table, partition: int, key: str, value: Any) -> None:
         """Set (or with None, delete: a tombstone) ``key`` in the store and in the changelog's ``partition``."""
         if value is None:
             table.data.pop(key, None)
@@ -213,44 +280,76 @@ class ShardTables:
             table.data[key] = value
             table.send_changelog(partition, key, value)
 
-    async def store(self, before: SchedulerState, after: SchedulerState, records: Mapping[str, dict],
-              event_partition: int | None, applied: tuple[str, int] | None = None,
-              bucket_partition: int | None = None) -> int:
-        """Write back what ``decide`` changed; returns the number of jobs written. ``applied``: the source
-        partition key and offset of the event, whose next offset is written last (processors/scheduler/offsets.py)."""
-        written = 0
+    async def _barrier(self) -> None:
+        """Wait until the broker has every changelog record sent so far (faust's producer flush)."""
+        await self.app.producer.flush()
+
+    async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,
+                    down_partitions: Mapping[str, int] | None = None, buckets: Mapping[int, Bucket | None] = (),
+                    applied: Mapping[str, tuple[int, int]] = ()) -> int:
+        """Write back what a batch's decisions changed, in the three steps of store.py's delivery argument;
+        returns the number of jobs written. ``down_partitions``: machine -> the partition of the event that
+        changed its ``machines_down`` entry; ``buckets``: partition -> its bucket after the batch; ``applied``:
+        source partition key -> (its changelog partition, the next offset to apply), written last."""
+        plans: list[tuple[Job, int, st.Plan]] = []
         for job_id, job in after.jobs.items():
-            if before.jobs.get(job_id) is job:
-                continue
-            part = self.partition_of(job.entitlement)
             old = before.jobs.get(job_id)
-            rec = job_to_record(job, (old, records[job_id]) if old is not None and job_id in records else None)
-            await self._put(self.jobs, part, job_id, rec)
-            self._decoded[job_id] = (rec, job)
-            written += 1
-            old_m, new_m = _machines_of(records.get(job_id)), _machines_of(rec)
+            if old is job:
+                continue
+            plans.append((job, self.partition_of(job.entitlement),
+                          st.plan(old, headers.get(job_id), self.job_chunks.data, job)))
+        # 1. the new chunks, durable before any header names them
+        if any(p.chunks for _, _, p in plans):
+            for _, part, p in plans:
+                for key, value in p.chunks.items():
+                    self._put(self.job_chunks, part, key, value)
+                    self.written_chunks += 1
+            await self._barrier()
+        # 2. the headers, and the other tables' values
+        wrote = False
+        for job, part, p in plans:
+            self._put(self.jobs, part, job.id, p.header)
+            self._decoded[job.id] = (p.header, job)
+            old_m, new_m = _machines(before.jobs.get(job.id)), _machines(job)
             for m in old_m ^ new_m:
                 key = index_key(job.entitlement, m)
                 ids = set(self.machine_jobs.data.get(key) or ())
                 if m in new_m:
-                    ids.add(job_id)
+                    ids.add(job.id)
                 else:
-                    ids.discard(job_id)
-                await self._put(self.machine_jobs, part, key, sorted(ids) or None)
+                    ids.discard(job.id)
+                self._put(self.machine_jobs, part, key, sorted(ids) or None)
+            wrote = True
         for name, ent in after.entitlements.items():
             if before.entitlements.get(name) != ent:
-                await self._put(self.entitlements, self.partition_of(name), name, dataclasses.asdict(ent))
+                self._put(self.entitlements, self.partition_of(name), name, dataclasses.asdict(ent))
+                wrote = True
         if after.machines_down is not before.machines_down:
-            part = event_partition if event_partition is not None else 0
             for m in set(before.machines_down) | set(after.machines_down):
                 if before.machines_down.get(m) != after.machines_down.get(m):
-                    await self._put(self.machines_down, part, m, after.machines_down.get(m))
-        if bucket_partition is not None and after.shard_bucket != before.shard_bucket:
-            await self._put(self.limits, bucket_partition, shard_bucket_key(bucket_partition),
-                            bucket_record(after.shard_bucket))
-        if applied is not None and event_partition is not None:
-            await self._put(self.offsets, event_partition, applied[0], applied[1] + 1)
-        return written
+                    part = (down_partitions or {}).get(m, 0)
+                    self._put(self.machines_down, part, m, after.machines_down.get(m))
+                    wrote = True
+        for part, bucket in dict(buckets).items():
+            if bucket != self.bucket(part):
+                self._put(self.limits, part, shard_bucket_key(part), bucket_record(bucket))
+                wrote = True
+        obsolete = [(part, key) for _, part, p in plans for key in p.obsolete]
+        if wrote and (applied or obsolete):
+            await self._barrier()
+        # 3. the offsets, and the chunks no durable header names any more
+        for key, (part, nxt) in dict(applied).items():
+            self._put(self.offsets, part, key, nxt)
+        for part, key in obsolete:
+            self._put(self.job_chunks, part, key, None)
+        return len(plans)
+
+    def orphans(self, active_partitions: set[int]) -> list[tuple[int, str]]:
+        """(partition, key) of the chunk records of the active partitions that no header names."""
+        keys = [k for k, v in list(self.job_chunks.data.items())
+                if v is not None and self.partition_of(v["entitlement"]) in active_partitions]
+        parts = {k: self.partition_of(self.job_chunks.data[k]["entitlement"]) for k in keys}
+        return [(parts[k], k) for k in st.orphans(keys, self.jobs.data)]
 
 
 def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S, **settings: Any):
@@ -265,6 +364,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     source = app.topic(*source_names, key_serializer="raw", value_serializer="raw", partitions=cfg.partitions)
     lock = asyncio.Lock()
     limits = Limits.from_env(os.environ)
+    max_tasks = cfg.max_tasks_per_job
 
     async def produce(events: list[Event]) -> None:
         def send_all() -> None:
@@ -273,20 +373,52 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             producer.flush(FLUSH_S)
         await asyncio.get_running_loop().run_in_executor(None, send_all)
 
-    async def apply(event: Event, partition: int, applied: tuple[str, int] | None = None) -> None:
+    async def apply(items: list[tuple[Any, Any, Event]]) -> None:
+        """Decide a batch of (message, record, event), in order, on one state; produce; store."""
         async with lock:
-            job_ids = tables.job_ids_for(event, partition)
-            state, records = tables.load(event, job_ids)
-            state = tables.with_bucket(state, partition)
-            new, out = decide(state, event, int(time.time() * 1000), limits=limits)
-            if event.type in MACHINE_EVENTS:  # rare, and what moved where is worth a line
-                log.info("scheduler: %s %s of %s on partition %d: jobs %s, %d events", event.type,
-                         event.payload.get("machine_id") or event.payload.get("machine_ids"), event.entitlement,
-                         partition, job_ids, len(out))
+            now = int(time.time() * 1000)
+            job_ids: set[str] = set()
+            for _, rec, ev in items:
+                job_ids.update(tables.job_ids_for(ev, rec.partition))
+            start, headers = tables.load([ev for _, _, ev in items], sorted(job_ids))
+            state = start
+            buckets: dict[int, Bucket | None] = {}
+            down_partitions: dict[str, int] = {}
+            out: list[Event] = []
+            failed = []
+            for msg, rec, ev in items:
+                part = rec.partition
+                if part not in buckets:
+                    buckets[part] = tables.bucket(part)
+                state = dataclasses.replace(state, shard_bucket=buckets[part])
+                try:
+                    new, emitted = decide(state, ev, now, limits=limits, max_tasks=max_tasks)
+                except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
+                    log.exception("scheduler: %s %s at %s[%d]@%d failed", ev.type, ev.event_id, rec.topic, part,
+                                  rec.offset)
+                    failed.append((msg, f"{ev.type}: {type(exc).__name__}: {exc}"))
+                    continue
+                if new.machines_down is not state.machines_down:
+                    for m in set(new.machines_down) | set(state.machines_down):
+                        if new.machines_down.get(m) != state.machines_down.get(m):
+                            down_partitions[m] = part
+                if ev.type in MACHINE_EVENTS:  # rare, and what moved where is worth a line
+                    log.info("scheduler: %s of %s (%d machines) on partition %d: %d events", ev.type,
+                             ev.entitlement, len(batches.machine_ids(ev)), part, len(emitted))
+                buckets[part] = new.shard_bucket
+                state = new
+                out.extend(emitted)
+            for msg, detail in failed:
+                await route_dead_letter(dead_letters, msg, PROCESSING_FAILED, detail)
             if out:
-                await produce(out)  # before the tables: see "Delivery" in the module docstring
-            if new is not state:
-                await tables.store(state, new, records, partition, applied, bucket_partition=partition)
+                await produce(coalesce(out))  # before the tables: see "Delivery" in the module docstring
+            applied = {}
+            for _, rec, _ in items:
+                key = partition_key(rec.topic, rec.partition)
+                applied[key] = (rec.partition, guard.next_offset(key))
+            if state is not start or any(b != tables.bucket(p) for p, b in buckets.items()):
+                await tables.store(start, state, headers, down_partitions=down_partitions, buckets=buckets,
+                                   applied=applied)
 
     guard = OffsetGuard(tables.offsets.data)
 
@@ -297,25 +429,28 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             await app.consumer.seek_wait({tp: target})  # in the consumer's thread, which owns the fetcher
 
     async def gate(msg: Any) -> bool:
-        """The offset guard in front of decoding: apply in order, once (processors/scheduler/offsets.py)."""
+        """The offset guard in front of decoding: apply in order, once (processors/scheduler/offsets.py); then
+        the scheduler's own records are passed over by their producer header, undecoded."""
         key = partition_key(msg.topic, msg.partition)
         v = guard.check(key, msg.offset, time.monotonic())
         if v == GAP:
             await seek_back(msg.tp, key, f"gap before offset {msg.offset}")
-        return v == APPLY
+        return v == APPLY and not is_own_record(msg)
 
     @app.agent(source, name=f"{APP_ID}.schedule")
     async def schedule(stream):
-        async for record, event in decoded(stream, registry, dead_letters, catalogue, cfg=cfg, gate=gate):
-            if is_own(event):
-                continue
-            try:
-                await apply(event, record.partition, (partition_key(record.topic, record.partition), record.offset))
-            except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
-                log.exception("scheduler: %s %s at %s[%d]@%d failed", event.type, event.event_id, record.topic,
-                              record.partition, record.offset)
-                await route_dead_letter(dead_letters, stream.current_event.message, PROCESSING_FAILED,
-                                        f"{event.type}: {type(exc).__name__}: {exc}")
+        missed: dict[bytes, float] = {}
+        async for batch in stream.take_events(BATCH_MAX, BATCH_WITHIN_S):
+            items = []
+            for fev in batch:
+                msg = fev.message
+                if not await gate(msg):
+                    continue
+                got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed)
+                if got is not None:
+                    items.append((msg, *got))
+            if items:
+                await apply(items)
 
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
     async def retry() -> None:
@@ -324,13 +459,19 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             return
         async with lock:
             for part in sorted(active):  # one partition at a time: each has its own shard bucket
-                state, records = tables.load(None, tables.active_job_ids({part}))
+                state, headers = tables.load((), tables.active_job_ids({part}))
                 state = tables.with_bucket(state, part)
                 new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
                 if out:
-                    await produce(out)
+                    await produce(coalesce(out))
                 if new is not state:
-                    await tables.store(state, new, records, None, bucket_partition=part)
+                    await tables.store(state, new, headers, buckets={part: new.shard_bucket})
+            garbage = tables.orphans(active)
+            if garbage:  # every header written is durable (store's second flush): these are named by none
+                log.warning("scheduler: deleting %d chunk records no job names (left by an interrupted write)",
+                            len(garbage))
+                for part, key in garbage:
+                    tables._put(tables.job_chunks, part, key, None)
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:
@@ -354,8 +495,28 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     return app, schedule, tables
 
 
+def _profile_to(directory: str) -> None:
+    """``ROPEWALK_PROFILE_DIR``: profile this worker (cProfile, every thread's calls on the event loop's thread)
+    and write ``scheduler-<pid>.prof`` there at exit (``python -m pstats FILE`` reads it). For measurements only."""
+    import atexit
+    import cProfile
+
+    prof = cProfile.Profile()
+    path = Path(directory) / f"scheduler-{os.getpid()}.prof"
+
+    def dump() -> None:
+        prof.disable()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(str(path))
+
+    atexit.register(dump)
+    prof.enable()
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get(PROFILE_ENV):
+        _profile_to(os.environ[PROFILE_ENV])
     retry_s = float(os.environ.get(RETRY_ENV) or RETRY_S)
     app, _, _ = build_app(Config.from_env(), retry_s=retry_s, **settings_from_env())
     faust.Worker(app, loglevel="INFO").execute_from_commandline()

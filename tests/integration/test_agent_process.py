@@ -2,12 +2,14 @@
 keeps its tasks running while the broker is away; the simulated agents stand for 10,000 machines."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from infra import services
 from infra.config import PROJECT_ROOT, Config
 from infra.process import pid_alive, port_open
+from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
 from streams.topics import Topics
@@ -38,18 +41,33 @@ def send(cfg, registry, *events):
     p.flush()
 
 
+def singles(e):
+    """An agent's TaskStatesChanged as its reports, each a TaskStateChanged (its report id as event id)."""
+    if e.type != "TaskStatesChanged":
+        return [e]
+    return [dataclasses.replace(e, type="TaskStateChanged", payload=r, event_id=r["report_id"])
+            for r in batches.task_reports(e)]
+
+
 class Reader:
-    """Follows a topic from the beginning and keeps every event."""
+    """Follows a topic from the beginning and keeps every event (a batch of reports as its reports); ``types``
+    counts the records as they are on the log."""
 
     def __init__(self, cfg, registry, logical):
         self.consumer = EventConsumer(cfg, registry, [Topics(cfg.topic_prefix, cfg.partitions).name(logical)],
                                       name="test-reader")
         self.events = []
+        self.types = Counter()
+
+    def poll(self, n, timeout_s):
+        recs = self.consumer.poll(n, timeout_s)
+        self.types.update(r.event.type for r in recs)
+        return [x for r in recs for x in singles(r.event)]
 
     def until(self, pred, timeout_s, what):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.events += [r.event for r in self.consumer.poll(5000, 0.2)]
+            self.events += self.poll(5000, 0.2)
             if pred(self.events):
                 return self.events
         seen = [(e.type, e.payload.get("task_id"), e.payload.get("state"), e.payload.get("exit_code"),
@@ -260,8 +278,14 @@ def test_simulated_agents_run_10000_machines(cfg, registry):
     sim = SimulatedAgents(cfg, machines, registry=registry, interval_ms=1000, start_delay_ms=100)
     sim.connect()
     placed = {f"j{t % 10}/{t}": machines[(t * 7919) % len(machines)] for t in range(1000)}  # spread, some share
-    send(cfg, registry, *[command(t, "START", m, ["sleep", "1"], job=t.split("/")[0], entitlement=f"e{t[1]}")
-                          for t, m in placed.items()])
+    by_job = defaultdict(list)  # the scheduler's form: one TasksCommanded per job, many machines' commands in it
+    for t, m in placed.items():
+        by_job[t.split("/")[0]].append({"task_id": t, "machine_id": m, "command": "START", "spec_version": 1,
+                                         "reason": "test"})
+    send(cfg, registry, *[new_event("TasksCommanded", {"job_id": job, "argv": ["sleep", "1"], "env": {},
+                                                       "commands": rows, "part": 0, "parts": 1},
+                                    entitlement=f"e{job[1]}", entity_id=job, producer="test")
+                          for job, rows in sorted(by_job.items())])
     tasks = Reader(cfg, registry, "tasks")
     beats = Reader(cfg, registry, "heartbeats")
 
@@ -269,7 +293,7 @@ def test_simulated_agents_run_10000_machines(cfg, registry):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             sim.step(0.02)
-            reader.events += [r.event for r in reader.consumer.poll(20_000, 0.02)]
+            reader.events += reader.poll(20_000, 0.02)
             if pred(reader.events):
                 return
         raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
@@ -283,6 +307,7 @@ def test_simulated_agents_run_10000_machines(cfg, registry):
         assert len([e for e in started if e.payload["state"] == "RUNNING"]) == 1000  # no duplicates
         assert all(e.payload["machine_id"] == placed[e.payload["task_id"]] for e in started)
         assert all(e.entitlement == f"e{e.payload['task_id'][1]}" for e in started)
+        assert tasks.types["TaskStateChanged"] == 0 and 0 < tasks.types["TaskStatesChanged"] < len(started)  # batched
 
         # Heartbeats flow: every machine beats once per interval and lists its running tasks.
         drive(lambda evs: len({e.payload["machine_id"] for e in evs}) == len(machines), beats, 30, "every machine")
@@ -311,7 +336,7 @@ def test_simulated_agents_run_10000_machines(cfg, registry):
         drive(lambda evs: any(e.type == "TaskStateChanged" and e.payload["task_id"] == "j1/1"
                               and e.payload["state"] == "STOPPED" for e in evs), tasks, 30, "STOPPED")
         sim.step(0.5)
-        tasks.events += [r.event for r in tasks.consumer.poll(10_000, 1.0)]
+        tasks.events += tasks.poll(10_000, 1.0)
         assert not [e for e in tasks.events if e.type == "TaskStateChanged" and e.payload["task_id"] == "j3/3"
                     and e.payload["state"] == "STOPPED"]
         assert sim.heartbeats >= 2 * len(machines)

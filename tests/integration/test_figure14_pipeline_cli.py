@@ -43,11 +43,13 @@ def test_figure14_on_the_pipeline(tmp_path):
     for line in events.read_text().splitlines():
         e = json.loads(line)
         p = e["payload"]
-        if e["type"] == "TaskStateChanged" and p["state"] == "RUNNING":
-            running.add(p["task_id"])
-            machine_of[p["task_id"]] = p["machine_id"]
-        elif e["type"] == "TaskCommanded" and p["command"] == "STOP":
-            running.discard(p["task_id"])
+        if e["type"] == "TaskStatesChanged":  # the agents' reports, batched
+            for r in p["reports"]:
+                if r["state"] == "RUNNING":
+                    running.add(r["task_id"])
+                    machine_of[r["task_id"]] = r["machine_id"]
+        elif e["type"] == "TasksCommanded":  # the scheduler's commands, one event per job and decision
+            running -= {c["task_id"] for c in p["commands"] if c["command"] == "STOP"}
         elif e["type"] == "UnavailabilityStarted" and p["kind"] == "FAILURE":
             before = set(running) if before is None else before
             gone = {t for t in running if machine_of[t] in p["machine_ids"]}

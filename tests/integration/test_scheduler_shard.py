@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from processors.scheduler.decide import PRODUCER
+from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
 from streams.partitioner import partition_for
@@ -127,6 +129,22 @@ def report(cmd, state, exit_code=None):
               ent=cmd.entitlement, entity=p["task_id"], producer="agent")
 
 
+def singles(e):
+    """A batch's items as single-item events (a command's id or a report's id as event id); else ``[e]``."""
+    if e.type == "TasksCommanded":
+        return batches.command_events(e)
+    if e.type == "TaskStatesChanged":
+        return [dataclasses.replace(e, type="TaskStateChanged", payload=r, event_id=r["report_id"])
+                for r in batches.task_reports(e)]
+    return [e]
+
+
+def agent_batch(rows):
+    """An agent process's TaskStatesChanged for (command event, state, exit code) rows (one entitlement)."""
+    reports = [report(cmd, state, exit_code) for cmd, state, exit_code in rows]
+    return batches.batch_reports(reports, producer="agent/test", timestamp_ms=int(time.time() * 1000))
+
+
 class Log:
     """Everything the scheduler produced, read back (no consumer group: every partition from the start)."""
 
@@ -150,12 +168,15 @@ class Log:
         return new
 
     def of(self, type_, **payload):
+        """The scheduler's events of ``type_`` whose payload has these values, each once; TaskCommanded and
+        TaskStateChanged include the items of its batches (TasksCommanded, TaskStatesChanged) as such events."""
         out, ids = [], set()
         for r in self.records:
-            e = r.event
-            if e.type == type_ and e.event_id not in ids and all(e.payload.get(k) == v for k, v in payload.items()):
-                ids.add(e.event_id)
-                out.append(e)
+            for e in singles(r.event):
+                if (e.type == type_ and e.event_id not in ids
+                        and all(e.payload.get(k) == v for k, v in payload.items())):
+                    ids.add(e.event_id)
+                    out.append(e)
         return out
 
     def latest_state(self) -> dict[str, dict]:
@@ -179,6 +200,8 @@ class Hands:
         self.placements: dict[str, list[str]] = defaultdict(list)  # task -> machines it was placed on, in order
 
     def react(self, events) -> None:
+        """Allocate; run the commands of each TasksCommanded and report them as an agent process does (one
+        TaskStatesChanged for the batch's commands)."""
         for e in events:
             p = e.payload
             if e.type == "AllocationRequested" and p["place_task_ids"]:
@@ -186,11 +209,15 @@ class Hands:
                 for t, m in where.items():
                     self.placements[t].append(m)
                 self.producer.send(allocated(e, where))
-            elif e.type == "TaskCommanded" and p["command"] in ("START", "RESTART"):
-                self.producer.send(report(e, "STARTING"))
-                self.producer.send(report(e, "RUNNING"))
-            elif e.type == "TaskCommanded" and p["command"] == "STOP":
-                self.producer.send(report(e, "STOPPED", exit_code=0))
+            elif e.type in ("TaskCommanded", "TasksCommanded"):
+                rows = []
+                for cmd in batches.command_events(e):
+                    if cmd.payload["command"] in ("START", "RESTART"):
+                        rows += [(cmd, "STARTING", None), (cmd, "RUNNING", None)]
+                    else:
+                        rows.append((cmd, "STOPPED", 0))
+                for b in agent_batch(rows):
+                    self.producer.send(b)
         self.producer.flush()
 
 

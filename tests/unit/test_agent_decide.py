@@ -151,3 +151,106 @@ def test_json_round_trip_and_forget_finished():
     for r in state.tasks.values():
         assert run_from_json(run_to_json(r)) == r
     assert set(forget_finished(state).tasks) == {"j/0"}
+
+
+# -- batches: a job's TasksCommanded in, one TaskStatesChanged per entitlement out --------------------------------
+
+from processors.agent.decide import batch, commands  # noqa: E402
+from streams import batches  # noqa: E402
+
+
+def tasks_commanded(rows, eid="batch-1", ent="e1"):
+    """A TasksCommanded of job j: rows (task, machine, command, spec)."""
+    return new_event("TasksCommanded", {
+        "job_id": "j", "argv": ["sleep", "30"], "env": {"A": "1"},
+        "commands": [{"task_id": t, "machine_id": m, "command": c, "spec_version": v, "reason": "placed"}
+                     for t, m, c, v in rows], "part": 0, "parts": 1},
+        entitlement=ent, entity_id="j", producer="scheduler", timestamp_ms=1, event_id=eid)
+
+
+BATCH = tasks_commanded([("j/0", "m1", "START", 1), ("j/1", "m2", "START", 1), ("j/2", "m1", "STOP", 1)])
+
+COMMANDS_FOR = {  # machine -> (task, command, argv) it keeps
+    "m1": [("j/0", "START", ["sleep", "30"]), ("j/2", "STOP", [])],
+    "m2": [("j/1", "START", ["sleep", "30"])],
+    "m9": [],
+}
+
+
+@pytest.mark.parametrize("machine, expected", COMMANDS_FOR.items(), ids=COMMANDS_FOR)
+def test_each_agent_keeps_the_commands_addressed_to_its_machine(machine, expected):
+    got = commands(BATCH, machine.__eq__)
+    assert [(c.payload["task_id"], c.payload["command"], c.payload["argv"]) for c in got] == expected
+    for c in got:
+        assert c.type == "TaskCommanded" and c.entitlement == "e1" and c.payload["env"] == (
+            {"A": "1"} if c.payload["command"] != "STOP" else {})
+        position = [r["task_id"] for r in BATCH.payload["commands"]].index(c.payload["task_id"])
+        assert c.event_id == batches.command_id(BATCH.event_id, position)  # derived: the same on redelivery
+        REG.encode("TaskCommanded", c.to_record(1))
+
+
+def test_a_redelivered_batch_command_is_a_no_op():
+    state = initial_state(M, incarnation=7)
+    (start,) = [c for c in commands(BATCH, M.__eq__) if c.payload["command"] == "START"]
+    state, events, actions = decide(state, Command(start), 0, POLICY)
+    assert [e.payload["state"] for e in events] == [STARTING] and len(actions) == 1
+    (again,) = [c for c in commands(BATCH, M.__eq__) if c.payload["command"] == "START"]
+    assert decide(state, Command(again), 1, POLICY) == (state, [], [])
+
+
+def test_an_old_single_task_command_is_read_as_before():
+    old = cmd("START").event
+    assert commands(old, M.__eq__) == [old] and commands(old, "m2".__eq__) == []
+
+
+def report_events(rows):
+    """TaskStateChanged reports of one step: rows (entitlement, task, state)."""
+    state = initial_state(M, incarnation=7)
+    out = []
+    for ent, task, st in rows:
+        out.append(new_event("TaskStateChanged", {
+            "task_id": task, "job_id": task.split("/")[0], "machine_id": M, "state": st, "previous_state": UNKNOWN,
+            "exit_code": None, "spec_version": 1, "reason": REASON_SPAWNING}, entitlement=ent, entity_id=task,
+            producer=f"agent/{M}", causation_id=f"run-{task}", timestamp_ms=5, event_id=f"r-{ent}-{task}-{st}"))
+    assert state is not None
+    return out
+
+
+BATCHES = {  # reports (entitlement, task, state) -> per batch: (entitlement, [(task, state)])
+    "one entitlement: one batch": ([("e1", "a/0", STARTING), ("e1", "a/1", STARTING), ("e1", "a/0", RUNNING)],
+                                   [("e1", [("a/0", STARTING), ("a/1", STARTING), ("a/0", RUNNING)])]),
+    "two entitlements: one batch each, reports in order": (
+        [("e1", "a/0", STARTING), ("e2", "b/0", STARTING), ("e1", "a/0", RUNNING)],
+        [("e1", [("a/0", STARTING), ("a/0", RUNNING)]), ("e2", [("b/0", STARTING)])]),
+    "nothing: nothing": ([], []),
+}
+
+
+@pytest.mark.parametrize("rows, expected", BATCHES.values(), ids=BATCHES)
+def test_reports_of_a_step_go_out_as_one_batch_per_entitlement(rows, expected):
+    reports = report_events(rows)
+    out = batch(reports, "agent/m1", 9)
+    assert [(e.entitlement, [(r["task_id"], r["state"]) for r in e.payload["reports"]]) for e in out] == expected
+    for e in out:
+        REG.encode(e.type, e.to_record(1))
+        assert e.type == "TaskStatesChanged" and e.producer == "agent/m1" and e.timestamp_ms == 9
+        ids = [r["report_id"] for r in e.payload["reports"]]
+        assert e.event_id == batches.batch_id("TaskStatesChanged", ids)  # derived from its content
+        assert all(r["cause_id"].startswith("run-") for r in e.payload["reports"])  # the run's command
+    assert batch(reports, "agent/m1", 99)[0].event_id == out[0].event_id if out else True  # time is not content
+
+
+def test_a_huge_step_is_split_below_the_record_limit():
+    reports = report_events([("e1", f"big/{i}", STARTING) for i in range(12_000)])
+    out = batch(reports, "agent/simulated", 1)
+    sizes = [len(e.payload["reports"]) for e in out]
+    assert len(out) >= 3 and sum(sizes) == 12_000 and max(sizes) <= batches.MAX_ITEMS
+    assert [r["task_id"] for e in out for r in e.payload["reports"]] == [f"big/{i}" for i in range(12_000)]
+    assert max(len(REG.encode(e.type, e.to_record(1))) for e in out) < batches.MAX_RECORD_BYTES
+    assert len({e.event_id for e in out}) == len(out)
+
+
+def test_only_reports_are_batched():
+    with pytest.raises(AgentError):
+        batch([new_event("AgentHeartbeat", {"machine_id": M, "running_task_ids": [], "sequence": 1},
+                         entitlement="", entity_id=M, producer="agent/m1")], "agent/m1", 1)

@@ -3,10 +3,12 @@ import pytest
 
 from processors.health.decide import (
     HB_ACCEPTED, HB_AGENT_RESTARTED, HB_DUPLICATE, HB_STALE, HB_UNKNOWN_MACHINE, HEARTBEAT_MISSED, HEARTBEAT_RESUMED,
-    HealthError, HealthState, MachineHealth, apply_all, classify, on_heartbeat, on_machine_event, on_tick,
+    HealthError, HealthState, MachineHealth, apply_all, classify, on_heartbeat, on_heartbeats, on_machine_event,
+    on_tick,
 )
 from processors.resourcebroker.decide import DOWN, MAINTENANCE, UNHEALTHY, UP, BrokerState, register_all
 from processors.resourcebroker.region import MachineSpec
+from streams.batches import machine_statuses
 from streams.events import new_event
 from streams.serde import SchemaRegistry
 
@@ -51,8 +53,8 @@ def run(state, steps):
             state, events = on_machine_event(state, step[1]), []
         for ev in events:
             REG.encode(ev.type, ev.to_record(schema_version=1))
-        emitted.append([(e.payload["machine_id"], e.payload["previous_status"], e.payload["status"],
-                         e.payload["reason"]) for e in events])
+        emitted.append([(m["machine_id"], m["previous_status"], m["status"], m["reason"])
+                        for e in events for m in machine_statuses(e)])
     return state, emitted
 
 
@@ -201,16 +203,17 @@ def test_events_are_keyed_to_the_owner(events, key):
     state = apply_all(watched(), events)
     state, missed = on_tick(state, 100_000, TIMEOUT)
     state, resumed = on_heartbeat(state, hb(X, 1, 100_001))
-    assert [e.entitlement for e in missed if e.entity_id == X] == [key]
+    assert [e.entitlement for e in missed if X in [m["machine_id"] for m in e.payload["machines"]]] == [key]
     assert [e.entitlement for e in resumed] == [key]
 
 
 def test_state_marks_and_events():
     state, events = on_tick(watched(), 50_000, TIMEOUT)
     assert state.unhealthy == {X, Y}
-    ev = events[0]
-    assert (ev.type, ev.entity_id, ev.producer, ev.timestamp_ms, ev.causation_id) == (
-        "MachineStatusChanged", X, "health", 50_000, None)
+    (ev,) = events  # both machines, one owner: one event
+    assert (ev.type, ev.entitlement, ev.producer, ev.timestamp_ms, ev.causation_id) == (
+        "MachinesStatusChanged", "free/dc1", "health", 50_000, None)
+    assert ev.payload["machines"] == [{"machine_id": X, "previous_status": UP}, {"machine_id": Y, "previous_status": UP}]
     state, resumed = on_heartbeat(state, hb(X, 1, 60_000, event_id="hb-1"))
     assert state.unhealthy == {Y}
     assert (resumed[0].causation_id, resumed[0].timestamp_ms) == ("hb-1", 60_000)
@@ -220,7 +223,9 @@ def test_decisions_replay_with_the_same_ids():
     _, first = on_tick(watched(), 50_000, TIMEOUT)
     _, later = on_tick(watched(), 70_000, TIMEOUT)  # the same silence, judged at another tick
     assert [e.event_id for e in first] == [e.event_id for e in later]
-    assert len({e.event_id for e in first}) == 2
+    assert len(first) == 1
+    _, other = on_tick(on_heartbeat(watched(), hb(X, 1, 1_000))[0], 50_000, TIMEOUT)  # another silence, another id
+    assert other[0].event_id != first[0].event_id
     state, _ = on_tick(watched(), 50_000, TIMEOUT)
     assert on_heartbeat(state, hb(X, 1, 60_000))[1] == on_heartbeat(state, hb(X, 1, 60_000))[1]
 
@@ -253,3 +258,42 @@ def test_bad_timeout(timeout):
 def test_only_heartbeats_are_heartbeats():
     with pytest.raises(HealthError, match="expected an AgentHeartbeat, got MachineStatusChanged"):
         on_heartbeat(watched(), status_ev(X, UP, 1))
+
+
+# -- batches: one event per owner per tick, and per poll step of heartbeats ---------------------------------------
+
+def region(n_free, n_owned, owner="e1"):
+    """``n_free`` machines in the free pool and ``n_owned`` assigned to ``owner``, watched since t=0."""
+    specs = [MachineSpec(f"dc1-msb1-r01-m{i:03d}", "r1", "dc1", "msb1", "r01", "skylake", 32000, 131072)
+             for i in range(n_free + n_owned)]
+    state = apply_all(HealthState(), register_all(BrokerState(), specs, 0)[1])
+    owned = [owner_ev("MachineAssignedToEntitlement", s.id, owner, 1) for s in specs[n_free:]]
+    return apply_all(state, owned), [s.id for s in specs]
+
+
+def test_a_tick_announces_every_silent_machine_of_an_owner_in_one_event():
+    state, ids = region(300, 200)
+    state, events = on_tick(state, 100_000, TIMEOUT)
+    assert [(e.type, e.entitlement, len(e.payload["machines"])) for e in events] == [
+        ("MachinesStatusChanged", "e1", 200), ("MachinesStatusChanged", "free/dc1", 300)]
+    assert state.unhealthy == set(ids)
+    for e in events:
+        REG.encode(e.type, e.to_record(1))
+        assert e.payload["status"] == UNHEALTHY and e.payload["reason"] == HEARTBEAT_MISSED
+    assert on_tick(state, 200_000, TIMEOUT) == (state, [])  # once per silence
+
+
+def test_heartbeats_of_a_step_resume_their_machines_in_one_event_per_owner():
+    state, ids = region(3, 2)
+    state, _ = on_tick(state, 40_000, TIMEOUT)
+    beats = [hb(m, 1, 50_000 + i) for i, m in enumerate(ids)] + [hb(ids[0], 1, 50_000)]  # and one duplicate
+    new, events = on_heartbeats(state, beats)
+    assert [(e.entitlement, [m["machine_id"] for m in e.payload["machines"]]) for e in events] == [
+        ("e1", ids[3:]), ("free/dc1", ids[:3])]
+    assert {m["previous_status"] for e in events for m in e.payload["machines"]} == {UNHEALTHY}
+    assert all(e.timestamp_ms == 50_004 and e.causation_id == beats[0].event_id for e in events)
+    assert new.unhealthy == set()
+    assert on_heartbeats(state, beats)[1] == events  # the same heartbeats again: the same ids
+    assert on_heartbeats(new, beats)[1] == []  # already up
+    # folding the service's own batch (its echo) changes nothing more
+    assert apply_all(new, events).machines == new.machines

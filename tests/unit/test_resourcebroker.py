@@ -72,7 +72,11 @@ def summary(events):
     for ev in events:
         p = ev.payload
         what = p.get("status") or p.get("kind") or ""
-        out.append((ev.type, ev.entitlement, p["machine_id"] if "machine_id" in p else tuple(p["machine_ids"]), what))
+        if ev.type == "MachinesStatusChanged":
+            machines = tuple(m["machine_id"] for m in p["machines"])
+        else:
+            machines = p["machine_id"] if "machine_id" in p else tuple(p["machine_ids"])
+        out.append((ev.type, ev.entitlement, machines, what))
     return out
 
 
@@ -336,18 +340,18 @@ def test_maintenance_window_opens_and_closes():
     assert ids == [A1, A2, B1, B2]
 
     state, opened = maintenance_started(state, ue, ids, T0 + 100)
-    assert summary(valid(opened)) == [("MachineStatusChanged", "e1", A1, MAINTENANCE),
-                                      ("MachineStatusChanged", "free/dc1", A2, MAINTENANCE),
-                                      ("MachineStatusChanged", "e2", B2, MAINTENANCE)]  # B1 is DOWN: stays DOWN
+    assert summary(valid(opened)) == [("MachinesStatusChanged", "e1", (A1,), MAINTENANCE),  # one per owner
+                                      ("MachinesStatusChanged", "e2", (B2,), MAINTENANCE),  # B1 is DOWN: stays DOWN
+                                      ("MachinesStatusChanged", "free/dc1", (A2,), MAINTENANCE)]
     assert {e.payload["reason"] for e in opened} == {REASON_MAINTENANCE}
-    assert [e.payload["previous_status"] for e in opened] == [UP, UP, UNHEALTHY]
+    assert [m["previous_status"] for e in opened for m in e.payload["machines"]] == [UP, UNHEALTHY, UP]
     assert maintenance_started(state, ue, ids, T0 + 101) == (state, [])  # repeated: nothing
 
     state, _ = machine_failed(state, A2, REASON_OPERATOR, T0 + 120)  # broke during the window
 
     state, closed = maintenance_ended(state, ue, ids, T0 + 150)
-    assert summary(valid(closed)) == [("MachineStatusChanged", "e1", A1, UP),
-                                      ("MachineStatusChanged", "e2", B2, UP),
+    assert summary(valid(closed)) == [("MachinesStatusChanged", "e1", (A1,), UP),
+                                      ("MachinesStatusChanged", "e2", (B2,), UP),
                                       ("UnavailabilityEnded", "e1", (A1, B1), ""),
                                       ("UnavailabilityEnded", "e2", (B2,), ""),
                                       ("UnavailabilityEnded", "free/dc1", (A2,), "")]

@@ -21,6 +21,7 @@ from processors.scheduler.decide import (
     REASON_UNKNOWN_ENTITLEMENT, REASON_UNKNOWN_TASK, RESTART_RESET_MS, SchedulerState, UnknownJob, decide,
     job_view, retry_unplaced,
 )
+from streams.batches import command_events, task_commands, task_reports
 from streams.events import new_event
 from streams.serde import SchemaRegistry
 
@@ -113,16 +114,44 @@ def unavailability(machines, kind="FAILURE", ent=ENT):
                                         "reason": "operator"}, producer="resourcebroker", ent=ent, entity="ue1")
 
 
+def reports(*items, ts=T0):
+    """An agent process's TaskStatesChanged: items (task, state, machine[, version[, exit_code]])."""
+    rows = []
+    for task, state, machine, *rest in items:
+        version = rest[0] if rest else 1
+        exit_code = rest[1] if len(rest) > 1 else None
+        rows.append({"report_id": f"r-{task}-{state}-{next(_ids)}", "task_id": task, "job_id": task.rsplit("/", 1)[0],
+                     "machine_id": machine, "state": state, "previous_state": "STARTING", "exit_code": exit_code,
+                     "spec_version": version, "reason": "", "cause_id": None})
+    return ev("TaskStatesChanged", {"reports": rows}, producer="agent/simulated", entity=rows[0]["task_id"], ts=ts)
+
+
+def commands(out):
+    """The per-task commands of the TasksCommanded in ``out``, in order."""
+    return [c for e in out for c in task_commands(e)]
+
+
 def agent_reactions(out):
-    """What well-behaved agents report after the commands in ``out``."""
-    for e in out:
-        if e.type == "TaskCommanded":
-            p = e.payload
-            if p["command"] in ("START", "RESTART"):
-                yield report(p["task_id"], "STARTING", p["machine_id"], version=p["spec_version"])
-                yield report(p["task_id"], "RUNNING", p["machine_id"], version=p["spec_version"])
-            else:
-                yield report(p["task_id"], "STOPPED", p["machine_id"], version=p["spec_version"], exit_code=0)
+    """What well-behaved agents report after the commands in ``out`` (one TaskStateChanged per transition, the
+    form older logs hold: the scheduler reads both)."""
+    for p in commands(out):
+        if p["command"] in ("START", "RESTART"):
+            yield report(p["task_id"], "STARTING", p["machine_id"], version=p["spec_version"])
+            yield report(p["task_id"], "RUNNING", p["machine_id"], version=p["spec_version"])
+        else:
+            yield report(p["task_id"], "STOPPED", p["machine_id"], version=p["spec_version"], exit_code=0)
+
+
+def batched_reactions(out):
+    """The same as one TaskStatesChanged (as an agent process batches them), or nothing."""
+    rows = []
+    for p in commands(out):
+        if p["command"] in ("START", "RESTART"):
+            rows += [(p["task_id"], "STARTING", p["machine_id"], p["spec_version"]),
+                     (p["task_id"], "RUNNING", p["machine_id"], p["spec_version"])]
+        else:
+            rows.append((p["task_id"], "STOPPED", p["machine_id"], p["spec_version"], 0))
+    return [reports(*rows)] if rows else []
 
 
 class Allocator:
@@ -179,17 +208,17 @@ class Sim:
 
 
 def kinds(out):
-    """Emitted events in a comparable short form."""
+    """Emitted events in a comparable short form (the items of a batch, each in its place)."""
     short = []
     for e in out:
         p = e.payload
         if e.type == "AllocationRequested":
             short.append(("request", tuple(p["place_task_ids"]), tuple(p["free_task_ids"]),
                           tuple(p["avoid_machine_ids"])))
-        elif e.type == "TaskStateChanged":
-            short.append(("state", p["task_id"], p["state"], p["reason"]))
-        elif e.type == "TaskCommanded":
-            short.append((p["command"], p["task_id"], p["machine_id"], p["spec_version"]))
+        elif e.type == "TaskStatesChanged":
+            short += [("state", r["task_id"], r["state"], r["reason"]) for r in task_reports(e)]
+        elif e.type == "TasksCommanded":
+            short += [(c["command"], c["task_id"], c["machine_id"], c["spec_version"]) for c in task_commands(e)]
         elif e.type == "ServiceDiscoveryChanged":
             short.append(("discovery", p["task_id"], p["enabled"]))
         elif e.type == "JobStatePublished":
@@ -198,6 +227,13 @@ def kinds(out):
 
 
 def of_type(out, type_):
+    """The events of ``type_`` in ``out``; for TaskCommanded and TaskStateChanged, the items of the batches
+    (TasksCommanded, TaskStatesChanged) as single-item events, in order (what a test of behaviour looks at)."""
+    if type_ == "TaskCommanded":
+        return [c for e in out for c in command_events(e)]
+    if type_ == "TaskStateChanged":
+        return [dataclasses.replace(e, type=type_, payload=r, event_id=r["report_id"])
+                for e in out for r in task_reports(e)]
     return [e for e in out if e.type == type_]
 
 
@@ -226,13 +262,18 @@ def test_deploy_step_by_step():
     assert sim.tasks() == {"j/0": ("PENDING", None), "j/1": ("PENDING", None), "j/2": ("PENDING", None)}
 
     out = sim.feed(allocated(req, {"j/0": "m1", "j/1": "m2", "j/2": "m3"}))
-    assert kinds(out) == [
-        ("state", "j/0", "ALLOCATED", "allocated"), ("START", "j/0", "m1", 1),
-        ("state", "j/1", "ALLOCATED", "allocated"), ("START", "j/1", "m2", 1),
-        ("state", "j/2", "ALLOCATED", "allocated"), ("START", "j/2", "m3", 1),
+    assert kinds(out) == [  # one TaskStatesChanged, one TasksCommanded, the job's state
+        ("state", "j/0", "ALLOCATED", "allocated"), ("state", "j/1", "ALLOCATED", "allocated"),
+        ("state", "j/2", "ALLOCATED", "allocated"),
+        ("START", "j/0", "m1", 1), ("START", "j/1", "m2", 1), ("START", "j/2", "m3", 1),
         ("published", JOB_PENDING, False)]
-    start = of_type(out, "TaskCommanded")[0]
-    assert start.payload["argv"] == ["sleep", "3600"] and start.payload["env"] == {"ROLE": "web"}
+    assert [e.type for e in out] == ["TaskStatesChanged", "TasksCommanded", "JobStatePublished"]
+    start = commands(out)[0]
+    assert start["argv"] == ["sleep", "3600"] and start["env"] == {"ROLE": "web"}
+    batch = of_type(out, "TasksCommanded")[0]  # the spec once, then one line per task
+    assert batch.payload["argv"] == ["sleep", "3600"] and batch.payload["env"] == {"ROLE": "web"}
+    assert batch.payload["commands"][0] == {"task_id": "j/0", "machine_id": "m1", "command": "START",
+                                            "spec_version": 1, "reason": "placed"}
     assert sim.view()["tasks"][1] == {"id": "j/1", "state": "STARTING", "machine": "m2", "dc": "dc1", "msb": "msb2",
                                       "rack": "r2", "spec_version": 1, "reason": "submitted"}
 
@@ -362,7 +403,7 @@ def test_stale_and_duplicate_tasks_allocated_are_ignored():
     sim.feed(entitlement())
     req = sim.feed(submit("j", 2))[0]
     placed = sim.feed(allocated(req, {"j/0": "m1", "j/1": "m2"}))
-    assert len(of_type(placed, "TaskCommanded")) == 2
+    assert len(commands(placed)) == 2
     before = sim.view()
     assert sim.feed(allocated(req, {"j/0": "m4", "j/1": "m5"})) == []  # same request answered again
     fake = new_event("AllocationRequested", {"request_id": "j:v1:r99", "job_id": "j"}, entitlement=ENT,
@@ -421,7 +462,7 @@ def test_restart_policy_then_give_up():
         out = sim.feed(report("j/0", "FAILED", "m1", exit_code=1))
         assert kinds(out) == [("discovery", "j/0", False), ("RESTART", "j/0", "m1", 1),
                               ("published", JOB_PENDING, False)]
-        assert of_type(out, "TaskCommanded")[0].payload["reason"] == REASON_RESTART_POLICY
+        assert commands(out)[0]["reason"] == REASON_RESTART_POLICY
         assert sim.view()["tasks"][0]["reason"] == REASON_CRASHED
         sim.feed_all(list(agent_reactions(out)))
     out = sim.feed(report("j/0", "FAILED", "m1", exit_code=1))
@@ -462,13 +503,13 @@ def test_machine_failure_moves_exactly_the_affected_tasks(make, reason):
 
     out = sim.feed(make())
     assert kinds(out) == [
-        ("discovery", "a/0", False), ("state", "a/0", "FAILED", reason), ("STOP", "a/0", "m1", 1),
-        ("state", "a/0", "PENDING", reason),
-        ("discovery", "a/1", False), ("state", "a/1", "FAILED", reason), ("STOP", "a/1", "m1", 1),
-        ("state", "a/1", "PENDING", reason),
+        ("discovery", "a/0", False), ("discovery", "a/1", False),
         ("request", ("a/0", "a/1"), ("a/0", "a/1"), ("m1",)),
+        ("state", "a/0", "FAILED", reason), ("state", "a/0", "PENDING", reason),
+        ("state", "a/1", "FAILED", reason), ("state", "a/1", "PENDING", reason),
+        ("STOP", "a/0", "m1", 1), ("STOP", "a/1", "m1", 1),  # the fences
         ("published", JOB_PENDING, False)]
-    assert of_type(out, "TaskStateChanged")[0].payload["machine_id"] == "m1"
+    assert task_reports(of_type(out, "TaskStatesChanged")[0])[0]["machine_id"] == "m1"
     tasks = sim.state.jobs["a"].tasks
     assert tasks["a/2"] is before_a["a/2"] and tasks["a/3"] is before_a["a/3"]  # untouched
     assert sim.state.jobs["b"] is before_b  # another job, not on m1: not even its duplicate ring moved
@@ -478,7 +519,7 @@ def test_machine_failure_moves_exactly_the_affected_tasks(make, reason):
     other = unavailability(["m1"]) if make().type == "MachineStatusChanged" else machine_status("m1", "DOWN")
     assert sim.feed(other) == []
 
-    out = sim.feed(allocated(out[-2], {"a/0": "m4", "a/1": "m5"}))
+    out = sim.feed(allocated(of_type(out, "AllocationRequested")[0], {"a/0": "m4", "a/1": "m5"}))
     assert [k for k in kinds(out) if k[0] == "START"] == [("START", "a/0", "m4", 1), ("START", "a/1", "m5", 1)]
     out = sim.feed_all(list(agent_reactions(out)))
     assert [k for k in kinds(out) if k[0] == "discovery"] == [("discovery", "a/0", True), ("discovery", "a/1", True)]
@@ -502,10 +543,10 @@ def test_placement_on_a_machine_that_failed_meanwhile_is_moved_at_once():
     assert sim.feed(machine_status("m1", "DOWN")) == []  # no task there yet
     out = sim.feed(allocated(req, {"j/0": "m1", "j/1": "m2"}))  # the allocator had not seen it
     assert kinds(out) == [
+        ("request", ("j/0",), ("j/0",), ("m1",)),
         ("state", "j/0", "ALLOCATED", "allocated"), ("state", "j/0", "FAILED", REASON_MACHINE_FAILED),
-        ("state", "j/0", "PENDING", REASON_MACHINE_FAILED),
-        ("state", "j/1", "ALLOCATED", "allocated"), ("START", "j/1", "m2", 1),
-        ("request", ("j/0",), ("j/0",), ("m1",)), ("published", JOB_PENDING, False)]
+        ("state", "j/0", "PENDING", REASON_MACHINE_FAILED), ("state", "j/1", "ALLOCATED", "allocated"),
+        ("START", "j/1", "m2", 1), ("published", JOB_PENDING, False)]
     sim.feed(machine_status("m1", "UP"))
     assert sim.state.machines_down == {}
 
@@ -523,10 +564,10 @@ def test_resize_up():
 def test_resize_down_stops_the_highest_then_frees_them():
     sim = running_job(4, ("m1", "m2", "m3", "m4"))
     out = sim.feed(resized("j", 2))
-    assert kinds(out) == [("discovery", "j/3", False), ("STOP", "j/3", "m4", 1),
-                          ("discovery", "j/2", False), ("STOP", "j/2", "m3", 1),
+    assert kinds(out) == [("discovery", "j/3", False), ("discovery", "j/2", False),  # out of discovery first
+                          ("STOP", "j/3", "m4", 1), ("STOP", "j/2", "m3", 1),
                           ("published", JOB_RUNNING, False)]  # the two tasks it keeps run: retiring ones don't count
-    assert of_type(out, "TaskCommanded")[0].payload["reason"] == REASON_RESIZED
+    assert commands(out)[0]["reason"] == REASON_RESIZED
     assert sim.tasks()["j/3"] == ("STOPPING", "m4")
     out = sim.feed(report("j/3", "STOPPED", "m4", exit_code=0))
     assert kinds(out) == [("request", (), ("j/3",), ()), ("published", JOB_RUNNING, False)]
@@ -581,9 +622,9 @@ def test_stop_stops_everything_then_frees_then_deletes():
     sim.feed(rejected(req, ["j/2"]))
 
     out = sim.feed(stopped("j"))
-    assert kinds(out) == [("state", "j/2", "STOPPED", REASON_JOB_STOPPED),
-                          ("discovery", "j/1", False), ("STOP", "j/1", "m2", 1),
-                          ("discovery", "j/0", False), ("STOP", "j/0", "m1", 1),
+    assert kinds(out) == [("discovery", "j/1", False), ("discovery", "j/0", False),
+                          ("state", "j/2", "STOPPED", REASON_JOB_STOPPED),
+                          ("STOP", "j/1", "m2", 1), ("STOP", "j/0", "m1", 1),
                           ("published", JOB_STOPPING, False)]
     assert sim.feed(stopped("j")) == [] and sim.feed(resized("j", 5)) == []
     assert sim.view()["last_reason"].startswith(REASON_JOB_NOT_ACTIVE)
@@ -657,10 +698,10 @@ def test_rolling_update_starts_the_new_version_in_place_with_start():
     sim = running_job(2, ("m1", "m2"))
     out = sim.feed(spec_changed("j", 2, version=2, command=("sleep", "7200")))
     assert kinds(out) == [("discovery", "j/0", False), ("STOP", "j/0", "m1", 1), ("published", JOB_UPDATING, False)]
-    assert of_type(out, "TaskCommanded")[0].payload["reason"] == REASON_ROLLING_UPDATE
+    assert commands(out)[0]["reason"] == REASON_ROLLING_UPDATE
     out = sim.feed(report("j/0", "STOPPED", "m1", exit_code=0))
     assert kinds(out) == [("START", "j/0", "m1", 2), ("published", JOB_UPDATING, False)]
-    assert of_type(out, "TaskCommanded")[0].payload["argv"] == ["sleep", "7200"]
+    assert commands(out)[0]["argv"] == ["sleep", "7200"]
     assert sim.feed(report("j/0", "RUNNING", "m1", version=1)) == []  # the old version's report: stale
     out = sim.feed(report("j/0", "RUNNING", "m1", version=2))
     assert kinds(out) == [("discovery", "j/0", True), ("discovery", "j/1", False), ("STOP", "j/1", "m2", 1),
@@ -689,10 +730,10 @@ def test_machine_failure_under_a_task_being_updated():
     sim = running_job(2, ("m1", "m2"))
     sim.feed(spec_changed("j", 2, version=2, command=("v2",)))  # j/0 STOPPING on m1 for the update
     out = sim.feed(machine_status("m1", "DOWN"))
-    assert kinds(out) == [("state", "j/0", "STOPPED", REASON_MACHINE_FAILED),
-                          ("state", "j/0", "PENDING", REASON_MACHINE_FAILED),
-                          ("request", ("j/0",), ("j/0",), ("m1",)), ("published", JOB_UPDATING, False)]
-    out = sim.feed(allocated(out[-2], {"j/0": "m3"}))
+    assert kinds(out) == [("request", ("j/0",), ("j/0",), ("m1",)),
+                          ("state", "j/0", "STOPPED", REASON_MACHINE_FAILED),
+                          ("state", "j/0", "PENDING", REASON_MACHINE_FAILED), ("published", JOB_UPDATING, False)]
+    out = sim.feed(allocated(of_type(out, "AllocationRequested")[0], {"j/0": "m3"}))
     assert ("START", "j/0", "m3", 2) in kinds(out)  # moved tasks start the new version
     out = sim.feed(report("j/0", "RUNNING", "m3", version=2))
     assert ("STOP", "j/1", "m2", 1) in kinds(out)
@@ -700,7 +741,7 @@ def test_machine_failure_under_a_task_being_updated():
 
 def test_a_move_the_allocator_cannot_place_waits_with_the_reason():
     sim = running_job(2, ("m1", "m2"))
-    req = sim.feed(machine_status("m1", "DOWN"))[-2]
+    req = of_type(sim.feed(machine_status("m1", "DOWN")), "AllocationRequested")[0]
     out = sim.feed(rejected(req, ["j/0"], reason="no_feasible_machine", message="no machine fits"))
     assert kinds(out) == [("published", JOB_PENDING, False)]
     assert sim.view()["tasks"][0]["reason"] == "no_feasible_machine"

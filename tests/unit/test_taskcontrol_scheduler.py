@@ -213,8 +213,8 @@ def test_a_move_waits_for_the_ack_then_fences_and_reschedules():
     assert [(o.task_id, o.kind, o.reason) for o in r.pending] == [("j/0", tc.OP_MOVE, "machine_unhealthy")]
     assert r.unhealthy == ("j/0",)
     out = sim.feed(ack("j", 1, [r.pending[0].operation_id]))
-    assert kinds(out)[:3] == [("STOP", "j/0", "m1", 1), ("state", "j/0", "PENDING", "machine_unhealthy"),
-                              ("request", ("j/0",), ("j/0",), ("m1",))]
+    assert kinds(out)[:3] == [("request", ("j/0",), ("j/0",), ("m1",)),
+                              ("state", "j/0", "PENDING", "machine_unhealthy"), ("STOP", "j/0", "m1", 1)]
     log = settle(sim, out, Allocator(["m9"]))
     (r2,) = requests(log)
     assert r2.completed == (r.pending[0].operation_id,) and r2.pending == () and r2.unhealthy == ()
@@ -280,8 +280,7 @@ def _with_limits(sim, limits):
 
 
 def moved(out):
-    return [e.payload["task_id"] for e in out
-            if e.type == "TaskStateChanged" and e.payload["state"] == "PENDING"]
+    return [e.payload["task_id"] for e in of_type(out, "TaskStateChanged") if e.payload["state"] == "PENDING"]
 
 
 def test_a_runaway_failure_never_moves_faster_than_the_limit():

@@ -77,7 +77,7 @@ def test_parse_documents(text, count, error):
 # --- retention: the log is the system of record ---------------------------------------------------------------
 
 SYSTEM_OF_RECORD = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "deadletter",
-                    "state.jobs", "state.machines", "_schemas")
+                    "state.jobs", "state.tasks", "state.machines", "_schemas")
 
 
 def test_every_topic_but_heartbeats_keeps_its_records_forever():
@@ -85,7 +85,7 @@ def test_every_topic_but_heartbeats_keeps_its_records_forever():
     assert set(by_name) == set(SYSTEM_OF_RECORD) | {"heartbeats"}  # a new topic must choose its retention here
     for name in SYSTEM_OF_RECORD:
         assert by_name[name].config.get("retention.ms") == "-1", name
-    for name in ("state.jobs", "state.machines", "_schemas"):
+    for name in ("state.jobs", "state.tasks", "state.machines", "_schemas"):
         assert by_name[name].config.get("cleanup.policy") == "compact", name
     for name in ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "deadletter"):
         assert by_name[name].config.get("cleanup.policy", "delete") == "delete", name  # a log, never compacted

@@ -1,0 +1,188 @@
+"""How a job is kept in the shard's tables: a header and bounded chunks of tasks, written as few as changed. Pure.
+
+A job of 1,000 tasks was one table value of ~487 KB of JSON, written whole after every event; one of 20,000
+tasks made an 8.7 MB changelog record the broker refused (``MessageSizeTooLargeError``), and the scheduler
+crash-looped. Now a job is
+
+    header   jobs table, key <job id>       the job without its tasks (``job_to_record`` of it) and
+                                            "chunks": {"<i>": v, ...}  which version of each chunk is the job's,
+                                            "version": the latest version written
+    chunk    chunks table, key <job>#<i>@<v>  {"entitlement": e, "tasks": [task record, ...]}: the tasks of index
+                                            in [i*CHUNK_TASKS, (i+1)*CHUNK_TASKS), in index order, at version v
+
+Task records are sparse (a field at its default is left out): a running task is ~150 bytes, a chunk of 500 tasks
+~75 KB, far below the broker's 1 MiB; the header holds no per-task data except the duplicate ring and
+TaskControl's operation lists (bounded by the job's size limit). ``plan`` says, for a decision's before and after,
+which chunks to write (only those with a task added, removed or changed: identity of the immutable ``Task``),
+the new header, and which chunk keys the new header no longer names.
+
+**Delivery: a crash never leaves a half-written job.** Chunk keys are immutable: a changed chunk is written under
+a new version (the job's ``version`` + 1), never over the one the current header names. The shard writes
+
+    1. the new chunks                                   (then waits until the broker has them: a producer flush)
+    2. the new headers (and the other tables' values)   (flush)
+    3. the source offsets, and tombstones for the chunk keys the new headers no longer name
+
+so a header that reached the changelog names only chunks that reached it before, and a chunk is deleted only once
+a header that does not name it is on the log. A crash anywhere leaves each job either at its old header with its
+old chunks (all still there: nothing the old header names is overwritten or deleted before the new header is
+durable), or at its new header with its new chunks: never a mix. The successor re-decides the events after the
+committed offset: a job still at its old header re-decides them to the same outputs (derived ids), a job at its
+new header finds their ids in its duplicate ring. Chunks written in 1. whose header never made it are garbage
+nothing names; ``orphans`` finds them (the shard's timer deletes them) and the next write of that chunk reuses the
+key anyway (same version). A changelog record is bounded by ``CHUNK_TASKS`` tasks, whatever the job's size.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Any
+
+from processors.scheduler.decide import Job, Task, _terms_of, _terms_record, job_from_record, job_to_record
+
+CHUNK_TASKS = 500  # tasks per chunk record (a task of index i is in chunk i // CHUNK_TASKS)
+HEADER_FORMAT = 2  # headers with chunks; a record with "tasks" is the older whole-job format (still read)
+
+_TASK_FIELDS = tuple(f.name for f in fields(Task) if f.init)
+_DEFAULTS = {f.name: f.default for f in fields(Task) if f.init and f.default is not MISSING}
+_TERMS = ("terms", "request_terms")
+
+
+class MissingChunk(LookupError):
+    """A header names a chunk the table does not hold (a store broken outside the delivery argument)."""
+
+
+def chunk_of(task: Task) -> int:
+    return task.index // CHUNK_TASKS
+
+
+def chunk_key(job_id: str, chunk: int, version: int) -> str:
+    return f"{job_id}#{chunk}@{version}"
+
+
+def job_of_key(key: str) -> str:
+    """The job id of a chunk key."""
+    return key.rsplit("#", 1)[0]
+
+
+def task_record(t: Task) -> dict[str, Any]:
+    """``t`` as a sparse JSON-able record: fields at their default are left out."""
+    r: dict[str, Any] = {}
+    for name in _TASK_FIELDS:
+        v = getattr(t, name)
+        if name in _TERMS:
+            if v is not None:
+                r[name] = _terms_record(v)
+        elif name not in _DEFAULTS or v != _DEFAULTS[name]:
+            r[name] = v
+    return r
+
+
+def task_of(r: Mapping[str, Any]) -> Task:
+    return Task(**{**r, "terms": _terms_of(r.get("terms")), "request_terms": _terms_of(r.get("request_terms"))})
+
+
+def is_chunked(header: Mapping[str, Any]) -> bool:
+    return "chunks" in header
+
+
+def job_of(header: Mapping[str, Any], chunks: Mapping[str, Any]) -> Job:
+    """The job a header and the chunk table (key -> value) hold. Raises MissingChunk."""
+    if not is_chunked(header):
+        return job_from_record(header)  # the older whole-job record
+    tasks: list[Task] = []
+    for i, v in sorted(((int(i), v) for i, v in header["chunks"].items())):
+        value = chunks.get(chunk_key(header["id"], i, v))
+        if value is None:
+            raise MissingChunk(f"job {header['id']}: its header names chunk {i} at version {v}, which the table "
+                               "does not hold")
+        tasks.extend(task_of(r) for r in value["tasks"])
+    job = job_from_record({**header, "tasks": []})
+    return replace(job, tasks=MappingProxyType({t.id: t for t in tasks}))
+
+
+@dataclass
+class Plan:
+    """What to write for one job: the chunks (key -> value), then the header, then delete ``obsolete`` keys."""
+
+    header: dict[str, Any]
+    chunks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    obsolete: list[str] = field(default_factory=list)
+
+
+def _by_chunk(tasks: Iterable[Task]) -> dict[int, list[Task]]:
+    out: dict[int, list[Task]] = {}
+    for t in tasks:
+        out.setdefault(chunk_of(t), []).append(t)
+    return out
+
+
+def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Mapping[str, Any],
+         after: Job) -> Plan:
+    """The writes that take the stored job from ``header`` (as read; None: not stored) and ``before`` (the job
+    it holds) to ``after``. Only chunks with a task added, removed or replaced are written (a new version);
+    their records of unchanged tasks are reused from ``chunk_values`` (the chunk table) as they are."""
+    old_chunks: dict[int, int] = {}
+    version = 0
+    if header is not None and is_chunked(header) and before is not None:
+        old_chunks = {int(i): v for i, v in header["chunks"].items()}
+        version = header["version"]
+        changed: set[int] = set()
+        old_tasks = before.tasks
+        for tid, t in after.tasks.items():
+            if old_tasks.get(tid) is not t:
+                changed.add(chunk_of(t))
+        if len(old_tasks) != len(after.tasks) or changed:
+            changed |= {chunk_of(t) for tid, t in old_tasks.items() if tid not in after.tasks}
+    else:  # new, or held in the older whole-job record: every chunk is written
+        changed = {chunk_of(t) for t in after.tasks.values()}
+        before = None
+    new_chunks = dict(old_chunks)
+    out_chunks: dict[str, dict[str, Any]] = {}
+    obsolete: list[str] = []
+    if changed:
+        version += 1
+        grouped = _by_chunk(t for t in after.tasks.values() if chunk_of(t) in changed)
+        for i in sorted(changed):
+            reuse: dict[str, dict] = {}
+            if i in old_chunks and before is not None:
+                old_value = chunk_values.get(chunk_key(after.id, i, old_chunks[i]))
+                if old_value is not None:
+                    reuse = {r["id"]: r for r in old_value["tasks"]}
+                obsolete.append(chunk_key(after.id, i, old_chunks[i]))
+            tasks = grouped.get(i)
+            if not tasks:
+                new_chunks.pop(i, None)
+                continue
+            records = []
+            for t in tasks:
+                r = reuse.get(t.id)
+                records.append(r if r is not None and before.tasks.get(t.id) is t else task_record(t))
+            out_chunks[chunk_key(after.id, i, version)] = {"entitlement": after.entitlement, "tasks": records}
+            new_chunks[i] = version
+    head = job_to_record(replace(after, tasks=MappingProxyType({})))
+    del head["tasks"]
+    head.update(format=HEADER_FORMAT, version=version, chunks={str(i): v for i, v in sorted(new_chunks.items())})
+    return Plan(head, out_chunks, obsolete)
+
+
+def named_keys(header: Mapping[str, Any]) -> set[str]:
+    """The chunk keys a header names."""
+    if not is_chunked(header):
+        return set()
+    return {chunk_key(header["id"], int(i), v) for i, v in header["chunks"].items()}
+
+
+def orphans(chunk_keys: Iterable[str], headers: Mapping[str, Any]) -> list[str]:
+    """Chunk keys no header names (garbage of a write a crash interrupted, or a lost tombstone), sorted."""
+    named: dict[str, set[str]] = {}
+    out = []
+    for key in chunk_keys:
+        job = job_of_key(key)
+        if job not in named:
+            h = headers.get(job)
+            named[job] = named_keys(h) if h is not None else set()
+        if key not in named[job]:
+            out.append(key)
+    return sorted(out)

@@ -1,0 +1,191 @@
+"""Events that carry many items, and how readers see their items. Pure.
+
+Where Twine has one event per job (or per tick), Ropewalk writes one record for many items:
+
+* ``TasksCommanded`` (tasks): the scheduler's commands of one decision for one job (was: a ``TaskCommanded`` per
+  task);
+* ``TaskStatesChanged`` (tasks): an agent process's reports of one poll step for one entitlement, or the
+  scheduler's own task transitions of one decision for one job (was: a ``TaskStateChanged`` per transition);
+* ``MachinesStatusChanged`` (machines): one status change of many machines of one owner (was: a
+  ``MachineStatusChanged`` per machine).
+
+Old logs keep the single-item events, and readers take both: ``task_commands``, ``task_reports`` and
+``machine_statuses`` give the items of either form as plain dicts with the single-item event's field names.
+
+**Size.** A record must stay below the broker's maximum message size (Kafka's default ``message.max.bytes`` is
+1 MiB) whatever the job or region size: ``split`` cuts the items into parts of at most ``MAX_ITEMS`` items and
+``MAX_RECORD_BYTES`` estimated bytes (the estimate, ``size_of``, bounds the Avro encoding from above: every
+string counted with a 5-byte length prefix, every number as 10 bytes). What one part holds besides its items (the
+envelope, argv/env) is given as ``fixed``; it must leave room for at least one item (``RecordTooLarge``).
+
+**Ids.** Item ids stay derived and deterministic: a command's id is ``command_id(event id, position)`` (what an
+agent de-duplicates by, and the causation of its reports); a batch of reports, each with its own derived
+``report_id``, gets the id ``batch_id(kind, report ids)``, so the same reports batched again are recognised.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from streams.events import Event, derived_event_id
+
+MAX_RECORD_BYTES = 900_000  # bound of one record's encoded size (the broker's default limit is 1,048,576)
+MAX_ITEMS = 5_000  # items per record at most, however small
+ENVELOPE_BYTES = 1_024  # room for the envelope (six strings and two numbers; ids are 36 characters)
+
+TASKS_COMMANDED = "TasksCommanded"
+TASK_STATES_CHANGED = "TaskStatesChanged"
+MACHINES_STATUS_CHANGED = "MachinesStatusChanged"
+
+T = TypeVar("T")
+
+
+class RecordTooLarge(ValueError):
+    """What every part must carry leaves no room for a single item."""
+
+
+def size_of(value: Any) -> int:
+    """An upper bound of ``value``'s Avro binary size (strings: length + 5; numbers and enums: 10)."""
+    if value is None or isinstance(value, bool):
+        return 1
+    if isinstance(value, str):
+        return len(value.encode()) + 5 if not value.isascii() else len(value) + 5
+    if isinstance(value, (int, float)):
+        return 10
+    if isinstance(value, Mapping):
+        return 10 + sum(size_of(k) + size_of(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return 10 + sum(size_of(v) for v in value)
+    return len(str(value)) + 5
+
+
+def split(items: Sequence[T], *, fixed: int = ENVELOPE_BYTES, size: Callable[[T], int] = size_of,
+          max_bytes: int = MAX_RECORD_BYTES, max_items: int = MAX_ITEMS) -> list[list[T]]:
+    """``items`` in order, cut into parts of at most ``max_items`` items whose sizes plus ``fixed`` stay within
+    ``max_bytes``. No items: no parts. Raises RecordTooLarge when ``fixed`` plus one item exceeds the bound."""
+    parts: list[list[T]] = []
+    cur: list[T] = []
+    used = fixed
+    for item in items:
+        n = size(item)
+        if fixed + n > max_bytes:
+            raise RecordTooLarge(f"one item of {n:,} bytes with {fixed:,} bytes of the record's own fields exceeds "
+                                 f"{max_bytes:,} bytes")
+        if cur and (used + n > max_bytes or len(cur) >= max_items):
+            parts.append(cur)
+            cur, used = [], fixed
+        cur.append(item)
+        used += n
+    if cur:
+        parts.append(cur)
+    return parts
+
+
+def command_id(event_id: str, position: int) -> str:
+    """The id of the command at ``position`` (0-based) of the TasksCommanded ``event_id``."""
+    return derived_event_id(event_id, "command", position)
+
+
+def batch_id(kind: str, item_ids: Iterable[str]) -> str:
+    """The id of a batch of items with these ids (derived from its content: the same items, the same id)."""
+    return derived_event_id(kind, *item_ids)
+
+
+# -- readers: the items of either form ---------------------------------------------------------------------------
+
+def task_commands(ev: Event, machines: Callable[[str], bool] | None = None) -> list[dict[str, Any]]:
+    """The per-task commands of a TaskCommanded or a TasksCommanded (else none), each with the fields of a
+    TaskCommanded payload plus ``command_id`` (the TaskCommanded's event id, or ``command_id(event, i)``). With
+    ``machines``, only the commands addressed to a machine it accepts."""
+    p = ev.payload
+    if ev.type == "TaskCommanded":
+        if machines is not None and not machines(p["machine_id"]):
+            return []
+        return [{**p, "command_id": ev.event_id}]
+    if ev.type != TASKS_COMMANDED:
+        return []
+    out = []
+    argv, env = p.get("argv") or [], p.get("env") or {}
+    for i, c in enumerate(p["commands"]):
+        if machines is not None and not machines(c["machine_id"]):
+            continue
+        starts = c["command"] != "STOP"
+        out.append({"task_id": c["task_id"], "job_id": p["job_id"], "machine_id": c["machine_id"],
+                    "command": c["command"], "argv": list(argv) if starts else [], "env": dict(env) if starts else {},
+                    "spec_version": c.get("spec_version", 1), "reason": c.get("reason", ""),
+                    "command_id": command_id(ev.event_id, i)})
+    return out
+
+
+def command_events(ev: Event, machines: Callable[[str], bool] | None = None) -> list[Event]:
+    """``task_commands`` as TaskCommanded events (the form an agent's decisions take), each with the command's id
+    as its event id and the batch's envelope otherwise."""
+    if ev.type == "TaskCommanded":
+        return [ev] if machines is None or machines(ev.payload["machine_id"]) else []
+    out = []
+    for c in task_commands(ev, machines):
+        cid = c.pop("command_id")
+        out.append(Event(type="TaskCommanded", entitlement=ev.entitlement, entity_id=c["task_id"], payload=c,
+                         producer=ev.producer, causation_id=ev.causation_id, timestamp_ms=ev.timestamp_ms,
+                         event_id=cid, schema_version=ev.schema_version))
+    return out
+
+
+def task_reports(ev: Event) -> list[dict[str, Any]]:
+    """The per-task transitions of a TaskStateChanged or a TaskStatesChanged (else none), each with the fields
+    of a TaskStateChanged payload plus ``report_id`` and ``cause_id`` (for a TaskStateChanged: its event id and
+    causation id)."""
+    if ev.type == "TaskStateChanged":
+        return [{**ev.payload, "report_id": ev.event_id, "cause_id": ev.causation_id}]
+    if ev.type != TASK_STATES_CHANGED:
+        return []
+    return [dict(r) for r in ev.payload["reports"]]
+
+
+def machine_statuses(ev: Event) -> list[dict[str, Any]]:
+    """The per-machine changes of a MachineStatusChanged or a MachinesStatusChanged (else none), each with the
+    fields of a MachineStatusChanged payload (machine_id, status, previous_status, reason)."""
+    p = ev.payload
+    if ev.type == "MachineStatusChanged":
+        return [dict(p)]
+    if ev.type != MACHINES_STATUS_CHANGED:
+        return []
+    return [{"machine_id": m["machine_id"], "status": p["status"], "previous_status": m["previous_status"],
+             "reason": p.get("reason", "")} for m in p["machines"]]
+
+
+def machine_ids(ev: Event) -> list[str]:
+    """The machines an event names: ``machine_id``, ``machine_ids``, or the machines of a MachinesStatusChanged."""
+    p = ev.payload
+    if ev.type == MACHINES_STATUS_CHANGED:
+        return [m["machine_id"] for m in p["machines"]]
+    if "machine_ids" in p:
+        return list(p["machine_ids"])
+    return [p["machine_id"]] if p.get("machine_id") is not None else []
+
+
+# -- writers ---------------------------------------------------------------------------------------------------
+
+def report_item(ev: Event) -> dict[str, Any]:
+    """A TaskStateChanged as an item of a TaskStatesChanged."""
+    p = ev.payload
+    return {"report_id": ev.event_id, "task_id": p["task_id"], "job_id": p["job_id"], "machine_id": p.get("machine_id"),
+            "state": p["state"], "previous_state": p["previous_state"], "exit_code": p.get("exit_code"),
+            "spec_version": p.get("spec_version", 1), "reason": p.get("reason", ""), "cause_id": ev.causation_id}
+
+
+def batch_reports(reports: Iterable[Event], *, producer: str, timestamp_ms: int) -> list[Event]:
+    """TaskStateChanged events → TaskStatesChanged events, one per entitlement (in order of first appearance; the
+    reports in their order), split by ``split``. Each batch's id is ``batch_id`` of its reports' ids; its
+    entity id is the first report's task, its causation the first report's cause."""
+    by_ent: dict[str, list[dict[str, Any]]] = {}
+    for ev in reports:
+        by_ent.setdefault(ev.entitlement, []).append(report_item(ev))
+    out = []
+    for ent, items in by_ent.items():
+        for part in split(items):
+            out.append(Event(type=TASK_STATES_CHANGED, entitlement=ent, entity_id=part[0]["task_id"],
+                             payload={"reports": part}, producer=producer, causation_id=part[0]["cause_id"],
+                             timestamp_ms=timestamp_ms,
+                             event_id=batch_id(TASK_STATES_CHANGED, (r["report_id"] for r in part))))
+    return out
