@@ -1,8 +1,14 @@
-"""Readers of the latest-state streams `state.jobs` and `state.machines`.
+"""Readers of the latest-state streams `state.jobs` (with `state.tasks`) and `state.machines`.
 
 They are meant to be compacted (the last record per key is the current state), but the embedded broker
 does not enforce compaction, so readers take the last record per key themselves. `current()` reads the
 topic to its end and returns the latest state per key; `follow()` then yields each change.
+
+A job of more than 500 tasks is published as a JobStatePublished without its tasks (`task_parts` n > 0) and n
+JobTasksPublished records on `state.tasks` (each a part of 500 tasks, keyed `<job>#<part>`, only the changed parts
+published again); the jobs reader reads both topics and hands out each job whole: a JobStatePublished whose
+`tasks` are the parts' tasks in order (the parts it holds so far: the two topics are not ordered, so a part may
+lag its header for a moment).
 
 `state.machines` records carry the machine's index version: a record older than the one held for its
 machine is skipped (two allocator processes may publish one machine's states close together). With an
@@ -10,6 +16,7 @@ entitlement filter, a machine whose latest state is outside the entitlement leav
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Iterator
 
@@ -20,6 +27,7 @@ from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
 STATE_TOPICS = {"jobs": "state.jobs", "machines": "state.machines"}
+PART_TOPICS = {"jobs": "state.tasks"}  # where a kind's records in parts are
 KEY_FIELD = {"jobs": "job_id", "machines": "machine_id"}
 
 
@@ -33,8 +41,11 @@ class StateReader:
         self.entitlement = entitlement
         self.latest: dict[str, Event] = {}
         self._versions: dict[str, int] = {}  # machines: the newest version seen per machine
-        self._consumer = EventConsumer(cfg, registry, [Topics(cfg.topic_prefix, cfg.partitions).name(STATE_TOPICS[kind])],
-                                       name=f"state-reader/{kind}")
+        self._headers: dict[str, Event] = {}  # jobs: the latest JobStatePublished per job (tasks maybe in parts)
+        self._parts: dict[str, dict[int, list]] = {}  # jobs: job -> part -> its tasks (JobTasksPublished)
+        topics = Topics(cfg.topic_prefix, cfg.partitions)
+        names = [topics.name(STATE_TOPICS[kind])] + ([topics.name(PART_TOPICS[kind])] if kind in PART_TOPICS else [])
+        self._consumer = EventConsumer(cfg, registry, names, name=f"state-reader/{kind}")
 
     def _wanted(self, ev: Event) -> bool:
         if self.entitlement is None:
@@ -44,7 +55,10 @@ class StateReader:
         return ev.payload.get("assigned_entitlement") == self.entitlement
 
     def poll(self, timeout_s: float = 0.5) -> list[Record]:
-        """Apply the next batch of changes; returns the changed records (in log order per partition)."""
+        """Apply the next batch of changes; returns the changed records (in log order per partition; for jobs,
+        one record per job that changed, carrying the whole job)."""
+        if self.kind == "jobs":
+            return self._poll_jobs(timeout_s)
         changed = []
         for rec in self._consumer.poll(5000, timeout_s):
             # One key's records share a partition, so log order is the order of its states: last wins.
@@ -64,6 +78,36 @@ class StateReader:
             changed.append(rec)
         return changed
 
+    def _poll_jobs(self, timeout_s: float) -> list[Record]:
+        touched: dict[str, Record] = {}
+        for rec in self._consumer.poll(5000, timeout_s):
+            ev, p = rec.event, rec.event.payload
+            job = p["job_id"]
+            if ev.type == "JobTasksPublished":
+                parts = self._parts.setdefault(job, {})
+                if p["deleted"]:
+                    parts.pop(p["part"], None)
+                else:
+                    parts[p["part"]] = p["tasks"]
+            else:
+                self._headers[job] = ev
+            touched[job] = rec
+        changed = []
+        for job, rec in touched.items():
+            header = self._headers.get(job)
+            if header is None:  # parts ahead of their header
+                continue
+            if not self._wanted(header) or header.payload.get("deleted"):
+                self.latest.pop(job, None)  # not (or no longer) in the filter; or a tombstone: the job is gone
+                if header.payload.get("deleted"):
+                    self._parts.pop(job, None)
+                changed.append(dataclasses.replace(rec, event=header))
+                continue
+            whole = job_whole(header, self._parts.get(job, {}))
+            self.latest[job] = whole
+            changed.append(dataclasses.replace(rec, event=whole))
+        return changed
+
     def catch_up(self, timeout_s: float = 30.0) -> dict[str, Event]:
         """Read to the end of every partition (end-of-partition, not the listed watermark) and return the
         latest state per key."""
@@ -81,6 +125,15 @@ class StateReader:
 
     def close(self) -> None:
         self._consumer.close()
+
+
+def job_whole(header: Event, parts: dict[int, list]) -> Event:
+    """A JobStatePublished with its tasks: its own, or (``task_parts`` n > 0) those of parts 0..n-1 in order."""
+    n = header.payload.get("task_parts") or 0
+    if not n:
+        return header
+    tasks = [t for i in range(n) for t in parts.get(i, ())]
+    return dataclasses.replace(header, payload={**header.payload, "tasks": tasks})
 
 
 def machine_view(ev: Event) -> dict:

@@ -245,11 +245,11 @@ def cmd_entitlement_create(cfg: Config, args) -> int:
     return 0
 
 
-def _spec_payload(path: str, entitlement: str | None = None) -> dict:
-    from processors.frontend.jobspec import JobSpecError, parse_text, validate_spec
+def _spec_payload(path: str, entitlement: str | None = None, max_tasks: int | None = None) -> dict:
+    from processors.frontend.jobspec import MAX_TASKS, JobSpecError, parse_text, validate_spec
 
     try:
-        return validate_spec(parse_text(_read(path), path), entitlement)
+        return validate_spec(parse_text(_read(path), path), entitlement, max_tasks or MAX_TASKS)
     except JobSpecError as exc:
         raise CliError(f"{path}: {exc}") from None
 
@@ -267,7 +267,7 @@ def _job_state(cfg: Config, registry, job: str):
 def cmd_job_submit(cfg: Config, args) -> int:
     from streams.events import new_event
 
-    payload = _spec_payload(args.file)
+    payload = _spec_payload(args.file, max_tasks=cfg.max_tasks_per_job)
     ent = payload.pop("entitlement")
     ev = new_event("JobSubmitted", {**payload, "spec_version": 1}, entitlement=ent, entity_id=payload["job_id"],
                    producer="cli")
@@ -304,7 +304,7 @@ def cmd_job_update(cfg: Config, args) -> int:
 
     registry = _registry()
     current = _job_state(cfg, registry, args.job)
-    payload = _spec_payload(args.file, current.entitlement)
+    payload = _spec_payload(args.file, current.entitlement, cfg.max_tasks_per_job)
     if payload["job_id"] != args.job:
         raise CliError(f"{args.file}: name: the spec names job {payload['job_id']!r}, not {args.job!r}")
     payload.pop("entitlement")
@@ -321,6 +321,9 @@ def cmd_job_resize(cfg: Config, args) -> int:
 
     if args.tasks < 0:
         raise CliError(f"N: expected a task count >= 0, got {args.tasks}")
+    if args.tasks > cfg.max_tasks_per_job:
+        raise CliError(f"N: at most {cfg.max_tasks_per_job:,} tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), "
+                       f"got {args.tasks:,}")
     registry = _registry()
     current = _job_state(cfg, registry, args.job)
     ev = new_event("JobResized", {"job_id": args.job, "tasks": args.tasks}, entitlement=current.entitlement,

@@ -12,7 +12,9 @@
     controller: zk-leader-last                # optional: the job's TaskController (processors/taskcontrol)
 
 A wrong spec is refused with the field that is wrong: `resources.cpu_millicores: expected a positive
-integer, got string 'lots'`. The job id is `<entitlement>.<name>`: unique in the region (a scheduler shard
+integer, got string 'lots'`. A job bigger than the region's limit (``ROPEWALK_MAX_TASKS_PER_JOB``, default 25,000:
+Twine's largest jobs have ~15K tasks) is refused at the door: `tasks: at most 25,000 tasks per job
+(ROPEWALK_MAX_TASKS_PER_JOB), got 30,000`; the scheduler refuses it too, should one reach the log. The job id is `<entitlement>.<name>`: unique in the region (a scheduler shard
 only sees its own entitlements, so a bare name could not be checked for uniqueness across shards).
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import re
 from typing import Any, Mapping
 
+from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from streams.validate import describe_value
 
 FIELDS = ("name", "entitlement", "tasks", "command", "resources", "requirements", "spread", "max_unavailable", "env",
@@ -28,7 +31,7 @@ FIELDS = ("name", "entitlement", "tasks", "command", "resources", "requirements"
 REQUIRED = ("name", "entitlement", "tasks", "command", "resources")
 REQUIREMENT_KEYS = ("machine_type", "dc")
 SPREADS = ("dc", "msb", "rack")
-MAX_TASKS = 100_000
+MAX_TASKS = DEFAULT_MAX_TASKS_PER_JOB  # the default limit (Config.max_tasks_per_job, ROPEWALK_MAX_TASKS_PER_JOB)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}\Z")
 
 
@@ -68,8 +71,17 @@ def _name(value: Any, field: str) -> str:
     return value
 
 
-def validate_spec(data: Any, entitlement_override: str | None = None) -> dict:
-    """The JobSubmitted payload (without spec_version) for a user's spec, or JobSpecError naming the field."""
+def check_tasks(tasks: Any, max_tasks: int = MAX_TASKS, field: str = "tasks") -> int:
+    """A task count of a job: a positive integer, at most ``max_tasks``; else JobSpecError naming the field."""
+    tasks = _positive_int(tasks, field)
+    if tasks > max_tasks:
+        raise JobSpecError(field, f"at most {max_tasks:,} tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), got {tasks:,}")
+    return tasks
+
+
+def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks: int = MAX_TASKS) -> dict:
+    """The JobSubmitted payload (without spec_version) for a user's spec, or JobSpecError naming the field;
+    ``max_tasks``: the region's limit of tasks per job (``Config.max_tasks_per_job``)."""
     if not isinstance(data, Mapping):
         raise JobSpecError("", f"a job spec is a mapping of {', '.join(FIELDS)}; got {describe_value(data)}")
     unknown = sorted(set(data) - set(FIELDS))
@@ -83,7 +95,7 @@ def validate_spec(data: Any, entitlement_override: str | None = None) -> dict:
             raise JobSpecError(f, "missing required field")
     name = _name(spec["name"], "name")
     entitlement = _name(spec["entitlement"], "entitlement")
-    tasks = _positive_int(spec["tasks"], "tasks", MAX_TASKS)
+    tasks = check_tasks(spec["tasks"], max_tasks)
     command = spec["command"]
     if isinstance(command, str):
         raise JobSpecError("command", "expected a list of arguments (argv), e.g. [\"sleep\", \"3600\"]; "

@@ -75,6 +75,9 @@ RESTART_RESET_MS = 10 * 60_000  # a task that ran this long before it went down 
 SEEN_LIMIT = 1024  # input event ids remembered per job (the duplicate ring)
 MAX_SPEC_BYTES = 256 * 1024  # a job's argv and env together at most (they travel in every TasksCommanded record)
 PUBLISH_PART_TASKS = 500  # JobTasksPublished: tasks per part of a job published in parts (index // this)
+REQUEST_TASKS_AT_ONCE = 2_000  # an AllocationRequested naming fewer tasks is never split (far below the bound)
+THROTTLED_LISTED = 1_000  # OperationsThrottled lists at most this many waiting operations (waiting_count: all)
+TC_PENDING_PER_REQUEST = 2_000  # a TaskControlRequested asks about at most this many pending operations
 REASK_MS = 30_000  # the timer asks a job's TaskController again after this long without an answer or progress
 HELD_AT_DEADLINE = "DEADLINE"  # Task.maint_choice of a task the scheduler stopped at a maintenance deadline
 HELD = frozenset({CHOICE_STOP, HELD_AT_DEADLINE})  # stopped for a maintenance: started again when it ends
@@ -683,18 +686,35 @@ class _JobWork:
         if not place and not self.free:
             return
         terms = self.job.spec.terms
-        rid = self.request(place, self.free, self.avoid)
-        for tid in place:
-            self.put(replace(self.tasks[tid], request_id=rid, request_terms=terms, parked=False))
+        for part_place, part_free in self._request_parts(place, self.free):
+            rid = self.request(part_place, part_free, self.avoid)
+            for tid in part_place:
+                self.put(replace(self.tasks[tid], request_id=rid, request_terms=terms, parked=False))
+
+    def _request_parts(self, place: Iterable[str], free: Iterable[str]) -> list[tuple[list[str], list[str]]]:
+        """``place`` and ``free`` cut into the parts of as many AllocationRequested as keep each record under
+        ``batches.MAX_RECORD_BYTES`` (one, unless the task ids of a very big job would not fit); a task in both
+        (a move) stays in one part, so the allocator frees it before it places it."""
+        place_set, free_set = set(place), set(free)
+        if len(place_set) + len(free_set) <= REQUEST_TASKS_AT_ONCE:
+            return [(list(place), list(free))]
+        tasks = sorted(place_set | free_set, key=_index_of)
+        avoid = size_of(sorted(self.avoid.union(*(m for _, m, *_ in self.job.maint))))
+        parts = split(tasks, fixed=ENVELOPE_BYTES + avoid + size_of(self.job.id) * 3 + 200,
+                      size=lambda t: size_of(t) * ((t in place_set) + (t in free_set)), max_items=len(tasks))
+        return [([t for t in part if t in place_set], [t for t in part if t in free_set]) for part in parts]
 
     def _finish_stop(self) -> None:
-        """A stopping job whose tasks are all STOPPED: ask to free them all; stopped (deleted when answered)."""
+        """A stopping job whose tasks are all STOPPED: ask to free them all; stopped (deleted when answered: the
+        allocator answers an entitlement's requests in order, so the answer to the last part is the last)."""
         if any(t.state != STOPPED for t in self.tasks.values()):
             return
         if not self.tasks:
             self.set(status=JOB_STOPPED, deleted=True)
             return
-        rid = self.request((), self.tasks)
+        rid = None
+        for _, part_free in self._request_parts((), self.tasks):
+            rid = self.request((), part_free)
         self.set(status=JOB_STOPPED, free_request_id=rid)
 
 
@@ -950,7 +970,7 @@ def _drain_ops(w: _JobWork) -> None:
         w.emit("OperationsThrottled", w.job.id, {
             "job_id": w.job.id, "reason": w.refusal,
             "waiting": [{"operation_id": t.op_id, "task_id": t.id, "kind": t.op, "reason": t.op_reason}
-                        for t in held],
+                        for t in held[:THROTTLED_LISTED]], "waiting_count": len(held),
             "retry_at_ms": limiter.next_ms(b, rate, w.fold.now), "limit": f"{scope}: {rate.describe()}"},
             "throttled", w.job.id)
 
@@ -967,6 +987,7 @@ def _ask_controller(w: _JobWork) -> None:
     if job.tc_outstanding and not w.ask:
         return
     pending = [t for t in w.ordered() if t.op_state == OP_PENDING] if job.ops_open + w.ops_delta > 0 else []
+    pending = pending[:TC_PENDING_PER_REQUEST]  # bounded: the rest are asked about as these are answered
     asked = set(job.tc_asked)
     news = bool(job.tc_completed) or any(t.op_id not in asked for t in pending)
     if not news and not job.tc_notice_new and not (w.ask and (pending or job.tc_outstanding)):

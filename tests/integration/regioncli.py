@@ -29,9 +29,9 @@ class RegionCli:
         for k in ("ROPEWALK_BOOTSTRAP_SERVERS", "ROPEWALK_REDIS_URL", "ROPEWALK_TOPIC_PREFIX"):
             self.env.pop(k, None)
 
-    def __call__(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
+    def __call__(self, *args: str, timeout_s: float = 180, input_: str | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "processors.frontend.cli", *args], env=self.env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout_s)
+                              capture_output=True, text=True, timeout=timeout_s, input=input_)
 
     def json(self, *args: str):
         """A read command's --json document (None when the command fails)."""

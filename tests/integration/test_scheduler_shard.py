@@ -27,6 +27,7 @@ from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
 from streams.partitioner import partition_for
+from streams.state import job_whole
 from streams.topics import Topics
 
 pytestmark = pytest.mark.integration
@@ -148,10 +149,11 @@ def agent_batch(rows):
 class Log:
     """Everything the scheduler produced, read back (no consumer group: every partition from the start)."""
 
-    def __init__(self, cfg, registry):
+    def __init__(self, cfg, registry, dead_letters=None):
         t = Topics(cfg.topic_prefix, cfg.partitions)
-        self.consumer = EventConsumer(cfg, registry, [t.name("allocations"), t.name("tasks"), t.name("state.jobs")],
-                                      name="test-reader")
+        self.consumer = EventConsumer(cfg, registry, [t.name("allocations"), t.name("tasks"), t.name("state.jobs"),
+                                                      t.name("state.tasks")], name="test-reader",
+                                      dead_letters=dead_letters)
         self.records = []  # scheduler outputs in arrival order (redeliveries included)
         self.seen: set[str] = set()
 
@@ -180,11 +182,15 @@ class Log:
         return out
 
     def latest_state(self) -> dict[str, dict]:
-        latest = {}
+        """The latest JobStatePublished per job, with its tasks (from its JobTasksPublished parts if it has any)."""
+        heads, parts = {}, defaultdict(dict)
         for r in self.records:
+            p = r.event.payload
             if r.event.type == "JobStatePublished":
-                latest[r.event.payload["job_id"]] = r.event.payload
-        return latest
+                heads[p["job_id"]] = r.event
+            elif r.event.type == "JobTasksPublished":
+                parts[p["job_id"]][p["part"]] = p["tasks"]
+        return {job: job_whole(h, parts[job]).payload for job, h in heads.items()}
 
     def close(self):
         self.consumer.close()
@@ -369,3 +375,90 @@ def _entitlements(partitions: int, per_partition: int) -> list[str]:
             by_p[p].append(name)
         if all(len(by_p[q]) == per_partition for q in range(partitions)):
             return sorted(n for names in by_p.values() for n in names)
+
+
+# -- (4) own echoes and bad records -----------------------------------------------------------------------------------
+
+def dead_letters(cfg, registry, timeout_s=5.0) -> list:
+    c = EventConsumer(cfg, registry, [Topics(cfg.topic_prefix, cfg.partitions).name("deadletter")], name="test-dl")
+    try:
+        out, deadline = [], time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out += [r.event for r in c.poll(100, 0.2)]
+        return out
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(120)
+def test_own_echoes_are_passed_over_undecoded_and_bad_records_dead_lettered(cfg, registry, workers):
+    """Bytes that are no event at all, on ``intents`` and on ``tasks``: with the record header producer=scheduler
+    the shard passes over them without decoding (no dead letter); without it they are decoded, fail, and are
+    dead-lettered with their reason; the shard goes on either way."""
+    from streams.deadletter import DeadLetters
+
+    w = workers("w1")
+    producer = EventProducer(cfg, registry, "test")
+    log = Log(cfg, registry, DeadLetters(producer, "test-reader"))  # the garbage is the test reader's too
+    t = Topics(cfg.topic_prefix, cfg.partitions)
+    try:
+        producer.send(entitlement("e1"))
+        producer.send_raw(t.name("intents"), b"e1", b"not an event: own", headers=[("producer", b"scheduler")])
+        producer.send_raw(t.name("tasks"), b"e1", b"not an event: own", headers=[("producer", b"scheduler")])
+        producer.send_raw(t.name("tasks"), b"e1", b"not an event: an agent's broken batch",
+                          headers=[("producer", b"agent/simulated")])
+        producer.send(submit("e1", "j1", 2))
+        producer.flush()
+        hands = Hands(producer)
+        run_until(log, hands, lambda: all_running(log, {"j1": 2}), 60, "the job running after the bad records", [w])
+        dl = [d for d in dead_letters(cfg, registry) if d.payload["consumer"] == PRODUCER]  # the shard's
+        assert [(d.payload["origin_topic"], d.payload["reason"]) for d in dl] == [(t.name("tasks"), "no_marker")]
+        # the scheduler's own real events were passed over by their header too: none of them was decided on
+        assert "failed" not in w.tail(200)
+    finally:
+        log.close()
+
+
+# -- (5) a job stored in chunks survives its worker ---------------------------------------------------------------------
+
+def _changelog_sizes(cfg, table: str) -> list[int]:
+    from confluent_kafka import Consumer, TopicPartition
+    topic = f"{cfg.topic_prefix}scheduler-scheduler-{table}-changelog"  # faust: <app id>-<table name>-changelog
+    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": "test-sizes", "enable.auto.commit": False})
+    try:
+        c.assign([TopicPartition(topic, p, 0) for p in range(cfg.partitions)])
+        sizes, idle = [], 0
+        while idle < 5:
+            msgs = c.consume(1000, 0.5)
+            idle = 0 if msgs else idle + 1
+            sizes += [len(m.value() or b"") for m in msgs if m.error() is None]
+        return sizes
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_big_job_in_chunks_is_recovered_whole_by_the_next_worker(cfg, registry, workers):
+    n = 1_200
+    w1 = workers("w1")
+    log, producer = Log(cfg, registry), EventProducer(cfg, registry, "test")
+    hands = Hands(producer)
+    try:
+        producer.send(entitlement("e1"))
+        producer.send(submit("e1", "big", n))
+        producer.flush()
+        run_until(log, hands, lambda: all_running(log, {"big": n}), 120, f"{n} tasks running", [w1])
+        machines = {t["task_id"]: t["machine_id"] for t in log.latest_state()["big"]["tasks"]}
+        jobs = _changelog_sizes(cfg, "jobs")
+        chunks = _changelog_sizes(cfg, "job-chunks")
+        assert jobs and chunks and max(chunks) < 200_000 and max(jobs) < 200_000  # whole: ~580 KB, per event
+        w1.kill()
+        w2 = workers("w2")
+        producer.send(resize("e1", "big", n + 100))
+        producer.flush()
+        run_until(log, hands, lambda: all_running(log, {"big": n + 100}), 120, f"{n + 100} tasks running", [w2])
+        after = {t["task_id"]: t["machine_id"] for t in log.latest_state()["big"]["tasks"]}
+        assert {k: after[k] for k in machines} == machines  # every task the first worker ran, where it ran
+        assert len(log.of("AllocationRequested", job_id="big")) == 2  # the submit's and the resize's, no other
+    finally:
+        log.close()

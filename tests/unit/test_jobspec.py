@@ -58,3 +58,35 @@ def test_parse_text(text, ok):
     else:
         with pytest.raises(JobSpecError, match="not valid YAML/JSON at line"):
             parse_text(text)
+
+
+# -- the size of a job: served or refused at the door --------------------------------------------------------------
+
+LIMITS = {  # tasks, max_tasks (None: the default, 25,000) -> refusal message or None
+    "Twine's largest job (~15K tasks)": (15_000, None, None),
+    "the default limit itself": (25_000, None, None),
+    "one over the default": (25_001, None, "tasks: at most 25,000 tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), got 25,001"),
+    "a region's own lower limit": (600, 500, "tasks: at most 500 tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), got 600"),
+    "within a region's higher limit": (40_000, 50_000, None),
+}
+
+
+@pytest.mark.parametrize("tasks, max_tasks, refusal", LIMITS.values(), ids=LIMITS)
+def test_a_job_over_the_limit_is_refused_naming_the_field_and_the_limit(tasks, max_tasks, refusal):
+    kwargs = {} if max_tasks is None else {"max_tasks": max_tasks}
+    if refusal is None:
+        assert validate_spec(spec(tasks=tasks), **kwargs)["tasks"] == tasks
+        return
+    with pytest.raises(JobSpecError) as exc:
+        validate_spec(spec(tasks=tasks), **kwargs)
+    assert exc.value.field == "tasks" and str(exc.value) == refusal and "\n" not in str(exc.value)
+
+
+def test_the_default_limit_is_the_configured_one():
+    from infra.config import DEFAULT_MAX_TASKS_PER_JOB, Config
+
+    assert DEFAULT_MAX_TASKS_PER_JOB == 25_000
+    assert Config.from_env({}).max_tasks_per_job == 25_000
+    assert Config.from_env({"ROPEWALK_MAX_TASKS_PER_JOB": "1000"}).max_tasks_per_job == 1000
+    with pytest.raises(ValueError, match="ROPEWALK_MAX_TASKS_PER_JOB must be >= 1"):
+        Config.from_env({"ROPEWALK_MAX_TASKS_PER_JOB": "0"})

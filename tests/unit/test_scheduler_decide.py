@@ -175,16 +175,17 @@ class Allocator:
 # -- the harness ------------------------------------------------------------------------------------------------
 
 class Sim:
-    def __init__(self, state=None):
+    def __init__(self, state=None, max_tasks=sd.DEFAULT_MAX_TASKS_PER_JOB):
         self.state = state or SchedulerState()
         self.now = T0
+        self.max_tasks = max_tasks
 
     def feed(self, event, now=None):
         now = self.now if now is None else now
-        new, out = decide(self.state, event, now)
-        again, out_again = decide(self.state, event, now)
+        new, out = decide(self.state, event, now, max_tasks=self.max_tasks)
+        again, out_again = decide(self.state, event, now, max_tasks=self.max_tasks)
         assert (again, out_again) == (new, out), "same input, same state: same output"
-        dup_state, dup_out = decide(new, event, now)
+        dup_state, dup_out = decide(new, event, now, max_tasks=self.max_tasks)
         assert dup_out == [] and dup_state == new, f"{event.type} delivered twice must change nothing"
         for e in out:
             REG.encode(e.type, e.to_record(schema_version=1))
@@ -846,3 +847,108 @@ def test_duplicate_ring_is_bounded():
     for i in range(sd.SEEN_LIMIT + 10):
         sim.feed(report("j/0", "RUNNING", "m1"))
     assert len(sim.state.jobs["j"].seen) == sd.SEEN_LIMIT
+
+
+# -- batches: agents' reports, many machines at once, big jobs -------------------------------------------------------
+
+def test_an_agent_processs_batch_of_reports_moves_the_tasks_of_several_jobs():
+    sim = Sim()
+    sim.feed(entitlement())
+    for job, machines in (("a", ("m1", "m2")), ("b", ("m3",))):
+        req = sim.feed(submit(job, len(machines)))[0]
+        sim.feed(allocated(req, {f"{job}/{i}": m for i, m in enumerate(machines)}))
+    batch = reports(("a/0", "RUNNING", "m1"), ("b/0", "RUNNING", "m3"), ("a/1", "RUNNING", "m2"),
+                    ("a/9", "RUNNING", "m1"))  # the last one about a task that does not exist
+    out = sim.feed(batch)  # Sim.feed: delivered twice, the second time changes nothing
+    assert sorted(k for k in kinds(out) if k[0] == "discovery") == [
+        ("discovery", "a/0", True), ("discovery", "a/1", True), ("discovery", "b/0", True)]
+    assert {v["job"]: v["state"] for v in (sim.view("a"), sim.view("b"))} == {"a": JOB_RUNNING, "b": JOB_RUNNING}
+    assert sim.view("a")["last_ignored"].startswith(f"{REASON_UNKNOWN_TASK}: r-a/9-RUNNING")
+    assert batch.event_id in sim.state.jobs["a"].seen and batch.event_id in sim.state.jobs["b"].seen
+
+
+def test_many_machines_down_in_one_event_make_one_request_per_job():
+    sim = running_job(4, ("m1", "m2", "m3", "m4"), job="a")
+    sim = running_job(2, ("m5", "m6"), job="b", sim=sim)
+    down = ev("MachinesStatusChanged", {"status": "DOWN", "reason": "health_check", "machines": [
+        {"machine_id": m, "previous_status": "UNHEALTHY"} for m in ("m1", "m3", "m6", "m9")]},
+        producer="health", entity=ENT)
+    out = sim.feed(down)
+    requests = [(k[1], k[2], k[3]) for k in kinds(out) if k[0] == "request"]
+    assert requests == [(("a/0", "a/2"), ("a/0", "a/2"), ("m1", "m3")), (("b/1",), ("b/1",), ("m6",))]
+    assert sorted(sim.state.machines_down) == ["m1", "m3", "m6", "m9"]
+    back = ev("MachinesStatusChanged", {"status": "UP", "reason": "heartbeat_resumed", "machines": [
+        {"machine_id": m, "previous_status": "DOWN"} for m in ("m1", "m3", "m6", "m9")]}, producer="health",
+        entity=ENT)
+    sim.feed(back)
+    assert dict(sim.state.machines_down) == {}
+
+
+TOO_MANY = {  # an intent beyond the limit (here 100 tasks) -> the job's state, its last_reason
+    "submitted": (lambda: [submit("j", 101)], JOB_REJECTED),
+    "resized": (lambda: [submit("j", 2), resized("j", 101)], JOB_PENDING),
+    "spec-changed": (lambda: [submit("j", 2), spec_changed("j", 150, version=2)], JOB_PENDING),
+}
+
+
+@pytest.mark.parametrize("inputs, state", TOO_MANY.values(), ids=TOO_MANY)
+def test_a_job_beyond_the_limit_is_refused_with_a_reason(inputs, state):
+    sim = Sim(max_tasks=100)
+    sim.feed(entitlement())
+    for e in inputs():
+        sim.feed(e)
+    view = sim.view()
+    assert view["state"] == state and view["desired_tasks"] <= 2 and len(view["tasks"]) <= 2
+    assert view["last_reason"].startswith(sd.REASON_TOO_MANY_TASKS + ":") and "at most 100 per job" in view["last_reason"]
+    at_limit = Sim(max_tasks=101)
+    at_limit.feed(entitlement())
+    assert at_limit.feed(submit("k", 101))[0].type == "AllocationRequested"  # the limit itself is served
+
+
+def test_a_spec_too_big_to_travel_is_refused():
+    sim = Sim()
+    sim.feed(entitlement())
+    sim.feed(submit("j", 2, env={f"K{i}": "x" * 1000 for i in range(300)}))
+    assert sim.view()["state"] == JOB_REJECTED and "command and env take more than" in sim.view()["last_reason"]
+
+
+def test_a_20000_task_job_is_commanded_and_published_in_records_below_the_limit():
+    from streams.batches import MAX_RECORD_BYTES
+
+    n = 20_000
+    sim = Sim()
+    sim.feed(entitlement())
+    (req,) = of_type(sim.feed(submit("big", n)), "AllocationRequested")
+    machines = [f"dc1-msb{i % 20:02d}-r{i % 9:02d}-m{i:05d}" for i in range(n)]
+    placements = [{"task_id": f"big/{i}", "machine_id": machines[i], "dc": "dc1", "msb": f"msb{i % 20:02d}",
+                   "rack": f"r{i % 9:02d}"} for i in range(n)]
+    out = sim.feed(ev("TasksAllocated", {"request_id": req.payload["request_id"], "job_id": "big",
+                                         "placements": placements}, producer="allocator"))
+    sizes = {}
+    for e in out:
+        size = len(REG.encode(e.type, e.to_record(schema_version=1)))
+        assert size < MAX_RECORD_BYTES, (e.type, size)
+        sizes.setdefault(e.type, []).append(size)
+    assert len(sizes["TasksCommanded"]) >= 4 and len(sizes["TaskStatesChanged"]) >= 4  # at most 5,000 items each
+    assert len(sizes["JobTasksPublished"]) == 40 and sizes["JobStatePublished"][0] < 10_000
+    assert len(commands(out)) == n and len(of_type(out, "TaskStateChanged")) == n
+    (head,) = of_type(out, "JobStatePublished")
+    assert head.payload["task_parts"] == 40 and head.payload["task_count"] == n and head.payload["tasks"] == []
+    # one agent report later: the header and the one part whose task changed, nothing else
+    out = sim.feed(reports(("big/7777", "RUNNING", machines[7777])))
+    assert [(e.type, e.entity_id) for e in out if e.type.startswith("Job")] == [
+        ("JobStatePublished", "big"), ("JobTasksPublished", "big#15")]
+
+
+def test_a_job_crossing_500_tasks_publishes_its_tasks_in_parts_and_back():
+    sim = running_job(2, ("m1", "m2"))
+    out = sim.feed(resized("j", 1_001))
+    parts = of_type(out, "JobTasksPublished")
+    assert [(p.payload["part"], len(p.payload["tasks"]), p.payload["deleted"]) for p in parts] == [
+        (0, 500, False), (1, 500, False), (2, 1, False)]
+    assert of_type(out, "JobStatePublished")[0].payload["task_parts"] == 3
+    out = sim.feed(resized("j", 2))  # the retired tasks never ran: dropped at once
+    (head,) = of_type(out, "JobStatePublished")
+    assert head.payload["task_parts"] == 0 and [t["task_id"] for t in head.payload["tasks"]] == ["j/0", "j/1"]
+    assert [(p.payload["part"], p.payload["deleted"]) for p in of_type(out, "JobTasksPublished")] == [
+        (0, True), (1, True), (2, True)]

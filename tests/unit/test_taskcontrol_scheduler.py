@@ -291,7 +291,9 @@ def test_a_runaway_failure_never_moves_faster_than_the_limit():
     out = sim.feed(unavailability([f"m{i + 1}" for i in range(n)]))
     assert len(moved(out)) == 5
     (th,) = of_type(out, "OperationsThrottled")
-    assert th.payload["reason"] == REASON_RATE_LIMITED_JOB and len(th.payload["waiting"]) == n - 5
+    assert th.payload["reason"] == REASON_RATE_LIMITED_JOB and th.payload["waiting_count"] == n - 5
+    assert len(th.payload["waiting"]) == sd.THROTTLED_LISTED  # the first ones listed: a record of bounded size
+    assert [w["task_id"] for w in th.payload["waiting"]][:2] == ["j/5", "j/6"]
     assert th.payload["retry_at_ms"] == T0 + 1000 and th.payload["limit"] == "job: 60/min, burst 5"
     assert {w["kind"] for w in th.payload["waiting"]} == {tc.OP_MOVE}
     total = 5

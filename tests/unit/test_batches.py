@@ -1,0 +1,81 @@
+"""streams/batches.py: items cut into records below the broker's limit, and read back from either form."""
+import pytest
+
+from streams import batches
+from streams.batches import MAX_RECORD_BYTES, RecordTooLarge, size_of, split
+from streams.events import new_event
+from streams.serde import SchemaRegistry
+
+REG = SchemaRegistry.from_dir()
+
+SPLITS = {  # items (sizes), fixed, max_bytes, max_items -> sizes per part
+    "nothing": ([], 0, 100, 10, []),
+    "all in one": ([10, 10, 10], 0, 100, 10, [[10, 10, 10]]),
+    "bytes bound": ([40, 40, 40], 10, 100, 10, [[40, 40], [40]]),
+    "exactly at the bound": ([45, 45, 45], 10, 100, 10, [[45, 45], [45]]),
+    "items bound": ([1] * 5, 0, 100, 2, [[1, 1], [1, 1], [1]]),
+    "order kept": ([30, 80, 10], 0, 100, 10, [[30], [80, 10]]),
+}
+
+
+@pytest.mark.parametrize("sizes, fixed, max_bytes, max_items, expected", SPLITS.values(), ids=SPLITS)
+def test_split(sizes, fixed, max_bytes, max_items, expected):
+    assert split(sizes, fixed=fixed, size=lambda n: n, max_bytes=max_bytes, max_items=max_items) == expected
+
+
+def test_an_item_that_cannot_fit_is_refused_not_sent():
+    with pytest.raises(RecordTooLarge):
+        split([95], fixed=10, size=lambda n: n, max_bytes=100)
+
+
+SIZES = {  # value -> its Avro encoding must not exceed size_of
+    "ascii": "task-1234", "utf-8": "tâche-ü-€", "int": 2**40, "list": ["a", "bb", "ccc"],
+    "map": {"ROLE": "web", "PORT": "80"}, "nested": {"k": [{"a": 1, "b": None, "c": True}]},
+}
+
+
+@pytest.mark.parametrize("value", SIZES.values(), ids=SIZES)
+def test_size_of_bounds_the_avro_encoding_from_above(value):
+    import io
+
+    from fastavro import parse_schema, schemaless_writer
+    schema = {"string": "string", "int": "long"}
+    kinds = {str: "string", int: "long"}
+    if isinstance(value, (str, int)):
+        s = kinds[type(value)]
+    elif isinstance(value, list):
+        s = {"type": "array", "items": "string"}
+    elif "ROLE" in value:
+        s = {"type": "map", "values": "string"}
+    else:
+        s = {"type": "map", "values": {"type": "array", "items": {"type": "map", "values": ["null", "long", "boolean"]}}}
+    buf = io.BytesIO()
+    schemaless_writer(buf, parse_schema(s), value)
+    assert len(buf.getvalue()) <= size_of(value), schema
+
+
+def test_commands_reports_and_statuses_read_from_either_form():
+    single = new_event("TaskCommanded", {"task_id": "j/0", "job_id": "j", "machine_id": "m1", "command": "STOP",
+                                         "argv": [], "env": {}, "spec_version": 2, "reason": "r"},
+                       entitlement="e1", entity_id="j/0", producer="scheduler", event_id="c1")
+    batch = new_event("TasksCommanded", {"job_id": "j", "argv": ["x"], "env": {"A": "1"}, "part": 0, "parts": 1,
+                                         "commands": [{"task_id": "j/0", "machine_id": "m1", "command": "STOP",
+                                                       "spec_version": 2, "reason": "r"}]},
+                      entitlement="e1", entity_id="j", producer="scheduler", event_id="b1")
+    (a,), (b,) = batches.task_commands(single), batches.task_commands(batch)
+    assert a == {**b, "command_id": "c1"}  # the same fields (a STOP carries no argv/env either way)
+    assert b["command_id"] == batches.command_id("b1", 0)
+    status = new_event("MachinesStatusChanged", {"status": "DOWN", "reason": "operator", "machines": [
+        {"machine_id": "m1", "previous_status": "UP"}, {"machine_id": "m2", "previous_status": "UNHEALTHY"}]},
+        entitlement="e1", entity_id="e1", producer="resourcebroker")
+    assert batches.machine_statuses(status) == [
+        {"machine_id": "m1", "status": "DOWN", "previous_status": "UP", "reason": "operator"},
+        {"machine_id": "m2", "status": "DOWN", "previous_status": "UNHEALTHY", "reason": "operator"}]
+    assert batches.machine_ids(status) == ["m1", "m2"]
+    for ev in (single, batch, status):
+        REG.encode(ev.type, ev.to_record(1))
+    assert batches.task_reports(batch) == [] and batches.task_commands(status) == []
+
+
+def test_the_bound_is_below_the_brokers_default_limit():
+    assert MAX_RECORD_BYTES <= 900_000 < 1_048_576
