@@ -13,11 +13,15 @@ from collections import Counter, defaultdict
 from typing import Callable
 
 from infra.config import Config
+from streams.batches import TASK_STATES_CHANGED, task_reports
 from streams.clients import EventConsumer
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
 TOPICS = ("allocations", "tasks")
+
+
+TASK_REPORTS = frozenset({"TaskStateChanged", TASK_STATES_CHANGED})  # one report, or an agent's batch of them
 
 
 class LogObserver:
@@ -71,8 +75,10 @@ class LogObserver:
                         del self.placement[pl["task_id"]]
             elif ev.type == "AllocationRejected":
                 self.rejected[p["reason"]] += len(p["unplaced_task_ids"])
-            elif ev.type == "TaskStateChanged" and p["state"] == "RUNNING":
-                self.running[p["task_id"]] = (p["machine_id"], ts)
+            elif ev.type in TASK_REPORTS:
+                for r in task_reports(ev):
+                    if r["state"] == "RUNNING":
+                        self.running[r["task_id"]] = (r["machine_id"], ts)
             elif ev.type == "ServiceDiscoveryChanged":
                 if p["enabled"]:
                     self.discovered[p["task_id"]] = (p["machine_id"], ts)
