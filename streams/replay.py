@@ -71,8 +71,9 @@ class ReplayFilter:
     """What to keep. Unset (None) fields match everything; set fields must all match."""
 
     entitlement: str | None = None  # envelope entitlement
-    job: str | None = None  # payload job_id, or entity_id == job, or a task of the job (`<job>/<n>`)
-    machine: str | None = None  # payload machine_id, any of machine_ids, or any placement's machine_id
+    job: str | None = None  # payload job_id, or entity_id == job, or a task of the job (`<job>/<n>`), or an item's
+    machine: str | None = None  # payload machine_id, any of machine_ids, any placement's, command's, report's or
+    # machine status's machine_id (the items of TasksCommanded, TaskStatesChanged, MachinesStatusChanged)
     since_ms: int | None = None  # envelope timestamp_ms >= since_ms
     until_ms: int | None = None  # envelope timestamp_ms < until_ms
     topics: tuple[str, ...] | None = None  # logical topic names; None: every data topic
@@ -111,7 +112,8 @@ def _about_job(job: str, event: Event) -> bool:
     task_prefix = job + "/"  # task ids are <job>/<n>
     task_id = p.get("task_id")
     return (p.get("job_id") == job or event.entity_id == job or event.entity_id.startswith(task_prefix)
-            or (isinstance(task_id, str) and task_id.startswith(task_prefix)))
+            or (isinstance(task_id, str) and task_id.startswith(task_prefix))
+            or any(r.get("job_id") == job for r in (p.get("reports") or ())))
 
 
 def _about_machine(machine: str, event: Event) -> bool:
@@ -120,7 +122,8 @@ def _about_machine(machine: str, event: Event) -> bool:
         return True
     if machine in (p.get("machine_ids") or ()):
         return True
-    return any(pl.get("machine_id") == machine for pl in (p.get("placements") or ()))
+    return any(item.get("machine_id") == machine for key in ("placements", "commands", "reports", "machines")
+               for item in (p.get(key) or ()))
 
 
 # --- the reader ---------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import dataclasses
 import threading
 import time
 
@@ -15,6 +16,7 @@ from infra.config import PROJECT_ROOT
 from processors.health import decide as hd
 from processors.resourcebroker import decide as bd
 from processors.resourcebroker.region import generate_region, machines
+from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
 from streams.topics import Topics
@@ -113,7 +115,14 @@ class Follow:
 
 
 def status_changes(events, status=None):
-    return [e for e in events if e.type == "MachineStatusChanged" and (status is None or e.payload["status"] == status)]
+    """Every machine's status change, one event per machine (a MachinesStatusChanged's machines each as a
+    MachineStatusChanged with the machine as entity id)."""
+    out = []
+    for e in events:
+        for m in batches.machine_statuses(e):
+            if status is None or m["status"] == status:
+                out.append(dataclasses.replace(e, type="MachineStatusChanged", entity_id=m["machine_id"], payload=m))
+    return out
 
 
 @pytest.fixture
@@ -233,7 +242,10 @@ def test_bad_heartbeat_record_goes_to_deadletter(cfg, registry, region, health_p
         dl = [e for e in evs if e.type == "DeadLetterRecorded"][0]
         assert dl.payload["consumer"] == hd.PRODUCER and dl.payload["origin_topic"] == t.name("heartbeats")
         # Still alive: nobody heartbeats here, so all five go UNHEALTHY after the timeout.
-        follow.until(lambda evs: len(status_changes(evs, bd.UNHEALTHY)) == 5, (2 * TIMEOUT_MS) / 1000 + 8,
-                     "five UNHEALTHY")
+        evs = follow.until(lambda evs: len(status_changes(evs, bd.UNHEALTHY)) == 5, (2 * TIMEOUT_MS) / 1000 + 8,
+                           "five UNHEALTHY")
+        records = [e for e in evs if e.type in ("MachineStatusChanged", "MachinesStatusChanged")]
+        assert {e.type for e in records} == {"MachinesStatusChanged"} and len(records) < 5, \
+            "one event per tick for the machines it finds silent, not one per machine"
     finally:
         follow.close()

@@ -29,6 +29,7 @@ from processors.resourcebroker import decide as rb
 from processors.resourcebroker.processor import fold_machines, produce
 from processors.resourcebroker.region import MachineSpec
 from processors.scheduler.decide import PRODUCER
+from streams import batches
 from streams.clients import EventProducer
 from streams.replay import ReplayFilter, replay
 from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
@@ -169,8 +170,9 @@ def test_maintenance_story_on_the_broker(cfg, registry, workers, controllers):  
     assert choices("sm") == [(f"{SM}/0", "MOVE")], "replica-aware never moves sm/1 (shard b would keep 1 live)"
     assert choices("web") == [(f"{WEB}/0", "KEEP")], "pacing sits through it (shorter than its 2 h threshold)"
 
-    commands = [(e.payload["command"], e.payload["task_id"], e.payload["machine_id"], e.payload["reason"],
-                 e.timestamp_ms) for e in by_type("TaskCommanded") if e.timestamp_ms >= notice.timestamp_ms]
+    commands = [(c["command"], c["task_id"], c["machine_id"], c["reason"], e.timestamp_ms)
+                for e in by_type("TasksCommanded") if e.timestamp_ms >= notice.timestamp_ms
+                for c in batches.task_commands(e)]
     assert [c[:4] for c in commands] == [
         ("STOP", f"{SM}/0", "m1", "machine_maintenance"),
         ("START", f"{SM}/0", "m7", "placed"),

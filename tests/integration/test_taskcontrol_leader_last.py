@@ -14,6 +14,7 @@ import time
 import pytest
 
 from processors.scheduler.decide import PRODUCER
+from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.topics import Topics
 from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
@@ -118,12 +119,13 @@ def update_stops(log, op_task) -> list[str]:
     for e in log:
         if e.type == "TaskControlAcked":
             acked_tasks |= {op_task[o] for o in e.payload["approved_operation_ids"]}
-        elif e.type == "TaskCommanded" and e.payload["command"] == "STOP" and e.payload["reason"] == "rolling_update":
-            t = e.payload["task_id"]
-            assert t in acked_tasks, f"{t} stopped before its operation was acked"
-            assert len(stops) == len(running_v2), f"{t} stopped while {stops[-1]} was not back yet"
-            stops.append(t)
-        elif (e.type == "TaskStateChanged" and e.producer != PRODUCER and e.payload["state"] == "RUNNING"
-              and e.payload["spec_version"] == 2):
-            running_v2.add(e.payload["task_id"])
+        for c in batches.task_commands(e):  # the scheduler's TasksCommanded
+            if c["command"] == "STOP" and c["reason"] == "rolling_update":
+                t = c["task_id"]
+                assert t in acked_tasks, f"{t} stopped before its operation was acked"
+                assert len(stops) == len(running_v2), f"{t} stopped while {stops[-1]} was not back yet"
+                stops.append(t)
+        if e.producer != PRODUCER:  # an agent's TaskStatesChanged
+            running_v2 |= {r["task_id"] for r in batches.task_reports(e)
+                           if r["state"] == "RUNNING" and r["spec_version"] == 2}
     return stops

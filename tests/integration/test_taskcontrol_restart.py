@@ -26,6 +26,7 @@ from collections import Counter
 import pytest
 
 from processors.scheduler.decide import PRODUCER
+from streams import batches
 from streams.clients import EventProducer
 from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
 from test_taskcontrol_leader_last import ENT, JOB, Reader, run_until, update_stops
@@ -53,7 +54,7 @@ class RawReader(Reader):
     def poll(self):
         new = []
         for rec in self.consumer.poll(2000, 0.2):
-            if rec.event.type in ("TaskControlAcked", "TaskCommanded"):
+            if rec.event.type in ("TaskControlAcked", "TaskCommanded", "TasksCommanded"):
                 self.raw.append(rec)
             if rec.event.event_id not in self.seen:
                 self.seen.add(rec.event.event_id)
@@ -208,9 +209,8 @@ def test_a_controller_killed_and_restarted_mid_release(cfg, registry, workers, c
 
     # the scheduler performed each operation exactly once (STOP records, same-id repeats counted), after its ack,
     # followers one at a time, the leader last
-    stop_records = Counter(r.event.payload["task_id"] for r in reader.raw
-                           if r.event.type == "TaskCommanded" and r.event.payload["command"] == "STOP"
-                           and r.event.payload["reason"] == "rolling_update")
+    stop_records = Counter(c["task_id"] for r in reader.raw for c in batches.task_commands(r.event)
+                           if c["command"] == "STOP" and c["reason"] == "rolling_update")
     assert stop_records == Counter({t: 1 for t in FOLLOWERS + [LEADER]}), stop_records
     stops = update_stops(log, op_task)
     assert stops == FOLLOWERS + [LEADER]

@@ -50,6 +50,21 @@ def request(t, sequence, *pending, in_flight=None):
               in_flight_operation_ids=None if in_flight is None else [f"{x}:update:1" for x in in_flight])
 
 
+def commands(t, *rows, causation=None):
+    """The scheduler's TasksCommanded: rows (task, command, reason)."""
+    return ev("TasksCommanded", t, causation=causation, job_id=JOB, argv=[], env={}, part=0, parts=1,
+              commands=[{"task_id": x, "machine_id": f"m{x}", "command": c, "spec_version": 2, "reason": r}
+                        for x, c, r in rows])
+
+
+def reports(t, *rows):
+    """An agent process's TaskStatesChanged: rows (task, state, version)."""
+    return ev("TaskStatesChanged", t, producer="agent/simulated", reports=[
+        {"report_id": f"r{x}{t}", "task_id": x, "job_id": JOB, "machine_id": f"m{x}", "state": st,
+         "previous_state": "STARTING", "exit_code": None, "spec_version": v, "reason": "", "cause_id": None}
+        for x, st, v in rows])
+
+
 START = [ev("JobSubmitted", 1, producer="cli", job_id=JOB, spec_version=1)] + [running(x, 2) for x in "abcd"] + [
     ev("JobSpecChanged", 10, producer="cli", job_id=JOB, spec_version=2)]
 
@@ -75,6 +90,17 @@ CASES = {
     "a fence stop of a task already down changes nothing":
         ([failure(11, "ma"), command("a", 12, reason="machine_failed", causation="ue1")],
          set(), set(), set(), set(), set()),
+    "batched: two stops sharing s1 in one TasksCommanded lose it":
+        ([commands(11, ("a", "STOP", "rolling_update"), ("b", "STOP", "rolling_update"))], {"s1"}, set(), set(),
+         set(), {"a", "b"}),
+    "batched: a stop after the agent's batch said it runs again loses nothing":
+        ([commands(11, ("a", "STOP", "rolling_update")), reports(20, ("a", "STARTING", 2), ("a", "RUNNING", 2)),
+          commands(21, ("b", "STOP", "rolling_update"))], set(), set(), set(), set(), {"b"}),
+    "batched: the machines' DOWN in one MachinesStatusChanged is read as the failure":
+        ([ev("MachinesStatusChanged", 11, producer="resourcebroker", event_id="ms2", status="DOWN",
+             reason="operator", machines=[{"machine_id": "mb", "previous_status": "UP"}]), failure(11, "mb"),
+          commands(12, ("b", "STOP", "machine_failed"), causation="ms2"), command("a", 13)],
+         {"s1"}, set(), set(), set(), {"a"}),
     "an ack of two tasks sharing s1 counts at the ack": ([ack(11, 1, "a", "b")], set(), {"s1"}, set(), set(), set()),
     "an ack of two tasks sharing no shard does not": ([ack(11, 1, "a", "d")], set(), set(), set(), set(), set()),
     "an ack while another approved task is not stopped yet":

@@ -26,6 +26,13 @@ UNAVAILABLE = ev("UnavailabilityStarted", "ue-1", {"machine_ids": ["m3", "m1"]})
 ALLOCATED = ev("TasksAllocated", "req-1", {"job_id": "job-2", "placements": [
     {"task_id": "job-2/0", "machine_id": "m7"}, {"task_id": "job-2/1", "machine_id": "m1"}]})
 NULL_MACHINE = ev("TaskStateChanged", "job-3/0", {"task_id": "job-3/0", "job_id": "job-3", "machine_id": None})
+COMMANDS = ev("TasksCommanded", "job-4", {"job_id": "job-4", "commands": [
+    {"task_id": "job-4/0", "machine_id": "m8"}, {"task_id": "job-4/1", "machine_id": "m1"}]})
+REPORTS = ev("TaskStatesChanged", "job-5/0", {"reports": [  # an agent process's batch: two jobs
+    {"task_id": "job-5/0", "job_id": "job-5", "machine_id": "m2"}, {"task_id": "job-6/3", "job_id": "job-6",
+                                                                    "machine_id": "m1"}]})
+STATUSES = ev("MachinesStatusChanged", "ads", {"status": "DOWN", "machines": [{"machine_id": "m4"},
+                                                                             {"machine_id": "m1"}]})
 
 CASES = [
     # (name, filter, event, expected)
@@ -45,6 +52,14 @@ CASES = [
     ("machine m1 is not m10", ReplayFilter(machine="m1"), OTHER_JOB_TASK, False),
     ("machine null machine_id", ReplayFilter(machine="m1"), NULL_MACHINE, False),
     ("machine absent", ReplayFilter(machine="m1"), SUBMITTED, False),
+    ("job of a TasksCommanded", ReplayFilter(job="job-4"), COMMANDS, True),
+    ("machine of one of its commands", ReplayFilter(machine="m1"), COMMANDS, True),
+    ("machine of none of its commands", ReplayFilter(machine="m2"), COMMANDS, False),
+    ("job of one report of a batch", ReplayFilter(job="job-6"), REPORTS, True),
+    ("job of no report of a batch", ReplayFilter(job="job-7"), REPORTS, False),
+    ("machine of one report of a batch", ReplayFilter(machine="m1"), REPORTS, True),
+    ("machine of a MachinesStatusChanged", ReplayFilter(machine="m1"), STATUSES, True),
+    ("machine not in a MachinesStatusChanged", ReplayFilter(machine="m2"), STATUSES, False),
     ("since inclusive", ReplayFilter(since_ms=1_000), SUBMITTED, True),
     ("since after", ReplayFilter(since_ms=1_001), SUBMITTED, False),
     ("until exclusive", ReplayFilter(until_ms=1_000), SUBMITTED, False),
