@@ -9,11 +9,14 @@ Decisions (all keyed to the machine's current owner: its entitlement, or ``free/
 * ``register``/``register_all``: MachineRegistered; nothing if already registered identically; a change of
   type or capacity re-registers; a change of place (region/dc/msb/rack) raises RegistrationConflict.
 * ``machine_failed``: MachineStatusChanged(→DOWN) + UnavailabilityStarted(FAILURE) for that machine.
-* ``machine_recovered``: MachineStatusChanged(DOWN→UP) + UnavailabilityEnded of the failure's UE.
+* ``machines_failed``: many machines at once (a Health Check tick, a power loss): per owner key ONE
+  MachinesStatusChanged(→DOWN) and ONE UnavailabilityStarted(FAILURE) listing them.
+* ``machine_recovered``: MachineStatusChanged(DOWN→UP) + UnavailabilityEnded of the failure's UE;
+  ``machines_recovered``: many, per owner ONE MachinesStatusChanged(DOWN→UP), an UnavailabilityEnded per UE.
 * ``plan_maintenance``: UnavailabilityStarted(MAINTENANCE) with advance notice and deadline, one per owner,
   listing that owner's affected machines (the Ops Planner's input path; statuses do not change yet).
-* ``maintenance_started``/``maintenance_ended``: MachineStatusChanged(→MAINTENANCE / →UP), and on the end
-  UnavailabilityEnded, one per owner.
+* ``maintenance_started``/``maintenance_ended``: per owner ONE MachinesStatusChanged(→MAINTENANCE / →UP), and on
+  the end UnavailabilityEnded, one per owner.
 
 Status transitions live in ``STATUS_TRANSITIONS``; a trigger that finds the machine already where it leads
 (``NO_CHANGE``) emits nothing, anything else raises IllegalStatusTransition. Event ids come from

@@ -5,15 +5,22 @@ events)`` over immutable state, and the same input on the same state gives the s
 ``decide`` dispatches a decoded event by type (``HANDLERS``); ``retry_unplaced`` is the timer's decision;
 ``job_view`` is what ``ropewalk job status --json`` prints. See ``README.md`` for the flows as a diagram.
 
-**Who emits what.** The scheduler emits the commands (TaskCommanded START/STOP/RESTART, AllocationRequested,
-ServiceDiscoveryChanged) and the TaskStateChanged of the transitions no agent can report: PENDING (rescheduled),
-ALLOCATED, FAILED on a machine failure (the agent is gone), STOPPED of a task that never ran or is already dead.
-A command moves the task into its transitional state at once (START → STARTING, STOP → STOPPING, RESTART →
-STARTING) without a TaskStateChanged of its own: the agent reports STARTING, RUNNING and the exits, and its
-STARTING is then a duplicate the lifecycle table absorbs. A task moved off a lost machine while starting or
-running also gets a STOP addressed to that machine (a fence: an UNHEALTHY machine may still run it). The
-scheduler's own events come back on the topics it reads: ``decide`` ignores every event whose producer is the
-scheduler (``is_own``).
+**Who emits what.** The scheduler emits the commands (START/STOP/RESTART, AllocationRequested,
+ServiceDiscoveryChanged) and the transitions no agent can report: PENDING (rescheduled), ALLOCATED, FAILED on a
+machine failure (the agent is gone), STOPPED of a task that never ran or is already dead. Per job and decision, the
+commands are ONE TasksCommanded (argv/env once, a line per task) and the transitions ONE TaskStatesChanged (each
+report with the id a TaskStateChanged would have had), split only if a record would exceed 900,000 bytes
+(``streams/batches.py``); a job of more than ``PUBLISH_PART_TASKS`` tasks publishes its tasks in JobTasksPublished
+parts, only the changed ones. A command moves the task into its transitional state at once (START → STARTING,
+STOP → STOPPING, RESTART → STARTING) without a report of its own: the agent reports STARTING, RUNNING and the
+exits, and its STARTING is then a duplicate the lifecycle table absorbs. A task moved off a lost machine while
+starting or running also gets a STOP addressed to that machine (a fence: an UNHEALTHY machine may still run it).
+The scheduler reads agents' TaskStatesChanged batches (and single TaskStateChanged of older logs) and many machines'
+status in one MachinesStatusChanged. The scheduler's own events come back on the topics it reads: the shard passes
+over them by their record header; ``decide`` ignores every event whose producer is the scheduler (``is_own``).
+
+**Job size.** A job may have at most ``max_tasks`` tasks (``ROPEWALK_MAX_TASKS_PER_JOB``, default 25,000): a
+submission, resize or update beyond it is refused with ``REASON_TOO_MANY_TASKS`` in ``last_reason``.
 
 **Restart policy.** A task that crashes (FAILED) or exits 0 (STOPPED on its own: a service's task is meant to
 run) on a machine not known to be down is restarted in place (TaskCommanded RESTART) up to ``MAX_RESTARTS``
@@ -24,8 +31,9 @@ failure, or a rolling update that no longer fits the task's machine) is ONE Allo
 task in both ``free_task_ids`` and ``place_task_ids`` (with ``avoid_machine_ids`` for a failure): one request is
 one atomic decision of the allocator, Twine's "per-task map of tasks to allocate or free" (§2.3), and the
 allocator's commit refuses to place a task that is still placed, so it must free first within the request.
-Retired tasks (shrink, stop) are freed with a request holding only ``free_task_ids``. Each decision sends at
-most one request per job. Request ids are ``<job>:v<spec_version>:r<n>`` with ``n`` a per-job counter in the
+Retired tasks (shrink, stop) are freed with a request holding only ``free_task_ids``. Each decision sends one
+request per job for all its tasks (all of a tick's failed machines at once), or a few when a huge job's task ids
+would not fit one record (``_request_parts``: a task in one of them, free and place together). Request ids are ``<job>:v<spec_version>:r<n>`` with ``n`` a per-job counter in the
 state, so a replay names them alike. A newer request for a task supersedes the older one: the task remembers
 only its outstanding request, and a result for another request is stale.
 
