@@ -2,8 +2,8 @@
 
 ``plan`` folds the ``machines`` topic (the Resource Broker's registry: where every machine is) to resolve the
 targets, and produces the UnavailabilityStarted events on ``unavailability``. ``end`` reads ``unavailability``
-for the plan's machines, folds ``machines``, and produces MachineStatusChanged(→UP) for machines in MAINTENANCE
-and UnavailabilityEnded. Cost: one full fold of ``machines`` per call (as ``ropewalk machine fail``).
+for the plan's machines, folds ``machines``, and produces MachinesStatusChanged(→UP), one per owner, for machines
+in MAINTENANCE and UnavailabilityEnded. Cost: one full fold of ``machines`` per call (as ``ropewalk machine fail``).
 """
 from __future__ import annotations
 

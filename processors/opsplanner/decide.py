@@ -2,7 +2,8 @@
 
     plan(broker_state, Plan(machines=[...] | rack="dc/msb/rack" | msb="dc/msb", start_ms, duration_ms,
          deadline_ms), now_ms) -> [UnavailabilityStarted(MAINTENANCE), one per owner of the machines]
-    end(broker_state, unavailability_id, machine_ids, now_ms) -> [MachineStatusChanged(→UP)..., UnavailabilityEnded]
+    end(broker_state, unavailability_id, machine_ids, now_ms)
+        -> [MachinesStatusChanged(→UP) per owner..., UnavailabilityEnded per owner]
 
 The machines come from the region: ``broker_state`` is the Resource Broker's fold of the ``machines`` topic
 (``processors/resourcebroker``), whose ``plan_maintenance`` / ``maintenance_ended`` these wrap, with the Ops
