@@ -79,3 +79,23 @@ def test_commands_reports_and_statuses_read_from_either_form():
 
 def test_the_bound_is_below_the_brokers_default_limit():
     assert MAX_RECORD_BYTES <= 900_000 < 1_048_576
+
+
+# -- a job published in parts, read back whole (streams/state.py) ---------------------------------------------------
+
+def test_a_job_published_in_parts_is_read_back_whole():
+    from streams.state import job_whole
+
+    def head(parts, tasks=()):
+        return new_event("JobStatePublished", {"job_id": "j", "name": "j", "state": "pending", "spec_version": 1,
+                                               "desired_tasks": 1200, "tasks": list(tasks), "last_reason": "",
+                                               "deleted": False, "task_parts": parts, "task_count": 1200},
+                         entitlement="e1", entity_id="j", producer="scheduler")
+    rows = lambda lo, hi: [{"task_id": f"j/{i}"} for i in range(lo, hi)]  # noqa: E731
+    parts = {0: rows(0, 500), 2: rows(1000, 1200), 1: rows(500, 1000), 3: rows(1200, 1300)}
+    whole = job_whole(head(3), parts)
+    assert [t["task_id"] for t in whole.payload["tasks"]] == [f"j/{i}" for i in range(1200)]  # parts 0..2 only
+    small = head(0, rows(0, 3))
+    assert job_whole(small, parts) is small  # tasks inside: as published
+    assert [t["task_id"] for t in job_whole(head(3), {0: rows(0, 500)}).payload["tasks"]] == [
+        f"j/{i}" for i in range(500)]  # a part not read yet: what there is (the topics are not ordered)
