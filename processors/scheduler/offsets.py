@@ -20,7 +20,9 @@ seeks the partition back to the next offset and passes the record over, to see i
 partition's high watermark is past the next offset while the shard has received no record at all for
 ``STALL_S``) is a gap with no record after it: a timer finds it and seeks back too. "No record at all", not
 "none of this partition": under a backlog, a partition's records wait in faust's buffers behind others', and
-seeking back then would only fetch them twice. Every seek is logged.
+seeking back then would only fetch them twice. Every seek is logged. A batch the shard decided but could not
+produce or store is ``rewind``-ed: the in-memory value is dropped, the table's (not yet moved) applies again, and
+the shard seeks back to it.
 """
 from __future__ import annotations
 
@@ -80,6 +82,13 @@ class OffsetGuard:
         if high_watermark is None or high_watermark <= self.next_offset(key):
             return False
         return now - self.last_record_at >= STALL_S
+
+    def rewind(self, key: str) -> int:
+        """A batch of ``key``'s records was not applied after all (its output or its tables could not be written):
+        the next offset is the table's again; returns it (the shard seeks back there)."""
+        self.in_memory.pop(key, None)
+        self.sought.pop(key, None)
+        return self.next_offset(key)
 
     def forget(self) -> None:
         """At a rebalance: take the table's values again (they may be a little behind; see the module doc)."""

@@ -72,7 +72,9 @@ or after them leaves every job whole, old or new (store.py), and a job already a
 in its duplicate ring and emits nothing (their output was flushed already). The offsets of step 3 are on the log
 only after the state they stand for (the flush of step 2): the offset guard never skips an event whose effect
 was lost. An event whose decision raises is sent to ``deadletter`` with reason ``processing_failed``; the rest of
-the batch goes on from the state before it.
+the batch goes on from the state before it. A batch whose output or tables cannot be written (the broker refusing
+or away) is read again: the offset guard falls back to the stored offsets and the shard seeks back there
+(``OffsetGuard.rewind``); what the tables in memory already hold makes the second reading a no-op where it applied.
 
 Known limits: ``machines_down`` is keyed by machine alone and written to the partition of the event that
 changed it, so a machine that moves to an entitlement of another partition leaves its old entry in the old
@@ -126,6 +128,7 @@ RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases th
 FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
 BATCH_MAX = 500  # records handed to one decision batch at most
 BATCH_WITHIN_S = 0.01  # how long a batch waits for more records before it is decided
+FAILED_BATCH_PAUSE_S = 1.0  # after a batch whose output or tables could not be written, before reading it again
 COALESCED = {"JobStatePublished": "job_id", "JobTasksPublished": None}  # only a batch's last one per key is produced
 
 # Environment variables of a worker (beside infra.config's), mapped to faust settings; tests lower them.
@@ -344,12 +347,17 @@ class ShardTables:
             self._put(self.job_chunks, part, key, None)
         return len(plans)
 
-    def orphans(self, active_partitions: set[int]) -> list[tuple[int, str]]:
-        """(partition, key) of the chunk records of the active partitions that no header names."""
-        keys = [k for k, v in list(self.job_chunks.data.items())
-                if v is not None and self.partition_of(v["entitlement"]) in active_partitions]
-        parts = {k: self.partition_of(self.job_chunks.data[k]["entitlement"]) for k in keys}
-        return [(parts[k], k) for k in st.orphans(keys, self.jobs.data)]
+    def drop_orphans(self, active_partitions: set[int]) -> int:
+        """Delete the chunk records of the active partitions that no header names (``store.orphans``: left by a
+        write a crash interrupted, or a tombstone lost with it). Between decisions a chunk that a header on the log
+        names is named by the header in memory too: ``store`` drops a chunk from a header only as ``obsolete``, and
+        deletes it itself once the new header is flushed. Returns how many were deleted."""
+        parts = {k: self.partition_of(v["entitlement"]) for k, v in list(self.job_chunks.data.items())
+                 if v is not None and self.partition_of(v["entitlement"]) in active_partitions}
+        garbage = st.orphans(parts, self.jobs.data)
+        for key in garbage:
+            self._put(self.job_chunks, parts[key], key, None)
+        return len(garbage)
 
 
 def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S, **settings: Any):
@@ -450,7 +458,16 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 if got is not None:
                     items.append((msg, *got))
             if items:
-                await apply(items)
+                try:
+                    await apply(items)
+                except Exception:  # noqa: BLE001 - producing or storing failed (the broker?): read the batch again
+                    log.exception("scheduler: a batch of %d records could not be produced or stored; reading it "
+                                  "again from the offsets last stored", len(items))
+                    tps = {partition_key(rec.topic, rec.partition): msg.tp for msg, rec, _ in items}
+                    for key, tp in tps.items():
+                        guard.rewind(key)
+                        await seek_back(tp, key, "a batch not stored")
+                    await asyncio.sleep(FAILED_BATCH_PAUSE_S)
 
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
     async def retry() -> None:
@@ -466,12 +483,9 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                     await produce(coalesce(out))
                 if new is not state:
                     await tables.store(state, new, headers, buckets={part: new.shard_bucket})
-            garbage = tables.orphans(active)
-            if garbage:  # every header written is durable (store's second flush): these are named by none
-                log.warning("scheduler: deleting %d chunk records no job names (left by an interrupted write)",
-                            len(garbage))
-                for part, key in garbage:
-                    tables._put(tables.job_chunks, part, key, None)
+            dropped = tables.drop_orphans(active)
+            if dropped:
+                log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)", dropped)
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:

@@ -39,6 +39,17 @@ def test_the_table_value_is_the_fallback_and_forget_returns_to_it():
     assert g.next_offset("t/0") == 10
 
 
+def test_a_batch_not_stored_is_rewound_to_the_table_value_and_applied_again():
+    persisted = {"t/0": 7, "t/1": 3}
+    g = OffsetGuard(persisted)
+    assert [g.check("t/0", o, 1.0) for o in (7, 8, 9)] == [APPLY, APPLY, APPLY]
+    assert g.should_seek("t/0", 1.0) == 10  # (a seek for another reason, remembered)
+    assert g.rewind("t/0") == 7  # its tables were not written: from the stored offset again
+    assert g.should_seek("t/0", 1.1) == 7  # and the seek is not held back by the earlier one
+    assert [g.check("t/0", o, 2.0) for o in (7, 8, 9)] == [APPLY, APPLY, APPLY]
+    assert g.next_offset("t/1") == 3 and g.rewind("t/1") == 3  # another partition: untouched
+
+
 @pytest.mark.parametrize("high_watermark, idle_s, expected", [
     (None, 10.0, False),           # no fetch yet: nothing known
     (3, 10.0, False),              # everything applied
