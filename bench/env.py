@@ -33,6 +33,18 @@ from infra.process import ManagedProcess, pid_alive
 HEARTBEAT_INTERVAL_MS = 10_000
 HEALTH_TIMEOUT_MS = 60_000
 HEALTH_TICK_MS = 2_000
+# Beyond 100,000 machines the interval grows so the region's heartbeats stay at this rate (one simulated-agents
+# process produces them and one health check reads them): at 1,000,000 machines, one every 100 s, judged silent
+# after 600 s.
+HEARTBEATS_PER_S = 10_000
+
+
+def heartbeat_interval_ms(machines: int) -> int:
+    return max(HEARTBEAT_INTERVAL_MS, machines * 1000 // HEARTBEATS_PER_S)
+
+
+def health_timeout_ms(machines: int) -> int:
+    return HEALTH_TIMEOUT_MS * heartbeat_interval_ms(machines) // HEARTBEAT_INTERVAL_MS
 # Group timing of the faust workers (the scheduler and the allocator): a quick first join (see tests).
 FAUST_ENV = MappingProxyType({"ROPEWALK_FAUST_SESSION_TIMEOUT": "2", "ROPEWALK_FAUST_HEARTBEAT_INTERVAL": "0.5",
                               "ROPEWALK_FAUST_REBALANCE_TIMEOUT": "2"})
@@ -107,20 +119,21 @@ class BenchEnv:
 
     # -- the control plane ---------------------------------------------------------------------------------
     def worker_processes(self, region: Path, *, without: tuple[str, ...] = (),
-                         env: Mapping[str, str] | None = None) -> list[ManagedProcess]:
-        """``infra.controlplane.processes`` with the benchmark's heartbeat interval and health timeout, and
-        quick faust group timing; ``without`` names workers not to run, ``env`` is added to every worker's."""
+                         env: Mapping[str, str] | None = None, machines: int = 0) -> list[ManagedProcess]:
+        """``infra.controlplane.processes`` with the benchmark's heartbeat interval and health timeout (for a
+        region of ``machines``), and quick faust group timing; ``without`` names workers not to run, ``env`` is
+        added to every worker's."""
         out = []
         for proc in controlplane.processes(self.cfg, region, local=False):  # simulated machines only
             if proc.name in without:
                 continue
             argv = list(proc.argv)
             if proc.name == "agents":
-                argv[argv.index("--interval-ms") + 1] = str(HEARTBEAT_INTERVAL_MS)
+                argv[argv.index("--interval-ms") + 1] = str(heartbeat_interval_ms(machines))
                 i = argv.index("--state-file")  # nothing restarts the bench's agents: no state file to write
                 del argv[i:i + 2]
             elif proc.name == "health":
-                argv[argv.index("--timeout-ms") + 1] = str(HEALTH_TIMEOUT_MS)
+                argv[argv.index("--timeout-ms") + 1] = str(health_timeout_ms(machines))
                 argv[argv.index("--tick-ms") + 1] = str(HEALTH_TICK_MS)
             out.append(dataclasses.replace(proc, argv=argv, env={**(proc.env or {}), **FAUST_ENV, **(env or {})}))
         return out
@@ -131,7 +144,7 @@ class BenchEnv:
         workers (``without`` and ``env``: see ``worker_processes``), wait until the allocator indexed every machine
         UP."""
         region = region or controlplane.write_region(self.cfg, machines, local=False)
-        self.workers = self.worker_processes(region, without=without, env=env)
+        self.workers = self.worker_processes(region, without=without, env=env, machines=machines)
         t0 = time.monotonic()
         for proc in self.workers:
             st = proc.start()
@@ -149,7 +162,7 @@ class BenchEnv:
             seen = controlplane.machines_indexed(self.cfg).get("UP", 0)
             if seen >= machines:
                 break
-            time.sleep(0.5)
+            time.sleep(max(0.5, machines / 50_000))  # reading the whole index costs Redis ~1 s per 100k machines
         if seen < machines:
             raise RuntimeError(f"bench: only {seen} of {machines} machines reached the allocator's index in "
                                f"{timeout_s:.0f} s; see {self.run_dir}/allocator.log")

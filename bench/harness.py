@@ -36,7 +36,7 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 from bench import workloads as w
-from bench.env import HEARTBEAT_INTERVAL_MS, BenchEnv, cores, sigterm_as_interrupt
+from bench.env import BenchEnv, cores, health_timeout_ms, heartbeat_interval_ms, sigterm_as_interrupt
 
 REQUIRED = ("machines", "cores", "raw_produce_per_s", "raw_consume_per_s", "alloc_jobs_per_s", "alloc_tasks_per_s",
             "alloc_p50_ms", "alloc_p99_ms", "cache_hit_ratio", "failover_p50_ms", "failover_p99_ms",
@@ -266,7 +266,8 @@ def _conditions(opts: Options, doc: dict, details: dict) -> dict:
             "tasks_per_job_range": [w.TASKS_MIN, w.TASKS_MAX], "task_shapes": [list(s) for s in w.SHAPES],
             "dc_requirement_share": w.DC_REQUIREMENT_SHARE, "partitions": opts.partitions,
             "worker_processes": doc["worker_processes"], "cores": doc["cores"],
-            "heartbeat_interval_ms": HEARTBEAT_INTERVAL_MS, "record_bytes": doc.get("record_bytes"),
+            "heartbeat_interval_ms": heartbeat_interval_ms(opts.machines),
+            "health_timeout_ms": health_timeout_ms(opts.machines), "record_bytes": doc.get("record_bytes"),
             "options": asdict(opts), "versions": versions, "platform": platform.platform(),
             "broker": "embedded Apache Kafka (KRaft, one node, data on disk)", "clock": "log timestamps (CreateTime) of one machine"}
 

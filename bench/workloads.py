@@ -275,10 +275,9 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     affected = {t for t, m in obs.placement.items() if m in gone}
     state = fold_machines(env.cfg, registry)
     now = int(time.time() * 1000)
-    events = []
-    for mid in victims:  # one fold, then every machine's pure decision: the failures leave at once
-        state, evs = broker.machine_failed(state, mid, broker.REASON_OPERATOR, now)
-        events += evs
+    # One decision for all of them, as the health check takes for the machines gone silent in one tick: one
+    # MachinesStatusChanged and one UnavailabilityStarted per owner, not two events per machine.
+    state, events = broker.machines_failed(state, victims, broker.REASON_OPERATOR, now)
     fail_ts = min((e.timestamp_ms for e in events), default=now)
     produce(EventProducer(env.cfg, registry, broker.PRODUCER), events)
 

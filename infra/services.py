@@ -26,13 +26,16 @@ def redis_binary() -> str:
 
 
 def broker_ready(bootstrap_servers: str) -> bool:
+    """The broker answers, and every partition it holds has a leader (a broker restarted on its data elects its
+    partitions' leaders a moment after it answers; clients asking meanwhile get NOT_LEADER_FOR_PARTITION)."""
     from confluent_kafka.admin import AdminClient
 
     try:
-        AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 0}).list_topics(timeout=2)
-        return True
+        md = AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 0}).list_topics(timeout=2)
     except Exception:
         return False
+    return all(t.error is None and all(p.leader >= 0 and p.error is None for p in t.partitions.values())
+               for t in md.topics.values())
 
 
 def redis_ready(url: str) -> bool:

@@ -307,6 +307,8 @@ class Allocator:
             for tp, end in self.ends.items():  # records up to the end were seen, even those not applied
                 if end > 0:
                     self.fold.marks[tp] = max(self.fold.marks.get(tp, -1), end - 1)
+            for rid in [rid for rid in self.pending if self.fold.is_decided(rid)]:
+                del self.pending[rid]  # decided later in the log than it was requested
             self.fold.drain_changes()
             behind = self._redis_behind()
             projected = self.index.project_all(self.fold) if behind else 0
