@@ -72,9 +72,12 @@ or after them leaves every job whole, old or new (store.py), and a job already a
 in its duplicate ring and emits nothing (their output was flushed already). The offsets of step 3 are on the log
 only after the state they stand for (the flush of step 2): the offset guard never skips an event whose effect
 was lost. An event whose decision raises is sent to ``deadletter`` with reason ``processing_failed``; the rest of
-the batch goes on from the state before it. A batch whose output or tables cannot be written (the broker refusing
-or away) is read again: the offset guard falls back to the stored offsets and the shard seeks back there
-(``OffsetGuard.rewind``); what the tables in memory already hold makes the second reading a no-op where it applied.
+the batch goes on from the state before it. If the broker does not take a batch's output, nothing of it is stored:
+its records are decided again one at a time, each once more after a pause if refused, and one still refused is
+dead-lettered (``processing_failed``): a record the broker refuses for ever (too big, say) does not stop the shard
+for other entitlements. The tables' writes are waited for (BARRIER_TIMEOUT_S at a time, then written again: the
+same keys and values), not given up. Any other failure makes the shard read the batch again from the stored
+offsets (``OffsetGuard.rewind``).
 
 Known limits: ``machines_down`` is keyed by machine alone and written to the partition of the event that
 changed it, so a machine that moves to an entitlement of another partition leaves its old entry in the old
@@ -128,7 +131,8 @@ RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases th
 FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
 BATCH_MAX = 500  # records handed to one decision batch at most
 BATCH_WITHIN_S = 0.01  # how long a batch waits for more records before it is decided
-FAILED_BATCH_PAUSE_S = 1.0  # after a batch whose output or tables could not be written, before reading it again
+BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
+FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
 COALESCED = {"JobStatePublished": "job_id", "JobTasksPublished": None}  # only a batch's last one per key is produced
 
 # Environment variables of a worker (beside infra.config's), mapped to faust settings; tests lower them.
@@ -140,6 +144,14 @@ FAUST_ENV = {
 }
 RETRY_ENV = "ROPEWALK_SCHEDULER_RETRY_S"
 PROFILE_ENV = "ROPEWALK_PROFILE_DIR"  # a directory: profile the worker (cProfile) and write its stats there at exit
+
+
+class StoreTimeout(RuntimeError):
+    """The broker did not acknowledge a batch's changelog records in time (transient: the batch is read again)."""
+
+
+class OutputRefused(RuntimeError):
+    """The broker did not take a batch's output (``DeliveryError``): transient, or a record it refuses for ever."""
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -216,6 +228,7 @@ class ShardTables:
         # only while the table still holds that very object (a recovery or another worker's write puts a new one),
         # so it can never disagree with the table.
         self._decoded: dict[str, tuple[dict, Job]] = {}
+        self._unacked: list = []  # changelog sends since the last barrier (faust FutureMessages)
         self.written_chunks = 0  # chunk records written (a figure for tests and profiles)
 
     def partition_of(self, entitlement: str) -> int:
@@ -278,14 +291,25 @@ class ShardTables:
         """Set (or with None, delete: a tombstone) ``key`` in the store and in the changelog's ``partition``."""
         if value is None:
             table.data.pop(key, None)
-            table.send_changelog(partition, key, None, value_serializer="raw")
+            fut = table.send_changelog(partition, key, None, value_serializer="raw")
         else:
             table.data[key] = value
-            table.send_changelog(partition, key, value)
+            fut = table.send_changelog(partition, key, value)
+        self._unacked.append(fut)
 
     async def _barrier(self) -> None:
-        """Wait until the broker has every changelog record sent so far (faust's producer flush)."""
-        await self.app.producer.flush()
+        """Wait until the broker has acknowledged every changelog record sent since the last barrier (each
+        record's own future: faust's ``producer.flush()`` may return with records still in its buffer). Raises
+        ``StoreTimeout`` after BARRIER_TIMEOUT_S (a broker slow to serve a changelog partition): the batch is read
+        again, nothing is lost (the records are still on their way; a second write of a key is the same value)."""
+        futs, self._unacked = self._unacked, []
+        if not futs:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.gather(*futs)), BARRIER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise StoreTimeout(f"{sum(not f.done() for f in futs)} of {len(futs)} changelog records not "
+                               f"acknowledged after {BARRIER_TIMEOUT_S:.0f} s") from None
 
     async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,
                     down_partitions: Mapping[str, int] | None = None, buckets: Mapping[int, Bucket | None] = (),
@@ -379,7 +403,20 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             for e in events:
                 producer.send(e)
             producer.flush(FLUSH_S)
-        await asyncio.get_running_loop().run_in_executor(None, send_all)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, send_all)
+        except Exception as exc:  # noqa: BLE001 - DeliveryError, BufferError, a schema refused: see apply_or_retry
+            raise OutputRefused(f"{type(exc).__name__}: {exc}") from exc
+
+    async def store(*args: Any, **kwargs: Any) -> None:
+        """``tables.store``, written again while the broker is slow to acknowledge it (the same keys and values:
+        idempotent); a decision's output is on the log already, so its state must follow, not be given up."""
+        while True:
+            try:
+                await tables.store(*args, **kwargs)
+                return
+            except StoreTimeout as exc:
+                log.warning("scheduler: storing a decision's state: %s; writing it again", exc)
 
     async def apply(items: list[tuple[Any, Any, Event]]) -> None:
         """Decide a batch of (message, record, event), in order, on one state; produce; store."""
@@ -420,13 +457,14 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await route_dead_letter(dead_letters, msg, PROCESSING_FAILED, detail)
             if out:
                 await produce(coalesce(out))  # before the tables: see "Delivery" in the module docstring
-            applied = {}
+            applied: dict[str, tuple[int, int]] = {}  # the offset after the last record of this batch, per partition
             for _, rec, _ in items:
                 key = partition_key(rec.topic, rec.partition)
-                applied[key] = (rec.partition, guard.next_offset(key))
+                if key not in applied or rec.offset + 1 > applied[key][1]:
+                    applied[key] = (rec.partition, rec.offset + 1)
             if state is not start or any(b != tables.bucket(p) for p, b in buckets.items()):
-                await tables.store(start, state, headers, down_partitions=down_partitions, buckets=buckets,
-                                   applied=applied)
+                await store(start, state, headers, down_partitions=down_partitions, buckets=buckets,
+                            applied=applied)
 
     guard = OffsetGuard(tables.offsets.data)
 
@@ -458,16 +496,54 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 if got is not None:
                     items.append((msg, *got))
             if items:
-                try:
-                    await apply(items)
-                except Exception:  # noqa: BLE001 - producing or storing failed (the broker?): read the batch again
-                    log.exception("scheduler: a batch of %d records could not be produced or stored; reading it "
-                                  "again from the offsets last stored", len(items))
-                    tps = {partition_key(rec.topic, rec.partition): msg.tp for msg, rec, _ in items}
-                    for key, tp in tps.items():
-                        guard.rewind(key)
-                        await seek_back(tp, key, "a batch not stored")
-                    await asyncio.sleep(FAILED_BATCH_PAUSE_S)
+                await apply_or_retry(items)
+
+    async def apply_or_retry(items: list) -> None:
+        """Apply a batch. If the broker does not take its output (nothing is stored then), apply its records one
+        at a time, each once more after a pause if refused, and send one still refused to ``deadletter``
+        (processing_failed): a record the broker refuses for ever does not stop the shard for everyone else. (A
+        batch is not read again: answers to what part of its output did reach the log may already follow it.)
+        Anything else that fails (a bug) makes the shard read the batch again from the stored offsets."""
+        try:
+            await apply(items)
+            return
+        except OutputRefused:
+            log.exception("scheduler: the output of a batch of %d records was not taken by the broker; deciding "
+                          "them one at a time", len(items))
+        except Exception:  # noqa: BLE001 - not an infrastructure failure we know: read the batch again
+            log.exception("scheduler: a batch of %d records failed; reading it again", len(items))
+            await read_again(items)
+            return
+        for n, item in enumerate(items):
+            msg, rec, ev = item
+            try:
+                for attempt in (1, 2):
+                    try:
+                        await apply([item])
+                        break
+                    except OutputRefused as exc:
+                        if attempt == 2:
+                            log.error("scheduler: %s %s at %s[%d]@%d: output refused twice, dead-lettered: %s",
+                                      ev.type, ev.event_id, rec.topic, rec.partition, rec.offset, exc)
+                            await route_dead_letter(dead_letters, msg, PROCESSING_FAILED,
+                                                    f"{ev.type}: output not taken by the broker: {exc}")
+                        else:
+                            await asyncio.sleep(FAILED_BATCH_PAUSE_S)
+            except Exception:  # noqa: BLE001 - the broker away (even for dead letters), or a bug: read it again
+                log.exception("scheduler: %s at %s[%d]@%d failed; reading the rest of its batch again", ev.type,
+                              rec.topic, rec.partition, rec.offset)
+                await read_again(items[n:])
+                return
+
+    async def read_again(items: list) -> None:
+        """Seek back to the stored offsets of these records' partitions (the offset guard falls back to them)."""
+        starts: dict[str, Any] = {}
+        for msg, rec, _ in items:
+            starts.setdefault(partition_key(rec.topic, rec.partition), msg.tp)
+        for key, tp in starts.items():
+            guard.rewind(key)
+            await seek_back(tp, key, "a batch not applied")
+        await asyncio.sleep(FAILED_BATCH_PAUSE_S)
 
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
     async def retry() -> None:
@@ -482,7 +558,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 if out:
                     await produce(coalesce(out))
                 if new is not state:
-                    await tables.store(state, new, headers, buckets={part: new.shard_bucket})
+                    await store(state, new, headers, buckets={part: new.shard_bucket})
             dropped = tables.drop_orphans(active)
             if dropped:
                 log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)", dropped)

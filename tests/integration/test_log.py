@@ -15,7 +15,7 @@ from streams.clients import EventConsumer, EventProducer, key_of, producer_conf
 from streams.deadletter import DeadLetters
 from streams.events import new_event
 from streams.serde import MARKER, SchemaRegistry, build_schema
-from streams.topics import TOPIC_OF_EVENT, Topics
+from streams.topics import CATALOGUE, TOPIC_OF_EVENT, Topics
 
 pytestmark = pytest.mark.integration
 
@@ -210,6 +210,6 @@ def test_provision_is_idempotent_and_checks_copartitioning(cfg):
 
     admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})
     again = provision(admin, Topics(cfg.topic_prefix, cfg.partitions))
-    assert again["created"] == [] and len(again["topics"]) == 11
+    assert again["created"] == [] and len(again["topics"]) == len(CATALOGUE) == 12
     with pytest.raises(TopicError, match="co-partitioned"):
         provision(admin, Topics(cfg.topic_prefix, cfg.partitions * 2))

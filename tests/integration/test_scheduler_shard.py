@@ -462,3 +462,50 @@ def test_a_big_job_in_chunks_is_recovered_whole_by_the_next_worker(cfg, registry
         assert len(log.of("AllocationRequested", job_id="big")) == 2  # the submit's and the resize's, no other
     finally:
         log.close()
+
+
+# -- (6) an output the broker refuses for ever does not stop the shard ---------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_an_output_the_broker_refuses_is_dead_lettered_and_the_shard_goes_on(cfg, registry, workers):
+    """``allocations`` accepts records of at most 20,000 bytes here: a 5,000-task job's AllocationRequested is
+    refused by the broker (MSG_SIZE_TOO_LARGE), every time. The shard decides the batch's records again one at a
+    time and dead-letters the JobSubmitted whose output is refused twice; another entitlement's job, submitted right
+    after it (in the same batch or the next), runs, and the shard goes on deciding."""
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+    t = Topics(cfg.topic_prefix, cfg.partitions)
+    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})
+    res = ConfigResource("topic", t.name("allocations"), incremental_configs=[
+        ConfigEntry("max.message.bytes", "20000", incremental_operation=AlterConfigOpType.SET)])
+    for fut in admin.incremental_alter_configs([res]).values():
+        fut.result(30)
+    w = workers("w1")
+    producer = EventProducer(cfg, registry, "test")
+    log, hands = Log(cfg, registry), Hands(producer)
+    try:
+        ents = _entitlements(cfg.partitions, 1)
+        big_ent, small_ent = ents[0], ents[1]  # on two partitions: the small one is not in the big one's batches
+        producer.send(entitlement(big_ent))
+        producer.send(entitlement(small_ent))
+        big = submit(big_ent, "big", 5_000)
+        producer.send(big)
+        producer.flush()
+        time.sleep(1.0)
+        producer.send(submit(small_ent, "small", 2))
+        producer.flush()
+        run_until(log, hands, lambda: all_running(log, {"small": 2}), 90, "the other job running", [w])
+        deadline = time.monotonic() + 60
+        while True:
+            dl = [d for d in dead_letters(cfg, registry, 1.0) if d.payload["consumer"] == PRODUCER]
+            if dl or time.monotonic() > deadline:
+                break
+        assert [(d.payload["origin_topic"], d.payload["reason"]) for d in dl] == [(t.name("intents"), "processing_failed")]
+        assert dl[0].payload["detail"].startswith("JobSubmitted: output not taken by the broker")
+        assert "Message size too large" in dl[0].payload["detail"]
+        assert w.proc.poll() is None, "the shard must not have stopped"
+        producer.send(resize(small_ent, "small", 3))  # and it still decides
+        producer.flush()
+        run_until(log, hands, lambda: all_running(log, {"small": 3}), 60, "the resize", [w])
+    finally:
+        log.close()
