@@ -9,7 +9,7 @@ high volume and a faust agent reads only ~12k records/s.
 ```
  machines (from the beginning) ──► on_machine_event ─► HealthState   (which machines, status, owner key)
                                └─► resourcebroker.apply ─► BrokerState (status reason, failure UE ids)
- heartbeats (from the end) ──────► on_heartbeats (a poll's) ─► UNHEALTHY→UP heartbeat_resumed (within the grace)
+ heartbeats (from the end) ──────► on_heartbeats (a poll's) ─► UNHEALTHY→UP heartbeat_resumed (in the grace)
                                └─ DOWN by health_check, newer heartbeat
                                    ─► machines_recovered(reason heartbeat_resumed)
                                    ─► MachinesStatusChanged DOWN→UP + UnavailabilityEnded

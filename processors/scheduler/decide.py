@@ -33,9 +33,10 @@ one atomic decision of the allocator, Twine's "per-task map of tasks to allocate
 allocator's commit refuses to place a task that is still placed, so it must free first within the request.
 Retired tasks (shrink, stop) are freed with a request holding only ``free_task_ids``. Each decision sends one
 request per job for all its tasks (all of a tick's failed machines at once), or a few when a huge job's task ids
-would not fit one record (``_request_parts``: a task in one of them, free and place together). Request ids are ``<job>:v<spec_version>:r<n>`` with ``n`` a per-job counter in the
-state, so a replay names them alike. A newer request for a task supersedes the older one: the task remembers
-only its outstanding request, and a result for another request is stale.
+would not fit one record (``_request_parts``: a task in one of them, free and place together). Request ids are
+``<job>:v<spec_version>:r<n>`` with ``n`` a per-job counter in the state, so a replay names them alike. A newer
+request for a task supersedes the older one: the task remembers only its outstanding request, and a result for
+another request is stale.
 
 **Idempotence** (at-least-once delivery). Two lines: (1) each job keeps a bounded ring (``SEEN_LIMIT``) of the
 input event ids routed to it, and an event already in the ring changes nothing and emits nothing; (2) every

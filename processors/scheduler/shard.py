@@ -10,7 +10,7 @@ survivors, which recover the partitions' table data from the changelogs before t
 
 ```
  intents, allocations, tasks,     take_events(500, 10 ms): a batch of records
- machines, unavailability,  ────► gate: offset guard; record header producer=scheduler ──► passed over, not decoded
+ machines, unavailability,  ────► gate: offset guard; record header producer=scheduler ──► passed over, undecoded
  taskcontrol (one faust topic)    decode (bad bytes ──► deadletter)
                                      │
                                      ▼
@@ -21,7 +21,7 @@ survivors, which recover the partitions' table data from the changelogs before t
                          produce + flush the batch's output (a job's state published once per batch)
                                      │
                                      ▼
-     tables ◄── 1. new task chunks ─ flush ─ 2. job headers, index, entitlements, machines, buckets ─ flush ─
+     tables ◄── 1. new task chunks ─ acks ─ 2. job headers, index, entitlements, machines, buckets ─ acks ─
                 3. source offsets, tombstones of chunks no header names any more  (store.py: "Delivery")
  timer (RETRY_S) ──► retry_unplaced over the jobs of the partitions this worker actively owns ──► same path
 ```
@@ -38,8 +38,8 @@ survivors, which recover the partitions' table data from the changelogs before t
     limits          "shard/<partition>"     -> the shard's token bucket for destructive operations
                                                (processors/taskcontrol/limiter.py)
 
-A changelog record holds at most one chunk of 500 tasks (~75 KB), whatever the job's size, and a batch writes
-only the chunks whose tasks changed, once per batch (not per event). Beside the tables, a memo (not state): per
+A changelog record holds at most one chunk of 500 tasks (~120 KB of JSON), whatever the job's size, and a batch
+writes only the chunks whose tasks changed, once per batch (not per event). Beside the tables, a memo (not state): per
 job, the header this worker last wrote and the ``Job`` it stands for, used only while the table still holds that
 very object; it spares assembling the job from its chunks on every batch.
 

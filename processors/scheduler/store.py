@@ -10,8 +10,8 @@ crash-looped. Now a job is
     chunk    chunks table, key <job>#<i>@<v>  {"entitlement": e, "tasks": [task record, ...]}: the tasks of index
                                             in [i*CHUNK_TASKS, (i+1)*CHUNK_TASKS), in index order, at version v
 
-Task records are sparse (a field at its default is left out): a running task is ~150 bytes, a chunk of 500 tasks
-~75 KB, far below the broker's 1 MiB; the header holds no per-task data except the duplicate ring and
+Task records are sparse (a field at its default is left out): a running task is ~240 bytes, a chunk of 500 tasks
+~120 KB, far below the broker's 1 MiB; the header holds no per-task data except the duplicate ring and
 TaskControl's operation lists (bounded by the job's size limit). ``plan`` says, for a decision's before and after,
 which chunks to write (only those with a task added, removed or changed: identity of the immutable ``Task``),
 the new header, and which chunk keys the new header no longer names.
