@@ -2,6 +2,7 @@
 
 ``ropewalk bench`` (``bench/harness.py``) runs the whole-pipeline harness of issue #5 on an embedded broker,
 Redis and control plane of its own; the scripts beside it (``log_rates.py``, ``replay_rate.py``,
-``archive_rate.py``, ``commit_rate.py``, ``faust_overhead.py``) are the narrower log-level benchmarks whose
+``archive_rate.py``, ``fastplace_rate.py``, ``transactions.py``, ``faust_overhead.py``) are the narrower
+benchmarks whose
 numbers are in BENCHMARKS.md. Benchmarks are not tests: CI runs the harness at a smoke size only.
 """
