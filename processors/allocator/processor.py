@@ -67,6 +67,7 @@ from processors.allocator.fold import (
 )
 from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, MachineIndex
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
+from streams.batches import ENVELOPE_BYTES, size_of, split
 from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event, derived_event_id, new_event
@@ -125,27 +126,47 @@ def _placement_rows(pairs: Sequence[tuple[str, str]], machines: Mapping[str, Mac
             for t, m in pairs]
 
 
+def _fixed(payload: Mapping[str, Any]) -> int:
+    """The estimated bytes of a decision event besides its split list (envelope and other fields)."""
+    return ENVELOPE_BYTES + size_of(payload)
+
+
 def rejection_events(request: Event, task_ids: Sequence[str], reason: str, message: str,
                      filter_rejections: Mapping[str, int], ts: int) -> list[Event]:
+    """AllocationRejected; beyond what one record holds (``streams.batches``), several, the unplaced task ids cut
+    into parts (the first keeps the undivided event's id and the filter counts)."""
     p = request.payload
+    head = {"request_id": p["request_id"], "job_id": p["job_id"], "reason": reason, "message": message}
+    parts = split(list(task_ids), fixed=_fixed({**head, "filter_rejections": dict(filter_rejections)}))
     return [_derived(request, "AllocationRejected", {
-        "request_id": p["request_id"], "job_id": p["job_id"], "reason": reason, "message": message,
-        "unplaced_task_ids": list(task_ids), "filter_rejections": dict(filter_rejections)},
-        p["request_id"], ts)]
+        **head, "unplaced_task_ids": part, "filter_rejections": dict(filter_rejections) if i == 0 else {}},
+        p["request_id"], ts, *(("part", i) if i else ())) for i, part in enumerate(parts)]
 
 
 def plan_events(request: Event, plan: Plan, attempts: int, machines: Mapping[str, Machine], ts: int) -> list[Event]:
     """TasksAllocated (when something is placed), MachineAssignedToEntitlement per machine added,
-    AllocationRejected (when tasks stay unplaced). ``machines`` holds at least every machine of the plan."""
+    AllocationRejected (when tasks stay unplaced). ``machines`` holds at least every machine of the plan.
+
+    However many tasks, no record exceeds what one holds (``streams.batches.split``): the placements are cut into
+    parts, each a TasksAllocated of its own (the first keeps the undivided event's id, the filter counts and the
+    fault-domain bins), each naming among ``machines_added`` the machines its placements are the first to use."""
     p = request.payload
     out = []
     if plan.placements:
-        out.append(_derived(request, "TasksAllocated", {
-            "request_id": p["request_id"], "job_id": p["job_id"],
-            "placements": _placement_rows(plan.placements, machines),
-            "filter_rejections": dict(plan.filter_rejections), "fault_domain_bins": dict(plan.fault_domain_bins),
-            "machines_added": list(plan.machines_added), "cache_hit": False, "commit_attempts": attempts},
-            p["request_id"], ts))
+        head = {"request_id": p["request_id"], "job_id": p["job_id"]}
+        first = {"filter_rejections": dict(plan.filter_rejections), "fault_domain_bins": dict(plan.fault_domain_bins)}
+        rows = _placement_rows(plan.placements, machines)
+        parts = split(rows, fixed=_fixed({**head, **first, "machines_added": list(plan.machines_added)}))
+        added, named = set(plan.machines_added), set()
+        for i, part in enumerate(parts):
+            new = [r["machine_id"] for r in part if r["machine_id"] in added and r["machine_id"] not in named]
+            named.update(new)
+            if i == len(parts) - 1:  # an added machine no placement uses (none should be) goes with the last part
+                new += [m for m in plan.machines_added if m not in named]
+            out.append(_derived(request, "TasksAllocated", {
+                **head, "placements": part, **(first if i == 0 else {"filter_rejections": {}, "fault_domain_bins": {}}),
+                "machines_added": list(dict.fromkeys(new)), "cache_hit": False, "commit_attempts": attempts},
+                p["request_id"], ts, *(("part", i) if i else ())))
         out += [_derived(request, "MachineAssignedToEntitlement", {
             "machine_id": mid, "dc": machines[mid].dc, "reason": f"allocation {p['request_id']}"},
             mid, ts, mid) for mid in plan.machines_added]
@@ -157,14 +178,17 @@ def plan_events(request: Event, plan: Plan, attempts: int, machines: Mapping[str
 
 def free_events(request: Event, to_free: Mapping[str, str], released: Sequence[str],
                 machines: Mapping[str, Machine], ts: int) -> list[Event]:
-    """TasksDeallocated for ``to_free`` (task -> machine) and MachineReleasedToFreePool per released machine."""
+    """TasksDeallocated for ``to_free`` (task -> machine; in parts beyond what one record holds, the released
+    machines named by the last) and MachineReleasedToFreePool per released machine."""
     if not to_free:
         return []
     p = request.payload
+    head = {"request_id": p["request_id"], "job_id": p["job_id"]}
+    parts = split(_placement_rows(sorted(to_free.items()), machines),
+                  fixed=_fixed({**head, "machines_released": list(released)}))
     out = [_derived(request, "TasksDeallocated", {
-        "request_id": p["request_id"], "job_id": p["job_id"],
-        "placements": _placement_rows(sorted(to_free.items()), machines), "machines_released": list(released)},
-        p["request_id"], ts)]
+        **head, "placements": part, "machines_released": list(released) if i == len(parts) - 1 else []},
+        p["request_id"], ts, *(("part", i) if i else ())) for i, part in enumerate(parts)]
     out += [_derived(request, "MachineReleasedToFreePool", {"machine_id": mid, "dc": machines[mid].dc,
                                                             "reason": RELEASED_EMPTY}, mid, ts, mid)
             for mid in released]
@@ -461,7 +485,9 @@ class Allocator:
         released = releases(fold, request.entitlement, to_free)
         views = {mid: fold.machines[mid].view() for mid in set(to_free.values())}
         events = free_events(request, to_free, released, views, ts)
-        fold.free(events[0])
+        for e in events:
+            if e.type == "TasksDeallocated":
+                fold.free(e)
         return events
 
     def _place(self, request: Event, attempt: int, ts: int
