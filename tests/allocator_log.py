@@ -185,3 +185,28 @@ def check(dump, expected):
             assert dump.get(key) == want, key
 
 
+# --- machines, requests and entitlements for the placement tests (placement.py and fastplace.py) ----------------
+
+CPU, MEM = 1000, 2048  # one default task
+
+
+def m(id, *, dc="dc1", msb="msb1", rack="r1", type="skylake", cpu=4000, mem=8192, used_cpu=0, used_mem=0,
+      ent=None, status="UP", version=1):
+    from processors.allocator.placement import Machine
+
+    return Machine(id=id, dc=dc, msb=msb, rack=rack, machine_type=type, cpu_free=cpu - used_cpu,
+                   mem_free=mem - used_mem, cpu_capacity=cpu, mem_capacity=mem, entitlement=ent, status=status,
+                   version=version)
+
+
+def req(n, *, job="j", cpu=CPU, mem=MEM, **kw):
+    from processors.allocator.placement import Request
+
+    return Request(request_id="r1", job_id=job, entitlement="e1", task_ids=tuple(f"{job}/{i}" for i in range(n)),
+                   cpu=cpu, mem=mem, **kw)
+
+
+def e1(quota=10, **kw):
+    from processors.allocator.placement import Entitlement
+
+    return Entitlement(name="e1", quota_machines=quota, **kw)

@@ -6,26 +6,9 @@ import pytest
 from processors.allocator.placement import (
     CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, FILTER_AVOIDED, FILTER_CPU, FILTER_DC,
     FILTER_MACHINE_TYPE, FILTER_MEMORY, FILTER_OTHER_ENTITLEMENT, FILTER_STATUS, NO_FEASIBLE_MACHINE,
-    QUOTA_EXCEEDED, Entitlement, Machine, Request, commit_check, place, release,
+    QUOTA_EXCEEDED, commit_check, place, release,
 )
-
-CPU, MEM = 1000, 2048  # one default task
-
-
-def m(id, *, dc="dc1", msb="msb1", rack="r1", type="skylake", cpu=4000, mem=8192, used_cpu=0, used_mem=0,
-      ent=None, status="UP", version=1):
-    return Machine(id=id, dc=dc, msb=msb, rack=rack, machine_type=type, cpu_free=cpu - used_cpu,
-                   mem_free=mem - used_mem, cpu_capacity=cpu, mem_capacity=mem, entitlement=ent, status=status,
-                   version=version)
-
-
-def req(n, *, job="j", cpu=CPU, mem=MEM, **kw):
-    return Request(request_id="r1", job_id=job, entitlement="e1", task_ids=tuple(f"{job}/{i}" for i in range(n)),
-                   cpu=cpu, mem=mem, **kw)
-
-
-def e1(quota=10, **kw):
-    return Entitlement(name="e1", quota_machines=quota, **kw)
+from allocator_log import CPU, MEM, e1, m, req
 
 
 def six_over_three_msbs(ent=None, used=()):
