@@ -189,7 +189,7 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     burst_lat = [obs.done_ms[j] - submitted[j] for j in done]
     c1 = allocator_counters(r, cfg.topic_prefix)
     burst_t_first = t_first
-    out["burst"] = {"jobs": len(done), "tasks": tasks, "seconds": round(secs, 2), "t_first_ms": t_first,
+    out["burst"] = {"jobs": len(done), "tasks": tasks, "seconds": round(secs, 3), "t_first_ms": t_first,
                     "t_last_ms": t_last,
                     "jobs_per_s": round(len(done) / secs, 3), "tasks_per_s": round(tasks / secs, 1),
                     "p50_ms": _ms(percentile(burst_lat, 50)), "p99_ms": _ms(percentile(burst_lat, 99)),
@@ -223,7 +223,7 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     secs = max(t_last - t_first, 1) / 1000
     rep_lat = [obs.done_ms[j] - resized[j] for j in rdone]
     c2 = allocator_counters(r, cfg.topic_prefix)
-    out["repeat"] = {"jobs": len(rdone), "tasks": len(rdone) * REPEAT_GROW, "seconds": round(secs, 2),
+    out["repeat"] = {"jobs": len(rdone), "tasks": len(rdone) * REPEAT_GROW, "seconds": round(secs, 3),
                      "jobs_per_s": round(len(rdone) / secs, 3),
                      "p50_ms": _ms(percentile(rep_lat, 50)), "p99_ms": _ms(percentile(rep_lat, 99)),
                      **stages(obs, resized), **_counted(c1, c2)}
