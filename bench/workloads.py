@@ -163,7 +163,8 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
         lat.append(obs.done_ms[job] - ts)
     out["latency"] = {"jobs": len(lat), "tasks": sum(jobs[j][1] for j in list(jobs)[:len(lat)]),
                       "p50_ms": _ms(percentile(lat, 50)), "p99_ms": _ms(percentile(lat, 99)),
-                      "mean_ms": _ms(statistics.fmean(lat) if lat else None), **stages(obs, lat_submitted)}
+                      "mean_ms": _ms(statistics.fmean(lat) if lat else None), **stages(obs, lat_submitted),
+                      "samples_ms": [_ms(v) for v in lat]}  # in submit order: is an outlier the first job?
 
     # phase 2: burst, on a quiet pipeline (every task of phase 1 running)
     if not wait_running(obs, max(1.0, deadline - time.monotonic())):

@@ -118,6 +118,11 @@ class EventProducer:
         if self.sent % 1000 == 0:
             self._producer.poll(0)
 
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Serve delivery reports (a failed one is raised by the next ``send`` or ``flush``) without waiting for
+        the records in flight, as ``flush`` does."""
+        self._producer.poll(timeout_s)
+
     def flush(self, timeout_s: float = 30.0) -> None:
         self._flush_or_raise(timeout_s)
 
@@ -214,9 +219,19 @@ class EventConsumer:
         return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)
                 for t, p in self.partitions()}
 
-    def poll(self, max_records: int = 1000, timeout_s: float = 1.0) -> list[Record]:
+    def poll(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list[Record]:
+        """Up to ``max_records`` decoded records. ``linger_s`` None: wait until ``max_records`` are there or
+        ``timeout_s`` passed (few large batches: a bulk read). Else wait ``timeout_s`` for the first record only,
+        then ``linger_s`` at most for the rest (a follower: a lone record is handed over at once, not after the
+        timeout)."""
+        if linger_s is None or max_records <= 1:
+            msgs = self._consumer.consume(max_records, timeout_s)
+        else:
+            msgs = self._consumer.consume(1, timeout_s)
+            if msgs:
+                msgs += self._consumer.consume(max_records - 1, linger_s)
         out: list[Record] = []
-        for msg in self._consumer.consume(max_records, timeout_s):
+        for msg in msgs:
             err = msg.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:

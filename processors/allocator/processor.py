@@ -10,7 +10,8 @@
  faust group on `allocations` ──► owned partitions + fences    decide the pending requests of owned partitions
  (ownership only: the agent acks)                                 (placement on the fold, one batch) ──►
                                                                   Redis: ONE commit call for the batch ──►
-                                                                  produce the decisions, ONE flush ──►
+                                                                  produce the decisions (not flushed:
+                                                                  the journal answers for them) ──►
                                                                   Redis: project the changed machines ──►
                                                                   state.machines from the outbox
 ```
@@ -32,8 +33,9 @@ entitlement no longer uses), then its placement on the fold (TasksAllocated + Ma
 machine added, and AllocationRejected for what stays unplaced, with the reason and the filters' counts). Each
 plan is committed to the fold at once, so the next request of the batch sees it; then the whole batch goes to
 Redis in ONE call (index.py): each decision re-checked machine by machine (several allocators may race for a
-free machine), written, and its events journaled under the request's id; then every event is produced and
-flushed once. Event ids derive from the request's event id: a decision produced twice is the same events.
+free machine), written, and its events journaled under the request's id; then every event is produced, without
+waiting for the broker's acks (a decision lost with the process is in the journal; a failed delivery is raised
+by the next send and folds the log again). Event ids derive from the request's event id: a decision produced twice is the same events.
 
 **Redelivery and crashes.** Nothing depends on faust's committed offsets: every start folds the log, and a
 request is pending exactly when no decision for it is on the log. A crash after the Redis commit and before the
@@ -53,7 +55,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -383,8 +385,8 @@ class Allocator:
 
     # --- deciding -----------------------------------------------------------------------------------------
     def decide_pending(self) -> list[Event]:
-        """Decide the pending requests of owned partitions, ``batch`` per Redis commit; produce and flush the
-        decisions. Returns the events produced."""
+        """Decide the pending requests of owned partitions, ``batch`` per Redis commit; produce the
+        decisions (flushed by the next publish of machine states, or at stop). Returns the events produced."""
         out: list[Event] = []
         while not self.stale:
             with self.lock:
@@ -421,6 +423,7 @@ class Allocator:
             retry: list[Pending] = []
             reload: set[str] = set()
             finished: list[tuple[Pending, list[Event]]] = []
+            counts: Counter[str] = Counter()
             for p in planned:
                 res = next(by_request) if p.decision is not None else None
                 if res is None or res.outcome == "ok":
@@ -445,11 +448,15 @@ class Allocator:
                 produced += events
                 self.fold.remember_decided(pd.event.event_id)
                 self.pending.pop(pd.event.event_id, None)
-                self.index.add_metrics(metric_increments(events))
+                counts.update(metric_increments(events))
                 self.decided += 1
+            self.index.add_metrics(counts)
             todo = retry
-        if produced:
-            self.producer.flush()
+        # Not flushed here: a decision the broker has not acknowledged is journaled in Redis (index.py), so a
+        # crash now loses nothing (the next attempt gets it back JOURNALED); a failed delivery is raised by the
+        # next send or flush, which folds the log again. Waiting here for each batch's acks held every batch
+        # for a broker round trip (linger and acks=all).
+        self.producer.poll()
         self.project_changes()
         return produced
 
@@ -576,9 +583,10 @@ class Allocator:
         return self.index.project(self.fold, changed, entitlements=self.fold.entitlement_fields)
 
     # --- state.machines -----------------------------------------------------------------------------------
-    def publish_machine_states(self, limit: int = 2000) -> int:
+    def publish_machine_states(self, limit: int = 2000, rounds: int | None = None) -> int:
         """Publish the current state of every machine in the outbox to ``state.machines``, flush, then take them
-        out of the outbox (a machine that changed again meanwhile stays). One process drains at a time
+        out of the outbox (a machine that changed again meanwhile stays); ``rounds`` of ``limit`` machines at most
+        (None: until the outbox is empty). One process drains at a time
         (``outbox:lock``), so records of one machine reach the log in version order; a state published twice
         has the same event id (machine, version)."""
         with self._publishing:
@@ -587,8 +595,9 @@ class Allocator:
             if not self.r.set(lock, token, nx=True, px=int(LOCK_TTL_S * 1000)):
                 return 0  # another allocator is draining; what it misses stays for the next drain
             try:
-                total = 0
-                while queued := self.index.outbox(limit):
+                total, turn = 0, 0
+                while (rounds is None or turn < rounds) and (queued := self.index.outbox(limit)):
+                    turn += 1
                     states = self.index.states(queued)
                     ts = int(time.time() * 1000)
                     for mid, fields in states.items():
@@ -606,7 +615,7 @@ class Allocator:
     def maybe_publish_machine_states(self) -> int:
         if time.monotonic() - self._published_at < self.publish_interval_s:
             return 0
-        return self.publish_machine_states()
+        return self.publish_machine_states(rounds=1)  # one round per turn: deciding waits for no backlog
 
     # --- the loop -----------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, dead_letters: DeadLetters) -> None:
@@ -623,7 +632,7 @@ class Allocator:
                         self.refold()
                         consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in SOURCES],
                                                  name=PRODUCER, start_offsets=self.ends, dead_letters=dead_letters)
-                    records = consumer.poll(POLL_RECORDS, POLL_S)
+                    records = consumer.poll(POLL_RECORDS, POLL_S, linger_s=0.0)
                     self.on_records(records, dead_letters)
                     self.step()
                 except TRANSIENT as exc:
@@ -637,6 +646,11 @@ class Allocator:
         finally:
             if consumer is not None:
                 consumer.close()
+            if self.producer is not None:
+                try:
+                    self.producer.flush(5.0)  # what was decided reaches the log (else its journal answers later)
+                except DeliveryError as exc:
+                    log.warning("allocator: at stop: %s (journaled in Redis: produced again at the next start)", exc)
 
     def step(self) -> None:
         """After records were applied: decide, project, publish (a failure marks the fold stale)."""

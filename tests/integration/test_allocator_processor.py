@@ -391,6 +391,9 @@ class RecordingProducer:
     def flush(self, timeout_s: float = 30.0) -> None:
         pass
 
+    def poll(self, timeout_s: float = 0.0) -> None:
+        pass
+
 
 @pytest.fixture
 def hand(cfg, registry):
