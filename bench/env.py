@@ -17,6 +17,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -226,6 +227,13 @@ class BenchEnv:
 def sigterm_as_interrupt():
     """Within: `kill` (SIGTERM) stops like Ctrl-C, so context managers (a BenchEnv) stop what they started."""
     def on_term(signum, frame):
+        if in_finalizer(frame):
+            # Raised inside a __del__ (a redis-py ConnectionPool's, say), the interrupt would be printed and
+            # dropped, and the region left running: deliver it a moment later, outside.
+            again = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+            again.daemon = True
+            again.start()
+            return
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, on_term)
@@ -233,6 +241,15 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def in_finalizer(frame) -> bool:
+    """Whether ``frame`` runs inside a ``__del__``, where an exception is printed and ignored."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def cores() -> int:
