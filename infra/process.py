@@ -3,6 +3,8 @@ idempotent start that waits until the process accepts connections, and stop that
 from __future__ import annotations
 
 import os
+import random
+import resource
 import signal
 import socket
 import subprocess
@@ -22,6 +24,52 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.3) -> bool:
             return True
     except OSError:
         return False
+
+
+# Ports handed out for services a test or a bench starts: below Linux's ephemeral range (32768-60999 by
+# default), so an outgoing connection of some client cannot take a port between our check and the service's bind
+# (a broker lost its controller port that way) -- and above the fixed ports of a developer's own region.
+SERVICE_PORTS = range(20000, 32000)
+
+
+def free_ports(n: int = 1, *, seed: int | None = None) -> list[int]:
+    """``n`` distinct ports no process listens on, picked at random from ``SERVICE_PORTS``."""
+    rng = random.Random(seed)
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.choice(SERVICE_PORTS)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if not port_open(port):
+            ports.append(port)
+    return ports
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+# A Kafka broker holds one open file per partition (its active segment; measured: 96 + 1 per partition), so a
+# soft limit of 1,024 or 4,096 ends a broker with a few thousand partitions ("Too many open files"). Children
+# get the hard limit, up to this.
+WANTED_OPEN_FILES = 1 << 20
+
+
+def raise_open_files_limit() -> None:
+    """In a child before exec: the soft limit on open files raised to the hard limit (capped)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        pass
 
 
 def pid_alive(pid: int) -> bool:
@@ -107,6 +155,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # survives the CLI that started it; not killed by its ^C
+                preexec_fn=raise_open_files_limit,
                 cwd=self.run_dir,
                 env=self.env,
             )

@@ -110,6 +110,12 @@ def status(cfg: Config) -> dict:
     return out
 
 
+def running(cfg: Config) -> dict[str, dict]:
+    """The embedded services' processes: running or not, pid, log file (no protocol probe: cheap)."""
+    return {name: _by_pid(name, cfg).status() for name, embedded in (("broker", cfg.embedded_broker),
+                                                                    ("redis", cfg.embedded_redis)) if embedded}
+
+
 def _by_pid(name: str, cfg: Config) -> ManagedProcess:
     port = cfg.broker_port if name == "broker" else cfg.redis_port
     return ManagedProcess(name=name, argv=[name], port=port, run_dir=cfg.run_dir, ready=lambda: True)

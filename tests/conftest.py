@@ -11,34 +11,57 @@ import pytest
 
 from infra import services
 from infra.config import Config
-from infra.process import port_open
+from infra.process import free_ports
 
-TEST_BROKER_PORT = int(os.environ.get("ROPEWALK_TEST_BROKER_PORT", "29092"))
-TEST_REDIS_PORT = int(os.environ.get("ROPEWALK_TEST_REDIS_PORT", "26379"))
-
-
-def _free_port(preferred: int) -> int:
-    port = preferred
-    while port_open(port):
-        port += 1
-    return port
+# Ports of the session's broker, its controller and redis-server; by default free ones picked at random (below
+# the ephemeral range: infra.process.SERVICE_PORTS).
+TEST_PORTS = {var: os.environ.get(f"ROPEWALK_TEST_{var}") for var in ("BROKER_PORT", "CONTROLLER_PORT", "REDIS_PORT")}
 
 
 @pytest.fixture(scope="session")
 def infra_cfg(tmp_path_factory) -> Config:
     """A Config whose embedded broker and redis are started for this test session and stopped after."""
     run_dir = tmp_path_factory.mktemp("run")
-    broker_port = _free_port(TEST_BROKER_PORT)
+    picked = iter(free_ports(3))
+    ports = {var: given or str(next(picked)) for var, given in TEST_PORTS.items()}
     cfg = Config.from_env({
-        "ROPEWALK_BROKER_PORT": str(broker_port),
-        "ROPEWALK_CONTROLLER_PORT": str(_free_port(broker_port + 1)),
-        "ROPEWALK_REDIS_PORT": str(_free_port(TEST_REDIS_PORT)),
+        **{f"ROPEWALK_{var}": port for var, port in ports.items()},
         "ROPEWALK_RUN_DIR": str(run_dir),
         "ROPEWALK_PARTITIONS": "4",
     })
     services.up(cfg)
     yield cfg
     services.down(cfg)
+
+
+@pytest.fixture(autouse=True)
+def session_broker_alive(request):
+    """After each test that used the session's services: the broker and redis-server still run. A service that
+    died (a CI machine's open-files limit once ended the broker near the end of the suite) fails the test that
+    saw it die, with the tail of its log, instead of every later test with "Connection refused"."""
+    yield
+    if "infra_cfg" not in request.fixturenames:
+        return
+    cfg = request.getfixturevalue("infra_cfg")
+    for name, st in services.running(cfg).items():
+        if not st["running"]:
+            log = Path(st["log"])
+            tail = log.read_text(errors="replace").splitlines()[-40:] if log.exists() else ["(no log)"]
+            pytest.fail(f"the session's {name} died during this test; the end of {log}:\n" + "\n".join(tail))
+
+
+def drop_topics(cfg: Config) -> None:
+    """Delete every topic of ``cfg``'s prefix (the catalogue's and faust's changelogs): the session's broker holds
+    one open file per partition, and a suite that kept every test's topics reached ~5,000 of them."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})
+    names = [t for t in admin.list_topics(timeout=15).topics if t.startswith(cfg.topic_prefix)]
+    for fut in admin.delete_topics(names, operation_timeout=15).values() if names else ():
+        try:
+            fut.result()
+        except Exception:  # noqa: BLE001 - already gone; the next test has a prefix of its own anyway
+            pass
 
 
 @pytest.fixture
@@ -50,7 +73,18 @@ def cfg(infra_cfg: Config) -> Config:
 
     c = infra_cfg.with_(topic_prefix=f"t{uuid.uuid4().hex[:8]}.")
     provision(AdminClient({"bootstrap.servers": c.bootstrap_servers}), Topics(c.topic_prefix, c.partitions))
-    return c
+    yield c
+    drop_topics(c)
+
+
+def pytest_unconfigure(config):
+    """After the summary: librdkafka clients a test left open keep printing "Connection refused" once the
+    session's broker is stopped, until the process ends; they would bury the summary at the end of CI's log."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+    except OSError:
+        pass
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """infra start/stop on real processes: idempotent start, clear failures, nothing left behind."""
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import pytest
 
 from infra import services
 from infra.config import Config
-from infra.process import InfraError, ManagedProcess, pid_alive, port_open
+from infra.process import (WANTED_OPEN_FILES, InfraError, ManagedProcess, free_port, free_ports, pid_alive,
+                           port_open)
 from streams.topics import CATALOGUE
 
 pytestmark = pytest.mark.integration
@@ -18,16 +20,11 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def own_cfg(tmp_path):
-    cfg = Config.from_env({"ROPEWALK_BROKER_PORT": str(free_port()), "ROPEWALK_REDIS_PORT": str(free_port()),
-                           "ROPEWALK_CONTROLLER_PORT": str(free_port()), "ROPEWALK_RUN_DIR": str(tmp_path / "run")})
+    broker_port, redis_port, controller_port = free_ports(3)
+    cfg = Config.from_env({"ROPEWALK_BROKER_PORT": str(broker_port), "ROPEWALK_REDIS_PORT": str(redis_port),
+                           "ROPEWALK_CONTROLLER_PORT": str(controller_port), "ROPEWALK_RUN_DIR": str(tmp_path / "run")})
     yield cfg
     services.down(cfg)
 
@@ -133,6 +130,23 @@ def test_a_process_that_never_listens_times_out_and_is_reported(tmp_path):
     assert not pid_alive(pid)
 
 
+def test_a_started_process_gets_the_hard_open_files_limit(tmp_path):
+    """A broker holds a file per partition: a soft limit of 1,024 inherited from a CI shell must not reach it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > 1024:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # what the child would inherit
+    proc = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], None, tmp_path,
+                          ready=lambda: True)
+    try:
+        proc.start()
+        limits = Path(f"/proc/{proc.pid()}/limits").read_text()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        proc.stop()
+    child_soft = re.search(r"Max open files\s+(\S+)", limits).group(1)
+    assert child_soft == str(WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES))
+
+
 def test_cli_up_status_down(own_cfg):
     env = {**os.environ, "ROPEWALK_BROKER_PORT": str(own_cfg.broker_port),
            "ROPEWALK_REDIS_PORT": str(own_cfg.redis_port), "ROPEWALK_RUN_DIR": str(own_cfg.run_dir)}
@@ -156,8 +170,9 @@ def test_cli_up_status_down(own_cfg):
 
 
 def test_external_services_are_not_started(tmp_path):
-    cfg = Config.from_env({"ROPEWALK_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}",
-                           "ROPEWALK_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+    broker_port, redis_port = free_ports(2)
+    cfg = Config.from_env({"ROPEWALK_BOOTSTRAP_SERVERS": f"127.0.0.1:{broker_port}",
+                           "ROPEWALK_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
                            "ROPEWALK_RUN_DIR": str(tmp_path)})
     assert not cfg.embedded_broker and not cfg.embedded_redis
     with pytest.raises(InfraError, match="does not answer"):
