@@ -14,7 +14,6 @@ import dataclasses
 import os
 import signal
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -26,7 +25,7 @@ from types import MappingProxyType
 
 from infra import controlplane, services
 from infra.config import Config
-from infra.process import ManagedProcess, pid_alive
+from infra.process import ManagedProcess, free_ports, pid_alive
 
 # Heartbeats of the simulated agents and the health check's silence timeout. `ropewalk up` beats every 2 s;
 # at 10,000+ machines on 2 cores that is 5,000+ records/s of background load that would starve the pipeline being
@@ -51,21 +50,6 @@ FAUST_ENV = MappingProxyType({"ROPEWALK_FAUST_SESSION_TIMEOUT": "2", "ROPEWALK_F
                               "ROPEWALK_FAUST_REBALANCE_TIMEOUT": "2"})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def distinct_free_ports(n: int) -> list[int]:
-    """``n`` free ports, all different (a port the OS just handed out may come back at once)."""
-    ports: list[int] = []
-    while len(ports) < n:
-        if (p := free_port()) not in ports:
-            ports.append(p)
-    return ports
-
-
 def peak_rss_kib(pid: int) -> int | None:
     """VmHWM (peak resident set) of a live process, KiB; None if it is gone or unreadable."""
     try:
@@ -83,7 +67,7 @@ class BenchEnv:
         self.own_run_dir = run_dir is None
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="ropewalk-bench-"))
         self.keep = keep
-        broker, controller, redis_port = distinct_free_ports(3)
+        broker, controller, redis_port = free_ports(3)
         env = {"ROPEWALK_BROKER_PORT": str(broker), "ROPEWALK_CONTROLLER_PORT": str(controller),
                "ROPEWALK_REDIS_PORT": str(redis_port), "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
                "ROPEWALK_TOPIC_PREFIX": f"bench{uuid.uuid4().hex[:6]}."}

@@ -78,10 +78,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from bench.env import cores, distinct_free_ports, sigterm_as_interrupt  # noqa: E402
+from bench.env import cores, sigterm_as_interrupt  # noqa: E402
 from infra import services  # noqa: E402
 from infra.broker import KAFKA_VERSION  # noqa: E402
 from infra.config import Config  # noqa: E402
+from infra.process import free_ports  # noqa: E402
 
 PARTITIONS = 8
 KEY_BYTES = 8  # f"{i:08d}": every input record's key is distinct, so duplicates can be counted
@@ -699,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     n_b1 = min(args.records_b1, n)
 
     run_dir = Path(tempfile.mkdtemp(prefix="ropewalk-txbench-"))
-    broker_port, controller_port, redis_port = distinct_free_ports(3)
+    broker_port, controller_port, redis_port = free_ports(3)
     cfg = Config.from_env({"ROPEWALK_BROKER_PORT": str(broker_port), "ROPEWALK_CONTROLLER_PORT": str(controller_port),
                            "ROPEWALK_REDIS_PORT": str(redis_port), "ROPEWALK_RUN_DIR": str(run_dir),
                            "ROPEWALK_PARTITIONS": str(PARTITIONS)})

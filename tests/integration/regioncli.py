@@ -4,26 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from infra.process import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RegionCli:
     def __init__(self, run_dir: Path, **extra_env: str):
         self.run_dir = Path(run_dir)
-        self.env = {**os.environ, "ROPEWALK_BROKER_PORT": str(free_port()), "ROPEWALK_REDIS_PORT": str(free_port()),
-                    "ROPEWALK_CONTROLLER_PORT": str(free_port()), "ROPEWALK_RUN_DIR": str(self.run_dir),
+        ports = free_ports(3)
+        self.env = {**os.environ, "ROPEWALK_BROKER_PORT": str(ports[0]), "ROPEWALK_REDIS_PORT": str(ports[1]),
+                    "ROPEWALK_CONTROLLER_PORT": str(ports[2]), "ROPEWALK_RUN_DIR": str(self.run_dir),
                     "ROPEWALK_PARTITIONS": "4", "ROPEWALK_FAUST_SESSION_TIMEOUT": "2",
                     "ROPEWALK_FAUST_HEARTBEAT_INTERVAL": "0.5", "ROPEWALK_FAUST_REBALANCE_TIMEOUT": "2", **extra_env}
         for k in ("ROPEWALK_BOOTSTRAP_SERVERS", "ROPEWALK_REDIS_URL", "ROPEWALK_TOPIC_PREFIX"):

@@ -16,7 +16,7 @@ import pytest
 
 from infra import services
 from infra.config import PROJECT_ROOT, Config
-from infra.process import pid_alive, port_open
+from infra.process import free_ports, pid_alive, port_open
 from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
@@ -186,19 +186,13 @@ FAILED_3 = ("FAILED", 3)
 
 # -- (b) the broker goes away ------------------------------------------------------------------------------------
 
-def _free_port(start: int) -> int:
-    port = start
-    while port_open(port):
-        port += 1
-    return port
-
-
 def test_tasks_keep_running_while_the_broker_is_down(tmp_path, registry, agents, infra_cfg):
     from confluent_kafka.admin import AdminClient
 
     from streams.topics import provision
 
-    own = Config.from_env({"ROPEWALK_BROKER_PORT": str(_free_port(infra_cfg.broker_port + 100)),
+    broker_port, controller_port = free_ports(2)
+    own = Config.from_env({"ROPEWALK_BROKER_PORT": str(broker_port), "ROPEWALK_CONTROLLER_PORT": str(controller_port),
                            "ROPEWALK_REDIS_PORT": str(infra_cfg.redis_port), "ROPEWALK_RUN_DIR": str(tmp_path / "run"),
                            "ROPEWALK_PARTITIONS": "2", "ROPEWALK_TOPIC_PREFIX": "b."})
     assert own.broker_port != infra_cfg.broker_port and own.run_dir != infra_cfg.run_dir

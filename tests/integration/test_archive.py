@@ -3,7 +3,6 @@ the archive is restored into a fresh broker; plus incremental runs, resume after
 refusal to restore into topics that hold records."""
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -15,7 +14,7 @@ from confluent_kafka.admin import AdminClient
 import streams.archive as arch
 from infra import services
 from infra.config import Config
-from infra.process import port_open
+from infra.process import free_ports, port_open
 from streams.archive import ArchiveError, archive, read_archive, restore
 from streams.clients import EventProducer, consumer_conf
 from streams.deadletter import DeadLetters
@@ -31,19 +30,15 @@ GARBAGE = b"\x00\xffnot avro at all\xc3"  # no C3 01 marker: undecodable, must s
 
 
 # -- helpers -------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def dedicated_brokers(infra_cfg, tmp_path):
     """start(name) -> a Config with a broker of its own (the session's redis); all stopped at the end."""
     started: list[Config] = []
 
     def start(name: str) -> Config:
-        c = Config.from_env({"ROPEWALK_BROKER_PORT": str(_free_port()), "ROPEWALK_REDIS_URL": infra_cfg.redis_url,
+        broker_port, controller_port = free_ports(2)
+        c = Config.from_env({"ROPEWALK_BROKER_PORT": str(broker_port), "ROPEWALK_CONTROLLER_PORT": str(controller_port),
+                             "ROPEWALK_REDIS_URL": infra_cfg.redis_url,
                              "ROPEWALK_RUN_DIR": str(tmp_path / f"run-{name}"), "ROPEWALK_PARTITIONS": "4",
                              "ROPEWALK_TOPIC_PREFIX": "rw."})
         started.append(c)

@@ -7,7 +7,6 @@ import pytest
 from processors.opsplanner import decide as op
 from processors.resourcebroker import decide as rb
 from processors.resourcebroker.region import MachineSpec
-from processors.scheduler import decide as sd
 from processors.scheduler.decide import (
     REASON_CHOICE_TOO_LATE, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE, REASON_MAINTENANCE_ENDED,
     REASON_MAINTENANCE_STOP, REASON_NOT_UNDER_NOTICE, job_from_record, job_to_record, retry_unplaced,
