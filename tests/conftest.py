@@ -79,12 +79,17 @@ def cfg(infra_cfg: Config) -> Config:
 
 def pytest_unconfigure(config):
     """After the summary: librdkafka clients a test left open keep printing "Connection refused" once the
-    session's broker is stopped, until the process ends; they would bury the summary at the end of CI's log."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-    except OSError:
-        pass
+    session's broker is stopped, until the process ends; they would bury the summary at the end of CI's log.
+    (At exit: pytest restores its own stderr after this hook.)"""
+    import atexit
+
+    def quiet() -> None:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        except OSError:
+            pass
+
+    atexit.register(quiet)
 
 
 @pytest.fixture(scope="session")
