@@ -98,6 +98,8 @@ BATCH_REQUESTS = 500  # requests decided per Redis commit call at most
 POLL_RECORDS = 5000  # records the fold consumer takes per poll at most
 POLL_S = 0.02  # how long a poll waits for records when there are none
 PUBLISH_INTERVAL_S = 0.25  # machine states are published at most this long after their change
+PUBLISH_ROUND = 500  # machine states published per loop turn at most: a backlog (a region registering) is
+# drained a round per turn, between decisions, so a request never waits behind more than one round (~10 ms)
 OUTBOX_LOCK = "outbox:lock"  # string: the process draining the outbox to state.machines now
 LOCK_TTL_S = 30.0
 METRICS_KEY = "metrics:allocator"  # hash: requests, placed, rejected (HINCRBY; allocator_metrics)
@@ -297,6 +299,7 @@ class Allocator:
         self.failed = 0  # records the fold could not apply (dead-lettered)
         self.decided = 0
         self._published_at = 0.0
+        self._outbox_backlog = False  # the last round of publish_machine_states left machines in the outbox
         self._projected_at = 0.0
         self._projected_marks: dict[tuple[str, int], int] = {}
         self._publishing = threading.Lock()
@@ -583,7 +586,7 @@ class Allocator:
         return self.index.project(self.fold, changed, entitlements=self.fold.entitlement_fields)
 
     # --- state.machines -----------------------------------------------------------------------------------
-    def publish_machine_states(self, limit: int = 2000, rounds: int | None = None) -> int:
+    def publish_machine_states(self, limit: int = PUBLISH_ROUND, rounds: int | None = None) -> int:
         """Publish the current state of every machine in the outbox to ``state.machines``, flush, then take them
         out of the outbox (a machine that changed again meanwhile stays); ``rounds`` of ``limit`` machines at most
         (None: until the outbox is empty). One process drains at a time
@@ -608,12 +611,14 @@ class Allocator:
                     total += len(states)
                     if len(queued) < limit:
                         break
+                self._outbox_backlog = bool(queued) and len(queued) >= limit
                 return total
             finally:
                 self._unlock(keys=[lock], args=[token])
 
     def maybe_publish_machine_states(self) -> int:
-        if time.monotonic() - self._published_at < self.publish_interval_s:
+        """One round, when ``publish_interval_s`` passed since the last or the last left a backlog."""
+        if not self._outbox_backlog and time.monotonic() - self._published_at < self.publish_interval_s:
             return 0
         return self.publish_machine_states(rounds=1)  # one round per turn: deciding waits for no backlog
 
