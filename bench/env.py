@@ -62,6 +62,19 @@ def peak_rss_kib(pid: int) -> int | None:
     return None
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a live process so far, s; None if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
 class BenchEnv:
     def __init__(self, partitions: int = 8, keep: bool = False, run_dir: Path | None = None):
         self.own_run_dir = run_dir is None
@@ -173,6 +186,13 @@ class BenchEnv:
         import resource
 
         out["harness"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time so far (user + system, s) of every live process this environment started, and of this one:
+        the difference over a phase says which process the phase's work cost, whatever else the machine did."""
+        out = {name: t for name, pid in self.pids.items() if (t := cpu_seconds(pid)) is not None}
+        out["harness"] = sum(os.times()[:2])
         return out
 
     def stop_workers(self) -> None:

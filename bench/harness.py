@@ -334,6 +334,10 @@ def format_table(doc: dict) -> str:
     for phase, st in prof.get("pipeline_stages", {}).items():
         lines.append(f"  {phase:8} scheduler p50 {_fmt(st.get('scheduler_p50_ms'))} p99 {_fmt(st.get('scheduler_p99_ms'))}"
                      f" | allocator p50 {_fmt(st.get('allocator_p50_ms'))} p99 {_fmt(st.get('allocator_p99_ms'))}")
+    cpu = doc["details"].get("allocation", {}).get("burst", {}).get("cpu")
+    if cpu and cpu.get("ms_per_job"):
+        lines += ["", f"CPU per job of the burst, ms (user + system, from /proc; {cpu['total_s']:.1f} s in all): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu["ms_per_job"].items(), key=lambda kv: -kv[1]))]
     each = ", ".join(f"{q['ms']:.1f}" for q in prof["per_request"])
     lines += ["", f"where the allocator's time goes ({prof['target']}; {prof['requests']} requests after a fold of "
                   f"the log in {prof.get('fold_s')} s; ms each: {each}):"]

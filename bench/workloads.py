@@ -132,6 +132,13 @@ def stages(obs: LogObserver, submitted: Mapping[str, int]) -> dict[str, Any]:
             "allocator_p50_ms": _ms(percentile(alloc, 50)), "allocator_p99_ms": _ms(percentile(alloc, 99))}
 
 
+def cpu_used(before: Mapping[str, float], after: Mapping[str, float], jobs: int) -> dict[str, Any]:
+    """CPU seconds each process used between two ``BenchEnv.cpu_seconds`` readings, and per job (ms)."""
+    used = {name: round(after[name] - before[name], 3) for name in after if name in before}
+    return {"seconds": used, "total_s": round(sum(used.values()), 3),
+            "ms_per_job": {name: round(1000 * v / jobs, 3) for name, v in used.items()} if jobs else None}
+
+
 def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, latency_jobs: int,
                burst_jobs: int, repeat_jobs: int, seed: int = 7, entitlements: int = 4,
                timeout_s: float = 600.0) -> dict[str, Any]:
@@ -142,6 +149,7 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     create_entitlements(cfg, registry, ents, quota=machines)
     dcs = sorted({m.split("-")[0] for m in _region_machines(env)})
     producer = EventProducer(cfg, registry, PRODUCER, **{"linger.ms": 0})
+    producer.prepare("JobSubmitted", "JobResized")  # connected, schemas on the log: not in the first job's time
     r = env.redis()
     jobs: dict[str, tuple[str, int]] = {}
     notes: list[str] = []
@@ -170,6 +178,7 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     if not wait_running(obs, max(1.0, deadline - time.monotonic())):
         notes.append("burst phase: started before every task of the latency phase ran")
     c0 = allocator_counters(r, cfg.topic_prefix)
+    cpu0 = env.cpu_seconds()
     specs = job_specs(burst_jobs, ents, dcs, rng, "job")
     submitted: dict[str, int] = {}
     t_first = int(time.time() * 1000)
@@ -189,12 +198,13 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     tasks = sum(jobs[j][1] for j in done)
     burst_lat = [obs.done_ms[j] - submitted[j] for j in done]
     c1 = allocator_counters(r, cfg.topic_prefix)
+    cpu = cpu_used(cpu0, env.cpu_seconds(), len(done))
     burst_t_first = t_first
     out["burst"] = {"jobs": len(done), "tasks": tasks, "seconds": round(secs, 3), "t_first_ms": t_first,
                     "t_last_ms": t_last,
                     "jobs_per_s": round(len(done) / secs, 3), "tasks_per_s": round(tasks / secs, 1),
                     "p50_ms": _ms(percentile(burst_lat, 50)), "p99_ms": _ms(percentile(burst_lat, 99)),
-                    **stages(obs, submitted), **_counted(c0, c1)}
+                    **stages(obs, submitted), **_counted(c0, c1), "cpu": cpu}
 
     # phase 3: repeated allocations for known jobs, on a quiet pipeline again
     if not wait_running(obs, max(1.0, deadline - time.monotonic())):
@@ -280,6 +290,7 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     # MachinesStatusChanged and one UnavailabilityStarted per owner, not two events per machine.
     state, events = broker.machines_failed(state, victims, broker.REASON_OPERATOR, now)
     fail_ts = min((e.timestamp_ms for e in events), default=now)
+    cpu0 = env.cpu_seconds()
     produce(EventProducer(env.cfg, registry, broker.PRODUCER), events)
 
     def moved(t: str) -> bool:
@@ -287,13 +298,14 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
         return run is not None and run[0] not in gone and run[1] >= fail_ts
 
     ok = obs.wait(lambda: all(moved(t) for t in affected), timeout_s)
+    cpu = cpu_used(cpu0, env.cpu_seconds(), 1)
     lat = [obs.running[t][1] - fail_ts for t in affected if moved(t)]
     if not ok:
         notes.append(f"{len(affected) - len(lat)} of {len(affected)} affected tasks not running elsewhere within "
                      f"{timeout_s:.0f} s")
     return {"machines_failed": len(victims), "tasks_affected": len(affected), "tasks_moved": len(lat),
             "p50_ms": _ms(percentile(lat, 50)), "p99_ms": _ms(percentile(lat, 99)),
-            "all_moved_ms": _ms(max(lat) if lat and ok else None), "notes": notes}
+            "all_moved_ms": _ms(max(lat) if lat and ok else None), "cpu_s": cpu["seconds"], "notes": notes}
 
 
 # -- raw broker rates --------------------------------------------------------------------------------------------

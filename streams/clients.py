@@ -84,6 +84,20 @@ class EventProducer:
         self._headers = [(PRODUCER_HEADER, name.encode())]
 
     # -- events ----------------------------------------------------------------------------------
+    def prepare(self, *event_types: str, timeout_s: float = 10.0) -> None:
+        """Publish these events' schemas now and wait for the broker (which also connects the producer and
+        learns the metadata), so the first ``send`` of each costs what any later one does."""
+        for event_type in event_types:
+            self._publish_schema(self.registry.reader(event_type))
+        self._flush_or_raise(timeout_s)
+
+    def _publish_schema(self, schema) -> bool:
+        if schema.fingerprint in self._schemas_published:
+            return False
+        schemalog.publish(self._producer, self.topics, schema)
+        self._schemas_published.add(schema.fingerprint)
+        return True
+
     def send(self, event: Event, *, topic: str | None = None, validate: bool = True,
              log_timestamp_ms: int | None = None) -> None:
         """Encode and produce asynchronously to the event's topic, keyed per the catalogue. The record's log
@@ -91,10 +105,8 @@ class EventProducer:
         self._raise_errors()
         logical = topic or self.topics.logical(self.topics.for_event(event.type))
         schema = self.registry.reader(event.type)
-        if schema.fingerprint not in self._schemas_published:
-            schemalog.publish(self._producer, self.topics, schema)
-            self._flush_or_raise(10.0)
-            self._schemas_published.add(schema.fingerprint)
+        if self._publish_schema(schema):
+            self._flush_or_raise(10.0)  # the schema is on the log before any record that uses it
         value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
         self.send_raw(self.topics.name(logical), key_of(logical, event).encode(), value, timestamp_ms=log_timestamp_ms,
                       headers=self._headers)
