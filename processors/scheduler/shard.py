@@ -133,6 +133,7 @@ BATCH_MAX = 500  # records handed to one decision batch at most
 BATCH_WITHIN_S = 0.01  # how long a batch waits for more records before it is decided
 BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
 FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
+SLOW_BATCH_S = 0.25  # a batch that takes longer is logged with where its time went
 COALESCED = {"JobStatePublished": "job_id", "JobTasksPublished": None}  # only a batch's last one per key is produced
 
 # Environment variables of a worker (beside infra.config's), mapped to faust settings; tests lower them.
@@ -421,6 +422,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     async def apply(items: list[tuple[Any, Any, Event]]) -> None:
         """Decide a batch of (message, record, event), in order, on one state; produce; store."""
         async with lock:
+            t0 = time.monotonic()
             now = int(time.time() * 1000)
             job_ids: set[str] = set()
             for _, rec, ev in items:
@@ -455,8 +457,10 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 out.extend(emitted)
             for msg, detail in failed:
                 await route_dead_letter(dead_letters, msg, PROCESSING_FAILED, detail)
+            t1 = time.monotonic()
             if out:
                 await produce(coalesce(out))  # before the tables: see "Delivery" in the module docstring
+            t2 = time.monotonic()
             applied: dict[str, tuple[int, int]] = {}  # the offset after the last record of this batch, per partition
             for _, rec, _ in items:
                 key = partition_key(rec.topic, rec.partition)
@@ -465,6 +469,11 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             if state is not start or any(b != tables.bucket(p) for p, b in buckets.items()):
                 await store(start, state, headers, down_partitions=down_partitions, buckets=buckets,
                             applied=applied)
+            t3 = time.monotonic()
+            if t3 - t0 > SLOW_BATCH_S:
+                log.info("scheduler: slow batch: %d records, %d events out, %.0f ms (decide %.0f, produce %.0f, "
+                         "store %.0f)", len(items), len(out), (t3 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+                         (t3 - t2) * 1e3)
 
     guard = OffsetGuard(tables.offsets.data)
 
