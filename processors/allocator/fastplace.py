@@ -162,6 +162,20 @@ class PlacementIndex:
         self._group_keys: dict[str | None, set[GroupKey]] = {}  # per owner
         self._held: Counter[str] = Counter()
 
+    @classmethod
+    def of(cls, machines: Iterable[Machine]) -> "PlacementIndex":
+        """An index of these machines (ids distinct), built in bulk: entries appended, then each list sorted once
+        (the same lists ``upsert`` one by one gives, without an insertion per machine)."""
+        index = cls()
+        for m in machines:
+            index._machines[m.id] = m
+            index._link(m, insert=list.append)
+        for g in index._groups.values():
+            for by_domain in g.lists.values():
+                for entries in by_domain.values():
+                    entries.sort()
+        return index
+
     # --- maintenance ------------------------------------------------------------------------------------
 
     def upsert(self, m: Machine) -> None:
@@ -178,7 +192,7 @@ class PlacementIndex:
         if m is not None:
             self._unlink(m)
 
-    def _link(self, m: Machine) -> None:
+    def _link(self, m: Machine, insert: Callable[[list[Entry], Entry], None] = insort) -> None:
         key = (m.entitlement, m.machine_type, m.dc)
         g = self._groups.get(key)
         if g is None:
@@ -193,7 +207,7 @@ class PlacementIndex:
         g.shapes[m.cpu_free, m.mem_free] += 1
         entry = (m.cpu_free, m.id, m.mem_free)
         for level in LIST_LEVELS:
-            insort(g.lists[level].setdefault(FAULT_DOMAIN_OF[level](m), []), entry)
+            insert(g.lists[level].setdefault(FAULT_DOMAIN_OF[level](m), []), entry)
 
     def _unlink(self, m: Machine) -> None:
         key = (m.entitlement, m.machine_type, m.dc)

@@ -161,11 +161,25 @@ class RegionFold:
         self.entitlements: dict[str, Entitlement] = {}
         self.entitlement_fields: dict[str, dict[str, Any]] = {}  # as EntitlementCreated/Updated set them
         self.marks: dict[tuple[str, int], int] = {}  # (topic, partition) -> last applied offset
-        self.index = index or PlacementIndex()
+        self._index = index  # the placement index: built on first use (see ``index``), then kept in step
         self.changed: dict[str, str] = {}  # machine id -> cause (event or request id) of its last change
         self.decided: OrderedDict[str, None] = OrderedDict()  # request event ids decided on the log
         self.max_decisions = max_decisions
         self.applied = 0  # events applied (not counting marks-only no-ops)
+
+    @property
+    def index(self) -> PlacementIndex:
+        """The placement index over every machine. Built on first use, in bulk (``PlacementIndex.of``: one sort per
+        list), and kept in step with every change from then on: a start folds the whole log before it places
+        anything, and a rebuild never places, so neither pays for keeping it while the log is folded."""
+        if self._index is None:
+            self._index = PlacementIndex.of(m.view() for m in self.machines.values())
+        return self._index
+
+    def reindex(self, m: MachineRec) -> None:
+        """After any change to ``m``: the placement index follows (when it is built)."""
+        if self._index is not None:
+            self._index.upsert(m.view())
 
     # -- reading -------------------------------------------------------------------------------------------
     def machine(self, machine_id: str) -> Machine | None:
@@ -339,7 +353,7 @@ class RegionFold:
             if kinds:
                 m.version += len(kinds)
                 self.changed[mid] = cause
-            self.index.upsert(m.view())
+            self.reindex(m)
             versions[mid] = m.version
         return versions
 
@@ -347,7 +361,7 @@ class RegionFold:
         if kinds:
             m.version += kinds
             self.changed[m.id] = cause
-            self.index.upsert(m.view())
+            self.reindex(m)
 
 
 # -- the handlers: one per event type (see the table in the module doc) ----------------------------------------
@@ -363,7 +377,7 @@ def _registered(f: RegionFold, e: Event) -> None:
         m = f.machines[mid] = MachineRec(id=mid, cpu_cap=cpu, mem_cap=mem, cpu_free=cpu, mem_free=mem,
                                          entitlement=FREE, status=REGISTERED_STATUS, version=1, **attrs)
         f.changed[mid] = e.event_id
-        f.index.upsert(m.view())
+        f.reindex(m)
         return
     n = sum(f._set(m, a, v) for a, v in attrs.items())
     if m.cpu_cap != cpu or m.mem_cap != mem:

@@ -566,7 +566,7 @@ class Allocator:
             for name in ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free",
                          "entitlement", "status", "host_profile", "version"):
                 setattr(m, name, f[name])
-            fold.index.upsert(m.view())
+            fold.reindex(m)
 
     def _produce(self, events: Sequence[Event]) -> None:
         for e in events:

@@ -328,6 +328,20 @@ def test_run_equals_placement_run_on_random_regions_and_sequences(seed):
     play(seed, decide)
 
 
+def index_state(index):
+    """What an index holds, to compare two of them: machines, held counts, and every group's members, shapes and
+    sorted lists."""
+    return (index._machines, +index._held,
+            {k: (g.ids, g.down, +g.shapes, {lv: {d: l for d, l in by.items() if l} for lv, by in g.lists.items()})
+             for k, g in index._groups.items()})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_index_built_in_bulk_equals_one_built_machine_by_machine(seed):
+    machines = random_region(random.Random(seed))
+    assert index_state(PlacementIndex.of(machines)) == index_state(index_of(machines))
+
+
 def test_the_random_sequences_exercise_what_they_should():
     """The comparison above is only worth something if its cases place, spread, add, hit the quota, filter for
     every reason, and see both narrowed and wide snapshots."""
