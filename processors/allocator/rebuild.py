@@ -68,7 +68,15 @@ from streams.topics import Topics
 
 NOT_INDEX_STATE = ("alloc:done:*", "alloc:fence:*", "metrics:*", "outbox:*", "~rebuild.*")
 SCRATCH = "~rebuild."
-_SWAP_CHUNK = 1000  # keys per UNLINK inside the swap transaction
+_SWAP_CHUNK = 1000  # keys per UNLINK, and per rename call, inside the swap transaction
+_SCAN_COUNT = 10_000  # keys per SCAN step
+# KEYS: scratch keys; ARGV: the length of the scratch prefix, the live prefix. Each key renamed to the live prefix
+# (one call per chunk, not one RENAME command and reply per key).
+_LUA_RENAME = """
+local cut, live = tonumber(ARGV[1]), ARGV[2]
+for _, key in ipairs(KEYS) do redis.call('RENAME', key, live .. string.sub(key, cut + 1)) end
+return #KEYS
+"""
 MAX_ERRORS_SHOWN = 5
 
 Position = tuple[str, int, int]  # (physical topic, partition, offset)
@@ -164,6 +172,7 @@ class Rebuild:
         self.stats = RebuildStats()
         self.fold = RegionFold()
         self._guard = None
+        self._rename = redis_client.register_script(_LUA_RENAME)
 
     def guard(self) -> None:
         """WATCH the live keys every allocator write touches; the swap is refused if any of them changes."""
@@ -213,7 +222,7 @@ class Rebuild:
         self.stats.write_s = time.monotonic() - t0
 
     def _scan(self, prefix: str) -> list[str]:
-        return sorted(_s(k) for k in self.r.scan_iter(match=_glob_escape(prefix) + "*", count=1000))
+        return sorted(_s(k) for k in self.r.scan_iter(match=_glob_escape(prefix) + "*", count=_SCAN_COUNT))
 
     def swap(self) -> None:
         """Replace the live index state with the scratch keys in one transaction (refused if the live index
@@ -231,8 +240,8 @@ class Rebuild:
             pipe.multi()
             for i in range(0, len(live), _SWAP_CHUNK):
                 pipe.unlink(*live[i:i + _SWAP_CHUNK])
-            for k in new:
-                pipe.rename(k, self.prefix + k[len(self.scratch):])
+            for i in range(0, len(new), _SWAP_CHUNK):
+                self._rename(keys=new[i:i + _SWAP_CHUNK], args=[len(self.scratch), self.prefix], client=pipe)
             pipe.execute()
         except redis.WatchError:
             raise RebuildConflict("the allocator wrote to the index while it was rebuilt; nothing was replaced. "
