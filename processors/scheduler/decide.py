@@ -253,13 +253,17 @@ class Task:
     fence: bool = False  # a MOVE off a machine that may still run it: STOP it there when the move is performed
     maint_ue: str | None = None  # the planned maintenance (UE id) a choice or the deadline applies to it for
     maint_choice: str | None = None  # CHOICE_MOVE / CHOICE_STOP / CHOICE_KEEP, or HELD_AT_DEADLINE
-    row: Mapping[str, Any] = field(init=False, compare=False, repr=False)  # its JobStatePublished TaskStatus
+    _row: Mapping[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        # Built once per task version, so publishing a 15K-task job does not rebuild 15K rows per event.
-        object.__setattr__(self, "row", MappingProxyType({
-            "task_id": self.id, "state": self.state, "machine_id": self.machine, "dc": self.dc, "msb": self.msb,
-            "rack": self.rack, "spec_version": self.spec_version, "reason": self.reason}))
+    @property
+    def row(self) -> Mapping[str, Any]:
+        """Its JobStatePublished TaskStatus: built once per task version, when first published (most versions a
+        decision makes are never published), so publishing a 15K-task job does not rebuild 15K rows per event."""
+        if self._row is None:
+            object.__setattr__(self, "_row", MappingProxyType({
+                "task_id": self.id, "state": self.state, "machine_id": self.machine, "dc": self.dc,
+                "msb": self.msb, "rack": self.rack, "spec_version": self.spec_version, "reason": self.reason}))
+        return self._row
 
 
 @dataclass(frozen=True, slots=True)
