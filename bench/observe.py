@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from typing import Callable
 
 from infra.config import Config
-from streams.batches import TASK_STATES_CHANGED, task_reports
+from streams.batches import SERVICE_DISCOVERY_UPDATED, TASK_STATES_CHANGED, discovery_changes, task_reports
 from streams.clients import EventConsumer
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
@@ -22,6 +22,7 @@ TOPICS = ("allocations", "tasks")
 
 
 TASK_REPORTS = frozenset({"TaskStateChanged", TASK_STATES_CHANGED})  # one report, or an agent's batch of them
+DISCOVERY = frozenset({"ServiceDiscoveryChanged", SERVICE_DISCOVERY_UPDATED})  # one task's change, or a job's
 
 
 class LogObserver:
@@ -79,11 +80,12 @@ class LogObserver:
                 for r in task_reports(ev):
                     if r["state"] == "RUNNING":
                         self.running[r["task_id"]] = (r["machine_id"], ts)
-            elif ev.type == "ServiceDiscoveryChanged":
-                if p["enabled"]:
-                    self.discovered[p["task_id"]] = (p["machine_id"], ts)
-                elif self.discovered.get(p["task_id"], ("",))[0] == p["machine_id"]:
-                    del self.discovered[p["task_id"]]
+            elif ev.type in DISCOVERY:
+                for c in discovery_changes(ev):
+                    if c["enabled"]:
+                        self.discovered[c["task_id"]] = (c["machine_id"], ts)
+                    elif self.discovered.get(c["task_id"], ("",))[0] == c["machine_id"]:
+                        del self.discovered[c["task_id"]]
         return len(recs)
 
     def wait(self, done: Callable[[], bool], timeout_s: float) -> bool:

@@ -7,10 +7,13 @@ Where Twine has one event per job (or per tick), Ropewalk writes one record for 
 * ``TaskStatesChanged`` (tasks): an agent process's reports of one poll step for one entitlement, or the
   scheduler's own task transitions of one decision for one job (was: a ``TaskStateChanged`` per transition);
 * ``MachinesStatusChanged`` (machines): one status change of many machines of one owner (was: a
-  ``MachineStatusChanged`` per machine).
+  ``MachineStatusChanged`` per machine);
+* ``ServiceDiscoveryUpdated`` (tasks): the scheduler's service-discovery changes of one decision for one job
+  (was: a ``ServiceDiscoveryChanged`` per task).
 
-Old logs keep the single-item events, and readers take both: ``task_commands``, ``task_reports`` and
-``machine_statuses`` give the items of either form as plain dicts with the single-item event's field names.
+Old logs keep the single-item events, and readers take both: ``task_commands``, ``task_reports``,
+``machine_statuses`` and ``discovery_changes`` give the items of either form as plain dicts with the single-item
+event's field names.
 
 **Size.** A record must stay below the broker's maximum message size (Kafka's default ``message.max.bytes`` is
 1 MiB) whatever the job or region size: ``split`` cuts the items into parts of at most ``MAX_ITEMS`` items and
@@ -36,6 +39,7 @@ ENVELOPE_BYTES = 1_024  # room for the envelope (six strings and two numbers; id
 TASKS_COMMANDED = "TasksCommanded"
 TASK_STATES_CHANGED = "TaskStatesChanged"
 MACHINES_STATUS_CHANGED = "MachinesStatusChanged"
+SERVICE_DISCOVERY_UPDATED = "ServiceDiscoveryUpdated"
 
 T = TypeVar("T")
 
@@ -152,6 +156,18 @@ def machine_statuses(ev: Event) -> list[dict[str, Any]]:
         return []
     return [{"machine_id": m["machine_id"], "status": p["status"], "previous_status": m["previous_status"],
              "reason": p.get("reason", "")} for m in p["machines"]]
+
+
+def discovery_changes(ev: Event) -> list[dict[str, Any]]:
+    """The per-task changes of a ServiceDiscoveryChanged or a ServiceDiscoveryUpdated (else none), each with the
+    fields of a ServiceDiscoveryChanged payload (task_id, job_id, machine_id, enabled, reason)."""
+    p = ev.payload
+    if ev.type == "ServiceDiscoveryChanged":
+        return [dict(p)]
+    if ev.type != SERVICE_DISCOVERY_UPDATED:
+        return []
+    return [{"task_id": c["task_id"], "job_id": p["job_id"], "machine_id": c.get("machine_id"),
+             "enabled": c["enabled"], "reason": c.get("reason", "")} for c in p["changes"]]
 
 
 def machine_ids(ev: Event) -> list[str]:

@@ -122,8 +122,8 @@ def _about_machine(machine: str, event: Event) -> bool:
         return True
     if machine in (p.get("machine_ids") or ()):
         return True
-    return any(item.get("machine_id") == machine for key in ("placements", "commands", "reports", "machines")
-               for item in (p.get(key) or ()))
+    return any(item.get("machine_id") == machine
+               for key in ("placements", "commands", "reports", "machines", "changes") for item in (p.get(key) or ()))
 
 
 # --- the reader ---------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("allocations", KEY_ENTITLEMENT, ("AllocationRequested", "TasksAllocated", "AllocationRejected",
               "TasksDeallocated"), True, config=_KEEP_FOREVER, doc="allocator requests and decisions, with reasons"),
     TopicSpec("tasks", KEY_ENTITLEMENT, ("TaskCommanded", "TaskStateChanged", "ServiceDiscoveryChanged",
-              "TasksCommanded", "TaskStatesChanged"), True,
+              "TasksCommanded", "TaskStatesChanged", "ServiceDiscoveryUpdated"), True,
               config=_KEEP_FOREVER, doc="task commands to agents and task state changes"),
     TopicSpec("taskcontrol", KEY_ENTITLEMENT, ("TaskControlRequested", "TaskControlAcked", "OperationsThrottled"),
               True, config=_KEEP_FOREVER,

@@ -299,7 +299,6 @@ class _Follower:
 
     def poll(self) -> None:
         for rec in self.consumer.poll(10_000, 0.0):
-            p = rec.event.payload
             for r in batches.task_reports(rec.event):
                 if r["job_id"] != JOB:
                     continue
@@ -307,8 +306,9 @@ class _Follower:
                     self.running[r["task_id"]] = r["spec_version"]
                 else:
                     self.running.pop(r["task_id"], None)
-            if rec.event.type == "ServiceDiscoveryChanged" and p["job_id"] == JOB:
-                (self.enabled.add if p["enabled"] else self.enabled.discard)(p["task_id"])
+            for c in batches.discovery_changes(rec.event):
+                if c["job_id"] == JOB:
+                    (self.enabled.add if c["enabled"] else self.enabled.discard)(c["task_id"])
 
     def at_version(self, version: int) -> int:
         return sum(1 for v in self.running.values() if v >= version)

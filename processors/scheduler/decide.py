@@ -6,7 +6,7 @@ events)`` over immutable state, and the same input on the same state gives the s
 ``job_view`` is what ``ropewalk job status --json`` prints. See ``README.md`` for the flows as a diagram.
 
 **Who emits what.** The scheduler emits the commands (START/STOP/RESTART, AllocationRequested,
-ServiceDiscoveryChanged) and the transitions no agent can report: PENDING (rescheduled), ALLOCATED, FAILED on a
+ServiceDiscoveryUpdated) and the transitions no agent can report: PENDING (rescheduled), ALLOCATED, FAILED on a
 machine failure (the agent is gone), STOPPED of a task that never ran or is already dead. Per job and decision, the
 commands are ONE TasksCommanded (argv/env once, a line per task) and the transitions ONE TaskStatesChanged (each
 report with the id a TaskStateChanged would have had), split only if a record would exceed 900,000 bytes
@@ -74,7 +74,7 @@ from processors.scheduler.lifecycle import (
     RUNNING, START_COMMANDED, STARTED, STARTING, STOP_COMMANDED, STOPPED, STOPPED_EV, STOPPING, IllegalTransition,
 )
 from streams import batches
-from streams.batches import ENVELOPE_BYTES, batch_id, size_of, split
+from streams.batches import SERVICE_DISCOVERY_UPDATED, ENVELOPE_BYTES, batch_id, size_of, split
 from streams.events import Event, derived_event_id, new_event
 
 PRODUCER = "scheduler"
@@ -97,7 +97,7 @@ OP_PENDING = "pending"  # awaiting the TaskController's ack
 OP_APPROVED = "approved"  # acked (or no controller): performed when ready, within max_unavailable and the limiter
 OP_RUNNING = "running"  # performed; completed when the task runs again (reported to the controller then)
 
-# -- reasons: TaskStateChanged/TaskCommanded/ServiceDiscoveryChanged.reason, task reason, job last_reason -------
+# -- reasons: TaskStateChanged/TaskCommanded/ServiceDiscoveryUpdated change .reason, task reason, job last_reason -------
 # Why a task is (re)placed, stopped or restarted.
 REASON_SUBMITTED = "submitted"  # the job was submitted: a new task
 REASON_RESIZED = "resized"  # JobResized: a task added or retired
@@ -105,7 +105,7 @@ REASON_JOB_STOPPED = "job_stopped"  # JobStopped: every task is stopped and free
 REASON_ROLLING_UPDATE = "rolling_update"  # JobSpecChanged: replaced by the new spec version
 REASON_ALLOCATED = "allocated"  # TaskStateChanged →ALLOCATED: the allocator placed it
 REASON_PLACED = "placed"  # TaskCommanded START after a placement
-REASON_TASK_RUNNING = "task_running"  # ServiceDiscoveryChanged enabled: the agent reports it RUNNING
+REASON_TASK_RUNNING = "task_running"  # discovery enabled: the agent reports it RUNNING
 REASON_CRASHED = "crashed"  # the agent reports it FAILED (non-zero exit, or could not start)
 REASON_EXITED = "exited"  # the agent reports it STOPPED on its own (exit 0)
 REASON_RESTART_POLICY = "restart_policy"  # TaskCommanded RESTART: crashed or exited, restarted in place
@@ -503,6 +503,7 @@ class _JobWork:
         self._tasks: dict[str, Task] | None = None  # copied on the first write
         self.commands: list[dict[str, Any]] = []  # this decision's task commands (one TasksCommanded)
         self.reports: list[dict[str, Any]] = []  # this decision's own task transitions (one TaskStatesChanged)
+        self.discoveries: list[dict[str, Any]] = []  # its service-discovery changes (one ServiceDiscoveryUpdated)
         self.dirty_parts: set[int] = set()  # parts (PUBLISH_PART_TASKS) with a task whose visible state changed
         self._added = False  # a task was added: the order by index must be restored
         self.place: dict[str, None] = {}  # ordered sets of task ids for this decision's AllocationRequested
@@ -574,9 +575,8 @@ class _JobWork:
         return new
 
     def discovery(self, t: Task, enabled: bool, reason: str) -> Task:
-        self.emit("ServiceDiscoveryChanged", t.id, {
-            "task_id": t.id, "job_id": self.job.id, "machine_id": t.machine, "enabled": enabled, "reason": reason},
-            "discovery", t.id, enabled)
+        """Enable or disable ``t`` in service discovery (in the decision's ServiceDiscoveryUpdated)."""
+        self.discoveries.append({"task_id": t.id, "machine_id": t.machine, "enabled": enabled, "reason": reason})
         return self.put(replace(t, discovery=enabled))
 
     def command(self, t: Task, command: str, reason: str) -> None:
@@ -585,9 +585,14 @@ class _JobWork:
                               "spec_version": t.spec_version, "reason": reason})
 
     def emit_batches(self) -> None:
-        """The decision's task transitions as TaskStatesChanged and its commands as TasksCommanded, each split
-        so that no record exceeds ``batches.MAX_RECORD_BYTES`` (normally one of each)."""
+        """The decision's service-discovery changes as ServiceDiscoveryUpdated, its task transitions as
+        TaskStatesChanged and its commands as TasksCommanded, each split so that no record exceeds
+        ``batches.MAX_RECORD_BYTES`` (normally one of each). Discovery first: a task leaves it before it stops."""
         job = self.job
+        if self.discoveries:
+            for i, part in enumerate(split(self.discoveries, fixed=ENVELOPE_BYTES + size_of(job.id))):
+                self.emit(SERVICE_DISCOVERY_UPDATED, job.id, {"job_id": job.id, "changes": part}, "discovery", job.id, i)
+            self.discoveries = []
         if self.reports:
             for part in split(self.reports):
                 self.emit("TaskStatesChanged", part[0]["task_id"], {"reports": part},

@@ -137,6 +137,9 @@ def singles(e):
     if e.type == "TaskStatesChanged":
         return [dataclasses.replace(e, type="TaskStateChanged", payload=r, event_id=r["report_id"])
                 for r in batches.task_reports(e)]
+    if e.type == batches.SERVICE_DISCOVERY_UPDATED:
+        return [dataclasses.replace(e, type="ServiceDiscoveryChanged", payload=c, event_id=f"{e.event_id}#{i}")
+                for i, c in enumerate(batches.discovery_changes(e))]
     return [e]
 
 
@@ -170,8 +173,9 @@ class Log:
         return new
 
     def of(self, type_, **payload):
-        """The scheduler's events of ``type_`` whose payload has these values, each once; TaskCommanded and
-        TaskStateChanged include the items of its batches (TasksCommanded, TaskStatesChanged) as such events."""
+        """The scheduler's events of ``type_`` whose payload has these values, each once; TaskCommanded,
+        TaskStateChanged and ServiceDiscoveryChanged include the items of its batches (TasksCommanded,
+        TaskStatesChanged, ServiceDiscoveryUpdated) as such events."""
         out, ids = [], set()
         for r in self.records:
             for e in singles(r.event):

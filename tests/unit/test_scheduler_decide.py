@@ -21,7 +21,7 @@ from processors.scheduler.decide import (
     REASON_UNKNOWN_ENTITLEMENT, REASON_UNKNOWN_TASK, RESTART_RESET_MS, SchedulerState, UnknownJob, decide,
     job_view, retry_unplaced,
 )
-from streams.batches import command_events, task_commands, task_reports
+from streams.batches import command_events, discovery_changes, task_commands, task_reports
 from streams.events import new_event
 from streams.serde import SchemaRegistry
 
@@ -220,21 +220,24 @@ def kinds(out):
             short += [("state", r["task_id"], r["state"], r["reason"]) for r in task_reports(e)]
         elif e.type == "TasksCommanded":
             short += [(c["command"], c["task_id"], c["machine_id"], c["spec_version"]) for c in task_commands(e)]
-        elif e.type == "ServiceDiscoveryChanged":
-            short.append(("discovery", p["task_id"], p["enabled"]))
+        elif e.type == "ServiceDiscoveryUpdated":
+            short += [("discovery", c["task_id"], c["enabled"]) for c in discovery_changes(e)]
         elif e.type == "JobStatePublished":
             short.append(("published", p["state"], p["deleted"]))
     return short
 
 
 def of_type(out, type_):
-    """The events of ``type_`` in ``out``; for TaskCommanded and TaskStateChanged, the items of the batches
-    (TasksCommanded, TaskStatesChanged) as single-item events, in order (what a test of behaviour looks at)."""
+    """The events of ``type_`` in ``out``; for TaskCommanded, TaskStateChanged and ServiceDiscoveryChanged, the
+    items of the batches (TasksCommanded, TaskStatesChanged, ServiceDiscoveryUpdated) as single-item events, in
+    order (what a test of behaviour looks at)."""
     if type_ == "TaskCommanded":
         return [c for e in out for c in command_events(e)]
     if type_ == "TaskStateChanged":
         return [dataclasses.replace(e, type=type_, payload=r, event_id=r["report_id"])
                 for e in out for r in task_reports(e)]
+    if type_ == "ServiceDiscoveryChanged":
+        return [dataclasses.replace(e, type=type_, payload=c) for e in out for c in discovery_changes(e)]
     return [e for e in out if e.type == type_]
 
 
@@ -504,8 +507,8 @@ def test_machine_failure_moves_exactly_the_affected_tasks(make, reason):
 
     out = sim.feed(make())
     assert kinds(out) == [
-        ("discovery", "a/0", False), ("discovery", "a/1", False),
         ("request", ("a/0", "a/1"), ("a/0", "a/1"), ("m1",)),
+        ("discovery", "a/0", False), ("discovery", "a/1", False),  # on tasks: before the state changes and stops
         ("state", "a/0", "FAILED", reason), ("state", "a/0", "PENDING", reason),
         ("state", "a/1", "FAILED", reason), ("state", "a/1", "PENDING", reason),
         ("STOP", "a/0", "m1", 1), ("STOP", "a/1", "m1", 1),  # the fences
