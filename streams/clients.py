@@ -3,9 +3,12 @@
 * `EventProducer`: idempotent, `acks=all`, murmur2 partitioner (co-partitioned with faust/aiokafka and
   Java clients); publishes each writer schema to `_schemas` before the first event that uses it; delivery
   errors are collected and raised by `flush()` (and by the next `send`), never swallowed. Every event it
-  sends carries the record header `producer` = its name (`PRODUCER_HEADER`), readable without decoding.
+  sends carries the record headers `producer` = its name (`PRODUCER_HEADER`) and `type` = the event type
+  (`TYPE_HEADER`), readable without decoding.
 * `EventConsumer`: decodes every record with the reader's schemas; a record that fails to decode or
   validate is routed to `deadletter` with its reason and origin, and the consumer goes on with the next.
+  Given `types`, a record whose `type` header names another type is passed over undecoded (`passed_over`):
+  a reader pays nothing for the events it has no use for (records without the header are decoded).
 """
 from __future__ import annotations
 
@@ -24,6 +27,28 @@ from streams.topics import BY_NAME, KEY_ENTITLEMENT, KEY_JOB, KEY_MACHINE, Topic
 
 
 PRODUCER_HEADER = "producer"  # record header: the EventProducer's name (the envelope's producer, usually)
+TYPE_HEADER = "type"  # record header: the event type (the schema's name), so readers can pass over what they ignore
+
+
+def header(headers, name: str) -> bytes | None:
+    """The value of record header ``name`` in a client's headers (a list of (key, value) pairs, a mapping, or
+    None); None if absent."""
+    if not headers:
+        return None
+    if isinstance(headers, Mapping):
+        return headers.get(name)
+    for k, v in headers:
+        if k == name:
+            return v
+    return None
+
+
+def passes_type(headers, types: "frozenset[str] | None") -> bool:
+    """Whether a record may be of one of ``types`` (None: any), by its ``type`` header alone: True without one."""
+    if types is None:
+        return True
+    t = header(headers, TYPE_HEADER)
+    return t is None or t.decode("utf-8", "replace") in types
 
 
 class DeliveryError(RuntimeError):
@@ -81,7 +106,14 @@ class EventProducer:
         self.sent = 0
         # Every event this producer encodes carries who produced it as a record header (PRODUCER_HEADER), so a
         # reader can pass over records by producer without decoding them (the scheduler skips its own echoes).
-        self._headers = [(PRODUCER_HEADER, name.encode())]
+        self._headers: dict[str, list[tuple[str, bytes]]] = {}  # event type -> the headers of its records
+
+    def headers_for(self, event_type: str) -> list[tuple[str, bytes]]:
+        """The record headers of an event of ``event_type``: who produced it and what it is."""
+        h = self._headers.get(event_type)
+        if h is None:
+            h = self._headers[event_type] = [(PRODUCER_HEADER, self.name.encode()), (TYPE_HEADER, event_type.encode())]
+        return h
 
     # -- events ----------------------------------------------------------------------------------
     def prepare(self, *event_types: str, timeout_s: float = 10.0) -> None:
@@ -109,7 +141,7 @@ class EventProducer:
             self._flush_or_raise(10.0)  # the schema is on the log before any record that uses it
         value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
         self.send_raw(self.topics.name(logical), key_of(logical, event).encode(), value, timestamp_ms=log_timestamp_ms,
-                      headers=self._headers)
+                      headers=self.headers_for(event.type))
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
                  timestamp_ms: int | None = None, headers: list | None = None) -> None:
@@ -186,7 +218,8 @@ class EventConsumer:
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, topics: Iterable[str], *, name: str,
                  group_id: str | None = None, dead_letters: "dl.DeadLetters | None" = None,
-                 start_offsets: Mapping[tuple[str, int], int] | None = None, **conf):
+                 start_offsets: Mapping[tuple[str, int], int] | None = None,
+                 types: Iterable[str] | None = None, **conf):
         self.cfg = cfg
         self.registry = registry
         self.catalogue = Topics(cfg.topic_prefix, cfg.partitions)
@@ -196,6 +229,9 @@ class EventConsumer:
         self._consumer = Consumer(consumer_conf(cfg, group_id, **conf))
         self.eof: set[tuple[str, int]] = set()
         self.dead_lettered = 0
+        self.types = None if types is None else frozenset(types)  # None: every type is decoded
+        self.passed_over = 0  # records whose type header named a type not in ``types`` (not decoded)
+        self.last_offsets: dict[tuple[str, int], int] = {}  # per partition, the last offset read (any record)
         if group_id:
             self._consumer.subscribe(self.physical_topics)
         else:
@@ -251,12 +287,16 @@ class EventConsumer:
                     continue
                 raise RuntimeError(f"consumer {self.name}: {err.str()}")
             self.eof.discard((msg.topic(), msg.partition()))
+            self.last_offsets[(msg.topic(), msg.partition())] = msg.offset()
             rec = self._decode(msg)
             if rec is not None:
                 out.append(rec)
         return out
 
     def _decode(self, msg) -> Record | None:
+        if self.types is not None and not passes_type(msg.headers(), self.types):
+            self.passed_over += 1
+            return None
         value = msg.value()
         try:
             try:

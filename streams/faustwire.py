@@ -27,14 +27,14 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, AsyncIterator
 
 import faust
 
 from infra.config import Config
 from streams import schemalog
-from streams.clients import Record, check_placement
+from streams.clients import Record, check_placement, header
 from streams.deadletter import DeadLetters
 from streams.events import Event
 from streams.serde import UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
@@ -169,13 +169,7 @@ async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadL
 
 def header_of(msg: Any, name: str) -> bytes | None:
     """The value of record header ``name`` of a faust message (None if absent): read without decoding."""
-    headers = getattr(msg, "headers", None) or ()
-    if isinstance(headers, Mapping):
-        return headers.get(name)
-    for k, v in headers:
-        if k == name:
-            return v
-    return None
+    return header(getattr(msg, "headers", None), name)
 
 
 async def route_dead_letter(dead_letters: DeadLetters, message: Any, reason: str, detail: str) -> None:

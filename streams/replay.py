@@ -77,6 +77,8 @@ class ReplayFilter:
     since_ms: int | None = None  # envelope timestamp_ms >= since_ms
     until_ms: int | None = None  # envelope timestamp_ms < until_ms
     topics: tuple[str, ...] | None = None  # logical topic names; None: every data topic
+    types: frozenset[str] | None = None  # event types; None: every type (others are passed over undecoded when
+    # their record says its type in a header, as every EventProducer's does)
 
     def __post_init__(self) -> None:
         if self.topics is not None:
@@ -99,6 +101,8 @@ def matches(f: ReplayFilter, event: Event) -> bool:
     if f.until_ms is not None and event.timestamp_ms >= f.until_ms:
         return False
     if f.topics is not None and TOPIC_OF_EVENT.get(event.type) not in f.topics:
+        return False
+    if f.types is not None and event.type not in f.types:
         return False
     if f.job is not None and not _about_job(f.job, event):
         return False
@@ -169,7 +173,7 @@ class _BoundedConsumer(EventConsumer):
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, topics: list[str], *, narrow: Mapping[str, bytes],
                  sink: _SkipCounter, start_offsets: Mapping[tuple[str, int], int],
-                 since_ms: int | None = None, until_ms: int | None = None):
+                 since_ms: int | None = None, until_ms: int | None = None, types: frozenset[str] | None = None):
         # Set before super().__init__, which calls partitions() and assign().
         self.narrow = dict(narrow)
         self.since_ms, self.until_ms = since_ms, until_ms
@@ -178,7 +182,8 @@ class _BoundedConsumer(EventConsumer):
         self.ends: dict[tuple[str, int], int] = {}  # fixed once known (see the class docstring)
         self.next_offset: dict[tuple[str, int], int] = {}
         self.examined = 0
-        super().__init__(cfg, registry, topics, name="replay", dead_letters=sink, start_offsets=start_offsets)
+        super().__init__(cfg, registry, topics, name="replay", dead_letters=sink, start_offsets=start_offsets,
+                         types=types)
 
     def partitions(self) -> list[tuple[str, int]]:
         every = super().partitions()
@@ -288,7 +293,7 @@ class Replay:
         sink = _SkipCounter(self.dead_letters)
         consumer = _BoundedConsumer(self.cfg, self.registry, topics, narrow=narrow, sink=sink,
                                     start_offsets=self.start_offsets, since_ms=self.filter.since_ms,
-                                    until_ms=self.filter.until_ms)
+                                    until_ms=self.filter.until_ms, types=self.filter.types)
         st = self.stats
         try:
             st.partitions = len(consumer.next_offset)

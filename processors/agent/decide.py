@@ -349,6 +349,9 @@ def _on_tick(state: AgentState, now_ms: int):
     return replace(state, sequence=seq), [hb], actions
 
 
+COMMAND_TYPES = frozenset({"TaskCommanded", batches.TASKS_COMMANDED})  # what an agent reads of ``tasks``
+
+
 def commands(ev: Event, machine_ok) -> list[Event]:
     """The commands of a TaskCommanded or TasksCommanded (else none) addressed to a machine ``machine_ok``
     accepts, as TaskCommanded events in the batch's order (each one a ``Command`` for that machine's ``decide``)."""

@@ -268,7 +268,8 @@ class ProcessAgent(LoopWorker):
         try:
             self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=f"agent/{self.machine_id}",
                                           start_offsets=self.offsets,
-                                          dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"))
+                                          dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
+                                          types=d.COMMAND_TYPES)
             return True
         except Exception as exc:  # broker away: try again later, tasks go on
             self.errors += 1

@@ -248,7 +248,7 @@ class SimulatedAgents(LoopWorker):
         """Read every partition of ``tasks``, from ``start_offsets``, else the state file's, else the beginning."""
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=self.name,
                                       start_offsets=start_offsets or self.offsets,
-                                      dead_letters=DeadLetters(self.producer, self.name))
+                                      dead_letters=DeadLetters(self.producer, self.name), types=d.COMMAND_TYPES)
 
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:

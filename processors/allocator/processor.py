@@ -316,7 +316,8 @@ class Allocator:
         """Fold the log as it is now, in the causal order ``merged`` gives, and make Redis agree with the fold
         (projected whole when its marks are behind). Returns what it did."""
         t0 = time.monotonic()
-        run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES), stall_timeout_s=stall_timeout_s)
+        run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES, types=EVENT_TYPES),
+                     stall_timeout_s=stall_timeout_s)
         parts: dict[tuple[str, int], list[tuple[Event, tuple[str, int, int]]]] = defaultdict(list)
         for rec in run:
             if rec.event.type in EVENT_TYPES:
@@ -367,6 +368,15 @@ class Allocator:
                     continue
                 if rec.event.type == "AllocationRequested":
                     self._arrived(rec.event, position)
+
+    def read_up_to(self, last_offsets: Mapping[tuple[str, int], int]) -> None:
+        """Every record up to these offsets was read (those the consumer passed over by type too): the marks say
+        so, as they do for any record the fold applies as a no-op."""
+        with self.lock:
+            marks = self.fold.marks
+            for tp, offset in last_offsets.items():
+                if offset > marks.get(tp, -1):
+                    marks[tp] = offset
 
     def _arrived(self, event: Event, position: tuple[str, int, int]) -> None:
         if position[0] == self.allocations and not self.fold.is_decided(event.event_id):
@@ -636,9 +646,11 @@ class Allocator:
                             consumer.close()
                         self.refold()
                         consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in SOURCES],
-                                                 name=PRODUCER, start_offsets=self.ends, dead_letters=dead_letters)
+                                                 name=PRODUCER, start_offsets=self.ends, dead_letters=dead_letters,
+                                                 types=EVENT_TYPES)
                     records = consumer.poll(POLL_RECORDS, POLL_S, linger_s=0.0)
                     self.on_records(records, dead_letters)
+                    self.read_up_to(consumer.last_offsets)  # records of types the fold ignores: not even decoded
                     self.step()
                 except TRANSIENT as exc:
                     self.stale = True

@@ -186,7 +186,8 @@ class Rebuild:
         if gone := truncated_partitions(self.cfg):
             raise RebuildRefused(f"the log no longer starts at offset 0 in {', '.join(gone)} (retention deleted "
                                  f"records): a rebuild from it would lose what they did; the index was left as it is")
-        run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES), stall_timeout_s=self.stall_timeout_s)
+        run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES, types=EVENT_TYPES),
+                     stall_timeout_s=self.stall_timeout_s)
         out: dict[tuple[str, int], list[tuple[Event, Position]]] = defaultdict(list)
         for rec in run:
             if rec.event.type in EVENT_TYPES:

@@ -54,10 +54,11 @@ machines) instead of a scan of the shard's jobs. A machine event keyed to an ent
 (a free pool key, ``free/<dc>``) makes ``decide`` look at every job: then the jobs of the event's partition are
 scanned (O(jobs held by this worker)), which is rare.
 
-**Own echoes.** The scheduler's own events come back on the topics it reads. Every record an ``EventProducer``
-sends carries the header ``producer``; a record whose header says ``scheduler`` is passed over in the gate,
-before decoding (after the offset guard has counted it). Records without the header (older logs, other writers)
-are decoded, and ``decide`` drops the scheduler's own by ``is_own``.
+**Own echoes and ignored types.** The scheduler's own events come back on the topics it reads. Every record an
+``EventProducer`` sends carries the headers ``producer`` and ``type``; a record whose producer is ``scheduler``, or
+whose type ``decide`` does nothing with (``CONSUMED``: no MachineRegistered, no assignment echoes), is passed over
+in the gate, before decoding (after the offset guard has counted it). Records without the headers (older logs,
+other writers) are decoded, and ``decide`` drops the scheduler's own by ``is_own`` and ignores the other types.
 
 **Batches.** faust's ``stream.take_events(BATCH_MAX, BATCH_WITHIN_S)`` hands the agent up to 500 records at a
 time (what has arrived within 10 ms). The batch is decided on one state, event after event in log order (each
@@ -108,12 +109,12 @@ import faust
 from infra.config import Config
 from processors.scheduler import store as st
 from processors.scheduler.decide import (
-    PRODUCER, Entitlement, Job, SchedulerState, decide, retry_unplaced, state_of,
+    CONSUMED, PRODUCER, Entitlement, Job, SchedulerState, decide, retry_unplaced, state_of,
 )
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
 from streams import batches
-from streams.clients import PRODUCER_HEADER, EventProducer
+from streams.clients import PRODUCER_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
 from streams.faustwire import decode_message, header_of, make_app, route_dead_letter
@@ -167,6 +168,12 @@ def shard_bucket_key(partition: int) -> str:
 
 def index_key(entitlement: str, machine: str) -> str:
     return f"{entitlement}|{machine}"
+
+
+def is_ignored_record(msg: Any) -> bool:
+    """Whether a record's ``type`` header names an event ``decide`` does nothing with (a MachineRegistered, say:
+    100,000 of them when a region registers): passed over undecoded, like the scheduler's own echoes."""
+    return not passes_type(getattr(msg, "headers", None), CONSUMED)
 
 
 def is_own_record(msg: Any) -> bool:
@@ -490,7 +497,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         v = guard.check(key, msg.offset, time.monotonic())
         if v == GAP:
             await seek_back(msg.tp, key, f"gap before offset {msg.offset}")
-        return v == APPLY and not is_own_record(msg)
+        return v == APPLY and not is_own_record(msg) and not is_ignored_record(msg)
 
     @app.agent(source, name=f"{APP_ID}.schedule")
     async def schedule(stream):

@@ -177,6 +177,27 @@ def test_bad_records_go_to_deadletter_and_the_consumer_keeps_going(cfg, registry
     assert len(set(offsets)) == len(cases)
 
 
+def test_a_reader_given_types_passes_over_the_others_undecoded(cfg, registry):
+    """Every record says its type in a header; a reader given ``types`` decodes only those (a record without the
+    header is decoded as always, and a bad one of a wanted type is still dead-lettered)."""
+    topics = Topics(cfg.topic_prefix, cfg.partitions)
+    intents = topics.name("intents")
+    p = EventProducer(cfg, registry, "test")
+    p.send(job_stopped("e1", "wanted"))
+    p.send(new_event("JobResized", {"job_id": "j", "tasks": 2}, entitlement="e1", entity_id="j", producer="test"))
+    p.send_raw(intents, b"e1", b"\x00not avro", headers=[("type", b"JobResized")])  # passed over: not decoded
+    p.send_raw(intents, b"e1", b"\x00not avro", headers=[("type", b"JobStopped")])  # wanted: dead-lettered
+    p.send_raw(intents, b"e1", registry.encode("JobStopped", job_stopped("e1", "headerless").to_record(1)))
+    p.flush()
+
+    c = EventConsumer(cfg, registry, [intents], name="typed", types={"JobStopped"},
+                      dead_letters=DeadLetters(p, "typed"))
+    got = read_all(c, 2)
+    c.close()
+    assert [r.event.payload["job_id"] for r in got] == ["wanted", "headerless"]
+    assert (c.passed_over, c.dead_lettered) == (2, 1)
+
+
 def test_delivery_errors_are_raised_not_swallowed(cfg, registry):
     from streams.clients import DeliveryError
 
