@@ -18,10 +18,11 @@ survivors, which recover the partitions' table data from the changelogs before t
                          decide() each event in order on it (pure; one that raises ──► deadletter, state kept)
                                      │
                                      ▼
-                         produce + flush the batch's output (a job's state published once per batch)
-                                     │
-                                     ▼
-     tables ◄── 1. new task chunks ─ acks ─ 2. job headers, index, entitlements, machines, buckets ─ acks ─
+                         produce + flush the batch's output (a job's state published once per batch) ─┐
+                                     │   (meanwhile)                                                       │
+                                     ▼                                                                     ▼
+     tables ◄── 1. new task chunks ─ acks and the output's flush ─ 2. job headers, index, entitlements, machines,
+                buckets ─ acks ─
                 3. source offsets, tombstones of chunks no header names any more  (store.py: "Delivery")
  timer (RETRY_S) ──► retry_unplaced over the jobs of the partitions this worker actively owns ──► same path
 ```
@@ -65,8 +66,9 @@ time (what has arrived within 10 ms). The batch is decided on one state, event a
 event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
 once: a job that many events of the batch touched is written once, with only its changed chunks.
 
-**Delivery** (at-least-once; DESIGN.md). For each batch: decide, produce the output and *flush it*, then write the
-tables in the three steps above; faust commits the offsets only after the batch is handed back (acked), and
+**Delivery** (at-least-once; DESIGN.md). For each batch: decide, produce the output and *flush it* while the new
+chunks of step 1 are written (no header names them yet, so they may be durable before the output is), then write
+the rest of the tables in the three steps above, step 2 only once the output is flushed; faust commits the offsets only after the batch is handed back (acked), and
 flushes its producer before committing. A crash before the table writes makes the successor re-decide the
 batch's events on the old state and re-emit the same events (ids derive from the input's ids); a crash between
 or after them leaves every job whole, old or new (store.py), and a job already at its new header finds the events
@@ -100,7 +102,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -321,11 +323,13 @@ class ShardTables:
 
     async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,
                     down_partitions: Mapping[str, int] | None = None, buckets: Mapping[int, Bucket | None] = (),
-                    applied: Mapping[str, tuple[int, int]] = ()) -> int:
+                    applied: Mapping[str, tuple[int, int]] = (), output: Awaitable[Any] | None = None) -> int:
         """Write back what a batch's decisions changed, in the three steps of store.py's delivery argument;
         returns the number of jobs written. ``down_partitions``: machine -> the partition of the event that
         changed its ``machines_down`` entry; ``buckets``: partition -> its bucket after the batch; ``applied``:
-        source partition key -> (its changelog partition, the next offset to apply), written last."""
+        source partition key -> (its changelog partition, the next offset to apply), written last; ``output``:
+        the batch's output being produced, awaited once the new chunks are sent and before any header is (the
+        two round trips overlap; a header is still never written before the output it stands for is flushed)."""
         plans: list[tuple[Job, int, st.Plan]] = []
         for job_id, job in after.jobs.items():
             old = before.jobs.get(job_id)
@@ -340,6 +344,8 @@ class ShardTables:
                     self._put(self.job_chunks, part, key, value)
                     self.written_chunks += 1
             await self._barrier()
+        if output is not None:
+            await output  # raises OutputRefused: nothing but orphan chunks was written (drop_orphans)
         # 2. the headers, and the other tables' values
         wrote = False
         for job, part, p in plans:
@@ -465,22 +471,25 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             for msg, detail in failed:
                 await route_dead_letter(dead_letters, msg, PROCESSING_FAILED, detail)
             t1 = time.monotonic()
-            if out:
-                await produce(coalesce(out))  # before the tables: see "Delivery" in the module docstring
-            t2 = time.monotonic()
+            # The output is flushed before any table value that stands for it (see "Delivery" in the module
+            # docstring); it is produced while the new chunks are sent, which need not wait for it.
+            output = asyncio.ensure_future(produce(coalesce(out))) if out else None
             applied: dict[str, tuple[int, int]] = {}  # the offset after the last record of this batch, per partition
             for _, rec, _ in items:
                 key = partition_key(rec.topic, rec.partition)
                 if key not in applied or rec.offset + 1 > applied[key][1]:
                     applied[key] = (rec.partition, rec.offset + 1)
-            if state is not start or any(b != tables.bucket(p) for p, b in buckets.items()):
-                await store(start, state, headers, down_partitions=down_partitions, buckets=buckets,
-                            applied=applied)
-            t3 = time.monotonic()
-            if t3 - t0 > SLOW_BATCH_S:
-                log.info("scheduler: slow batch: %d records, %d events out, %.0f ms (decide %.0f, produce %.0f, "
-                         "store %.0f)", len(items), len(out), (t3 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
-                         (t3 - t2) * 1e3)
+            try:
+                if state is not start or any(b != tables.bucket(p) for p, b in buckets.items()):
+                    await store(start, state, headers, down_partitions=down_partitions, buckets=buckets,
+                                applied=applied, output=output)
+            finally:
+                if output is not None:
+                    await output  # also when storing failed: its outcome is what apply_or_retry acts on
+            t2 = time.monotonic()
+            if t2 - t0 > SLOW_BATCH_S:
+                log.info("scheduler: slow batch: %d records, %d events out, %.0f ms (decide %.0f, produce and store "
+                         "%.0f)", len(items), len(out), (t2 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
 
     guard = OffsetGuard(tables.offsets.data)
 
