@@ -340,6 +340,7 @@ class Allocator:
             for rid in [rid for rid in self.pending if self.fold.is_decided(rid)]:
                 del self.pending[rid]  # decided later in the log than it was requested
             self.fold.drain_changes()
+            self.fold.index  # noqa: B018 - built now, in bulk, not by the first request after a start
             behind = self._redis_behind()
             projected = self.index.project_all(self.fold) if behind else 0
             self.caught_up = True
