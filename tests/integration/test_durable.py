@@ -5,7 +5,7 @@ executed twice, and a disaster (the broker's data and Redis gone) is recovered f
 The region holds each kind of history that went wrong before: a running job, a stopped job, a job whose task
 moved off a failed machine, and that machine still DOWN. After each restart the region must read exactly as
 before (job states, tasks and where they run, machines and their owners), `up` must be ready although a machine
-is DOWN, and no TaskCommanded, AllocationRequested or TasksAllocated may be added: the scheduler's retry timer
+is DOWN, and no TasksCommanded, AllocationRequested or TasksAllocated may be added: the scheduler's retry timer
 (lowered to 1 s) runs several times meanwhile, so a re-executed history would show.
 """
 from __future__ import annotations
@@ -18,7 +18,10 @@ from regioncli import RegionCli
 
 pytestmark = pytest.mark.integration
 
-DECISIONS = ("TaskCommanded", "AllocationRequested", "TasksAllocated", "AllocationRejected", "TasksDeallocated")
+# Every kind of decision record: commands (TasksCommanded since decisions are batched per job; TaskCommanded in older
+# logs), allocation requests, and the allocator's answers.
+DECISIONS = ("TaskCommanded", "TasksCommanded", "AllocationRequested", "TasksAllocated", "AllocationRejected",
+             "TasksDeallocated")
 QUIET_S = 5.0  # how long the restarted region runs before it is compared (five retry-timer rounds)
 
 
@@ -70,6 +73,7 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
                         "e1.moved's task moved off the failed machine")
         time.sleep(QUIET_S)
         before, made = snapshot(region), decisions(region)
+        assert made["TasksCommanded"] and made["TasksAllocated"], made  # the test sees the decisions it compares
         assert before["jobs"]["e1.gone"] is None and before["jobs"]["e1.run"]["state"] == "running"
         assert [m[1] for m in before["machines"] if m[0] == victim] == ["DOWN"]
 
