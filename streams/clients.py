@@ -6,13 +6,16 @@
   sends carries the record headers `producer` = its name (`PRODUCER_HEADER`) and `type` = the event type
   (`TYPE_HEADER`), readable without decoding.
 * `EventConsumer`: decodes every record with the reader's schemas; a record that fails to decode or
-  validate is routed to `deadletter` with its reason and origin, and the consumer goes on with the next.
+  validate is skipped and counted by reason (`skipped`, a `streams.deadletter.Skipped`, which a command may
+  share among its consumers to report once), routed to `deadletter` with its reason and origin when the
+  consumer has `dead_letters` (a processor), and the consumer goes on with the next. No reader stops on one.
   Given `types`, a record whose `type` header names another type is passed over undecoded (`passed_over`):
   a reader pays nothing for the events it has no use for (records without the header are decoded).
 """
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -210,7 +213,8 @@ def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:
 
 
 class EventConsumer:
-    """Reads topics and yields decoded `Record`s; bad records go to the dead-letter topic.
+    """Reads topics and yields decoded `Record`s; a bad record is skipped, counted in `skipped` and, with
+    `dead_letters`, routed to the dead-letter topic.
 
     With `group_id` it joins the consumer group (partitions are shared among members); without, it
     assigns every partition of `topics` itself, starting at `start_offsets` or the beginning.
@@ -218,6 +222,7 @@ class EventConsumer:
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, topics: Iterable[str], *, name: str,
                  group_id: str | None = None, dead_letters: "dl.DeadLetters | None" = None,
+                 skipped: "dl.Skipped | None" = None,
                  start_offsets: Mapping[tuple[str, int], int] | None = None,
                  types: Iterable[str] | None = None, **conf):
         self.cfg = cfg
@@ -226,9 +231,11 @@ class EventConsumer:
         self.name = name
         self.physical_topics = list(topics)
         self.dead_letters = dead_letters
+        self.skipped = skipped if skipped is not None else dl.Skipped()  # maybe shared with other readers
         self._consumer = Consumer(consumer_conf(cfg, group_id, **conf))
         self.eof: set[tuple[str, int]] = set()
-        self.dead_lettered = 0
+        self.dead_lettered = 0  # records this consumer skipped (and dead-lettered, with dead_letters)
+        self._missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
         self.types = None if types is None else frozenset(types)  # None: every type is decoded
         self.passed_over = 0  # records whose type header named a type not in ``types`` (not decoded)
         self.last_offsets: dict[tuple[str, int], int] = {}  # per partition, the last offset read (any record)
@@ -302,10 +309,15 @@ class EventConsumer:
             try:
                 type_, data = self.registry.decode(value)
             except DecodeError as exc:
-                if exc.reason != UNKNOWN_FINGERPRINT:
+                fp = fingerprint_of(value)
+                if (exc.reason != UNKNOWN_FINGERPRINT or fp is None
+                        or time.monotonic() - self._missed.get(fp, float("-inf")) < schemalog.RELOOKUP_S):
                     raise
                 # A writer newer (or older) than this code: learn its schema from the log, then retry.
-                schemalog.load(self.cfg, self.registry, only=fingerprint_of(value))
+                schemalog.load(self.cfg, self.registry, only=fp)
+                if self.registry.writer(fp) is None:
+                    self._missed[fp] = time.monotonic()
+                    raise
                 type_, data = self.registry.decode(value)
             event = Event.from_record(type_, data)
             check_placement(self.catalogue, msg.topic(), msg.key(), event)
@@ -317,10 +329,11 @@ class EventConsumer:
 
     def _dead_letter(self, msg, reason: str, detail: str) -> None:
         self.dead_lettered += 1
-        if self.dead_letters is None:
-            raise DecodeError(reason, f"{msg.topic()}[{msg.partition()}]@{msg.offset()}: {detail}")
-        self.dead_letters.route(topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
-                                key=msg.key(), value=msg.value(), reason=reason, detail=detail)
+        where = {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
+                 "value": msg.value(), "reason": reason, "detail": detail}
+        self.skipped.route(**where)
+        if self.dead_letters is not None:
+            self.dead_letters.route(**where)
 
     def commit(self) -> None:
         self._consumer.commit(asynchronous=False)

@@ -3,8 +3,15 @@ as a DeadLetterRecorded event on the `deadletter` topic, and the consumer goes o
 
 Routing the same record twice yields the same event id (derived from consumer, origin topic, partition and
 offset), so a reader can drop duplicates after an at-least-once redelivery.
+
+`Skipped` is the reader's side of the same rule: every reader of the log (a processor, a CLI command, a state
+reader, a replay) counts what it could not decode, by reason, and remembers the first one, so that it can say so
+once (``Skipped.report()``: one line); a processor also routes each to `deadletter`. No reader stops on a record
+it cannot decode.
 """
 from __future__ import annotations
+
+from collections import Counter
 
 from streams.events import derived_event_id, new_event
 
@@ -30,6 +37,34 @@ class DeadLetters:
         )
         self.producer.send(event)
         self.routed += 1
+
+
+class Skipped:
+    """The records one reader (or one command, over all its readers) could not decode: counted by reason, the
+    first one remembered. ``route(**kw)`` takes what ``DeadLetters.route`` takes."""
+
+    def __init__(self) -> None:
+        self.by_reason: Counter[str] = Counter()
+        self.first: str | None = None  # "topic[partition]@offset: reason: detail" of the first record skipped
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_reason.values())
+
+    def route(self, *, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+              reason: str, detail: str) -> None:
+        self.by_reason[reason] += 1
+        if self.first is None:
+            self.first = f"{topic}[{partition}]@{offset}: {reason}: {detail}"
+
+    def report(self) -> str | None:
+        """One line saying what was skipped (None when nothing was), e.g. ``skipped 2 undecodable records
+        (malformed 1, no_marker 1); the first: state.jobs[3]@0: no_marker: ...``."""
+        n = self.count
+        if not n:
+            return None
+        reasons = ", ".join(f"{r} {c}" for r, c in sorted(self.by_reason.items()))
+        return f"skipped {n} undecodable record{'s' if n != 1 else ''} ({reasons}); the first: {self.first}"
 
 
 def _text(key: bytes | None) -> str | None:

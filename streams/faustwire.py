@@ -40,10 +40,6 @@ from streams.events import Event
 from streams.serde import UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
 from streams.topics import Topics
 
-# A fingerprint that `_schemas` did not know is not looked up again for this long (per `decoded` loop):
-# producers publish a schema before its first record, so a miss is almost always a foreign or corrupt
-# record, and re-reading `_schemas` for each of a burst of them would stall the agent.
-SCHEMA_RELOOKUP_S = 30.0
 # How long routing one dead letter may wait for the broker's ack before the agent fails loudly.
 DEAD_LETTER_FLUSH_S = 15.0
 
@@ -149,7 +145,7 @@ async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadL
             fp = fingerprint_of(value)
             if exc.reason != UNKNOWN_FINGERPRINT or cfg is None or fp is None:
                 raise
-            if time.monotonic() - missed.get(fp, float("-inf")) < SCHEMA_RELOOKUP_S:
+            if time.monotonic() - missed.get(fp, float("-inf")) < schemalog.RELOOKUP_S:
                 raise
             await asyncio.get_running_loop().run_in_executor(None, lambda: schemalog.load(cfg, registry, only=fp))
             if registry.writer(fp) is None:

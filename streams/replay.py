@@ -24,9 +24,10 @@ Guarantees and choices
   possibly a few written in the milliseconds before the first fetch).
 * Order: within one (topic, partition), records come in offset order. Nothing is promised across partitions.
 * Undecodable records never stop a replay: they are counted in `stats.skipped` (by reason in
-  `stats.skipped_by_reason`) and, if the caller passed `dead_letters` (anything with `route(**kw)`, e.g.
-  `streams.deadletter.DeadLetters`), forwarded there too. Only records examined are counted: a record that
-  the entitlement narrowing (below) skips without decoding is not.
+  `stats.skipped_by_reason`; `run.skipped.report()` says so in one line) and, if the caller passed
+  `dead_letters` (anything with `route(**kw)`, e.g. `streams.deadletter.DeadLetters`), forwarded there too.
+  Only records examined are counted: a record that the entitlement narrowing (below) skips without decoding
+  is not.
 * Entitlement narrowing: when `entitlement` is set, each co-partitioned (entitlement-keyed) topic is read on
   the single partition murmur2 sends that key to (see streams/partitioner.py), and records on it with another
   key are skipped without being decoded. This is sound whatever other filters are set: on those topics the
@@ -56,6 +57,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from infra.config import Config
 from streams.clients import EventConsumer, Record
+from streams.deadletter import Skipped
 from streams.events import Event
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
@@ -146,19 +148,6 @@ class ReplayStats:
         return self.read / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-class _SkipCounter:
-    """The replay's dead-letter sink (duck-typed like DeadLetters): counts, and forwards if asked to."""
-
-    def __init__(self, forward=None):
-        self.forward = forward
-        self.by_reason: Counter[str] = Counter()
-
-    def route(self, **kw) -> None:
-        self.by_reason[kw["reason"]] += 1
-        if self.forward is not None:
-            self.forward.route(**kw)
-
-
 class _BoundedConsumer(EventConsumer):
     """An EventConsumer in assign mode that reads each partition up to its end as of the start of the replay.
 
@@ -172,7 +161,7 @@ class _BoundedConsumer(EventConsumer):
     """
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, topics: list[str], *, narrow: Mapping[str, bytes],
-                 sink: _SkipCounter, start_offsets: Mapping[tuple[str, int], int],
+                 skipped: Skipped, dead_letters, start_offsets: Mapping[tuple[str, int], int],
                  since_ms: int | None = None, until_ms: int | None = None, types: frozenset[str] | None = None):
         # Set before super().__init__, which calls partitions() and assign().
         self.narrow = dict(narrow)
@@ -182,8 +171,8 @@ class _BoundedConsumer(EventConsumer):
         self.ends: dict[tuple[str, int], int] = {}  # fixed once known (see the class docstring)
         self.next_offset: dict[tuple[str, int], int] = {}
         self.examined = 0
-        super().__init__(cfg, registry, topics, name="replay", dead_letters=sink, start_offsets=start_offsets,
-                         types=types)
+        super().__init__(cfg, registry, topics, name="replay", dead_letters=dead_letters, skipped=skipped,
+                         start_offsets=start_offsets, types=types)
 
     def partitions(self) -> list[tuple[str, int]]:
         every = super().partitions()
@@ -259,12 +248,15 @@ class Replay:
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, flt: ReplayFilter = ReplayFilter(),
                  start_offsets: Mapping[tuple[str, int], int] | None = None, dead_letters=None, batch: int = 5000,
-                 stall_timeout_s: float = 30.0):
+                 stall_timeout_s: float = 30.0, skipped: Skipped | None = None):
         self.cfg = cfg
         self.registry = registry
         self.filter = flt
         self.start_offsets = dict(start_offsets or {})
         self.dead_letters = dead_letters
+        # what this run could not decode (``skipped.report()``: one line); a caller's own to count into (a command
+        # whose only reader is this replay), else the run's
+        self.skipped = skipped if skipped is not None else Skipped()
         self.batch = batch
         self.stall_timeout_s = stall_timeout_s
         self.stats = ReplayStats()
@@ -290,8 +282,8 @@ class Replay:
     def _run(self) -> Iterator[Record]:
         t0 = time.monotonic()
         topics, narrow = self.physical_topics()
-        sink = _SkipCounter(self.dead_letters)
-        consumer = _BoundedConsumer(self.cfg, self.registry, topics, narrow=narrow, sink=sink,
+        consumer = _BoundedConsumer(self.cfg, self.registry, topics, narrow=narrow, skipped=self.skipped,
+                                    dead_letters=self.dead_letters,
                                     start_offsets=self.start_offsets, since_ms=self.filter.since_ms,
                                     until_ms=self.filter.until_ms, types=self.filter.types)
         st = self.stats
@@ -314,26 +306,27 @@ class Replay:
                     left = ", ".join(f"{t}[{p}]@{consumer.next_offset[(t, p)]}/{consumer.ends.get((t, p), '?')}"
                                      for t, p in sorted(pending))
                     raise ReplayStalled(f"replay: no records for {self.stall_timeout_s:.0f}s; unfinished: {left}")
-                self._update(consumer, sink, t0)
+                self._update(consumer, t0)
         finally:
             consumer.close()
             self.ends = dict(consumer.ends)
-            self._update(consumer, sink, t0)
+            self._update(consumer, t0)
 
-    def _update(self, consumer: _BoundedConsumer, sink: _SkipCounter, t0: float) -> None:
+    def _update(self, consumer: _BoundedConsumer, t0: float) -> None:
         st = self.stats
         st.read = consumer.examined
         st.not_read = consumer.skipped_by_time
-        st.skipped = sum(sink.by_reason.values())
-        st.skipped_by_reason = dict(sink.by_reason)
+        st.skipped = self.skipped.count
+        st.skipped_by_reason = dict(self.skipped.by_reason)
         st.elapsed_s = time.monotonic() - t0
 
 
 def replay(cfg: Config, registry: SchemaRegistry, flt: ReplayFilter = ReplayFilter(),
            start_offsets: Mapping[tuple[str, int], int] | None = None, dead_letters=None,
-           batch: int = 5000) -> Replay:
+           batch: int = 5000, skipped: Skipped | None = None) -> Replay:
     """A replay of the log as it is when iteration starts, filtered by `flt` (see the module docstring)."""
-    return Replay(cfg, registry, flt, start_offsets=start_offsets, dead_letters=dead_letters, batch=batch)
+    return Replay(cfg, registry, flt, start_offsets=start_offsets, dead_letters=dead_letters, batch=batch,
+                  skipped=skipped)
 
 
 # --- output -------------------------------------------------------------------------------------

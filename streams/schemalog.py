@@ -14,6 +14,11 @@ from infra.config import Config
 from streams.serde import EventSchema, SchemaRegistry
 from streams.topics import Topics
 
+# A fingerprint that `_schemas` did not know is not looked up again for this long (per reader): producers
+# publish a schema before its first record, so a miss is almost always a foreign or corrupt record, and
+# re-reading `_schemas` for each of a burst of them would stall the reader.
+RELOOKUP_S = 30.0
+
 
 def publish(producer, topics: Topics, schema: EventSchema) -> None:
     """Produce `schema` to _schemas (asynchronously; the caller flushes). `producer` is confluent's."""

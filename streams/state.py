@@ -13,6 +13,9 @@ lag its header for a moment).
 `state.machines` records carry the machine's index version: a record older than the one held for its
 machine is skipped (two allocator processes may publish one machine's states close together). With an
 entitlement filter, a machine whose latest state is outside the entitlement leaves the result.
+
+A record a reader cannot decode is skipped and counted in ``skipped`` (a ``streams.deadletter.Skipped``, which a
+command may share among its readers and report once); the reader goes on.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Iterator
 
 from infra.config import Config
 from streams.clients import EventConsumer, Record
+from streams.deadletter import Skipped
 from streams.events import Event
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
@@ -34,7 +38,8 @@ KEY_FIELD = {"jobs": "job_id", "machines": "machine_id"}
 class StateReader:
     """Latest state per key of one state stream, kept up to date by `poll()`."""
 
-    def __init__(self, cfg: Config, registry: SchemaRegistry, kind: str, entitlement: str | None = None):
+    def __init__(self, cfg: Config, registry: SchemaRegistry, kind: str, entitlement: str | None = None, *,
+                 skipped: Skipped | None = None):
         if kind not in STATE_TOPICS:
             raise ValueError(f"unknown state stream {kind!r}; known: {', '.join(STATE_TOPICS)}")
         self.kind = kind
@@ -45,7 +50,8 @@ class StateReader:
         self._parts: dict[str, dict[int, list]] = {}  # jobs: job -> part -> its tasks (JobTasksPublished)
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         names = [topics.name(STATE_TOPICS[kind])] + ([topics.name(PART_TOPICS[kind])] if kind in PART_TOPICS else [])
-        self._consumer = EventConsumer(cfg, registry, names, name=f"state-reader/{kind}")
+        self._consumer = EventConsumer(cfg, registry, names, name=f"state-reader/{kind}", skipped=skipped)
+        self.skipped = self._consumer.skipped
 
     def _wanted(self, ev: Event) -> bool:
         if self.entitlement is None:
@@ -146,8 +152,9 @@ def machine_view(ev: Event) -> dict:
             "tasks": list(p["task_ids"]), "version": p["version"], "updated_ms": ev.timestamp_ms}
 
 
-def current(cfg: Config, registry: SchemaRegistry, kind: str, entitlement: str | None = None) -> dict[str, Event]:
-    reader = StateReader(cfg, registry, kind, entitlement)
+def current(cfg: Config, registry: SchemaRegistry, kind: str, entitlement: str | None = None, *,
+            skipped: Skipped | None = None) -> dict[str, Event]:
+    reader = StateReader(cfg, registry, kind, entitlement, skipped=skipped)
     try:
         return dict(reader.catch_up())
     finally:

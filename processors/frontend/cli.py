@@ -1,7 +1,8 @@
 """`ropewalk`: the command line of Ropewalk (contract in DESIGN.md; outside tools script against it).
 
 Every read command takes --json and prints one JSON document (replay: one JSON event per line); every
-command exits non-zero with a one-line reason on error.
+command exits non-zero with a one-line reason on error. A record a command's readers cannot decode is skipped
+and counted; the command goes on and says so once, in one line on stderr, when it ends (``args.skipped``).
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def cmd_up(cfg: Config, args) -> int:
     prov = provision(_admin(cfg), _topics(cfg))
     region = controlplane.up(cfg, args.machines) if args.machines > 0 else {"workers": {}, "ready": True}
     cp = region["workers"]
-    demo = _start_demo(cfg) if args.machines > 0 and region["ready"] and not args.no_demo else None
+    demo = _start_demo(cfg, args.skipped) if args.machines > 0 and region["ready"] and not args.no_demo else None
     dead = [n for n, s in cp.items() if not s.get("running")]
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
            "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
@@ -100,7 +101,7 @@ DEMO_COMMAND = ["sh", "-c", "while true; do echo \"hello from Ropewalk at $(date
 DEMO_WAIT_S = 60.0
 
 
-def _start_demo(cfg: Config) -> dict:
+def _start_demo(cfg: Config, skipped) -> dict:
     """The demo of `up`: entitlement ``demo`` (1 machine of the process type) and job ``demo.hello``, one task
     filling the local machine, so it runs as an OS process under the process agent. Waits (bounded) until it
     runs; its state is reported either way. Submitting it again (a second `up`) changes nothing."""
@@ -110,7 +111,7 @@ def _start_demo(cfg: Config) -> dict:
 
     registry = _registry()
     job_id = f"{DEMO_ENTITLEMENT}.{DEMO_JOB}"
-    if state.current(cfg, registry, "jobs").get(job_id) is None:
+    if state.current(cfg, registry, "jobs", skipped=skipped).get(job_id) is None:
         ent = new_event("EntitlementCreated", {"name": DEMO_ENTITLEMENT, "quota_machines": 1,
                                                "machine_type": controlplane.LOCAL_MACHINE_TYPE, "dc_pin": None,
                                                "host_profile": None},
@@ -129,7 +130,7 @@ def _start_demo(cfg: Config) -> dict:
     deadline = time.monotonic() + DEMO_WAIT_S
     view = None
     while time.monotonic() < deadline:
-        latest = state.current(cfg, registry, "jobs").get(job_id)
+        latest = state.current(cfg, registry, "jobs", skipped=skipped).get(job_id)
         view = job_view(latest) if latest is not None else None
         if view and view["tasks"] and all(t["state"] == "RUNNING" for t in view["tasks"]):
             break
@@ -254,11 +255,11 @@ def _spec_payload(path: str, entitlement: str | None = None, max_tasks: int | No
         raise CliError(f"{path}: {exc}") from None
 
 
-def _job_state(cfg: Config, registry, job: str):
+def _job_state(cfg: Config, registry, job: str, skipped):
     from streams import state
 
     _require_broker(cfg)
-    latest = state.current(cfg, registry, "jobs").get(job)
+    latest = state.current(cfg, registry, "jobs", skipped=skipped).get(job)
     if latest is None:
         raise CliError(f"unknown job {job!r} (no state published for it; `ropewalk watch jobs` lists jobs)")
     return latest
@@ -288,7 +289,7 @@ def job_view(ev) -> dict:
 
 
 def cmd_job_status(cfg: Config, args) -> int:
-    view = job_view(_job_state(cfg, _registry(), args.job))
+    view = job_view(_job_state(cfg, _registry(), args.job, args.skipped))
     lines = [f"job {view['job']}  entitlement {view['entitlement']}  state {view['state']}  "
              f"spec v{view['spec_version']}  tasks {len(view['tasks'])}/{view['desired_tasks']}"]
     if view["last_reason"]:
@@ -303,7 +304,7 @@ def cmd_job_update(cfg: Config, args) -> int:
     from streams.events import new_event
 
     registry = _registry()
-    current = _job_state(cfg, registry, args.job)
+    current = _job_state(cfg, registry, args.job, args.skipped)
     payload = _spec_payload(args.file, current.entitlement, cfg.max_tasks_per_job)
     if payload["job_id"] != args.job:
         raise CliError(f"{args.file}: name: the spec names job {payload['job_id']!r}, not {args.job!r}")
@@ -325,7 +326,7 @@ def cmd_job_resize(cfg: Config, args) -> int:
         raise CliError(f"N: at most {cfg.max_tasks_per_job:,} tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), "
                        f"got {args.tasks:,}")
     registry = _registry()
-    current = _job_state(cfg, registry, args.job)
+    current = _job_state(cfg, registry, args.job, args.skipped)
     ev = new_event("JobResized", {"job_id": args.job, "tasks": args.tasks}, entitlement=current.entitlement,
                    entity_id=args.job, producer="cli")
     _send(cfg, registry, [ev])
@@ -337,7 +338,7 @@ def cmd_job_stop(cfg: Config, args) -> int:
     from streams.events import new_event
 
     registry = _registry()
-    current = _job_state(cfg, registry, args.job)
+    current = _job_state(cfg, registry, args.job, args.skipped)
     ev = new_event("JobStopped", {"job_id": args.job, "reason": args.reason}, entitlement=current.entitlement,
                    entity_id=args.job, producer="cli")
     _send(cfg, registry, [ev])
@@ -350,7 +351,7 @@ def cmd_machine_fail(cfg: Config, args) -> int:
 
     _require_broker(cfg)
     fn = fail_machine if args.action == "fail" else recover_machine
-    ids = fn(cfg, args.machine)
+    ids = fn(cfg, args.machine, skipped=args.skipped)
     verb = "failed" if args.action == "fail" else "recovered"
     _print({"machine": args.machine, "event_ids": ids}, args.json,
            f"{args.machine} {verb}" if ids else f"{args.machine}: nothing to do (already {'down' if args.action == 'fail' else 'up'})")
@@ -362,7 +363,7 @@ def cmd_machine_list(cfg: Config, args) -> int:
     from streams import state
 
     _require_broker(cfg)
-    latest = state.current(cfg, _registry(), "machines", args.entitlement)
+    latest = state.current(cfg, _registry(), "machines", args.entitlement, skipped=args.skipped)
     rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
     if args.free:
         rows = [r for r in rows if r["entitlement"] is None]
@@ -380,7 +381,7 @@ def cmd_watch(cfg: Config, args) -> int:
     from streams.state import StateReader
 
     _require_broker(cfg)
-    reader = StateReader(cfg, _registry(), args.kind, args.entitlement)
+    reader = StateReader(cfg, _registry(), args.kind, args.entitlement, skipped=args.skipped)
 
     def show(ev: Event) -> str:
         if args.kind == "jobs":
@@ -434,14 +435,13 @@ def cmd_replay(cfg: Config, args) -> int:
                           since_ms=_parse_time(args.since), until_ms=_parse_time(args.until),
                           topics=tuple(args.topic) if args.topic else None)
     fmt = rp.format_json if args.json else rp.format_text
-    run = rp.replay(cfg, _registry(), flt)
+    run = rp.replay(cfg, _registry(), flt, skipped=args.skipped)
     out = sys.stdout
     for rec in run:
         out.write(fmt(rec) + "\n")
     if not args.json:
         s = run.stats
-        print(f"-- {s.matched} events matched of {s.read} read ({s.skipped} undecodable skipped) in {s.elapsed_s:.2f}s",
-              file=sys.stderr)
+        print(f"-- {s.matched} events matched of {s.read} read in {s.elapsed_s:.2f}s", file=sys.stderr)
     return 0
 
 
@@ -566,7 +566,7 @@ def cmd_maintenance(cfg: Config, args) -> int:
     _require_broker(cfg)
     now = int(time.time() * 1000)
     if args.action == "end":
-        events = ops.end_maintenance(cfg, _registry(), args.unavailability_id, now)
+        events = ops.end_maintenance(cfg, _registry(), args.unavailability_id, now, skipped=args.skipped)
         doc = {"unavailability_id": args.unavailability_id, "event_ids": [e.event_id for e in events],
                "machines": sorted({m for e in events for m in e.payload.get("machine_ids", [e.payload.get("machine_id")])})}
         _print(doc, args.json, f"maintenance {args.unavailability_id} ended: {len(doc['machines'])} machines")
@@ -576,7 +576,7 @@ def cmd_maintenance(cfg: Config, args) -> int:
                 deadline_ms=None if args.deadline is None else _when_ms(args.deadline, now),
                 machines=[m for m in args.machines.split(",") if m] if args.machines else None,
                 rack=args.rack, msb=args.msb, reason=args.reason)
-    events = ops.plan_maintenance(cfg, _registry(), plan, now)
+    events = ops.plan_maintenance(cfg, _registry(), plan, now, skipped=args.skipped)
     p = events[0].payload
     machines = sorted(m for e in events for m in e.payload["machine_ids"])
     doc = {"unavailability_id": p["unavailability_id"], "machines": machines, "start_ms": p["start_ms"],
@@ -749,7 +749,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from streams.deadletter import Skipped
+
     args = build_parser().parse_args(argv)
+    args.skipped = Skipped()  # what the command's readers could not decode: said once, when it ends
     try:
         cfg = Config.from_env()
         return args.fn(cfg, args)
@@ -761,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"ropewalk: {msg}", file=sys.stderr)
         return 1
+    finally:
+        if (line := args.skipped.report()) is not None:
+            print(f"ropewalk: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 targets, and produces the UnavailabilityStarted events on ``unavailability``. ``end`` reads ``unavailability``
 for the plan's machines, folds ``machines``, and produces MachinesStatusChanged(→UP), one per owner, for machines
 in MAINTENANCE and UnavailabilityEnded. Cost: one full fold of ``machines`` per call (as ``ropewalk machine fail``).
+A record these reads cannot decode is skipped and counted in ``skipped`` (the command reports it once).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from infra.config import Config
 from processors.opsplanner import decide as op
 from processors.opsplanner.decide import Plan, PlanError
+from streams.deadletter import Skipped
 from streams.events import Event
 
 
@@ -26,23 +28,24 @@ def _produce(cfg: Config, registry, events: list[Event]) -> list[str]:
     return produce(EventProducer(cfg, registry, op.PRODUCER), events)
 
 
-def plan_maintenance(cfg: Config, registry, plan: Plan, now_ms: int | None = None) -> list[Event]:
+def plan_maintenance(cfg: Config, registry, plan: Plan, now_ms: int | None = None, *,
+                     skipped: Skipped | None = None) -> list[Event]:
     """Resolve ``plan`` against the region and produce its UnavailabilityStarted events; returns them."""
     from processors.resourcebroker.processor import fold_machines
 
-    events = op.plan(fold_machines(cfg, registry), plan, _now_ms() if now_ms is None else now_ms)
+    events = op.plan(fold_machines(cfg, registry, skipped=skipped), plan, _now_ms() if now_ms is None else now_ms)
     _produce(cfg, registry, events)
     return events
 
 
-def planned_machines(cfg: Config, registry, unavailability_id: str) -> list[str]:
+def planned_machines(cfg: Config, registry, unavailability_id: str, *, skipped: Skipped | None = None) -> list[str]:
     """The machines of maintenance ``unavailability_id``, from its UnavailabilityStarted events on the log."""
     from processors.resourcebroker.processor import read_to_end
     from streams.clients import EventConsumer
     from streams.topics import Topics
 
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("unavailability")
-    consumer = EventConsumer(cfg, registry, [topic], name=f"{op.PRODUCER}-read")
+    consumer = EventConsumer(cfg, registry, [topic], name=f"{op.PRODUCER}-read", skipped=skipped)
     found: set[str] = set()
     try:
         def take(records) -> None:
@@ -57,13 +60,14 @@ def planned_machines(cfg: Config, registry, unavailability_id: str) -> list[str]
     return sorted(found)
 
 
-def end_maintenance(cfg: Config, registry, unavailability_id: str, now_ms: int | None = None) -> list[Event]:
+def end_maintenance(cfg: Config, registry, unavailability_id: str, now_ms: int | None = None, *,
+                    skipped: Skipped | None = None) -> list[Event]:
     from processors.resourcebroker.processor import fold_machines
 
-    machines = planned_machines(cfg, registry, unavailability_id)
+    machines = planned_machines(cfg, registry, unavailability_id, skipped=skipped)
     if not machines:
         raise PlanError(f"no maintenance {unavailability_id!r} on the log")
-    events = op.end(fold_machines(cfg, registry), unavailability_id, machines,
+    events = op.end(fold_machines(cfg, registry, skipped=skipped), unavailability_id, machines,
                     _now_ms() if now_ms is None else now_ms)
     _produce(cfg, registry, events)
     return events

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 
 from infra.config import Config
 from streams.clients import EventConsumer, EventProducer, Record
-from streams.deadletter import DeadLetters
+from streams.deadletter import DeadLetters, Skipped
 from streams.events import Event
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
@@ -134,11 +134,12 @@ def read_to_end(consumer: EventConsumer, on_records: Callable[[list[Record]], No
 
 
 def fold_machines(cfg: Config, registry: SchemaRegistry | None = None, *,
-                  timeout_s: float = CATCH_UP_TIMEOUT_S) -> d.BrokerState:
-    """The BrokerState of the whole ``machines`` topic, read from the beginning to its end (one full fold)."""
+                  timeout_s: float = CATCH_UP_TIMEOUT_S, skipped: Skipped | None = None) -> d.BrokerState:
+    """The BrokerState of the whole ``machines`` topic, read from the beginning to its end (one full fold). A
+    record it cannot decode is skipped and counted in ``skipped``."""
     registry = _registry(registry)
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
-    consumer = EventConsumer(cfg, registry, [topic], name=f"{PRODUCER}-fold")
+    consumer = EventConsumer(cfg, registry, [topic], name=f"{PRODUCER}-fold", skipped=skipped)
     state = d.BrokerState()
     try:
         def fold(records: list[Record]) -> None:
@@ -164,25 +165,27 @@ def produce(producer: EventProducer, events: Iterable[Event]) -> list[str]:
 # -- CLI-facing helpers --------------------------------------------------------------------------------------------
 
 def fail_machine(cfg: Config, machine_id: str, reason: str = d.REASON_OPERATOR, *,
-                 registry: SchemaRegistry | None = None, now: int | None = None) -> list[str]:
+                 registry: SchemaRegistry | None = None, now: int | None = None,
+                 skipped: Skipped | None = None) -> list[str]:
     """Mark ``machine_id`` DOWN: MachineStatusChanged(→DOWN) on ``machines`` and UnavailabilityStarted(FAILURE)
     on ``unavailability``, both keyed to its owner (entitlement or ``free/<dc>``). Returns the event ids (empty
     if it is DOWN already). Raises ``decide.UnknownMachine`` for a machine never registered.
     Cost: one full fold of the ``machines`` topic per call."""
     registry = _registry(registry)
-    state = fold_machines(cfg, registry)
+    state = fold_machines(cfg, registry, skipped=skipped)
     _, events = d.machine_failed(state, machine_id, reason, now_ms() if now is None else now)
     return _produce_once(cfg, registry, events)
 
 
 def recover_machine(cfg: Config, machine_id: str, reason: str = d.REASON_OPERATOR, *,
-                    registry: SchemaRegistry | None = None, now: int | None = None) -> list[str]:
+                    registry: SchemaRegistry | None = None, now: int | None = None,
+                    skipped: Skipped | None = None) -> list[str]:
     """Bring a DOWN machine back: MachineStatusChanged(DOWN→UP) and UnavailabilityEnded of its failure's UE,
     keyed to its owner. Returns the event ids (empty if it is UP already). Raises ``decide.UnknownMachine``,
     or ``decide.IllegalStatusTransition`` if it is UNHEALTHY or in MAINTENANCE.
     Cost: one full fold of the ``machines`` topic per call."""
     registry = _registry(registry)
-    state = fold_machines(cfg, registry)
+    state = fold_machines(cfg, registry, skipped=skipped)
     _, events = d.machine_recovered(state, machine_id, reason, now_ms() if now is None else now)
     return _produce_once(cfg, registry, events)
 

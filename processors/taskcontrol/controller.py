@@ -16,6 +16,8 @@ a ``TaskControlAcked`` echoing its sequence. The bookkeeping is the library's, a
   has not finished;
 * nothing is answered before the log is read to its end (a restarted controller does not answer what it
   answered before it stopped);
+* a record it cannot decode is dead-lettered with its reason (``deadletter``) and passed over: one bad record
+  never stops a controller;
 * ``decide`` may return any ids: only operations pending in the request are acked, in the request's order; only
   choices for tasks the request's notices name are sent (``protocol.valid_choices``).
 
@@ -99,14 +101,18 @@ class TaskControllerProcess:
 
     def __init__(self, cfg: Config, name: str, decide: Decide, *, registry=None):
         from streams.clients import EventConsumer, EventProducer
+        from streams.deadletter import DeadLetters
         from streams.serde import SchemaRegistry
         from streams.topics import Topics
 
         self.name, self.decide = name, decide
         registry = registry or SchemaRegistry.from_dir()
         topic = Topics(cfg.topic_prefix, cfg.partitions).name("taskcontrol")
-        self.consumer = EventConsumer(cfg, registry, [topic], name=producer_name(name))
         self.producer = EventProducer(cfg, registry, producer_name(name))
+        # a record it cannot decode is dead-lettered (its id derives from the record's place: reading the topic
+        # again after a restart routes it again under the same id) and the controller goes on
+        self.consumer = EventConsumer(cfg, registry, [topic], name=producer_name(name),
+                                      dead_letters=DeadLetters(self.producer, producer_name(name)))
         self.partitions = set(self.consumer.partitions())
         self.books = Books()
         self.caught_up = False
