@@ -409,6 +409,11 @@ def _summary_deallocated(p: Mapping[str, Any]) -> str:
                machines_released=len(p.get("machines_released") or ()))
 
 
+def _summary_refused(p: Mapping[str, Any]) -> str:
+    return _kv(refused=p["intent_type"], job=p.get("job_id"), reason=p["reason"], message=p["message"],
+               intent=p["intent_event_id"])
+
+
 def _summary_dead_letter(p: Mapping[str, Any]) -> str:
     return (f"origin={p['origin_topic']}[{p['origin_partition']}]@{p['origin_offset']} "
             + _kv(reason=p["reason"], detail=p["detail"], consumer=p["consumer"]))
@@ -419,6 +424,7 @@ _SUMMARIES: Mapping[str, Callable[[Mapping[str, Any]], str]] = MappingProxyType(
     "TasksAllocated": _summary_allocated,
     "TasksDeallocated": _summary_deallocated,
     "DeadLetterRecorded": _summary_dead_letter,
+    "IntentRefused": _summary_refused,
 })
 
 __all__ = ["ReplayFilter", "matches", "Replay", "ReplayStats", "ReplayStalled", "replay", "format_text",

@@ -60,8 +60,8 @@ _HEARTBEATS = MappingProxyType({"retention.ms": str(HEARTBEAT_RETENTION_MS)})
 
 CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("intents", KEY_ENTITLEMENT, ("EntitlementCreated", "EntitlementUpdated", "JobSubmitted",
-              "JobSpecChanged", "JobResized", "JobStopped"), True, config=_KEEP_FOREVER,
-              doc="user intent from the front end"),
+              "JobSpecChanged", "JobResized", "JobStopped", "IntentRefused"), True, config=_KEEP_FOREVER,
+              doc="user intent from the front end, and the scheduler's refusals of it"),
     TopicSpec("machines", KEY_ENTITLEMENT, ("MachineRegistered", "MachineStatusChanged",
               "MachineAssignedToEntitlement", "MachineReleasedToFreePool", "HostProfileApplied",
               "MachinesStatusChanged"), True,

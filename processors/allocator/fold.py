@@ -30,7 +30,9 @@ unchanged, so versions and the materialized Redis keys come out the same)::
     AllocationRejected             the unplaced tasks are answered
     TasksDeallocated               each task placed on the named machine is removed; machines_released go back to
                                    the free pool as for MachineReleasedToFreePool
-    EntitlementCreated/Updated     the entitlement's quota, machine type, DC pin, host profile
+    EntitlementCreated/Updated     the entitlement's quota, machine type, DC pin, host profile; one that breaks an
+                                   intent rule (processors/frontend/rules.py, e.g. a negative quota) changes
+                                   nothing: the scheduler refused it (IntentRefused)
 
 An event about a machine the fold does not know raises ``UnknownMachine`` and changes nothing (not even the
 mark); a TasksAllocated that places a task whose request's resources were never seen raises ``MissingResources``.
@@ -63,6 +65,7 @@ from processors.allocator.placement import (
     CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Entitlement, Machine, Plan,
     Request,
 )
+from processors.frontend import rules
 from streams.events import Event
 
 # Commit-time conflict: a task of the plan is already placed (a duplicate or replayed request).
@@ -480,6 +483,8 @@ ENTITLEMENT_FIELDS = ("quota_machines", "machine_type", "dc_pin", "host_profile"
 
 
 def _entitlement(f: RegionFold, e: Event) -> None:
+    if rules.intent_problems(e.type, e.payload, e.entitlement):
+        return  # refused by the scheduler: never held
     name = e.entitlement
     given = {k: e.payload.get(k) for k in ENTITLEMENT_FIELDS}
     if e.type == "EntitlementCreated":

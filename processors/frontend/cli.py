@@ -199,8 +199,8 @@ def cmd_produce(cfg: Config, args) -> int:
 
     text = sys.stdin.read() if args.file == "-" else _read(args.file)
     registry = _registry()
-    events = [build_event(registry, args.topic, args.event_type, d, args.entitlement)
-              for d in parse_documents(text)]
+    events = [build_event(registry, args.topic, args.event_type, d, args.entitlement,
+                          max_tasks=cfg.max_tasks_per_job) for d in parse_documents(text)]
     _require_broker(cfg)
     producer = EventProducer(cfg, registry, "cli", **{"message.timeout.ms": 15000})
     for ev in events:
@@ -230,17 +230,18 @@ def _send(cfg: Config, registry, events: list) -> None:
 
 
 def cmd_entitlement_create(cfg: Config, args) -> int:
-    from processors.frontend.jobspec import JobSpecError, _name, _positive_int
+    from processors.frontend import rules
+    from processors.frontend.jobspec import JobSpecError, _name, refuse
     from streams.events import new_event
 
+    payload = {"name": args.name, "quota_machines": args.quota, "machine_type": args.machine_type, "dc_pin": args.dc,
+               "host_profile": args.host_profile}
     try:
         name = _name(args.name, "NAME")
-        quota = _positive_int(args.quota, "--quota")
+        refuse(rules.intent_problems("EntitlementCreated", payload, name), {"quota_machines": "--quota"})
     except JobSpecError as exc:
         raise CliError(str(exc)) from None
-    ev = new_event("EntitlementCreated", {"name": name, "quota_machines": quota, "machine_type": args.machine_type,
-                                          "dc_pin": args.dc, "host_profile": args.host_profile},
-                   entitlement=name, entity_id=name, producer="cli")
+    ev = new_event("EntitlementCreated", payload, entitlement=name, entity_id=name, producer="cli")
     _send(cfg, _registry(), [ev])
     _print({"entitlement": name, "event_id": ev.event_id}, args.json, name)
     return 0
@@ -281,8 +282,8 @@ def job_view(ev) -> dict:
     """`job status --json`: the contract in DESIGN.md, from a JobStatePublished event."""
     p = ev.payload
     return {"job": p["job_id"], "name": p["name"], "entitlement": ev.entitlement, "state": p["state"],
-            "spec_version": p["spec_version"], "desired_tasks": p["desired_tasks"], "last_reason": p["last_reason"],
-            "updated_ms": ev.timestamp_ms,
+            "incarnation": p.get("incarnation", 1), "spec_version": p["spec_version"],
+            "desired_tasks": p["desired_tasks"], "last_reason": p["last_reason"], "updated_ms": ev.timestamp_ms,
             "tasks": [{"id": t["task_id"], "state": t["state"], "machine": t["machine_id"], "dc": t["dc"],
                        "msb": t["msb"], "rack": t["rack"], "spec_version": t["spec_version"], "reason": t["reason"]}
                       for t in p["tasks"]]}
@@ -290,7 +291,8 @@ def job_view(ev) -> dict:
 
 def cmd_job_status(cfg: Config, args) -> int:
     view = job_view(_job_state(cfg, _registry(), args.job, args.skipped))
-    lines = [f"job {view['job']}  entitlement {view['entitlement']}  state {view['state']}  "
+    again = f" (incarnation {view['incarnation']})" if view["incarnation"] != 1 else ""
+    lines = [f"job {view['job']}{again}  entitlement {view['entitlement']}  state {view['state']}  "
              f"spec v{view['spec_version']}  tasks {len(view['tasks'])}/{view['desired_tasks']}"]
     if view["last_reason"]:
         lines.append(f"reason: {view['last_reason']}")
@@ -320,11 +322,10 @@ def cmd_job_update(cfg: Config, args) -> int:
 def cmd_job_resize(cfg: Config, args) -> int:
     from streams.events import new_event
 
-    if args.tasks < 0:
-        raise CliError(f"N: expected a task count >= 0, got {args.tasks}")
-    if args.tasks > cfg.max_tasks_per_job:
-        raise CliError(f"N: at most {cfg.max_tasks_per_job:,} tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), "
-                       f"got {args.tasks:,}")
+    from processors.frontend import rules
+
+    if (problem := rules.task_count(args.tasks, cfg.max_tasks_per_job, "N", low=0)) is not None:
+        raise CliError(str(problem))
     registry = _registry()
     current = _job_state(cfg, registry, args.job, args.skipped)
     ev = new_event("JobResized", {"job_id": args.job, "tasks": args.tasks}, entitlement=current.entitlement,

@@ -12,27 +12,27 @@
     controller: zk-leader-last                # optional: the job's TaskController (processors/taskcontrol)
 
 A wrong spec is refused with the field that is wrong: `resources.cpu_millicores: expected a positive
-integer, got string 'lots'`. A job bigger than the region's limit (``ROPEWALK_MAX_TASKS_PER_JOB``, default 25,000:
-Twine's largest jobs have ~15K tasks) is refused at the door: `tasks: at most 25,000 tasks per job
-(ROPEWALK_MAX_TASKS_PER_JOB), got 30,000`; the scheduler refuses it too, should one reach the log. The job id is `<entitlement>.<name>`: unique in the region (a scheduler shard
-only sees its own entitlements, so a bare name could not be checked for uniqueness across shards).
+integer up to 1,000,000, got string 'lots'`. This module checks the shape of what a user wrote (fields, types);
+the rules every quantity and choice must meet are ``rules.py``'s, the ones the scheduler applies too: a task count
+from 1 to the region's limit (``ROPEWALK_MAX_TASKS_PER_JOB``, default 25,000: Twine's largest jobs have ~15K tasks;
+`tasks: at most 25,000 tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), got 30,000`), resources no machine could lack,
+a spread level, known requirements, argv and env that fit a record. The job id is `<entitlement>.<name>`: unique
+in the region (a scheduler shard only sees its own entitlements, so a bare name could not be checked for
+uniqueness across shards).
 """
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Mapping
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
+from processors.frontend import rules
 from streams.validate import describe_value
 
 FIELDS = ("name", "entitlement", "tasks", "command", "resources", "requirements", "spread", "max_unavailable", "env",
           "controller")
 REQUIRED = ("name", "entitlement", "tasks", "command", "resources")
-REQUIREMENT_KEYS = ("machine_type", "dc")
-SPREADS = ("dc", "msb", "rack")
 MAX_TASKS = DEFAULT_MAX_TASKS_PER_JOB  # the default limit (Config.max_tasks_per_job, ROPEWALK_MAX_TASKS_PER_JOB)
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}\Z")
 
 
 class JobSpecError(ValueError):
@@ -57,26 +57,16 @@ def parse_text(text: str, source: str = "job spec") -> Any:
         raise JobSpecError("", f"{source} is not valid YAML/JSON{where}: {getattr(exc, 'problem', exc)}") from None
 
 
-def _positive_int(value: Any, field: str, limit: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (limit and value > limit):
-        bound = f" up to {limit:,}" if limit else ""
-        raise JobSpecError(field, f"expected a positive integer{bound}, got {describe_value(value)}")
-    return value
+def refuse(problems: list[rules.Problem], fields: dict[str, str] | None = None) -> None:
+    """Raise JobSpecError for the first of ``problems`` (if any), its field renamed by ``fields`` (a CLI flag)."""
+    if problems:
+        first = problems[0]
+        raise JobSpecError((fields or {}).get(first.field, first.field), first.message)
 
 
 def _name(value: Any, field: str) -> str:
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise JobSpecError(field, "expected a name of letters, digits, '_' or '-' (at most 63), "
-                                  f"got {describe_value(value)}")
+    refuse([p for p in [rules.name_problem(value, field, rules.INVALID_SPEC)] if p is not None])
     return value
-
-
-def check_tasks(tasks: Any, max_tasks: int = MAX_TASKS, field: str = "tasks") -> int:
-    """A task count of a job: a positive integer, at most ``max_tasks``; else JobSpecError naming the field."""
-    tasks = _positive_int(tasks, field)
-    if tasks > max_tasks:
-        raise JobSpecError(field, f"at most {max_tasks:,} tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), got {tasks:,}")
-    return tasks
 
 
 def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks: int = MAX_TASKS) -> dict:
@@ -95,7 +85,6 @@ def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks:
             raise JobSpecError(f, "missing required field")
     name = _name(spec["name"], "name")
     entitlement = _name(spec["entitlement"], "entitlement")
-    tasks = check_tasks(spec["tasks"], max_tasks)
     command = spec["command"]
     if isinstance(command, str):
         raise JobSpecError("command", "expected a list of arguments (argv), e.g. [\"sleep\", \"3600\"]; "
@@ -114,19 +103,9 @@ def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks:
     for f in ("cpu_millicores", "memory_mib"):
         if f not in res:
             raise JobSpecError(f"resources.{f}", "missing required field")
-        _positive_int(res[f], f"resources.{f}", 2**31 - 1)
     reqs = spec.get("requirements") or {}
     if not isinstance(reqs, Mapping):
         raise JobSpecError("requirements", f"expected a mapping, got {describe_value(reqs)}")
-    for k, v in reqs.items():
-        if k not in REQUIREMENT_KEYS:
-            raise JobSpecError(f"requirements.{k}", f"unknown requirement (known: {', '.join(REQUIREMENT_KEYS)})")
-        if not isinstance(v, str) or not v:
-            raise JobSpecError(f"requirements.{k}", f"expected a non-empty string, got {describe_value(v)}")
-    spread = spec.get("spread", "msb")
-    if spread not in SPREADS:
-        raise JobSpecError("spread", f"expected one of {', '.join(SPREADS)}, got {describe_value(spread)}")
-    max_unavailable = _positive_int(spec.get("max_unavailable", 1), "max_unavailable")
     env = spec.get("env") or {}
     if not isinstance(env, Mapping):
         raise JobSpecError("env", f"expected a mapping of strings, got {describe_value(env)}")
@@ -136,12 +115,14 @@ def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks:
     controller = spec.get("controller")
     if controller is not None:
         controller = _name(controller, "controller")
-    return {
-        "job_id": job_id(entitlement, name), "name": name, "tasks": tasks, "command": list(command),
+    payload = {
+        "job_id": job_id(entitlement, name), "name": name, "tasks": spec["tasks"], "command": list(command),
         "resources": {"cpu_millicores": res["cpu_millicores"], "memory_mib": res["memory_mib"]},
-        "requirements": dict(reqs), "spread": spread, "max_unavailable": max_unavailable, "env": dict(env),
-        "controller": controller, "entitlement": entitlement,
+        "requirements": dict(reqs), "spread": spec.get("spread", "msb"),
+        "max_unavailable": spec.get("max_unavailable", 1), "env": dict(env), "controller": controller,
     }
+    refuse(rules.spec_problems(payload, max_tasks))  # the rules the scheduler applies too
+    return {**payload, "entitlement": entitlement}
 
 
 def spec_json(payload: Mapping[str, Any]) -> str:

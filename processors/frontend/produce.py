@@ -3,13 +3,18 @@
 Input is one JSON object, a JSON array of objects, or JSON Lines. Each object holds the event's own fields;
 an optional `envelope` object may set `entitlement`, `entity_id`, `causation_id`, `event_id`,
 `timestamp_ms`, `producer`. Whatever is missing is filled: a fresh event id, the current time,
-producer "cli", and the entity id from the event's own id field. Pure: no I/O; the CLI produces.
+producer "cli", and the entity id from the event's own id field. An intent must also meet the rules the
+scheduler applies (``rules.py``: no negative or absurd quantity), refused here naming the field:
+`EntitlementCreated.quota_machines: expected an integer from 0 to 1,000,000, got number -5`. Pure: no I/O; the
+CLI produces.
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from infra.config import DEFAULT_MAX_TASKS_PER_JOB
+from processors.frontend import rules
 from streams.events import Event, new_event
 from streams.serde import SchemaRegistry
 from streams.topics import BY_NAME, TOPIC_OF_EVENT, KEY_ENTITLEMENT
@@ -50,8 +55,10 @@ def parse_documents(text: str) -> list[dict]:
 
 
 def build_event(registry: SchemaRegistry, topic: str, event_type: str, doc: dict[str, Any],
-                default_entitlement: str | None = None, producer: str = "cli") -> Event:
-    """Validate one user document and return the complete event. Raises ProduceError naming the field."""
+                default_entitlement: str | None = None, producer: str = "cli", *,
+                max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> Event:
+    """Validate one user document and return the complete event. Raises ProduceError naming the field.
+    ``max_tasks``: the region's most tasks per job (``Config.max_tasks_per_job``)."""
     if topic not in BY_NAME or topic == "_schemas":
         raise ProduceError(f"unknown topic {topic!r}; known: {', '.join(t for t in BY_NAME if t != '_schemas')}")
     if event_type not in registry.event_names:
@@ -77,6 +84,8 @@ def build_event(registry: SchemaRegistry, topic: str, event_type: str, doc: dict
             raise ProduceError(f"envelope.entitlement is required on topic {topic} (it is the partition key); "
                                "pass --entitlement or set it in the envelope")
         entitlement = ""
+    if problems := rules.intent_problems(event_type, payload, entitlement, max_tasks):
+        raise ProduceError(f"{event_type}.{problems[0]}")
     entity_id = env.get("entity_id") or next((str(payload[f]) for f in ENTITY_FIELDS if payload.get(f)), None)
     if entity_id is None:
         raise ProduceError("envelope.entity_id is required: the event has no id field to take it from")

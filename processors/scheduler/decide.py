@@ -59,8 +59,8 @@ from types import MappingProxyType
 from typing import Any
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
-from processors.allocator.placement import REQUIREMENT_KEYS, SPREAD_LEVELS
 from processors.cowmap import CowMap
+from processors.frontend import rules
 from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
 from processors.scheduler import lifecycle as lc
 from processors.taskcontrol import limiter
@@ -82,7 +82,6 @@ PRODUCER = "scheduler"
 MAX_RESTARTS = 3  # restarts in place of a task that crashed or exited on a healthy machine, then it stays down
 RESTART_RESET_MS = 10 * 60_000  # a task that ran this long before it went down starts with a fresh restart budget
 SEEN_LIMIT = 1024  # input event ids remembered per job (the duplicate ring)
-MAX_SPEC_BYTES = 256 * 1024  # a job's argv and env together at most (they travel in every TasksCommanded record)
 PUBLISH_PART_TASKS = 500  # JobTasksPublished: tasks per part of a job published in parts (index // this)
 REQUEST_TASKS_AT_ONCE = 2_000  # an AllocationRequested naming fewer tasks is never split (far below the bound)
 THROTTLED_LISTED = 1_000  # OperationsThrottled lists at most this many waiting operations (waiting_count: all)
@@ -119,14 +118,17 @@ REASON_MAINTENANCE_DEADLINE = "maintenance_deadline"  # still on the machine at 
 REASON_MAINTENANCE_ENDED = "maintenance_ended"  # UnavailabilityEnded: a task stopped for it starts again
 REASON_NOT_UNDER_NOTICE = "not_under_notice"  # a choice for a task no open notice of the job names (ignored)
 REASON_CHOICE_TOO_LATE = "choice_too_late"  # a choice for a task the deadline stopped already (ignored)
-# Why an intent was refused (job last_reason; nothing is emitted).
+# Why an intent was refused: an IntentRefused event (reason, message) and, for a job, its published last_reason.
 REASON_DUPLICATE_JOB_ID = "duplicate_job_id"  # JobSubmitted for a job id that exists with another spec
 REASON_UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # JobSubmitted to an entitlement never created
-REASON_INVALID_SPEC = "invalid_spec"  # a spec the allocator could not serve (e.g. tasks < 0, spread "zone")
-REASON_JOB_NOT_ACTIVE = "job_not_active"  # resize/update of a job that is stopping, stopped or rejected
+REASON_UNKNOWN_JOB = "unknown_job"  # resize/update/stop of a job this shard never had, or stopped and gone
+REASON_INVALID_SPEC = rules.INVALID_SPEC  # a spec or resize breaking a rule (processors/frontend/rules.py)
+REASON_TOO_MANY_TASKS = rules.TOO_MANY_TASKS  # a job (submitted, resized, updated) beyond the maximum tasks per job
+REASON_INVALID_ENTITLEMENT = rules.INVALID_ENTITLEMENT  # EntitlementCreated/Updated breaking a rule (e.g. quota < 0)
+REASON_JOB_NOT_ACTIVE = "job_not_active"  # resize/update of a job that is stopping or rejected; a submission of a
+#                                           job id whose previous incarnation is still stopping
 REASON_STALE_SPEC_VERSION = "stale_spec_version"  # JobSpecChanged not newer than the job's spec version
 REASON_ENTITLEMENT_MISMATCH = "entitlement_mismatch"  # an intent keyed to another entitlement than the job's
-REASON_TOO_MANY_TASKS = "too_many_tasks"  # a job (submitted, resized, updated) beyond the maximum tasks per job
 # Why an agent report was ignored (job last_ignored).
 REASON_STALE_REPORT = "stale_report"  # about another machine or spec version than the task's (a lagging agent)
 REASON_ILLEGAL_REPORT = "illegal_report"  # a transition the lifecycle table refuses from the task's state
@@ -314,6 +316,7 @@ class Job:
     tc_notices: tuple = ()  # advance notices: (unavailability id, task ids, start_ms, deadline_ms, duration_ms)
     tc_notice_new: bool = False  # notice news: a new notice, or a task back RUNNING under one (a next choice)
     maint: tuple = ()  # planned maintenance of its machines: (UE id, machine ids, start_ms, deadline_ms, enforced)
+    incarnation: int = 1  # which submission of this job id (a stopped or rejected job's id may be submitted again)
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,7 @@ def job_view(state: SchedulerState, job_id: str) -> dict:
         raise UnknownJob(job_id)
     return {
         "job": job.id, "name": job.spec.name, "entitlement": job.entitlement, "state": published_state(job),
-        "spec_version": job.spec_version, "desired_tasks": job.desired, "last_reason": job.last_reason,
+        "incarnation": job.incarnation, "spec_version": job.spec_version, "desired_tasks": job.desired, "last_reason": job.last_reason,
         "last_ignored": job.last_ignored, "controller": job.spec.controller,
         "operations": [{"id": t.op_id, "task": t.id, "kind": t.op, "state": t.op_state, "reason": t.op_reason}
                        for t in job.tasks.values() if t.op is not None] if job.ops_open else [],
@@ -490,7 +493,8 @@ def _visible(t: Task) -> tuple:
     return t.state, t.intent, t.machine, t.dc, t.msb, t.rack, t.spec_version, t.reason
 
 
-_JOB_VISIBLE = frozenset({"spec", "spec_version", "desired", "status", "last_reason", "updating", "deleted"})
+_JOB_VISIBLE = frozenset({"spec", "spec_version", "desired", "status", "last_reason", "updating", "deleted",
+                          "incarnation"})
 
 
 class _JobWork:
@@ -752,6 +756,7 @@ def _snapshot(job: Job, parts: int = 0) -> dict:
         "desired_tasks": job.desired,
         "tasks": [] if parts else [t.row for t in job.tasks.values()],
         "last_reason": job.last_reason, "deleted": job.deleted, "task_parts": parts, "task_count": len(job.tasks),
+        "incarnation": job.incarnation,
     }
 
 
@@ -1067,79 +1072,113 @@ def _resize(w: _JobWork, n: int, reason: str) -> None:
 
 # -- handlers: one per consumed event type -----------------------------------------------------------------------
 
-def _check_spec(p: Mapping[str, Any], spec: Spec, max_tasks: int) -> str | None:
-    """Why a spec cannot be served, or None."""
-    if p["tasks"] > max_tasks:
-        return _too_many(p["tasks"], max_tasks)
-    problems = []
-    if p["tasks"] < 0:
-        problems.append(f"tasks must be >= 0, got {p['tasks']}")
-    if size_of(list(spec.command)) + size_of(dict(spec.env)) > MAX_SPEC_BYTES:
-        problems.append(f"command and env take more than {MAX_SPEC_BYTES:,} bytes")
-    if not spec.command:
-        problems.append("command is empty")
-    if spec.cpu <= 0 or spec.mem <= 0:
-        problems.append(f"resources must be positive, got {spec.cpu}m cpu and {spec.mem} MiB")
-    if spec.max_unavailable < 1:
-        problems.append(f"max_unavailable must be >= 1, got {spec.max_unavailable}")
-    if spec.spread not in SPREAD_LEVELS:
-        problems.append(f"spread must be one of {', '.join(SPREAD_LEVELS)}, got {spec.spread!r}")
-    if unknown := sorted({k for k, _ in spec.requirements} - REQUIREMENT_KEYS):
-        problems.append(f"unsupported requirements {unknown}; supported: {sorted(REQUIREMENT_KEYS)}")
-    return f"{REASON_INVALID_SPEC}: {'; '.join(problems)}" if problems else None
+def _refuse(fold: _Fold, ev: Event, reason: str, message: str, w: "_JobWork | None" = None) -> None:
+    """Refuse intent ``ev``, applying none of it: an IntentRefused (``reason``, ``message``) keyed to its entitlement;
+    the job it is about (``w``, if it has one) shows it in its published last_reason."""
+    job_id = ev.payload.get("job_id")
+    fold.emit("IntentRefused", ev.entitlement, job_id or ev.entity_id, {
+        "intent_type": ev.type, "intent_event_id": ev.event_id, "job_id": job_id, "reason": reason,
+        "message": message}, "refused", ev.event_id)
+    if w is not None:
+        w.set(last_reason=f"{reason}: {message}")
 
 
-def _too_many(n: int, max_tasks: int) -> str:
-    return (f"{REASON_TOO_MANY_TASKS}: {n:,} tasks asked, at most {max_tasks:,} per job "
-            "(ROPEWALK_MAX_TASKS_PER_JOB)")
+def _problems(fold: _Fold, ev: Event) -> tuple[str, str] | None:
+    """(reason, message) if ``ev`` breaks a rule of ``processors/frontend/rules.py`` (the front end's), else None."""
+    found = rules.intent_problems(ev.type, ev.payload, ev.entitlement, fold.max_tasks)
+    return rules.refusal(found) if found else None
 
 
 def _on_entitlement_created(fold: _Fold, ev: Event) -> None:
     p = ev.payload
+    if (refused := _problems(fold, ev)) is not None:
+        _refuse(fold, ev, *refused)
+        return
     fold.set_entitlement(Entitlement(name=p["name"], quota_machines=p["quota_machines"],
                                      machine_type=p.get("machine_type"), dc_pin=p.get("dc_pin"),
                                      host_profile=p.get("host_profile")))
 
 
+def _on_entitlement_updated(fold: _Fold, ev: Event) -> None:
+    """The fields an EntitlementUpdated sets change (an entitlement exists once a quota is set, as the allocator
+    has it); one breaking a rule is refused."""
+    if (refused := _problems(fold, ev)) is not None:
+        _refuse(fold, ev, *refused)
+        return
+    p = ev.payload
+    known = fold.entitlements().get(ev.entitlement)
+    given = {k: p.get(k) for k in ("quota_machines", "machine_type", "dc_pin", "host_profile") if p.get(k) is not None}
+    if known is not None:
+        fold.set_entitlement(replace(known, **given))
+    elif "quota_machines" in given:
+        fold.set_entitlement(Entitlement(name=ev.entitlement, **given))
+
+
+def _successor(existing: Job | None) -> dict[str, Any]:
+    """What a new incarnation of a job id takes over from the previous one (a stopped and freed job, or a rejected
+    submission): its number + 1, and the counters that name its requests, operations and TaskControl requests, so
+    that none repeats the previous incarnation's (a late result or ack for one of those stays stale), and the
+    duplicate ring. Task ids stay ``<job>/<index>``: the previous incarnation's were freed before it was gone."""
+    if existing is None:
+        return {}
+    return {"incarnation": existing.incarnation + 1, "requests": existing.requests, "ops": existing.ops,
+            "tc_seq": existing.tc_seq, "seen": existing.seen}
+
+
 def _on_job_submitted(fold: _Fold, ev: Event) -> None:
+    """A new job, or a new incarnation of a job id whose previous one was rejected, or stopped and freed (deleted).
+    The same submission again is a no-op; another spec under a live job id is refused (duplicate_job_id), as is a
+    submission while the previous incarnation is still stopping (job_not_active: submit again once it is gone)."""
     p = ev.payload
     job_id, spec = p["job_id"], Spec.from_payload(p)
     origin = (ev.entitlement, p["spec_version"], p["tasks"], spec)
     existing = fold.state.jobs.get(job_id)
-    if existing is not None and existing.status != JOB_REJECTED:
-        w = fold.work_for(job_id)
-        if w is not None and existing.origin != origin:  # a clash, not a redelivery: refused, nothing emitted
-            w.set(quiet=True, last_reason=f"{REASON_DUPLICATE_JOB_ID}: job {job_id} exists with another spec "
-                                          f"(submitted to {existing.entitlement} at spec version "
-                                          f"{existing.origin[1]}); event {ev.event_id} refused")
-        return
     if existing is not None and ev.event_id in existing.seen:
         return
-    refusal = _check_spec(p, spec, fold.max_tasks)
+    if existing is not None and existing.status != JOB_REJECTED and not existing.deleted:
+        w = fold.work_for(job_id)
+        if w is None or (existing.status == JOB_ACTIVE and existing.origin == origin):
+            return  # applied already, or the same submission again (under another event id): a no-op
+        if existing.status == JOB_ACTIVE:
+            _refuse(fold, ev, REASON_DUPLICATE_JOB_ID, f"job {job_id} exists with another spec (submitted to "
+                                                       f"{existing.entitlement} at spec version {existing.origin[1]})", w)
+        else:
+            _refuse(fold, ev, REASON_JOB_NOT_ACTIVE, f"job {job_id} is {existing.status}: submit it again once it "
+                                                     "is stopped", w)
+        return
+    refused = _problems(fold, ev)
     if ev.entitlement not in fold.entitlements():
-        refusal = f"{REASON_UNKNOWN_ENTITLEMENT}: entitlement {ev.entitlement!r} was never created"
+        refused = (REASON_UNKNOWN_ENTITLEMENT, f"entitlement {ev.entitlement!r} was never created")
     w = fold.new_job(Job(id=job_id, entitlement=ev.entitlement, spec=spec, spec_version=p["spec_version"],
-                         desired=0, origin=origin, requests=existing.requests if existing else 0,
-                         seen=existing.seen if existing else ()))
-    if refusal is not None:
-        w.set(status=JOB_REJECTED, last_reason=refusal)
+                         desired=0, origin=origin, **_successor(existing)))
+    if refused is not None:
+        w.set(status=JOB_REJECTED)
+        _refuse(fold, ev, *refused, w)
         return
     _resize(w, p["tasks"], REASON_SUBMITTED)
 
 
 def _intent_work(fold: _Fold, ev: Event) -> _JobWork | None:
-    """The job an intent is about, if it can take one (else the refusal is recorded, nothing emitted)."""
-    w = fold.work_for(ev.payload["job_id"])
-    if w is None:
+    """The job an intent is about, if it can take one; else the intent is refused (an IntentRefused, and the
+    job's last_reason if it has one). A stop of a job stopping, stopped or rejected is a no-op: it is what was
+    asked."""
+    job_id = ev.payload["job_id"]
+    job = fold.job(job_id)
+    if job is None or job.deleted:
+        if job is None or ev.event_id not in job.seen:
+            gone = "" if job is None else " (stopped and gone)"
+            _refuse(fold, ev, REASON_UNKNOWN_JOB, f"no job {job_id} in entitlement {ev.entitlement}{gone}")
         return None
+    w = fold.work_for(job_id)
+    if w is None:
+        return None  # applied already
     if ev.entitlement != w.job.entitlement:
-        w.set(quiet=True, last_reason=f"{REASON_ENTITLEMENT_MISMATCH}: {ev.type} {ev.event_id} is keyed to "
-                                      f"{ev.entitlement}, the job belongs to {w.job.entitlement}")
+        _refuse(fold, ev, REASON_ENTITLEMENT_MISMATCH, f"{ev.type} {ev.event_id} is keyed to {ev.entitlement}, the "
+                                                       f"job belongs to {w.job.entitlement}", w)
         return None
     if w.job.status != JOB_ACTIVE:
-        if w.job.status != JOB_REJECTED or ev.type != "JobStopped":
-            w.set(quiet=True, last_reason=f"{REASON_JOB_NOT_ACTIVE}: {ev.type} {ev.event_id} refused, "
-                                          f"the job is {w.job.status}")
+        if ev.type != "JobStopped":
+            _refuse(fold, ev, REASON_JOB_NOT_ACTIVE, f"{ev.type} {ev.event_id} refused, the job is {w.job.status}", w)
         return None
     return w
 
@@ -1148,14 +1187,10 @@ def _on_job_resized(fold: _Fold, ev: Event) -> None:
     w = _intent_work(fold, ev)
     if w is None:
         return
-    n = ev.payload["tasks"]
-    if n < 0:
-        w.set(quiet=True, last_reason=f"{REASON_INVALID_SPEC}: tasks must be >= 0, got {n}")
+    if (refused := _problems(fold, ev)) is not None:
+        _refuse(fold, ev, *refused, w)
         return
-    if n > fold.max_tasks:
-        w.set(quiet=True, last_reason=_too_many(n, fold.max_tasks))
-        return
-    _resize(w, n, REASON_RESIZED)
+    _resize(w, ev.payload["tasks"], REASON_RESIZED)
     w.retry_parked()
 
 
@@ -1167,13 +1202,13 @@ def _on_job_spec_changed(fold: _Fold, ev: Event) -> None:
     if p["spec_version"] == w.job.spec_version and Spec.from_payload(p) == w.job.spec:
         return  # the change applied already (redelivered under another event id)
     if p["spec_version"] <= w.job.spec_version:
-        w.set(quiet=True, last_reason=f"{REASON_STALE_SPEC_VERSION}: spec version {p['spec_version']} is not "
-                                      f"newer than {w.job.spec_version}")
+        _refuse(fold, ev, REASON_STALE_SPEC_VERSION, f"spec version {p['spec_version']} is not newer than "
+                                                     f"{w.job.spec_version}", w)
+        return
+    if (refused := _problems(fold, ev)) is not None:
+        _refuse(fold, ev, *refused, w)
         return
     spec = Spec.from_payload(p)
-    if (refusal := _check_spec(p, spec, w.fold.max_tasks)) is not None:
-        w.set(quiet=True, last_reason=refusal)
-        return
     version = p["spec_version"]
     w.set(spec=spec, spec_version=version, updating=True)
     for t in w.ordered():  # unplaced tasks will start the new version; re-ask if the terms changed
@@ -1536,6 +1571,7 @@ Handler = Callable[[_Fold, Event], None]
 
 HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "EntitlementCreated": _on_entitlement_created,
+    "EntitlementUpdated": _on_entitlement_updated,
     "JobSubmitted": _on_job_submitted,
     "JobSpecChanged": _on_job_spec_changed,
     "JobResized": _on_job_resized,
@@ -1618,7 +1654,7 @@ def job_to_record(job: Job, previous: tuple[Job, Mapping[str, Any]] | None = Non
             "tc_sent_unhealthy": list(job.tc_sent_unhealthy),
             "tc_notices": [[u, list(ts), s, d, dur] for u, ts, s, d, dur in job.tc_notices],
             "tc_notice_new": job.tc_notice_new,
-            "maint": [[u, list(ms), s, d, e] for u, ms, s, d, e in job.maint]}
+            "maint": [[u, list(ms), s, d, e] for u, ms, s, d, e in job.maint], "incarnation": job.incarnation}
 
 
 def job_from_record(r: Mapping[str, Any]) -> Job:
@@ -1641,7 +1677,8 @@ def job_from_record(r: Mapping[str, Any]) -> Job:
                tc_notices=tuple((n[0], tuple(n[1]), n[2], n[3], n[4] if len(n) > 4 else None)
                                 for n in r.get("tc_notices", ())),
                tc_notice_new=r.get("tc_notice_new", False),
-               maint=tuple((u, tuple(ms), s, d, e) for u, ms, s, d, e in r.get("maint", ())))
+               maint=tuple((u, tuple(ms), s, d, e) for u, ms, s, d, e in r.get("maint", ())),
+               incarnation=r.get("incarnation", 1))
 
 
 def state_of(jobs: Iterable[Job] = (), entitlements: Iterable[Entitlement] = (),

@@ -4,8 +4,8 @@ Through the CLI, as a user drives it (``ropewalk up --machines 40``: broker, Red
 one scheduler shard, simulated agents, health):
 
 * ``job submit`` of a job over the limit (``ROPEWALK_MAX_TASKS_PER_JOB``, default 25,000) exits non-zero with one
-  line naming the field and the limit; the same job produced raw on the log (``ropewalk produce``) is rejected by
-  the scheduler with reason ``too_many_tasks``, and nothing else happens;
+  line naming the field and the limit, as does ``ropewalk produce``; the same job written to the log by another
+  writer is rejected by the scheduler with reason ``too_many_tasks``, and nothing else happens;
 * a job of 20,000 tasks on this small region: the scheduler asks for all of them, the allocator places what its
   entitlement's quota allows and rejects the rest with a reason; the job shows every one of its 20,000 tasks
   (``job status``, assembled from its parts on state.tasks), the placed ones RUNNING, the others PENDING with the
@@ -19,8 +19,12 @@ import time
 
 import pytest
 
+from infra.config import Config
 from infra.process import pid_alive
 from regioncli import RegionCli
+from streams.clients import EventProducer
+from streams.events import new_event
+from streams.serde import SchemaRegistry
 
 pytestmark = pytest.mark.integration
 
@@ -50,11 +54,16 @@ def test_a_20000_task_job_is_served_as_far_as_it_fits_while_another_entitlement_
         assert refused.stderr.strip().splitlines() == [
             f"ropewalk: {tmp_path / 'huge.yaml'}: tasks: at most 25,000 tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), "
             "got 30,000"]
-        # ... and by the scheduler, should such a job reach the log some other way
+        # ... and by the scheduler, should such a job reach the log some other way (`produce` refuses it too: a
+        # writer of its own)
         raw = {"job_id": "e1.raw", "name": "raw", "spec_version": 1, "tasks": 30_000, "command": ["sleep", "1"],
-               "resources": {"cpu_millicores": 100, "memory_mib": 64}}
-        produced = cli("produce", "intents", "JobSubmitted", "-", "--entitlement", "e1", input_=json.dumps(raw))
-        assert produced.returncode == 0, produced.stderr
+               "resources": {"cpu_millicores": 100, "memory_mib": 64}, "requirements": {}, "spread": "msb",
+               "max_unavailable": 1, "env": {}}
+        assert "tasks: at most 25,000" in cli("produce", "intents", "JobSubmitted", "-", "--entitlement", "e1",
+                                              input_=json.dumps(raw)).stderr
+        writer = EventProducer(Config.from_env(cli.env), SchemaRegistry.from_dir(), "another-writer")
+        writer.send(new_event("JobSubmitted", raw, entitlement="e1", entity_id="e1.raw", producer="another-writer"))
+        writer.flush()
 
         # a big job on a small region, then another entitlement's small one
         assert cli("job", "submit", spec(tmp_path / "big.yaml", "big", "e1", BIG, 16_000)).stdout.strip() == "e1.big"
@@ -81,7 +90,8 @@ def test_a_20000_task_job_is_served_as_far_as_it_fits_while_another_entitlement_
 
         raw_view = cli.status("e1.raw")
         assert raw_view["state"] == "rejected" and raw_view["tasks"] == []
-        assert raw_view["last_reason"].startswith("too_many_tasks: 30,000 tasks asked, at most 25,000 per job")
+        assert raw_view["last_reason"] == ("too_many_tasks: tasks: at most 25,000 tasks per job "
+                                           "(ROPEWALK_MAX_TASKS_PER_JOB), got 30,000")
 
         assert pid_alive(scheduler), "the scheduler shard must not have stopped"
         assert cli.running("e2.small", 3), "the small job still runs"

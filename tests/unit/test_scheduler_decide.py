@@ -1,8 +1,9 @@
 """Table-driven tests of the scheduler shard's pure decisions, playing the allocator and the agents by hand.
 
 Every input goes through ``Sim.feed``, which also checks, for that input: the same input on the same state
-gives the same output (ids included); delivering it a second time changes nothing and emits nothing; every
-emitted event encodes with the real schemas and carries the envelope the scheduler promises.
+gives the same output (ids included); delivering it a second time changes nothing and emits nothing (an intent
+refused without a job to remember it, e.g. a resize of an unknown job, is refused again under the same event id);
+every emitted event encodes with the real schemas and carries the envelope the scheduler promises.
 """
 import dataclasses
 import json
@@ -18,7 +19,8 @@ from processors.scheduler.decide import (
     REASON_JOB_NOT_ACTIVE, REASON_JOB_STOPPED, REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE,
     REASON_MACHINE_UNHEALTHY, REASON_NOT_AN_AGENT_STATE, REASON_RESIZED, REASON_RESTART_LIMIT,
     REASON_RESTART_POLICY, REASON_ROLLING_UPDATE, REASON_STALE_REPORT, REASON_STALE_SPEC_VERSION,
-    REASON_UNKNOWN_ENTITLEMENT, REASON_UNKNOWN_TASK, RESTART_RESET_MS, SchedulerState, UnknownJob, decide,
+    REASON_UNKNOWN_ENTITLEMENT, REASON_UNKNOWN_JOB, REASON_UNKNOWN_TASK, RESTART_RESET_MS, SchedulerState,
+    UnknownJob, decide,
     job_view, retry_unplaced,
 )
 from streams.batches import command_events, discovery_changes, task_commands, task_reports
@@ -186,7 +188,8 @@ class Sim:
         again, out_again = decide(self.state, event, now, max_tasks=self.max_tasks)
         assert (again, out_again) == (new, out), "same input, same state: same output"
         dup_state, dup_out = decide(new, event, now, max_tasks=self.max_tasks)
-        assert dup_out == [] and dup_state == new, f"{event.type} delivered twice must change nothing"
+        refused_again = dup_out == out and all(e.type == "IntentRefused" for e in out)
+        assert (dup_out == [] or refused_again) and dup_state == new, f"{event.type} delivered twice must change nothing"
         for e in out:
             REG.encode(e.type, e.to_record(schema_version=1))
             assert (e.producer, e.causation_id, e.timestamp_ms) == (PRODUCER, event.event_id, now)
@@ -225,6 +228,11 @@ def kinds(out):
         elif e.type == "JobStatePublished":
             short.append(("published", p["state"], p["deleted"]))
     return short
+
+
+def refusals(out):
+    """The IntentRefused in ``out``: (refused event type, reason)."""
+    return [(e.payload["intent_type"], e.payload["reason"]) for e in out if e.type == "IntentRefused"]
 
 
 def of_type(out, type_):
@@ -323,10 +331,15 @@ def test_refused_submission_is_recorded_with_its_reason(event, reason):
     sim = Sim()
     sim.feed(entitlement())
     out = sim.feed(event)
-    assert kinds(out) == [("published", JOB_REJECTED, False)]
+    assert kinds(out) == [("published", JOB_REJECTED, False)] and refusals(out) == [("JobSubmitted", reason)]
+    refused = of_type(out, "IntentRefused")[0]
+    assert (refused.entitlement, refused.payload["job_id"], refused.payload["intent_event_id"]) == (
+        event.entitlement, "j", event.event_id)
     view = sim.view()
     assert view["state"] == JOB_REJECTED and view["tasks"] == [] and view["last_reason"].startswith(reason + ":")
-    assert sim.feed(resized("j", 4)) == []
+    assert view["last_reason"] == f"{reason}: {refused.payload['message']}"
+    out = sim.feed(ev("JobResized", {"job_id": "j", "tasks": 4}, producer="cli", ent=event.entitlement))
+    assert refusals(out) == [("JobResized", REASON_JOB_NOT_ACTIVE)] and kinds(out) == [("published", JOB_REJECTED, False)]
 
 
 def test_rejected_submission_can_be_submitted_again():
@@ -343,36 +356,83 @@ def test_duplicate_job_id():
     before = sim.state
     assert sim.feed(submit("j", 2)) == []  # the same submission again (a new event id): a no-op
     assert job_view(sim.state, "j") == job_view(before, "j")
-    assert sim.feed(submit("j", 5, command=("other",))) == []  # another job under the same id: refused
+    out = sim.feed(submit("j", 5, command=("other",)))  # another job under the same id: refused, shown
+    assert refusals(out) == [("JobSubmitted", REASON_DUPLICATE_JOB_ID)] and kinds(out) == [("published", JOB_RUNNING, False)]
     view = sim.view()
     assert view["last_reason"].startswith(REASON_DUPLICATE_JOB_ID + ":")
     assert [t["state"] for t in view["tasks"]] == ["RUNNING", "RUNNING"] and view["desired_tasks"] == 2
 
 
-IGNORED_INPUTS = {  # (event, reason recorded in last_reason or None)
-    "resize-unknown-job": (resized("zz", 3), None),
-    "allocation-for-unknown-job": (ev("TasksAllocated", {"request_id": "zz:v1:r1", "job_id": "zz", "placements": []},
-                                      producer="allocator"), None),
-    "not-consumed": (ev("EntitlementUpdated", {"name": ENT, "quota_machines": 3}, producer="cli"), None),
-    "machine-registered": (ev("MachineRegistered", {"machine_id": "m1"}, producer="resourcebroker"), None),
-    "resize-keyed-to-another-entitlement": (ev("JobResized", {"job_id": "j", "tasks": 9}, producer="cli",
-                                               ent="e2"), sd.REASON_ENTITLEMENT_MISMATCH),
-    "negative-resize": (resized("j", -1), REASON_INVALID_SPEC),
-    "invalid-spec-change": (spec_changed("j", 2, version=2, spread="zone"), REASON_INVALID_SPEC),
-    "machine-up": (machine_status("m1", "UP"), None),
-    "deallocated-not-asked": (ev("TasksDeallocated", {"request_id": "j:v1:r1", "job_id": "j", "placements": []},
-                                 producer="allocator"), None),
+IGNORED_INPUTS = {
+    "allocation-for-unknown-job": ev("TasksAllocated", {"request_id": "zz:v1:r1", "job_id": "zz", "placements": []},
+                                     producer="allocator"),
+    "entitlement-updated": ev("EntitlementUpdated", {"quota_machines": 3}, producer="cli"),
+    "machine-registered": ev("MachineRegistered", {"machine_id": "m1"}, producer="resourcebroker"),
+    "machine-up": machine_status("m1", "UP"),
+    "deallocated-not-asked": ev("TasksDeallocated", {"request_id": "j:v1:r1", "job_id": "j", "placements": []},
+                                producer="allocator"),
+    "stop-of-a-stopping-job": None,  # (fed after a stop) what was asked already: a no-op, not a refusal
 }
 
 
-@pytest.mark.parametrize("event, reason", IGNORED_INPUTS.values(), ids=IGNORED_INPUTS)
-def test_ignored_inputs(event, reason):
+@pytest.mark.parametrize("event", IGNORED_INPUTS.values(), ids=IGNORED_INPUTS)
+def test_ignored_inputs(event):
     sim = running_job(2, ("m1", "m2"))
+    if event is None:
+        sim.feed(stopped("j"))
+        event = stopped("j", "again")
     before = sim.view()
     assert sim.feed(event) == []
+    assert sim.view() == before
+
+
+REFUSED_INTENTS = {  # event -> the reason it is refused with (IntentRefused, and the job's last_reason if it has one)
+    "resize-unknown-job": (resized("zz", 3), REASON_UNKNOWN_JOB),
+    "stop-unknown-job": (stopped("zz"), REASON_UNKNOWN_JOB),
+    "update-unknown-job": (spec_changed("zz", 2, version=2), REASON_UNKNOWN_JOB),
+    "resize-keyed-to-another-entitlement": (ev("JobResized", {"job_id": "j", "tasks": 9}, producer="cli", ent="e2"),
+                                            sd.REASON_ENTITLEMENT_MISMATCH),
+    "negative-resize": (resized("j", -1), REASON_INVALID_SPEC),
+    "invalid-spec-change": (spec_changed("j", 2, version=2, spread="zone"), REASON_INVALID_SPEC),
+    "negative-cpu-in-a-spec-change": (spec_changed("j", 2, version=2, cpu=-5), REASON_INVALID_SPEC),
+    "absurd-memory-in-a-spec-change": (spec_changed("j", 2, version=2, mem=2**31 - 1), REASON_INVALID_SPEC),
+    "stale-spec-version": (spec_changed("j", 2, version=1, command=("x",)), REASON_STALE_SPEC_VERSION),
+    "negative-quota": (ev("EntitlementCreated", {"name": "e7", "quota_machines": -5, "machine_type": None,
+                                                 "dc_pin": None, "host_profile": None}, producer="cli", ent="e7"),
+                       sd.REASON_INVALID_ENTITLEMENT),
+    "negative-quota-update": (ev("EntitlementUpdated", {"quota_machines": -1}, producer="cli"),
+                              sd.REASON_INVALID_ENTITLEMENT),
+}
+
+
+@pytest.mark.parametrize("event, reason", REFUSED_INTENTS.values(), ids=REFUSED_INTENTS)
+def test_refused_intents_are_events(event, reason):
+    """Every intent the scheduler refuses emits an IntentRefused with the reason constant, keyed to the intent's
+    entitlement and caused by it; the job it is about (if any) shows it, published; nothing of it is applied."""
+    sim = running_job(2, ("m1", "m2"))
+    before = sim.view()
+    ents = dict(sim.state.entitlements)
+    out = sim.feed(event)
+    assert refusals(out) == [(event.type, reason)]
+    refused = of_type(out, "IntentRefused")[0]
+    assert (refused.entitlement, refused.causation_id, refused.payload["intent_event_id"]) == (
+        event.entitlement, event.event_id, event.event_id)
+    assert refused.payload["message"]
     after = sim.view()
-    assert after["tasks"] == before["tasks"] and after["desired_tasks"] == 2
-    assert after["last_reason"].startswith(reason + ":") if reason else after["last_reason"] == ""
+    assert after["tasks"] == before["tasks"] and after["desired_tasks"] == 2 and after["spec_version"] == 1
+    assert dict(sim.state.entitlements) == ents
+    if event.payload.get("job_id") == "j":
+        assert after["last_reason"] == f"{reason}: {refused.payload['message']}"
+        assert kinds(out) == [("published", JOB_RUNNING, False)]  # the job shows it
+    else:
+        assert after["last_reason"] == "" and kinds(out) == []
+
+
+def test_a_negative_quantity_is_refused_with_the_field_name():
+    sim = running_job(2, ("m1", "m2"))
+    out = sim.feed(spec_changed("j", 2, version=2, cpu=-5))
+    assert of_type(out, "IntentRefused")[0].payload["message"] == (
+        "resources.cpu_millicores: expected a positive integer up to 1,000,000, got number -5")
 
 
 # -- allocation rejected ----------------------------------------------------------------------------------------
@@ -630,8 +690,10 @@ def test_stop_stops_everything_then_frees_then_deletes():
                           ("state", "j/2", "STOPPED", REASON_JOB_STOPPED),
                           ("STOP", "j/1", "m2", 1), ("STOP", "j/0", "m1", 1),
                           ("published", JOB_STOPPING, False)]
-    assert sim.feed(stopped("j")) == [] and sim.feed(resized("j", 5)) == []
+    assert sim.feed(stopped("j")) == []  # stopping already: what was asked
+    assert refusals(sim.feed(resized("j", 5))) == [("JobResized", REASON_JOB_NOT_ACTIVE)]
     assert sim.view()["last_reason"].startswith(REASON_JOB_NOT_ACTIVE)
+    assert refusals(sim.feed(submit("j", 3))) == [("JobSubmitted", REASON_JOB_NOT_ACTIVE)]  # the old one still stops
     assert kinds(sim.feed(report("j/0", "STOPPED", "m1", exit_code=0))) == [("published", JOB_STOPPING, False)]
     out = sim.feed(report("j/1", "FAILED", "m2", exit_code=143))  # killed while stopping: stopped all the same
     assert kinds(out) == [("request", (), ("j/0", "j/1", "j/2"), ()), ("published", JOB_STOPPED, False)]
@@ -639,13 +701,40 @@ def test_stop_stops_everything_then_frees_then_deletes():
     out = sim.feed(deallocated(out[0]))
     assert kinds(out) == [("published", JOB_STOPPED, True)] and out[0].payload["tasks"] == []
     assert sim.view()["state"] == JOB_STOPPED and sim.view()["tasks"] == []
-    assert sim.feed(submit("j", 3)) == []  # the id stays taken
+    assert refusals(sim.feed(resized("j", 2))) == [("JobResized", REASON_UNKNOWN_JOB)]  # gone
+
+
+def test_a_stopped_job_id_is_used_again_by_a_new_incarnation():
+    """A job stopped and freed (deleted): its id may be submitted again. The new incarnation (2) keeps the id
+    ``<job>`` and its task ids; its request numbers go on from the old one's (r1 placed it, r2 freed it), so a late
+    result for an old request is stale; the old incarnation's events stay no-ops."""
+    sim = running_job(2, ("m1", "m2"))
+    sim.feed(stopped("j"))
+    sim.feed(report("j/0", "STOPPED", "m1", exit_code=0))
+    free = of_type(sim.feed(report("j/1", "STOPPED", "m2", exit_code=0)), "AllocationRequested")[0]
+    assert free.payload["request_id"] == "j:v1:r2"
+    sim.feed(deallocated(free))
+    assert sim.view()["state"] == JOB_STOPPED and sim.state.jobs["j"].deleted
+    out = sim.feed(submit("j", 3, command=("v2",)))  # the name again, another spec
+    assert refusals(out) == []
+    req = of_type(out, "AllocationRequested")[0]
+    assert req.payload["request_id"] == "j:v1:r3" and req.payload["place_task_ids"] == ["j/0", "j/1", "j/2"]
+    published = of_type(out, "JobStatePublished")[-1].payload
+    assert (published["incarnation"], published["state"], published["deleted"]) == (2, JOB_PENDING, False)
+    view = sim.view()
+    assert view["incarnation"] == 2 and view["desired_tasks"] == 3 and view["last_reason"] == ""
+    assert sd.job_from_record(sd.job_to_record(sim.state.jobs["j"])) == sim.state.jobs["j"]  # a table value
+    assert sim.feed(deallocated(free)) == []  # the old incarnation's answer, delivered again: nothing
+    out = sim.feed(allocated(req, {"j/0": "m3", "j/1": "m4", "j/2": "m5"}))
+    assert [c["command"] for c in commands(out)] == ["START"] * 3 and commands(out)[0]["argv"] == ["v2"]
 
 
 def test_stop_a_job_with_no_tasks():
     sim = Sim()
     sim.feed(entitlement())
-    sim.feed(submit("j", 0))
+    out = sim.feed(submit("j", 1))
+    sim.feed(rejected(out[0], ["j/0"]))
+    sim.feed(resized("j", 0))
     assert kinds(sim.feed(stopped("j"))) == [("published", JOB_STOPPED, True)]
 
 
@@ -755,8 +844,9 @@ def test_a_move_the_allocator_cannot_place_waits_with_the_reason():
 
 def test_stale_spec_change_is_refused():
     sim = running_job(2, ("m1", "m2"))
-    assert sim.feed(spec_changed("j", 2, version=1, command=("x",))) == []
-    assert sim.view()["last_reason"].startswith(REASON_STALE_SPEC_VERSION)
+    out = sim.feed(spec_changed("j", 2, version=1, command=("x",)))
+    assert refusals(out) == [("JobSpecChanged", REASON_STALE_SPEC_VERSION)]
+    assert sim.view()["last_reason"].startswith(REASON_STALE_SPEC_VERSION) and sim.view()["spec_version"] == 1
 
 
 def test_spec_change_redelivered_under_another_id_is_a_no_op():
@@ -902,7 +992,7 @@ def test_a_job_beyond_the_limit_is_refused_with_a_reason(inputs, state):
         sim.feed(e)
     view = sim.view()
     assert view["state"] == state and view["desired_tasks"] <= 2 and len(view["tasks"]) <= 2
-    assert view["last_reason"].startswith(sd.REASON_TOO_MANY_TASKS + ":") and "at most 100 per job" in view["last_reason"]
+    assert view["last_reason"].startswith(sd.REASON_TOO_MANY_TASKS + ": tasks: at most 100 tasks per job")
     at_limit = Sim(max_tasks=101)
     at_limit.feed(entitlement())
     assert at_limit.feed(submit("k", 101))[0].type == "AllocationRequested"  # the limit itself is served
@@ -912,7 +1002,7 @@ def test_a_spec_too_big_to_travel_is_refused():
     sim = Sim()
     sim.feed(entitlement())
     sim.feed(submit("j", 2, env={f"K{i}": "x" * 1000 for i in range(300)}))
-    assert sim.view()["state"] == JOB_REJECTED and "command and env take more than" in sim.view()["last_reason"]
+    assert sim.view()["state"] == JOB_REJECTED and "at most 262,144" in sim.view()["last_reason"]
 
 
 def test_a_20000_task_job_is_commanded_and_published_in_records_below_the_limit():

@@ -1,4 +1,6 @@
 """Topic catalogue rules and the pure part of `ropewalk produce`."""
+import re
+
 import pytest
 
 from processors.frontend.produce import ProduceError, build_event, parse_documents
@@ -45,10 +47,28 @@ def test_copartitioning(existing, problem):
     ("intents", "JobStopped", {"job_id": "j", "envelope": {"colour": 1}}, "e1", "envelope.colour: unknown field"),
     ("intents", "JobStopped", {"job_id": "j", "envelope": {"timestamp_ms": "now"}}, "e1",
      "JobStopped.envelope.timestamp_ms: expected long"),
+    # the intent rules (processors/frontend/rules.py), refused at the door naming the field
+    ("intents", "EntitlementCreated", {"name": "e1", "quota_machines": -5}, "e1",
+     "EntitlementCreated.quota_machines: expected an integer from 0 to 1,000,000, got number -5"),
+    ("intents", "EntitlementUpdated", {"quota_machines": 10**7}, "e1",
+     "EntitlementUpdated.quota_machines: at most 1,000,000 machines (more than a region has), got 10,000,000"),
+    ("intents", "EntitlementCreated", {"name": "e2", "quota_machines": 4}, "e1",
+     "EntitlementCreated.name: must be the entitlement it is keyed to ('e1'"),
+    ("intents", "JobResized", {"job_id": "e1.j", "tasks": -1}, "e1",
+     "JobResized.tasks: expected an integer from 0 to 25,000, got number -1"),
+    ("intents", "JobSubmitted", {"job_id": "e1.j", "name": "j", "tasks": 2, "command": ["x"],
+                                 "resources": {"cpu_millicores": -1000, "memory_mib": 64}}, "e1",
+     "JobSubmitted.resources.cpu_millicores: expected a positive integer up to 1,000,000, got number -1000"),
+    ("intents", "JobSubmitted", {"job_id": "e1.j", "name": "j", "tasks": 30_000, "command": ["x"],
+                                 "resources": {"cpu_millicores": 1000, "memory_mib": 64}}, "e1",
+     "JobSubmitted.tasks: at most 25,000 tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), got 30,000"),
+    ("intents", "JobSpecChanged", {"job_id": "e1.j", "name": "j", "tasks": 2, "command": ["x"], "spec_version": 2,
+                                   "resources": {"cpu_millicores": 1000, "memory_mib": 64}, "max_unavailable": 0},
+     "e1", "JobSpecChanged.max_unavailable: expected a positive integer up to 25,000, got number 0"),
 ])
 def test_build_event(topic, event_type, doc, ent, expect):
     if isinstance(expect, str):
-        with pytest.raises(ProduceError, match=expect.replace(".", r"\.").replace("(", r"\(")):
+        with pytest.raises(ProduceError, match=re.escape(expect)):
             build_event(REG, topic, event_type, doc, ent)
         return
     ev = build_event(REG, topic, event_type, doc, ent)
