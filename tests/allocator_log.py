@@ -28,6 +28,16 @@ def status(mid, s, ent="free/dc1"):
                                                  "reason": "test"})
 
 
+def unavailability(ue, machines, kind="MAINTENANCE", ent="free/dc1"):
+    return ev("UnavailabilityStarted", ent, ue, {
+        "unavailability_id": ue, "kind": kind, "machine_ids": list(machines), "start_ms": 2_000_000_000_000,
+        "deadline_ms": None, "expected_duration_ms": 600_000, "reason": "test"})
+
+
+def unavailability_ended(ue, machines, ent="free/dc1"):
+    return ev("UnavailabilityEnded", ent, ue, {"unavailability_id": ue, "machine_ids": list(machines)})
+
+
 def profile(mid, p, ent="e1"):
     return ev("HostProfileApplied", ent, mid, {"machine_id": mid, "host_profile": p, "previous_host_profile": None})
 
@@ -103,7 +113,17 @@ SEQUENCES = {
         [reg("m1")],
         {"m:m1": {"region": "reg1", "dc": "dc1", "msb": "msb1", "rack": "r1", "type": "skylake", "cpu_cap": "4000",
                   "mem_cap": "8192", "cpu_free": "4000", "mem_free": "8192", "entitlement": "", "status": "UP",
-                  "host_profile": "", "version": "1"}, "tasks:m1": ABSENT}),
+                  "host_profile": "", "version": "1", "maintenance": ""}, "tasks:m1": ABSENT}),
+    "maintenance-announced": (
+        [reg("m1"), reg("m2"), unavailability("ue1", ["m1"]), unavailability("ue0", ["m1", "m2"])],
+        {"m:m1": {"maintenance": "ue0,ue1", "status": "UP", "version": "3"},
+         "m:m2": {"maintenance": "ue0", "version": "2"}}),
+    "maintenance-ended": (
+        [reg("m1"), unavailability("ue1", ["m1"]), unavailability("ue2", ["m1"]), unavailability_ended("ue1", ["m1"])],
+        {"m:m1": {"maintenance": "ue2", "version": "4"}}),
+    "failures-and-unknown-ends-change-nothing": (
+        [reg("m1"), unavailability("f1", ["m1"], kind="FAILURE"), unavailability_ended("f1", ["m1"])],
+        {"m:m1": {"maintenance": "", "version": "1"}}),
     "status-down": ([reg("m1"), reg("m2"), status("m1", "DOWN")], {"m:m1": {"status": "DOWN", "version": "2"}}),
     "same-status-again-is-no-change": ([reg("m1"), status("m1", "UP")], {"m:m1": {"status": "UP", "version": "1"}}),
     "host-profile": ([reg("m1"), profile("m1", "web")], {"m:m1": {"host_profile": "web", "version": "2"}}),
@@ -191,12 +211,12 @@ CPU, MEM = 1000, 2048  # one default task
 
 
 def m(id, *, dc="dc1", msb="msb1", rack="r1", type="skylake", cpu=4000, mem=8192, used_cpu=0, used_mem=0,
-      ent=None, status="UP", version=1):
+      ent=None, status="UP", version=1, maintenance=()):
     from processors.allocator.placement import Machine
 
     return Machine(id=id, dc=dc, msb=msb, rack=rack, machine_type=type, cpu_free=cpu - used_cpu,
                    mem_free=mem - used_mem, cpu_capacity=cpu, mem_capacity=mem, entitlement=ent, status=status,
-                   version=version)
+                   version=version, maintenance=tuple(maintenance))
 
 
 def req(n, *, job="j", cpu=CPU, mem=MEM, **kw):

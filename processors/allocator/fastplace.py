@@ -13,9 +13,10 @@ bin, the request's avoided and ``existing`` machines, and the machines selection
 pool whose dc and type match the narrowing -- so everything is kept per group (``_Group``):
 
 * ``ids``: every machine of the group, any status (the snapshot's members); ``down``: how many are not UP;
-* ``shapes``: the UP machines counted per (cpu_free, mem_free): one shape for a group of empty machines, as
-  the free pool's are; at most the entitlement's size for its groups;
-* ``lists[level][fault domain]``, at the spread levels finer than a group (msb, rack): the UP machines of the
+  ``maint``: how many are UP under a planned maintenance (``Machine.maintenance``);
+* ``shapes``: the UP machines not under maintenance (the **open** ones) counted per (cpu_free, mem_free): one
+  shape for a group of empty machines, as the free pool's are; at most the entitlement's size for its groups;
+* ``lists[level][fault domain]``, at the spread levels finer than a group (msb, rack): the open machines of the
   group in that fault domain as entries ``(cpu_free, machine id, mem_free)``, sorted (by cpu, then id).
 
 ``upsert`` and ``remove`` unlink a machine from its old group and link it into its new one, whatever field
@@ -26,15 +27,16 @@ changed: two bisections and list inserts/deletes in lists of a rack's and an MSB
 it fails. In FILTERS' order (checked when this module is imported):
 
 1. ``FILTER_STATUS`` rejects exactly the non-UP machines: ``down`` of each snapshot group.
-2. ``FILTER_AVOIDED`` rejects the UP avoided machines: each machine of ``request.avoid_machine_ids`` in the
+   ``FILTER_MAINTENANCE`` rejects exactly the UP machines under maintenance: ``maint`` of each snapshot group.
+2. ``FILTER_AVOIDED`` rejects the open avoided machines: each machine of ``request.avoid_machine_ids`` in the
    snapshot is run through the real FILTERS predicates twice, with and without the avoided filter, and moves
    from the reason it would have without (or from the feasible ones) to the reason it has.
 3. The filters in between (other entitlement, machine type, dc) read only a machine's owner, type and dc: its
    group's key. So their FILTERS predicates are evaluated once per group, on a machine of it, and the first
-   that fails rejects all the group's UP machines (an owner other than the entitlement never occurs in a
+   that fails rejects all the group's open machines (an owner other than the entitlement never occurs in a
    snapshot; the type and dc filters do reject when it is not narrowed, or requirements conflict).
 4. In a group they all pass, ``FILTER_CPU`` rejects the UP machines with ``cpu_free < request.cpu``, then
-   ``FILTER_MEMORY`` those with ``mem_free < request.mem``: both summed over ``shapes``. The rest are
+   ``FILTER_MEMORY`` those with ``mem_free < request.mem``: both summed over ``shapes`` (open machines). The rest are
    **feasible**.
 
 The counts are reported in FILTERS' order, zero ones left out, as filter_machines does.
@@ -83,23 +85,26 @@ from types import MappingProxyType
 
 from processors.allocator import placement
 from processors.allocator.placement import (
-    FAULT_DOMAIN_OF, FILTER_AVOIDED, FILTER_CPU, FILTER_MEMORY, FILTER_STATUS, FILTERS, MACHINE_UP, SPREAD_LEVELS,
+    FAULT_DOMAIN_OF, FILTER_AVOIDED, FILTER_CPU, FILTER_MAINTENANCE, FILTER_MEMORY, FILTER_STATUS, FILTERS,
+    MACHINE_UP, SPREAD_LEVELS,
     Entitlement, Machine, Plan, Request, Selection, existing_bins, plan_of,
 )
 
 FREE = None  # the owner of a free-pool machine (Machine.entitlement None)
 
 GroupKey = tuple[str | None, str, str]  # (owner, machine type, dc)
-Entry = tuple[int, str, int]  # (cpu_free, machine id, mem_free) of an UP machine, ordered by cpu then id
+Entry = tuple[int, str, int]  # (cpu_free, machine id, mem_free) of an open machine, ordered by cpu then id
 Cursor = list  # [entries, position]: a walk through one sorted list during one run
 Predicate = Callable[[Machine], bool]
 
 REASONS = tuple(reason for reason, _ in FILTERS)
 # How run() counts each filter (see the module doc). It relies on this order; a change to FILTERS must be
 # reflected here, so fail at import rather than count differently from placement.
-if REASONS[:2] != (FILTER_STATUS, FILTER_AVOIDED) or REASONS[-2:] != (FILTER_CPU, FILTER_MEMORY):
-    raise ImportError(f"fastplace counts FILTERS as status, avoided, <per group>, cpu, memory; FILTERS is {REASONS}")
-GROUP_FILTERS = frozenset(REASONS[2:-2])  # decided by a machine's owner, type and dc: once per group
+if (REASONS[:3] != (FILTER_STATUS, FILTER_MAINTENANCE, FILTER_AVOIDED)
+        or REASONS[-2:] != (FILTER_CPU, FILTER_MEMORY)):
+    raise ImportError("fastplace counts FILTERS as status, maintenance, avoided, <per group>, cpu, memory; "
+                      f"FILTERS is {REASONS}")
+GROUP_FILTERS = frozenset(REASONS[3:-2])  # decided by a machine's owner, type and dc: once per group
 
 GROUP_LEVEL = "dc"  # a group lies within one fault domain at this level (its key holds the dc)
 LIST_LEVELS = tuple(level for level in SPREAD_LEVELS if level != GROUP_LEVEL)  # sorted lists kept per domain
@@ -117,6 +122,7 @@ class _Group:
     example: Machine  # the machine that made the group: only its owner, type and dc are read (the group's key)
     ids: set[str] = field(default_factory=set)
     down: int = 0
+    maint: int = 0
     shapes: Counter[tuple[int, int]] = field(default_factory=Counter)
     lists: dict[str, dict[str, list[Entry]]] = field(default_factory=lambda: {level: {} for level in LIST_LEVELS})
 
@@ -204,6 +210,9 @@ class PlacementIndex:
         if m.status != MACHINE_UP:
             g.down += 1
             return
+        if m.maintenance:
+            g.maint += 1
+            return
         g.shapes[m.cpu_free, m.mem_free] += 1
         entry = (m.cpu_free, m.id, m.mem_free)
         for level in LIST_LEVELS:
@@ -219,6 +228,8 @@ class PlacementIndex:
                 del self._held[m.entitlement]
         if m.status != MACHINE_UP:
             g.down -= 1
+        elif m.maintenance:
+            g.maint -= 1
         else:
             shape = (m.cpu_free, m.mem_free)
             g.shapes[shape] -= 1
@@ -290,8 +301,9 @@ class PlacementIndex:
         for key in keys:
             g = self._groups[key]
             rejected[FILTER_STATUS] += g.down
+            rejected[FILTER_MAINTENANCE] += g.maint
             if (reason := _first_failing(g.example, per_group)) is not None:
-                rejected[reason] += len(g.ids) - g.down
+                rejected[reason] += len(g.ids) - g.down - g.maint
                 continue
             short_cpu = short_mem = feasible = 0
             for (cpu, mem), n in g.shapes.items():

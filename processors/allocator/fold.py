@@ -6,12 +6,12 @@
     fold.commit(plan, ...)                             # the allocator's own decision, re-checked machine by machine
 
 What the fold holds is what the allocator needs to decide: every machine (topology, type, capacity, free cpu and
-memory, owner, status, host profile, version, the tasks on it), every placement (task -> machine, with the task's
-resources), the resources of requests not yet answered, the entitlements (quota, type, DC pin), and the
-decisions already on the log (by the request event id that caused them). Each record of the log is applied at
-its (topic, partition, offset): an offset at or below the partition's mark changes nothing (at-least-once
-redelivery), and every handler is idempotent by content as well, so a fact arriving twice (the allocator's own
-decision read back, a decision of another allocator already reloaded) changes nothing.
+memory, owner, status, host profile, the planned maintenances announced on it, version, the tasks on it), every
+placement (task -> machine, with the task's resources), the resources of requests not yet answered, the entitlements
+(quota, type, DC pin), and the decisions already on the log (by the request event id that caused them). Each record
+of the log is applied at its (topic, partition, offset): an offset at or below the partition's mark changes nothing
+(at-least-once redelivery), and every handler is idempotent by content as well, so a fact arriving twice (the
+allocator's own decision read back, a decision of another allocator already reloaded) changes nothing.
 
 **The rules** (one table, ``HANDLERS``; they are the rules the Redis index applied with Lua before the fold,
 unchanged, so versions and the materialized Redis keys come out the same)::
@@ -19,6 +19,10 @@ unchanged, so versions and the materialized Redis keys come out the same)::
     MachineRegistered              a new machine joins its DC's free pool, status REGISTERED_STATUS, version 1; a
                                    re-registration updates changed attributes (free capacity follows capacity)
     MachineStatusChanged           set status                      MachinesStatusChanged  the same, per machine
+    UnavailabilityStarted          kind MAINTENANCE: the machines are under that planned maintenance from its
+                                   announcement (placement filters them: machine_in_maintenance); other kinds
+                                   change nothing here (their status changes do)
+    UnavailabilityEnded            the machines are no longer under that maintenance
     HostProfileApplied             set host_profile
     MachineAssignedToEntitlement   free pool -> the entitlement, only if the machine is free; the allocator's own
                                    (an echo of its TasksAllocated.machines_added) changes nothing
@@ -37,10 +41,10 @@ unchanged, so versions and the materialized Redis keys come out the same)::
 An event about a machine the fold does not know raises ``UnknownMachine`` and changes nothing (not even the
 mark); a TasksAllocated that places a task whose request's resources were never seen raises ``MissingResources``.
 
-**Versions.** A machine's version counts changes: each kind of change one step makes to it (attributes, status,
-host profile, owner, tasks added, tasks removed) adds one, and a step that changes nothing adds none. So the
-allocator's commit and the events that record it bump a machine by the same amount whichever comes first, and
-two allocators folding the same log agree on every version (the optimistic commit in Redis compares them).
+**Versions.** A machine's version counts changes: each kind of change one step makes to it (attributes, status, host
+profile, maintenance, owner, tasks added, tasks removed) adds one, and a step that changes nothing adds none. So the
+allocator's commit and the events that record it bump a machine by the same amount whichever comes first, and two
+allocators folding the same log agree on every version (the optimistic commit in Redis compares them).
 
 **Placement** runs on ``fastplace.PlacementIndex``, kept in step with every machine change; its plans equal
 ``placement.run`` over the snapshot the Redis index used to read (the entitlement's machines and the free pool,
@@ -66,6 +70,7 @@ from processors.allocator.placement import (
     Request,
 )
 from processors.frontend import rules
+from processors.resourcebroker.decide import KIND_MAINTENANCE
 from streams.events import Event
 
 # Commit-time conflict: a task of the plan is already placed (a duplicate or replayed request).
@@ -110,19 +115,31 @@ class MachineRec:
     host_profile: str  # "" = default
     version: int
     tasks: set[str] = field(default_factory=set)
+    maintenance: tuple[str, ...] = ()  # planned maintenances (unavailability ids) announced and not ended, sorted
 
     def view(self) -> Machine:
         return Machine(id=self.id, dc=self.dc, msb=self.msb, rack=self.rack, machine_type=self.type,
                        cpu_free=self.cpu_free, mem_free=self.mem_free, cpu_capacity=self.cpu_cap,
                        mem_capacity=self.mem_cap, entitlement=self.entitlement or None, status=self.status,
-                       version=self.version)
+                       version=self.version, maintenance=self.maintenance)
 
     def fields(self) -> dict[str, Any]:
         """The machine's fields as the Redis index and MachineStatePublished name them."""
         return {"region": self.region, "dc": self.dc, "msb": self.msb, "rack": self.rack, "type": self.type,
                 "cpu_cap": self.cpu_cap, "mem_cap": self.mem_cap, "cpu_free": self.cpu_free,
                 "mem_free": self.mem_free, "entitlement": self.entitlement, "status": self.status,
-                "host_profile": self.host_profile, "version": self.version}
+                "host_profile": self.host_profile, "version": self.version,
+                "maintenance": join_maintenance(self.maintenance)}
+
+
+def join_maintenance(ids: tuple[str, ...]) -> str:
+    """A machine's maintenances as the Redis index stores them: ids joined by ``,`` ("" = none)."""
+    return ",".join(ids)
+
+
+def split_maintenance(value: str | None) -> tuple[str, ...]:
+    """``join_maintenance`` read back (None: a machine written before the field existed: none)."""
+    return tuple(value.split(",")) if value else ()
 
 
 @dataclass(slots=True)
@@ -402,6 +419,20 @@ def _statuses_changed(f: RegionFold, e: Event) -> None:
         f._touch(m, int(f._set(m, "status", e.payload["status"])), e.event_id)
 
 
+def _maintenance(f: RegionFold, e: Event) -> None:
+    """A planned maintenance announced (UnavailabilityStarted of kind MAINTENANCE) or ended (UnavailabilityEnded):
+    its machines are under it, or no longer."""
+    p = e.payload
+    if e.type == "UnavailabilityStarted" and p["kind"] != KIND_MAINTENANCE:
+        return
+    ms = [f._get(mid) for mid in p["machine_ids"]]  # every machine known, or nothing changes
+    ue = p["unavailability_id"]
+    for m in ms:
+        now = (tuple(sorted({*m.maintenance, ue})) if e.type == "UnavailabilityStarted"
+               else tuple(x for x in m.maintenance if x != ue))
+        f._touch(m, int(f._set(m, "maintenance", now)), e.event_id)
+
+
 def _host_profile(f: RegionFold, e: Event) -> None:
     m = f._get(e.payload["machine_id"])
     f._touch(m, int(f._set(m, "host_profile", e.payload["host_profile"] or "")), e.event_id)
@@ -511,6 +542,8 @@ HANDLERS: Mapping[str, Callable[[RegionFold, Event], None]] = {
     "MachineRegistered": _registered,
     "MachineStatusChanged": _status_changed,
     "MachinesStatusChanged": _statuses_changed,
+    "UnavailabilityStarted": _maintenance,
+    "UnavailabilityEnded": _maintenance,
     "HostProfileApplied": _host_profile,
     "MachineAssignedToEntitlement": _assigned,
     "MachineReleasedToFreePool": _released,
@@ -588,4 +621,4 @@ def releases(fold: RegionFold, entitlement: str, to_free: Mapping[str, str]) -> 
 
 __all__ = ["RegionFold", "MachineRec", "PendingRequest", "CommitResult", "FoldError", "UnknownMachine",
            "MissingResources", "HANDLERS", "EVENT_TYPES", "CONFLICT_TASK_PLACED", "REGISTERED_STATUS",
-           "releases", "entitlement_of", "merged", "order_key", "job_of"]
+           "releases", "entitlement_of", "merged", "order_key", "job_of", "join_maintenance", "split_maintenance"]

@@ -19,7 +19,8 @@ folded, the decisions committed but maybe not yet on the log, and the partitions
 Keys (under the prefix; ``<m>`` a machine, ``<t>`` a task, ``<e>`` an entitlement, ``<p>`` a partition)::
 
     m:<m>               hash   region dc msb rack type cpu_cap mem_cap cpu_free mem_free entitlement ("" = free
-                               pool) status host_profile ("" = default) version
+                               pool) status host_profile ("" = default) version maintenance (planned maintenance
+                               ids joined by ",", "" = none; absent in a hash written before it existed)
     tasks:<m>           set    tasks placed on the machine
     placement           hash   task -> machine              taskres   hash   task -> "cpu mem"
     entitlement:<e>     hash   quota_machines machine_type dc_pin host_profile ("" = none)
@@ -40,14 +41,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from processors.allocator.fold import CONFLICT_TASK_PLACED, RegionFold
+from processors.allocator.fold import CONFLICT_TASK_PLACED, RegionFold, split_maintenance
 from processors.allocator.placement import (
     CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Machine,
 )
 
 DEFAULT_CONSUMER = "allocator"
 FIELDS = ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free", "entitlement",
-          "status", "host_profile", "version")
+          "status", "host_profile", "version", "maintenance")
 OUTBOX = "outbox:machines"
 PROJECT_CHUNK = 500  # machines per projection call (one call holds the server a few milliseconds)
 DONE_TTL_S = 3600  # a committed decision's events are kept this long (it reaches the log within seconds)
@@ -214,7 +215,8 @@ _LUA_READ = _LUA_PRELUDE + r"""
 local out = {}
 for i = 2, #ARGV do
   local v = redis.call('HMGET', k('m:' .. ARGV[i]), unpack(FIELDS))
-  if v[1] then out[#out + 1] = ARGV[i] .. '\31' .. table.concat(v, '\31') end
+  for j = 1, #FIELDS do if not v[j] then v[j] = '' end end  -- a field newer than the hash
+  if v[1] ~= '' then out[#out + 1] = ARGV[i] .. '\31' .. table.concat(v, '\31') end
 end
 return table.concat(out, '\30')
 """
@@ -278,7 +280,7 @@ def _to_machine(mid: str, v: Sequence[Any]) -> Machine:
     return Machine(id=mid, dc=f["dc"], msb=f["msb"], rack=f["rack"], machine_type=f["type"],
                    cpu_free=int(f["cpu_free"]), mem_free=int(f["mem_free"]), cpu_capacity=int(f["cpu_cap"]),
                    mem_capacity=int(f["mem_cap"]), entitlement=f["entitlement"] or None, status=f["status"],
-                   version=int(f["version"]))
+                   version=int(f["version"]), maintenance=split_maintenance(f["maintenance"]))
 
 
 class MachineIndex:
@@ -381,6 +383,7 @@ class MachineIndex:
             f = {_s(a): _s(v) for a, v in fields.items()}
             for n in ("cpu_cap", "mem_cap", "cpu_free", "mem_free", "version"):
                 f[n] = int(f[n])
+            f["maintenance"] = split_maintenance(f.get("maintenance"))
             f["tasks"] = sorted(map(_s, tasks))
             all_tasks += f["tasks"]
             out[mid] = f

@@ -26,6 +26,7 @@ from types import MappingProxyType
 
 # Hard-filter reasons: why a machine of the snapshot cannot take any task of the request.
 FILTER_STATUS = "machine_not_up"
+FILTER_MAINTENANCE = "machine_in_maintenance"  # a planned maintenance is announced (or running) on it
 FILTER_AVOIDED = "avoided"
 FILTER_OTHER_ENTITLEMENT = "held_by_other_entitlement"
 FILTER_MACHINE_TYPE = "machine_type_mismatch"
@@ -64,6 +65,7 @@ class Machine:
     entitlement: str | None  # None: in the region's free pool
     status: str
     version: int
+    maintenance: tuple[str, ...] = ()  # the planned maintenances (unavailability ids) announced and not ended
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ Filter = Callable[[Entitlement, "Request"], Callable[[Machine], bool] | None]
 # The hard filters, cheapest first: (reason, predicate builder).
 FILTERS: tuple[tuple[str, Filter], ...] = (
     (FILTER_STATUS, lambda e, r: lambda m: m.status == MACHINE_UP),
+    (FILTER_MAINTENANCE, lambda e, r: lambda m: not m.maintenance),
     (FILTER_AVOIDED, lambda e, r: (lambda m: m.id not in r.avoid_machine_ids) if r.avoid_machine_ids else None),
     (FILTER_OTHER_ENTITLEMENT, lambda e, r: lambda m: m.entitlement is None or m.entitlement == e.name),
     (FILTER_MACHINE_TYPE, lambda e, r: _attr_filter("machine_type", r.requirements.get("machine_type"),

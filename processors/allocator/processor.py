@@ -3,7 +3,8 @@
     python -m processors.allocator.processor        # a worker; configuration from ROPEWALK_* (infra.config)
 
 ```
- intents, machines, allocations      catch up: the whole log,        live: poll a batch ──► fold.apply each
+ intents, machines, unavailability,  catch up: the whole log,        live: poll a batch ──► fold.apply each
+ allocations
  (every partition, from offset 0) ──► merged in causal order ──►     (bad record ──► deadletter)
                                       into the fold (fold.py)              │
                                                                            ▼
@@ -17,7 +18,8 @@
 ```
 
 **One fold of the whole region.** The free pool is shared by every entitlement, so each allocator process folds
-every partition of ``intents`` (entitlements), ``machines`` and ``allocations`` (requests and decisions) with
+every partition of ``intents`` (entitlements), ``machines``, ``unavailability`` (planned maintenances: no placement
+lands on their machines) and ``allocations`` (requests and decisions) with
 a confluent-kafka consumer of its own, from the beginning: first the log as it is at start, merged in the
 causal order ``merged`` gives (the rule a rebuild follows), then each record as it arrives. Placement then costs
 what ``fastplace`` costs (about a millisecond for 36 tasks at 100,000 machines), never a read of the region.
@@ -65,7 +67,7 @@ import redis
 
 from infra.config import Config
 from processors.allocator.fold import (
-    EVENT_TYPES, FoldError, RegionFold, merged, releases,
+    EVENT_TYPES, FoldError, RegionFold, merged, releases, split_maintenance,
 )
 from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, MachineIndex
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
@@ -82,7 +84,7 @@ log = logging.getLogger(__name__)
 
 PRODUCER = "allocator"
 APP_ID = "allocator"
-SOURCES = ("intents", "machines", "allocations")
+SOURCES = ("intents", "machines", "unavailability", "allocations")
 
 # Rejection reasons of the processor (beside placement's NO_FEASIBLE_MACHINE / QUOTA_EXCEEDED).
 UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # no EntitlementCreated seen for the request's entitlement
@@ -229,6 +231,7 @@ def machine_state_event(fields: Mapping[str, Any], cause: str | None, ts: int) -
         "host_profile": fields["host_profile"] or None,
         "task_ids": list(fields["task_ids"]),
         "version": version,
+        "maintenance_ids": list(split_maintenance(fields.get("maintenance"))),
     }, entitlement=ent or free_pool_key(fields["dc"]), entity_id=mid, producer=PRODUCER, causation_id=cause or None,
         timestamp_ms=ts, event_id=derived_event_id(PRODUCER, "MachineStatePublished", mid, version))
 
@@ -575,7 +578,7 @@ class Allocator:
                         fold._unplace(fold.machines[cur], t)
                     fold._place(m, t, cpu, mem)
             for name in ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free",
-                         "entitlement", "status", "host_profile", "version"):
+                         "entitlement", "status", "host_profile", "version", "maintenance"):
                 setattr(m, name, f[name])
             fold.reindex(m)
 

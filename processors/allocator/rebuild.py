@@ -108,7 +108,7 @@ def index_state(dump: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class RebuildStats:
-    events: int = 0  # records read from intents, machines and allocations (decodable or not)
+    events: int = 0  # records read from the allocator's SOURCES (decodable or not)
     index_events: int = 0  # of those, events the fold applies (machine, allocation and entitlement events)
     skipped: int = 0  # undecodable records (skipped; the live allocator dead-letters them)
     failed: int = 0  # apply errors seen (skipped, as live); see Rebuild.apply

@@ -371,6 +371,7 @@ def cmd_machine_list(cfg: Config, args) -> int:
     lines = [f"{r['id']:24} {r['status']:11} {r['entitlement'] or 'free':14} {r['dc']}/{r['msb']}/{r['rack']:14} "
              f"{r['type']:10} cpu {r['free']['cpu_millicores']}/{r['capacity']['cpu_millicores']}m  "
              f"mem {r['free']['memory_mib']}/{r['capacity']['memory_mib']} MiB free  {len(r['tasks'])} tasks"
+             + (f"  maintenance {','.join(r['maintenance'])}" if r["maintenance"] else "")
              for r in rows]
     _print(rows, args.json, "\n".join(lines) or "no machines (none published on state.machines yet)")
     return 0
@@ -392,11 +393,13 @@ def cmd_watch(cfg: Config, args) -> int:
             running = sum(t["state"] == "RUNNING" for t in v["tasks"])
             return f"{v['job']:28} {v['state']:9} {running}/{v['desired_tasks']} running  {v['last_reason']}"
         p = ev.payload
+        maintenance = list(p.get("maintenance_ids") or ())
         if args.json:
             return json.dumps({"id": p["machine_id"], "status": p["status"], "entitlement": p["assigned_entitlement"],
-                               **{k: p["topology"][k] for k in ("dc", "msb", "rack")}, "type": p["machine_type"]},
-                              sort_keys=True)
-        return f"{p['machine_id']:28} {p['status']:11} {p['assigned_entitlement'] or 'free':14} {p['machine_type']}"
+                               **{k: p["topology"][k] for k in ("dc", "msb", "rack")}, "type": p["machine_type"],
+                               "maintenance": maintenance}, sort_keys=True)
+        return (f"{p['machine_id']:28} {p['status']:11} {p['assigned_entitlement'] or 'free':14} {p['machine_type']}"
+                + (f"  maintenance {','.join(maintenance)}" if maintenance else ""))
 
     try:
         for ev in sorted(reader.catch_up().values(), key=lambda e: e.entity_id):

@@ -367,7 +367,8 @@ def job_view(state: SchedulerState, job_id: str) -> dict:
         raise UnknownJob(job_id)
     return {
         "job": job.id, "name": job.spec.name, "entitlement": job.entitlement, "state": published_state(job),
-        "incarnation": job.incarnation, "spec_version": job.spec_version, "desired_tasks": job.desired, "last_reason": job.last_reason,
+        "incarnation": job.incarnation, "spec_version": job.spec_version, "desired_tasks": job.desired,
+        "last_reason": job.last_reason,
         "last_ignored": job.last_ignored, "controller": job.spec.controller,
         "operations": [{"id": t.op_id, "task": t.id, "kind": t.op, "state": t.op_state, "reason": t.op_reason}
                        for t in job.tasks.values() if t.op is not None] if job.ops_open else [],
@@ -611,8 +612,10 @@ class _JobWork:
             self.commands = []
 
     def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = ()) -> str:
-        """An AllocationRequested; it avoids ``avoid`` and every machine of the job's planned maintenance (a task
-        moved off a machine of an MSB under maintenance must not land on its neighbour)."""
+        """An AllocationRequested; it avoids ``avoid`` and every machine of the job's planned maintenances that the
+        job's entitlement holds (a task moved off a machine of an MSB under maintenance must not land on its
+        neighbour). The allocator filters every maintenance's machines itself, the free pool's too; this list
+        holds for the moment the allocator has not read the notice yet."""
         job, spec = self.job, self.job.spec
         if place:
             avoid = set(avoid).union(*(machines for _, machines, *_ in job.maint))
@@ -1141,7 +1144,8 @@ def _on_job_submitted(fold: _Fold, ev: Event) -> None:
             return  # applied already, or the same submission again (under another event id): a no-op
         if existing.status == JOB_ACTIVE:
             _refuse(fold, ev, REASON_DUPLICATE_JOB_ID, f"job {job_id} exists with another spec (submitted to "
-                                                       f"{existing.entitlement} at spec version {existing.origin[1]})", w)
+                                                       f"{existing.entitlement} at spec version "
+                                                       f"{existing.origin[1]})", w)
         else:
             _refuse(fold, ev, REASON_JOB_NOT_ACTIVE, f"job {job_id} is {existing.status}: submit it again once it "
                                                      "is stopped", w)

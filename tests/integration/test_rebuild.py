@@ -1,10 +1,11 @@
 """`ropewalk rebuild` on the real broker and Redis.
 
 A real allocator (the harness of test_allocator_processor) is driven through registrations, entitlements,
-allocations (one partial, with a quota rejection), machine status changes, deallocations, releases and a
-re-take of released machines, waiting after each step until it has applied everything in the log; its index
-is dumped. The rebuild, from the log alone with the allocator stopped, must give the same keys and values,
-applied marks included, for every key that is index state (processors/allocator/rebuild.py: NOT_INDEX_STATE).
+allocations (one partial, with a quota rejection), machine status changes, planned maintenances (one ended),
+deallocations, releases and a re-take of released machines, waiting after each step until it has applied everything
+in the log; its index is dumped. The rebuild, from the log alone with the allocator stopped, must give the same keys
+and values, applied marks included, for every key that is index state (processors/allocator/rebuild.py:
+NOT_INDEX_STATE).
 """
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def status_changed(mid: str, status: str, previous: str, key: str) -> Event:
     return new_event("MachineStatusChanged", {"machine_id": mid, "status": status, "previous_status": previous,
                                               "reason": "test"}, entitlement=key, entity_id=mid, producer="test")
+
+
+def maintenance(type_: str, ue: str, machines: list[str]) -> Event:
+    payload = {"unavailability_id": ue, "machine_ids": machines}
+    if type_ == "UnavailabilityStarted":
+        payload.update(kind="MAINTENANCE", start_ms=int(time.time() * 1000) + 3_600_000, deadline_ms=None,
+                       expected_duration_ms=600_000, reason="test")
+    return new_event(type_, payload, entitlement="free/dc1", entity_id=ue, producer="test")
 
 
 def settle(ctx, quiet_s: float = 1.0, timeout_s: float = 30.0) -> None:
@@ -81,6 +90,13 @@ def drive(ctx) -> dict:
 
     down = first["web/0"]
     idle = sorted(m for m, mach in ctx.index.machines(MACHINES).items() if mach.entitlement is None)[0]
+    machines = ctx.index.machines(MACHINES)
+    planned = sorted(m for m, mach in machines.items() if mach.entitlement is None and m != idle)
+    e2_machine = next(m for m, mach in machines.items() if mach.entitlement == "e2")
+    send(ctx, maintenance("UnavailabilityStarted", "ue-kept", planned),  # placements avoid them from now on
+         maintenance("UnavailabilityStarted", "ue-ended", [e2_machine]),
+         maintenance("UnavailabilityEnded", "ue-ended", [e2_machine]))
+    wait_for(lambda: ctx.index.machines(planned)[planned[0]].maintenance == ("ue-kept",), "the maintenances applied")
     send(ctx, status_changed(down, "DOWN", "UP", "e1"), status_changed(idle, "MAINTENANCE", "UP", "free/dc1"),
          new_event("EntitlementUpdated", {"quota_machines": 8, "machine_type": None, "dc_pin": None,
                                           "host_profile": None}, entitlement="e1", entity_id="e1", producer="test"),
@@ -152,7 +168,8 @@ def test_the_rebuild_from_the_log_equals_the_live_index_key_for_key(region, inde
     assert live["entitlement:e1"]["quota_machines"] == "8" and live["entitlement:e2"]["quota_machines"] == "1"
     assert len(live["placement"]) == 8 and not any(k.startswith("req:") for k in live)
     topics = {field.rsplit("/", 1)[0][len(cfg.topic_prefix):] for field in live["applied:allocator"]}
-    assert topics == {"intents", "machines", "allocations"}
+    assert topics == {"intents", "machines", "unavailability", "allocations"}
+    assert sorted(live[f"m:{m}"]["maintenance"] for m in MACHINES) == [""] * (len(MACHINES) - 1) + ["ue-kept"]
     assert max(int(live[f"m:{m}"]["version"]) for m in MACHINES) >= 7  # taken, released, re-taken
     index.clear()  # from nothing but the log (the harness cleared the allocator's keys; other tests rebuild)
 

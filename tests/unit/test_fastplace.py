@@ -8,8 +8,8 @@ import pytest
 from processors.allocator import placement
 from processors.allocator.fastplace import PlacementIndex
 from processors.allocator.placement import (
-    FILTER_AVOIDED, FILTER_CPU, FILTER_DC, FILTER_MACHINE_TYPE, FILTER_MEMORY, FILTER_STATUS, NO_FEASIBLE_MACHINE,
-    QUOTA_EXCEEDED, Entitlement, Request,
+    FILTER_AVOIDED, FILTER_CPU, FILTER_DC, FILTER_MACHINE_TYPE, FILTER_MAINTENANCE, FILTER_MEMORY, FILTER_STATUS,
+    NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED, Entitlement, Request,
 )
 from allocator_log import e1, m, req
 
@@ -68,6 +68,19 @@ CASES = {
         dict(placements=(), unplaced=("j/0",), reason=NO_FEASIBLE_MACHINE, filter_rejections={FILTER_STATUS: 3},
              message="no machine fits a task of 1000m cpu and 2048 MiB (1 of 1 tasks of job j unplaced); "
                      "machines rejected: 3 machine_not_up")),
+    "maintenance-never-places-into-itself": (
+        # the job's only task left msb2 (a maintenance of msb2 is announced): its bin is empty, its free machines
+        # fit and are first by id, yet every machine of the maintenance is filtered, held, free or down alike
+        [m("a2", msb="msb2", maintenance=("ue1",)), m("b2", msb="msb2", ent="e1", maintenance=("ue1",)),
+         m("c2", msb="msb2", status="DOWN", maintenance=("ue1",)), m("z1", msb="msb1", ent="e1")], e1(),
+        req(1, existing={"j/1": "z1"}), 2,
+        dict(placements=(("j/0", "z1"),), filter_rejections={FILTER_STATUS: 1, FILTER_MAINTENANCE: 2})),
+    "maintenance-before-avoided": (
+        [m("a", maintenance=("ue1", "ue2")), m("b")], e1(), req(1, avoid_machine_ids=frozenset({"a", "b"})), 0,
+        dict(placements=(), reason=NO_FEASIBLE_MACHINE, filter_rejections={FILTER_MAINTENANCE: 1,
+                                                                           FILTER_AVOIDED: 1},
+             message="no machine fits a task of 1000m cpu and 2048 MiB (1 of 1 tasks of job j unplaced); "
+                     "machines rejected: 1 machine_in_maintenance, 1 avoided")),
     "avoided-counted-once-and-only-in-the-snapshot": (
         # a is down (status comes first), c is too small (avoided comes first), other is not in the snapshot,
         # ghost is not a machine
@@ -197,6 +210,7 @@ TYPES = {"skylake": (32000, 131072), "broadwell": (24000, 65536), "bigmem": (160
 SHAPES = ((1000, 2048), (2000, 4096), (500, 1024), (4000, 60000), (200, 100000), (40000, 1024), (8000, 4096))
 ENTITLEMENTS = ("e1", "e2", "e3", "e4")
 NOT_UP = ("DOWN", "MAINTENANCE", "UNHEALTHY")
+MAINTENANCES = (("ue1",), ("ue2",), ("ue1", "ue2"))  # planned maintenances a machine may be under
 SEEDS = range(12)
 DECISIONS_PER_SEED = 40
 
@@ -221,7 +235,7 @@ def random_machine(rnd, id, dc, msb, rack, type):
     n_tasks = int(used * min(cpu // task_cpu, mem // task_mem))
     return m(id, dc=dc, msb=msb, rack=rack, type=type, cpu=cpu, mem=mem, used_cpu=n_tasks * task_cpu,
              used_mem=n_tasks * task_mem, ent=ent, status=rnd.choice(("UP",) * 12 + NOT_UP),
-             version=rnd.randint(1, 5))
+             version=rnd.randint(1, 5), maintenance=rnd.choice(((),) * 10 + MAINTENANCES))
 
 
 def random_decision(rnd, index, machines, placed):
@@ -271,8 +285,10 @@ def churn(rnd, index, machines):
         if x is None:
             continue
         what = rnd.random()
-        if what < 0.3:
+        if what < 0.22:
             x = replace(x, status=rnd.choice(("UP",) + NOT_UP))
+        elif what < 0.3:  # a planned maintenance announced on it, or ended
+            x = replace(x, maintenance=rnd.choice(((),) * 2 + MAINTENANCES))
         elif what < 0.55:  # released back to the free pool, empty
             x = replace(x, entitlement=None, cpu_free=x.cpu_capacity, mem_free=x.mem_capacity)
         elif what < 0.7:  # taken by another entitlement
@@ -332,7 +348,8 @@ def index_state(index):
     """What an index holds, to compare two of them: machines, held counts, and every group's members, shapes and
     sorted lists."""
     return (index._machines, +index._held,
-            {k: (g.ids, g.down, +g.shapes, {lv: {d: l for d, l in by.items() if l} for lv, by in g.lists.items()})
+            {k: (g.ids, g.down, g.maint, +g.shapes,
+                 {lv: {d: l for d, l in by.items() if l} for lv, by in g.lists.items()})
              for k, g in index._groups.items()})
 
 
@@ -365,7 +382,7 @@ def test_the_random_sequences_exercise_what_they_should():
     for seed in SEEDS:
         play(seed, decide)
     assert seen["decision"] == len(SEEDS) * DECISIONS_PER_SEED
-    assert set(seen) >= {None, QUOTA_EXCEEDED, NO_FEASIBLE_MACHINE, FILTER_STATUS, FILTER_AVOIDED, FILTER_CPU,
-                         FILTER_MEMORY, FILTER_MACHINE_TYPE, FILTER_DC, "placed", "added", "partly-placed",
+    assert set(seen) >= {None, QUOTA_EXCEEDED, NO_FEASIBLE_MACHINE, FILTER_STATUS, FILTER_MAINTENANCE, FILTER_AVOIDED,
+                         FILTER_CPU, FILTER_MEMORY, FILTER_MACHINE_TYPE, FILTER_DC, "placed", "added", "partly-placed",
                          "several-bins", "existing-counted", "spread-dc", "spread-msb", "spread-rack",
                          "narrowed"}, seen

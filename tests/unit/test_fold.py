@@ -11,7 +11,7 @@ import pytest
 
 from allocator_log import (
     ALLOC_J01, SEQUENCES, Log, allocated, assign, check, deallocated, ev, profile, reg, rejected,
-    requested, state, status,
+    requested, state, status, unavailability,
 )
 from processors.allocator import placement
 from processors.allocator.fold import (
@@ -52,6 +52,7 @@ def test_a_batch_of_statuses_is_the_statuses_one_by_one():
 
 ERRORS = {
     "status-of-unknown-machine": ([reg("m1")], status("m9", "DOWN"), UnknownMachine),
+    "maintenance-naming-an-unknown-machine": ([reg("m1")], unavailability("ue1", ["m1", "m9"]), UnknownMachine),
     "batch-status-naming-an-unknown-machine": ([reg("m1")], batch_status(["m1", "m9"], "DOWN"), UnknownMachine),
     "assign-unknown-machine": ([], assign("m9", "e1"), UnknownMachine),
     "allocate-on-unknown-machine": ([reg("m1"), requested("r1", "e1", ["j/0"])],
@@ -230,3 +231,21 @@ def test_placement_on_the_fold_equals_placement_run_on_a_seeded_region():
             assert fold.commit(got.placements, got.machines_added, "e1", req.cpu, req.mem, expected, f"r{n}").ok
             checked += 1
     assert checked > 10
+
+
+def test_a_maintenance_on_the_log_keeps_every_placement_off_its_machines_until_it_ends():
+    """The reproduction of issue 11: a task moved off an MSB under maintenance went to a free machine of that very
+    MSB (its bin was the emptiest). The fold filters the maintenance's machines, held or free, for any request."""
+    from allocator_log import unavailability_ended
+
+    fold = RegionFold()
+    log = apply_all(fold, [reg("a1", msb="msb1"), reg("b2", msb="msb2"), reg("c2", msb="msb2"),
+                           unavailability("ue1", ["b2", "c2"])])
+    e1 = Entitlement("e1", quota_machines=10)
+    ask = Request(request_id="r1", job_id="j", entitlement="e1", task_ids=("j/0", "j/1"), cpu=1000, mem=1024,
+                  existing={"j/9": "a1"})  # msb1 has a task of the job: msb2 would be the spread's choice
+    plan = fold.place(e1, ask)
+    assert plan.placements == (("j/0", "a1"), ("j/1", "a1"))
+    assert dict(plan.filter_rejections) == {placement.FILTER_MAINTENANCE: 2}
+    fold.apply(*log.add(unavailability_ended("ue1", ["b2", "c2"])))
+    assert {mid for _, mid in fold.place(e1, ask).placements} == {"b2"}

@@ -189,7 +189,8 @@ class Sim:
         assert (again, out_again) == (new, out), "same input, same state: same output"
         dup_state, dup_out = decide(new, event, now, max_tasks=self.max_tasks)
         refused_again = dup_out == out and all(e.type == "IntentRefused" for e in out)
-        assert (dup_out == [] or refused_again) and dup_state == new, f"{event.type} delivered twice must change nothing"
+        assert (dup_out == [] or refused_again) and dup_state == new, \
+            f"{event.type} delivered twice must change nothing"
         for e in out:
             REG.encode(e.type, e.to_record(schema_version=1))
             assert (e.producer, e.causation_id, e.timestamp_ms) == (PRODUCER, event.event_id, now)
@@ -339,7 +340,8 @@ def test_refused_submission_is_recorded_with_its_reason(event, reason):
     assert view["state"] == JOB_REJECTED and view["tasks"] == [] and view["last_reason"].startswith(reason + ":")
     assert view["last_reason"] == f"{reason}: {refused.payload['message']}"
     out = sim.feed(ev("JobResized", {"job_id": "j", "tasks": 4}, producer="cli", ent=event.entitlement))
-    assert refusals(out) == [("JobResized", REASON_JOB_NOT_ACTIVE)] and kinds(out) == [("published", JOB_REJECTED, False)]
+    assert refusals(out) == [("JobResized", REASON_JOB_NOT_ACTIVE)]
+    assert kinds(out) == [("published", JOB_REJECTED, False)]
 
 
 def test_rejected_submission_can_be_submitted_again():
@@ -357,7 +359,8 @@ def test_duplicate_job_id():
     assert sim.feed(submit("j", 2)) == []  # the same submission again (a new event id): a no-op
     assert job_view(sim.state, "j") == job_view(before, "j")
     out = sim.feed(submit("j", 5, command=("other",)))  # another job under the same id: refused, shown
-    assert refusals(out) == [("JobSubmitted", REASON_DUPLICATE_JOB_ID)] and kinds(out) == [("published", JOB_RUNNING, False)]
+    assert refusals(out) == [("JobSubmitted", REASON_DUPLICATE_JOB_ID)]
+    assert kinds(out) == [("published", JOB_RUNNING, False)]
     view = sim.view()
     assert view["last_reason"].startswith(REASON_DUPLICATE_JOB_ID + ":")
     assert [t["state"] for t in view["tasks"]] == ["RUNNING", "RUNNING"] and view["desired_tasks"] == 2

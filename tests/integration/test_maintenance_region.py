@@ -1,0 +1,89 @@
+"""Maintenance never places into itself (issue 11, deliverable 6), on a real region driven through the CLI
+(``ropewalk up``: broker, Redis, Resource Broker, the real allocator, a scheduler shard, simulated agents, health)
+with the reference ``pacing`` TaskController as a process of its own.
+
+The reproduction: with ``maintenance plan --msb dc1/msb2`` the pacing controller chose MOVE, and the allocator put
+the task on a free machine of that same MSB (the scheduler's avoid list named only the machines its entitlement
+held there; for the spread, msb2 had become the emptiest bin); ``machine list`` showed nothing of the maintenance.
+Now the allocator's fold knows every planned maintenance from the ``unavailability`` topic and filters its machines
+(``machine_in_maintenance``) for every placement, and ``state.machines`` carries it.
+
+The job is pinned to dc1, whose two MSBs each get one of its two tasks: the task on msb2 has nowhere to go in dc1
+but msb1 (or, before, a free msb2 machine). A job submitted during the maintenance never lands on msb2 either.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from regioncli import ROOT, RegionCli
+
+pytestmark = pytest.mark.integration
+
+SPEC = ("name: {name}\nentitlement: e1\ntasks: {tasks}\ncommand: [sleep, '3600']\n"
+        "resources: {{cpu_millicores: 1000, memory_mib: 1024}}\nrequirements: {{dc: dc1}}\nspread: msb\n{extra}")
+
+
+def machines(cli) -> dict[str, dict]:
+    return {m["id"]: m for m in cli.json("machine", "list")}
+
+
+@pytest.mark.timeout(420)
+def test_a_maintenance_never_places_into_itself_and_machine_list_shows_it(tmp_path):
+    cli = RegionCli(tmp_path / "run")
+    up = cli("up", "--machines", "40", "--no-demo", "--json")
+    controller = None
+    try:
+        assert up.returncode == 0, up.stderr
+        cli.ok("entitlement", "create", "e1", "--quota", "4")
+        (tmp_path / "load").write_text("0.2")
+        with open(tmp_path / "controller.log", "wb") as log:
+            controller = subprocess.Popen(
+                [sys.executable, "-m", "processors.taskcontrol.controllers", "pacing", "--name", "web", "--load-file",
+                 str(tmp_path / "load"), "--keep-below-s", "60"], cwd=ROOT, env=cli.env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        (tmp_path / "web.yaml").write_text(SPEC.format(name="web", tasks=2, extra="controller: web\n"))
+        time.sleep(1)
+        assert cli.ok("job", "submit", str(tmp_path / "web.yaml")).strip() == "e1.web"
+        view = cli.wait_for(lambda: cli.running("e1.web", 2), "e1.web running", 120)
+        assert sorted(t["msb"] for t in view["tasks"]) == ["msb1", "msb2"]
+        moving = next(t for t in view["tasks"] if t["msb"] == "msb2")
+
+        plan = cli.json("maintenance", "plan", "--msb", "dc1/msb2", "--start", "+10m", "--duration", "30m",
+                        "--deadline", "+5m")
+        ue, planned = plan["unavailability_id"], set(plan["machines"])
+        assert len(planned) == 10 and moving["machine"] in planned
+
+        # the controller chose MOVE (a long maintenance): the task runs again, elsewhere, outside the maintenance
+        def moved():
+            v = cli.running("e1.web", 2)
+            t = v and next(t for t in v["tasks"] if t["id"] == moving["id"])
+            return v if t and t["machine"] != moving["machine"] else None
+        after = cli.wait_for(moved, "the msb2 task moved by its controller", 120)
+        landed = {t["id"]: t["machine"] for t in after["tasks"]}
+        assert not planned & set(landed.values()), f"placed into the maintenance {ue}: {landed}"
+
+        # a job submitted while the maintenance is planned never lands on its machines either
+        (tmp_path / "batch.yaml").write_text(SPEC.format(name="batch", tasks=4, extra=""))
+        cli.ok("job", "submit", str(tmp_path / "batch.yaml"))
+        batch = cli.wait_for(lambda: cli.running("e1.batch", 4), "e1.batch running", 120)
+        assert not planned & {t["machine"] for t in batch["tasks"]}
+
+        # the machines' state shows the maintenance (state.machines, machine list), and stops showing it at its end
+        shown = cli.wait_for(lambda: (ms := machines(cli)) and all(ms[m]["maintenance"] == [ue] for m in planned)
+                             and ms, "machine list showing the maintenance")
+        assert all(not m["maintenance"] for mid, m in shown.items() if mid not in planned)
+        assert f"maintenance {ue}" in cli.ok("machine", "list")
+        cli.ok("maintenance", "end", ue)
+        cli.wait_for(lambda: (ms := machines(cli)) and not any(m["maintenance"] for m in ms.values()),
+                     "machine list without the maintenance")
+    finally:
+        if controller is not None:
+            controller.kill()
+            controller.wait(10)
+        down = cli("down")
+    assert down.returncode == 0, down.stderr
