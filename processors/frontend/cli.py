@@ -2,7 +2,8 @@
 
 Every read command takes --json and prints one JSON document (replay: one JSON event per line); every
 command exits non-zero with a one-line reason on error. A record a command's readers cannot decode is skipped
-and counted; the command goes on and says so once, in one line on stderr, when it ends (``args.skipped``).
+and counted; the command goes on and says so once, in one line on stderr, when it ends (``args.skipped``; on an
+error, at the end of the error's line).
 """
 from __future__ import annotations
 
@@ -757,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     args.skipped = Skipped()  # what the command's readers could not decode: said once, when it ends
+    failed = False
     try:
         cfg = Config.from_env()
         return args.fn(cfg, args)
@@ -766,10 +768,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as exc:  # every failure is one line with a reason, never a traceback
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"ropewalk: {msg}", file=sys.stderr)
+        skipped = args.skipped.report()  # on the same line: it may be why (a job whose only state was unreadable)
+        print(f"ropewalk: {msg}" + (f" ({skipped})" if skipped else ""), file=sys.stderr)
+        failed = True
         return 1
     finally:
-        if (line := args.skipped.report()) is not None:
+        if not failed and (line := args.skipped.report()) is not None:
             print(f"ropewalk: {line}", file=sys.stderr)
 
 

@@ -169,6 +169,15 @@ def test_job_commands_skip_what_they_cannot_decode(cfg, jobs_log, tmp_path, comm
     said_once(out, 2 * len(BAD_KINDS))  # on state.jobs and on state.tasks
 
 
+def test_an_error_says_what_was_skipped_on_its_one_line(cfg, registry):
+    """A job whose only state records are unreadable is unknown, and the one line of the error says why it may be."""
+    put_bad(cfg, registry, "state.jobs", JOB)
+    out = cli(cfg, "job", "status", JOB)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"ropewalk: unknown job '{JOB}'")
+    assert f"(skipped {len(BAD_KINDS)} undecodable records (" in out.stderr
+
+
 MACHINE_COMMANDS = {  # state.machines (list, watch) or machines (fail)
     "machine list": (("machine", "list", "--json"), lambda out: [m["id"] for m in json.loads(out)] == ["m1"]),
     "watch machines --once": (("watch", "machines", "--once", "--json"), lambda out: json.loads(out)["id"] == "m1"),
