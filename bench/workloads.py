@@ -285,13 +285,17 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     gone = set(victims)
     affected = {t for t, m in obs.placement.items() if m in gone}
     state = fold_machines(env.cfg, registry)
+    # The health check's producer is connected long before a failure: this one is too, before the clock starts
+    # (a first send's connection and schema publication took ~0.5 s, counted as failover before).
+    producer = EventProducer(env.cfg, registry, broker.PRODUCER)
+    producer.prepare("MachinesStatusChanged", "UnavailabilityStarted")
     now = int(time.time() * 1000)
     # One decision for all of them, as the health check takes for the machines gone silent in one tick: one
     # MachinesStatusChanged and one UnavailabilityStarted per owner, not two events per machine.
     state, events = broker.machines_failed(state, victims, broker.REASON_OPERATOR, now)
     fail_ts = min((e.timestamp_ms for e in events), default=now)
     cpu0 = env.cpu_seconds()
-    produce(EventProducer(env.cfg, registry, broker.PRODUCER), events)
+    produce(producer, events)
 
     def moved(t: str) -> bool:
         run = obs.running.get(t)
