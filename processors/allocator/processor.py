@@ -615,7 +615,7 @@ class Allocator:
                 total, turn = 0, 0
                 while (rounds is None or turn < rounds) and (queued := self.index.outbox(limit)):
                     turn += 1
-                    states = self.index.states(queued)
+                    states = self._states(queued)
                     ts = int(time.time() * 1000)
                     for mid, fields in states.items():
                         self.producer.send(machine_state_event(fields, queued[mid][1], ts), validate=False)
@@ -629,6 +629,21 @@ class Allocator:
                 return total
             finally:
                 self._unlock(keys=[lock], args=[token])
+
+    def _states(self, queued: Mapping[str, tuple[int, str]]) -> dict[str, dict[str, Any]]:
+        """The current state of the queued machines: from the fold where it holds the queued version or a newer
+        one (the projection and the commit write the fold's versions, so that is every machine but those another
+        allocator changed since this one folded them), the rest read from Redis (``MachineIndex.states``)."""
+        with self.lock:
+            out = {}
+            for mid, (version, _) in queued.items():
+                m = self.fold.machines.get(mid)
+                if m is not None and m.version >= version:
+                    out[mid] = {"id": mid, **m.fields(), "task_ids": sorted(m.tasks)}
+        behind = [mid for mid in queued if mid not in out]
+        if behind:
+            out.update(self.index.states(behind))
+        return out
 
     def maybe_publish_machine_states(self) -> int:
         """One round, when ``publish_interval_s`` passed since the last or the last left a backlog."""
