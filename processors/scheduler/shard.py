@@ -9,7 +9,7 @@ event of the entitlements hashed to p, in log order. Kill a worker and the group
 survivors, which recover the partitions' table data from the changelogs before they read on.
 
 ```
- intents, allocations, tasks,     take_events(500, 10 ms): a batch of records
+ intents, allocations, tasks,     take_events(500, 2 ms): a batch of records
  machines, unavailability,  ────► gate: offset guard; record header producer=scheduler ──► passed over, undecoded
  taskcontrol (one faust topic)    decode (bad bytes ──► deadletter)
                                      │
@@ -34,15 +34,19 @@ survivors, which recover the partitions' table data from the changelogs before t
     job_chunks      "<job>#<i>@<version>"   -> {"entitlement", "tasks": records of the job's tasks i*500..i*500+499}
     entitlements    entitlement name        -> the Entitlement's fields
     machines_down   machine id              -> status or unavailability kind (absent: UP)
-    machine_jobs    "<entitlement>|<machine>" -> sorted job ids of that entitlement with a task placed on it
     offsets         "<topic>/<partition>"   -> the next offset of that source partition to apply (offsets.py)
     limits          "shard/<partition>"     -> the shard's token bucket for destructive operations
                                                (processors/taskcontrol/limiter.py)
 
 A changelog record holds at most one chunk of 500 tasks (~120 KB of JSON), whatever the job's size, and a batch
-writes only the chunks whose tasks changed, once per batch (not per event). Beside the tables, a memo (not state): per
-job, the header this worker last wrote and the ``Job`` it stands for, used only while the table still holds that
-very object; it spares assembling the job from its chunks on every batch.
+writes only the chunks whose tasks changed, once per batch (not per event). Beside the tables, two things in memory
+that are not state, each derived from the tables: per job, the header this worker last wrote and the ``Job`` it
+stands for (a memo used only while the table still holds that very object; it spares assembling the job from its
+chunks on every batch); and the machine index, ``"<entitlement>|<machine>"`` -> the ids of that entitlement's
+jobs with a task placed on the machine (``MachineJobs``), built from the stored jobs' chunks when first needed
+after an assignment and kept in step by every write. It was a changelog table of its own until it made ~20 of the
+~28 changelog records a job of 36 tasks cost (a record per machine a job's tasks came to or left), the largest
+share of the shard's time in a burst (py-spy, 100,000 machines).
 
 Every value is written to the changelog partition of its entitlement (``partition_for(entitlement)``), which is
 the partition of the event being processed for every entitlement-keyed event; so a partition's changelog holds
@@ -50,7 +54,7 @@ exactly the state of that partition's entitlements, and a worker that takes the 
 
 **Which jobs an event concerns.** Intents and allocation results name their job (``job_id``); a TaskStatesChanged
 names the jobs of its reports. Machine and unavailability events are keyed by the machines' owner, and ``decide``
-only moves that entitlement's jobs off the machines, so the ``machine_jobs`` index answers in O(jobs on the
+only moves that entitlement's jobs off the machines, so the machine index answers in O(jobs on the
 machines) instead of a scan of the shard's jobs. A machine event keyed to an entitlement this shard does not know
 (a free pool key, ``free/<dc>``) makes ``decide`` look at every job: then the jobs of the event's partition are
 scanned (O(jobs held by this worker)), which is rare.
@@ -62,7 +66,7 @@ in the gate, before decoding (after the offset guard has counted it). Records wi
 other writers) are decoded, and ``decide`` drops the scheduler's own by ``is_own`` and ignores the other types.
 
 **Batches.** faust's ``stream.take_events(BATCH_MAX, BATCH_WITHIN_S)`` hands the agent up to 500 records at a
-time (what has arrived within 10 ms). The batch is decided on one state, event after event in log order (each
+time (what has arrived within 2 ms). The batch is decided on one state, event after event in log order (each
 event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
 once: a job that many events of the batch touched is written once, with only its changed chunks.
 
@@ -133,7 +137,8 @@ MACHINE_EVENTS = frozenset({"MachineStatusChanged", "MachinesStatusChanged", "Un
 RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
 FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
 BATCH_MAX = 500  # records handed to one decision batch at most
-BATCH_WITHIN_S = 0.01  # how long a batch waits for more records before it is decided
+BATCH_WITHIN_S = 0.002  # how long a batch waits for more records before it is decided (a record waits half of it on
+# average when the shard is idle; under load records queue while a batch is decided, and batches grow by themselves)
 BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
 FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
 SLOW_BATCH_S = 0.25  # a batch that takes longer is logged with where its time went
@@ -168,10 +173,6 @@ def shard_bucket_key(partition: int) -> str:
     return f"shard/{partition}"
 
 
-def index_key(entitlement: str, machine: str) -> str:
-    return f"{entitlement}|{machine}"
-
-
 def is_ignored_record(msg: Any) -> bool:
     """Whether a record's ``type`` header names an event ``decide`` does nothing with (a MachineRegistered, say:
     100,000 of them when a region registers): passed over undecoded, like the scheduler's own echoes."""
@@ -202,12 +203,6 @@ def coalesce(events: list[Event]) -> list[Event]:
     return out
 
 
-def _machines(job: Job | None) -> set[str]:
-    if job is None:
-        return set()
-    return {t.machine for t in job.tasks.values() if t.machine is not None}
-
-
 def job_ids_of(event: Event) -> list[str]:
     """The jobs an event names itself (its ``job_id``, or its reports' jobs)."""
     p = event.payload
@@ -231,7 +226,7 @@ class ShardTables:
         self.job_chunks = app.Table("scheduler-job-chunks", **opts)  # "<job>#<i>@<v>" -> a chunk of its tasks
         self.entitlements = app.Table("scheduler-entitlements", **opts)
         self.machines_down = app.Table("scheduler-machines-down", **opts)
-        self.machine_jobs = app.Table("scheduler-machine-jobs", **opts)
+        self.machine_jobs = st.MachineJobs()  # in memory, derived from jobs and job_chunks (see the module docstring)
         self.offsets = app.Table("scheduler-offsets", **opts)  # "<topic>/<partition>" -> next offset to apply
         self.limits = app.Table("scheduler-limits", **opts)  # "shard/<partition>" -> the shard's token bucket
         # A memo, not state: job id -> (the header this worker last wrote or read, the Job it stands for). Used
@@ -252,9 +247,11 @@ class ShardTables:
             return named
         machines = batches.machine_ids(event)
         if self.entitlements.data.get(event.entitlement) is not None:
+            if not self.machine_jobs.built:
+                self.machine_jobs.build(self.jobs.data, self.job_chunks.data)
             ids: set[str] = set()
             for m in machines:
-                ids.update(self.machine_jobs.data.get(index_key(event.entitlement, m)) or ())
+                ids.update(self.machine_jobs.jobs(event.entitlement, m))
             return sorted(ids)
         # a key no entitlement of this shard has (free/<dc>): every job of the event's partition
         return sorted(k for k, r in list(self.jobs.data.items())
@@ -268,7 +265,7 @@ class ShardTables:
         ent_names = {j.entitlement for j in jobs}
         machines: set[str] = set()
         for j in jobs:
-            machines |= _machines(j)
+            machines |= st.machines_of(j)
         for event in events:
             ent_names.add(event.entitlement)
             if event.type in MACHINE_EVENTS:
@@ -351,15 +348,8 @@ class ShardTables:
         for job, part, p in plans:
             self._put(self.jobs, part, job.id, p.header)
             self._decoded[job.id] = (p.header, job)
-            old_m, new_m = _machines(before.jobs.get(job.id)), _machines(job)
-            for m in old_m ^ new_m:
-                key = index_key(job.entitlement, m)
-                ids = set(self.machine_jobs.data.get(key) or ())
-                if m in new_m:
-                    ids.add(job.id)
-                else:
-                    ids.discard(job.id)
-                self._put(self.machine_jobs, part, key, sorted(ids) or None)
+            self.machine_jobs.update(job.id, job.entitlement, st.machines_of(before.jobs.get(job.id)),
+                                     st.machines_of(job))
             wrote = True
         for name, ent in after.entitlements.items():
             if before.entitlements.get(name) != ent:
@@ -604,6 +594,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     @app.on_partitions_assigned.connect
     async def announce(app, assigned, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
         guard.forget()
+        tables.machine_jobs.forget()  # the recovery that follows may change the tables: built again when needed
         mine = sorted({tp.partition for tp in assigned if tp.topic in source_names})
         log.info("scheduler shard %d: assigned partitions %s", os.getpid(), mine)
 
