@@ -305,6 +305,7 @@ class Allocator:
         self._outbox_backlog = False  # the last round of publish_machine_states left machines in the outbox
         self._projected_at = 0.0
         self._projected_marks: dict[tuple[str, int], int] = {}
+        self._committed: dict[str, int] = {}  # machine -> the version a commit of this batch wrote to Redis
         self._publishing = threading.Lock()
         self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
         self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
@@ -445,6 +446,8 @@ class Allocator:
                 res = next(by_request) if p.decision is not None else None
                 if res is None or res.outcome == "ok":
                     finished.append((p.pending, p.events))
+                    if res is not None:
+                        self._committed.update(res.versions)
                 elif res.outcome == JOURNALED:
                     journaled = load_events(res.events)
                     reload |= p.touched | machines_of(journaled)
@@ -590,6 +593,11 @@ class Allocator:
         """Write the machines the fold changed since the last projection to Redis, with the marks and the
         entitlements (the marks alone at most every ``publish_interval_s``: they move with every record)."""
         changed = self.fold.drain_changes()
+        if self._committed:  # what a commit wrote already, at the fold's version, need not be written again
+            machines, committed = self.fold.machines, self._committed
+            changed = {mid: cause for mid, cause in changed.items()
+                       if (m := machines.get(mid)) is None or committed.get(mid) != m.version}
+            self._committed = {}
         now = time.monotonic()
         if not changed and not force and now - self._projected_at < self.publish_interval_s:
             return 0
@@ -704,6 +712,7 @@ class Allocator:
         with self.lock:
             self.fold = RegionFold()
             self.pending.clear()
+            self._committed = {}
             self.caught_up = self.stale = False
         stats = self.catch_up()
         log.info("allocator: folded the log: %s", stats)
