@@ -54,12 +54,14 @@ The latest ignored report is kept in the job's ``last_ignored`` (also in ``job_v
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+import dataclasses
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from processors.cowmap import CowMap
+from processors.evolve import evolver
 from processors.frontend import rules
 from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
 from processors.scheduler import lifecycle as lc
@@ -266,6 +268,17 @@ class Task:
                 "task_id": self.id, "state": self.state, "machine_id": self.machine, "dc": self.dc,
                 "msb": self.msb, "rack": self.rack, "spec_version": self.spec_version, "reason": self.reason}))
         return self._row
+
+
+_task_with = evolver(Task)
+
+
+def replace(obj: Any, /, **changes: Any) -> Any:
+    """``dataclasses.replace``; a ``Task`` (the hot one: replaced several times per task and decision) through a
+    compiled ``processors.evolve.evolver``, the same result in half the time."""
+    if type(obj) is Task:
+        return _task_with(obj, changes)
+    return dataclasses.replace(obj, **changes)
 
 
 @dataclass(frozen=True, slots=True)
