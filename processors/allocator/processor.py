@@ -463,13 +463,15 @@ class Allocator:
                         retry.append(p.pending)
             if reload:
                 self._reload(reload)
+            done: list[Event] = []
             for pd, events in finished:
-                self._produce(events)
-                produced += events
+                done += events
                 self.fold.remember_decided(pd.event.event_id)
                 self.pending.pop(pd.event.event_id, None)
                 counts.update(metric_increments(events))
                 self.decided += 1
+            self._produce(done)
+            produced += done
             self.index.add_metrics(counts)
             todo = retry
         # Not flushed here: a decision the broker has not acknowledged is journaled in Redis (index.py), so a
@@ -586,8 +588,7 @@ class Allocator:
             fold.reindex(m)
 
     def _produce(self, events: Sequence[Event]) -> None:
-        for e in events:
-            self.producer.send(e, validate=False)  # built from decoded events; fastavro still checks types
+        self.producer.send_all(events, validate=False)  # built from decoded events; fastavro still checks types
 
     def project_changes(self, *, force: bool = False) -> int:
         """Write the machines the fold changed since the last projection to Redis, with the marks and the
@@ -625,8 +626,8 @@ class Allocator:
                     turn += 1
                     states = self._states(queued)
                     ts = int(time.time() * 1000)
-                    for mid, fields in states.items():
-                        self.producer.send(machine_state_event(fields, queued[mid][1], ts), validate=False)
+                    self.producer.send_all((machine_state_event(fields, queued[mid][1], ts)
+                                            for mid, fields in states.items()), validate=False)
                     self.producer.flush()
                     gone = {mid: 2**62 for mid in queued if mid not in states}  # cleared from the index
                     self.index.outbox_done({**{mid: int(f["version"]) for mid, f in states.items()}, **gone})

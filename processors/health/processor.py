@@ -55,7 +55,7 @@ from infra.config import Config
 from processors.resourcebroker import decide as broker
 from processors.resourcebroker.processor import read_to_end
 from streams import batches
-from streams.clients import EventConsumer, EventProducer, Record
+from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
 from streams.serde import SchemaRegistry
@@ -102,7 +102,8 @@ class HealthCheck(LoopWorker):
         hb_start = {(self.heartbeats_topic, p): OFFSET_END
                     for p in range(self.topics.partitions_of("heartbeats"))}
         self.consumer = EventConsumer(self.cfg, self.registry, [self.machines_topic, self.heartbeats_topic],
-                                      name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start)
+                                      name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
+                                      **BACKGROUND_READER)
         t0 = time.monotonic()
         n = read_to_end(self.consumer, self.handle,
                         partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])

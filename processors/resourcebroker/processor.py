@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from infra.config import Config
-from streams.clients import EventConsumer, EventProducer, Record
+from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters, Skipped
 from streams.events import Event
 from streams.serde import SchemaRegistry
@@ -219,7 +219,7 @@ class ResourceBroker(LoopWorker):
         """Catch up with the log, then register what is missing. After this, ``step`` follows the topics."""
         machines = self.topics.name("machines")
         self.consumer = EventConsumer(self.cfg, self.registry, [machines, self.topics.name("unavailability")],
-                                      name=PRODUCER, dead_letters=self.dead_letters)
+                                      name=PRODUCER, dead_letters=self.dead_letters, **BACKGROUND_READER)
         t0 = time.monotonic()
         n = read_to_end(self.consumer, self.handle,
                         partitions=[tp for tp in self.consumer.partitions() if tp[0] == machines])

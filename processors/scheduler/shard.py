@@ -9,7 +9,7 @@ event of the entitlements hashed to p, in log order. Kill a worker and the group
 survivors, which recover the partitions' table data from the changelogs before they read on.
 
 ```
- intents, allocations, tasks,     take_events(500, 2 ms): a batch of records
+ intents, allocations, tasks,     take_batches: what queued, until a 1 ms gap
  machines, unavailability,  ────► gate: offset guard; record header producer=scheduler ──► passed over, undecoded
  taskcontrol (one faust topic)    decode (bad bytes ──► deadletter)
                                      │
@@ -65,8 +65,11 @@ whose type ``decide`` does nothing with (``CONSUMED``: no MachineRegistered, no 
 in the gate, before decoding (after the offset guard has counted it). Records without the headers (older logs,
 other writers) are decoded, and ``decide`` drops the scheduler's own by ``is_own`` and ignores the other types.
 
-**Batches.** faust's ``stream.take_events(BATCH_MAX, BATCH_WITHIN_S)`` hands the agent up to 500 records at a
-time (what has arrived within 2 ms). The batch is decided on one state, event after event in log order (each
+**Batches.** ``faustwire.take_batches`` hands the agent what has queued: a batch ends when no new record came for
+``BATCH_GAP_S`` (1 ms), or at 500 records, or 20 ms after its first record. An idle shard decides a lone record
+1 ms after it came; a busy one decides everything that queued while it was busy in one batch (faust's
+``take_events`` waits a fixed window instead: 10 ms made every lone record wait, 2 ms cut a burst into batches of
+~15 records, each some six produce requests of output and changelog). The batch is decided on one state, event after event in log order (each
 event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
 once: a job that many events of the batch touched is written once, with only its changed chunks.
 
@@ -123,7 +126,7 @@ from streams import batches
 from streams.clients import PRODUCER_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import decode_message, header_of, make_app, route_dead_letter
+from streams.faustwire import decode_message, header_of, make_app, route_dead_letter, take_batches
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
 from streams.topics import CHANGELOG_CONFIG, Topics
@@ -137,8 +140,8 @@ MACHINE_EVENTS = frozenset({"MachineStatusChanged", "MachinesStatusChanged", "Un
 RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
 FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
 BATCH_MAX = 500  # records handed to one decision batch at most
-BATCH_WITHIN_S = 0.002  # how long a batch waits for more records before it is decided (a record waits half of it on
-# average when the shard is idle; under load records queue while a batch is decided, and batches grow by themselves)
+BATCH_GAP_S = 0.001  # a batch is decided once no new record came for this long (faustwire.take_batches)...
+BATCH_MAX_WAIT_S = 0.02  # ...or its first record waited this long
 BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
 FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
 SLOW_BATCH_S = 0.25  # a batch that takes longer is logged with where its time went
@@ -404,8 +407,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     async def produce(events: list[Event]) -> None:
         def send_all() -> None:
-            for e in events:
-                producer.send(e, validate=False)  # built by decide from decoded events; fastavro still checks types
+            producer.send_all(events, validate=False)  # built by decide from decoded events; fastavro still checks
             producer.flush(FLUSH_S)
         try:
             await asyncio.get_running_loop().run_in_executor(None, send_all)
@@ -501,7 +503,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     @app.agent(source, name=f"{APP_ID}.schedule")
     async def schedule(stream):
         missed: dict[bytes, float] = {}
-        async for batch in stream.take_events(BATCH_MAX, BATCH_WITHIN_S):
+        async for batch in take_batches(stream, BATCH_MAX, BATCH_GAP_S, BATCH_MAX_WAIT_S):
             items = []
             for fev in batch:
                 msg = fev.message

@@ -388,6 +388,9 @@ class RecordingProducer:
     def send(self, event: Event, **_) -> None:
         self.sent.append(event)
 
+    def send_all(self, events, **_) -> None:
+        self.sent.extend(events)
+
     def flush(self, timeout_s: float = 30.0) -> None:
         pass
 
