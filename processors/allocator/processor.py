@@ -76,6 +76,7 @@ from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import make_app
+from streams.heap import folding
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics, free_pool_key
@@ -319,6 +320,10 @@ class Allocator:
     def catch_up(self, *, stall_timeout_s: float = 60.0) -> dict[str, Any]:
         """Fold the log as it is now, in the causal order ``merged`` gives, and make Redis agree with the fold
         (projected whole when its marks are behind). Returns what it did."""
+        with folding(freeze=True):  # the region this process holds from now on: out of the collector's walks
+            return self._catch_up(stall_timeout_s)
+
+    def _catch_up(self, stall_timeout_s: float) -> dict[str, Any]:
         t0 = time.monotonic()
         run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES, types=EVENT_TYPES),
                      stall_timeout_s=stall_timeout_s)

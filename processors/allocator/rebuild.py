@@ -62,6 +62,7 @@ from processors.allocator.index import DEFAULT_CONSUMER, MachineIndex
 from processors.allocator.processor import SOURCES
 from streams.clients import consumer_conf
 from streams.events import Event
+from streams.heap import folding
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
@@ -266,8 +267,9 @@ class Rebuild:
         t0 = time.monotonic()
         try:
             self.guard()
-            self.apply(self.read())
-            self.write()
+            with folding():  # nothing the fold builds is cyclic garbage: the collector would only walk it
+                self.apply(self.read())
+                self.write()
             self.swap()
         except BaseException:
             self.discard()

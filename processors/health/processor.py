@@ -58,6 +58,7 @@ from streams import batches
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
+from streams.heap import folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -105,8 +106,9 @@ class HealthCheck(LoopWorker):
                                       name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
                                       **BACKGROUND_READER)
         t0 = time.monotonic()
-        n = read_to_end(self.consumer, self.handle,
-                        partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
+        with folding(freeze=True):  # the machines this process watches from now on (streams/heap.py)
+            n = read_to_end(self.consumer, self.handle,
+                            partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
         self._next_tick_ms = now_ms() + self.timeout_ms  # startup hold: let every live agent speak once
         log.info("health: caught up with %d records (%d machines watched) in %.1fs; first tick in %d ms", n,
                  len(self.health.machines), time.monotonic() - t0, self.timeout_ms)

@@ -35,6 +35,7 @@ from infra.config import Config
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters, Skipped
 from streams.events import Event
+from streams.heap import folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -221,11 +222,12 @@ class ResourceBroker(LoopWorker):
         self.consumer = EventConsumer(self.cfg, self.registry, [machines, self.topics.name("unavailability")],
                                       name=PRODUCER, dead_letters=self.dead_letters, **BACKGROUND_READER)
         t0 = time.monotonic()
-        n = read_to_end(self.consumer, self.handle,
-                        partitions=[tp for tp in self.consumer.partitions() if tp[0] == machines])
-        log.info("resourcebroker: caught up with %d records (%d machines known) in %.1fs", n, len(self.state),
-                 time.monotonic() - t0)
-        self.register_region()
+        with folding(freeze=True):  # the registry this process holds from now on (streams/heap.py)
+            n = read_to_end(self.consumer, self.handle,
+                            partitions=[tp for tp in self.consumer.partitions() if tp[0] == machines])
+            log.info("resourcebroker: caught up with %d records (%d machines known) in %.1fs", n, len(self.state),
+                     time.monotonic() - t0)
+            self.register_region()
 
     def register_region(self) -> int:
         """``register_all`` the region in batches; produce and flush. Returns how many were registered."""
