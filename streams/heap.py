@@ -31,3 +31,25 @@ def folding(*, freeze: bool = False) -> Iterator[None]:
             gc.freeze()
         if was_enabled:
             gc.enable()
+
+
+class GrowthFreezer:
+    """For state that grows while a process runs (a region registering after the allocator started, say): each
+    time the state has grown by ``GROWTH`` since the last freeze, what exists is frozen (``gc.freeze``). The full
+    collections the growth would trigger (one each time the long-lived objects grew by a quarter, each walking
+    all of them: seconds at a million machines, during which faust's consumer thread could not send the group
+    heartbeat and the allocator lost its partitions) then walk only what came since."""
+
+    GROWTH = 1.2
+    FLOOR = 10_000  # below this many items the collector's walks cost nothing worth a freeze
+
+    def __init__(self) -> None:
+        self.frozen_at = 0
+
+    def grew(self, size: int) -> bool:
+        """Freeze if ``size`` (items of the state: machines, say) passed the next mark; whether it did."""
+        if size < max(self.FLOOR, self.frozen_at * self.GROWTH):
+            return False
+        gc.freeze()
+        self.frozen_at = size
+        return True

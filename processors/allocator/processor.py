@@ -76,7 +76,7 @@ from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import make_app
-from streams.heap import folding
+from streams.heap import GrowthFreezer, folding
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics, free_pool_key
@@ -310,6 +310,7 @@ class Allocator:
         self._publishing = threading.Lock()
         self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
         self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
+        self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/heap.py
         self._unlock = redis_client.register_script(
             "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
 
@@ -378,6 +379,7 @@ class Allocator:
                     continue
                 if rec.event.type == "AllocationRequested":
                     self._arrived(rec.event, position)
+            self._freezer.grew(len(self.fold.machines))
 
     def read_up_to(self, last_offsets: Mapping[tuple[str, int], int]) -> None:
         """Every record up to these offsets was read (those the consumer passed over by type too): the marks say

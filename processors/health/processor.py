@@ -58,7 +58,7 @@ from streams import batches
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.heap import folding
+from streams.heap import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -94,6 +94,7 @@ class HealthCheck(LoopWorker):
         self.broker = broker.BrokerState()
         self.consumer: EventConsumer | None = None
         self._own: set[str] = set()
+        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/heap.py
         self._next_tick_ms = 0
         self.emitted = 0
         self.errors = 0
@@ -129,6 +130,7 @@ class HealthCheck(LoopWorker):
             except Exception as exc:  # noqa: BLE001 - one bad event must not stop the service
                 self._failed([rec], exc)
         self._heartbeats(beats)
+        self._freezer.grew(len(self.health.machines))
 
     def _failed(self, recs: list[Record], exc: Exception) -> None:
         for rec in recs:

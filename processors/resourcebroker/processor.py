@@ -35,7 +35,7 @@ from infra.config import Config
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters, Skipped
 from streams.events import Event
-from streams.heap import folding
+from streams.heap import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -215,6 +215,7 @@ class ResourceBroker(LoopWorker):
         self.registered = 0  # MachineRegistered produced by this process
         self.unavailability_seen = 0
         self.errors = 0
+        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/heap.py
 
     def start(self) -> None:
         """Catch up with the log, then register what is missing. After this, ``step`` follows the topics."""
@@ -296,6 +297,7 @@ class ResourceBroker(LoopWorker):
             return
         if records:
             self.handle(records)
+            self._freezer.grew(len(self.state))
 
     def run(self) -> None:
         self.start()

@@ -3,7 +3,7 @@ import gc
 
 import pytest
 
-from streams.heap import folding
+from streams.heap import GrowthFreezer, folding
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -27,3 +27,13 @@ def test_the_collector_is_restored_when_the_fold_fails():
         with folding(freeze=False):
             raise RuntimeError("the broker went away")
     assert gc.isenabled()
+
+
+def test_a_growing_state_is_frozen_each_time_it_grew_by_a_fifth():
+    gc.unfreeze()
+    try:
+        freezer = GrowthFreezer()
+        frozen = [n for n in (0, 5_000, 10_000, 11_000, 12_000, 12_001, 20_000, 23_999, 24_000) if freezer.grew(n)]
+        assert frozen == [10_000, 12_000, 20_000, 24_000] and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
