@@ -238,6 +238,7 @@ class ShardTables:
         self._decoded: dict[str, tuple[dict, Job]] = {}
         self._unacked: list = []  # changelog sends since the last barrier (faust FutureMessages)
         self.written_chunks = 0  # chunk records written (a figure for tests and profiles)
+        self.store_ms = (0, 0)  # the last store's wait for its chunks and output, then for its headers (logged)
 
     def partition_of(self, entitlement: str) -> int:
         return partition_for(entitlement, self.partitions)
@@ -337,6 +338,7 @@ class ShardTables:
                 continue
             plans.append((job, self.partition_of(job.entitlement),
                           st.plan(old, headers.get(job_id), self.job_chunks.data, job)))
+        t0 = time.monotonic()
         # 1. the new chunks, durable before any header names them
         if any(p.chunks for _, _, p in plans):
             for _, part, p in plans:
@@ -346,6 +348,7 @@ class ShardTables:
             await self._barrier()
         if output is not None:
             await output  # raises OutputRefused: nothing but orphan chunks was written (drop_orphans)
+        t1 = time.monotonic()
         # 2. the headers, and the other tables' values
         wrote = False
         for job, part, p in plans:
@@ -371,6 +374,7 @@ class ShardTables:
         obsolete = [(part, key) for _, part, p in plans for key in p.obsolete]
         if wrote and (applied or obsolete):
             await self._barrier()
+        self.store_ms = (round((t1 - t0) * 1e3), round((time.monotonic() - t1) * 1e3))
         # 3. the offsets, and the chunks no durable header names any more
         for key, (part, nxt) in dict(applied).items():
             self._put(self.offsets, part, key, nxt)
@@ -481,7 +485,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             t2 = time.monotonic()
             if t2 - t0 > SLOW_BATCH_S:
                 log.info("scheduler: slow batch: %d records, %d events out, %.0f ms (decide %.0f, produce and store "
-                         "%.0f)", len(items), len(out), (t2 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+                         "%.0f: chunks and output %d, headers %d)", len(items), len(out), (t2 - t0) * 1e3,
+                         (t1 - t0) * 1e3, (t2 - t1) * 1e3, *tables.store_ms)
 
     guard = OffsetGuard(tables.offsets.data)
 
