@@ -45,8 +45,10 @@ def heartbeat_interval_ms(machines: int) -> int:
 
 def health_timeout_ms(machines: int) -> int:
     return HEALTH_TIMEOUT_MS * heartbeat_interval_ms(machines) // HEARTBEAT_INTERVAL_MS
-# Group timing of the faust workers (the scheduler and the allocator): a quick first join (see tests).
-FAUST_ENV = MappingProxyType({"ROPEWALK_FAUST_SESSION_TIMEOUT": "2", "ROPEWALK_FAUST_HEARTBEAT_INTERVAL": "0.5",
+# Group timing of the faust workers (the scheduler and the allocator): a quick first join (see tests), and the
+# production session timeout (6 s): with 2 s, a worker whose consumer thread was starved that long on a loaded
+# 2-core machine (a full collection of a million-machine fold, say) was evicted and its partitions moved.
+FAUST_ENV = MappingProxyType({"ROPEWALK_FAUST_SESSION_TIMEOUT": "6", "ROPEWALK_FAUST_HEARTBEAT_INTERVAL": "0.5",
                               "ROPEWALK_FAUST_REBALANCE_TIMEOUT": "2"})
 
 
