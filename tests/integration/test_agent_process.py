@@ -156,7 +156,7 @@ def wait_for(pred, timeout_s, what):
 def test_process_agent_runs_restarts_fails_and_stops(cfg, registry, agents):
     m = "m-a"
     agent = agents.start(cfg, m)
-    send(cfg, registry, command("j1/crash", "START", m, [PY, "-c", "import sys; sys.exit(3)"]),
+    send(cfg, registry, command("j1/crash", "START", m, ["sh", "-c", "exit 3"]),
          command("j1/sleep", "START", m, ["sleep", "30"]))
     tasks = Reader(cfg, registry, "tasks")
     try:
