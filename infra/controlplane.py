@@ -86,10 +86,12 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
     return out
 
 
-def programs(cfg: Config, region: Path | None = None, *, local: bool = True) -> list[supervisor.Program]:
-    """The workers as the supervisor's programs: the argv of ``processes``, the ROPEWALK_* configuration as their
-    environment (on top of the supervisor's)."""
-    env = {k: v for k, v in worker_env(cfg).items() if k.startswith("ROPEWALK_") or k == "PYTHONUNBUFFERED"}
+def programs(cfg: Config, region: Path | None = None, *, local: bool = True,
+             env: dict[str, str] | None = None) -> list[supervisor.Program]:
+    """The workers as the supervisor's programs: the argv of ``processes``, the ROPEWALK_* configuration (and
+    ``env``) as their environment, on top of the supervisor's."""
+    env = {**{k: v for k, v in worker_env(cfg).items() if k.startswith("ROPEWALK_") or k == "PYTHONUNBUFFERED"},
+           **(env or {})}
     return [supervisor.Program(p.name, tuple(p.argv), env) for p in processes(cfg, region, local=local)]
 
 
@@ -115,7 +117,8 @@ def machines_indexed(cfg: Config) -> dict[str, int]:
         client.close()
 
 
-def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S) -> dict:
+def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
+       env: dict[str, str] | None = None) -> dict:
     """Have the supervisor run the workers, then wait until the allocator's index holds all ``machines`` (+ the local
     one), whatever their status: a job submitted after ``up`` returns sees the whole region (not just the partitions
     indexed first). ``ready`` in the result says whether that happened within ``ready_timeout_s``; ``machines_indexed``
@@ -126,7 +129,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S) -> 
     from processors.allocator.placement import MACHINE_UP
 
     region = write_region(cfg, machines)
-    progs = programs(cfg, region)
+    progs = programs(cfg, region, env=env)
     before = {n: s.get("restarts", 0) for n, s in supervisor.programs_state(cfg.run_dir).items()}
     first = [p for p in progs if p.name == "resourcebroker"]
     supervisor.ensure(cfg.run_dir, first)

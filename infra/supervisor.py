@@ -81,8 +81,8 @@ class Backoff:
 
     initial_s: float = 0.5
     factor: float = 2.0
-    max_s: float = 30.0
-    reset_after_s: float = 30.0  # a program that ran this long before it exited starts over at ``initial_s``
+    max_s: float = 10.0  # a worker that keeps dying is tried every 10 s, for ever
+    reset_after_s: float = 10.0  # a program that ran this long before it exited starts over at ``initial_s``
 
     def delay(self, previous_s: float | None, uptime_s: float) -> float:
         """The delay after an exit, given the delay before the last start (None: the first) and how long the
@@ -122,15 +122,14 @@ class ProgramState:
     next_start_ms: int | None = None
 
 
-def describe_exit(status: int) -> dict:
-    """A wait status as {"code": n} or {"signal": "SIGKILL"}."""
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
+def describe_exit(returncode: int) -> dict:
+    """A ``Popen.returncode`` as {"code": n} or, killed by a signal (negative), {"signal": "SIGKILL"}."""
+    if returncode < 0:
         try:
-            return {"signal": signal.Signals(sig).name}
+            return {"signal": signal.Signals(-returncode).name}
         except ValueError:
-            return {"signal": str(sig)}
-    return {"code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else status}
+            return {"signal": str(-returncode)}
+    return {"code": returncode}
 
 
 def exit_text(last_exit: Mapping | None) -> str:
@@ -151,7 +150,7 @@ class Supervisor:
         self.stop_timeout_s = stop_timeout_s
         self.programs: dict[str, Program] = {}
         self.states: dict[str, ProgramState] = {}
-        self.children: dict[int, str] = {}  # pid -> program
+        self.children: dict[int, tuple[str, subprocess.Popen]] = {}  # pid -> (program, its process)
         self._stopping = False
         self._reload = True
 
@@ -203,7 +202,7 @@ class Supervisor:
                 log.error("%s: cannot start %s: %s", name, prog.argv[0], exc)
                 self._exited(name, st, None, {"code": 127, "error": str(exc)})
                 return
-        self.children[proc.pid] = name
+        self.children[proc.pid] = (name, proc)
         st.state, st.pid, st.started_ms, st.next_start_ms = RUNNING, proc.pid, now_ms(), None
         st.start_time = process_start_time(proc.pid)
         self._pid_file(name).write_text(str(proc.pid))
@@ -227,18 +226,14 @@ class Supervisor:
                     st.restarts, delay)
 
     def reap(self) -> bool:
-        """Collect the children that exited; True if any did."""
+        """Collect the children that exited; True if any did. (Through each child's ``Popen``: a Popen let go would
+        reap its process itself, in its finalizer, before a ``waitpid(-1)`` here could.)"""
         changed = False
-        while self.children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            name = self.children.pop(pid, None)
-            if name is not None:
-                self._exited(name, self.states[name], pid, describe_exit(status))
+        for pid, (name, proc) in list(self.children.items()):
+            code = proc.poll()
+            if code is not None:
+                del self.children[pid]
+                self._exited(name, self.states[name], pid, describe_exit(code))
                 changed = True
         return changed
 

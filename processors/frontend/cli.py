@@ -620,6 +620,12 @@ def cmd_experiment(cfg: Config, args) -> int:  # noqa: ARG001 - its own region (
     return figure14.main(args)
 
 
+def cmd_killstorm(cfg: Config, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
+    from bench import killstorm
+
+    return killstorm.run_cli(args)
+
+
 # --- bench --------------------------------------------------------------------------------------
 def cmd_bench(cfg: Config, args) -> int:
     """The benchmark harness (bench/harness.py). It runs a broker, Redis and region of its own on free ports:
@@ -776,6 +782,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--pipeline: the paper's seconds are divided by this (default 10: a 220 s start takes 22 s)")
     sp.add_argument("--events-out", metavar="FILE",
                     help="--pipeline: write the replayed events the curves were counted from (JSON lines)")
+    sp = exp.add_parser("killstorm", help="kill -9 the control plane's processes under load; check nothing is lost",
+                        description="A kill storm on a region of its own (own broker, Redis, ports, run dir): one "
+                                    "control-plane process killed every --interval-s under a stream of job "
+                                    "submissions, resizes, stops and machine failures, the supervisor starting each "
+                                    "again; then every job must converge and the replayed log and Redis show no task "
+                                    "lost, placed or running twice, no machine over-committed, no quota broken. "
+                                    "Exits 1 if a check fails (bench/killstorm.py)")
+    sp.set_defaults(fn=cmd_killstorm)
+    from bench import killstorm
+
+    killstorm.add_arguments(sp)
     return p
 
 
