@@ -153,6 +153,7 @@ class Supervisor:
         self.children: dict[int, tuple[str, subprocess.Popen]] = {}  # pid -> (program, its process)
         self._stopping = False
         self._reload = True
+        self._previous = read_state(self.run_dir) or {}  # a former supervisor's record: its programs' start times
 
     # -- files ---------------------------------------------------------------------------------------------
     def load_programs(self) -> list[Program]:
@@ -183,12 +184,8 @@ class Supervisor:
             self.start(prog.name, st)
 
     def _recorded_start_time(self, name: str) -> int | None:
-        """The start time an earlier supervisor recorded for ``name``'s pid (guards against a reused pid)."""
-        try:
-            doc = json.loads((self.run_dir / STATE_FILE).read_text())
-            return doc["programs"][name]["start_time"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        """The start time a former supervisor recorded for ``name``'s pid (guards against a reused pid)."""
+        return ((self._previous.get("programs") or {}).get(name) or {}).get("start_time")
 
     def start(self, name: str, st: ProgramState) -> None:
         prog = self.programs[name]
@@ -250,7 +247,6 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
-        self.save_state()
         while not self._stopping:
             changed = False
             if self._reload:

@@ -401,6 +401,13 @@ class MachineIndex:
         behind = sorted(f"{t}/{p}" for (t, p), o in projected_marks.items() if marks.get((t, p), -1) < o)
         return f"its applied marks are behind what was projected ({', '.join(behind[:4])})" if behind else None
 
+    def journaled(self, request_event_ids: Sequence[str]) -> dict[str, str]:
+        """The journaled decisions (events as JSON) of these requests that are still kept (``DONE_TTL_S``)."""
+        if not request_event_ids:
+            return {}
+        raw = self.r.mget([self.key(f"alloc:done:{rid}") for rid in request_event_ids])
+        return {rid: _s(v) for rid, v in zip(request_event_ids, raw) if v is not None}
+
     def fence(self, partitions: Iterable[int]) -> dict[int, int]:
         """Raise the fence of each ``allocations`` partition (a new owner): decisions made under an older
         fence are refused from now on. Returns the new fences."""

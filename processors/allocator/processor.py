@@ -211,6 +211,16 @@ def free_events(request: Event, to_free: Mapping[str, str], released: Sequence[s
     return out
 
 
+def nothing_freed(request: Event, ts: int) -> list[Event]:
+    """The answer to a request with nothing to place whose tasks hold no placement (a stopped job's tasks that never
+    ran): a TasksDeallocated freeing nothing. Every request is answered: before, such a request got no answer, and
+    its stopped job waited for it for good."""
+    p = request.payload
+    return [_derived(request, "TasksDeallocated", {"request_id": p["request_id"], "job_id": p["job_id"],
+                                                   "placements": [], "machines_released": []},
+                     p["request_id"], ts)]
+
+
 def metric_increments(decision: Sequence[Event]) -> dict[str, int]:
     """The counters one decided request adds (METRICS_KEY), read from the decision itself so they can be
     recomputed from the log: ``requests`` always, ``placed`` / ``rejected`` when it placed / rejected tasks."""
@@ -274,6 +284,7 @@ class Pending:
     event: Event  # the AllocationRequested
     partition: int
     attempts: int = 0
+    freeing: list[Event] | None = None  # its frees, decided by the first attempt: every attempt's decision has them
 
 
 @dataclass
@@ -306,6 +317,7 @@ class Allocator:
         self.publish_interval_s = publish_interval_s
         self.lock = threading.RLock()  # the fold and the decisions: one thread at a time
         self.pending: OrderedDict[str, Pending] = OrderedDict()  # request event id -> request, in arrival order
+        self.repeated: dict[str, int] = {}  # request event id -> partition: asked again after its answer
         self.owned: dict[int, int | None] = {}  # allocations partition -> its fence (None: unfenced)
         self.ends: dict[tuple[str, int], int] = {}  # where the catch-up ended: the live consumer starts there
         self.caught_up = False
@@ -426,8 +438,30 @@ class Allocator:
                     marks[tp] = offset
 
     def _arrived(self, event: Event, position: tuple[str, int, int]) -> None:
-        if position[0] == self.allocations and not self.fold.is_decided(event.event_id):
+        if position[0] != self.allocations:
+            return
+        if not self.fold.is_decided(event.event_id):
             self.pending.setdefault(event.event_id, Pending(event, position[1]))
+        else:  # asked again after its answer: answered again (answer_repeated)
+            self.repeated[event.event_id] = position[1]
+
+    def answer_repeated(self) -> int:
+        """Produce again the decision of each request of an owned partition that was asked again after it was
+        answered (the same record: a requester that crashed after asking asks again, and may have read the answer
+        before it did, too early to take it). The same events, from the journal (``DONE_TTL_S``); readers that took
+        them drop them by id. Returns how many requests were answered again."""
+        todo = [rid for rid, part in self.repeated.items() if part in self.owned]
+        if not todo:
+            return 0
+        journal = self.index.journaled(todo)
+        for rid in todo:
+            del self.repeated[rid]
+            if journal.get(rid) is None:
+                log.warning("allocator: request %s was asked again after its answer, no longer journaled: not "
+                            "answered again", rid)
+                continue
+            self._produce(load_events(journal[rid]))
+        return len(todo)
 
     # --- ownership ----------------------------------------------------------------------------------------
     def assign(self, partitions: Iterable[int], *, fenced: bool = True) -> None:
@@ -525,16 +559,19 @@ class Allocator:
         pd.attempts += 1
         request = pd.event
         p = request.payload
-        freeing = self._free(request, ts) if pd.attempts == 1 else []
+        # The frees are decided once (the fold applies them; Redis applies them even when the plan conflicts), and
+        # a retry's decision carries them again: before, a retry after a conflict produced no TasksDeallocated, and
+        # the log never said the request's moved tasks left their machines (found by the kill storm).
+        if pd.freeing is None:
+            pd.freeing = self._free(request, ts)
+        freeing = pd.freeing
         frees = tuple((r["task_id"], r["machine_id"]) for e in freeing if e.type == "TasksDeallocated"
                       for r in e.payload["placements"])
         released = tuple(mid for e in freeing if e.type == "TasksDeallocated" for mid in e.payload["machines_released"])
         placing, plan_rows, _ = self._place(request, pd.attempts, ts)
-        events = freeing + placing
+        events = (freeing + placing) or nothing_freed(request, ts)
         touched = machines_of(events)
-        if not frees and not plan_rows:
-            return _Planned(pd, events, None, touched)
-        res = p["resources"]
+        res = p["resources"]  # every decision is committed, a rejection too: journaled, so it can be given again
         decision = Decision(request.event_id, pd.partition, self.owned.get(pd.partition), request.entitlement,
                             res["cpu_millicores"], res["memory_mib"], frees, released, plan_rows,
                             dump_events(events))
@@ -722,6 +759,7 @@ class Allocator:
     def step(self) -> None:
         """After records were applied: decide, project, publish (a failure marks the fold stale)."""
         try:
+            self.answer_repeated()
             self.decide_pending()
             self.project_changes()
         except BaseException:
@@ -736,6 +774,7 @@ class Allocator:
         with self.lock:
             self.fold = RegionFold()
             self.pending.clear()
+            self.repeated.clear()
             self.caught_up = self.stale = False
         stats = self.catch_up()
         log.info("allocator: folded the log: %s", stats)

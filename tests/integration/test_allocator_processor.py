@@ -459,6 +459,59 @@ def test_a_crash_after_the_commit_is_answered_from_the_journal(hand):
     assert [e.event_id for e in events] == [e.event_id for e in second.producer.sent]
 
 
+def test_a_move_decided_again_after_a_conflict_still_frees_its_task_on_the_log(hand):
+    """A move (free and place the same task) whose first plan meets a conflict in Redis: Redis applied the free
+    then, and the second attempt's decision must still carry it. Before, the decision the log got had only the
+    TasksAllocated, and the log never said the task left its old machine (the kill storm counted 33 tasks placed
+    twice in the replayed log)."""
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+    hand.feed([a], requested("r1", "e1", "web", 1))
+    [first] = [e for e in a.decide_pending() if e.type == "TasksAllocated"]
+    old = first.payload["placements"][0]["machine_id"]
+    for mid in MACHINES:  # Redis ahead of the fold for every machine (another writer): the first plan conflicts
+        hand.r.hincrby(hand.index.key(f"m:{mid}"), "version", 1)
+    hand.feed([a], requested("r2", "e1", "web", 1, free=["web/0"]))
+    events = a.decide_pending()
+    assert [e.type for e in events if e.type.startswith("Tasks")] == ["TasksDeallocated", "TasksAllocated"]
+    [freed] = [e for e in events if e.type == "TasksDeallocated"]
+    [placed] = [e for e in events if e.type == "TasksAllocated"]
+    assert [p["machine_id"] for p in freed.payload["placements"]] == [old]
+    assert placed.payload["commit_attempts"] == 2
+    new_machine = placed.payload["placements"][0]["machine_id"]
+    assert hand.index.placements() == {"web/0": new_machine} == a.fold.placement
+
+
+def test_a_request_asked_again_after_its_answer_is_answered_again_and_every_request_is_answered(hand):
+    """A scheduler killed after asking asks again (the same record) and may have read the answer too early: the
+    allocator produces the answer again, the same events, from the journal; a rejection is journaled too. A
+    request with nothing to place whose tasks hold no placement (a stopped job that never ran) is answered with a
+    TasksDeallocated freeing nothing: before, it was not answered, and its job waited for good."""
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+    placing, rejecting, freeing = (requested("r1", "e1", "web", 2), requested("r2", "nobody", "x", 1),
+                                   requested("r3", "e1", "never", 0, free=["never/0", "never/1"]))
+    for req in (placing, rejecting, freeing):
+        hand.feed([a], req)
+    answers = a.decide_pending()
+    by_request = {rid: [e for e in answers if e.payload.get("request_id") == rid] for rid in ("r1", "r2", "r3")}
+    assert [e.type for e in by_request["r2"]] == ["AllocationRejected"]
+    assert [(e.type, e.payload["placements"]) for e in by_request["r3"]] == [("TasksDeallocated", [])]
+    for req in (placing, rejecting, freeing):
+        a.fold.remember_decided(req.event_id)  # their answers were read back from the log
+    sent = len(a.producer.sent)
+    for req in (placing, rejecting, freeing):
+        hand.feed([a], req)  # asked again
+    assert a.decide_pending() == []  # decided once
+    assert a.answer_repeated() == 3
+    again = a.producer.sent[sent:]
+    assert sorted(e.event_id for e in again) == sorted(e.event_id for e in answers)
+    assert {e.event_id: e.payload for e in again} == {e.event_id: e.payload for e in answers}
+    assert a.answer_repeated() == 0 and len(hand.index.placements()) == 2  # nothing placed twice
+
+
 def test_a_stale_owner_is_fenced_and_decides_nothing(hand):
     old, new = hand.new(), hand.new()
     hand.region(old, new)

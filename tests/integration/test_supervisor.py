@@ -6,24 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 
 from infra import supervisor
 from infra.process import pid_alive
+from regioncli import wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def wait_for(pred, what: str, timeout_s: float = 15.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 PROGRAMS = [supervisor.Program("sleeper", ("sleep", "600")),
