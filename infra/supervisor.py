@@ -73,6 +73,7 @@ START_TIMEOUT_S = 15.0  # `ensure` waits this long for every program to run
 RUNNING = "RUNNING"
 BACKOFF = "BACKOFF"  # exited; started again at ``next_start_ms``
 STOPPED = "STOPPED"  # stopped by `down` (or never started)
+EXITED = "EXITED"  # (status only) its process is gone and the supervisor has not taken note (yet, or cannot: gone)
 
 
 @dataclass(frozen=True)
@@ -392,8 +393,9 @@ def ensure(run_dir: Path, programs: Sequence[Program], env: Mapping[str, str] | 
 
 
 def programs_state(run_dir: Path) -> dict[str, dict]:
-    """Every expected program: its state (a program of a supervisor that is gone: STOPPED, or RUNNING if its
-    recorded process still runs, orphaned), pid, restarts, last exit, log. Cheap: files only."""
+    """Every expected program: its state as the supervisor recorded it (EXITED if that process is gone and the
+    supervisor has not taken note: it is about to, or it is stopped or gone itself), pid, restarts, last exit, log,
+    and whether a supervisor runs (``supervised``). Cheap: files and /proc only."""
     run_dir = Path(run_dir)
     doc = read_state(run_dir) or {}
     alive = doc.get("pid") is not None and pid_alive(doc["pid"])
@@ -402,8 +404,8 @@ def programs_state(run_dir: Path) -> dict[str, dict]:
         st = dict(doc.get("programs", {}).get(name) or asdict(ProgramState()))
         pid = st.get("pid")
         running = pid is not None and pid_alive(pid) and process_start_time(pid) == st.get("start_time")
-        if not alive and st.get("state") != STOPPED:
-            st["state"] = RUNNING if running else STOPPED
+        if st.get("state") == RUNNING and not running:
+            st["state"] = EXITED
         st.update(name=name, running=bool(running and st.get("state") == RUNNING), pid=pid if running else None,
                   log=str(run_dir / f"{name}.log"), supervised=alive)
         out[name] = st
