@@ -541,6 +541,7 @@ class Allocator:
                 self._produce(events)
                 produced += events
                 self.fold.remember_decided(pd.event.event_id)
+                self.fold.remember_made(events)
                 self.pending.pop(pd.event.event_id, None)
                 counts.update(metric_increments(events))
                 self.decided += 1

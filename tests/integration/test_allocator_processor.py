@@ -632,3 +632,32 @@ def test_python_m_runs_the_allocator_worker(cfg, registry, tmp_path):
             log.consumer.close()
             index.clear()
             r.close()
+
+
+def test_the_echoes_of_a_batch_leave_the_fold_as_a_fold_of_the_log(hand):
+    """One batch: a job placed, the same job freed (its machines go back to the pool), another entitlement's job
+    placed on those machines. Then the decisions come back from the log. Before, the echo of the first TasksAllocated
+    put the freed tasks back on their machines until the free's echo came (a phantom placement), and each machine's
+    version ended ahead of the log's, so Redis never equalled a rebuild (the kill storm's last difference)."""
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+    requests = [requested("r1", "e1", "web", 4), requested("r2", "e1", "web", 0, free=[f"web/{i}" for i in range(4)]),
+                requested("r3", "e2", "api", 4)]
+    for req in requests:
+        hand.feed([a], req)
+    made = a.decide_pending()
+    assert [e.type for e in made if e.type.startswith("Tasks")] == ["TasksAllocated", "TasksDeallocated",
+                                                                     "TasksAllocated"]
+    fresh = hand.new()
+    hand.region(fresh)
+    for req in requests:
+        hand.feed([fresh], req)
+    for e in made:  # the echoes, as the log gives them back to both
+        topic = "machines" if e.type.startswith("Machine") else "allocations"
+        before = {mid: (m.version, set(m.tasks)) for mid, m in a.fold.machines.items()}
+        hand.feed([a, fresh], e, topic)
+        assert {mid: (m.version, set(m.tasks)) for mid, m in a.fold.machines.items()} == before, e.type
+    state = lambda f: {k: v for k, v in f.dump().items() if not k.startswith("applied:")}  # noqa: E731 - not the marks
+    assert state(a.fold) == state(fresh.fold)  # (the hand-made offsets differ)
+    assert a.fold.requests == {} == fresh.fold.requests
