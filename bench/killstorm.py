@@ -351,6 +351,7 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
     placed: dict[str, tuple[str, int, int]] = {}  # task -> (machine, cpu, mem)
     load: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])  # (entitlement, machine) -> cpu, mem
     held: dict[str, set[str]] = defaultdict(set)
+    peak: Counter = Counter()  # the most machines each entitlement held at once
     quota: dict[str, int] = {}
     beats: dict[str, list[str]] = {}
     twice = over = breaches = 0
@@ -377,6 +378,7 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
         p = ev.payload
         if ev.type == "MachineAssignedToEntitlement":
             held[ev.entitlement].add(p["machine_id"])
+            peak[ev.entitlement] = max(peak[ev.entitlement], len(held[ev.entitlement]))
             if len(held[ev.entitlement]) > quota.get(ev.entitlement, 0):
                 breaches += 1
         elif ev.type == "MachineReleasedToFreePool":
@@ -421,7 +423,7 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
             "tasks_running_twice": len(running_twice), "running_twice": running_twice[:10],
             "machines_overcommitted": over + redis_doc["machines_overcommitted"], "overcommitted": over_at[:10],
             "quota_breaches": breaches + redis_doc["quota_breaches"], "tasks_placed": len(placed),
-            "max_machines_held": {e: len(ms) for e, ms in sorted(held.items())},
+            "peak_machines_held": dict(sorted(peak.items())),
             "redis_differences": (diff := redis_differences(cfg, registry, r))[:10], "redis_matches_log": not diff,
             "redis": redis_doc}
 

@@ -44,7 +44,9 @@ handler is idempotent by content as well, so a redelivery older than the ring is
 cases: a result for a request the task no longer awaits is stale, a lifecycle duplicate changes nothing
 (``lifecycle.apply``), a machine failure finds no task left on the machine, a resize to the current size, a
 stop of a stopping job and a spec version not newer than the job's are no-ops. What the ring alone guards: a
-crash report redelivered after the task was restarted in place would otherwise count as a second crash.
+crash report redelivered after the task was restarted in place would otherwise count as a second crash. A result
+for a request nobody awaits is not put in the ring (``_awaited``): after a crash it may be read before its request
+is asked again, and then it comes again (the allocator answers a repeated request) and must apply.
 
 **Agent reports are checked, never trusted.** A report naming another machine or another spec version than
 the task's current incarnation is stale (an agent lagging behind a move or an update) and ignored; a
