@@ -339,7 +339,6 @@ def restarts_by_program(run_dir: Path) -> dict[str, int]:
 def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
     """The counts of ``COUNTS`` (and what they were counted from), from a replay of the log and from Redis."""
     from streams import state
-    from streams.batches import task_reports
     from streams.replay import Replay, ReplayFilter
 
     jobs = state.current(cfg, registry, "jobs")

@@ -15,8 +15,9 @@ compared (``index_state``) and which the swap does not delete:
     alloc:done:*       decisions committed and journaled until their events are surely on the log (index.py):
                        the log cannot give back a decision that never reached it
     alloc:fence:*      the partitions' fences: raised by each new owner, never lowered
-    index:generation   names the index since it was last written whole; a rebuild writes it whole, so it names
-                       one if there was none (``MachineIndex.claim_generation``)
+    index:generation   names the index since an allocator last wrote it whole (``MachineIndex.claim_generation``);
+                       kept by the swap: an allocator that starts on a rebuilt index without one writes its fold
+                       (the same keys) and names one
     metrics:*          the allocator's counters: about the process, not the index
     outbox:*           the state.machines publisher's queue (and its lock). The projection queues every machine
                        it writes, so the rebuilt outbox holds every machine; it replaces the live one (RENAME
@@ -271,7 +272,6 @@ class Rebuild:
             self.apply(self.read())
             self.write()
             self.swap()
-            MachineIndex(self.r, self.prefix).claim_generation()
         except BaseException:
             self.discard()
             raise
