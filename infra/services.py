@@ -4,13 +4,21 @@ redis-server, both keeping their data under the run directory.
 `up()` starts whichever of them the configuration says Ropewalk runs itself (see infra/config.py),
 `down()` stops them, `status()` reports them. Pointing ROPEWALK_BOOTSTRAP_SERVERS / ROPEWALK_REDIS_URL at
 real services makes these no-ops for that service; status then only probes the endpoint.
+
+The redis-server runs under the region's supervisor (infra/supervisor.py), like the control plane's workers: one
+that dies is started again on its append-only file, and the allocator notices an index it lost and writes it
+again (processors/allocator/README.md). `down()` stops the supervisor, and with it every worker and the
+redis-server, then the broker.
 """
 from __future__ import annotations
 
 import shutil
 from urllib.parse import urlparse
 
+import time
+
 from infra import broker as embedded_kafka
+from infra import supervisor
 from infra.config import Config
 from infra.process import InfraError, ManagedProcess, port_open
 
@@ -76,20 +84,36 @@ def up(cfg: Config) -> dict:
                                                           ("redis", redis_server, cfg.embedded_redis)) if embedded}
     for proc in procs.values():
         proc.check_can_start()
-    out = {name: procs[name].start() if name in procs else _external(name, cfg) for name in ("broker", "redis")}
+    start = {"broker": lambda p: p.start(), "redis": lambda p: start_supervised(p, cfg)}
+    out = {name: start[name](procs[name]) if name in procs else _external(name, cfg) for name in ("broker", "redis")}
     for name, st in out.items():
         if not st.get("ready", True):
             raise InfraError(f"{name}: {st['endpoint']} does not answer")
     return out
 
 
+def start_supervised(proc: ManagedProcess, cfg: Config) -> dict:
+    """Run ``proc`` (a service: started before the workers, stopped after them) under the region's supervisor and
+    wait until it is ready. Idempotent: a service the supervisor runs already is left as it is."""
+    was = proc.pid()
+    supervisor.ensure(cfg.run_dir, [supervisor.Program(proc.name, tuple(proc.argv), service=True)])
+    deadline = time.monotonic() + proc.start_timeout_s
+    while time.monotonic() < deadline:
+        if proc.pid() is not None and (proc.port is None or port_open(proc.port)) and proc.ready():
+            return {**proc.status(), "started": was is None or was != proc.pid()}
+        time.sleep(0.1)
+    raise InfraError(f"{proc.name}: not ready after {proc.start_timeout_s:.0f}s: {proc._log_tail()}")
+
+
 def down(cfg: Config) -> dict:
-    out = {}
+    """Stop the supervisor (every control-plane worker, then redis-server) and the broker. Idempotent. Returns
+    {name: {"stopped": bool, ...}} for each program of the supervisor, and the embedded services."""
+    out = {n: st for n, st in supervisor.stop(cfg.run_dir).items() if n != supervisor.NAME}
     # Stop what we started even if the binary has since gone missing: only the pid file matters.
     if cfg.embedded_broker:
         out["broker"] = _by_pid("broker", cfg).stop()
-    if cfg.embedded_redis:
-        out["redis"] = _by_pid("redis", cfg).stop()
+    if cfg.embedded_redis and not out.get("redis", {}).get("stopped"):
+        out["redis"] = _by_pid("redis", cfg).stop()  # one started before the supervisor existed
     return out
 
 

@@ -21,8 +21,8 @@ commands ignored, its tasks gone; ``recover(machine)`` brings it back empty (a n
 machines outlive the process that simulates them, as real machines outlive their agent: the file holds every
 machine's tasks, the pending spawns, failed machines, incarnations, the heartbeat round and the next offset of
 every ``tasks`` partition. It is written atomically at most every ``SAVE_INTERVAL_S`` while something changed,
-and at exit. A restarted process resumes from it: the same tasks run, the same incarnations beat, and reading
-goes on from the saved offsets. Records read after the last save are read again: a command already applied is
+and at exit. A restarted process resumes from it: the same tasks run, under a new incarnation (heartbeat ids: the
+file may be a few rounds behind the beats of the process that died), and reading goes on from the saved offsets. Records read after the last save are read again: a command already applied is
 a no-op (``decide`` keeps each task's recent command ids) and a report sent again has the same event id.
 Without a state file (tests, the bench) a restart reads ``tasks`` from the beginning as a new incarnation.
 """
@@ -117,8 +117,11 @@ class SimulatedAgents(LoopWorker):
             return
         if doc.get("format") != STATE_FORMAT:
             raise SystemExit(f"{self.state_file}: format {doc.get('format')!r}, this agent writes {STATE_FORMAT}")
-        self.incarnation = doc["incarnation"]
-        self.incarnations = {m: i for m, i in doc["incarnations"].items() if m in self.known}
+        # A new incarnation of every machine: the file may be a few rounds behind what the process that wrote it
+        # beat before it died, so resuming its incarnations would beat those rounds again under the same event ids
+        # with other contents (the kill storm found 43 such heartbeats). Their sequences go on from the file.
+        self.incarnation = max(self.incarnation, doc["incarnation"] + 1, *map(int, doc["incarnations"].values()))
+        self.incarnations = {}
         self.failed = {m for m in doc["failed"] if m in self.known}
         self.states = {m: d.AgentState(m, incarnation=st["incarnation"], sequence=st["sequence"],
                                        tasks=MappingProxyType({r["task_id"]: d.run_from_json(r)

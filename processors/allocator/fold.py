@@ -185,6 +185,7 @@ class RegionFold:
         self.changed: dict[str, str] = {}  # machine id -> cause (event or request id) of its last change
         self.decided: OrderedDict[str, None] = OrderedDict()  # request event ids decided on the log
         self.max_decisions = max_decisions
+        self.made: OrderedDict[str, None] = OrderedDict()  # decision event ids this fold applied when it made them
         self.applied = 0  # events applied (not counting marks-only no-ops)
 
     @property
@@ -229,7 +230,7 @@ class RegionFold:
             if last is not None and position[2] <= last:
                 return False
         handler = HANDLERS.get(event.type)
-        if handler is not None:
+        if handler is not None and event.event_id not in self.made:  # its own decision's echo: applied already
             handler(self, event)
             self.applied += 1
         if event.type in DECISION_TYPES and event.producer == ALLOCATOR_PRODUCER and event.causation_id:
@@ -237,6 +238,21 @@ class RegionFold:
         if position is not None:
             self.marks[(position[0], position[1])] = position[2]
         return True
+
+    def remember_made(self, events: Iterable[Event]) -> None:
+        """These decision events were applied as they were made (``free``/``commit``, or taken back from Redis): their
+        echoes from the log change nothing. Before, an echo applied them again, and a TasksAllocated whose task a
+        later decision of the same batch had freed put it back on its machine until the free's echo came: a phantom
+        placement, and machine versions ahead of the log's (Redis no longer equal to a rebuild; the kill storm)."""
+        for e in events:
+            self.made[e.event_id] = None
+            self.made.move_to_end(e.event_id)
+            if e.type == "TasksAllocated":  # the request's tasks are answered, as the echo would have said
+                self._answer(e.payload["request_id"], [r["task_id"] for r in e.payload["placements"]])
+            elif e.type == "AllocationRejected":
+                self._answer(e.payload["request_id"], e.payload["unplaced_task_ids"])
+        while len(self.made) > 8 * self.max_decisions:
+            self.made.popitem(last=False)
 
     def remember_decided(self, request_event_id: str) -> None:
         self.decided[request_event_id] = None

@@ -89,7 +89,11 @@ def cmd_up(cfg: Config, args) -> int:
         lines.append("next    ropewalk status | ropewalk produce intents EntitlementCreated FILE | ropewalk replay | ropewalk down")
     _print(doc, args.json, "\n".join(lines))
     if dead:
-        raise CliError(f"control plane: {', '.join(dead)} exited at start; see {cfg.run_dir}/<name>.log")
+        from infra.supervisor import exit_text
+
+        raise CliError("control plane: " + "; ".join(f"{n} exited after its start ({exit_text(cp[n].get('last_exit'))}; "
+                                                       f"the supervisor starts it again)" for n in dead)
+                       + f"; see {cfg.run_dir}/<name>.log")
     if not region["ready"]:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
@@ -148,28 +152,44 @@ def _start_demo(cfg: Config, skipped) -> dict:
 def cmd_down(cfg: Config, args) -> int:
     from infra import controlplane, services
 
-    st = {**{n: v for n, v in controlplane.down(cfg).items() if v.get("stopped")}, **services.down(cfg)}
+    if args.keep_tasks:
+        controlplane.keep_tasks(cfg)
+    st = services.down(cfg)
     _print(st, args.json, "\n".join(f"{k}: {'stopped' if v.get('stopped') else 'was not running'}" for k, v in st.items())
            or "nothing to stop (external broker and Redis)")
     return 0
 
 
 def cmd_status(cfg: Config, args) -> int:
-    from infra import controlplane, services
+    """The broker and Redis, the supervisor, and every worker it is to run (`up` said which) with its state and
+    restarts; exit 1 when a service does not answer or an expected worker does not run."""
+    from infra import controlplane, services, supervisor
 
     st = services.status(cfg)
-    workers = {n: w for n, w in controlplane.status(cfg).items() if w["running"] or w["pid"]}
-    doc = {"components": st, "control_plane": workers, "topics": {}}
+    programs = supervisor.programs_state(cfg.run_dir)
+    workers = controlplane.status(cfg)
+    sup_pid = supervisor.process(cfg.run_dir).pid()
+    doc = {"components": st, "supervisor": {"running": sup_pid is not None, "pid": sup_pid},
+           "control_plane": workers, "programs": programs, "topics": {}}
     if st["broker"]["ready"]:
         doc["topics"] = _topic_counts(cfg)
     lines = [f"{name:7} {'ready' if s['ready'] else 'DOWN':5}  {s['endpoint']}"
-             + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "") for name, s in st.items()]
-    lines += [f"{name:14} running  pid {w['pid']}  log {w['log']}" for name, w in workers.items()]
+             + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "")
+             + (f"  restarts {programs[name]['restarts']}" if name in programs else "") for name, s in st.items()]
+    if programs:
+        lines.append(f"supervisor {'running  pid %d' % sup_pid if sup_pid else 'NOT RUNNING (nothing restarts a worker that dies)'}")
+    for name, w in workers.items():
+        last = supervisor.exit_text(w.get("last_exit"))
+        lines.append(f"{name:14} {w['state']:8} pid {w['pid'] or '-':<8} restarts {w['restarts']}"
+                     + (f" (last: {last})" if last else "") + f"  log {w['log']}")
     # Listed end offsets (high - low watermark): the records of each topic (compacted topics: the offsets
     # spanned, more than the records the cleaner left).
     lines += [f"topic   {t:28} {n:>10} (listed end offsets)" for t, n in doc["topics"].items()]
     _print(doc, args.json, "\n".join(lines))
-    return 0 if all(s["ready"] for s in st.values()) else 1
+    down = [n for n, w in programs.items() if not w["running"]] + ([supervisor.NAME] if programs and not sup_pid else [])
+    if down and not args.json:
+        print(f"ropewalk: not running: {', '.join(down)}", file=sys.stderr)
+    return 0 if all(s["ready"] for s in st.values()) and not down else 1
 
 
 def _topic_counts(cfg: Config) -> dict[str, int]:
@@ -456,10 +476,12 @@ def cmd_rebuild(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
 
     _require_broker(cfg)
-    allocator = controlplane.status(cfg)["allocator"]
+    pid = controlplane.worker_pid(cfg, "allocator")
+    allocator = {"running": pid is not None, "pid": pid}
     if allocator["running"] and not args.force:
-        raise CliError(f"the allocator is running (pid {allocator['pid']}); stop it first (kill {allocator['pid']}; "
-                       f"`ropewalk up` starts it again), or pass --force")
+        raise CliError(f"the allocator is running (pid {pid}); stop it first (`ropewalk down`, then `ropewalk up "
+                       f"--machines 0` for the broker and Redis alone; `ropewalk up` after the rebuild), or pass "
+                       f"--force (a running allocator also rewrites an index it finds emptied)")
     st = rebuild_index(cfg, _registry())
     lines = [f"rebuilt the allocator's Redis index from {st['events']} events ({st['index_events']} applied) in "
              f"{st['seconds']:.2f}s ({st['events_per_s']:,.0f} events/s): {st['keys']} keys swapped in, "
@@ -494,7 +516,7 @@ def cmd_restore(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
     from streams import archive as ar
 
-    running = [n for n, st in controlplane.status(cfg).items() if st["running"]]
+    running = [n for n in controlplane.NAMES if controlplane.worker_pid(cfg, n) is not None]
     if running:
         raise CliError(f"the control plane is running ({', '.join(running)}); `ropewalk down` first: restored "
                        f"processors must start from the restored positions")
@@ -598,6 +620,12 @@ def cmd_experiment(cfg: Config, args) -> int:  # noqa: ARG001 - its own region (
     return figure14.main(args)
 
 
+def cmd_killstorm(cfg: Config, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
+    from bench import killstorm
+
+    return killstorm.run_cli(args)
+
+
 # --- bench --------------------------------------------------------------------------------------
 def cmd_bench(cfg: Config, args) -> int:
     """The benchmark harness (bench/harness.py). It runs a broker, Redis and region of its own on free ports:
@@ -624,8 +652,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="simulated machines of the local region (0: infrastructure and topics only)")
     sp.add_argument("--no-demo", action="store_true",
                     help="do not create the demo entitlement and job (demo.hello on the process agent)")
-    cmd("down", cmd_down, "stop everything `up` started")
-    cmd("status", cmd_status, "components, endpoints and topic sizes")
+    sp = cmd("down", cmd_down, "stop everything `up` started (the supervisor, every worker, Redis, the broker); the "
+             "process agent stops its tasks (started again at the next `up`)")
+    sp.add_argument("--keep-tasks", action="store_true",
+                    help="leave the process agent's tasks running; the next `up` adopts them")
+    cmd("status", cmd_status, "components, endpoints, every expected worker (state, restarts) and topic sizes; "
+        "exits 1 when one is down")
     sp = cmd("produce", cmd_produce, "validate JSON against an event's schema, fill the envelope, produce it")
     sp.add_argument("topic")
     sp.add_argument("event_type")
@@ -750,6 +782,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--pipeline: the paper's seconds are divided by this (default 10: a 220 s start takes 22 s)")
     sp.add_argument("--events-out", metavar="FILE",
                     help="--pipeline: write the replayed events the curves were counted from (JSON lines)")
+    sp = exp.add_parser("killstorm", help="kill -9 the control plane's processes under load; check nothing is lost",
+                        description="A kill storm on a region of its own (own broker, Redis, ports, run dir): one "
+                                    "control-plane process killed every --interval-s under a stream of job "
+                                    "submissions, resizes, stops and machine failures, the supervisor starting each "
+                                    "again; then every job must converge and the replayed log and Redis show no task "
+                                    "lost, placed or running twice, no machine over-committed, no quota broken. "
+                                    "Exits 1 if a check fails (bench/killstorm.py)")
+    sp.set_defaults(fn=cmd_killstorm)
+    from bench import killstorm
+
+    killstorm.add_arguments(sp)
     return p
 
 

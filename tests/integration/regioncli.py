@@ -14,6 +14,17 @@ from infra.process import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def wait_for(pred, what: str, timeout_s: float = 15.0, poll_s: float = 0.05, detail=lambda: ""):
+    """What ``pred()`` returns once it is truthy; AssertionError after ``timeout_s`` (with ``detail()``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}{detail()}")
+
+
 class RegionCli:
     def __init__(self, run_dir: Path, **extra_env: str):
         self.run_dir = Path(run_dir)
@@ -48,14 +59,8 @@ class RegionCli:
         return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
     def wait_for(self, pred, what: str, timeout_s: float = 60):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            got = pred()
-            if got:
-                return got
-            time.sleep(0.5)
-        logs = {p.name: p.read_text()[-1500:] for p in self.run_dir.glob("*.log")}
-        raise AssertionError(f"timed out waiting for {what}; logs: {json.dumps(logs, indent=1)}")
+        logs = lambda: {p.name: p.read_text()[-1500:] for p in self.run_dir.glob("*.log")}  # noqa: E731
+        return wait_for(pred, what, timeout_s, 0.5, lambda: f"; logs: {json.dumps(logs(), indent=1)}")
 
     def running(self, job: str, n: int):
         """The job's status once n tasks are RUNNING (else None)."""

@@ -156,7 +156,7 @@ def wait_for(pred, timeout_s, what):
 def test_process_agent_runs_restarts_fails_and_stops(cfg, registry, agents):
     m = "m-a"
     agent = agents.start(cfg, m)
-    send(cfg, registry, command("j1/crash", "START", m, [PY, "-c", "import sys; sys.exit(3)"]),
+    send(cfg, registry, command("j1/crash", "START", m, ["sh", "-c", "exit 3"]),
          command("j1/sleep", "START", m, ["sleep", "30"]))
     tasks = Reader(cfg, registry, "tasks")
     try:
@@ -338,3 +338,38 @@ def test_simulated_agents_run_10000_machines(cfg, registry):
         tasks.close()
         beats.close()
         sim.close()
+
+
+def test_a_restarted_simulated_agents_process_beats_under_new_ids(cfg, registry, tmp_path):
+    """Its state file may be a few rounds behind what a killed process beat (it is written every few seconds): the
+    process that resumes from it must not beat those rounds again under the same event ids with other contents
+    (the kill storm found 43 such heartbeats: one id, two different lists of running tasks)."""
+    from processors.agent.simulated import SimulatedAgents
+
+    machines = [f"sim-{i}" for i in range(3)]
+    state_file = tmp_path / "simulated.json"
+
+    def beat(sim, rounds):
+        deadline = time.monotonic() + 30
+        start = sim._round
+        while sim._round < start + rounds and time.monotonic() < deadline:
+            sim.step(0.02)
+        sim.producer.flush(10)
+
+    first = SimulatedAgents(cfg, machines, registry=registry, interval_ms=200, state_file=state_file)
+    first.connect()
+    beat(first, 2)
+    first.save()
+    beat(first, 4)  # rounds the file does not know of: then the process dies (no close, no save)
+    second = SimulatedAgents(cfg, machines, registry=registry, interval_ms=200, state_file=state_file)
+    second.connect()
+    beat(second, 4)
+    beats = Reader(cfg, registry, "heartbeats")
+    try:
+        beats.until(lambda evs: len(evs) >= 3 * 8, 30, "the heartbeats of both processes")
+    finally:
+        beats.close()
+        first.consumer.close()
+        second.close()
+    ids = [e.event_id for e in beats.events]
+    assert len(set(ids)) == len(ids), [i for i, n in Counter(ids).items() if n > 1]  # every heartbeat its own event
