@@ -110,6 +110,9 @@ def machines_indexed(cfg: Config) -> dict[str, int]:
     client = redis.Redis.from_url(cfg.redis_url)
     try:
         index = MachineIndex(client, cfg.topic_prefix)
+        summary = index.summary()  # one small read; an index written before the summary existed is counted
+        if summary is not None:
+            return summary
         return dict(Counter(m.status for m in index.machines(index.machine_ids()).values()))
     except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
         return {}

@@ -672,8 +672,9 @@ class Allocator:
                     if cur is not None:
                         fold._unplace(fold.machines[cur], t)
                     fold._place(m, t, cpu, mem)
+            fold._set(m, "status", f["status"])  # keeps the fold's status counts
             for name in ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free",
-                         "entitlement", "status", "host_profile", "version", "maintenance"):
+                         "entitlement", "host_profile", "version", "maintenance"):
                 setattr(m, name, f[name])
             fold.reindex(m)
 
