@@ -23,7 +23,7 @@ from infra.process import ManagedProcess
 HEARTBEAT_INTERVAL_MS = 2000
 HEALTH_TIMEOUT_MS = 10000
 READY_TIMEOUT_S = 90.0
-NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health")
+NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api")
 LOCAL_DC = "local"
 LOCAL_MACHINE_TYPE = "process"
 LOCAL_CPU_MILLICORES = 2000
@@ -36,7 +36,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
                 "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
-                "ROPEWALK_RUN_DIR": str(cfg.run_dir), "PYTHONUNBUFFERED": "1"})
+                "ROPEWALK_RUN_DIR": str(cfg.run_dir), "ROPEWALK_SECRETS_DIR": str(cfg.secrets),
+                "ROPEWALK_API_PORT": str(cfg.api_port), "PYTHONUNBUFFERED": "1"})
     return env
 
 
@@ -72,15 +73,28 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
         "agent-local": ["processors.agent.process", "--machine-id", LOCAL_MACHINE_ID,
                         "--tick-ms", str(HEARTBEAT_INTERVAL_MS)],
         "health": ["processors.health.processor", "--timeout-ms", str(HEALTH_TIMEOUT_MS), "--tick-ms", "1000"],
+        "api": ["processors.api.server", "--port", str(cfg.api_port)],  # the HTTP API (processors/api)
     }
     out = []
     for name in NAMES:
         if name == "agent-local" and not local:
             continue
-        proc = ManagedProcess(name=name, argv=[py, "-m", *specs[name]], port=None, run_dir=cfg.run_dir,
-                              ready=lambda: True, start_timeout_s=2.0, env=worker_env(cfg))
+        api = name == "api"  # the one worker with a port: ready once it answers /healthz
+        proc = ManagedProcess(name=name, argv=[py, "-m", *specs[name]], port=cfg.api_port if api else None,
+                              run_dir=cfg.run_dir, ready=(lambda: api_ready(cfg)) if api else (lambda: True),
+                              start_timeout_s=30.0 if api else 2.0, env=worker_env(cfg))
         out.append(proc)
     return out
+
+
+def api_ready(cfg: Config) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cfg.api_port}/healthz", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 def simulated_state_file(cfg: Config) -> Path:
@@ -89,12 +103,10 @@ def simulated_state_file(cfg: Config) -> Path:
 
 
 def machines_indexed(cfg: Config) -> dict[str, int]:
-    """How many machines the allocator's Redis index holds, by status (UP, DOWN, ...)."""
-    import redis
-
+    """How many machines the allocator's Redis index holds, by status (UP, DOWN, ...), read as the read-only user."""
     from processors.allocator.index import MachineIndex
 
-    client = redis.Redis.from_url(cfg.redis_url)
+    client = cfg.redis_client(read_only=True)
     try:
         index = MachineIndex(client, cfg.topic_prefix)
         return dict(Counter(m.status for m in index.machines(index.machine_ids()).values()))
