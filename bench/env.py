@@ -100,10 +100,12 @@ class BenchEnv:
                     self.pids[name] = st[name]["pid"]
             from confluent_kafka.admin import AdminClient
 
+            from infra import acls
             from streams.topics import Topics, provision
 
-            provision(AdminClient({"bootstrap.servers": self.cfg.bootstrap_servers, "log_level": 0}),
-                      Topics(self.cfg.topic_prefix, self.cfg.partitions))
+            admin = AdminClient({**self.cfg.kafka_conf(), "log_level": 0})
+            provision(admin, Topics(self.cfg.topic_prefix, self.cfg.partitions))
+            acls.provision_region(self.cfg, admin)  # the workers run as their own principals
         except BaseException:
             self.close()
             raise
@@ -113,9 +115,7 @@ class BenchEnv:
         self.close()
 
     def redis(self):
-        import redis
-
-        return redis.Redis.from_url(self.cfg.redis_url)
+        return self.cfg.redis_client()
 
     # -- the control plane ---------------------------------------------------------------------------------
     def worker_processes(self, region: Path, *, without: tuple[str, ...] = (),
@@ -125,7 +125,7 @@ class BenchEnv:
         added to every worker's."""
         out = []
         for proc in controlplane.processes(self.cfg, region, local=False):  # simulated machines only
-            if proc.name in without:
+            if proc.name in without or proc.name == "api":  # the bench drives the log, not the HTTP API
                 continue
             argv = list(proc.argv)
             if proc.name == "agents":

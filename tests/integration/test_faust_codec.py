@@ -134,7 +134,7 @@ def test_agent_processes_valid_events_and_dead_letters_bad_ones(cfg, registry):
     dead_letters = DeadLetters(dead_letter_producer, "recorder")
 
     async def scenario():
-        r = aioredis.from_url(cfg.redis_url)
+        r = aioredis.from_url(cfg.redis_url, **cfg.redis_auth())
         app = make_app(cfg, "faust-codec-test", **FAST)
         starts = []
 
