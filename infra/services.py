@@ -109,6 +109,8 @@ def start_supervised(proc: ManagedProcess, cfg: Config) -> dict:
     """Run ``proc`` (a service: started before the workers, stopped after them) under the region's supervisor and
     wait until it is ready. Idempotent: a service the supervisor runs already is left as it is."""
     was = proc.pid()
+    if was is None and proc.prepare is not None:
+        proc.prepare()  # what it reads at start (the ACL file), kept on disk for the supervisor's restarts
     supervisor.ensure(cfg.run_dir, [supervisor.Program(proc.name, tuple(proc.argv), service=True)])
     deadline = time.monotonic() + proc.start_timeout_s
     while time.monotonic() < deadline:
