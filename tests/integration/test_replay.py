@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
 
 from streams.clients import EventProducer, producer_conf
 from streams.events import new_event
@@ -204,7 +204,16 @@ FILTER_CASES = [
 @pytest.fixture(scope="module")
 def filter_cfg(infra_cfg, registry):
     c = fresh_cfg(infra_cfg)
-    produce(c, registry, filter_dataset(), log_time_is_event_time=True)  # as if imported: times of 1970
+    # The data set's log times are of 1970 (as if imported); heartbeats keep HEARTBEAT_RETENTION_MS, so the broker's
+    # retention check (every 5 min) could delete this module's heartbeat between producing and reading it (seen
+    # once, under load): this module's heartbeats topic keeps its records.
+    admin = AdminClient({**c.kafka_conf()})
+    hb = ConfigResource(ConfigResource.Type.TOPIC, Topics(c.topic_prefix, c.partitions).name("heartbeats"),
+                        incremental_configs=[ConfigEntry("retention.ms", "-1",
+                                                         incremental_operation=AlterConfigOpType.SET)])
+    for fut in admin.incremental_alter_configs([hb]).values():
+        fut.result(timeout=15)
+    produce(c, registry, filter_dataset(), log_time_is_event_time=True)
     return c
 
 
