@@ -6,7 +6,7 @@ up:
 
 test:
 	bash infra/bootstrap.sh --for-tests
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile  # two workers, each with its own broker and Redis
 
 down:
 	.venv/bin/ropewalk down
