@@ -25,6 +25,12 @@ and at exit. A restarted process resumes from it: the same tasks run, the same i
 goes on from the saved offsets. Records read after the last save are read again: a command already applied is
 a no-op (``decide`` keeps each task's recent command ids) and a report sent again has the same event id.
 Without a state file (tests, the bench) a restart reads ``tasks`` from the beginning as a new incarnation.
+
+**Host profiles** (``hostprofile.py``): a ``HostProfileRequested`` for a simulated machine is applied after the
+profile's switch time (``sidekick/catalogue.py``, times ``profile_switch_scale``; ``ROPEWALK_PROFILE_SWITCH_SCALE``,
+default 1) and answered ``HostProfileApplied``, or ``HostProfileFailed`` on a machine of ``profile_failures`` (a
+kernel that cannot allocate huge pages, say; ``--profile-fail``). Until then the START commands that need the
+profile are held. Only machines with a profile other than the default (or a switch under way) take memory.
 """
 from __future__ import annotations
 
@@ -48,6 +54,8 @@ from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
 from . import decide as d
+from . import hostprofile as hp
+from processors.sidekick import catalogue
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent.simulated")
@@ -73,7 +81,8 @@ class SimulatedAgents(LoopWorker):
     def __init__(self, cfg: Config, machine_ids: Sequence[str], *, registry: SchemaRegistry | None = None,
                  interval_ms: int = DEFAULT_INTERVAL_MS, start_delay_ms: int = DEFAULT_START_DELAY_MS,
                  start_jitter: float = 0.0, seed: int = 0, name: str = "agent/simulated",
-                 state_file: Path | str | None = None):
+                 state_file: Path | str | None = None, profile_switch_scale: float | None = None,
+                 profile_failures: Iterable[str] = ()):
         if interval_ms <= 0:
             raise ValueError(f"interval_ms must be positive, got {interval_ms}")
         if not 0.0 <= start_jitter < 1.0:
@@ -92,6 +101,11 @@ class SimulatedAgents(LoopWorker):
         self.failed: set[str] = set()
         self.incarnations: dict[str, int] = {}  # machines recovered from a failure: their new incarnation
         self._spawns: list[tuple[int, str, str]] = []  # heap of (due ms, machine, task)
+        self.hosts: dict[str, hp.HostState] = {}  # machines whose host profile is not the default, or switching
+        self._switches: list[tuple[int, str, str]] = []  # heap of (due ms, machine, request id)
+        self.profile_switch_scale = (float(os.environ.get("ROPEWALK_PROFILE_SWITCH_SCALE", "1"))
+                                     if profile_switch_scale is None else profile_switch_scale)
+        self.profile_failures = frozenset(profile_failures)
         self.producer = EventProducer(cfg, self.registry, name, **PRODUCER_CONF)  # task reports, dead letters
         self.beats = EventProducer(cfg, self.registry, name, **HEARTBEAT_PRODUCER_CONF)
         self.topic = Topics(cfg.topic_prefix, cfg.partitions).name("tasks")
@@ -126,6 +140,9 @@ class SimulatedAgents(LoopWorker):
                        for m, st in doc["states"].items() if m in self.known}
         self._spawns = [(due, m, t) for due, m, t in doc["spawns"] if m in self.states]
         heapq.heapify(self._spawns)
+        self.hosts = {m: hp.from_json(m, h) for m, h in doc.get("hosts", {}).items() if m in self.known}
+        self._switches = [(due, m, r) for due, m, r in doc.get("switches", ()) if m in self.hosts]
+        heapq.heapify(self._switches)
         self._round = doc["round"] + 1  # a new round: its heartbeats are new events, every machine beats at once
         self.offsets = {(t, int(p)): o for t, p, o in doc["offsets"]}
         log.info("%s: resumed %d machines with tasks, %d failed, from %s", self.name, len(self.states),
@@ -141,6 +158,7 @@ class SimulatedAgents(LoopWorker):
                               "tasks": [d.run_to_json(r) for r in st.tasks.values()]}
                           for m, st in self.states.items()},
                "spawns": sorted(self._spawns),
+               "hosts": {m: hp.to_json(h) for m, h in self.hosts.items()}, "switches": sorted(self._switches),
                "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())]}
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
@@ -154,9 +172,13 @@ class SimulatedAgents(LoopWorker):
 
     # -- machines ------------------------------------------------------------------------------------------
     def fail(self, machine_id: str) -> None:
-        """The machine dies: silence (even what it reported in this step is not sent), its tasks gone with it."""
+        """The machine dies: silence (even what it reported in this step is not sent), its tasks gone with it
+        (its host profile stays applied; a switch under way is lost)."""
         self.failed.add(machine_id)
         self.states.pop(machine_id, None)
+        host = self.hosts.get(machine_id)
+        if host is not None:
+            self._keep_host(hp.HostState(machine_id, applied=host.applied))
         self._outbox = [ev for ev in self._outbox if ev.payload.get("machine_id") != machine_id]
         self._dirty = True
 
@@ -193,12 +215,74 @@ class SimulatedAgents(LoopWorker):
         return round(self.start_delay_ms * self._rng.uniform(1 - self.start_jitter, 1 + self.start_jitter))
 
     def on_commands(self, events: Iterable[Event], now: int) -> int:
-        """Apply the commands (TaskCommanded, or a job's TasksCommanded) addressed to the simulated machines."""
+        """Apply the commands (TaskCommanded, or a job's TasksCommanded; HostProfileRequested) addressed to the
+        simulated machines; a START waits here while its machine lacks the host profile it names."""
         n = 0
         for ev in events:
+            if ev.type == hp.REQUEST_TYPE:
+                self.profile_request(ev, now)
+                continue
             for cmd in d.commands(ev, self.known.__contains__):
-                self.feed(cmd.payload["machine_id"], d.Command(cmd), now)
+                machine = cmd.payload["machine_id"]
+                if machine in self.failed:
+                    continue
+                host, verdict, refused = hp.gate(self.host(machine), cmd, now)
+                self._keep_host(host)
+                self._outbox += refused
+                if verdict == hp.RUN:
+                    self.feed(machine, d.Command(cmd), now)
                 n += 1
+        return n
+
+    # -- host profiles -------------------------------------------------------------------------------------
+    def host(self, machine_id: str) -> hp.HostState:
+        return self.hosts.get(machine_id) or hp.HostState(machine_id)
+
+    def _keep_host(self, host: hp.HostState) -> None:
+        if host.idle:
+            self.hosts.pop(host.machine_id, None)
+        else:
+            self.hosts[host.machine_id] = host
+        self._dirty = True
+
+    def profile_request(self, ev: Event, now: int) -> None:
+        machine = ev.payload["machine_id"]
+        if machine not in self.known or machine in self.failed:
+            return
+        host, events, actions = hp.request(self.host(machine), ev, now)
+        self._keep_host(host)
+        self._profile_events(events)
+        self._schedule(actions, now)
+
+    def _schedule(self, actions: Iterable[hp.Apply], now: int) -> None:
+        for act in actions:
+            due = now + catalogue.switch_ms(act.host_profile, self.profile_switch_scale)
+            heapq.heappush(self._switches, (due, act.machine_id, act.request_id))
+
+    def _profile_events(self, events: Iterable[Event]) -> None:
+        for ev in events:
+            if ev.type == "TaskStateChanged":
+                self._outbox.append(ev)  # a held START answered FAILED: batched with the step's reports
+            else:
+                self.producer.send(ev, validate=False)
+
+    def due_switches(self, now: int) -> int:
+        """Profile switches whose time came: applied (or failed, on a machine of ``profile_failures``); the STARTs
+        they held run."""
+        n = 0
+        while self._switches and self._switches[0][0] <= now:
+            _, machine, request_id = heapq.heappop(self._switches)
+            if machine in self.failed:
+                continue
+            error = ("simulated: the profile's settings could not be applied"
+                     if machine in self.profile_failures else None)
+            host, events, actions, run = hp.done(self.host(machine), request_id, now, error)
+            self._keep_host(host)
+            self._profile_events(events)
+            self._schedule(actions, now)
+            for cmd in run:
+                self.feed(machine, d.Command(cmd), now)
+            n += 1
         return n
 
     def send_reports(self, now: int) -> int:
@@ -253,7 +337,8 @@ class SimulatedAgents(LoopWorker):
         """Read every partition of ``tasks``, from ``start_offsets``, else the state file's, else the beginning."""
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=self.name,
                                       start_offsets=start_offsets or self.offsets,
-                                      dead_letters=DeadLetters(self.producer, self.name), types=d.COMMAND_TYPES)
+                                      dead_letters=DeadLetters(self.producer, self.name),
+                                      types=d.COMMAND_TYPES | {hp.REQUEST_TYPE})
 
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:
@@ -264,6 +349,7 @@ class SimulatedAgents(LoopWorker):
         else:
             time.sleep(poll_s)
         now = now_ms()
+        self.due_switches(now)
         self.due_spawns(now)
         self.send_reports(now)
         self.due_heartbeats(now)
@@ -314,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-ms", type=int, default=DEFAULT_INTERVAL_MS, help="heartbeat interval per machine")
     ap.add_argument("--start-delay-ms", type=int, default=DEFAULT_START_DELAY_MS, help="START → RUNNING delay")
     ap.add_argument("--state-file", help="where the simulated machines' state is kept across restarts (JSON)")
+    ap.add_argument("--profile-switch-scale", type=float,
+                    help="host profile switch times are the catalogue's times this (ROPEWALK_PROFILE_SWITCH_SCALE)")
+    ap.add_argument("--profile-fail", action="append", default=[], metavar="MACHINE",
+                    help="a machine whose host profile switches fail (repeatable)")
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -328,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ids = [f"sim-{i:06d}" for i in range(args.machines)]
     sim = SimulatedAgents(cfg, ids, interval_ms=args.interval_ms, start_delay_ms=args.start_delay_ms,
-                          state_file=args.state_file)
+                          state_file=args.state_file, profile_switch_scale=args.profile_switch_scale,
+                          profile_failures=args.profile_fail)
     sim.stop_on_signals()
     log.info("simulating %d machines, heartbeat every %d ms, reading %s", len(ids), args.interval_ms, sim.topic)
     sim.run()

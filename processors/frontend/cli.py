@@ -373,9 +373,17 @@ def cmd_machine_list(cfg: Config, args) -> int:
              f"{r['type']:10} cpu {r['free']['cpu_millicores']}/{r['capacity']['cpu_millicores']}m  "
              f"mem {r['free']['memory_mib']}/{r['capacity']['memory_mib']} MiB free  {len(r['tasks'])} tasks"
              + (f"  maintenance {','.join(r['maintenance'])}" if r["maintenance"] else "")
-             for r in rows]
+             + _profile_text(r) for r in rows]
     _print(rows, args.json, "\n".join(lines) or "no machines (none published on state.machines yet)")
     return 0
+
+
+def _profile_text(r: dict) -> str:
+    """`machine list`: the host profile, when the machine has or wants one other than the default."""
+    have, want, st = r["host_profile"] or "", r["host_profile_wanted"], r["host_profile_state"]
+    if not have and not want:
+        return ""
+    return f"  profile {have or 'default'}" + (f" ({st} {want or 'default'})" if st and st != "applied" else "")
 
 
 def cmd_watch(cfg: Config, args) -> int:
@@ -592,6 +600,24 @@ def cmd_maintenance(cfg: Config, args) -> int:
     return 0
 
 
+def cmd_rebalance(cfg: Config, args) -> int:
+    """`rebalance plan`: the ReBalancer's latest plan per entitlement (or every plan) and each move's progress;
+    with --dry-run, the plan the log calls for now, produced nowhere (processors/rebalancer/)."""
+    from processors.rebalancer import cli as rb
+    from processors.rebalancer.solver import goals_of
+
+    _require_broker(cfg)
+    if args.dry_run:
+        try:
+            views = rb.dry_run(cfg, _registry(), goals_of(args), args.entitlement)
+        except ValueError as exc:
+            raise CliError(f"rebalance plan --dry-run: {exc}") from None
+    else:
+        views = rb.plans(cfg, _registry(), args.entitlement, every=args.all, skipped=args.skipped)
+    _print(views, args.json, rb.format_views(views) or "no plans yet (the ReBalancer found nothing to move)")
+    return 0
+
+
 def cmd_experiment(cfg: Config, args) -> int:  # noqa: ARG001 - its own region (--pipeline) or none: not the user's
     from processors.experiments import figure14
 
@@ -724,6 +750,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp = mnt.add_parser("end", help="the maintenance is over: machines back UP, tasks stopped for it start again")
     sp.set_defaults(fn=cmd_maintenance)
     sp.add_argument("unavailability_id")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+    reb = sub.add_parser("rebalance", help="the ReBalancer's plans of moves").add_subparsers(dest="action",
+                                                                                           required=True)
+    sp = reb.add_parser("plan", help="the latest plan per entitlement and each move's progress",
+                        description="The ReBalancer's plans (RebalancePlanned on intents): goals, constraints, "
+                                    "balance before and after, and every move with its progress (done, elsewhere, "
+                                    "moving, waiting). --dry-run: the plan the log calls for now, produced nowhere")
+    sp.set_defaults(fn=cmd_rebalance)
+    sp.add_argument("--entitlement", help="only this entitlement")
+    sp.add_argument("--all", action="store_true", help="every plan, not only the latest per entitlement")
+    sp.add_argument("--dry-run", action="store_true", help="plan now from the log; produce nothing")
+    from processors.rebalancer.solver import goals_arguments
+
+    goals_arguments(sp)
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     exp = sub.add_parser("experiment", help="reproduce the Twine paper's experiments").add_subparsers(
         dest="experiment", required=True)
