@@ -29,7 +29,8 @@ Without a state file (tests, the bench) a restart reads ``tasks`` from the begin
 **Host profiles** (``hostprofile.py``): a ``HostProfileRequested`` for a simulated machine is applied after the
 profile's switch time (``sidekick/catalogue.py``, times ``profile_switch_scale``; ``ROPEWALK_PROFILE_SWITCH_SCALE``,
 default 1) and answered ``HostProfileApplied``, or ``HostProfileFailed`` on a machine of ``profile_failures`` (a
-kernel that cannot allocate huge pages, say; ``--profile-fail``). Until then the START commands that need the
+kernel that cannot allocate huge pages, say; ``--profile-fail MACHINE[:PROFILE]``: every switch of the machine, or
+only its switches to that profile). Until then the START commands that need the
 profile are held. Only machines with a profile other than the default (or a switch under way) take memory.
 """
 from __future__ import annotations
@@ -274,9 +275,11 @@ class SimulatedAgents(LoopWorker):
             _, machine, request_id = heapq.heappop(self._switches)
             if machine in self.failed:
                 continue
+            host = self.host(machine)
+            to = host.switching.host_profile if host.switching is not None else ""
             error = ("simulated: the profile's settings could not be applied"
-                     if machine in self.profile_failures else None)
-            host, events, actions, run = hp.done(self.host(machine), request_id, now, error)
+                     if {machine, f"{machine}:{to}"} & self.profile_failures else None)
+            host, events, actions, run = hp.done(host, request_id, now, error)
             self._keep_host(host)
             self._profile_events(events)
             self._schedule(actions, now)
@@ -402,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-file", help="where the simulated machines' state is kept across restarts (JSON)")
     ap.add_argument("--profile-switch-scale", type=float,
                     help="host profile switch times are the catalogue's times this (ROPEWALK_PROFILE_SWITCH_SCALE)")
-    ap.add_argument("--profile-fail", action="append", default=[], metavar="MACHINE",
-                    help="a machine whose host profile switches fail (repeatable)")
+    ap.add_argument("--profile-fail", action="append", default=[], metavar="MACHINE[:PROFILE]",
+                    help="a machine whose host profile switches (to PROFILE) fail (repeatable)")
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
