@@ -67,6 +67,7 @@ STATUS_GREEDY = "greedy"  # the solver found no solution within its limit: the g
 
 SPARE_CANDIDATES = 2  # tasks per source beyond what would bring it under the target: alternatives for the solver
 MAX_CANDIDATES_PER_SOURCE = 64
+SCAN_PER_TARGET = 32  # machines a target walk looks at per target it wants, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,35 +272,62 @@ class _Problem:
                 taken += t.cpu
 
     def pick_targets(self) -> None:
-        """Per candidate, up to ``targets_per_task`` targets: half from the source's own fault domain (at the job's
-        spread level: a move there never touches the job's spread), the rest from anywhere; both lists coldest
-        first, each walked from a rotating start so that the candidates of one hot spot spread over many machines
-        (a hot spot can be bigger than its own domain's room)."""
+        """Per candidate, up to ``targets_per_task`` targets from the source's own fault domain (at the job's spread
+        level: a move there never touches the job's spread) when it has at least twice as many cold machines as
+        candidates; else half from it and the rest one from each other domain the job may still grow in, in turn
+        (a hot spot bigger than its own domain's room). Cross-domain pairs are what makes the model hard (they
+        bring the spread constraints), so they are offered only where needed. Each domain's machines
+        are walked coldest first from a rotating start, so that the candidates of one hot spot spread over many
+        machines; a walk gives up after ``SCAN_PER_TARGET`` machines per target wanted, and a task bigger than
+        every cold machine's room is not walked at all."""
         cold = sorted((m for m in self.open if m.load < self.target_load), key=lambda m: (m.load, m.id))
         if not cold:
             return
+        room_cpu = max(m.cpu_capacity - m.cpu_used for m in cold)
+        room_mem = max(m.mem_capacity - m.mem_used for m in cold)
         k = self.goals.targets_per_task
         near: dict[tuple[str, str], list[MachineLoad]] = defaultdict(list)  # (spread level, domain) -> cold ones
         for m in cold:
             for level, dom in FAULT_DOMAIN_OF.items():
                 near[(level, dom(m))].append(m)
+        demand: Counter = Counter((self.rule(t.job).spread, self.domain(t.job, self.machines[t.machine]))
+                                  for t in self.candidates)
         starts: Counter = Counter()
+        turn = 0
         for t in self.candidates:
+            if t.cpu > room_cpu or t.mem > room_mem:
+                continue
             src, rule = self.machines[t.machine], self.rule(t.job)
+            own = (rule.spread, self.domain(t.job, src))
             found: list[str] = []
-            for key, want in (((rule.spread, self.domain(t.job, src)), (k + 1) // 2), (None, k)):
-                pool = near.get(key, ()) if key is not None else cold
+
+            def walk(key: tuple[str, str], want: int) -> None:
+                pool = near.get(key, ())
                 n, start = len(pool), starts[key]
-                for i in range(n):
+                taken = 0
+                for i in range(min(n, SCAN_PER_TARGET * want)):
                     m = pool[(start + i) % n]
                     if m.id not in found and self.allows(t, src, rule, m):
                         found.append(m.id)
-                        if len(found) >= want:
+                        taken += 1
+                        if taken == want:
                             break
                 if n:
-                    starts[key] = (start + max(1, len(found))) % n
-                if len(found) == k:
-                    break
+                    starts[key] = (start + max(1, taken)) % n
+
+            roomy = len(near.get(own, ())) >= 2 * demand[own]
+            walk(own, k if roomy else (k + 1) // 2)
+            others = [] if roomy and len(found) >= k else [
+                key for key in near if key[0] == rule.spread and key != own
+                and self.domains[t.job][key[1]] < self.fullest[t.job]]
+            if others:
+                turn += 1
+                for i in range(len(others)):
+                    if len(found) >= k:
+                        break
+                    walk(others[(turn + i) % len(others)], 1)
+            if len(found) < k:  # the own domain again: more of its machines
+                walk(own, k - len(found))
             if found:
                 self.arcs[t.id] = found
 
@@ -357,8 +385,11 @@ def _greedy(p: _Problem, cap: int) -> dict[str, str]:
     return chosen
 
 
-def _model(p: _Problem, cap: int, hint: Mapping[str, str]):
-    """Stage 5: the CP-SAT model and its solution: (status, {task: target}, deterministic time, wall limited)."""
+def _model(p: _Problem, cap: int, hint: Mapping[str, str], wall_s: float):
+    """Stage 5: the CP-SAT model and its solution: (status, {task: target}, deterministic time, wall limited).
+    ``hint`` (the greedy plan) is given complete, every variable's value, so the search starts from it. When the
+    hint already brings every machine under the target (no excess: it cannot be lowered), the model is the simpler
+    one of that case: every touched machine under the target, as few moves as possible."""
     from ortools.sat.python import cp_model  # imported here: half a second, paid only by a solve
 
     model = cp_model.CpModel()
@@ -380,6 +411,8 @@ def _model(p: _Problem, cap: int, hint: Mapping[str, str]):
         for v in moved[tid]:
             out_of[t.machine].append((t, v))
     touched = sorted(set(into) | set(out_of))
+    hinted = _used_after(p, hint)
+    exact = _excess(p, hint) == 0
     excess = []  # CPU above the target load, per touched machine (millicores)
     for mid in touched:
         m = p.machines[mid]
@@ -389,8 +422,12 @@ def _model(p: _Problem, cap: int, hint: Mapping[str, str]):
         model.Add(cpu <= m.cpu_capacity)
         model.Add(mem <= m.mem_capacity)
         allowed = math.floor(p.target_load * m.cpu_capacity)
+        if exact:
+            model.Add(cpu <= allowed)
+            continue
         over = model.NewIntVar(0, max(0, m.cpu_capacity - allowed), f"over[{mid}]")
         model.Add(over >= cpu - allowed)
+        model.AddHint(over, max(0, hinted[mid] - allowed))
         excess.append(over)
     # spread: each job's count per fault domain stays at or under its fullest domain today
     inflow: dict[tuple[str, str], list] = defaultdict(list)
@@ -406,7 +443,7 @@ def _model(p: _Problem, cap: int, hint: Mapping[str, str]):
             model.Add(p.domains[job][d] + sum(inflow[(job, d)]) - sum(outflow.get((job, d), ())) <= p.fullest[job])
     total = sum(x.values())
     model.Add(total <= cap)
-    model.Minimize(sum(excess) * (cap + 1) + total)
+    model.Minimize(total if exact else sum(excess) * (cap + 1) + total)
     for (tid, mid), v in x.items():
         model.AddHint(v, hint.get(tid) == mid)
     solver = cp_model.CpSolver()
@@ -414,12 +451,12 @@ def _model(p: _Problem, cap: int, hint: Mapping[str, str]):
     prm.num_workers = 1
     prm.random_seed = p.goals.seed
     prm.max_deterministic_time = p.goals.deterministic_limit
-    prm.max_time_in_seconds = p.goals.wall_limit_ms / 1000
+    prm.max_time_in_seconds = max(0.1, wall_s)
     t0 = time.monotonic()
     status = solver.Solve(model)
     wall = time.monotonic() - t0
     det = solver.deterministic_time
-    wall_limited = wall >= p.goals.wall_limit_ms / 1000 and det < p.goals.deterministic_limit
+    wall_limited = wall >= prm.max_time_in_seconds and det < p.goals.deterministic_limit
     if status == cp_model.OPTIMAL:
         name = STATUS_OPTIMAL
     elif status == cp_model.FEASIBLE:
@@ -456,19 +493,26 @@ def solve(scope: Scope, goals: Goals = Goals()) -> Plan:
     hint = _greedy(p, cap)
     if goals.deterministic_limit <= 0:
         return plan(STATUS_GREEDY, hint, p)
-    status, chosen, det, limited = _model(p, cap, hint)
+    left_s = goals.wall_limit_ms / 1000 - (time.monotonic() - t0)  # the safety net covers the whole solve
+    status, chosen, det, limited = _model(p, cap, hint, left_s)
     if status != STATUS_GREEDY and (_excess(p, chosen), len(chosen)) > (_excess(p, hint), len(hint)):
         status, chosen = STATUS_GREEDY, hint  # never worse than the warm start (a search cut short)
     return plan(status, chosen, p, det, limited)
 
 
-def _excess(p: _Problem, chosen: Mapping[str, str]) -> int:
-    """CPU above the target load, summed over the open machines, after ``chosen`` (the model's objective)."""
+def _used_after(p: _Problem, chosen: Mapping[str, str]) -> dict[str, int]:
+    """Each open machine's used CPU once ``chosen`` (task -> target) is done."""
     used = {m.id: m.cpu_used for m in p.open}
     tasks = {t.id: t for t in p.candidates}
     for tid, mid in chosen.items():
         used[tasks[tid].machine] -= tasks[tid].cpu
         used[mid] += tasks[tid].cpu
+    return used
+
+
+def _excess(p: _Problem, chosen: Mapping[str, str]) -> int:
+    """CPU above the target load, summed over the open machines, after ``chosen`` (the model's objective)."""
+    used = _used_after(p, chosen)
     return sum(max(0, used[m.id] - math.floor(p.target_load * m.cpu_capacity)) for m in p.open)
 
 
