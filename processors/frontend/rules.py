@@ -128,7 +128,8 @@ def intent_problems(event_type: str, p: Mapping[str, Any], entitlement: str,
                                   INVALID_ENTITLEMENT, limit="machines (more than a region has)"))
         if not catalogue.known(p.get("host_profile")):
             found.append(Problem("host_profile", f"unknown host profile {describe_value(p.get('host_profile'))} "
-                                 f"(known: {', '.join(repr(n) for n in catalogue.PROFILES)})", INVALID_ENTITLEMENT))
+                                 f"(known: {', '.join(repr(n) for n in catalogue.PROFILES if n)}, or none for the default)",
+                                 INVALID_ENTITLEMENT))
         return [x for x in found if x is not None]
     if event_type in ("JobSubmitted", "JobSpecChanged"):
         return spec_problems(p, max_tasks)

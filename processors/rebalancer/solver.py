@@ -13,7 +13,8 @@ model.
 
 **Stages** (``solve``), in this order:
 
-1. ``balance``: loads, the mean, ``before``; a scope at or under ``Goals.trigger_ratio`` is left alone.
+1. ``balance``: loads, the mean, ``before``; a scope at or under ``Goals.trigger_ratio``, or whose hottest machine is
+   under ``Goals.min_hot_load`` (a nearly idle entitlement: nothing is hot), is left alone.
 2. ``sources``: open machines above ``Goals.target_ratio`` x mean, hottest first; on each, as many movable tasks
    as would bring it under the target plus ``SPARE_CANDIDATES`` alternatives (smallest memory first: they fit
    most places), at most ``MAX_CANDIDATES_PER_SOURCE``. A task that may not move says why (``TaskLoad.movable``,
@@ -60,6 +61,7 @@ TASK_NOT_OPEN = "machine_not_open"  # its machine is down or under maintenance: 
 
 # Plan.status.
 STATUS_BALANCED = "balanced"  # max/mean at or under the trigger: nothing to do
+STATUS_COOL = "cool"  # no machine is loaded enough to be a hot spot (Goals.min_hot_load): nothing to do
 STATUS_NO_MOVE = "no_improving_move"  # above the trigger, but no candidate task has a target
 STATUS_OPTIMAL = "optimal"  # CP-SAT proved the plan optimal
 STATUS_FEASIBLE = "feasible"  # CP-SAT's best within its limit (not proved optimal)
@@ -125,7 +127,9 @@ class Scope:
 @dataclass(frozen=True)
 class Goals:
     target_ratio: float = 1.10  # moves bring every machine to at most this x the mean load
-    trigger_ratio: float = 1.15  # a scope is planned only when max/mean is above this
+    trigger_ratio: float = 1.15  # a scope is planned only when max/mean is above this ...
+    min_hot_load: float = 0.5  # ... and its hottest machine is at least this loaded (moving tasks among idle
+    #                            machines buys nothing)
     max_move_fraction: float = 0.05  # moves per plan: at most this fraction of the scope's tasks ...
     max_moves: int = 10_000  # ... and at most this many
     targets_per_task: int = 8  # candidate targets per task
@@ -485,6 +489,8 @@ def solve(scope: Scope, goals: Goals = Goals()) -> Plan:
 
     if before.mean_load <= 0 or before.ratio <= goals.trigger_ratio:
         return plan(STATUS_BALANCED)
+    if before.max_load < goals.min_hot_load:
+        return plan(STATUS_COOL)
     p = _Problem(scope, goals, before)
     p.pick_candidates()
     p.pick_targets()

@@ -66,6 +66,7 @@ CASES = {
                             s.STATUS_BALANCED, 0, 0.25),
     "hot-spot-spread-out": (*case_hot_spot(), s.STATUS_OPTIMAL, 6, 6 / 16),
     "empty-scope": (Scope("e1", (), ()), GOALS, s.STATUS_BALANCED, 0, 0.0),
+    "nothing-hot-enough": (scope(M4, filled("m1", "a", 4) + filled("m2", "a", 1, 4)), GOALS, s.STATUS_COOL, 0, 0.25),
     "nothing-movable": (scope(M4, filled("m1", "a", 12) + filled("m2", "a", 4, 12),
                               **{f"a/{i}": {"movable": s.TASK_JOB_NOT_RUNNING} for i in range(12)}),
                         GOALS, s.STATUS_NO_MOVE, 0, 12 / 16),
