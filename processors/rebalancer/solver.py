@@ -136,7 +136,7 @@ class Goals:
     no_bounce_ms: int = 3_600_000  # a task never goes back to a machine it left this recently
     deterministic_limit: float = 5.0  # CP-SAT work units (about a second of one core each);
     #                                   0: no solver, the greedy stage's plan
-    wall_limit_ms: int = 10_000  # wall-clock safety net
+    wall_limit_ms: int = 30_000  # wall-clock safety net (the deterministic limit is what normally stops a search)
     seed: int = 1
 
     def __post_init__(self) -> None:
