@@ -77,17 +77,8 @@ def highs_solve(scope: s.Scope, goals: s.Goals) -> dict:
         row(-math.inf, m.cpu_capacity - m.cpu_used, cpu)
         row(-math.inf, m.mem_capacity - m.mem_used, mem)
         row(-math.inf, math.floor(p.target_load * m.cpu_capacity) - m.cpu_used, cpu + [(n_x + j, -1)])
-    inflow, outflow = defaultdict(list), defaultdict(list)
-    for i, (tid, mid) in enumerate(arcs):
-        t = tasks[tid]
-        src_d, dst_d = p.domain(t.job, p.machines[t.machine]), p.domain(t.job, p.machines[mid])
-        if src_d != dst_d:
-            inflow[(t.job, dst_d)].append(i)
-            outflow[(t.job, src_d)].append(i)
-    for job, d in sorted(inflow):
-        if p.domains[job][d] + len(inflow[(job, d)]) > p.fullest[job]:
-            row(-math.inf, p.fullest[job] - p.domains[job][d],
-                [(i, 1) for i in inflow[(job, d)]] + [(i, -1) for i in outflow.get((job, d), ())])
+    for job, d, ins, outs in p.spread_rows((tid, mid, i) for i, (tid, mid) in enumerate(arcs)):
+        row(-math.inf, p.fullest[job] - p.domains[job][d], [(i, 1) for i in ins] + [(i, -1) for i in outs])
     row(-math.inf, cap, [(i, 1) for i in range(n_x)])
     h.addRows(len(lo), np.array(lo), np.array(hi), len(idx), np.array(starts, dtype=np.int32),
               np.array(idx, dtype=np.int32), np.array(val, dtype=float))

@@ -335,6 +335,23 @@ class _Problem:
             if found:
                 self.arcs[t.id] = found
 
+    def spread_rows(self, pairs: Iterable[tuple[str, str, object]]) -> list[tuple[str, str, list, list]]:
+        """The spread constraints of the model: for (task id, target, value) ``pairs`` (a value per pair: a model
+        variable), (job, fault domain, the values moving a task of the job into it, those moving one out) of each
+        domain that could end above the job's fullest domain today (a job's count there + what comes in - what
+        goes out <= its fullest domain's count); a domain that cannot exceed needs no row."""
+        inflow: dict[tuple[str, str], list] = defaultdict(list)
+        outflow: dict[tuple[str, str], list] = defaultdict(list)
+        tasks = {t.id: t for t in self.candidates}
+        for tid, mid, v in pairs:
+            t = tasks[tid]
+            src_d, dst_d = self.domain(t.job, self.machines[t.machine]), self.domain(t.job, self.machines[mid])
+            if src_d != dst_d:
+                inflow[(t.job, dst_d)].append(v)
+                outflow[(t.job, src_d)].append(v)
+        return [(job, d, inflow[(job, d)], outflow.get((job, d), [])) for job, d in sorted(inflow)
+                if self.domains[job][d] + len(inflow[(job, d)]) > self.fullest[job]]
+
     def allows(self, t: TaskLoad, src: MachineLoad, rule: JobRule, m: MachineLoad) -> bool:
         """The hard filters of one (task, target) pair (stage 3)."""
         if m.id == t.machine or m.id in t.banned:
@@ -441,18 +458,8 @@ def _model(p: _Problem, cap: int, hint: Mapping[str, str], wall_s: float):
         model.Add(over >= cpu - allowed)
         model.AddHint(over, max(0, hinted[mid] - allowed))
         excess.append(over)
-    # spread: each job's count per fault domain stays at or under its fullest domain today
-    inflow: dict[tuple[str, str], list] = defaultdict(list)
-    outflow: dict[tuple[str, str], list] = defaultdict(list)
-    for (tid, mid), v in x.items():
-        t = tasks[tid]
-        src_d, dst_d = p.domain(t.job, p.machines[t.machine]), p.domain(t.job, p.machines[mid])
-        if src_d != dst_d:
-            inflow[(t.job, dst_d)].append(v)
-            outflow[(t.job, src_d)].append(v)
-    for job, d in sorted(inflow):
-        if p.domains[job][d] + len(inflow[(job, d)]) > p.fullest[job]:  # else it cannot exceed: no constraint
-            model.Add(p.domains[job][d] + sum(inflow[(job, d)]) - sum(outflow.get((job, d), ())) <= p.fullest[job])
+    for job, d, ins, outs in p.spread_rows((tid, mid, v) for (tid, mid), v in x.items()):
+        model.Add(p.domains[job][d] + sum(ins) - sum(outs) <= p.fullest[job])
     total = sum(x.values())
     model.Add(total <= cap)
     model.Minimize(total if exact else sum(excess) * (cap + 1) + total)
