@@ -3,8 +3,10 @@
     python -m processors.agent.simulated (--region FILE | --machines N) [--interval-ms 10000] [--start-delay-ms 200]
 
 Commands arrive as a job's TasksCommanded (or, from older logs, TaskCommanded): each simulated machine takes the
-ones addressed to it. The reports one ``step`` makes, of every machine, go out as one TaskStatesChanged per
-entitlement (``decide.batch``), not one record per transition.
+ones addressed to it, and runs a START or RESTART only if its fold of ``allocations`` placed that task on it for the
+command's entitlement and job (``gate.py``: a TaskCommandRefused answers anything else). The reports one ``step``
+makes, of every machine, go out as one TaskStatesChanged per entitlement (``decide.batch``), not one record per
+transition.
 
 No OS processes: a SPAWN action becomes ``Spawned`` (→ RUNNING) after ``start_delay_ms`` (times a factor drawn
 uniformly from ``[1 - start_jitter, 1 + start_jitter]`` with a seeded generator, when a jitter is set), a KILL becomes
@@ -21,8 +23,8 @@ commands ignored, its tasks gone; ``recover(machine)`` brings it back empty (a n
 machines outlive the process that simulates them, as real machines outlive their agent: the file holds every
 machine's tasks, the pending spawns, failed machines, incarnations, the heartbeat round and the next offset of
 every ``tasks`` partition. It is written atomically at most every ``SAVE_INTERVAL_S`` while something changed,
-and at exit. A restarted process resumes from it: the same tasks run, the same incarnations beat, and reading
-goes on from the saved offsets. Records read after the last save are read again: a command already applied is
+and at exit. A restarted process resumes from it: the same tasks run, under a new incarnation (heartbeat ids: the
+file may be a few rounds behind the beats of the process that died), and reading goes on from the saved offsets. Records read after the last save are read again: a command already applied is
 a no-op (``decide`` keeps each task's recent command ids) and a report sent again has the same event id.
 Without a state file (tests, the bench) a restart reads ``tasks`` from the beginning as a new incarnation.
 
@@ -55,6 +57,7 @@ from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
 from . import decide as d
+from . import gate as g
 from . import hostprofile as hp
 from processors.sidekick import catalogue
 from processors.worker import LoopWorker
@@ -109,7 +112,11 @@ class SimulatedAgents(LoopWorker):
         self.profile_failures = frozenset(profile_failures)
         self.producer = EventProducer(cfg, self.registry, name, **PRODUCER_CONF)  # task reports, dead letters
         self.beats = EventProducer(cfg, self.registry, name, **HEARTBEAT_PRODUCER_CONF)
-        self.topic = Topics(cfg.topic_prefix, cfg.partitions).name("tasks")
+        topics = Topics(cfg.topic_prefix, cfg.partitions)
+        self.topic = topics.name("tasks")
+        self.allocations = topics.name("allocations")
+        self.judge = g.Judge(g.Gate(self.known.__contains__),
+                             [(self.allocations, i) for i in range(topics.partitions_of("allocations"))])
         self.consumer: EventConsumer | None = None
         self._round = 0  # heartbeat round: the sequence of this round's heartbeats
         self._round_start = 0
@@ -132,8 +139,11 @@ class SimulatedAgents(LoopWorker):
             return
         if doc.get("format") != STATE_FORMAT:
             raise SystemExit(f"{self.state_file}: format {doc.get('format')!r}, this agent writes {STATE_FORMAT}")
-        self.incarnation = doc["incarnation"]
-        self.incarnations = {m: i for m, i in doc["incarnations"].items() if m in self.known}
+        # A new incarnation of every machine: the file may be a few rounds behind what the process that wrote it
+        # beat before it died, so resuming its incarnations would beat those rounds again under the same event ids
+        # with other contents (the kill storm found 43 such heartbeats). Their sequences go on from the file.
+        self.incarnation = max(self.incarnation, doc["incarnation"] + 1, *map(int, doc["incarnations"].values()))
+        self.incarnations = {}
         self.failed = {m for m in doc["failed"] if m in self.known}
         self.states = {m: d.AgentState(m, incarnation=st["incarnation"], sequence=st["sequence"],
                                        tasks=MappingProxyType({r["task_id"]: d.run_from_json(r)
@@ -146,6 +156,7 @@ class SimulatedAgents(LoopWorker):
         heapq.heapify(self._switches)
         self._round = doc["round"] + 1  # a new round: its heartbeats are new events, every machine beats at once
         self.offsets = {(t, int(p)): o for t, p, o in doc["offsets"]}
+        self.judge.gate.load_json(doc.get("gate"))
         log.info("%s: resumed %d machines with tasks, %d failed, from %s", self.name, len(self.states),
                  len(self.failed), self.state_file)
 
@@ -160,7 +171,8 @@ class SimulatedAgents(LoopWorker):
                           for m, st in self.states.items()},
                "spawns": sorted(self._spawns),
                "hosts": {m: hp.to_json(h) for m, h in self.hosts.items()}, "switches": sorted(self._switches),
-               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())]}
+               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
+               "gate": self.judge.gate.to_json()}
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, separators=(",", ":")))
@@ -216,24 +228,46 @@ class SimulatedAgents(LoopWorker):
         return round(self.start_delay_ms * self._rng.uniform(1 - self.start_jitter, 1 + self.start_jitter))
 
     def on_commands(self, events: Iterable[Event], now: int) -> int:
-        """Apply the commands (TaskCommanded, or a job's TasksCommanded; HostProfileRequested) addressed to the
-        simulated machines; a START waits here while its machine lacks the host profile it names."""
+        """Apply the commands (TaskCommanded, or a job's TasksCommanded) addressed to the simulated machines that the
+        allocations events among ``events`` (folded in order) placed there, and the HostProfileRequested for them;
+        a START the allocation gate admits waits here while its machine lacks the host profile it names. Returns how
+        many commands were applied or held."""
         n = 0
-        for ev in events:
-            if ev.type == hp.REQUEST_TYPE:
-                self.profile_request(ev, now)
+        run: list[Event] = []  # a run of events between two profile requests: judged in one take (their order kept)
+        for ev in [*events, None]:
+            if ev is not None and ev.type != hp.REQUEST_TYPE:
+                run.append(ev)
                 continue
-            for cmd in d.commands(ev, self.known.__contains__):
-                machine = cmd.payload["machine_id"]
-                if machine in self.failed:
-                    continue
-                host, verdict, refused = hp.gate(self.host(machine), cmd, now)
-                self._keep_host(host)
-                self._outbox += refused
-                if verdict == hp.RUN:
-                    self.feed(machine, d.Command(cmd), now)
+            for cmd in self.judge.take(run, self.known.__contains__, now) if run else ():
+                self.command(cmd, now)
                 n += 1
+            run = []
+            if ev is not None:
+                self.profile_request(ev, now)
         return n
+
+    def command(self, cmd: Event, now: int) -> None:
+        """A command the allocation gate admitted, through the host-profile gate (a START waits for its profile)."""
+        machine = cmd.payload["machine_id"]
+        if machine in self.failed:
+            return
+        host, verdict, refused = hp.gate(self.host(machine), cmd, now)
+        self._keep_host(host)
+        self._outbox += refused
+        if verdict == hp.RUN:
+            self.feed(machine, d.Command(cmd), now)
+
+    def send_refusals(self, now: int) -> int:
+        """Produce the TaskCommandRefused events whose verdict is final (``gate.Judge``)."""
+        if self.consumer is None:
+            return 0
+        refused = self.judge.refusals(self.consumer, now, self.offsets)
+        for ev in refused:
+            if ev.payload["machine_id"] not in self.failed:
+                self.producer.send(ev, validate=False)
+        if refused:
+            self._dirty = True
+        return len(refused)
 
     # -- host profiles -------------------------------------------------------------------------------------
     def host(self, machine_id: str) -> hp.HostState:
@@ -338,10 +372,10 @@ class SimulatedAgents(LoopWorker):
     # -- running -------------------------------------------------------------------------------------------
     def connect(self, start_offsets=None) -> None:
         """Read every partition of ``tasks``, from ``start_offsets``, else the state file's, else the beginning."""
-        self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=self.name,
+        self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations], name=self.name,
                                       start_offsets=start_offsets or self.offsets,
                                       dead_letters=DeadLetters(self.producer, self.name),
-                                      types=d.COMMAND_TYPES | {hp.REQUEST_TYPE})
+                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE})
 
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:
@@ -353,6 +387,7 @@ class SimulatedAgents(LoopWorker):
             time.sleep(poll_s)
         now = now_ms()
         self.due_switches(now)
+        self.send_refusals(now)
         self.due_spawns(now)
         self.send_reports(now)
         self.due_heartbeats(now)
@@ -410,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = Config.from_env()
+    cfg = Config.from_env().as_principal("agent")
     if args.measure_s:
         import json
         print(json.dumps(measure_heartbeats(cfg, args.machines or 0, args.interval_ms, args.measure_s)))
