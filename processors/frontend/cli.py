@@ -680,14 +680,16 @@ def cmd_rebalance(cfg: Config, args) -> int:
     from processors.rebalancer import cli as rb
     from processors.rebalancer.solver import goals_of
 
-    _require_broker(cfg)
-    if args.dry_run:
+    if args.dry_run:  # the solver runs here, on the caller's CPU, over the whole region's log: not the API's work
+        if not direct(args):
+            raise CliError("rebalance plan --dry-run folds the log and solves here, as the operator: add --direct")
+        _require_broker(cfg)
         try:
             views = rb.dry_run(cfg, _registry(), goals_of(args), args.entitlement)
         except ValueError as exc:
             raise CliError(f"rebalance plan --dry-run: {exc}") from None
     else:
-        views = rb.plans(cfg, _registry(), args.entitlement, every=args.all, skipped=args.skipped)
+        views = _front(cfg, args).rebalance_plans(args.entitlement, args.all)
     _print(views, args.json, rb.format_views(views) or "no plans yet (the ReBalancer found nothing to move)")
     return 0
 
@@ -904,14 +906,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     reb = sub.add_parser("rebalance", help="the ReBalancer's plans of moves").add_subparsers(dest="action",
                                                                                            required=True)
-    sp = reb.add_parser("plan", help="the latest plan per entitlement and each move's progress",
-                        description="The ReBalancer's plans (RebalancePlanned on intents): goals, constraints, "
-                                    "balance before and after, and every move with its progress (done, elsewhere, "
-                                    "moving, waiting). --dry-run: the plan the log calls for now, produced nowhere")
+    sp = user_command(reb.add_parser(
+        "plan", help="the latest plan per entitlement and each move's progress",
+        description="The ReBalancer's plans (RebalancePlanned on intents): goals, constraints, balance before and "
+                    "after, and every move with its progress (done, elsewhere, moving, waiting). --dry-run (with "
+                    "--direct): the plan the log calls for now, produced nowhere"))
     sp.set_defaults(fn=cmd_rebalance)
     sp.add_argument("--entitlement", help="only this entitlement")
     sp.add_argument("--all", action="store_true", help="every plan, not only the latest per entitlement")
-    sp.add_argument("--dry-run", action="store_true", help="plan now from the log; produce nothing")
+    sp.add_argument("--dry-run", action="store_true", help="plan now from the log, here (needs --direct); produce "
+                    "nothing")
     from processors.rebalancer.solver import goals_arguments
 
     goals_arguments(sp)

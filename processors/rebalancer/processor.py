@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     goals_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    worker = Rebalancer(Config.from_env(), goals_of(args), args.interval_s)
+    worker = Rebalancer(Config.from_env().as_principal("rebalancer"), goals_of(args), args.interval_s)
     worker.stop_on_signals()
     worker.loop()
     return 0

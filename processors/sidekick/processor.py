@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-ms", type=int, default=DEFAULT_INTERVAL_MS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    worker = Sidekick(Config.from_env(), args.max_switching, args.interval_ms)
+    worker = Sidekick(Config.from_env().as_principal("sidekick"), args.max_switching, args.interval_ms)
     worker.stop_on_signals()
     worker.loop()
     return 0

@@ -32,6 +32,9 @@ import yaml
 
 from bench.env import BenchEnv
 from infra import controlplane
+from infra.process import free_port, port_open
+from processors.api import users
+from processors.api.client import ApiClient, ApiClientError
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.agent.simulated import SimulatedAgents
 from processors.rebalancer import cli as rebalance_cli
@@ -190,8 +193,20 @@ def test_a_hot_spot_is_rebalanced_through_taskcontrol(region):
         later = [m for ts, m in sorted(placed[task]) if ts >= planned_ms]
         assert later and later[0] == dst and src not in later, (task, later)  # no bounce within the hour
 
+    # -- the plan through the HTTP API, as a viewer of e1: the CLI's default path --------------------------------
+    users_file = r.env.cfg.run_dir / "users.yaml"
+    viewer = users.add_user(users_file, "vic", {E1: "viewer"})
+    port = free_port()
+    r.env.start_worker("api", "processors.api.server", "--port", str(port), "--users", str(users_file))
+    api = ApiClient(f"http://127.0.0.1:{port}", viewer)
+    r.pump(lambda: port_open(port), 60, "the API listening")
+    assert [p["plan"] for p in api.rebalance_plans(E1)] == [plan["plan"]]
+    with pytest.raises(ApiClientError, match="no role on entitlement") as refused:
+        api.rebalance_plans(E2)
+    assert refused.value.reason == "no_role_on_entitlement"
     out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", "rebalance", "plan", "--entitlement", E1],
-                         env=controlplane.worker_env(r.env.cfg), cwd=ROOT, capture_output=True, text=True, timeout=60)
+                         env={**controlplane.worker_env(r.env.cfg), "ROPEWALK_API_PORT": str(port),
+                              "ROPEWALK_TOKEN": viewer}, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and plan["plan"] in out.stdout and f"{len(moves)} done" in out.stdout, out.stderr
 
 
@@ -218,7 +233,8 @@ def test_host_profiles_are_applied_before_any_task_starts(region):
     stuck = r.pump(lambda: (p := machine_states(r, E2).get(NO_TURBO)) and p["host_profile_state"] == "failed" and p,
                    30, f"{NO_TURBO} failed")
     assert (stuck["host_profile"], stuck["host_profile_wanted"]) == ("web", "turbo")
-    out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", "machine", "list", "--entitlement", E2],
+    out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", "machine", "list", "--entitlement", E2,
+                          "--direct"],
                          env=controlplane.worker_env(r.env.cfg), cwd=ROOT, capture_output=True, text=True, timeout=60)
     line = next(x for x in out.stdout.splitlines() if x.startswith(NO_TURBO))
     assert "profile web (failed turbo)" in line, out.stdout
