@@ -241,7 +241,12 @@ def test_host_profiles_are_applied_before_any_task_starts(region):
 
     # -- the audit, by replay ----------------------------------------------------------------------------------
     log = everything(r.env.cfg, r.registry)
-    events = sorted((rec.event for rec in log), key=lambda e: e.timestamp_ms)
+    # Time order. A held START runs in the agent's step that applied its profile: its STARTING report and the
+    # HostProfileApplied carry the same millisecond, on two topics the replay does not order between (seen once
+    # under load: the report first). Within one millisecond, then, the order the agent's code makes: a request
+    # before its answer, an answer before the reports of that step.
+    step_order = {"HostProfileRequested": 0, "HostProfileApplied": 1, "HostProfileFailed": 1}
+    events = sorted((rec.event for rec in log), key=lambda e: (e.timestamp_ms, step_order.get(e.type, 2)))
     profile_of: dict[str, str] = {}
     applied: dict[str, str] = {}
     in_flight: dict[str, dict[str, str]] = defaultdict(dict)  # entitlement -> request id -> machine
