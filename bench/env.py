@@ -118,11 +118,11 @@ class BenchEnv:
         return self.cfg.redis_client()
 
     # -- the control plane ---------------------------------------------------------------------------------
-    def worker_processes(self, region: Path, *, without: tuple[str, ...] = (),
+    def worker_processes(self, region: Path, *, without: tuple[str, ...] = controlplane.UPPER,
                          env: Mapping[str, str] | None = None, machines: int = 0) -> list[ManagedProcess]:
         """``infra.controlplane.processes`` with the benchmark's heartbeat interval and health timeout (for a
-        region of ``machines``), and quick faust group timing; ``without`` names workers not to run, ``env`` is
-        added to every worker's."""
+        region of ``machines``), and quick faust group timing; ``without`` names workers not to run (by default
+        the ReBalancer and Sidekick, which the benchmark does not measure), ``env`` is added to every worker's."""
         out = []
         for proc in controlplane.processes(self.cfg, region, local=False):  # simulated machines only
             if proc.name in without or proc.name == "api":  # the bench drives the log, not the HTTP API
@@ -139,7 +139,7 @@ class BenchEnv:
         return out
 
     def start_region(self, machines: int, timeout_s: float = 300.0, *, region: Path | None = None,
-                     without: tuple[str, ...] = (), env: Mapping[str, str] | None = None) -> dict:
+                     without: tuple[str, ...] = controlplane.UPPER, env: Mapping[str, str] | None = None) -> dict:
         """Write the generated region (or use the ``region`` file given, of ``machines`` machines), start the
         workers (``without`` and ``env``: see ``worker_processes``), wait until the allocator indexed every machine
         UP."""

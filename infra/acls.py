@@ -12,11 +12,11 @@ Writers per topic, and where a topic-level ACL cannot tell writers apart:
 
 | topic            | written by (besides operator)        | gap the ACL leaves, and who closes it |
 |------------------|--------------------------------------|---------------------------------------|
-| intents          | api (users' intents), scheduler (IntentRefused) | the scheduler could forge an intent; it is trusted with every task command anyway |
-| machines         | resourcebroker, health, allocator, api (admins' machine fail/recover, maintenance end) | |
+| intents          | api (users' intents), scheduler (IntentRefused), rebalancer (RebalancePlanned) | the scheduler could forge an intent; it is trusted with every task command anyway. The rebalancer could too; its plans only move tasks the scheduler checks (a move the entitlement's job does not hold is not made) |
+| machines         | resourcebroker, health, allocator, api (admins' machine fail/recover, maintenance end), agent (HostProfileApplied/Failed) | an agent principal could forge any machine event (a registration, a status, an owner): readers of `machines` do not check the writer. Closing it needs the agents' profile answers on a topic of their own, relayed by Sidekick (not done) |
 | unavailability   | resourcebroker, health, api (admins' maintenance, machine fail) | |
 | allocations      | scheduler (AllocationRequested), allocator (TasksAllocated, AllocationRejected, TasksDeallocated) | the scheduler could forge a placement: agents trust the allocations topic, written only by these two |
-| tasks            | scheduler (commands, its own task transitions), agent (reports) | an agent principal could forge a command: agents start only what ``allocations`` placed on their machine for that entitlement and job (processors/agent/gate.py); a forged STOP from an agent principal is not caught (all agents share one principal) |
+| tasks            | scheduler (commands, its own task transitions), agent (reports), sidekick (HostProfileRequested) | an agent principal could forge a command: agents start only what ``allocations`` placed on their machine for that entitlement and job (processors/agent/gate.py); a forged STOP from an agent principal is not caught (all agents share one principal) |
 | taskcontrol      | scheduler (requests, throttling), controller (acks) | a controller could ack another job's request: the scheduler ignores acks of a stale or unknown sequence |
 | heartbeats       | agent | |
 | state.jobs, state.tasks | scheduler | |
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, OPERATOR, RESOURCEBROKER, SCHEDULER)
+from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, OPERATOR, REBALANCER, RESOURCEBROKER,
+                               SCHEDULER, SIDEKICK)
 from streams.topics import CATALOGUE, Topics
 
 READ, WRITE = "READ", "WRITE"
@@ -43,8 +44,10 @@ WRITES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     ALLOCATOR: ("allocations", "machines", "state.machines", DEADLETTER, SCHEMAS),
     RESOURCEBROKER: ("machines", "unavailability", DEADLETTER, SCHEMAS),
     HEALTH: ("machines", "unavailability", DEADLETTER, SCHEMAS),
-    AGENT: ("tasks", "heartbeats", DEADLETTER, SCHEMAS),
+    AGENT: ("tasks", "heartbeats", "machines", DEADLETTER, SCHEMAS),  # machines: its host-profile answers
     CONTROLLER: ("taskcontrol", DEADLETTER, SCHEMAS),
+    REBALANCER: ("intents", DEADLETTER, SCHEMAS),  # RebalancePlanned
+    SIDEKICK: ("tasks", DEADLETTER, SCHEMAS),  # HostProfileRequested
 })
 READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     API: (*DATA, SCHEMAS),  # state, replay, the verdict of a submission, server-sent events
@@ -54,6 +57,8 @@ READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     HEALTH: ("machines", "heartbeats", SCHEMAS),
     AGENT: ("tasks", "allocations", SCHEMAS),
     CONTROLLER: ("taskcontrol", SCHEMAS),
+    REBALANCER: ("intents", "machines", "unavailability", "allocations", "state.jobs", SCHEMAS),  # its TOPICS
+    SIDEKICK: ("intents", "machines", "unavailability", "allocations", "tasks", SCHEMAS),
 })
 # faust apps: principal -> app id (its consumer group `<prefix><app>` and internal topics `<prefix><app>-...`).
 FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})

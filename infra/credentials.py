@@ -15,6 +15,8 @@ user may run is ``redis_acl_lines`` below.
 | health          | the Health Check Service                | reader |
 | agent           | process and simulated agents            | reader |
 | controller      | applications' TaskControllers           | reader |
+| rebalancer      | the ReBalancer (processors/rebalancer)  | reader |
+| sidekick        | Sidekick, host profiles (processors/sidekick) | reader |
 
 The embedded broker has one more user, ``broker`` (``BROKER_USER``): the broker's own identity towards its KRaft
 controller, and the administrator ``up`` uses to create the principals' SCRAM credentials. No client of the region
@@ -69,7 +71,9 @@ RESOURCEBROKER = "resourcebroker"
 HEALTH = "health"
 AGENT = "agent"
 CONTROLLER = "controller"
-PRINCIPALS = (OPERATOR, API, SCHEDULER, ALLOCATOR, RESOURCEBROKER, HEALTH, AGENT, CONTROLLER)
+REBALANCER = "rebalancer"
+SIDEKICK = "sidekick"
+PRINCIPALS = (OPERATOR, API, SCHEDULER, ALLOCATOR, RESOURCEBROKER, HEALTH, AGENT, CONTROLLER, REBALANCER, SIDEKICK)
 BROKER_USER = "broker"  # the embedded broker's own user (super user; PLAIN, from its JAAS config)
 
 # Redis users, and which one each principal connects as.

@@ -125,7 +125,7 @@ def task_commands(ev: Event, machines: Callable[[str], bool] | None = None) -> l
     if ev.type == "TaskCommanded":
         if machines is not None and not machines(p["machine_id"]):
             return []
-        return [{**p, "command_id": ev.event_id}]
+        return [{**p, "host_profile": p.get("host_profile"), "command_id": ev.event_id}]
     if ev.type != TASKS_COMMANDED:
         return []
     out = []
@@ -137,7 +137,7 @@ def task_commands(ev: Event, machines: Callable[[str], bool] | None = None) -> l
         out.append({"task_id": c["task_id"], "job_id": p["job_id"], "machine_id": c["machine_id"],
                     "command": c["command"], "argv": list(argv) if starts else [], "env": dict(env) if starts else {},
                     "spec_version": c.get("spec_version", 1), "reason": c.get("reason", ""),
-                    "command_id": command_id(ev.event_id, i)})
+                    "host_profile": p.get("host_profile"), "command_id": command_id(ev.event_id, i)})
     return out
 
 

@@ -144,11 +144,13 @@ def job_whole(header: Event, parts: dict[int, list]) -> Event:
 
 def machine_view(ev: Event) -> dict:
     """One machine of `ropewalk machine list --json` (DESIGN.md's contract plus capacity, free resources,
-    tasks, the planned maintenances announced on it), from its MachineStatePublished."""
+    tasks, the planned maintenances announced on it, its host profile: applied, wanted by its entitlement, and
+    the state of the switch), from its MachineStatePublished."""
     p = ev.payload
     return {"id": p["machine_id"], "status": p["status"], "entitlement": p["assigned_entitlement"],
             **{k: p["topology"][k] for k in ("region", "dc", "msb", "rack")}, "type": p["machine_type"],
             "capacity": dict(p["capacity"]), "free": dict(p["free"]), "host_profile": p["host_profile"],
+            "host_profile_wanted": p.get("host_profile_wanted"), "host_profile_state": p.get("host_profile_state") or "",
             "tasks": list(p["task_ids"]), "maintenance": list(p.get("maintenance_ids") or ()),
             "version": p["version"], "updated_ms": ev.timestamp_ms}
 

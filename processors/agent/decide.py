@@ -402,6 +402,13 @@ def _on_tick(state: AgentState, now_ms: int):
     return replace(state, sequence=seq), [hb], actions
 
 
+def refused_start(machine_id: str, cmd: Event, reason: str, now_ms: int) -> Event:
+    """The FAILED report of a START/RESTART (a TaskCommanded) this agent will not run, e.g. because its machine
+    cannot get the host profile the command requires (``hostprofile.py``)."""
+    run = TaskRun(task_id=cmd.payload["task_id"], spec=_spec_of(cmd), phase=P_FAILED, reported=UNKNOWN)
+    return _report(AgentState(machine_id), run, FAILED, reason, now_ms)
+
+
 COMMAND_TYPES = frozenset({"TaskCommanded", batches.TASKS_COMMANDED})  # what an agent reads of ``tasks``
 
 

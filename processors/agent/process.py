@@ -33,6 +33,11 @@
 * **Tasks run unprivileged.** An agent running as root runs its tasks as ``--task-user`` (``ROPEWALK_TASK_USER``,
   default ``nobody``), with no supplementary groups; their stdout/stderr go to files the agent opens, and each
   task's working directory ``<work>/tasks/<task>/`` is given to that user. A non-root agent runs them as itself.
+* Host profiles (``hostprofile.py``): a ``HostProfileRequested`` for this machine is applied by writing the
+  profile and its settings to ``<work>/host-profile.json`` (the harmless, visible setting this agent stands for:
+  a real one would write sysctls) and answered ``HostProfileApplied`` (``HostProfileFailed`` if the file cannot be
+  written). A START the allocation gate admits (``gate.py``) that names another profile than the one applied
+  waits until it is.
 """
 from __future__ import annotations
 
@@ -63,11 +68,13 @@ from streams.topics import Topics
 
 from . import decide as d
 from . import gate as g
+from . import hostprofile as hp
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent")
 
 STATE_FILE = "agent-state.json"
+PROFILE_FILE = "host-profile.json"  # the host profile applied: its name and settings
 KEEP_TASKS_SIGNAL = signal.SIGUSR2  # `ropewalk down --keep-tasks`: the agent leaves its tasks running when it stops
 TASK_USER_ENV = "ROPEWALK_TASK_USER"
 DEFAULT_TASK_USER = "nobody"  # on every Debian-like system; unprivileged, owns nothing
@@ -163,6 +170,7 @@ class ProcessAgent(LoopWorker):
         self.procs: dict[str, Proc] = {}
         self.offsets: dict[tuple[str, int], int] = {}
         self.log_id: str | None = None  # the id of the `tasks` topic ``offsets`` are offsets of
+        self.host = hp.HostState(machine_id, applied=self.profile_on_disk())
         self.state, fresh = self._load()
         self.producer = self._new_producer()
         self._unsent: deque[Event] = deque()
@@ -171,6 +179,7 @@ class ProcessAgent(LoopWorker):
         self._catch_up = fresh  # a fresh agent applies only the latest command per task of the backlog
         self._reconcile = False  # at the end of the catch-up: stop the tasks the backlog does not command
         self._backlog: dict[str, Event] = {}
+        self._backlog_profile: Event | None = None  # and the latest host profile request
         self._idle_polls = 0
         self._next_tick = 0
         self.errors = 0  # broker/delivery errors survived
@@ -197,6 +206,10 @@ class ProcessAgent(LoopWorker):
         for task_id, pr in doc.get("procs", {}).items():
             self.procs[task_id] = Proc(pid=pr["pid"], start_time=pr["start_time"],
                                        kill_deadline_ms=pr.get("kill_deadline_ms"))
+        if "host" in doc:  # what is on disk is what is applied (a switch the agent died in is lost: asked again)
+            host = hp.from_json(self.machine_id, doc["host"])
+            self.host = hp.HostState(self.machine_id, applied=self.profile_on_disk(), failed=host.failed,
+                                     held=host.held)
         return state, False
 
     def save(self) -> None:
@@ -205,7 +218,7 @@ class ProcessAgent(LoopWorker):
                "tasks": [d.run_to_json(r) for r in self.state.tasks.values()],
                "procs": {t: {"pid": p.pid, "start_time": p.start_time, "kill_deadline_ms": p.kill_deadline_ms}
                          for t, p in self.procs.items()},
-               "gate": self.judge.gate.to_json()}
+               "gate": self.judge.gate.to_json(), "host": hp.to_json(self.host)}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
         os.replace(tmp, self.state_path)
@@ -219,6 +232,52 @@ class ProcessAgent(LoopWorker):
             self._act(act)
         if events or actions or not isinstance(inp, d.Tick):
             self.save()
+
+    # -- host profiles ---------------------------------------------------------------------------------------
+    def profile_on_disk(self) -> str:
+        """The profile applied: what ``host-profile.json`` says (the default when there is none)."""
+        try:
+            return json.loads((self.work_dir / PROFILE_FILE).read_text()).get("host_profile", hp.DEFAULT_PROFILE)
+        except (FileNotFoundError, ValueError):
+            return hp.DEFAULT_PROFILE
+
+    def command(self, cmd: Event) -> None:
+        """A TaskCommanded for this machine, through the host-profile gate (a START waits for its profile)."""
+        self.host, verdict, refused = hp.gate(self.host, cmd, now_ms())
+        for ev in refused:
+            self._send(ev)
+        if verdict == hp.RUN:
+            self.feed(d.Command(cmd))
+        else:
+            self.save()
+
+    def profile_request(self, ev: Event) -> None:
+        self.host, events, actions = hp.request(self.host, ev, now_ms())
+        self._profile_done(events, actions, [])
+
+    def _profile_done(self, events: list[Event], actions: list[hp.Apply], run: list[Event]) -> None:
+        for ev in events:
+            self._send(ev)
+        self.save()
+        for act in actions:
+            self._apply_profile(act)
+        for cmd in run:
+            self.feed(d.Command(cmd))
+
+    def _apply_profile(self, act: hp.Apply) -> None:
+        """Write the profile and its settings to ``host-profile.json`` (atomically): the setting this agent applies."""
+        path = self.work_dir / PROFILE_FILE
+        error = None
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"host_profile": act.host_profile, "settings": dict(act.settings),
+                                       "request_id": act.request_id, "applied_ms": now_ms()}, indent=1,
+                                      sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as exc:
+            error = f"{path}: {exc}"
+        self.host, events, actions, run = hp.done(self.host, act.request_id, now_ms(), error)
+        self._profile_done(events, actions, run)
 
     def _send(self, ev: Event) -> None:
         if ev.type == "TaskStateChanged":
@@ -337,7 +396,7 @@ class ProcessAgent(LoopWorker):
             self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations],
                                           name=f"agent/{self.machine_id}", start_offsets=self.offsets,
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
-                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES)
+                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE})
             return True
         except Exception as exc:  # broker away: try again later, tasks go on
             self.errors += 1
@@ -367,8 +426,12 @@ class ProcessAgent(LoopWorker):
         mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1  # saved with the state the record makes
+            if rec.event.type == hp.REQUEST_TYPE:
+                if mine(rec.event.payload["machine_id"]):
+                    self.profile_request(rec.event)
+                continue
             for cmd in self.judge.take([rec.event], mine, now_ms()):
-                self.feed(d.Command(cmd))
+                self.command(cmd)
         self._refuse()
         if records:
             self.save()
@@ -399,6 +462,10 @@ class ProcessAgent(LoopWorker):
             if rec.event.type in g.ALLOCATION_TYPES:
                 self.judge.take([rec.event], mine, now_ms())  # the fold (nothing waits yet)
                 continue
+            if rec.event.type == hp.REQUEST_TYPE:
+                if mine(rec.event.payload["machine_id"]):
+                    self._backlog_profile = rec.event
+                continue
             for cmd in d.commands(rec.event, mine):
                 self._backlog.pop(cmd.payload["task_id"], None)
                 self._backlog[cmd.payload["task_id"]] = cmd
@@ -407,8 +474,11 @@ class ProcessAgent(LoopWorker):
                 or self._idle_polls >= CATCH_UP_IDLE_POLLS):
             self._catch_up = False
             backlog, self._backlog = list(self._backlog.values()), {}
+            if self._backlog_profile is not None:  # the profile first: the backlog's STARTs may need it
+                self.profile_request(self._backlog_profile)
+                self._backlog_profile = None
             for ev in self.judge.take_commands(backlog, now_ms()):
-                self.feed(d.Command(ev))
+                self.command(ev)
             if self._reconcile:  # a new log: what it does not command is not ours to run
                 self._reconcile = False
                 commanded = {ev.payload["task_id"] for ev in backlog}

@@ -27,6 +27,13 @@ and at exit. A restarted process resumes from it: the same tasks run, under a ne
 file may be a few rounds behind the beats of the process that died), and reading goes on from the saved offsets. Records read after the last save are read again: a command already applied is
 a no-op (``decide`` keeps each task's recent command ids) and a report sent again has the same event id.
 Without a state file (tests, the bench) a restart reads ``tasks`` from the beginning as a new incarnation.
+
+**Host profiles** (``hostprofile.py``): a ``HostProfileRequested`` for a simulated machine is applied after the
+profile's switch time (``sidekick/catalogue.py``, times ``profile_switch_scale``; ``ROPEWALK_PROFILE_SWITCH_SCALE``,
+default 1) and answered ``HostProfileApplied``, or ``HostProfileFailed`` on a machine of ``profile_failures`` (a
+kernel that cannot allocate huge pages, say; ``--profile-fail MACHINE[:PROFILE]``: every switch of the machine, or
+only its switches to that profile). Until then the START commands that need the
+profile are held. Only machines with a profile other than the default (or a switch under way) take memory.
 """
 from __future__ import annotations
 
@@ -51,6 +58,8 @@ from streams.topics import Topics
 
 from . import decide as d
 from . import gate as g
+from . import hostprofile as hp
+from processors.sidekick import catalogue
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent.simulated")
@@ -76,7 +85,8 @@ class SimulatedAgents(LoopWorker):
     def __init__(self, cfg: Config, machine_ids: Sequence[str], *, registry: SchemaRegistry | None = None,
                  interval_ms: int = DEFAULT_INTERVAL_MS, start_delay_ms: int = DEFAULT_START_DELAY_MS,
                  start_jitter: float = 0.0, seed: int = 0, name: str = "agent/simulated",
-                 state_file: Path | str | None = None):
+                 state_file: Path | str | None = None, profile_switch_scale: float | None = None,
+                 profile_failures: Iterable[str] = ()):
         if interval_ms <= 0:
             raise ValueError(f"interval_ms must be positive, got {interval_ms}")
         if not 0.0 <= start_jitter < 1.0:
@@ -95,6 +105,11 @@ class SimulatedAgents(LoopWorker):
         self.failed: set[str] = set()
         self.incarnations: dict[str, int] = {}  # machines recovered from a failure: their new incarnation
         self._spawns: list[tuple[int, str, str]] = []  # heap of (due ms, machine, task)
+        self.hosts: dict[str, hp.HostState] = {}  # machines whose host profile is not the default, or switching
+        self._switches: list[tuple[int, str, str]] = []  # heap of (due ms, machine, request id)
+        self.profile_switch_scale = (float(os.environ.get("ROPEWALK_PROFILE_SWITCH_SCALE", "1"))
+                                     if profile_switch_scale is None else profile_switch_scale)
+        self.profile_failures = frozenset(profile_failures)
         self.producer = EventProducer(cfg, self.registry, name, **PRODUCER_CONF)  # task reports, dead letters
         self.beats = EventProducer(cfg, self.registry, name, **HEARTBEAT_PRODUCER_CONF)
         topics = Topics(cfg.topic_prefix, cfg.partitions)
@@ -136,6 +151,9 @@ class SimulatedAgents(LoopWorker):
                        for m, st in doc["states"].items() if m in self.known}
         self._spawns = [(due, m, t) for due, m, t in doc["spawns"] if m in self.states]
         heapq.heapify(self._spawns)
+        self.hosts = {m: hp.from_json(m, h) for m, h in doc.get("hosts", {}).items() if m in self.known}
+        self._switches = [(due, m, r) for due, m, r in doc.get("switches", ()) if m in self.hosts]
+        heapq.heapify(self._switches)
         self._round = doc["round"] + 1  # a new round: its heartbeats are new events, every machine beats at once
         self.offsets = {(t, int(p)): o for t, p, o in doc["offsets"]}
         self.judge.gate.load_json(doc.get("gate"))
@@ -152,6 +170,7 @@ class SimulatedAgents(LoopWorker):
                               "tasks": [d.run_to_json(r) for r in st.tasks.values()]}
                           for m, st in self.states.items()},
                "spawns": sorted(self._spawns),
+               "hosts": {m: hp.to_json(h) for m, h in self.hosts.items()}, "switches": sorted(self._switches),
                "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
                "gate": self.judge.gate.to_json()}
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -166,9 +185,13 @@ class SimulatedAgents(LoopWorker):
 
     # -- machines ------------------------------------------------------------------------------------------
     def fail(self, machine_id: str) -> None:
-        """The machine dies: silence (even what it reported in this step is not sent), its tasks gone with it."""
+        """The machine dies: silence (even what it reported in this step is not sent), its tasks gone with it
+        (its host profile stays applied; a switch under way is lost)."""
         self.failed.add(machine_id)
         self.states.pop(machine_id, None)
+        host = self.hosts.get(machine_id)
+        if host is not None:
+            self._keep_host(hp.HostState(machine_id, applied=host.applied))
         self._outbox = [ev for ev in self._outbox if ev.payload.get("machine_id") != machine_id]
         self._dirty = True
 
@@ -206,12 +229,33 @@ class SimulatedAgents(LoopWorker):
 
     def on_commands(self, events: Iterable[Event], now: int) -> int:
         """Apply the commands (TaskCommanded, or a job's TasksCommanded) addressed to the simulated machines that the
-        allocations events among ``events`` (folded in order) placed there; returns how many were applied."""
+        allocations events among ``events`` (folded in order) placed there, and the HostProfileRequested for them;
+        a START the allocation gate admits waits here while its machine lacks the host profile it names. Returns how
+        many commands were applied or held."""
         n = 0
-        for cmd in self.judge.take(events, self.known.__contains__, now):
-            self.feed(cmd.payload["machine_id"], d.Command(cmd), now)
-            n += 1
+        run: list[Event] = []  # a run of events between two profile requests: judged in one take (their order kept)
+        for ev in [*events, None]:
+            if ev is not None and ev.type != hp.REQUEST_TYPE:
+                run.append(ev)
+                continue
+            for cmd in self.judge.take(run, self.known.__contains__, now) if run else ():
+                self.command(cmd, now)
+                n += 1
+            run = []
+            if ev is not None:
+                self.profile_request(ev, now)
         return n
+
+    def command(self, cmd: Event, now: int) -> None:
+        """A command the allocation gate admitted, through the host-profile gate (a START waits for its profile)."""
+        machine = cmd.payload["machine_id"]
+        if machine in self.failed:
+            return
+        host, verdict, refused = hp.gate(self.host(machine), cmd, now)
+        self._keep_host(host)
+        self._outbox += refused
+        if verdict == hp.RUN:
+            self.feed(machine, d.Command(cmd), now)
 
     def send_refusals(self, now: int) -> int:
         """Produce the TaskCommandRefused events whose verdict is final (``gate.Judge``)."""
@@ -224,6 +268,59 @@ class SimulatedAgents(LoopWorker):
         if refused:
             self._dirty = True
         return len(refused)
+
+    # -- host profiles -------------------------------------------------------------------------------------
+    def host(self, machine_id: str) -> hp.HostState:
+        return self.hosts.get(machine_id) or hp.HostState(machine_id)
+
+    def _keep_host(self, host: hp.HostState) -> None:
+        if host.idle:
+            self.hosts.pop(host.machine_id, None)
+        else:
+            self.hosts[host.machine_id] = host
+        self._dirty = True
+
+    def profile_request(self, ev: Event, now: int) -> None:
+        machine = ev.payload["machine_id"]
+        if machine not in self.known or machine in self.failed:
+            return
+        host, events, actions = hp.request(self.host(machine), ev, now)
+        self._keep_host(host)
+        self._profile_events(events)
+        self._schedule(actions, now)
+
+    def _schedule(self, actions: Iterable[hp.Apply], now: int) -> None:
+        for act in actions:
+            due = now + catalogue.switch_ms(act.host_profile, self.profile_switch_scale)
+            heapq.heappush(self._switches, (due, act.machine_id, act.request_id))
+
+    def _profile_events(self, events: Iterable[Event]) -> None:
+        for ev in events:
+            if ev.type == "TaskStateChanged":
+                self._outbox.append(ev)  # a held START answered FAILED: batched with the step's reports
+            else:
+                self.producer.send(ev, validate=False)
+
+    def due_switches(self, now: int) -> int:
+        """Profile switches whose time came: applied (or failed, on a machine of ``profile_failures``); the STARTs
+        they held run."""
+        n = 0
+        while self._switches and self._switches[0][0] <= now:
+            _, machine, request_id = heapq.heappop(self._switches)
+            if machine in self.failed:
+                continue
+            host = self.host(machine)
+            to = host.switching.host_profile if host.switching is not None else ""
+            error = ("simulated: the profile's settings could not be applied"
+                     if {machine, f"{machine}:{to}"} & self.profile_failures else None)
+            host, events, actions, run = hp.done(host, request_id, now, error)
+            self._keep_host(host)
+            self._profile_events(events)
+            self._schedule(actions, now)
+            for cmd in run:
+                self.feed(machine, d.Command(cmd), now)
+            n += 1
+        return n
 
     def send_reports(self, now: int) -> int:
         """Produce the reports made since the last call, batched (``d.batch``); returns how many reports."""
@@ -278,7 +375,7 @@ class SimulatedAgents(LoopWorker):
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations], name=self.name,
                                       start_offsets=start_offsets or self.offsets,
                                       dead_letters=DeadLetters(self.producer, self.name),
-                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES)
+                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE})
 
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:
@@ -289,6 +386,7 @@ class SimulatedAgents(LoopWorker):
         else:
             time.sleep(poll_s)
         now = now_ms()
+        self.due_switches(now)
         self.send_refusals(now)
         self.due_spawns(now)
         self.send_reports(now)
@@ -340,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-ms", type=int, default=DEFAULT_INTERVAL_MS, help="heartbeat interval per machine")
     ap.add_argument("--start-delay-ms", type=int, default=DEFAULT_START_DELAY_MS, help="START → RUNNING delay")
     ap.add_argument("--state-file", help="where the simulated machines' state is kept across restarts (JSON)")
+    ap.add_argument("--profile-switch-scale", type=float,
+                    help="host profile switch times are the catalogue's times this (ROPEWALK_PROFILE_SWITCH_SCALE)")
+    ap.add_argument("--profile-fail", action="append", default=[], metavar="MACHINE[:PROFILE]",
+                    help="a machine whose host profile switches (to PROFILE) fail (repeatable)")
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -354,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ids = [f"sim-{i:06d}" for i in range(args.machines)]
     sim = SimulatedAgents(cfg, ids, interval_ms=args.interval_ms, start_delay_ms=args.start_delay_ms,
-                          state_file=args.state_file)
+                          state_file=args.state_file, profile_switch_scale=args.profile_switch_scale,
+                          profile_failures=args.profile_fail)
     sim.stop_on_signals()
     log.info("simulating %d machines, heartbeat every %d ms, reading %s", len(ids), args.interval_ms, sim.topic)
     sim.run()

@@ -23,7 +23,8 @@ unchanged, so versions and the materialized Redis keys come out the same)::
                                    announcement (placement filters them: machine_in_maintenance); other kinds
                                    change nothing here (their status changes do)
     UnavailabilityEnded            the machines are no longer under that maintenance
-    HostProfileApplied             set host_profile
+    HostProfileApplied             set host_profile (and forget a failed switch)
+    HostProfileFailed              remember the profile whose switch failed, under the machine's owner then
     MachineAssignedToEntitlement   free pool -> the entitlement, only if the machine is free; the allocator's own
                                    (an echo of its TasksAllocated.machines_added) changes nothing
     MachineReleasedToFreePool      the entitlement -> free pool, only if it still holds the machine and no task
@@ -36,7 +37,8 @@ unchanged, so versions and the materialized Redis keys come out the same)::
                                    the free pool as for MachineReleasedToFreePool
     EntitlementCreated/Updated     the entitlement's quota, machine type, DC pin, host profile; one that breaks an
                                    intent rule (processors/frontend/rules.py, e.g. a negative quota) changes
-                                   nothing: the scheduler refused it (IntentRefused)
+                                   nothing: the scheduler refused it (IntentRefused); a new host profile changes
+                                   the state of every machine it holds (its wanted profile: ``profile_state``)
 
 An event about a machine the fold does not know raises ``UnknownMachine`` and changes nothing (not even the
 mark); a TasksAllocated that places a task whose request's resources were never seen raises ``MissingResources``.
@@ -56,11 +58,13 @@ to ``state.machines``.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from processors.allocator import placement
@@ -116,6 +120,7 @@ class MachineRec:
     version: int
     tasks: set[str] = field(default_factory=set)
     maintenance: tuple[str, ...] = ()  # planned maintenances (unavailability ids) announced and not ended, sorted
+    profile_failed: tuple[str, str] | None = None  # (profile, owner) of the last switch that failed
 
     def view(self) -> Machine:
         return Machine(id=self.id, dc=self.dc, msb=self.msb, rack=self.rack, machine_type=self.type,
@@ -342,8 +347,36 @@ class RegionFold:
         whole free pool, not narrowed by DC and machine type: only to explain a NO_FEASIBLE_MACHINE)."""
         dc = None if wide else request.requirements.get("dc") or entitlement.dc_pin
         machine_type = None if wide else request.requirements.get("machine_type") or entitlement.machine_type
-        return self.index.run(entitlement, request, self.held_count(entitlement.name), dc=dc,
-                              machine_type=machine_type)
+        held = self.held_count(entitlement.name)
+        if request.targets and not wide:
+            return self._place_pinned(entitlement, request, held, dc, machine_type)
+        return self.index.run(entitlement, request, held, dc=dc, machine_type=machine_type)
+
+    def _place_pinned(self, entitlement: Entitlement, request: Request, held: int, dc: str | None,
+                      machine_type: str | None) -> Plan:
+        """``placement.pin`` (the tasks with a target), then the other tasks as ``place`` places them, counting the
+        pinned ones in the spread and on the pinned machines' capacity; one Plan of both."""
+        targets = {mid: m.view() for mid in set(request.targets.values()) if (m := self.machines.get(mid))}
+        pinned = placement.pin(targets, entitlement, request, held)
+        on = Counter(mid for _, mid in pinned.placements)
+        rest = dataclasses.replace(request, targets={},
+                                   task_ids=tuple(t for t in request.task_ids if t not in dict(pinned.placements)),
+                                   existing={**request.existing, **dict(pinned.placements)})
+        for mid, n in on.items():  # the index sees the pinned tasks (and a pinned free machine as the entitlement's)
+            v = targets[mid]
+            self.index.upsert(dataclasses.replace(v, cpu_free=v.cpu_free - n * request.cpu,
+                                                  mem_free=v.mem_free - n * request.mem,
+                                                  entitlement=entitlement.name))
+        try:
+            plan = self.index.run(entitlement, rest, held + len(pinned.added), dc=dc, machine_type=machine_type)
+        finally:
+            for mid in on:
+                self.reindex(self.machines[mid])
+        order = {t: i for i, t in enumerate(request.task_ids)}
+        return dataclasses.replace(
+            plan, placements=tuple(sorted(pinned.placements + plan.placements, key=lambda p: order[p[0]])),
+            machines_added=pinned.added + plan.machines_added,
+            filter_rejections=MappingProxyType({**plan.filter_rejections, **pinned.rejected}))
 
     # -- internals: the rules ------------------------------------------------------------------------------
     def _get(self, machine_id: str) -> MachineRec:
@@ -463,7 +496,14 @@ def _maintenance(f: RegionFold, e: Event) -> None:
 
 def _host_profile(f: RegionFold, e: Event) -> None:
     m = f._get(e.payload["machine_id"])
-    f._touch(m, int(f._set(m, "host_profile", e.payload["host_profile"] or "")), e.event_id)
+    changed = f._set(m, "host_profile", e.payload["host_profile"] or "")
+    changed = f._set(m, "profile_failed", None) or changed
+    f._touch(m, int(changed), e.event_id)
+
+
+def _host_profile_failed(f: RegionFold, e: Event) -> None:
+    m = f._get(e.payload["machine_id"])
+    f._touch(m, int(f._set(m, "profile_failed", (e.payload["host_profile"] or "", m.entitlement))), e.event_id)
 
 
 def _assigned(f: RegionFold, e: Event) -> None:
@@ -550,7 +590,12 @@ def _entitlement(f: RegionFold, e: Event) -> None:
         fields = {k: "" if v is None else v for k, v in given.items()}
     else:
         fields = {**f.entitlement_fields.get(name, {}), **{k: v for k, v in given.items() if v is not None}}
+    before = f.entitlement_fields.get(name, {}).get("host_profile") or ""
     f.entitlement_fields[name] = fields
+    if (fields.get("host_profile") or "") != before:  # its machines want another profile: their state changed
+        for m in f.machines.values():
+            if m.entitlement == name:
+                f._touch(m, 1, e.event_id)
     ent = entitlement_of(name, fields)
     if ent is None:
         f.entitlements.pop(name, None)
@@ -573,6 +618,7 @@ HANDLERS: Mapping[str, Callable[[RegionFold, Event], None]] = {
     "UnavailabilityStarted": _maintenance,
     "UnavailabilityEnded": _maintenance,
     "HostProfileApplied": _host_profile,
+    "HostProfileFailed": _host_profile_failed,
     "MachineAssignedToEntitlement": _assigned,
     "MachineReleasedToFreePool": _released,
     "AllocationRequested": _requested,
@@ -621,6 +667,24 @@ def merged(partitions: Mapping[tuple[str, int], Sequence[tuple[Event, Position]]
     return heapq.merge(*(partitions[tp] for tp in sorted(partitions)), key=lambda rec: order_key(rec[0]))
 
 
+PROFILE_APPLIED, PROFILE_PENDING, PROFILE_FAILED = "applied", "pending", "failed"  # MachineStatePublished
+
+
+def profile_state(fold: RegionFold, m: MachineRec) -> dict[str, Any]:
+    """The host profile the machine's entitlement wants ("" = the default; None in the free pool) and where the
+    machine stands: applied, pending (a switch wanted, not done) or failed (the switch to it failed)."""
+    if m.entitlement == FREE:
+        return {"host_profile_wanted": None, "host_profile_state": PROFILE_APPLIED}
+    want = fold.entitlement_fields.get(m.entitlement, {}).get("host_profile") or ""
+    if m.host_profile == want:
+        state = PROFILE_APPLIED
+    elif m.profile_failed == (want, m.entitlement):
+        state = PROFILE_FAILED
+    else:
+        state = PROFILE_PENDING
+    return {"host_profile_wanted": want, "host_profile_state": state}
+
+
 def job_of(task_id: str) -> str:
     """The job of a task id ``<job>/<index>``."""
     return task_id.rpartition("/")[0]
@@ -649,4 +713,5 @@ def releases(fold: RegionFold, entitlement: str, to_free: Mapping[str, str]) -> 
 
 __all__ = ["RegionFold", "MachineRec", "PendingRequest", "CommitResult", "FoldError", "UnknownMachine",
            "MissingResources", "HANDLERS", "EVENT_TYPES", "CONFLICT_TASK_PLACED", "REGISTERED_STATUS",
-           "releases", "entitlement_of", "merged", "order_key", "job_of", "join_maintenance", "split_maintenance"]
+           "releases", "entitlement_of", "merged", "order_key", "job_of", "join_maintenance", "split_maintenance",
+           "profile_state"]

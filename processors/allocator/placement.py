@@ -3,6 +3,10 @@
 The pipeline (Nomad ``feasible/stack.go``, the Kubernetes scheduler framework), in the order written down in
 ``FILTERS``, ``SCORES`` and ``run()``:
 
+0. **pin** (``pin()``, before the rest; only for tasks the request gives a target, a ReBalancer move): a task goes
+   to its target machine if the machine passes every filter and still fits it (after the tasks pinned before it),
+   a free-pool target only while the quota has room; otherwise it is placed by the stages below like any other
+   task, and the target's first failing filter is counted as ``target_<reason>``;
 1. **filter** each machine of the snapshot through the hard filters, cheapest first; a machine is counted once,
    under the first filter that rejects it, so the event can say why machines were not used;
 2. **bin** the feasible machines by fault domain at the request's spread level; in each bin two queues ordered by
@@ -37,6 +41,8 @@ FILTER_MEMORY = "insufficient_memory"
 # Rejection reasons: why (some) tasks of the request were not placed.
 NO_FEASIBLE_MACHINE = "no_feasible_machine"
 QUOTA_EXCEEDED = "quota_exceeded"
+TARGET_REJECTED = "target_"  # + the filter (or QUOTA_EXCEEDED) a task's target failed: counted in filter_rejections
+UNKNOWN_TARGET = "unknown_machine"  # a target the region does not have (TARGET_REJECTED + this)
 
 # Commit-time conflicts: why a proposed placement no longer holds on the machine (Nomad plan_apply).
 CONFLICT_STATUS = "machine_not_up_at_commit"
@@ -95,6 +101,7 @@ class Request:
     spread: str = "msb"
     avoid_machine_ids: frozenset[str] = frozenset()
     existing: Mapping[str, str] = field(default_factory=dict)
+    targets: Mapping[str, str] = field(default_factory=dict)  # task -> the machine it should go to (stage ``pin``)
 
     def __post_init__(self) -> None:
         if self.spread not in SPREAD_LEVELS:
@@ -378,6 +385,52 @@ def place(snapshot: Mapping[str, Machine] | Iterable[Machine], entitlement: Enti
     full) or NO_FEASIBLE_MACHINE.
     """
     return run(snapshot, entitlement, request, held_machine_count).plan
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """What ``pin()`` decided: the tasks placed on their targets, the free-pool targets added, and the targets
+    refused per ``TARGET_REJECTED + reason``."""
+
+    placements: tuple[tuple[str, str], ...]
+    added: tuple[str, ...]
+    rejected: Mapping[str, int]
+
+
+def pin(targets: Mapping[str, Machine], entitlement: Entitlement, request: Request,
+        held_machine_count: int) -> Pinned:
+    """Stage 0: each task of ``request.targets`` (in task order) on its target machine (``targets``: the target
+    machines as they are), if the machine passes ``FILTERS`` with room for it after the tasks pinned before it;
+    a free-pool target joins the entitlement only while its quota has room. See the module doc."""
+    checks = [(reason, passes) for reason, build in FILTERS if reason not in (FILTER_CPU, FILTER_MEMORY)
+              and (passes := build(entitlement, request)) is not None]
+    taken: Counter[str] = Counter()
+    placements: list[tuple[str, str]] = []
+    added: list[str] = []
+    rejected: Counter[str] = Counter()
+    for tid in request.task_ids:
+        mid = request.targets.get(tid)
+        if mid is None:
+            continue
+        m = targets.get(mid)
+        why = UNKNOWN_TARGET if m is None else next((r for r, passes in checks if not passes(m)), None)
+        if why is None:
+            n = taken[mid] + 1
+            if m.cpu_free < n * request.cpu:
+                why = FILTER_CPU
+            elif m.mem_free < n * request.mem:
+                why = FILTER_MEMORY
+            elif m.entitlement is None and mid not in added and held_machine_count + len(added) >= \
+                    entitlement.quota_machines:
+                why = QUOTA_EXCEEDED
+        if why is not None:
+            rejected[TARGET_REJECTED + why] += 1
+            continue
+        taken[mid] += 1
+        placements.append((tid, mid))
+        if m.entitlement is None and mid not in added:
+            added.append(mid)
+    return Pinned(tuple(placements), tuple(added), MappingProxyType(dict(rejected)))
 
 
 def release(snapshot: Mapping[str, Machine] | Iterable[Machine], entitlement_name: str,

@@ -75,7 +75,7 @@ import redis
 
 from infra.config import Config
 from processors.allocator.fold import (
-    EVENT_TYPES, FoldError, RegionFold, merged, releases, split_maintenance,
+    EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
 )
 from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, IndexLost, MachineIndex
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
@@ -128,7 +128,8 @@ def request_of(event: Event, existing: Mapping[str, str]) -> Request:
                    task_ids=tuple(p["place_task_ids"]), cpu=p["resources"]["cpu_millicores"],
                    mem=p["resources"]["memory_mib"], requirements=dict(p.get("requirements") or {}),
                    spread=p.get("spread") or "msb", avoid_machine_ids=frozenset(p.get("avoid_machine_ids") or ()),
-                   existing=dict(existing))
+                   existing=dict(existing), targets={t: m for t, m in (p.get("target_machine_ids") or {}).items()
+                                                     if t in p["place_task_ids"]})
 
 
 def _derived(request: Event, type_: str, payload: Mapping[str, Any], entity_id: str, ts: int,
@@ -253,6 +254,8 @@ def machine_state_event(fields: Mapping[str, Any], cause: str | None, ts: int) -
         "task_ids": list(fields["task_ids"]),
         "version": version,
         "maintenance_ids": list(split_maintenance(fields.get("maintenance"))),
+        "host_profile_wanted": fields.get("host_profile_wanted"),
+        "host_profile_state": fields.get("host_profile_state") or "",  # "" read back from Redis: not known
     }, entitlement=ent or free_pool_key(fields["dc"]), entity_id=mid, producer=PRODUCER, causation_id=cause or None,
         timestamp_ms=ts, event_id=derived_event_id(PRODUCER, "MachineStatePublished", mid, version))
 
@@ -739,7 +742,8 @@ class Allocator:
             for mid, (version, _) in queued.items():
                 m = self.fold.machines.get(mid)
                 if m is not None and m.version >= version:
-                    out[mid] = {"id": mid, **m.fields(), "task_ids": sorted(m.tasks)}
+                    out[mid] = {"id": mid, **m.fields(), "task_ids": sorted(m.tasks),
+                                **profile_state(self.fold, m)}
         behind = [mid for mid in queued if mid not in out]
         if behind:
             out.update(self.index.states(behind))

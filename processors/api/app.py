@@ -19,6 +19,7 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 | GET /v1/machines[?entitlement=&free=] | machine.view           | machine views (free machines: any user) |
 | POST /v1/machines/{id}/fail, /recover | machine.fail, .recover | the events |
 | POST /v1/maintenance, /v1/maintenance/{id}/end | maintenance.plan, .end | the plan |
+| GET /v1/rebalance/plans[?entitlement=&all=] | rebalance.view  | the ReBalancer's plans, each move's progress (`rebalance plan --json`) |
 | GET /v1/replay?...                    | replay.view (one entitlement or job) / region.view | NDJSON: one event per line, then `{"stats": ...}` |
 | GET /v1/events/jobs, /v1/events/machines[?entitlement=] | job.view / machine.view | server-sent events |
 | GET /healthz                          | none                   | `{"ok": true}` |
@@ -334,6 +335,15 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     async def maintenance_end(unavailability_id: str, user: CurrentUser) -> dict:
         allow(user, "maintenance.end", None)
         return await call(front(user).maintenance_end, unavailability_id)
+
+    # -- the ReBalancer's plans -----------------------------------------------------------------------------
+    @app.get("/v1/rebalance/plans", tags=["rebalance"])
+    async def rebalance_plans(user: CurrentUser, entitlement: EntitlementQuery = None,
+                              all: bool = False) -> list[dict]:  # noqa: A002 - the query parameter's name
+        if entitlement is not None:
+            allow(user, "rebalance.view", entitlement)
+        rows = await call(front(user).rebalance_plans, entitlement, all)
+        return [r for r in rows if authz.visible(user, r["entitlement"])]
 
     # -- the log ---------------------------------------------------------------------------------------------
     @app.get("/v1/replay", tags=["log"], response_class=StreamingResponse,

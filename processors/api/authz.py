@@ -11,6 +11,7 @@ region administrator may do everything. Every answer carries a reason constant, 
 | job.view                | viewer               | job status, job list, the jobs stream                   |
 | machine.view            | viewer               | machines the entitlement holds (free machines: any user) |
 | replay.view             | viewer               | the audit timeline of one entitlement (all: admin)      |
+| rebalance.view          | viewer               | the ReBalancer's plans for the entitlement and their moves |
 | job.submit              | operator             | submit a job to the entitlement                         |
 | job.update / job.resize / job.stop | operator  | change a job of the entitlement                         |
 | entitlement.update      | owner                | host profile, machine type, DC pin of the entitlement   |
@@ -37,6 +38,7 @@ ACTIONS: Mapping[str, str] = MappingProxyType({
     "job.view": VIEWER,
     "machine.view": VIEWER,
     "replay.view": VIEWER,
+    "rebalance.view": VIEWER,
     "job.submit": OPERATOR,
     "job.update": OPERATOR,
     "job.resize": OPERATOR,

@@ -116,6 +116,10 @@ class ApiClient:
     def maintenance_end(self, unavailability_id: str) -> dict:
         return self._json("POST", f"/v1/maintenance/{_q(unavailability_id)}/end")
 
+    def rebalance_plans(self, entitlement: str | None = None, every: bool = False) -> list[dict]:
+        return self._json("GET", "/v1/rebalance/plans", query={"entitlement": entitlement,
+                                                                "all": "true" if every else None})
+
     def replay(self, **query) -> "ReplayLines":
         """The audit timeline: iterate for one event document per line; ``.stats`` once it ended."""
         return ReplayLines(self._open("GET", "/v1/replay", query=query))

@@ -53,6 +53,7 @@ from typing import Any
 
 import yaml
 
+from infra import controlplane
 from processors.experiments import figure14 as sim
 from streams import batches
 from processors.experiments.figure14 import CONTROLLER, ENT, JOB, Conditions, Result
@@ -349,7 +350,8 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
         worker_env = {"ROPEWALK_SCHEDULER_RETRY_S": f"{sim.Conditions.timer_s / pc.time_scale:g}",
                       "ROPEWALK_LIMIT_JOB_PER_MINUTE": "1000000", "ROPEWALK_LIMIT_JOB_BURST": "1000000",
                       "ROPEWALK_LIMIT_SHARD_PER_MINUTE": "1000000", "ROPEWALK_LIMIT_SHARD_BURST": "1000000"}
-        env.start_region(len(machine_ids), timeout_s=300.0, region=region_path, without=("agents",), env=worker_env)
+        env.start_region(len(machine_ids), timeout_s=300.0, region=region_path,
+                         without=("agents", *controlplane.UPPER), env=worker_env)
         env.start_worker("taskcontroller", "processors.taskcontrol.controllers", "replica-aware", "--name", CONTROLLER,
                          "--shards", str(shards_path), "--min-live", str(c.min_live))
         details["region_ready_s"] = round(time.monotonic() - t0, 1)

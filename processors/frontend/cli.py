@@ -447,9 +447,17 @@ def cmd_machine_list(cfg: Config, args) -> int:
              f"{r['type']:10} cpu {r['free']['cpu_millicores']}/{r['capacity']['cpu_millicores']}m  "
              f"mem {r['free']['memory_mib']}/{r['capacity']['memory_mib']} MiB free  {len(r['tasks'])} tasks"
              + (f"  maintenance {','.join(r['maintenance'])}" if r["maintenance"] else "")
-             for r in rows]
+             + _profile_text(r) for r in rows]
     _print(rows, args.json, "\n".join(lines) or "no machines (none published on state.machines yet)")
     return 0
+
+
+def _profile_text(r: dict) -> str:
+    """`machine list`: the host profile, when the machine has or wants one other than the default."""
+    have, want, st = r["host_profile"] or "", r["host_profile_wanted"], r["host_profile_state"]
+    if not have and not want:
+        return ""
+    return f"  profile {have or 'default'}" + (f" ({st} {want or 'default'})" if st and st != "applied" else "")
 
 
 def cmd_watch(cfg: Config, args) -> int:
@@ -666,6 +674,26 @@ def cmd_maintenance(cfg: Config, args) -> int:
     return 0
 
 
+def cmd_rebalance(cfg: Config, args) -> int:
+    """`rebalance plan`: the ReBalancer's latest plan per entitlement (or every plan) and each move's progress;
+    with --dry-run, the plan the log calls for now, produced nowhere (processors/rebalancer/)."""
+    from processors.rebalancer import cli as rb
+    from processors.rebalancer.solver import goals_of
+
+    if args.dry_run:  # the solver runs here, on the caller's CPU, over the whole region's log: not the API's work
+        if not direct(args):
+            raise CliError("rebalance plan --dry-run folds the log and solves here, as the operator: add --direct")
+        _require_broker(cfg)
+        try:
+            views = rb.dry_run(cfg, _registry(), goals_of(args), args.entitlement)
+        except ValueError as exc:
+            raise CliError(f"rebalance plan --dry-run: {exc}") from None
+    else:
+        views = _front(cfg, args).rebalance_plans(args.entitlement, args.all)
+    _print(views, args.json, rb.format_views(views) or "no plans yet (the ReBalancer found nothing to move)")
+    return 0
+
+
 # --- users of the API ---------------------------------------------------------------------------------------------
 def cmd_user(cfg: Config, args) -> int:
     """The API's users file (<secrets>/users.yaml): add (prints the token once), grant, revoke, remove, list."""
@@ -875,6 +903,22 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "start again"))
     sp.set_defaults(fn=cmd_maintenance)
     sp.add_argument("unavailability_id")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+    reb = sub.add_parser("rebalance", help="the ReBalancer's plans of moves").add_subparsers(dest="action",
+                                                                                           required=True)
+    sp = user_command(reb.add_parser(
+        "plan", help="the latest plan per entitlement and each move's progress",
+        description="The ReBalancer's plans (RebalancePlanned on intents): goals, constraints, balance before and "
+                    "after, and every move with its progress (done, elsewhere, moving, waiting). --dry-run (with "
+                    "--direct): the plan the log calls for now, produced nowhere"))
+    sp.set_defaults(fn=cmd_rebalance)
+    sp.add_argument("--entitlement", help="only this entitlement")
+    sp.add_argument("--all", action="store_true", help="every plan, not only the latest per entitlement")
+    sp.add_argument("--dry-run", action="store_true", help="plan now from the log, here (needs --direct); produce "
+                    "nothing")
+    from processors.rebalancer.solver import goals_arguments
+
+    goals_arguments(sp)
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     usr = sub.add_parser("user", help="the API's users: tokens, roles per entitlement, region admin "
                          "(<secrets>/users.yaml)").add_subparsers(dest="action", required=True)

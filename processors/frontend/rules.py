@@ -25,6 +25,7 @@ from typing import Any
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from processors.allocator.placement import REQUIREMENT_KEYS, SPREAD_LEVELS
+from processors.sidekick import catalogue
 from streams.batches import size_of
 from streams.validate import describe_value
 
@@ -125,6 +126,10 @@ def intent_problems(event_type: str, p: Mapping[str, Any], entitlement: str,
         if event_type == "EntitlementCreated" or p.get("quota_machines") is not None:
             found.append(quantity(p.get("quota_machines"), "quota_machines", 0, MAX_QUOTA_MACHINES,
                                   INVALID_ENTITLEMENT, limit="machines (more than a region has)"))
+        if not catalogue.known(p.get("host_profile")):
+            found.append(Problem("host_profile", f"unknown host profile {describe_value(p.get('host_profile'))} "
+                                 f"(known: {', '.join(repr(n) for n in catalogue.PROFILES if n)}, or none for the default)",
+                                 INVALID_ENTITLEMENT))
         return [x for x in found if x is not None]
     if event_type in ("JobSubmitted", "JobSpecChanged"):
         return spec_problems(p, max_tasks)

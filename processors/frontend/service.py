@@ -267,6 +267,14 @@ class Frontend:
         rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
         return [r for r in rows if r["entitlement"] is None] if free else rows
 
+    def rebalance_plans(self, entitlement: str | None = None, every: bool = False) -> list[dict]:
+        """The ReBalancer's plans on the log (the latest per entitlement, or ``every`` one), each move with its
+        progress (``processors/rebalancer/cli.plans``)."""
+        from processors.rebalancer import cli as rb
+
+        self.require_broker()
+        return rb.plans(self.cfg, self.registry, entitlement, every=every, skipped=self.skipped)
+
     def machine_action(self, machine: str, action: str) -> dict:
         """``fail`` (→ DOWN, its tasks move) or ``recover`` (→ UP) a machine."""
         from processors.resourcebroker import decide as rb

@@ -66,7 +66,9 @@ from processors.cowmap import CowMap
 from processors.evolve import evolver
 from processors.frontend import rules
 from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
+from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.scheduler import lifecycle as lc
+from processors.scheduler import rebalance
 from processors.taskcontrol import limiter
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
@@ -148,6 +150,7 @@ RESTART = "RESTART"
 RUN = "run"  # keep it running at the job's spec version
 RETIRE = "retire"  # stop it and free its placement (shrink, job stop); it leaves the job
 UPDATE = "update"  # being stopped to start again at the job's spec version (rolling update, a grow reusing it)
+RELOCATE = "relocate"  # being stopped to be placed on another machine (a ReBalancer move: scheduler/rebalance.py)
 
 # The job's own status, and the state JobStatePublished/job_view show (derived by ``published_state``).
 JOB_ACTIVE = "active"
@@ -259,6 +262,7 @@ class Task:
     fence: bool = False  # a MOVE off a machine that may still run it: STOP it there when the move is performed
     maint_ue: str | None = None  # the planned maintenance (UE id) a choice or the deadline applies to it for
     maint_choice: str | None = None  # CHOICE_MOVE / CHOICE_STOP / CHOICE_KEEP, or HELD_AT_DEADLINE
+    move_to: str | None = None  # a ReBalancer move's target machine, until its AllocationRequested is sent
     _row: Mapping[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     @property
@@ -620,13 +624,17 @@ class _JobWork:
             self.reports = []
         if self.commands:
             argv, env = list(job.spec.command), dict(job.spec.env)
+            ent = self.fold.entitlements().get(job.entitlement)
+            profile = None if ent is None else ent.host_profile or ""  # agents start tasks only where it is applied
             parts = split(self.commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env) + 30)
             for i, part in enumerate(parts):
                 self.emit("TasksCommanded", job.id, {"job_id": job.id, "argv": argv, "env": env, "commands": part,
-                                                     "part": i, "parts": len(parts)}, "commands", job.id, i)
+                                                     "part": i, "parts": len(parts), "host_profile": profile},
+                          "commands", job.id, i)
             self.commands = []
 
-    def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = ()) -> str:
+    def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = (),
+                targets: Mapping[str, str] | None = None) -> str:
         """An AllocationRequested; it avoids ``avoid`` and every machine of the job's planned maintenances that the
         job's entitlement holds (a task moved off a machine of an MSB under maintenance must not land on its
         neighbour). The allocator filters every maintenance's machines itself, the free pool's too; this list
@@ -641,8 +649,8 @@ class _JobWork:
             "request_id": rid, "job_id": job.id, "spec_version": job.spec_version,
             "place_task_ids": sorted(place, key=_index_of), "free_task_ids": sorted(free, key=_index_of),
             "resources": {"cpu_millicores": spec.cpu, "memory_mib": spec.mem},
-            "requirements": dict(spec.requirements), "spread": spec.spread, "avoid_machine_ids": sorted(avoid)},
-            "request", rid)
+            "requirements": dict(spec.requirements), "spread": spec.spread, "avoid_machine_ids": sorted(avoid),
+            "target_machine_ids": dict(targets or {})}, "request", rid)
         return rid
 
     def retry_parked(self) -> None:
@@ -669,7 +677,7 @@ class _JobWork:
             return t
         if self.job.spec.controller and t.op in CONTROLLED and t.op_state in (OP_APPROVED, OP_RUNNING):
             self.set(quiet=True, tc_completed=(*self.job.tc_completed, t.op_id))
-        return self.put(replace(t, op=None, op_id=None, op_state=None, op_reason="", fence=False))
+        return self.put(replace(t, op=None, op_id=None, op_state=None, op_reason="", fence=False, move_to=None))
 
     # closing the decision
     def finish(self) -> Job:
@@ -727,9 +735,10 @@ class _JobWork:
             return
         terms = self.job.spec.terms
         for part_place, part_free in self._request_parts(place, self.free):
-            rid = self.request(part_place, part_free, self.avoid)
-            for tid in part_place:
-                self.put(replace(self.tasks[tid], request_id=rid, request_terms=terms, parked=False))
+            targets = {tid: t.move_to for tid in part_place if (t := self.tasks[tid]).move_to is not None}
+            rid = self.request(part_place, part_free, self.avoid, targets)
+            for tid in part_place:  # a target is asked for once: a retry after a rejection places it anywhere
+                self.put(replace(self.tasks[tid], request_id=rid, request_terms=terms, parked=False, move_to=None))
 
     def _request_parts(self, place: Iterable[str], free: Iterable[str]) -> list[tuple[list[str], list[str]]]:
         """``place`` and ``free`` cut into the parts of as many AllocationRequested as keep each record under
@@ -795,6 +804,9 @@ def _advance(w: _JobWork, t: Task) -> None:
         if t.maint_choice == CHOICE_MOVE:  # stopped to move off before the maintenance: placed elsewhere
             _move(w, replace(t, intent=RUN), REASON_MACHINE_MAINTENANCE, avoid=t.machine)
             return
+    if t.intent == RELOCATE:
+        rebalance.advance(w, t)
+        return
     if t.intent == UPDATE:
         if t.state == STOPPING:
             return
@@ -819,8 +831,9 @@ def _advance(w: _JobWork, t: Task) -> None:
                 _start_again(w, replace(t, restarts=t.restarts + 1), RESTART, REASON_RESTART_POLICY)
             else:
                 w.end_op(w.put(replace(t, reason=REASON_RESTART_LIMIT)))
-        elif w.fold.is_down(t.machine):
-            _try_perform(w, w.new_op(t, OP_MOVE, REASON_MACHINE_FAILED))
+        elif w.fold.is_down(t.machine) or t.reason == REASON_HOST_PROFILE_FAILED:  # the machine cannot run it
+            _try_perform(w, w.new_op(t, OP_MOVE, t.reason if t.reason == REASON_HOST_PROFILE_FAILED
+                                     else REASON_MACHINE_FAILED))
         elif t.restarts < MAX_RESTARTS:
             _try_perform(w, w.new_op(t, OP_RESTART, REASON_RESTART_POLICY))
         else:
@@ -932,6 +945,8 @@ def _progress_update(w: _JobWork) -> None:
 
 def _op_moot(w: _JobWork, t: Task) -> bool:
     """Whether ``t``'s not yet performed operation no longer applies."""
+    if t.move_to is not None:  # a ReBalancer move of a running task
+        return rebalance.moot(w, t)
     if t.op == OP_STOP:  # of a running task still retiring or leaving for a maintenance
         return t.state not in (STARTING, RUNNING) or (t.intent != RETIRE and t.maint_choice not in LEAVING)
     if t.intent == RETIRE:
@@ -948,7 +963,7 @@ def _try_perform(w: _JobWork, t: Task, budget: list[int] | None = None) -> Task:
         return t
     if t.op == OP_STOP and t.state not in (STARTING, RUNNING):
         return t
-    if t.op == OP_UPDATE:
+    if t.op == OP_UPDATE or t.move_to is not None:  # both take a running task down: max_unavailable paces them
         if t.state != RUNNING:  # not up yet (starting): taken down once it runs
             return t
         if budget is None:
@@ -965,6 +980,8 @@ def _try_perform(w: _JobWork, t: Task, budget: list[int] | None = None) -> Task:
     if t.op == OP_STOP:  # over once commanded: a retiring task is freed, a leaving one held or moved, once stopped
         reason = t.op_reason
         return _stop(w, replace(w.end_op(t), reason=reason), reason)
+    if t.move_to is not None:
+        return rebalance.perform(w, t, budget)
     t = w.put(replace(t, op_state=OP_RUNNING))
     if t.op == OP_UPDATE:
         budget[0] -= 1
@@ -1371,6 +1388,8 @@ def _apply_report(w: _JobWork, p: Mapping[str, Any], rid: str) -> None:
         return
     if t.state == STOPPING:  # a stop was asked: however it ended, the task keeps the stop's reason
         reason = t.reason
+    elif p.get("reason") == REASON_HOST_PROFILE_FAILED:  # the agent would not start it there: it moves
+        reason = REASON_HOST_PROFILE_FAILED
     else:
         reason = REASON_CRASHED if trigger == CRASHED else REASON_EXITED
     ran_long = t.running_since_ms is not None and now - t.running_since_ms >= RESTART_RESET_MS
@@ -1621,6 +1640,7 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "UnavailabilityStarted": _on_unavailability_started,
     "UnavailabilityEnded": _on_unavailability_ended,
     "TaskControlAcked": _on_task_control_acked,
+    "RebalancePlanned": rebalance.on_planned,
 })
 CONSUMED = frozenset(HANDLERS)  # event types the shard reads; every other type is ignored
 

@@ -207,12 +207,14 @@ def coalesce(events: list[Event]) -> list[Event]:
 
 
 def job_ids_of(event: Event) -> list[str]:
-    """The jobs an event names itself (its ``job_id``, or its reports' jobs)."""
+    """The jobs an event names itself (its ``job_id``, its reports' jobs, a plan's moves' jobs)."""
     p = event.payload
     if "job_id" in p:
         return [p["job_id"]]
     if event.type == "TaskStatesChanged":
         return sorted({r["job_id"] for r in p["reports"]})
+    if event.type == "RebalancePlanned":
+        return sorted({m["job_id"] for m in p["moves"]})
     return []
 
 

@@ -195,6 +195,40 @@ def test_process_agent_runs_restarts_fails_and_stops(cfg, registry, agents):
 FAILED_3 = ("FAILED", 3)
 
 
+def test_process_agent_applies_the_host_profile_before_the_start(cfg, registry, agents):
+    """A START naming host profile ``web`` waits while the machine has the default one; Sidekick's request is applied
+    by writing ``host-profile.json`` (the visible setting), answered HostProfileApplied on ``machines``, and only then
+    is the task started (issue 16)."""
+    from processors.sidekick.catalogue import PROFILES
+
+    m = "m-hp"
+    agents.start(cfg, m)
+    start = command("j1/web", "START", m, ["sleep", "30"])
+    start = dataclasses.replace(start, payload={**start.payload, "host_profile": "web"})
+    send(cfg, registry, allocated("j1", {"j1/web": m}), start)
+    state = agents.tmp / m / "agent-state.json"
+    wait_for(lambda: state.exists() and [c["task_id"] for c in json.loads(state.read_text())["host"]["held"]]
+             == ["j1/web"], 30, "the START held for its profile")
+    assert not (agents.tmp / m / "host-profile.json").exists()
+    settings = dict(PROFILES["web"].settings)
+    send(cfg, registry, new_event("HostProfileRequested", {
+        "request_id": f"{m}@v1:web", "machine_id": m, "host_profile": "web", "previous_host_profile": "",
+        "settings": settings}, entitlement="e1", entity_id=m, producer="sidekick"))
+    tasks, machines = Reader(cfg, registry, "tasks"), Reader(cfg, registry, "machines")
+    try:
+        ev = tasks.until(lambda evs: ("RUNNING", None) in reports(evs, "j1/web"), 30, "j1/web RUNNING")
+        (applied,) = [e for e in machines.until(lambda evs: any(e.type == "HostProfileApplied" for e in evs), 30,
+                                                 "HostProfileApplied") if e.type == "HostProfileApplied"]
+        assert (applied.payload["machine_id"], applied.payload["host_profile"]) == (m, "web")
+        written = json.loads((agents.tmp / m / "host-profile.json").read_text())
+        assert (written["host_profile"], written["settings"]) == ("web", settings)
+        starting = next(e for e in ev if e.type == "TaskStateChanged" and e.payload["task_id"] == "j1/web")
+        assert starting.payload["state"] == "STARTING" and starting.timestamp_ms >= applied.timestamp_ms
+    finally:
+        tasks.close()
+        machines.close()
+
+
 # -- (b) the broker goes away ------------------------------------------------------------------------------------
 
 def test_tasks_keep_running_while_the_broker_is_down(tmp_path, registry, agents, infra_cfg):

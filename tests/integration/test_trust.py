@@ -36,8 +36,10 @@ TABLE = {
     "allocator":    ("R",     "RW",    "R",     "RW",   "",   "",     "",    "W",   "",     "",      "RW",   "RW"),
     "resourcebroker": ("",    "RW",    "RW",    "",     "",   "",     "",    "W",   "",     "",      "",     "RW"),
     "health":       ("",      "RW",    "W",     "",     "",   "",     "R",   "W",   "",     "",      "",     "RW"),
-    "agent":        ("",      "",      "",      "R",    "RW", "",     "W",   "W",   "",     "",      "",     "RW"),
+    "agent":        ("",      "W",     "",      "R",    "RW", "",     "W",   "W",   "",     "",      "",     "RW"),
     "controller":   ("",      "",      "",      "",     "",   "RW",   "",    "W",   "",     "",      "",     "RW"),
+    "rebalancer":   ("RW",    "R",     "R",     "R",    "",   "",     "",    "W",   "R",    "",      "",     "RW"),
+    "sidekick":     ("R",     "R",     "R",     "R",    "RW", "",     "",    "W",   "",     "",      "",     "RW"),
     "operator":     ("RW",) * 12,
 }
 TOPICS = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "heartbeats", "deadletter",
@@ -217,7 +219,7 @@ def forged_task(command: str, machine: str, argv=(), task="e2.victim/0", job="e2
                      entitlement=entitlement, entity_id=task, producer="scheduler")
 
 
-@pytest.mark.parametrize("principal", ["agent", "controller", "health", "allocator", "resourcebroker"])
+@pytest.mark.parametrize("principal", ["agent", "controller", "health", "allocator", "resourcebroker", "sidekick"])
 def test_forged_intent_is_refused_by_the_broker(cfg, registry, principal):
     """`produce intents JobStopped` for another entitlement's job: only the API (and the operator, and the
     scheduler's refusals) write intents; any other principal gets an authorization error."""
@@ -225,7 +227,7 @@ def test_forged_intent_is_refused_by_the_broker(cfg, registry, principal):
         _produce_as(cfg, registry, principal, forged_stop())
 
 
-@pytest.mark.parametrize("principal", ["api", "controller", "health", "allocator", "resourcebroker"])
+@pytest.mark.parametrize("principal", ["api", "controller", "health", "allocator", "resourcebroker", "rebalancer"])
 def test_forged_task_commands_are_refused_by_the_broker(cfg, registry, principal):
     """A TaskCommanded STOP (envelope producer `scheduler`) or START, from anyone but the scheduler and the agents:
     the broker refuses it."""
@@ -364,6 +366,7 @@ def test_a_user_of_e1_can_do_nothing_to_e2(api, cfg, registry):
         ("GET", "/v1/replay?job=e2.victim", None, "no_role_on_entitlement"),
         ("GET", "/v1/replay", None, "needs_region_admin"),
         ("GET", "/v1/events/jobs?entitlement=e2", None, "no_role_on_entitlement"),
+        ("GET", "/v1/rebalance/plans?entitlement=e2", None, "no_role_on_entitlement"),
     ]
     for method, path, body, reason in refused:
         code, doc = api.call(method, path, api.alice, body)
@@ -372,6 +375,7 @@ def test_a_user_of_e1_can_do_nothing_to_e2(api, cfg, registry):
     assert api.call("GET", "/v1/jobs/e2.victim", None)[0] == 401
     # what she may see: e1 only, in lists too
     assert [e["entitlement"] for e in api.call("GET", "/v1/entitlements", api.alice)[1]] == ["e1"]
+    assert api.call("GET", "/v1/rebalance/plans", api.alice) == (200, [])  # no plans yet (no ReBalancer runs here)
     code, lines = api.call("GET", "/v1/replay?entitlement=e1", api.alice)
     events = [json.loads(x) for x in lines.splitlines()]
     assert events[-1]["stats"]["matched"] == len(events) - 1

@@ -31,6 +31,8 @@ CASES = [
     (BOB, "job.update", "e1", True, a.ALLOWED_ROLE),
     (BOB, "entitlement.update", "e1", False, a.DENIED_ROLE_TOO_LOW),  # operator < owner
     (BOB, "job.view", "e2", False, a.DENIED_NO_ROLE),  # a user of e1 sees nothing of e2
+    (ALICE, "rebalance.view", "e2", True, a.ALLOWED_ROLE),  # the ReBalancer's plans: a viewer's
+    (BOB, "rebalance.view", "e2", False, a.DENIED_NO_ROLE),
     (BOB, "machine.recover", None, False, a.DENIED_NEEDS_ADMIN),
     (EVE, "job.view", "e1", False, a.DENIED_NO_ROLE),
     (EVE, "entitlement.view", "e1", False, a.DENIED_NO_ROLE),
