@@ -345,7 +345,10 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                      job: str | None = None, machine: str | None = None,
                      since_ms: Annotated[int | None, Query(ge=0, le=MAX_TIME_MS)] = None,
                      until_ms: Annotated[int | None, Query(ge=0, le=MAX_TIME_MS)] = None,
-                     topic: Annotated[list[str] | None, Query()] = None) -> StreamingResponse:
+                     topic: Annotated[list[str] | None, Query()] = None,
+                     type: Annotated[list[str] | None, Query(description="event types to keep")] = None,
+                     exclude_type: Annotated[list[str] | None, Query(description="event types to leave out")] = None
+                     ) -> StreamingResponse:
         from streams import replay as rp
         from streams.topics import TopicError
 
@@ -355,9 +358,12 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
             entitlement = scope  # a job's events are keyed to its entitlement: read only that one
         try:
             flt = rp.ReplayFilter(entitlement=entitlement, job=job, machine=machine, since_ms=since_ms,
-                                  until_ms=until_ms, topics=tuple(topic) if topic else None)
+                                  until_ms=until_ms, topics=tuple(topic) if topic else None,
+                                  types=frozenset(type) if type else None,
+                                  exclude_types=frozenset(exclude_type) if exclude_type else None)
         except TopicError as exc:
-            raise ApiError(400, fe.INVALID_REQUEST, f"topic: {exc}") from None
+            raise ApiError(400, fe.INVALID_REQUEST, str(exc) if str(exc).startswith(("type", "exclude"))
+                           else f"topic: {exc}") from None
         run = await call(front(user).replay, flt)
         it = iter(run)
         # The first record is read before the answer starts: a log that does not answer is a 503, not a cut stream.

@@ -77,10 +77,31 @@ def test_a_maintenance_never_places_into_itself_and_machine_list_shows_it(tmp_pa
         shown = cli.wait_for(lambda: (ms := machines(cli)) and all(ms[m]["maintenance"] == [ue] for m in planned)
                              and ms, "machine list showing the maintenance")
         assert all(not m["maintenance"] for mid, m in shown.items() if mid not in planned)
-        assert f"maintenance {ue}" in cli.ok("machine", "list")
+        listed = cli.ok("machine", "list")
+        assert listed.split()[:2] == ["MACHINE", "STATUS"] and ue in listed
+        mlist = cli.ok("maintenance", "list")  # issue 13: a list verb for every noun, with a header row
+        assert mlist.split()[0] == "MAINTENANCE" and ue in mlist and "10" in mlist.splitlines()[1].split()
+        assert [m["unavailability_id"] for m in cli.json("maintenance", "list")] == [ue]
+        # issue 13: a new shell without the port variables finds the region its last `up` started (endpoints.json)
+        bare = {k: v for k, v in cli.env.items() if k not in ("ROPEWALK_BROKER_PORT", "ROPEWALK_REDIS_PORT",
+                                                                "ROPEWALK_CONTROLLER_PORT", "ROPEWALK_API_PORT",
+                                                                "ROPEWALK_PARTITIONS")}
+        st = cli.run_with(bare, "status")
+        assert st.returncode == 0 and "DOWN" not in st.stdout, st.stdout + st.stderr
+        assert "e1.web" in cli.run_with(bare, "job", "list").stdout
         cli.ok("maintenance", "end", ue)
         cli.wait_for(lambda: (ms := machines(cli)) and not any(m["maintenance"] for m in ms.values()),
                      "machine list without the maintenance")
+        # issue 13: the README's maintenance example runs as written; a deadline after the start is one line
+        readme = (ROOT / "README.md").read_text()
+        example = "--msb dc1/msb2 --start +15m --duration 30m\n--deadline +10m"
+        assert example in readme
+        planned_again = cli("maintenance", "plan", *example.split())
+        assert planned_again.returncode == 0 and "deadline" in planned_again.stdout, planned_again.stderr
+        cli.ok("maintenance", "end", planned_again.stdout.split()[1])
+        late = cli("maintenance", "plan", "--msb", "dc1/msb2", "--start", "+10m", "--duration", "30m",
+                   "--deadline", "+15m")
+        assert late.returncode == 1 and len(late.stderr.strip().splitlines()) == 1 and "deadline" in late.stderr
     finally:
         if controller is not None:
             controller.kill()
