@@ -163,10 +163,11 @@ def cmd_up(cfg: Config, args) -> int:
         step(f"starting the demo job {DEMO_ENTITLEMENT}.{DEMO_JOB} (at most {DEMO_WAIT_S:.0f} s)")
     demo = _start_demo(cfg, args.skipped) if args.machines > 0 and region["ready"] and not args.no_demo else None
     dead = [n for n, s in cp.items() if not s.get("running")]
+    scrape = _scrape_targets(cfg) if cp else {}
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
            "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
            "machines_up": region.get("machines_up", 0), "machines_indexed": region.get("machines_indexed", 0),
-           "ready": region["ready"], "demo": demo,
+           "ready": region["ready"], "demo": demo, "metrics": scrape,
            "seconds": round(time.monotonic() - t0, 2)}
     lines = [
         f"broker  {cfg.bootstrap_servers}  ({'embedded Apache Kafka, pid %s, data in %s' % (st['broker'].get('pid'), BrokerLayout.of(cfg).data) if cfg.embedded_broker else 'external'})",
@@ -184,6 +185,9 @@ def cmd_up(cfg: Config, args) -> int:
                          f"process on {controlplane.LOCAL_MACHINE_ID}; its output: {demo['logs']}")
         lines.append(f"api     {cfg.api_url} (OpenAPI: {cfg.api_url}/docs); the CLI's token: {cfg.secrets}/token "
                      f"(region admin); `ropewalk user add NAME --role E=operator` makes users")
+        lines.append(f"ui      {cfg.api_url}/ui/ (sign in with the token)")
+        lines.append(f"metrics Prometheus file_sd: {scrape['file_sd']} ({len(scrape['targets'])} targets: "
+                     + ", ".join(f"{w} {a}" for w, a in scrape["targets"].items()) + ")")
         lines.append("next    ropewalk entitlement create e1 --quota 4 ; ropewalk job submit FILE ; "
                      "ropewalk job status JOB ; ropewalk watch jobs ; ropewalk replay ; ropewalk down")
     else:
@@ -199,6 +203,16 @@ def cmd_up(cfg: Config, args) -> int:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
     return 0
+
+
+def _scrape_targets(cfg: Config) -> dict:
+    """Where Prometheus scrapes the region (infra/metrics.py): every worker's port and the API's /metrics, also
+    written as a file_sd_configs file."""
+    from infra import metrics
+
+    api = {"api": cfg.api_url.removeprefix("http://").removeprefix("https://")}
+    return {"file_sd": str(metrics.write_file_sd(cfg.run_dir, extra=api)),
+            "targets": {**metrics.targets(cfg.run_dir), **api}}
 
 
 class _Steps:
