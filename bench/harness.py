@@ -113,6 +113,7 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
         redis_region = w.redis_used_memory(r)
         doc["redis_bytes_per_machine"] = round((redis_region - redis_empty) / opts.machines, 1)
         details["region"] = {"machines_up": region["machines_up"], "ready_s": round(region["seconds"], 2),
+                             "indexed_s": round(region["indexed_s"], 2), "caught_up": region["caught_up"],
                              **_region_shape(env)}
 
         def check_workers(phase: str) -> None:

@@ -1,6 +1,7 @@
 """Consumer groups and their committed offsets: where each processor resumes.
 
     committed(cfg, group)                 -> {(topic, partition): next offset to read}
+    lag(cfg, group, topics)               -> records on ``topics`` the group has not committed yet
     groups(cfg)                           -> the group ids under the configured topic prefix
     set_committed(cfg, group, offsets)    -> commit offsets for a group that has no live member
 
@@ -66,6 +67,27 @@ def committed(cfg: Config, group: str, topics: Iterable[str]) -> dict[tuple[str,
                     raise
                 time.sleep(0.2)
         return {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset >= 0}
+    finally:
+        c.close()
+
+
+def lag(cfg: Config, group: str, topics: Iterable[str]) -> int:
+    """How many records of ``topics`` lie beyond the group's committed offsets (a partition the group never
+    committed counts whole, from its low watermark)."""
+    topics = list(topics)
+    done = committed(cfg, group, topics)
+    c = _group_consumer(cfg, group)
+    try:
+        md = c.list_topics(timeout=TIMEOUT_S)
+        behind = 0
+        for t in topics:
+            tmd = md.topics.get(t)
+            if tmd is None or tmd.error is not None:
+                continue
+            for p in tmd.partitions:
+                low, high = c.get_watermark_offsets(TopicPartition(t, p), timeout=TIMEOUT_S)
+                behind += max(0, high - max(low, done.get((t, p), low)))
+        return behind
     finally:
         c.close()
 

@@ -12,7 +12,10 @@ The guard keeps, per source partition, the next offset the shard has to apply:
 * in the ``scheduler-offsets`` table (changelog-backed, so a worker that takes the partition over recovers it),
   written together with the state an event changed: the persisted value never runs ahead of the applied state;
 * in memory for the records in between that changed nothing (forgotten at every rebalance, when the table's
-  value, which may be a little behind, is taken again: re-applying those records changes nothing).
+  value, which may be a little behind, is taken again: re-applying those records changes nothing). "A little":
+  once the in-memory value runs ``PERSIST_AFTER`` records ahead of the table's, the shard writes the offset alone
+  (``persist_due``). Without that, a region's registration (a million machine events that change nothing for a
+  shard with no jobs yet) stayed at offset 0 in the table, and a rebalance made the shard read it all again.
 
 For each record, ``verdict`` (pure) says: ``APPLY`` it (its offset is the next one), it is a ``DUPLICATE``
 (below the next one: applied already), or there is a ``GAP`` before it (records were skipped): the shard then
@@ -33,6 +36,7 @@ DUPLICATE = "duplicate"
 GAP = "gap"
 STALL_S = 2.0  # the shard idle this long while a high watermark is past the next offset: seek back
 SEEK_AGAIN_S = 1.0  # a seek to the same offset is not repeated sooner (buffered records keep arriving)
+PERSIST_AFTER = 10_000  # records applied that changed nothing, beyond the table's offset: write the offset alone
 
 
 def verdict(next_offset: int, offset: int) -> str:
@@ -76,6 +80,11 @@ class OffsetGuard:
             return None
         self.sought[key] = (target, now)
         return target
+
+    def persist_due(self, applied: dict[str, tuple[int, int]]) -> bool:
+        """Whether a batch that changed no state should still write its offsets (``applied``: key -> (changelog
+        partition, next offset)): one of them is ``PERSIST_AFTER`` records or more beyond the table's value."""
+        return any(nxt - int(self.persisted.get(key) or 0) >= PERSIST_AFTER for key, (_, nxt) in applied.items())
 
     def stalled(self, key: str, high_watermark: int | None, now: float) -> bool:
         """Whether records below ``high_watermark`` wait while no record reached the shard for STALL_S."""

@@ -484,7 +484,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 if key not in applied or rec.offset + 1 > applied[key][1]:
                     applied[key] = (rec.partition, rec.offset + 1)
             try:
-                if state is not start or any(b != tables.bucket(p) for p, b in buckets.items()):
+                if (state is not start or any(b != tables.bucket(p) for p, b in buckets.items())
+                        or guard.persist_due(applied)):
                     await store(start, state, headers, down_partitions=down_partitions, buckets=buckets,
                                 applied=applied, output=output)
             finally:

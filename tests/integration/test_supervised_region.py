@@ -27,7 +27,7 @@ from regioncli import RegionCli
 
 pytestmark = pytest.mark.integration
 
-WORKERS = {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health"}
+WORKERS = {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api"}
 
 
 def job_spec(path, name: str, tasks: int) -> str:

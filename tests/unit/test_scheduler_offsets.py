@@ -1,7 +1,8 @@
 """The scheduler's offset guard (processors/scheduler/offsets.py): pure, table-driven."""
 import pytest
 
-from processors.scheduler.offsets import APPLY, DUPLICATE, GAP, SEEK_AGAIN_S, STALL_S, OffsetGuard, verdict
+from processors.scheduler.offsets import (APPLY, DUPLICATE, GAP, PERSIST_AFTER, SEEK_AGAIN_S, STALL_S, OffsetGuard,
+                                         verdict)
 
 
 @pytest.mark.parametrize("next_offset, offset, expected", [
@@ -60,3 +61,17 @@ def test_stalled(high_watermark, idle_s, expected):
     g = OffsetGuard({"t/0": 3})
     g.check("t/1", 0, 100.0)  # the last record the shard received, of any partition
     assert g.stalled("t/0", high_watermark, 100.0 + idle_s) is expected
+
+
+@pytest.mark.parametrize("persisted, applied, due", [
+    ({}, {"t/0": (0, PERSIST_AFTER - 1)}, False),  # never written, not far yet
+    ({}, {"t/0": (0, PERSIST_AFTER)}, True),  # never written (a registration's records): write it
+    ({"t/0": 500}, {"t/0": (0, 500 + PERSIST_AFTER)}, True),
+    ({"t/0": 500}, {"t/0": (0, 499 + PERSIST_AFTER)}, False),
+    ({"t/0": 0, "t/1": 0}, {"t/0": (0, 3), "t/1": (1, PERSIST_AFTER + 3)}, True),  # any partition far enough
+    ({"t/0": 7}, {}, False),
+])
+def test_offsets_of_records_that_changed_nothing_are_written_once_far_enough(persisted, applied, due):
+    """A batch that changed no state writes its offsets alone once they run PERSIST_AFTER ahead of the table's:
+    after a rebalance the shard reads at most that many records again (not a million-machine registration)."""
+    assert OffsetGuard(persisted).persist_due(applied) is due
