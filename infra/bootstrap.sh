@@ -43,6 +43,27 @@ if [ -n "$for_tests" ] && ! command -v kcat >/dev/null 2>&1; then
   apt_install "kcat" kcat
 fi
 
+# The web UI's browser tests drive Debian's chromium with Playwright (the test extra), not a browser of its own.
+if [ -n "$for_tests" ] && ! command -v chromium >/dev/null 2>&1; then
+  apt_install "chromium" chromium
+fi
+
+# The web UI's timeline library (processors/api/ui): vis-timeline's standalone build from npm, into .ui-vendor/.
+UI_VENDOR=vis-timeline@8.5.4
+if [ "$(cat .ui-vendor/.installed 2>/dev/null)" != "$UI_VENDOR" ]; then
+  command -v npm >/dev/null 2>&1 || apt_install "npm" npm
+  echo "ropewalk: copying $UI_VENDOR from npm into .ui-vendor/" >&2
+  tmp=$(mktemp -d)
+  (cd "$tmp" && npm pack --silent "$UI_VENDOR" >/dev/null && tar xzf ./*.tgz) \
+    || { echo "ropewalk: npm could not fetch $UI_VENDOR" >&2; rm -rf "$tmp"; exit 1; }
+  rm -rf .ui-vendor && mkdir -p .ui-vendor
+  cp "$tmp/package/standalone/umd/vis-timeline-graph2d.min.js" "$tmp/package/styles/vis-timeline-graph2d.min.css" \
+     "$tmp/package/LICENSE-APACHE-2.0" .ui-vendor/ 2>/dev/null \
+    || cp "$tmp/package/standalone/umd/vis-timeline-graph2d.min.js" "$tmp/package/styles/vis-timeline-graph2d.min.css" .ui-vendor/
+  rm -rf "$tmp"
+  echo "$UI_VENDOR" > .ui-vendor/.installed
+fi
+
 java_major() { java -version 2>&1 | sed -n 's/.*version "\([0-9]*\)\.\{0,1\}\([0-9]*\).*/\1 \2/p' | head -1 \
   | awk '{ print ($1 == 1 ? $2 : $1) }'; }
 

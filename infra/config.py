@@ -19,6 +19,10 @@ real Redis needs no code change.
 | ROPEWALK_TOKEN              | the token in $ROPEWALK_SECRETS_DIR/token | the CLI's API token (a user made by `ropewalk user add`) |
 | ROPEWALK_DIRECT             | unset                                | `1`: the CLI writes to and reads the log itself as principal `operator`, not through the API (as `--direct`) |
 
+**Endpoints remembered** (like a kubeconfig): `ropewalk up` writes the endpoint variables it was started with to
+``$ROPEWALK_RUN_DIR/endpoints.json`` (``remember_endpoints``); a later process whose environment sets none of
+``ENDPOINT_VARS`` takes them from there, so a new shell finds the region its last `up` started.
+
 Which principal a process authenticates as is ``Config.principal``: ``operator`` unless the process names its own
 (``Config.as_principal``: every processor's main does); its credentials come from the secrets directory.
 """
@@ -38,6 +42,42 @@ DEFAULT_API_PORT = 19080
 DEFAULT_PRINCIPAL = "operator"  # the CLI's direct path, `up`, tests (infra/credentials.py)
 # Twine (OSDI 2020, §5 "the largest job has ≈15K tasks"): 25,000 serves every job the paper reports, with room.
 DEFAULT_MAX_TASKS_PER_JOB = 25_000
+ENDPOINT_VARS = ("ROPEWALK_BOOTSTRAP_SERVERS", "ROPEWALK_REDIS_URL", "ROPEWALK_BROKER_PORT", "ROPEWALK_REDIS_PORT",
+                 "ROPEWALK_CONTROLLER_PORT", "ROPEWALK_PARTITIONS", "ROPEWALK_TOPIC_PREFIX", "ROPEWALK_SECRETS_DIR",
+                 "ROPEWALK_API_PORT", "ROPEWALK_API_URL")
+ENDPOINTS_FILE = "endpoints.json"
+
+
+def _run_dir(env: dict[str, str]) -> Path:
+    return Path(env.get("ROPEWALK_RUN_DIR") or PROJECT_ROOT / ".run")
+
+
+def remember_endpoints(env: dict[str, str] | None = None) -> Path:
+    """Write the endpoint variables of ``env`` (default: this process's) to ``<run dir>/endpoints.json``, for the
+    processes started later without them (``Config.from_env``)."""
+    import json
+
+    env = dict(os.environ if env is None else env)
+    path = _run_dir(env) / ENDPOINTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({k: env[k] for k in ENDPOINT_VARS if env.get(k)}, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def remembered_endpoints(env: dict[str, str]) -> dict[str, str]:
+    """What the last `up` of ``env``'s run dir remembered (empty when nothing, or when ``env`` sets an endpoint
+    variable itself: then it names its region and nothing is mixed in)."""
+    import json
+
+    if any(env.get(k) for k in ENDPOINT_VARS):
+        return {}
+    try:
+        doc = json.loads((_run_dir(env) / ENDPOINTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: str(v) for k, v in doc.items() if k in ENDPOINT_VARS} if isinstance(doc, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -64,7 +104,10 @@ class Config:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
-        env = dict(os.environ if env is None else env)
+        if env is None:  # this process's environment, with the endpoints of the last `up` it does not set
+            env = dict(os.environ)
+            env = {**remembered_endpoints(env), **env}
+        env = dict(env)
         broker_port = _int(env, "ROPEWALK_BROKER_PORT", DEFAULT_BROKER_PORT)
         redis_port = _int(env, "ROPEWALK_REDIS_PORT", DEFAULT_REDIS_PORT)
         bootstrap = env.get("ROPEWALK_BOOTSTRAP_SERVERS", "").strip()
@@ -78,7 +121,7 @@ class Config:
         max_tasks = _int(env, "ROPEWALK_MAX_TASKS_PER_JOB", DEFAULT_MAX_TASKS_PER_JOB)
         if max_tasks < 1:
             raise ValueError(f"ROPEWALK_MAX_TASKS_PER_JOB must be >= 1, got {max_tasks}")
-        run_dir = Path(env.get("ROPEWALK_RUN_DIR") or PROJECT_ROOT / ".run")
+        run_dir = _run_dir(env)
         api_port = _int(env, "ROPEWALK_API_PORT", DEFAULT_API_PORT)
         return cls(
             bootstrap_servers=bootstrap or f"127.0.0.1:{broker_port}",

@@ -101,7 +101,9 @@ def programs(cfg: Config, region: Path | None = None, *, local: bool = True,
     ``env``) as their environment, on top of the supervisor's."""
     env = {**{k: v for k, v in worker_env(cfg).items() if k.startswith("ROPEWALK_") or k == "PYTHONUNBUFFERED"},
            **(env or {})}
-    return [supervisor.Program(p.name, tuple(p.argv), env) for p in processes(cfg, region, local=local)]
+    # ROPEWALK_WORKER_NAME: the name a worker serves its metrics under (infra/metrics.serve_worker)
+    return [supervisor.Program(p.name, tuple(p.argv), {**env, "ROPEWALK_WORKER_NAME": p.name})
+            for p in processes(cfg, region, local=local)]
 
 
 def api_ready(cfg: Config) -> bool:

@@ -216,6 +216,9 @@ class Supervisor:
             return
         delay = self.backoff.delay(st.delay_s, uptime)
         st.restarts += 1
+        from infra.metrics import WORKER_RESTARTS
+
+        WORKER_RESTARTS.labels(worker=name).inc()
         st.state, st.delay_s, st.next_start_ms = BACKOFF, delay, now_ms() + int(delay * 1000)
         record = {"program": name, "pid": pid, **st.last_exit, "restart": st.restarts, "delay_s": delay}
         with open(self.run_dir / RESTARTS_FILE, "a") as fh:
@@ -248,6 +251,9 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
+        from infra import metrics
+
+        metrics.serve(self.run_dir, NAME)  # ropewalk_worker_restarts_total
         while not self._stopping:
             changed = False
             if self._reload:

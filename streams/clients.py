@@ -264,6 +264,7 @@ class EventConsumer:
         self.registry = registry
         self.catalogue = Topics(cfg.topic_prefix, cfg.partitions)
         self.name = name
+        self.group_id = group_id
         self.physical_topics = list(topics)
         self.dead_letters = dead_letters
         self.skipped = skipped if skipped is not None else dl.Skipped()  # maybe shared with other readers
@@ -343,6 +344,10 @@ class EventConsumer:
             rec = self._decode(msg)
             if rec is not None:
                 out.append(rec)
+        from infra.metrics import observe_lag
+
+        # the consumer group, or for an assigned reader its name's kind (``agent/<machine>`` → ``agent``): never an id
+        observe_lag(self.group_id or self.name.split("/", 1)[0], out, self.cfg.topic_prefix)
         return out
 
     def _decode(self, msg) -> Record | None:

@@ -37,6 +37,9 @@ class DeadLetters:
         )
         self.producer.send(event)
         self.routed += 1
+        from infra.metrics import DEAD_LETTERS
+
+        DEAD_LETTERS.labels(topic=topic, reason=reason).inc()
 
 
 class Skipped:

@@ -22,7 +22,8 @@ Guarantees and choices
   high watermark of a fetch made after the start). Records at or beyond the end are ignored undecoded, so a
   replay ends even while producers keep writing; it contains every record that existed when it started (and
   possibly a few written in the milliseconds before the first fetch).
-* Order: within one (topic, partition), records come in offset order. Nothing is promised across partitions.
+* Order: within one (topic, partition), records come in offset order. Nothing is promised across partitions;
+  `time_order_key` sorts the matched documents into one timeline (what `ropewalk replay` prints).
 * Undecodable records never stop a replay: they are counted in `stats.skipped` (by reason in
   `stats.skipped_by_reason`; `run.skipped.report()` says so in one line) and, if the caller passed
   `dead_letters` (anything with `route(**kw)`, e.g. `streams.deadletter.DeadLetters`), forwarded there too.
@@ -81,12 +82,18 @@ class ReplayFilter:
     topics: tuple[str, ...] | None = None  # logical topic names; None: every data topic
     types: frozenset[str] | None = None  # event types; None: every type (others are passed over undecoded when
     # their record says its type in a header, as every EventProducer's does)
+    exclude_types: frozenset[str] | None = None  # event types to leave out (after `types`)
 
     def __post_init__(self) -> None:
         if self.topics is not None:
             unknown = [t for t in self.topics if t not in DATA_TOPICS]
             if unknown:
                 raise TopicError(f"unknown topic(s) {', '.join(map(repr, unknown))}; known: {', '.join(DATA_TOPICS)}")
+        for name, given in (("type", self.types), ("exclude-type", self.exclude_types)):
+            unknown = sorted(set(given or ()) - set(TOPIC_OF_EVENT))
+            if unknown:
+                raise TopicError(f"{name}: unknown event type(s) {', '.join(map(repr, unknown))}; known: "
+                                 f"{', '.join(sorted(TOPIC_OF_EVENT))}")
 
     def logical_topics(self) -> tuple[str, ...]:
         """The logical topics to read, in catalogue order."""
@@ -105,6 +112,8 @@ def matches(f: ReplayFilter, event: Event) -> bool:
     if f.topics is not None and TOPIC_OF_EVENT.get(event.type) not in f.topics:
         return False
     if f.types is not None and event.type not in f.types:
+        return False
+    if f.exclude_types is not None and event.type in f.exclude_types:
         return False
     if f.job is not None and not _about_job(f.job, event):
         return False
@@ -338,6 +347,12 @@ def logical_topic(rec: Record) -> str:
     # Not reachable for decoded records; fall back on the longest catalogue name the physical name ends with.
     ends = [t.name for t in CATALOGUE if rec.topic.endswith(t.name)]
     return max(ends, key=len) if ends else rec.topic
+
+
+def time_order_key(doc: Mapping[str, Any]) -> tuple:
+    """Sort key of an event document (``format_json``'s) for a timeline merged across topics and partitions: its
+    envelope time, then its place in the log (so events of one partition keep their log order on equal times)."""
+    return doc["timestamp_ms"], doc["topic"], doc["partition"], doc["offset"]
 
 
 def iso_time(ms: int) -> str:

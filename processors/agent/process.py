@@ -574,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
                                         f"{DEFAULT_TASK_USER})")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from infra import metrics
+
+    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     cfg = Config.from_env().as_principal("agent")
     work = Path(args.work_dir) if args.work_dir else default_work_dir(cfg.run_dir, args.machine_id)
     agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,

@@ -73,6 +73,7 @@ from typing import Any
 import faust
 import redis
 
+from infra import metrics
 from infra.config import Config
 from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
@@ -110,6 +111,7 @@ MAX_ATTEMPTS = 5  # decisions of one request per batch before COMMIT_RETRIES_EXH
 BATCH_REQUESTS = 500  # requests decided per Redis commit call at most
 POLL_RECORDS = 5000  # records the fold consumer takes per poll at most
 POLL_S = 0.02  # how long a poll waits for records when there are none
+MACHINES_METRIC_S = 5.0  # how often ropewalk_machines is counted from the fold
 PUBLISH_INTERVAL_S = 0.25  # machine states are published at most this long after their change
 PUBLISH_ROUND = 500  # machine states published per loop turn at most: a backlog (a region registering) is
 # drained a round per turn, between decisions, so a request never waits behind more than one round (~10 ms)
@@ -234,6 +236,25 @@ def metric_increments(decision: Sequence[Event]) -> dict[str, int]:
     return out
 
 
+def observe_attempts(decision: Sequence[Event]) -> None:
+    """``ropewalk_allocation_attempts_total``: the tasks one decision placed and those it left unplaceable."""
+    for e in decision:
+        if e.type == "TasksAllocated":
+            metrics.ALLOCATION_ATTEMPTS.labels(result="placed").inc(len(e.payload["placements"]))
+        elif e.type == "AllocationRejected":
+            metrics.ALLOCATION_ATTEMPTS.labels(result="unplaceable").inc(len(e.payload["unplaced_task_ids"]))
+
+
+def observe_machines(machines: Iterable[Any]) -> None:
+    """``ropewalk_machines`` by status and owner from the fold (every series set, a vanished one to 0)."""
+    counts = Counter((m.status, m.entitlement or "free") for m in machines)
+    for sample in [s for fam in metrics.MACHINES.collect() for s in fam.samples]:
+        key = (sample.labels["status"], sample.labels["entitlement"])
+        counts.setdefault(key, 0)
+    for (status, ent), n in counts.items():
+        metrics.MACHINES.labels(status=status, entitlement=ent).set(n)
+
+
 MACHINE_STATUSES = frozenset({"UP", "UNHEALTHY", "DOWN", "MAINTENANCE"})  # MachineStatePublished's enum
 
 
@@ -328,6 +349,7 @@ class Allocator:
         self.failed = 0  # records the fold could not apply (dead-lettered)
         self.decided = 0
         self._published_at = 0.0
+        self._machines_observed_at = 0.0
         self._outbox_backlog = False  # the last round of publish_machine_states left machines in the outbox
         self._projected_at = 0.0
         self._projected_marks: dict[tuple[str, int], int] = {}
@@ -543,6 +565,8 @@ class Allocator:
                     reload |= p.touched
                     self.pending.pop(p.pending.event.event_id, None)  # another process owns its partition now
                 else:  # CONFLICT: the fold was behind Redis for these machines
+                    metrics.ALLOCATION_ATTEMPTS.labels(result="conflict").inc(
+                        len(p.pending.event.payload["place_task_ids"]))
                     reload |= p.touched | set(res.conflicts)
                     if p.pending.attempts >= self.max_attempts:
                         finished.append((p.pending, self._exhausted(p.pending, res.conflicts, ts)))
@@ -557,6 +581,7 @@ class Allocator:
                 self.fold.remember_made(events)
                 self.pending.pop(pd.event.event_id, None)
                 counts.update(metric_increments(events))
+                observe_attempts(events)
                 self.decided += 1
             self._produce(done)
             produced += done
@@ -773,6 +798,13 @@ class Allocator:
                                                  types=EVENT_TYPES)
                     records = consumer.poll(POLL_RECORDS, POLL_S, linger_s=0.0)
                     self.on_records(records, dead_letters)
+                    # behind the log: how old the newest record of this poll was when it was applied; 0 when idle
+                    metrics.INDEX_STALENESS.set(max(0.0, time.time() - max(r.log_timestamp_ms for r in records)
+                                                    / 1000) if records else 0.0)
+                    if time.monotonic() - self._machines_observed_at > MACHINES_METRIC_S:
+                        with self.lock:
+                            observe_machines(self.fold.machines.values())
+                        self._machines_observed_at = time.monotonic()
                     self.read_up_to(consumer.last_offsets)  # records of types the fold ignores: not even decoded
                     self.check_index()
                     self.step()
@@ -897,6 +929,9 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from infra import metrics
+
+    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     app, _, _ = build_app(Config.from_env().as_principal("allocator"))
     faust.Worker(app, loglevel="INFO").execute_from_commandline()
 

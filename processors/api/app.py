@@ -23,6 +23,7 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 | GET /v1/replay?...                    | replay.view (one entitlement or job) / region.view | NDJSON: one event per line, then `{"stats": ...}` |
 | GET /v1/events/jobs, /v1/events/machines[?entitlement=] | job.view / machine.view | server-sent events |
 | GET /healthz                          | none                   | `{"ok": true}` |
+| GET /metrics                          | none                   | Prometheus text (infra/metrics.py) |
 
 Server-sent events: each state record as ``event: job`` (or ``machine``) with its view as ``data``, first the
 current state of everything the user may see, then ``event: ready``, then each change as it is published (a
@@ -38,7 +39,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -59,6 +60,34 @@ MAX_TIME_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: later times are no ti
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}\.[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"  # <entitlement>.<name>
 Name = Annotated[str, PathParam(pattern=NAME_PATTERN)]
 JobId = Annotated[str, PathParam(pattern=JOB_PATTERN, description="<entitlement>.<name>")]
+
+
+class TimedRequests:
+    """ASGI middleware: ``ropewalk_api_request_duration_seconds`` by route template (``/v1/jobs/{job}``, never the
+    ids in the path), method and status. Plain ASGI, so event streams pass through untouched (a stream's duration
+    is how long it was open)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from infra.metrics import API_REQUESTS
+
+        t0, status = time.monotonic(), ["500"]
+
+        async def sent(message):
+            if message["type"] == "http.response.start":
+                status[0] = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            route = scope.get("route")
+            API_REQUESTS.labels(route=getattr(route, "path", "unmatched"), method=scope["method"],
+                                status=status[0]).observe(time.monotonic() - t0)
 
 
 class ApiError(Exception):
@@ -233,6 +262,16 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     async def healthz() -> dict:
         return {"ok": True}
 
+    app.add_middleware(TimedRequests)
+
+    @app.get("/metrics", tags=["meta"], response_class=PlainTextResponse)
+    async def metrics_text() -> PlainTextResponse:
+        """Prometheus metrics of the API process (infra/metrics.py); unauthenticated like /healthz: they name no
+        user, job, task or machine."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/whoami", tags=["meta"])
     async def whoami(user: CurrentUser) -> dict:
         return {"user": user.name, "region_admin": user.region_admin, "roles": dict(user.roles)}
@@ -355,19 +394,17 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                      job: str | None = None, machine: str | None = None,
                      since_ms: Annotated[int | None, Query(ge=0, le=MAX_TIME_MS)] = None,
                      until_ms: Annotated[int | None, Query(ge=0, le=MAX_TIME_MS)] = None,
-                     topic: Annotated[list[str] | None, Query()] = None) -> StreamingResponse:
+                     topic: Annotated[list[str] | None, Query()] = None,
+                     type: Annotated[list[str] | None, Query(description="event types to keep")] = None,
+                     exclude_type: Annotated[list[str] | None, Query(description="event types to leave out")] = None
+                     ) -> StreamingResponse:
         from streams import replay as rp
         from streams.topics import TopicError
 
-        scope = entitlement or (fe.entitlement_of_job(job) if job is not None else None)
-        allow(user, "replay.view" if scope is not None else "region.view", scope)
-        if not user.region_admin and entitlement is None and scope is not None:
-            entitlement = scope  # a job's events are keyed to its entitlement: read only that one
-        try:
-            flt = rp.ReplayFilter(entitlement=entitlement, job=job, machine=machine, since_ms=since_ms,
-                                  until_ms=until_ms, topics=tuple(topic) if topic else None)
-        except TopicError as exc:
-            raise ApiError(400, fe.INVALID_REQUEST, f"topic: {exc}") from None
+        flt = replay_filter(user, entitlement=entitlement, job=job, machine=machine, since_ms=since_ms,
+                            until_ms=until_ms, topics=tuple(topic) if topic else None,
+                            types=frozenset(type) if type else None,
+                            exclude_types=frozenset(exclude_type) if exclude_type else None)
         run = await call(front(user).replay, flt)
         it = iter(run)
         # The first record is read before the answer starts: a log that does not answer is a 503, not a cut stream.
@@ -386,6 +423,29 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                 it.close()  # the replay's consumer, also when the client went away mid-stream
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    def replay_filter(user: User, *, entitlement: str | None = None, job: str | None = None, **rest):
+        """The replay filter of a request, authorized: one entitlement's (or job's) events for its viewers, the
+        whole region's for a region admin; 400 naming a wrong topic or event type."""
+        from streams import replay as rp
+        from streams.topics import TopicError
+
+        scope = entitlement or (fe.entitlement_of_job(job) if job is not None else None)
+        allow(user, "replay.view" if scope is not None else "region.view", scope)
+        if not user.region_admin and entitlement is None and scope is not None:
+            entitlement = scope  # a job's events are keyed to its entitlement: read only that one
+        try:
+            return rp.ReplayFilter(entitlement=entitlement, job=job, **rest)
+        except TopicError as exc:
+            raise ApiError(400, fe.INVALID_REQUEST, str(exc) if str(exc).startswith(("type", "exclude"))
+                           else f"topic: {exc}") from None
+
+    async def replay_docs(user: User, **flt) -> list[dict]:
+        """The replay documents (``format_json``'s) a user may see, read whole (the UI's timeline and feed)."""
+        from streams import replay as rp
+
+        run = await call(front(user).replay, replay_filter(user, **flt))
+        return await call(lambda: [json.loads(rp.format_json(rec)) for rec in run])
 
     async def events(request: Request, user: User, kind: str, entitlement: str | None) -> StreamingResponse:
         action = "job.view" if kind == "jobs" else "machine.view"
@@ -440,4 +500,8 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                              ) -> StreamingResponse:
         return await events(request, user, "machines", entitlement)
 
+    from processors.api import ui  # the web UI at /ui/ (processors/api/ui)
+
+    ui.mount(app, users=users_file, api={"jobs": jobs, "job_status": job_status, "machines": machines,
+                                         "entitlements": entitlements}, events=events, replay_docs=replay_docs)
     return app

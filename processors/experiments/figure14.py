@@ -458,24 +458,37 @@ def write_png(result: Result, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, c = result.rows, result.conditions
+    rows, c, totals = result.rows, result.conditions, result.totals()
     t = [r["t_s"] for r in rows]
-    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    a.plot(t, [r["tasks_waiting"] for r in rows], label="tasks not yet updated")
-    a.plot(t, [r["tasks_updating"] for r in rows], label="tasks updating")
-    a.plot(t, [r["failed_msb_tasks_down"] for r in rows], label="failed-MSB tasks down")
+    fig, (a, b) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
+    a.plot(t, [r["tasks_waiting"] for r in rows], color="tab:blue", label="tasks still to update")
+    a.plot(t, [r["tasks_updating"] for r in rows], color="tab:orange", label="tasks being updated now")
+    a.plot(t, [r["failed_msb_tasks_down"] for r in rows], color="tab:red", label="tasks down with the failed MSB")
     a.set_ylabel("tasks")
-    a.legend()
-    b.plot(t, [r["shards_1_down"] for r in rows], label="shards with 1 replica down")
-    b.plot(t, [r["shards_2plus_down"] for r in rows], label="shards with 2+ replicas down")
+    a.set_title("Tasks of the job during the rolling update", fontsize=10, loc="left")
+    b.plot(t, [r["shards_1_down"] for r in rows], color="tab:olive", label="shards with one replica down")
+    b.plot(t, [r["shards_2plus_down"] for r in rows], color="tab:red",
+           label="shards with two or more replicas down")
     b.set_ylabel("shards")
-    b.set_xlabel("seconds since the update started")
-    b.legend()
+    b.set_xlabel("seconds since the rolling update started")
+    b.set_title("Shard replicas down", fontsize=10, loc="left")
     for ax in (a, b):
-        ax.axvspan(c.msb_fail_at_s, c.msb_fail_at_s + c.msb_down_s, color="grey", alpha=0.15)
-    fig.suptitle(f"Figure 14: {c.tasks} tasks, {c.shards} shards x {c.replicas}, {c.placement} placement; grey: "
-                 f"MSB down\n" + textwrap.fill(result.mode, 120), fontsize=9)
-    fig.tight_layout()
+        ax.axvspan(c.msb_fail_at_s, c.msb_fail_at_s + c.msb_down_s, color="grey", alpha=0.15,
+                   label=f"one MSB ({len(failed_tasks(c))} tasks) failed")
+        ax.legend(loc="upper right", fontsize=8)
+        ax.grid(alpha=0.3)
+    done = totals["update_duration_s"]
+    headline = (f"Ropewalk's updates took a second replica of a shard down {totals['shards_lost_second_replica_by_ropewalk']}"
+                f" times; the MSB failure alone did {totals['shards_lost_second_replica_by_failure']:,}. "
+                f"Peak {totals['peak_concurrent_updates']} tasks updating at once"
+                + (f"; update done at {done:,.0f} s." if done is not None else "."))
+    fig.suptitle(f"Ropewalk's rolling update never takes a shard's second replica down, even while an MSB fails\n"
+                 f"(Twine Figure 14: {c.tasks:,} tasks hosting {c.shards:,} shards x {c.replicas} replicas, "
+                 f"ReplicaAware TaskController)", fontsize=11)
+    fig.text(0.5, 0.905, textwrap.fill(headline, 110), ha="center", va="top", fontsize=9, weight="bold",
+             color="darkred")
+    fig.text(0.01, 0.005, textwrap.fill(result.mode, 160), fontsize=6, color="dimgrey", va="bottom")
+    fig.tight_layout(rect=(0, 0.04, 1, 0.86))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

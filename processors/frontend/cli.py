@@ -104,6 +104,33 @@ def _print(doc, as_json: bool, text: str) -> None:
     print(json.dumps(doc, indent=2, sort_keys=True) if as_json else text)
 
 
+def _table(headers: list[str], rows: list[list], empty: str) -> str:
+    """Rows under a header row, columns padded to their widest cell (kubectl's tables); ``empty`` when no rows."""
+    if not rows:
+        return empty
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *cells])
+
+
+def human_time(ms: int | None, now_ms: int | None = None) -> str:
+    """ms since epoch as a person reads it: UTC time to the second and how far from now (``2026-11-25 23:40:00Z
+    (in 10m)``); ``-`` for none. ``--json`` keeps the ms."""
+    if ms is None:
+        return "-"
+    from datetime import datetime, timezone
+
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    at = datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    return f"{at} ({_ago(ms - now_ms)})"
+
+
+def _ago(delta_ms: int) -> str:
+    s = abs(delta_ms) // 1000
+    span = f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
+    return "now" if s == 0 else f"in {span}" if delta_ms > 0 else f"{span} ago"
+
+
 # --- up / down / status -------------------------------------------------------------------------
 def cmd_up(cfg: Config, args) -> int:
     from infra import services
@@ -113,22 +140,34 @@ def cmd_up(cfg: Config, args) -> int:
 
     from infra import acls
 
+    from infra.config import remember_endpoints
+
     t0 = time.monotonic()
+    step = _Steps(t0)
+    step("starting the broker and Redis")
     st = services.up(cfg)
+    remember_endpoints()  # a new shell without the variables finds this region (infra/config.py)
     admin = _admin(cfg)
+    step("provisioning topics and ACLs")
     prov = provision(admin, _topics(cfg))
     acls.provision_region(cfg, admin)  # what each component's principal may do (infra/acls.py)
     from processors.api.users import ensure_admin
 
     ensure_admin(cfg.secrets)  # the API's region administrator; its token in <secrets>/token, for this CLI
+    if args.machines > 0:
+        step(f"starting the control plane; waiting until its {args.machines + 1} machines are in the allocator's "
+             f"index (at most {controlplane.READY_TIMEOUT_S:.0f} s)")
     region = controlplane.up(cfg, args.machines) if args.machines > 0 else {"workers": {}, "ready": True}
     cp = region["workers"]
+    if args.machines > 0 and region["ready"] and not args.no_demo:
+        step(f"starting the demo job {DEMO_ENTITLEMENT}.{DEMO_JOB} (at most {DEMO_WAIT_S:.0f} s)")
     demo = _start_demo(cfg, args.skipped) if args.machines > 0 and region["ready"] and not args.no_demo else None
     dead = [n for n, s in cp.items() if not s.get("running")]
+    scrape = _scrape_targets(cfg) if cp else {}
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
            "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
            "machines_up": region.get("machines_up", 0), "machines_indexed": region.get("machines_indexed", 0),
-           "ready": region["ready"], "demo": demo,
+           "ready": region["ready"], "demo": demo, "metrics": scrape,
            "seconds": round(time.monotonic() - t0, 2)}
     lines = [
         f"broker  {cfg.bootstrap_servers}  ({'embedded Apache Kafka, pid %s, data in %s' % (st['broker'].get('pid'), BrokerLayout.of(cfg).data) if cfg.embedded_broker else 'external'})",
@@ -146,6 +185,9 @@ def cmd_up(cfg: Config, args) -> int:
                          f"process on {controlplane.LOCAL_MACHINE_ID}; its output: {demo['logs']}")
         lines.append(f"api     {cfg.api_url} (OpenAPI: {cfg.api_url}/docs); the CLI's token: {cfg.secrets}/token "
                      f"(region admin); `ropewalk user add NAME --role E=operator` makes users")
+        lines.append(f"ui      {cfg.api_url}/ui/ (sign in with the token)")
+        lines.append(f"metrics Prometheus file_sd: {scrape['file_sd']} ({len(scrape['targets'])} targets: "
+                     + ", ".join(f"{w} {a}" for w, a in scrape["targets"].items()) + ")")
         lines.append("next    ropewalk entitlement create e1 --quota 4 ; ropewalk job submit FILE ; "
                      "ropewalk job status JOB ; ropewalk watch jobs ; ropewalk replay ; ropewalk down")
     else:
@@ -161,6 +203,27 @@ def cmd_up(cfg: Config, args) -> int:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
     return 0
+
+
+def _scrape_targets(cfg: Config) -> dict:
+    """Where Prometheus scrapes the region (infra/metrics.py): every worker's port and the API's /metrics, also
+    written as a file_sd_configs file."""
+    from infra import metrics
+
+    api = {"api": cfg.api_url.removeprefix("http://").removeprefix("https://")}
+    return {"file_sd": str(metrics.write_file_sd(cfg.run_dir, extra=api)),
+            "targets": {**metrics.targets(cfg.run_dir), **api}}
+
+
+class _Steps:
+    """Progress of a long command on stderr: one line per step with the seconds since it started (stdout keeps the
+    command's result alone)."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+
+    def __call__(self, what: str) -> None:
+        print(f"ropewalk: [{time.monotonic() - self.t0:5.1f}s] {what} ...", file=sys.stderr, flush=True)
 
 
 DEMO_ENTITLEMENT = "demo"
@@ -349,10 +412,16 @@ def cmd_entitlement_update(cfg: Config, args) -> int:
 
 def cmd_entitlement_list(cfg: Config, args) -> int:
     rows = _front(cfg, args).entitlements()
-    _print(rows, args.json, "\n".join(f"{r['entitlement']:20} quota {r['quota_machines']:>6} machines"
-                                      + (f"  type {r['machine_type']}" if r["machine_type"] else "")
-                                      + (f"  dc {r['dc_pin']}" if r["dc_pin"] else "") for r in rows)
-           or "no entitlements")
+    if getattr(args, "name", None) is not None:  # `entitlement get NAME`
+        found = [r for r in rows if r["entitlement"] == args.name]
+        if not found:
+            raise CliError(f"no entitlement {args.name!r} (or not one you may see); `ropewalk entitlement list` "
+                           f"shows them")
+        rows = found
+    _print(rows[0] if getattr(args, "name", None) is not None else rows, args.json,
+           _table(["ENTITLEMENT", "QUOTA", "MACHINE-TYPE", "DC", "HOST-PROFILE"],
+                  [[r["entitlement"], r["quota_machines"], r["machine_type"] or "-", r["dc_pin"] or "-",
+                    r.get("host_profile") or "-"] for r in rows], "no entitlements"))
     return 0
 
 
@@ -381,24 +450,44 @@ def cmd_job_status(cfg: Config, args) -> int:
     view = _front(cfg, args).job_status(args.job)
     again = f" (incarnation {view['incarnation']})" if view["incarnation"] != 1 else ""
     lines = [f"job {view['job']}{again}  entitlement {view['entitlement']}  state {view['state']}  "
-             f"spec v{view['spec_version']}  tasks {len(view['tasks'])}/{view['desired_tasks']}"]
+             f"spec v{view['spec_version']}  tasks: {_task_counts(view)}"]
     if view["last_reason"]:
         lines.append(f"reason: {view['last_reason']}")
-    lines += [f"  {t['id']:24} {t['state']:9} {t['machine'] or '-':24} {t['dc'] or '-'}/{t['msb'] or '-'}/{t['rack'] or '-'}"
-              + (f"  ({t['reason']})" if t["reason"] else "") for t in view["tasks"]]
+    lines.append(_table(["TASK", "STATE", "MACHINE", "DC/MSB/RACK", "REASON"],
+                        [[t["id"], t["state"], t["machine"] or "-",
+                          f"{t['dc'] or '-'}/{t['msb'] or '-'}/{t['rack'] or '-'}", t["reason"] or ""]
+                         for t in view["tasks"]], "no tasks"))
     _print(view, args.json, "\n".join(lines))
     return 0
 
 
 def cmd_job_list(cfg: Config, args) -> int:
     rows = _front(cfg, args).jobs(args.entitlement)
-    _print(rows, args.json, "\n".join(_job_line(v) for v in rows) or "no jobs")
+    _print(rows, args.json, _table(JOB_COLUMNS, [_job_row(v) for v in rows], "no jobs"))
     return 0
+
+
+JOB_COLUMNS = ["JOB", "STATE", "RUNNING", "TASKS", "LAST-REASON"]
+
+
+def _task_counts(v: dict) -> str:
+    """``4 running, 2 pending of 6 desired``: how many tasks are in each state, not just how many exist."""
+    from collections import Counter
+
+    by_state = Counter(t["state"] for t in v["tasks"])
+    parts = [f"{n} {s.lower()}" for s, n in sorted(by_state.items(), key=lambda x: (x[0] != "RUNNING", x[0]))]
+    return f"{', '.join(parts) or 'none'} of {v['desired_tasks']} desired"
+
+
+def _job_row(v: dict) -> list:
+    running = sum(t["state"] == "RUNNING" for t in v["tasks"])
+    return [v["job"], v["state"], f"{running}/{v['desired_tasks']}", _task_counts(v), v["last_reason"] or ""]
 
 
 def _job_line(v: dict) -> str:
     running = sum(t["state"] == "RUNNING" for t in v["tasks"])
-    return f"{v['job']:28} {v['state']:9} {running}/{v['desired_tasks']} running  {v['last_reason']}"
+    return (f"{v['job']:28} {v['state']:9} {running}/{v['desired_tasks']} running  {_task_counts(v)}"
+            + (f"  {v['last_reason']}" if v["last_reason"] else ""))
 
 
 def cmd_job_update(cfg: Config, args) -> int:
@@ -443,12 +532,34 @@ def cmd_machine_fail(cfg: Config, args) -> int:
 def cmd_machine_list(cfg: Config, args) -> int:
     """`machine list`: the latest state of every machine, from state.machines (published by the allocator)."""
     rows = _front(cfg, args).machines(args.entitlement, args.free)
-    lines = [f"{r['id']:24} {r['status']:11} {r['entitlement'] or 'free':14} {r['dc']}/{r['msb']}/{r['rack']:14} "
-             f"{r['type']:10} cpu {r['free']['cpu_millicores']}/{r['capacity']['cpu_millicores']}m  "
-             f"mem {r['free']['memory_mib']}/{r['capacity']['memory_mib']} MiB free  {len(r['tasks'])} tasks"
-             + (f"  maintenance {','.join(r['maintenance'])}" if r["maintenance"] else "")
-             + _profile_text(r) for r in rows]
-    _print(rows, args.json, "\n".join(lines) or "no machines (none published on state.machines yet)")
+    wide = args.output == "wide"
+    head = ["MACHINE", "STATUS", "OWNER", "DC/MSB/RACK", "TYPE", "FREE-CPU(m)", "FREE-MEM(MiB)", "TASKS", "MAINTENANCE",
+            "PROFILE"]
+    table = [[r["id"], r["status"], r["entitlement"] or "free", f"{r['dc']}/{r['msb']}/{r['rack']}", r["type"],
+              f"{r['free']['cpu_millicores']}/{r['capacity']['cpu_millicores']}",
+              f"{r['free']['memory_mib']}/{r['capacity']['memory_mib']}",
+              ",".join(r["tasks"]) if wide else len(r["tasks"]), ",".join(r["maintenance"]) or "-"] for r in rows]
+    _print(rows, args.json or args.output == "json", _table(head, table, "no machines (none published on "
+                                                                         "state.machines yet)"))
+    return 0
+
+
+def cmd_maintenance_list(cfg: Config, args) -> int:
+    """`maintenance list`: every maintenance that machines are under now, with its machines (from their views)."""
+    from collections import defaultdict
+
+    by_id: dict[str, list[dict]] = defaultdict(list)
+    for r in _front(cfg, args).machines(None, False):
+        for ue in r["maintenance"]:
+            by_id[ue].append(r)
+    rows = [{"unavailability_id": ue, "machines": sorted(m["id"] for m in ms),
+             "statuses": {s: sum(m["status"] == s for m in ms) for s in sorted({m["status"] for m in ms})}}
+            for ue, ms in sorted(by_id.items())]
+    _print(rows, args.json, _table(["MAINTENANCE", "MACHINES", "STATUSES", "FIRST-MACHINES"],
+                                   [[r["unavailability_id"], len(r["machines"]),
+                                     ", ".join(f"{s} {n}" for s, n in r["statuses"].items()),
+                                     ",".join(r["machines"][:3]) + (" ..." if len(r["machines"]) > 3 else "")]
+                                    for r in rows], "no maintenance planned or under way"))
     return 0
 
 
@@ -457,17 +568,34 @@ def _profile_text(r: dict) -> str:
     have, want, st = r["host_profile"] or "", r["host_profile_wanted"], r["host_profile_state"]
     if not have and not want:
         return ""
-    return f"  profile {have or 'default'}" + (f" ({st} {want or 'default'})" if st and st != "applied" else "")
+    return f"{have or 'default'}" + (f" ({st} {want or 'default'})" if st and st != "applied" else "")
 
 
 def cmd_watch(cfg: Config, args) -> int:
-    """Current state of everything first, then each change, until interrupted (or --once)."""
+    """Current state of everything first, then each change, until interrupted (or --once). A line starts with the
+    time of the state record; a record that changes nothing shown (a job republished with the same states) is not
+    printed again."""
+    last: dict[str, str] = {}  # what was shown of each job / machine
+
+    def emit(v: dict) -> None:
+        key = v.get("job") or v.get("id")
+        body, seen = show(v), show({k: x for k, x in v.items() if k not in ("updated_ms", "version")})
+        if last.get(key) == seen:
+            return  # nothing a reader of this line would see has changed (only the record's time or version)
+        last[key] = seen
+        if args.json:
+            print(body, flush=True)
+        else:
+            from datetime import datetime, timezone
+
+            at = datetime.fromtimestamp(v.get("updated_ms", time.time() * 1000) / 1000, timezone.utc)
+            print(f"{at.strftime('%H:%M:%S')}  {body}", flush=True)
 
     def show(v: dict) -> str:
         if args.kind == "jobs":
             if args.json:
                 return json.dumps({k: x for k, x in v.items() if k != "deleted"}, sort_keys=True)
-            return _job_line(v)
+            return _job_line(v) + ("  (deleted)" if v.get("deleted") else "")
         if args.json:
             return json.dumps({"id": v["id"], "status": v["status"], "entitlement": v["entitlement"],
                                **{k: v[k] for k in ("dc", "msb", "rack")}, "type": v["type"],
@@ -482,18 +610,18 @@ def cmd_watch(cfg: Config, args) -> int:
                 if args.once:
                     return 0
                 continue
-            print(show(data), flush=True)
+            emit(data)
         return 0
     from processors.frontend.service import state_view
 
     reader = front.state_reader(args.kind, args.entitlement)
     try:
         for ev in sorted(reader.catch_up().values(), key=lambda e: e.entity_id):
-            print(show(state_view(args.kind, ev)), flush=True)
+            emit(state_view(args.kind, ev))
         if args.once:
             return 0
         for rec in reader.follow():
-            print(show(state_view(args.kind, rec.event)), flush=True)
+            emit(state_view(args.kind, rec.event))
     finally:
         reader.close()
     return 0
@@ -501,17 +629,20 @@ def cmd_watch(cfg: Config, args) -> int:
 
 # --- replay -------------------------------------------------------------------------------------
 def _parse_time(value: str | None) -> int | None:
-    """ms since epoch, or an ISO-8601 time (UTC unless it has an offset)."""
+    """ms since epoch, an ISO-8601 time (UTC unless it has an offset), or a duration ago (``10m``, ``1h``, ``2d``)."""
     if value is None:
         return None
     if value.isdigit():
         return int(value)
+    if value[:1].isdigit() and value[-1:] in ("s", "m", "h", "d"):
+        return int(time.time() * 1000) - _duration_ms(value)
     from datetime import datetime, timezone
 
     try:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise CliError(f"bad time {value!r}: use ms since epoch or ISO-8601 (2026-11-22T10:00:00Z)") from None
+        raise CliError(f"bad time {value!r}: use a duration ago (10m, 1h, 2d), ISO-8601 (2026-11-22T10:00:00Z) or "
+                       f"ms since epoch") from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return int(dt.timestamp() * 1000)
@@ -521,25 +652,37 @@ def cmd_replay(cfg: Config, args) -> int:
     from streams import replay as rp
 
     since, until = _parse_time(args.since), _parse_time(args.until)
+    types, exclude = _types(args.type), _types(args.exclude_type)
     out = sys.stdout
     front = _front(cfg, args)
+    # One timeline: the matched events of every topic and partition merged by their time (rp.time_order_key).
     if not direct(args):
         run = front.replay(entitlement=args.entitlement, job=args.job, machine=args.machine, since_ms=since,
-                           until_ms=until, topic=args.topic)
-        for line, doc in run:
-            out.write((line if args.json else rp.format_text_doc(doc)) + "\n")
+                           until_ms=until, topic=args.topic, type=types, exclude_type=exclude)
+        found = list(run)
         matched, read, elapsed = (run.stats.get(k, 0) for k in ("matched", "read", "elapsed_s"))
     else:
-        flt = rp.ReplayFilter(entitlement=args.entitlement, job=args.job, machine=args.machine, since_ms=since,
-                              until_ms=until, topics=tuple(args.topic) if args.topic else None)
-        fmt = rp.format_json if args.json else rp.format_text
+        try:
+            flt = rp.ReplayFilter(entitlement=args.entitlement, job=args.job, machine=args.machine, since_ms=since,
+                                  until_ms=until, topics=tuple(args.topic) if args.topic else None,
+                                  types=frozenset(types) if types else None,
+                                  exclude_types=frozenset(exclude) if exclude else None)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
         run = front.replay(flt)
-        for rec in run:
-            out.write(fmt(rec) + "\n")
+        found = [(line, json.loads(line)) for line in (rp.format_json(rec) for rec in run)]
         matched, read, elapsed = run.stats.matched, run.stats.read, run.stats.elapsed_s
+    found.sort(key=lambda ld: rp.time_order_key(ld[1]))
+    for line, doc in found:
+        out.write((line if args.json else rp.format_text_doc(doc)) + "\n")
     if not args.json:
         print(f"-- {matched} events matched of {read} read in {elapsed:.2f}s", file=sys.stderr)
     return 0
+
+
+def _types(values: list[str] | None) -> list[str] | None:
+    """``--type A,B --type C`` → [A, B, C]."""
+    return [t for v in values for t in v.split(",") if t] if values else None
 
 
 # --- rebuild ------------------------------------------------------------------------------------
@@ -642,13 +785,13 @@ def cmd_topics(cfg: Config, args) -> int:
 # --- maintenance (Ops Planner) and experiments ---------------------------------------------------
 def _duration_ms(value: str) -> int:
     """``90`` (seconds), ``90s``, ``15m``, ``2h`` or ``500ms`` → ms."""
-    units = (("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000))
+    units = (("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000))
     for suffix, ms in units:
         if value.endswith(suffix) and value[: -len(suffix)].isdigit():
             return int(value[: -len(suffix)]) * ms
     if value.isdigit():
         return int(value) * 1000
-    raise CliError(f"bad duration {value!r}: use seconds, or 500ms, 90s, 15m, 2h")
+    raise CliError(f"bad duration {value!r}: use seconds, or 500ms, 90s, 15m, 2h, 1d")
 
 
 def _when_ms(value: str, now_ms: int) -> int:
@@ -670,7 +813,8 @@ def cmd_maintenance(cfg: Config, args) -> int:
                                  machines=[m for m in args.machines.split(",") if m] if args.machines else None,
                                  rack=args.rack, msb=args.msb, reason=args.reason)
     _print(doc, args.json, f"maintenance {doc['unavailability_id']} planned: {len(doc['machines'])} machines, start "
-                           f"{doc['start_ms']}, deadline {doc['deadline_ms']}, {doc['expected_duration_ms'] // 1000} s")
+                           f"{human_time(doc['start_ms'], now)}, deadline {human_time(doc['deadline_ms'], now)}, "
+                           f"lasting {_ago(doc['expected_duration_ms']).removeprefix('in ')}")
     return 0
 
 
@@ -755,8 +899,18 @@ def cmd_bench(cfg: Config, args) -> int:
 
 
 # --- parser -------------------------------------------------------------------------------------
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ropewalk")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
+    p.add_argument("--version", action="version", version=f"ropewalk {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def cmd(name, fn, help_, json_flag=True, json_help="print one JSON document"):
@@ -813,6 +967,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = user_command(ent.add_parser("list", help="the entitlements you may see"))
     sp.set_defaults(fn=cmd_entitlement_list)
     sp.add_argument("--json", action="store_true")
+    sp = user_command(ent.add_parser("get", help="one entitlement: quota, machine type, DC pin, host profile"))
+    sp.set_defaults(fn=cmd_entitlement_list)
+    sp.add_argument("name")
+    sp.add_argument("--json", action="store_true")
     job = sub.add_parser("job", help="submit, inspect and change jobs").add_subparsers(dest="action", required=True)
     for name, fn, help_, extra in (
         ("submit", cmd_job_submit, "submit a job spec (YAML or JSON); prints the job id once the scheduler accepted "
@@ -850,6 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--entitlement", help="only the machines this entitlement holds")
     which.add_argument("--free", action="store_true", help="only the machines in the free pool")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("-o", "--output", choices=["wide", "json"], help="wide: every task id; json: as --json")
     sp = user_command(cmd("watch", cmd_watch, "follow a state stream: current state first, then each change"))
     sp.add_argument("kind", choices=["jobs", "machines"])
     sp.add_argument("--entitlement")
@@ -858,9 +1017,12 @@ def build_parser() -> argparse.ArgumentParser:
              json_help="print one JSON object per event, one per line (envelope, payload, topic, partition, offset)"))
     for flag in ("entitlement", "job", "machine"):
         sp.add_argument(f"--{flag}")
-    sp.add_argument("--since", help="ms since epoch or ISO-8601; inclusive")
-    sp.add_argument("--until", help="ms since epoch or ISO-8601; exclusive")
+    sp.add_argument("--since", help="a duration ago (10m, 1h, 2d), ISO-8601 or ms since epoch; inclusive")
+    sp.add_argument("--until", help="same forms as --since; exclusive")
     sp.add_argument("--topic", action="append", help="logical topic to read (repeatable); default all")
+    sp.add_argument("--type", action="append", metavar="EVENT[,EVENT]", help="only these event types (repeatable)")
+    sp.add_argument("--exclude-type", action="append", metavar="EVENT[,EVENT]",
+                    help="leave these event types out (repeatable), e.g. --exclude-type TaskStatesChanged")
     sp = cmd("rebuild", cmd_rebuild, "rebuild every Redis index from the log and swap it in atomically; stop the "
              "allocator first (refused while it runs; the swap is refused if it writes to the index meanwhile)")
     sp.add_argument("--force", action="store_true",
@@ -898,6 +1060,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--duration", required=True, help="seconds, or 500ms, 90s, 15m, 2h")
     sp.add_argument("--deadline", help="when what remains is stopped (default: the start); same forms as --start")
     sp.add_argument("--reason", default="maintenance")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp = user_command(mnt.add_parser("list", help="maintenance machines are under: its id, machines, their "
+                                                  "statuses"))
+    sp.set_defaults(fn=cmd_maintenance_list)
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp = user_command(mnt.add_parser("end", help="the maintenance is over: machines back UP, tasks stopped for it "
                                                  "start again"))

@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="UNHEALTHY this long → DOWN + FAILURE unavailability (default 0: at once)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from infra import metrics
+
+    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     try:
         hc = HealthCheck(Config.from_env().as_principal("health"), args.timeout_ms, args.tick_ms,
                          grace_ms=args.grace_ms)

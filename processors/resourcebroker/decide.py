@@ -583,8 +583,12 @@ def plan_maintenance(state: BrokerState, targets: Iterable[str | Target], start_
     if isinstance(duration_ms, bool) or not isinstance(duration_ms, int) or duration_ms <= 0:
         raise BadMaintenance(f"duration_ms must be a positive number of ms, got {duration_ms!r}")
     if not now_ms <= deadline_ms <= start_ms:
-        raise BadMaintenance(f"expected now ({now_ms}) <= deadline ({deadline_ms}) <= start ({start_ms}): tasks "
-                             f"must be told before the deadline, and stopped by it so the maintenance can start")
+        def rel(ms: int) -> str:  # how a person gave it: relative to now
+            return f"now{'+' if ms >= now_ms else '-'}{abs(ms - now_ms) // 1000}s"
+
+        raise BadMaintenance(f"the deadline must come after now and no later than the start (deadline {rel(deadline_ms)}"
+                             f", start {rel(start_ms)}): tasks are told before the deadline and what remains is "
+                             f"stopped at it, so that the maintenance can start (e.g. --start +15m --deadline +10m)")
     targets = [parse_target(t) for t in targets]
     machine_ids = resolve_targets(state, targets)
     ue_id = unavailability_id or derived_event_id(PRODUCER, "maintenance", ",".join(sorted(map(str, targets))),

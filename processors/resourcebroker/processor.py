@@ -321,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of a generated region (default 0)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from infra import metrics
+
+    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     try:
         region = load_region(args.region) if args.region else generate_region(args.machines, args.dcs, args.seed)
     except ValueError as exc:

@@ -117,6 +117,7 @@ import faust
 
 from infra.config import Config
 from processors.scheduler import store as st
+from processors.scheduler.metrics import ShardMetrics
 from processors.scheduler.decide import (
     CONSUMED, PRODUCER, Entitlement, Job, SchedulerState, decide, retry_unplaced, state_of,
 )
@@ -430,6 +431,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             except StoreTimeout as exc:
                 log.warning("scheduler: storing a decision's state: %s; writing it again", exc)
 
+    shard_metrics = ShardMetrics()  # this process's metrics (processors/scheduler/metrics.py)
+
     async def apply(items: list[tuple[Any, Any, Event]]) -> None:
         """Decide a batch of (message, record, event), in order, on one state; produce; store."""
         async with lock:
@@ -449,6 +452,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 if part not in buckets:
                     buckets[part] = tables.bucket(part)
                 state = dataclasses.replace(state, shard_bucket=buckets[part])
+                t_ev = time.monotonic()
                 try:
                     new, emitted = decide(state, ev, now, limits=limits, max_tasks=max_tasks)
                 except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
@@ -456,6 +460,10 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                                   rec.offset)
                     failed.append((msg, f"{ev.type}: {type(exc).__name__}: {exc}"))
                     continue
+                try:
+                    shard_metrics.decided(ev, emitted, time.monotonic() - t_ev, now)
+                except Exception:  # noqa: BLE001 - a metric is never a reason to stop deciding
+                    log.exception("scheduler: metrics of %s %s", ev.type, ev.event_id)
                 if new.machines_down is not state.machines_down:
                     for m in set(new.machines_down) | set(state.machines_down):
                         if new.machines_down.get(m) != state.machines_down.get(m):
@@ -631,6 +639,9 @@ def _profile_to(directory: str) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from infra import metrics
+
+    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     if os.environ.get(PROFILE_ENV):
         _profile_to(os.environ[PROFILE_ENV])
     retry_s = float(os.environ.get(RETRY_ENV) or RETRY_S)

@@ -226,20 +226,45 @@ def main(argv: list[str] | None = None) -> None:
                     help="a maintenance expected to last at most this many seconds may be sat through (KEEP) "
                          "(replica-aware, pacing)")
     a = ap.parse_args(argv)
+    try:
+        decide = _decider(a)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        TaskControllerProcess(Config.from_env().as_principal("controller"), a.name, decide).run()
+    except KeyboardInterrupt:
+        raise SystemExit(130)
+    except SystemExit:
+        raise
+    except Exception as exc:  # one line with the reason, never a traceback (the CLI's rule)
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SystemExit(f"{ap.prog}: {text}") from None
+
+
+def _read_file(path: Path, flag: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise SystemExit(f"{flag} {path}: {exc.strerror}") from None
+
+
+def _decider(a: argparse.Namespace):
+    """The decide function of the controller the arguments name; SystemExit with one line on a bad argument."""
     keep_below_ms = int(a.keep_below_s * 1000)
     if a.kind == "leader-last":
-        decide = LeaderLast(_pairs(a.leader), a.max_down)
-    elif a.kind == "replica-aware":
+        return LeaderLast(_pairs(a.leader), a.max_down)
+    if a.kind == "replica-aware":
         if a.shards is None:
             raise SystemExit("replica-aware needs --shards FILE")
-        decide = ReplicaAware(json.loads(a.shards.read_text()), a.min_live, keep_below_ms)
-    else:
-        if a.load_file is None:
-            raise SystemExit("pacing needs --load-file FILE")
-        decide = Pacing(lambda: float(a.load_file.read_text().strip() or 0), keep_below_ms=keep_below_ms)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    TaskControllerProcess(Config.from_env().as_principal("controller"), a.name, decide).run()
-
+        try:
+            shards = json.loads(_read_file(a.shards, "--shards"))
+        except ValueError as exc:
+            raise SystemExit(f"--shards {a.shards}: not JSON: {exc}") from None
+        if not isinstance(shards, dict) or not all(isinstance(v, list) for v in shards.values()):
+            raise SystemExit(f"--shards {a.shards}: expected a JSON object {{task: [shard, ...]}}")
+        return ReplicaAware(shards, a.min_live, keep_below_ms)
+    if a.load_file is None:
+        raise SystemExit("pacing needs --load-file FILE")
+    _read_file(a.load_file, "--load-file")  # there now; read again at each decision
+    return Pacing(lambda: float(a.load_file.read_text().strip() or 0), keep_below_ms=keep_below_ms)
 
 if __name__ == "__main__":
     main()

@@ -104,6 +104,12 @@ def test_watch_follows_changes(cfg, registry):
         p.flush()
         second = json.loads(proc.stdout.readline())
         assert second["state"] == "running" and second["tasks"][0]["machine"] == "m9"
+        # The same state published again is no change: not shown; the next real change is the next line.
+        p.send(job_state("e2.api", "e2", "running", [("RUNNING", "m9")]))
+        p.send(job_state("e2.api", "e2", "stopping", [("RUNNING", "m9")]))
+        p.flush()
+        third = json.loads(proc.stdout.readline())
+        assert third["state"] == "stopping"
     finally:
         proc.kill()
         proc.wait()

@@ -207,8 +207,9 @@ def test_machine_list_and_watch_show_what_the_running_allocator_published(cfg, r
         assert set(listed("--free")) == set(MACHINES) - used
         assert listed("--entitlement", "nobody") == {}
         text = cli(cfg, "machine", "list")
-        assert text.returncode == 0 and len(text.stdout.splitlines()) == len(MACHINES)
-        assert "cpu 1000/4000m" in text.stdout and "free" in text.stdout
+        assert text.returncode == 0 and len(text.stdout.splitlines()) == len(MACHINES) + 1  # a header row
+        assert text.stdout.split()[:3] == ["MACHINE", "STATUS", "OWNER"]
+        assert "1000/4000" in text.stdout and "free" in text.stdout
         assert cli(cfg, "machine", "list", "--free", "--entitlement", "e1").returncode != 0
 
         watch = cli(cfg, "watch", "machines", "--once", "--json")

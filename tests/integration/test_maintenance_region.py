@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,45 @@ pytestmark = pytest.mark.integration
 
 SPEC = ("name: {name}\nentitlement: e1\ntasks: {tasks}\ncommand: [sleep, '3600']\n"
         "resources: {{cpu_millicores: 1000, memory_mib: 1024}}\nrequirements: {{dc: dc1}}\nspread: msb\n{extra}")
+
+
+def scrape(addr: str) -> dict[str, list]:
+    """``{metric family: [samples]}`` of one target's Prometheus text."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as resp:
+        return {f.name: f.samples for f in text_string_to_metric_families(resp.read().decode())}
+
+
+def value(families: dict, name: str, **labels) -> float:
+    return sum(s.value for f, samples in families.items() for s in samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def check_metrics(where: dict) -> None:
+    """Issue 13: every worker and the API serve Prometheus metrics where `up` said; names in base units; the
+    control plane's work shows in them; no machine, task or job id is a label value."""
+    targets = where["targets"]
+    assert {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api",
+            "supervisor"} <= set(targets), targets
+    assert json.loads(Path(where["file_sd"]).read_text())  # a Prometheus file_sd_configs file
+    got = {w: scrape(a) for w, a in targets.items()}
+    assert value(got["allocator"], "ropewalk_allocation_attempts_total", result="placed") >= 2
+    assert value(got["allocator"], "ropewalk_machines", status="UP") >= 40
+    assert "ropewalk_index_staleness_seconds" in got["allocator"]
+    assert value(got["scheduler-0"], "ropewalk_scheduling_attempt_duration_seconds_count", result="events") >= 1
+    assert value(got["scheduler-0"], "ropewalk_submit_to_running_seconds_count") >= 1
+    assert value(got["api"], "ropewalk_api_request_duration_seconds_count", route="/v1/jobs/{job}") >= 1
+    assert any(value(fam, "ropewalk_consumer_lag_seconds") >= 0 and "ropewalk_consumer_lag_seconds" in fam
+               for fam in got.values())
+    for worker, fams in got.items():
+        for name in fams:
+            if name.startswith("ropewalk_"):
+                assert not name.endswith(("_ms", "_milliseconds")), name
+        labels = {v for samples in fams.values() for s in samples for v in s.labels.values()}
+        assert not [v for v in labels if "-msb" in v or "e1.web" in v or v.startswith("local-")], (worker, labels)
 
 
 def machines(cli) -> dict[str, dict]:
@@ -51,6 +91,7 @@ def test_a_maintenance_never_places_into_itself_and_machine_list_shows_it(tmp_pa
         assert cli.ok("job", "submit", str(tmp_path / "web.yaml")).strip() == "e1.web"
         view = cli.wait_for(lambda: cli.running("e1.web", 2), "e1.web running", 120)
         assert sorted(t["msb"] for t in view["tasks"]) == ["msb1", "msb2"]
+        check_metrics(json.loads(up.stdout)["metrics"])
         moving = next(t for t in view["tasks"] if t["msb"] == "msb2")
 
         plan = cli.json("maintenance", "plan", "--msb", "dc1/msb2", "--start", "+10m", "--duration", "30m",
@@ -77,10 +118,31 @@ def test_a_maintenance_never_places_into_itself_and_machine_list_shows_it(tmp_pa
         shown = cli.wait_for(lambda: (ms := machines(cli)) and all(ms[m]["maintenance"] == [ue] for m in planned)
                              and ms, "machine list showing the maintenance")
         assert all(not m["maintenance"] for mid, m in shown.items() if mid not in planned)
-        assert f"maintenance {ue}" in cli.ok("machine", "list")
+        listed = cli.ok("machine", "list")
+        assert listed.split()[:2] == ["MACHINE", "STATUS"] and ue in listed
+        mlist = cli.ok("maintenance", "list")  # issue 13: a list verb for every noun, with a header row
+        assert mlist.split()[0] == "MAINTENANCE" and ue in mlist and "10" in mlist.splitlines()[1].split()
+        assert [m["unavailability_id"] for m in cli.json("maintenance", "list")] == [ue]
+        # issue 13: a new shell without the port variables finds the region its last `up` started (endpoints.json)
+        bare = {k: v for k, v in cli.env.items() if k not in ("ROPEWALK_BROKER_PORT", "ROPEWALK_REDIS_PORT",
+                                                                "ROPEWALK_CONTROLLER_PORT", "ROPEWALK_API_PORT",
+                                                                "ROPEWALK_PARTITIONS")}
+        st = cli.run_with(bare, "status")
+        assert st.returncode == 0 and "DOWN" not in st.stdout, st.stdout + st.stderr
+        assert "e1.web" in cli.run_with(bare, "job", "list").stdout
         cli.ok("maintenance", "end", ue)
         cli.wait_for(lambda: (ms := machines(cli)) and not any(m["maintenance"] for m in ms.values()),
                      "machine list without the maintenance")
+        # issue 13: the README's maintenance example runs as written; a deadline after the start is one line
+        readme = (ROOT / "README.md").read_text()
+        example = "--msb dc1/msb2 --start +15m --duration 30m\n--deadline +10m"
+        assert example in readme
+        planned_again = cli("maintenance", "plan", *example.split())
+        assert planned_again.returncode == 0 and "deadline" in planned_again.stdout, planned_again.stderr
+        cli.ok("maintenance", "end", planned_again.stdout.split()[1])
+        late = cli("maintenance", "plan", "--msb", "dc1/msb2", "--start", "+10m", "--duration", "30m",
+                   "--deadline", "+15m")
+        assert late.returncode == 1 and len(late.stderr.strip().splitlines()) == 1 and "deadline" in late.stderr
     finally:
         if controller is not None:
             controller.kill()

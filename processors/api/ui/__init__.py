@@ -1,0 +1,176 @@
+"""The web UI, served by the API at ``/ui/`` (server-rendered Jinja2 pages, live over server-sent events).
+
+Pages: jobs (state, tasks running, last reason; live), a job (its tasks, where they run, reasons, and its
+**timeline**: a Gantt chart of every task's states and operations from the log, ``timeline.py``; live), the fleet
+(machines by DC/MSB/rack: status, owner, free capacity, maintenance; live), entitlements (quota, machines held, the
+free pool), and the region's event feed (the log, filtered by entitlement, job, event type and time).
+
+Why this shape: the pages are the API's own documents rendered on the server (one source of truth with the CLI,
+no second client to keep in step), authorized by the same table (``authz.py``) for the user of the page's token;
+the live parts use the API's existing event streams (``/ui/stream/{jobs,machines}``, the ``/v1/events`` streams
+with the session's user), which an ``EventSource`` follows with a few lines of script; the Gantt is vis-timeline
+(npm, ``infra/bootstrap.sh`` copies its standalone build into ``.ui-vendor/``: ``VENDOR``), which draws thousands
+of ranges with zoom and pan. htmx was not needed: each live update is one fragment fetch or one cell.
+
+Sign-in: ``/ui/login`` takes an API token (``ropewalk user add``) and keeps it in an HttpOnly, SameSite=Strict
+cookie; every page authenticates it as the API authenticates a bearer token.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from infra.config import PROJECT_ROOT
+
+HERE = Path(__file__).resolve().parent
+VENDOR = PROJECT_ROOT / ".ui-vendor"  # vis-timeline's standalone build, copied from npm by infra/bootstrap.sh
+COOKIE = "ropewalk_token"
+FEED_LIMIT = 500  # events shown by the feed (the newest)
+FEED_DEFAULT_SINCE = "15m"
+FEED_DEFAULT_EXCLUDE = "AgentHeartbeat"  # every machine's, every few seconds: the feed is about changes
+
+
+def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs) -> None:
+    """Add the UI's routes to the API ``app``. ``api``: the API's own route functions (same authorization);
+    ``events(request, user, kind, entitlement)``: its event streams; ``replay_docs(user, **filter)``: the replay
+    documents a user may see."""
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    from processors.api.ui.timeline import timeline
+    from streams.replay import iso_time
+
+    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
+    env.filters["time"] = lambda ms: iso_time(ms).replace("T", " ")[:19] if ms else "-"
+    app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
+    if VENDOR.is_dir():
+        app.mount("/ui/vendor", StaticFiles(directory=VENDOR), name="ui-vendor")
+
+    def user_of(request: Request):
+        token = request.cookies.get(COOKIE)
+        return users.current().authenticate(token) if token else None
+
+    def page(name: str, request: Request, **ctx: Any) -> HTMLResponse:
+        return HTMLResponse(env.get_template(name).render(request=request, vendor=VENDOR.is_dir(), **ctx))
+
+    @app.get("/ui/login", include_in_schema=False)
+    async def login_form(request: Request) -> HTMLResponse:
+        return page("login.html", request, error=None)
+
+    @app.post("/ui/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        from urllib.parse import parse_qs
+
+        token = parse_qs((await request.body()).decode("utf-8", "replace")).get("token", [""])[0]
+        if users.current().authenticate(token.strip()) is None:
+            return page("login.html", request, error="unknown token")
+        resp = RedirectResponse("/ui/jobs", 303)
+        resp.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict", path="/ui")
+        return resp
+
+    @app.get("/ui/", include_in_schema=False)
+    async def home() -> RedirectResponse:
+        return RedirectResponse("/ui/jobs", 303)
+
+    @app.get("/ui/jobs", include_in_schema=False)
+    async def jobs_page(request: Request) -> Response:
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        rows = await api["jobs"](user, None)
+        return page("jobs.html", request, user=user, jobs=[_job_summary(v) for v in rows])
+
+    @app.get("/ui/jobs/{job}", include_in_schema=False)
+    async def job_page(request: Request, job: str) -> Response:
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        view = await api["job_status"](job, user)
+        return page("job.html", request, user=user, job=_job_summary(view), view=view)
+
+    @app.get("/ui/jobs/{job}/tasks", include_in_schema=False)
+    async def job_tasks(request: Request, job: str) -> Response:
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        view = await api["job_status"](job, user)
+        return page("tasks.html", request, job=_job_summary(view), view=view)
+
+    @app.get("/ui/jobs/{job}/timeline.json", include_in_schema=False)
+    async def job_timeline(request: Request, job: str) -> Response:
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        from processors.frontend.service import entitlement_of_job
+
+        docs = await replay_docs(user, entitlement=entitlement_of_job(job), job=job)
+        return JSONResponse(timeline(docs, int(time.time() * 1000), job))
+
+    @app.get("/ui/machines", include_in_schema=False)
+    async def machines_page(request: Request) -> Response:
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        rows = await api["machines"](user, None, False)
+        tree: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        for m in rows:
+            tree[m["dc"]][f"{m['msb']}"].append(m)
+        by_status = Counter(m["status"] for m in rows)
+        return page("machines.html", request, user=user, tree={dc: dict(sorted(msbs.items()))
+                                                             for dc, msbs in sorted(tree.items())},
+                    total=len(rows), by_status=sorted(by_status.items()))
+
+    @app.get("/ui/entitlements", include_in_schema=False)
+    async def entitlements_page(request: Request) -> Response:
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        ents = await api["entitlements"](user)
+        rows = await api["machines"](user, None, False)
+        held = Counter(m["entitlement"] for m in rows if m["entitlement"])
+        free = Counter(m["dc"] for m in rows if m["entitlement"] is None)
+        return page("entitlements.html", request, user=user, ents=ents, held=held, free=sorted(free.items()))
+
+    @app.get("/ui/events", include_in_schema=False)
+    async def events_page(request: Request, entitlement: str = "", job: str = "", type: str = "",
+                          exclude: str = FEED_DEFAULT_EXCLUDE, since: str = FEED_DEFAULT_SINCE) -> Response:
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        from processors.frontend.service import entitlement_of_job
+        from streams.replay import format_text_doc, time_order_key
+
+        since_ms = _since_ms(since)
+        error = None
+        docs: list[dict] = []
+        try:
+            docs = await replay_docs(user, entitlement=entitlement or (entitlement_of_job(job) if job else None),
+                                     job=job or None, since_ms=since_ms,
+                                     types=frozenset(t for t in type.split(",") if t) or None,
+                                     exclude_types=frozenset(t for t in exclude.split(",") if t) or None)
+        except Exception as exc:  # noqa: BLE001 - a bad filter is said on the page
+            error = getattr(exc, "message", None) or str(exc)
+        docs.sort(key=time_order_key, reverse=True)
+        return page("events.html", request, user=user, rows=[(d, format_text_doc(d)) for d in docs[:FEED_LIMIT]],
+                    shown=min(len(docs), FEED_LIMIT), matched=len(docs), error=error,
+                    f={"entitlement": entitlement, "job": job, "type": type, "exclude": exclude, "since": since})
+
+    @app.get("/ui/stream/{kind}", include_in_schema=False)
+    async def stream(request: Request, kind: str, entitlement: str | None = None) -> Response:
+        user = user_of(request)
+        if user is None or kind not in ("jobs", "machines"):
+            return Response(status_code=401 if user is None else 404)
+        return await events(request, user, kind, entitlement)
+
+
+def _job_summary(v: dict) -> dict:
+    by_state = Counter(t["state"] for t in v["tasks"])
+    return {**v, "running": by_state.get("RUNNING", 0), "by_state": sorted(by_state.items())}
+
+
+def _since_ms(since: str) -> int | None:
+    """The CLI's ``--since`` forms (10m, 1h, ISO-8601, ms); None for none or a form it refuses."""
+    from processors.frontend.cli import CliError, _parse_time
+
+    try:
+        return _parse_time(since or None)
+    except CliError:
+        return None
