@@ -538,7 +538,8 @@ def cmd_machine_list(cfg: Config, args) -> int:
     table = [[r["id"], r["status"], r["entitlement"] or "free", f"{r['dc']}/{r['msb']}/{r['rack']}", r["type"],
               f"{r['free']['cpu_millicores']}/{r['capacity']['cpu_millicores']}",
               f"{r['free']['memory_mib']}/{r['capacity']['memory_mib']}",
-              ",".join(r["tasks"]) if wide else len(r["tasks"]), ",".join(r["maintenance"]) or "-"] for r in rows]
+              ",".join(r["tasks"]) if wide else len(r["tasks"]), ",".join(r["maintenance"]) or "-",
+              _profile_text(r) or "-"] for r in rows]
     _print(rows, args.json or args.output == "json", _table(head, table, "no machines (none published on "
                                                                          "state.machines yet)"))
     return 0

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+from infra import metrics
 from infra.config import Config
 from processors.allocator import fold as region_fold
 from processors.allocator.follow import SOURCES, Follower
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     goals_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     worker = Rebalancer(Config.from_env().as_principal("rebalancer"), goals_of(args), args.interval_s)
     worker.stop_on_signals()
     worker.loop()

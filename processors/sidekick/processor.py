@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+from infra import metrics
 from infra.config import Config
 from processors.allocator import fold as region_fold
 from processors.allocator.follow import SOURCES, Follower
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-ms", type=int, default=DEFAULT_INTERVAL_MS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     worker = Sidekick(Config.from_env().as_principal("sidekick"), args.max_switching, args.interval_ms)
     worker.stop_on_signals()
     worker.loop()

@@ -48,8 +48,8 @@ def check_metrics(where: dict) -> None:
     """Issue 13: every worker and the API serve Prometheus metrics where `up` said; names in base units; the
     control plane's work shows in them; no machine, task or job id is a label value."""
     targets = where["targets"]
-    assert {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api",
-            "supervisor"} <= set(targets), targets
+    assert {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
+            "sidekick", "supervisor"} <= set(targets), targets
     assert json.loads(Path(where["file_sd"]).read_text())  # a Prometheus file_sd_configs file
     got = {w: scrape(a) for w, a in targets.items()}
     assert value(got["allocator"], "ropewalk_allocation_attempts_total", result="placed") >= 2
