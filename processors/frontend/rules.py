@@ -190,6 +190,12 @@ def _canary(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
 
 
 def _sizing(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
+    """A task count breaking a rule is an invalid intent (too_many_tasks stays what it is)."""
+    return [x if x is None or x.reason != INVALID_SPEC else Problem(x.field, x.message, INVALID_INTENT)
+            for x in _sizing_problems(p, max_tasks)]
+
+
+def _sizing_problems(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
     source = p.get("source")
     if source not in SIZING_SOURCES:
         return [Problem("source", f"expected one of {', '.join(SIZING_SOURCES)}, got {describe_value(source)}",

@@ -1330,10 +1330,7 @@ def _on_job_spec_reconciled(fold: _Fold, ev: Event) -> None:
         _refuse(fold, ev, *refused, w)
         return
     mix = vs.mix_of(p, job.mix)
-    code = mix.code(p["spec_version"])
-    if code is None:
-        _refuse(fold, ev, REASON_INVALID_SPEC, f"versions: no version {p['spec_version']} (spec_version)", w)
-        return
+    code = mix.code(mix.push if mix.push is not None else mix.stable)  # the job's spec shows the newest code
     spec = Spec.from_payload({**p, "command": code.command, "env": dict(code.env)})
     w.set(mix=mix, generation=p["generation"])
     w.remix = True
