@@ -276,11 +276,9 @@ COUNTS = ("tasks_lost", "tasks_placed_twice", "tasks_running_twice", "machines_o
 
 
 def machine_ids(cfg) -> list[str]:
-    import redis as redis_py
-
     from processors.allocator.index import MachineIndex
 
-    r = redis_py.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client(read_only=True)
     try:
         return MachineIndex(r, cfg.topic_prefix).machine_ids()
     finally:
@@ -309,7 +307,7 @@ def settle(cfg, quiet_s: float = 3.0, timeout_s: float = 60.0) -> None:
     from streams.topics import Topics
 
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("allocations")
-    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": "killstorm-settle", "log_level": 0})
+    c = Consumer({**cfg.kafka_conf(), "group.id": "killstorm-settle", "log_level": 0})
     try:
         def ends():
             return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=5)[1] for p in range(cfg.partitions)]

@@ -343,7 +343,7 @@ def raw_rates(cfg: Config, records: int, record_bytes: int, repeat: int = 2) -> 
     of ``repeat`` runs of each (the machine may be shared: noise only slows a run down)."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 0})
+    admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
     keys = [f"bench-e{i}".encode() for i in range(100)]
     value = b"x" * max(1, record_bytes - len(keys[0]))
     produce_rates, consume_rates = [], []
@@ -489,7 +489,7 @@ def faust_overhead(env, records: int) -> dict[str, Any]:
     from bench import faust_overhead as fo
 
     cfg = env.cfg.with_(topic_prefix=env.cfg.topic_prefix + "faust.")
-    provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 0}),
+    provision(AdminClient({**cfg.kafka_conf(), "log_level": 0}),
               Topics(cfg.topic_prefix, cfg.partitions))
     produced = fo.produce(cfg, records)
     raw = fo.isolated(fo.read_aiokafka, cfg, records)

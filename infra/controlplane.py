@@ -26,7 +26,7 @@ from infra.process import ManagedProcess
 HEARTBEAT_INTERVAL_MS = 2000
 HEALTH_TIMEOUT_MS = 10000
 READY_TIMEOUT_S = 90.0
-NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health")
+NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api")
 LOCAL_DC = "local"
 LOCAL_MACHINE_TYPE = "process"
 LOCAL_CPU_MILLICORES = 2000
@@ -39,7 +39,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
                 "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
-                "ROPEWALK_RUN_DIR": str(cfg.run_dir), "PYTHONUNBUFFERED": "1"})
+                "ROPEWALK_RUN_DIR": str(cfg.run_dir), "ROPEWALK_SECRETS_DIR": str(cfg.secrets),
+                "ROPEWALK_API_PORT": str(cfg.api_port), "PYTHONUNBUFFERED": "1"})
     return env
 
 
@@ -75,13 +76,16 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
         "agent-local": ["processors.agent.process", "--machine-id", LOCAL_MACHINE_ID,
                         "--tick-ms", str(HEARTBEAT_INTERVAL_MS)],
         "health": ["processors.health.processor", "--timeout-ms", str(HEALTH_TIMEOUT_MS), "--tick-ms", "1000"],
+        "api": ["processors.api.server", "--port", str(cfg.api_port)],  # the HTTP API (processors/api)
     }
     out = []
     for name in NAMES:
         if name == "agent-local" and not local:
             continue
-        proc = ManagedProcess(name=name, argv=[py, "-m", *specs[name]], port=None, run_dir=cfg.run_dir,
-                              ready=lambda: True, start_timeout_s=2.0, env=worker_env(cfg))
+        api = name == "api"  # the one worker with a port: ready once it answers /healthz
+        proc = ManagedProcess(name=name, argv=[py, "-m", *specs[name]], port=cfg.api_port if api else None,
+                              run_dir=cfg.run_dir, ready=(lambda: api_ready(cfg)) if api else (lambda: True),
+                              start_timeout_s=30.0 if api else 2.0, env=worker_env(cfg))
         out.append(proc)
     return out
 
@@ -95,21 +99,34 @@ def programs(cfg: Config, region: Path | None = None, *, local: bool = True,
     return [supervisor.Program(p.name, tuple(p.argv), env) for p in processes(cfg, region, local=local)]
 
 
+def api_ready(cfg: Config) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cfg.api_port}/healthz", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def simulated_state_file(cfg: Config) -> Path:
     """Where the simulated machines keep their state across `down`/`up` (processors/agent/simulated.py)."""
     return Path(cfg.run_dir) / "agents" / "simulated.json"
 
 
 def machines_indexed(cfg: Config) -> dict[str, int]:
-    """How many machines the allocator's Redis index holds, by status (UP, DOWN, ...); none while Redis does not
-    answer (a redis-server being started again by the supervisor)."""
+    """How many machines the allocator's Redis index holds, by status (UP, DOWN, ...), read as the read-only user;
+    none while Redis does not answer (a redis-server being started again by the supervisor)."""
     import redis
 
     from processors.allocator.index import MachineIndex
 
-    client = redis.Redis.from_url(cfg.redis_url)
+    client = cfg.redis_client(read_only=True)
     try:
         index = MachineIndex(client, cfg.topic_prefix)
+        summary = index.summary()  # one small read; an index written before the summary existed is counted
+        if summary is not None:
+            return summary
         return dict(Counter(m.status for m in index.machines(index.machine_ids()).values()))
     except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
         return {}
@@ -144,7 +161,8 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
         if exited:
             break
         seen = machines_indexed(cfg)
-        if sum(seen.values()) >= machines + 1:
+        api = api_ready(cfg)  # the CLI talks to it: up is ready once it answers too
+        if sum(seen.values()) >= machines + 1 and api:
             break
         time.sleep(0.25)
     out = status(cfg)
@@ -152,7 +170,8 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
         out[name]["running"] = False
     indexed = sum(seen.values())
     return {"workers": out, "machines_indexed": indexed, "machines_up": seen.get(MACHINE_UP, 0),
-            "machines_by_status": seen, "ready": indexed >= machines + 1 and not exited}
+            "machines_by_status": seen, "api_ready": api_ready(cfg),
+            "ready": indexed >= machines + 1 and not exited and api_ready(cfg)}
 
 
 def status(cfg: Config) -> dict:

@@ -80,14 +80,14 @@ def client_id(name: str) -> str:
 
 def producer_conf(cfg: Config, **extra) -> dict:
     conf = {
-        "bootstrap.servers": cfg.bootstrap_servers,
+        **cfg.kafka_conf(),
         "enable.idempotence": True,
         "acks": "all",
         "partitioner": "murmur2_random",  # the Java/aiokafka default: keeps topics co-partitioned
         "linger.ms": 5,
         "batch.num.messages": 10000,
         "queue.buffering.max.messages": 500000,
-        "log_level": 3,
+        "log_level": cfg.kafka_log_level,
     }
     conf.update(extra)
     return conf
@@ -217,17 +217,24 @@ class EventProducer:
         self.flush()
 
 
+def reader_group(cfg: Config, name: str = "reader") -> str:
+    """The group id of a consumer that assigns its partitions itself and never joins nor commits: librdkafka needs
+    one anyway (and asks for its coordinator, which the broker authorizes: every principal may DESCRIBE the groups
+    ``<prefix>ropewalk-*`` of its region, infra/acls.py)."""
+    return f"{cfg.topic_prefix}ropewalk-{name}"
+
+
 def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:
     conf = {
-        "bootstrap.servers": cfg.bootstrap_servers,
-        "group.id": group_id or "ropewalk-reader-unused",  # required by librdkafka even when assigning
+        **cfg.kafka_conf(),
+        "group.id": group_id or reader_group(cfg),  # required by librdkafka even when assigning
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "enable.partition.eof": True,
         "session.timeout.ms": 6000,
         "heartbeat.interval.ms": 1000,
         "fetch.wait.max.ms": 100,
-        "log_level": 3,
+        "log_level": cfg.kafka_log_level,
     }
     conf.update(extra)
     return conf
@@ -296,6 +303,16 @@ class EventConsumer:
         """The high watermark reported by the latest fetch response of `tp` (None before the first one)."""
         _, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
         return high if high >= 0 else None  # librdkafka answers OFFSET_INVALID (-1001) before a fetch
+
+    def high_watermarks(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The broker's high watermark of each partition now (ListOffsets)."""
+        return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
+                for t, p in partitions}
+
+    def read_up_to(self, targets: Mapping[tuple[str, int], int], start: Mapping[tuple[str, int], int]) -> bool:
+        """Whether this consumer has read every partition of ``targets`` up to (below) its offset: its last record
+        read (any record, also one passed over) is at ``offset - 1`` or later, or it started there (``start``)."""
+        return all(max(self.last_offsets.get(tp, -1) + 1, start.get(tp, 0)) >= off for tp, off in targets.items())
 
     def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(low, high) per partition as the broker lists them (ListOffsets)."""

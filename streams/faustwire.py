@@ -46,10 +46,15 @@ DEAD_LETTER_FLUSH_S = 15.0
 
 def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
     """The non-default faust settings Ropewalk runs with, each with its reason (faust-streaming 0.15.3)."""
+    from infra import credentials
+
     servers = [s.strip() for s in cfg.bootstrap_servers.split(",") if s.strip()]
     return {
         # faust wants URLs; several bootstrap servers are a list of them.
         "broker": [f"kafka://{s}" for s in servers],
+        # The app's principal on the broker (SASL/SCRAM, infra/credentials.py); None: no authentication.
+        "broker_credentials": credentials.faust_credentials_of(
+            credentials.kafka_credentials(cfg.secrets, cfg.principal)),
         # The consumer group id is the app id. Prefixed like the topics, so two regions (or two tests) on
         # one cluster never share a group, nor the internal topics faust names after the id.
         "id": cfg.topic_prefix + app_id,

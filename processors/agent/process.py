@@ -4,7 +4,9 @@
 
 * Reads every partition of ``tasks`` (keyed by entitlement, so any partition may hold a command for this
   machine) and keeps the commands addressed to ``--machine-id`` (a job's TasksCommanded holds many machines'
-  commands; older logs hold a TaskCommanded per task).
+  commands; older logs hold a TaskCommanded per task). It also folds ``allocations``: a START or RESTART runs only
+  if the allocator placed that task on this machine for the command's entitlement and job (``gate.py``); anything
+  else is answered by a TaskCommandRefused.
 * Reports go out batched: the TaskStateChanged transitions of one step as one TaskStatesChanged per entitlement
   (``decide.batch``); heartbeats as they come.
 * Each task runs as ``argv`` with the command's env on top of the agent's, in its own session (its own
@@ -60,6 +62,7 @@ from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
 from . import decide as d
+from . import gate as g
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent")
@@ -153,6 +156,9 @@ class ProcessAgent(LoopWorker):
         self.keep_tasks = False  # at stop: leave the tasks running (KEEP_TASKS_SIGNAL) instead of stopping them
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.topic, self.partitions = topics.name("tasks"), topics.partitions_of("tasks")
+        self.allocations = topics.name("allocations")
+        self.judge = g.Judge(g.Gate(machine_id.__eq__),
+                             [(self.allocations, i) for i in range(topics.partitions_of("allocations"))])
         (self.work_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, Proc] = {}
         self.offsets: dict[tuple[str, int], int] = {}
@@ -183,6 +189,7 @@ class ProcessAgent(LoopWorker):
             raise SystemExit(f"{self.state_path} belongs to machine {doc.get('machine_id')!r}, not "
                              f"{self.machine_id!r}; use another --work-dir")
         runs = {r["task_id"]: d.run_from_json(r) for r in doc["tasks"]}
+        self.judge.gate.load_json(doc.get("gate"))
         state = d.AgentState(self.machine_id, incarnation=now_ms(), sequence=doc.get("sequence", 0),
                              tasks=MappingProxyType(runs))
         self.offsets = {(t, int(p)): o for t, p, o in doc.get("offsets", [])}
@@ -197,7 +204,8 @@ class ProcessAgent(LoopWorker):
                "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())], "log_id": self.log_id,
                "tasks": [d.run_to_json(r) for r in self.state.tasks.values()],
                "procs": {t: {"pid": p.pid, "start_time": p.start_time, "kill_deadline_ms": p.kill_deadline_ms}
-                         for t, p in self.procs.items()}}
+                         for t, p in self.procs.items()},
+               "gate": self.judge.gate.to_json()}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
         os.replace(tmp, self.state_path)
@@ -326,10 +334,10 @@ class ProcessAgent(LoopWorker):
     def _connect(self) -> bool:
         try:
             self._check_log()
-            self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=f"agent/{self.machine_id}",
-                                          start_offsets=self.offsets,
+            self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations],
+                                          name=f"agent/{self.machine_id}", start_offsets=self.offsets,
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
-                                          types=d.COMMAND_TYPES)
+                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES)
             return True
         except Exception as exc:  # broker away: try again later, tasks go on
             self.errors += 1
@@ -348,7 +356,8 @@ class ProcessAgent(LoopWorker):
             self.errors += 1       # batch are read again from the agent's own offsets (duplicates are no-ops)
             log.warning("agent %s: reading %s: %s", self.machine_id, self.topic, exc)
             try:
-                self.consumer.assign(self.offsets, only=[(self.topic, i) for i in range(self.partitions)])
+                self.consumer.assign(self.offsets, only=[(self.topic, i) for i in range(self.partitions)]
+                                     + self.judge.partitions)
             except Exception:
                 self._close_consumer()
             time.sleep(timeout_s)
@@ -358,11 +367,28 @@ class ProcessAgent(LoopWorker):
         mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1  # saved with the state the record makes
-            for cmd in d.commands(rec.event, mine):
+            for cmd in self.judge.take([rec.event], mine, now_ms()):
                 self.feed(d.Command(cmd))
+        self._refuse()
         if records:
             self.save()
         return len(records)
+
+    def _refuse(self) -> None:
+        """Send the refusals whose verdict is final (``gate.Judge``)."""
+        if self.consumer is None:
+            return
+        try:
+            refused = self.judge.refusals(self.consumer, now_ms(), self.offsets)
+        except Exception as exc:  # noqa: BLE001 - the broker away: asked again on the next step
+            log.warning("agent %s: allocations watermarks: %s", self.machine_id, exc)
+            return
+        for ev in refused:
+            log.warning("agent %s: refused %s of %s: %s", self.machine_id, ev.payload["command"],
+                        ev.payload["task_id"], ev.payload["message"])
+            self._send(ev)
+        if refused:
+            self.save()
 
     def _catch_up_with(self, records) -> int:
         """A fresh agent reads the backlog to its end first and then applies only the last command per task
@@ -370,20 +396,25 @@ class ProcessAgent(LoopWorker):
         mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1
+            if rec.event.type in g.ALLOCATION_TYPES:
+                self.judge.take([rec.event], mine, now_ms())  # the fold (nothing waits yet)
+                continue
             for cmd in d.commands(rec.event, mine):
                 self._backlog.pop(cmd.payload["task_id"], None)
                 self._backlog[cmd.payload["task_id"]] = cmd
         self._idle_polls = 0 if records else self._idle_polls + 1
-        if len(self.consumer.eof) >= self.partitions or self._idle_polls >= CATCH_UP_IDLE_POLLS:
+        if (len(self.consumer.eof) >= self.partitions + len(self.judge.partitions)
+                or self._idle_polls >= CATCH_UP_IDLE_POLLS):
             self._catch_up = False
             backlog, self._backlog = list(self._backlog.values()), {}
-            for ev in backlog:
+            for ev in self.judge.take_commands(backlog, now_ms()):
                 self.feed(d.Command(ev))
             if self._reconcile:  # a new log: what it does not command is not ours to run
                 self._reconcile = False
                 commanded = {ev.payload["task_id"] for ev in backlog}
                 for task_id in [t for t in self.state.live_task_ids() if t not in commanded]:
                     self.feed(d.Orphaned(task_id))
+            self._refuse()
             self.save()
         return len(records)
 
@@ -456,7 +487,7 @@ def topic_id(cfg: Config, topic: str, timeout_s: float = 10.0) -> str:
     from confluent_kafka import TopicCollection
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 0})
+    admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
     desc = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic].result(timeout_s)
     return str(desc.topic_id)
 
@@ -473,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                                         f"{DEFAULT_TASK_USER})")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = Config.from_env()
+    cfg = Config.from_env().as_principal("agent")
     work = Path(args.work_dir) if args.work_dir else default_work_dir(cfg.run_dir, args.machine_id)
     agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
                          policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts, backoff_ms=args.backoff_ms),

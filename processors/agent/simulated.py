@@ -3,8 +3,10 @@
     python -m processors.agent.simulated (--region FILE | --machines N) [--interval-ms 10000] [--start-delay-ms 200]
 
 Commands arrive as a job's TasksCommanded (or, from older logs, TaskCommanded): each simulated machine takes the
-ones addressed to it. The reports one ``step`` makes, of every machine, go out as one TaskStatesChanged per
-entitlement (``decide.batch``), not one record per transition.
+ones addressed to it, and runs a START or RESTART only if its fold of ``allocations`` placed that task on it for the
+command's entitlement and job (``gate.py``: a TaskCommandRefused answers anything else). The reports one ``step``
+makes, of every machine, go out as one TaskStatesChanged per entitlement (``decide.batch``), not one record per
+transition.
 
 No OS processes: a SPAWN action becomes ``Spawned`` (→ RUNNING) after ``start_delay_ms`` (times a factor drawn
 uniformly from ``[1 - start_jitter, 1 + start_jitter]`` with a seeded generator, when a jitter is set), a KILL becomes
@@ -52,6 +54,7 @@ from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
 from . import decide as d
+from . import gate as g
 from .load import JobLoad
 from processors.worker import LoopWorker
 
@@ -100,7 +103,11 @@ class SimulatedAgents(LoopWorker):
         self._spawns: list[tuple[int, str, str]] = []  # heap of (due ms, machine, task)
         self.producer = EventProducer(cfg, self.registry, name, **PRODUCER_CONF)  # task reports, dead letters
         self.beats = EventProducer(cfg, self.registry, name, **HEARTBEAT_PRODUCER_CONF)
-        self.topic = Topics(cfg.topic_prefix, cfg.partitions).name("tasks")
+        topics = Topics(cfg.topic_prefix, cfg.partitions)
+        self.topic = topics.name("tasks")
+        self.allocations = topics.name("allocations")
+        self.judge = g.Judge(g.Gate(self.known.__contains__),
+                             [(self.allocations, i) for i in range(topics.partitions_of("allocations"))])
         self.consumer: EventConsumer | None = None
         self._round = 0  # heartbeat round: the sequence of this round's heartbeats
         self._round_start = 0
@@ -140,6 +147,7 @@ class SimulatedAgents(LoopWorker):
         heapq.heapify(self._spawns)
         self._round = doc["round"] + 1  # a new round: its heartbeats are new events, every machine beats at once
         self.offsets = {(t, int(p)): o for t, p, o in doc["offsets"]}
+        self.judge.gate.load_json(doc.get("gate"))
         log.info("%s: resumed %d machines with tasks, %d failed, from %s", self.name, len(self.states),
                  len(self.failed), self.state_file)
 
@@ -153,7 +161,8 @@ class SimulatedAgents(LoopWorker):
                               "tasks": [d.run_to_json(r) for r in st.tasks.values()]}
                           for m, st in self.states.items()},
                "spawns": sorted(self._spawns),
-               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())]}
+               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
+               "gate": self.judge.gate.to_json()}
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, separators=(",", ":")))
@@ -205,13 +214,25 @@ class SimulatedAgents(LoopWorker):
         return round(self.start_delay_ms * self._rng.uniform(1 - self.start_jitter, 1 + self.start_jitter))
 
     def on_commands(self, events: Iterable[Event], now: int) -> int:
-        """Apply the commands (TaskCommanded, or a job's TasksCommanded) addressed to the simulated machines."""
+        """Apply the commands (TaskCommanded, or a job's TasksCommanded) addressed to the simulated machines that the
+        allocations events among ``events`` (folded in order) placed there; returns how many were applied."""
         n = 0
-        for ev in events:
-            for cmd in d.commands(ev, self.known.__contains__):
-                self.feed(cmd.payload["machine_id"], d.Command(cmd), now)
-                n += 1
+        for cmd in self.judge.take(events, self.known.__contains__, now):
+            self.feed(cmd.payload["machine_id"], d.Command(cmd), now)
+            n += 1
         return n
+
+    def send_refusals(self, now: int) -> int:
+        """Produce the TaskCommandRefused events whose verdict is final (``gate.Judge``)."""
+        if self.consumer is None:
+            return 0
+        refused = self.judge.refusals(self.consumer, now, self.offsets)
+        for ev in refused:
+            if ev.payload["machine_id"] not in self.failed:
+                self.producer.send(ev, validate=False)
+        if refused:
+            self._dirty = True
+        return len(refused)
 
     def send_reports(self, now: int) -> int:
         """Produce the reports made since the last call, batched (``d.batch``); returns how many reports."""
@@ -278,9 +299,10 @@ class SimulatedAgents(LoopWorker):
     # -- running -------------------------------------------------------------------------------------------
     def connect(self, start_offsets=None) -> None:
         """Read every partition of ``tasks``, from ``start_offsets``, else the state file's, else the beginning."""
-        self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=self.name,
+        self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations], name=self.name,
                                       start_offsets=start_offsets or self.offsets,
-                                      dead_letters=DeadLetters(self.producer, self.name), types=d.COMMAND_TYPES)
+                                      dead_letters=DeadLetters(self.producer, self.name),
+                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES)
 
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:
@@ -291,6 +313,7 @@ class SimulatedAgents(LoopWorker):
         else:
             time.sleep(poll_s)
         now = now_ms()
+        self.send_refusals(now)
         self.due_spawns(now)
         self.send_reports(now)
         self.due_heartbeats(now)
@@ -349,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = Config.from_env()
+    cfg = Config.from_env().as_principal("agent")
     if args.measure_s:
         import json
         print(json.dumps(measure_heartbeats(cfg, args.machines or 0, args.interval_ms, args.measure_s)))

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +174,7 @@ class RegionFold:
     def __init__(self, index: PlacementIndex | None = None,
                  max_decisions: int = MAX_DECISIONS_REMEMBERED) -> None:
         self.machines: dict[str, MachineRec] = {}
+        self.statuses: Counter[str] = Counter()  # status -> machines with it (kept by _set and registrations)
         self.placement: dict[str, str] = {}  # task -> machine
         self.job_tasks: dict[str, set[str]] = defaultdict(set)  # job id -> its placed tasks (``<job>/<index>``)
         self.taskres: dict[str, tuple[int, int]] = {}  # task -> (cpu, mem) it holds
@@ -275,7 +276,13 @@ class RegionFold:
             out[f"entitlement:{name}"] = {k: "" if v is None else str(v) for k, v in fields.items()}
         if self.marks:
             out[f"applied:{consumer}"] = {f"{t}/{p}": str(o) for (t, p), o in self.marks.items()}
+        if self.machines:
+            out["index:summary"] = {k: str(v) for k, v in self.summary().items()}
         return out
+
+    def summary(self) -> dict[str, int]:
+        """How many machines the fold holds (``machines``), and per status how many have it."""
+        return {"machines": len(self.machines), **{s: n for s, n in self.statuses.items() if n}}
 
     def drain_changes(self) -> dict[str, str]:
         """The machines changed since the last drain (id -> cause), and forget them."""
@@ -346,9 +353,13 @@ class RegionFold:
         return m
 
     def _set(self, m: MachineRec, attr: str, value: Any) -> bool:
-        if getattr(m, attr) == value:
+        old = getattr(m, attr)
+        if old == value:
             return False
         setattr(m, attr, value)
+        if attr == "status":
+            self.statuses[old] -= 1
+            self.statuses[value] += 1
         return True
 
     def _place(self, m: MachineRec, task: str, cpu: int, mem: int) -> None:
@@ -412,6 +423,7 @@ def _registered(f: RegionFold, e: Event) -> None:
     if m is None:
         m = f.machines[mid] = MachineRec(id=mid, cpu_cap=cpu, mem_cap=mem, cpu_free=cpu, mem_free=mem,
                                          entitlement=FREE, status=REGISTERED_STATUS, version=1, **attrs)
+        f.statuses[REGISTERED_STATUS] += 1
         f.changed[mid] = e.event_id
         f.reindex(m)
         return

@@ -33,6 +33,8 @@ Keys (under the prefix; ``<m>`` a machine, ``<t>`` a task, ``<e>`` an entitlemen
                                emptied (FLUSHALL, a redis-server started again without its data) has none, and a
                                commit under another generation is refused (``IndexLost``): the allocator projects
                                its fold again before it decides (processors/allocator/README.md)
+    index:summary       hash   machines: how many the fold holds, and per status how many have it (``summary``:
+                               what ``ropewalk up`` waits on, without reading every machine)
 
 About 0.5 KB per machine (measured by ``ropewalk bench``; the index sets, free-capacity zset, epochs and request
 hashes of the Redis-first index are gone: the fold answers those questions in memory).
@@ -62,6 +64,7 @@ JOURNALED = "journaled"  # the decision was committed before (a crash before its
 FENCED = "fenced"  # the request's partition has a new owner: this allocator must not decide it
 CONFLICT = "conflict"
 GENERATION = "index:generation"
+SUMMARY = "index:summary"  # hash: machines, and per status the machines with it (written with each projection)
 LOST = "lost"  # the commit's reply when the index is not the generation the allocator projected into
 
 
@@ -336,7 +339,20 @@ class MachineIndex:
         if mark_rows or ents or not calls:
             self._project(args=[self.prefix, "[]", json.dumps(mark_rows) if mark_rows else "{}",
                                 json.dumps(ents) if ents else "{}", self.consumer], client=pipe)
-        return sum(int(n) for n in pipe.execute())
+        if rows:  # what the fold holds, by status, after this projection (``summary``)
+            pipe.delete(self.key(SUMMARY))
+            pipe.hset(self.key(SUMMARY), mapping=fold.summary())
+        return sum(int(n) for n in pipe.execute()[:calls + int(bool(mark_rows or ents or not calls))])
+
+    def summary(self) -> dict[str, int] | None:
+        """How many machines the index holds, by status (``UP``, ``DOWN``, ...), as the last projection left them:
+        one small read, where counting the machines' hashes reads them all (seconds at 1,000,000 machines).
+        None when no projection wrote it (an index written before it existed)."""
+        raw = {_s(k): int(v) for k, v in self.r.hgetall(self.key(SUMMARY)).items()}
+        if not raw:
+            return None
+        raw.pop("machines", None)
+        return raw
 
     def project_all(self, fold: RegionFold) -> int:
         """The whole fold: every machine, mark and entitlement (a Redis that lost or lags the index)."""

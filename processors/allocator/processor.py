@@ -672,8 +672,9 @@ class Allocator:
                     if cur is not None:
                         fold._unplace(fold.machines[cur], t)
                     fold._place(m, t, cpu, mem)
+            fold._set(m, "status", f["status"])  # keeps the fold's status counts
             for name in ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free",
-                         "entitlement", "status", "host_profile", "version", "maintenance"):
+                         "entitlement", "host_profile", "version", "maintenance"):
                 setattr(m, name, f[name])
             fold.reindex(m)
 
@@ -850,7 +851,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
     catalogue = Topics(cfg.topic_prefix, cfg.partitions)
     producer = EventProducer(cfg, registry, PRODUCER)
     dead_letters = DeadLetters(producer, PRODUCER)
-    allocator = Allocator(cfg, registry, redis_client or redis.Redis.from_url(cfg.redis_url), producer,
+    allocator = Allocator(cfg, registry, redis_client or cfg.redis_client(), producer,
                           consumer=consumer)
     app = make_app(cfg, APP_ID, **settings)
     allocations = app.topic(catalogue.name("allocations"), key_serializer="raw", value_serializer="raw",
@@ -892,7 +893,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, _, _ = build_app(Config.from_env())
+    app, _, _ = build_app(Config.from_env().as_principal("allocator"))
     faust.Worker(app, loglevel="INFO").execute_from_commandline()
 
 

@@ -288,7 +288,7 @@ def rebuild_index(cfg: Config, registry: SchemaRegistry | None = None, *, redis_
     Raises RebuildConflict if an allocator wrote to the index meanwhile, RebuildRefused if the log cannot give
     the index back; in both cases nothing was replaced."""
     registry = registry or SchemaRegistry.from_dir()
-    r = redis_client or redis.Redis.from_url(cfg.redis_url)
+    r = redis_client or cfg.redis_client()
     try:
         return Rebuild(cfg, registry, r, consumer).run().as_dict()
     finally:

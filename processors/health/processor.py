@@ -277,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        hc = HealthCheck(Config.from_env(), args.timeout_ms, args.tick_ms, grace_ms=args.grace_ms)
+        hc = HealthCheck(Config.from_env().as_principal("health"), args.timeout_ms, args.tick_ms,
+                         grace_ms=args.grace_ms)
     except ValueError as exc:
         print(f"health: {exc}", file=sys.stderr)
         return 2

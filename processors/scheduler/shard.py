@@ -631,7 +631,7 @@ def main() -> None:
     if os.environ.get(PROFILE_ENV):
         _profile_to(os.environ[PROFILE_ENV])
     retry_s = float(os.environ.get(RETRY_ENV) or RETRY_S)
-    app, _, _ = build_app(Config.from_env(), retry_s=retry_s, **settings_from_env())
+    app, _, _ = build_app(Config.from_env().as_principal("scheduler"), retry_s=retry_s, **settings_from_env())
     faust.Worker(app, loglevel="INFO").execute_from_commandline()
 
 

@@ -104,7 +104,7 @@ def wait_for(predicate, what: str, timeout_s: float = 30.0):
 
 def run_allocator(cfg, registry, body, timeout_s: float = 100.0, *, clear: bool = True):
     """Run the allocator's faust app while ``body(ctx)`` (blocking, in a thread) drives and checks it."""
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     ctx = type("Ctx", (), {})()
     ctx.cfg, ctx.r = cfg, r
     ctx.index = MachineIndex(r, cfg.topic_prefix)
@@ -365,7 +365,7 @@ def test_a_restarted_allocator_folds_the_log_and_writes_a_lost_index_back(cfg, r
         state["index"] = index_state(ctx.index.dump())
 
     run_allocator(cfg, registry, first, clear=False)
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     MachineIndex(r, cfg.topic_prefix).clear()  # Redis lost everything (FLUSHALL, a new server)
     r.close()
 
@@ -404,7 +404,7 @@ class RecordingProducer:
 @pytest.fixture
 def hand(cfg, registry):
     """Two Allocators on the real Redis (no broker reads): fed records by hand at made-up positions."""
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     topics = Topics(cfg.topic_prefix, cfg.partitions)
     offsets = Counter()
     made = []
@@ -592,7 +592,7 @@ def test_a_partition_not_owned_is_not_decided(hand):
 
 
 def test_allocator_metrics_before_any_request(cfg):
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     assert allocator_metrics(r, cfg.topic_prefix) == {"requests": 0, "placed": 0, "rejected": 0,
                                                       "cache_hit_ratio": None}
     r.close()
@@ -609,7 +609,7 @@ def test_python_m_runs_the_allocator_worker(cfg, registry, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "processors.allocator.processor"], env=env, stdout=out,
                             stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                                 os.path.abspath(__file__)))))
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     index = MachineIndex(r, cfg.topic_prefix)
     log = Log(cfg, registry)
     try:

@@ -134,7 +134,7 @@ def test_agent_processes_valid_events_and_dead_letters_bad_ones(cfg, registry):
     dead_letters = DeadLetters(dead_letter_producer, "recorder")
 
     async def scenario():
-        r = aioredis.from_url(cfg.redis_url)
+        r = aioredis.from_url(cfg.redis_url, **cfg.redis_auth())
         app = make_app(cfg, "faust-codec-test", **FAST)
         starts = []
 
@@ -257,7 +257,7 @@ def test_take_batches_hands_over_what_queued_while_busy_and_a_lone_record_alone(
         offsets = [o for p, o in seen if p == part]
         assert offsets == sorted(offsets)
     from confluent_kafka import Consumer, TopicPartition
-    group = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": f"{cfg.topic_prefix}take-batches-test"})
+    group = Consumer({**cfg.kafka_conf(), "group.id": f"{cfg.topic_prefix}take-batches-test"})
     committed = group.committed([TopicPartition(intents, p) for p in range(cfg.partitions)], timeout=10)
     group.close()
     ends = {p: max(o for q, o in seen if q == p) + 1 for p, _ in seen}

@@ -233,7 +233,7 @@ def test_provision_is_idempotent_and_checks_copartitioning(cfg):
 
     from streams.topics import TopicError, provision
 
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})
+    admin = AdminClient({**cfg.kafka_conf()})
     again = provision(admin, Topics(cfg.topic_prefix, cfg.partitions))
     assert again["created"] == [] and len(again["topics"]) == len(CATALOGUE) == 12
     with pytest.raises(TopicError, match="co-partitioned"):

@@ -128,7 +128,7 @@ def region(infra_cfg, registry):
     """A topic prefix of its own, driven once by a live allocator; (cfg, the live index's dump). The harness
     stops the allocator and clears its Redis keys afterwards: the log is all that is left."""
     cfg = infra_cfg.with_(topic_prefix=f"t{uuid.uuid4().hex[:8]}.")
-    provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers}), Topics(cfg.topic_prefix, cfg.partitions))
+    provision(AdminClient({**cfg.kafka_conf()}), Topics(cfg.topic_prefix, cfg.partitions))
     live = run_allocator(cfg, registry, drive, timeout_s=200)
     return cfg, live
 
@@ -136,7 +136,7 @@ def region(infra_cfg, registry):
 @pytest.fixture
 def index(region):
     cfg, _ = region
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     yield MachineIndex(r, cfg.topic_prefix)
     r.close()
 
@@ -261,7 +261,7 @@ def test_a_rebuild_that_meets_a_writing_allocator_replaces_nothing(region, index
 
 def test_a_log_without_allocator_events_does_not_empty_the_index(cfg, registry):
     """A wrong broker or topic prefix (a log without the allocator's events) is refused."""
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     index = MachineIndex(r, cfg.topic_prefix)
     try:
         r.hset(index.key("m:m1"), "status", "UP")

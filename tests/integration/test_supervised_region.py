@@ -20,8 +20,8 @@ import signal
 import time
 
 import pytest
-import redis
 
+from infra.config import Config
 from infra.process import pid_alive
 from regioncli import RegionCli
 
@@ -77,7 +77,7 @@ def test_dead_workers_are_restarted_and_shown_and_a_lost_redis_is_healed(tmp_pat
         time.sleep(1)
         region.ok("job", "submit", job_spec(tmp_path / "a.yaml", "a", 3))
         region.wait_for(lambda: region.running("e1.a", 3), "e1.a running")
-        r = redis.Redis(port=int(region.env["ROPEWALK_REDIS_PORT"]))
+        r = Config.from_env(region.env).redis_client()  # the operator's Redis user (the default user is off)
         r.flushall()
         region.ok("job", "submit", job_spec(tmp_path / "b.yaml", "b", 3))
         region.wait_for(lambda: region.running("e1.b", 3), "e1.b running after the FLUSHALL")
