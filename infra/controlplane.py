@@ -1,5 +1,6 @@
 """The control plane of a local region as managed processes: Resource Broker (registers a generated region),
-Health Check Service, allocator, one scheduler shard, simulated agents for every generated machine, and one
+Health Check Service, allocator, one scheduler shard, the upper floors (Job Control Plane, SRM autoscaler, the
+Resource Broker's lender of elastic loans), simulated agents for every generated machine, and one
 real process agent for the region's ``local`` machine (``LOCAL_MACHINE_ID``, type ``process``, in a DC of its
 own): tasks placed there run as OS processes of this computer, logs under ``<run dir>/agents/<machine>/``.
 
@@ -26,7 +27,8 @@ from infra.process import ManagedProcess
 HEARTBEAT_INTERVAL_MS = 2000
 HEALTH_TIMEOUT_MS = 10000
 READY_TIMEOUT_S = 90.0
-NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api")
+NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "jobcontrol", "srm",
+         "loans")
 LOCAL_DC = "local"
 LOCAL_MACHINE_TYPE = "process"
 LOCAL_CPU_MILLICORES = 2000
@@ -77,6 +79,9 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
                         "--tick-ms", str(HEARTBEAT_INTERVAL_MS)],
         "health": ["processors.health.processor", "--timeout-ms", str(HEALTH_TIMEOUT_MS), "--tick-ms", "1000"],
         "api": ["processors.api.server", "--port", str(cfg.api_port)],  # the HTTP API (processors/api)
+        "jobcontrol": ["processors.jobcontrol.processor"],  # intents -> reconciled specs (issue 15)
+        "srm": ["processors.srm.processor"],  # load -> sizing intents
+        "loans": ["processors.resourcebroker.lender"],  # elastic loans of the Resource Broker
     }
     out = []
     for name in NAMES:

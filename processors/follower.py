@@ -38,6 +38,7 @@ POLL_MAX = 5000
 
 class Follower(LoopWorker):
     NAME = "follower"  # producer name (events, dead letters, client id)
+    PRINCIPAL = "operator"  # who the worker is on the broker (infra/credentials.py); each worker names its own
     TOPICS: tuple[str, ...] = ()
     TYPES: frozenset[str] | None = None
     TICK_S = 1.0
@@ -54,6 +55,7 @@ class Follower(LoopWorker):
         self.errors = 0
         self.produced = 0
         self._next_tick = 0.0
+        self.live = False  # caught up: following, deciding
 
     # -- to override ---------------------------------------------------------------------------------------------
     def handle(self, records: list[Record], live: bool) -> list[Event]:
@@ -77,6 +79,7 @@ class Follower(LoopWorker):
         n = read_to_end(self.consumer, lambda recs: self._handle(recs, live=False))
         missing = self.caught_up()
         self.produce(missing)
+        self.live = True
         self.log.info("%s: caught up with %d records in %.1fs; %d events produced that were missing", self.NAME, n,
                       time.monotonic() - t0, len(missing))
         return n
@@ -144,9 +147,10 @@ class Follower(LoopWorker):
 
 
 def main_of(cls: type[Follower], argv: list[str] | None = None, **kwargs) -> int:
-    """``python -m`` entry of a follower: configuration from the environment, stops on SIGTERM/SIGINT."""
+    """``python -m`` entry of a follower: configuration from the environment, as the worker's principal; stops on
+    SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    worker = cls(Config.from_env(), **kwargs)
+    worker = cls(Config.from_env().as_principal(cls.PRINCIPAL), **kwargs)
     worker.stop_on_signals()
     worker.run()
     return 0

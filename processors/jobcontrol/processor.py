@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from infra.credentials import JOBCONTROL
 from processors.follower import Follower, main_of
 from processors.jobcontrol.decide import CONSUMED, PRODUCER, JcpState, decide
 from streams.clients import Record
@@ -21,6 +22,7 @@ from streams.events import Event
 
 class JobControlPlane(Follower):
     NAME = PRODUCER
+    PRINCIPAL = JOBCONTROL
     TOPICS = ("intents",)
     TYPES = CONSUMED | {"JobSpecReconciled"}  # its own outputs, to know which are on the log
 

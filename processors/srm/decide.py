@@ -89,6 +89,7 @@ class JobScaling:
     changed_at: int | None = None  # the SRM's latest change (sample time) ...
     direction: str | None = None  # ... its direction
     reversal_at: int | None = None  # the latest change against the one before
+    decided: str | None = None  # the event id of the SRM's latest decision (SizingIntentDeclared)
 
 
 @dataclass(frozen=True)
@@ -180,10 +181,17 @@ def _rule(case: Case) -> tuple[str, str]:
 
 # -- decisions -----------------------------------------------------------------------------------------------------
 
-def _changed(job: JobScaling, at: int, tasks: int, direction: str) -> JobScaling:
+def _changed(job: JobScaling, at: int, tasks: int, direction: str, decided: str) -> JobScaling:
     reversal = job.direction is not None and direction != job.direction
     return dataclasses.replace(job, current=tasks, changed_at=at, direction=direction,
-                               reversal_at=at if reversal else job.reversal_at)
+                               reversal_at=at if reversal else job.reversal_at, decided=decided)
+
+
+def _stale_echo(job: JobScaling, p: Mapping[str, Any]) -> bool:
+    """A reconciled spec sized by an earlier decision of the SRM than its latest (the Job Control Plane answers
+    after the SRM decided again): its size is not the job's any more."""
+    srm = [x for x in p.get("provenance") or () if x.get("dimension") == "sizing" and x.get("owner") == OWNER]
+    return job.decided is not None and bool(srm) and srm[0].get("intent_event_id") != job.decided
 
 
 def decide(state: SrmState, ev: Event, *, live: bool = True, tuning: Tuning = Tuning()
@@ -197,11 +205,12 @@ def decide(state: SrmState, ev: Event, *, live: bool = True, tuning: Tuning = Tu
     if ev.type == "JobStopped":
         job = JobScaling(p["job_id"], ev.entitlement, history=job.history)
     elif ev.type == "JobSpecReconciled":
-        job = dataclasses.replace(job, current=p["tasks"])
+        if not _stale_echo(job, p):
+            job = dataclasses.replace(job, current=p["tasks"])
     elif ev.type == "SizingIntentDeclared":
         if p.get("source") == "autoscaler" and ev.producer == PRODUCER:  # its own decision, read back
             d = p.get("decision") or {}
-            job = _changed(job, d.get("at_ms", 0), p["tasks"], d.get("direction", UP))
+            job = _changed(job, d.get("at_ms", 0), p["tasks"], d.get("direction", UP), ev.event_id)
         elif p.get("source") == "person":
             policy = (Policy(p["min_tasks"], p["max_tasks"], p["load_per_task"], ev.event_id)
                       if p.get("autoscale") else None)
@@ -237,7 +246,7 @@ def _size(job: JobScaling, ev: Event, tuning: Tuning) -> tuple[JobScaling, list[
         "min_tasks": None, "max_tasks": None, "load_per_task": None, "decision": decision},
         entitlement=job.entitlement, entity_id=job.job_id, producer=PRODUCER, causation_id=ev.event_id,
         timestamp_ms=ev.timestamp_ms, event_id=derived_event_id(ev.event_id, PRODUCER, "sizing"))
-    return _changed(job, at, want, verdict), [intent]
+    return _changed(job, at, want, verdict, intent.event_id), [intent]
 
 
 def job_view(job: JobScaling, tuning: Tuning = Tuning()) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from infra.credentials import SRM
 from processors.follower import Follower, main_of
 from processors.srm.decide import CONSUMED, PRODUCER, SrmState, Tuning, decide
 from streams.clients import Record
@@ -19,6 +20,7 @@ from streams.events import Event
 
 class Autoscaler(Follower):
     NAME = PRODUCER
+    PRINCIPAL = SRM
     TOPICS = ("intents", "metrics")
     TYPES = CONSUMED
 
@@ -31,6 +33,8 @@ class Autoscaler(Follower):
         out: list[Event] = []
         for r in records:
             self.state, emitted = decide(self.state, r.event, live=live, tuning=self.tuning)
+            for e in emitted:  # its own decision is a fact at once (read back later, it changes nothing)
+                self.state, _ = decide(self.state, e, live=False, tuning=self.tuning)
             out += emitted
         return out
 
