@@ -227,7 +227,8 @@ def _resources(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
 
 
 def _elasticity(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
-    return [quantity(p.get("max_borrowed_machines", 0), "max_borrowed_machines", 0, MAX_QUOTA_MACHINES,
+    return [Problem(k, f"expected true or false, got {describe_value(p.get(k))}", INVALID_INTENT)
+            for k in ("elastic", "lend_idle") if not isinstance(p.get(k, True), bool)] + [quantity(p.get("max_borrowed_machines", 0), "max_borrowed_machines", 0, MAX_QUOTA_MACHINES,
                      INVALID_INTENT, limit="machines (more than a region has)"),
             quantity(p.get("revoke_notice_ms", 0), "revoke_notice_ms", 0, MAX_NOTICE_MS, INVALID_INTENT,
                      limit="ms (a day)")]

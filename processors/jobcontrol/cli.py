@@ -9,10 +9,11 @@
     ropewalk intents history JOB [--json]   # every JobSpecReconciled of the job, with provenance and rules
     ropewalk intents rules [--json]         # the conflict rules, in the order they apply
 
-Thin IO like ``processors/opsplanner/cli.py``: a declaration is checked at the door by the intent rules
-(``processors/frontend/rules.py``: a bad one exits 1 naming the field) and produced on ``intents``, keyed by the
-job's entitlement (from its published state). The views fold ``intents`` with the Job Control Plane's own pure
-``decide`` (one full read of the topic per call, as ``machine fail`` folds ``machines``).
+Thin IO: through the region's API (``processors/api``: ``/v1/jobs/{job}/intents...``) or, ``--direct``, on the log
+as the operator; both run the front end's operations (``processors/frontend/service.py``). A declaration is checked
+at the door by the intent rules (``processors/frontend/rules.py``: a bad one exits 1 naming the field) and produced
+on ``intents``, keyed by the job's entitlement. The views (``views.py``) fold ``intents`` with the Job Control
+Plane's own pure ``decide`` (one full read of the topic per call).
 """
 from __future__ import annotations
 
@@ -36,44 +37,10 @@ def owner() -> str:
         return "cli"
 
 
-def fold_intents(cfg, registry, *, skipped=None) -> jd.JcpState:
-    """The Job Control Plane's state: ``intents`` read to its end and folded by ``decide`` (outputs dropped)."""
-    from processors.resourcebroker.processor import read_to_end
-    from streams.clients import EventConsumer
-    from streams.topics import Topics
-
-    topics = Topics(cfg.topic_prefix, cfg.partitions)
-    consumer = EventConsumer(cfg, registry, [topics.name("intents")], name="jobcontrol-view", skipped=skipped,
-                             types=jd.CONSUMED)
-    state = jd.JcpState()
-    try:
-        def fold(records) -> None:
-            nonlocal state
-            for r in records:
-                state, _ = jd.decide(state, r.event, ("intents", r.partition, r.offset),
-                                     max_tasks=cfg.max_tasks_per_job)
-
-        read_to_end(consumer, fold)
-    finally:
-        consumer.close()
-    return state
-
-
-def _declare(cfg, args, type_: str, payload: dict) -> int:
-    from processors.frontend import rules
-    from streams.events import new_event
-
+def _declare(cfg, args, dimension: str, payload: dict) -> int:
     cli = _cli()
-    registry = cli._registry()
-    current = cli._job_state(cfg, registry, args.job, args.skipped)
-    payload = {"job_id": args.job, "owner": args.owner or owner(), **payload}
-    found = rules.intent_problems(type_, payload, current.entitlement, cfg.max_tasks_per_job)
-    if found:
-        raise cli.CliError(f"{type_}.{found[0]}")
-    ev = new_event(type_, payload, entitlement=current.entitlement, entity_id=args.job, producer="cli")
-    cli._send(cfg, registry, [ev])
-    cli._print({"job": args.job, "intent": type_, "event_id": ev.event_id}, args.json, f"{args.job}: {type_} "
-               f"{ev.event_id} (ropewalk intents show {args.job})")
+    doc = cli._front(cfg, args).intent_declare(args.job, dimension, {"owner": args.owner or owner(), **payload})
+    cli._print(doc, args.json, f"{args.job}: {doc['intent']} {doc['event_id']} (ropewalk intents show {args.job})")
     return 0
 
 
@@ -93,32 +60,32 @@ def _env(pairs: list[str] | None) -> dict[str, str]:
 
 def cmd_push(cfg, args) -> int:
     steps = [int(s) for s in args.steps.split(",")] if args.steps else []
-    return _declare(cfg, args, "PushIntentDeclared", {"label": args.label, "command": _argv(args.command),
+    return _declare(cfg, args, "push", {"label": args.label, "command": _argv(args.command),
                                                       "env": _env(args.env), "percent": args.percent,
                                                       "steps": steps})
 
 
 def cmd_canary(cfg, args) -> int:
-    return _declare(cfg, args, "CanaryIntentDeclared", {
+    return _declare(cfg, args, "canary", {
         "action": args.action, "count": args.count or 0, "label": args.label, "command": _argv(args.command),
         "env": _env(args.env), "promote_percent": args.percent})
 
 
 def cmd_size(cfg, args) -> int:
     if args.auto:
-        payload = {"source": "person", "tasks": None, "autoscale": True, "min_tasks": args.min,
-                   "max_tasks": args.max, "load_per_task": args.load_per_task}
+        payload = {"tasks": None, "autoscale": True, "min_tasks": args.min, "max_tasks": args.max,
+                   "load_per_task": args.load_per_task}
     elif args.release:
-        payload = {"source": "person", "tasks": None}
+        payload = {"tasks": None}
     elif args.tasks is None:
         raise _cli().CliError("size: give N, --auto (with --min, --max, --load-per-task) or --release")
     else:
-        payload = {"source": "person", "tasks": args.tasks}
-    return _declare(cfg, args, "SizingIntentDeclared", payload)
+        payload = {"tasks": args.tasks}
+    return _declare(cfg, args, "size", payload)
 
 
 def cmd_resources(cfg, args) -> int:
-    return _declare(cfg, args, "ResourcesIntentDeclared",
+    return _declare(cfg, args, "resources",
                     {"resources": {"cpu_millicores": args.cpu, "memory_mib": args.mem}})
 
 
@@ -132,13 +99,7 @@ def _summary(spec) -> str:
 
 def cmd_show(cfg, args) -> int:
     cli = _cli()
-    cli._require_broker(cfg)
-    state = fold_intents(cfg, cli._registry(), skipped=args.skipped)
-    job = state.jobs.get(args.job)
-    if job is None:
-        raise cli.CliError(f"no intents known for {args.job!r} (the Job Control Plane reads `intents`: submit the "
-                           f"job, then declare one)")
-    view = jd.job_intents_view(job)
+    view = cli._front(cfg, args).intents(args.job)
     lines = [f"job {view['job']}  generation {view['generation']}  {'live' if view['live'] else 'stopped'}"]
     for dim, h in view["intents"].items():
         p = {k: v for k, v in h["payload"].items() if k not in ("job_id", "owner") and v not in (None, [], {})}
@@ -154,30 +115,15 @@ def cmd_show(cfg, args) -> int:
 
 def cmd_list(cfg, args) -> int:
     cli = _cli()
-    cli._require_broker(cfg)
-    state = fold_intents(cfg, cli._registry(), skipped=args.skipped)
-    rows = [jd.job_intents_view(j) for _, j in sorted(state.jobs.items()) if j.intents]
+    rows = cli._front(cfg, args).intents()
     cli._print(rows, args.json, "\n".join(f"{r['job']:28} gen {r['generation']:<4} {', '.join(r['intents'])}: "
                                           f"{_summary(r['reconciled'])}" for r in rows) or "no job has intents")
     return 0
 
 
 def cmd_history(cfg, args) -> int:
-    from streams import replay as rp
-
     cli = _cli()
-    cli._require_broker(cfg)
-    run = rp.replay(cfg, cli._registry(), rp.ReplayFilter(job=args.job, topics=("intents",)), skipped=args.skipped)
-    rows = []
-    for rec in run:
-        e = rec.event
-        if e.type == "JobSpecReconciled":
-            rows.append({"generation": e.payload["generation"], "event_id": e.event_id, "at_ms": e.timestamp_ms,
-                         "offset": rec.offset, **{k: e.payload[k] for k in ("tasks", "stable_version", "push",
-                                                                              "canary", "provenance", "rules")}})
-        elif e.type == "IntentRefused" and e.producer == jd.PRODUCER:
-            rows.append({"refused": e.payload["intent_type"], "reason": e.payload["reason"],
-                         "message": e.payload["message"], "offset": rec.offset, "at_ms": e.timestamp_ms})
+    rows = cli._front(cfg, args).intents_history(args.job)
     lines = []
     for r in rows:
         if "refused" in r:
@@ -202,12 +148,15 @@ def add_commands(sub) -> None:
     grp = sub.add_parser("intents", help="the Job Control Plane: per-dimension intents and the reconciled spec"
                          ).add_subparsers(dest="action_", required=True)
 
-    def cmd(name, fn, help_, job=True):
+    def cmd(name, fn, help_, job=True, direct=True):
         sp = grp.add_parser(name, help=help_, description=help_)
         sp.set_defaults(fn=fn)
         if job:
             sp.add_argument("job")
         sp.add_argument("--json", action="store_true", help="print one JSON document")
+        if direct:
+            sp.add_argument("--direct", action="store_true", help="act on the log itself as the operator, not "
+                            "through the API (or ROPEWALK_DIRECT=1)")
         return sp
 
     def declared(sp):
@@ -240,4 +189,4 @@ def add_commands(sub) -> None:
     cmd("show", cmd_show, "who wants what of a job, and the reconciled spec")
     cmd("list", cmd_list, "jobs with intents and their reconciled specs", job=False)
     cmd("history", cmd_history, "every reconciliation of a job on the log, with provenance and rules")
-    cmd("rules", cmd_rules, "the conflict rules, in the order they apply", job=False)
+    cmd("rules", cmd_rules, "the conflict rules, in the order they apply", job=False, direct=False)

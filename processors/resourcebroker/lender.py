@@ -36,7 +36,7 @@ def tuning_from_env(env=None) -> ln.Tuning:
 class Lender(Follower):
     NAME = ln.PRODUCER
     PRINCIPAL = RESOURCEBROKER
-    TOPICS = ("machines", "intents", "unavailability", "allocations", "loans")
+    TOPICS = ln.TOPICS
     TYPES = ln.CONSUMED
     TICK_S = 1.0
 

@@ -44,6 +44,7 @@ PRODUCER = "resourcebroker/loans"
 FREE = "free"  # LoanGranted.lender: the free pool
 REVOKE_REASON = "loan_revoked"  # UnavailabilityStarted.reason of a revocation's notice
 MACHINE_TYPES = frozenset(rb.MACHINE_EVENTS)
+TOPICS = ("machines", "intents", "unavailability", "allocations", "loans")  # what the lender folds
 CONSUMED = frozenset({*MACHINE_TYPES, "EntitlementCreated", "EntitlementUpdated", "EntitlementElasticityChanged",
                       "UnavailabilityStarted", "UnavailabilityEnded", "AllocationRejected", "TasksAllocated",
                       "LoanGranted", "LoanRevoked", "LoanReturned"})

@@ -4,8 +4,9 @@
     ropewalk srm decisions [--job JOB] [--json]   # every sizing decision on the log: inputs, forecast, rule
     ropewalk srm rules [--json]           # its rules, in the order they apply
 
-``show`` folds ``intents`` and ``metrics`` with the SRM's own pure ``decide`` (no deciding: one full read of both
-topics per call); ``decisions`` replays ``intents`` for the SRM's SizingIntentDeclared. To let the SRM size a job:
+Through the region's API (``/v1/jobs/{job}/srm``, ``/v1/srm/decisions``) or, ``--direct``, on the log as the
+operator (``views.py``: ``show`` folds ``intents`` and ``metrics`` with the SRM's own pure ``decide``, no deciding;
+``decisions`` replays ``intents`` for the SRM's SizingIntentDeclared). To let the SRM size a job:
 ``ropewalk intents size JOB --auto --min N --max M --load-per-task L``.
 """
 from __future__ import annotations
@@ -19,34 +20,9 @@ def _cli():
     return cli
 
 
-def fold_srm(cfg, registry, *, skipped=None) -> sd.SrmState:
-    from processors.resourcebroker.processor import read_to_end
-    from streams.clients import EventConsumer
-    from streams.topics import Topics
-
-    topics = Topics(cfg.topic_prefix, cfg.partitions)
-    consumer = EventConsumer(cfg, registry, [topics.name("intents"), topics.name("metrics")], name="srm-view",
-                             skipped=skipped, types=sd.CONSUMED)
-    state = sd.SrmState()
-    try:
-        def fold(records) -> None:
-            nonlocal state
-            for r in records:
-                state, _ = sd.decide(state, r.event, live=False)
-
-        read_to_end(consumer, fold)
-    finally:
-        consumer.close()
-    return state
-
-
 def cmd_show(cfg, args) -> int:
     cli = _cli()
-    cli._require_broker(cfg)
-    job = fold_srm(cfg, cli._registry(), skipped=args.skipped).jobs.get(args.job)
-    if job is None:
-        raise cli.CliError(f"the SRM knows nothing of {args.job!r} (no policy, size or load sample on the log)")
-    v = sd.job_view(job)
+    v = cli._front(cfg, args).srm(args.job)
     f = v["forecast"] or {}
     pol = v["policy"]
     lines = [f"job {v['job']}  size {v['current_tasks']}  "
@@ -61,21 +37,16 @@ def cmd_show(cfg, args) -> int:
 
 
 def cmd_decisions(cfg, args) -> int:
-    from streams import replay as rp
-
     cli = _cli()
-    cli._require_broker(cfg)
-    run = rp.replay(cfg, cli._registry(), rp.ReplayFilter(job=args.job, topics=("intents",)), skipped=args.skipped)
-    rows = [{"job": r.event.payload["job_id"], "tasks": r.event.payload["tasks"], "event_id": r.event.event_id,
-             "offset": r.offset, **r.event.payload["decision"]}
-            for r in run if r.event.type == "SizingIntentDeclared" and r.event.producer == sd.PRODUCER]
+    doc = cli._front(cfg, args).srm_decisions(args.job)
+    rows = doc["decisions"]
     lines = [f"{r['job']:24} {r['direction']:4} {r['current_tasks']:>6} -> {r['tasks']:<6} load {r['load']:.1f} "
              f"forecast {r['forecast']:.1f} ({r['rule']}, frees {r['machines_freed']} machines)  at {r['at_ms']}"
              for r in rows]
-    flips = sd.reversals(rows)
-    lines.append(f"-- {len(rows)} decisions, {len(flips)} reversals, at most "
-                 f"{sd.most_in_window(flips, 3600_000)} in an hour of the load signal's clock")
-    cli._print(rows, args.json, "\n".join(lines))
+    flips = sum(len(f) for f in doc["reversals"].values())
+    lines.append(f"-- {len(rows)} decisions, {flips} reversals, at most {doc['most_reversals_in_an_hour']} in an "
+                 f"hour of the load signal's clock (per job)")
+    cli._print(doc, args.json, "\n".join(lines))
     return 0
 
 
@@ -92,10 +63,12 @@ def add_commands(sub) -> None:
     sp.set_defaults(fn=cmd_show)
     sp.add_argument("job")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--direct", action="store_true", help="read the log itself as the operator, not through the API")
     sp = grp.add_parser("decisions", help="every sizing decision on the log, with its inputs and forecast")
     sp.set_defaults(fn=cmd_decisions)
     sp.add_argument("--job")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--direct", action="store_true", help="read the log itself as the operator, not through the API")
     sp = grp.add_parser("rules", help="the SRM's rules in the order they apply")
     sp.set_defaults(fn=cmd_rules)
     sp.add_argument("--json", action="store_true")

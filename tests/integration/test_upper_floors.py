@@ -24,6 +24,8 @@ is measured by ``bench/loans.py`` (a region of its own), not here.
 """
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import threading
 import time
@@ -45,7 +47,8 @@ from processors.resourcebroker.region import generate_region, iter_machines  # n
 from processors.scheduler import versions as vs  # noqa: E402
 from processors.srm import decide as sd  # noqa: E402
 from processors.srm.processor import Autoscaler  # noqa: E402
-from regioncli import wait_for  # noqa: E402
+from regioncli import ROOT, wait_for  # noqa: E402
+from test_trust import Api  # noqa: E402
 from streams import replay as rp  # noqa: E402
 from streams.clients import EventProducer  # noqa: E402
 from streams.events import new_event  # noqa: E402
@@ -192,7 +195,7 @@ def check_push_canary_sizing(cfg, registry):
     return watch, offsets, decisions
 
 
-def test_a_push_a_canary_and_the_srm_together_and_a_loan_taken_back(cfg, registry):
+def test_a_push_a_canary_and_the_srm_together_and_a_loan_taken_back(cfg, registry, tmp_path):
     workers = (JobControlPlane(cfg.as_principal(JOBCONTROL), registry=registry),
                Autoscaler(cfg.as_principal(SRM), registry=registry),
                Lender(cfg.as_principal(RESOURCEBROKER), registry=registry,
@@ -259,6 +262,7 @@ def test_a_push_a_canary_and_the_srm_together_and_a_loan_taken_back(cfg, registr
     assert back["machine_id"] == rev.machines[0] and 0 <= back["took_ms"] <= back["bound_ms"] == 60_000
     assert loan_log["UnavailabilityEnded"]["unavailability_id"] == rev.revocation_id
     assert loan_log["EntitlementUpdated"]["quota_machines"] == 3  # the latest quota: 4 lent, 1 taken back
+    views(cfg, tmp_path, tasks, rev)
     print(f"combined: {watch.checked} scheduler decisions checked, {offsets} reconciled offsets settled, "
           f"{len(tasks)} SRM decisions ({min(tasks)}..{max(tasks)}), reversals at {flips}, "
           f"loan returned in {back['took_ms']} ms")
@@ -279,3 +283,55 @@ def assigned(machine, ent):
 def released(machine, ent):
     return event("MachineReleasedToFreePool", {"machine_id": machine, "dc": "dc1", "reason": "empty"},
                  ent=ent, producer="allocator", entity=machine)
+
+
+def views(cfg, tmp_path, tasks, rev):
+    """The same log through the API's views (authorized per entitlement) and the CLI."""
+    from infra.controlplane import worker_env
+
+    api = Api(cfg, tmp_path)
+    try:
+        code, doc = api.call("GET", f"/v1/jobs/{JOB}/intents", api.alice)
+        assert code == 200 and set(doc["intents"]) >= {"push", "canary", "sizing/person", "sizing/autoscaler"}, doc
+        assert doc["reconciled"]["tasks"] == tasks[-1] and doc["reconciled"]["push"]["percent"] == PERCENT
+        code, hist = api.call("GET", f"/v1/jobs/{JOB}/intents/history", api.alice)
+        assert code == 200 and [r["tasks"] for r in hist if "tasks" in r][-1] == tasks[-1]
+        assert all(p["topic"] == "intents" for r in hist if "provenance" in r for p in r["provenance"])
+        code, doc = api.call("GET", f"/v1/jobs/{JOB}/srm", api.alice)
+        assert code == 200 and doc["policy"]["min_tasks"] == 60 and doc["current_tasks"] == tasks[-1], doc
+        code, doc = api.call("GET", f"/v1/srm/decisions?job={JOB}", api.alice)
+        assert code == 200 and [d["tasks"] for d in doc["decisions"]] == tasks
+        assert doc["most_reversals_in_an_hour"] <= 1
+        code, doc = api.call("GET", "/v1/loans", api.admin)
+        assert code == 200 and len(doc["returns"]) == 1 and doc["returned_p99_ms"] <= 60_000, doc
+        code, doc = api.call("GET", f"/v1/loans?entitlement={ENT}", api.alice)  # e1's idle quota backs the loan
+        assert code == 200 and [x["lender"] for x in doc["loans"]] == [ENT] and doc["returns"] == [], doc
+        refused = [("GET", "/v1/loans", None, "needs_region_admin"),
+                   ("GET", f"/v1/loans?entitlement={BORROWER}", None, "no_role_on_entitlement"),
+                   ("GET", f"/v1/jobs/{BORROWER}.crunch/intents", None, "no_role_on_entitlement"),
+                   ("POST", f"/v1/jobs/{BORROWER}.crunch/intents/push", {"percent": 5}, "no_role_on_entitlement"),
+                   ("GET", "/v1/srm/decisions", None, "needs_region_admin"),
+                   ("PUT", f"/v1/entitlements/{ENT}/elasticity", {"elastic": True}, "needs_region_admin")]
+        for method, path, body, reason in refused:
+            code, doc = api.call(method, path, api.alice, body)
+            assert (code, doc.get("error")) == (403, reason), (method, path, doc)
+        bad = [("POST", f"/v1/jobs/{JOB}/intents/push", {"percent": 150, "command": ["x"]}, "percent"),
+               ("POST", f"/v1/jobs/{JOB}/intents/size", {"tasks": -1}, "tasks"),
+               ("POST", f"/v1/jobs/{JOB}/intents/volume", {"tasks": 1}, "dimension"),
+               ("PUT", f"/v1/entitlements/{BORROWER}/elasticity", {"elastic": True, "max_borrowed_machines": -1},
+                "max_borrowed_machines")]
+        for method, path, body, field in bad:
+            code, doc = api.call(method, path, api.admin, body)
+            assert code in (400, 422) and field in doc["message"], (path, doc)
+        code, doc = api.call("POST", f"/v1/jobs/{JOB}/intents/push", api.alice,
+                             {"percent": 60, "command": ["serve", "--v2"], "label": "v2"})
+        assert code == 202 and doc["intent"] == "PushIntentDeclared", doc
+        env = {**worker_env(cfg), "ROPEWALK_API_URL": api.url, "ROPEWALK_TOKEN": api.alice}
+        for argv, check in ((["intents", "show", JOB], lambda d: d["intents"]["push"]["payload"]["percent"] == 60),
+                            (["srm", "decisions", "--job", JOB], lambda d: len(d["decisions"]) == len(tasks)),
+                            (["loans", "show", "--entitlement", ENT], lambda d: d["loans"][0]["lender"] == ENT)):
+            out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", *argv, "--json"], env=env, cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and check(json.loads(out.stdout)), (argv, out.stderr)
+    finally:
+        api.close()
