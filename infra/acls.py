@@ -12,12 +12,12 @@ Writers per topic, and where a topic-level ACL cannot tell writers apart:
 
 | topic            | written by (besides operator)        | gap the ACL leaves, and who closes it |
 |------------------|--------------------------------------|---------------------------------------|
-| intents          | api (users' intents), scheduler (IntentRefused), jobcontrol (JobSpecReconciled, its IntentRefused), srm (sizing intents, owner srm), resourcebroker (an elastic borrower's quota: EntitlementUpdated of a loan) | the scheduler could forge an intent; it is trusted with every task command anyway. jobcontrol, srm and resourcebroker could write any intent type: the topic-level ACL cannot tell types apart |
+| intents          | api (users' intents), scheduler (IntentRefused), jobcontrol (JobSpecReconciled, its IntentRefused), srm (sizing intents, owner srm), lender (an elastic borrower's quota: EntitlementUpdated of a loan) | the scheduler could forge an intent; it is trusted with every task command anyway. jobcontrol, srm and lender could write any intent type: the topic-level ACL cannot tell types apart |
 | machines         | resourcebroker, health, allocator, api (admins' machine fail/recover, maintenance end) | |
-| unavailability   | resourcebroker, health, api (admins' maintenance, machine fail) | |
+| unavailability   | resourcebroker, health, api (admins' maintenance, machine fail), lender (a revocation's notice, vacate) | |
 | allocations      | scheduler (AllocationRequested), allocator (TasksAllocated, AllocationRejected, TasksDeallocated) | the scheduler could forge a placement: agents trust the allocations topic, written only by these two |
 | tasks            | scheduler (commands, its own task transitions), agent (reports) | an agent principal could forge a command: agents start only what ``allocations`` placed on their machine for that entitlement and job (processors/agent/gate.py); a forged STOP from an agent principal is not caught (all agents share one principal) |
-| loans            | resourcebroker (LoanGranted, LoanRevoked, LoanReturned) | |
+| loans            | lender (LoanGranted, LoanRevoked, LoanReturned) | |
 | metrics          | agent (JobLoadReported: the load signals) | an agent could report another job's load: the SRM sizes within the job's min/max only |
 | taskcontrol      | scheduler (requests, throttling), controller (acks) | a controller could ack another job's request: the scheduler ignores acks of a stale or unknown sequence |
 | heartbeats       | agent | |
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, JOBCONTROL, OPERATOR, RESOURCEBROKER,
-                               SCHEDULER, SRM)
+from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, JOBCONTROL, LENDER, OPERATOR,
+                               RESOURCEBROKER, SCHEDULER, SRM)
 from streams.topics import CATALOGUE, Topics
 
 READ, WRITE = "READ", "WRITE"
@@ -44,23 +44,25 @@ WRITES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     API: ("intents", "machines", "unavailability", SCHEMAS),
     SCHEDULER: ("intents", "allocations", "tasks", "taskcontrol", "state.jobs", "state.tasks", DEADLETTER, SCHEMAS),
     ALLOCATOR: ("allocations", "machines", "state.machines", DEADLETTER, SCHEMAS),
-    RESOURCEBROKER: ("machines", "unavailability", "loans", "intents", DEADLETTER, SCHEMAS),  # intents: loan quotas
+    RESOURCEBROKER: ("machines", "unavailability", DEADLETTER, SCHEMAS),
     HEALTH: ("machines", "unavailability", DEADLETTER, SCHEMAS),
     AGENT: ("tasks", "heartbeats", "metrics", DEADLETTER, SCHEMAS),
     CONTROLLER: ("taskcontrol", DEADLETTER, SCHEMAS),
     JOBCONTROL: ("intents", DEADLETTER, SCHEMAS),
     SRM: ("intents", DEADLETTER, SCHEMAS),
+    LENDER: ("loans", "intents", "unavailability", DEADLETTER, SCHEMAS),  # intents: a borrower's quota
 })
 READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     API: (*DATA, SCHEMAS),  # state, replay, the verdict of a submission, server-sent events
     SCHEDULER: ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", SCHEMAS),
     ALLOCATOR: ("intents", "machines", "unavailability", "allocations", "state.machines", SCHEMAS),
-    RESOURCEBROKER: ("machines", "unavailability", "intents", "allocations", "loans", SCHEMAS),  # loans: the lender
+    RESOURCEBROKER: ("machines", "unavailability", SCHEMAS),
     HEALTH: ("machines", "heartbeats", SCHEMAS),
     AGENT: ("tasks", "allocations", SCHEMAS),
     CONTROLLER: ("taskcontrol", SCHEMAS),
     JOBCONTROL: ("intents", SCHEMAS),
     SRM: ("intents", "metrics", SCHEMAS),
+    LENDER: ("machines", "intents", "unavailability", "allocations", "loans", SCHEMAS),
 })
 # faust apps: principal -> app id (its consumer group `<prefix><app>` and internal topics `<prefix><app>-...`).
 FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})

@@ -11,12 +11,13 @@ user may run is ``redis_acl_lines`` below.
 | api             | the HTTP API (processors/api)           | api (read-only) |
 | scheduler       | scheduler shards                        | reader (read-only) |
 | allocator       | the allocator                           | allocator (its index; no FLUSHALL, CONFIG, KEYS, ...) |
-| resourcebroker  | the Resource Broker (registry, and the lender of elastic loans) | reader |
+| resourcebroker  | the Resource Broker                     | reader |
 | health          | the Health Check Service                | reader |
 | agent           | process and simulated agents            | reader |
 | controller      | applications' TaskControllers           | reader |
 | jobcontrol      | the Job Control Plane (processors/jobcontrol) | reader |
 | srm             | the autoscaler (processors/srm)         | reader |
+| lender          | the Resource Broker's lender of elastic loans (resourcebroker/lender.py) | reader |
 
 The embedded broker has one more user, ``broker`` (``BROKER_USER``): the broker's own identity towards its KRaft
 controller, and the administrator ``up`` uses to create the principals' SCRAM credentials. No client of the region
@@ -73,7 +74,8 @@ AGENT = "agent"
 CONTROLLER = "controller"
 JOBCONTROL = "jobcontrol"
 SRM = "srm"
-PRINCIPALS = (OPERATOR, API, SCHEDULER, ALLOCATOR, RESOURCEBROKER, HEALTH, AGENT, CONTROLLER, JOBCONTROL, SRM)
+LENDER = "lender"
+PRINCIPALS = (OPERATOR, API, SCHEDULER, ALLOCATOR, RESOURCEBROKER, HEALTH, AGENT, CONTROLLER, JOBCONTROL, SRM, LENDER)
 BROKER_USER = "broker"  # the embedded broker's own user (super user; PLAIN, from its JAAS config)
 
 # Redis users, and which one each principal connects as.

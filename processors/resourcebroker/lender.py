@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from infra.credentials import RESOURCEBROKER
+from infra.credentials import LENDER
 from processors.follower import Follower, main_of
 from processors.resourcebroker import loans as ln
 from streams.clients import Record
@@ -35,7 +35,7 @@ def tuning_from_env(env=None) -> ln.Tuning:
 
 class Lender(Follower):
     NAME = ln.PRODUCER
-    PRINCIPAL = RESOURCEBROKER
+    PRINCIPAL = LENDER
     TOPICS = ln.TOPICS
     TYPES = ln.CONSUMED
     TICK_S = 1.0

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the sch
 from test_scheduler_decide import Sim  # noqa: E402
 from test_versions import Region  # noqa: E402
 
-from infra.credentials import AGENT, JOBCONTROL, RESOURCEBROKER, SRM  # noqa: E402
+from infra.credentials import AGENT, JOBCONTROL, LENDER, SRM  # noqa: E402
 from processors.agent.load import DailyTrace  # noqa: E402
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED  # noqa: E402
 from processors.jobcontrol.processor import JobControlPlane  # noqa: E402
@@ -198,7 +198,7 @@ def check_push_canary_sizing(cfg, registry):
 def test_a_push_a_canary_and_the_srm_together_and_a_loan_taken_back(cfg, registry, tmp_path):
     workers = (JobControlPlane(cfg.as_principal(JOBCONTROL), registry=registry),
                Autoscaler(cfg.as_principal(SRM), registry=registry),
-               Lender(cfg.as_principal(RESOURCEBROKER), registry=registry,
+               Lender(cfg.as_principal(LENDER), registry=registry,
                       tuning=ln.Tuning(headroom_machines=2, lend_cooldown_ms=60_000, bound_ms=60_000)))
     jcp, srm, lender = workers
     with Running(*workers):
