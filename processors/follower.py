@@ -146,6 +146,26 @@ class Follower(LoopWorker):
         return self.topics.logical(rec.topic) or rec.topic
 
 
+def fold_log(cfg: Config, registry: SchemaRegistry, topics: Iterable[str], name: str, types, step, state, *,
+             skipped=None):
+    """``state`` folded by ``step(state, record) -> state`` over the logical ``topics`` read to their end (every
+    partition, from the beginning): what the views show of a worker's picture (its own pure fold, no deciding)."""
+    from processors.resourcebroker.processor import read_to_end
+
+    t = Topics(cfg.topic_prefix, cfg.partitions)
+    consumer = EventConsumer(cfg, registry, [t.name(x) for x in topics], name=name, skipped=skipped, types=types)
+    try:
+        def fold(records) -> None:
+            nonlocal state
+            for r in records:
+                state = step(state, r)
+
+        read_to_end(consumer, fold)
+    finally:
+        consumer.close()
+    return state
+
+
 def main_of(cls: type[Follower], argv: list[str] | None = None, **kwargs) -> int:
     """``python -m`` entry of a follower: configuration from the environment, as the worker's principal; stops on
     SIGTERM/SIGINT."""

@@ -114,6 +114,13 @@ def spec_problems(p: Mapping[str, Any], max_tasks: int = DEFAULT_MAX_TASKS_PER_J
     return [x for x in found if x is not None]
 
 
+def one_of(value: Any, field: str, choices, reason: str) -> Problem | None:
+    """``value`` must be one of ``choices``."""
+    if value in choices:
+        return None
+    return Problem(field, f"expected one of {', '.join(choices)}, got {describe_value(value)}", reason)
+
+
 def intent_problems(event_type: str, p: Mapping[str, Any], entitlement: str,
                     max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> list[Problem]:
     """What is wrong with an intent of ``event_type`` (its payload ``p``, keyed to ``entitlement``); empty if
@@ -178,9 +185,8 @@ def _push(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
 
 def _canary(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
     action = p.get("action")
-    if action not in CANARY_ACTIONS:
-        return [Problem("action", f"expected one of {', '.join(CANARY_ACTIONS)}, got {describe_value(action)}",
-                        INVALID_INTENT)]
+    if (wrong := one_of(action, "action", CANARY_ACTIONS, INVALID_INTENT)) is not None:
+        return [wrong]
     found = [_owner(p)]
     if action == "start":
         found += [quantity(p.get("count"), "count", 1, max_tasks, INVALID_INTENT, limit="tasks per job"), *_code(p)]
@@ -197,9 +203,8 @@ def _sizing(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
 
 def _sizing_problems(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
     source = p.get("source")
-    if source not in SIZING_SOURCES:
-        return [Problem("source", f"expected one of {', '.join(SIZING_SOURCES)}, got {describe_value(source)}",
-                        INVALID_INTENT)]
+    if (wrong := one_of(source, "source", SIZING_SOURCES, INVALID_INTENT)) is not None:
+        return [wrong]
     found = [_owner(p)]
     if p.get("tasks") is not None or source == "autoscaler":
         found.append(task_count(p.get("tasks"), max_tasks, low=0))

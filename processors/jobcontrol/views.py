@@ -8,25 +8,11 @@ from processors.jobcontrol import decide as jd
 
 def fold_intents(cfg, registry, *, skipped=None) -> jd.JcpState:
     """The Job Control Plane's state: ``intents`` read to its end and folded by ``decide`` (outputs dropped)."""
-    from processors.resourcebroker.processor import read_to_end
-    from streams.clients import EventConsumer
-    from streams.topics import Topics
+    from processors.follower import fold_log
 
-    topics = Topics(cfg.topic_prefix, cfg.partitions)
-    consumer = EventConsumer(cfg, registry, [topics.name("intents")], name="jobcontrol-view", skipped=skipped,
-                             types=jd.CONSUMED)
-    state = jd.JcpState()
-    try:
-        def fold(records) -> None:
-            nonlocal state
-            for r in records:
-                state, _ = jd.decide(state, r.event, ("intents", r.partition, r.offset),
-                                     max_tasks=cfg.max_tasks_per_job)
-
-        read_to_end(consumer, fold)
-    finally:
-        consumer.close()
-    return state
+    return fold_log(cfg, registry, ("intents",), "jobcontrol-view", jd.CONSUMED,
+                    lambda st, r: jd.decide(st, r.event, ("intents", r.partition, r.offset),
+                                            max_tasks=cfg.max_tasks_per_job)[0], jd.JcpState(), skipped=skipped)
 
 
 def history(cfg, registry, job: str, *, skipped=None) -> list[dict]:

@@ -9,24 +9,10 @@ from processors.resourcebroker import loans as ln
 
 
 def fold_loans(cfg, registry, *, skipped=None) -> ln.LoanBook:
-    from processors.resourcebroker.processor import read_to_end
-    from streams.clients import EventConsumer
-    from streams.topics import Topics
+    from processors.follower import fold_log
 
-    topics = Topics(cfg.topic_prefix, cfg.partitions)
-    consumer = EventConsumer(cfg, registry, [topics.name(t) for t in ln.TOPICS], name="loans-view", skipped=skipped,
-                             types=ln.CONSUMED)
-    book = ln.LoanBook()
-    try:
-        def fold(records) -> None:
-            nonlocal book
-            for r in records:
-                book, _ = ln.apply(book, r.event)
-
-        read_to_end(consumer, fold)
-    finally:
-        consumer.close()
-    return book
+    return fold_log(cfg, registry, ln.TOPICS, "loans-view", ln.CONSUMED, lambda b, r: ln.apply(b, r.event)[0],
+                    ln.LoanBook(), skipped=skipped)
 
 
 def loans(cfg, registry, entitlement: str | None = None, *, skipped=None, now_ms: int | None = None) -> dict:

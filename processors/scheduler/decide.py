@@ -1279,17 +1279,26 @@ def _on_job_spec_changed(fold: _Fold, ev: Event) -> None:
     p = ev.payload
     if p["spec_version"] == w.job.spec_version and Spec.from_payload(p) == w.job.spec:
         return  # the change applied already (redelivered under another event id)
-    if p["spec_version"] <= w.job.spec_version:
-        _refuse(fold, ev, REASON_STALE_SPEC_VERSION, f"spec version {p['spec_version']} is not newer than "
-                                                     f"{w.job.spec_version}", w)
-        return
-    if (refused := _problems(fold, ev)) is not None:
-        _refuse(fold, ev, *refused, w)
+    if _refused_stale_version(fold, ev, w, same_is_stale=True):
         return
     w.set(mix=None)  # a spec by hand: every task to it, whatever mix the Job Control Plane reconciled before
     _take_spec(w, Spec.from_payload(p), p["spec_version"])
     _resize(w, p["tasks"], REASON_RESIZED)
     w.retry_parked()
+
+
+def _refused_stale_version(fold: _Fold, ev: Event, w: _JobWork, *, same_is_stale: bool) -> bool:
+    """Refuse a spec whose version is older than the job's (or the same, ``same_is_stale``), or that breaks a rule
+    of the intent rules; True if refused."""
+    new, have = ev.payload["spec_version"], w.job.spec_version
+    if new < have or (same_is_stale and new == have):
+        _refuse(fold, ev, REASON_STALE_SPEC_VERSION, f"spec version {new} is "
+                f"{'not newer than' if same_is_stale else 'older than'} {have}", w)
+        return True
+    if (refused := _problems(fold, ev)) is not None:
+        _refuse(fold, ev, *refused, w)
+        return True
+    return False
 
 
 def _take_spec(w: _JobWork, spec: Spec, version: int) -> None:
@@ -1322,12 +1331,7 @@ def _on_job_spec_reconciled(fold: _Fold, ev: Event) -> None:
         _refuse(fold, ev, REASON_STALE_SUBMISSION, f"reconciled for submission {p['submission_id']}; this "
                                                    f"incarnation ({job.incarnation}) is {job.submission}", w)
         return
-    if p["spec_version"] < job.spec_version:
-        _refuse(fold, ev, REASON_STALE_SPEC_VERSION, f"spec version {p['spec_version']} is older than "
-                                                     f"{job.spec_version}", w)
-        return
-    if (refused := _problems(fold, ev)) is not None:
-        _refuse(fold, ev, *refused, w)
+    if _refused_stale_version(fold, ev, w, same_is_stale=False):  # a size or mix change keeps the versions
         return
     mix = vs.mix_of(p, job.mix)
     code = mix.code(mix.push if mix.push is not None else mix.stable)  # the job's spec shows the newest code

@@ -7,24 +7,10 @@ from processors.srm import decide as sd
 
 
 def fold_srm(cfg, registry, *, skipped=None) -> sd.SrmState:
-    from processors.resourcebroker.processor import read_to_end
-    from streams.clients import EventConsumer
-    from streams.topics import Topics
+    from processors.follower import fold_log
 
-    topics = Topics(cfg.topic_prefix, cfg.partitions)
-    consumer = EventConsumer(cfg, registry, [topics.name("intents"), topics.name("metrics")], name="srm-view",
-                             skipped=skipped, types=sd.CONSUMED)
-    state = sd.SrmState()
-    try:
-        def fold(records) -> None:
-            nonlocal state
-            for r in records:
-                state, _ = sd.decide(state, r.event, live=False)
-
-        read_to_end(consumer, fold)
-    finally:
-        consumer.close()
-    return state
+    return fold_log(cfg, registry, ("intents", "metrics"), "srm-view", sd.CONSUMED,
+                    lambda st, r: sd.decide(st, r.event, live=False)[0], sd.SrmState(), skipped=skipped)
 
 
 def decisions(cfg, registry, job: str | None = None, entitlement: str | None = None, *, skipped=None) -> dict:
