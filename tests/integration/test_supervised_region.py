@@ -27,7 +27,8 @@ from regioncli import RegionCli
 
 pytestmark = pytest.mark.integration
 
-WORKERS = {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health"}
+WORKERS = {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "jobcontrol", "srm",
+           "loans"}
 
 
 def job_spec(path, name: str, tasks: int) -> str:
