@@ -12,11 +12,13 @@ Writers per topic, and where a topic-level ACL cannot tell writers apart:
 
 | topic            | written by (besides operator)        | gap the ACL leaves, and who closes it |
 |------------------|--------------------------------------|---------------------------------------|
-| intents          | api (users' intents), scheduler (IntentRefused), rebalancer (RebalancePlanned) | the scheduler could forge an intent; it is trusted with every task command anyway. The rebalancer could too; its plans only move tasks the scheduler checks (a move the entitlement's job does not hold is not made) |
+| intents          | api (users' intents), scheduler (IntentRefused), rebalancer (RebalancePlanned), jobcontrol (JobSpecReconciled, its IntentRefused), srm (sizing intents, owner srm), lender (an elastic borrower's quota: EntitlementUpdated of a loan) | the scheduler could forge an intent; it is trusted with every task command anyway. The rebalancer could too; its plans only move tasks the scheduler checks (a move the entitlement's job does not hold is not made). jobcontrol, srm and lender could write any intent type: the topic-level ACL cannot tell types apart |
 | machines         | resourcebroker, health, allocator, api (admins' machine fail/recover, maintenance end), agent (HostProfileApplied/Failed) | an agent principal could forge any machine event (a registration, a status, an owner): readers of `machines` do not check the writer. Closing it needs the agents' profile answers on a topic of their own, relayed by Sidekick (not done) |
-| unavailability   | resourcebroker, health, api (admins' maintenance, machine fail) | |
+| unavailability   | resourcebroker, health, api (admins' maintenance, machine fail), lender (a revocation's notice, vacate) | |
 | allocations      | scheduler (AllocationRequested), allocator (TasksAllocated, AllocationRejected, TasksDeallocated) | the scheduler could forge a placement: agents trust the allocations topic, written only by these two |
 | tasks            | scheduler (commands, its own task transitions), agent (reports), sidekick (HostProfileRequested) | an agent principal could forge a command: agents start only what ``allocations`` placed on their machine for that entitlement and job (processors/agent/gate.py); a forged STOP from an agent principal is not caught (all agents share one principal) |
+| loans            | lender (LoanGranted, LoanRevoked, LoanReturned) | |
+| metrics          | agent (JobLoadReported: the load signals) | an agent could report another job's load: the SRM sizes within the job's min/max only |
 | taskcontrol      | scheduler (requests, throttling), controller (acks) | a controller could ack another job's request: the scheduler ignores acks of a stale or unknown sequence |
 | heartbeats       | agent | |
 | state.jobs, state.tasks | scheduler | |
@@ -30,8 +32,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, OPERATOR, REBALANCER, RESOURCEBROKER,
-                               SCHEDULER, SIDEKICK)
+from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, JOBCONTROL, LENDER, OPERATOR, REBALANCER,
+                               RESOURCEBROKER, SCHEDULER, SIDEKICK, SRM)
 from streams.topics import CATALOGUE, Topics
 
 READ, WRITE = "READ", "WRITE"
@@ -44,10 +46,13 @@ WRITES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     ALLOCATOR: ("allocations", "machines", "state.machines", DEADLETTER, SCHEMAS),
     RESOURCEBROKER: ("machines", "unavailability", DEADLETTER, SCHEMAS),
     HEALTH: ("machines", "unavailability", DEADLETTER, SCHEMAS),
-    AGENT: ("tasks", "heartbeats", "machines", DEADLETTER, SCHEMAS),  # machines: its host-profile answers
+    AGENT: ("tasks", "heartbeats", "machines", "metrics", DEADLETTER, SCHEMAS),  # machines: its host-profile answers
     CONTROLLER: ("taskcontrol", DEADLETTER, SCHEMAS),
     REBALANCER: ("intents", DEADLETTER, SCHEMAS),  # RebalancePlanned
     SIDEKICK: ("tasks", DEADLETTER, SCHEMAS),  # HostProfileRequested
+    JOBCONTROL: ("intents", DEADLETTER, SCHEMAS),
+    SRM: ("intents", DEADLETTER, SCHEMAS),
+    LENDER: ("loans", "intents", "unavailability", DEADLETTER, SCHEMAS),  # intents: a borrower's quota
 })
 READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     API: (*DATA, SCHEMAS),  # state, replay, the verdict of a submission, server-sent events
@@ -59,6 +64,9 @@ READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     CONTROLLER: ("taskcontrol", SCHEMAS),
     REBALANCER: ("intents", "machines", "unavailability", "allocations", "state.jobs", SCHEMAS),  # its TOPICS
     SIDEKICK: ("intents", "machines", "unavailability", "allocations", "tasks", SCHEMAS),
+    JOBCONTROL: ("intents", SCHEMAS),
+    SRM: ("intents", "metrics", SCHEMAS),
+    LENDER: ("machines", "intents", "unavailability", "allocations", "loans", SCHEMAS),
 })
 # faust apps: principal -> app id (its consumer group `<prefix><app>` and internal topics `<prefix><app>-...`).
 FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})

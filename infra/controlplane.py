@@ -1,5 +1,6 @@
 """The control plane of a local region as managed processes: Resource Broker (registers a generated region),
-Health Check Service, allocator, one scheduler shard, the ReBalancer and Sidekick (``UPPER``: each folds the
+Health Check Service, allocator, one scheduler shard, the ReBalancer and Sidekick, the Job Control Plane, the SRM
+autoscaler and the Resource Broker's lender of elastic loans (``UPPER``: Twine's upper floors, each folding the
 region's log as the allocator does), simulated agents for every generated machine, and one
 real process agent for the region's ``local`` machine (``LOCAL_MACHINE_ID``, type ``process``, in a DC of its
 own): tasks placed there run as OS processes of this computer, logs under ``<run dir>/agents/<machine>/``.
@@ -28,8 +29,8 @@ HEARTBEAT_INTERVAL_MS = 2000
 HEALTH_TIMEOUT_MS = 10000
 READY_TIMEOUT_S = 90.0
 NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
-         "sidekick")
-UPPER = ("rebalancer", "sidekick")  # Twine's upper floors: left out of the benchmark's regions (bench/env.py)
+         "sidekick", "jobcontrol", "srm", "loans")
+UPPER = ("rebalancer", "sidekick", "jobcontrol", "srm", "loans")  # left out of the bench's regions (bench/env.py)
 LOCAL_DC = "local"
 LOCAL_MACHINE_TYPE = "process"
 LOCAL_CPU_MILLICORES = 2000
@@ -82,6 +83,9 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
         "api": ["processors.api.server", "--port", str(cfg.api_port)],  # the HTTP API (processors/api)
         "rebalancer": ["processors.rebalancer.processor"],
         "sidekick": ["processors.sidekick.processor"],
+        "jobcontrol": ["processors.jobcontrol.processor"],  # intents -> reconciled specs (issue 15)
+        "srm": ["processors.srm.processor"],  # load -> sizing intents
+        "loans": ["processors.resourcebroker.lender"],  # elastic loans of the Resource Broker
     }
     out = []
     for name in NAMES:

@@ -17,6 +17,9 @@ user may run is ``redis_acl_lines`` below.
 | controller      | applications' TaskControllers           | reader |
 | rebalancer      | the ReBalancer (processors/rebalancer)  | reader |
 | sidekick        | Sidekick, host profiles (processors/sidekick) | reader |
+| jobcontrol      | the Job Control Plane (processors/jobcontrol) | reader |
+| srm             | the autoscaler (processors/srm)         | reader |
+| lender          | the Resource Broker's lender of elastic loans (resourcebroker/lender.py) | reader |
 
 The embedded broker has one more user, ``broker`` (``BROKER_USER``): the broker's own identity towards its KRaft
 controller, and the administrator ``up`` uses to create the principals' SCRAM credentials. No client of the region
@@ -73,7 +76,11 @@ AGENT = "agent"
 CONTROLLER = "controller"
 REBALANCER = "rebalancer"
 SIDEKICK = "sidekick"
-PRINCIPALS = (OPERATOR, API, SCHEDULER, ALLOCATOR, RESOURCEBROKER, HEALTH, AGENT, CONTROLLER, REBALANCER, SIDEKICK)
+JOBCONTROL = "jobcontrol"
+SRM = "srm"
+LENDER = "lender"
+PRINCIPALS = (OPERATOR, API, SCHEDULER, ALLOCATOR, RESOURCEBROKER, HEALTH, AGENT, CONTROLLER, REBALANCER, SIDEKICK,
+              JOBCONTROL, SRM, LENDER)
 BROKER_USER = "broker"  # the embedded broker's own user (super user; PLAIN, from its JAAS config)
 
 # Redis users, and which one each principal connects as.

@@ -41,8 +41,9 @@ class TopicSpec:
 # starts at offset 0), so every such topic is created with retention.ms=-1 (never delete by age; retention.bytes
 # is unbounded by default). state.* and _schemas are also compacted: only the last record per key is needed
 # (compaction never deletes a key's latest record; with cleanup.policy=compact retention.ms does not apply, it
-# is set anyway so that a later switch to compact,delete would not start deleting). Heartbeats are the only
-# topic with a bounded retention: liveness is judged on recent heartbeats and nothing is rebuilt from them.
+# is set anyway so that a later switch to compact,delete would not start deleting). Heartbeats and metrics are
+# the only topics with a bounded retention: liveness and load are judged on recent samples and nothing is rebuilt
+# from them (the autoscaler's decisions carry their inputs on `intents`, kept forever).
 # The config applies when provisioning creates a topic; an existing topic keeps the config it was created with.
 #
 # Compaction. The log cleaner only compacts closed segments, so a compacted topic rolls its active segment
@@ -60,9 +61,12 @@ _HEARTBEATS = MappingProxyType({"retention.ms": str(HEARTBEAT_RETENTION_MS)})
 
 CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("intents", KEY_ENTITLEMENT, ("EntitlementCreated", "EntitlementUpdated", "JobSubmitted",
-              "JobSpecChanged", "JobResized", "JobStopped", "IntentRefused", "RebalancePlanned"), True,
+              "JobSpecChanged", "JobResized", "JobStopped", "IntentRefused", "RebalancePlanned", "PushIntentDeclared",
+              "CanaryIntentDeclared", "SizingIntentDeclared", "ResourcesIntentDeclared", "JobSpecReconciled",
+              "EntitlementElasticityChanged"), True,
               config=_KEEP_FOREVER,
-              doc="user intent from the front end, the ReBalancer's plans, and the scheduler's refusals of them"),
+              doc="user intent from the front end, per-dimension intents and the Job Control Plane's reconciled "
+                  "specs, the ReBalancer's plans, and the scheduler's refusals"),
     TopicSpec("machines", KEY_ENTITLEMENT, ("MachineRegistered", "MachineStatusChanged",
               "MachineAssignedToEntitlement", "MachineReleasedToFreePool", "HostProfileApplied",
               "MachinesStatusChanged", "HostProfileFailed"), True,
@@ -78,6 +82,10 @@ CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("taskcontrol", KEY_ENTITLEMENT, ("TaskControlRequested", "TaskControlAcked", "OperationsThrottled"),
               True, config=_KEEP_FOREVER,
               doc="TaskControl requests to application controllers and their acks"),
+    TopicSpec("loans", KEY_ENTITLEMENT, ("LoanGranted", "LoanRevoked", "LoanReturned"), True, config=_KEEP_FOREVER,
+              doc="elastic compute: machines the Resource Broker lends to elastic entitlements and takes back"),
+    TopicSpec("metrics", KEY_ENTITLEMENT, ("JobLoadReported",), True, config=_HEARTBEATS,
+              doc="load signals per job for the autoscaler; bounded retention like heartbeats"),
     TopicSpec("heartbeats", KEY_MACHINE, ("AgentHeartbeat",), config=_HEARTBEATS,
               doc="agent liveness, high volume; bounded retention (HEARTBEAT_RETENTION_MS)"),
     TopicSpec("deadletter", KEY_ORIGIN, ("DeadLetterRecorded",), partitions=1, config=_KEEP_FOREVER,

@@ -34,6 +34,10 @@ default 1) and answered ``HostProfileApplied``, or ``HostProfileFailed`` on a ma
 kernel that cannot allocate huge pages, say; ``--profile-fail MACHINE[:PROFILE]``: every switch of the machine, or
 only its switches to that profile). Until then the START commands that need the
 profile are held. Only machines with a profile other than the default (or a switch under way) take memory.
+
+**Load signals** (``--load JOB=SPEC``, repeatable; ``load.py``): every ``--load-interval-ms`` one JobLoadReported per
+such job on ``metrics``: the load of a daily trace (compressed in time by the spec's ``speed``) and the tasks of the
+job these machines run. What the autoscaler (``processors/srm``) sizes the job from.
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ from . import decide as d
 from . import gate as g
 from . import hostprofile as hp
 from processors.sidekick import catalogue
+from .load import JobLoad
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent.simulated")
@@ -86,7 +91,8 @@ class SimulatedAgents(LoopWorker):
                  interval_ms: int = DEFAULT_INTERVAL_MS, start_delay_ms: int = DEFAULT_START_DELAY_MS,
                  start_jitter: float = 0.0, seed: int = 0, name: str = "agent/simulated",
                  state_file: Path | str | None = None, profile_switch_scale: float | None = None,
-                 profile_failures: Iterable[str] = ()):
+                 profile_failures: Iterable[str] = (), loads: Sequence[JobLoad] = (),
+                 load_interval_ms: int = 1000):
         if interval_ms <= 0:
             raise ValueError(f"interval_ms must be positive, got {interval_ms}")
         if not 0.0 <= start_jitter < 1.0:
@@ -126,6 +132,9 @@ class SimulatedAgents(LoopWorker):
         self._outbox: list[Event] = []  # this step's TaskStateChanged reports, sent batched at its end
         self.offsets: dict[tuple[str, int], int] = {}  # tasks partition -> next offset to read
         self.state_file = Path(state_file) if state_file is not None else None
+        self.loads = tuple(loads)  # jobs whose load signal these agents emit (load.py)
+        self.load_interval_ms = load_interval_ms
+        self._next_load_ms = 0
         self._dirty = False
         self._saved_at = 0.0
         if self.state_file is not None:
@@ -369,6 +378,21 @@ class SimulatedAgents(LoopWorker):
         self._next = end
         return sent
 
+    def due_loads(self, now: int) -> int:
+        """Every ``load_interval_ms``: one JobLoadReported per job of ``loads`` (its trace's load now, its tasks
+        running here)."""
+        if not self.loads or now < self._next_load_ms:
+            return 0
+        self._next_load_ms = now + self.load_interval_ms
+        running: dict[str, int] = {}
+        for st in self.states.values():
+            for tid in st.live_task_ids():
+                job = tid.rsplit("/", 1)[0]
+                running[job] = running.get(job, 0) + 1
+        for load in self.loads:
+            self.producer.send(load.sample(now, running.get(load.job_id, 0), self.name), validate=False)
+        return len(self.loads)
+
     # -- running -------------------------------------------------------------------------------------------
     def connect(self, start_offsets=None) -> None:
         """Read every partition of ``tasks``, from ``start_offsets``, else the state file's, else the beginning."""
@@ -391,6 +415,7 @@ class SimulatedAgents(LoopWorker):
         self.due_spawns(now)
         self.send_reports(now)
         self.due_heartbeats(now)
+        self.due_loads(now)
         self.producer.poll(0)  # serve delivery reports (EventProducer polls every 1000 sends only)
         self.beats.poll(0)
         self.maybe_save()
@@ -442,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="host profile switch times are the catalogue's times this (ROPEWALK_PROFILE_SWITCH_SCALE)")
     ap.add_argument("--profile-fail", action="append", default=[], metavar="MACHINE[:PROFILE]",
                     help="a machine whose host profile switches (to PROFILE) fail (repeatable)")
+    ap.add_argument("--load", action="append", default=[], metavar="JOB=SPEC",
+                    help="emit a load signal for JOB from a daily trace (processors/agent/load.py), e.g. "
+                         "e1.web=speed=2880;noise=0.02 (repeatable)")
+    ap.add_argument("--load-interval-ms", type=int, default=1000, help="how often each load signal is sampled")
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -458,9 +487,15 @@ def main(argv: list[str] | None = None) -> int:
         ids = [m.id for m in iter_machines(load_region(Path(args.region))) if m.id not in set(args.exclude)]
     else:
         ids = [f"sim-{i:06d}" for i in range(args.machines)]
+    from .load import LoadSpecError, parse_job_load
+    try:
+        loads = [parse_job_load(spec, now_ms()) for spec in args.load]
+    except LoadSpecError as exc:
+        print(f"simulated agents: {exc}", file=sys.stderr)
+        return 2
     sim = SimulatedAgents(cfg, ids, interval_ms=args.interval_ms, start_delay_ms=args.start_delay_ms,
                           state_file=args.state_file, profile_switch_scale=args.profile_switch_scale,
-                          profile_failures=args.profile_fail)
+                          profile_failures=args.profile_fail, loads=loads, load_interval_ms=args.load_interval_ms)
     sim.stop_on_signals()
     log.info("simulating %d machines, heartbeat every %d ms, reading %s", len(ids), args.interval_ms, sim.topic)
     sim.run()

@@ -22,6 +22,13 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 | GET /v1/rebalance/plans[?entitlement=&all=] | rebalance.view  | the ReBalancer's plans, each move's progress (`rebalance plan --json`) |
 | GET /v1/replay?...                    | replay.view (one entitlement or job) / region.view | NDJSON: one event per line, then `{"stats": ...}` |
 | GET /v1/events/jobs, /v1/events/machines[?entitlement=] | job.view / machine.view | server-sent events |
+| GET /v1/intents                       | intents.view (filtered) | every job with intents: who wants what, the reconciled spec |
+| GET /v1/jobs/{job}/intents[/history]  | intents.view           | the job's intents and reconciled spec; every reconciliation with provenance |
+| POST /v1/jobs/{job}/intents/{push,canary,size,resources} | intents.declare | 202, the intent (the Job Control Plane reconciles it) |
+| GET /v1/jobs/{job}/srm                | srm.view               | the autoscaler's picture of the job |
+| GET /v1/srm/decisions[?job=]          | srm.view (a job) / region.view | the SRM's decisions with inputs and forecast, reversals |
+| GET /v1/loans[?entitlement=]          | loans.view (one entitlement) / region.view | loans, revocations, returns (took_ms vs bound), p99 |
+| PUT /v1/entitlements/{name}/elasticity | entitlement.elastic   | 202, EntitlementElasticityChanged |
 | GET /healthz                          | none                   | `{"ok": true}` |
 | GET /metrics                          | none                   | Prometheus text (infra/metrics.py) |
 
@@ -153,6 +160,14 @@ class MaintenancePlan(Strict):
     duration_ms: int = Field(gt=0)
     deadline_ms: int | None = None
     reason: str = "maintenance"
+
+
+class Elasticity(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    elastic: bool
+    max_borrowed_machines: int = Field(0, ge=0)
+    revoke_notice_ms: int = Field(30_000, ge=0)
+    lend_idle: bool = True
 
 
 # -- the app ---------------------------------------------------------------------------------------------------
@@ -383,6 +398,50 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
             allow(user, "rebalance.view", entitlement)
         rows = await call(front(user).rebalance_plans, entitlement, all)
         return [r for r in rows if authz.visible(user, r["entitlement"])]
+
+    # -- the upper floors: intents, the SRM, loans (issue 15) ------------------------------------------------
+    @app.get("/v1/intents", tags=["intents"])
+    async def intents_list(user: CurrentUser) -> list[dict]:
+        rows = await call(front(user).intents)
+        return [r for r in rows if authz.visible(user, fe.entitlement_of_job(r["job"]))]
+
+    @app.get("/v1/jobs/{job}/intents", tags=["intents"])
+    async def intents_show(job: JobId, user: CurrentUser) -> dict:
+        allow(user, "intents.view", fe.entitlement_of_job(job))
+        return await call(front(user).intents, job)
+
+    @app.get("/v1/jobs/{job}/intents/history", tags=["intents"])
+    async def intents_history(job: JobId, user: CurrentUser) -> list[dict]:
+        allow(user, "intents.view", fe.entitlement_of_job(job))
+        return await call(front(user).intents_history, job)
+
+    @app.post("/v1/jobs/{job}/intents/{dimension}", status_code=202, tags=["intents"])
+    async def intent_declare(job: JobId, dimension: Literal["push", "canary", "size", "resources"],
+                             body: dict[str, Any], user: CurrentUser) -> dict:
+        allow(user, "intents.declare", fe.entitlement_of_job(job))
+        return await call(front(user).intent_declare, job, dimension, body)
+
+    @app.get("/v1/jobs/{job}/srm", tags=["srm"])
+    async def srm_show(job: JobId, user: CurrentUser) -> dict:
+        allow(user, "srm.view", fe.entitlement_of_job(job))
+        return await call(front(user).srm, job)
+
+    @app.get("/v1/srm/decisions", tags=["srm"])
+    async def srm_decisions(user: CurrentUser, job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None) -> dict:
+        scope = fe.entitlement_of_job(job) if job is not None else None
+        allow(user, "srm.view" if scope is not None else "region.view", scope)
+        return await call(front(user).srm_decisions, job)
+
+    @app.get("/v1/loans", tags=["loans"])
+    async def loans(user: CurrentUser, entitlement: EntitlementQuery = None) -> dict:
+        allow(user, "loans.view" if entitlement is not None else "region.view", entitlement)
+        return await call(front(user).loans, entitlement)
+
+    @app.put("/v1/entitlements/{name}/elasticity", status_code=202, tags=["loans"])
+    async def elasticity(name: Name, body: Elasticity, user: CurrentUser) -> dict:
+        allow(user, "entitlement.elastic", name)
+        return await call(front(user).elasticity_set, name, body.elastic, body.max_borrowed_machines,
+                          body.revoke_notice_ms, body.lend_idle)
 
     # -- the log ---------------------------------------------------------------------------------------------
     @app.get("/v1/replay", tags=["log"], response_class=StreamingResponse,

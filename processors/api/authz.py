@@ -19,6 +19,11 @@ region administrator may do everything. Every answer carries a reason constant, 
 | machine.fail / machine.recover | region admin  | operator actions on machines                            |
 | maintenance.plan / maintenance.end | region admin | planned maintenance                                  |
 | region.view             | region admin         | region-wide reads: every machine, the whole replay      |
+| intents.view            | viewer               | a job's intents (who wants what) and its reconciled spec |
+| intents.declare         | operator             | declare a push, canary, sizing or resources intent      |
+| srm.view                | viewer               | the autoscaler's picture of a job and its decisions     |
+| loans.view              | viewer               | loans to or from the entitlement (all loans: admin)     |
+| entitlement.elastic     | region admin         | make an entitlement elastic (it borrows quota)          |
 """
 from __future__ import annotations
 
@@ -50,6 +55,11 @@ ACTIONS: Mapping[str, str] = MappingProxyType({
     "maintenance.plan": REGION_ADMIN,
     "maintenance.end": REGION_ADMIN,
     "region.view": REGION_ADMIN,
+    "intents.view": VIEWER,
+    "intents.declare": OPERATOR,
+    "srm.view": VIEWER,
+    "loans.view": VIEWER,
+    "entitlement.elastic": REGION_ADMIN,
 })
 
 # Reasons (Decision.reason).

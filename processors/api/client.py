@@ -120,6 +120,29 @@ class ApiClient:
         return self._json("GET", "/v1/rebalance/plans", query={"entitlement": entitlement,
                                                                 "all": "true" if every else None})
 
+    def intent_declare(self, job: str, dimension: str, payload: dict) -> dict:
+        return self._json("POST", f"/v1/jobs/{_q(job)}/intents/{_q(dimension)}", payload)
+
+    def intents(self, job: str | None = None):
+        return self._json("GET", f"/v1/jobs/{_q(job)}/intents" if job is not None else "/v1/intents")
+
+    def intents_history(self, job: str) -> list[dict]:
+        return self._json("GET", f"/v1/jobs/{_q(job)}/intents/history")
+
+    def srm(self, job: str) -> dict:
+        return self._json("GET", f"/v1/jobs/{_q(job)}/srm")
+
+    def srm_decisions(self, job: str | None = None, entitlement: str | None = None) -> dict:
+        return self._json("GET", "/v1/srm/decisions", query={"job": job})
+
+    def loans(self, entitlement: str | None = None) -> dict:
+        return self._json("GET", "/v1/loans", query={"entitlement": entitlement})
+
+    def elasticity_set(self, entitlement: str, elastic, max_borrowed=0, notice_ms=30_000, lend_idle=True) -> dict:
+        return self._json("PUT", f"/v1/entitlements/{_q(entitlement)}/elasticity",
+                          {"elastic": elastic, "max_borrowed_machines": max_borrowed, "revoke_notice_ms": notice_ms,
+                           "lend_idle": lend_idle})
+
     def replay(self, **query) -> "ReplayLines":
         """The audit timeline: iterate for one event document per line; ``.stats`` once it ended."""
         return ReplayLines(self._open("GET", "/v1/replay", query=query))

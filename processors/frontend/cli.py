@@ -1141,7 +1141,19 @@ def build_parser() -> argparse.ArgumentParser:
     from bench import killstorm
 
     killstorm.add_arguments(sp)
+    add_upper_floors(sub)
     return p
+
+
+def add_upper_floors(sub) -> None:
+    """The commands of the Job Control Plane (`intents`), the autoscaler (`srm`) and elastic loans (`loans`), each
+    in its own package (issue 15)."""
+    from processors.jobcontrol import cli as jcp
+    from processors.resourcebroker import loans_cli
+    from processors.srm import cli as srm
+
+    for package in (jcp, srm, loans_cli):
+        package.add_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

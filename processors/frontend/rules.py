@@ -33,6 +33,7 @@ from streams.validate import describe_value
 INVALID_SPEC = "invalid_spec"  # a job spec (JobSubmitted, JobSpecChanged) or resize breaks a rule below
 TOO_MANY_TASKS = "too_many_tasks"  # a job (submitted, resized, updated) beyond the maximum tasks per job
 INVALID_ENTITLEMENT = "invalid_entitlement"  # EntitlementCreated/Updated breaks a rule below
+INVALID_INTENT = "invalid_intent"  # a per-dimension intent (push, canary, sizing, resources, elasticity) breaks one
 
 MAX_TASK_CPU_MILLICORES = 1_000_000  # 1,000 cores: no machine has more
 MAX_TASK_MEMORY_MIB = 16 * 1024 * 1024  # 16 TiB: no machine has more
@@ -114,6 +115,13 @@ def spec_problems(p: Mapping[str, Any], max_tasks: int = DEFAULT_MAX_TASKS_PER_J
     return [x for x in found if x is not None]
 
 
+def one_of(value: Any, field: str, choices, reason: str) -> Problem | None:
+    """``value`` must be one of ``choices``."""
+    if value in choices:
+        return None
+    return Problem(field, f"expected one of {', '.join(choices)}, got {describe_value(value)}", reason)
+
+
 def intent_problems(event_type: str, p: Mapping[str, Any], entitlement: str,
                     max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> list[Problem]:
     """What is wrong with an intent of ``event_type`` (its payload ``p``, keyed to ``entitlement``); empty if
@@ -136,7 +144,126 @@ def intent_problems(event_type: str, p: Mapping[str, Any], entitlement: str,
     if event_type == "JobResized":
         problem = task_count(p.get("tasks"), max_tasks, low=0)
         return [problem] if problem is not None else []
+    if event_type in DIMENSION_RULES:
+        return [x for x in DIMENSION_RULES[event_type](p, max_tasks) if x is not None]
     return []
+
+
+# -- the Job Control Plane's per-dimension intents, its reconciled spec, and elasticity (issue 15) --------------
+
+CANARY_ACTIONS = ("start", "promote", "abort")
+SIZING_SOURCES = ("person", "autoscaler")
+MAX_NOTICE_MS = 24 * 3600 * 1000  # a revocation's notice: at most a day
+MAX_LOAD_PER_TASK = 1e12
+
+
+def _percent(value: Any, field: str) -> Problem | None:
+    return quantity(value, field, 0, 100, INVALID_INTENT, limit="(a percentage)")
+
+
+def _code(p: Mapping[str, Any], required: bool = True) -> list[Problem | None]:
+    """A version's argv and env (a push target's, a canary's)."""
+    if not p.get("command"):
+        return [Problem("command", "expected a non-empty list of strings, got an empty list", INVALID_INTENT)
+                if required else None]
+    size = size_of(list(p.get("command") or ())) + size_of(dict(p.get("env") or {}))
+    if size > MAX_SPEC_BYTES:
+        return [Problem("command", f"command and env take {size:,} bytes, at most {MAX_SPEC_BYTES:,}", INVALID_INTENT)]
+    return []
+
+
+def _owner(p: Mapping[str, Any]) -> Problem | None:
+    return None if p.get("owner") else Problem("owner", "expected who wants it, got an empty string", INVALID_INTENT)
+
+
+def _push(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
+    found = [_owner(p), _percent(p.get("percent"), "percent"), *_code(p)]
+    steps = list(p.get("steps") or ())
+    found += [_percent(s, f"steps[{i}]") for i, s in enumerate(steps)]
+    if steps and any(b <= a for a, b in zip(steps, steps[1:])):
+        found.append(Problem("steps", f"expected ascending percentages, got {steps}", INVALID_INTENT))
+    if steps and p.get("percent") not in steps:
+        found.append(Problem("percent", f"expected one of the step plan {steps}, got {describe_value(p.get('percent'))}",
+                             INVALID_INTENT))
+    return found
+
+
+def _canary(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
+    action = p.get("action")
+    if (wrong := one_of(action, "action", CANARY_ACTIONS, INVALID_INTENT)) is not None:
+        return [wrong]
+    found = [_owner(p)]
+    if action == "start":
+        found += [quantity(p.get("count"), "count", 1, max_tasks, INVALID_INTENT, limit="tasks per job"), *_code(p)]
+    if action == "promote":
+        found.append(_percent(p.get("promote_percent", 100), "promote_percent"))
+    return found
+
+
+def _sizing(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
+    """A task count breaking a rule is an invalid intent (too_many_tasks stays what it is)."""
+    return [x if x is None or x.reason != INVALID_SPEC else Problem(x.field, x.message, INVALID_INTENT)
+            for x in _sizing_problems(p, max_tasks)]
+
+
+def _sizing_problems(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
+    source = p.get("source")
+    if (wrong := one_of(source, "source", SIZING_SOURCES, INVALID_INTENT)) is not None:
+        return [wrong]
+    found = [_owner(p)]
+    if p.get("tasks") is not None or source == "autoscaler":
+        found.append(task_count(p.get("tasks"), max_tasks, low=0))
+    if p.get("autoscale"):
+        lo, hi = p.get("min_tasks"), p.get("max_tasks")
+        found += [task_count(lo, max_tasks, "min_tasks", low=0), task_count(hi, max_tasks, "max_tasks", low=1)]
+        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+            found.append(Problem("min_tasks", f"expected at most max_tasks ({hi:,}), got {lo:,}", INVALID_INTENT))
+        per = p.get("load_per_task")
+        if not isinstance(per, (int, float)) or isinstance(per, bool) or not 0 < per <= MAX_LOAD_PER_TASK:
+            found.append(Problem("load_per_task", f"expected a positive number, got {describe_value(per)}",
+                                 INVALID_INTENT))
+        if source == "person" and p.get("tasks") is not None:
+            found.append(Problem("tasks", "a size to pin or autoscaling, not both", INVALID_INTENT))
+    return found
+
+
+def _resources(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
+    r = p.get("resources") or {}
+    return [_owner(p),
+            quantity(r.get("cpu_millicores"), "resources.cpu_millicores", 1, MAX_TASK_CPU_MILLICORES, INVALID_INTENT,
+                     limit="millicores per task (no machine has more)"),
+            quantity(r.get("memory_mib"), "resources.memory_mib", 1, MAX_TASK_MEMORY_MIB, INVALID_INTENT,
+                     limit="MiB per task (no machine has more)")]
+
+
+def _elasticity(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
+    return [Problem(k, f"expected true or false, got {describe_value(p.get(k))}", INVALID_INTENT)
+            for k in ("elastic", "lend_idle") if not isinstance(p.get(k, True), bool)] + [quantity(p.get("max_borrowed_machines", 0), "max_borrowed_machines", 0, MAX_QUOTA_MACHINES,
+                     INVALID_INTENT, limit="machines (more than a region has)"),
+            quantity(p.get("revoke_notice_ms", 0), "revoke_notice_ms", 0, MAX_NOTICE_MS, INVALID_INTENT,
+                     limit="ms (a day)")]
+
+
+def _reconciled(p: Mapping[str, Any], max_tasks: int) -> list[Problem | None]:
+    """The Job Control Plane's output, read by the scheduler: a spec whose command is per version."""
+    found: list[Problem | None] = list(spec_problems({**p, "command": ["-"]}, max_tasks))
+    versions = {v["version"]: v for v in p.get("versions") or ()}
+    for i, v in enumerate(p.get("versions") or ()):
+        found += [Problem(f"versions[{i}].{x.field}", x.message, INVALID_SPEC) for x in _code(v) if x is not None]
+    named = [("stable_version", p.get("stable_version"))] + [
+        (f"{k}.version", (p.get(k) or {}).get("version")) for k in ("push", "canary") if p.get(k)]
+    found += [Problem(f, f"no such version in versions ({sorted(versions)})", INVALID_SPEC)
+              for f, v in named if v not in versions]
+    if p.get("push"):
+        found.append(quantity(p["push"].get("percent"), "push.percent", 0, 100, INVALID_SPEC, limit="(a percentage)"))
+    if p.get("canary"):
+        found.append(quantity(p["canary"].get("count"), "canary.count", 0, max_tasks, INVALID_SPEC))
+    return found
+
+
+DIMENSION_RULES = {"PushIntentDeclared": _push, "CanaryIntentDeclared": _canary, "SizingIntentDeclared": _sizing,
+                   "ResourcesIntentDeclared": _resources, "EntitlementElasticityChanged": _elasticity,
+                   "JobSpecReconciled": _reconciled}
 
 
 def refusal(problems: list[Problem]) -> tuple[str, str]:

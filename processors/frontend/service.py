@@ -326,6 +326,101 @@ class Frontend:
         return {"unavailability_id": unavailability_id, "event_ids": [e.event_id for e in events],
                 "machines": sorted(machines)}
 
+    # -- the upper floors: per-dimension intents, the SRM, elastic loans (issue 15) --------------------------
+    INTENT_TYPES = {"push": "PushIntentDeclared", "canary": "CanaryIntentDeclared", "size": "SizingIntentDeclared",
+                    "resources": "ResourcesIntentDeclared"}
+
+    def intent_declare(self, job: str, dimension: str, payload: Mapping[str, Any]) -> dict:
+        """One per-dimension intent for ``job`` (push, canary, size, resources), checked by the intent rules
+        (``rules.py``) and keyed by the job's entitlement; the Job Control Plane reconciles it."""
+        from processors.frontend import rules
+
+        type_ = self.INTENT_TYPES.get(dimension)
+        if type_ is None:
+            raise FrontendError(INVALID_REQUEST, f"dimension: expected one of {', '.join(self.INTENT_TYPES)}, "
+                                                 f"got {dimension!r}")
+        if not isinstance(payload, Mapping):
+            raise FrontendError(INVALID_REQUEST, "body: expected an object")
+        ent = entitlement_of_job(job)  # a job the Job Control Plane does not know: its IntentRefused says so
+        payload = {**payload, "job_id": job, "owner": payload.get("owner") or self.principal}
+        if type_ == "SizingIntentDeclared":  # a person's: the autoscaler's own come from the SRM alone
+            payload = {"tasks": None, "autoscale": False, "min_tasks": None, "max_tasks": None,
+                       "load_per_task": None, **payload, "source": "person", "decision": None}
+        found = rules.intent_problems(type_, payload, ent, self.cfg.max_tasks_per_job)
+        if found:
+            raise FrontendError(INVALID_REQUEST, f"{type_}: {'; '.join(map(str, found))}")
+        ev = self.event(type_, payload, ent, job)
+        try:
+            self.registry.encode(type_, ev.to_record())
+        except Exception as exc:  # noqa: BLE001 - a field of the wrong type the rules do not name: say which
+            raise FrontendError(INVALID_REQUEST, f"{type_}: {exc}") from None
+        self.send([ev])
+        return {"job": job, "intent": type_, "entitlement": ent, "event_id": ev.event_id}
+
+    def intents(self, job: str | None = None) -> Any:
+        """Who wants what of ``job`` and its reconciled spec (``job_intents_view``); without a job, every job that
+        has intents."""
+        from processors.jobcontrol import decide as jd
+        from processors.jobcontrol.views import fold_intents
+
+        self.require_broker()
+        state = fold_intents(self.cfg, self.registry, skipped=self.skipped)
+        if job is None:
+            return [jd.job_intents_view(j) for _, j in sorted(state.jobs.items()) if j.intents]
+        found = state.jobs.get(job)
+        if found is None:
+            raise FrontendError(UNKNOWN_JOB, f"no intents known for {job!r} (the Job Control Plane reads `intents`: "
+                                             f"submit the job, then declare one)")
+        return jd.job_intents_view(found)
+
+    def intents_history(self, job: str) -> list[dict]:
+        from processors.jobcontrol.views import history
+
+        self.require_broker()
+        return history(self.cfg, self.registry, job, skipped=self.skipped)
+
+    def srm(self, job: str) -> dict:
+        """The job as the SRM sees it: policy, load, forecast, size, last change."""
+        from processors.srm import decide as sd
+        from processors.srm.views import fold_srm
+
+        self.require_broker()
+        found = fold_srm(self.cfg, self.registry, skipped=self.skipped).jobs.get(job)
+        if found is None:
+            raise FrontendError(UNKNOWN_JOB, f"the SRM knows nothing of {job!r} (no policy, size or load sample on "
+                                             f"the log)")
+        return sd.job_view(found)
+
+    def srm_decisions(self, job: str | None = None, entitlement: str | None = None) -> dict:
+        from processors.srm.views import decisions
+
+        self.require_broker()
+        return decisions(self.cfg, self.registry, job, entitlement, skipped=self.skipped)
+
+    def loans(self, entitlement: str | None = None) -> dict:
+        """What is lent and being taken back (of ``entitlement``, as borrower or lender, if given)."""
+        from processors.resourcebroker.loans_view import loans
+
+        self.require_broker()
+        return loans(self.cfg, self.registry, entitlement, skipped=self.skipped)
+
+    def elasticity_set(self, entitlement: str, elastic: Any, max_borrowed: Any = 0, notice_ms: Any = 30_000,
+                       lend_idle: Any = True) -> dict:
+        """EntitlementElasticityChanged: whether ``entitlement`` may borrow idle machines (up to ``max_borrowed``,
+        given back with ``notice_ms`` of notice) and whether its own idle quota may be lent."""
+        from processors.frontend import rules
+
+        payload = {"elastic": elastic, "max_borrowed_machines": max_borrowed, "revoke_notice_ms": notice_ms,
+                   "lend_idle": lend_idle}
+        found = rules.intent_problems("EntitlementElasticityChanged", payload, entitlement)
+        if found:
+            raise FrontendError(INVALID_REQUEST, "; ".join(map(str, found)))
+        if entitlement not in {e["entitlement"] for e in self.entitlements()}:
+            raise FrontendError(INVALID_REQUEST, f"entitlement: no entitlement {entitlement!r}", 404)
+        ev = self.event("EntitlementElasticityChanged", payload, entitlement, entitlement)
+        self.send([ev])
+        return {"entitlement": entitlement, **payload, "event_id": ev.event_id}
+
     # -- the log ---------------------------------------------------------------------------------------------
     def replay(self, flt) -> "Iterator":
         """The audit timeline (``streams.replay.replay``): a ``Replay`` to iterate once (``.stats`` after)."""

@@ -69,6 +69,7 @@ from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UN
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.scheduler import lifecycle as lc
 from processors.scheduler import rebalance
+from processors.scheduler import versions as vs
 from processors.taskcontrol import limiter
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
@@ -135,6 +136,9 @@ REASON_JOB_NOT_ACTIVE = "job_not_active"  # resize/update of a job that is stopp
 #                                           job id whose previous incarnation is still stopping
 REASON_STALE_SPEC_VERSION = "stale_spec_version"  # JobSpecChanged not newer than the job's spec version
 REASON_ENTITLEMENT_MISMATCH = "entitlement_mismatch"  # an intent keyed to another entitlement than the job's
+REASON_STALE_GENERATION = "stale_generation"  # JobSpecReconciled not newer than the one the job holds
+REASON_STALE_SUBMISSION = "stale_submission"  # JobSpecReconciled for another incarnation (submission) of the job
+REASON_MUST_VACATE = "must_vacate"  # a KEEP/STOP choice under a notice whose machines must be left (a loan revoked)
 # Why an agent report was ignored (job last_ignored).
 REASON_STALE_REPORT = "stale_report"  # about another machine or spec version than the task's (a lagging agent)
 REASON_ILLEGAL_REPORT = "illegal_report"  # a transition the lifecycle table refuses from the task's state
@@ -336,6 +340,10 @@ class Job:
     tc_notice_new: bool = False  # notice news: a new notice, or a task back RUNNING under one (a next choice)
     maint: tuple = ()  # planned maintenance of its machines: (UE id, machine ids, start_ms, deadline_ms, enforced)
     incarnation: int = 1  # which submission of this job id (a stopped or rejected job's id may be submitted again)
+    submission: str = ""  # the event id of the JobSubmitted that made this incarnation
+    mix: vs.Mix | None = None  # several versions at once (push %, canary: versions.py); None: every task the job's
+    generation: int = 0  # the latest JobSpecReconciled applied (processors/jobcontrol)
+    vacating: tuple[str, ...] = ()  # planned unavailabilities (ids) whose machines its tasks must leave (loans)
 
 
 @dataclass(frozen=True)
@@ -392,6 +400,7 @@ def job_view(state: SchedulerState, job_id: str) -> dict:
         "operations": [{"id": t.op_id, "task": t.id, "kind": t.op, "state": t.op_state, "reason": t.op_reason}
                        for t in job.tasks.values() if t.op is not None] if job.ops_open else [],
         "throttled": list(job.throttled),
+        "mix": vs.mix_view(job.mix),
         "maintenance": [{"unavailability_id": u, "machines": list(ms), "start_ms": s, "deadline_ms": d,
                          "deadline_enforced": e} for u, ms, s, d, e in job.maint],
         "tasks": [{"id": t.id, "state": t.state, "machine": t.machine, "dc": t.dc, "msb": t.msb, "rack": t.rack,
@@ -538,10 +547,29 @@ class _JobWork:
         self.waiting: dict[str, Task] = {}  # task id → its operation the limiter held back in this decision
         self.refusal: str | None = None  # and why
         self.ask = False  # the timer: ask the TaskController again even if a request is outstanding
+        self.remix = False  # the version mix or the job's size changed: tasks may have new target versions
+        self._targets: tuple[tuple, dict[int, int]] | None = None  # ((desired, mix), versions.targets) memo
 
     @property
     def tasks(self) -> Mapping[str, Task]:
         return self._tasks if self._tasks is not None else self.job.tasks
+
+    def version_for(self, index: int, desired: int | None = None, default: int | None = None) -> int:
+        """The version task ``index`` is to run in a job of ``desired`` live tasks (default: the job's): the job's
+        spec version, or its target in the job's version mix (``versions.py``); ``default`` (else the job's
+        version) for a task beyond the live ones (retiring)."""
+        mix = self.job.mix
+        if mix is None:
+            return self.job.spec_version
+        desired = self.job.desired if desired is None else desired
+        key = (desired, mix)
+        if self._targets is None or self._targets[0] != key:
+            self._targets = (key, vs.targets(mix, desired))
+        return self._targets[1].get(index, self.job.spec_version if default is None else default)
+
+    def wanted(self, t: Task) -> int:
+        """The version ``t`` is to run (``version_for``; a retiring task keeps its own)."""
+        return self.version_for(t.index, default=t.spec_version)
 
     def put(self, t: Task) -> Task:
         old = self.tasks.get(t.id)
@@ -623,14 +651,17 @@ class _JobWork:
                           event_id=batch_id("TaskStatesChanged", (r["report_id"] for r in part)))
             self.reports = []
         if self.commands:
-            argv, env = list(job.spec.command), dict(job.spec.env)
             ent = self.fold.entitlements().get(job.entitlement)
             profile = None if ent is None else ent.host_profile or ""  # agents start tasks only where it is applied
-            parts = split(self.commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env) + 30)
-            for i, part in enumerate(parts):
-                self.emit("TasksCommanded", job.id, {"job_id": job.id, "argv": argv, "env": env, "commands": part,
-                                                     "part": i, "parts": len(parts), "host_profile": profile},
-                          "commands", job.id, i)
+            for version, commands in _by_version(self.commands, job.mix):
+                code = job.mix.code(version) if version is not None else None
+                argv, env = (list(code.command), dict(code.env)) if code else (list(job.spec.command), dict(job.spec.env))
+                parts = split(commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env) + 30)
+                disc = () if version is None else (version,)  # a job with a version mix: a batch per version run
+                for i, part in enumerate(parts):
+                    self.emit("TasksCommanded", job.id, {"job_id": job.id, "argv": argv, "env": env, "commands": part,
+                                                         "part": i, "parts": len(parts), "host_profile": profile},
+                              "commands", job.id, *disc, i)
             self.commands = []
 
     def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = (),
@@ -767,6 +798,17 @@ class _JobWork:
         self.set(status=JOB_STOPPED, free_request_id=rid)
 
 
+def _by_version(commands: list[dict[str, Any]], mix: vs.Mix | None) -> list[tuple[int | None, list[dict]]]:
+    """A decision's commands for one job, in TasksCommanded batches: one (None) without a version mix, else one per
+    version the lines run (argv/env are the version's), in the order the versions first appear."""
+    if mix is None:
+        return [(None, commands)]
+    by: dict[int, list[dict]] = {}
+    for c in commands:
+        by.setdefault(c["spec_version"], []).append(c)
+    return list(by.items())
+
+
 def task_parts(job: Job) -> int:
     """0: ``job``'s tasks are published inside its JobStatePublished; n: in n JobTasksPublished parts (a task of
     index i in part i // PUBLISH_PART_TASKS), because the job has a task of index PUBLISH_PART_TASKS or more."""
@@ -821,7 +863,7 @@ def _advance(w: _JobWork, t: Task) -> None:
         if w.fold.is_down(t.machine):  # placed on a machine that failed meanwhile (the allocator raced the news)
             _machine_lost(w, t, REASON_MACHINE_FAILED)
         else:
-            t = w.step(t, START_COMMANDED, spec_version=w.job.spec_version)
+            t = w.step(t, START_COMMANDED, spec_version=w.wanted(t))
             w.command(t, START, REASON_PLACED)
     elif t.state in (FAILED, STOPPED):  # went down on its own: the restart policy
         if t.op_state == OP_RUNNING:  # down again during an approved update or move: it carries on
@@ -877,14 +919,14 @@ def _start_again(w: _JobWork, t: Task, command: str, reason: str) -> None:
     if t.machine is None or w.fold.is_down(t.machine) or t.terms is None or not t.terms.fits(w.job.spec.terms):
         _move(w, t, reason, avoid=t.machine if w.fold.is_down(t.machine) else None)
         return
-    t = w.step(t, RESTART_COMMANDED, spec_version=w.job.spec_version)
+    t = w.step(t, RESTART_COMMANDED, spec_version=w.wanted(t))
     w.command(t, command, reason)
 
 
 def _move(w: _JobWork, t: Task, reason: str, avoid: str | None = None) -> None:
     """FAILED/STOPPED → PENDING, and ask the allocator to free its placement and place it again."""
     t = w.step(t, RESCHEDULED, emit_reason=reason, machine=None, dc=None, msb=None, rack=None, terms=None,
-               spec_version=w.job.spec_version, running_since_ms=None, reason=reason, maint_ue=None,
+               spec_version=w.wanted(t), running_since_ms=None, reason=reason, maint_ue=None,
                maint_choice=None)
     w.free[t.id] = None
     w.place[t.id] = None
@@ -922,14 +964,26 @@ def _machine_lost(w: _JobWork, t: Task, reason: str) -> None:
 def _progress_update(w: _JobWork) -> None:
     """Rolling update: want an UPDATE operation on every task of an older spec version (approved by the job's
     TaskController if it has one); ``_drain_ops`` performs them, never making more than ``max_unavailable``
-    tasks not RUNNING (counting any task not RUNNING for any reason)."""
-    if not w.job.updating:
+    tasks not RUNNING (counting any task not RUNNING for any reason). With a version mix (``versions.py``), every
+    live task whose version is not its target is outdated (an unplaced one just takes its target)."""
+    if not (w.job.updating or w.remix):
         return
-    version = w.job.spec_version
-    outdated = [t for t in w.ordered() if t.intent != RETIRE and t.spec_version < version]
+    if w.job.mix is None:
+        version = w.job.spec_version
+        outdated = [t for t in w.ordered() if t.intent != RETIRE and t.spec_version < version]
+    else:
+        outdated = []
+        for t in w.ordered():
+            if t.intent == RETIRE or t.spec_version == (v := w.wanted(t)):
+                continue
+            if t.state in (PENDING, ALLOCATED) and t.op is None:  # nothing runs yet: it starts its target
+                w.put(replace(t, spec_version=v))
+            else:
+                outdated.append(t)
     if not outdated and not any(t.op == OP_UPDATE for t in w.tasks.values()):
         w.set(updating=False)
         return
+    w.set(updating=True)
     for t in outdated:
         if t.op is not None or t.intent != RUN:
             continue
@@ -952,7 +1006,8 @@ def _op_moot(w: _JobWork, t: Task) -> bool:
     if t.intent == RETIRE:
         return True
     if t.op == OP_UPDATE:
-        return t.spec_version >= w.job.spec_version or t.intent != RUN or t.state in (FAILED, STOPPED, PENDING)
+        current = t.spec_version >= w.job.spec_version if w.job.mix is None else t.spec_version == w.wanted(t)
+        return current or t.intent != RUN or t.state in (FAILED, STOPPED, PENDING)
     return t.state not in (FAILED, STOPPED)  # MOVE, RESTART: of a task that went down
 
 
@@ -1087,13 +1142,17 @@ def _notices(w: _JobWork) -> tuple[tc.AdvanceNotice, ...]:
 
 def _resize(w: _JobWork, n: int, reason: str) -> None:
     """Grow: new PENDING tasks (a retiring task of that index is kept and started again); shrink: retire the
-    highest indices."""
+    highest indices. With a version mix, the canaries are picked for the new size and the new tasks start their
+    target versions (``versions.py``: the push percentage holds through sizing)."""
     job = w.job
+    if job.mix is not None:
+        w.set(quiet=True, mix=vs.pick_canaries(job.mix, n))
+        w.remix = True
     for i in range(job.desired, n):
         tid = task_id(job.id, i)
         t = w.tasks.get(tid)
         if t is None:
-            w.put(Task(id=tid, index=i, spec_version=job.spec_version, reason=reason))
+            w.put(Task(id=tid, index=i, spec_version=w.version_for(i, n), reason=reason))
             w.place[tid] = None
         elif t.intent == RETIRE and t.op == OP_STOP:  # its stop still waits for a token: it simply stays
             w.put(replace(w.end_op(t), intent=RUN, reason="" if t.state == RUNNING else reason))
@@ -1157,7 +1216,7 @@ def _successor(existing: Job | None) -> dict[str, Any]:
     if existing is None:
         return {}
     return {"incarnation": existing.incarnation + 1, "requests": existing.requests, "ops": existing.ops,
-            "tc_seq": existing.tc_seq, "seen": existing.seen}
+            "tc_seq": existing.tc_seq, "seen": existing.seen, "generation": existing.generation}
 
 
 def _on_job_submitted(fold: _Fold, ev: Event) -> None:
@@ -1186,7 +1245,7 @@ def _on_job_submitted(fold: _Fold, ev: Event) -> None:
     if ev.entitlement not in fold.entitlements():
         refused = (REASON_UNKNOWN_ENTITLEMENT, f"entitlement {ev.entitlement!r} was never created")
     w = fold.new_job(Job(id=job_id, entitlement=ev.entitlement, spec=spec, spec_version=p["spec_version"],
-                         desired=0, origin=origin, **_successor(existing)))
+                         desired=0, origin=origin, submission=ev.event_id, **_successor(existing)))
     if refused is not None:
         w.set(status=JOB_REJECTED)
         _refuse(fold, ev, *refused, w)
@@ -1237,23 +1296,66 @@ def _on_job_spec_changed(fold: _Fold, ev: Event) -> None:
     p = ev.payload
     if p["spec_version"] == w.job.spec_version and Spec.from_payload(p) == w.job.spec:
         return  # the change applied already (redelivered under another event id)
-    if p["spec_version"] <= w.job.spec_version:
-        _refuse(fold, ev, REASON_STALE_SPEC_VERSION, f"spec version {p['spec_version']} is not newer than "
-                                                     f"{w.job.spec_version}", w)
+    if _refused_stale_version(fold, ev, w, same_is_stale=True):
         return
+    w.set(mix=None)  # a spec by hand: every task to it, whatever mix the Job Control Plane reconciled before
+    _take_spec(w, Spec.from_payload(p), p["spec_version"])
+    _resize(w, p["tasks"], REASON_RESIZED)
+    w.retry_parked()
+
+
+def _refused_stale_version(fold: _Fold, ev: Event, w: _JobWork, *, same_is_stale: bool) -> bool:
+    """Refuse a spec whose version is older than the job's (or the same, ``same_is_stale``), or that breaks a rule
+    of the intent rules; True if refused."""
+    new, have = ev.payload["spec_version"], w.job.spec_version
+    if new < have or (same_is_stale and new == have):
+        _refuse(fold, ev, REASON_STALE_SPEC_VERSION, f"spec version {new} is "
+                f"{'not newer than' if same_is_stale else 'older than'} {have}", w)
+        return True
     if (refused := _problems(fold, ev)) is not None:
         _refuse(fold, ev, *refused, w)
-        return
-    spec = Spec.from_payload(p)
-    version = p["spec_version"]
+        return True
+    return False
+
+
+def _take_spec(w: _JobWork, spec: Spec, version: int) -> None:
+    """The job's spec becomes ``spec`` at ``version`` (a rolling update): unplaced tasks will start their version;
+    re-asked if the terms changed."""
     w.set(spec=spec, spec_version=version, updating=True)
-    for t in w.ordered():  # unplaced tasks will start the new version; re-ask if the terms changed
+    for t in w.ordered():
         if t.state == PENDING and t.intent != RETIRE:
             if t.request_id is not None and t.request_terms != spec.terms:
                 t = replace(t, request_id=None, request_terms=None)
                 w.free[t.id] = None  # the old request may place it before this one is read: free first
                 w.place[t.id] = None
-            w.put(replace(t, spec_version=version))
+            w.put(replace(t, spec_version=w.wanted(t)))
+
+
+def _on_job_spec_reconciled(fold: _Fold, ev: Event) -> None:
+    """The Job Control Plane's reconciled spec (processors/jobcontrol): the job's shared spec, its size and its
+    version mix (push %, canary) at once; tasks move to their target versions as in a rolling update
+    (``versions.py``). One older than the job's (generation, spec version) or for another incarnation is refused."""
+    w = _intent_work(fold, ev)
+    if w is None:
+        return
+    p = ev.payload
+    job = w.job
+    if p["generation"] <= job.generation:
+        _refuse(fold, ev, REASON_STALE_GENERATION, f"generation {p['generation']} is not newer than "
+                                                   f"{job.generation}", w)
+        return
+    if p.get("submission_id") and job.submission and p["submission_id"] != job.submission:
+        _refuse(fold, ev, REASON_STALE_SUBMISSION, f"reconciled for submission {p['submission_id']}; this "
+                                                   f"incarnation ({job.incarnation}) is {job.submission}", w)
+        return
+    if _refused_stale_version(fold, ev, w, same_is_stale=False):  # a size or mix change keeps the versions
+        return
+    mix = vs.mix_of(p, job.mix)
+    code = mix.code(mix.push if mix.push is not None else mix.stable)  # the job's spec shows the newest code
+    spec = Spec.from_payload({**p, "command": code.command, "env": dict(code.env)})
+    w.set(mix=mix, generation=p["generation"])
+    w.remix = True
+    _take_spec(w, spec, p["spec_version"])
     _resize(w, p["tasks"], REASON_RESIZED)
     w.retry_parked()
 
@@ -1457,7 +1559,9 @@ def _jobs_in_scope(fold: _Fold, ev: Event) -> list[str]:
 
 
 def _record_maintenance(fold: _Fold, ev: Event) -> None:
-    """Every active job with tasks on the machines remembers the maintenance: its machines and deadline."""
+    """Every active job with tasks on the machines remembers the maintenance: its machines and deadline; and, when
+    the machines must be left (``vacate``: a loan revoked, processors/resourcebroker/loans.py), that its tasks leave
+    them whatever their controller would choose."""
     p = ev.payload
     gone = frozenset(p["machine_ids"])
     deadline = p.get("deadline_ms")
@@ -1471,6 +1575,8 @@ def _record_maintenance(fold: _Fold, ev: Event) -> None:
         if w is not None:
             w.set(quiet=True, maint=(*w.job.maint, (p["unavailability_id"], tuple(sorted(gone)), p["start_ms"],
                                                      deadline, False)))
+            if p.get("vacate"):
+                w.set(quiet=True, vacating=(*w.job.vacating, p["unavailability_id"]))
 
 
 def _on_unavailability_ended(fold: _Fold, ev: Event) -> None:
@@ -1490,7 +1596,8 @@ def _on_unavailability_ended(fold: _Fold, ev: Event) -> None:
         if w is None:
             continue
         w.set(quiet=True, maint=tuple(m for m in w.job.maint if m[0] != ue),
-              tc_notices=tuple(n for n in w.job.tc_notices if n[0] != ue))
+              tc_notices=tuple(n for n in w.job.tc_notices if n[0] != ue),
+              vacating=tuple(u for u in w.job.vacating if u != ue))
         for t in w.ordered():
             if t.maint_ue != ue:
                 continue
@@ -1515,8 +1622,9 @@ def _enforce_deadlines(w: _JobWork) -> None:
     if not due:
         return
     w.set(quiet=True, maint=tuple((*m[:4], True) if m in due else m for m in w.job.maint))
-    held = HELD_AT_DEADLINE if w.job.spec.controller else CHOICE_MOVE
     for ue, machines, _start, _deadline, _ in due:
+        # moved off when it has no controller or must leave (a loan revoked); else held until the end
+        held = HELD_AT_DEADLINE if w.job.spec.controller and ue not in w.job.vacating else CHOICE_MOVE
         gone = set(machines)
         for t in w.ordered():
             if t.machine not in gone or t.maint_choice == CHOICE_KEEP or t.state not in (STARTING, RUNNING):
@@ -1543,6 +1651,10 @@ def _apply_choices(w: _JobWork, ev: Event, choices: Iterable[tc.Choice]) -> None
         if t is None or t.machine not in machines or t.intent == RETIRE:
             w.ignore(REASON_NOT_UNDER_NOTICE, f"{ev.event_id} chooses {c.choice} for {c.task_id} under "
                                               f"{c.unavailability_id}")
+            continue
+        if c.choice != CHOICE_MOVE and c.unavailability_id in w.job.vacating:
+            w.ignore(REASON_MUST_VACATE, f"{ev.event_id} chooses {c.choice} for {c.task_id}: the machines of "
+                                         f"{c.unavailability_id} must be left (MOVE, or moved at the deadline)")
             continue
         if t.maint_choice == HELD_AT_DEADLINE or (enforced and c.choice == CHOICE_KEEP and t.state != RUNNING):
             w.ignore(REASON_CHOICE_TOO_LATE, f"{ev.event_id} chooses {c.choice} for {c.task_id}: the deadline "
@@ -1628,6 +1740,7 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "EntitlementUpdated": _on_entitlement_updated,
     "JobSubmitted": _on_job_submitted,
     "JobSpecChanged": _on_job_spec_changed,
+    "JobSpecReconciled": _on_job_spec_reconciled,
     "JobResized": _on_job_resized,
     "JobStopped": _on_job_stopped,
     "TasksAllocated": _on_tasks_allocated,
@@ -1709,7 +1822,9 @@ def job_to_record(job: Job, previous: tuple[Job, Mapping[str, Any]] | None = Non
             "tc_sent_unhealthy": list(job.tc_sent_unhealthy),
             "tc_notices": [[u, list(ts), s, d, dur] for u, ts, s, d, dur in job.tc_notices],
             "tc_notice_new": job.tc_notice_new,
-            "maint": [[u, list(ms), s, d, e] for u, ms, s, d, e in job.maint], "incarnation": job.incarnation}
+            "maint": [[u, list(ms), s, d, e] for u, ms, s, d, e in job.maint], "incarnation": job.incarnation,
+            "submission": job.submission, "mix": vs.mix_record(job.mix), "generation": job.generation,
+            "vacating": list(job.vacating)}
 
 
 def job_from_record(r: Mapping[str, Any]) -> Job:
@@ -1733,7 +1848,9 @@ def job_from_record(r: Mapping[str, Any]) -> Job:
                                 for n in r.get("tc_notices", ())),
                tc_notice_new=r.get("tc_notice_new", False),
                maint=tuple((u, tuple(ms), s, d, e) for u, ms, s, d, e in r.get("maint", ())),
-               incarnation=r.get("incarnation", 1))
+               incarnation=r.get("incarnation", 1), submission=r.get("submission", ""),
+               mix=vs.mix_from_record(r.get("mix")), generation=r.get("generation", 0),
+               vacating=tuple(r.get("vacating", ())))
 
 
 def state_of(jobs: Iterable[Job] = (), entitlements: Iterable[Entitlement] = (),

@@ -28,7 +28,7 @@ from regioncli import RegionCli
 pytestmark = pytest.mark.integration
 
 WORKERS = {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
-           "sidekick"}
+           "sidekick", "jobcontrol", "srm", "loans"}
 
 
 def job_spec(path, name: str, tasks: int) -> str:

@@ -9,7 +9,7 @@ from processors.resourcebroker import decide as rb
 from processors.resourcebroker.region import MachineSpec
 from processors.scheduler.decide import (
     REASON_CHOICE_TOO_LATE, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE, REASON_MAINTENANCE_ENDED,
-    REASON_MAINTENANCE_STOP, REASON_NOT_UNDER_NOTICE, job_from_record, job_to_record, retry_unplaced,
+    REASON_MAINTENANCE_STOP, REASON_MUST_VACATE, REASON_NOT_UNDER_NOTICE, job_from_record, job_to_record, retry_unplaced,
 )
 from processors.taskcontrol import protocol as tc
 from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit is on sys.path)
@@ -261,3 +261,33 @@ def test_the_end_arriving_before_the_machine_is_up_restarts_in_place(status, fin
     settle(sim, out, Allocator(["m3"]))
     assert sim.tasks()["j/0"] == ("RUNNING", final)
     assert ("m1" in sim.state.machines_down) == (status == "DOWN")
+
+
+# -- a revoked loan (processors/resourcebroker/loans.py): a notice whose machines must be left --------------------
+
+def revocation(machines, ue=UE):
+    return ev("UnavailabilityStarted", {"unavailability_id": ue, "kind": "MAINTENANCE", "machine_ids": list(machines),
+                                        "start_ms": DEADLINE, "deadline_ms": DEADLINE,
+                                        "expected_duration_ms": 60_000, "reason": "loan_revoked", "vacate": True},
+              producer="resourcebroker/loans", entity=ue)
+
+
+@pytest.mark.parametrize("choice", [None, tc.CHOICE_KEEP, tc.CHOICE_STOP])
+def test_a_revoked_loan_is_vacated_keep_and_stop_are_refused_and_the_deadline_moves_the_task(choice):
+    """The borrower's controller gets the notice like any maintenance's, but may only move: KEEP and STOP are
+    ignored (must_vacate), and at the deadline the task is stopped and moved elsewhere at once, not held on the
+    machine until the end as a controller's job is under a maintenance."""
+    sim = running_job(2, ("m1", "m2"), controller=CTL)
+    alloc = Allocator(["m3", "m4"])
+    out = sim.feed(revocation(["m1"]))
+    assert commands(out) == [], "the notice stops nothing by itself"
+    (req,) = requests(out)
+    assert [(n.unavailability_id, n.task_ids) for n in req.notices] == [(UE, ("j/0",))]
+    if choice is not None:
+        out = sim.feed(ack_with(req.sequence, [("j/0", choice)]))
+        assert commands(settle(sim, out, alloc) + out) == [], f"{choice} under a revocation changes nothing"
+        assert sim.state.jobs["j"].last_ignored.startswith(f"{REASON_MUST_VACATE}:")
+    out = tick(sim, DEADLINE)
+    assert commands(out) == [("STOP", "j/0", "m1", REASON_MAINTENANCE_DEADLINE)]
+    settle(sim, out, alloc)
+    assert sim.tasks()["j/0"] == ("RUNNING", "m3") and sim.tasks()["j/1"] == ("RUNNING", "m2")

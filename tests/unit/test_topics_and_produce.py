@@ -96,18 +96,20 @@ def test_parse_documents(text, count, error):
 
 # --- retention: the log is the system of record ---------------------------------------------------------------
 
-SYSTEM_OF_RECORD = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "deadletter",
-                    "state.jobs", "state.tasks", "state.machines", "_schemas")
+SYSTEM_OF_RECORD = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans",
+                    "deadletter", "state.jobs", "state.tasks", "state.machines", "_schemas")
+BOUNDED = ("heartbeats", "metrics")  # liveness and load samples: judged on recent ones, nothing rebuilt from them
 
 
-def test_every_topic_but_heartbeats_keeps_its_records_forever():
+def test_every_topic_but_heartbeats_and_metrics_keeps_its_records_forever():
     by_name = {t.name: t for t in CATALOGUE}
-    assert set(by_name) == set(SYSTEM_OF_RECORD) | {"heartbeats"}  # a new topic must choose its retention here
+    assert set(by_name) == set(SYSTEM_OF_RECORD) | set(BOUNDED)  # a new topic must choose its retention here
     for name in SYSTEM_OF_RECORD:
         assert by_name[name].config.get("retention.ms") == "-1", name
     for name in ("state.jobs", "state.tasks", "state.machines", "_schemas"):
         assert by_name[name].config.get("cleanup.policy") == "compact", name
-    for name in ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "deadletter"):
+    for name in ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans", "deadletter"):
         assert by_name[name].config.get("cleanup.policy", "delete") == "delete", name  # a log, never compacted
-    hb = int(by_name["heartbeats"].config["retention.ms"])
-    assert 0 < hb < 2**63 - 1
+    for name in BOUNDED:
+        hb = int(by_name[name].config["retention.ms"])
+        assert 0 < hb < 2**63 - 1, name
