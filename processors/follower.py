@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Iterable
 
+from infra import metrics
 from infra.config import Config
 from processors.worker import LoopWorker, close_clients
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
@@ -170,6 +171,7 @@ def main_of(cls: type[Follower], argv: list[str] | None = None, **kwargs) -> int
     """``python -m`` entry of a follower: configuration from the environment, as the worker's principal; stops on
     SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     worker = cls(Config.from_env().as_principal(cls.PRINCIPAL), **kwargs)
     worker.stop_on_signals()
     worker.run()

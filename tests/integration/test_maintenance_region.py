@@ -49,7 +49,7 @@ def check_metrics(where: dict) -> None:
     control plane's work shows in them; no machine, task or job id is a label value."""
     targets = where["targets"]
     assert {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
-            "sidekick", "supervisor"} <= set(targets), targets
+            "sidekick", "jobcontrol", "srm", "loans", "supervisor"} <= set(targets), targets
     assert json.loads(Path(where["file_sd"]).read_text())  # a Prometheus file_sd_configs file
     got = {w: scrape(a) for w, a in targets.items()}
     assert value(got["allocator"], "ropewalk_allocation_attempts_total", result="placed") >= 2
