@@ -264,6 +264,10 @@ class EventConsumer:
         """Stop fetching these partitions (e.g. a bounded read that reached its end)."""
         self._consumer.pause([TopicPartition(t, p) for t, p in partitions])
 
+    def resume(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Fetch these paused partitions again (e.g. a merged read whose slower partitions caught up)."""
+        self._consumer.resume([TopicPartition(t, p) for t, p in partitions])
+
     def fetched_high_watermark(self, tp: tuple[str, int]) -> int | None:
         """The high watermark reported by the latest fetch response of `tp` (None before the first one)."""
         _, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)

@@ -291,7 +291,13 @@ def job_view(ev) -> dict:
 
 
 def cmd_job_status(cfg: Config, args) -> int:
-    view = job_view(_job_state(cfg, _registry(), args.job, args.skipped))
+    if args.at:
+        from processors.history import commands
+
+        _require_broker(cfg)
+        view = job_view(commands.job_state_at(cfg, args, commands.moment(cfg, args.at)))
+    else:
+        view = job_view(_job_state(cfg, _registry(), args.job, args.skipped))
     again = f" (incarnation {view['incarnation']})" if view["incarnation"] != 1 else ""
     lines = [f"job {view['job']}{again}  entitlement {view['entitlement']}  state {view['state']}  "
              f"spec v{view['spec_version']}  tasks {len(view['tasks'])}/{view['desired_tasks']}"]
@@ -352,6 +358,10 @@ def cmd_machine_fail(cfg: Config, args) -> int:
     from processors.resourcebroker.processor import fail_machine, recover_machine
 
     _require_broker(cfg)
+    if getattr(args, "dry_run", False):
+        from processors.history import commands
+
+        return commands.machine_fail_dry_run(cfg, args)
     fn = fail_machine if args.action == "fail" else recover_machine
     ids = fn(cfg, args.machine, skipped=args.skipped)
     verb = "failed" if args.action == "fail" else "recovered"
@@ -365,8 +375,13 @@ def cmd_machine_list(cfg: Config, args) -> int:
     from streams import state
 
     _require_broker(cfg)
-    latest = state.current(cfg, _registry(), "machines", args.entitlement, skipped=args.skipped)
-    rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
+    if args.at:
+        from processors.history import commands
+
+        rows = commands.machine_views_at(cfg, args, commands.moment(cfg, args.at))
+    else:
+        latest = state.current(cfg, _registry(), "machines", args.entitlement, skipped=args.skipped)
+        rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
     if args.free:
         rows = [r for r in rows if r["entitlement"] is None]
     lines = [f"{r['id']:24} {r['status']:11} {r['entitlement'] or 'free':14} {r['dc']}/{r['msb']}/{r['rack']:14} "
@@ -374,7 +389,8 @@ def cmd_machine_list(cfg: Config, args) -> int:
              f"mem {r['free']['memory_mib']}/{r['capacity']['memory_mib']} MiB free  {len(r['tasks'])} tasks"
              + (f"  maintenance {','.join(r['maintenance'])}" if r["maintenance"] else "")
              for r in rows]
-    _print(rows, args.json, "\n".join(lines) or "no machines (none published on state.machines yet)")
+    _print(rows, args.json, "\n".join(lines) or ("no machines at that moment" if args.at else
+                                                 "no machines (none published on state.machines yet)"))
     return 0
 
 
@@ -581,6 +597,11 @@ def cmd_maintenance(cfg: Config, args) -> int:
                 deadline_ms=None if args.deadline is None else _when_ms(args.deadline, now),
                 machines=[m for m in args.machines.split(",") if m] if args.machines else None,
                 rack=args.rack, msb=args.msb, reason=args.reason)
+    if args.dry_run:
+        from processors.history import commands
+
+        args.now_ms = now
+        return commands.maintenance_dry_run(cfg, args, plan)
     events = ops.plan_maintenance(cfg, _registry(), plan, now, skipped=args.skipped)
     p = events[0].payload
     machines = sorted(m for e in events for m in e.payload["machine_ids"])
@@ -608,6 +629,10 @@ def cmd_bench(cfg: Config, args) -> int:
 
 
 # --- parser -------------------------------------------------------------------------------------
+AT_HELP = ("a moment: ms since epoch, ISO-8601, now-DURATION (now-15m), or TOPIC/PARTITION@OFFSET (when that "
+           "record was written)")
+DRY_RUN_HELP = "say what would happen (tasks moved, stopped, waiting; controllers asked; capacity left); produce nothing"
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
     sub = p.add_subparsers(dest="command", required=True)
@@ -654,6 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true")
         if name == "stop":
             sp.add_argument("--reason", default="")
+        if name == "status":
+            sp.add_argument("--at", metavar="TIME", help=AT_HELP)
     sp = job.add_parser("resize", help="change a job's task count")
     sp.set_defaults(fn=cmd_job_resize)
     sp.add_argument("job")
@@ -665,6 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=cmd_machine_fail)
         sp.add_argument("machine")
         sp.add_argument("--json", action="store_true")
+        if name == "fail":
+            sp.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     sp = mach.add_parser("list", help="machines: status, owner, fault domains, free capacity",
                          description="machines: status, owner, fault domains, free capacity (from state.machines)")
     sp.set_defaults(fn=cmd_machine_list)
@@ -672,6 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--entitlement", help="only the machines this entitlement holds")
     which.add_argument("--free", action="store_true", help="only the machines in the free pool")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("--at", metavar="TIME", help=AT_HELP)
     sp = cmd("watch", cmd_watch, "follow a state stream: current state first, then each change")
     sp.add_argument("kind", choices=["jobs", "machines"])
     sp.add_argument("--entitlement")
@@ -721,10 +751,34 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--deadline", help="when what remains is stopped (default: the start); same forms as --start")
     sp.add_argument("--reason", default="maintenance")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     sp = mnt.add_parser("end", help="the maintenance is over: machines back UP, tasks stopped for it start again")
     sp.set_defaults(fn=cmd_maintenance)
     sp.add_argument("unavailability_id")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    # the history (processors/history): the region at any moment, shadow replay, what-if, explain
+    from processors.history import commands as history
+
+    sp = cmd("at", history.cmd_at, "the region as it was at TIME, or a read command as it would have printed then "
+             "(machine list, job status, explain)")
+    sp.add_argument("moment", metavar="TIME", help=AT_HELP)
+    sp.add_argument("rest", nargs=argparse.REMAINDER, metavar="COMMAND", help="e.g. machine list --json")
+    sp = cmd("shadow", history.cmd_shadow, "re-decide the recorded inputs of a window under another placement "
+             "policy, in memory, and print what differs")
+    sp.add_argument("--since", required=True, metavar="TIME", help=AT_HELP)
+    sp.add_argument("--until", metavar="TIME", help="default: now")
+    sp.add_argument("--policy", default="live", help="live | scores=NAME,NAME,...;spread=dc|msb|rack | "
+                    "MODULE[:NAME] (a placement.Policy)")
+    sp = cmd("explain", history.cmd_explain, "why is this task here, and why not there: the decision that placed "
+             "it, the filters' rejections, the events that led to it")
+    sp.add_argument("task", help="<job>/<index>")
+    sp.add_argument("--at", metavar="TIME", help=AT_HELP)
+    sp.add_argument("--why-not", metavar="MACHINE", help="how MACHINE fared in that decision")
+    sp = cmd("history", history.cmd_history, "snapshots of the region for time travel: fold the log to its end "
+             "writing them (snapshot), or list them")
+    sp.add_argument("action", choices=["snapshot", "list"])
+    sp.add_argument("--every", type=int, default=None, metavar="N",
+                    help="records between two snapshots (default: processors/history/snapshots.SNAPSHOT_EVERY)")
     exp = sub.add_parser("experiment", help="reproduce the Twine paper's experiments").add_subparsers(
         dest="experiment", required=True)
     sp = exp.add_parser("figure14", help="rolling update + MSB failure under the ReplicaAware TaskController",
