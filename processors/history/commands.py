@@ -33,12 +33,13 @@ def moment(cfg: Config, value: str) -> int:
         raise cli.CliError(str(exc)) from None
 
 
-def region_at(cfg: Config, args, at_ms: int):
+def region_at(cfg: Config, args, at_ms: int, scheduler_partitions: frozenset[int] | None = None):
     from processors.history import moments
 
     cli = _cli()
     cli._require_broker(cfg)
-    region, stats = moments.region_at(cfg, cli._registry(), at_ms, skipped=args.skipped)
+    region, stats = moments.region_at(cfg, cli._registry(), at_ms, skipped=args.skipped,
+                                      scheduler_partitions=scheduler_partitions)
     if not getattr(args, "json", False):
         print(f"-- the region at {_iso(at_ms)}: {stats['applied']} records folded"
               + (f" from snapshot {stats['snapshot']}" if stats["snapshot"] else " from the beginning")
@@ -57,7 +58,7 @@ def machine_views_at(cfg: Config, args, at_ms: int) -> list[dict]:
     """``machine list --at``: what ``machine list --json`` printed then (rows of ``state.machine_view``)."""
     from streams import state
 
-    region = region_at(cfg, args, at_ms)
+    region = region_at(cfg, args, at_ms, frozenset())  # machines are the allocator's: no job decided
     rows = [state.machine_view(ev) for ev in region.machine_states()]
     if args.entitlement:
         rows = [r for r in rows if r["entitlement"] == args.entitlement]
@@ -65,8 +66,10 @@ def machine_views_at(cfg: Config, args, at_ms: int) -> list[dict]:
 
 
 def job_state_at(cfg: Config, args, at_ms: int):
-    """``job status --at``: the job's JobStatePublished then."""
-    region = region_at(cfg, args, at_ms)
+    """``job status --at``: the job's JobStatePublished then (only its partition's jobs decided)."""
+    from processors.history import moments
+
+    region = region_at(cfg, args, at_ms, moments.partitions_of(cfg, [args.job.split(".", 1)[0]]))
     ev = region.job_states().get(args.job)
     if ev is None:
         raise _cli().CliError(f"unknown job {args.job!r} at {_iso(at_ms)} (not submitted yet, or stopped and gone)")

@@ -29,32 +29,48 @@ class MomentError(ValueError):
 LOOKAHEAD_ENV = "ROPEWALK_HISTORY_LOOKAHEAD_MS"  # region.LOOKAHEAD_MS unless set (tests of short logs lower it)
 
 
-def new_region(cfg: Config) -> Region:
+FOLD_TOPICS = frozenset({"intents", "machines", "unavailability", "allocations"})  # the allocator's (fold.py)
+
+
+def new_region(cfg: Config, scheduler_partitions: frozenset[int] | None = None) -> Region:
     """An empty region under the running configuration (the scheduler's limits from the environment, as the shard
-    reads them)."""
+    reads them); ``scheduler_partitions``: see ``Region``."""
     lookahead = int(os.environ.get(LOOKAHEAD_ENV) or LOOKAHEAD_MS)
     return Region(Topics(cfg.topic_prefix, cfg.partitions), limits=Limits.from_env(os.environ),
-                  max_tasks=cfg.max_tasks_per_job, lookahead_ms=lookahead)
+                  max_tasks=cfg.max_tasks_per_job, lookahead_ms=lookahead, scheduler_partitions=scheduler_partitions)
+
+
+def partitions_of(cfg: Config, entitlements) -> frozenset[int]:
+    """The partitions of these entitlements' jobs (the scheduler's for ``job status --at``)."""
+    from streams.partitioner import partition_for
+
+    return frozenset(partition_for(e, cfg.partitions) for e in entitlements)
 
 
 def fold(cfg: Config, registry: SchemaRegistry, region: Region, moment_ms: int | None, *,
          verify: dict | None = None, skipped: Skipped | None = None, write_every: int | None = snapshots.SNAPSHOT_EVERY,
          stats: dict[str, Any] | None = None) -> Region:
     """Read the log from ``region``'s positions and advance it to ``moment_ms`` (None: the log's end), writing a
-    snapshot each ``write_every`` records read (None: none)."""
+    snapshot each ``write_every`` records read or ``snapshots.SNAPSHOT_WORK_S`` of folding (None: none; a partial
+    region writes none, and reads only the allocator's topics and its partitions of the scheduler's)."""
     stats = {} if stats is None else stats
-    since_snapshot = 0
+    since_snapshot, last = 0, time.monotonic()
     lookahead = region.lookahead_ms
-    stream = reader.merged(cfg, registry, region.positions, verify=verify, skipped=skipped, stats=stats)
+    parts = region.scheduler_partitions
+    if parts is not None:
+        write_every = None
+    only = None if parts is None else (lambda topic, partition: topic in FOLD_TOPICS or partition in parts)
+    stream = reader.merged(cfg, registry, region.positions, verify=verify, skipped=skipped, stats=stats, only=only)
     try:
         for ev, pos in stream:
             region.read(ev, pos)
             since_snapshot += 1
             if moment_ms is not None and ev.timestamp_ms > moment_ms + lookahead:
                 break
-            if write_every and since_snapshot >= write_every:
+            if write_every and (since_snapshot >= write_every or (
+                    since_snapshot % 500 == 0 and time.monotonic() - last >= snapshots.SNAPSHOT_WORK_S)):
                 if _snapshot(cfg, registry, region, region.read_to - lookahead, moment_ms, stats):
-                    since_snapshot = 0
+                    since_snapshot, last = 0, time.monotonic()
     finally:
         stream.close()
     if moment_ms is None:  # the log's end: a last snapshot where the look-ahead still holds
@@ -67,32 +83,40 @@ def fold(cfg: Config, registry: SchemaRegistry, region: Region, moment_ms: int |
 
 def _snapshot(cfg: Config, registry: SchemaRegistry, region: Region, cut: int, moment_ms: int | None,
               stats: dict[str, Any]) -> bool:
-    """Advance to ``cut`` and write a snapshot there, if that applies something new and stays before the moment."""
+    """Advance to ``cut`` and write a snapshot there (a delta from the region's last one, but every
+    ``FULL_EVERY``-th whole), if that applies something new and stays before the moment."""
     if (region.cut is not None and cut <= region.cut) or (moment_ms is not None and cut >= moment_ms):
         return False
     before = region.applied
     region.advance(cut)
     if region.applied == before:
         return False
-    snapshots.write(cfg, region, registry)
+    snapshots.write(cfg, region, registry, full=False)
     stats["snapshots_written"] = stats.get("snapshots_written", 0) + 1
     return True
 
 
 def region_at(cfg: Config, registry: SchemaRegistry, moment_ms: int, *, skipped: Skipped | None = None,
-              write_every: int | None = snapshots.SNAPSHOT_EVERY) -> tuple[Region, dict[str, Any]]:
+              write_every: int | None = snapshots.SNAPSHOT_EVERY, scheduler_partitions: frozenset[int] | None = None
+              ) -> tuple[Region, dict[str, Any]]:
     """The region at ``moment_ms``: from the newest usable snapshot at or before it (one made under other
-    conditions is passed over; one whose log was replaced is deleted), else from the beginning."""
+    conditions is passed over; one whose log was replaced is deleted), else from the beginning.
+    ``scheduler_partitions``: decide only these partitions' jobs (``machine list``: none; ``job status``: the
+    job's) -- a partial region, much cheaper; see ``Region``."""
     t0 = time.monotonic()
     stats: dict[str, Any] = {"moment_ms": moment_ms, "snapshot": None, "set_aside": []}
     for snap in [*snapshots.latest_before(cfg, moment_ms), None]:
-        region = new_region(cfg)
+        region = new_region(cfg, scheduler_partitions)
         verify = None
         if snap is not None:
+            why = snapshots.usable(snap, region)
+            if why is not None:
+                stats["set_aside"].append(why)
+                continue
             try:
                 verify = snapshots.load(snap, region, registry)
-            except snapshots.SnapshotError as exc:
-                stats["set_aside"].append(str(exc))
+            except (snapshots.SnapshotError, OSError, ValueError, KeyError) as exc:
+                stats["set_aside"].append(f"{snap.path.name}: {exc}")
                 continue
         stats["snapshot"] = None if snap is None else snap.path.name
         stats["loaded_s"] = round(time.monotonic() - t0, 3)
@@ -104,6 +128,8 @@ def region_at(cfg: Config, registry: SchemaRegistry, moment_ms: int, *, skipped:
             snapshots.discard(snap)
             continue
         stats.update(applied=region.applied, seconds=round(time.monotonic() - t0, 3))
+        stats["set_aside"] = stats["set_aside"][:3] + ([f"... {len(stats['set_aside']) - 3} more"]
+                                                        if len(stats["set_aside"]) > 3 else [])
         return region, stats
     raise AssertionError("unreachable: the last attempt folds from the beginning")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from infra.config import Config
 from processors.allocator.fold import order_key
@@ -29,8 +29,8 @@ from streams.events import Event
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
-BUFFER = 20_000  # records buffered per partition before it is paused
-POLL_RECORDS = 5_000
+BUFFER = 2_000  # records buffered per partition before it is paused
+POLL_RECORDS = 1_000
 STALL_S = 30.0  # no record for this long while partitions are unfinished: the broker is away
 
 
@@ -59,7 +59,9 @@ def watermarks(cfg: Config, partitions: list[tuple[str, int]], timeout_s: float 
 
 def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int], int] | None = None, *,
            verify: Mapping[tuple[str, int], str] | None = None, skipped: Skipped | None = None,
-           stats: dict | None = None) -> Iterator[tuple[Event, Position]]:
+           stats: dict | None = None, only: Callable[[str, int], bool] | None = None
+           ) -> Iterator[tuple[Event, Position]]:
+    """See the module doc. ``only(logical topic, partition)``: read just the partitions it accepts."""
     topics = Topics(cfg.topic_prefix, cfg.partitions)
     names = [topics.name(t) for t in SOURCES]
     rank = {n: i for i, n in enumerate(names)}
@@ -67,7 +69,8 @@ def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int]
     verify = dict(verify or {})
     consumer = EventConsumer(cfg, registry, names, name="history", skipped=skipped)
     try:
-        marks = watermarks(cfg, consumer.partitions())
+        wanted = [tp for tp in consumer.partitions() if only is None or only(topics.logical(tp[0]), tp[1])]
+        marks = watermarks(cfg, wanted)
         first: dict[tuple[str, int], int] = {}
         ends: dict[tuple[str, int], int] = {}
         for tp, (low, high) in marks.items():
@@ -77,21 +80,24 @@ def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int]
                     raise LogChanged(f"{tp[0]}[{tp[1]}]: offset {at - 1} is not on the log (it holds {low}..{high - 1})")
                 at -= 1
             first[tp], ends[tp] = at, high
-        consumer.assign(first)
-        buffers: dict[tuple[str, int], deque] = {tp: deque() for tp in marks}
-        done = {tp for tp in marks if first[tp] >= ends[tp]}
+        consumer.assign(first, only=list(marks))
+        verify = {tp: eid for tp, eid in verify.items() if tp in marks}
+        buffers: dict[tuple[str, int], deque] = {tp: deque() for tp in marks}  # fetched, not decoded yet
+        done = {tp for tp in marks if first[tp] >= ends[tp]}  # every record up to its end fetched
         consumer.pause(done)
         paused: set[tuple[str, int]] = set(done)
-        heads: list = []  # (order key, topic rank, partition, offset, event)
+        heads: list = []  # the next record of each partition that has one decoded: (key, topic rank, partition,
+        in_heap: set[tuple[str, int]] = set()  # offset, event, tp)
         read = 0
         last_progress = time.monotonic()
 
-        def read_more() -> None:
-            nonlocal read, last_progress
-            records = consumer.poll(POLL_RECORDS, 0.1)
-            for rec in records:
-                tp = (rec.topic, rec.partition)
-                if rec.offset >= ends[tp] or tp in done:
+        def head(tp: tuple[str, int]) -> None:
+            """Decode the partition's next record and put it in the merge: a record is decoded only when it is
+            the next of its partition, so a read that stops at a moment decodes little past it."""
+            buf = buffers[tp]
+            while buf:
+                rec = consumer.decode(buf.popleft())
+                if rec is None:  # a type the history does not read, or undecodable (counted in ``skipped``)
                     continue
                 expected = verify.pop(tp, None)
                 if expected is not None:
@@ -99,20 +105,25 @@ def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int]
                         raise LogChanged(f"{tp[0]}[{tp[1]}]@{rec.offset}: event {rec.event.event_id}, the snapshot "
                                          f"ended at {expected}")
                     continue
-                was_empty = not buffers[tp]
-                buffers[tp].append((order_key(rec.event), rec.event, rec.offset))
-                if was_empty:
-                    k, ev, off = buffers[tp][0]
-                    heapq.heappush(heads, (k, rank[tp[0]], tp[1], off, ev, tp))
+                heapq.heappush(heads, (order_key(rec.event), rank[tp[0]], tp[1], rec.offset, rec.event, tp))
+                in_heap.add(tp)
+                return
+
+        def read_more() -> bool:
+            nonlocal read, last_progress
+            msgs = consumer.poll_raw(POLL_RECORDS, 0.1)
+            for msg in msgs:
+                tp = (msg.topic(), msg.partition())
+                if msg.offset() >= ends[tp]:
+                    continue
+                buffers[tp].append(msg)
                 read += 1
             for tp, last in consumer.last_offsets.items():
                 if tp not in done and last + 1 >= ends[tp]:
                     done.add(tp)
-                    if tp in verify:  # the checked record itself was the last one: it must have been seen
-                        raise LogChanged(f"{tp[0]}[{tp[1]}]: the record the snapshot ended at was not read")
-            if records or any(consumer.last_offsets.get(tp, -1) >= first[tp] for tp in marks):
-                last_progress = time.monotonic()
             for tp, buf in buffers.items():
+                if buf and tp not in in_heap:
+                    head(tp)
                 if tp in done:
                     continue
                 if len(buf) >= BUFFER and tp not in paused:
@@ -121,26 +132,25 @@ def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int]
                 elif len(buf) < BUFFER // 2 and tp in paused:
                     consumer.resume([tp])
                     paused.discard(tp)
+            if msgs:
+                last_progress = time.monotonic()
+            return bool(msgs)
 
         while True:
-            waiting = [tp for tp in marks if tp not in done and not buffers[tp]]
+            waiting = [tp for tp in marks if tp not in done and tp not in in_heap]
             if waiting:
-                before = read
-                read_more()
-                if read == before and not any(tp in done for tp in waiting):
-                    if time.monotonic() - last_progress > STALL_S:
-                        raise ReadStalled(f"history: no records for {STALL_S:.0f}s; waiting for "
-                                          + ", ".join(f"{t}[{p}]" for t, p in waiting[:5]))
+                if not read_more() and time.monotonic() - last_progress > STALL_S:
+                    raise ReadStalled(f"history: no records for {STALL_S:.0f}s; waiting for "
+                                      + ", ".join(f"{t}[{p}]" for t, p in waiting[:5]))
                 continue
             if not heads:
                 break
             _, _, partition, offset, event, tp = heapq.heappop(heads)
-            buf = buffers[tp]
-            buf.popleft()
-            if buf:
-                k, ev, off = buf[0]
-                heapq.heappush(heads, (k, rank[tp[0]], tp[1], off, ev, tp))
+            in_heap.discard(tp)
+            head(tp)
             yield event, (tp[0], partition, offset)
+        for tp in verify:  # a partition whose checked record was never read
+            raise LogChanged(f"{tp[0]}[{tp[1]}]: the record the snapshot ended at was not read")
     finally:
         if stats is not None:
             stats["read"] = stats.get("read", 0) + read

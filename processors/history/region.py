@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -73,8 +73,10 @@ SOURCES = ("intents", "machines", "unavailability", "allocations", "tasks", "tas
 LOOKAHEAD_MS = 60_000  # how long after an input the shard's decision of it may come and still be recognised
 RETRY_MS = 10_000  # the scheduler's timer (shard.RETRY_S) where the log does not show when it ran
 START_DELAY_MS = 200  # a simulated agent: START -> RUNNING (the simulated agents' default)
+WHAT_IF_LATENCY_MS = 5  # what-if: a request to its decision, a command to its report (causes before effects)
 SHADOW_AGENT = "agent/shadow"  # producer of a simulated agent's reports
 WHAT_IF_TOPIC = "what-if"  # where a what-if's hypothetical events are "read" from
+WAIT_TRIES = 8  # a silent input is tried again after this many decisions of its partition at most, then decided
 PRUNE_AT = 200_000  # remembered decision times beyond which those long past are forgotten
 STATE_TYPES = frozenset({"JobStatePublished", "JobTasksPublished"})  # not read back: the shard coalesces them
 ECHO_TYPES = frozenset({"MachineAssignedToEntitlement", "MachineReleasedToFreePool"})
@@ -82,7 +84,7 @@ ECHO_TYPES = frozenset({"MachineAssignedToEntitlement", "MachineReleasedToFreePo
 Position = tuple[str, int, int]  # (physical topic, partition, offset)
 
 # Decision-queue kinds, in the order they go within one millisecond.
-_INPUT, _TIMER, _ALLOC, _SPAWN = range(4)
+_INPUT, _TIMER, _ALLOC, _SPAWN, _FORCE = range(5)
 
 
 class PolicyIndex(PlacementIndex):
@@ -129,6 +131,7 @@ class Agents:
     silent (its commands are lost, as on a dead machine)."""
 
     start_delay_ms: int = START_DELAY_MS
+    report_delay_ms: int = 0  # from a decision to its report reaching the scheduler
     states: dict[str, agent.AgentState] = field(default_factory=dict)
 
     def feed(self, machine_id: str, inp: agent.Input, now: int) -> tuple[list[Event], list[tuple[int, str, str]]]:
@@ -169,8 +172,11 @@ class ShadowLog:
 
 class Region:
     def __init__(self, topics: Topics, *, limits: Limits = DEFAULT_LIMITS, max_tasks: int = sd.DEFAULT_MAX_TASKS_PER_JOB,
-                 lookahead_ms: int = LOOKAHEAD_MS):
+                 lookahead_ms: int = LOOKAHEAD_MS, scheduler_partitions: frozenset[int] | None = None):
         self.topics = topics
+        # None: the whole region. A set: only these partitions' jobs are decided (a *partial* region: its other jobs
+        # stand as the snapshot left them; never written as a snapshot). The fold is always whole.
+        self.scheduler_partitions = scheduler_partitions
         self.limits = limits
         self.max_tasks = max_tasks
         self.lookahead_ms = lookahead_ms
@@ -185,6 +191,12 @@ class Region:
         self.fold_failed = 0  # records the fold could not apply (the allocator dead-lettered them)
         self.decide_failed = 0  # inputs whose decision raised (the shard dead-lettered them)
         self.changed_ms: dict[str, int] = {}  # machine -> time of the event that changed it last
+        # what changed since the last snapshot (snapshots.py writes only that, as a delta)
+        self.dirty_machines: set[str] = set()
+        self.dirty_published: set[str] = set()
+        self.snapshot_jobs: dict[str, sd.Job] = {}  # the jobs as the last snapshot held them (compared by identity)
+        self.snapshot_file: str | None = None  # that snapshot's file name
+        self.snapshot_depth = 0  # deltas between it and its whole snapshot
         self.published: dict[str, Event] = {}  # job -> its latest JobStatePublished
         self.parts: dict[str, dict[int, list]] = {}  # job -> part -> tasks (JobTasksPublished)
         self.open_requests: dict[str, tuple[Event, int]] = {}  # request id -> (request, partition) undecided
@@ -195,13 +207,17 @@ class Region:
         self._decided_at: dict[str, int] = {}  # input event id -> when the shard decided it (its outputs' time)
         self._alloc_at: dict[str, int] = {}  # request event id -> when the allocator decided it
         self._timers: set[tuple[int, int]] = set()  # (time, partition) of the timer's decisions read
-        self._waiting: dict[int, list[tuple[Event, int]]] = {}  # partition -> silent inputs waiting (``_decide``)
+        self._waiting: dict[int, list[tuple[Event, int, int]]] = {}  # partition -> silent inputs waiting: (input,
+        # since, tries) (``_decide``)
         self._topic_rank = {topics.name(t): i for i, t in enumerate(SOURCES)}
         self._partition_of: dict[str, int] = {}
         self.shadow: ShadowLog | None = None
         self.agents: Agents | None = None
         self._what_if = False
         self._retry_ms = RETRY_MS
+        self._injected = 0
+        self.alloc_delay_ms = 0  # a request no recorded decision answers: decided this long after it
+        self.on_emit: Callable[[Event], None] | None = None  # every event the shadow or what-if decides (its log)
         # shadow: per task, the machines of its placements, recorded and shadow (the k-th corresponds)
         self._rec_machines: dict[str, list[str]] = defaultdict(list)
         self._shadow_machines: dict[str, list[str]] = defaultdict(list)
@@ -264,8 +280,6 @@ class Region:
             else:
                 heapq.heappop(queue)
                 self._take(item)
-        if self._waiting:
-            self._flush(cut)
         if self.cut is None or cut > self.cut:
             self.cut = cut
         if len(self._decided_at) > PRUNE_AT or len(self._timers) > PRUNE_AT:
@@ -318,6 +332,7 @@ class Region:
             return
         for mid in self.fold.drain_changes():
             self.changed_ms[mid] = event.timestamp_ms
+            self.dirty_machines.add(mid)
 
     def _enqueue_input(self, event: Event, tp: tuple[str, int], topic_rank: int, offset: int, *,
                        recorded: bool = True) -> None:
@@ -330,6 +345,8 @@ class Region:
         if not silent and decided is not None and decided <= ts + self.lookahead_ms:
             key = max(key, decided)
         self._last_key[tp] = key
+        if self.scheduler_partitions is not None and tp[1] not in self.scheduler_partitions:
+            return  # a partial region: this partition's jobs are not asked about
         self._push(key, (_INPUT, ts, topic_rank, tp[1], offset), _INPUT, (event, tp[1], silent))
 
     def _take(self, item: tuple) -> None:
@@ -340,15 +357,24 @@ class Region:
             self._timer(when, data)
             if self._what_if:
                 self._push(when + self._retry_ms, (_TIMER, data), _TIMER, data)
+        elif kind == _FORCE:
+            self._force(data[0], data[1], when)
         elif kind == _ALLOC:
             batch = [data]
             while self._queue and self._queue[0][0] == when and self._queue[0][3] == _ALLOC:
                 batch.append(heapq.heappop(self._queue)[4])
             self._allocate(batch, when)
-        elif kind == _SPAWN:
-            machine, task = data
-            if self.agents is not None and self._alive(machine):
-                self._agent_reports(*self.agents.feed(machine, agent.Spawned(task), when), when)
+        elif kind == _SPAWN:  # the spawns due now, reported together (an agent reports a poll step at once)
+            due = [data]
+            while self._queue and self._queue[0][0] == when and self._queue[0][3] == _SPAWN:
+                due.append(heapq.heappop(self._queue)[4])
+            reports, spawns = [], []
+            for machine, task in due:
+                if self.agents is not None and self._alive(machine):
+                    more, later = self.agents.feed(machine, agent.Spawned(task), when)
+                    reports += more
+                    spawns += later
+            self._agent_reports(reports, spawns, when)
 
     # -- the scheduler -------------------------------------------------------------------------------------------
     def partition(self, entitlement: str) -> int:
@@ -362,7 +388,7 @@ class Region:
         put nothing on the log) whose decision here would put something there came later in the shard than here
         (in the same batch as, or after, an input that did the work it would do: a machine's failure seen through
         its MachineStatusChanged and its UnavailabilityStarted): it waits, and is tried again after each decision
-        of its partition that has outputs, until it decides silently or ``lookahead_ms`` passed (``_flush``).
+        of its partition that has outputs, until it decides silently or ``lookahead_ms`` passed (``_force``).
         Returns whether it was decided."""
         state = self.scheduler
         bucket = self.buckets.get(partition)
@@ -375,7 +401,10 @@ class Region:
             return True
         visible = any(e.type not in STATE_TYPES for e in out)
         if silent and visible:
-            self._waiting.setdefault(partition, []).append((event, now))
+            waiting = self._waiting.setdefault(partition, [])
+            if retry:  # the first try: it is decided ``lookahead_ms`` from now at the latest
+                self._push(now + self.lookahead_ms, (_FORCE, now, partition), _FORCE, (partition, event.event_id))
+            waiting.append((event, now, 0))
             return False
         self.buckets[partition] = new.shard_bucket
         self.scheduler = new
@@ -384,25 +413,31 @@ class Region:
             self._retry_waiting(partition, now)
         return True
 
-    def _retry_waiting(self, partition: int, now: int, *, force_before: int | None = None) -> None:
+    def _retry_waiting(self, partition: int, now: int) -> None:
+        """Try the partition's waiting inputs again, in order; one tried ``WAIT_TRIES`` times is decided whatever it
+        emits."""
         waiting = self._waiting.pop(partition, [])
         left = []
-        for event, since in waiting:
-            force = force_before is not None and since <= force_before
-            at = since + self.lookahead_ms if force else now
-            if not self._decide(event, partition, at, silent=not force, retry=False):
-                left.append((event, since))
-                self._waiting[partition].pop()  # re-added by _decide: kept in ``left`` in order
+        for event, since, tries in waiting:
+            if not self._decide(event, partition, now, silent=tries < WAIT_TRIES, retry=False):
+                self._waiting[partition].pop()  # re-added by _decide: kept in ``left``, in order
+                left.append((event, since, tries + 1))
         if left:
             self._waiting[partition] = left + self._waiting.get(partition, [])
 
-    def _flush(self, cut: int) -> None:
-        """Inputs that waited ``lookahead_ms`` are decided, outputs or not."""
-        for partition in [p for p, w in self._waiting.items() if w and w[0][1] + self.lookahead_ms <= cut]:
-            self._retry_waiting(partition, cut, force_before=cut - self.lookahead_ms)
+    def _force(self, partition: int, event_id: str, now: int) -> None:
+        """A waiting input ``lookahead_ms`` after it began to wait: decided now, outputs or not."""
+        waiting = self._waiting.get(partition, [])
+        for i, (event, _, _) in enumerate(waiting):
+            if event.event_id == event_id:
+                del waiting[i]
+                self._decide(event, partition, now, silent=False, retry=False)
+                return
 
     def _timer(self, now: int, partition: int) -> None:
         """``retry_unplaced`` over the jobs of one partition with its bucket, as the shard's timer runs it."""
+        if self.scheduler_partitions is not None and partition not in self.scheduler_partitions:
+            return
         state = self.scheduler
         jobs = [j for j in state.jobs.values() if self.partition(j.entitlement) == partition]
         if not jobs:
@@ -418,6 +453,10 @@ class Region:
 
     def _scheduled(self, events: Sequence[Event], now: int) -> None:
         for ev in events:
+            if self.on_emit is not None:
+                self.on_emit(ev)
+            if ev.type in STATE_TYPES:
+                self.dirty_published.add(ev.payload["job_id"])
             if ev.type == "JobStatePublished":
                 if ev.payload.get("deleted"):
                     self.published.pop(ev.entity_id, None)
@@ -478,30 +517,37 @@ class Region:
         return self.shadow
 
     def start_what_if(self, events: Sequence[Event], now: int, *, retry_ms: int = RETRY_MS,
-                      start_delay_ms: int = START_DELAY_MS) -> ShadowLog:
+                      start_delay_ms: int = START_DELAY_MS, latency_ms: int = WHAT_IF_LATENCY_MS) -> ShadowLog:
         """No log from here: ``events`` (hypothetical: a maintenance, a failure) happen at ``now``, every agent is
-        simulated, requests are decided at once under the live policy, the timer runs every ``retry_ms`` for every
-        partition with jobs (its phase in the live shard is unknown)."""
+        simulated, requests are decided ``latency_ms`` after they are made (and reports come as late after their
+        command) under the live policy, the timer runs every ``retry_ms`` for every partition (its phase in the live
+        shard is unknown)."""
         self.advance(now)
         self._lag.clear()
         self.shadow = ShadowLog(LIVE, now)
         self._hint_orders = {}
-        self.agents = Agents(start_delay_ms)
+        self.agents = Agents(start_delay_ms, report_delay_ms=latency_ms)
+        self.alloc_delay_ms = latency_ms
         self._what_if = True
         self._retry_ms = retry_ms
         for task, mid in self.fold.placement.items():
             self._shadow_machines[task] = [mid]
         for task in self.fold.placement:  # their agents run them: simulated agents take them over
             self._adopt(task)
-        for i, ev in enumerate(events):  # as records of their own: applied in order, each once
-            self._lag.append((ev, (WHAT_IF_TOPIC, self.partition(ev.entitlement), i)))
+        self.inject(events)
         for ev, partition in [v for v in self.open_requests.values()]:
             self._requested(ev, now, partition)
         self.open_requests.clear()
-        parts = sorted({self.partition(j.entitlement) for j in self.scheduler.jobs.values()})
-        for p in parts:
+        for p in range(self.topics.partitions):
             self._push(now + retry_ms, (_TIMER, p), _TIMER, p)
         return self.shadow
+
+    def inject(self, events: Sequence[Event]) -> None:
+        """What-if: hypothetical events, in time order (none before the last one injected), as records of their
+        own: applied when the region advances to their time."""
+        for ev in events:
+            self._injected += 1
+            self._lag.append((ev, (WHAT_IF_TOPIC, self.partition(ev.entitlement), self._injected)))
 
     def _adopt(self, task: str) -> None:
         """A task placed before the what-if: its simulated agent runs it (at the job's spec version)."""
@@ -522,7 +568,7 @@ class Region:
         self._fold(request, None)
         when = self._alloc_at.get(rid)
         if when is None or when < now or when > request.timestamp_ms + self.lookahead_ms:
-            when = now
+            when = now + self.alloc_delay_ms
         p = self.partition(request.entitlement) if partition is None else partition
         self._push(when, (_ALLOC, request.timestamp_ms, p), _ALLOC, (request, p))
 
@@ -534,8 +580,11 @@ class Region:
             events = decider.decide(request, when)
             for mid in self.fold.drain_changes():
                 self.changed_ms[mid] = when
+                self.dirty_machines.add(mid)
             self.shadow.decided[request.event_id] = events
             for ev in events:
+                if self.on_emit is not None:
+                    self.on_emit(ev)
                 if ev.type == "TasksAllocated":
                     for r in ev.payload["placements"]:
                         self._shadow_machines[r["task_id"]].append(r["machine_id"])
@@ -628,6 +677,7 @@ class Region:
     def _commanded(self, event: Event, now: int) -> None:
         """The shadow scheduler's commands: the recorded reports answer those the recorded scheduler gave too; a
         simulated agent answers the others."""
+        reports, spawns = [], []
         for cmd in batches.command_events(event):
             task, machine = cmd.payload["task_id"], cmd.payload["machine_id"]
             k = _last_index(self._shadow_machines.get(task, ()), machine)
@@ -637,15 +687,21 @@ class Region:
                 continue
             if not self._alive(machine):
                 continue
-            self._agent_reports(*self.agents.feed(machine, agent.Command(cmd), now), now)
+            more, later = self.agents.feed(machine, agent.Command(cmd), now)
+            reports += more
+            spawns += later
+        self._agent_reports(reports, spawns, now)
 
     def _agent_reports(self, reports: list[Event], spawns: list[tuple[int, str, str]], now: int) -> None:
         for due, machine, task in spawns:
-            self._push(due, (_SPAWN, due), _SPAWN, (machine, task))
+            self._push(due, (_SPAWN, due, machine, task), _SPAWN, (machine, task))
         if not reports:
             return
         self.shadow.synthesized += len(reports)
+        now += self.agents.report_delay_ms
         for ev in agent.batch(reports, SHADOW_AGENT, now):
+            if self.on_emit is not None:
+                self.on_emit(ev)
             tp = (self.topics.name("tasks"), self.partition(ev.entitlement))
             self._enqueue_input(ev, tp, self._topic_rank[tp[0]], -1, recorded=False)
 
