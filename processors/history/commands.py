@@ -4,7 +4,6 @@ modules of this package; every failure is a ``CliError`` with one line."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import Any
 
@@ -40,10 +39,7 @@ def region_at(cfg: Config, args, at_ms: int, scheduler_partitions: frozenset[int
     cli._require_broker(cfg)
     region, stats = moments.region_at(cfg, cli._registry(), at_ms, skipped=args.skipped,
                                       scheduler_partitions=scheduler_partitions)
-    if not getattr(args, "json", False):
-        print(f"-- the region at {_iso(at_ms)}: {stats['applied']} records folded"
-              + (f" from snapshot {stats['snapshot']}" if stats["snapshot"] else " from the beginning")
-              + f" in {stats['seconds']:.2f}s", file=sys.stderr)
+    args.history = stats  # how it was made (``ropewalk at`` says it)
     return region
 
 
@@ -81,6 +77,9 @@ def cmd_at(cfg: Config, args) -> int:
     printed at TIME; without a command, the whole region then."""
     cli = _cli()
     at_ms = moment(cfg, args.moment)
+    while args.rest and args.rest[0] == "--json":  # ``at TIME --json``: the option is at's own
+        args.json = True
+        args.rest = args.rest[1:]
     if args.rest:
         inner = cli.build_parser().parse_args(args.rest)
         if not hasattr(inner, "at"):
@@ -90,7 +89,7 @@ def cmd_at(cfg: Config, args) -> int:
         inner.skipped = args.skipped
         return inner.fn(cfg, inner)
     region = region_at(cfg, args, at_ms)
-    doc = overview(region, at_ms)
+    doc = {**overview(region, at_ms), "history": args.history}
     lines = [f"the region at {doc['at']}: {doc['machines']['total']} machines "
              + "(" + ", ".join(f"{n} {s}" for s, n in doc["machines"]["by_status"].items()) + f"; "
              f"{doc['machines']['free']} free, {doc['machines']['under_maintenance']} under maintenance)"]
@@ -101,6 +100,9 @@ def cmd_at(cfg: Config, args) -> int:
         lines.append(f"job {j['job']:28} {j['state']:9} {j['running']}/{j['desired_tasks']} running  "
                      + ", ".join(f"{t['id']}@{t['machine'] or '-'}" for t in j["tasks"][:6])
                      + (" ..." if len(j["tasks"]) > 6 else ""))
+    st = args.history
+    lines.append(f"({st['applied']} records folded" + (f" from snapshot {st['snapshot']}" if st["snapshot"] else
+                                                        " from the beginning") + f" in {st['seconds']:.2f}s)")
     cli._print(doc, args.json, "\n".join(lines))
     return 0
 

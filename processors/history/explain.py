@@ -67,8 +67,10 @@ def _about_task(rec: Record, task_id: str, job: str) -> bool:
 
 
 def story(records: Sequence[Record], task_id: str, at_ms: int | None = None) -> dict[str, Any]:
-    """The explanation from the entitlement's records (pure)."""
+    """The explanation from the entitlement's records up to ``at_ms`` (pure)."""
     job = job_of(task_id)
+    if at_ms is not None:
+        records = [r for r in records if r.event.timestamp_ms <= at_ms]
     by_id = {r.event.event_id: r for r in records}
     placed = [r for r in records if r.event.type == "TasksAllocated" and r.event.producer == "allocator"
               and any(p["task_id"] == task_id for p in r.event.payload["placements"])]

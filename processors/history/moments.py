@@ -156,7 +156,10 @@ def parse_moment(value: str, now_ms: int, record_time=None) -> int:
     if v == "now":
         return now_ms
     if v.startswith("now-"):
-        return now_ms - _duration_ms(v[4:])
+        try:
+            return now_ms - _duration_ms(v[4:])
+        except Exception:  # noqa: BLE001
+            raise MomentError(f"bad moment {value!r}: the duration is seconds, or 500ms, 90s, 15m, 2h") from None
     if "@" in v:
         where, _, offset = v.rpartition("@")
         topic, _, partition = where.rpartition("/")
@@ -165,7 +168,11 @@ def parse_moment(value: str, now_ms: int, record_time=None) -> int:
         if record_time is None:
             raise MomentError("a position needs the log")
         return record_time(topic, int(partition), int(offset))
-    return _parse_time(v)
+    try:
+        return _parse_time(v)
+    except Exception:  # noqa: BLE001 - the front end's own error, said again with every form a moment takes
+        raise MomentError(f"bad moment {value!r}: use ms since epoch, ISO-8601 (2026-11-22T10:00:00Z), now, "
+                          f"now-DURATION (now-15m) or TOPIC/PARTITION@OFFSET (tasks/3@120)") from None
 
 
 def record_time(cfg: Config, registry: SchemaRegistry, topic: str, partition: int, offset: int) -> int:

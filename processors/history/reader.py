@@ -42,6 +42,24 @@ class ReadStalled(RuntimeError):
     pass
 
 
+class Once:
+    """A ``Skipped`` that counts each undecodable record once however many reads of one command meet it (a shadow
+    reads the log up to its start and again from there)."""
+
+    def __init__(self, skipped: Skipped | None):
+        self.skipped = skipped if skipped is not None else Skipped()
+        self.seen: set[tuple[str, int, int]] = set()
+
+    def route(self, *, topic: str, partition: int, offset: int, **kw) -> None:
+        if (topic, partition, offset) not in self.seen:
+            self.seen.add((topic, partition, offset))
+            self.skipped.route(topic=topic, partition=partition, offset=offset, **kw)
+
+    @property
+    def count(self) -> int:
+        return self.skipped.count
+
+
 def watermarks(cfg: Config, partitions: list[tuple[str, int]], timeout_s: float = 10.0
                ) -> dict[tuple[str, int], tuple[int, int]]:
     """(low, high) of every partition, two ListOffsets requests for all (a consumer asks per partition)."""

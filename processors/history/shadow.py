@@ -93,29 +93,45 @@ def run(cfg: Config, registry: SchemaRegistry, since_ms: int, until_ms: int, pol
         ) -> tuple[Region, ShadowLog, Mapping[str, str], dict[str, Any]]:
     """One shadow run over ``(since, until]``: the region at its end, what it decided, the placements at since."""
     t0 = time.monotonic()
+    if not isinstance(skipped, reader.Once):  # the log up to since is read twice: count what cannot be decoded once
+        skipped = reader.Once(skipped)
     region, stats = moments.region_at(cfg, registry, since_ms, skipped=skipped)
-    at_since = dict(region.fold.placement)
-    log = region.start_shadow(policy, batch_orders=batch_orders)
+    at_since, log = begin(region, policy, batch_orders)
     stream = reader.merged(cfg, registry, region.positions, skipped=skipped, stats=stats)
     try:
-        for ev, pos in stream:
-            region.read(ev, pos)
-            if ev.timestamp_ms > until_ms + region.lookahead_ms:
-                break
-            step = min(ev.timestamp_ms - region.lookahead_ms, until_ms)
-            if step > region.cut + STEP_MS:
-                region.advance(step)
+        replay(region, stream, until_ms)
     finally:
         stream.close()
-    region.advance(until_ms)
     stats["seconds"] = round(time.monotonic() - t0, 3)
     return region, log, at_since, stats
+
+
+def begin(region: Region, policy: Policy, batch_orders: Mapping[int, list[str]] | None = None
+          ) -> tuple[dict[str, str], ShadowLog]:
+    """Start the shadow on ``region`` (advanced to the window's start): the placements then, and its log. Read the
+    log again from ``region.positions`` (``replay``)."""
+    at_since = dict(region.fold.placement)
+    return at_since, region.start_shadow(policy, batch_orders=batch_orders)
+
+
+def replay(region: Region, records: Iterable[tuple[Event, tuple[str, int, int]]], until_ms: int) -> Region:
+    """Pure: the shadow ``region`` reads ``records`` (the log in merged order from its positions) to ``until_ms``."""
+    for ev, pos in records:
+        region.read(ev, pos)
+        if ev.timestamp_ms > until_ms + region.lookahead_ms:
+            break
+        step = min(ev.timestamp_ms - region.lookahead_ms, until_ms)
+        if step > region.cut + STEP_MS:
+            region.advance(step)
+    region.advance(until_ms)
+    return region
 
 
 def shadow(cfg: Config, registry: SchemaRegistry, since_ms: int, until_ms: int, policy: Policy, *,
            skipped: Skipped | None = None) -> dict[str, Any]:
     """The report of ``ropewalk shadow``: the diff of ``policy``'s run against the log, and (for another policy
     than the live one) how far the live policy's run reproduces the log."""
+    skipped = reader.Once(skipped)  # both runs read the window: each undecodable record is said once
     base_region, base, at_since, base_stats = run(cfg, registry, since_ms, until_ms, LIVE, skipped=skipped)
     baseline = compare(base, base_region, at_since, until_ms)
     doc: dict[str, Any] = {"since_ms": since_ms, "until_ms": until_ms, "policy": policy.describe(),
