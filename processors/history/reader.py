@@ -102,6 +102,7 @@ def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int]
         verify = {tp: eid for tp, eid in verify.items() if tp in marks}
         buffers: dict[tuple[str, int], deque] = {tp: deque() for tp in marks}  # fetched, not decoded yet
         done = {tp for tp in marks if first[tp] >= ends[tp]}  # every record up to its end fetched
+        next_off = dict(first)  # per partition, the offset of the next record this read takes
         consumer.pause(done)
         paused: set[tuple[str, int]] = set(done)
         heads: list = []  # the next record of each partition that has one decoded: (key, topic rank, partition,
@@ -132,12 +133,13 @@ def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int]
             msgs = consumer.poll_raw(POLL_RECORDS, 0.1)
             for msg in msgs:
                 tp = (msg.topic(), msg.partition())
-                if msg.offset() >= ends[tp]:
-                    continue
+                off = msg.offset()
+                if tp not in next_off or off < next_off[tp] or off >= ends[tp]:
+                    continue  # not this read's (the consumer's first assignment, from the beginning) or past the end
+                next_off[tp] = off + 1
                 buffers[tp].append(msg)
                 read += 1
-            for tp, last in consumer.last_offsets.items():
-                if tp not in done and last + 1 >= ends[tp]:
+                if off + 1 >= ends[tp]:
                     done.add(tp)
             for tp, buf in buffers.items():
                 if buf and tp not in in_heap:

@@ -114,6 +114,10 @@ def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):
         assert machines(cli, "--at", str(moment)) == seen["machines"]
         for job, view in seen["jobs"].items():
             assert cli.json("at", str(moment), "job", "status", job) == view
+        whole = cli.json("at", str(moments[1][0]))
+        assert whole["history"]["set_aside"] == [] and whole["history"]["snapshot"], whole["history"]
+        assert {j["job"]: j["running"] for j in whole["jobs"]} == {
+            j: sum(t["state"] == "RUNNING" for t in v["tasks"]) for j, v in moments[1][1]["jobs"].items()}
         whole = cli.json("at", str(moments[0][0]))
         assert {j["job"]: j["running"] for j in whole["jobs"]} == jobs
 
