@@ -34,8 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition  # noqa: E402
-
+from bench.archive_rate import raw_consume  # noqa: E402
 from bench.env import BenchEnv, cores, sigterm_as_interrupt  # noqa: E402
 from infra.config import Config  # noqa: E402
 from processors.history import moments, snapshots  # noqa: E402
@@ -43,10 +42,10 @@ from processors.history.region import SOURCES, STATE_TYPES  # noqa: E402
 from processors.resourcebroker import decide as rb  # noqa: E402
 from processors.resourcebroker.region import generate_region, machines as machines_of  # noqa: E402
 from processors.scheduler.decide import JOB_ACTIVE  # noqa: E402
-from streams.clients import EventProducer, consumer_conf  # noqa: E402
+from streams.clients import EventProducer  # noqa: E402
 from streams.events import Event, new_event  # noqa: E402
 from streams.serde import SchemaRegistry  # noqa: E402
-from streams.topics import TOPIC_OF_EVENT, Topics  # noqa: E402
+from streams.topics import TOPIC_OF_EVENT  # noqa: E402
 
 ENTITLEMENTS = ("ads", "feed", "search", "batch")
 SHAPES = ((1000, 2048), (2000, 4096), (500, 1024), (4000, 8192))
@@ -161,30 +160,10 @@ def generate(cfg: Config, registry: SchemaRegistry, n_events: int, n_machines: i
 
 
 def raw_rate(cfg: Config) -> dict:
-    """Every record of the six topics, bytes only: the baseline."""
-    topics = Topics(cfg.topic_prefix, cfg.partitions)
-    names = [topics.name(t) for t in SOURCES]
-    c = Consumer(consumer_conf(cfg, None))
-    try:
-        tps = [TopicPartition(t, p, 0) for t in names for p in sorted(c.list_topics(t, timeout=10).topics[t].partitions)]
-        ends = {(tp.topic, tp.partition): c.get_watermark_offsets(tp, timeout=10)[1] for tp in tps}
-        c.assign(tps)
-        left = {tp for tp, end in ends.items() if end > 0}
-        n = 0
-        t0 = time.monotonic()
-        while left:
-            for msg in c.consume(10000, 1.0):
-                if msg.error() is not None:
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        left.discard((msg.topic(), msg.partition()))
-                    continue
-                n += 1
-                if msg.offset() + 1 >= ends[(msg.topic(), msg.partition())]:
-                    left.discard((msg.topic(), msg.partition()))
-        s = time.monotonic() - t0
-    finally:
-        c.close()
-    return {"records": n, "seconds": round(s, 2), "records_per_s": round(n / s)}
+    """Every record of the log, bytes only (``archive_rate.raw_consume``: every catalogue topic; here only the six
+    the history reads hold records): the baseline."""
+    n, size, seconds = raw_consume(cfg)
+    return {"records": n, "bytes": size, "seconds": round(seconds, 2), "records_per_s": round(n / seconds)}
 
 
 def main(argv: list[str] | None = None) -> int:

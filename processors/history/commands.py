@@ -90,9 +90,10 @@ def cmd_at(cfg: Config, args) -> int:
         return inner.fn(cfg, inner)
     region = region_at(cfg, args, at_ms)
     doc = {**overview(region, at_ms), "history": args.history}
-    lines = [f"the region at {doc['at']}: {doc['machines']['total']} machines "
-             + "(" + ", ".join(f"{n} {s}" for s, n in doc["machines"]["by_status"].items()) + f"; "
-             f"{doc['machines']['free']} free, {doc['machines']['under_maintenance']} under maintenance)"]
+    c = doc["machine_counts"]
+    lines = [f"the region at {doc['at']}: {c['total']} machines "
+             + "(" + ", ".join(f"{n} {s}" for s, n in c["by_status"].items()) + f"; "
+             f"{c['free']} free, {c['under_maintenance']} under maintenance; `machine list --at` lists them)"]
     for e in doc["entitlements"]:
         lines.append(f"entitlement {e['name']:16} holds {e['held']}/{e['quota']} machines"
                      + (f"  type {e['machine_type']}" if e["machine_type"] else "") + (f"  dc {e['dc_pin']}" if e["dc_pin"] else ""))
@@ -108,18 +109,22 @@ def cmd_at(cfg: Config, args) -> int:
 
 
 def overview(region, at_ms: int) -> dict[str, Any]:
-    """The whole region at a moment: machines (counts), entitlements, jobs with their tasks and where they ran."""
+    """The whole region at a moment: its machines (each as ``machine list --json`` shows it, and counted),
+    entitlements, jobs with their tasks and where they ran (each as ``job status --json`` shows it)."""
     from collections import Counter
 
     from processors.frontend.cli import job_view
+    from streams import state
 
     machines = list(region.fold.machines.values())
     held = Counter(m.entitlement for m in machines if m.entitlement)
     return {
         "at_ms": at_ms, "at": _iso(at_ms),
-        "machines": {"total": len(machines), "by_status": dict(sorted(Counter(m.status for m in machines).items())),
-                     "free": sum(1 for m in machines if not m.entitlement),
-                     "under_maintenance": sum(1 for m in machines if m.maintenance)},
+        "machine_counts": {"total": len(machines),
+                           "by_status": dict(sorted(Counter(m.status for m in machines).items())),
+                           "free": sum(1 for m in machines if not m.entitlement),
+                           "under_maintenance": sum(1 for m in machines if m.maintenance)},
+        "machines": [state.machine_view(ev) for ev in region.machine_states()],
         "entitlements": [{"name": n, "quota": e.quota_machines, "held": held.get(n, 0), "machine_type": e.machine_type,
                           "dc_pin": e.dc_pin} for n, e in sorted(region.fold.entitlements.items())],
         "jobs": [{**(v := job_view(ev)), "running": sum(t["state"] == "RUNNING" for t in v["tasks"])}

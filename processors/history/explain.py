@@ -163,7 +163,8 @@ def why_not_there(cfg: Config, registry: SchemaRegistry, doc: Mapping[str, Any],
     if decision is None or not doc.get("caused_by") or doc["caused_by"][0].get("type") != "AllocationRequested":
         return {"machine": machine_id, "answer": "no placement decision to compare with"}
     request = next(r.event for r in records if r.event.event_id == doc["caused_by"][0]["event_id"])
-    region, _ = moments.region_at(cfg, registry, decision["time_ms"] - 1, skipped=skipped)
+    region, _ = moments.region_at(cfg, registry, decision["time_ms"] - 1, skipped=skipped,
+                                  scheduler_partitions=frozenset())  # the allocator's fold alone
     fold = region.fold
     m = fold.machine(machine_id)
     if m is None:

@@ -115,8 +115,8 @@ def region_at(cfg: Config, registry: SchemaRegistry, moment_ms: int, *, skipped:
                 continue
             try:
                 verify = snapshots.load(snap, region, registry)
-            except (snapshots.SnapshotError, OSError, ValueError, KeyError) as exc:
-                stats["set_aside"].append(f"{snap.path.name}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a broken cache file (truncated, garbage) is passed over
+                stats["set_aside"].append(f"{snap.path.name}: {type(exc).__name__}: {exc}")
                 continue
         stats["snapshot"] = None if snap is None else snap.path.name
         stats["loaded_s"] = round(time.monotonic() - t0, 3)

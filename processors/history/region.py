@@ -78,6 +78,8 @@ SHADOW_AGENT = "agent/shadow"  # producer of a simulated agent's reports
 WHAT_IF_TOPIC = "what-if"  # where a what-if's hypothetical events are "read" from
 WAIT_TRIES = 8  # a silent input is tried again after this many decisions of its partition at most, then decided
 PRUNE_AT = 200_000  # remembered decision times beyond which those long past are forgotten
+# The jobs ``decide.retry_unplaced`` acts on (it passes over the others): the only ones the timer is given here.
+TIMER_STATES = frozenset({sd.JOB_ACTIVE, sd.JOB_STOPPING})
 STATE_TYPES = frozenset({"JobStatePublished", "JobTasksPublished"})  # not read back: the shard coalesces them
 ECHO_TYPES = frozenset({"MachineAssignedToEntitlement", "MachineReleasedToFreePool"})
 
@@ -155,7 +157,7 @@ class Agents:
 
 @dataclass
 class ShadowLog:
-    """What a shadow run decided, beside what the log recorded, for the diff (``diff.py``)."""
+    """What a shadow run decided, beside what the log recorded, for the diff (``shadow.compare``)."""
 
     policy: Policy
     since: int
@@ -211,6 +213,7 @@ class Region:
         # since, tries) (``_decide``)
         self._topic_rank = {topics.name(t): i for i, t in enumerate(SOURCES)}
         self._partition_of: dict[str, int] = {}
+        self._live_jobs: dict[int, set[str]] | None = defaultdict(set)  # per partition: jobs the timer may act on
         self.shadow: ShadowLog | None = None
         self.agents: Agents | None = None
         self._what_if = False
@@ -408,6 +411,8 @@ class Region:
             return False
         self.buckets[partition] = new.shard_bucket
         self.scheduler = new
+        if event.type == "JobSubmitted" and self._live_jobs is not None:
+            self._live_jobs[self.partition(event.entitlement)].add(event.payload.get("job_id", ""))
         self._scheduled(out, now)
         if visible and retry and self._waiting.get(partition):
             self._retry_waiting(partition, now)
@@ -439,7 +444,15 @@ class Region:
         if self.scheduler_partitions is not None and partition not in self.scheduler_partitions:
             return
         state = self.scheduler
-        jobs = [j for j in state.jobs.values() if self.partition(j.entitlement) == partition]
+        if self._live_jobs is None:  # (after a snapshot's load) every job once; then kept by ``_decide``
+            self._live_jobs = defaultdict(set)
+            for j in state.jobs.values():
+                if j.status in TIMER_STATES:
+                    self._live_jobs[self.partition(j.entitlement)].add(j.id)
+        ids = self._live_jobs.get(partition, set())
+        # the timer acts on active and stopping jobs only: the others are left out (as they are left alone)
+        jobs = [j for i in sorted(ids) if (j := state.jobs.get(i)) is not None and j.status in TIMER_STATES]
+        ids.intersection_update(j.id for j in jobs)
         if not jobs:
             return
         part = sd.SchedulerState(entitlements=state.entitlements, jobs=CowMap((j.id, j) for j in jobs),

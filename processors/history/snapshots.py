@@ -43,9 +43,9 @@ from streams.serde import SchemaRegistry
 
 FORMAT = 1
 META_KEY = "ropewalk.history"
-SNAPSHOT_EVERY = 5_000  # records read between two snapshots a fold of the log writes (at most)
-SNAPSHOT_WORK_S = 3.0  # ... or this much folding time, whichever comes first (bounds a later look's tail)
-FULL_EVERY = 20  # snapshots: one whole, then deltas of what changed since the previous one
+SNAPSHOT_EVERY = 3_000  # records read between two snapshots a fold of the log writes (at most)
+SNAPSHOT_WORK_S = 2.0  # ... or this much folding time, whichever comes first (bounds a later look's tail)
+FULL_EVERY = 30  # snapshots: one whole, then deltas of what changed since the previous one
 ITEM_SCHEMA = parse_schema({
     "type": "record", "name": "HistoryItem", "namespace": "ropewalk.history",
     "doc": "One part of a snapshot of the region (processors/history/snapshots.py).",
@@ -201,8 +201,8 @@ def usable(snap: SnapshotFile, region: Region) -> str | None:
     """Why ``snap`` cannot serve ``region`` (another format or conditions), from its own metadata; None if it can."""
     try:
         meta = _meta(snap.path)
-    except (OSError, ValueError, KeyError) as exc:
-        return f"{snap.path.name}: unreadable ({exc})"
+    except Exception as exc:  # noqa: BLE001 - garbage where a snapshot should be: not one
+        return f"{snap.path.name}: unreadable ({type(exc).__name__}: {exc})"
     if meta.get("format") != FORMAT:
         return f"{snap.path.name}: format {meta.get('format')}, this version reads {FORMAT}"
     differ = [k for k, v in conditions(region).items() if meta.get(k) != v]
@@ -286,6 +286,7 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
         if (ent := entitlement_of(name, fields)) is not None:
             fold.entitlements[name] = ent
     fold.marks = {(t, p): o for t, p, o in json.loads(small["marks"])}
+    region._live_jobs = None  # rebuilt from the jobs by the first timer
     region.scheduler = sd.state_of([sd.job_from_record(json.loads(raw)) for raw in jobs.values()],
                                    [sd.Entitlement(**e) for e in json.loads(small["scheduler-entitlements"])],
                                    json.loads(small["machines-down"]))

@@ -244,3 +244,25 @@ def test_the_determinism_check_would_see_a_difference(rec):
             break
     diff, _ = shadow_of(doctored, 0, LIVE, until=30)
     assert diff["decisions_differ"] >= 1 and not diff["empty"]
+
+
+def test_a_broken_snapshot_file_is_passed_over(rec, registry, tmp_path):
+    """Snapshots are a cache under the run directory: garbage or a truncated file there is set aside, never fatal."""
+    cfg = Config.from_env({"ROPEWALK_RUN_DIR": str(tmp_path), "ROPEWALK_PARTITIONS": str(hl.PARTITIONS)})
+    region = hl.fold(rec, at(30))
+    good = snapshots.write(cfg, region, registry)
+    data = good.path.read_bytes()
+    truncated = good.path.with_name(f"{good.cut + 1:015d}-{good.applied:012d}.avro")
+    truncated.write_bytes(data[: len(data) // 2])
+    garbage = good.path.with_name(f"{good.cut + 2:015d}-{good.applied:012d}.avro")
+    garbage.write_bytes(b"not a snapshot at all")
+    files = snapshots.latest_before(cfg, good.cut + 10)
+    assert [f.path for f in files] == [garbage, truncated, good.path]
+    for f in files[:2]:
+        fresh = Region(hl.TOPICS)
+        why = snapshots.usable(f, fresh)
+        if why is None:  # the truncated file's header is intact: loading it fails instead
+            with pytest.raises(Exception):
+                snapshots.load(f, fresh, registry)
+        else:
+            assert "unreadable" in why
