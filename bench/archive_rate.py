@@ -85,7 +85,7 @@ def raw_consume(cfg: Config) -> tuple[int, int, float]:
 def raw_produce(cfg: Config, records: list[dict]) -> tuple[int, int, float]:
     """Produce archived records with a plain idempotent producer, same partitions. (records, bytes, seconds)"""
     cat = Topics(cfg.topic_prefix, cfg.partitions)
-    provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers}), cat)
+    provision(AdminClient({**cfg.kafka_conf()}), cat)
     p = Producer(producer_conf(cfg, **{"linger.ms": 20}))
     size = 0
     t0 = time.monotonic()

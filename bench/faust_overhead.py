@@ -97,13 +97,15 @@ def read_confluent(report, cfg: Config, n: int, decode: bool) -> None:
 def read_aiokafka(report, cfg: Config, n: int) -> None:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
+    from infra.credentials import aiokafka_kwargs
+
     from streams.topics import Topics
 
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("intents")
 
     async def run() -> None:
         c = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, enable_auto_commit=False,
-                             auto_offset_reset="earliest")
+                             auto_offset_reset="earliest", **aiokafka_kwargs(cfg))
         await c.start()
         t_start = time.perf_counter()
         c.assign([TopicPartition(topic, p) for p in range(cfg.partitions)])

@@ -35,7 +35,7 @@ def events(n: int, entitlements: int = 100):
 
 
 def raw_consume(cfg: Config, topic: str, n: int) -> float:
-    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": "bench-raw", "enable.auto.commit": False,
+    c = Consumer({**cfg.kafka_conf(), "group.id": "bench-raw", "enable.auto.commit": False,
                   "fetch.wait.max.ms": 100, "log_level": 3})
     parts = c.list_topics(topic, timeout=10).topics[topic].partitions
     c.assign([TopicPartition(topic, p, 0) for p in parts])
@@ -60,7 +60,7 @@ def main() -> None:
         size = len(reg.encode("TaskStateChanged", evs[0].to_record(1)))
         for label, prefix in (("raw", "raw."), ("validated", "val."), ("trusted", "fast.")):
             c = cfg.with_(topic_prefix=prefix)
-            provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers}), Topics(prefix, cfg.partitions))
+            provision(AdminClient({**cfg.kafka_conf()}), Topics(prefix, cfg.partitions))
             topic = Topics(prefix).name("tasks")
             t0 = time.perf_counter()
             if label == "raw":

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     with BenchEnv(partitions=args.partitions) as env:
         cfg = env.cfg
         topics = Topics(cfg.topic_prefix, cfg.partitions)
-        provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers}), topics)
+        provision(AdminClient({**cfg.kafka_conf()}), topics)
         registry = SchemaRegistry.from_dir()
         n = args.events
         produce_s, size, first_ms = produce(cfg, registry, n, args.entitlements)

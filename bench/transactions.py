@@ -82,6 +82,7 @@ from bench.env import cores, sigterm_as_interrupt  # noqa: E402
 from infra import services  # noqa: E402
 from infra.broker import KAFKA_VERSION  # noqa: E402
 from infra.config import Config  # noqa: E402
+from infra.credentials import aiokafka_kwargs  # noqa: E402
 from infra.process import free_ports  # noqa: E402
 
 PARTITIONS = 8
@@ -102,7 +103,7 @@ def key_of(i: int) -> bytes:
 
 
 def consumer_conf(cfg: Config, group_id: str, **extra) -> dict:
-    conf = {"bootstrap.servers": cfg.bootstrap_servers, "group.id": group_id, "enable.auto.commit": False,
+    conf = {**cfg.kafka_conf(), "group.id": group_id, "enable.auto.commit": False,
             "auto.offset.reset": "earliest", "fetch.wait.max.ms": 100, "session.timeout.ms": 6000,
             "heartbeat.interval.ms": 1000, "log_level": 3}
     conf.update(extra)
@@ -121,7 +122,7 @@ def produce_one(producer, topic: str, key: bytes, value: bytes, **kwargs) -> Non
 def create_topics(cfg: Config, names: list[str], partitions: int = PARTITIONS) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 0})
+    admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
     for fut in admin.create_topics([NewTopic(n, partitions, 1) for n in names]).values():
         fut.result(30)
 
@@ -571,7 +572,7 @@ def read_partition_aiokafka(cfg: Config, topic: str, isolation: str) -> list[str
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     async def run() -> list[str]:
-        c = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, isolation_level=isolation,
+        c = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, isolation_level=isolation, **aiokafka_kwargs(cfg),
                              enable_auto_commit=False, auto_offset_reset="earliest")
         await c.start()
         try:

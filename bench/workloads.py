@@ -285,13 +285,17 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     gone = set(victims)
     affected = {t for t, m in obs.placement.items() if m in gone}
     state = fold_machines(env.cfg, registry)
+    # The health check's producer is connected long before a failure: this one is too, before the clock starts
+    # (a first send's connection and schema publication took ~0.5 s, counted as failover before).
+    producer = EventProducer(env.cfg, registry, broker.PRODUCER)
+    producer.prepare("MachinesStatusChanged", "UnavailabilityStarted")
     now = int(time.time() * 1000)
     # One decision for all of them, as the health check takes for the machines gone silent in one tick: one
     # MachinesStatusChanged and one UnavailabilityStarted per owner, not two events per machine.
     state, events = broker.machines_failed(state, victims, broker.REASON_OPERATOR, now)
     fail_ts = min((e.timestamp_ms for e in events), default=now)
     cpu0 = env.cpu_seconds()
-    produce(EventProducer(env.cfg, registry, broker.PRODUCER), events)
+    produce(producer, events)
 
     def moved(t: str) -> bool:
         run = obs.running.get(t)
@@ -339,7 +343,7 @@ def raw_rates(cfg: Config, records: int, record_bytes: int, repeat: int = 2) -> 
     of ``repeat`` runs of each (the machine may be shared: noise only slows a run down)."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 0})
+    admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
     keys = [f"bench-e{i}".encode() for i in range(100)]
     value = b"x" * max(1, record_bytes - len(keys[0]))
     produce_rates, consume_rates = [], []
@@ -485,7 +489,7 @@ def faust_overhead(env, records: int) -> dict[str, Any]:
     from bench import faust_overhead as fo
 
     cfg = env.cfg.with_(topic_prefix=env.cfg.topic_prefix + "faust.")
-    provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 0}),
+    provision(AdminClient({**cfg.kafka_conf(), "log_level": 0}),
               Topics(cfg.topic_prefix, cfg.partitions))
     produced = fo.produce(cfg, records)
     raw = fo.isolated(fo.read_aiokafka, cfg, records)

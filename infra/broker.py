@@ -17,6 +17,18 @@ The first start formats the data directory (``kafka.tools.StorageTool format --s
 this node the only KRaft voter). A data directory formatted for other ports is refused with the reason: the
 KRaft voter set records the controller's endpoint.
 
+**Authentication and authorization** (issue 12; ``security_properties``): the client listener is SASL_PLAINTEXT
+with SCRAM-SHA-256, one Kafka user per principal of ``infra/credentials.py``; the ACLs of ``infra/acls.py`` are
+enforced by Kafka's ``StandardAuthorizer`` (what no ACL allows is refused). The broker's own user ``broker`` (a
+super user, with ``operator``) authenticates with PLAIN from the broker's JAAS configuration, on the KRaft controller
+listener (SASL_PLAINTEXT too: nobody reaches the controller without it) and on the client listener, where it is
+the only PLAIN user with ``operator``: Debian's kcat links librdkafka 2.0.2, whose SCRAM client Kafka 4 refuses
+(a nonce bug fixed in librdkafka 2.6.1, confluentinc/librdkafka#4895), so ``<secrets>/kcat.conf`` logs the operator
+in with PLAIN (on the loopback interface only). ``ensure_users`` (run by ``services.up`` once the broker answers)
+creates or refreshes every principal's SCRAM credential as ``broker``, so a data directory formatted before SASL
+existed gets its users too (measured: a region of the previous version resumes under SASL, jobs running). The
+passwords are in ``<secrets>/kafka.json`` (0600); ``server.properties`` (which holds the broker's) is 0600.
+
 Tuning for one node (each setting with its reason in ``server_properties``): replication factor 1 everywhere,
 topics created only by provisioning (``auto.create.topics.enable=false``), a new consumer group's first join
 not held back, committed offsets that never expire while the region is down, and a log cleaner that looks for
@@ -62,18 +74,51 @@ class BrokerLayout:
     formatted = property(lambda self: (self.root / "data" / "meta.properties").exists())
 
 
-def server_properties(cfg: Config, layout: BrokerLayout) -> dict[str, str]:
-    """The broker's configuration for one local node. Pure."""
+LISTENER = "SASL_PLAINTEXT"  # the clients' listener (also the inter-broker one, unused with one node)
+CLIENT_MECHANISM = "SCRAM-SHA-256"  # every principal (infra/credentials.py)
+BROKER_MECHANISM = "PLAIN"  # the broker's own user, from its JAAS configuration
+AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+
+
+def security_properties(broker_user: str, broker_password: str, super_users: tuple[str, ...],
+                        plain_users: dict[str, str] | None = None) -> dict[str, str]:
+    """SASL on both listeners and the ACL authorizer (see the module docstring). ``plain_users`` (user -> password)
+    may also log in with PLAIN on the client listener (the operator, for tools whose librdkafka cannot do SCRAM with
+    Kafka 4). Pure."""
+    plain_ok = {broker_user: broker_password, **(plain_users or {})}
+    accounts = " ".join(f'user_{u}="{pw}"' for u, pw in plain_ok.items())
+    plain = (f'org.apache.kafka.common.security.plain.PlainLoginModule required username="{broker_user}" '
+             f'password="{broker_password}" {accounts};')
+    controller = (f'org.apache.kafka.common.security.plain.PlainLoginModule required username="{broker_user}" '
+                  f'password="{broker_password}" user_{broker_user}="{broker_password}";')
+    return {
+        "listener.security.protocol.map": f"{LISTENER}:SASL_PLAINTEXT,CONTROLLER:SASL_PLAINTEXT",
+        "inter.broker.listener.name": LISTENER,
+        "sasl.enabled.mechanisms": f"{CLIENT_MECHANISM},{BROKER_MECHANISM}",
+        "sasl.mechanism.inter.broker.protocol": BROKER_MECHANISM,
+        f"listener.name.{LISTENER.lower()}.plain.sasl.jaas.config": plain,
+        f"listener.name.{LISTENER.lower()}.scram-sha-256.sasl.jaas.config":
+            "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+        "listener.name.controller.sasl.enabled.mechanisms": BROKER_MECHANISM,
+        "sasl.mechanism.controller.protocol": BROKER_MECHANISM,
+        "listener.name.controller.plain.sasl.jaas.config": controller,
+        "authorizer.class.name": AUTHORIZER,
+        "super.users": ";".join(f"User:{u}" for u in super_users),
+        "allow.everyone.if.no.acl.found": "false",
+    }
+
+
+def server_properties(cfg: Config, layout: BrokerLayout, security: dict[str, str] | None = None) -> dict[str, str]:
+    """The broker's configuration for one local node, with ``security`` (``security_properties``). Pure."""
     host = "127.0.0.1"
     return {
         "process.roles": "broker,controller",  # one JVM is the whole cluster
         "node.id": str(NODE_ID),
         "controller.quorum.bootstrap.servers": f"{host}:{cfg.controller_port}",
-        "listeners": f"PLAINTEXT://{host}:{cfg.broker_port},CONTROLLER://{host}:{cfg.controller_port}",
-        "advertised.listeners": f"PLAINTEXT://{host}:{cfg.broker_port}",
+        "listeners": f"{LISTENER}://{host}:{cfg.broker_port},CONTROLLER://{host}:{cfg.controller_port}",
+        "advertised.listeners": f"{LISTENER}://{host}:{cfg.broker_port}",
         "controller.listener.names": "CONTROLLER",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-        "inter.broker.listener.name": "PLAINTEXT",
+        **(security or {}),
         "log.dirs": str(layout.data),
         # One node: every internal topic with one replica (the defaults, 3, cannot be met).
         "offsets.topic.replication.factor": "1",
@@ -138,9 +183,58 @@ def jvm_argv(cfg: Config, main: str, *args: str, heap_mb: int | None = None) -> 
 
 
 def write_config(cfg: Config, layout: BrokerLayout) -> None:
+    """server.properties (0600: it holds the broker's password), with the credentials of the secrets directory
+    (made if missing)."""
+    from infra import credentials
+
     layout.root.mkdir(parents=True, exist_ok=True)
-    props = server_properties(cfg, layout)
-    layout.properties.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+    credentials.ensure(cfg.secrets, kafka=True, redis=False)
+    me = credentials.kafka_credentials(cfg.secrets, credentials.BROKER_USER)
+    operator = credentials.kafka_credentials(cfg.secrets, credentials.OPERATOR)
+    props = server_properties(cfg, layout, security_properties(
+        me.username, me.password, (me.username, operator.username), {operator.username: operator.password}))
+    credentials.write_private(layout.properties, "".join(f"{k}={v}\n" for k, v in props.items()))
+
+
+def admin_conf(cfg: Config) -> dict[str, str]:
+    """confluent-kafka settings of the broker's own user (PLAIN): what ``ensure_users`` connects with."""
+    from infra import credentials
+
+    me = credentials.kafka_credentials(cfg.secrets, credentials.BROKER_USER)
+    return {"bootstrap.servers": cfg.bootstrap_servers, "security.protocol": "SASL_PLAINTEXT",
+            "sasl.mechanism": BROKER_MECHANISM, "sasl.username": me.username, "sasl.password": me.password}
+
+
+def ensure_users(cfg: Config, timeout_s: float = 30.0) -> list[str]:
+    """Create (or refresh) the SCRAM credential of every principal of ``<secrets>/kafka.json``, as the broker's own
+    user, and wait until the broker knows them all. Idempotent; returns the users."""
+    import time
+
+    from confluent_kafka.admin import (AdminClient, ScramCredentialInfo, ScramMechanism,
+                                       UserScramCredentialUpsertion)
+
+    from infra import credentials
+
+    users = sorted(set(credentials.kafka_usernames(cfg.secrets).values()))
+    admin = AdminClient({**admin_conf(cfg), "log_level": 0})
+    info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_256, credentials.SCRAM_ITERATIONS)
+    doc = credentials.read_json(cfg.secrets / credentials.KAFKA_FILE) or {}
+    passwords = {v["username"]: v["password"] for v in (doc.get("principals") or {}).values()}
+    upserts = [UserScramCredentialUpsertion(u, info, passwords[u].encode()) for u in users]
+    for fut in admin.alter_user_scram_credentials(upserts, request_timeout=timeout_s).values():
+        fut.result()
+    deadline = time.monotonic() + timeout_s
+    while True:  # the controller committed them; wait until the broker serving clients has them too
+        try:
+            known = admin.describe_user_scram_credentials(users, request_timeout=timeout_s)  # user -> future
+            if all(known[u].result().scram_credential_infos for u in users):
+                return users
+        except Exception:  # noqa: BLE001 - a user not there yet is an error of the describe: ask again
+            pass
+        if time.monotonic() > deadline:
+            raise InfraError(f"embedded broker: SCRAM users {', '.join(users)} not known {timeout_s:.0f}s after "
+                             f"they were created")
+        time.sleep(0.1)
 
 
 def prepare(cfg: Config) -> None:

@@ -13,6 +13,14 @@ real Redis needs no code change.
 | ROPEWALK_PARTITIONS         | 8                                    | partitions of every entitlement-keyed topic |
 | ROPEWALK_TOPIC_PREFIX       | ""                                   | prefix of every topic name (isolates tests, or several regions on one cluster) |
 | ROPEWALK_MAX_TASKS_PER_JOB  | 25000                                | the most tasks a job may have: `job submit` refuses more, the scheduler rejects more with a reason (Twine's largest jobs have ~15K tasks) |
+| ROPEWALK_SECRETS_DIR        | $ROPEWALK_RUN_DIR/secrets            | credentials of the principals (Kafka SASL, Redis users), the API's users file and the admin token (infra/credentials.py) |
+| ROPEWALK_API_PORT           | 19080                                | port of the HTTP API `up` starts (processors/api) |
+| ROPEWALK_API_URL            | http://127.0.0.1:$ROPEWALK_API_PORT  | where the CLI finds the API |
+| ROPEWALK_TOKEN              | the token in $ROPEWALK_SECRETS_DIR/token | the CLI's API token (a user made by `ropewalk user add`) |
+| ROPEWALK_DIRECT             | unset                                | `1`: the CLI writes to and reads the log itself as principal `operator`, not through the API (as `--direct`) |
+
+Which principal a process authenticates as is ``Config.principal``: ``operator`` unless the process names its own
+(``Config.as_principal``: every processor's main does); its credentials come from the secrets directory.
 """
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ DEFAULT_BROKER_PORT = 19092
 DEFAULT_REDIS_PORT = 16379
 DEFAULT_PARTITIONS = 8
 DEFAULT_BROKER_HEAP_MB = 512
+DEFAULT_API_PORT = 19080
+DEFAULT_PRINCIPAL = "operator"  # the CLI's direct path, `up`, tests (infra/credentials.py)
 # Twine (OSDI 2020, §5 "the largest job has ≈15K tasks"): 25,000 serves every job the paper reports, with room.
 DEFAULT_MAX_TASKS_PER_JOB = 25_000
 
@@ -44,6 +54,13 @@ class Config:
     embedded_broker: bool  # True when Ropewalk itself runs the broker (no ROPEWALK_BOOTSTRAP_SERVERS)
     embedded_redis: bool  # True when Ropewalk itself runs redis-server (no ROPEWALK_REDIS_URL)
     max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB  # job submit and the scheduler refuse bigger jobs
+    secrets_dir: Path | None = None  # credentials (infra/credentials.py); None: <run_dir>/secrets
+    principal: str = DEFAULT_PRINCIPAL  # who this process is on the broker and in Redis
+    api_port: int = DEFAULT_API_PORT
+    api_url: str = ""  # where the CLI finds the API; "": http://127.0.0.1:<api_port>
+    kafka_log_level: int = 3  # librdkafka's own log lines (syslog levels: 3 errors) of producers and consumers; the
+    #                           CLI sets 0: its one error line says what failed (a reader closed mid-handshake logs
+    #                           a SASL error that means nothing)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
@@ -61,6 +78,8 @@ class Config:
         max_tasks = _int(env, "ROPEWALK_MAX_TASKS_PER_JOB", DEFAULT_MAX_TASKS_PER_JOB)
         if max_tasks < 1:
             raise ValueError(f"ROPEWALK_MAX_TASKS_PER_JOB must be >= 1, got {max_tasks}")
+        run_dir = Path(env.get("ROPEWALK_RUN_DIR") or PROJECT_ROOT / ".run")
+        api_port = _int(env, "ROPEWALK_API_PORT", DEFAULT_API_PORT)
         return cls(
             bootstrap_servers=bootstrap or f"127.0.0.1:{broker_port}",
             redis_url=redis_url or f"redis://127.0.0.1:{redis_port}/0",
@@ -68,16 +87,56 @@ class Config:
             redis_port=redis_port,
             controller_port=_int(env, "ROPEWALK_CONTROLLER_PORT", broker_port + 1),
             broker_heap_mb=heap,
-            run_dir=Path(env.get("ROPEWALK_RUN_DIR") or PROJECT_ROOT / ".run"),
+            run_dir=run_dir,
             partitions=partitions,
             topic_prefix=env.get("ROPEWALK_TOPIC_PREFIX", ""),
             embedded_broker=not bootstrap,
             embedded_redis=not redis_url,
             max_tasks_per_job=max_tasks,
+            secrets_dir=Path(env["ROPEWALK_SECRETS_DIR"]) if env.get("ROPEWALK_SECRETS_DIR") else None,
+            api_port=api_port,
+            api_url=env.get("ROPEWALK_API_URL", "").strip().rstrip("/") or f"http://127.0.0.1:{api_port}",
         )
 
     def with_(self, **changes) -> "Config":
         return replace(self, **changes)
+
+    @property
+    def secrets(self) -> Path:
+        """The secrets directory (infra/credentials.py)."""
+        return self.secrets_dir if self.secrets_dir is not None else Path(self.run_dir) / "secrets"
+
+    def as_principal(self, principal: str) -> "Config":
+        """This configuration for a process that authenticates as ``principal`` (infra/credentials.PRINCIPALS)."""
+        from infra.credentials import PRINCIPALS
+
+        if principal not in PRINCIPALS:
+            raise ValueError(f"unknown principal {principal!r}; known: {', '.join(PRINCIPALS)}")
+        return replace(self, principal=principal)
+
+    def kafka_conf(self, **extra) -> dict:
+        """confluent-kafka settings to reach the broker as this principal: ``bootstrap.servers`` and, with
+        credentials in the secrets directory, SASL (infra/credentials.py); ``extra`` on top."""
+        from infra import credentials
+
+        return {"bootstrap.servers": self.bootstrap_servers,
+                **credentials.librdkafka_conf(credentials.kafka_credentials(self.secrets, self.principal)), **extra}
+
+    def redis_auth(self) -> dict:
+        """redis-py ``username``/``password`` of this principal's Redis user (empty: no ACL users)."""
+        from infra import credentials
+
+        return credentials.redis_auth(self.secrets, self.principal)
+
+    def redis_client(self, *, read_only: bool = False, **kwargs):
+        """A redis-py client of ``redis_url`` as this principal's Redis user (``read_only``: as the read-only user,
+        what a reader that must not write uses whoever it runs as)."""
+        import redis
+
+        from infra import credentials
+
+        auth = credentials.redis_auth(self.secrets, self.principal, read_only=read_only)
+        return redis.Redis.from_url(self.redis_url, **auth, **kwargs)
 
 
 def _int(env: dict[str, str], name: str, default: int) -> int:

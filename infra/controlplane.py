@@ -3,8 +3,10 @@ Health Check Service, allocator, one scheduler shard, simulated agents for every
 real process agent for the region's ``local`` machine (``LOCAL_MACHINE_ID``, type ``process``, in a DC of its
 own): tasks placed there run as OS processes of this computer, logs under ``<run dir>/agents/<machine>/``.
 
-Each is a `python -m ...` worker with its pid and log under the run directory; `ropewalk up` starts them
-after the broker and Redis, `ropewalk down` stops them first. Configuration reaches them through the same
+Each is a `python -m ...` worker with its pid and log under the run directory. `ropewalk up` has the region's
+supervisor (infra/supervisor.py) run them, after the broker and Redis: a worker that dies is started again
+after a backoff, and each restart is recorded; `ropewalk status` shows every expected worker with its state and
+restarts; `ropewalk down` stops the supervisor, the workers first. Configuration reaches them through the same
 ROPEWALK_* environment variables (infra/config.py).
 """
 from __future__ import annotations
@@ -17,13 +19,14 @@ from pathlib import Path
 
 import yaml
 
+from infra import supervisor
 from infra.config import Config
 from infra.process import ManagedProcess
 
 HEARTBEAT_INTERVAL_MS = 2000
 HEALTH_TIMEOUT_MS = 10000
 READY_TIMEOUT_S = 90.0
-NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health")
+NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api")
 LOCAL_DC = "local"
 LOCAL_MACHINE_TYPE = "process"
 LOCAL_CPU_MILLICORES = 2000
@@ -36,7 +39,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
                 "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
-                "ROPEWALK_RUN_DIR": str(cfg.run_dir), "PYTHONUNBUFFERED": "1"})
+                "ROPEWALK_RUN_DIR": str(cfg.run_dir), "ROPEWALK_SECRETS_DIR": str(cfg.secrets),
+                "ROPEWALK_API_PORT": str(cfg.api_port), "PYTHONUNBUFFERED": "1"})
     return env
 
 
@@ -72,15 +76,37 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
         "agent-local": ["processors.agent.process", "--machine-id", LOCAL_MACHINE_ID,
                         "--tick-ms", str(HEARTBEAT_INTERVAL_MS)],
         "health": ["processors.health.processor", "--timeout-ms", str(HEALTH_TIMEOUT_MS), "--tick-ms", "1000"],
+        "api": ["processors.api.server", "--port", str(cfg.api_port)],  # the HTTP API (processors/api)
     }
     out = []
     for name in NAMES:
         if name == "agent-local" and not local:
             continue
-        proc = ManagedProcess(name=name, argv=[py, "-m", *specs[name]], port=None, run_dir=cfg.run_dir,
-                              ready=lambda: True, start_timeout_s=2.0, env=worker_env(cfg))
+        api = name == "api"  # the one worker with a port: ready once it answers /healthz
+        proc = ManagedProcess(name=name, argv=[py, "-m", *specs[name]], port=cfg.api_port if api else None,
+                              run_dir=cfg.run_dir, ready=(lambda: api_ready(cfg)) if api else (lambda: True),
+                              start_timeout_s=30.0 if api else 2.0, env=worker_env(cfg))
         out.append(proc)
     return out
+
+
+def programs(cfg: Config, region: Path | None = None, *, local: bool = True,
+             env: dict[str, str] | None = None) -> list[supervisor.Program]:
+    """The workers as the supervisor's programs: the argv of ``processes``, the ROPEWALK_* configuration (and
+    ``env``) as their environment, on top of the supervisor's."""
+    env = {**{k: v for k, v in worker_env(cfg).items() if k.startswith("ROPEWALK_") or k == "PYTHONUNBUFFERED"},
+           **(env or {})}
+    return [supervisor.Program(p.name, tuple(p.argv), env) for p in processes(cfg, region, local=local)]
+
+
+def api_ready(cfg: Config) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cfg.api_port}/healthz", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 def simulated_state_file(cfg: Config) -> Path:
@@ -89,53 +115,83 @@ def simulated_state_file(cfg: Config) -> Path:
 
 
 def machines_indexed(cfg: Config) -> dict[str, int]:
-    """How many machines the allocator's Redis index holds, by status (UP, DOWN, ...)."""
+    """How many machines the allocator's Redis index holds, by status (UP, DOWN, ...), read as the read-only user;
+    none while Redis does not answer (a redis-server being started again by the supervisor)."""
     import redis
 
     from processors.allocator.index import MachineIndex
 
-    client = redis.Redis.from_url(cfg.redis_url)
+    client = cfg.redis_client(read_only=True)
     try:
         index = MachineIndex(client, cfg.topic_prefix)
+        summary = index.summary()  # one small read; an index written before the summary existed is counted
+        if summary is not None:
+            return summary
         return dict(Counter(m.status for m in index.machines(index.machine_ids()).values()))
+    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+        return {}
     finally:
         client.close()
 
 
-def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S) -> dict:
-    """Start the workers, then wait until the allocator's index holds all ``machines`` (+ the local one), whatever
-    their status: a job submitted after ``up`` returns sees the whole region (not just the partitions indexed
-    first). ``ready`` in the result says whether that happened within ``ready_timeout_s``; ``machines_indexed``
-    how many were seen, ``machines_up`` how many of them are UP. (A Redis that lost the index is written again
-    by the allocator itself: it folds the log at start and projects the fold into a Redis that lags it.)"""
+def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
+       env: dict[str, str] | None = None) -> dict:
+    """Have the supervisor run the workers, then wait until the allocator's index holds all ``machines`` (+ the local
+    one), whatever their status: a job submitted after ``up`` returns sees the whole region (not just the partitions
+    indexed first). ``ready`` in the result says whether that happened within ``ready_timeout_s``; ``machines_indexed``
+    how many were seen, ``machines_up`` how many of them are UP; a worker that exited meanwhile (the supervisor
+    starts it again) is ``running: False`` with its ``last_exit``. (A Redis that lost the index is written again
+    by the allocator itself: it folds the log at start and projects the fold into a Redis that lags it, and it
+    notices a Redis emptied while it runs.)"""
     from processors.allocator.placement import MACHINE_UP
 
     region = write_region(cfg, machines)
-    out = {}
-    for proc in processes(cfg, region):
-        out[proc.name] = proc.start()
-        if proc.name == "resourcebroker":
-            time.sleep(1.0)  # let registrations reach the log before the agents and the health check start
+    progs = programs(cfg, region, env=env)
+    before = {n: s.get("restarts", 0) for n, s in supervisor.programs_state(cfg.run_dir).items()}
+    first = [p for p in progs if p.name == "resourcebroker"]
+    supervisor.ensure(cfg.run_dir, first)
+    if first and "resourcebroker" not in before:
+        time.sleep(1.0)  # let registrations reach the log before the agents and the health check start
+    supervisor.ensure(cfg.run_dir, progs)
     deadline = time.monotonic() + ready_timeout_s
     seen: dict[str, int] = {}
+    exited: set[str] = set()
     while time.monotonic() < deadline:
-        if any(proc.pid() is None for proc in processes(cfg)):
+        exited = {n for n, s in status(cfg).items() if s["restarts"] > before.get(n, 0)}
+        if exited:
             break
         seen = machines_indexed(cfg)
-        if sum(seen.values()) >= machines + 1:
+        api = api_ready(cfg)  # the CLI talks to it: up is ready once it answers too
+        if sum(seen.values()) >= machines + 1 and api:
             break
         time.sleep(0.25)
-    for proc in processes(cfg):
-        if proc.pid() is None:  # died right after start: say why
-            out[proc.name]["running"] = False
+    out = status(cfg)
+    for name in exited:  # died after its start: say why (the supervisor starts it again)
+        out[name]["running"] = False
     indexed = sum(seen.values())
     return {"workers": out, "machines_indexed": indexed, "machines_up": seen.get(MACHINE_UP, 0),
-            "machines_by_status": seen, "ready": indexed >= machines + 1}
-
-
-def down(cfg: Config) -> dict:
-    return {p.name: p.stop() for p in reversed(processes(cfg))}
+            "machines_by_status": seen, "api_ready": api_ready(cfg),
+            "ready": indexed >= machines + 1 and not exited and api_ready(cfg)}
 
 
 def status(cfg: Config) -> dict:
-    return {p.name: p.status() for p in processes(cfg)}
+    """Every worker the supervisor is to run (``up`` said so), with its state (RUNNING, BACKOFF: exited and
+    waiting for its restart, STOPPED), pid, restarts and last exit: ``supervisor.programs_state``."""
+    return {n: st for n, st in supervisor.programs_state(cfg.run_dir).items() if n in NAMES}
+
+
+def worker_pid(cfg: Config, name: str) -> int | None:
+    """The pid of a running worker by its pid file (under the supervisor or started alone, as the bench does)."""
+    return ManagedProcess(name=name, argv=[name], port=None, run_dir=cfg.run_dir, ready=lambda: True).pid()
+
+
+def keep_tasks(cfg: Config) -> bool:
+    """Tell the process agent to leave its tasks running when it is stopped (`ropewalk down --keep-tasks`); True
+    if it runs and was told."""
+    from processors.agent.process import KEEP_TASKS_SIGNAL
+
+    pid = worker_pid(cfg, "agent-local")
+    if pid is None:
+        return False
+    os.kill(pid, KEEP_TASKS_SIGNAL)
+    return True

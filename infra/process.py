@@ -87,6 +87,33 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def process_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None if gone or a
+    zombie. With the pid it names one process: a pid reused by another process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            rest = fh.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if rest[0] == "Z":
+        return None
+    return int(rest[19])
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """``sig`` to the process group ``pid`` leads (a process started in its own session: its children too); to the
+    process alone if the group cannot be signalled; nothing if it is gone."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 @dataclass(frozen=True)
 class ManagedProcess:
     name: str  # "broker", "redis", "allocator", ...

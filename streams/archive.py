@@ -382,7 +382,7 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
         if n != want:
             raise ArchiveError(f"archive's {name} has {n} partitions, the catalogue says {want}")
     stats, started = RestoreStats(partitions=dict(counts)), time.monotonic()
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 3})
+    admin = AdminClient({**cfg.kafka_conf(), "log_level": 3})
     provision(admin, cat, timeout_s)
     _create_changelogs(admin, cat, {n: c for n, c in counts.items() if is_changelog(n)}, timeout_s)
     bases = _ends(cfg, cat, counts, timeout_s)  # where each partition's restored records will start

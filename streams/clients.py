@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+import re
+
 import threading
 import time
 from dataclasses import dataclass
@@ -70,16 +72,22 @@ class Record:
     log_timestamp_ms: int
 
 
+def client_id(name: str) -> str:
+    """The Kafka client id of a Ropewalk client named ``name`` (its producer header, e.g. ``agent/simulated``): what
+    the broker's request log and metrics show of who sent what. Kafka allows letters, digits, ``._-``."""
+    return "ropewalk-" + re.sub(r"[^A-Za-z0-9._-]", "-", name)
+
+
 def producer_conf(cfg: Config, **extra) -> dict:
     conf = {
-        "bootstrap.servers": cfg.bootstrap_servers,
+        **cfg.kafka_conf(),
         "enable.idempotence": True,
         "acks": "all",
         "partitioner": "murmur2_random",  # the Java/aiokafka default: keeps topics co-partitioned
         "linger.ms": 5,
         "batch.num.messages": 10000,
         "queue.buffering.max.messages": 500000,
-        "log_level": 3,
+        "log_level": cfg.kafka_log_level,
     }
     conf.update(extra)
     return conf
@@ -102,7 +110,7 @@ class EventProducer:
         self.registry = registry
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.name = name
-        self._producer = Producer(producer_conf(cfg, **conf))
+        self._producer = Producer(producer_conf(cfg, **{"client.id": client_id(name), **conf}))
         self._schemas_published: set[bytes] = set()
         self._errors: list[str] = []
         self._lock = threading.Lock()
@@ -138,13 +146,26 @@ class EventProducer:
         """Encode and produce asynchronously to the event's topic, keyed per the catalogue. The record's log
         timestamp is the time of sending unless ``log_timestamp_ms`` says otherwise (an import, a test)."""
         self._raise_errors()
+        physical, key, value, headers = self._encoded(event, topic, validate)
+        self.send_raw(physical, key, value, timestamp_ms=log_timestamp_ms, headers=headers)
+
+    def send_all(self, events: Iterable[Event], *, validate: bool = True) -> None:
+        """``send`` each, in order, but every event encoded before the first is produced: the records reach
+        librdkafka within a moment, so its batches are not sent piecemeal while later events are still being
+        encoded (a scheduler batch's JobStatePublished records went out ~one produce request each when the
+        5 ms linger expired in the middle of encoding them)."""
+        self._raise_errors()
+        for topic, key, value, headers in [self._encoded(e, None, validate) for e in events]:
+            self.send_raw(topic, key, value, headers=headers)
+
+    def _encoded(self, event: Event, topic: str | None, validate: bool) -> tuple[str, bytes, bytes, list]:
+        """(physical topic, key, value, headers) of an event; its schema published first if it was not yet."""
         logical = topic or self.topics.logical(self.topics.for_event(event.type))
         schema = self.registry.reader(event.type)
         if self._publish_schema(schema):
             self._flush_or_raise(10.0)  # the schema is on the log before any record that uses it
         value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
-        self.send_raw(self.topics.name(logical), key_of(logical, event).encode(), value, timestamp_ms=log_timestamp_ms,
-                      headers=self.headers_for(event.type))
+        return self.topics.name(logical), key_of(logical, event).encode(), value, self.headers_for(event.type)
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
                  timestamp_ms: int | None = None, headers: list | None = None) -> None:
@@ -196,20 +217,34 @@ class EventProducer:
         self.flush()
 
 
+def reader_group(cfg: Config, name: str = "reader") -> str:
+    """The group id of a consumer that assigns its partitions itself and never joins nor commits: librdkafka needs
+    one anyway (and asks for its coordinator, which the broker authorizes: every principal may DESCRIBE the groups
+    ``<prefix>ropewalk-*`` of its region, infra/acls.py)."""
+    return f"{cfg.topic_prefix}ropewalk-{name}"
+
+
 def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:
     conf = {
-        "bootstrap.servers": cfg.bootstrap_servers,
-        "group.id": group_id or "ropewalk-reader-unused",  # required by librdkafka even when assigning
+        **cfg.kafka_conf(),
+        "group.id": group_id or reader_group(cfg),  # required by librdkafka even when assigning
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "enable.partition.eof": True,
         "session.timeout.ms": 6000,
         "heartbeat.interval.ms": 1000,
         "fetch.wait.max.ms": 100,
-        "log_level": 3,
+        "log_level": cfg.kafka_log_level,
     }
     conf.update(extra)
     return conf
+
+
+# A reader that follows the log without anybody waiting on it record by record (the health check's heartbeats,
+# the Resource Broker's fold of machines): its fetches wait to fill. A fetch of a consumer with the defaults above
+# returns as soon as one record arrives, so a reader of busy topics fetched once per produce request of every
+# writer (~3 fetch requests per job in a burst, the broker's second largest cost).
+BACKGROUND_READER = {"fetch.wait.max.ms": 500, "fetch.min.bytes": 64 * 1024}
 
 
 class EventConsumer:
@@ -232,7 +267,7 @@ class EventConsumer:
         self.physical_topics = list(topics)
         self.dead_letters = dead_letters
         self.skipped = skipped if skipped is not None else dl.Skipped()  # maybe shared with other readers
-        self._consumer = Consumer(consumer_conf(cfg, group_id, **conf))
+        self._consumer = Consumer(consumer_conf(cfg, group_id, **{"client.id": client_id(name), **conf}))
         self.eof: set[tuple[str, int]] = set()
         self.dead_lettered = 0  # records this consumer skipped (and dead-lettered, with dead_letters)
         self._missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
@@ -272,6 +307,16 @@ class EventConsumer:
         """The high watermark reported by the latest fetch response of `tp` (None before the first one)."""
         _, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
         return high if high >= 0 else None  # librdkafka answers OFFSET_INVALID (-1001) before a fetch
+
+    def high_watermarks(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The broker's high watermark of each partition now (ListOffsets)."""
+        return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
+                for t, p in partitions}
+
+    def read_up_to(self, targets: Mapping[tuple[str, int], int], start: Mapping[tuple[str, int], int]) -> bool:
+        """Whether this consumer has read every partition of ``targets`` up to (below) its offset: its last record
+        read (any record, also one passed over) is at ``offset - 1`` or later, or it started there (``start``)."""
+        return all(max(self.last_offsets.get(tp, -1) + 1, start.get(tp, 0)) >= off for tp, off in targets.items())
 
     def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(low, high) per partition as the broker lists them (ListOffsets)."""

@@ -10,8 +10,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+MAX_TIME_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: later times are no times (Kafka's timestamps are int64)
 ENVELOPE_FIELDS = ("event_id", "entitlement", "entity_id", "timestamp_ms", "producer", "causation_id",
-                   "schema_version")
+                   "schema_version", "principal")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Event:
     timestamp_ms: int = 0
     event_id: str = ""
     schema_version: int = 0  # filled by the producer / by decoding
+    principal: str | None = None  # who asked (an API user, `operator`); None: a component's own decision
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def to_record(self, schema_version: int | None = None) -> dict:
@@ -36,6 +38,7 @@ class Event:
             "producer": self.producer,
             "causation_id": self.causation_id,
             "schema_version": self.schema_version if schema_version is None else schema_version,
+            "principal": self.principal,
         }
         return {"envelope": env, **self.payload}
 
@@ -46,24 +49,24 @@ class Event:
         return cls(type=type_, entitlement=env["entitlement"], entity_id=env["entity_id"], payload=payload,
                    producer=env["producer"], causation_id=env.get("causation_id"),
                    timestamp_ms=env["timestamp_ms"], event_id=env["event_id"],
-                   schema_version=env["schema_version"])
+                   schema_version=env["schema_version"], principal=env.get("principal"))
 
     def to_json(self) -> dict:
         """JSON-friendly dict: envelope fields flat, payload under `payload`, bytes as hex."""
         return {"type": self.type, "event_id": self.event_id, "entitlement": self.entitlement,
                 "entity_id": self.entity_id, "timestamp_ms": self.timestamp_ms, "producer": self.producer,
                 "causation_id": self.causation_id, "schema_version": self.schema_version,
-                "payload": _jsonable(self.payload)}
+                "principal": self.principal, "payload": _jsonable(self.payload)}
 
 
 def new_event(type_: str, payload: Mapping[str, Any], *, entitlement: str, entity_id: str, producer: str,
               causation_id: str | None = None, timestamp_ms: int | None = None,
-              event_id: str | None = None) -> Event:
+              event_id: str | None = None, principal: str | None = None) -> Event:
     """A new event with a fresh id and the current time unless given (pure code passes both)."""
     return Event(type=type_, entitlement=entitlement, entity_id=entity_id, payload=dict(payload),
                  producer=producer, causation_id=causation_id,
                  timestamp_ms=int(time.time() * 1000) if timestamp_ms is None else timestamp_ms,
-                 event_id=event_id or str(uuid.uuid4()))
+                 event_id=event_id or str(uuid.uuid4()), principal=principal)
 
 
 def derived_event_id(*parts: Any) -> str:

@@ -46,10 +46,15 @@ DEAD_LETTER_FLUSH_S = 15.0
 
 def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
     """The non-default faust settings Ropewalk runs with, each with its reason (faust-streaming 0.15.3)."""
+    from infra import credentials
+
     servers = [s.strip() for s in cfg.bootstrap_servers.split(",") if s.strip()]
     return {
         # faust wants URLs; several bootstrap servers are a list of them.
         "broker": [f"kafka://{s}" for s in servers],
+        # The app's principal on the broker (SASL/SCRAM, infra/credentials.py); None: no authentication.
+        "broker_credentials": credentials.faust_credentials_of(
+            credentials.kafka_credentials(cfg.secrets, cfg.principal)),
         # The consumer group id is the app id. Prefixed like the topics, so two regions (or two tests) on
         # one cluster never share a group, nor the internal topics faust names after the id.
         "id": cfg.topic_prefix + app_id,
@@ -83,6 +88,13 @@ def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
         # first finishes its current event (stream_wait_empty) and commits. Faust's 60 s would let one
         # stuck worker stall every shard that long; Ropewalk's handlers take milliseconds.
         "broker_rebalance_timeout": 10.0,
+        # A partition's batch may hold what the broker takes in one record (1 MiB), not 16 KiB: a chunk of a
+        # job's tasks (~9 KB for 36 tasks, ~120 KB for 500) filled a batch of its own, and aiokafka sends one batch
+        # per partition per request, so a batch's changelog writes went out one record per request (~1.8 produce
+        # requests per 36-task job, the broker's largest cost in a burst, from its request log).
+        "producer_max_batch_size": 1024 * 1024,
+        # Who this is in the broker's request log and metrics (confluent clients say so too: clients.client_id).
+        "broker_client_id": f"ropewalk-{app_id}",
         # No HTTP server per worker: Ropewalk's front end is its own process; a web port per worker would
         # also collide when several workers run on one machine (and in tests).
         "web_enabled": False,
@@ -163,6 +175,89 @@ async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadL
     return record, event
 
 
+def take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float) -> AsyncIterator[list]:
+    """Batches of a faust stream's events, sized by how fast they come: a batch is handed over once no new
+    event came for ``gap_s`` (or it holds ``max_records``, or its first event waited ``max_wait_s``), and its
+    events are acked only after the caller's loop body returns for it, as with ``stream.take_events``.
+
+    ``take_events(max, within)`` waits ``within`` from when it starts waiting, whatever arrives: a short window
+    hands over a lone event soon but cuts a burst into many small batches (at 2 ms, ~15 records per batch of the
+    scheduler in a 400-job burst, each batch some six produce requests of output and changelog: the broker's
+    largest cost per job); a long one makes every lone event wait. Waiting for a gap does both: an idle shard
+    decides a lone event ``gap_s`` after it came, a busy one decides everything that queued while it was busy.
+
+    The same faust machinery as ``take_events`` (faust-streaming 0.15.3, pinned): a processor fills the buffer
+    while the stream is drained passively; acks are off for the stream while the generator runs."""
+    agen = _take_batches(stream, max_records, gap_s, max_wait_s)
+    stream._active_agens.add(agen)  # closed with the stream, as faust's own take_events generators are
+    return agen
+
+
+async def _take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float) -> AsyncIterator[list]:
+    buffer: list = []
+    events: list = []
+    full = asyncio.Event()
+    consumed = asyncio.Event()
+    arrived = asyncio.Event()
+    consuming: asyncio.Future | None = None
+    enable_acks = stream.enable_acks
+    channel_it = aiter(stream.channel)
+
+    async def add_to_buffer(value: Any) -> Any:
+        nonlocal consuming
+        if consuming is not None:  # the caller holds a batch: wait until it is done with it
+            try:
+                await consuming
+            finally:
+                consuming = None
+        event = stream.current_event
+        if event is None:
+            raise RuntimeError("take_batches: no current event")
+        buffer.append(value)
+        events.append(event)
+        arrived.set()
+        if len(buffer) >= max_records:
+            full.set()
+            consumed.clear()
+            await stream.wait(consumed)
+        return value
+
+    stream.enable_acks = False
+    stream.add_processor(add_to_buffer)
+    stream._enable_passive(channel_it)
+    try:
+        while not stream.should_stop:
+            if not buffer:
+                arrived.clear()
+                await stream.wait_for_stopped(arrived, timeout=max_wait_s)
+                continue
+            first = time.monotonic()
+            while not full.is_set() and not stream.should_stop:
+                left = max_wait_s - (time.monotonic() - first)
+                if left <= 0:
+                    break
+                arrived.clear()
+                await stream.wait_for_stopped(arrived, timeout=min(gap_s, left))
+                if not arrived.is_set():
+                    break  # a gap: nothing new came for gap_s
+            if buffer:
+                consuming = asyncio.get_running_loop().create_future()
+                try:
+                    yield list(events)
+                finally:
+                    buffer.clear()
+                    for event in events:
+                        await stream.ack(event)
+                    events.clear()
+                    if not consuming.done():
+                        consuming.set_result(None)
+                    full.clear()
+                    consumed.set()
+    finally:
+        stream.enable_acks = enable_acks
+        stream._processors.remove(add_to_buffer)
+
+
 def header_of(msg: Any, name: str) -> bytes | None:
     """The value of record header ``name`` of a faust message (None if absent): read without decoding."""
     return header(getattr(msg, "headers", None), name)
@@ -182,4 +277,5 @@ async def route_dead_letter(dead_letters: DeadLetters, message: Any, reason: str
     await asyncio.get_running_loop().run_in_executor(None, route)
 
 
-__all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter"]
+__all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter",
+           "take_batches"]

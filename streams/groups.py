@@ -27,7 +27,7 @@ COORDINATOR_MOVING = frozenset({KafkaError.NOT_COORDINATOR, KafkaError.COORDINAT
 
 
 def _admin(cfg: Config) -> AdminClient:
-    return AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 3})
+    return AdminClient({**cfg.kafka_conf(), "log_level": 3})
 
 
 def groups(cfg: Config, admin: AdminClient | None = None) -> list[str]:
@@ -41,7 +41,7 @@ def groups(cfg: Config, admin: AdminClient | None = None) -> list[str]:
 # (no subscribe): librdkafka 2.16's AdminClient.list_consumer_group_offsets crashed the process (SIGSEGV in
 # rd_kafka_cgrp_op, from rd_kafka_handle_OffsetFetch) when asked right after the broker's first start.
 def _group_consumer(cfg: Config, group: str) -> Consumer:
-    return Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": group, "enable.auto.commit": False,
+    return Consumer({**cfg.kafka_conf(), "group.id": group, "enable.auto.commit": False,
                      "log_level": 3})
 
 

@@ -349,9 +349,18 @@ def iso_time(ms: int) -> str:
 def format_text(rec: Record) -> str:
     """One human line: time, topic, partition@offset, type, entity id, payload summary."""
     ev = rec.event
-    summary = _SUMMARIES.get(ev.type, _summary_generic)(ev.payload)
-    return (f"{iso_time(ev.timestamp_ms)} {logical_topic(rec):<14} {rec.partition}@{rec.offset:<7} "
-            f"{ev.type:<28} {ev.entity_id}  {summary}").rstrip()
+    return _text_line(ev.timestamp_ms, logical_topic(rec), rec.partition, rec.offset, ev.type, ev.entity_id, ev.payload)
+
+
+def format_text_doc(doc: Mapping[str, Any]) -> str:
+    """``format_text`` of an event as ``format_json`` wrote it (the API's replay lines)."""
+    return _text_line(doc["timestamp_ms"], doc["topic"], doc["partition"], doc["offset"], doc["type"],
+                      doc["entity_id"], doc["payload"])
+
+
+def _text_line(ts: int, topic: str, partition: int, offset: int, type_: str, entity: str, payload) -> str:
+    summary = _SUMMARIES.get(type_, _summary_generic)(payload)
+    return f"{iso_time(ts)} {topic:<14} {partition}@{offset:<7} {type_:<28} {entity}  {summary}".rstrip()
 
 
 def format_json(rec: Record) -> str:

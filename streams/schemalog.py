@@ -28,8 +28,10 @@ def publish(producer, topics: Topics, schema: EventSchema) -> None:
 def load(cfg: Config, registry: SchemaRegistry, only: bytes | None = None, timeout_s: float = 10.0) -> int:
     """Read _schemas up to its end and learn every schema. Returns how many were read."""
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("_schemas")
-    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": "ropewalk-schemalog",
-                  "enable.auto.commit": False, "enable.partition.eof": True, "log_level": 3})
+    from streams.clients import reader_group
+
+    c = Consumer({**cfg.kafka_conf(), "group.id": reader_group(cfg, "schemalog"),
+                  "enable.auto.commit": False, "enable.partition.eof": True, "log_level": cfg.kafka_log_level})
     try:
         md = c.list_topics(topic, timeout=timeout_s).topics.get(topic)
         if md is None or md.error is not None:

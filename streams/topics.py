@@ -71,8 +71,9 @@ CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("allocations", KEY_ENTITLEMENT, ("AllocationRequested", "TasksAllocated", "AllocationRejected",
               "TasksDeallocated"), True, config=_KEEP_FOREVER, doc="allocator requests and decisions, with reasons"),
     TopicSpec("tasks", KEY_ENTITLEMENT, ("TaskCommanded", "TaskStateChanged", "ServiceDiscoveryChanged",
-              "TasksCommanded", "TaskStatesChanged", "ServiceDiscoveryUpdated"), True,
-              config=_KEEP_FOREVER, doc="task commands to agents and task state changes"),
+              "TasksCommanded", "TaskStatesChanged", "ServiceDiscoveryUpdated", "TaskCommandRefused"), True,
+              config=_KEEP_FOREVER,
+              doc="task commands to agents, task state changes, and agents' refusals of commands"),
     TopicSpec("taskcontrol", KEY_ENTITLEMENT, ("TaskControlRequested", "TaskControlAcked", "OperationsThrottled"),
               True, config=_KEEP_FOREVER,
               doc="TaskControl requests to application controllers and their acks"),
@@ -175,12 +176,14 @@ def provision(admin, topics: Topics, timeout_s: float = 15.0) -> dict:
                 err = exc.args[0] if exc.args else None
                 if not (hasattr(err, "code") and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
                     raise TopicError(f"cannot create topic {name}: {exc}") from None
+        # Served first, then listed: right after creation the metadata may not list every new topic yet (seen
+        # under load: the counts of some came back missing).
+        wait_until_served(admin, {topics.name(s.name): topics.partitions_of(s.name) for s in missing})
         md = admin.list_topics(timeout=timeout_s)
         existing = {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
         problems = check_copartitioning(topics, existing)
         if problems:
             raise TopicError("; ".join(problems))
-        wait_until_served(admin, {topics.name(s.name): topics.partitions_of(s.name) for s in missing})
     return {"created": sorted(created), "topics": {n: existing.get(n) for n in topics.all()}}
 
 

@@ -30,7 +30,18 @@ def infra_cfg(tmp_path_factory) -> Config:
         "ROPEWALK_PARTITIONS": "4",
     })
     services.up(cfg)
+    # Processes the tests start (processors, the CLI) find the session's credentials here, whatever run directory
+    # their environment names (most pass only ROPEWALK_BOOTSTRAP_SERVERS / ROPEWALK_REDIS_URL); and the CLI they
+    # run writes to the log itself (there is no API in these regions; RegionCli, which runs `ropewalk up`, uses
+    # the API and drops this).
+    saved = {k: os.environ.get(k) for k in ("ROPEWALK_SECRETS_DIR", "ROPEWALK_DIRECT")}
+    os.environ.update({"ROPEWALK_SECRETS_DIR": str(cfg.secrets), "ROPEWALK_DIRECT": "1"})
     yield cfg
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     services.down(cfg)
 
 
@@ -50,31 +61,65 @@ def session_broker_alive(request):
             pytest.fail(f"the session's {name} died during this test; the end of {log}:\n" + "\n".join(tail))
 
 
-def drop_topics(cfg: Config) -> None:
+class Janitor(list):
+    """Requests the session does not wait for test by test (deleting each test region's ACLs: 0.15 s each), on an
+    admin client that outlives them; waited for when the session ends."""
+
+    def __init__(self, cfg: Config):
+        from confluent_kafka.admin import AdminClient
+
+        super().__init__()
+        self.admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
+
+    def finish(self) -> None:
+        for futures in self:
+            for fut in futures:
+                try:
+                    fut.result(timeout=30)
+                except Exception:  # noqa: BLE001 - a broker stopped early: nothing left to clean
+                    pass
+
+
+@pytest.fixture(scope="session")
+def janitor(infra_cfg):
+    j = Janitor(infra_cfg)
+    yield j
+    j.finish()
+
+
+def drop_topics(cfg: Config, janitor: Janitor | None = None) -> None:
     """Delete every topic of ``cfg``'s prefix (the catalogue's and faust's changelogs): the session's broker holds
     one open file per partition, and a suite that kept every test's topics reached ~5,000 of them."""
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})
+    from infra import acls
+
+    admin = AdminClient({**cfg.kafka_conf()})
     names = [t for t in admin.list_topics(timeout=15).topics if t.startswith(cfg.topic_prefix)]
     for fut in admin.delete_topics(names, operation_timeout=15).values() if names else ():
         try:
             fut.result()
         except Exception:  # noqa: BLE001 - already gone; the next test has a prefix of its own anyway
             pass
+    if janitor is not None:  # the region's ACLs go too, without waiting (the janitor waits at the end)
+        janitor.append(acls.drop_region(cfg, janitor.admin, wait=False))
 
 
 @pytest.fixture
-def cfg(infra_cfg: Config) -> Config:
+def cfg(infra_cfg: Config, janitor: Janitor) -> Config:
     """The session's infrastructure with a topic prefix of this test's own, topics provisioned."""
     from confluent_kafka.admin import AdminClient
 
     from streams.topics import Topics, provision
 
+    from infra import acls
+
     c = infra_cfg.with_(topic_prefix=f"t{uuid.uuid4().hex[:8]}.")
-    provision(AdminClient({"bootstrap.servers": c.bootstrap_servers}), Topics(c.topic_prefix, c.partitions))
+    admin = AdminClient({**c.kafka_conf()})
+    provision(admin, Topics(c.topic_prefix, c.partitions))
+    acls.provision_region(c, admin)  # what each principal may do in this test's region (infra/acls.py)
     yield c
-    drop_topics(c)
+    drop_topics(c, janitor)
 
 
 def pytest_unconfigure(config):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from processors.allocator.fold import merged
-from processors.frontend.cli import job_view
+from processors.frontend.service import job_view
 from processors.history.region import STATE_TYPES, Region
 from processors.resourcebroker import decide as rb
 from processors.resourcebroker.region import generate_region, machines as region_machines

@@ -7,9 +7,10 @@ wiring (``process.py``: real OS processes; ``simulated.py``: many pretend machin
 
 Inputs:
 
-* ``Command``: a TaskCommanded addressed to this machine. START runs the task; a START for a task already
-  running at the same spec version, or any command whose event id was already applied, is a no-op
-  (delivery is at-least-once). A START/RESTART at another spec version, or a RESTART of a live task, kills
+* ``Command``: a TaskCommanded addressed to this machine. START runs the task; any command whose event id was
+  already applied is a no-op (delivery is at-least-once); a START (another command) for a task already running
+  at the same spec version starts nothing: the task's run takes the command's id and, if its process is up, is
+  reported RUNNING again (``already_running``: a log that was replaced commands a task the agent kept running). A START/RESTART at another spec version, or a RESTART of a live task, kills
   it and runs the new spec once it has exited. STOP kills it (STOPPED once it exited); a STOP for a task
   the agent does not run is answered STOPPED at once, so the scheduler's STOPPING completes.
 * ``Spawned`` / ``SpawnFailed``: the wiring started the process (→ RUNNING) or could not (→ FAILED).
@@ -17,6 +18,11 @@ Inputs:
   vanished while the agent was down) → restarted in place after a backoff, up to ``Policy.max_restarts``
   times, silently (the control plane still sees it RUNNING); after that, FAILED with the exit code.
 * ``Tick``: restarts whose backoff elapsed are spawned; one AgentHeartbeat (sequence + 1, live task ids).
+* ``Suspended``: the agent itself stops (``ropewalk down``) and has killed the task's process: the task is started
+  again, silently, at the agent's next start (still RUNNING to the control plane: the region was down, the log
+  still says it runs); a stop under way completes (STOPPED); a kill for a new spec starts the new one then.
+* ``Orphaned``: the log the agent reads commands the task no more (it was replaced: its offsets belong to another
+  log): the task is stopped as if a STOP came (``not_in_log``).
 
 Per task the agent keeps a ``TaskRun`` whose ``phase`` is the agent's own view (SPAWNING, RUNNING, BACKOFF,
 KILLING, STOPPED, FAILED) and ``reported`` the last TaskState it announced (``previous_state`` of the next).
@@ -81,11 +87,14 @@ REASON_STOP_COMMANDED = "stop_commanded"  # STOPPED: killed after a STOP
 REASON_NOT_RUNNING = "not_running"  # STOPPED: a STOP for a task this agent does not run
 REASON_RESTART_LIMIT = "restart_limit"  # FAILED: crashed again after Policy.max_restarts local restarts
 REASON_SPAWN_FAILED = "spawn_failed"  # FAILED: the process could not be started (no such file, ...)
+REASON_ALREADY_RUNNING = "already_running"  # RUNNING: a START (another command) for a task whose process runs
+REASON_NOT_IN_LOG = "not_in_log"  # STOPPED: the task was stopped because the log commands it no more
 
 # Why an action is asked (Action.reason).
 WHY_COMMANDED = "commanded"  # a START/RESTART/STOP command
 WHY_RESTART_POLICY = "restart_policy"  # a local restart after a crash
 WHY_NEW_SPEC = "new_spec"  # killed to run another spec version / a RESTART
+WHY_NOT_IN_LOG = "not_in_log"  # killed: the log the agent reads does not command it (``Orphaned``)
 
 # Action kinds.
 SPAWN = "spawn"
@@ -182,7 +191,17 @@ class Tick:
     pass
 
 
-Input = Union[Command, Spawned, SpawnFailed, Exited, Tick]
+@dataclass(frozen=True)
+class Suspended:
+    task_id: str  # its process was killed because the agent stops (``ropewalk down``)
+
+
+@dataclass(frozen=True)
+class Orphaned:
+    task_id: str  # the log the agent reads does not command it
+
+
+Input = Union[Command, Spawned, SpawnFailed, Exited, Tick, Suspended, Orphaned]
 
 
 @dataclass(frozen=True)
@@ -217,6 +236,10 @@ def decide(state: AgentState, inp: Input, now_ms: int, policy: Policy = DEFAULT_
         return _on_exited(state, inp.task_id, inp.exit_code, now_ms, policy)
     if isinstance(inp, Tick):
         return _on_tick(state, now_ms)
+    if isinstance(inp, Suspended):
+        return _on_suspended(state, inp.task_id, now_ms)
+    if isinstance(inp, Orphaned):
+        return _on_orphaned(state, inp.task_id, now_ms)
     raise AgentError(f"unknown agent input {inp!r}")
 
 
@@ -269,8 +292,11 @@ def _on_command(state: AgentState, ev: Event, now_ms: int):
         if run is None or run.phase in (P_STOPPED, P_FAILED):
             return _start(state, task_id, spec, run.reported if run else UNKNOWN, seen, now_ms)
         same = run.spec.spec_version == spec.spec_version and run.then is None
-        if command == START and same:
-            return state._with(replace(run, commands=seen)), [], []  # already running this spec version
+        if command == START and same:  # already running this spec version: the run takes the command's id
+            adopted = replace(run, spec=spec, commands=seen)
+            if run.spec.run_id == spec.run_id or run.reported != RUNNING:
+                return state._with(adopted), [], []
+            return state._with(adopted), [_report(state, adopted, RUNNING, REASON_ALREADY_RUNNING, now_ms)], []
         if run.phase == P_BACKOFF:  # no process: start the new spec at once
             return _start(state, task_id, spec, run.reported, seen, now_ms)
         if run.phase == P_KILLING:  # already being killed: run the new spec after it
@@ -332,6 +358,33 @@ def _on_exited(state: AgentState, task_id: str, code: int | None, now_ms: int, p
                                    restart_at_ms=now_ms + policy.backoff(n))), [], []
     out = _report(state, run, FAILED, REASON_RESTART_LIMIT, now_ms, code)
     return state._with(replace(run, phase=P_FAILED, reported=FAILED, exit_code=code)), [out], []
+
+
+def _on_suspended(state: AgentState, task_id: str, now_ms: int):
+    run = state.tasks.get(task_id)
+    if run is None or run.phase not in HAS_PROCESS:
+        return state, [], []
+    if run.phase == P_KILLING and run.then is None:  # a stop under way: done
+        return _on_exited(state, task_id, None, now_ms, DEFAULT_POLICY)
+    if run.phase == P_KILLING:  # killed for a new spec: that one starts with the agent (announced now)
+        new = TaskRun(task_id=task_id, spec=run.then, phase=P_BACKOFF, reported=run.reported, restart_at_ms=now_ms,
+                      commands=run.commands)
+        ev = _report(state, new, STARTING, REASON_SPAWNING, now_ms)
+        return state._with(replace(new, reported=STARTING)), [ev], []
+    # SPAWNING or RUNNING: started again when the agent is, no restart counted, nothing reported
+    return state._with(replace(run, phase=P_BACKOFF, restart_at_ms=now_ms)), [], []
+
+
+def _on_orphaned(state: AgentState, task_id: str, now_ms: int):
+    run = state.tasks.get(task_id)
+    if run is None or run.phase in (P_STOPPED, P_FAILED):
+        return state, [], []
+    if run.phase == P_BACKOFF:  # nothing to kill
+        out = _report(state, run, STOPPED, REASON_NOT_IN_LOG, now_ms, run.exit_code)
+        return state._with(replace(run, phase=P_STOPPED, reported=STOPPED, restart_at_ms=None)), [out], []
+    if run.phase == P_KILLING:
+        return state._with(replace(run, then=None)), [], []
+    return state._with(replace(run, phase=P_KILLING, then=None)), [], [_kill(task_id, WHY_NOT_IN_LOG)]
 
 
 def _on_tick(state: AgentState, now_ms: int):

@@ -4,7 +4,9 @@
 
 * Reads every partition of ``tasks`` (keyed by entitlement, so any partition may hold a command for this
   machine) and keeps the commands addressed to ``--machine-id`` (a job's TasksCommanded holds many machines'
-  commands; older logs hold a TaskCommanded per task).
+  commands; older logs hold a TaskCommanded per task). It also folds ``allocations``: a START or RESTART runs only
+  if the allocator placed that task on this machine for the command's entitlement and job (``gate.py``); anything
+  else is answered by a TaskCommandRefused.
 * Reports go out batched: the TaskStateChanged transitions of one step as one TaskStatesChanged per entitlement
   (``decide.batch``); heartbeats as they come.
 * Each task runs as ``argv`` with the command's env on top of the agent's, in its own session (its own
@@ -15,9 +17,22 @@
   its tasks running (and restarting), the producer buffers the reports (no delivery timeout), and the
   consumer resumes from the agent's own offsets when the broker is back.
 * ``<work>/agent-state.json`` holds the agent's view — each task's run and process (pid, start time), the
-  next offset of every partition, the heartbeat sequence — written atomically after every change. A
-  restarted agent re-adopts the processes still alive (same pid *and* start time) instead of starting
-  duplicates; a task whose process vanished meanwhile counts as a crash (exit code unknown).
+  next offset of every partition and the id of the topic they are offsets of, the heartbeat sequence — written
+  atomically after every change. A restarted agent re-adopts the processes still alive (same pid *and* start
+  time) instead of starting duplicates; a task whose process vanished meanwhile counts as a crash (exit code
+  unknown).
+* **Stopping.** On SIGTERM (``ropewalk down``) the agent stops its tasks (SIGTERM to each group, SIGKILL after
+  the grace) and exits; at its next start it starts them again (``decide.Suspended``: nothing reported, the log
+  still says they run). After ``KEEP_TASKS_SIGNAL`` (``ropewalk down --keep-tasks``) it leaves them running and
+  the next agent adopts them. A killed agent (``kill -9``) leaves them running too.
+* **Another log.** Saved offsets are offsets of one ``tasks`` topic (its Kafka topic id is saved with them). If
+  the topic is another one at start (the broker's data was deleted, or restored from an archive), the offsets
+  mean nothing there: the agent reads that log's backlog from its beginning, applies the last command per task
+  (a START for a task it still runs adopts it and reports it RUNNING), and stops the tasks it runs that this
+  log does not command (``decide.Orphaned``).
+* **Tasks run unprivileged.** An agent running as root runs its tasks as ``--task-user`` (``ROPEWALK_TASK_USER``,
+  default ``nobody``), with no supplementary groups; their stdout/stderr go to files the agent opens, and each
+  task's working directory ``<work>/tasks/<task>/`` is given to that user. A non-root agent runs them as itself.
 """
 from __future__ import annotations
 
@@ -26,6 +41,7 @@ import faulthandler
 import json
 import logging
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -38,6 +54,7 @@ from types import MappingProxyType
 from confluent_kafka import KafkaException
 
 from infra.config import Config
+from infra.process import process_start_time, signal_group
 from streams.deadletter import DeadLetters
 from streams.clients import EventConsumer, EventProducer
 from streams.events import Event
@@ -45,11 +62,15 @@ from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
 from . import decide as d
+from . import gate as g
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent")
 
 STATE_FILE = "agent-state.json"
+KEEP_TASKS_SIGNAL = signal.SIGUSR2  # `ropewalk down --keep-tasks`: the agent leaves its tasks running when it stops
+TASK_USER_ENV = "ROPEWALK_TASK_USER"
+DEFAULT_TASK_USER = "nobody"  # on every Debian-like system; unprivileged, owns nothing
 
 
 def task_log(work_dir: Path, task_id: str) -> Path:
@@ -59,6 +80,35 @@ def task_log(work_dir: Path, task_id: str) -> Path:
 
 def default_work_dir(run_dir: Path, machine_id: str) -> Path:
     return Path(run_dir) / "agents" / machine_id
+
+
+def task_dir(work_dir: Path, task_id: str) -> Path:
+    """A task's working directory (its own: given to the task user)."""
+    return Path(work_dir) / "tasks" / task_id.replace("/", "_")
+
+
+@dataclass(frozen=True)
+class TaskUser:
+    """Who a task runs as: ``uid``/``gid`` to switch to (None: as the agent itself)."""
+
+    name: str
+    uid: int | None
+    gid: int | None
+
+    @classmethod
+    def resolve(cls, name: str | None) -> "TaskUser":
+        """As root: the named user (default ``DEFAULT_TASK_USER``); else the agent's own user (it cannot switch)."""
+        if os.geteuid() != 0:
+            return cls(pwd.getpwuid(os.geteuid()).pw_name, None, None)
+        name = name or os.environ.get(TASK_USER_ENV) or DEFAULT_TASK_USER
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            raise SystemExit(f"task user {name!r} does not exist: create it, or pass --task-user / set "
+                             f"{TASK_USER_ENV}") from None
+        if pw.pw_uid == 0:
+            raise SystemExit(f"task user {name!r} is root: tasks must run unprivileged")
+        return cls(name, pw.pw_uid, pw.pw_gid)
 STATE_FORMAT = 1
 DEFAULT_TICK_MS = 1000
 POLL_S = 0.1
@@ -74,19 +124,6 @@ PRODUCER_CONF = {"message.timeout.ms": 0, "enable.idempotence": False,
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None if gone or a
-    zombie. With the pid it names one process: a pid reused by another process has another start time."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            rest = fh.read().rsplit(") ", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if rest[0] == "Z":
-        return None
-    return int(rest[19])
 
 
 @dataclass
@@ -107,7 +144,7 @@ class Proc:
 class ProcessAgent(LoopWorker):
     def __init__(self, cfg: Config, machine_id: str, work_dir: Path | str, *, registry: SchemaRegistry | None = None,
                  tick_ms: int = DEFAULT_TICK_MS, policy: d.Policy = d.DEFAULT_POLICY,
-                 stop_grace_ms: int = d.STOP_GRACE_MS):
+                 stop_grace_ms: int = d.STOP_GRACE_MS, task_user: TaskUser | None = None):
         self.cfg = cfg
         self.machine_id = machine_id
         self.work_dir = Path(work_dir)
@@ -115,17 +152,24 @@ class ProcessAgent(LoopWorker):
         self.tick_ms = tick_ms
         self.policy = policy
         self.stop_grace_ms = stop_grace_ms
+        self.task_user = task_user or TaskUser.resolve(None)
+        self.keep_tasks = False  # at stop: leave the tasks running (KEEP_TASKS_SIGNAL) instead of stopping them
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.topic, self.partitions = topics.name("tasks"), topics.partitions_of("tasks")
+        self.allocations = topics.name("allocations")
+        self.judge = g.Judge(g.Gate(machine_id.__eq__),
+                             [(self.allocations, i) for i in range(topics.partitions_of("allocations"))])
         (self.work_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, Proc] = {}
         self.offsets: dict[tuple[str, int], int] = {}
+        self.log_id: str | None = None  # the id of the `tasks` topic ``offsets`` are offsets of
         self.state, fresh = self._load()
         self.producer = self._new_producer()
         self._unsent: deque[Event] = deque()
         self._reports: list[Event] = []  # this step's TaskStateChanged reports, batched into _unsent at its end
         self.consumer: EventConsumer | None = None
         self._catch_up = fresh  # a fresh agent applies only the latest command per task of the backlog
+        self._reconcile = False  # at the end of the catch-up: stop the tasks the backlog does not command
         self._backlog: dict[str, Event] = {}
         self._idle_polls = 0
         self._next_tick = 0
@@ -145,9 +189,11 @@ class ProcessAgent(LoopWorker):
             raise SystemExit(f"{self.state_path} belongs to machine {doc.get('machine_id')!r}, not "
                              f"{self.machine_id!r}; use another --work-dir")
         runs = {r["task_id"]: d.run_from_json(r) for r in doc["tasks"]}
+        self.judge.gate.load_json(doc.get("gate"))
         state = d.AgentState(self.machine_id, incarnation=now_ms(), sequence=doc.get("sequence", 0),
                              tasks=MappingProxyType(runs))
         self.offsets = {(t, int(p)): o for t, p, o in doc.get("offsets", [])}
+        self.log_id = doc.get("log_id")
         for task_id, pr in doc.get("procs", {}).items():
             self.procs[task_id] = Proc(pid=pr["pid"], start_time=pr["start_time"],
                                        kill_deadline_ms=pr.get("kill_deadline_ms"))
@@ -155,10 +201,11 @@ class ProcessAgent(LoopWorker):
 
     def save(self) -> None:
         doc = {"format": STATE_FORMAT, "machine_id": self.machine_id, "sequence": self.state.sequence,
-               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
+               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())], "log_id": self.log_id,
                "tasks": [d.run_to_json(r) for r in self.state.tasks.values()],
                "procs": {t: {"pid": p.pid, "start_time": p.start_time, "kill_deadline_ms": p.kill_deadline_ms}
-                         for t, p in self.procs.items()}}
+                         for t, p in self.procs.items()},
+               "gate": self.judge.gate.to_json()}
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
         os.replace(tmp, self.state_path)
@@ -213,14 +260,20 @@ class ProcessAgent(LoopWorker):
 
     def _spawn(self, act: d.Action) -> None:
         logfile = task_log(self.work_dir, act.task_id)
+        user = self.task_user
         try:
-            with open(logfile, "ab") as out:
+            cwd = task_dir(self.work_dir, act.task_id)
+            cwd.mkdir(parents=True, exist_ok=True)
+            if user.uid is not None:
+                os.chown(cwd, user.uid, user.gid)
+            switch = {} if user.uid is None else {"user": user.uid, "group": user.gid, "extra_groups": []}
+            with open(logfile, "ab") as out:  # opened by the agent: written by the task through the descriptor
                 out.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} spawn {list(act.argv)} spec "
-                          f"{act.spec_version} ({act.reason})\n".encode())
+                          f"{act.spec_version} as {user.name} ({act.reason})\n".encode())
                 out.flush()
                 popen = subprocess.Popen(list(act.argv), env={**os.environ, **act.env}, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, cwd=self.work_dir)
+                                         start_new_session=True, cwd=cwd, **switch)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             self.feed(d.SpawnFailed(act.task_id, str(exc)))
             return
@@ -233,18 +286,18 @@ class ProcessAgent(LoopWorker):
         if proc is None:  # no process (it vanished): the exit is all there is to report
             self.feed(d.Exited(task_id, None))
             return
-        _signal_group(proc.pid, signal.SIGTERM)
+        signal_group(proc.pid, signal.SIGTERM)
         proc.kill_deadline_ms = now_ms() + self.stop_grace_ms
 
     def check_processes(self) -> None:
         for task_id, proc in list(self.procs.items()):
             exited, code = proc.poll()
             if exited:
-                _signal_group(proc.pid, signal.SIGKILL)  # whatever the task left in its group
+                signal_group(proc.pid, signal.SIGKILL)  # whatever the task left in its group
                 del self.procs[task_id]
                 self.feed(d.Exited(task_id, code))
             elif proc.kill_deadline_ms is not None and now_ms() >= proc.kill_deadline_ms:
-                _signal_group(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
                 proc.kill_deadline_ms = None
 
     def adopt(self) -> None:
@@ -264,12 +317,27 @@ class ProcessAgent(LoopWorker):
         self.save()
 
     # -- the log ---------------------------------------------------------------------------------------------
+    def _check_log(self) -> None:
+        """The offsets are offsets of the ``tasks`` topic whose id was saved with them: if the topic now has another
+        id (a new log), forget them and read this log from its beginning (``_catch_up_with``), then stop what it does
+        not command. Raises if the broker cannot say (the caller tries again later)."""
+        current = topic_id(self.cfg, self.topic)
+        if self.log_id is not None and current != self.log_id:
+            log.warning("agent %s: %s is another topic than the one its offsets belong to (id %s, saved %s): reading "
+                        "it from the beginning; tasks it does not command are stopped", self.machine_id, self.topic,
+                        current, self.log_id)
+            self.offsets = {}
+            self._catch_up = self._reconcile = True
+        self.log_id = current
+        self.save()
+
     def _connect(self) -> bool:
         try:
-            self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=f"agent/{self.machine_id}",
-                                          start_offsets=self.offsets,
+            self._check_log()
+            self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations],
+                                          name=f"agent/{self.machine_id}", start_offsets=self.offsets,
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
-                                          types=d.COMMAND_TYPES)
+                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES)
             return True
         except Exception as exc:  # broker away: try again later, tasks go on
             self.errors += 1
@@ -288,7 +356,8 @@ class ProcessAgent(LoopWorker):
             self.errors += 1       # batch are read again from the agent's own offsets (duplicates are no-ops)
             log.warning("agent %s: reading %s: %s", self.machine_id, self.topic, exc)
             try:
-                self.consumer.assign(self.offsets, only=[(self.topic, i) for i in range(self.partitions)])
+                self.consumer.assign(self.offsets, only=[(self.topic, i) for i in range(self.partitions)]
+                                     + self.judge.partitions)
             except Exception:
                 self._close_consumer()
             time.sleep(timeout_s)
@@ -298,11 +367,28 @@ class ProcessAgent(LoopWorker):
         mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1  # saved with the state the record makes
-            for cmd in d.commands(rec.event, mine):
+            for cmd in self.judge.take([rec.event], mine, now_ms()):
                 self.feed(d.Command(cmd))
+        self._refuse()
         if records:
             self.save()
         return len(records)
+
+    def _refuse(self) -> None:
+        """Send the refusals whose verdict is final (``gate.Judge``)."""
+        if self.consumer is None:
+            return
+        try:
+            refused = self.judge.refusals(self.consumer, now_ms(), self.offsets)
+        except Exception as exc:  # noqa: BLE001 - the broker away: asked again on the next step
+            log.warning("agent %s: allocations watermarks: %s", self.machine_id, exc)
+            return
+        for ev in refused:
+            log.warning("agent %s: refused %s of %s: %s", self.machine_id, ev.payload["command"],
+                        ev.payload["task_id"], ev.payload["message"])
+            self._send(ev)
+        if refused:
+            self.save()
 
     def _catch_up_with(self, records) -> int:
         """A fresh agent reads the backlog to its end first and then applies only the last command per task
@@ -310,15 +396,25 @@ class ProcessAgent(LoopWorker):
         mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1
+            if rec.event.type in g.ALLOCATION_TYPES:
+                self.judge.take([rec.event], mine, now_ms())  # the fold (nothing waits yet)
+                continue
             for cmd in d.commands(rec.event, mine):
                 self._backlog.pop(cmd.payload["task_id"], None)
                 self._backlog[cmd.payload["task_id"]] = cmd
         self._idle_polls = 0 if records else self._idle_polls + 1
-        if len(self.consumer.eof) >= self.partitions or self._idle_polls >= CATCH_UP_IDLE_POLLS:
+        if (len(self.consumer.eof) >= self.partitions + len(self.judge.partitions)
+                or self._idle_polls >= CATCH_UP_IDLE_POLLS):
             self._catch_up = False
             backlog, self._backlog = list(self._backlog.values()), {}
-            for ev in backlog:
+            for ev in self.judge.take_commands(backlog, now_ms()):
                 self.feed(d.Command(ev))
+            if self._reconcile:  # a new log: what it does not command is not ours to run
+                self._reconcile = False
+                commanded = {ev.payload["task_id"] for ev in backlog}
+                for task_id in [t for t in self.state.live_task_ids() if t not in commanded]:
+                    self.feed(d.Orphaned(task_id))
+            self._refuse()
             self.save()
         return len(records)
 
@@ -350,7 +446,10 @@ class ProcessAgent(LoopWorker):
         self.loop(until)
 
     def close(self) -> None:
-        """Leave the tasks running (a restarted agent adopts them); save, flush what the broker takes."""
+        """Stop the tasks (started again at the next start), unless asked to keep them (``KEEP_TASKS_SIGNAL``: a
+        restarted agent adopts them); save, flush what the broker takes."""
+        if not self.keep_tasks:
+            self.suspend_tasks()
         self.save()
         try:
             self.flush_reports()
@@ -362,17 +461,35 @@ class ProcessAgent(LoopWorker):
         except Exception as exc:
             log.warning("agent %s: reports not delivered at exit: %s", self.machine_id, exc)
 
+    def suspend_tasks(self) -> None:
+        """Stop every task's process group (SIGTERM, SIGKILL after the grace) and tell ``decide`` (``Suspended``)."""
+        procs = dict(self.procs)
+        for proc in procs.values():
+            signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_ms / 1000
+        while time.monotonic() < deadline and any(not p.poll()[0] for p in procs.values()):
+            time.sleep(0.05)
+        for task_id, proc in procs.items():
+            signal_group(proc.pid, signal.SIGKILL)
+            if proc.popen is not None:
+                proc.popen.wait()
+            self.procs.pop(task_id, None)
+            self.feed(d.Suspended(task_id))
+        if procs:
+            log.info("agent %s: stopped %d tasks (started again at the next start)", self.machine_id, len(procs))
 
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+    def keep_tasks_at_stop(self, *_) -> None:
+        self.keep_tasks = True
+
+
+def topic_id(cfg: Config, topic: str, timeout_s: float = 10.0) -> str:
+    """The Kafka id of ``topic`` (a topic deleted and created again, or restored into a new broker, has another)."""
+    from confluent_kafka import TopicCollection
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
+    desc = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic].result(timeout_s)
+    return str(desc.topic_id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,16 +500,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-restarts", type=int, default=d.MAX_RESTARTS)
     ap.add_argument("--backoff-ms", type=int, default=d.BACKOFF_MS)
     ap.add_argument("--stop-grace-ms", type=int, default=d.STOP_GRACE_MS)
+    ap.add_argument("--task-user", help=f"as root: the user tasks run as (default ${TASK_USER_ENV} or "
+                                        f"{DEFAULT_TASK_USER})")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = Config.from_env()
+    cfg = Config.from_env().as_principal("agent")
     work = Path(args.work_dir) if args.work_dir else default_work_dir(cfg.run_dir, args.machine_id)
     agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
                          policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts, backoff_ms=args.backoff_ms),
-                         stop_grace_ms=args.stop_grace_ms)
-    faulthandler.register(signal.SIGUSR1)  # kill -USR1 <agent pid>: print every thread's stack to stderr
+                         stop_grace_ms=args.stop_grace_ms, task_user=TaskUser.resolve(args.task_user))
+    faulthandler.register(signal.SIGUSR1)
+    signal.signal(KEEP_TASKS_SIGNAL, agent.keep_tasks_at_stop)  # kill -USR1 <agent pid>: print every thread's stack to stderr
     agent.stop_on_signals()
-    log.info("agent %s: work dir %s, reading %s", args.machine_id, work, agent.topic)
+    log.info("agent %s: work dir %s, reading %s, tasks run as %s", args.machine_id, work, agent.topic,
+             agent.task_user.name)
     agent.run()
     return 0
 

@@ -3,8 +3,10 @@
     python -m processors.agent.simulated (--region FILE | --machines N) [--interval-ms 10000] [--start-delay-ms 200]
 
 Commands arrive as a job's TasksCommanded (or, from older logs, TaskCommanded): each simulated machine takes the
-ones addressed to it. The reports one ``step`` makes, of every machine, go out as one TaskStatesChanged per
-entitlement (``decide.batch``), not one record per transition.
+ones addressed to it, and runs a START or RESTART only if its fold of ``allocations`` placed that task on it for the
+command's entitlement and job (``gate.py``: a TaskCommandRefused answers anything else). The reports one ``step``
+makes, of every machine, go out as one TaskStatesChanged per entitlement (``decide.batch``), not one record per
+transition.
 
 No OS processes: a SPAWN action becomes ``Spawned`` (→ RUNNING) after ``start_delay_ms`` (times a factor drawn
 uniformly from ``[1 - start_jitter, 1 + start_jitter]`` with a seeded generator, when a jitter is set), a KILL becomes
@@ -21,8 +23,8 @@ commands ignored, its tasks gone; ``recover(machine)`` brings it back empty (a n
 machines outlive the process that simulates them, as real machines outlive their agent: the file holds every
 machine's tasks, the pending spawns, failed machines, incarnations, the heartbeat round and the next offset of
 every ``tasks`` partition. It is written atomically at most every ``SAVE_INTERVAL_S`` while something changed,
-and at exit. A restarted process resumes from it: the same tasks run, the same incarnations beat, and reading
-goes on from the saved offsets. Records read after the last save are read again: a command already applied is
+and at exit. A restarted process resumes from it: the same tasks run, under a new incarnation (heartbeat ids: the
+file may be a few rounds behind the beats of the process that died), and reading goes on from the saved offsets. Records read after the last save are read again: a command already applied is
 a no-op (``decide`` keeps each task's recent command ids) and a report sent again has the same event id.
 Without a state file (tests, the bench) a restart reads ``tasks`` from the beginning as a new incarnation.
 """
@@ -48,6 +50,7 @@ from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
 from . import decide as d
+from . import gate as g
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent.simulated")
@@ -56,7 +59,11 @@ DEFAULT_INTERVAL_MS = 10_000
 DEFAULT_START_DELAY_MS = 200
 KILLED_EXIT_CODE = -15  # what a SIGTERMed process reports
 MAX_BATCH = 20_000  # heartbeats produced per step at most (the rest catch up on the next steps)
-PRODUCER_CONF = {"linger.ms": 20, "batch.num.messages": 10000, "queue.buffering.max.messages": 1_000_000}
+PRODUCER_CONF = {"linger.ms": 5, "batch.num.messages": 10000, "queue.buffering.max.messages": 1_000_000}
+# Heartbeats go through a producer of their own that waits 500 ms to fill its batches: a heartbeat is read against
+# a timeout of seconds, and with 20 ms (one producer for everything) the heartbeats of a 10,000-machine region were
+# ~160 produce requests a second, each waking the health check's fetch: most of the broker's 0.2 core at rest.
+HEARTBEAT_PRODUCER_CONF = {**PRODUCER_CONF, "linger.ms": 500}
 STATE_FORMAT = 1
 SAVE_INTERVAL_S = 5.0  # the state file is rewritten at most this often while something changed
 
@@ -88,8 +95,13 @@ class SimulatedAgents(LoopWorker):
         self.failed: set[str] = set()
         self.incarnations: dict[str, int] = {}  # machines recovered from a failure: their new incarnation
         self._spawns: list[tuple[int, str, str]] = []  # heap of (due ms, machine, task)
-        self.producer = EventProducer(cfg, self.registry, name, **PRODUCER_CONF)
-        self.topic = Topics(cfg.topic_prefix, cfg.partitions).name("tasks")
+        self.producer = EventProducer(cfg, self.registry, name, **PRODUCER_CONF)  # task reports, dead letters
+        self.beats = EventProducer(cfg, self.registry, name, **HEARTBEAT_PRODUCER_CONF)
+        topics = Topics(cfg.topic_prefix, cfg.partitions)
+        self.topic = topics.name("tasks")
+        self.allocations = topics.name("allocations")
+        self.judge = g.Judge(g.Gate(self.known.__contains__),
+                             [(self.allocations, i) for i in range(topics.partitions_of("allocations"))])
         self.consumer: EventConsumer | None = None
         self._round = 0  # heartbeat round: the sequence of this round's heartbeats
         self._round_start = 0
@@ -112,8 +124,11 @@ class SimulatedAgents(LoopWorker):
             return
         if doc.get("format") != STATE_FORMAT:
             raise SystemExit(f"{self.state_file}: format {doc.get('format')!r}, this agent writes {STATE_FORMAT}")
-        self.incarnation = doc["incarnation"]
-        self.incarnations = {m: i for m, i in doc["incarnations"].items() if m in self.known}
+        # A new incarnation of every machine: the file may be a few rounds behind what the process that wrote it
+        # beat before it died, so resuming its incarnations would beat those rounds again under the same event ids
+        # with other contents (the kill storm found 43 such heartbeats). Their sequences go on from the file.
+        self.incarnation = max(self.incarnation, doc["incarnation"] + 1, *map(int, doc["incarnations"].values()))
+        self.incarnations = {}
         self.failed = {m for m in doc["failed"] if m in self.known}
         self.states = {m: d.AgentState(m, incarnation=st["incarnation"], sequence=st["sequence"],
                                        tasks=MappingProxyType({r["task_id"]: d.run_from_json(r)
@@ -123,6 +138,7 @@ class SimulatedAgents(LoopWorker):
         heapq.heapify(self._spawns)
         self._round = doc["round"] + 1  # a new round: its heartbeats are new events, every machine beats at once
         self.offsets = {(t, int(p)): o for t, p, o in doc["offsets"]}
+        self.judge.gate.load_json(doc.get("gate"))
         log.info("%s: resumed %d machines with tasks, %d failed, from %s", self.name, len(self.states),
                  len(self.failed), self.state_file)
 
@@ -136,7 +152,8 @@ class SimulatedAgents(LoopWorker):
                               "tasks": [d.run_to_json(r) for r in st.tasks.values()]}
                           for m, st in self.states.items()},
                "spawns": sorted(self._spawns),
-               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())]}
+               "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
+               "gate": self.judge.gate.to_json()}
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, separators=(",", ":")))
@@ -188,13 +205,25 @@ class SimulatedAgents(LoopWorker):
         return round(self.start_delay_ms * self._rng.uniform(1 - self.start_jitter, 1 + self.start_jitter))
 
     def on_commands(self, events: Iterable[Event], now: int) -> int:
-        """Apply the commands (TaskCommanded, or a job's TasksCommanded) addressed to the simulated machines."""
+        """Apply the commands (TaskCommanded, or a job's TasksCommanded) addressed to the simulated machines that the
+        allocations events among ``events`` (folded in order) placed there; returns how many were applied."""
         n = 0
-        for ev in events:
-            for cmd in d.commands(ev, self.known.__contains__):
-                self.feed(cmd.payload["machine_id"], d.Command(cmd), now)
-                n += 1
+        for cmd in self.judge.take(events, self.known.__contains__, now):
+            self.feed(cmd.payload["machine_id"], d.Command(cmd), now)
+            n += 1
         return n
+
+    def send_refusals(self, now: int) -> int:
+        """Produce the TaskCommandRefused events whose verdict is final (``gate.Judge``)."""
+        if self.consumer is None:
+            return 0
+        refused = self.judge.refusals(self.consumer, now, self.offsets)
+        for ev in refused:
+            if ev.payload["machine_id"] not in self.failed:
+                self.producer.send(ev, validate=False)
+        if refused:
+            self._dirty = True
+        return len(refused)
 
     def send_reports(self, now: int) -> int:
         """Produce the reports made since the last call, batched (``d.batch``); returns how many reports."""
@@ -230,7 +259,7 @@ class SimulatedAgents(LoopWorker):
             self._round, self._round_start = 1, now
         due = min(total, (now - self._round_start) * total // self.interval_ms + 1)
         end = min(due, self._next + max_batch)
-        send = self.producer.send
+        send = self.beats.send
         for i in range(self._next, end):
             m = self.machines[i]
             if m in self.failed:
@@ -246,9 +275,10 @@ class SimulatedAgents(LoopWorker):
     # -- running -------------------------------------------------------------------------------------------
     def connect(self, start_offsets=None) -> None:
         """Read every partition of ``tasks``, from ``start_offsets``, else the state file's, else the beginning."""
-        self.consumer = EventConsumer(self.cfg, self.registry, [self.topic], name=self.name,
+        self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations], name=self.name,
                                       start_offsets=start_offsets or self.offsets,
-                                      dead_letters=DeadLetters(self.producer, self.name), types=d.COMMAND_TYPES)
+                                      dead_letters=DeadLetters(self.producer, self.name),
+                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES)
 
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:
@@ -259,10 +289,12 @@ class SimulatedAgents(LoopWorker):
         else:
             time.sleep(poll_s)
         now = now_ms()
+        self.send_refusals(now)
         self.due_spawns(now)
         self.send_reports(now)
         self.due_heartbeats(now)
-        self.producer._producer.poll(0)  # serve delivery reports (EventProducer polls every 1000 sends only)
+        self.producer.poll(0)  # serve delivery reports (EventProducer polls every 1000 sends only)
+        self.beats.poll(0)
         self.maybe_save()
 
     def run(self, until: float | None = None) -> None:
@@ -276,6 +308,7 @@ class SimulatedAgents(LoopWorker):
             self.consumer = None
         self.send_reports(now_ms())
         self.producer.flush()
+        self.beats.flush()
         self.save()  # after the flush: the reports of the saved state are on the log
 
 
@@ -289,8 +322,8 @@ def measure_heartbeats(cfg: Config, n_machines: int, interval_ms: int, seconds: 
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
         sim.due_heartbeats(now_ms())
-        sim.producer._producer.poll(0)
-    sim.producer.flush(120)
+        sim.beats.poll(0)
+    sim.beats.flush(120)
     elapsed = time.monotonic() - t0
     return {"machines": n_machines, "interval_ms": interval_ms, "seconds": round(elapsed, 2),
             "heartbeats": sim.heartbeats, "per_s": round(sim.heartbeats / elapsed),
@@ -310,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = Config.from_env()
+    cfg = Config.from_env().as_principal("agent")
     if args.measure_s:
         import json
         print(json.dumps(measure_heartbeats(cfg, args.machines or 0, args.interval_ms, args.measure_s)))

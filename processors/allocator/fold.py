@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +174,7 @@ class RegionFold:
     def __init__(self, index: PlacementIndex | None = None,
                  max_decisions: int = MAX_DECISIONS_REMEMBERED) -> None:
         self.machines: dict[str, MachineRec] = {}
+        self.statuses: Counter[str] = Counter()  # status -> machines with it (kept by _set and registrations)
         self.placement: dict[str, str] = {}  # task -> machine
         self.job_tasks: dict[str, set[str]] = defaultdict(set)  # job id -> its placed tasks (``<job>/<index>``)
         self.taskres: dict[str, tuple[int, int]] = {}  # task -> (cpu, mem) it holds
@@ -185,6 +186,7 @@ class RegionFold:
         self.changed: dict[str, str] = {}  # machine id -> cause (event or request id) of its last change
         self.decided: OrderedDict[str, None] = OrderedDict()  # request event ids decided on the log
         self.max_decisions = max_decisions
+        self.made: OrderedDict[str, None] = OrderedDict()  # decision event ids this fold applied when it made them
         self.applied = 0  # events applied (not counting marks-only no-ops)
 
     @property
@@ -229,7 +231,7 @@ class RegionFold:
             if last is not None and position[2] <= last:
                 return False
         handler = HANDLERS.get(event.type)
-        if handler is not None:
+        if handler is not None and event.event_id not in self.made:  # its own decision's echo: applied already
             handler(self, event)
             self.applied += 1
         if event.type in DECISION_TYPES and event.producer == ALLOCATOR_PRODUCER and event.causation_id:
@@ -237,6 +239,21 @@ class RegionFold:
         if position is not None:
             self.marks[(position[0], position[1])] = position[2]
         return True
+
+    def remember_made(self, events: Iterable[Event]) -> None:
+        """These decision events were applied as they were made (``free``/``commit``, or taken back from Redis): their
+        echoes from the log change nothing. Before, an echo applied them again, and a TasksAllocated whose task a
+        later decision of the same batch had freed put it back on its machine until the free's echo came: a phantom
+        placement, and machine versions ahead of the log's (Redis no longer equal to a rebuild; the kill storm)."""
+        for e in events:
+            self.made[e.event_id] = None
+            self.made.move_to_end(e.event_id)
+            if e.type == "TasksAllocated":  # the request's tasks are answered, as the echo would have said
+                self._answer(e.payload["request_id"], [r["task_id"] for r in e.payload["placements"]])
+            elif e.type == "AllocationRejected":
+                self._answer(e.payload["request_id"], e.payload["unplaced_task_ids"])
+        while len(self.made) > 8 * self.max_decisions:
+            self.made.popitem(last=False)
 
     def remember_decided(self, request_event_id: str) -> None:
         self.decided[request_event_id] = None
@@ -259,7 +276,13 @@ class RegionFold:
             out[f"entitlement:{name}"] = {k: "" if v is None else str(v) for k, v in fields.items()}
         if self.marks:
             out[f"applied:{consumer}"] = {f"{t}/{p}": str(o) for (t, p), o in self.marks.items()}
+        if self.machines:
+            out["index:summary"] = {k: str(v) for k, v in self.summary().items()}
         return out
+
+    def summary(self) -> dict[str, int]:
+        """How many machines the fold holds (``machines``), and per status how many have it."""
+        return {"machines": len(self.machines), **{s: n for s, n in self.statuses.items() if n}}
 
     def drain_changes(self) -> dict[str, str]:
         """The machines changed since the last drain (id -> cause), and forget them."""
@@ -330,9 +353,13 @@ class RegionFold:
         return m
 
     def _set(self, m: MachineRec, attr: str, value: Any) -> bool:
-        if getattr(m, attr) == value:
+        old = getattr(m, attr)
+        if old == value:
             return False
         setattr(m, attr, value)
+        if attr == "status":
+            self.statuses[old] -= 1
+            self.statuses[value] += 1
         return True
 
     def _place(self, m: MachineRec, task: str, cpu: int, mem: int) -> None:
@@ -396,6 +423,7 @@ def _registered(f: RegionFold, e: Event) -> None:
     if m is None:
         m = f.machines[mid] = MachineRec(id=mid, cpu_cap=cpu, mem_cap=mem, cpu_free=cpu, mem_free=mem,
                                          entitlement=FREE, status=REGISTERED_STATUS, version=1, **attrs)
+        f.statuses[REGISTERED_STATUS] += 1
         f.changed[mid] = e.event_id
         f.reindex(m)
         return

@@ -29,6 +29,12 @@ Keys (under the prefix; ``<m>`` a machine, ``<t>`` a task, ``<e>`` an entitlemen
     alloc:done:<r>      string a committed decision's events (JSON), until DONE_TTL_S after the commit
     alloc:fence:<p>     string the fence of an ``allocations`` partition: raised by each new owner
     metrics:allocator   hash   requests decided (and placements, rejections)
+    index:generation    string names the index since it was last written whole (``claim_generation``): a Redis
+                               emptied (FLUSHALL, a redis-server started again without its data) has none, and a
+                               commit under another generation is refused (``IndexLost``): the allocator projects
+                               its fold again before it decides (processors/allocator/README.md)
+    index:summary       hash   machines: how many the fold holds, and per status how many have it (``summary``:
+                               what ``ropewalk up`` waits on, without reading every machine)
 
 About 0.5 KB per machine (measured by ``ropewalk bench``; the index sets, free-capacity zset, epochs and request
 hashes of the Redis-first index are gone: the fold answers those questions in memory).
@@ -36,6 +42,7 @@ hashes of the Redis-first index are gone: the fold answers those questions in me
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -56,6 +63,14 @@ DONE_TTL_S = 3600  # a committed decision's events are kept this long (it reache
 JOURNALED = "journaled"  # the decision was committed before (a crash before its events were produced)
 FENCED = "fenced"  # the request's partition has a new owner: this allocator must not decide it
 CONFLICT = "conflict"
+GENERATION = "index:generation"
+SUMMARY = "index:summary"  # hash: machines, and per status the machines with it (written with each projection)
+LOST = "lost"  # the commit's reply when the index is not the generation the allocator projected into
+
+
+class IndexLost(RuntimeError):
+    """Redis no longer holds the index this allocator projected (emptied, or another generation): nothing was
+    committed; the allocator projects its fold again (a new generation) before it decides."""
 
 _LUA_PRELUDE = r"""
 local P = ARGV[1]
@@ -107,13 +122,15 @@ end
 return written
 """
 
-# ARGV: prefix, JSON decisions, done TTL (s), JSON reason constants. A decision:
+# ARGV: prefix, JSON decisions, done TTL (s), JSON reason constants, the index generation ("" = unchecked). A decision:
 #   {rid, part, fence, ent, cpu, mem, frees: [[task, machine]], released: [machine], plan: [[machine, expected
 #    version, added 0/1, [task...]]], events: "<JSON text>"}
 # Returns one reply per decision: {'ok', {machine, version, ...}} | {'journaled', events} | {'fenced'} |
-# {'conflict', {machine, reason, ...}}. A decision is all or nothing but for its frees (applied whatever
-# follows, as the fold applies them before placing; applying them again changes nothing).
+# {'conflict', {machine, reason, ...}}; or 'lost' alone, nothing written, when the index is not of that generation.
+# A decision is all or nothing but for its frees (applied whatever follows, as the fold applies them before
+# placing; applying them again changes nothing).
 _LUA_COMMIT = _LUA_PRELUDE + r"""
+if ARGV[5] ~= '' and redis.call('GET', k('""" + GENERATION + r"""')) ~= ARGV[5] then return '""" + LOST + r"""' end
 local decisions, ttl, R = cjson.decode(ARGV[2]), tonumber(ARGV[3]), cjson.decode(ARGV[4])
 local loaded = {}
 local function get(id)
@@ -290,6 +307,7 @@ class MachineIndex:
         self.r = redis_client
         self.prefix = prefix
         self.consumer = consumer
+        self.generation: str | None = None  # commits are refused unless the index is of this one (None: unchecked)
         self._project = redis_client.register_script(_LUA_PROJECT)
         self._commit = redis_client.register_script(_LUA_COMMIT)
         self._read = redis_client.register_script(_LUA_READ)
@@ -321,7 +339,20 @@ class MachineIndex:
         if mark_rows or ents or not calls:
             self._project(args=[self.prefix, "[]", json.dumps(mark_rows) if mark_rows else "{}",
                                 json.dumps(ents) if ents else "{}", self.consumer], client=pipe)
-        return sum(int(n) for n in pipe.execute())
+        if rows:  # what the fold holds, by status, after this projection (``summary``)
+            pipe.delete(self.key(SUMMARY))
+            pipe.hset(self.key(SUMMARY), mapping=fold.summary())
+        return sum(int(n) for n in pipe.execute()[:calls + int(bool(mark_rows or ents or not calls))])
+
+    def summary(self) -> dict[str, int] | None:
+        """How many machines the index holds, by status (``UP``, ``DOWN``, ...), as the last projection left them:
+        one small read, where counting the machines' hashes reads them all (seconds at 1,000,000 machines).
+        None when no projection wrote it (an index written before it existed)."""
+        raw = {_s(k): int(v) for k, v in self.r.hgetall(self.key(SUMMARY)).items()}
+        if not raw:
+            return None
+        raw.pop("machines", None)
+        return raw
 
     def project_all(self, fold: RegionFold) -> int:
         """The whole fold: every machine, mark and entitlement (a Redis that lost or lags the index)."""
@@ -340,7 +371,10 @@ class MachineIndex:
         if not decisions:
             return []
         raw = self._commit(args=[self.prefix, json.dumps([d.to_json() for d in decisions], separators=(",", ":")),
-                                 DONE_TTL_S, _COMMIT_REASONS])
+                                 DONE_TTL_S, _COMMIT_REASONS, self.generation or ""])
+        if _s(raw) == LOST:
+            raise IndexLost(f"the index is not generation {self.generation} any more "
+                            f"(now {self.read_generation()}): nothing committed")
         out = []
         for reply in raw:
             outcome = _s(reply[0])
@@ -357,6 +391,38 @@ class MachineIndex:
                 out.append(Committed(CONFLICT, conflicts=MappingProxyType(
                     {_s(m): _s(r) for m, r in zip(flat[::2], flat[1::2])})))
         return out
+
+    # --- the generation -----------------------------------------------------------------------------------
+    def read_generation(self) -> str | None:
+        return _s(self.r.get(self.key(GENERATION)))
+
+    def claim_generation(self) -> str:
+        """Name the index as now written whole: a new generation unless it has one (another allocator, or a rebuild,
+        wrote it whole first); commits are checked against it from now on. Returns it."""
+        self.r.set(self.key(GENERATION), uuid.uuid4().hex, nx=True)
+        self.generation = self.read_generation()
+        return self.generation
+
+    def lost(self, projected_marks: Mapping[tuple[str, int], int]) -> str | None:
+        """Why Redis no longer holds what was projected into it (its generation is another, or none; its applied
+        marks are behind ``projected_marks``, what this allocator last wrote: a redis-server started again without
+        its last writes), or None. One round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.key(GENERATION))
+        pipe.hgetall(self.key(f"applied:{self.consumer}"))
+        gen, raw = pipe.execute()
+        if _s(gen) != self.generation:
+            return f"its generation is {_s(gen)}, not {self.generation}"
+        marks = {(t, int(p)): int(o) for f, o in raw.items() for t, _, p in [_s(f).rpartition("/")]}
+        behind = sorted(f"{t}/{p}" for (t, p), o in projected_marks.items() if marks.get((t, p), -1) < o)
+        return f"its applied marks are behind what was projected ({', '.join(behind[:4])})" if behind else None
+
+    def journaled(self, request_event_ids: Sequence[str]) -> dict[str, str]:
+        """The journaled decisions (events as JSON) of these requests that are still kept (``DONE_TTL_S``)."""
+        if not request_event_ids:
+            return {}
+        raw = self.r.mget([self.key(f"alloc:done:{rid}") for rid in request_event_ids])
+        return {rid: _s(v) for rid, v in zip(request_event_ids, raw) if v is not None}
 
     def fence(self, partitions: Iterable[int]) -> dict[int, int]:
         """Raise the fence of each ``allocations`` partition (a new owner): decisions made under an older

@@ -48,6 +48,14 @@ first) reloads the decision's machines from Redis into the fold and decides agai
 **Redis** is the allocator's materialized view (index.py): after each batch the fold's changed machines are
 projected (version-guarded, pipelined); at start, a Redis that lost or lags the index (its applied marks behind
 the fold's) is projected whole. ``state.machines`` is fed from Redis's outbox, as before.
+
+**A Redis that loses the index while the allocator runs** (FLUSHALL, a redis-server started again without its
+last writes) is noticed: the index carries a generation (``index:generation``) named when it was last written
+whole, and a commit under another generation is refused whole (``IndexLost``, nothing written); every
+``INDEX_CHECK_S`` the loop also compares the generation and the applied marks with what it projected
+(``check_index``). Either way the allocator stops deciding, folds the log again, projects the fold whole, names a
+new generation, raises its partitions' fences again (they were lost too), and decides on: no request is
+answered from the emptied index meanwhile.
 """
 from __future__ import annotations
 
@@ -69,13 +77,14 @@ from infra.config import Config
 from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, releases, split_maintenance,
 )
-from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, MachineIndex
+from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, IndexLost, MachineIndex
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
 from streams.batches import ENVELOPE_BYTES, size_of, split
 from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import make_app
+from streams.heap import GrowthFreezer, folding
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics, free_pool_key
@@ -87,14 +96,16 @@ APP_ID = "allocator"
 SOURCES = ("intents", "machines", "unavailability", "allocations")
 
 # Rejection reasons of the processor (beside placement's NO_FEASIBLE_MACHINE / QUOTA_EXCEEDED).
-UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # no EntitlementCreated seen for the request's entitlement
+UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # no EntitlementCreated for the request's entitlement in the fold
 INVALID_REQUEST = "invalid_request"  # e.g. an unknown spread level or an unsupported requirement
 COMMIT_RETRIES_EXHAUSTED = "commit_retries_exhausted"  # every attempt met a conflict in Redis
 ALLOCATOR_ERROR = "allocator_error"  # deciding raised (a bug): the request is answered, the fold folded again
 RELEASED_EMPTY = "entitlement_empty"  # MachineReleasedToFreePool.reason: no task of the entitlement left
 
-# Errors that a moment cures (Redis or the broker away briefly): the loop folds the log again and goes on.
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError, DeliveryError)
+# Errors that a moment cures (Redis or the broker away briefly, Redis emptied): the loop folds the log again, projects
+# it, and goes on.
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, DeliveryError, IndexLost)
+INDEX_CHECK_S = 1.0  # how often the loop checks that Redis still holds what it projected (check_index)
 MAX_ATTEMPTS = 5  # decisions of one request per batch before COMMIT_RETRIES_EXHAUSTED
 BATCH_REQUESTS = 500  # requests decided per Redis commit call at most
 POLL_RECORDS = 5000  # records the fold consumer takes per poll at most
@@ -201,6 +212,16 @@ def free_events(request: Event, to_free: Mapping[str, str], released: Sequence[s
     return out
 
 
+def nothing_freed(request: Event, ts: int) -> list[Event]:
+    """The answer to a request with nothing to place whose tasks hold no placement (a stopped job's tasks that never
+    ran): a TasksDeallocated freeing nothing. Every request is answered: before, such a request got no answer, and
+    its stopped job waited for it for good."""
+    p = request.payload
+    return [_derived(request, "TasksDeallocated", {"request_id": p["request_id"], "job_id": p["job_id"],
+                                                   "placements": [], "machines_released": []},
+                     p["request_id"], ts)]
+
+
 def metric_increments(decision: Sequence[Event]) -> dict[str, int]:
     """The counters one decided request adds (METRICS_KEY), read from the decision itself so they can be
     recomputed from the log: ``requests`` always, ``placed`` / ``rejected`` when it placed / rejected tasks."""
@@ -264,6 +285,7 @@ class Pending:
     event: Event  # the AllocationRequested
     partition: int
     attempts: int = 0
+    freeing: list[Event] | None = None  # its frees, decided by the first attempt: every attempt's decision has them
 
 
 @dataclass
@@ -296,6 +318,7 @@ class Allocator:
         self.publish_interval_s = publish_interval_s
         self.lock = threading.RLock()  # the fold and the decisions: one thread at a time
         self.pending: OrderedDict[str, Pending] = OrderedDict()  # request event id -> request, in arrival order
+        self.repeated: dict[str, int] = {}  # request event id -> partition: asked again after its answer
         self.owned: dict[int, int | None] = {}  # allocations partition -> its fence (None: unfenced)
         self.ends: dict[tuple[str, int], int] = {}  # where the catch-up ended: the live consumer starts there
         self.caught_up = False
@@ -305,9 +328,12 @@ class Allocator:
         self._outbox_backlog = False  # the last round of publish_machine_states left machines in the outbox
         self._projected_at = 0.0
         self._projected_marks: dict[tuple[str, int], int] = {}
+        self._committed: dict[str, int] = {}  # machine -> the version a commit of this batch wrote to Redis
+        self._checked_at = 0.0  # the last check_index
         self._publishing = threading.Lock()
         self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
         self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
+        self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/heap.py
         self._unlock = redis_client.register_script(
             "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
 
@@ -318,6 +344,10 @@ class Allocator:
     def catch_up(self, *, stall_timeout_s: float = 60.0) -> dict[str, Any]:
         """Fold the log as it is now, in the causal order ``merged`` gives, and make Redis agree with the fold
         (projected whole when its marks are behind). Returns what it did."""
+        with folding(freeze=True):  # the region this process holds from now on: out of the collector's walks
+            return self._catch_up(stall_timeout_s)
+
+    def _catch_up(self, stall_timeout_s: float) -> dict[str, Any]:
         t0 = time.monotonic()
         run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES, types=EVENT_TYPES),
                      stall_timeout_s=stall_timeout_s)
@@ -344,12 +374,44 @@ class Allocator:
                 del self.pending[rid]  # decided later in the log than it was requested
             self.fold.drain_changes()
             self.fold.index  # noqa: B018 - built now, in bulk, not by the first request after a start
-            behind = self._redis_behind()
+            generation = self.index.read_generation()  # None: emptied (or never written whole)
+            behind = generation is None or self._redis_behind()
             projected = self.index.project_all(self.fold) if behind else 0
+            self._adopt_index(refence=generation is None or generation != self.index.generation)
             self.caught_up = True
         return {"records": run.stats.read, "applied": self.fold.applied, "failed": failed,
                 "machines": len(self.fold.machines), "pending": len(self.pending), "read_s": round(read_s, 3),
                 "seconds": round(time.monotonic() - t0, 3), "redis_behind": behind, "projected": projected}
+
+    def _adopt_index(self, *, refence: bool) -> None:
+        """Redis holds the fold whole now: commit under its generation (named now if it has none), and raise the
+        fences of the partitions this process owns again when the index is another than before (they went with
+        it)."""
+        self.index.claim_generation()
+        self._projected_marks = dict(self.fold.marks)
+        self._checked_at = time.monotonic()
+        if refence and self.owned:
+            self.owned.update(self.index.fence(self.owned))
+
+    def _flush_decisions(self) -> None:
+        """Before the log is folded again: the decisions produced so far reach it first (an index lost with Redis
+        took their journal: a decision not yet on the log would be decided a second time, maybe otherwise)."""
+        if self.producer is None:
+            return
+        try:
+            self.producer.flush(30.0)
+        except DeliveryError as exc:  # not on the log: decided again, as if never made
+            log.warning("allocator: before folding the log again: %s", exc)
+
+    def check_index(self) -> None:
+        """Every ``INDEX_CHECK_S``: if Redis no longer holds what this allocator projected into it, raise
+        ``IndexLost`` (the loop folds the log again and projects it whole before it decides)."""
+        if time.monotonic() - self._checked_at < INDEX_CHECK_S:
+            return
+        self._checked_at = time.monotonic()
+        why = self.index.lost(self._projected_marks)
+        if why is not None:
+            raise IndexLost(f"Redis lost the index: {why}")
 
     def _redis_behind(self) -> bool:
         marks = self.index.marks()
@@ -372,6 +434,7 @@ class Allocator:
                     continue
                 if rec.event.type == "AllocationRequested":
                     self._arrived(rec.event, position)
+            self._freezer.grew(len(self.fold.machines))
 
     def read_up_to(self, last_offsets: Mapping[tuple[str, int], int]) -> None:
         """Every record up to these offsets was read (those the consumer passed over by type too): the marks say
@@ -383,8 +446,30 @@ class Allocator:
                     marks[tp] = offset
 
     def _arrived(self, event: Event, position: tuple[str, int, int]) -> None:
-        if position[0] == self.allocations and not self.fold.is_decided(event.event_id):
+        if position[0] != self.allocations:
+            return
+        if not self.fold.is_decided(event.event_id):
             self.pending.setdefault(event.event_id, Pending(event, position[1]))
+        else:  # asked again after its answer: answered again (answer_repeated)
+            self.repeated[event.event_id] = position[1]
+
+    def answer_repeated(self) -> int:
+        """Produce again the decision of each request of an owned partition that was asked again after it was
+        answered (the same record: a requester that crashed after asking asks again, and may have read the answer
+        before it did, too early to take it). The same events, from the journal (``DONE_TTL_S``); readers that took
+        them drop them by id. Returns how many requests were answered again."""
+        todo = [rid for rid, part in self.repeated.items() if part in self.owned]
+        if not todo:
+            return 0
+        journal = self.index.journaled(todo)
+        for rid in todo:
+            del self.repeated[rid]
+            if journal.get(rid) is None:
+                log.warning("allocator: request %s was asked again after its answer, no longer journaled: not "
+                            "answered again", rid)
+                continue
+            self._produce(load_events(journal[rid]))
+        return len(todo)
 
     # --- ownership ----------------------------------------------------------------------------------------
     def assign(self, partitions: Iterable[int], *, fenced: bool = True) -> None:
@@ -445,6 +530,8 @@ class Allocator:
                 res = next(by_request) if p.decision is not None else None
                 if res is None or res.outcome == "ok":
                     finished.append((p.pending, p.events))
+                    if res is not None:
+                        self._committed.update(res.versions)
                 elif res.outcome == JOURNALED:
                     journaled = load_events(res.events)
                     reload |= p.touched | machines_of(journaled)
@@ -460,13 +547,16 @@ class Allocator:
                         retry.append(p.pending)
             if reload:
                 self._reload(reload)
+            done: list[Event] = []
             for pd, events in finished:
-                self._produce(events)
-                produced += events
+                done += events
                 self.fold.remember_decided(pd.event.event_id)
+                self.fold.remember_made(events)
                 self.pending.pop(pd.event.event_id, None)
                 counts.update(metric_increments(events))
                 self.decided += 1
+            self._produce(done)
+            produced += done
             self.index.add_metrics(counts)
             todo = retry
         # Not flushed here: a decision the broker has not acknowledged is journaled in Redis (index.py), so a
@@ -482,16 +572,19 @@ class Allocator:
         pd.attempts += 1
         request = pd.event
         p = request.payload
-        freeing = self._free(request, ts) if pd.attempts == 1 else []
+        # The frees are decided once (the fold applies them; Redis applies them even when the plan conflicts), and
+        # a retry's decision carries them again: before, a retry after a conflict produced no TasksDeallocated, and
+        # the log never said the request's moved tasks left their machines (found by the kill storm).
+        if pd.freeing is None:
+            pd.freeing = self._free(request, ts)
+        freeing = pd.freeing
         frees = tuple((r["task_id"], r["machine_id"]) for e in freeing if e.type == "TasksDeallocated"
                       for r in e.payload["placements"])
         released = tuple(mid for e in freeing if e.type == "TasksDeallocated" for mid in e.payload["machines_released"])
         placing, plan_rows, _ = self._place(request, pd.attempts, ts)
-        events = freeing + placing
+        events = (freeing + placing) or nothing_freed(request, ts)
         touched = machines_of(events)
-        if not frees and not plan_rows:
-            return _Planned(pd, events, None, touched)
-        res = p["resources"]
+        res = p["resources"]  # every decision is committed, a rejection too: journaled, so it can be given again
         decision = Decision(request.event_id, pd.partition, self.owned.get(pd.partition), request.entitlement,
                             res["cpu_millicores"], res["memory_mib"], frees, released, plan_rows,
                             dump_events(events))
@@ -523,9 +616,11 @@ class Allocator:
         fold = self.fold
         ent = fold.entitlement(request.entitlement)
         if ent is None:
+            # Not "create it": the scheduler asks only for entitlements it knows, so this fold has not read the
+            # EntitlementCreated yet, and creating it again would overwrite its quota. The scheduler asks again.
             return rejection_events(request, tasks, UNKNOWN_ENTITLEMENT,
-                                    f"entitlement {request.entitlement} does not exist; create it "
-                                    f"(ropewalk entitlement create {request.entitlement} --quota N)", {}, ts), (), {}
+                                    f"entitlement {request.entitlement} is not in the allocator's fold of the log yet "
+                                    f"(no EntitlementCreated read); the scheduler asks again", {}, ts), (), {}
         try:
             req = request_of(request, fold.existing(p["job_id"]))
         except ValueError as exc:
@@ -577,19 +672,24 @@ class Allocator:
                     if cur is not None:
                         fold._unplace(fold.machines[cur], t)
                     fold._place(m, t, cpu, mem)
+            fold._set(m, "status", f["status"])  # keeps the fold's status counts
             for name in ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free",
-                         "entitlement", "status", "host_profile", "version", "maintenance"):
+                         "entitlement", "host_profile", "version", "maintenance"):
                 setattr(m, name, f[name])
             fold.reindex(m)
 
     def _produce(self, events: Sequence[Event]) -> None:
-        for e in events:
-            self.producer.send(e, validate=False)  # built from decoded events; fastavro still checks types
+        self.producer.send_all(events, validate=False)  # built from decoded events; fastavro still checks types
 
     def project_changes(self, *, force: bool = False) -> int:
         """Write the machines the fold changed since the last projection to Redis, with the marks and the
         entitlements (the marks alone at most every ``publish_interval_s``: they move with every record)."""
         changed = self.fold.drain_changes()
+        if self._committed:  # what a commit wrote already, at the fold's version, need not be written again
+            machines, committed = self.fold.machines, self._committed
+            changed = {mid: cause for mid, cause in changed.items()
+                       if (m := machines.get(mid)) is None or committed.get(mid) != m.version}
+            self._committed = {}
         now = time.monotonic()
         if not changed and not force and now - self._projected_at < self.publish_interval_s:
             return 0
@@ -615,10 +715,10 @@ class Allocator:
                 total, turn = 0, 0
                 while (rounds is None or turn < rounds) and (queued := self.index.outbox(limit)):
                     turn += 1
-                    states = self.index.states(queued)
+                    states = self._states(queued)
                     ts = int(time.time() * 1000)
-                    for mid, fields in states.items():
-                        self.producer.send(machine_state_event(fields, queued[mid][1], ts), validate=False)
+                    self.producer.send_all((machine_state_event(fields, queued[mid][1], ts)
+                                            for mid, fields in states.items()), validate=False)
                     self.producer.flush()
                     gone = {mid: 2**62 for mid in queued if mid not in states}  # cleared from the index
                     self.index.outbox_done({**{mid: int(f["version"]) for mid, f in states.items()}, **gone})
@@ -629,6 +729,21 @@ class Allocator:
                 return total
             finally:
                 self._unlock(keys=[lock], args=[token])
+
+    def _states(self, queued: Mapping[str, tuple[int, str]]) -> dict[str, dict[str, Any]]:
+        """The current state of the queued machines: from the fold where it holds the queued version or a newer
+        one (the projection and the commit write the fold's versions, so that is every machine but those another
+        allocator changed since this one folded them), the rest read from Redis (``MachineIndex.states``)."""
+        with self.lock:
+            out = {}
+            for mid, (version, _) in queued.items():
+                m = self.fold.machines.get(mid)
+                if m is not None and m.version >= version:
+                    out[mid] = {"id": mid, **m.fields(), "task_ids": sorted(m.tasks)}
+        behind = [mid for mid in queued if mid not in out]
+        if behind:
+            out.update(self.index.states(behind))
+        return out
 
     def maybe_publish_machine_states(self) -> int:
         """One round, when ``publish_interval_s`` passed since the last or the last left a backlog."""
@@ -655,6 +770,7 @@ class Allocator:
                     records = consumer.poll(POLL_RECORDS, POLL_S, linger_s=0.0)
                     self.on_records(records, dead_letters)
                     self.read_up_to(consumer.last_offsets)  # records of types the fold ignores: not even decoded
+                    self.check_index()
                     self.step()
                 except TRANSIENT as exc:
                     self.stale = True
@@ -676,6 +792,7 @@ class Allocator:
     def step(self) -> None:
         """After records were applied: decide, project, publish (a failure marks the fold stale)."""
         try:
+            self.answer_repeated()
             self.decide_pending()
             self.project_changes()
         except BaseException:
@@ -686,9 +803,12 @@ class Allocator:
 
     def refold(self) -> dict[str, Any]:
         """A fresh fold of the log (at start, and after a batch failed half-way)."""
+        self._flush_decisions()
         with self.lock:
             self.fold = RegionFold()
             self.pending.clear()
+            self._committed = {}
+            self.repeated.clear()
             self.caught_up = self.stale = False
         stats = self.catch_up()
         log.info("allocator: folded the log: %s", stats)
@@ -731,7 +851,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
     catalogue = Topics(cfg.topic_prefix, cfg.partitions)
     producer = EventProducer(cfg, registry, PRODUCER)
     dead_letters = DeadLetters(producer, PRODUCER)
-    allocator = Allocator(cfg, registry, redis_client or redis.Redis.from_url(cfg.redis_url), producer,
+    allocator = Allocator(cfg, registry, redis_client or cfg.redis_client(), producer,
                           consumer=consumer)
     app = make_app(cfg, APP_ID, **settings)
     allocations = app.topic(catalogue.name("allocations"), key_serializer="raw", value_serializer="raw",
@@ -773,7 +893,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, _, _ = build_app(Config.from_env())
+    app, _, _ = build_app(Config.from_env().as_principal("allocator"))
     faust.Worker(app, loglevel="INFO").execute_from_commandline()
 
 

@@ -15,6 +15,9 @@ compared (``index_state``) and which the swap does not delete:
     alloc:done:*       decisions committed and journaled until their events are surely on the log (index.py):
                        the log cannot give back a decision that never reached it
     alloc:fence:*      the partitions' fences: raised by each new owner, never lowered
+    index:generation   names the index since an allocator last wrote it whole (``MachineIndex.claim_generation``);
+                       kept by the swap: an allocator that starts on a rebuilt index without one writes its fold
+                       (the same keys) and names one
     metrics:*          the allocator's counters: about the process, not the index
     outbox:*           the state.machines publisher's queue (and its lock). The projection queues every machine
                        it writes, so the rebuilt outbox holds every machine; it replaces the live one (RENAME
@@ -58,15 +61,16 @@ from confluent_kafka import Consumer, TopicPartition
 
 from infra.config import Config
 from processors.allocator.fold import EVENT_TYPES, FoldError, RegionFold, merged
-from processors.allocator.index import DEFAULT_CONSUMER, MachineIndex
+from processors.allocator.index import DEFAULT_CONSUMER, GENERATION, MachineIndex
 from processors.allocator.processor import SOURCES
 from streams.clients import consumer_conf
 from streams.events import Event
+from streams.heap import folding
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
-NOT_INDEX_STATE = ("alloc:done:*", "alloc:fence:*", "metrics:*", "outbox:*", "~rebuild.*")
+NOT_INDEX_STATE = ("alloc:done:*", "alloc:fence:*", "metrics:*", "outbox:*", "~rebuild.*", GENERATION)
 SCRATCH = "~rebuild."
 _SWAP_CHUNK = 1000  # keys per UNLINK, and per rename call, inside the swap transaction
 _SCAN_COUNT = 10_000  # keys per SCAN step
@@ -266,8 +270,9 @@ class Rebuild:
         t0 = time.monotonic()
         try:
             self.guard()
-            self.apply(self.read())
-            self.write()
+            with folding():  # nothing the fold builds is cyclic garbage: the collector would only walk it
+                self.apply(self.read())
+                self.write()
             self.swap()
         except BaseException:
             self.discard()
@@ -283,7 +288,7 @@ def rebuild_index(cfg: Config, registry: SchemaRegistry | None = None, *, redis_
     Raises RebuildConflict if an allocator wrote to the index meanwhile, RebuildRefused if the log cannot give
     the index back; in both cases nothing was replaced."""
     registry = registry or SchemaRegistry.from_dir()
-    r = redis_client or redis.Redis.from_url(cfg.redis_url)
+    r = redis_client or cfg.redis_client()
     try:
         return Rebuild(cfg, registry, r, consumer).run().as_dict()
     finally:

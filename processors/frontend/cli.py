@@ -4,10 +4,19 @@ Every read command takes --json and prints one JSON document (replay: one JSON e
 command exits non-zero with a one-line reason on error. A record a command's readers cannot decode is skipped
 and counted; the command goes on and says so once, in one line on stderr, when it ends (``args.skipped``; on an
 error, at the end of the error's line).
+
+**Through the API, or on the log.** The user's commands (entitlement, job, machine, maintenance, replay, watch) go
+through the region's HTTP API (``ROPEWALK_API_URL``, default ``http://127.0.0.1:$ROPEWALK_API_PORT``) with the token
+``ROPEWALK_TOKEN`` (default: the region administrator's, ``<secrets>/token``), which authorizes them
+(processors/api). ``--direct`` (or ``ROPEWALK_DIRECT=1``) does them on the log itself as broker principal
+``operator`` (the operator's way, and the tests'): both ways run the same operations
+(processors/frontend/service.py) and print the same documents. The operator's commands (up, down, status, produce,
+rebuild, archive, restore, user, bench) always act directly.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,14 +45,59 @@ def _topics(cfg: Config):
 def _admin(cfg: Config):
     from confluent_kafka.admin import AdminClient
 
-    return AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 0})
+    return AdminClient({**cfg.kafka_conf(), "log_level": 0})
 
 
 def _require_broker(cfg: Config) -> None:
-    from infra.services import broker_ready
+    from processors.frontend.service import require_broker
 
-    if not broker_ready(cfg.bootstrap_servers):
-        raise CliError(f"cannot reach Kafka at {cfg.bootstrap_servers} (is `ropewalk up` running?)")
+    require_broker(cfg)
+
+
+def direct(args) -> bool:
+    """Whether this command acts on the log itself (``--direct`` or ROPEWALK_DIRECT=1) rather than through the API."""
+    import os
+
+    return bool(getattr(args, "direct", False)) or os.environ.get("ROPEWALK_DIRECT", "") not in ("", "0")
+
+
+def _front(cfg: Config, args):
+    """The front end this command talks to: the API (``processors.api.client.ApiClient``) or, ``--direct``, the log
+    (``processors.frontend.service.Frontend`` as the operator). Both have the same operations and documents."""
+    import os
+
+    from infra.credentials import OPERATOR
+
+    if direct(args):
+        from processors.frontend.service import Frontend
+
+        return Frontend(cfg, _registry(), principal=OPERATOR, producer="cli", skipped=args.skipped)
+    from processors.api.client import ApiClient
+    from processors.api.users import read_token
+
+    return ApiClient(cfg.api_url, os.environ.get("ROPEWALK_TOKEN") or read_token(cfg.secrets))
+
+
+def _wait_s(args) -> float | None:
+    """How long an intent waits for the scheduler's verdict: through the API by default (``--no-wait``: not at all);
+    on the log directly only with ``--wait``."""
+    from processors.frontend.service import DEFAULT_WAIT_S
+
+    if args.no_wait:
+        return None
+    return DEFAULT_WAIT_S if args.wait or not direct(args) else None
+
+
+def _verdict(doc: dict, args) -> None:
+    """A refused intent is a failed command: its reason and message are the one error line."""
+    from processors.frontend.service import PENDING, REFUSED
+
+    if doc.get("verdict") == REFUSED:
+        if args.json:
+            _print(doc, True, "")
+        raise CliError(f"refused by the scheduler: {doc.get('reason')}: {doc.get('message')}".rstrip(": "))
+    if doc.get("verdict") == PENDING:
+        print(f"ropewalk: {doc.get('message')}; `ropewalk job status` shows what happened", file=sys.stderr)
 
 
 def _print(doc, as_json: bool, text: str) -> None:
@@ -57,9 +111,16 @@ def cmd_up(cfg: Config, args) -> int:
 
     from infra import controlplane
 
+    from infra import acls
+
     t0 = time.monotonic()
     st = services.up(cfg)
-    prov = provision(_admin(cfg), _topics(cfg))
+    admin = _admin(cfg)
+    prov = provision(admin, _topics(cfg))
+    acls.provision_region(cfg, admin)  # what each component's principal may do (infra/acls.py)
+    from processors.api.users import ensure_admin
+
+    ensure_admin(cfg.secrets)  # the API's region administrator; its token in <secrets>/token, for this CLI
     region = controlplane.up(cfg, args.machines) if args.machines > 0 else {"workers": {}, "ready": True}
     cp = region["workers"]
     demo = _start_demo(cfg, args.skipped) if args.machines > 0 and region["ready"] and not args.no_demo else None
@@ -83,13 +144,19 @@ def cmd_up(cfg: Config, args) -> int:
         if demo:
             lines.append(f"demo    job {demo['job']} ({demo['state']}) runs `{' '.join(demo['command'])}` as a real "
                          f"process on {controlplane.LOCAL_MACHINE_ID}; its output: {demo['logs']}")
+        lines.append(f"api     {cfg.api_url} (OpenAPI: {cfg.api_url}/docs); the CLI's token: {cfg.secrets}/token "
+                     f"(region admin); `ropewalk user add NAME --role E=operator` makes users")
         lines.append("next    ropewalk entitlement create e1 --quota 4 ; ropewalk job submit FILE ; "
                      "ropewalk job status JOB ; ropewalk watch jobs ; ropewalk replay ; ropewalk down")
     else:
         lines.append("next    ropewalk status | ropewalk produce intents EntitlementCreated FILE | ropewalk replay | ropewalk down")
     _print(doc, args.json, "\n".join(lines))
     if dead:
-        raise CliError(f"control plane: {', '.join(dead)} exited at start; see {cfg.run_dir}/<name>.log")
+        from infra.supervisor import exit_text
+
+        raise CliError("control plane: " + "; ".join(f"{n} exited after its start ({exit_text(cp[n].get('last_exit'))}; "
+                                                       f"the supervisor starts it again)" for n in dead)
+                       + f"; see {cfg.run_dir}/<name>.log")
     if not region["ready"]:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
@@ -103,6 +170,9 @@ DEMO_WAIT_S = 60.0
 
 
 def _start_demo(cfg: Config, skipped) -> dict:
+    from infra.credentials import OPERATOR
+    from processors.frontend.service import job_view
+
     """The demo of `up`: entitlement ``demo`` (1 machine of the process type) and job ``demo.hello``, one task
     filling the local machine, so it runs as an OS process under the process agent. Waits (bounded) until it
     runs; its state is reported either way. Submitting it again (a second `up`) changes nothing."""
@@ -116,7 +186,7 @@ def _start_demo(cfg: Config, skipped) -> dict:
         ent = new_event("EntitlementCreated", {"name": DEMO_ENTITLEMENT, "quota_machines": 1,
                                                "machine_type": controlplane.LOCAL_MACHINE_TYPE, "dc_pin": None,
                                                "host_profile": None},
-                        entitlement=DEMO_ENTITLEMENT, entity_id=DEMO_ENTITLEMENT, producer="cli")
+                        entitlement=DEMO_ENTITLEMENT, entity_id=DEMO_ENTITLEMENT, producer="cli", principal=OPERATOR)
         spec = {"name": DEMO_JOB, "entitlement": DEMO_ENTITLEMENT, "tasks": 1, "command": DEMO_COMMAND,
                 "resources": {"cpu_millicores": controlplane.LOCAL_CPU_MILLICORES,
                               "memory_mib": controlplane.LOCAL_MEMORY_MIB},
@@ -126,7 +196,7 @@ def _start_demo(cfg: Config, skipped) -> dict:
         payload = validate_spec(spec)
         payload.pop("entitlement")
         job = new_event("JobSubmitted", {**payload, "spec_version": 1}, entitlement=DEMO_ENTITLEMENT,
-                        entity_id=job_id, producer="cli")
+                        entity_id=job_id, producer="cli", principal=OPERATOR)
         _send(cfg, registry, [ent, job])
     deadline = time.monotonic() + DEMO_WAIT_S
     view = None
@@ -148,34 +218,52 @@ def _start_demo(cfg: Config, skipped) -> dict:
 def cmd_down(cfg: Config, args) -> int:
     from infra import controlplane, services
 
-    st = {**{n: v for n, v in controlplane.down(cfg).items() if v.get("stopped")}, **services.down(cfg)}
+    if args.keep_tasks:
+        controlplane.keep_tasks(cfg)
+    st = services.down(cfg)
     _print(st, args.json, "\n".join(f"{k}: {'stopped' if v.get('stopped') else 'was not running'}" for k, v in st.items())
            or "nothing to stop (external broker and Redis)")
     return 0
 
 
 def cmd_status(cfg: Config, args) -> int:
-    from infra import controlplane, services
+    """The broker and Redis, the supervisor, and every worker it is to run (`up` said which) with its state and
+    restarts; exit 1 when a service does not answer or an expected worker does not run."""
+    from infra import controlplane, services, supervisor
 
     st = services.status(cfg)
-    workers = {n: w for n, w in controlplane.status(cfg).items() if w["running"] or w["pid"]}
-    doc = {"components": st, "control_plane": workers, "topics": {}}
+    programs = supervisor.programs_state(cfg.run_dir)
+    workers = controlplane.status(cfg)
+    sup_pid = supervisor.process(cfg.run_dir).pid()
+    doc = {"components": st, "supervisor": {"running": sup_pid is not None, "pid": sup_pid},
+           "control_plane": workers, "programs": programs, "topics": {}}
     if st["broker"]["ready"]:
         doc["topics"] = _topic_counts(cfg)
     lines = [f"{name:7} {'ready' if s['ready'] else 'DOWN':5}  {s['endpoint']}"
-             + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "") for name, s in st.items()]
-    lines += [f"{name:14} running  pid {w['pid']}  log {w['log']}" for name, w in workers.items()]
+             + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "")
+             + (f"  restarts {programs[name]['restarts']}" if name in programs else "") for name, s in st.items()]
+    if programs:
+        lines.append(f"supervisor {'running  pid %d' % sup_pid if sup_pid else 'NOT RUNNING (nothing restarts a worker that dies)'}")
+    for name, w in workers.items():
+        last = supervisor.exit_text(w.get("last_exit"))
+        lines.append(f"{name:14} {w['state']:8} pid {w['pid'] or '-':<8} restarts {w['restarts']}"
+                     + (f" (last: {last})" if last else "") + f"  log {w['log']}")
     # Listed end offsets (high - low watermark): the records of each topic (compacted topics: the offsets
     # spanned, more than the records the cleaner left).
     lines += [f"topic   {t:28} {n:>10} (listed end offsets)" for t, n in doc["topics"].items()]
     _print(doc, args.json, "\n".join(lines))
-    return 0 if all(s["ready"] for s in st.values()) else 1
+    down = [n for n, w in programs.items() if not w["running"]] + ([supervisor.NAME] if programs and not sup_pid else [])
+    if down and not args.json:
+        print(f"ropewalk: not running: {', '.join(down)}", file=sys.stderr)
+    return 0 if all(s["ready"] for s in st.values()) and not down else 1
 
 
 def _topic_counts(cfg: Config) -> dict[str, int]:
     from confluent_kafka import Consumer, TopicPartition
 
-    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": "ropewalk-status", "log_level": 0})
+    from streams.clients import reader_group
+
+    c = Consumer({**cfg.kafka_conf(), "group.id": reader_group(cfg, "status"), "log_level": 0})
     try:
         md = c.list_topics(timeout=5)
         out = {}
@@ -200,8 +288,9 @@ def cmd_produce(cfg: Config, args) -> int:
 
     text = sys.stdin.read() if args.file == "-" else _read(args.file)
     registry = _registry()
-    events = [build_event(registry, args.topic, args.event_type, d, args.entitlement,
-                          max_tasks=cfg.max_tasks_per_job) for d in parse_documents(text)]
+    events = [dataclasses.replace(build_event(registry, args.topic, args.event_type, d, args.entitlement,
+                                              max_tasks=cfg.max_tasks_per_job), principal=cfg.principal)
+              for d in parse_documents(text)]  # the envelope names who produced it: the operator
     _require_broker(cfg)
     producer = EventProducer(cfg, registry, "cli", **{"message.timeout.ms": 15000})
     for ev in events:
@@ -233,71 +322,63 @@ def _send(cfg: Config, registry, events: list) -> None:
 def cmd_entitlement_create(cfg: Config, args) -> int:
     from processors.frontend import rules
     from processors.frontend.jobspec import JobSpecError, _name, refuse
-    from streams.events import new_event
 
+    fields = {"name": "NAME", "quota_machines": "--quota"}
     payload = {"name": args.name, "quota_machines": args.quota, "machine_type": args.machine_type, "dc_pin": args.dc,
                "host_profile": args.host_profile}
-    try:
+    try:  # at the door, naming the flag (the API and the scheduler check again)
         name = _name(args.name, "NAME")
-        refuse(rules.intent_problems("EntitlementCreated", payload, name), {"quota_machines": "--quota"})
+        refuse(rules.intent_problems("EntitlementCreated", payload, name), fields)
     except JobSpecError as exc:
         raise CliError(str(exc)) from None
-    ev = new_event("EntitlementCreated", payload, entitlement=name, entity_id=name, producer="cli")
-    _send(cfg, _registry(), [ev])
-    _print({"entitlement": name, "event_id": ev.event_id}, args.json, name)
+    doc = _front(cfg, args).entitlement_create(name, args.quota, machine_type=args.machine_type, dc=args.dc,
+                                               host_profile=args.host_profile, fields=fields)
+    _print(doc, args.json, doc["entitlement"])
     return 0
 
 
-def _spec_payload(path: str, entitlement: str | None = None, max_tasks: int | None = None) -> dict:
-    from processors.frontend.jobspec import MAX_TASKS, JobSpecError, parse_text, validate_spec
+def cmd_entitlement_update(cfg: Config, args) -> int:
+    changes = {"quota_machines": args.quota, "machine_type": args.machine_type, "dc_pin": args.dc,
+               "host_profile": args.host_profile}
+    if all(v is None for v in changes.values()):
+        raise CliError("nothing to change: give --quota, --machine-type, --dc or --host-profile")
+    doc = _front(cfg, args).entitlement_update(args.name, changes)
+    _print(doc, args.json, doc["entitlement"])
+    return 0
+
+
+def cmd_entitlement_list(cfg: Config, args) -> int:
+    rows = _front(cfg, args).entitlements()
+    _print(rows, args.json, "\n".join(f"{r['entitlement']:20} quota {r['quota_machines']:>6} machines"
+                                      + (f"  type {r['machine_type']}" if r["machine_type"] else "")
+                                      + (f"  dc {r['dc_pin']}" if r["dc_pin"] else "") for r in rows)
+           or "no entitlements")
+    return 0
+
+
+def _spec_data(path: str, entitlement: str | None, max_tasks: int):
+    """The spec file, parsed and checked at the door (the error names the file and the field)."""
+    from processors.frontend.jobspec import JobSpecError, parse_text
+    from processors.frontend.service import spec_payload
 
     try:
-        return validate_spec(parse_text(_read(path), path), entitlement, max_tasks or MAX_TASKS)
+        data = parse_text(_read(path), path)
     except JobSpecError as exc:
         raise CliError(f"{path}: {exc}") from None
-
-
-def _job_state(cfg: Config, registry, job: str, skipped):
-    from streams import state
-
-    _require_broker(cfg)
-    latest = state.current(cfg, registry, "jobs", skipped=skipped).get(job)
-    if latest is None:
-        raise CliError(f"unknown job {job!r} (no state published for it; `ropewalk watch jobs` lists jobs)")
-    return latest
+    payload = spec_payload(data, entitlement, max_tasks, f"{path}: ")
+    return data, payload
 
 
 def cmd_job_submit(cfg: Config, args) -> int:
-    from streams.events import new_event
-
-    payload = _spec_payload(args.file, max_tasks=cfg.max_tasks_per_job)
-    ent = payload.pop("entitlement")
-    ev = new_event("JobSubmitted", {**payload, "spec_version": 1}, entitlement=ent, entity_id=payload["job_id"],
-                   producer="cli")
-    _send(cfg, _registry(), [ev])
-    _print({"job": payload["job_id"], "entitlement": ent, "event_id": ev.event_id}, args.json, payload["job_id"])
+    data, payload = _spec_data(args.file, None, cfg.max_tasks_per_job)
+    doc = _front(cfg, args).job_submit(data, wait_s=_wait_s(args), where=f"{args.file}: ")
+    _verdict(doc, args)
+    _print(doc, args.json, doc["job"])
     return 0
 
 
-def job_view(ev) -> dict:
-    """`job status --json`: the contract in DESIGN.md, from a JobStatePublished event."""
-    p = ev.payload
-    return {"job": p["job_id"], "name": p["name"], "entitlement": ev.entitlement, "state": p["state"],
-            "incarnation": p.get("incarnation", 1), "spec_version": p["spec_version"],
-            "desired_tasks": p["desired_tasks"], "last_reason": p["last_reason"], "updated_ms": ev.timestamp_ms,
-            "tasks": [{"id": t["task_id"], "state": t["state"], "machine": t["machine_id"], "dc": t["dc"],
-                       "msb": t["msb"], "rack": t["rack"], "spec_version": t["spec_version"], "reason": t["reason"]}
-                      for t in p["tasks"]]}
-
-
 def cmd_job_status(cfg: Config, args) -> int:
-    if args.at:
-        from processors.history import commands
-
-        _require_broker(cfg)
-        view = job_view(commands.job_state_at(cfg, args, commands.moment(cfg, args.at)))
-    else:
-        view = job_view(_job_state(cfg, _registry(), args.job, args.skipped))
+    view = _front(cfg, args).job_status(args.job, at=args.at)
     again = f" (incarnation {view['incarnation']})" if view["incarnation"] != 1 else ""
     lines = [f"job {view['job']}{again}  entitlement {view['entitlement']}  state {view['state']}  "
              f"spec v{view['spec_version']}  tasks {len(view['tasks'])}/{view['desired_tasks']}"]
@@ -309,81 +390,66 @@ def cmd_job_status(cfg: Config, args) -> int:
     return 0
 
 
-def cmd_job_update(cfg: Config, args) -> int:
-    from streams.events import new_event
+def cmd_job_list(cfg: Config, args) -> int:
+    rows = _front(cfg, args).jobs(args.entitlement)
+    _print(rows, args.json, "\n".join(_job_line(v) for v in rows) or "no jobs")
+    return 0
 
-    registry = _registry()
-    current = _job_state(cfg, registry, args.job, args.skipped)
-    payload = _spec_payload(args.file, current.entitlement, cfg.max_tasks_per_job)
+
+def _job_line(v: dict) -> str:
+    running = sum(t["state"] == "RUNNING" for t in v["tasks"])
+    return f"{v['job']:28} {v['state']:9} {running}/{v['desired_tasks']} running  {v['last_reason']}"
+
+
+def cmd_job_update(cfg: Config, args) -> int:
+    from processors.frontend.service import entitlement_of_job
+
+    front = _front(cfg, args)
+    data, payload = _spec_data(args.file, entitlement_of_job(args.job), cfg.max_tasks_per_job)
     if payload["job_id"] != args.job:
         raise CliError(f"{args.file}: name: the spec names job {payload['job_id']!r}, not {args.job!r}")
-    payload.pop("entitlement")
-    version = current.payload["spec_version"] + 1
-    ev = new_event("JobSpecChanged", {**payload, "spec_version": version}, entitlement=current.entitlement,
-                   entity_id=args.job, producer="cli")
-    _send(cfg, registry, [ev])
-    _print({"job": args.job, "spec_version": version, "event_id": ev.event_id}, args.json, f"{args.job} v{version}")
+    doc = front.job_update(args.job, data, wait_s=_wait_s(args) if args.wait else None, where=f"{args.file}: ")
+    _verdict(doc, args)
+    _print(doc, args.json, f"{args.job} v{doc['spec_version']}")
     return 0
 
 
 def cmd_job_resize(cfg: Config, args) -> int:
-    from streams.events import new_event
-
     from processors.frontend import rules
 
     if (problem := rules.task_count(args.tasks, cfg.max_tasks_per_job, "N", low=0)) is not None:
         raise CliError(str(problem))
-    registry = _registry()
-    current = _job_state(cfg, registry, args.job, args.skipped)
-    ev = new_event("JobResized", {"job_id": args.job, "tasks": args.tasks}, entitlement=current.entitlement,
-                   entity_id=args.job, producer="cli")
-    _send(cfg, registry, [ev])
-    _print({"job": args.job, "tasks": args.tasks, "event_id": ev.event_id}, args.json, f"{args.job} -> {args.tasks} tasks")
+    doc = _front(cfg, args).job_resize(args.job, args.tasks, wait_s=_wait_s(args) if args.wait else None, field="N")
+    _verdict(doc, args)
+    _print(doc, args.json, f"{args.job} -> {args.tasks} tasks")
     return 0
 
 
 def cmd_job_stop(cfg: Config, args) -> int:
-    from streams.events import new_event
-
-    registry = _registry()
-    current = _job_state(cfg, registry, args.job, args.skipped)
-    ev = new_event("JobStopped", {"job_id": args.job, "reason": args.reason}, entitlement=current.entitlement,
-                   entity_id=args.job, producer="cli")
-    _send(cfg, registry, [ev])
-    _print({"job": args.job, "event_id": ev.event_id}, args.json, f"{args.job} stopping")
+    doc = _front(cfg, args).job_stop(args.job, args.reason, wait_s=_wait_s(args) if args.wait else None)
+    _verdict(doc, args)
+    _print(doc, args.json, f"{args.job} stopping")
     return 0
 
 
 def cmd_machine_fail(cfg: Config, args) -> int:
-    from processors.resourcebroker.processor import fail_machine, recover_machine
-
-    _require_broker(cfg)
+    front = _front(cfg, args)
     if getattr(args, "dry_run", False):
-        from processors.history import commands
+        from processors.history import whatif
 
-        return commands.machine_fail_dry_run(cfg, args)
-    fn = fail_machine if args.action == "fail" else recover_machine
-    ids = fn(cfg, args.machine, skipped=args.skipped)
+        doc = front.machine_action(args.machine, args.action, dry_run=True)
+        _print(doc, args.json, whatif.text(doc))
+        return 0
+    doc = front.machine_action(args.machine, args.action)
     verb = "failed" if args.action == "fail" else "recovered"
-    _print({"machine": args.machine, "event_ids": ids}, args.json,
-           f"{args.machine} {verb}" if ids else f"{args.machine}: nothing to do (already {'down' if args.action == 'fail' else 'up'})")
+    _print(doc, args.json, f"{args.machine} {verb}" if doc["event_ids"] else
+           f"{args.machine}: nothing to do (already {'down' if args.action == 'fail' else 'up'})")
     return 0
 
 
 def cmd_machine_list(cfg: Config, args) -> int:
     """`machine list`: the latest state of every machine, from state.machines (published by the allocator)."""
-    from streams import state
-
-    _require_broker(cfg)
-    if args.at:
-        from processors.history import commands
-
-        rows = commands.machine_views_at(cfg, args, commands.moment(cfg, args.at))
-    else:
-        latest = state.current(cfg, _registry(), "machines", args.entitlement, skipped=args.skipped)
-        rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
-    if args.free:
-        rows = [r for r in rows if r["entitlement"] is None]
+    rows = _front(cfg, args).machines(args.entitlement, args.free, at=args.at)
     lines = [f"{r['id']:24} {r['status']:11} {r['entitlement'] or 'free':14} {r['dc']}/{r['msb']}/{r['rack']:14} "
              f"{r['type']:10} cpu {r['free']['cpu_millicores']}/{r['capacity']['cpu_millicores']}m  "
              f"mem {r['free']['memory_mib']}/{r['capacity']['memory_mib']} MiB free  {len(r['tasks'])} tasks"
@@ -396,35 +462,38 @@ def cmd_machine_list(cfg: Config, args) -> int:
 
 def cmd_watch(cfg: Config, args) -> int:
     """Current state of everything first, then each change, until interrupted (or --once)."""
-    from streams.events import Event
-    from streams.state import StateReader
 
-    _require_broker(cfg)
-    reader = StateReader(cfg, _registry(), args.kind, args.entitlement, skipped=args.skipped)
-
-    def show(ev: Event) -> str:
+    def show(v: dict) -> str:
         if args.kind == "jobs":
-            v = job_view(ev)
             if args.json:
-                return json.dumps(v, sort_keys=True)
-            running = sum(t["state"] == "RUNNING" for t in v["tasks"])
-            return f"{v['job']:28} {v['state']:9} {running}/{v['desired_tasks']} running  {v['last_reason']}"
-        p = ev.payload
-        maintenance = list(p.get("maintenance_ids") or ())
+                return json.dumps({k: x for k, x in v.items() if k != "deleted"}, sort_keys=True)
+            return _job_line(v)
         if args.json:
-            return json.dumps({"id": p["machine_id"], "status": p["status"], "entitlement": p["assigned_entitlement"],
-                               **{k: p["topology"][k] for k in ("dc", "msb", "rack")}, "type": p["machine_type"],
-                               "maintenance": maintenance}, sort_keys=True)
-        return (f"{p['machine_id']:28} {p['status']:11} {p['assigned_entitlement'] or 'free':14} {p['machine_type']}"
-                + (f"  maintenance {','.join(maintenance)}" if maintenance else ""))
+            return json.dumps({"id": v["id"], "status": v["status"], "entitlement": v["entitlement"],
+                               **{k: v[k] for k in ("dc", "msb", "rack")}, "type": v["type"],
+                               "maintenance": v["maintenance"]}, sort_keys=True)
+        return (f"{v['id']:28} {v['status']:11} {v['entitlement'] or 'free':14} {v['type']}"
+                + (f"  maintenance {','.join(v['maintenance'])}" if v["maintenance"] else ""))
 
+    front = _front(cfg, args)
+    if not direct(args):  # the API's server-sent events: the current state, `ready`, then each change
+        for event, data in front.events(args.kind, args.entitlement):
+            if event == "ready":
+                if args.once:
+                    return 0
+                continue
+            print(show(data), flush=True)
+        return 0
+    from processors.frontend.service import state_view
+
+    reader = front.state_reader(args.kind, args.entitlement)
     try:
         for ev in sorted(reader.catch_up().values(), key=lambda e: e.entity_id):
-            print(show(ev), flush=True)
+            print(show(state_view(args.kind, ev)), flush=True)
         if args.once:
             return 0
         for rec in reader.follow():
-            print(show(rec.event), flush=True)
+            print(show(state_view(args.kind, rec.event)), flush=True)
     finally:
         reader.close()
     return 0
@@ -451,18 +520,25 @@ def _parse_time(value: str | None) -> int | None:
 def cmd_replay(cfg: Config, args) -> int:
     from streams import replay as rp
 
-    _require_broker(cfg)
-    flt = rp.ReplayFilter(entitlement=args.entitlement, job=args.job, machine=args.machine,
-                          since_ms=_parse_time(args.since), until_ms=_parse_time(args.until),
-                          topics=tuple(args.topic) if args.topic else None)
-    fmt = rp.format_json if args.json else rp.format_text
-    run = rp.replay(cfg, _registry(), flt, skipped=args.skipped)
+    since, until = _parse_time(args.since), _parse_time(args.until)
     out = sys.stdout
-    for rec in run:
-        out.write(fmt(rec) + "\n")
+    front = _front(cfg, args)
+    if not direct(args):
+        run = front.replay(entitlement=args.entitlement, job=args.job, machine=args.machine, since_ms=since,
+                           until_ms=until, topic=args.topic)
+        for line, doc in run:
+            out.write((line if args.json else rp.format_text_doc(doc)) + "\n")
+        matched, read, elapsed = (run.stats.get(k, 0) for k in ("matched", "read", "elapsed_s"))
+    else:
+        flt = rp.ReplayFilter(entitlement=args.entitlement, job=args.job, machine=args.machine, since_ms=since,
+                              until_ms=until, topics=tuple(args.topic) if args.topic else None)
+        fmt = rp.format_json if args.json else rp.format_text
+        run = front.replay(flt)
+        for rec in run:
+            out.write(fmt(rec) + "\n")
+        matched, read, elapsed = run.stats.matched, run.stats.read, run.stats.elapsed_s
     if not args.json:
-        s = run.stats
-        print(f"-- {s.matched} events matched of {s.read} read in {s.elapsed_s:.2f}s", file=sys.stderr)
+        print(f"-- {matched} events matched of {read} read in {elapsed:.2f}s", file=sys.stderr)
     return 0
 
 
@@ -472,10 +548,12 @@ def cmd_rebuild(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
 
     _require_broker(cfg)
-    allocator = controlplane.status(cfg)["allocator"]
+    pid = controlplane.worker_pid(cfg, "allocator")
+    allocator = {"running": pid is not None, "pid": pid}
     if allocator["running"] and not args.force:
-        raise CliError(f"the allocator is running (pid {allocator['pid']}); stop it first (kill {allocator['pid']}; "
-                       f"`ropewalk up` starts it again), or pass --force")
+        raise CliError(f"the allocator is running (pid {pid}); stop it first (`ropewalk down`, then `ropewalk up "
+                       f"--machines 0` for the broker and Redis alone; `ropewalk up` after the rebuild), or pass "
+                       f"--force (a running allocator also rewrites an index it finds emptied)")
     st = rebuild_index(cfg, _registry())
     lines = [f"rebuilt the allocator's Redis index from {st['events']} events ({st['index_events']} applied) in "
              f"{st['seconds']:.2f}s ({st['events_per_s']:,.0f} events/s): {st['keys']} keys swapped in, "
@@ -510,7 +588,7 @@ def cmd_restore(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
     from streams import archive as ar
 
-    running = [n for n, st in controlplane.status(cfg).items() if st["running"]]
+    running = [n for n in controlplane.NAMES if controlplane.worker_pid(cfg, n) is not None]
     if running:
         raise CliError(f"the control plane is running ({', '.join(running)}); `ropewalk down` first: restored "
                        f"processors must start from the restored positions")
@@ -581,42 +659,77 @@ def _when_ms(value: str, now_ms: int) -> int:
 def cmd_maintenance(cfg: Config, args) -> int:
     """`maintenance plan`: UnavailabilityStarted(MAINTENANCE) with advance notice and deadline for the machines of
     the region concerned; `maintenance end UE`: the window is over (tasks stopped for it start again)."""
-    from processors.opsplanner import cli as ops
-    from processors.opsplanner.decide import Plan
-
-    _require_broker(cfg)
+    front = _front(cfg, args)
     now = int(time.time() * 1000)
     if args.action == "end":
-        events = ops.end_maintenance(cfg, _registry(), args.unavailability_id, now, skipped=args.skipped)
-        doc = {"unavailability_id": args.unavailability_id, "event_ids": [e.event_id for e in events],
-               "machines": sorted({m for e in events for m in e.payload.get("machine_ids", [e.payload.get("machine_id")])})}
+        doc = front.maintenance_end(args.unavailability_id)
         _print(doc, args.json, f"maintenance {args.unavailability_id} ended: {len(doc['machines'])} machines")
         return 0
-    start = _when_ms(args.start, now)
-    plan = Plan(start_ms=start, duration_ms=_duration_ms(args.duration),
+    plan = dict(start_ms=_when_ms(args.start, now), duration_ms=_duration_ms(args.duration),
                 deadline_ms=None if args.deadline is None else _when_ms(args.deadline, now),
                 machines=[m for m in args.machines.split(",") if m] if args.machines else None,
                 rack=args.rack, msb=args.msb, reason=args.reason)
     if args.dry_run:
-        from processors.history import commands
+        from processors.history import whatif
 
-        args.now_ms = now
-        return commands.maintenance_dry_run(cfg, args, plan)
-    events = ops.plan_maintenance(cfg, _registry(), plan, now, skipped=args.skipped)
-    p = events[0].payload
-    machines = sorted(m for e in events for m in e.payload["machine_ids"])
-    doc = {"unavailability_id": p["unavailability_id"], "machines": machines, "start_ms": p["start_ms"],
-           "deadline_ms": p["deadline_ms"], "expected_duration_ms": p["expected_duration_ms"],
-           "event_ids": [e.event_id for e in events]}
-    _print(doc, args.json, f"maintenance {p['unavailability_id']} planned: {len(machines)} machines, start "
-                           f"{p['start_ms']}, deadline {p['deadline_ms']}, {p['expected_duration_ms'] // 1000} s")
+        doc = front.maintenance_plan(**plan, dry_run=True)
+        _print(doc, args.json, whatif.text(doc))
+        return 0
+    doc = front.maintenance_plan(**plan)
+    _print(doc, args.json, f"maintenance {doc['unavailability_id']} planned: {len(doc['machines'])} machines, start "
+                           f"{doc['start_ms']}, deadline {doc['deadline_ms']}, {doc['expected_duration_ms'] // 1000} s")
     return 0
+
+
+# --- users of the API ---------------------------------------------------------------------------------------------
+def cmd_user(cfg: Config, args) -> int:
+    """The API's users file (<secrets>/users.yaml): add (prints the token once), grant, revoke, remove, list."""
+    from processors.api import users as u
+
+    path = cfg.secrets / u.USERS_FILE
+    try:
+        if args.action == "add":
+            roles = dict(_role(r) for r in args.role or ())
+            token = u.add_user(path, args.name, roles, args.region_admin)
+            _print({"user": args.name, "token": token, "roles": roles, "region_admin": args.region_admin}, args.json,
+                   token)
+            return 0
+        if args.action == "grant":
+            u.grant(path, args.name, *_role(f"{args.entitlement}={args.role}"))
+        elif args.action == "revoke":
+            u.grant(path, args.name, args.entitlement, None)
+        elif args.action == "remove":
+            u.remove_user(path, args.name)
+        users = u.load(path).by_name
+    except u.UsersError as exc:
+        raise CliError(str(exc)) from None
+    rows = [{"user": n, "region_admin": x.region_admin, "roles": dict(x.roles)} for n, x in sorted(users.items())]
+    _print(rows, args.json, "\n".join(f"{r['user']:16} {'region-admin ' if r['region_admin'] else ''}"
+                                      + " ".join(f"{e}={role}" for e, role in sorted(r["roles"].items()))
+                                      for r in rows) or "no users")
+    return 0
+
+
+def _role(text: str) -> tuple[str, str]:
+    from processors.api.authz import ROLES
+    from processors.frontend import rules
+
+    ent, _, role = text.partition("=")
+    if rules.name_problem(ent, "entitlement", "") is not None or role not in ROLES:
+        raise CliError(f"--role: expected ENTITLEMENT=ROLE with a role of {', '.join(ROLES)}, got {text!r}")
+    return ent, role
 
 
 def cmd_experiment(cfg: Config, args) -> int:  # noqa: ARG001 - its own region (--pipeline) or none: not the user's
     from processors.experiments import figure14
 
     return figure14.main(args)
+
+
+def cmd_killstorm(cfg: Config, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
+    from bench import killstorm
+
+    return killstorm.run_cli(args)
 
 
 # --- bench --------------------------------------------------------------------------------------
@@ -644,20 +757,35 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--json", action="store_true", help=json_help)
         return sp
 
+    def user_command(sp, intent: bool = False):
+        """A command of the front end: through the API unless --direct (module docstring)."""
+        sp.add_argument("--direct", action="store_true",
+                        help="act on the log itself as the operator, not through the API (or ROPEWALK_DIRECT=1)")
+        if intent:
+            when = sp.add_mutually_exclusive_group()
+            when.add_argument("--wait", action="store_true", help="wait for the scheduler's verdict (through the "
+                              "API, job submit waits by default)")
+            when.add_argument("--no-wait", action="store_true", help="do not wait for the scheduler's verdict")
+        return sp
+
     sp = cmd("up", cmd_up, "start the broker and Redis (unless external ones are configured) and provision topics")
     sp.add_argument("--machines", type=int, default=200,
                     help="simulated machines of the local region (0: infrastructure and topics only)")
     sp.add_argument("--no-demo", action="store_true",
                     help="do not create the demo entitlement and job (demo.hello on the process agent)")
-    cmd("down", cmd_down, "stop everything `up` started")
-    cmd("status", cmd_status, "components, endpoints and topic sizes")
+    sp = cmd("down", cmd_down, "stop everything `up` started (the supervisor, every worker, Redis, the broker); the "
+             "process agent stops its tasks (started again at the next `up`)")
+    sp.add_argument("--keep-tasks", action="store_true",
+                    help="leave the process agent's tasks running; the next `up` adopts them")
+    cmd("status", cmd_status, "components, endpoints, every expected worker (state, restarts) and topic sizes; "
+        "exits 1 when one is down")
     sp = cmd("produce", cmd_produce, "validate JSON against an event's schema, fill the envelope, produce it")
     sp.add_argument("topic")
     sp.add_argument("event_type")
     sp.add_argument("file", help="JSON file (one object, an array, or JSON Lines), or - for stdin")
     sp.add_argument("--entitlement", help="envelope.entitlement (the partition key) when the JSON has none")
     ent = sub.add_parser("entitlement", help="entitlements: quota as a pseudo-cluster").add_subparsers(dest="action", required=True)
-    sp = ent.add_parser("create", help="create an entitlement")
+    sp = user_command(ent.add_parser("create", help="create an entitlement (region admin)"))
     sp.set_defaults(fn=cmd_entitlement_create)
     sp.add_argument("name")
     sp.add_argument("--quota", type=int, required=True, help="machines the entitlement may hold")
@@ -665,14 +793,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--machine-type")
     sp.add_argument("--dc", help="pin the entitlement to one data center")
     sp.add_argument("--json", action="store_true")
+    sp = user_command(ent.add_parser("update", help="change an entitlement (a quota: region admin; else its owner)"))
+    sp.set_defaults(fn=cmd_entitlement_update)
+    sp.add_argument("name")
+    sp.add_argument("--quota", type=int)
+    sp.add_argument("--host-profile")
+    sp.add_argument("--machine-type")
+    sp.add_argument("--dc")
+    sp.add_argument("--json", action="store_true")
+    sp = user_command(ent.add_parser("list", help="the entitlements you may see"))
+    sp.set_defaults(fn=cmd_entitlement_list)
+    sp.add_argument("--json", action="store_true")
     job = sub.add_parser("job", help="submit, inspect and change jobs").add_subparsers(dest="action", required=True)
     for name, fn, help_, extra in (
-        ("submit", cmd_job_submit, "submit a job spec (YAML or JSON); prints the job id", ("file",)),
+        ("submit", cmd_job_submit, "submit a job spec (YAML or JSON); prints the job id once the scheduler accepted "
+                                   "it (through the API: a refusal fails with its reason)", ("file",)),
         ("status", cmd_job_status, "a job's tasks: state, machine, fault domains", ("job",)),
         ("update", cmd_job_update, "replace a job's spec (rolling update)", ("job", "file")),
         ("stop", cmd_job_stop, "stop a job and free its tasks", ("job",)),
     ):
-        sp = job.add_parser(name, help=help_, description=help_)
+        sp = user_command(job.add_parser(name, help=help_, description=help_), intent=name != "status")
         sp.set_defaults(fn=fn)
         for a in extra:
             sp.add_argument(a)
@@ -681,33 +821,37 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--reason", default="")
         if name == "status":
             sp.add_argument("--at", metavar="TIME", help=AT_HELP)
-    sp = job.add_parser("resize", help="change a job's task count")
+    sp = user_command(job.add_parser("list", help="the jobs you may see: state, tasks running"))
+    sp.set_defaults(fn=cmd_job_list)
+    sp.add_argument("--entitlement")
+    sp.add_argument("--json", action="store_true")
+    sp = user_command(job.add_parser("resize", help="change a job's task count"), intent=True)
     sp.set_defaults(fn=cmd_job_resize)
     sp.add_argument("job")
     sp.add_argument("tasks", type=int, metavar="N")
     sp.add_argument("--json", action="store_true")
     mach = sub.add_parser("machine", help="operator actions on machines").add_subparsers(dest="action", required=True)
     for name, help_ in (("fail", "mark a machine DOWN (its tasks move elsewhere)"), ("recover", "mark a machine UP again")):
-        sp = mach.add_parser(name, help=help_, description=help_)
+        sp = user_command(mach.add_parser(name, help=help_, description=help_))
         sp.set_defaults(fn=cmd_machine_fail)
         sp.add_argument("machine")
         sp.add_argument("--json", action="store_true")
         if name == "fail":
             sp.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
-    sp = mach.add_parser("list", help="machines: status, owner, fault domains, free capacity",
-                         description="machines: status, owner, fault domains, free capacity (from state.machines)")
+    sp = user_command(mach.add_parser("list", help="machines: status, owner, fault domains, free capacity",
+                      description="machines: status, owner, fault domains, free capacity (from state.machines)"))
     sp.set_defaults(fn=cmd_machine_list)
     which = sp.add_mutually_exclusive_group()
     which.add_argument("--entitlement", help="only the machines this entitlement holds")
     which.add_argument("--free", action="store_true", help="only the machines in the free pool")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp.add_argument("--at", metavar="TIME", help=AT_HELP)
-    sp = cmd("watch", cmd_watch, "follow a state stream: current state first, then each change")
+    sp = user_command(cmd("watch", cmd_watch, "follow a state stream: current state first, then each change"))
     sp.add_argument("kind", choices=["jobs", "machines"])
     sp.add_argument("--entitlement")
     sp.add_argument("--once", action="store_true", help="print the current state and exit")
-    sp = cmd("replay", cmd_replay, "audit timeline from the log (one event per line)",
-             json_help="print one JSON object per event, one per line (envelope, payload, topic, partition, offset)")
+    sp = user_command(cmd("replay", cmd_replay, "audit timeline from the log (one event per line)",
+             json_help="print one JSON object per event, one per line (envelope, payload, topic, partition, offset)"))
     for flag in ("entitlement", "job", "machine"):
         sp.add_argument(f"--{flag}")
     sp.add_argument("--since", help="ms since epoch or ISO-8601; inclusive")
@@ -737,10 +881,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep", action="store_true", help="keep the run directory (worker logs) after the run")
     mnt = sub.add_parser("maintenance", help="Ops Planner: planned maintenance with advance notice and deadline"
                          ).add_subparsers(dest="action", required=True)
-    sp = mnt.add_parser("plan", help="announce maintenance of machines, a rack or an MSB",
-                        description="UnavailabilityStarted(MAINTENANCE) for the machines concerned: their jobs' "
-                                    "TaskControllers choose per task (move, stop and restart after, keep running); "
-                                    "at the deadline the scheduler stops what remains")
+    sp = user_command(mnt.add_parser("plan", help="announce maintenance of machines, a rack or an MSB",
+                      description="UnavailabilityStarted(MAINTENANCE) for the machines concerned: their jobs' "
+                                  "TaskControllers choose per task (move, stop and restart after, keep running); "
+                                  "at the deadline the scheduler stops what remains"))
     sp.set_defaults(fn=cmd_maintenance)
     where = sp.add_mutually_exclusive_group(required=True)
     where.add_argument("--machines", help="M1,M2,...")
@@ -752,15 +896,34 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--reason", default="maintenance")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
-    sp = mnt.add_parser("end", help="the maintenance is over: machines back UP, tasks stopped for it start again")
+    sp = user_command(mnt.add_parser("end", help="the maintenance is over: machines back UP, tasks stopped for it "
+                                                 "start again"))
     sp.set_defaults(fn=cmd_maintenance)
     sp.add_argument("unavailability_id")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    usr = sub.add_parser("user", help="the API's users: tokens, roles per entitlement, region admin "
+                         "(<secrets>/users.yaml)").add_subparsers(dest="action", required=True)
+    sp = usr.add_parser("add", help="add a user; prints its token (shown once: only its hash is kept)")
+    sp.add_argument("name")
+    sp.add_argument("--role", action="append", metavar="ENTITLEMENT=ROLE",
+                    help="viewer, operator or owner of an entitlement (repeatable)")
+    sp.add_argument("--region-admin", action="store_true", help="may do everything (quotas, machines, maintenance)")
+    for name, help_, extra in (("grant", "give a user a role on an entitlement", ("name", "entitlement", "role")),
+                               ("revoke", "take a user's role on an entitlement away", ("name", "entitlement")),
+                               ("remove", "remove a user (its token stops working)", ("name",)),
+                               ("list", "users and their roles", ())):
+        sp2 = usr.add_parser(name, help=help_)
+        for a in extra:
+            sp2.add_argument(a)
+        sp2.add_argument("--json", action="store_true")
+        sp2.set_defaults(fn=cmd_user)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_user)
     # the history (processors/history): the region at any moment, shadow replay, what-if, explain
     from processors.history import commands as history
 
-    sp = cmd("at", history.cmd_at, "the region as it was at TIME, or a read command as it would have printed then "
-             "(machine list, job status, explain)")
+    sp = user_command(cmd("at", history.cmd_at, "the region as it was at TIME, or a read command as it would have "
+                          "printed then (machine list, job status, explain)"))
     sp.add_argument("moment", metavar="TIME", help=AT_HELP)
     sp.add_argument("rest", nargs=argparse.REMAINDER, metavar="COMMAND", help="e.g. machine list --json")
     sp = cmd("shadow", history.cmd_shadow, "re-decide the recorded inputs of a window under another placement "
@@ -769,8 +932,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--until", metavar="TIME", help="default: now")
     sp.add_argument("--policy", default="live", help="live | scores=NAME,NAME,...;spread=dc|msb|rack | "
                     "MODULE[:NAME] (a placement.Policy)")
-    sp = cmd("explain", history.cmd_explain, "why is this task here, and why not there: the decision that placed "
-             "it, the filters' rejections, the events that led to it")
+    sp = user_command(cmd("explain", history.cmd_explain, "why is this task here, and why not there: the decision "
+                          "that placed it, the filters' rejections, the events that led to it"))
     sp.add_argument("task", help="<job>/<index>")
     sp.add_argument("--at", metavar="TIME", help=AT_HELP)
     sp.add_argument("--why-not", metavar="MACHINE", help="how MACHINE fared in that decision")
@@ -804,6 +967,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--pipeline: the paper's seconds are divided by this (default 10: a 220 s start takes 22 s)")
     sp.add_argument("--events-out", metavar="FILE",
                     help="--pipeline: write the replayed events the curves were counted from (JSON lines)")
+    sp = exp.add_parser("killstorm", help="kill -9 the control plane's processes under load; check nothing is lost",
+                        description="A kill storm on a region of its own (own broker, Redis, ports, run dir): one "
+                                    "control-plane process killed every --interval-s under a stream of job "
+                                    "submissions, resizes, stops and machine failures, the supervisor starting each "
+                                    "again; then every job must converge and the replayed log and Redis show no task "
+                                    "lost, placed or running twice, no machine over-committed, no quota broken. "
+                                    "Exits 1 if a check fails (bench/killstorm.py)")
+    sp.set_defaults(fn=cmd_killstorm)
+    from bench import killstorm
+
+    killstorm.add_arguments(sp)
     return p
 
 
@@ -814,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
     args.skipped = Skipped()  # what the command's readers could not decode: said once, when it ends
     failed = False
     try:
-        cfg = Config.from_env()
+        cfg = Config.from_env().with_(kafka_log_level=0)  # this one line says what failed (Config.kafka_log_level)
         return args.fn(cfg, args)
     except KeyboardInterrupt:
         return 130

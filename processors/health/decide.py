@@ -59,6 +59,7 @@ class MachineHealth:
     status_ms: int = 0  # time of the event that set ``status``
     last_seen_ms: int = 0  # last heartbeat, or since when the machine is watched (registration, back UP)
     last_sequence: int = -1  # -1: no heartbeat yet
+    owner_ms: int = 0  # time of the event that set ``owner_key``: an older one changes it no more
 
 
 @dataclass(frozen=True)
@@ -87,20 +88,27 @@ def _owner_key(ev: Event) -> str:
 def _apply(cur: MachineHealth | None, ev: Event) -> MachineHealth | None:
     if ev.type not in APPLIED:
         return cur
+    ts = ev.timestamp_ms
     if cur is None:  # watched from the first event about it, whichever partition brings it first
-        cur = MachineHealth(machine_id=ev.payload["machine_id"], owner_key=_owner_key(ev),
-                            last_seen_ms=ev.timestamp_ms)
+        cur = MachineHealth(machine_id=ev.payload["machine_id"], owner_key=_owner_key(ev), last_seen_ms=ts,
+                            owner_ms=ts)
+    # A machine's events change partitions with its owner, so they may be read out of their order (a restart
+    # reads every partition at once): an owner or status older than the one held changes nothing (newest wins).
+    # Before, a restarted health check that read an old assignment after a newer one keyed its verdicts on the
+    # machine to the old owner's partition.
     if ev.type == "MachineStatusChanged":
         status = ev.payload["status"]
-        if ev.timestamp_ms < cur.status_ms:
+        if ts < cur.status_ms:
             return cur  # older than the status held (e.g. our own verdict, overtaken by a heartbeat)
-        seen = max(cur.last_seen_ms, ev.timestamp_ms) if status == UP and cur.status != UP else cur.last_seen_ms
-        return replace(cur, status=status, status_ms=ev.timestamp_ms, owner_key=ev.entitlement, last_seen_ms=seen)
+        seen = max(cur.last_seen_ms, ts) if status == UP and cur.status != UP else cur.last_seen_ms
+        moved = ev.entitlement != cur.owner_key and ts >= cur.owner_ms  # a status event carries its owner's key
+        owner = (ev.entitlement, ts) if moved else (cur.owner_key, cur.owner_ms)
+        return replace(cur, status=status, status_ms=ts, owner_key=owner[0], owner_ms=owner[1], last_seen_ms=seen)
     if ev.type == "MachineAssignedToEntitlement":
-        ok = cur.owner_key.startswith("free/") or cur.owner_key == ev.entitlement
-        return replace(cur, owner_key=ev.entitlement) if ok else cur
+        return replace(cur, owner_key=ev.entitlement, owner_ms=ts) if ts >= cur.owner_ms else cur
     if ev.type == "MachineReleasedToFreePool":
-        return replace(cur, owner_key=_owner_key(ev)) if cur.owner_key == ev.entitlement else cur
+        ok = cur.owner_key == ev.entitlement and ts >= cur.owner_ms
+        return replace(cur, owner_key=_owner_key(ev), owner_ms=ts) if ok else cur
     return cur  # MachineRegistered: watched from its registration; a re-registration changes nothing here
 
 

@@ -55,9 +55,10 @@ from infra.config import Config
 from processors.resourcebroker import decide as broker
 from processors.resourcebroker.processor import read_to_end
 from streams import batches
-from streams.clients import EventConsumer, EventProducer, Record
+from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
+from streams.heap import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -93,6 +94,7 @@ class HealthCheck(LoopWorker):
         self.broker = broker.BrokerState()
         self.consumer: EventConsumer | None = None
         self._own: set[str] = set()
+        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/heap.py
         self._next_tick_ms = 0
         self.emitted = 0
         self.errors = 0
@@ -102,10 +104,12 @@ class HealthCheck(LoopWorker):
         hb_start = {(self.heartbeats_topic, p): OFFSET_END
                     for p in range(self.topics.partitions_of("heartbeats"))}
         self.consumer = EventConsumer(self.cfg, self.registry, [self.machines_topic, self.heartbeats_topic],
-                                      name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start)
+                                      name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
+                                      **BACKGROUND_READER)
         t0 = time.monotonic()
-        n = read_to_end(self.consumer, self.handle,
-                        partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
+        with folding(freeze=True):  # the machines this process watches from now on (streams/heap.py)
+            n = read_to_end(self.consumer, self.handle,
+                            partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
         self._next_tick_ms = now_ms() + self.timeout_ms  # startup hold: let every live agent speak once
         log.info("health: caught up with %d records (%d machines watched) in %.1fs; first tick in %d ms", n,
                  len(self.health.machines), time.monotonic() - t0, self.timeout_ms)
@@ -126,6 +130,7 @@ class HealthCheck(LoopWorker):
             except Exception as exc:  # noqa: BLE001 - one bad event must not stop the service
                 self._failed([rec], exc)
         self._heartbeats(beats)
+        self._freezer.grew(len(self.health.machines))
 
     def _failed(self, recs: list[Record], exc: Exception) -> None:
         for rec in recs:
@@ -272,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        hc = HealthCheck(Config.from_env(), args.timeout_ms, args.tick_ms, grace_ms=args.grace_ms)
+        hc = HealthCheck(Config.from_env().as_principal("health"), args.timeout_ms, args.tick_ms,
+                         grace_ms=args.grace_ms)
     except ValueError as exc:
         print(f"health: {exc}", file=sys.stderr)
         return 2

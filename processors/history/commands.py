@@ -1,6 +1,9 @@
 """The history's commands (wired into ``ropewalk`` by processors/frontend/cli.py): ``at``, ``--at`` on the read
 commands, ``shadow``, the what-if ``--dry-run``s, ``explain``, ``history snapshot|list``. Thin IO around the pure
-modules of this package; every failure is a ``CliError`` with one line."""
+modules of this package. The reads at a moment (``at``, ``--at``, ``explain``) and the what-if dry runs are
+operations of the front end (processors/frontend/service.Frontend calls the functions here): through the API by
+default, on the log with ``--direct``. ``shadow`` and ``history`` are the operator's and act on the log directly
+(a shadow's ``--policy MODULE`` imports code: never a request the API runs). Every failure is one line."""
 from __future__ import annotations
 
 import json
@@ -8,6 +11,9 @@ import time
 from typing import Any
 
 from infra.config import Config
+from streams.deadletter import Skipped
+from streams.events import Event
+from streams.serde import SchemaRegistry
 
 
 def _cli():
@@ -20,76 +26,100 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def moment(cfg: Config, value: str) -> int:
-    """A moment as the commands take it (see ``moments.parse_moment``)."""
-    from processors.history import moments
-
-    cli = _cli()
-    try:
-        return moments.parse_moment(value, _now_ms(),
-                                    lambda t, p, o: moments.record_time(cfg, cli._registry(), t, p, o))
-    except (moments.MomentError, ValueError) as exc:
-        raise cli.CliError(str(exc)) from None
-
-
-def region_at(cfg: Config, args, at_ms: int, scheduler_partitions: frozenset[int] | None = None):
-    from processors.history import moments
-
-    cli = _cli()
-    cli._require_broker(cfg)
-    region, stats = moments.region_at(cfg, cli._registry(), at_ms, skipped=args.skipped,
-                                      scheduler_partitions=scheduler_partitions)
-    args.history = stats  # how it was made (``ropewalk at`` says it)
-    return region
-
-
 def _iso(ms: int) -> str:
     from streams.replay import iso_time
 
     return iso_time(ms)
 
 
-# -- time travel ---------------------------------------------------------------------------------------------
-def machine_views_at(cfg: Config, args, at_ms: int) -> list[dict]:
-    """``machine list --at``: what ``machine list --json`` printed then (rows of ``state.machine_view``)."""
-    from streams import state
-
-    region = region_at(cfg, args, at_ms, frozenset())  # machines are the allocator's: no job decided
-    rows = [state.machine_view(ev) for ev in region.machine_states()]
-    if args.entitlement:
-        rows = [r for r in rows if r["entitlement"] == args.entitlement]
-    return rows
-
-
-def job_state_at(cfg: Config, args, at_ms: int):
-    """``job status --at``: the job's JobStatePublished then (only its partition's jobs decided)."""
+def moment(cfg: Config, registry: SchemaRegistry, value: str, field: str = "at") -> int:
+    """A moment as the commands and the API take it (see ``moments.parse_moment``); a bad one is the front end's
+    ``invalid_request`` naming ``field``."""
+    from processors.frontend.service import INVALID_REQUEST, FrontendError
     from processors.history import moments
 
-    region = region_at(cfg, args, at_ms, moments.partitions_of(cfg, [args.job.split(".", 1)[0]]))
-    ev = region.job_states().get(args.job)
+    try:
+        return moments.parse_moment(str(value), _now_ms(),
+                                    lambda t, p, o: moments.record_time(cfg, registry, t, p, o))
+    except (moments.MomentError, ValueError) as exc:
+        raise FrontendError(INVALID_REQUEST, f"{field}: {exc}") from None
+
+
+# -- the front end's reads at a moment (processors/frontend/service.Frontend: the API and --direct alike) ------
+def machine_views_at(cfg: Config, registry: SchemaRegistry, at: str, entitlement: str | None = None, *,
+                     skipped: Skipped | None = None) -> list[dict]:
+    """``machine list --at``: what ``machine list --json`` printed then (rows of ``state.machine_view``)."""
+    from processors.history import moments
+    from streams import state
+
+    region, _ = moments.region_at(cfg, registry, moment(cfg, registry, at), skipped=skipped,
+                                  scheduler_partitions=frozenset())  # machines are the allocator's: no job decided
+    rows = [state.machine_view(ev) for ev in region.machine_states()]
+    return [r for r in rows if r["entitlement"] == entitlement] if entitlement else rows
+
+
+def job_state_at(cfg: Config, registry: SchemaRegistry, job: str, at: str, *, skipped: Skipped | None = None
+                 ) -> Event:
+    """``job status --at``: the job's JobStatePublished then (only its partition's jobs decided)."""
+    from processors.frontend.service import UNKNOWN_JOB, FrontendError, entitlement_of_job
+    from processors.history import moments
+
+    at_ms = moment(cfg, registry, at)
+    region, _ = moments.region_at(cfg, registry, at_ms, skipped=skipped,
+                                  scheduler_partitions=moments.partitions_of(cfg, [entitlement_of_job(job)]))
+    ev = region.job_states().get(job)
     if ev is None:
-        raise _cli().CliError(f"unknown job {args.job!r} at {_iso(at_ms)} (not submitted yet, or stopped and gone)")
+        raise FrontendError(UNKNOWN_JOB, f"unknown job {job!r} at {_iso(at_ms)} (not submitted yet, or stopped and "
+                                         f"gone)")
     return ev
+
+
+def region_doc(cfg: Config, registry: SchemaRegistry, at: str, *, skipped: Skipped | None = None) -> dict:
+    """``ropewalk at TIME``: the whole region then (``overview``) and how it was made (``history``)."""
+    from processors.history import moments
+
+    at_ms = moment(cfg, registry, at)
+    region, stats = moments.region_at(cfg, registry, at_ms, skipped=skipped)
+    return {**overview(region, at_ms), "history": stats}
+
+
+def explain_doc(cfg: Config, registry: SchemaRegistry, task: str, at: str | None = None,
+                why_not: str | None = None, *, skipped: Skipped | None = None) -> dict:
+    """``ropewalk explain TASK [--at TIME] [--why-not MACHINE]`` (``explain.explain``)."""
+    from processors.frontend.service import INVALID_REQUEST, UNKNOWN_TASK, FrontendError
+    from processors.history import explain as ex
+
+    at_ms = None if at is None else moment(cfg, registry, at)
+    try:
+        return ex.explain(cfg, registry, task, at_ms, why_not=why_not, skipped=skipped)
+    except ex.BadTaskId as exc:
+        raise FrontendError(INVALID_REQUEST, f"task: {exc}") from None
+    except ex.ExplainError as exc:
+        raise FrontendError(UNKNOWN_TASK, str(exc)) from None
 
 
 def cmd_at(cfg: Config, args) -> int:
     """``ropewalk at TIME [machine list ... | job status JOB ... | explain TASK ...]``: the command as it would have
     printed at TIME; without a command, the whole region then."""
     cli = _cli()
-    at_ms = moment(cfg, args.moment)
-    while args.rest and args.rest[0] == "--json":  # ``at TIME --json``: the option is at's own
-        args.json = True
+    while args.rest and args.rest[0] in ("--json", "--direct"):  # ``at TIME --json``: the option is at's own
+        setattr(args, args.rest[0][2:], True)
         args.rest = args.rest[1:]
     if args.rest:
         inner = cli.build_parser().parse_args(args.rest)
         if not hasattr(inner, "at"):
             raise cli.CliError(f"at: {' '.join(args.rest[:2])} does not look back; these do: machine list, "
                                f"job status, explain")
-        inner.at = str(at_ms)
+        inner.at = args.moment
         inner.skipped = args.skipped
+        inner.direct = inner.direct or args.direct
         return inner.fn(cfg, inner)
-    region = region_at(cfg, args, at_ms)
-    doc = {**overview(region, at_ms), "history": args.history}
+    doc = cli._front(cfg, args).region(args.moment)
+    cli._print(doc, args.json, region_text(doc))
+    return 0
+
+
+def region_text(doc: dict[str, Any]) -> str:
     c = doc["machine_counts"]
     lines = [f"the region at {doc['at']}: {c['total']} machines "
              + "(" + ", ".join(f"{n} {s}" for s, n in c["by_status"].items()) + f"; "
@@ -101,11 +131,10 @@ def cmd_at(cfg: Config, args) -> int:
         lines.append(f"job {j['job']:28} {j['state']:9} {j['running']}/{j['desired_tasks']} running  "
                      + ", ".join(f"{t['id']}@{t['machine'] or '-'}" for t in j["tasks"][:6])
                      + (" ..." if len(j["tasks"]) > 6 else ""))
-    st = args.history
+    st = doc["history"]
     lines.append(f"({st['applied']} records folded" + (f" from snapshot {st['snapshot']}" if st["snapshot"] else
                                                         " from the beginning") + f" in {st['seconds']:.2f}s)")
-    cli._print(doc, args.json, "\n".join(lines))
-    return 0
+    return "\n".join(lines)
 
 
 def overview(region, at_ms: int) -> dict[str, Any]:
@@ -113,7 +142,7 @@ def overview(region, at_ms: int) -> dict[str, Any]:
     entitlements, jobs with their tasks and where they ran (each as ``job status --json`` shows it)."""
     from collections import Counter
 
-    from processors.frontend.cli import job_view
+    from processors.frontend.service import job_view
     from streams import state
 
     machines = list(region.fold.machines.values())
@@ -164,12 +193,13 @@ def cmd_shadow(cfg: Config, args) -> int:
         policy = sh.policy_of(args.policy)
     except (sh.PolicyError, ValueError) as exc:
         raise cli.CliError(str(exc)) from None
-    since = moment(cfg, args.since)
-    until = moment(cfg, args.until) if args.until else _now_ms()
+    registry = cli._registry()
+    since = moment(cfg, registry, args.since, "--since")
+    until = moment(cfg, registry, args.until, "--until") if args.until else _now_ms()
     if until <= since:
         raise cli.CliError(f"--until ({_iso(until)}) must be after --since ({_iso(since)})")
     cli._require_broker(cfg)
-    doc = sh.shadow(cfg, cli._registry(), since, until, policy, skipped=args.skipped)
+    doc = sh.shadow(cfg, registry, since, until, policy, skipped=args.skipped)
     cli._print(doc, args.json, shadow_text(doc))
     return 0
 
@@ -214,35 +244,11 @@ def _decision_change(d: dict[str, Any]) -> str:
     return out
 
 
-# -- what-if ------------------------------------------------------------------------------------------------
-def maintenance_dry_run(cfg: Config, args, plan) -> int:
-    from processors.history import whatif
-
-    cli = _cli()
-    doc = whatif.maintenance(cfg, cli._registry(), plan, args.now_ms, skipped=args.skipped)
-    cli._print(doc, args.json, whatif.text(doc))
-    return 0
-
-
-def machine_fail_dry_run(cfg: Config, args) -> int:
-    from processors.history import whatif
-
-    cli = _cli()
-    doc = whatif.machine_failure(cfg, cli._registry(), args.machine, _now_ms(), skipped=args.skipped)
-    cli._print(doc, args.json, whatif.text(doc))
-    return 0
-
-
 # -- explain ------------------------------------------------------------------------------------------------
 def cmd_explain(cfg: Config, args) -> int:
     from processors.history import explain as ex
 
     cli = _cli()
-    at_ms = moment(cfg, args.at) if args.at else None
-    cli._require_broker(cfg)
-    try:
-        doc = ex.explain(cfg, cli._registry(), args.task, at_ms, why_not=args.why_not, skipped=args.skipped)
-    except ex.ExplainError as exc:
-        raise cli.CliError(str(exc)) from None
+    doc = cli._front(cfg, args).explain(args.task, at=args.at, why_not=args.why_not)
     cli._print(doc, args.json, ex.text(doc))
     return 0

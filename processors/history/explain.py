@@ -36,11 +36,15 @@ class ExplainError(LookupError):
     pass
 
 
+class BadTaskId(ExplainError, ValueError):
+    pass
+
+
 def explain(cfg: Config, registry: SchemaRegistry, task_id: str, at_ms: int | None = None, *,
             why_not: str | None = None, skipped: Skipped | None = None) -> dict[str, Any]:
     job = job_of(task_id)
     if not job or not task_id.rpartition("/")[2].isdigit():
-        raise ExplainError(f"bad task id {task_id!r}: a task id is <job>/<index>, e.g. e1.web/0")
+        raise BadTaskId(f"bad task id {task_id!r}: a task id is <job>/<index>, e.g. e1.web/0")
     entitlement = job.split(".", 1)[0]
     flt = ReplayFilter(entitlement=entitlement, until_ms=None if at_ms is None else at_ms + 1, topics=TOPICS)
     records = list(replay(cfg, registry, flt, skipped=skipped))

@@ -149,7 +149,17 @@ def fold_log(cfg: Config, registry: SchemaRegistry, *, skipped: Skipped | None =
 # -- moments ---------------------------------------------------------------------------------------------------
 def parse_moment(value: str, now_ms: int, record_time=None) -> int:
     """ms since epoch, ISO-8601 (UTC unless it says), ``now[-DURATION]``, or ``TOPIC/PARTITION@OFFSET``
-    (``record_time(topic, partition, offset)`` gives that record's envelope time)."""
+    (``record_time(topic, partition, offset)`` gives that record's envelope time); between the epoch and
+    ``events.MAX_TIME_MS``."""
+    from streams.events import MAX_TIME_MS
+
+    ms = _moment(value, now_ms, record_time)
+    if not 0 <= ms <= MAX_TIME_MS:
+        raise MomentError(f"bad moment {value!r}: before 1970 or after 9999")
+    return ms
+
+
+def _moment(value: str, now_ms: int, record_time=None) -> int:
     from processors.frontend.cli import _duration_ms, _parse_time
 
     v = value.strip()
@@ -179,8 +189,15 @@ def record_time(cfg: Config, registry: SchemaRegistry, topic: str, partition: in
     """The envelope time of the record at ``topic``/``partition``@``offset`` (a logical topic name)."""
     from streams.clients import EventConsumer
 
+    from streams.topics import TopicError
+
     topics = Topics(cfg.topic_prefix, cfg.partitions)
-    physical = topics.name(topic)
+    try:
+        physical = topics.name(topic)
+    except TopicError as exc:
+        raise MomentError(f"bad position {topic}/{partition}@{offset}: {exc}") from None
+    if not 0 <= partition < (n := topics.partitions_of(topic)):
+        raise MomentError(f"bad position {topic}/{partition}@{offset}: {topic} has partitions 0..{n - 1}")
     consumer = EventConsumer(cfg, registry, [physical], name="history-moment")
     try:
         consumer.assign({(physical, partition): offset}, only=[(physical, partition)])

@@ -66,7 +66,7 @@ def watermarks(cfg: Config, partitions: list[tuple[str, int]], timeout_s: float 
     from confluent_kafka import TopicPartition
     from confluent_kafka.admin import AdminClient, OffsetSpec
 
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers, "log_level": 0})
+    admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
     out: dict[tuple[str, int], list[int]] = {tp: [0, 0] for tp in partitions}
     for i, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
         futures = admin.list_offsets({TopicPartition(t, p): spec for t, p in partitions}, request_timeout=timeout_s)

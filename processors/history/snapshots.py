@@ -26,6 +26,7 @@ import os
 import re
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -279,6 +280,7 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
             fold.placement[t] = mid
             fold.taskres[t] = (cpu, mem)
             fold.job_tasks[t.rpartition("/")[0]].add(t)
+    fold.statuses = Counter(m.status for m in fold.machines.values())  # the index summary's counts (fold.py)
     for rid, (cpu, mem, tasks) in json.loads(small["requests"]).items():
         fold.requests[rid] = PendingRequest(cpu, mem, set(tasks))
     for name, fields in json.loads(small["entitlements"]).items():

@@ -8,6 +8,7 @@ A record these reads cannot decode is skipped and counted in ``skipped`` (the co
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from infra.config import Config
@@ -21,20 +22,22 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _produce(cfg: Config, registry, events: list[Event]) -> list[str]:
+def _produce(cfg: Config, registry, events: list[Event], principal: str | None = None) -> list[str]:
+    """Produce ``events``, recording who asked (``principal``) in their envelopes."""
     from processors.resourcebroker.processor import produce
     from streams.clients import EventProducer
 
-    return produce(EventProducer(cfg, registry, op.PRODUCER), events)
+    return produce(EventProducer(cfg, registry, op.PRODUCER),
+                   [dataclasses.replace(ev, principal=principal) for ev in events])
 
 
 def plan_maintenance(cfg: Config, registry, plan: Plan, now_ms: int | None = None, *,
-                     skipped: Skipped | None = None) -> list[Event]:
+                     skipped: Skipped | None = None, principal: str | None = None) -> list[Event]:
     """Resolve ``plan`` against the region and produce its UnavailabilityStarted events; returns them."""
     from processors.resourcebroker.processor import fold_machines
 
     events = op.plan(fold_machines(cfg, registry, skipped=skipped), plan, _now_ms() if now_ms is None else now_ms)
-    _produce(cfg, registry, events)
+    _produce(cfg, registry, events, principal)
     return events
 
 
@@ -61,7 +64,7 @@ def planned_machines(cfg: Config, registry, unavailability_id: str, *, skipped: 
 
 
 def end_maintenance(cfg: Config, registry, unavailability_id: str, now_ms: int | None = None, *,
-                    skipped: Skipped | None = None) -> list[Event]:
+                    skipped: Skipped | None = None, principal: str | None = None) -> list[Event]:
     from processors.resourcebroker.processor import fold_machines
 
     machines = planned_machines(cfg, registry, unavailability_id, skipped=skipped)
@@ -69,5 +72,5 @@ def end_maintenance(cfg: Config, registry, unavailability_id: str, now_ms: int |
         raise PlanError(f"no maintenance {unavailability_id!r} on the log")
     events = op.end(fold_machines(cfg, registry, skipped=skipped), unavailability_id, machines,
                     _now_ms() if now_ms is None else now_ms)
-    _produce(cfg, registry, events)
+    _produce(cfg, registry, events, principal)
     return events

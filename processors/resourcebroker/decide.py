@@ -146,6 +146,8 @@ class MachineRecord:
     status_reason: str = ""
     status_event_id: str = ""  # the MachineStatusChanged that set ``status`` (names a failure's UE)
     registered: bool = True  # False: only later events were seen so far (cross-partition order)
+    status_ms: int = 0  # the time of the event that set ``status``: an older one changes it no more
+    owner_ms: int = 0  # the time of the event that set ``owner``: an older one changes it no more
 
     @property
     def owner_key(self) -> str:
@@ -190,27 +192,39 @@ def _apply_registered(cur: MachineRecord | None, ev: Event) -> MachineRecord:
                  machine_type=p["machine_type"], cpu_millicores=cap["cpu_millicores"],
                  memory_mib=cap["memory_mib"], host_profile=p.get("host_profile"), registered=True)
     if cur is None:
-        return MachineRecord(id=p["machine_id"], owner=_owner_of_key(ev.entitlement), **attrs)
+        return MachineRecord(id=p["machine_id"], owner=_owner_of_key(ev.entitlement), owner_ms=ev.timestamp_ms,
+                             **attrs)
     return replace(cur, **attrs)  # status and owner stay: re-registration changes attributes only
 
 
+# A machine's events travel on its owner's partition, so they change partitions with its owner, and a reader of
+# several partitions (a restarted health check or broker, a CLI's fold) may read them out of their order: a
+# status or ownership event older than the one that set the machine's status or owner changes it no more (newest
+# wins; events of one time apply in read order). Before, a health check that read an old assignment after a newer
+# one kept the old owner's key for the machine's verdicts, and a broker that read UP before an older UNHEALTHY
+# held the machine UNHEALTHY for good.
+
 def _apply_status(cur: MachineRecord | None, ev: Event) -> MachineRecord:
     cur = cur or _stub(ev.payload["machine_id"])
+    if ev.timestamp_ms < cur.status_ms:
+        return cur
     return replace(cur, status=ev.payload["status"], status_reason=ev.payload.get("reason", ""),
-                   status_event_id=ev.event_id)
+                   status_event_id=ev.event_id, status_ms=ev.timestamp_ms)
 
 
 def _apply_assigned(cur: MachineRecord | None, ev: Event) -> MachineRecord:
     cur = cur or _stub(ev.payload["machine_id"], ev.payload["dc"])
-    if cur.owner in (None, ev.entitlement):  # only a free machine joins an entitlement (as the allocator's index)
-        return replace(cur, owner=ev.entitlement)
-    return cur
+    if ev.timestamp_ms < cur.owner_ms:
+        return cur
+    # A free machine joins an entitlement (as the allocator's index); one held by another entitlement too when the
+    # assignment is newer: the release it implies was read later than it happened.
+    return replace(cur, owner=ev.entitlement, owner_ms=ev.timestamp_ms)
 
 
 def _apply_released(cur: MachineRecord | None, ev: Event) -> MachineRecord:
     cur = cur or _stub(ev.payload["machine_id"], ev.payload["dc"])
-    if cur.owner == ev.entitlement:  # only the entitlement holding it can give it back
-        return replace(cur, owner=None)
+    if cur.owner == ev.entitlement and ev.timestamp_ms >= cur.owner_ms:  # only the holder can give it back
+        return replace(cur, owner=None, owner_ms=ev.timestamp_ms)
     return cur
 
 

@@ -26,15 +26,17 @@ from its own state, or the fold would read ``state.machines`` instead).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
 from collections.abc import Callable, Iterable
 
 from infra.config import Config
-from streams.clients import EventConsumer, EventProducer, Record
+from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters, Skipped
 from streams.events import Event
+from streams.heap import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -166,7 +168,7 @@ def produce(producer: EventProducer, events: Iterable[Event]) -> list[str]:
 
 def fail_machine(cfg: Config, machine_id: str, reason: str = d.REASON_OPERATOR, *,
                  registry: SchemaRegistry | None = None, now: int | None = None,
-                 skipped: Skipped | None = None) -> list[str]:
+                 skipped: Skipped | None = None, principal: str | None = None) -> list[str]:
     """Mark ``machine_id`` DOWN: MachineStatusChanged(→DOWN) on ``machines`` and UnavailabilityStarted(FAILURE)
     on ``unavailability``, both keyed to its owner (entitlement or ``free/<dc>``). Returns the event ids (empty
     if it is DOWN already). Raises ``decide.UnknownMachine`` for a machine never registered.
@@ -174,12 +176,12 @@ def fail_machine(cfg: Config, machine_id: str, reason: str = d.REASON_OPERATOR, 
     registry = _registry(registry)
     state = fold_machines(cfg, registry, skipped=skipped)
     _, events = d.machine_failed(state, machine_id, reason, now_ms() if now is None else now)
-    return _produce_once(cfg, registry, events)
+    return _produce_once(cfg, registry, events, principal)
 
 
 def recover_machine(cfg: Config, machine_id: str, reason: str = d.REASON_OPERATOR, *,
                     registry: SchemaRegistry | None = None, now: int | None = None,
-                    skipped: Skipped | None = None) -> list[str]:
+                    skipped: Skipped | None = None, principal: str | None = None) -> list[str]:
     """Bring a DOWN machine back: MachineStatusChanged(DOWN→UP) and UnavailabilityEnded of its failure's UE,
     keyed to its owner. Returns the event ids (empty if it is UP already). Raises ``decide.UnknownMachine``,
     or ``decide.IllegalStatusTransition`` if it is UNHEALTHY or in MAINTENANCE.
@@ -187,14 +189,16 @@ def recover_machine(cfg: Config, machine_id: str, reason: str = d.REASON_OPERATO
     registry = _registry(registry)
     state = fold_machines(cfg, registry, skipped=skipped)
     _, events = d.machine_recovered(state, machine_id, reason, now_ms() if now is None else now)
-    return _produce_once(cfg, registry, events)
+    return _produce_once(cfg, registry, events, principal)
 
 
-def _produce_once(cfg: Config, registry: SchemaRegistry, events: list[Event]) -> list[str]:
+def _produce_once(cfg: Config, registry: SchemaRegistry, events: list[Event], principal: str | None = None
+                  ) -> list[str]:
+    """Produce ``events`` (an operator's action: ``principal`` asked for it, recorded in their envelopes)."""
     if not events:
         return []
     producer = EventProducer(cfg, registry, PRODUCER)
-    return produce(producer, events)
+    return produce(producer, [dataclasses.replace(ev, principal=principal) for ev in events])
 
 
 # -- the process ---------------------------------------------------------------------------------------------------
@@ -214,18 +218,20 @@ class ResourceBroker(LoopWorker):
         self.registered = 0  # MachineRegistered produced by this process
         self.unavailability_seen = 0
         self.errors = 0
+        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/heap.py
 
     def start(self) -> None:
         """Catch up with the log, then register what is missing. After this, ``step`` follows the topics."""
         machines = self.topics.name("machines")
         self.consumer = EventConsumer(self.cfg, self.registry, [machines, self.topics.name("unavailability")],
-                                      name=PRODUCER, dead_letters=self.dead_letters)
+                                      name=PRODUCER, dead_letters=self.dead_letters, **BACKGROUND_READER)
         t0 = time.monotonic()
-        n = read_to_end(self.consumer, self.handle,
-                        partitions=[tp for tp in self.consumer.partitions() if tp[0] == machines])
-        log.info("resourcebroker: caught up with %d records (%d machines known) in %.1fs", n, len(self.state),
-                 time.monotonic() - t0)
-        self.register_region()
+        with folding(freeze=True):  # the registry this process holds from now on (streams/heap.py)
+            n = read_to_end(self.consumer, self.handle,
+                            partitions=[tp for tp in self.consumer.partitions() if tp[0] == machines])
+            log.info("resourcebroker: caught up with %d records (%d machines known) in %.1fs", n, len(self.state),
+                     time.monotonic() - t0)
+            self.register_region()
 
     def register_region(self) -> int:
         """``register_all`` the region in batches; produce and flush. Returns how many were registered."""
@@ -294,6 +300,7 @@ class ResourceBroker(LoopWorker):
             return
         if records:
             self.handle(records)
+            self._freezer.grew(len(self.state))
 
     def run(self) -> None:
         self.start()
@@ -319,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"resourcebroker: {exc}", file=sys.stderr)
         return 2
-    broker = ResourceBroker(Config.from_env(), region)
+    broker = ResourceBroker(Config.from_env().as_principal("resourcebroker"), region)
     broker.stop_on_signals()
     broker.run()
     return 0

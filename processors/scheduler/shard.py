@@ -9,7 +9,7 @@ event of the entitlements hashed to p, in log order. Kill a worker and the group
 survivors, which recover the partitions' table data from the changelogs before they read on.
 
 ```
- intents, allocations, tasks,     take_events(500, 10 ms): a batch of records
+ intents, allocations, tasks,     take_batches: what queued, until a 1 ms gap
  machines, unavailability,  ────► gate: offset guard; record header producer=scheduler ──► passed over, undecoded
  taskcontrol (one faust topic)    decode (bad bytes ──► deadletter)
                                      │
@@ -34,15 +34,19 @@ survivors, which recover the partitions' table data from the changelogs before t
     job_chunks      "<job>#<i>@<version>"   -> {"entitlement", "tasks": records of the job's tasks i*500..i*500+499}
     entitlements    entitlement name        -> the Entitlement's fields
     machines_down   machine id              -> status or unavailability kind (absent: UP)
-    machine_jobs    "<entitlement>|<machine>" -> sorted job ids of that entitlement with a task placed on it
     offsets         "<topic>/<partition>"   -> the next offset of that source partition to apply (offsets.py)
     limits          "shard/<partition>"     -> the shard's token bucket for destructive operations
                                                (processors/taskcontrol/limiter.py)
 
 A changelog record holds at most one chunk of 500 tasks (~120 KB of JSON), whatever the job's size, and a batch
-writes only the chunks whose tasks changed, once per batch (not per event). Beside the tables, a memo (not state): per
-job, the header this worker last wrote and the ``Job`` it stands for, used only while the table still holds that
-very object; it spares assembling the job from its chunks on every batch.
+writes only the chunks whose tasks changed, once per batch (not per event). Beside the tables, two things in memory
+that are not state, each derived from the tables: per job, the header this worker last wrote and the ``Job`` it
+stands for (a memo used only while the table still holds that very object; it spares assembling the job from its
+chunks on every batch); and the machine index, ``"<entitlement>|<machine>"`` -> the ids of that entitlement's
+jobs with a task placed on the machine (``MachineJobs``), built from the stored jobs' chunks when first needed
+after an assignment and kept in step by every write. It was a changelog table of its own until it made ~20 of the
+~28 changelog records a job of 36 tasks cost (a record per machine a job's tasks came to or left), the largest
+share of the shard's time in a burst (py-spy, 100,000 machines).
 
 Every value is written to the changelog partition of its entitlement (``partition_for(entitlement)``), which is
 the partition of the event being processed for every entitlement-keyed event; so a partition's changelog holds
@@ -50,7 +54,7 @@ exactly the state of that partition's entitlements, and a worker that takes the 
 
 **Which jobs an event concerns.** Intents and allocation results name their job (``job_id``); a TaskStatesChanged
 names the jobs of its reports. Machine and unavailability events are keyed by the machines' owner, and ``decide``
-only moves that entitlement's jobs off the machines, so the ``machine_jobs`` index answers in O(jobs on the
+only moves that entitlement's jobs off the machines, so the machine index answers in O(jobs on the
 machines) instead of a scan of the shard's jobs. A machine event keyed to an entitlement this shard does not know
 (a free pool key, ``free/<dc>``) makes ``decide`` look at every job: then the jobs of the event's partition are
 scanned (O(jobs held by this worker)), which is rare.
@@ -61,8 +65,11 @@ whose type ``decide`` does nothing with (``CONSUMED``: no MachineRegistered, no 
 in the gate, before decoding (after the offset guard has counted it). Records without the headers (older logs,
 other writers) are decoded, and ``decide`` drops the scheduler's own by ``is_own`` and ignores the other types.
 
-**Batches.** faust's ``stream.take_events(BATCH_MAX, BATCH_WITHIN_S)`` hands the agent up to 500 records at a
-time (what has arrived within 10 ms). The batch is decided on one state, event after event in log order (each
+**Batches.** ``faustwire.take_batches`` hands the agent what has queued: a batch ends when no new record came for
+``BATCH_GAP_S`` (1 ms), or at 500 records, or 20 ms after its first record. An idle shard decides a lone record
+1 ms after it came; a busy one decides everything that queued while it was busy in one batch (faust's
+``take_events`` waits a fixed window instead: 10 ms made every lone record wait, 2 ms cut a burst into batches of
+~15 records, each some six produce requests of output and changelog). The batch is decided on one state, event after event in log order (each
 event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
 once: a job that many events of the batch touched is written once, with only its changed chunks.
 
@@ -119,7 +126,7 @@ from streams import batches
 from streams.clients import PRODUCER_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import decode_message, header_of, make_app, route_dead_letter
+from streams.faustwire import decode_message, header_of, make_app, route_dead_letter, take_batches
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
 from streams.topics import CHANGELOG_CONFIG, Topics
@@ -133,7 +140,8 @@ MACHINE_EVENTS = frozenset({"MachineStatusChanged", "MachinesStatusChanged", "Un
 RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
 FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
 BATCH_MAX = 500  # records handed to one decision batch at most
-BATCH_WITHIN_S = 0.01  # how long a batch waits for more records before it is decided
+BATCH_GAP_S = 0.001  # a batch is decided once no new record came for this long (faustwire.take_batches)...
+BATCH_MAX_WAIT_S = 0.02  # ...or its first record waited this long
 BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
 FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
 SLOW_BATCH_S = 0.25  # a batch that takes longer is logged with where its time went
@@ -168,10 +176,6 @@ def shard_bucket_key(partition: int) -> str:
     return f"shard/{partition}"
 
 
-def index_key(entitlement: str, machine: str) -> str:
-    return f"{entitlement}|{machine}"
-
-
 def is_ignored_record(msg: Any) -> bool:
     """Whether a record's ``type`` header names an event ``decide`` does nothing with (a MachineRegistered, say:
     100,000 of them when a region registers): passed over undecoded, like the scheduler's own echoes."""
@@ -202,12 +206,6 @@ def coalesce(events: list[Event]) -> list[Event]:
     return out
 
 
-def _machines(job: Job | None) -> set[str]:
-    if job is None:
-        return set()
-    return {t.machine for t in job.tasks.values() if t.machine is not None}
-
-
 def job_ids_of(event: Event) -> list[str]:
     """The jobs an event names itself (its ``job_id``, or its reports' jobs)."""
     p = event.payload
@@ -231,7 +229,7 @@ class ShardTables:
         self.job_chunks = app.Table("scheduler-job-chunks", **opts)  # "<job>#<i>@<v>" -> a chunk of its tasks
         self.entitlements = app.Table("scheduler-entitlements", **opts)
         self.machines_down = app.Table("scheduler-machines-down", **opts)
-        self.machine_jobs = app.Table("scheduler-machine-jobs", **opts)
+        self.machine_jobs = st.MachineJobs()  # in memory, derived from jobs and job_chunks (see the module docstring)
         self.offsets = app.Table("scheduler-offsets", **opts)  # "<topic>/<partition>" -> next offset to apply
         self.limits = app.Table("scheduler-limits", **opts)  # "shard/<partition>" -> the shard's token bucket
         # A memo, not state: job id -> (the header this worker last wrote or read, the Job it stands for). Used
@@ -240,6 +238,7 @@ class ShardTables:
         self._decoded: dict[str, tuple[dict, Job]] = {}
         self._unacked: list = []  # changelog sends since the last barrier (faust FutureMessages)
         self.written_chunks = 0  # chunk records written (a figure for tests and profiles)
+        self.store_ms = (0, 0)  # the last store's wait for its chunks and output, then for its headers (logged)
 
     def partition_of(self, entitlement: str) -> int:
         return partition_for(entitlement, self.partitions)
@@ -252,9 +251,11 @@ class ShardTables:
             return named
         machines = batches.machine_ids(event)
         if self.entitlements.data.get(event.entitlement) is not None:
+            if not self.machine_jobs.built:
+                self.machine_jobs.build(self.jobs.data, self.job_chunks.data)
             ids: set[str] = set()
             for m in machines:
-                ids.update(self.machine_jobs.data.get(index_key(event.entitlement, m)) or ())
+                ids.update(self.machine_jobs.jobs(event.entitlement, m))
             return sorted(ids)
         # a key no entitlement of this shard has (free/<dc>): every job of the event's partition
         return sorted(k for k, r in list(self.jobs.data.items())
@@ -268,7 +269,7 @@ class ShardTables:
         ent_names = {j.entitlement for j in jobs}
         machines: set[str] = set()
         for j in jobs:
-            machines |= _machines(j)
+            machines |= st.machines_of(j)
         for event in events:
             ent_names.add(event.entitlement)
             if event.type in MACHINE_EVENTS:
@@ -337,6 +338,7 @@ class ShardTables:
                 continue
             plans.append((job, self.partition_of(job.entitlement),
                           st.plan(old, headers.get(job_id), self.job_chunks.data, job)))
+        t0 = time.monotonic()
         # 1. the new chunks, durable before any header names them
         if any(p.chunks for _, _, p in plans):
             for _, part, p in plans:
@@ -346,20 +348,14 @@ class ShardTables:
             await self._barrier()
         if output is not None:
             await output  # raises OutputRefused: nothing but orphan chunks was written (drop_orphans)
+        t1 = time.monotonic()
         # 2. the headers, and the other tables' values
         wrote = False
         for job, part, p in plans:
             self._put(self.jobs, part, job.id, p.header)
             self._decoded[job.id] = (p.header, job)
-            old_m, new_m = _machines(before.jobs.get(job.id)), _machines(job)
-            for m in old_m ^ new_m:
-                key = index_key(job.entitlement, m)
-                ids = set(self.machine_jobs.data.get(key) or ())
-                if m in new_m:
-                    ids.add(job.id)
-                else:
-                    ids.discard(job.id)
-                self._put(self.machine_jobs, part, key, sorted(ids) or None)
+            self.machine_jobs.update(job.id, job.entitlement, st.machines_of(before.jobs.get(job.id)),
+                                     st.machines_of(job))
             wrote = True
         for name, ent in after.entitlements.items():
             if before.entitlements.get(name) != ent:
@@ -378,6 +374,7 @@ class ShardTables:
         obsolete = [(part, key) for _, part, p in plans for key in p.obsolete]
         if wrote and (applied or obsolete):
             await self._barrier()
+        self.store_ms = (round((t1 - t0) * 1e3), round((time.monotonic() - t1) * 1e3))
         # 3. the offsets, and the chunks no durable header names any more
         for key, (part, nxt) in dict(applied).items():
             self._put(self.offsets, part, key, nxt)
@@ -414,8 +411,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     async def produce(events: list[Event]) -> None:
         def send_all() -> None:
-            for e in events:
-                producer.send(e, validate=False)  # built by decide from decoded events; fastavro still checks types
+            producer.send_all(events, validate=False)  # built by decide from decoded events; fastavro still checks
             producer.flush(FLUSH_S)
         try:
             await asyncio.get_running_loop().run_in_executor(None, send_all)
@@ -489,7 +485,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             t2 = time.monotonic()
             if t2 - t0 > SLOW_BATCH_S:
                 log.info("scheduler: slow batch: %d records, %d events out, %.0f ms (decide %.0f, produce and store "
-                         "%.0f)", len(items), len(out), (t2 - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+                         "%.0f: chunks and output %d, headers %d)", len(items), len(out), (t2 - t0) * 1e3,
+                         (t1 - t0) * 1e3, (t2 - t1) * 1e3, *tables.store_ms)
 
     guard = OffsetGuard(tables.offsets.data)
 
@@ -511,7 +508,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     @app.agent(source, name=f"{APP_ID}.schedule")
     async def schedule(stream):
         missed: dict[bytes, float] = {}
-        async for batch in stream.take_events(BATCH_MAX, BATCH_WITHIN_S):
+        async for batch in take_batches(stream, BATCH_MAX, BATCH_GAP_S, BATCH_MAX_WAIT_S):
             items = []
             for fev in batch:
                 msg = fev.message
@@ -604,6 +601,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     @app.on_partitions_assigned.connect
     async def announce(app, assigned, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
         guard.forget()
+        tables.machine_jobs.forget()  # the recovery that follows may change the tables: built again when needed
         mine = sorted({tp.partition for tp in assigned if tp.topic in source_names})
         log.info("scheduler shard %d: assigned partitions %s", os.getpid(), mine)
 
@@ -633,7 +631,7 @@ def main() -> None:
     if os.environ.get(PROFILE_ENV):
         _profile_to(os.environ[PROFILE_ENV])
     retry_s = float(os.environ.get(RETRY_ENV) or RETRY_S)
-    app, _, _ = build_app(Config.from_env(), retry_s=retry_s, **settings_from_env())
+    app, _, _ = build_app(Config.from_env().as_principal("scheduler"), retry_s=retry_s, **settings_from_env())
     faust.Worker(app, loglevel="INFO").execute_from_commandline()
 
 

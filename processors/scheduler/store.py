@@ -186,3 +186,65 @@ def orphans(chunk_keys: Iterable[str], headers: Mapping[str, Any]) -> list[str]:
         if key not in named[job]:
             out.append(key)
     return sorted(out)
+
+
+def machines_of(job: Job | None) -> set[str]:
+    """The machines the job's tasks are placed on."""
+    if job is None:
+        return set()
+    return {t.machine for t in job.tasks.values() if t.machine is not None}
+
+
+def index_key(entitlement: str, machine: str) -> str:
+    return f"{entitlement}|{machine}"
+
+
+class MachineJobs:
+    """``"<entitlement>|<machine>"`` -> the ids of the jobs of that entitlement with a task on the machine, in memory.
+    Derived from the jobs table and its chunks (``build``: each stored job's task records name their machine), kept
+    in step by ``update`` for every job a batch writes, and dropped (``forget``) at every partition assignment: a
+    recovery or a standby copy changes the tables without a write of this worker's, so the next use builds it
+    again from what the tables hold then."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, set[str]] | None = None  # None: to be built from the tables
+
+    def forget(self) -> None:
+        self._ids = None
+
+    def build(self, headers: Mapping[str, Any], chunks: Mapping[str, Any]) -> None:
+        """Index every stored job: ``headers`` the jobs table (job id -> header), ``chunks`` the chunk table."""
+        ids: dict[str, set[str]] = {}
+        for job_id, header in list(headers.items()):
+            if header is None:
+                continue
+            ent = header["entitlement"]
+            if is_chunked(header):
+                machines = {r["machine"] for key in named_keys(header)
+                            for r in (chunks.get(key) or {}).get("tasks", ()) if r.get("machine") is not None}
+            else:
+                machines = machines_of(job_from_record(header))  # the older whole-job record
+            for m in machines:
+                ids.setdefault(index_key(ent, m), set()).add(job_id)
+        self._ids = ids
+
+    @property
+    def built(self) -> bool:
+        return self._ids is not None
+
+    def jobs(self, entitlement: str, machine: str) -> set[str]:
+        return self._ids.get(index_key(entitlement, machine), set()) if self._ids is not None else set()
+
+    def update(self, job_id: str, entitlement: str, before: set[str], after: set[str]) -> None:
+        """The job's tasks left the machines of ``before`` not in ``after`` and came to those of ``after``."""
+        if self._ids is None:
+            return  # built from the tables (which already hold this write) when next needed
+        for m in before - after:
+            key = index_key(entitlement, m)
+            held = self._ids.get(key)
+            if held is not None:
+                held.discard(job_id)
+                if not held:
+                    del self._ids[key]
+        for m in after - before:
+            self._ids.setdefault(index_key(entitlement, m), set()).add(job_id)

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("pacing needs --load-file FILE")
         decide = Pacing(lambda: float(a.load_file.read_text().strip() or 0), keep_below_ms=keep_below_ms)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    TaskControllerProcess(Config.from_env(), a.name, decide).run()
+    TaskControllerProcess(Config.from_env().as_principal("controller"), a.name, decide).run()
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def wait_for(predicate, what: str, timeout_s: float = 30.0):
 
 def run_allocator(cfg, registry, body, timeout_s: float = 100.0, *, clear: bool = True):
     """Run the allocator's faust app while ``body(ctx)`` (blocking, in a thread) drives and checks it."""
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     ctx = type("Ctx", (), {})()
     ctx.cfg, ctx.r = cfg, r
     ctx.index = MachineIndex(r, cfg.topic_prefix)
@@ -254,8 +254,11 @@ def test_a_request_delivered_twice_is_decided_once(cfg, registry):
         ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated")
         send(ctx, req, requested("r2", "e1", "api", 1))  # the same event again (a producer's retry), then another
         log = ctx.log.wait(answered("r2", "TasksAllocated"), "the later request answered")
-        assert len(log.events("TasksAllocated", request_id="r1")) == 1  # the decision on the log answered it
-        assert len(log.events("MachineAssignedToEntitlement")) == 3
+        # decided once: a request asked again after its answer is answered again with the same events (a requester
+        # that crashed may have read the first answer too early), which readers drop by id
+        answers = log.events("TasksAllocated", request_id="r1")
+        assert len({e.event_id for e in answers}) == 1 and len({str(e.payload) for e in answers}) == 1
+        assert len({e.event_id for e in log.events("MachineAssignedToEntitlement")}) == 3
         assert len(ctx.index.placements()) == 7
 
     run_allocator(cfg, registry, body)
@@ -362,7 +365,7 @@ def test_a_restarted_allocator_folds_the_log_and_writes_a_lost_index_back(cfg, r
         state["index"] = index_state(ctx.index.dump())
 
     run_allocator(cfg, registry, first, clear=False)
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     MachineIndex(r, cfg.topic_prefix).clear()  # Redis lost everything (FLUSHALL, a new server)
     r.close()
 
@@ -388,6 +391,9 @@ class RecordingProducer:
     def send(self, event: Event, **_) -> None:
         self.sent.append(event)
 
+    def send_all(self, events, **_) -> None:
+        self.sent.extend(events)
+
     def flush(self, timeout_s: float = 30.0) -> None:
         pass
 
@@ -398,7 +404,7 @@ class RecordingProducer:
 @pytest.fixture
 def hand(cfg, registry):
     """Two Allocators on the real Redis (no broker reads): fed records by hand at made-up positions."""
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     topics = Topics(cfg.topic_prefix, cfg.partitions)
     offsets = Counter()
     made = []
@@ -457,6 +463,59 @@ def test_a_crash_after_the_commit_is_answered_from_the_journal(hand):
     assert hand.index.placements() == placed  # committed once
     assert second.fold.placement == placed  # the fold took the journaled decision back from Redis
     assert [e.event_id for e in events] == [e.event_id for e in second.producer.sent]
+
+
+def test_a_move_decided_again_after_a_conflict_still_frees_its_task_on_the_log(hand):
+    """A move (free and place the same task) whose first plan meets a conflict in Redis: Redis applied the free
+    then, and the second attempt's decision must still carry it. Before, the decision the log got had only the
+    TasksAllocated, and the log never said the task left its old machine (the kill storm counted 33 tasks placed
+    twice in the replayed log)."""
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+    hand.feed([a], requested("r1", "e1", "web", 1))
+    [first] = [e for e in a.decide_pending() if e.type == "TasksAllocated"]
+    old = first.payload["placements"][0]["machine_id"]
+    for mid in MACHINES:  # Redis ahead of the fold for every machine (another writer): the first plan conflicts
+        hand.r.hincrby(hand.index.key(f"m:{mid}"), "version", 1)
+    hand.feed([a], requested("r2", "e1", "web", 1, free=["web/0"]))
+    events = a.decide_pending()
+    assert [e.type for e in events if e.type.startswith("Tasks")] == ["TasksDeallocated", "TasksAllocated"]
+    [freed] = [e for e in events if e.type == "TasksDeallocated"]
+    [placed] = [e for e in events if e.type == "TasksAllocated"]
+    assert [p["machine_id"] for p in freed.payload["placements"]] == [old]
+    assert placed.payload["commit_attempts"] == 2
+    new_machine = placed.payload["placements"][0]["machine_id"]
+    assert hand.index.placements() == {"web/0": new_machine} == a.fold.placement
+
+
+def test_a_request_asked_again_after_its_answer_is_answered_again_and_every_request_is_answered(hand):
+    """A scheduler killed after asking asks again (the same record) and may have read the answer too early: the
+    allocator produces the answer again, the same events, from the journal; a rejection is journaled too. A
+    request with nothing to place whose tasks hold no placement (a stopped job that never ran) is answered with a
+    TasksDeallocated freeing nothing: before, it was not answered, and its job waited for good."""
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+    placing, rejecting, freeing = (requested("r1", "e1", "web", 2), requested("r2", "nobody", "x", 1),
+                                   requested("r3", "e1", "never", 0, free=["never/0", "never/1"]))
+    for req in (placing, rejecting, freeing):
+        hand.feed([a], req)
+    answers = a.decide_pending()
+    by_request = {rid: [e for e in answers if e.payload.get("request_id") == rid] for rid in ("r1", "r2", "r3")}
+    assert [e.type for e in by_request["r2"]] == ["AllocationRejected"]
+    assert [(e.type, e.payload["placements"]) for e in by_request["r3"]] == [("TasksDeallocated", [])]
+    for req in (placing, rejecting, freeing):
+        a.fold.remember_decided(req.event_id)  # their answers were read back from the log
+    sent = len(a.producer.sent)
+    for req in (placing, rejecting, freeing):
+        hand.feed([a], req)  # asked again
+    assert a.decide_pending() == []  # decided once
+    assert a.answer_repeated() == 3
+    again = a.producer.sent[sent:]
+    assert sorted(e.event_id for e in again) == sorted(e.event_id for e in answers)
+    assert {e.event_id: e.payload for e in again} == {e.event_id: e.payload for e in answers}
+    assert a.answer_repeated() == 0 and len(hand.index.placements()) == 2  # nothing placed twice
 
 
 def test_a_stale_owner_is_fenced_and_decides_nothing(hand):
@@ -533,7 +592,7 @@ def test_a_partition_not_owned_is_not_decided(hand):
 
 
 def test_allocator_metrics_before_any_request(cfg):
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     assert allocator_metrics(r, cfg.topic_prefix) == {"requests": 0, "placed": 0, "rejected": 0,
                                                       "cache_hit_ratio": None}
     r.close()
@@ -550,7 +609,7 @@ def test_python_m_runs_the_allocator_worker(cfg, registry, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "processors.allocator.processor"], env=env, stdout=out,
                             stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                                 os.path.abspath(__file__)))))
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     index = MachineIndex(r, cfg.topic_prefix)
     log = Log(cfg, registry)
     try:
@@ -576,3 +635,32 @@ def test_python_m_runs_the_allocator_worker(cfg, registry, tmp_path):
             log.consumer.close()
             index.clear()
             r.close()
+
+
+def test_the_echoes_of_a_batch_leave_the_fold_as_a_fold_of_the_log(hand):
+    """One batch: a job placed, the same job freed (its machines go back to the pool), another entitlement's job
+    placed on those machines. Then the decisions come back from the log. Before, the echo of the first TasksAllocated
+    put the freed tasks back on their machines until the free's echo came (a phantom placement), and each machine's
+    version ended ahead of the log's, so Redis never equalled a rebuild (the kill storm's last difference)."""
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+    requests = [requested("r1", "e1", "web", 4), requested("r2", "e1", "web", 0, free=[f"web/{i}" for i in range(4)]),
+                requested("r3", "e2", "api", 4)]
+    for req in requests:
+        hand.feed([a], req)
+    made = a.decide_pending()
+    assert [e.type for e in made if e.type.startswith("Tasks")] == ["TasksAllocated", "TasksDeallocated",
+                                                                     "TasksAllocated"]
+    fresh = hand.new()
+    hand.region(fresh)
+    for req in requests:
+        hand.feed([fresh], req)
+    for e in made:  # the echoes, as the log gives them back to both
+        topic = "machines" if e.type.startswith("Machine") else "allocations"
+        before = {mid: (m.version, set(m.tasks)) for mid, m in a.fold.machines.items()}
+        hand.feed([a, fresh], e, topic)
+        assert {mid: (m.version, set(m.tasks)) for mid, m in a.fold.machines.items()} == before, e.type
+    state = lambda f: {k: v for k, v in f.dump().items() if not k.startswith("applied:")}  # noqa: E731 - not the marks
+    assert state(a.fold) == state(fresh.fold)  # (the hand-made offsets differ)
+    assert a.fold.requests == {} == fresh.fold.requests

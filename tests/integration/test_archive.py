@@ -38,12 +38,12 @@ def dedicated_brokers(infra_cfg, tmp_path):
     def start(name: str) -> Config:
         broker_port, controller_port = free_ports(2)
         c = Config.from_env({"ROPEWALK_BROKER_PORT": str(broker_port), "ROPEWALK_CONTROLLER_PORT": str(controller_port),
-                             "ROPEWALK_REDIS_URL": infra_cfg.redis_url,
+                             "ROPEWALK_REDIS_URL": infra_cfg.redis_url, "ROPEWALK_SECRETS_DIR": str(infra_cfg.secrets),
                              "ROPEWALK_RUN_DIR": str(tmp_path / f"run-{name}"), "ROPEWALK_PARTITIONS": "4",
                              "ROPEWALK_TOPIC_PREFIX": "rw."})
         started.append(c)
         services.up(c)
-        provision(AdminClient({"bootstrap.servers": c.bootstrap_servers}), Topics(c.topic_prefix, c.partitions))
+        provision(AdminClient({**c.kafka_conf()}), Topics(c.topic_prefix, c.partitions))
         return c
 
     yield start

@@ -35,7 +35,7 @@ def topic_config(admin: AdminClient, topic: str) -> dict[str, str]:
 
 def records_of(cfg, topic: str, partition: int, isolation: str = "read_committed") -> list:
     """Every record of one partition, from its start to its end, as a plain confluent-kafka consumer sees it."""
-    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": "unused", "enable.partition.eof": True,
+    c = Consumer({**cfg.kafka_conf(), "group.id": "unused", "enable.partition.eof": True,
                   "auto.offset.reset": "earliest", "isolation.level": isolation, "log_level": 3})
     try:
         c.assign([TopicPartition(topic, partition, 0)])
@@ -52,7 +52,7 @@ def records_of(cfg, topic: str, partition: int, isolation: str = "read_committed
 
 
 def test_compacted_topics_are_configured_to_compact(cfg):
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})
+    admin = AdminClient({**cfg.kafka_conf()})
     topics = Topics(cfg.topic_prefix, cfg.partitions)
     compacted = [s.name for s in CATALOGUE if s.config.get("cleanup.policy") == "compact"]
     assert set(compacted) == {"state.jobs", "state.tasks", "state.machines", "_schemas"}
@@ -69,7 +69,7 @@ def test_a_key_overwritten_many_times_reads_back_as_its_latest_value(cfg, regist
     (segment.ms, set on this topic; Ropewalk's own is COMPACT_SEGMENT_MS), any dirty share makes it eligible
     (min.cleanable.dirty.ratio 0.01), and the embedded broker's cleaner looks every second
     (log.cleaner.backoff.ms, infra/broker.py)."""
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})
+    admin = AdminClient({**cfg.kafka_conf()})
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("state.jobs")
     res = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
         ConfigEntry("segment.ms", "100", incremental_operation=AlterConfigOpType.SET),
@@ -111,10 +111,13 @@ def test_debians_kcat_lists_topics_and_reads_a_state_stream_from_the_beginning(c
         producer.send(job_state(job, i + 1))
     producer.flush()
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("state.jobs")
-    listed = subprocess.run([tool, "-b", cfg.bootstrap_servers, "-L"], capture_output=True, text=True, timeout=30)
+    # The broker takes only authenticated clients: kcat as the operator, with the settings file `up` writes.
+    conf = ["-F", str(cfg.secrets / "kcat.conf")]
+    listed = subprocess.run([tool, *conf, "-b", cfg.bootstrap_servers, "-L"], capture_output=True, text=True,
+                            timeout=30)
     assert listed.returncode == 0, listed.stderr
     assert f'topic "{topic}" with {cfg.partitions} partitions' in listed.stdout
-    read = subprocess.run([tool, "-b", cfg.bootstrap_servers, "-C", "-t", topic, "-o", "beginning", "-e",
+    read = subprocess.run([tool, *conf, "-b", cfg.bootstrap_servers, "-C", "-t", topic, "-o", "beginning", "-e",
                            "-f", "%k %p %o\n"], capture_output=True, text=True, timeout=30)
     assert read.returncode == 0, read.stderr
     keys = sorted(line.split()[0] for line in read.stdout.splitlines() if line.strip())

@@ -27,7 +27,7 @@ from streams.clients import EventConsumer, EventProducer, producer_conf
 from streams.codec import EventCodec, register_codec
 from streams.deadletter import DeadLetters
 from streams.events import new_event
-from streams.faustwire import decoded, make_app, source_topic
+from streams.faustwire import decoded, make_app, source_topic, take_batches
 from streams.serde import (INVALID_EVENT, MALFORMED, MARKER, NO_MARKER, UNKNOWN_FINGERPRINT, DecodeError,
                            SchemaRegistry, build_schema)
 from streams.topics import Topics
@@ -134,7 +134,7 @@ def test_agent_processes_valid_events_and_dead_letters_bad_ones(cfg, registry):
     dead_letters = DeadLetters(dead_letter_producer, "recorder")
 
     async def scenario():
-        r = aioredis.from_url(cfg.redis_url)
+        r = aioredis.from_url(cfg.redis_url, **cfg.redis_auth())
         app = make_app(cfg, "faust-codec-test", **FAST)
         starts = []
 
@@ -194,6 +194,78 @@ def test_agent_processes_valid_events_and_dead_letters_bad_ones(cfg, registry):
 async def _at_least(fetch, n):
     rows = await fetch()
     return rows if len(rows) >= n else None
+
+
+# -- take_batches: a batch is what queued; a lone record comes alone ------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_take_batches_hands_over_what_queued_while_busy_and_a_lone_record_alone(cfg, registry):
+    """A shard busy with its first batch finds the 300 records that arrived meanwhile in a few large batches
+    (faust's take_events with a fixed 2 ms window cut them into ~15 here, as faust hands a record to the buffer
+    every ~100 µs), a lone record later is handed over on its own, and every record is handed over once, in log
+    order per partition, and acked (committed) only after its batch was handled.""" 
+    catalogue = Topics(cfg.topic_prefix, cfg.partitions)
+    intents = catalogue.name("intents")
+    raw = RawProducer(cfg)
+
+    def send(label: str, ent: str) -> None:
+        ev = job_stopped(ent, label)
+        raw.send(label, intents, ent.encode(), registry.encode(ev.type, ev.to_record(1)))
+
+    async def scenario():
+        app = make_app(cfg, "take-batches-test", **FAST)
+        batches: list[list[tuple[int, int]]] = []
+        busy = asyncio.Event()
+
+        def cost(value):  # what faust's stream machinery costs per record on a loaded 2-core machine (~100 µs)
+            time.sleep(0.0001)
+            return value
+
+        @app.agent(source_topic(app, cfg, "intents"))
+        async def shard(stream):
+            stream.add_processor(cost)
+            async for batch in take_batches(stream, 500, 0.001, 0.02):
+                batches.append([(e.message.partition, e.message.offset) for e in batch])
+                if len(batches) == 1:  # busy with the first batch while the burst arrives
+                    busy.set()
+                    await asyncio.sleep(1.0)
+
+        await app.start()
+        try:
+            send("first", "e1")
+            raw.flush()
+            await wait_until(lambda: _true(busy.is_set()), 60, "the first batch")
+            for i in range(300):
+                send(f"burst/{i}", f"e{i % 7}")
+            raw.flush()
+            await wait_until(lambda: _true(sum(map(len, batches)) >= 301), 30, "the burst")
+            burst_batches = len(batches) - 1
+            await asyncio.sleep(0.5)
+            send("lone", "e3")
+            raw.flush()
+            await wait_until(lambda: _true(sum(map(len, batches)) >= 302), 30, "the lone record")
+            return batches, burst_batches
+        finally:
+            await app.stop()
+
+    batches, burst_batches = asyncio.run(asyncio.wait_for(scenario(), 100))
+    assert burst_batches <= 5, [len(b) for b in batches]  # what queued while the shard was busy: few batches
+    assert batches[-1] == [raw.landed["lone"][1:]]  # the lone record, on its own
+    seen = [pos for b in batches for pos in b]
+    assert sorted(seen) == sorted(pos[1:] for pos in raw.landed.values())  # each record once
+    for part in {p for p, _ in seen}:
+        offsets = [o for p, o in seen if p == part]
+        assert offsets == sorted(offsets)
+    from confluent_kafka import Consumer, TopicPartition
+    group = Consumer({**cfg.kafka_conf(), "group.id": f"{cfg.topic_prefix}take-batches-test"})
+    committed = group.committed([TopicPartition(intents, p) for p in range(cfg.partitions)], timeout=10)
+    group.close()
+    ends = {p: max(o for q, o in seen if q == p) + 1 for p, _ in seen}
+    assert {tp.partition: tp.offset for tp in committed if tp.partition in ends} == ends  # acked once handled
+
+
+async def _true(value: bool):
+    return value
 
 
 # -- (b) the faust codec and the serde are one encoding ----------------------------------------------------

@@ -8,6 +8,8 @@ the Resource Broker, the allocator, a scheduler shard, simulated agents, the hea
 * **what-if**: ``maintenance plan --dry-run`` names, task for task, what the real maintenance then does (moves and
   where to, the task held for a controller that never answers, the controller asked);
 * **explain**: the decision that placed a moved task, its filters, its cause (the machine's failure);
+* through the API (the CLI's default) and ``--direct`` alike, the API deciding who may look back (a viewer of one
+  entitlement sees its past, not another's, not the whole region, no dry run);
 * bad input gets one line.
 
 Placement is kept away from races the log cannot order: the maintenance is on a dc1 MSB and only e1's jobs run in
@@ -105,7 +107,8 @@ def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):
 
         # time travel: --at prints what the commands printed then (through snapshots too)
         moment, seen = moments[0]
-        assert machines(cli, "--at", str(moment)) == seen["machines"]
+        assert machines(cli, "--at", str(moment)) == seen["machines"]  # through the API
+        assert machines(cli, "--at", str(moment), "--direct") == seen["machines"]  # on the log as the operator
         for job, view in seen["jobs"].items():
             assert cli.json("job", "status", job, "--at", str(moment)) == view
         snap = cli.json("history", "snapshot")
@@ -137,12 +140,25 @@ def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):
         assert moved["why_not"] == {**moved["why_not"], "answer": "filtered", "filter": "machine_not_up"}
         assert "because of" in cli.ok("explain", "e1.web/0")
 
+        # the API decides who may look back: a viewer of e1 sees e1's past, not e3's, not the whole region
+        viewer = cli.env | {"ROPEWALK_TOKEN": cli.ok("user", "add", "vic", "--role", "e1=viewer").strip()}
+        out = cli.run_with(viewer, "job", "status", "e1.web", "--at", str(moments[0][0]), "--json")
+        assert out.returncode == 0 and json.loads(out.stdout) == moments[0][1]["jobs"]["e1.web"], out.stderr
+        for denied, reason in ((("job", "status", "e3.api", "--at", str(moments[0][0])), "no role on entitlement"),
+                               (("at", str(moments[0][0])), "region-admin"),
+                               (("explain", "e3.api/0"), "no role on entitlement"),
+                               (("maintenance", "plan", *args[2:], "--dry-run"), "region-admin")):
+            out = cli.run_with(viewer, *denied)
+            assert out.returncode == 1 and reason in out.stderr, (denied, out.stderr)
+
         # bad input: one line each
         for bad, says in ((("at", "yesterday", "machine", "list"), "bad moment"),
                           (("at", "now", "machine", "fail", failed), "does not look back"),
                           (("shadow", "--since", str(start), "--policy", "scores=nope"), "unknown score 'nope'"),
                           (("explain", "nothing"), "bad task id"),
                           (("explain", "e1.none/0"), "no event names task"),
+                          (("at", "tasks/99@0", "machine", "list"), "tasks has partitions 0..3"),
+                          (("machine", "list", "--at", "now-99999999h"), "before 1970"),
                           (("job", "status", "e1.web", "--at", "1000"), "unknown job 'e1.web' at")):
             out = cli(*bad)
             assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and says in out.stderr, \

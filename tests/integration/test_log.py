@@ -31,7 +31,8 @@ def job_stopped(ent, job, reason="r"):
     return new_event("JobStopped", {"job_id": job, "reason": reason}, entitlement=ent, entity_id=job, producer="test")
 
 
-def test_every_event_type_round_trips_through_the_broker(cfg, registry, make_sample):
+@pytest.mark.parametrize("how", ["send", "send_all"])
+def test_every_event_type_round_trips_through_the_broker(cfg, registry, make_sample, how):
     producer = EventProducer(cfg, registry, "test")
     sent = {}
     for name in registry.event_names:
@@ -41,8 +42,11 @@ def test_every_event_type_round_trips_through_the_broker(cfg, registry, make_sam
         # Every optional filled (causation_id too), so each field's value has to survive the trip.
         ev = new_event(name, payload, entitlement=env["entitlement"], entity_id=env["entity_id"], producer="test",
                        causation_id=env["causation_id"], timestamp_ms=env["timestamp_ms"])
-        producer.send(ev)
+        if how == "send":
+            producer.send(ev)
         sent[ev.event_id] = ev
+    if how == "send_all":  # encoded first, then produced: the same records
+        producer.send_all(list(sent.values()))
     producer.flush()
     topics = Topics(cfg.topic_prefix, cfg.partitions)
     c = EventConsumer(cfg, registry, topics.data_topics(), name="test")
@@ -229,7 +233,7 @@ def test_provision_is_idempotent_and_checks_copartitioning(cfg):
 
     from streams.topics import TopicError, provision
 
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})
+    admin = AdminClient({**cfg.kafka_conf()})
     again = provision(admin, Topics(cfg.topic_prefix, cfg.partitions))
     assert again["created"] == [] and len(again["topics"]) == len(CATALOGUE) == 12
     with pytest.raises(TopicError, match="co-partitioned"):

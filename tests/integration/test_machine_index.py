@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def ix(cfg) -> MachineIndex:
-    index = MachineIndex(redis.Redis.from_url(cfg.redis_url), cfg.topic_prefix)
+    index = MachineIndex(cfg.redis_client(), cfg.topic_prefix)
     yield index
     index.clear()
 

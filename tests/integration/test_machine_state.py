@@ -78,7 +78,7 @@ class States:
 def allocator(cfg, registry):
     """An Allocator fed by hand (no faust, no fold consumer): each record applied, then the pending requests
     decided and the changes projected to Redis, as one turn of its loop does. Returns the events produced."""
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     a = Allocator(cfg, registry, r, EventProducer(cfg, registry, PRODUCER))
     a.assign(range(cfg.partitions), fenced=False)
     topics = Topics(cfg.topic_prefix, cfg.partitions)
@@ -168,7 +168,7 @@ def test_a_reader_keeps_the_newest_state_when_an_older_one_arrives_late(allocato
 
 @pytest.mark.timeout(200)
 def test_machine_list_and_watch_show_what_the_running_allocator_published(cfg, registry):
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     producer = EventProducer(cfg, registry, "test")
 
     def body(allocator):

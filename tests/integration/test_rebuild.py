@@ -128,7 +128,7 @@ def region(infra_cfg, registry):
     """A topic prefix of its own, driven once by a live allocator; (cfg, the live index's dump). The harness
     stops the allocator and clears its Redis keys afterwards: the log is all that is left."""
     cfg = infra_cfg.with_(topic_prefix=f"t{uuid.uuid4().hex[:8]}.")
-    provision(AdminClient({"bootstrap.servers": cfg.bootstrap_servers}), Topics(cfg.topic_prefix, cfg.partitions))
+    provision(AdminClient({**cfg.kafka_conf()}), Topics(cfg.topic_prefix, cfg.partitions))
     live = run_allocator(cfg, registry, drive, timeout_s=200)
     return cfg, live
 
@@ -136,7 +136,7 @@ def region(infra_cfg, registry):
 @pytest.fixture
 def index(region):
     cfg, _ = region
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     yield MachineIndex(r, cfg.topic_prefix)
     r.close()
 
@@ -176,10 +176,10 @@ def test_the_rebuild_from_the_log_equals_the_live_index_key_for_key(region, inde
     stats = rebuild_index(cfg, registry)
     assert_same_index(index.dump(), live)
     # The only live keys left out of the comparison: the five decisions journaled by the commit (three placed,
-    # two freed), the partitions' fences and the counters.
+    # two freed), the partitions' fences, the counters and the index's generation.
     left_out = set(live) - set(index_state(live))
     assert len([k for k in left_out if k.startswith("alloc:done:")]) == 5
-    assert all(k.startswith(("alloc:done:", "alloc:fence:", "metrics:")) for k in left_out)
+    assert all(k.startswith(("alloc:done:", "alloc:fence:", "metrics:", "index:generation")) for k in left_out)
     assert stats["keys"] == len(list(index.r.scan_iter(index.key("*")))) and stats["replaced"] == 0
     # The outbox holds every machine, so the allocator republishes their states (see rebuild.py).
     assert set(index.outbox()) == set(MACHINES)
@@ -261,7 +261,7 @@ def test_a_rebuild_that_meets_a_writing_allocator_replaces_nothing(region, index
 
 def test_a_log_without_allocator_events_does_not_empty_the_index(cfg, registry):
     """A wrong broker or topic prefix (a log without the allocator's events) is refused."""
-    r = redis.Redis.from_url(cfg.redis_url)
+    r = cfg.redis_client()
     index = MachineIndex(r, cfg.topic_prefix)
     try:
         r.hset(index.key("m:m1"), "status", "UP")

@@ -88,7 +88,7 @@ def produce(cfg, registry, events, name="test", *, log_time_is_event_time=False)
 def fresh_cfg(infra_cfg):
     """Like the `cfg` fixture, for module-scoped data sets."""
     c = infra_cfg.with_(topic_prefix=f"t{uuid.uuid4().hex[:8]}.")
-    provision(AdminClient({"bootstrap.servers": c.bootstrap_servers}), Topics(c.topic_prefix, c.partitions))
+    provision(AdminClient({**c.kafka_conf()}), Topics(c.topic_prefix, c.partitions))
     return c
 
 
@@ -353,7 +353,7 @@ def keys_200(seed=11):
 @pytest.mark.parametrize("partitions", [4, 7])
 def test_partitioner_agrees_with_confluent_kafka(cfg, partitions):
     topic = f"{cfg.topic_prefix}murmur{partitions}"
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})  # kept alive until the result is in
+    admin = AdminClient({**cfg.kafka_conf()})  # kept alive until the result is in
     admin.create_topics([NewTopic(topic, partitions, 1)], operation_timeout=15)[topic].result()
     landed: dict[bytes, int] = {}
 

@@ -361,7 +361,7 @@ def test_the_timer_asks_again_for_rejected_tasks(cfg, registry, workers):
 def _committed(cfg) -> dict:
     from confluent_kafka import Consumer, TopicPartition
     t = Topics(cfg.topic_prefix, cfg.partitions)
-    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": cfg.topic_prefix + "scheduler"})
+    c = Consumer({**cfg.kafka_conf(), "group.id": cfg.topic_prefix + "scheduler"})
     try:
         tps = [TopicPartition(t.name(n), p) for n in ("intents", "machines") for p in range(cfg.partitions)]
         return {f"{tp.topic.rsplit('.', 1)[-1]}[{tp.partition}]": (tp.offset, c.get_watermark_offsets(tp, timeout=5))
@@ -428,7 +428,7 @@ def test_own_echoes_are_passed_over_undecoded_and_bad_records_dead_lettered(cfg,
 def _changelog_sizes(cfg, table: str) -> list[int]:
     from confluent_kafka import Consumer, TopicPartition
     topic = f"{cfg.topic_prefix}scheduler-scheduler-{table}-changelog"  # faust: <app id>-<table name>-changelog
-    c = Consumer({"bootstrap.servers": cfg.bootstrap_servers, "group.id": "test-sizes", "enable.auto.commit": False})
+    c = Consumer({**cfg.kafka_conf(), "group.id": "test-sizes", "enable.auto.commit": False})
     try:
         c.assign([TopicPartition(topic, p, 0) for p in range(cfg.partitions)])
         sizes, idle = [], 0
@@ -479,7 +479,7 @@ def test_an_output_the_broker_refuses_is_dead_lettered_and_the_shard_goes_on(cfg
     from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
     t = Topics(cfg.topic_prefix, cfg.partitions)
-    admin = AdminClient({"bootstrap.servers": cfg.bootstrap_servers})
+    admin = AdminClient({**cfg.kafka_conf()})
     res = ConfigResource("topic", t.name("allocations"), incremental_configs=[
         ConfigEntry("max.message.bytes", "20000", incremental_operation=AlterConfigOpType.SET)])
     for fut in admin.incremental_alter_configs([res]).values():

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_provision_creates_topics_with_the_catalogue_config_and_is_idempotent(infra_cfg):
-    admin = AdminClient({"bootstrap.servers": infra_cfg.bootstrap_servers})
+    admin = AdminClient({**infra_cfg.kafka_conf()})
     topics = Topics(f"cfg{uuid.uuid4().hex[:8]}.", infra_cfg.partitions)
     first = provision(admin, topics)
     assert first["created"] == sorted(topics.all())

@@ -2,10 +2,10 @@
 import pytest
 
 from processors.agent.decide import (
-    FAILED, KILL, REASON_EXITED, REASON_NOT_RUNNING, REASON_PROCESS_UP, REASON_RESTART_LIMIT, REASON_SPAWN_FAILED,
-    REASON_SPAWNING, REASON_STOP_COMMANDED, RUNNING, SPAWN, STARTING, STOPPED, UNKNOWN, WHY_NEW_SPEC,
-    WHY_RESTART_POLICY, AgentError, Command, Exited, Policy, SpawnFailed, Spawned, Tick, decide, forget_finished,
-    initial_state, run_from_json, run_to_json,
+    FAILED, KILL, REASON_ALREADY_RUNNING, REASON_EXITED, REASON_NOT_IN_LOG, REASON_NOT_RUNNING, REASON_PROCESS_UP,
+    REASON_RESTART_LIMIT, REASON_SPAWN_FAILED, REASON_SPAWNING, REASON_STOP_COMMANDED, RUNNING, SPAWN, STARTING,
+    STOPPED, UNKNOWN, WHY_NEW_SPEC, WHY_NOT_IN_LOG, WHY_RESTART_POLICY, AgentError, Command, Exited, Orphaned, Policy,
+    SpawnFailed, Spawned, Suspended, Tick, decide, forget_finished, initial_state, run_from_json, run_to_json,
 )
 from streams.events import new_event
 from streams.serde import SchemaRegistry
@@ -44,8 +44,40 @@ UP_OUT = [([(STARTING, UNKNOWN, REASON_SPAWNING, None)], [(SPAWN, "j/0", "comman
 CASES = {
     "start runs": (UP_, UP_OUT),
     "duplicate start (same event id) is a no-op": (UP_ + [(cmd("START"), 2)], UP_OUT + [([], [])]),
-    "start of a running task at the same spec is a no-op": (
-        UP_ + [(cmd("START", eid="other"), 2)], UP_OUT + [([], [])]),
+    # A log that was replaced (its START has another id) commands a task whose process the agent kept: nothing
+    # starts, the task is reported RUNNING again under that command (the new log's scheduler waits for it).
+    "start of a running task at the same spec (another command) is reported RUNNING again": (
+        UP_ + [(cmd("START", eid="other"), 2), (cmd("START", eid="other"), 3)],
+        UP_OUT + [([(RUNNING, RUNNING, REASON_ALREADY_RUNNING, None)], []), ([], [])]),
+    "start of a task still starting at the same spec: its RUNNING comes with the spawn": (
+        [(cmd("START"), 0), (cmd("START", eid="other"), 1), (Spawned("j/0"), 2)],
+        [UP_OUT[0], ([], []), ([(RUNNING, STARTING, REASON_PROCESS_UP, None)], [])]),
+    # `ropewalk down`: the agent kills its tasks; its next start runs them again, silently (no restart counted).
+    "suspended by the agent's stop, started again at its next start": (
+        UP_ + [(Suspended("j/0"), 2), (Tick(), 3), (Spawned("j/0"), 4)],
+        UP_OUT + [([], []), ([], [(SPAWN, "j/0", WHY_RESTART_POLICY)]), ([], [])]),
+    "suspended before its first spawn was confirmed: RUNNING once it is": (
+        [(cmd("START"), 0), (Suspended("j/0"), 1), (Tick(), 2), (Spawned("j/0"), 3)],
+        [UP_OUT[0], ([], []), ([], [(SPAWN, "j/0", WHY_RESTART_POLICY)]),
+         ([(RUNNING, STARTING, REASON_PROCESS_UP, None)], [])]),
+    "suspended while a stop was under way: STOPPED": (
+        UP_ + [(cmd("STOP"), 2), (Suspended("j/0"), 3), (Tick(), 4)],
+        UP_OUT + [([], [(KILL, "j/0", "commanded")]), ([(STOPPED, RUNNING, REASON_STOP_COMMANDED, None)], []),
+                  ([], [])]),
+    "suspended while killed for a new spec: the new one starts with the agent": (
+        UP_ + [(cmd("START", spec=2), 2), (Suspended("j/0"), 3), (Tick(), 4), (Spawned("j/0"), 5)],
+        UP_OUT + [([], [(KILL, "j/0", WHY_NEW_SPEC)]), ([(STARTING, RUNNING, REASON_SPAWNING, None)], []),
+                  ([], [(SPAWN, "j/0", WHY_RESTART_POLICY)]), ([(RUNNING, STARTING, REASON_PROCESS_UP, None)], [])]),
+    "suspension of a task without a process changes nothing": (
+        UP_ + [(Exited("j/0", 3), 2), (Suspended("j/0"), 3), (Suspended("zz"), 4)],
+        UP_OUT + [([], []), ([], []), ([], [])]),
+    # A log that does not command the task (the agent's offsets belonged to another one): stopped.
+    "orphaned: killed, STOPPED on exit": (
+        UP_ + [(Orphaned("j/0"), 2), (Exited("j/0", -15), 3)],
+        UP_OUT + [([], [(KILL, "j/0", WHY_NOT_IN_LOG)]), ([(STOPPED, RUNNING, REASON_STOP_COMMANDED, -15)], [])]),
+    "orphaned in backoff: STOPPED at once; unknown or stopped: nothing": (
+        UP_ + [(Exited("j/0", 3), 2), (Orphaned("j/0"), 3), (Orphaned("j/0"), 4), (Orphaned("zz"), 5)],
+        UP_OUT + [([], []), ([(STOPPED, RUNNING, REASON_NOT_IN_LOG, 3)], []), ([], []), ([], [])]),
     "start at a new spec kills, then runs the new one": (
         UP_ + [(cmd("START", spec=2), 2), (Exited("j/0", -15), 3), (Spawned("j/0"), 4)],
         UP_OUT + [([], [(KILL, "j/0", WHY_NEW_SPEC)]),

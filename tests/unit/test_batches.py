@@ -2,7 +2,7 @@
 import pytest
 
 from streams import batches
-from streams.batches import MAX_RECORD_BYTES, RecordTooLarge, size_of, split
+from streams.batches import MAX_RECORD_BYTES, RecordTooLarge, json_bound, size_of, split
 from streams.events import new_event
 from streams.serde import SchemaRegistry
 
@@ -52,6 +52,36 @@ def test_size_of_bounds_the_avro_encoding_from_above(value):
     buf = io.BytesIO()
     schemaless_writer(buf, parse_schema(s), value)
     assert len(buf.getvalue()) <= size_of(value), schema
+    assert len(buf.getvalue()) <= json_bound(value), schema  # the bound split's fast path relies on
+
+
+BOUNDS = {  # the worst cases of JSON text against Avro bytes: short numbers, doubles, long strings, empties
+    "digit": (7, "long"), "double": (0.5, "double"), "tiny double": (1e-05, "double"), "empty": ("", "string"),
+    "8 KB string": ("x" * 8192, "string"), "null": (None, "null"), "bool": (False, "boolean"),
+    "empty list": ([], {"type": "array", "items": "long"}),
+    "record": ({"a": None, "b": 1}, {"type": "record", "name": "R", "fields": [
+        {"name": "a", "type": ["null", "string"]}, {"name": "b", "type": "long"}]}),
+}
+
+
+@pytest.mark.parametrize("value, schema", BOUNDS.values(), ids=BOUNDS)
+def test_json_bound_bounds_the_avro_encoding_from_above(value, schema):
+    import io
+
+    from fastavro import parse_schema, schemaless_writer
+    buf = io.BytesIO()
+    schemaless_writer(buf, parse_schema(schema), value)
+    assert len(buf.getvalue()) <= json_bound(value)
+
+
+@pytest.mark.parametrize("n", [0, 1, 36, 5_000, 5_001, 40_000])
+def test_the_fast_path_cuts_as_the_item_by_item_walk_would_where_it_applies(n):
+    """Small lists are one part at once; lists that may not fit are cut by size_of, item by item."""
+    items = [{"task_id": f"e1.job/{i}", "machine_id": f"dc1-msb{i % 70:02d}-r001-m{i % 50:03d}", "command": "START",
+              "spec_version": 1, "reason": ""} for i in range(n)]
+    walked = split(items, size=lambda item: size_of(item))  # not the default size: never the fast path
+    assert split(items) == walked
+    assert all(len(p) <= batches.MAX_ITEMS for p in walked) and sum(map(len, walked)) == n
 
 
 def test_commands_reports_and_statuses_read_from_either_form():

@@ -249,3 +249,20 @@ def test_a_maintenance_on_the_log_keeps_every_placement_off_its_machines_until_i
     assert dict(plan.filter_rejections) == {placement.FILTER_MAINTENANCE: 2}
     fold.apply(*log.add(unavailability_ended("ue1", ["b2", "c2"])))
     assert {mid for _, mid in fold.place(e1, ask).placements} == {"b2"}
+
+
+def test_the_fold_counts_its_machines_by_status_as_they_change():
+    """RegionFold.statuses (what the index summary says and `ropewalk up` waits on) follows registrations and every
+    status change, whichever event carries it."""
+    from collections import Counter
+
+    fold = RegionFold()
+    ms = [reg(f"dc1-msb1-r01-m00{i}") for i in range(4)]
+    for i, e in enumerate(ms):
+        fold.apply(e, ("machines", 0, i))
+    assert +fold.statuses == Counter({"UP": 4})
+    fold.apply(status("dc1-msb1-r01-m000", "DOWN"), ("machines", 0, 10))
+    fold.apply(status("dc1-msb1-r01-m000", "DOWN"), ("machines", 0, 11))  # no change: counted once
+    fold.apply(status("dc1-msb1-r01-m001", "MAINTENANCE"), ("machines", 0, 12))
+    assert +fold.statuses == Counter({"UP": 2, "DOWN": 1, "MAINTENANCE": 1})
+    assert +fold.statuses == Counter(m.status for m in fold.machines.values())

@@ -195,6 +195,16 @@ OWNER_KEYS = {
     "released-by-non-holder-ignored": ([owner_ev("MachineAssignedToEntitlement", X, "e1", 5),
                                         owner_ev("MachineReleasedToFreePool", X, "e2", 6)], "e1"),
     "status-event-carries-the-key": ([status_ev(X, UP, 5, key="e3")], "e3"),
+    # A machine's events change partitions with its owner: a restarted health check may read an old owner's
+    # events after a newer owner's (the kill storm found its verdicts keyed to the old owner). Newest wins.
+    "old-owner-assignment-new-owner-assignment-old-owner-release": (  # read in that order, as in the storm
+        [owner_ev("MachineAssignedToEntitlement", X, "e3", 10), owner_ev("MachineAssignedToEntitlement", X, "e0", 30),
+         owner_ev("MachineReleasedToFreePool", X, "e3", 20)], "e0"),
+    "older-status-event-does-not-move-the-key-back": (
+        [owner_ev("MachineAssignedToEntitlement", X, "e0", 30), status_ev(X, UP, 25, key="e3")], "e0"),
+    "release-and-assignment-of-one-millisecond-in-either-order": (
+        [owner_ev("MachineAssignedToEntitlement", X, "e1", 5), owner_ev("MachineAssignedToEntitlement", X, "e2", 9),
+         owner_ev("MachineReleasedToFreePool", X, "e1", 9)], "e2"),
 }
 
 
@@ -240,7 +250,7 @@ def test_folding_machine_events_twice_changes_nothing():
         assert on_machine_event(once, ev) == once, ev.type
         state = once
     assert apply_all(HealthState(), events + events) == state
-    assert state.machines[X] == MachineHealth(X, "free/dc1", status=UP, status_ms=9, last_seen_ms=9)
+    assert state.machines[X] == MachineHealth(X, "free/dc1", status=UP, status_ms=9, last_seen_ms=9, owner_ms=10)
 
 
 def test_other_events_are_ignored():

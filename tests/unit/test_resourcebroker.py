@@ -416,7 +416,19 @@ def test_applying_every_event_twice_gives_the_same_state():
 # (state, events folded, machine, expected (status, owner))
 FOLDS = {
     "assign-free-machine": (registered_state(), [assigned(A1, "e1")], A1, (UP, "e1")),
-    "assign-held-by-other-ignored": (registered_state({A1: "e1"}), [assigned(A1, "e2")], A1, (UP, "e1")),
+    "older-assignment-to-another-ignored": (registered_state({A1: "e1"}), [assigned(A1, "e2", T0)], A1, (UP, "e1")),
+    # A machine's events change partitions with its owner, so a reader of several partitions may read them out of
+    # order (the kill storm's restarted readers did): the newest owner and status win, whatever the read order.
+    "newer-assignment-wins-over-a-release-read-later": (
+        registered_state({A1: "e1"}), [assigned(A1, "e2", T0 + 9), released(A1, "e1", T0 + 5)], A1, (UP, "e2")),
+    "old-owner-assignment-new-owner-assignment-old-owner-release": (  # read in that order, as in the storm
+        registered_state(), [assigned(A1, "e3", T0 + 10), assigned(A1, "e0", T0 + 30), released(A1, "e3", T0 + 20)],
+        A1, (UP, "e0")),
+    "release-and-assignment-of-one-millisecond-in-either-order": (
+        registered_state({A1: "e1"}), [assigned(A1, "e2", T0 + 9), released(A1, "e1", T0 + 9)], A1, (UP, "e2")),
+    "newer-status-read-before-an-older-one": (
+        registered_state(), [status_changed(A1, UP, "e1", T0 + 20, previous=UNHEALTHY),
+                             status_changed(A1, UNHEALTHY, "free/dc1", T0 + 10)], A1, (UP, None)),
     "release-by-holder": (registered_state({A1: "e1"}), [released(A1, "e1")], A1, (UP, None)),
     "release-by-other-ignored": (registered_state({A1: "e1"}), [released(A1, "e2")], A1, (UP, "e1")),
     "status-set": (registered_state(), [status_changed(A1, UNHEALTHY, "free/dc1")], A1, (UNHEALTHY, None)),

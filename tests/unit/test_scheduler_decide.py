@@ -707,6 +707,41 @@ def test_stop_stops_everything_then_frees_then_deletes():
     assert refusals(sim.feed(resized("j", 2))) == [("JobResized", REASON_UNKNOWN_JOB)]  # gone
 
 
+def test_an_answer_read_before_its_request_is_asked_again_applies_when_it_comes_again():
+    """A scheduler killed right after asking re-reads its input from its last committed offsets: it may read the
+    allocator's answer (another topic) before it asks again — the same request, the same ids. The early answer is
+    stale then and must not be remembered as applied, because the allocator answers the repeated request again (the
+    same event) and that one must apply. Before, the stopped job of the kill storm waited for good (ks-e0.j0013)."""
+    sim = running_job(2, ("m1", "m2"))
+    sim.feed(stopped("j"))
+    sim.feed(report("j/0", "STOPPED", "m1", exit_code=0))
+    before = sim.state
+    last = report("j/1", "STOPPED", "m2", exit_code=0)
+    out = sim.feed(last)
+    free = out[0]
+    assert kinds(out)[0] == ("request", (), ("j/0", "j/1"), ())
+    answer = deallocated(free)
+
+    sim.state = before  # killed: what it did since its last commit is done again, but the answer is read first
+    assert sim.feed(answer) == [] and sim.state == before  # stale, and not remembered
+    again = sim.feed(last)
+    assert again[0] == free  # the same request, the same event
+    out = sim.feed(answer)  # the allocator's answer to the repeated request: the same event
+    assert kinds(out) == [("published", JOB_STOPPED, True)] and sim.view()["tasks"] == []
+
+
+def test_a_placement_read_before_its_request_applies_when_it_comes_again():
+    sim = running_job(1, ("m1",))
+    before = sim.state
+    grow = resized("j", 2)
+    req = sim.feed(grow)[0]
+    answer = allocated(req, {"j/1": "m2"})
+    sim.state = before  # killed after asking: the answer is read before the resize is done again
+    assert sim.feed(answer) == [] and sim.state == before
+    assert sim.feed(grow)[0] == req
+    assert ("START", "j/1", "m2", 1) in kinds(sim.feed(answer))
+
+
 def test_a_stopped_job_id_is_used_again_by_a_new_incarnation():
     """A job stopped and freed (deleted): its id may be submitted again. The new incarnation (2) keeps the id
     ``<job>`` and its task ids; its request numbers go on from the old one's (r1 placed it, r2 freed it), so a late

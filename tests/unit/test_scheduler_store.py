@@ -158,3 +158,51 @@ def test_a_header_naming_a_missing_chunk_is_an_error_not_a_silent_loss():
     plan = st.plan(None, None, {}, running_job(2).state.jobs["j"])
     with pytest.raises(st.MissingChunk, match="names chunk 0 at version 1"):
         st.job_of(plan.header, {})
+
+
+# -- the machine index: derived from the stored jobs, kept in step by writes ------------------------------------
+
+def stored(*jobs):
+    """The jobs table and chunk table holding ``jobs`` (as JSON values, as the tables hold them)."""
+    headers, chunks = {}, {}
+    for job in jobs:
+        write(chunks, st.plan(None, None, chunks, job), headers)
+    return json.loads(json.dumps(headers)), json.loads(json.dumps(chunks))
+
+
+def index_of(idx: st.MachineJobs, keys):
+    return {k: sorted(idx.jobs(*k)) for k in keys if idx.jobs(*k)}
+
+
+def test_the_machine_index_built_from_the_tables_equals_the_one_kept_in_step_by_writes():
+    a = running_job(3, machines=("m1", "m2", "m3"), job="a").state.jobs["a"]
+    b = running_job(2, machines=("m2", "m4", "m9"), job="b").state.jobs["b"]
+    other = replace(big_job(3, "e2.c"), entitlement="e2")
+    headers, chunks = stored(a, b, other)
+    built = st.MachineJobs()
+    assert not built.built and built.jobs("e1", "m2") == set()  # not built: nothing, the caller builds it
+    built.build(headers, chunks)
+    keys = [(e, m) for e in ("e1", "e2") for m in ("m1", "m2", "m3", "m4", "m9", *st.machines_of(other))]
+    assert index_of(built, keys) == {("e1", "m1"): ["a"], ("e1", "m2"): ["a", "b"], ("e1", "m3"): ["a"],
+                                     ("e1", "m4"): ["b"],
+                                     **{("e2", m): ["e2.c"] for m in st.machines_of(other)}}
+    # b's task on m4 moves to m9 and a leaves m1: the index kept in step equals one built from the new tables
+    moved = replace(b, tasks=MappingProxyType({**b.tasks, "b/1": replace(b.tasks["b/1"], machine="m9")}))
+    shrunk = replace(a, tasks=MappingProxyType({k: t for k, t in a.tasks.items() if t.machine != "m1"}))
+    for before, after in ((b, moved), (a, shrunk)):
+        built.update(after.id, after.entitlement, st.machines_of(before), st.machines_of(after))
+    fresh = st.MachineJobs()
+    fresh.build(*stored(shrunk, moved, other))
+    assert index_of(built, keys) == index_of(fresh, keys)
+    assert built.jobs("e1", "m1") == set() and built.jobs("e1", "m9") == {"b"}
+
+
+def test_the_machine_index_reads_the_older_whole_job_record_and_is_rebuilt_after_forget():
+    job = running_job(3, machines=("m1", "m2", "m3")).state.jobs["j"]
+    old = json.loads(json.dumps(sd.job_to_record(job)))  # a header in the older format: tasks inside
+    idx = st.MachineJobs()
+    idx.build({"j": old}, {})
+    assert {m for m in ("m1", "m2", "m3") if idx.jobs("e1", m) == {"j"}} == {"m1", "m2", "m3"}
+    idx.forget()
+    idx.update("j", "e1", set(), {"m7"})  # a write while forgotten: the tables hold it, the next build reads it
+    assert not idx.built and idx.jobs("e1", "m7") == set()

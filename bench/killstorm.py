@@ -1,0 +1,532 @@
+"""A kill storm (issue #11): the control plane's processes killed with ``kill -9``, one every few seconds, under a
+continuous stream of job submissions, resizes, stops and machine failures, with the region's supervisor starting
+each again; then the region must converge, and the replayed log and Redis must show nothing lost or doubled.
+
+    ropewalk experiment killstorm [--kills 100] [--interval-s 3] [--machines 40] [--seed 11] [--json]
+    .venv/bin/python bench/killstorm.py --kills 100                     # the same
+
+Everything real: its own embedded broker and Redis on free ports, a temporary run directory and topic prefix
+(``bench.env.BenchEnv``), the control plane as ``ropewalk up`` runs it (``infra.controlplane.up``: the supervisor,
+the Resource Broker, the allocator, a scheduler shard, the simulated agents, the process agent of the local
+machine, the health check) and redis-server under the same supervisor. Victims come in rounds: each round kills
+every one of ``VICTIMS`` once, in a seeded shuffled order (one waiting for its restart is passed over for the next).
+
+What is checked once every job converged (``check``), from a replay of the log and from Redis:
+
+* **tasks lost**: a job the workload left running that has fewer than its tasks RUNNING (state.jobs), or a job it
+  stopped that is not gone;
+* **tasks placed twice**: a TasksAllocated that places a task still placed on another machine (the allocations
+  topic replayed in order; a move frees first); at the end, a task in two machines' task sets in Redis;
+* **tasks running twice**: a task in the latest heartbeat of two machines;
+* **machines over-committed**: a machine whose placed tasks need more cpu or memory than it has, at any point of
+  the replay (per entitlement, whose events are in order) or in Redis at the end (free below zero, or free not
+  capacity minus its tasks);
+* **quota breaches**: an entitlement that held more machines than its quota at any point of the replay
+  (MachineAssignedToEntitlement / MachineReleasedToFreePool, in order), or in Redis at the end;
+* **conflicting duplicates**: one event id on the log with two contents (a decision made twice, differently);
+* **Redis equals the log**: the index a rebuild from the log makes (``processors.allocator.rebuild``, in scratch
+  keys, not swapped in) equals the live one key for key.
+
+A figure is printed with its conditions; ``passed`` is true when every count is zero and every job converged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a script: bench/killstorm.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+VICTIMS = ("allocator", "scheduler-0", "health", "resourcebroker", "agents", "agent-local", "redis")
+PRODUCER = "killstorm"
+SPEC = {"command": ["sleep", "3600"], "resources": {"cpu_millicores": 500, "memory_mib": 512}, "spread": "msb"}
+
+
+@dataclass
+class Options:
+    kills: int = 100
+    interval_s: float = 3.0  # between two kills
+    machines: int = 40
+    partitions: int = 4
+    seed: int = 11
+    entitlements: int = 4
+    quota: int = 8  # machines per entitlement
+    max_live_jobs: int = 24  # beyond, the oldest live jobs are stopped
+    max_tasks: int = 5  # a job has 1..max_tasks tasks, and is resized within that
+    submit_every_s: float = 1.0
+    resize_every_s: float = 2.0
+    fail_every_s: float = 9.0  # a machine failure this often (recovered recover_after_s later)
+    recover_after_s: float = 7.0
+    converge_timeout_s: float = 240.0
+    keep: bool = False  # keep the run directory (logs)
+
+
+@dataclass
+class Workload:
+    """What the storm asked of the region, and what each job should end as."""
+
+    rng: random.Random
+    opts: Options
+    entitlements: list[str]
+    live: dict[str, tuple[str, int]] = field(default_factory=dict)  # job -> (entitlement, tasks it should have)
+    stopped: set[str] = field(default_factory=set)
+    failed: dict[str, float] = field(default_factory=dict)  # machine -> when to recover it (monotonic)
+    counts: Counter = field(default_factory=Counter)
+    serial: int = 0
+
+
+class Storm:
+    def __init__(self, env, opts: Options, say: Callable[[str], None]):
+        from streams.clients import EventProducer
+        from streams.serde import SchemaRegistry
+
+        self.env, self.cfg, self.opts, self.say = env, env.cfg, opts, say
+        self.registry = SchemaRegistry.from_dir()
+        self.producer = EventProducer(self.cfg, self.registry, PRODUCER)
+        self.rng = random.Random(opts.seed)
+        self.work = Workload(random.Random(opts.seed + 1), opts, [f"ks-e{i}" for i in range(opts.entitlements)])
+        self.kills: list[dict] = []
+        self.order: list[str] = []  # victims left in this round
+        self.machine_ids: list[str] = []
+
+    # -- the workload ------------------------------------------------------------------------------------------
+    def send(self, type_: str, payload: dict, entitlement: str, entity: str) -> None:
+        from streams.events import new_event
+
+        self.producer.send(new_event(type_, payload, entitlement=entitlement, entity_id=entity, producer=PRODUCER))
+        self.producer.flush(30)
+
+    def create_entitlements(self) -> None:
+        for e in self.work.entitlements:
+            self.send("EntitlementCreated", {"name": e, "quota_machines": self.opts.quota, "machine_type": None,
+                                             "dc_pin": None, "host_profile": None}, e, e)
+
+    def submit(self) -> None:
+        from processors.frontend.jobspec import validate_spec
+
+        w = self.work
+        w.serial += 1
+        ent = w.rng.choice(w.entitlements)
+        tasks = w.rng.randint(1, self.opts.max_tasks)
+        payload = validate_spec({**SPEC, "name": f"j{w.serial:04d}", "entitlement": ent, "tasks": tasks})
+        payload.pop("entitlement")
+        self.send("JobSubmitted", {**payload, "spec_version": 1}, ent, payload["job_id"])
+        w.live[payload["job_id"]] = (ent, tasks)
+        w.counts["jobs_submitted"] += 1
+        while len(w.live) > self.opts.max_live_jobs:
+            job = next(iter(w.live))
+            self.stop_job(job)
+
+    def stop_job(self, job: str) -> None:
+        ent, _ = self.work.live.pop(job)
+        self.send("JobStopped", {"job_id": job, "reason": "killstorm"}, ent, job)
+        self.work.stopped.add(job)
+        self.work.counts["jobs_stopped"] += 1
+
+    def resize(self) -> None:
+        w = self.work
+        if not w.live:
+            return
+        job = w.rng.choice(sorted(w.live))
+        ent, tasks = w.live[job]
+        new = w.rng.choice([n for n in range(1, self.opts.max_tasks + 1) if n != tasks] or [tasks])
+        self.send("JobResized", {"job_id": job, "tasks": new}, ent, job)
+        w.live[job] = (ent, new)
+        w.counts["resizes"] += 1
+
+    def fail_machine(self, now: float) -> None:
+        from processors.resourcebroker.processor import fail_machine
+
+        w = self.work
+        up = [m for m in self.machine_ids if m not in w.failed]
+        if len(w.failed) >= 2 or not up:
+            return
+        m = w.rng.choice(up)
+        if fail_machine(self.cfg, m, registry=self.registry):
+            w.failed[m] = now + self.opts.recover_after_s
+            w.counts["machine_failures"] += 1
+
+    def recover_due(self, now: float, *, all_: bool = False) -> None:
+        from processors.resourcebroker.processor import recover_machine
+
+        from processors.resourcebroker.decide import IllegalStatusTransition
+
+        for m, at in list(self.work.failed.items()):
+            if all_ or at <= now:
+                try:
+                    recover_machine(self.cfg, m, registry=self.registry)
+                    self.work.counts["machine_recoveries"] += 1
+                except IllegalStatusTransition:  # not DOWN by us any more (the health check's now): left to it
+                    self.work.counts["machine_recoveries_refused"] += 1
+                del self.work.failed[m]
+
+    # -- the kills ---------------------------------------------------------------------------------------------
+    def kill_one(self, t0: float) -> dict | None:
+        from infra import supervisor
+
+        running = {n: s["pid"] for n, s in supervisor.programs_state(self.cfg.run_dir).items()
+                   if n in VICTIMS and s["running"] and s["pid"]}
+        if not running:
+            return None
+        if not self.order:  # each round kills every victim once, in a seeded shuffled order
+            self.order = list(VICTIMS)
+            self.rng.shuffle(self.order)
+        victim = next((v for v in self.order if v in running), None)
+        if victim is None:  # every victim left in this round is waiting for its restart
+            return None
+        self.order.remove(victim)
+        try:
+            os.kill(running[victim], signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        kill = {"at_s": round(time.monotonic() - t0, 2), "victim": victim, "pid": running[victim]}
+        self.kills.append(kill)
+        return kill
+
+    # -- the run -----------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from bench.env import FAUST_ENV, cores
+        from infra import controlplane, supervisor
+
+        opts, say = self.opts, self.say
+        t_start = time.monotonic()
+        region = controlplane.up(self.cfg, opts.machines, ready_timeout_s=180.0, env=dict(FAUST_ENV))
+        if not region["ready"]:
+            raise RuntimeError(f"killstorm: the region did not come up: {region}")
+        self.machine_ids = sorted(m for m in machine_ids(self.cfg))
+        self.create_entitlements()
+        say(f"region up ({region['machines_indexed']} machines) in {time.monotonic() - t_start:.0f} s; "
+            f"{opts.kills} kills, one every {opts.interval_s} s")
+        t0 = time.monotonic()
+        due = {"kill": t0 + opts.interval_s, "submit": t0, "resize": t0 + opts.resize_every_s,
+               "fail": t0 + opts.fail_every_s}
+        while len(self.kills) < opts.kills:
+            now = time.monotonic()
+            if now >= due["submit"]:
+                self.submit()
+                due["submit"] = now + opts.submit_every_s
+            if now >= due["resize"]:
+                self.resize()
+                due["resize"] = now + opts.resize_every_s
+            if now >= due["fail"]:
+                self.fail_machine(now)
+                due["fail"] = now + opts.fail_every_s
+            self.recover_due(now)
+            if now >= due["kill"]:
+                kill = self.kill_one(t0)
+                due["kill"] = now + opts.interval_s
+                if kill and len(self.kills) % 10 == 0:
+                    say(f"{len(self.kills)} kills ({kill['victim']} at {kill['at_s']} s)")
+            time.sleep(0.05)
+        storm_s = time.monotonic() - t0
+        self.recover_due(0.0, all_=True)
+        say(f"storm over after {storm_s:.0f} s; waiting for every job to converge")
+        t1 = time.monotonic()
+        converged = self.wait_converged(opts.converge_timeout_s)
+        converge_s = time.monotonic() - t1
+        settle(self.cfg)
+        checks = check(self.cfg, self.registry, self.work, self.env.redis())
+        restarts = restarts_by_program(self.cfg.run_dir)
+        doc = {
+            "conditions": {"machines": opts.machines, "partitions": opts.partitions, "cores": cores(),
+                           "kills": opts.kills, "interval_s": opts.interval_s, "seed": opts.seed,
+                           "entitlements": opts.entitlements, "quota": opts.quota,
+                           "submit_every_s": opts.submit_every_s, "resize_every_s": opts.resize_every_s,
+                           "fail_every_s": opts.fail_every_s, "max_live_jobs": opts.max_live_jobs,
+                           "victims": list(VICTIMS)},
+            "storm_s": round(storm_s, 1), "converge_s": round(converge_s, 1), "converged": converged["ok"],
+            "kills_by_victim": dict(sorted(Counter(k["victim"] for k in self.kills).items())),
+            "restarts_by_program": restarts, "workload": dict(self.work.counts),
+            "jobs_live": len(self.work.live), "jobs_stopped": len(self.work.stopped),
+            "not_converged": converged["not"][:10], **checks,
+        }
+        doc["passed"] = bool(converged["ok"] and all(doc[k] == 0 for k in COUNTS) and doc["redis_matches_log"]
+                             and sum(restarts.values()) >= len(self.kills))
+        return doc
+
+    def wait_converged(self, timeout_s: float) -> dict[str, Any]:
+        from infra import supervisor
+        from streams import state
+
+        deadline = time.monotonic() + timeout_s
+        bad: list[str] = []
+        while time.monotonic() < deadline:
+            jobs = state.current(self.cfg, self.registry, "jobs")
+            bad = not_converged(jobs, self.work)
+            programs = supervisor.programs_state(self.cfg.run_dir)
+            down = [n for n, s in programs.items() if not s["running"]]
+            if not bad and not down:
+                return {"ok": True, "not": []}
+            time.sleep(2.0)
+        return {"ok": False, "not": bad}
+
+
+COUNTS = ("tasks_lost", "tasks_placed_twice", "tasks_running_twice", "machines_overcommitted", "quota_breaches",
+          "conflicting_duplicates")
+
+
+def machine_ids(cfg) -> list[str]:
+    from processors.allocator.index import MachineIndex
+
+    r = cfg.redis_client(read_only=True)
+    try:
+        return MachineIndex(r, cfg.topic_prefix).machine_ids()
+    finally:
+        r.close()
+
+
+def not_converged(jobs: dict, work: Workload) -> list[str]:
+    """The workload's jobs not (yet) as it left them: live ones with all their tasks RUNNING, stopped ones gone."""
+    out = []
+    for job, (_, tasks) in sorted(work.live.items()):
+        ev = jobs.get(job)
+        states = [t["state"] for t in ev.payload["tasks"]] if ev is not None else []
+        if ev is None or len(states) != tasks or any(s != "RUNNING" for s in states):
+            out.append(f"{job}: {Counter(states) if ev is not None else 'no state'} (want {tasks} RUNNING)")
+    for job in sorted(work.stopped):
+        ev = jobs.get(job)
+        if ev is not None and not ev.payload.get("deleted"):
+            out.append(f"{job}: {ev.payload['state']} (stopped: want it gone)")
+    return out
+
+
+def settle(cfg, quiet_s: float = 3.0, timeout_s: float = 60.0) -> None:
+    """Until the allocations topic has not grown for ``quiet_s`` (the allocator is idle), at most ``timeout_s``."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from streams.topics import Topics
+
+    topic = Topics(cfg.topic_prefix, cfg.partitions).name("allocations")
+    c = Consumer({**cfg.kafka_conf(), "group.id": "killstorm-settle", "log_level": 0})
+    try:
+        def ends():
+            return [c.get_watermark_offsets(TopicPartition(topic, p), timeout=5)[1] for p in range(cfg.partitions)]
+        last, since, deadline = ends(), time.monotonic(), time.monotonic() + timeout_s
+        while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+            time.sleep(0.5)
+            now = ends()
+            if now != last:
+                last, since = now, time.monotonic()
+    finally:
+        c.close()
+    time.sleep(1.0)  # the allocator's projection of the last batch
+
+
+def restarts_by_program(run_dir: Path) -> dict[str, int]:
+    from infra import supervisor
+
+    try:
+        lines = (Path(run_dir) / supervisor.RESTARTS_FILE).read_text().splitlines()
+    except OSError:
+        return {}
+    return dict(sorted(Counter(json.loads(line)["program"] for line in lines).items()))
+
+
+# -- the checks --------------------------------------------------------------------------------------------------
+
+def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
+    """The counts of ``COUNTS`` (and what they were counted from), from a replay of the log and from Redis."""
+    from streams import state
+    from streams.replay import Replay, ReplayFilter
+
+    jobs = state.current(cfg, registry, "jobs")
+    lost = not_converged(jobs, work)
+    seen: dict[str, str] = {}  # event id -> its payload, as JSON
+    conflicting = duplicates = 0
+    capacity: dict[str, tuple[int, int]] = {}
+    resources: dict[str, tuple[int, int]] = {}  # request id -> per-task (cpu, mem)
+    placed: dict[str, tuple[str, int, int]] = {}  # task -> (machine, cpu, mem)
+    load: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])  # (entitlement, machine) -> cpu, mem
+    held: dict[str, set[str]] = defaultdict(set)
+    peak: Counter = Counter()  # the most machines each entitlement held at once
+    quota: dict[str, int] = {}
+    beats: dict[str, list[str]] = {}
+    twice = over = breaches = 0
+    over_at: list[str] = []
+    log = []
+    for rec in Replay(cfg, registry, ReplayFilter(topics=("intents", "machines", "allocations", "heartbeats"))):
+        ev = rec.event
+        body = json.dumps(ev.payload, sort_keys=True, default=str)
+        if ev.event_id in seen:
+            duplicates += 1
+            conflicting += seen[ev.event_id] != body
+            continue
+        seen[ev.event_id] = body
+        log.append(ev)
+        if ev.type == "EntitlementCreated":
+            quota[ev.entitlement] = ev.payload["quota_machines"]
+        elif ev.type == "MachineRegistered":
+            capacity[ev.payload["machine_id"]] = (ev.payload["capacity"]["cpu_millicores"],
+                                                  ev.payload["capacity"]["memory_mib"])
+    # Then in log order per partition (an entitlement's events are in one, in order; topics and partitions are read
+    # interleaved, so the capacities and quotas are taken first).
+    records = len(log) + duplicates
+    for ev in log:
+        p = ev.payload
+        if ev.type == "MachineAssignedToEntitlement":
+            held[ev.entitlement].add(p["machine_id"])
+            peak[ev.entitlement] = max(peak[ev.entitlement], len(held[ev.entitlement]))
+            if len(held[ev.entitlement]) > quota.get(ev.entitlement, 0):
+                breaches += 1
+        elif ev.type == "MachineReleasedToFreePool":
+            held[ev.entitlement].discard(p["machine_id"])
+        elif ev.type == "AllocationRequested":
+            resources[p["request_id"]] = (p["resources"]["cpu_millicores"], p["resources"]["memory_mib"])
+        elif ev.type == "TasksDeallocated":
+            for row in p["placements"]:
+                cur = placed.get(row["task_id"])
+                if cur is not None and cur[0] == row["machine_id"]:
+                    del placed[row["task_id"]]
+                    sums = load[(ev.entitlement, cur[0])]
+                    sums[0] -= cur[1]
+                    sums[1] -= cur[2]
+        elif ev.type == "TasksAllocated":
+            cpu, mem = resources.get(p["request_id"], (0, 0))
+            for row in p["placements"]:
+                t, m = row["task_id"], row["machine_id"]
+                cur = placed.get(t)
+                if cur is not None and cur[0] == m:
+                    continue  # placed there already: a no-op
+                if cur is not None:
+                    twice += 1
+                placed[t] = (m, cpu, mem)
+                sums = load[(ev.entitlement, m)]
+                sums[0] += cpu
+                sums[1] += mem
+                cap = capacity.get(m, (0, 0))
+                if sums[0] > cap[0] or sums[1] > cap[1]:
+                    over += 1
+                    over_at.append(f"{m} ({ev.entitlement}: {sums} of {cap})")
+        elif ev.type == "AgentHeartbeat":
+            beats[p["machine_id"]] = list(p["running_task_ids"])
+    running_on: dict[str, set[str]] = defaultdict(set)
+    for m, tasks in beats.items():
+        for t in tasks:
+            running_on[t].add(m)
+    running_twice = sorted(t for t, ms in running_on.items() if len(ms) > 1)
+    redis_doc = check_redis(cfg, r, quota)
+    return {"records_replayed": records, "duplicate_records": duplicates, "conflicting_duplicates": conflicting,
+            "tasks_lost": len(lost), "tasks_placed_twice": twice + redis_doc["tasks_in_two_machines"],
+            "tasks_running_twice": len(running_twice), "running_twice": running_twice[:10],
+            "machines_overcommitted": over + redis_doc["machines_overcommitted"], "overcommitted": over_at[:10],
+            "quota_breaches": breaches + redis_doc["quota_breaches"], "tasks_placed": len(placed),
+            "peak_machines_held": dict(sorted(peak.items())),
+            "redis_differences": (diff := redis_differences(cfg, registry, r))[:10], "redis_matches_log": not diff,
+            "redis": redis_doc}
+
+
+def check_redis(cfg, r, quota: dict[str, int]) -> dict[str, Any]:
+    from processors.allocator.index import MachineIndex
+
+    index = MachineIndex(r, cfg.topic_prefix)
+    machines = index.machines(index.machine_ids())
+    placements = index.placements()
+    sets: dict[str, int] = Counter()
+    over = 0
+    held: Counter = Counter()
+    for m in machines.values():
+        tasks = {k.decode() if isinstance(k, bytes) else k for k in r.smembers(f"{cfg.topic_prefix}tasks:{m.id}")}
+        for t in tasks:
+            sets[t] += 1
+        res = [tuple(map(int, (v.decode() if isinstance(v, bytes) else v).split()))
+               for v in r.hmget(f"{cfg.topic_prefix}taskres", list(tasks)) if v is not None] if tasks else []
+        used = (sum(c for c, _ in res), sum(mm for _, mm in res))
+        if (m.cpu_free < 0 or m.mem_free < 0 or m.cpu_free != m.cpu_capacity - used[0]
+                or m.mem_free != m.mem_capacity - used[1]):
+            over += 1
+        if m.entitlement:
+            held[m.entitlement] += 1
+    return {"machines": len(machines), "placements": len(placements),
+            "tasks_in_two_machines": sum(1 for n in sets.values() if n > 1),
+            "machines_overcommitted": over,
+            "quota_breaches": sum(1 for e, n in held.items() if n > quota.get(e, 0)),
+            "machines_held": dict(sorted(held.items()))}
+
+
+def redis_differences(cfg, registry, r) -> list[str]:
+    """The keys where the live index and a rebuild of it from the log (scratch keys, not swapped in) differ: none
+    when Redis holds exactly the projection of the log."""
+    from processors.allocator.index import MachineIndex
+    from processors.allocator.rebuild import Rebuild, index_state
+
+    rb = Rebuild(cfg, registry, r)
+    try:
+        rb.apply(rb.read())
+        rb.write()
+        rebuilt = index_state(MachineIndex(r, rb.scratch).dump())
+        live = index_state(MachineIndex(r, cfg.topic_prefix).dump())
+    finally:
+        rb.discard()
+    return [f"{k}: live {live.get(k)!r}, log {rebuilt.get(k)!r}" for k in sorted(set(live) | set(rebuilt))
+            if live.get(k) != rebuilt.get(k)]
+
+
+# -- the command -------------------------------------------------------------------------------------------------
+
+def run(opts: Options, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    from bench.env import BenchEnv, sigterm_as_interrupt
+
+    t0 = time.monotonic()
+    with sigterm_as_interrupt(), BenchEnv(opts.partitions, keep=opts.keep) as env:
+        doc = Storm(env, opts, say).run()
+        doc["run_dir"] = str(env.run_dir) if opts.keep else None
+    doc["seconds"] = round(time.monotonic() - t0, 1)
+    return doc
+
+
+def format_text(doc: dict) -> str:
+    c = doc["conditions"]
+    lines = [f"kill storm: {c['kills']} kills (kill -9), one every {c['interval_s']} s, of {', '.join(c['victims'])}; "
+             f"{c['machines']} machines, {c['partitions']} partitions, {c['cores']} cores, seed {c['seed']}",
+             f"  storm {doc['storm_s']} s; converged {'yes' if doc['converged'] else 'NO'} {doc['converge_s']} s after",
+             f"  kills      {doc['kills_by_victim']}",
+             f"  restarts   {doc['restarts_by_program']} (recorded by the supervisor)",
+             f"  workload   {doc['workload']}; {doc['jobs_live']} jobs left running, {doc['jobs_stopped']} stopped",
+             f"  log        {doc['records_replayed']} records replayed, {doc['duplicate_records']} duplicate records "
+             f"(same id and content: readers drop them), {doc['tasks_placed']} tasks placed at the end"]
+    lines += [f"  {k:24} {doc[k]}" for k in COUNTS]
+    lines += [f"  {'redis_matches_log':24} {doc['redis_matches_log']}"
+              + (f"  ({len(doc['redis_differences'])}+ keys differ: {doc['redis_differences'][:3]})"
+                 if doc["redis_differences"] else ""),
+              f"  {'passed':24} {doc['passed']}  ({doc['seconds']} s in all)"]
+    if doc["not_converged"]:
+        lines.append(f"  not converged: {doc['not_converged']}")
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    d = Options()
+    ap.add_argument("--kills", type=int, default=d.kills, help=f"processes killed in all (default {d.kills})")
+    ap.add_argument("--interval-s", type=float, default=d.interval_s, help="seconds between two kills")
+    ap.add_argument("--machines", type=int, default=d.machines)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--keep", action="store_true", help="keep the run directory (every process's log)")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def run_cli(args) -> int:
+    opts = Options(kills=args.kills, interval_s=args.interval_s, machines=args.machines, seed=args.seed,
+                   keep=args.keep)
+    doc = run(opts, say=lambda s: print(f"killstorm: {s}", file=sys.stderr, flush=True))
+    print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_text(doc))
+    return 0 if doc["passed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/killstorm.py", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run_cli(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""What each principal may do on the broker: the region's Kafka ACLs, in one table.
+
+``WRITES`` and ``READS`` name the logical topics (``streams/topics.py``) each principal writes and reads; the faust
+processors also own their consumer group and internal topics (``FAUST_APPS``: changelogs, named after the app id).
+``bindings`` turns the table into Kafka ACL bindings for one region (topic prefix) and its users; ``provision``
+creates them (idempotent: the broker keeps one copy of each binding) and ``drop`` deletes exactly them. The
+embedded broker runs Kafka's ``StandardAuthorizer`` with ``allow.everyone.if.no.acl.found=false``: what the table
+does not allow is refused (``TOPIC_AUTHORIZATION_FAILED``). ``operator`` is a super user (``infra/broker.py``): the
+CLI's direct path, ``up``'s provisioning, archive/restore, rebuild and the tests act as it.
+
+Writers per topic, and where a topic-level ACL cannot tell writers apart:
+
+| topic            | written by (besides operator)        | gap the ACL leaves, and who closes it |
+|------------------|--------------------------------------|---------------------------------------|
+| intents          | api (users' intents), scheduler (IntentRefused) | the scheduler could forge an intent; it is trusted with every task command anyway |
+| machines         | resourcebroker, health, allocator, api (admins' machine fail/recover, maintenance end) | |
+| unavailability   | resourcebroker, health, api (admins' maintenance, machine fail) | |
+| allocations      | scheduler (AllocationRequested), allocator (TasksAllocated, AllocationRejected, TasksDeallocated) | the scheduler could forge a placement: agents trust the allocations topic, written only by these two |
+| tasks            | scheduler (commands, its own task transitions), agent (reports) | an agent principal could forge a command: agents start only what ``allocations`` placed on their machine for that entitlement and job (processors/agent/gate.py); a forged STOP from an agent principal is not caught (all agents share one principal) |
+| taskcontrol      | scheduler (requests, throttling), controller (acks) | a controller could ack another job's request: the scheduler ignores acks of a stale or unknown sequence |
+| heartbeats       | agent | |
+| state.jobs, state.tasks | scheduler | |
+| state.machines   | allocator | |
+| deadletter       | every processor | |
+| _schemas         | every principal (each producer publishes its writer schemas) | |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Iterable, Mapping
+
+from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, OPERATOR, RESOURCEBROKER, SCHEDULER)
+from streams.topics import CATALOGUE, Topics
+
+READ, WRITE = "READ", "WRITE"
+SCHEMAS, DEADLETTER = "_schemas", "deadletter"
+DATA = tuple(t.name for t in CATALOGUE if t.name != SCHEMAS)
+
+WRITES: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    API: ("intents", "machines", "unavailability", SCHEMAS),
+    SCHEDULER: ("intents", "allocations", "tasks", "taskcontrol", "state.jobs", "state.tasks", DEADLETTER, SCHEMAS),
+    ALLOCATOR: ("allocations", "machines", "state.machines", DEADLETTER, SCHEMAS),
+    RESOURCEBROKER: ("machines", "unavailability", DEADLETTER, SCHEMAS),
+    HEALTH: ("machines", "unavailability", DEADLETTER, SCHEMAS),
+    AGENT: ("tasks", "heartbeats", DEADLETTER, SCHEMAS),
+    CONTROLLER: ("taskcontrol", DEADLETTER, SCHEMAS),
+})
+READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    API: (*DATA, SCHEMAS),  # state, replay, the verdict of a submission, server-sent events
+    SCHEDULER: ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", SCHEMAS),
+    ALLOCATOR: ("intents", "machines", "unavailability", "allocations", "state.machines", SCHEMAS),
+    RESOURCEBROKER: ("machines", "unavailability", SCHEMAS),
+    HEALTH: ("machines", "heartbeats", SCHEMAS),
+    AGENT: ("tasks", "allocations", SCHEMAS),
+    CONTROLLER: ("taskcontrol", SCHEMAS),
+})
+# faust apps: principal -> app id (its consumer group `<prefix><app>` and internal topics `<prefix><app>-...`).
+FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})
+FAUST_TOPIC_OPERATIONS = ("READ", "WRITE", "CREATE", "DESCRIBE", "DESCRIBE_CONFIGS")
+READER_GROUPS = "ropewalk-"  # prefix (after the region's) of the group ids of assign-only readers
+
+
+def allowed(principal: str, topic: str, operation: str) -> bool:
+    """Whether the table lets ``principal`` do ``operation`` (READ, WRITE) on logical ``topic``. Pure."""
+    if principal == OPERATOR:
+        return True
+    table = WRITES if operation == WRITE else READS
+    return topic in table.get(principal, ())
+
+
+@dataclass(frozen=True)
+class Grant:
+    principal: str
+    resource: str  # "topic" or "group"
+    name: str  # physical name (or prefix)
+    prefixed: bool
+    operation: str  # a Kafka AclOperation name
+
+
+def grants(prefix: str) -> list[Grant]:
+    """The table as grants on the physical names of a region with topic prefix ``prefix``. Pure."""
+    topics = Topics(prefix)
+    out = []
+    for table, op in ((READS, READ), (WRITES, WRITE)):
+        for principal, names in table.items():
+            out += [Grant(principal, "topic", topics.name(t), False, op) for t in names]
+    for principal in READS:  # the group ids of readers that assign partitions themselves (streams.clients.reader_group)
+        out.append(Grant(principal, "group", f"{prefix}{READER_GROUPS}", True, "DESCRIBE"))
+    for principal, app in FAUST_APPS.items():
+        out.append(Grant(principal, "group", prefix + app, True, READ))
+        out += [Grant(principal, "topic", f"{prefix}{app}-", True, op) for op in FAUST_TOPIC_OPERATIONS]
+    return out
+
+
+def bindings(prefix: str, usernames: Mapping[str, str]) -> list:
+    """confluent-kafka ``AclBinding``s of ``grants(prefix)`` for the principals' Kafka users (``usernames``:
+    principal -> user; a principal without a user gets none)."""
+    from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType
+
+    out = []
+    for g in grants(prefix):
+        user = usernames.get(g.principal)
+        if user is None:
+            continue
+        out.append(AclBinding(ResourceType.TOPIC if g.resource == "topic" else ResourceType.GROUP, g.name,
+                              ResourcePatternType.PREFIXED if g.prefixed else ResourcePatternType.LITERAL,
+                              f"User:{user}", "*", getattr(AclOperation, g.operation), AclPermissionType.ALLOW))
+    return out
+
+
+def provision(admin, prefix: str, usernames: Mapping[str, str], timeout_s: float = 30.0, *, wait: bool = True):
+    """Create the region's ACLs (an existing binding is left as it is). Returns how many bindings; with
+    ``wait=False`` the futures instead (``wait_for`` them: the caller does something else meanwhile)."""
+    wanted = bindings(prefix, usernames)
+    futures = list(admin.create_acls(wanted, request_timeout=timeout_s).values()) if wanted else []
+    if not wait:
+        return futures
+    wait_for(futures)
+    return len(wanted)
+
+
+def drop(admin, prefix: str, usernames: Mapping[str, str], timeout_s: float = 30.0, *, wait: bool = True):
+    """Delete the region's ACLs (those ``provision`` made for ``prefix``); ``wait=False``: the futures."""
+    from confluent_kafka.admin import AclBindingFilter
+
+    filters = [AclBindingFilter(b.restype, b.name, b.resource_pattern_type, b.principal, b.host, b.operation,
+                                b.permission_type) for b in bindings(prefix, usernames)]
+    futures = list(admin.delete_acls(filters, request_timeout=timeout_s).values()) if filters else []
+    if wait:
+        wait_for(futures)
+    return futures
+
+
+def wait_for(futures: Iterable) -> None:
+    for fut in futures:
+        fut.result()
+
+
+def provision_region(cfg, admin=None, *, wait: bool = True):
+    """``provision`` for the region of ``cfg`` (its topic prefix, the users of its secrets directory); nothing when
+    the region has no Kafka credentials (a broker without authentication)."""
+    return provision(admin or _admin(cfg), cfg.topic_prefix, _users(cfg), wait=wait)
+
+
+def drop_region(cfg, admin=None, *, wait: bool = True):
+    return drop(admin or _admin(cfg), cfg.topic_prefix, _users(cfg), wait=wait)
+
+
+def _users(cfg) -> dict[str, str]:
+    from infra.credentials import kafka_usernames
+
+    return {p: u for p, u in kafka_usernames(cfg.secrets).items() if p != OPERATOR}
+
+
+def _admin(cfg):
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient({**cfg.kafka_conf(), "log_level": 0})

@@ -1,0 +1,288 @@
+"""Who is who on the broker and in Redis: the control plane's principals and their credentials.
+
+Every process authenticates to Kafka as ONE principal (``Config.principal``; processors name their own with
+``Config.as_principal``, the CLI and tests are ``operator``), and to Redis as the Redis user of that principal
+(``REDIS_USER_OF``). What each principal may do on each topic is ``infra/acls.py``; which Redis commands each Redis
+user may run is ``redis_acl_lines`` below.
+
+| principal       | runs                                    | Redis user |
+|-----------------|-----------------------------------------|------------|
+| operator        | the CLI's direct path, `up`, tests      | operator (every command) |
+| api             | the HTTP API (processors/api)           | api (read-only) |
+| scheduler       | scheduler shards                        | reader (read-only) |
+| allocator       | the allocator                           | allocator (its index; no FLUSHALL, CONFIG, KEYS, ...) |
+| resourcebroker  | the Resource Broker                     | reader |
+| health          | the Health Check Service                | reader |
+| agent           | process and simulated agents            | reader |
+| controller      | applications' TaskControllers           | reader |
+
+The embedded broker has one more user, ``broker`` (``BROKER_USER``): the broker's own identity towards its KRaft
+controller, and the administrator ``up`` uses to create the principals' SCRAM credentials. No client of the region
+uses it.
+
+**Files** (in the secrets directory, ``Config.secrets_dir``: ``ROPEWALK_SECRETS_DIR``, default ``<run dir>/secrets``;
+the directory 0700, every file 0600, written whole and renamed into place):
+
+    kafka.json   {"security_protocol": "SASL_PLAINTEXT", "mechanism": "SCRAM-SHA-256", "ssl_ca": null,
+                  "principals": {"operator": {"username": "operator", "password": "..."}, ...},
+                  "broker": {"username": "broker", "password": "..."}}          # broker: embedded only
+    redis.json   {"users": {"operator": {"username": "operator", "password": "..."}, ...}}
+    redis.acl    the embedded redis-server's ACL file: the same users, passwords as SHA-256 hashes
+    kcat.conf    the operator's librdkafka settings (PLAIN), for tools: ``kcat -F <secrets>/kcat.conf -b ... -L``
+    users.yaml   the API's users: token hashes, roles per entitlement (processors/api/users.py)
+    token        the local region administrator's API token, read by the CLI
+
+``ensure(cfg)`` (run by ``ropewalk up`` and the test session) creates what is missing with random passwords
+(``secrets.token_urlsafe``, 192 bits) and keeps what exists, so a region keeps its credentials across ``down`` /
+``up``. Without ``kafka.json`` clients connect without SASL (an external broker without authentication); without
+``redis.json`` they connect to Redis without a user.
+
+**A real cluster.** Write ``kafka.json`` yourself, naming for each principal the user your cluster knows (the
+``username`` may differ from the principal's name), with ``"security_protocol": "SASL_SSL"`` and ``"ssl_ca":
+"/path/ca.pem"`` if the cluster has TLS, and ``"mechanism"`` ``SCRAM-SHA-512`` or ``PLAIN`` as it wants; give
+``redis.json`` the users of your Redis (``ROPEWALK_REDIS_URL`` without a password). ``ropewalk up`` then creates
+the topics and the ACLs of ``infra/acls.py`` as ``operator`` (which must be allowed to: a cluster admin), and
+starts each worker as its principal. How each client is configured from these files:
+
+* confluent-kafka (producers, consumers, admin): ``kafka_conf`` → ``security.protocol``, ``sasl.mechanism``,
+  ``sasl.username``, ``sasl.password`` (``ssl.ca.location`` with a CA);
+* faust / aiokafka (scheduler shards, allocator): ``faust_credentials`` → ``faust.SASLCredentials(username,
+  password, mechanism, ssl_context)`` as the app's ``broker_credentials``; ``aiokafka_kwargs`` for bare aiokafka
+  clients (``security_protocol``, ``sasl_mechanism``, ``sasl_plain_username``, ``sasl_plain_password``);
+* redis-py: ``redis_auth`` → ``username`` / ``password`` given to ``redis.Redis.from_url``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+OPERATOR = "operator"
+API = "api"
+SCHEDULER = "scheduler"
+ALLOCATOR = "allocator"
+RESOURCEBROKER = "resourcebroker"
+HEALTH = "health"
+AGENT = "agent"
+CONTROLLER = "controller"
+PRINCIPALS = (OPERATOR, API, SCHEDULER, ALLOCATOR, RESOURCEBROKER, HEALTH, AGENT, CONTROLLER)
+BROKER_USER = "broker"  # the embedded broker's own user (super user; PLAIN, from its JAAS config)
+
+# Redis users, and which one each principal connects as.
+REDIS_OPERATOR, REDIS_ALLOCATOR, REDIS_API, REDIS_READER = "operator", "allocator", "api", "reader"
+REDIS_USERS = (REDIS_OPERATOR, REDIS_ALLOCATOR, REDIS_API, REDIS_READER)
+REDIS_USER_OF: Mapping[str, str] = {OPERATOR: REDIS_OPERATOR, ALLOCATOR: REDIS_ALLOCATOR, API: REDIS_API}
+
+DEFAULT_PROTOCOL = "SASL_PLAINTEXT"
+DEFAULT_MECHANISM = "SCRAM-SHA-256"
+SCRAM_ITERATIONS = 4096  # Kafka's minimum for SCRAM-SHA-256, and what its tools use by default
+
+KAFKA_FILE = "kafka.json"
+KCAT_FILE = "kcat.conf"
+REDIS_FILE = "redis.json"
+REDIS_ACL_FILE = "redis.acl"
+
+
+class CredentialsError(RuntimeError):
+    """A secrets file that cannot be used, with what to do about it."""
+
+
+@dataclass(frozen=True)
+class KafkaCredentials:
+    security_protocol: str
+    mechanism: str
+    username: str
+    password: str
+    ssl_ca: str | None = None
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(24)
+
+
+# -- files -----------------------------------------------------------------------------------------------------
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600 (a temp file created 0600, renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CredentialsError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise CredentialsError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CredentialsError(f"{path}: expected a JSON object")
+    return doc
+
+
+def ensure(secrets_dir: Path, *, kafka: bool = True, redis: bool = True) -> dict[str, list[str]]:
+    """Create the secrets directory and, for the embedded services (``kafka``, ``redis``), their credential files
+    with a random password for every principal / Redis user missing from them. Existing passwords are kept.
+    Returns what was added, per file."""
+    secrets_dir = Path(secrets_dir)
+    secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(secrets_dir, 0o700)
+    added: dict[str, list[str]] = {}
+    if kafka:
+        path = secrets_dir / KAFKA_FILE
+        doc = read_json(path) or {"security_protocol": DEFAULT_PROTOCOL, "mechanism": DEFAULT_MECHANISM,
+                                  "ssl_ca": None, "principals": {}}
+        principals = doc.setdefault("principals", {})
+        new = [p for p in PRINCIPALS if p not in principals]
+        for p in new:
+            principals[p] = {"username": p, "password": new_password()}
+        if "broker" not in doc:
+            doc["broker"] = {"username": BROKER_USER, "password": new_password()}
+            new.append(BROKER_USER)
+        if new or not path.exists():
+            write_private(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        # PLAIN, not SCRAM: Debian's kcat links librdkafka 2.0.2, whose SCRAM Kafka 4 refuses (infra/broker.py).
+        operator = {**librdkafka_conf(kafka_credentials(secrets_dir, OPERATOR)), "sasl.mechanism": "PLAIN"}
+        write_private(secrets_dir / KCAT_FILE, "".join(f"{k}={v}\n" for k, v in operator.items()))
+        added[KAFKA_FILE] = new
+    if redis:
+        path = secrets_dir / REDIS_FILE
+        doc = read_json(path) or {"users": {}}
+        users = doc.setdefault("users", {})
+        new = [u for u in REDIS_USERS if u not in users]
+        for u in new:
+            users[u] = {"username": u, "password": new_password()}
+        if new or not path.exists():
+            write_private(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        write_private(secrets_dir / REDIS_ACL_FILE, redis_acl_file(users))
+        added[REDIS_FILE] = new
+    return added
+
+
+# -- Kafka -----------------------------------------------------------------------------------------------------
+
+def kafka_credentials(secrets_dir: Path, principal: str) -> KafkaCredentials | None:
+    """The credentials ``principal`` connects with, from ``kafka.json``; None when there is no such file (no SASL).
+    A file that lacks the principal is an error naming it."""
+    path = Path(secrets_dir) / KAFKA_FILE
+    doc = read_json(path)
+    if doc is None:
+        return None
+    who = (doc.get("principals") or {}).get(principal)
+    if principal == BROKER_USER:
+        who = doc.get("broker")
+    if not isinstance(who, dict) or not who.get("username") or who.get("password") is None:
+        raise CredentialsError(f"{path} has no credentials for principal {principal!r} "
+                               f"(known: {', '.join(sorted(doc.get('principals') or {}))})")
+    return KafkaCredentials(security_protocol=doc.get("security_protocol") or DEFAULT_PROTOCOL,
+                            mechanism=doc.get("mechanism") or DEFAULT_MECHANISM, username=who["username"],
+                            password=who["password"], ssl_ca=doc.get("ssl_ca"))
+
+
+def kafka_usernames(secrets_dir: Path) -> dict[str, str]:
+    """principal -> the Kafka user it authenticates as (for the ACLs); empty without ``kafka.json``."""
+    doc = read_json(Path(secrets_dir) / KAFKA_FILE) or {}
+    return {p: v["username"] for p, v in (doc.get("principals") or {}).items() if isinstance(v, dict)}
+
+
+def librdkafka_conf(creds: KafkaCredentials | None) -> dict[str, Any]:
+    """confluent-kafka (librdkafka) settings for ``creds`` (none: no security settings). Pure."""
+    if creds is None:
+        return {}
+    conf = {"security.protocol": creds.security_protocol, "sasl.mechanism": creds.mechanism,
+            "sasl.username": creds.username, "sasl.password": creds.password}
+    if creds.ssl_ca:
+        conf["ssl.ca.location"] = creds.ssl_ca
+    return conf
+
+
+def aiokafka_kwargs_of(creds: KafkaCredentials | None) -> dict[str, Any]:
+    """aiokafka client keyword arguments for ``creds``. Pure (but for building an SSL context from a CA file)."""
+    if creds is None:
+        return {}
+    kw: dict[str, Any] = {"security_protocol": creds.security_protocol, "sasl_mechanism": creds.mechanism,
+                          "sasl_plain_username": creds.username, "sasl_plain_password": creds.password}
+    if creds.security_protocol.endswith("SSL"):
+        import ssl
+
+        kw["ssl_context"] = ssl.create_default_context(cafile=creds.ssl_ca)
+    return kw
+
+
+def faust_credentials_of(creds: KafkaCredentials | None):
+    """faust's ``broker_credentials`` for ``creds`` (None: none)."""
+    if creds is None:
+        return None
+    import faust
+
+    ssl_context = aiokafka_kwargs_of(creds).get("ssl_context")
+    return faust.SASLCredentials(username=creds.username, password=creds.password, mechanism=creds.mechanism,
+                                 ssl_context=ssl_context)
+
+
+# -- Redis -----------------------------------------------------------------------------------------------------
+
+def redis_user(principal: str) -> str:
+    return REDIS_USER_OF.get(principal, REDIS_READER)
+
+
+def redis_auth(secrets_dir: Path, principal: str, *, read_only: bool = False) -> dict[str, str]:
+    """``username``/``password`` for redis-py as ``principal``'s Redis user (``read_only``: the read-only user);
+    empty without ``redis.json``."""
+    path = Path(secrets_dir) / REDIS_FILE
+    doc = read_json(path)
+    if doc is None:
+        return {}
+    user = REDIS_READER if read_only else redis_user(principal)
+    who = (doc.get("users") or {}).get(user)
+    if not isinstance(who, dict) or who.get("password") is None:
+        raise CredentialsError(f"{path} has no Redis user {user!r} (for principal {principal!r})")
+    return {"username": who.get("username") or user, "password": who["password"]}
+
+
+# What each Redis user may run (Redis ACL rules). The allocator owns the index: any key, any command but the
+# dangerous ones (FLUSHALL, FLUSHDB, KEYS, CONFIG, DEBUG, SHUTDOWN, ...) except INFO, which it reads for its
+# memory figures. The API and the readers read; they may run the index's Lua readers (MachineIndex), since Redis
+# checks every command a script calls against the user's rules (a script that writes fails for them). The default
+# (unauthenticated) user is switched off.
+_READS = ("~* resetchannels -@all +@read +@connection -@dangerous "
+          "+evalsha +eval +evalsha_ro +eval_ro +script|load +script|exists")
+REDIS_RULES: Mapping[str, str] = {
+    REDIS_OPERATOR: "~* &* +@all",
+    REDIS_ALLOCATOR: "~* resetchannels -@all +@all -@dangerous +info",
+    REDIS_API: _READS,
+    REDIS_READER: _READS,
+}
+
+
+def redis_acl_file(users: Mapping[str, Mapping[str, str]]) -> str:
+    """The embedded redis-server's ACL file for ``users`` (Redis user -> username/password). Pure.
+    Passwords appear only as their SHA-256 (Redis's ``#<hex>`` form)."""
+    lines = ["user default off resetkeys resetchannels -@all"]
+    for user in REDIS_USERS:
+        who = users.get(user)
+        if who is None:
+            continue
+        digest = hashlib.sha256(who["password"].encode()).hexdigest()
+        lines.append(f"user {who.get('username') or user} on #{digest} {REDIS_RULES[user]}")
+    return "\n".join(lines) + "\n"
+
+
+def aiokafka_kwargs(cfg) -> dict[str, Any]:
+    """aiokafka keyword arguments for ``cfg``'s principal (``Config``)."""
+    return aiokafka_kwargs_of(kafka_credentials(cfg.secrets, cfg.principal))

@@ -1,0 +1,241 @@
+"""An agent runs only what was allocated: its own fold of ``allocations`` judges every START and RESTART.
+
+The ``tasks`` topic is written by the scheduler (commands) and by the agents (reports), so the broker's ACL cannot
+tell a scheduler's command from one an agent principal forged; ``allocations`` is written only by the scheduler
+and the allocator (``infra/acls.py``). So an agent starts a task only if its fold of ``allocations`` says the
+allocator placed that task on its machine, for the command's entitlement and job, and the command says it comes
+from the scheduler. Anything else is refused with a ``TaskCommandRefused`` event on ``tasks`` naming the reason.
+
+Commands and placements travel on two topics, read by one consumer: a START may be read before the TasksAllocated
+that placed it (written before it, but on another partition of another topic). So a START whose placement is
+not (yet) in the fold WAITS; once the agent has read ``allocations`` up to the high watermarks measured after the
+command arrived (``Gate.expire``, driven by the wiring), every placement written before the command is in the
+fold and the verdict is final: still not placed, it is refused.
+
+A STOP is not judged: stopping is what a fenced or forgotten task needs, and a forged STOP can only come from a
+principal allowed to write ``tasks`` (the scheduler, an agent). That an agent principal could stop another
+machine's task is the gap the shared topic leaves (``infra/acls.py``).
+
+Pure but for the state the ``Gate`` object holds: no I/O, no clock (the caller passes marks and times).
+
+    gate = Gate(machine_ok)
+    gate.admit(cmd, mark)   -> ADMIT | WAIT | a refusal reason (final)
+    gate.fold(ev)           -> the waiting commands a TasksAllocated now admits (in arrival order)
+    gate.expire(mark)       -> [(command, reason)] for the waiting commands that arrived at or before ``mark``
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from streams.events import Event, derived_event_id, new_event
+
+ALLOCATION_TYPES = frozenset({"TasksAllocated", "TasksDeallocated"})  # what an agent reads of ``allocations``
+SCHEDULER_PRODUCERS = ("scheduler",)  # a command's envelope producer: ``scheduler`` or ``scheduler/<n>``
+
+ADMIT = "admit"
+WAIT = "wait"
+
+# Why a command was refused (TaskCommandRefused.reason).
+REFUSED_NOT_ALLOCATED = "not_allocated"  # no placement of the task on this machine in the allocations log
+REFUSED_OTHER_ENTITLEMENT = "allocated_to_other_entitlement"  # placed here, but for another entitlement
+REFUSED_OTHER_JOB = "allocated_to_other_job"  # placed here, but for another job
+REFUSED_NOT_SCHEDULER = "not_from_scheduler"  # the command does not say it comes from the scheduler
+
+JUDGED = frozenset({"START", "RESTART"})  # commands that run something
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    machine_id: str
+    entitlement: str
+    job_id: str
+
+
+def changes(ev: Event, machine_ok: Callable[[str], bool]) -> list[tuple[str, str, Placement | None]]:
+    """What one ``allocations`` event changes in the placements of the machines ``machine_ok`` accepts, as
+    ``(task_id, machine_id, placement or None)``: a TasksAllocated places (None: placed on another machine, so not
+    on any of ours any more), a TasksDeallocated frees (None) the task from that machine. Other events: none. Pure."""
+    if ev.type == "TasksAllocated":
+        return [(p["task_id"], p["machine_id"],
+                 Placement(p["machine_id"], ev.entitlement, ev.payload["job_id"]) if machine_ok(p["machine_id"])
+                 else None) for p in ev.payload["placements"]]
+    if ev.type == "TasksDeallocated":
+        return [(p["task_id"], p["machine_id"], None) for p in ev.payload["placements"]]
+    return []
+
+
+def from_scheduler(producer: str) -> bool:
+    return producer in SCHEDULER_PRODUCERS or producer.startswith("scheduler/")
+
+
+def verdict(cmd: Event, held: Placement | None) -> str | None:
+    """None if the command (a TaskCommanded for one of our machines) may act on the placement ``held`` for its task,
+    else why not. STOP is never judged. Pure."""
+    p = cmd.payload
+    if p["command"] not in JUDGED:
+        return None
+    if not from_scheduler(cmd.producer):
+        return REFUSED_NOT_SCHEDULER
+    if held is None or held.machine_id != p["machine_id"]:
+        return REFUSED_NOT_ALLOCATED
+    if held.entitlement != cmd.entitlement:
+        return REFUSED_OTHER_ENTITLEMENT
+    if held.job_id != p["job_id"]:
+        return REFUSED_OTHER_JOB
+    return None
+
+
+MESSAGES = {
+    REFUSED_NOT_ALLOCATED: "the allocations log places task {task} on no machine of this agent as {machine}",
+    REFUSED_OTHER_ENTITLEMENT: "task {task} is placed on {machine} for entitlement {held}, not {entitlement}",
+    REFUSED_OTHER_JOB: "task {task} is placed on {machine} for job {held}, not {job}",
+    REFUSED_NOT_SCHEDULER: "commands come from the scheduler; this one says it comes from {producer!r}",
+}
+
+
+def refusal(cmd: Event, reason: str, held: Placement | None, now_ms: int) -> Event:
+    """The TaskCommandRefused answering ``cmd`` (its id derived from the command's: refusing it again is the same
+    event). Pure."""
+    p = cmd.payload
+    message = MESSAGES[reason].format(
+        task=p["task_id"], machine=p["machine_id"], entitlement=cmd.entitlement, job=p["job_id"],
+        producer=cmd.producer, held=(held.entitlement if reason == REFUSED_OTHER_ENTITLEMENT else
+                                     held.job_id if held is not None else None))
+    return new_event("TaskCommandRefused", {
+        "task_id": p["task_id"], "job_id": p["job_id"], "machine_id": p["machine_id"], "command": p["command"],
+        "command_id": cmd.event_id, "command_producer": cmd.producer, "reason": reason, "message": message},
+        entitlement=cmd.entitlement, entity_id=p["task_id"], producer=f"agent/{p['machine_id']}",
+        causation_id=cmd.event_id or None, timestamp_ms=now_ms,
+        event_id=derived_event_id("agent", "refused", p["machine_id"], cmd.event_id, reason))
+
+
+class Gate:
+    """The placements of one agent process's machines, and the commands waiting for the fold to catch up."""
+
+    def __init__(self, machine_ok: Callable[[str], bool]):
+        self.machine_ok = machine_ok
+        self.held: dict[str, Placement] = {}  # task -> its placement on one of our machines
+        self.waiting: list[tuple[int, Event]] = []  # (mark when it arrived, command), in arrival order
+
+    def fold(self, ev: Event) -> list[Event]:
+        """Apply an ``allocations`` event; return the waiting commands it admits (removed from the wait)."""
+        touched = set()
+        for task, machine, placement in changes(ev, self.machine_ok):
+            if placement is not None:
+                self.held[task] = placement
+                touched.add(task)
+            elif (cur := self.held.get(task)) is not None and (ev.type == "TasksAllocated"
+                                                               or cur.machine_id == machine):
+                del self.held[task]
+        if not touched or not self.waiting:
+            return []
+        admitted, still = [], []
+        for mark, cmd in self.waiting:
+            if cmd.payload["task_id"] in touched and verdict(cmd, self.held.get(cmd.payload["task_id"])) is None:
+                admitted.append(cmd)
+            else:
+                still.append((mark, cmd))
+        self.waiting = still
+        return admitted
+
+    def admit(self, cmd: Event, mark: int) -> str:
+        """ADMIT (act on it now), WAIT (held until the fold catches up: ``fold`` or ``expire`` decides), or the
+        reason it is refused now (a reason the fold cannot change)."""
+        why = verdict(cmd, self.held.get(cmd.payload["task_id"]))
+        if why is None:
+            return ADMIT
+        if why == REFUSED_NOT_SCHEDULER:
+            return why
+        self.waiting.append((mark, cmd))
+        return WAIT
+
+    def expire(self, mark: int) -> list[tuple[Event, str, Placement | None]]:
+        """The waiting commands that arrived at or before ``mark`` (the fold has read every placement written
+        before them): each with why it is refused and the placement held for its task."""
+        done = [(cmd, verdict(cmd, self.held.get(cmd.payload["task_id"]))) for m, cmd in self.waiting if m <= mark]
+        self.waiting = [(m, cmd) for m, cmd in self.waiting if m > mark]
+        return [(cmd, why or REFUSED_NOT_ALLOCATED, self.held.get(cmd.payload["task_id"])) for cmd, why in done]
+
+    # -- persistence (the agents' state files) ----------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"held": {t: [p.machine_id, p.entitlement, p.job_id] for t, p in sorted(self.held.items())},
+                "waiting": [[m, _event_json(cmd)] for m, cmd in self.waiting]}
+
+    def load_json(self, doc: dict | None) -> None:
+        doc = doc or {}
+        self.held = {t: Placement(*v) for t, v in (doc.get("held") or {}).items()}
+        self.waiting = [(0, _event_of(e)) for _, e in doc.get("waiting") or ()]  # judged by the first expire
+
+
+def _event_json(ev: Event) -> dict:
+    return {"type": ev.type, "entitlement": ev.entitlement, "entity_id": ev.entity_id, "payload": dict(ev.payload),
+            "producer": ev.producer, "causation_id": ev.causation_id, "timestamp_ms": ev.timestamp_ms,
+            "event_id": ev.event_id}
+
+
+def _event_of(d: dict) -> Event:
+    return Event(**d)
+
+
+class Judge:
+    """A ``Gate`` fed by one consumer of ``tasks`` and ``allocations`` (the wiring both agents share; the consumer is
+    a ``streams.clients.EventConsumer``, the only I/O). ``take(records)`` returns the commands to act on, in order;
+    ``refusals(consumer, now_ms)`` the TaskCommandRefused events of the waiting commands whose verdict became final:
+    once the consumer has read ``allocations`` up to the high watermarks measured after they arrived."""
+
+    def __init__(self, gate: Gate, allocation_partitions: Iterable[tuple[str, int]]):
+        self.gate = gate
+        self.partitions = list(allocation_partitions)
+        self.mark = 0  # one per ``take``: when a command arrived
+        self.target: dict[tuple[str, int], int] | None = None  # high watermarks measured at ``target_mark``
+        self.target_mark = 0
+        self.refused: list[Event] = []  # refused at once (not from the scheduler), handed out by ``refusals``
+        self.admitted = 0
+        self.waited = 0
+
+    def take(self, events: Iterable[Event], machine_ok: Callable[[str], bool], now_ms: int) -> list[Event]:
+        """The commands (TaskCommanded, one per line of a TasksCommanded) to act on now, from ``events`` in order:
+        allocation events are folded (and release the commands that waited for them)."""
+        from processors.agent.decide import commands
+
+        self.mark += 1
+        act: list[Event] = []
+        for ev in events:
+            if ev.type in ALLOCATION_TYPES:
+                released = self.gate.fold(ev)
+                self.admitted += len(released)
+                act += released
+                continue
+            act += self._judge(commands(ev, machine_ok), now_ms)
+        return act
+
+    def take_commands(self, cmds: Iterable[Event], now_ms: int) -> list[Event]:
+        """``take`` for commands already taken out of their batches (TaskCommanded events for our machines)."""
+        self.mark += 1
+        return self._judge(cmds, now_ms)
+
+    def _judge(self, cmds: Iterable[Event], now_ms: int) -> list[Event]:
+        act = []
+        for cmd in cmds:
+            got = self.gate.admit(cmd, self.mark)
+            if got == ADMIT:
+                act.append(cmd)
+            elif got == WAIT:
+                self.waited += 1
+            else:
+                self.refused.append(refusal(cmd, got, None, now_ms))
+        self.admitted += len(act)
+        return act
+
+    def refusals(self, consumer, now_ms: int, start: Mapping[tuple[str, int], int] | None = None) -> list[Event]:
+        out, self.refused = self.refused, []
+        if not self.gate.waiting:
+            self.target = None
+            return out
+        if self.target is None:  # every placement written before the waiting commands is below these
+            self.target, self.target_mark = consumer.high_watermarks(self.partitions), self.mark
+        elif consumer.read_up_to(self.target, start or {}):
+            out += [refusal(cmd, why, held, now_ms) for cmd, why, held in self.gate.expire(self.target_mark)]
+            self.target = None
+        return out

@@ -1,0 +1,456 @@
+"""The HTTP API (FastAPI on uvicorn): what the CLI does, for authenticated users, in front of the log.
+
+Every route but ``/healthz`` needs ``Authorization: Bearer <token>`` (``users.py``); every action is decided by
+``authz.decide`` (403 with the reason otherwise) and done by the shared front end (``processors/frontend/service.py``),
+which validates with the intent rules, produces with the API's own broker principal (``api``) and records the user
+in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "message": <one line naming the field>}``.
+
+| method, path                          | action (authz.py)      | answer |
+|---------------------------------------|------------------------|--------|
+| GET /v1/whoami                        | any user               | the user, roles, region admin |
+| GET /v1/entitlements                  | entitlement.view       | the entitlements the user may see |
+| POST /v1/entitlements                 | entitlement.quota      | 201, EntitlementCreated |
+| PATCH /v1/entitlements/{name}         | entitlement.update; a quota: entitlement.quota | 202, EntitlementUpdated |
+| GET /v1/jobs[?entitlement=]           | job.view               | job views (all the user may see) |
+| POST /v1/jobs[?wait=&timeout_s=]      | job.submit             | 201 accepted, 409 refused (reason), 202 pending / not waited |
+| GET /v1/jobs/{job}[?at=]              | job.view               | the job's view (`job status --json`); `at`: as it was then |
+| PUT /v1/jobs/{job}/spec               | job.update             | a rolling update (verdict as submit, not waited by default) |
+| POST /v1/jobs/{job}/resize, /stop     | job.resize, job.stop   | as update |
+| GET /v1/machines[?entitlement=&free=&at=] | machine.view       | machine views (free machines: any user); `at`: as then |
+| POST /v1/machines/{id}/fail, /recover | machine.fail, .recover | the events (`fail?dry_run=true`: what would happen) |
+| POST /v1/maintenance, /v1/maintenance/{id}/end | maintenance.plan, .end | the plan (`?dry_run=true`: what it would do) |
+| GET /v1/region?at=                    | region.view            | the whole region at a moment (`ropewalk at TIME`) |
+| GET /v1/tasks/{task}/explain[?at=&why_not=] | job.view        | why the task is where it is (`ropewalk explain`) |
+| GET /v1/replay?...                    | replay.view (one entitlement or job) / region.view | NDJSON: one event per line, then `{"stats": ...}` |
+| GET /v1/events/jobs, /v1/events/machines[?entitlement=] | job.view / machine.view | server-sent events |
+| GET /healthz                          | none                   | `{"ok": true}` |
+
+Server-sent events: each state record as ``event: job`` (or ``machine``) with its view as ``data``, first the
+current state of everything the user may see, then ``event: ready``, then each change as it is published (a
+comment every ``KEEPALIVE_S`` while nothing changes). A web UI subscribes with ``EventSource``.
+"""
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from infra.config import Config
+from processors.api import authz, users as users_mod
+from processors.api.authz import User
+from processors.frontend import service as fe
+from processors.frontend.service import Frontend, FrontendError
+from streams.events import MAX_TIME_MS
+
+PRODUCER = "api"
+KEEPALIVE_S = 15.0
+UNAUTHENTICATED = "unauthenticated"
+BROKER_UNAVAILABLE = "broker_unavailable"
+USERS_UNREADABLE = "users_file_unreadable"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"  # rules.NAME
+JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}\.[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"  # <entitlement>.<name>
+Name = Annotated[str, PathParam(pattern=NAME_PATTERN)]
+JobId = Annotated[str, PathParam(pattern=JOB_PATTERN, description="<entitlement>.<name>")]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.headers = status, reason, message, headers
+
+
+# -- request bodies (strict: a string is not a number) ----------------------------------------------------------
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Resources(Strict):
+    cpu_millicores: int
+    memory_mib: int
+
+
+class JobSpec(Strict):
+    """A job spec, as `ropewalk job submit FILE` takes it (processors/frontend/jobspec.py)."""
+    name: str
+    entitlement: str | None = None  # required to submit; an update keeps the job's
+    tasks: int
+    command: list[str]
+    resources: Resources
+    requirements: dict[str, str] | None = None
+    spread: str | None = None
+    max_unavailable: int | None = None
+    env: dict[str, str] | None = None
+    controller: str | None = None
+
+
+class EntitlementCreate(Strict):
+    name: str
+    quota_machines: int
+    machine_type: str | None = None
+    dc_pin: str | None = None
+    host_profile: str | None = None
+
+
+class EntitlementUpdate(Strict):
+    quota_machines: int | None = None
+    machine_type: str | None = None
+    dc_pin: str | None = None
+    host_profile: str | None = None
+
+
+class Resize(Strict):
+    tasks: int
+
+
+class Stop(Strict):
+    reason: str = ""
+
+
+class MaintenancePlan(Strict):
+    """Exactly one of machines, rack (DC/MSB/RACK), msb (DC/MSB)."""
+    machines: list[str] | None = None
+    rack: str | None = None
+    msb: str | None = None
+    start_ms: int
+    duration_ms: int = Field(gt=0)
+    deadline_ms: int | None = None
+    reason: str = "maintenance"
+
+
+# -- the app ---------------------------------------------------------------------------------------------------
+
+class UsersFile:
+    """The users file, read again whenever it changes (``ropewalk user add`` needs no restart)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._stamp: tuple | None = None
+        self._users = users_mod.parse({})
+
+    def current(self) -> users_mod.Users:
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != self._stamp:
+            try:
+                self._users = users_mod.load(self.path)
+            except users_mod.UsersError as exc:
+                raise ApiError(500, USERS_UNREADABLE, str(exc)) from None
+            self._stamp = stamp
+        return self._users
+
+
+BEARER = HTTPBearer(auto_error=False, description="a token from `ropewalk user add` (or <secrets>/token)")
+
+
+def current_user(request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> User:
+    """The user of the request's bearer token (401 without one, or with an unknown one)."""
+    if cred is None or cred.scheme.lower() != "bearer" or not cred.credentials:
+        raise ApiError(401, UNAUTHENTICATED, "a bearer token is required (Authorization: Bearer <token>)",
+                       {"WWW-Authenticate": "Bearer"})
+    user = request.app.state.users.current().authenticate(cred.credentials)
+    if user is None:
+        raise ApiError(401, UNAUTHENTICATED, "unknown token", {"WWW-Authenticate": "Bearer"})
+    return user
+
+
+CurrentUser = Annotated[User, Depends(current_user)]
+Wait = Annotated[bool | None, Query(description="wait for the scheduler's verdict")]
+WaitS = Annotated[float, Query(ge=0, le=fe.MAX_WAIT_S, description="how long to wait at most, s")]
+EntitlementQuery = Annotated[str | None, Query(pattern=NAME_PATTERN)]
+AT_DESCRIPTION = ("a moment: ms since epoch, ISO-8601, now, now-DURATION (now-15m), or TOPIC/PARTITION@OFFSET "
+                  "(processors/history/moments.parse_moment)")
+AtQuery = Annotated[str | None, Query(min_length=1, max_length=200, description=AT_DESCRIPTION)]
+DryRun = Annotated[bool, Query(description="say what would happen; produce nothing (processors/history/whatif.py)")]
+
+
+def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
+    from streams.clients import EventProducer
+    from streams.serde import SchemaRegistry
+
+    registry = SchemaRegistry.from_dir()
+    users_file = UsersFile(users_path or cfg.secrets / users_mod.USERS_FILE)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.producer = EventProducer(cfg, registry, PRODUCER, **{"message.timeout.ms": 15000})
+        yield
+        await run_in_threadpool(app.state.producer.flush, 10)
+
+    app = FastAPI(title="Ropewalk API", version="1", lifespan=lifespan,
+                  description="The control plane of a Ropewalk region for authenticated users: entitlements, jobs, "
+                              "machines, maintenance, the audit log and live state. Bearer tokens: `ropewalk user "
+                              "add`.")
+    app.state.users = users_file
+
+    def allow(user: User, action: str, entitlement: str | None) -> None:
+        d = authz.decide(user, action, entitlement)
+        if not d.allowed:
+            raise ApiError(403, d.reason, d.message)
+
+    def front(user: User) -> Frontend:
+        return Frontend(cfg, registry, principal=user.name, producer=PRODUCER, events=app.state.producer)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse({"error": exc.reason, "message": exc.message}, exc.status, headers=exc.headers)
+
+    @app.exception_handler(FrontendError)
+    async def _frontend_error(request: Request, exc: FrontendError):
+        return JSONResponse({"error": exc.reason, "message": exc.message}, exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body",))
+        return JSONResponse({"error": fe.INVALID_REQUEST, "message": f"{where}: {first.get('msg')}".lstrip(": ")},
+                            422)
+
+    async def call(fn, *args, **kwargs):
+        """Run a blocking front-end call in the thread pool; the log failing to answer is a 503, not a 500."""
+        from confluent_kafka import KafkaException
+
+        from streams.clients import DeliveryError
+
+        try:
+            return await run_in_threadpool(fn, *args, **kwargs)
+        except (KafkaException, DeliveryError, TimeoutError, ConnectionError) as exc:
+            raise ApiError(503, BROKER_UNAVAILABLE, f"the log did not answer: {exc}") from None
+        except RuntimeError as exc:  # a reader's broker error (streams.clients.EventConsumer)
+            if str(exc).startswith(("consumer ", "topic ")):
+                raise ApiError(503, BROKER_UNAVAILABLE, f"the log did not answer: {exc}") from None
+            raise
+
+    # -- who -------------------------------------------------------------------------------------------------
+    @app.get("/healthz", tags=["meta"])
+    async def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/v1/whoami", tags=["meta"])
+    async def whoami(user: CurrentUser) -> dict:
+        return {"user": user.name, "region_admin": user.region_admin, "roles": dict(user.roles)}
+
+    # -- entitlements ----------------------------------------------------------------------------------------
+    @app.get("/v1/entitlements", tags=["entitlements"])
+    async def entitlements(user: CurrentUser) -> list[dict]:
+        rows = await call(front(user).entitlements)
+        return [r for r in rows if authz.decide(user, "entitlement.view", r["entitlement"]).allowed]
+
+    @app.post("/v1/entitlements", status_code=201, tags=["entitlements"])
+    async def entitlement_create(body: EntitlementCreate, user: CurrentUser) -> dict:
+        allow(user, "entitlement.quota", body.name)
+        return await call(front(user).entitlement_create, body.name, body.quota_machines,
+                          machine_type=body.machine_type, dc=body.dc_pin, host_profile=body.host_profile)
+
+    @app.patch("/v1/entitlements/{name}", status_code=202, tags=["entitlements"])
+    async def entitlement_update(name: Name, body: EntitlementUpdate,
+                                 user: CurrentUser) -> dict:
+        allow(user, "entitlement.quota" if body.quota_machines is not None else "entitlement.update", name)
+        return await call(front(user).entitlement_update, name, body.model_dump())
+
+    # -- jobs ------------------------------------------------------------------------------------------------
+    @app.get("/v1/jobs", tags=["jobs"])
+    async def jobs(user: CurrentUser, entitlement: EntitlementQuery = None
+                   ) -> list[dict]:
+        if entitlement is not None:
+            allow(user, "job.view", entitlement)
+        rows = await call(front(user).jobs, entitlement)
+        return [r for r in rows if authz.visible(user, r["entitlement"])]
+
+    def verdict_response(doc: dict, created: bool = False) -> JSONResponse:
+        v = doc.get("verdict")
+        if v == fe.REFUSED:
+            return JSONResponse({**doc, "error": doc.get("reason") or fe.REFUSED}, 409)
+        return JSONResponse(doc, 201 if created and v == fe.ACCEPTED else 200 if v == fe.ACCEPTED else 202)
+
+    @app.post("/v1/jobs", tags=["jobs"], status_code=201,
+              responses={201: {"description": "accepted"}, 202: {"description": "pending, or not waited for"},
+                         409: {"description": "refused by the scheduler, with the reason"}})
+    async def job_submit(spec: JobSpec, user: CurrentUser, wait: Wait = None,
+                         timeout_s: WaitS = fe.DEFAULT_WAIT_S) -> JSONResponse:
+        allow(user, "job.submit", spec.entitlement if isinstance(spec.entitlement, str) else None)
+        doc = await call(front(user).job_submit, spec.model_dump(exclude_none=True),
+                         wait_s=timeout_s if wait is not False else None)
+        return verdict_response(doc, created=True)
+
+    @app.get("/v1/jobs/{job}", tags=["jobs"])
+    async def job_status(job: JobId, user: CurrentUser, at: AtQuery = None) -> dict:
+        allow(user, "job.view", fe.entitlement_of_job(job))
+        return await call(front(user).job_status, job, at)
+
+    @app.put("/v1/jobs/{job}/spec", tags=["jobs"])
+    async def job_update(job: JobId, spec: JobSpec, user: CurrentUser, wait: Wait = None,
+                         timeout_s: WaitS = fe.DEFAULT_WAIT_S) -> JSONResponse:
+        allow(user, "job.update", fe.entitlement_of_job(job))
+        return verdict_response(await call(front(user).job_update, job, spec.model_dump(exclude_none=True),
+                                           wait_s=timeout_s if wait else None))
+
+    @app.post("/v1/jobs/{job}/resize", tags=["jobs"])
+    async def job_resize(job: JobId, body: Resize, user: CurrentUser, wait: Wait = None,
+                         timeout_s: WaitS = fe.DEFAULT_WAIT_S) -> JSONResponse:
+        allow(user, "job.resize", fe.entitlement_of_job(job))
+        return verdict_response(await call(front(user).job_resize, job, body.tasks,
+                                           wait_s=timeout_s if wait else None))
+
+    @app.post("/v1/jobs/{job}/stop", tags=["jobs"])
+    async def job_stop(job: JobId, user: CurrentUser, body: Stop | None = None, wait: Wait = None,
+                       timeout_s: WaitS = fe.DEFAULT_WAIT_S) -> JSONResponse:
+        allow(user, "job.stop", fe.entitlement_of_job(job))
+        return verdict_response(await call(front(user).job_stop, job, (body or Stop()).reason,
+                                           wait_s=timeout_s if wait else None))
+
+    # -- machines and maintenance ---------------------------------------------------------------------------
+    @app.get("/v1/machines", tags=["machines"])
+    async def machines(user: CurrentUser, entitlement: EntitlementQuery = None,
+                       free: bool = False, at: AtQuery = None) -> list[dict]:
+        if entitlement is not None:
+            allow(user, "machine.view", entitlement)
+        rows = await call(front(user).machines, entitlement, free, at)
+        return [r for r in rows if authz.visible(user, r["entitlement"])]
+
+    @app.post("/v1/machines/{machine}/{action}", tags=["machines"])
+    async def machine_action(machine: str, action: Literal["fail", "recover"], user: CurrentUser,
+                             dry_run: DryRun = False) -> dict:
+        allow(user, f"machine.{action}", None)
+        return await call(front(user).machine_action, machine, action, dry_run=dry_run)
+
+    @app.post("/v1/maintenance", status_code=201, tags=["maintenance"],
+              responses={200: {"description": "dry_run: what the maintenance would do"}})
+    async def maintenance_plan(body: MaintenancePlan, user: CurrentUser, dry_run: DryRun = False) -> JSONResponse:
+        allow(user, "maintenance.plan", None)
+        chosen = [k for k in ("machines", "rack", "msb") if getattr(body, k) is not None]
+        if len(chosen) != 1:
+            raise ApiError(400, fe.INVALID_REQUEST, "give exactly one of machines, rack, msb"
+                           + (f" (got {', '.join(chosen)})" if chosen else ""))
+        doc = await call(front(user).maintenance_plan, start_ms=body.start_ms, duration_ms=body.duration_ms,
+                         deadline_ms=body.deadline_ms, machines=body.machines, rack=body.rack, msb=body.msb,
+                         reason=body.reason, dry_run=dry_run)
+        return JSONResponse(doc, 200 if dry_run else 201)
+
+    @app.post("/v1/maintenance/{unavailability_id}/end", tags=["maintenance"])
+    async def maintenance_end(unavailability_id: str, user: CurrentUser) -> dict:
+        allow(user, "maintenance.end", None)
+        return await call(front(user).maintenance_end, unavailability_id)
+
+    # -- the region at a moment, and why a task is where it is (processors/history) ----------------------
+    @app.get("/v1/region", tags=["history"])
+    async def region(user: CurrentUser, at: Annotated[str, Query(min_length=1, max_length=200,
+                                                                 description=AT_DESCRIPTION)]) -> dict:
+        allow(user, "region.view", None)
+        return await call(front(user).region, at)
+
+    @app.get("/v1/tasks/{task:path}/explain", tags=["history"])
+    async def explain(task: Annotated[str, PathParam(max_length=200, description="<job>/<index>, e.g. e1.web/0")],
+                      user: CurrentUser, at: AtQuery = None,
+                      why_not: Annotated[str | None, Query(min_length=1, max_length=200)] = None) -> dict:
+        allow(user, "job.view", fe.entitlement_of_job(task))
+        return await call(front(user).explain, task, at, why_not)
+
+    # -- the log ---------------------------------------------------------------------------------------------
+    @app.get("/v1/replay", tags=["log"], response_class=StreamingResponse,
+             responses={200: {"content": {"application/x-ndjson": {}},
+                              "description": "one event per line (envelope, payload, topic, partition, offset), "
+                                             "then {\"stats\": ...}"}})
+    async def replay(user: CurrentUser,
+                     entitlement: EntitlementQuery = None,
+                     job: str | None = None, machine: str | None = None,
+                     since_ms: Annotated[int | None, Query(ge=0, le=MAX_TIME_MS)] = None,
+                     until_ms: Annotated[int | None, Query(ge=0, le=MAX_TIME_MS)] = None,
+                     topic: Annotated[list[str] | None, Query()] = None) -> StreamingResponse:
+        from streams import replay as rp
+        from streams.topics import TopicError
+
+        scope = entitlement or (fe.entitlement_of_job(job) if job is not None else None)
+        allow(user, "replay.view" if scope is not None else "region.view", scope)
+        if not user.region_admin and entitlement is None and scope is not None:
+            entitlement = scope  # a job's events are keyed to its entitlement: read only that one
+        try:
+            flt = rp.ReplayFilter(entitlement=entitlement, job=job, machine=machine, since_ms=since_ms,
+                                  until_ms=until_ms, topics=tuple(topic) if topic else None)
+        except TopicError as exc:
+            raise ApiError(400, fe.INVALID_REQUEST, f"topic: {exc}") from None
+        run = await call(front(user).replay, flt)
+        it = iter(run)
+        # The first record is read before the answer starts: a log that does not answer is a 503, not a cut stream.
+        first = await call(next, it, None)
+
+        def lines():
+            try:
+                for rec in ([first] if first is not None else []):
+                    yield rp.format_json(rec) + "\n"
+                for rec in it:
+                    yield rp.format_json(rec) + "\n"
+                s = run.stats
+                yield json.dumps({"stats": {"matched": s.matched, "read": s.read, "skipped": s.skipped,
+                                            "elapsed_s": round(s.elapsed_s, 3)}}) + "\n"
+            finally:
+                it.close()  # the replay's consumer, also when the client went away mid-stream
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def events(request: Request, user: User, kind: str, entitlement: str | None) -> StreamingResponse:
+        action = "job.view" if kind == "jobs" else "machine.view"
+        if entitlement is not None:
+            allow(user, action, entitlement)
+        reader = await call(front(user).state_reader, kind, entitlement)
+        name = "job" if kind == "jobs" else "machine"
+
+        def sse(event: str, data: Any) -> str:
+            return f"event: {event}\ndata: {json.dumps(data, sort_keys=True)}\n\n"
+
+        def shown(view: dict) -> bool:
+            return authz.visible(user, view["entitlement"])
+
+        async def stream():
+            try:
+                current = await run_in_threadpool(reader.catch_up)
+                for ev in sorted(current.values(), key=lambda e: e.entity_id):
+                    view = fe.state_view(kind, ev)
+                    if shown(view):
+                        yield sse(name, view)
+                yield sse("ready", {"kind": kind})
+                quiet_since = time.monotonic()
+                while not await request.is_disconnected():
+                    recs = await run_in_threadpool(reader.poll, 0.5)
+                    for rec in recs:
+                        view = fe.state_view(kind, rec.event)
+                        if shown(view):
+                            yield sse(name, view)
+                            quiet_since = time.monotonic()
+                    if time.monotonic() - quiet_since > KEEPALIVE_S:
+                        yield ": keep-alive\n\n"
+                        quiet_since = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            finally:
+                reader.close()
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    SSE = {200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}}
+
+    @app.get("/v1/events/jobs", tags=["log"], response_class=StreamingResponse, responses=SSE)
+    async def job_events(request: Request, user: CurrentUser,
+                         entitlement: EntitlementQuery = None) -> StreamingResponse:
+        return await events(request, user, "jobs", entitlement)
+
+    @app.get("/v1/events/machines", tags=["log"], response_class=StreamingResponse, responses=SSE)
+    async def machine_events(request: Request, user: CurrentUser,
+                             entitlement: EntitlementQuery = None
+                             ) -> StreamingResponse:
+        return await events(request, user, "machines", entitlement)
+
+    return app

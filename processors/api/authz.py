@@ -1,0 +1,103 @@
+"""Who may do what through the API. Pure: ``decide(user, action, entitlement) -> Decision``.
+
+A user holds a role per entitlement (``viewer`` < ``operator`` < ``owner``) and may be a region administrator.
+Each action needs a role on the entitlement it touches, or the region-admin role (``ACTIONS``, one table). A
+region administrator may do everything. Every answer carries a reason constant, which the API returns with its
+403 (``{"error": reason, "message": ...}``) and which the tests check by name.
+
+| action                  | needs                | what it is                                              |
+|-------------------------|----------------------|---------------------------------------------------------|
+| entitlement.view        | viewer               | see an entitlement, its jobs' states, its machines      |
+| job.view                | viewer               | job status, job list, the jobs stream                   |
+| machine.view            | viewer               | machines the entitlement holds (free machines: any user) |
+| replay.view             | viewer               | the audit timeline of one entitlement (all: admin)      |
+| job.submit              | operator             | submit a job to the entitlement                         |
+| job.update / job.resize / job.stop | operator  | change a job of the entitlement                         |
+| entitlement.update      | owner                | host profile, machine type, DC pin of the entitlement   |
+| entitlement.quota       | region admin         | create an entitlement, change its quota                 |
+| machine.fail / machine.recover | region admin  | operator actions on machines                            |
+| maintenance.plan / maintenance.end | region admin | planned maintenance                                  |
+| region.view             | region admin         | region-wide reads: every machine, the whole replay      |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+VIEWER = "viewer"
+OPERATOR = "operator"
+OWNER = "owner"
+ROLES = (VIEWER, OPERATOR, OWNER)  # each includes the rights of those before it
+RANK: Mapping[str, int] = MappingProxyType({r: i + 1 for i, r in enumerate(ROLES)})
+REGION_ADMIN = "region-admin"  # not a role on an entitlement: a flag of the user
+
+ACTIONS: Mapping[str, str] = MappingProxyType({
+    "entitlement.view": VIEWER,
+    "job.view": VIEWER,
+    "machine.view": VIEWER,
+    "replay.view": VIEWER,
+    "job.submit": OPERATOR,
+    "job.update": OPERATOR,
+    "job.resize": OPERATOR,
+    "job.stop": OPERATOR,
+    "entitlement.update": OWNER,
+    "entitlement.quota": REGION_ADMIN,
+    "machine.fail": REGION_ADMIN,
+    "machine.recover": REGION_ADMIN,
+    "maintenance.plan": REGION_ADMIN,
+    "maintenance.end": REGION_ADMIN,
+    "region.view": REGION_ADMIN,
+})
+
+# Reasons (Decision.reason).
+ALLOWED_ADMIN = "region_admin"  # allowed: the user is a region administrator
+ALLOWED_ROLE = "role"  # allowed: the user's role on the entitlement suffices
+DENIED_NO_ROLE = "no_role_on_entitlement"  # the user holds no role on that entitlement
+DENIED_ROLE_TOO_LOW = "role_too_low"  # a role, but not enough (a viewer submitting a job)
+DENIED_NEEDS_ADMIN = "needs_region_admin"  # only a region administrator may (quota, machines, maintenance)
+DENIED_NO_ENTITLEMENT = "entitlement_required"  # an entitlement-scoped action without one (not an admin)
+DENIED_UNKNOWN_ACTION = "unknown_action"  # a programming error, refused rather than allowed
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    roles: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # entitlement -> role
+    region_admin: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    reason: str
+    message: str
+
+
+def decide(user: User, action: str, entitlement: str | None) -> Decision:
+    """Whether ``user`` may do ``action`` on ``entitlement`` (None: region-wide). Pure."""
+    need = ACTIONS.get(action)
+    if need is None:
+        return Decision(False, DENIED_UNKNOWN_ACTION, f"unknown action {action!r}")
+    if user.region_admin:
+        return Decision(True, ALLOWED_ADMIN, f"{user.name} is a region administrator")
+    if need == REGION_ADMIN:
+        return Decision(False, DENIED_NEEDS_ADMIN, f"{action} needs the region-admin role; {user.name} has not")
+    if entitlement is None:
+        return Decision(False, DENIED_NO_ENTITLEMENT,
+                        f"{action} without an entitlement is region-wide: name one ({user.name} is no region admin)")
+    role = user.roles.get(entitlement)
+    if role is None:
+        return Decision(False, DENIED_NO_ROLE, f"{user.name} has no role on entitlement {entitlement!r}")
+    if RANK.get(role, 0) < RANK[need]:
+        return Decision(False, DENIED_ROLE_TOO_LOW,
+                        f"{action} on entitlement {entitlement!r} needs {need}; {user.name} is {role}")
+    return Decision(True, ALLOWED_ROLE, f"{user.name} is {role} of {entitlement!r}")
+
+
+def visible(user: User, entitlement: str | None) -> bool:
+    """Whether ``user`` may see things of ``entitlement`` (None or a free pool ``free/<dc>``: free machines, which
+    every user may see). Pure."""
+    if user.region_admin or entitlement is None or entitlement.startswith("free/"):
+        return True
+    return entitlement in user.roles

@@ -1,0 +1,386 @@
+"""The front end's operations, once: what `ropewalk` does on the log directly and what the HTTP API does for its
+users. Each validates with the rules of ``rules.py`` / ``jobspec.py``, produces intents with ``EventProducer``
+and reads state with the readers of ``streams/state.py`` and ``streams/replay.py``; each returns the JSON document
+the CLI prints with ``--json`` and the API answers.
+
+    front = Frontend(cfg, registry, principal="alice", producer="api")
+    front.job_submit(spec_dict)            # {"job": "e1.web", "entitlement": "e1", "event_id": ..., "verdict": ...}
+    front.job_status("e1.web")             # job_view
+
+A request that cannot be served raises ``FrontendError(status, reason, message)``: the CLI prints the message as
+its one error line, the API answers ``status`` with ``{"error": reason, "message": message}``. Who may call what
+is the API's business (``processors/api/authz.py``); the CLI's direct path is the operator's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterator, Mapping
+
+from infra.config import Config
+from streams.deadletter import Skipped
+from streams.events import Event, new_event
+
+# Reasons (FrontendError.reason) and the HTTP status each answers with.
+UNKNOWN_JOB = "unknown_job"
+UNKNOWN_MACHINE = "unknown_machine"
+UNKNOWN_MAINTENANCE = "unknown_maintenance"
+UNKNOWN_TASK = "unknown_task"  # explain: no event names the task (up to the moment asked)
+INVALID_REQUEST = "invalid_request"  # a field of the request is wrong (the message names it)
+BROKER_UNREACHABLE = "broker_unreachable"
+NOT_ALLOWED_HERE = "illegal_transition"  # e.g. recover a machine in maintenance
+STATUS = {UNKNOWN_JOB: 404, UNKNOWN_MACHINE: 404, UNKNOWN_MAINTENANCE: 404, UNKNOWN_TASK: 404, INVALID_REQUEST: 400,
+          BROKER_UNREACHABLE: 503, NOT_ALLOWED_HERE: 409}
+
+# Verdicts of an intent (``verdict`` of an answer).
+ACCEPTED = "accepted"  # the scheduler applied it (its JobStatePublished caused by the intent)
+REFUSED = "refused"  # the scheduler refused it (IntentRefused), or rejected the job
+PENDING = "pending"  # no verdict within the wait (an identical resubmission of a live job gets none: a no-op)
+SENT = "sent"  # on the log; not waited for
+
+DEFAULT_WAIT_S = 30.0  # how long a submission waits for the scheduler's verdict at most
+EXISTING_WAIT_S = 3.0  # ... when the job exists (the scheduler answers only a refusal; it is as quick as any answer)
+MAX_WAIT_S = 120.0
+
+
+class FrontendError(Exception):
+    def __init__(self, reason: str, message: str, status: int | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.status = status or STATUS.get(reason, 400)
+
+
+def job_view(ev: Event) -> dict:
+    """`job status --json`: the contract in DESIGN.md, from a JobStatePublished event."""
+    p = ev.payload
+    return {"job": p["job_id"], "name": p["name"], "entitlement": ev.entitlement, "state": p["state"],
+            "incarnation": p.get("incarnation", 1), "spec_version": p["spec_version"],
+            "desired_tasks": p["desired_tasks"], "last_reason": p["last_reason"], "updated_ms": ev.timestamp_ms,
+            "tasks": [{"id": t["task_id"], "state": t["state"], "machine": t["machine_id"], "dc": t["dc"],
+                       "msb": t["msb"], "rack": t["rack"], "spec_version": t["spec_version"], "reason": t["reason"]}
+                      for t in p["tasks"]]}
+
+
+def require_broker(cfg: Config) -> None:
+    """FrontendError unless the broker answers ``cfg``'s principal."""
+    from infra.services import broker_ready
+
+    if not broker_ready(cfg):
+        raise FrontendError(BROKER_UNREACHABLE, f"cannot reach Kafka at {cfg.bootstrap_servers} as {cfg.principal} "
+                                                f"(is `ropewalk up` running? are the credentials in {cfg.secrets} "
+                                                f"this broker's?)")
+
+
+def entitlement_of_job(job_id: str) -> str:
+    """A job id is ``<entitlement>.<name>`` (jobspec.job_id): the entitlement it belongs to, without reading."""
+    return job_id.split(".", 1)[0]
+
+
+def spec_payload(data: Any, entitlement: str | None, max_tasks: int, where: str = "") -> dict:
+    """The JobSubmitted payload of a user's spec (parsed YAML/JSON), or FrontendError naming the field."""
+    from processors.frontend.jobspec import JobSpecError, validate_spec
+
+    try:
+        return validate_spec(data, entitlement, max_tasks)
+    except JobSpecError as exc:
+        raise FrontendError(INVALID_REQUEST, f"{where}{exc}") from None
+
+
+class Frontend:
+    """The operations, for one principal (who asked: an API user, or ``operator`` on the CLI's direct path)."""
+
+    def __init__(self, cfg: Config, registry=None, *, principal: str | None = None, producer: str = "cli",
+                 skipped: Skipped | None = None, events=None):
+        from streams.serde import SchemaRegistry
+
+        self.cfg = cfg
+        self.registry = registry or SchemaRegistry.from_dir()
+        self.principal = principal
+        self.producer_name = producer
+        self.skipped = skipped if skipped is not None else Skipped()
+        self._producer = events  # an EventProducer to share (the API's); None: one per call
+
+    # -- plumbing --------------------------------------------------------------------------------------------
+    def require_broker(self) -> None:
+        require_broker(self.cfg)
+
+    def event(self, type_: str, payload: Mapping[str, Any], entitlement: str, entity_id: str) -> Event:
+        return new_event(type_, payload, entitlement=entitlement, entity_id=entity_id, producer=self.producer_name,
+                         principal=self.principal)
+
+    def send(self, events: list[Event]) -> None:
+        from streams.clients import EventProducer
+
+        producer = self._producer
+        if producer is None:
+            self.require_broker()
+            producer = EventProducer(self.cfg, self.registry, self.producer_name, **{"message.timeout.ms": 15000})
+        for ev in events:
+            producer.send(ev)
+        producer.flush(20)
+
+    def stamp(self, events: list[Event]) -> list[Event]:
+        """``events`` (decided elsewhere: the Resource Broker's, the Ops Planner's) with this front end's principal."""
+        return [dataclasses.replace(ev, principal=self.principal) for ev in events]
+
+    # -- entitlements ----------------------------------------------------------------------------------------
+    def entitlement_create(self, name: Any, quota: Any, *, machine_type=None, dc=None, host_profile=None,
+                           fields: Mapping[str, str] | None = None) -> dict:
+        from processors.frontend import rules
+        from processors.frontend.jobspec import JobSpecError, _name, refuse
+
+        payload = {"name": name, "quota_machines": quota, "machine_type": machine_type, "dc_pin": dc,
+                   "host_profile": host_profile}
+        try:
+            name = _name(name, (fields or {}).get("name", "name"))
+            refuse(rules.intent_problems("EntitlementCreated", payload, name), fields)
+        except JobSpecError as exc:
+            raise FrontendError(INVALID_REQUEST, str(exc)) from None
+        ev = self.event("EntitlementCreated", payload, name, name)
+        self.send([ev])
+        return {"entitlement": name, "event_id": ev.event_id}
+
+    def entitlement_update(self, name: str, changes: Mapping[str, Any]) -> dict:
+        """EntitlementUpdated with the fields ``changes`` sets (quota_machines, machine_type, dc_pin, host_profile)."""
+        from processors.frontend import rules
+        from processors.frontend.jobspec import JobSpecError, refuse
+
+        payload = {k: changes.get(k) for k in ("quota_machines", "machine_type", "dc_pin", "host_profile")}
+        try:
+            refuse(rules.intent_problems("EntitlementUpdated", payload, name))
+        except JobSpecError as exc:
+            raise FrontendError(INVALID_REQUEST, str(exc)) from None
+        ev = self.event("EntitlementUpdated", payload, name, name)
+        self.send([ev])
+        return {"entitlement": name, "event_id": ev.event_id}
+
+    def entitlements(self) -> list[dict]:
+        """Every entitlement the intents log created and the scheduler did not refuse, with its latest settings."""
+        from streams import replay as rp
+
+        self.require_broker()
+        types = frozenset({"EntitlementCreated", "EntitlementUpdated", "IntentRefused"})
+        found: dict[str, dict] = {}
+        refused: set[str] = set()
+        by_event: dict[str, str] = {}
+        for rec in rp.replay(self.cfg, self.registry, rp.ReplayFilter(topics=("intents",), types=types),
+                             skipped=self.skipped):
+            ev, p = rec.event, rec.event.payload
+            if ev.type == "EntitlementCreated":
+                found.setdefault(p["name"], {"entitlement": p["name"], "quota_machines": p["quota_machines"],
+                                             "machine_type": p["machine_type"], "dc_pin": p["dc_pin"],
+                                             "host_profile": p["host_profile"], "created_ms": ev.timestamp_ms})
+                by_event[ev.event_id] = p["name"]
+            elif ev.type == "EntitlementUpdated" and ev.entitlement in found:
+                by_event[ev.event_id] = ev.entitlement
+                found[ev.entitlement].update({k: v for k, v in p.items() if v is not None})
+            elif ev.type == "IntentRefused" and p["intent_type"] == "EntitlementCreated":
+                refused.add(p["intent_event_id"])
+        gone = {by_event[e] for e in refused if e in by_event}
+        return [v for k, v in sorted(found.items()) if k not in gone]
+
+    # -- jobs ------------------------------------------------------------------------------------------------
+    def job_state(self, job: str) -> Event:
+        from streams import state
+
+        self.require_broker()
+        latest = state.current(self.cfg, self.registry, "jobs", skipped=self.skipped).get(job)
+        if latest is None:
+            raise FrontendError(UNKNOWN_JOB, f"unknown job {job!r} (no state published for it; `ropewalk watch jobs` "
+                                             f"lists jobs)")
+        return latest
+
+    def job_status(self, job: str, at: str | None = None) -> dict:
+        """The job's view now, or (``at``: a moment, processors/history/moments.parse_moment) as it was then."""
+        if at is None:
+            return job_view(self.job_state(job))
+        from processors.history import commands as history
+
+        self.require_broker()
+        return job_view(history.job_state_at(self.cfg, self.registry, job, at, skipped=self.skipped))
+
+    def jobs(self, entitlement: str | None = None) -> list[dict]:
+        from streams import state
+
+        self.require_broker()
+        latest = state.current(self.cfg, self.registry, "jobs", entitlement, skipped=self.skipped)
+        return [job_view(ev) for _, ev in sorted(latest.items())]
+
+    def job_submit(self, spec: Any, *, wait_s: float | None = None, where: str = "") -> dict:
+        """JobSubmitted for ``spec``; with ``wait_s``, wait that long at most for the scheduler's verdict. The job
+        existing already, the scheduler answers only a refusal (a spec that differs, a job still stopping) and
+        says nothing to an identical submission: then the wait is ``EXISTING_WAIT_S`` at most."""
+        from streams import state
+
+        payload = spec_payload(spec, None, self.cfg.max_tasks_per_job, where)
+        ent = payload.pop("entitlement")
+        ev = self.event("JobSubmitted", {**payload, "spec_version": 1}, ent, payload["job_id"])
+        existing = None
+        if wait_s:
+            self.require_broker()
+            existing = state.current(self.cfg, self.registry, "jobs", ent, skipped=self.skipped).get(payload["job_id"])
+        doc = self._sent(ev, payload["job_id"], min(wait_s, EXISTING_WAIT_S) if existing is not None else wait_s)
+        if existing is not None and doc["verdict"] == PENDING:
+            doc["message"] = (f"job {payload['job_id']} exists ({existing.payload['state']}): an identical submission "
+                              f"changes nothing; one that differs would have been refused")
+        return {"job": payload["job_id"], "entitlement": ent, "event_id": ev.event_id, **doc}
+
+    def job_update(self, job: str, spec: Any, *, wait_s: float | None = None, where: str = "") -> dict:
+        current = self.job_state(job)
+        payload = spec_payload(spec, current.entitlement, self.cfg.max_tasks_per_job, where)
+        if payload["job_id"] != job:
+            raise FrontendError(INVALID_REQUEST, f"{where}name: the spec names job {payload['job_id']!r}, not {job!r}")
+        payload.pop("entitlement")
+        version = current.payload["spec_version"] + 1
+        ev = self.event("JobSpecChanged", {**payload, "spec_version": version}, current.entitlement, job)
+        return {"job": job, "spec_version": version, "event_id": ev.event_id, **self._sent(ev, job, wait_s)}
+
+    def job_resize(self, job: str, tasks: Any, *, wait_s: float | None = None, field: str = "tasks") -> dict:
+        from processors.frontend import rules
+
+        if (problem := rules.task_count(tasks, self.cfg.max_tasks_per_job, field, low=0)) is not None:
+            raise FrontendError(INVALID_REQUEST, str(problem))
+        current = self.job_state(job)
+        ev = self.event("JobResized", {"job_id": job, "tasks": tasks}, current.entitlement, job)
+        return {"job": job, "tasks": tasks, "event_id": ev.event_id, **self._sent(ev, job, wait_s)}
+
+    def job_stop(self, job: str, reason: str = "", *, wait_s: float | None = None) -> dict:
+        current = self.job_state(job)
+        ev = self.event("JobStopped", {"job_id": job, "reason": reason}, current.entitlement, job)
+        return {"job": job, "event_id": ev.event_id, **self._sent(ev, job, wait_s)}
+
+    def _sent(self, ev: Event, job: str, wait_s: float | None) -> dict:
+        """Send the intent; with ``wait_s``, wait for the scheduler's verdict on it (``verdict.py``)."""
+        if not wait_s:
+            self.send([ev])
+            return {"verdict": SENT}
+        from processors.frontend.verdict import VerdictWatch
+
+        self.require_broker()
+        with VerdictWatch(self.cfg, self.registry, ev, job) as watch:  # positioned before the intent is sent
+            self.send([ev])
+            got = watch.wait(min(float(wait_s), MAX_WAIT_S))
+        if got is None:
+            return {"verdict": PENDING, "reason": "", "message": f"no verdict from the scheduler within {wait_s:g} s"}
+        return {"verdict": got.verdict, "reason": got.reason, "message": got.message, "state": got.state}
+
+    # -- machines and maintenance ---------------------------------------------------------------------------
+    def machines(self, entitlement: str | None = None, free: bool = False, at: str | None = None) -> list[dict]:
+        """Every machine's view now, or (``at``) as ``machine list`` showed it then."""
+        from streams import state
+
+        self.require_broker()
+        if at is not None:
+            from processors.history import commands as history
+
+            rows = history.machine_views_at(self.cfg, self.registry, at, entitlement, skipped=self.skipped)
+        else:
+            latest = state.current(self.cfg, self.registry, "machines", entitlement, skipped=self.skipped)
+            rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
+        return [r for r in rows if r["entitlement"] is None] if free else rows
+
+    # -- the region at a moment, why a task is where it is (processors/history) ----------------------------
+    def region(self, at: str) -> dict:
+        """The whole region at the moment ``at``: machines, entitlements, jobs and their tasks."""
+        from processors.history import commands as history
+
+        self.require_broker()
+        return history.region_doc(self.cfg, self.registry, at, skipped=self.skipped)
+
+    def explain(self, task: str, at: str | None = None, why_not: str | None = None) -> dict:
+        """The decision that placed ``task`` (as of ``at``), the filters' rejections, the events that led to it."""
+        from processors.history import commands as history
+
+        self.require_broker()
+        return history.explain_doc(self.cfg, self.registry, task, at, why_not, skipped=self.skipped)
+
+    def machine_action(self, machine: str, action: str, *, dry_run: bool = False) -> dict:
+        """``fail`` (→ DOWN, its tasks move) or ``recover`` (→ UP) a machine; ``dry_run`` (fail only): what would
+        happen (processors/history/whatif.py), nothing produced."""
+        from processors.resourcebroker import decide as rb
+        from processors.resourcebroker.processor import fail_machine, recover_machine
+
+        if action not in ("fail", "recover"):
+            raise FrontendError(INVALID_REQUEST, f"action: expected fail or recover, got {action!r}")
+        if dry_run and action != "fail":
+            raise FrontendError(INVALID_REQUEST, "dry_run: only a failure has a dry run")
+        self.require_broker()
+        fn = fail_machine if action == "fail" else recover_machine
+        try:
+            if dry_run:
+                from processors.history import whatif
+
+                return whatif.machine_failure(self.cfg, self.registry, machine, int(time.time() * 1000),
+                                              skipped=self.skipped)
+            ids = fn(self.cfg, machine, registry=self.registry, skipped=self.skipped, principal=self.principal)
+        except rb.UnknownMachine as exc:
+            raise FrontendError(UNKNOWN_MACHINE, str(exc)) from None
+        except rb.IllegalStatusTransition as exc:
+            raise FrontendError(NOT_ALLOWED_HERE, str(exc)) from None
+        return {"machine": machine, "event_ids": ids}
+
+    def maintenance_plan(self, *, start_ms: int, duration_ms: int, deadline_ms: int | None = None,
+                         machines: list[str] | None = None, rack: str | None = None, msb: str | None = None,
+                         reason: str = "maintenance", dry_run: bool = False) -> dict:
+        """Plan a maintenance; ``dry_run``: what it would do (processors/history/whatif.py), nothing produced."""
+        from processors.opsplanner import cli as ops
+        from processors.opsplanner.decide import Plan, PlanError
+
+        self.require_broker()
+        plan = Plan(start_ms=start_ms, duration_ms=duration_ms, deadline_ms=deadline_ms, machines=machines, rack=rack,
+                    msb=msb, reason=reason)
+        try:
+            if dry_run:
+                from processors.history import whatif
+
+                return whatif.maintenance(self.cfg, self.registry, plan, int(time.time() * 1000),
+                                          skipped=self.skipped)
+            events = ops.plan_maintenance(self.cfg, self.registry, plan, int(time.time() * 1000),
+                                          skipped=self.skipped, principal=self.principal)
+        except PlanError as exc:
+            raise FrontendError(INVALID_REQUEST, str(exc)) from None
+        p = events[0].payload
+        return {"unavailability_id": p["unavailability_id"], "machines": sorted(m for e in events
+                                                                               for m in e.payload["machine_ids"]),
+                "start_ms": p["start_ms"], "deadline_ms": p["deadline_ms"],
+                "expected_duration_ms": p["expected_duration_ms"], "event_ids": [e.event_id for e in events]}
+
+    def maintenance_end(self, unavailability_id: str) -> dict:
+        from processors.opsplanner import cli as ops
+        from processors.opsplanner.decide import PlanError
+
+        self.require_broker()
+        try:
+            events = ops.end_maintenance(self.cfg, self.registry, unavailability_id, int(time.time() * 1000),
+                                         skipped=self.skipped, principal=self.principal)
+        except PlanError as exc:
+            raise FrontendError(UNKNOWN_MAINTENANCE, str(exc)) from None
+        machines = {m for e in events for m in e.payload.get("machine_ids", [e.payload.get("machine_id")]) if m}
+        return {"unavailability_id": unavailability_id, "event_ids": [e.event_id for e in events],
+                "machines": sorted(machines)}
+
+    # -- the log ---------------------------------------------------------------------------------------------
+    def replay(self, flt) -> "Iterator":
+        """The audit timeline (``streams.replay.replay``): a ``Replay`` to iterate once (``.stats`` after)."""
+        from streams import replay as rp
+
+        self.require_broker()
+        return rp.replay(self.cfg, self.registry, flt, skipped=self.skipped)
+
+    def state_reader(self, kind: str, entitlement: str | None = None):
+        """A ``streams.state.StateReader`` of ``kind`` (jobs, machines): ``catch_up`` then ``poll``/``follow``."""
+        from streams.state import StateReader
+
+        self.require_broker()
+        return StateReader(self.cfg, self.registry, kind, entitlement, skipped=self.skipped)
+
+
+def state_view(kind: str, ev: Event) -> dict:
+    """What ``watch`` and the API's event streams show of one state record: a job's ``job_view``, a machine's
+    ``machine_view``; ``deleted`` for a job that is gone."""
+    from streams.state import machine_view
+
+    if kind == "jobs":
+        return {**job_view(ev), "deleted": bool(ev.payload.get("deleted"))}
+    return machine_view(ev)

@@ -1,0 +1,83 @@
+"""The region's supervisor (infra/supervisor.py) on real processes: a program that dies is started again after a
+backoff and the restart recorded; one that keeps dying backs off further; `stop` leaves nothing behind, also the
+programs of a supervisor that was itself killed; a new supervisor never runs a program twice."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from infra import supervisor
+from infra.process import pid_alive
+from regioncli import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+PROGRAMS = [supervisor.Program("sleeper", ("sleep", "600")),
+            supervisor.Program("crasher", ("sh", "-c", "exit 3")),
+            supervisor.Program("svc", ("sleep", "600"), service=True)]
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    yield tmp_path
+    supervisor.stop(tmp_path)
+
+
+def state(run_dir, name):
+    return supervisor.programs_state(run_dir)[name]
+
+
+def test_dead_programs_are_started_again_with_backoff_and_recorded(run_dir):
+    st = supervisor.ensure(run_dir, PROGRAMS)
+    assert supervisor.expected(run_dir) == ["svc", "sleeper", "crasher"]  # services first
+    first = st["sleeper"]["pid"]
+    assert pid_alive(first) and (run_dir / "sleeper.pid").read_text() == str(first)
+    os.kill(first, signal.SIGKILL)
+    again = wait_for(lambda: (s := state(run_dir, "sleeper"))["running"] and s["pid"] != first and s, "a new sleeper")
+    assert again["restarts"] == 1 and again["last_exit"]["signal"] == "SIGKILL" and not pid_alive(first)
+
+    # A program that keeps dying is retried, each time after a longer delay (0.5, 1, 2 s, ...).
+    wait_for(lambda: state(run_dir, "crasher")["restarts"] >= 3, "three restarts of the crasher", 10)
+    records = [json.loads(line) for line in (run_dir / supervisor.RESTARTS_FILE).read_text().splitlines()]
+    crashes = [r for r in records if r["program"] == "crasher"]
+    assert [r["code"] for r in crashes[:3]] == [3, 3, 3]
+    assert [r["delay_s"] for r in crashes[:3]] == [0.5, 1.0, 2.0]
+    assert [r["signal"] for r in records if r["program"] == "sleeper"] == ["SIGKILL"]
+    assert "sleeper: pid %d ended (killed by SIGKILL" % first in (run_dir / "supervisor.log").read_text()
+
+    # A second ensure changes nothing that runs.
+    supervisor.ensure(run_dir, PROGRAMS[:1])
+    assert state(run_dir, "sleeper")["pid"] == again["pid"]
+
+    pids = [s["pid"] for s in supervisor.programs_state(run_dir).values() if s["pid"]]
+    out = supervisor.stop(run_dir)
+    assert out["sleeper"]["stopped"] and out["svc"]["stopped"]
+    assert not any(pid_alive(p) for p in pids) and not list(run_dir.glob("*.pid"))
+    assert supervisor.programs_state(run_dir) == {}  # nothing expected any more
+    assert supervisor.stop(run_dir) == {}  # idempotent
+
+
+def test_the_programs_of_a_killed_supervisor_are_stopped_and_never_doubled(run_dir):
+    st = supervisor.ensure(run_dir, PROGRAMS[:1])
+    child = st["sleeper"]["pid"]
+    sup = supervisor.process(run_dir).pid()
+    os.kill(sup, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(sup), "the supervisor gone")
+    assert pid_alive(child)  # its own session: the program outlived it
+    orphaned = state(run_dir, "sleeper")
+    assert orphaned["running"] and orphaned["pid"] == child and not orphaned["supervised"]  # running, unsupervised
+
+    # A new supervisor stops the orphan before it starts the program: one sleeper, never two.
+    st = supervisor.ensure(run_dir, PROGRAMS[:1])
+    assert not pid_alive(child) and st["sleeper"]["pid"] != child and pid_alive(st["sleeper"]["pid"])
+
+    # Killed again: `stop` finds the orphan by its pid file (pid and start time) and stops it.
+    new_child = st["sleeper"]["pid"]
+    os.kill(supervisor.process(run_dir).pid(), signal.SIGKILL)
+    out = supervisor.stop(run_dir)
+    assert out["sleeper"]["stopped"] and not pid_alive(new_child)
+    assert not list(run_dir.glob("*.pid"))

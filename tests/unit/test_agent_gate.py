@@ -1,0 +1,134 @@
+"""An agent runs only what was allocated (processors/agent/gate.py): the verdict table, the fold of allocations, the
+wait for the fold to catch up, and the refusal event."""
+import pytest
+
+from processors.agent import gate as g
+from streams.events import new_event
+
+
+def cmd(command="START", task="e1.web/0", machine="m1", job="e1.web", entitlement="e1", producer="scheduler",
+        event_id="c1"):
+    return new_event("TaskCommanded", {"task_id": task, "job_id": job, "machine_id": machine, "command": command,
+                                       "argv": ["sh", "-c", "id > pwned.txt"], "env": {}, "spec_version": 1,
+                                       "reason": ""}, entitlement=entitlement, entity_id=task, producer=producer,
+                     event_id=event_id)
+
+
+def allocated(placements, job="e1.web", entitlement="e1"):
+    return new_event("TasksAllocated", {"request_id": "r", "job_id": job, "placements": [
+        {"task_id": t, "machine_id": m, "dc": "d", "msb": "s", "rack": "r"} for t, m in placements.items()],
+        "filter_rejections": {}, "fault_domain_bins": {}, "machines_added": [], "cache_hit": False,
+        "commit_attempts": 1}, entitlement=entitlement, entity_id=job, producer="allocator")
+
+
+def deallocated(placements, job="e1.web", entitlement="e1"):
+    return new_event("TasksDeallocated", {"request_id": "r2", "job_id": job, "machines_released": [], "placements": [
+        {"task_id": t, "machine_id": m, "dc": "d", "msb": "s", "rack": "r"} for t, m in placements.items()]},
+        entitlement=entitlement, entity_id=job, producer="allocator")
+
+
+HERE = g.Placement("m1", "e1", "e1.web")
+VERDICTS = [
+    # command, placement held for its task, verdict
+    (cmd(), HERE, None),
+    (cmd("RESTART"), HERE, None),
+    (cmd(producer="scheduler/3"), HERE, None),
+    (cmd(), None, g.REFUSED_NOT_ALLOCATED),  # no allocation at all (the issue's forged START)
+    (cmd(), g.Placement("m2", "e1", "e1.web"), g.REFUSED_NOT_ALLOCATED),  # placed on another machine
+    (cmd(entitlement="e2"), HERE, g.REFUSED_OTHER_ENTITLEMENT),
+    (cmd(job="e1.other"), HERE, g.REFUSED_OTHER_JOB),
+    (cmd(producer="cli"), HERE, g.REFUSED_NOT_SCHEDULER),
+    (cmd(producer="schedulerx"), HERE, g.REFUSED_NOT_SCHEDULER),
+    (cmd("STOP"), None, None),  # STOP is not judged (infra/acls.py: the broker's ACL is its guard)
+]
+
+
+@pytest.mark.parametrize("command,held,expected", VERDICTS)
+def test_verdict(command, held, expected):
+    assert g.verdict(command, held) == expected
+
+
+def test_fold_places_moves_and_frees():
+    gate = g.Gate({"m1", "m2"}.__contains__)
+    gate.fold(allocated({"e1.web/0": "m1", "e1.web/1": "m9", "e1.web/2": "m2"}))
+    assert gate.held == {"e1.web/0": HERE, "e1.web/2": g.Placement("m2", "e1", "e1.web")}
+    gate.fold(allocated({"e1.web/0": "m9"}))  # moved to a machine of another agent: not ours any more
+    assert "e1.web/0" not in gate.held
+    gate.fold(deallocated({"e1.web/2": "m1"}))  # freed from another machine than ours: ours stays
+    assert "e1.web/2" in gate.held
+    gate.fold(deallocated({"e1.web/2": "m2"}))
+    assert gate.held == {}
+
+
+def test_a_start_read_before_its_placement_waits_then_runs():
+    gate = g.Gate("m1".__eq__)
+    assert gate.admit(cmd(), mark=1) == g.WAIT
+    assert gate.fold(allocated({"e1.web/1": "m1"})) == []  # another task: still waiting
+    assert [c.event_id for c in gate.fold(allocated({"e1.web/0": "m1"}))] == ["c1"]
+    assert gate.waiting == [] and gate.expire(99) == []
+
+
+def test_a_start_never_placed_is_refused_once_the_fold_caught_up():
+    gate = g.Gate("m1".__eq__)
+    assert gate.admit(cmd(event_id="old"), mark=1) == g.WAIT
+    assert gate.admit(cmd(task="e1.web/5", event_id="new"), mark=3) == g.WAIT
+    done = gate.expire(2)  # the fold read what was written before mark 2's commands only
+    assert [(c.event_id, why) for c, why, _ in done] == [("old", g.REFUSED_NOT_ALLOCATED)]
+    assert [c.event_id for _, c in gate.waiting] == ["new"]
+
+
+def test_not_from_the_scheduler_is_refused_at_once():
+    gate = g.Gate("m1".__eq__)
+    gate.fold(allocated({"e1.web/0": "m1"}))
+    assert gate.admit(cmd(producer="agent/m7"), mark=1) == g.REFUSED_NOT_SCHEDULER
+    assert gate.waiting == []
+
+
+def test_refusal_event_names_the_reason_and_is_idempotent():
+    a = g.refusal(cmd(), g.REFUSED_NOT_ALLOCATED, None, 1000)
+    b = g.refusal(cmd(), g.REFUSED_NOT_ALLOCATED, None, 2000)
+    assert a.type == "TaskCommandRefused" and a.event_id == b.event_id and a.causation_id == "c1"
+    assert a.payload["reason"] == g.REFUSED_NOT_ALLOCATED and "e1.web/0" in a.payload["message"]
+    other = g.refusal(cmd(entitlement="e2"), g.REFUSED_OTHER_ENTITLEMENT, HERE, 1000)
+    assert "for entitlement e1, not e2" in other.payload["message"]
+
+
+def test_gate_state_survives_a_restart():
+    gate = g.Gate("m1".__eq__)
+    gate.fold(allocated({"e1.web/0": "m1"}))
+    gate.admit(cmd(task="e1.web/9", event_id="w"), mark=5)
+    again = g.Gate("m1".__eq__)
+    again.load_json(gate.to_json())
+    assert again.held == gate.held
+    assert [(c.event_id, c.payload) for _, c in again.waiting] == [(c.event_id, c.payload) for _, c in gate.waiting]
+    assert [c.event_id for c, _, _ in again.expire(0)] == ["w"]  # judged by the first expiry after the restart
+
+
+class FakeConsumer:
+    """What Judge asks of its consumer: the allocations' high watermarks and how far it read (no broker)."""
+
+    def __init__(self):
+        self.high = {("a", 0): 5}
+        self.read = {}
+
+    def high_watermarks(self, partitions):
+        return {tp: self.high[tp] for tp in partitions}
+
+    def read_up_to(self, targets, start):
+        return all(self.read.get(tp, 0) >= off for tp, off in targets.items())
+
+
+def test_judge_refuses_only_after_reading_up_to_the_watermark_measured_after_the_command():
+    judge = g.Judge(g.Gate("m1".__eq__), [("a", 0)])
+    batch = new_event("TasksCommanded", {"job_id": "e1.web", "argv": ["x"], "env": {}, "part": 0, "parts": 1,
+                                         "commands": [{"task_id": "e1.web/0", "machine_id": "m1", "command": "START",
+                                                       "spec_version": 1, "reason": ""}]},
+                      entitlement="e1", entity_id="e1.web", producer="scheduler")
+    assert judge.take([batch], "m1".__eq__, 0) == []
+    consumer = FakeConsumer()
+    assert judge.refusals(consumer, 0) == []  # measures the watermark: 5
+    consumer.read[("a", 0)] = 4
+    assert judge.refusals(consumer, 0) == []  # not there yet
+    consumer.read[("a", 0)] = 5
+    [refused] = judge.refusals(consumer, 0)
+    assert refused.payload["reason"] == g.REFUSED_NOT_ALLOCATED and judge.gate.waiting == []
