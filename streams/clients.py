@@ -300,6 +300,10 @@ class EventConsumer:
         """Stop fetching these partitions (e.g. a bounded read that reached its end)."""
         self._consumer.pause([TopicPartition(t, p) for t, p in partitions])
 
+    def resume(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Fetch these paused partitions again (e.g. a merged read whose slower partitions caught up)."""
+        self._consumer.resume([TopicPartition(t, p) for t, p in partitions])
+
     def fetched_high_watermark(self, tp: tuple[str, int]) -> int | None:
         """The high watermark reported by the latest fetch response of `tp` (None before the first one)."""
         _, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
@@ -325,13 +329,27 @@ class EventConsumer:
         ``timeout_s`` passed (few large batches: a bulk read). Else wait ``timeout_s`` for the first record only,
         then ``linger_s`` at most for the rest (a follower: a lone record is handed over at once, not after the
         timeout)."""
+        out: list[Record] = []
+        for msg in self.poll_raw(max_records, timeout_s, linger_s=linger_s):
+            rec = self.decode(msg)
+            if rec is not None:
+                out.append(rec)
+        from infra.metrics import observe_lag
+
+        # the consumer group, or for an assigned reader its name's kind (``agent/<machine>`` → ``agent``): never an id
+        observe_lag(self.group_id or self.name.split("/", 1)[0], out, self.cfg.topic_prefix)
+        return out
+
+    def poll_raw(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list:
+        """``poll`` without decoding: the records as the broker gave them (end-of-partition and the positions
+        accounted for); ``decode`` each when it is needed (a reader that may stop before it needs them all)."""
         if linger_s is None or max_records <= 1:
             msgs = self._consumer.consume(max_records, timeout_s)
         else:
             msgs = self._consumer.consume(1, timeout_s)
             if msgs:
                 msgs += self._consumer.consume(max_records - 1, linger_s)
-        out: list[Record] = []
+        out = []
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -341,14 +359,13 @@ class EventConsumer:
                 raise RuntimeError(f"consumer {self.name}: {err.str()}")
             self.eof.discard((msg.topic(), msg.partition()))
             self.last_offsets[(msg.topic(), msg.partition())] = msg.offset()
-            rec = self._decode(msg)
-            if rec is not None:
-                out.append(rec)
-        from infra.metrics import observe_lag
-
-        # the consumer group, or for an assigned reader its name's kind (``agent/<machine>`` → ``agent``): never an id
-        observe_lag(self.group_id or self.name.split("/", 1)[0], out, self.cfg.topic_prefix)
+            out.append(msg)
         return out
+
+    def decode(self, msg) -> Record | None:
+        """One record of ``poll_raw`` decoded; None if its type is not wanted or it cannot be decoded (counted in
+        ``skipped``, dead-lettered with ``dead_letters``)."""
+        return self._decode(msg)
 
     def _decode(self, msg) -> Record | None:
         if self.types is not None and not passes_type(msg.headers(), self.types):

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+MAX_TIME_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: later times are no times (Kafka's timestamps are int64)
 ENVELOPE_FIELDS = ("event_id", "entitlement", "entity_id", "timestamp_ms", "producer", "causation_id",
                    "schema_version", "principal")
 

@@ -468,3 +468,104 @@ def commit_check(machine_now: Machine, expected_version: int, cpu: int, mem: int
     if machine_now.version != expected_version:
         return CONFLICT_VERSION
     return None
+
+
+# --- policies: the one seam through which placement's preferences change -------------------------------------
+# The live allocator places by SCORES (through fastplace, which equals ``run``). A shadow replay
+# (processors/history) places recorded requests again under another ``Policy`` and compares the outcomes.
+
+# Preferences a policy may rank by: SCORES' own, and alternatives. Lower is better.
+SCORE_CHOICES: Mapping[str, Score] = MappingProxyType({
+    **dict(SCORES),
+    "least_loaded": lambda m, w: w.request.cpu - w.cpu_free[m.id],  # the most free cpu left first (no packing)
+})
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How placement ranks candidates: ``scores`` in order (lower first; the machine id is appended when missing,
+    so the order is total), and optionally ``spread``, the fault-domain level every request is spread over instead
+    of its own. ``LIVE`` is the live allocator's. Filters are not a policy's to change: they are hard facts."""
+
+    name: str = "live"
+    scores: tuple[tuple[str, Score], ...] = SCORES
+    spread: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.spread is not None and self.spread not in SPREAD_LEVELS:
+            raise ValueError(f"spread must be one of {SPREAD_LEVELS}, not {self.spread!r}")
+        if not self.scores:
+            raise ValueError("a policy needs at least one score")
+        if all(name != "machine_id" for name, _ in self.scores):
+            object.__setattr__(self, "scores", (*self.scores, ("machine_id", SCORE_CHOICES["machine_id"])))
+
+    @property
+    def live_scores(self) -> bool:
+        """Whether it ranks as the live allocator does (then fastplace can place it, whatever its spread)."""
+        return [n for n, _ in self.scores] == [n for n, _ in SCORES] and all(
+            f is g for (_, f), (_, g) in zip(self.scores, SCORES))
+
+    @property
+    def live(self) -> bool:
+        return self.live_scores and self.spread is None
+
+    def request(self, request: Request) -> Request:
+        """``request`` as this policy places it (its spread level replaced when the policy sets one)."""
+        if self.spread is None or self.spread == request.spread:
+            return request
+        from dataclasses import replace
+
+        return replace(request, spread=self.spread)
+
+    def describe(self) -> str:
+        return (f"{self.name}: scores {', '.join(n for n, _ in self.scores)}"
+                + (f"; spread {self.spread}" if self.spread else ""))
+
+
+LIVE = Policy()
+
+
+def select_scored(feasible: Iterable[Machine], bins: Mapping[str, int], entitlement: Entitlement,
+                  request: Request, held_machine_count: int, scores: tuple[tuple[str, Score], ...]) -> Selection:
+    """``select()`` as the minimum, per task, of ``scores`` over every candidate that still fits (and, for a free-pool
+    machine, while the quota has room): what select() computes for SCORES with heaps, for any table of scores.
+    O(tasks x feasible machines)."""
+    fitting = sorted(feasible, key=lambda m: m.id)
+    w = _Round(request=request, cpu_free={m.id: m.cpu_free for m in fitting},
+               mem_free={m.id: m.mem_free for m in fitting},
+               members={m.id for m in fitting if m.entitlement == entitlement.name}, bins=Counter(bins))
+    room = entitlement.quota_machines - held_machine_count
+    bin_of = FAULT_DOMAIN_OF[request.spread]
+    fns = [fn for _, fn in scores]
+    placements: list[tuple[str, str]] = []
+    added: list[str] = []
+    unplaced: tuple[str, ...] = ()
+    quota_hit = False
+    for i, task_id in enumerate(request.task_ids):
+        fitting = [m for m in fitting if w.fits(m.id)]
+        candidates = fitting if len(added) < room else [m for m in fitting if m.id in w.members]
+        if not candidates:
+            unplaced, quota_hit = request.task_ids[i:], bool(fitting)
+            break
+        best = min(candidates, key=lambda m: tuple(fn(m, w) for fn in fns))
+        if best.id not in w.members:
+            w.members.add(best.id)
+            added.append(best.id)
+        w.cpu_free[best.id] -= request.cpu
+        w.mem_free[best.id] -= request.mem
+        w.bins[bin_of(best)] += 1
+        placements.append((task_id, best.id))
+    return Selection(tuple(placements), tuple(added), unplaced, quota_hit, w)
+
+
+def run_policy(snapshot: Mapping[str, Machine] | Iterable[Machine], entitlement: Entitlement, request: Request,
+               held_machine_count: int, policy: Policy) -> Plan:
+    """``run()``'s plan under ``policy``: the same filters and plan, the selection by the policy's scores."""
+    request = policy.request(request)
+    if policy.live_scores:
+        return run(snapshot, entitlement, request, held_machine_count).plan
+    machines = _by_id(snapshot)
+    feasible, counted = filter_machines(machines.values(), entitlement, request)
+    selection = select_scored(feasible, existing_bins(machines, request), entitlement, request,
+                              held_machine_count, policy.scores)
+    return plan_of(selection, entitlement, request, held_machine_count, counted)

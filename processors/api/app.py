@@ -13,12 +13,14 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 | PATCH /v1/entitlements/{name}         | entitlement.update; a quota: entitlement.quota | 202, EntitlementUpdated |
 | GET /v1/jobs[?entitlement=]           | job.view               | job views (all the user may see) |
 | POST /v1/jobs[?wait=&timeout_s=]      | job.submit             | 201 accepted, 409 refused (reason), 202 pending / not waited |
-| GET /v1/jobs/{job}                    | job.view               | the job's view (`job status --json`) |
+| GET /v1/jobs/{job}[?at=]              | job.view               | the job's view (`job status --json`); `at`: as it was then |
 | PUT /v1/jobs/{job}/spec               | job.update             | a rolling update (verdict as submit, not waited by default) |
 | POST /v1/jobs/{job}/resize, /stop     | job.resize, job.stop   | as update |
-| GET /v1/machines[?entitlement=&free=] | machine.view           | machine views (free machines: any user) |
-| POST /v1/machines/{id}/fail, /recover | machine.fail, .recover | the events |
-| POST /v1/maintenance, /v1/maintenance/{id}/end | maintenance.plan, .end | the plan |
+| GET /v1/machines[?entitlement=&free=&at=] | machine.view       | machine views (free machines: any user); `at`: as then |
+| POST /v1/machines/{id}/fail, /recover | machine.fail, .recover | the events (`fail?dry_run=true`: what would happen) |
+| POST /v1/maintenance, /v1/maintenance/{id}/end | maintenance.plan, .end | the plan (`?dry_run=true`: what it would do) |
+| GET /v1/region?at=                    | region.view            | the whole region at a moment (`ropewalk at TIME`) |
+| GET /v1/tasks/{task}/explain[?at=&why_not=] | job.view        | why the task is where it is (`ropewalk explain`) |
 | GET /v1/rebalance/plans[?entitlement=&all=] | rebalance.view  | the ReBalancer's plans, each move's progress (`rebalance plan --json`) |
 | GET /v1/replay?...                    | replay.view (one entitlement or job) / region.view | NDJSON: one event per line, then `{"stats": ...}` |
 | GET /v1/events/jobs, /v1/events/machines[?entitlement=] | job.view / machine.view | server-sent events |
@@ -56,6 +58,7 @@ from processors.api import authz, users as users_mod
 from processors.api.authz import User
 from processors.frontend import service as fe
 from processors.frontend.service import Frontend, FrontendError
+from streams.events import MAX_TIME_MS
 
 PRODUCER = "api"
 KEEPALIVE_S = 15.0
@@ -63,7 +66,6 @@ UNAUTHENTICATED = "unauthenticated"
 BROKER_UNAVAILABLE = "broker_unavailable"
 USERS_UNREADABLE = "users_file_unreadable"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"  # rules.NAME
-MAX_TIME_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: later times are no times (Kafka's timestamps are int64)
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}\.[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"  # <entitlement>.<name>
 Name = Annotated[str, PathParam(pattern=NAME_PATTERN)]
 JobId = Annotated[str, PathParam(pattern=JOB_PATTERN, description="<entitlement>.<name>")]
@@ -213,6 +215,10 @@ CurrentUser = Annotated[User, Depends(current_user)]
 Wait = Annotated[bool | None, Query(description="wait for the scheduler's verdict")]
 WaitS = Annotated[float, Query(ge=0, le=fe.MAX_WAIT_S, description="how long to wait at most, s")]
 EntitlementQuery = Annotated[str | None, Query(pattern=NAME_PATTERN)]
+AT_DESCRIPTION = ("a moment: ms since epoch, ISO-8601, now, now-DURATION (now-15m), or TOPIC/PARTITION@OFFSET "
+                  "(processors/history/moments.parse_moment)")
+AtQuery = Annotated[str | None, Query(min_length=1, max_length=200, description=AT_DESCRIPTION)]
+DryRun = Annotated[bool, Query(description="say what would happen; produce nothing (processors/history/whatif.py)")]
 
 
 def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
@@ -335,9 +341,9 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         return verdict_response(doc, created=True)
 
     @app.get("/v1/jobs/{job}", tags=["jobs"])
-    async def job_status(job: JobId, user: CurrentUser) -> dict:
+    async def job_status(job: JobId, user: CurrentUser, at: AtQuery = None) -> dict:
         allow(user, "job.view", fe.entitlement_of_job(job))
-        return await call(front(user).job_status, job)
+        return await call(front(user).job_status, job, at)
 
     @app.put("/v1/jobs/{job}/spec", tags=["jobs"])
     async def job_update(job: JobId, spec: JobSpec, user: CurrentUser, wait: Wait = None,
@@ -363,27 +369,30 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     # -- machines and maintenance ---------------------------------------------------------------------------
     @app.get("/v1/machines", tags=["machines"])
     async def machines(user: CurrentUser, entitlement: EntitlementQuery = None,
-                       free: bool = False) -> list[dict]:
+                       free: bool = False, at: AtQuery = None) -> list[dict]:
         if entitlement is not None:
             allow(user, "machine.view", entitlement)
-        rows = await call(front(user).machines, entitlement, free)
+        rows = await call(front(user).machines, entitlement, free, at)
         return [r for r in rows if authz.visible(user, r["entitlement"])]
 
     @app.post("/v1/machines/{machine}/{action}", tags=["machines"])
-    async def machine_action(machine: str, action: Literal["fail", "recover"], user: CurrentUser) -> dict:
+    async def machine_action(machine: str, action: Literal["fail", "recover"], user: CurrentUser,
+                             dry_run: DryRun = False) -> dict:
         allow(user, f"machine.{action}", None)
-        return await call(front(user).machine_action, machine, action)
+        return await call(front(user).machine_action, machine, action, dry_run=dry_run)
 
-    @app.post("/v1/maintenance", status_code=201, tags=["maintenance"])
-    async def maintenance_plan(body: MaintenancePlan, user: CurrentUser) -> dict:
+    @app.post("/v1/maintenance", status_code=201, tags=["maintenance"],
+              responses={200: {"description": "dry_run: what the maintenance would do"}})
+    async def maintenance_plan(body: MaintenancePlan, user: CurrentUser, dry_run: DryRun = False) -> JSONResponse:
         allow(user, "maintenance.plan", None)
         chosen = [k for k in ("machines", "rack", "msb") if getattr(body, k) is not None]
         if len(chosen) != 1:
             raise ApiError(400, fe.INVALID_REQUEST, "give exactly one of machines, rack, msb"
                            + (f" (got {', '.join(chosen)})" if chosen else ""))
-        return await call(front(user).maintenance_plan, start_ms=body.start_ms, duration_ms=body.duration_ms,
-                          deadline_ms=body.deadline_ms, machines=body.machines, rack=body.rack, msb=body.msb,
-                          reason=body.reason)
+        doc = await call(front(user).maintenance_plan, start_ms=body.start_ms, duration_ms=body.duration_ms,
+                         deadline_ms=body.deadline_ms, machines=body.machines, rack=body.rack, msb=body.msb,
+                         reason=body.reason, dry_run=dry_run)
+        return JSONResponse(doc, 200 if dry_run else 201)
 
     @app.post("/v1/maintenance/{unavailability_id}/end", tags=["maintenance"])
     async def maintenance_end(unavailability_id: str, user: CurrentUser) -> dict:
@@ -442,6 +451,20 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         allow(user, "entitlement.elastic", name)
         return await call(front(user).elasticity_set, name, body.elastic, body.max_borrowed_machines,
                           body.revoke_notice_ms, body.lend_idle)
+
+    # -- the region at a moment, and why a task is where it is (processors/history) ----------------------
+    @app.get("/v1/region", tags=["history"])
+    async def region(user: CurrentUser, at: Annotated[str, Query(min_length=1, max_length=200,
+                                                                 description=AT_DESCRIPTION)]) -> dict:
+        allow(user, "region.view", None)
+        return await call(front(user).region, at)
+
+    @app.get("/v1/tasks/{task:path}/explain", tags=["history"])
+    async def explain(task: Annotated[str, PathParam(max_length=200, description="<job>/<index>, e.g. e1.web/0")],
+                      user: CurrentUser, at: AtQuery = None,
+                      why_not: Annotated[str | None, Query(min_length=1, max_length=200)] = None) -> dict:
+        allow(user, "job.view", fe.entitlement_of_job(task))
+        return await call(front(user).explain, task, at, why_not)
 
     # -- the log ---------------------------------------------------------------------------------------------
     @app.get("/v1/replay", tags=["log"], response_class=StreamingResponse,

@@ -82,8 +82,8 @@ class ApiClient:
     def entitlements(self) -> list[dict]:
         return self._json("GET", "/v1/entitlements")
 
-    def job_status(self, job: str) -> dict:
-        return self._json("GET", f"/v1/jobs/{_q(job)}")
+    def job_status(self, job: str, at: str | None = None) -> dict:
+        return self._json("GET", f"/v1/jobs/{_q(job)}", query={"at": at})
 
     def jobs(self, entitlement: str | None = None) -> list[dict]:
         return self._json("GET", "/v1/jobs", query={"entitlement": entitlement})
@@ -104,14 +104,22 @@ class ApiClient:
     def job_stop(self, job: str, reason: str = "", *, wait_s: float | None = None) -> dict:
         return self._json("POST", f"/v1/jobs/{_q(job)}/stop", {"reason": reason}, self._wait(wait_s), ok=(409,))
 
-    def machines(self, entitlement: str | None = None, free: bool = False) -> list[dict]:
-        return self._json("GET", "/v1/machines", query={"entitlement": entitlement, "free": "true" if free else None})
+    def machines(self, entitlement: str | None = None, free: bool = False, at: str | None = None) -> list[dict]:
+        return self._json("GET", "/v1/machines", query={"entitlement": entitlement, "free": "true" if free else None,
+                                                        "at": at})
 
-    def machine_action(self, machine: str, action: str) -> dict:
-        return self._json("POST", f"/v1/machines/{_q(machine)}/{_q(action)}")
+    def machine_action(self, machine: str, action: str, *, dry_run: bool = False) -> dict:
+        return self._json("POST", f"/v1/machines/{_q(machine)}/{_q(action)}",
+                          query={"dry_run": "true" if dry_run else None})
 
-    def maintenance_plan(self, **plan) -> dict:
-        return self._json("POST", "/v1/maintenance", plan)
+    def maintenance_plan(self, *, dry_run: bool = False, **plan) -> dict:
+        return self._json("POST", "/v1/maintenance", plan, {"dry_run": "true" if dry_run else None})
+
+    def region(self, at: str) -> dict:
+        return self._json("GET", "/v1/region", query={"at": at})
+
+    def explain(self, task: str, at: str | None = None, why_not: str | None = None) -> dict:
+        return self._json("GET", f"/v1/tasks/{_q(task)}/explain", query={"at": at, "why_not": why_not})
 
     def maintenance_end(self, unavailability_id: str) -> dict:
         return self._json("POST", f"/v1/maintenance/{_q(unavailability_id)}/end")

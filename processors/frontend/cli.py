@@ -447,7 +447,7 @@ def cmd_job_submit(cfg: Config, args) -> int:
 
 
 def cmd_job_status(cfg: Config, args) -> int:
-    view = _front(cfg, args).job_status(args.job)
+    view = _front(cfg, args).job_status(args.job, at=args.at)
     again = f" (incarnation {view['incarnation']})" if view["incarnation"] != 1 else ""
     lines = [f"job {view['job']}{again}  entitlement {view['entitlement']}  state {view['state']}  "
              f"spec v{view['spec_version']}  tasks: {_task_counts(view)}"]
@@ -522,7 +522,14 @@ def cmd_job_stop(cfg: Config, args) -> int:
 
 
 def cmd_machine_fail(cfg: Config, args) -> int:
-    doc = _front(cfg, args).machine_action(args.machine, args.action)
+    front = _front(cfg, args)
+    if getattr(args, "dry_run", False):
+        from processors.history import whatif
+
+        doc = front.machine_action(args.machine, args.action, dry_run=True)
+        _print(doc, args.json, whatif.text(doc))
+        return 0
+    doc = front.machine_action(args.machine, args.action)
     verb = "failed" if args.action == "fail" else "recovered"
     _print(doc, args.json, f"{args.machine} {verb}" if doc["event_ids"] else
            f"{args.machine}: nothing to do (already {'down' if args.action == 'fail' else 'up'})")
@@ -531,7 +538,7 @@ def cmd_machine_fail(cfg: Config, args) -> int:
 
 def cmd_machine_list(cfg: Config, args) -> int:
     """`machine list`: the latest state of every machine, from state.machines (published by the allocator)."""
-    rows = _front(cfg, args).machines(args.entitlement, args.free)
+    rows = _front(cfg, args).machines(args.entitlement, args.free, at=args.at)
     wide = args.output == "wide"
     head = ["MACHINE", "STATUS", "OWNER", "DC/MSB/RACK", "TYPE", "FREE-CPU(m)", "FREE-MEM(MiB)", "TASKS", "MAINTENANCE",
             "PROFILE"]
@@ -540,8 +547,8 @@ def cmd_machine_list(cfg: Config, args) -> int:
               f"{r['free']['memory_mib']}/{r['capacity']['memory_mib']}",
               ",".join(r["tasks"]) if wide else len(r["tasks"]), ",".join(r["maintenance"]) or "-",
               _profile_text(r) or "-"] for r in rows]
-    _print(rows, args.json or args.output == "json", _table(head, table, "no machines (none published on "
-                                                                         "state.machines yet)"))
+    empty = "no machines at that moment" if args.at else "no machines (none published on state.machines yet)"
+    _print(rows, args.json or args.output == "json", _table(head, table, empty))
     return 0
 
 
@@ -809,10 +816,17 @@ def cmd_maintenance(cfg: Config, args) -> int:
         doc = front.maintenance_end(args.unavailability_id)
         _print(doc, args.json, f"maintenance {args.unavailability_id} ended: {len(doc['machines'])} machines")
         return 0
-    doc = front.maintenance_plan(start_ms=_when_ms(args.start, now), duration_ms=_duration_ms(args.duration),
-                                 deadline_ms=None if args.deadline is None else _when_ms(args.deadline, now),
-                                 machines=[m for m in args.machines.split(",") if m] if args.machines else None,
-                                 rack=args.rack, msb=args.msb, reason=args.reason)
+    plan = dict(start_ms=_when_ms(args.start, now), duration_ms=_duration_ms(args.duration),
+                deadline_ms=None if args.deadline is None else _when_ms(args.deadline, now),
+                machines=[m for m in args.machines.split(",") if m] if args.machines else None,
+                rack=args.rack, msb=args.msb, reason=args.reason)
+    if args.dry_run:
+        from processors.history import whatif
+
+        doc = front.maintenance_plan(**plan, dry_run=True)
+        _print(doc, args.json, whatif.text(doc))
+        return 0
+    doc = front.maintenance_plan(**plan)
     _print(doc, args.json, f"maintenance {doc['unavailability_id']} planned: {len(doc['machines'])} machines, start "
                            f"{human_time(doc['start_ms'], now)}, deadline {human_time(doc['deadline_ms'], now)}, "
                            f"lasting {_ago(doc['expected_duration_ms']).removeprefix('in ')}")
@@ -908,6 +922,10 @@ def _version() -> str:
     except PackageNotFoundError:
         return "unknown (not installed)"
 
+AT_HELP = ("a moment: ms since epoch, ISO-8601, now-DURATION (now-15m), or TOPIC/PARTITION@OFFSET (when that "
+           "record was written)")
+DRY_RUN_HELP = "say what would happen (tasks moved, stopped, waiting; controllers asked; capacity left); produce nothing"
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
@@ -987,6 +1005,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true")
         if name == "stop":
             sp.add_argument("--reason", default="")
+        if name == "status":
+            sp.add_argument("--at", metavar="TIME", help=AT_HELP)
     sp = user_command(job.add_parser("list", help="the jobs you may see: state, tasks running"))
     sp.set_defaults(fn=cmd_job_list)
     sp.add_argument("--entitlement")
@@ -1002,6 +1022,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=cmd_machine_fail)
         sp.add_argument("machine")
         sp.add_argument("--json", action="store_true")
+        if name == "fail":
+            sp.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     sp = user_command(mach.add_parser("list", help="machines: status, owner, fault domains, free capacity",
                       description="machines: status, owner, fault domains, free capacity (from state.machines)"))
     sp.set_defaults(fn=cmd_machine_list)
@@ -1010,6 +1032,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--free", action="store_true", help="only the machines in the free pool")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
     sp.add_argument("-o", "--output", choices=["wide", "json"], help="wide: every task id; json: as --json")
+    sp.add_argument("--at", metavar="TIME", help=AT_HELP)
     sp = user_command(cmd("watch", cmd_watch, "follow a state stream: current state first, then each change"))
     sp.add_argument("kind", choices=["jobs", "machines"])
     sp.add_argument("--entitlement")
@@ -1062,6 +1085,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--deadline", help="when what remains is stopped (default: the start); same forms as --start")
     sp.add_argument("--reason", default="maintenance")
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     sp = user_command(mnt.add_parser("list", help="maintenance machines are under: its id, machines, their "
                                                   "statuses"))
     sp.set_defaults(fn=cmd_maintenance_list)
@@ -1105,6 +1129,29 @@ def build_parser() -> argparse.ArgumentParser:
         sp2.set_defaults(fn=cmd_user)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_user)
+    # the history (processors/history): the region at any moment, shadow replay, what-if, explain
+    from processors.history import commands as history
+
+    sp = user_command(cmd("at", history.cmd_at, "the region as it was at TIME, or a read command as it would have "
+                          "printed then (machine list, job status, explain)"))
+    sp.add_argument("moment", metavar="TIME", help=AT_HELP)
+    sp.add_argument("rest", nargs=argparse.REMAINDER, metavar="COMMAND", help="e.g. machine list --json")
+    sp = cmd("shadow", history.cmd_shadow, "re-decide the recorded inputs of a window under another placement "
+             "policy, in memory, and print what differs")
+    sp.add_argument("--since", required=True, metavar="TIME", help=AT_HELP)
+    sp.add_argument("--until", metavar="TIME", help="default: now")
+    sp.add_argument("--policy", default="live", help="live | scores=NAME,NAME,...;spread=dc|msb|rack | "
+                    "MODULE[:NAME] (a placement.Policy)")
+    sp = user_command(cmd("explain", history.cmd_explain, "why is this task here, and why not there: the decision "
+                          "that placed it, the filters' rejections, the events that led to it"))
+    sp.add_argument("task", help="<job>/<index>")
+    sp.add_argument("--at", metavar="TIME", help=AT_HELP)
+    sp.add_argument("--why-not", metavar="MACHINE", help="how MACHINE fared in that decision")
+    sp = cmd("history", history.cmd_history, "snapshots of the region for time travel: fold the log to its end "
+             "writing them (snapshot), or list them")
+    sp.add_argument("action", choices=["snapshot", "list"])
+    sp.add_argument("--every", type=int, default=None, metavar="N",
+                    help="records between two snapshots (default: processors/history/snapshots.SNAPSHOT_EVERY)")
     exp = sub.add_parser("experiment", help="reproduce the Twine paper's experiments").add_subparsers(
         dest="experiment", required=True)
     sp = exp.add_parser("figure14", help="rolling update + MSB failure under the ReplicaAware TaskController",

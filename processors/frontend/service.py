@@ -25,10 +25,11 @@ from streams.events import Event, new_event
 UNKNOWN_JOB = "unknown_job"
 UNKNOWN_MACHINE = "unknown_machine"
 UNKNOWN_MAINTENANCE = "unknown_maintenance"
+UNKNOWN_TASK = "unknown_task"  # explain: no event names the task (up to the moment asked)
 INVALID_REQUEST = "invalid_request"  # a field of the request is wrong (the message names it)
 BROKER_UNREACHABLE = "broker_unreachable"
 NOT_ALLOWED_HERE = "illegal_transition"  # e.g. recover a machine in maintenance
-STATUS = {UNKNOWN_JOB: 404, UNKNOWN_MACHINE: 404, UNKNOWN_MAINTENANCE: 404, INVALID_REQUEST: 400,
+STATUS = {UNKNOWN_JOB: 404, UNKNOWN_MACHINE: 404, UNKNOWN_MAINTENANCE: 404, UNKNOWN_TASK: 404, INVALID_REQUEST: 400,
           BROKER_UNREACHABLE: 503, NOT_ALLOWED_HERE: 409}
 
 # Verdicts of an intent (``verdict`` of an answer).
@@ -190,8 +191,14 @@ class Frontend:
                                              f"lists jobs)")
         return latest
 
-    def job_status(self, job: str) -> dict:
-        return job_view(self.job_state(job))
+    def job_status(self, job: str, at: str | None = None) -> dict:
+        """The job's view now, or (``at``: a moment, processors/history/moments.parse_moment) as it was then."""
+        if at is None:
+            return job_view(self.job_state(job))
+        from processors.history import commands as history
+
+        self.require_broker()
+        return job_view(history.job_state_at(self.cfg, self.registry, job, at, skipped=self.skipped))
 
     def jobs(self, entitlement: str | None = None) -> list[dict]:
         from streams import state
@@ -259,12 +266,18 @@ class Frontend:
         return {"verdict": got.verdict, "reason": got.reason, "message": got.message, "state": got.state}
 
     # -- machines and maintenance ---------------------------------------------------------------------------
-    def machines(self, entitlement: str | None = None, free: bool = False) -> list[dict]:
+    def machines(self, entitlement: str | None = None, free: bool = False, at: str | None = None) -> list[dict]:
+        """Every machine's view now, or (``at``) as ``machine list`` showed it then."""
         from streams import state
 
         self.require_broker()
-        latest = state.current(self.cfg, self.registry, "machines", entitlement, skipped=self.skipped)
-        rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
+        if at is not None:
+            from processors.history import commands as history
+
+            rows = history.machine_views_at(self.cfg, self.registry, at, entitlement, skipped=self.skipped)
+        else:
+            latest = state.current(self.cfg, self.registry, "machines", entitlement, skipped=self.skipped)
+            rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
         return [r for r in rows if r["entitlement"] is None] if free else rows
 
     def rebalance_plans(self, entitlement: str | None = None, every: bool = False) -> list[dict]:
@@ -275,16 +288,39 @@ class Frontend:
         self.require_broker()
         return rb.plans(self.cfg, self.registry, entitlement, every=every, skipped=self.skipped)
 
-    def machine_action(self, machine: str, action: str) -> dict:
-        """``fail`` (→ DOWN, its tasks move) or ``recover`` (→ UP) a machine."""
+    # -- the region at a moment, why a task is where it is (processors/history) ----------------------------
+    def region(self, at: str) -> dict:
+        """The whole region at the moment ``at``: machines, entitlements, jobs and their tasks."""
+        from processors.history import commands as history
+
+        self.require_broker()
+        return history.region_doc(self.cfg, self.registry, at, skipped=self.skipped)
+
+    def explain(self, task: str, at: str | None = None, why_not: str | None = None) -> dict:
+        """The decision that placed ``task`` (as of ``at``), the filters' rejections, the events that led to it."""
+        from processors.history import commands as history
+
+        self.require_broker()
+        return history.explain_doc(self.cfg, self.registry, task, at, why_not, skipped=self.skipped)
+
+    def machine_action(self, machine: str, action: str, *, dry_run: bool = False) -> dict:
+        """``fail`` (→ DOWN, its tasks move) or ``recover`` (→ UP) a machine; ``dry_run`` (fail only): what would
+        happen (processors/history/whatif.py), nothing produced."""
         from processors.resourcebroker import decide as rb
         from processors.resourcebroker.processor import fail_machine, recover_machine
 
         if action not in ("fail", "recover"):
             raise FrontendError(INVALID_REQUEST, f"action: expected fail or recover, got {action!r}")
+        if dry_run and action != "fail":
+            raise FrontendError(INVALID_REQUEST, "dry_run: only a failure has a dry run")
         self.require_broker()
         fn = fail_machine if action == "fail" else recover_machine
         try:
+            if dry_run:
+                from processors.history import whatif
+
+                return whatif.machine_failure(self.cfg, self.registry, machine, int(time.time() * 1000),
+                                              skipped=self.skipped)
             ids = fn(self.cfg, machine, registry=self.registry, skipped=self.skipped, principal=self.principal)
         except rb.UnknownMachine as exc:
             raise FrontendError(UNKNOWN_MACHINE, str(exc)) from None
@@ -294,7 +330,8 @@ class Frontend:
 
     def maintenance_plan(self, *, start_ms: int, duration_ms: int, deadline_ms: int | None = None,
                          machines: list[str] | None = None, rack: str | None = None, msb: str | None = None,
-                         reason: str = "maintenance") -> dict:
+                         reason: str = "maintenance", dry_run: bool = False) -> dict:
+        """Plan a maintenance; ``dry_run``: what it would do (processors/history/whatif.py), nothing produced."""
         from processors.opsplanner import cli as ops
         from processors.opsplanner.decide import Plan, PlanError
 
@@ -302,6 +339,11 @@ class Frontend:
         plan = Plan(start_ms=start_ms, duration_ms=duration_ms, deadline_ms=deadline_ms, machines=machines, rack=rack,
                     msb=msb, reason=reason)
         try:
+            if dry_run:
+                from processors.history import whatif
+
+                return whatif.maintenance(self.cfg, self.registry, plan, int(time.time() * 1000),
+                                          skipped=self.skipped)
             events = ops.plan_maintenance(self.cfg, self.registry, plan, int(time.time() * 1000),
                                           skipped=self.skipped, principal=self.principal)
         except PlanError as exc:

@@ -323,3 +323,18 @@ def test_a_task_controller_dead_letters_what_it_cannot_decode_and_answers(cfg, r
     d.close()
     assert Counter(r.event.payload["reason"] for r in dead) == EXPECTED_REASONS
     assert {r.event.payload["consumer"] for r in dead} == {producer_name("web")}
+
+
+def test_history_readers_skip_what_they_cannot_decode(cfg, registry, machines_log):
+    """The history's merged reader (machine list --at, at, shadow, history snapshot): bad records on the topics it
+    folds, before the records it needs; each said once, also by a shadow that reads the log twice."""
+    put_bad(cfg, registry, "allocations", ENT)
+    now = str(int(time.time() * 1000) + 1000)
+    listed = cli(cfg, "machine", "list", "--at", now, "--json")
+    assert listed.returncode == 0 and [m["id"] for m in json.loads(listed.stdout)] == ["m1"], listed.stderr
+    said_once(listed, 2 * len(BAD_KINDS))  # machines, allocations
+    for args in (("at", now, "--json"), ("shadow", "--since", "0", "--json"), ("history", "snapshot", "--json")):
+        out = cli(cfg, *args)
+        assert out.returncode == 0, (args, out.stderr)
+        json.loads(out.stdout)
+        said_once(out, 2 * len(BAD_KINDS))

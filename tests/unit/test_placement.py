@@ -310,3 +310,43 @@ def test_the_random_regions_exercise_what_they_should():
             seen |= {"several-bins"} if len(plan.fault_domain_bins) > 1 else set()
     assert seen >= {None, QUOTA_EXCEEDED, NO_FEASIBLE_MACHINE, FILTER_STATUS, FILTER_AVOIDED, FILTER_CPU,
                     FILTER_OTHER_ENTITLEMENT, FILTER_MACHINE_TYPE, FILTER_DC, "placed", "added", "several-bins"}
+
+
+# --- the policy seam (placement.Policy): what a shadow replay changes ---------------------------------------------
+
+@pytest.mark.parametrize("seed", range(20))
+def test_select_scored_with_the_live_scores_decides_as_select(seed):
+    """``run_policy`` places any table of scores by min() per task; with SCORES' own table it must decide exactly as
+    the live select() (so a shadow run under a policy that changes only, say, the spread level is comparable)."""
+    from processors.allocator.placement import SCORES, existing_bins, filter_machines, plan_of, select, select_scored
+
+    rnd = random.Random(seed)
+    machines = random_region(rnd, rnd.choice((5, 30, 120)))
+    for _ in range(8):
+        ent = e1(quota=rnd.randint(0, 12), machine_type=rnd.choice((None, "skylake")))
+        request_ = random_request(rnd, machines)
+        held = sum(x.entitlement == "e1" for x in machines)
+        by_id = {x.id: x for x in machines}
+        feasible, counted = filter_machines(machines, ent, request_)
+        bins = existing_bins(by_id, request_)
+        fast = plan_of(select(feasible, bins, ent, request_, held), ent, request_, held, counted)
+        scored = plan_of(select_scored(feasible, bins, ent, request_, held, SCORES), ent, request_, held, counted)
+        assert scored == fast
+
+
+def test_a_policy_ranks_by_its_own_scores_and_spread():
+    from processors.allocator.placement import LIVE, SCORE_CHOICES, Policy, run_policy
+
+    machines = [m(f"m{i}", msb="a" if i < 2 else "b", rack=f"r{i}") for i in range(4)]
+    request_ = req(2)
+    packed = run_policy(machines, e1(), request_, 0, LIVE)
+    assert packed == place(machines, e1(), request_, 0)
+    least = Policy("least", scores=(("spread", SCORE_CHOICES["spread"]), ("least_loaded", SCORE_CHOICES["least_loaded"])))
+    assert least.scores[-1][0] == "machine_id" and not least.live
+    assert run_policy(machines, e1(), req(4), 0, least).placements != run_policy(machines, e1(), req(4), 0, LIVE).placements
+    by_rack = Policy("rack", spread="rack")
+    assert by_rack.live_scores and not by_rack.live
+    assert set(run_policy(machines, e1(), req(4), 0, by_rack).fault_domain_bins) == {"dc1/a/r0", "dc1/a/r1", "dc1/b/r2",
+                                                                                       "dc1/b/r3"}
+    with pytest.raises(ValueError, match="spread"):
+        Policy("bad", spread="zone")
