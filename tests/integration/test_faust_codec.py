@@ -215,7 +215,7 @@ def test_take_batches_hands_over_what_queued_while_busy_and_a_lone_record_alone(
     async def scenario():
         app = make_app(cfg, "take-batches-test", **FAST)
         batches: list[list[tuple[int, int]]] = []
-        busy = asyncio.Event()
+        busy, release = asyncio.Event(), asyncio.Event()
 
         def cost(value):  # what faust's stream machinery costs per record on a loaded 2-core machine (~100 µs)
             time.sleep(0.0001)
@@ -228,7 +228,7 @@ def test_take_batches_hands_over_what_queued_while_busy_and_a_lone_record_alone(
                 batches.append([(e.message.partition, e.message.offset) for e in batch])
                 if len(batches) == 1:  # busy with the first batch while the burst arrives
                     busy.set()
-                    await asyncio.sleep(1.0)
+                    await release.wait()
 
         await app.start()
         try:
@@ -238,6 +238,10 @@ def test_take_batches_hands_over_what_queued_while_busy_and_a_lone_record_alone(
             for i in range(300):
                 send(f"burst/{i}", f"e{i % 7}")
             raw.flush()
+            # The shard stays busy until the whole burst is on the broker, and 1 s more for faust to fetch it (it
+            # was busy 1 s from the first batch: on a loaded machine producing the burst took part of that second).
+            await asyncio.sleep(1.0)
+            release.set()
             await wait_until(lambda: _true(sum(map(len, batches)) >= 301), 30, "the burst")
             burst_batches = len(batches) - 1
             await asyncio.sleep(0.5)
