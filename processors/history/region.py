@@ -57,7 +57,7 @@ from typing import Any
 from processors.agent import decide as agent
 from processors.allocator.fastplace import PlacementIndex
 from processors.allocator.fold import (
-    ALLOCATOR_PRODUCER, DECISION_TYPES, EVENT_TYPES as FOLD_TYPES, FoldError, RegionFold, job_of,
+    ALLOCATOR_PRODUCER, DECISION_TYPES, EVENT_TYPES as FOLD_TYPES, FoldError, RegionFold, job_of, profile_state,
 )
 from processors.allocator.placement import LIVE, Entitlement, Plan, Policy, Request, run_policy
 from processors.allocator.processor import Allocator, machine_state_event
@@ -501,7 +501,7 @@ class Region:
         out = []
         for mid in sorted(self.fold.machines):
             m = self.fold.machines[mid]
-            fields = {"id": mid, **m.fields(), "task_ids": sorted(m.tasks)}
+            fields = {"id": mid, **m.fields(), "task_ids": sorted(m.tasks), **profile_state(self.fold, m)}
             out.append(machine_state_event(fields, None, self.changed_ms.get(mid, 0)))
         return out
 

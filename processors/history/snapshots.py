@@ -115,6 +115,7 @@ def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[di
             "region": m.region, "dc": m.dc, "msb": m.msb, "rack": m.rack, "type": m.type, "cpu_cap": m.cpu_cap,
             "mem_cap": m.mem_cap, "cpu_free": m.cpu_free, "mem_free": m.mem_free, "entitlement": m.entitlement,
             "status": m.status, "host_profile": m.host_profile, "version": m.version,
+            "profile_failed": list(m.profile_failed) if m.profile_failed else None,
             "maintenance": list(m.maintenance), "tasks": {t: list(fold.taskres[t]) for t in sorted(m.tasks)},
             "changed_ms": region.changed_ms.get(mid, 0)})
     yield js("requests", "", {rid: [r.cpu, r.mem, sorted(r.tasks)] for rid, r in fold.requests.items()})
@@ -275,6 +276,8 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
         value = json.loads(raw)
         tasks = value.pop("tasks")
         region.changed_ms[mid] = value.pop("changed_ms")
+        failed = value.pop("profile_failed", None)  # absent from a snapshot written before host profiles
+        value["profile_failed"] = tuple(failed) if failed else None
         fold.machines[mid] = MachineRec(id=mid, maintenance=tuple(value.pop("maintenance")), tasks=set(tasks), **value)
         for t, (cpu, mem) in tasks.items():
             fold.placement[t] = mid
