@@ -266,3 +266,19 @@ def test_a_broken_snapshot_file_is_passed_over(rec, registry, tmp_path):
                 snapshots.load(f, fresh, registry)
         else:
             assert "unreadable" in why
+
+
+def test_a_snapshot_keeps_a_machine_s_failed_profile_switch(rec, registry, tmp_path):
+    """The profile a machine failed to switch to (and its owner then) is kept: a region loaded from a snapshot shows
+    the switch failed, as the allocator published it, not pending."""
+    import dataclasses
+
+    cfg = Config.from_env({"ROPEWALK_RUN_DIR": str(tmp_path), "ROPEWALK_PARTITIONS": str(hl.PARTITIONS)})
+    region = hl.fold(rec, at(45))
+    mid = sorted(region.fold.machines)[0]
+    m = region.fold.machines[mid]
+    region.fold.machines[mid] = dataclasses.replace(m, profile_failed=("turbo", m.entitlement))
+    loaded = Region(hl.TOPICS)
+    snapshots.load(snapshots.write(cfg, region, registry, full=True), loaded, registry)
+    assert loaded.fold.machines[mid].profile_failed == ("turbo", m.entitlement)
+    assert [e.payload for e in loaded.machine_states()] == [e.payload for e in region.machine_states()]
