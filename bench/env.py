@@ -82,9 +82,10 @@ class BenchEnv:
         self.own_run_dir = run_dir is None
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="ropewalk-bench-"))
         self.keep = keep
-        broker, controller, redis_port = free_ports(3)
+        broker, controller, redis_port, api_port = free_ports(4)
         env = {"ROPEWALK_BROKER_PORT": str(broker), "ROPEWALK_CONTROLLER_PORT": str(controller),
-               "ROPEWALK_REDIS_PORT": str(redis_port), "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
+               "ROPEWALK_REDIS_PORT": str(redis_port), "ROPEWALK_API_PORT": str(api_port),  # a region of its own
+               "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
                "ROPEWALK_TOPIC_PREFIX": f"bench{uuid.uuid4().hex[:6]}."}
         self.cfg = Config.from_env(env)
         self.workers: list[ManagedProcess] = []
