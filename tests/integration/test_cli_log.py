@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def run(cfg, *args, stdin=None, prefix=None):
     env = {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
            "ROPEWALK_TOPIC_PREFIX": prefix if prefix is not None else cfg.topic_prefix,
-           "ROPEWALK_PARTITIONS": str(cfg.partitions)}
+           "ROPEWALK_PARTITIONS": str(cfg.partitions),
+           "ROPEWALK_RUN_DIR": str(cfg.run_dir)}  # not the checkout's .run: `up` remembers its endpoints there
     return subprocess.run([sys.executable, "-m", "processors.frontend.cli", *args], env=env, cwd=ROOT, input=stdin,
                           capture_output=True, text=True, timeout=120)
 
