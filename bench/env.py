@@ -37,6 +37,7 @@ HEALTH_TICK_MS = 2_000
 # process produces them and one health check reads them): at 1,000,000 machines, one every 100 s, judged silent
 # after 600 s.
 HEARTBEATS_PER_S = 10_000
+CATCH_UP_TIMEOUT_S = 600.0  # at most this long for the scheduler to commit the registration (BenchEnv)
 
 
 def heartbeat_interval_ms(machines: int) -> int:
@@ -123,7 +124,8 @@ class BenchEnv:
                          env: Mapping[str, str] | None = None, machines: int = 0) -> list[ManagedProcess]:
         """``infra.controlplane.processes`` with the benchmark's heartbeat interval and health timeout (for a
         region of ``machines``), and quick faust group timing; ``without`` names workers not to run (by default
-        the ReBalancer and Sidekick, which the benchmark does not measure), ``env`` is added to every worker's."""
+        the upper floors, ``controlplane.UPPER``, which the benchmark does not measure), ``env`` is added to every
+        worker's."""
         out = []
         for proc in controlplane.processes(self.cfg, region, local=False):  # simulated machines only
             if proc.name in without or proc.name == "api":  # the bench drives the log, not the HTTP API
@@ -168,7 +170,7 @@ class BenchEnv:
             raise RuntimeError(f"bench: only {seen} of {machines} machines reached the allocator's index in "
                                f"{timeout_s:.0f} s; see {self.run_dir}/allocator.log")
         indexed_s = time.monotonic() - t0
-        caught_up = self.wait_caught_up(deadline)
+        caught_up = self.wait_caught_up(min(deadline, time.monotonic() + CATCH_UP_TIMEOUT_S))
         return {"seconds": time.monotonic() - t0, "indexed_s": indexed_s, "machines_up": seen,
                 "caught_up": caught_up}
 
