@@ -51,45 +51,48 @@ def committed(cfg: Config, group: str, topics: Iterable[str]) -> dict[tuple[str,
     without a committed offset (or topics that do not exist) are left out."""
     c = _group_consumer(cfg, group)
     try:
-        md = c.list_topics(timeout=TIMEOUT_S)
-        tps = [TopicPartition(t, p) for t in topics if (tmd := md.topics.get(t)) is not None and tmd.error is None
-               for p in sorted(tmd.partitions)]
-        if not tps:
-            return {}
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            try:
-                got = c.committed(tps, timeout=TIMEOUT_S)
-                break
-            except KafkaException as exc:  # the group's coordinator moving or loading (a broker just started)
-                err = exc.args[0] if exc.args else None
-                if getattr(err, "code", lambda: None)() not in COORDINATOR_MOVING or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        return {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset >= 0}
+        return _committed(c, _partitions(c, topics))
     finally:
         c.close()
 
 
 def lag(cfg: Config, group: str, topics: Iterable[str]) -> int:
     """How many records of ``topics`` lie beyond the group's committed offsets (a partition the group never
-    committed counts whole, from its low watermark)."""
-    topics = list(topics)
-    done = committed(cfg, group, topics)
+    committed counts whole, from its low watermark). One consumer, one metadata request."""
     c = _group_consumer(cfg, group)
     try:
-        md = c.list_topics(timeout=TIMEOUT_S)
+        tps = _partitions(c, topics)
+        done = _committed(c, tps)
         behind = 0
-        for t in topics:
-            tmd = md.topics.get(t)
-            if tmd is None or tmd.error is not None:
-                continue
-            for p in tmd.partitions:
-                low, high = c.get_watermark_offsets(TopicPartition(t, p), timeout=TIMEOUT_S)
-                behind += max(0, high - max(low, done.get((t, p), low)))
+        for tp in tps:
+            low, high = c.get_watermark_offsets(tp, timeout=TIMEOUT_S)
+            behind += max(0, high - max(low, done.get((tp.topic, tp.partition), low)))
         return behind
     finally:
         c.close()
+
+
+def _partitions(c: Consumer, topics: Iterable[str]) -> list[TopicPartition]:
+    """Every partition of ``topics`` that exists."""
+    md = c.list_topics(timeout=TIMEOUT_S)
+    return [TopicPartition(t, p) for t in topics if (tmd := md.topics.get(t)) is not None and tmd.error is None
+            for p in sorted(tmd.partitions)]
+
+
+def _committed(c: Consumer, tps: list[TopicPartition]) -> dict[tuple[str, int], int]:
+    if not tps:
+        return {}
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            got = c.committed(tps, timeout=TIMEOUT_S)
+            break
+        except KafkaException as exc:  # the group's coordinator moving or loading (a broker just started)
+            err = exc.args[0] if exc.args else None
+            if getattr(err, "code", lambda: None)() not in COORDINATOR_MOVING or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    return {(tp.topic, tp.partition): tp.offset for tp in got if tp.offset >= 0}
 
 
 def set_committed(cfg: Config, group: str, offsets: Mapping[tuple[str, int], int]) -> None:
