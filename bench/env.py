@@ -254,31 +254,35 @@ class BenchEnv:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """Within: `kill` (SIGTERM) stops like Ctrl-C, so context managers (a BenchEnv) stop what they started."""
+    """Within: `kill` (SIGTERM) stops like Ctrl-C, so context managers (a BenchEnv) stop what they started.
+
+    Where Python cannot raise (a ``__del__``, a gc or weakref callback: a redis-py ConnectionPool's finalizer, say),
+    it hands the interrupt to ``sys.unraisablehook`` and drops it, which once left a killed bench's whole region
+    running. The hook installed here catches exactly that and delivers the signal again a moment later, until it
+    lands where it can be raised."""
     def on_term(signum, frame):
-        if in_finalizer(frame):
-            # Raised inside a __del__ (a redis-py ConnectionPool's, say), the interrupt would be printed and
-            # dropped, and the region left running: deliver it a moment later, outside.
+        raise SigtermInterrupt
+
+    def on_unraisable(unraisable):
+        if isinstance(unraisable.exc_value, SigtermInterrupt):
             again = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
             again.daemon = True
             again.start()
             return
-        raise KeyboardInterrupt
+        old_hook(unraisable)
 
+    old_hook = sys.unraisablehook
     old = signal.signal(signal.SIGTERM, on_term)
+    sys.unraisablehook = on_unraisable
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+        sys.unraisablehook = old_hook
 
 
-def in_finalizer(frame) -> bool:
-    """Whether ``frame`` runs inside a ``__del__``, where an exception is printed and ignored."""
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
+class SigtermInterrupt(KeyboardInterrupt):
+    """The interrupt a SIGTERM raises within `sigterm_as_interrupt` (a KeyboardInterrupt: stops like Ctrl-C)."""
 
 
 def cores() -> int:

@@ -426,8 +426,9 @@ def stop(run_dir: Path, *, timeout_s: float = STOP_TIMEOUT_S + 15.0) -> dict[str
     before = {n: s["pid"] for n, s in programs_state(run_dir).items() if s["pid"]}
     out: dict[str, dict] = {}
     sup = process(run_dir)
-    if sup.pid() is not None:
-        out[NAME] = sup.stop(timeout_s=timeout_s)
+    stopped = sup.stop(timeout_s=timeout_s)  # also forgets the pid file of a supervisor that died
+    if stopped["stopped"]:
+        out[NAME] = stopped
     state = read_state(run_dir) or {}
     for name in reversed(names):  # as they were stopped: workers, then services
         recorded = (state.get("programs", {}).get(name) or {}).get("start_time")

@@ -77,7 +77,9 @@ def test_the_programs_of_a_killed_supervisor_are_stopped_and_never_doubled(run_d
 
     # Killed again: `stop` finds the orphan by its pid file (pid and start time) and stops it.
     new_child = st["sleeper"]["pid"]
-    os.kill(supervisor.process(run_dir).pid(), signal.SIGKILL)
+    sup = supervisor.process(run_dir).pid()
+    os.kill(sup, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(sup), "the supervisor gone")  # its pid file stays behind (CI once saw that)
     out = supervisor.stop(run_dir)
     assert out["sleeper"]["stopped"] and not pid_alive(new_child)
     assert not list(run_dir.glob("*.pid"))
