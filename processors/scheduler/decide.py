@@ -1509,10 +1509,9 @@ def _evacuate(fold: _Fold, ev: Event, machine_ids: Iterable[str], reason: str) -
     (they start again where they are when it ends), stay."""
     spare = reason == REASON_MACHINE_MAINTENANCE
     gone = set(machine_ids)
-    everyone = ev.entitlement not in fold.entitlements()
     for job_id in sorted(fold.state.jobs):
         job = fold.job(job_id)
-        if job.status not in (JOB_ACTIVE, JOB_STOPPING) or (not everyone and job.entitlement != ev.entitlement):
+        if job.status not in (JOB_ACTIVE, JOB_STOPPING) or not in_owner_scope(fold.entitlements(), ev, job):
             continue
         hit = [t.id for t in job.tasks.values() if t.machine in gone and t.state in ON_MACHINE
                and not (spare and (t.maint_choice == CHOICE_KEEP or t.maint_choice in HELD))]
@@ -1553,9 +1552,8 @@ def _on_unavailability_started(fold: _Fold, ev: Event) -> None:
 
 def _jobs_in_scope(fold: _Fold, ev: Event) -> list[str]:
     """Active jobs an event keyed to a machine owner concerns: that entitlement's (every job for a free-pool key)."""
-    everyone = ev.entitlement not in fold.entitlements()
     return [j for j in sorted(fold.state.jobs) if (job := fold.job(j)).status == JOB_ACTIVE
-            and (everyone or job.entitlement == ev.entitlement)]
+            and in_owner_scope(fold.entitlements(), ev, job)]
 
 
 def _record_maintenance(fold: _Fold, ev: Event) -> None:
@@ -1679,11 +1677,9 @@ def _advance_notice(fold: _Fold, ev: Event) -> None:
     told in its next request (sent at once): which tasks, from when, until which deadline."""
     p = ev.payload
     gone = set(p["machine_ids"])
-    everyone = ev.entitlement not in fold.entitlements()
     for job_id in sorted(fold.state.jobs):
         job = fold.job(job_id)
-        if (job.status != JOB_ACTIVE or not job.spec.controller
-                or (not everyone and job.entitlement != ev.entitlement)):
+        if job.status != JOB_ACTIVE or not job.spec.controller or not in_owner_scope(fold.entitlements(), ev, job):
             continue
         hit = tuple(t.id for t in job.tasks.values() if t.machine in gone)
         if not hit or any(n[0] == p["unavailability_id"] for n in job.tc_notices):
@@ -1756,6 +1752,51 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "RebalancePlanned": rebalance.on_planned,
 })
 CONSUMED = frozenset(HANDLERS)  # event types the shard reads; every other type is ignored
+
+
+# -- what an event concerns: the slice of the state a shard loads to decide it ----------------------------------
+
+# Keyed by the machines' owner (an entitlement, or a free pool's ``free/<dc>``), they name machines, not jobs.
+MACHINE_EVENTS = frozenset({"MachineStatusChanged", "MachinesStatusChanged", "UnavailabilityStarted",
+                            "UnavailabilityEnded"})
+
+
+def named_jobs(event: Event) -> list[str]:
+    """The jobs an event names itself (its ``job_id``, its reports' jobs, a plan's moves' jobs)."""
+    p = event.payload
+    if "job_id" in p:
+        return [p["job_id"]]
+    if event.type == "TaskStatesChanged":
+        return sorted({r["job_id"] for r in p["reports"]})
+    if event.type == "RebalancePlanned":
+        return sorted({m["job_id"] for m in p["moves"]})
+    return []
+
+
+def in_owner_scope(entitlements: Mapping[str, Entitlement], event: Event, job: Job) -> bool:
+    """Whether a machine event keyed by the machines' owner concerns ``job``: a job of that entitlement, or any
+    job when the key is no entitlement of the shard (a free pool's)."""
+    return event.entitlement not in entitlements or job.entitlement == event.entitlement
+
+
+def machines_of(job: Job | None) -> set[str]:
+    """The machines the job's tasks are placed on."""
+    if job is None:
+        return set()
+    return {t.machine for t in job.tasks.values() if t.machine is not None}
+
+
+def concerned_jobs(state: SchedulerState, event: Event) -> list[str]:
+    """The jobs ``decide(state, event)`` may read or change; deciding on a state of only these jobs gives the same
+    events and the same jobs (``tests/unit/test_scheduler_decide.py``'s ``Sim`` checks it on every event it feeds).
+    The jobs the event names; for a machine event, the jobs in its owner's scope with a task on its machines.
+    The shard loads its slice by this rule (``ShardTables.job_ids_for``, with an index of machine -> jobs)."""
+    named = named_jobs(event)
+    if named or event.type not in MACHINE_EVENTS:
+        return named
+    machines = set(batches.machine_ids(event))
+    return sorted(j for j, job in state.jobs.items()
+                  if in_owner_scope(state.entitlements, event, job) and machines_of(job) & machines)
 
 
 def is_own(event: Event) -> bool:

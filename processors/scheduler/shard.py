@@ -52,7 +52,8 @@ Every value is written to the changelog partition of its entitlement (``partitio
 the partition of the event being processed for every entitlement-keyed event; so a partition's changelog holds
 exactly the state of that partition's entitlements, and a worker that takes the partition over recovers it.
 
-**Which jobs an event concerns.** Intents and allocation results name their job (``job_id``); a TaskStatesChanged
+**Which jobs an event concerns** is ``decide.concerned_jobs``'s rule (one place, checked against ``decide`` on every
+event of the unit tests' ``Sim``). Intents and allocation results name their job (``job_id``); a TaskStatesChanged
 names the jobs of its reports. Machine and unavailability events are keyed by the machines' owner, and ``decide``
 only moves that entitlement's jobs off the machines, so the machine index answers in O(jobs on the
 machines) instead of a scan of the shard's jobs. A machine event keyed to an entitlement this shard does not know
@@ -119,7 +120,8 @@ from infra.config import Config
 from processors.scheduler import store as st
 from processors.scheduler.metrics import ShardMetrics
 from processors.scheduler.decide import (
-    CONSUMED, PRODUCER, Entitlement, Job, SchedulerState, decide, retry_unplaced, state_of,
+    CONSUMED, MACHINE_EVENTS, PRODUCER, Entitlement, Job, SchedulerState, decide, machines_of, named_jobs,
+    retry_unplaced, state_of,
 )
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
@@ -136,8 +138,6 @@ log = logging.getLogger(__name__)
 
 APP_ID = "scheduler"
 SOURCES = ("intents", "allocations", "tasks", "machines", "unavailability", "taskcontrol")
-MACHINE_EVENTS = frozenset({"MachineStatusChanged", "MachinesStatusChanged", "UnavailabilityStarted",
-                            "UnavailabilityEnded"})
 RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
 FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
 BATCH_MAX = 500  # records handed to one decision batch at most
@@ -207,18 +207,6 @@ def coalesce(events: list[Event]) -> list[Event]:
     return out
 
 
-def job_ids_of(event: Event) -> list[str]:
-    """The jobs an event names itself (its ``job_id``, its reports' jobs, a plan's moves' jobs)."""
-    p = event.payload
-    if "job_id" in p:
-        return [p["job_id"]]
-    if event.type == "TaskStatesChanged":
-        return sorted({r["job_id"] for r in p["reports"]})
-    if event.type == "RebalancePlanned":
-        return sorted({m["job_id"] for m in p["moves"]})
-    return []
-
-
 class ShardTables:
     """The shard's faust tables, and how one batch's slice of ``SchedulerState`` is read from and written back to
     them. Writes go to the table's store and to the changelog partition of the entitlement."""
@@ -248,8 +236,9 @@ class ShardTables:
 
     # -- reading ----------------------------------------------------------------------------------------------
     def job_ids_for(self, event: Event, partition: int) -> list[str]:
-        """The jobs ``event`` concerns (see the module docstring)."""
-        named = job_ids_of(event)
+        """The jobs ``event`` concerns: ``decide.concerned_jobs``'s rule, machine events through the machine index
+        (a key no entitlement of this shard has: every job of the event's partition, the ones this shard holds)."""
+        named = named_jobs(event)
         if named or event.type not in MACHINE_EVENTS:
             return named
         machines = batches.machine_ids(event)
@@ -272,7 +261,7 @@ class ShardTables:
         ent_names = {j.entitlement for j in jobs}
         machines: set[str] = set()
         for j in jobs:
-            machines |= st.machines_of(j)
+            machines |= machines_of(j)
         for event in events:
             ent_names.add(event.entitlement)
             if event.type in MACHINE_EVENTS:
@@ -357,8 +346,8 @@ class ShardTables:
         for job, part, p in plans:
             self._put(self.jobs, part, job.id, p.header)
             self._decoded[job.id] = (p.header, job)
-            self.machine_jobs.update(job.id, job.entitlement, st.machines_of(before.jobs.get(job.id)),
-                                     st.machines_of(job))
+            self.machine_jobs.update(job.id, job.entitlement, machines_of(before.jobs.get(job.id)),
+                                     machines_of(job))
             wrote = True
         for name, ent in after.entitlements.items():
             if before.entitlements.get(name) != ent:

@@ -39,7 +39,9 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from processors.scheduler.decide import Job, Task, _terms_of, _terms_record, job_from_record, job_to_record
+from processors.scheduler.decide import (
+    Job, Task, _terms_of, _terms_record, job_from_record, job_to_record, machines_of,
+)
 
 CHUNK_TASKS = 500  # tasks per chunk record (a task of index i is in chunk i // CHUNK_TASKS)
 HEADER_FORMAT = 2  # headers with chunks; a record with "tasks" is the older whole-job format (still read)
@@ -186,13 +188,6 @@ def orphans(chunk_keys: Iterable[str], headers: Mapping[str, Any]) -> list[str]:
         if key not in named[job]:
             out.append(key)
     return sorted(out)
-
-
-def machines_of(job: Job | None) -> set[str]:
-    """The machines the job's tasks are placed on."""
-    if job is None:
-        return set()
-    return {t.machine for t in job.tasks.values() if t.machine is not None}
 
 
 def index_key(entitlement: str, machine: str) -> str:

@@ -12,6 +12,7 @@ from collections import deque
 import pytest
 
 from processors.scheduler import decide as sd
+from processors.cowmap import CowMap
 from processors.taskcontrol import limiter
 from processors.scheduler.decide import (
     JOB_PENDING, JOB_REJECTED, JOB_RUNNING, JOB_STOPPED, JOB_STOPPING, JOB_UPDATING, MAX_RESTARTS, PRODUCER,
@@ -196,8 +197,24 @@ class Sim:
             assert (e.producer, e.causation_id, e.timestamp_ms) == (PRODUCER, event.event_id, now)
             assert e.event_id and e.event_id != event.event_id
         assert len({e.event_id for e in out}) == len(out)
+        self._check_slice(event, now, new, out)
         self.state = new
         return out
+
+    def _check_slice(self, event, now, new, out):
+        """Deciding on only the jobs ``concerned_jobs`` names (what a shard loads) gives the same events and jobs;
+        every other job is left as it was."""
+        concerned = sd.concerned_jobs(self.state, event)
+        held = [j for j in concerned if j in self.state.jobs]
+        sliced = dataclasses.replace(self.state, jobs=CowMap((j, self.state.jobs[j]) for j in held))
+        s2, out2 = decide(sliced, event, now, max_tasks=self.max_tasks)
+        assert out2 == out, f"{event.type}: decided on its jobs {concerned} only, it must emit the same"
+        for j in set(self.state.jobs) | set(new.jobs):
+            if j in concerned or j not in self.state.jobs:
+                assert s2.jobs.get(j) == new.jobs.get(j), f"{event.type}: job {j} differs when decided on its slice"
+            else:
+                assert new.jobs.get(j) is self.state.jobs[j], f"{event.type} changed job {j}, not in {concerned}"
+        assert (s2.entitlements, s2.machines_down) == (new.entitlements, new.machines_down)
 
     def feed_all(self, events, now=None):
         out = []
@@ -596,6 +613,19 @@ def test_machine_failure_moves_exactly_the_affected_tasks(make, reason):
     # the old machine's agent, obeying the fence or lagging, still reports a/0: stale
     assert sim.feed(report("a/0", "STOPPED", "m1", exit_code=0)) == []
     assert sim.view("a")["last_ignored"].startswith(REASON_STALE_REPORT)
+
+
+@pytest.mark.parametrize("key, moved", [
+    (ENT, True),  # the machines' owner: its jobs on them move
+    ("free/dc1", True),  # a key no entitlement of the shard has (a free pool's): every job is looked at
+    ("e2", False),  # another entitlement of the shard owns them: this job's tasks there are not its concern
+])
+def test_a_machine_event_concerns_the_jobs_of_its_owner(key, moved):
+    sim = running_job(2, ("m1", "m2"))
+    sim.feed(entitlement("e2"))
+    assert sd.concerned_jobs(sim.state, machine_status("m1", "DOWN", ent=key)) == (["j"] if moved else [])
+    out = sim.feed(machine_status("m1", "DOWN", ent=key))  # Sim also decides it on the concerned jobs alone
+    assert (sim.tasks()["j/0"] == ("PENDING", None)) is moved and bool(out) is moved
 
 
 def test_planned_maintenance_notice_moves_nothing_yet():

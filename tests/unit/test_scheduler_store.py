@@ -8,7 +8,7 @@ import pytest
 
 from processors.scheduler import decide as sd
 from processors.scheduler import store as st
-from processors.scheduler.decide import Job, Spec, Task, Terms
+from processors.scheduler.decide import Job, Spec, Task, Terms, machines_of
 from test_scheduler_decide import report, resized, running_job  # the scheduler tests' harness
 
 SPEC = Spec(name="big", command=("sleep", "3600"), cpu=100, mem=64)
@@ -182,15 +182,15 @@ def test_the_machine_index_built_from_the_tables_equals_the_one_kept_in_step_by_
     built = st.MachineJobs()
     assert not built.built and built.jobs("e1", "m2") == set()  # not built: nothing, the caller builds it
     built.build(headers, chunks)
-    keys = [(e, m) for e in ("e1", "e2") for m in ("m1", "m2", "m3", "m4", "m9", *st.machines_of(other))]
+    keys = [(e, m) for e in ("e1", "e2") for m in ("m1", "m2", "m3", "m4", "m9", *machines_of(other))]
     assert index_of(built, keys) == {("e1", "m1"): ["a"], ("e1", "m2"): ["a", "b"], ("e1", "m3"): ["a"],
                                      ("e1", "m4"): ["b"],
-                                     **{("e2", m): ["e2.c"] for m in st.machines_of(other)}}
+                                     **{("e2", m): ["e2.c"] for m in machines_of(other)}}
     # b's task on m4 moves to m9 and a leaves m1: the index kept in step equals one built from the new tables
     moved = replace(b, tasks=MappingProxyType({**b.tasks, "b/1": replace(b.tasks["b/1"], machine="m9")}))
     shrunk = replace(a, tasks=MappingProxyType({k: t for k, t in a.tasks.items() if t.machine != "m1"}))
     for before, after in ((b, moved), (a, shrunk)):
-        built.update(after.id, after.entitlement, st.machines_of(before), st.machines_of(after))
+        built.update(after.id, after.entitlement, machines_of(before), machines_of(after))
     fresh = st.MachineJobs()
     fresh.build(*stored(shrunk, moved, other))
     assert index_of(built, keys) == index_of(fresh, keys)
