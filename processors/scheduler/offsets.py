@@ -14,8 +14,10 @@ The guard keeps, per source partition, the next offset the shard has to apply:
 * in memory for the records in between that changed nothing (forgotten at every rebalance, when the table's
   value, which may be a little behind, is taken again: re-applying those records changes nothing). "A little":
   once the in-memory value runs ``PERSIST_AFTER`` records ahead of the table's, the shard writes the offset alone
-  (``persist_due``). Without that, a region's registration (a million machine events that change nothing for a
-  shard with no jobs yet) stayed at offset 0 in the table, and a rebalance made the shard read it all again.
+  (``persist_due``), also for a batch of only records passed over undecoded (its own echoes, types ``decide``
+  ignores). Without that, a region's registration (a million MachineRegistered, passed over by their type header)
+  stayed at offset 0 in the table, and a rebalance made the shard read it all again (at a million machines it
+  then sought back to 0 of a 450,000-record partition over and over, 2026-11-26).
 
 For each record, ``verdict`` (pure) says: ``APPLY`` it (its offset is the next one), it is a ``DUPLICATE``
 (below the next one: applied already), or there is a ``GAP`` before it (records were skipped): the shard then

@@ -112,6 +112,7 @@ import os
 import time
 from collections.abc import Awaitable, Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import faust
@@ -422,8 +423,10 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     shard_metrics = ShardMetrics()  # this process's metrics (processors/scheduler/metrics.py)
 
-    async def apply(items: list[tuple[Any, Any, Event]]) -> None:
-        """Decide a batch of (message, record, event), in order, on one state; produce; store."""
+    async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({})
+                    ) -> None:
+        """Decide a batch of (message, record, event), in order, on one state; produce; store (with the offsets
+        of the records the batch ``passed`` over: key -> (partition, next offset))."""
         async with lock:
             t0 = time.monotonic()
             now = int(time.time() * 1000)
@@ -469,7 +472,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             # The output is flushed before any table value that stands for it (see "Delivery" in the module
             # docstring); it is produced while the new chunks are sent, which need not wait for it.
             output = asyncio.ensure_future(produce(coalesce(out))) if out else None
-            applied: dict[str, tuple[int, int]] = {}  # the offset after the last record of this batch, per partition
+            applied = dict(passed)  # the offset after the last record of this batch, per partition
             for _, rec, _ in items:
                 key = partition_key(rec.topic, rec.partition)
                 if key not in applied or rec.offset + 1 > applied[key][1]:
@@ -497,37 +500,44 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             await app.consumer.seek_wait({tp: target})  # in the consumer's thread, which owns the fetcher
 
     async def gate(msg: Any) -> bool:
-        """The offset guard in front of decoding: apply in order, once (processors/scheduler/offsets.py); then
-        the scheduler's own records are passed over by their producer header, undecoded."""
+        """The offset guard in front of decoding: whether the record is the next of its partition (applied in
+        order, once: processors/scheduler/offsets.py)."""
         key = partition_key(msg.topic, msg.partition)
         v = guard.check(key, msg.offset, time.monotonic())
         if v == GAP:
             await seek_back(msg.tp, key, f"gap before offset {msg.offset}")
-        return v == APPLY and not is_own_record(msg) and not is_ignored_record(msg)
+        return v == APPLY
 
     @app.agent(source, name=f"{APP_ID}.schedule")
     async def schedule(stream):
         missed: dict[bytes, float] = {}
         async for batch in take_batches(stream, BATCH_MAX, BATCH_GAP_S, BATCH_MAX_WAIT_S):
             items = []
+            passed: dict[str, tuple[int, int]] = {}  # records passed over (no decision): key -> (partition, next)
             for fev in batch:
                 msg = fev.message
                 if not await gate(msg):
                     continue
-                got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed)
+                got = None
+                if not is_own_record(msg) and not is_ignored_record(msg):  # own echoes, types decide ignores
+                    got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed)
                 if got is not None:
                     items.append((msg, *got))
-            if items:
-                await apply_or_retry(items)
+                else:  # passed over undecoded, or dead-lettered: its offset still moves on
+                    passed[partition_key(msg.topic, msg.partition)] = (msg.partition, msg.offset + 1)
+            # A batch of only passed-over records (a region's registration: a million MachineRegistered) stores
+            # its offsets once they run PERSIST_AFTER ahead of the table's, or a rebalance reads them all again.
+            if items or guard.persist_due(passed):
+                await apply_or_retry(items, passed)
 
-    async def apply_or_retry(items: list) -> None:
+    async def apply_or_retry(items: list, passed: Mapping[str, tuple[int, int]]) -> None:
         """Apply a batch. If the broker does not take its output (nothing is stored then), apply its records one
         at a time, each once more after a pause if refused, and send one still refused to ``deadletter``
         (processing_failed): a record the broker refuses for ever does not stop the shard for everyone else. (A
         batch is not read again: answers to what part of its output did reach the log may already follow it.)
         Anything else that fails (a bug) makes the shard read the batch again from the stored offsets."""
         try:
-            await apply(items)
+            await apply(items, passed)
             return
         except OutputRefused:
             log.exception("scheduler: the output of a batch of %d records was not taken by the broker; deciding "

@@ -513,3 +513,51 @@ def test_an_output_the_broker_refuses_is_dead_lettered_and_the_shard_goes_on(cfg
         run_until(log, hands, lambda: all_running(log, {"small": 3}), 60, "the resize", [w])
     finally:
         log.close()
+
+
+# -- (7) a registration passed over is remembered: a rebalance does not read it again ------------------------------
+
+def _stored_offsets(cfg) -> dict[str, int]:
+    """The shard's offsets table as its changelog holds it: "<topic>/<partition>" -> the next offset to apply."""
+    import json
+
+    from confluent_kafka import Consumer, TopicPartition
+    topic = f"{cfg.topic_prefix}scheduler-scheduler-offsets-changelog"
+    c = Consumer({**cfg.kafka_conf(), "group.id": "test-offsets", "enable.auto.commit": False})
+    try:
+        c.assign([TopicPartition(topic, p, 0) for p in range(cfg.partitions)])
+        out, idle = {}, 0
+        while idle < 3:
+            msgs = c.consume(1000, 0.5)
+            idle = 0 if msgs else idle + 1
+            for m in msgs:
+                if m.error() is None and m.value() is not None:
+                    out[json.loads(m.key())] = json.loads(m.value())
+        return out
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_registration_passed_over_stores_its_offsets(cfg, registry, workers):
+    """MachineRegistered records are passed over undecoded (``decide`` ignores them), so no batch of them changes
+    state; the shard still stores their offsets every PERSIST_AFTER records. At a million machines it did not, and
+    a rebalance sent the shard back to offset 0 of a 450,000-record partition (the 2026-11-26 bench run)."""
+    from processors.scheduler.offsets import PERSIST_AFTER
+
+    n = PERSIST_AFTER + 500
+    w1 = workers("w1")
+    producer = EventProducer(cfg, registry, "test")
+    for i in range(n):
+        producer.send(new_event("MachineRegistered", {
+            "machine_id": f"m{i}", "topology": {"region": "reg1", "dc": "dc1", "msb": "msb1", "rack": "msb1-r1"},
+            "machine_type": "skylake", "capacity": {"cpu_millicores": 32_000, "memory_mib": 65_536},
+            "host_profile": None}, entitlement="free/dc1", entity_id=f"m{i}", producer="test"))
+    producer.send(entitlement("e1"))  # then one record that changes state, on another topic
+    producer.flush()
+    key = f"{Topics(cfg.topic_prefix, cfg.partitions).name('machines')}/{partition_for('free/dc1', cfg.partitions)}"
+    deadline = time.monotonic() + 90
+    while (stored := _stored_offsets(cfg).get(key, 0)) < PERSIST_AFTER and time.monotonic() < deadline:
+        assert w1.proc.poll() is None, w1.tail()
+        time.sleep(1)
+    assert PERSIST_AFTER <= stored <= n, f"{key}: stored {stored}"
