@@ -28,7 +28,7 @@ from infra import metrics
 from infra.config import Config
 from processors.worker import LoopWorker, close_clients
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
-from streams.deadletter import PROCESSING_FAILED, DeadLetters
+from streams.deadletter import DeadLetters
 from streams.events import Event
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
@@ -124,16 +124,8 @@ class Follower(LoopWorker):
                     self.errors += 1
                     self.log.exception("%s: %s at %s[%d]@%d failed", self.NAME, rec.event.type, rec.topic,
                                        rec.partition, rec.offset)
-                    self._dead_letter(rec, exc)
+                    self.dead_letters.route_failed(rec, self.registry, exc, self.log)
             return out
-
-    def _dead_letter(self, rec: Record, exc: Exception) -> None:
-        try:
-            self.dead_letters.route(topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key,
-                                    value=self.registry.encode(rec.event.type, rec.event.to_record(), validate=False),
-                                    reason=PROCESSING_FAILED, detail=f"{type(exc).__name__}: {exc}")
-        except Exception:  # noqa: BLE001
-            self.log.exception("%s: cannot dead-letter %s[%d]@%d", self.NAME, rec.topic, rec.partition, rec.offset)
 
     def run(self) -> None:
         self.start()

@@ -82,7 +82,7 @@ from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Deci
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
 from streams.batches import ENVELOPE_BYTES, size_of, split
 from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
-from streams.deadletter import PROCESSING_FAILED, DeadLetters
+from streams.deadletter import DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import make_app
 from streams.heap import GrowthFreezer, folding
@@ -453,9 +453,7 @@ class Allocator:
                     self.failed += 1
                     log.warning("allocator: %s at %s[%d]@%d: %s", rec.event.type, *position, exc)
                     if dead_letters is not None:
-                        dead_letters.route(topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key,
-                                           value=self.registry.encode(rec.event.type, rec.event.to_record()),
-                                           reason=PROCESSING_FAILED, detail=f"{rec.event.type}: {exc}")
+                        dead_letters.route_failed(rec, self.registry, f"{rec.event.type}: {exc}", log)
                     continue
                 if rec.event.type == "AllocationRequested":
                     self._arrived(rec.event, position)

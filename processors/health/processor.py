@@ -56,7 +56,7 @@ from processors.resourcebroker import decide as broker
 from processors.resourcebroker.processor import read_to_end
 from streams import batches
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
-from streams.deadletter import PROCESSING_FAILED, DeadLetters
+from streams.deadletter import DeadLetters
 from streams.events import Event
 from streams.heap import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
@@ -137,7 +137,7 @@ class HealthCheck(LoopWorker):
             self.errors += 1
             log.error("health: %s at %s[%d]@%d failed: %s", rec.event.type, rec.topic, rec.partition, rec.offset,
                       exc)
-            self._dead_letter(rec, exc)
+            self.dead_letters.route_failed(rec, self.registry, exc, log)
 
     def _heartbeats(self, beats: list[Record]) -> None:
         if not beats:
@@ -228,14 +228,6 @@ class HealthCheck(LoopWorker):
         if len(self._own) > OWN_IDS_LIMIT:
             self._own.clear()
         self._own.update(ev.event_id for ev in machine_events)
-
-    def _dead_letter(self, rec: Record, exc: Exception) -> None:
-        try:
-            self.dead_letters.route(topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key,
-                                    value=self.registry.encode(rec.event.type, rec.event.to_record()),
-                                    reason=PROCESSING_FAILED, detail=f"{type(exc).__name__}: {exc}")
-        except Exception:  # noqa: BLE001
-            log.exception("health: cannot dead-letter %s[%d]@%d", rec.topic, rec.partition, rec.offset)
 
     # -- loop ------------------------------------------------------------------------------------------------
     def step(self) -> None:

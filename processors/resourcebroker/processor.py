@@ -269,7 +269,7 @@ class ResourceBroker(LoopWorker):
                     self.errors += 1
                     log.exception("resourcebroker: %s at %s[%d]@%d failed", rec.event.type, rec.topic,
                                   rec.partition, rec.offset)
-                    self._dead_letter(rec, exc)
+                    self.dead_letters.route_failed(rec, self.registry, exc, log)
 
     def _handle(self, records: list[Record]) -> None:
         machine_events = [r.event for r in records if r.event.type in d.MACHINE_EVENTS]
@@ -280,15 +280,6 @@ class ResourceBroker(LoopWorker):
                 self.unavailability_seen += 1
                 log.debug("resourcebroker: %s %s %s", r.event.type, r.event.entitlement,
                          r.event.payload.get("machine_ids"))
-
-    def _dead_letter(self, rec: Record, exc: Exception) -> None:
-        from streams.deadletter import PROCESSING_FAILED
-        try:
-            self.dead_letters.route(topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key,
-                                    value=self.registry.encode(rec.event.type, rec.event.to_record()),
-                                    reason=PROCESSING_FAILED, detail=f"{type(exc).__name__}: {exc}")
-        except Exception:  # noqa: BLE001
-            log.exception("resourcebroker: cannot dead-letter %s[%d]@%d", rec.topic, rec.partition, rec.offset)
 
     def step(self) -> None:
         try:
