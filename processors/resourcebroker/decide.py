@@ -324,6 +324,18 @@ def _status_event(rec: MachineRecord, status: str, reason: str, now_ms: int, eve
                      timestamp_ms=now_ms, event_id=event_id)
 
 
+def _transitions(fold: "_Fold", machine_ids: Iterable[str], trigger: str) -> list[tuple[MachineRecord, str]]:
+    """(machine, new status) of each of ``machine_ids`` that ``trigger`` moves (``next_status``), in order.
+    Raises UnknownMachine for a machine the broker does not know."""
+    changes = []
+    for mid in machine_ids:
+        rec = fold.known(mid)
+        status = next_status(mid, rec.status, trigger)
+        if status is not None:
+            changes.append((rec, status))
+    return changes
+
+
 def _statuses_events(fold: "_Fold", changes: Iterable[tuple[MachineRecord, str]], reason: str, now_ms: int,
                      trigger: str, causation_id: str | None, producer: str) -> list[Event]:
     """One MachinesStatusChanged per owner key and new status for ``changes`` (machine, new status), each split
@@ -423,12 +435,7 @@ def machines_failed(state: BrokerState, machine_ids: Iterable[str], reason: str,
     Machines DOWN already are left out; nothing to do, nothing emitted. Raises UnknownMachine (nothing emitted)."""
     _check_reason(reason)
     fold = _Fold(state)
-    changes = []
-    for mid in sorted(set(machine_ids)):
-        rec = fold.known(mid)
-        status = next_status(mid, rec.status, FAILED)
-        if status is not None:
-            changes.append((rec, status))
+    changes = _transitions(fold, sorted(set(machine_ids)), FAILED)
     for ev in _statuses_events(fold, changes, reason, now_ms, FAILED, causation_id, producer):
         ue_id = failure_unavailability_id(ev.event_id)
         fold.emit(new_event(
@@ -611,12 +618,7 @@ def maintenance_started(state: BrokerState, unavailability_id: str, machine_ids:
     reason maintenance) of its machines among ``machine_ids`` that are UP or UNHEALTHY (DOWN ones stay DOWN;
     repeats emit nothing)."""
     fold = _Fold(state)
-    changes = []
-    for mid in sorted(set(machine_ids)):
-        rec = fold.known(mid)
-        status = next_status(mid, rec.status, MAINTENANCE_STARTED)
-        if status is not None:
-            changes.append((rec, status))
+    changes = _transitions(fold, sorted(set(machine_ids)), MAINTENANCE_STARTED)
     _statuses_events(fold, changes, REASON_MAINTENANCE, now_ms, f"{MAINTENANCE_STARTED}/{unavailability_id}",
                      causation_id, producer)
     return fold.result()
@@ -631,12 +633,7 @@ def maintenance_ended(state: BrokerState, unavailability_id: str, machine_ids: I
     FAILURE UE). Ids are derived from the UE, so repeating the call re-emits the same UnavailabilityEnded ids."""
     fold = _Fold(state)
     ids = sorted(set(machine_ids))
-    changes = []
-    for mid in ids:
-        rec = fold.known(mid)
-        status = next_status(mid, rec.status, MAINTENANCE_ENDED)
-        if status is not None:
-            changes.append((rec, status))
+    changes = _transitions(fold, ids, MAINTENANCE_ENDED)
     _statuses_events(fold, changes, REASON_MAINTENANCE_ENDED, now_ms, f"{MAINTENANCE_ENDED}/{unavailability_id}",
                      causation_id, producer)
     for key, group in _by_owner(fold, ids).items():

@@ -55,7 +55,7 @@ The latest ignored report is kept in the job's ``last_ignored`` (also in ``job_v
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 import dataclasses
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -1780,10 +1780,16 @@ def in_owner_scope(entitlements: Mapping[str, Entitlement], event: Event, job: J
 
 
 def machines_of(job: Job | None) -> set[str]:
-    """The machines the job's tasks are placed on."""
+    """The machines a job is tied to: those its tasks are placed on, and those of the maintenances it remembers
+    (``maint``: their UnavailabilityEnded concerns the job even after its tasks left the machines)."""
     if job is None:
         return set()
-    return {t.machine for t in job.tasks.values() if t.machine is not None}
+    return {t.machine for t in job.tasks.values() if t.machine is not None} | maint_machines(job.maint)
+
+
+def maint_machines(maint: Iterable[Sequence]) -> set[str]:
+    """The machines of a job's remembered maintenances (``Job.maint`` or its record's ``maint``)."""
+    return {m for entry in maint for m in entry[1]}
 
 
 def concerned_jobs(state: SchedulerState, event: Event) -> list[str]:

@@ -40,7 +40,7 @@ from types import MappingProxyType
 from typing import Any
 
 from processors.scheduler.decide import (
-    Job, Task, _terms_of, _terms_record, job_from_record, job_to_record, machines_of,
+    Job, Task, _terms_of, _terms_record, job_from_record, job_to_record, machines_of, maint_machines,
 )
 
 CHUNK_TASKS = 500  # tasks per chunk record (a task of index i is in chunk i // CHUNK_TASKS)
@@ -214,9 +214,10 @@ class MachineJobs:
             if header is None:
                 continue
             ent = header["entitlement"]
-            if is_chunked(header):
+            if is_chunked(header):  # decide.machines_of of the stored job: its tasks' machines, its maintenances'
                 machines = {r["machine"] for key in named_keys(header)
                             for r in (chunks.get(key) or {}).get("tasks", ()) if r.get("machine") is not None}
+                machines |= maint_machines(header.get("maint", ()))
             else:
                 machines = machines_of(job_from_record(header))  # the older whole-job record
             for m in machines:

@@ -195,6 +195,13 @@ def test_the_machine_index_built_from_the_tables_equals_the_one_kept_in_step_by_
     fresh.build(*stored(shrunk, moved, other))
     assert index_of(built, keys) == index_of(fresh, keys)
     assert built.jobs("e1", "m1") == set() and built.jobs("e1", "m9") == {"b"}
+    # a remembers a maintenance of m1 and m7 its tasks left: its end still concerns a (decide.machines_of)
+    noticed = replace(shrunk, maint=(("ue1", ("m1", "m7"), 0, 10, True),))
+    built.update(noticed.id, noticed.entitlement, machines_of(shrunk), machines_of(noticed))
+    fresh = st.MachineJobs()
+    fresh.build(*stored(noticed, moved, other))
+    assert index_of(built, keys + [("e1", "m7")]) == index_of(fresh, keys + [("e1", "m7")])
+    assert fresh.jobs("e1", "m1") == fresh.jobs("e1", "m7") == {"a"}
 
 
 def test_the_machine_index_reads_the_older_whole_job_record_and_is_rebuilt_after_forget():
