@@ -87,7 +87,7 @@ from processors.allocator import placement
 from processors.allocator.placement import (
     FAULT_DOMAIN_OF, FILTER_AVOIDED, FILTER_CPU, FILTER_MAINTENANCE, FILTER_MEMORY, FILTER_STATUS, FILTERS,
     MACHINE_UP, SPREAD_LEVELS,
-    Entitlement, Machine, Plan, Request, Selection, existing_bins, plan_of,
+    Entitlement, Machine, Plan, Request, Selection, existing_bins, plan_of, rank,
 )
 
 FREE = None  # the owner of a free-pool machine (Machine.entitlement None)
@@ -376,14 +376,14 @@ class _Run:
         return q
 
     def head(self, b: str) -> tuple | None:
-        """The bin's best candidate as its SCORES key (count, not held, cpu_free, id), or None."""
+        """The bin's best candidate as its ``rank``, or None."""
         q = self.queues[b]
         if q.held:
             entry = q.held[0][0]
-            return (self.bins[b], False, entry[0], entry[1])
+            return rank(self.bins[b], False, entry[0], entry[1])
         if q.free and len(self.added) < self.room:
             entry = q.free[0][0]
-            return (self.bins[b], True, entry[0], entry[1])
+            return rank(self.bins[b], True, entry[0], entry[1])
         return None
 
     def pool_head(self, parent: str) -> tuple | None:
@@ -397,7 +397,7 @@ class _Run:
             while heap:
                 entry, cursor = heap[0]
                 if self.domain_of(self.machines[entry[1]]) not in self.bins:
-                    return (0, is_free, entry[0], entry[1])
+                    return rank(0, is_free, entry[0], entry[1])
                 heappop(heap)
                 cursor[1] += 1
                 if (following := _fit_from(cursor, self.request.mem, self.request.avoid_machine_ids)) is not None:
@@ -408,7 +408,7 @@ class _Run:
         """select()'s loop: the bins' (and pools') heads in a lazily updated heap, each task on the best."""
         request, bins, added = self.request, self.bins, self.added
         cpu, mem, avoid = request.cpu, request.mem, request.avoid_machine_ids
-        # (count, not held, cpu_free, id, pooled, bin or parent domain)
+        # (*rank, pooled, bin or parent domain)
         tops = [(*h, False, b) for b in self.queues if (h := self.head(b)) is not None]
         tops += [(*h, True, p) for p in self.pools if (h := self.pool_head(p)) is not None]
         heapify(tops)

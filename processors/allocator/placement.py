@@ -206,6 +206,13 @@ SCORES: tuple[tuple[str, Score], ...] = (
 )
 
 
+def rank(count: int, from_pool: bool, cpu_free: int, machine_id: str) -> tuple:
+    """A candidate's ``SCORES`` key as the selection heaps hold it (``select`` here, ``fastplace``): its bin's task
+    count (spread), whether it would join from the free pool (stack in the entitlement), its free cpu (pack: the
+    same order as ``SCORES``' free cpu after the task, the task's cpu being the same for all), its id."""
+    return (count, from_pool, cpu_free, machine_id)
+
+
 def filter_machines(machines: Iterable[Machine], entitlement: Entitlement,
                     request: Request) -> tuple[list[Machine], dict[str, int]]:
     """Run ``FILTERS``: the machines that pass all, and the count of rejected machines per first failing reason.
@@ -273,12 +280,12 @@ def select(feasible: Iterable[Machine], bins: Mapping[str, int], entitlement: En
     added: list[str] = []
 
     def head(b: str) -> tuple | None:
-        """The bin's best candidate as its SCORES key (count, not held, cpu_free, id), or None."""
+        """The bin's best candidate as its ``rank``, or None."""
         held_q, free_q = queues[b]
         if held_q:
-            return (w.bins[b], False, held_q[0][0], held_q[0][1])
+            return rank(w.bins[b], False, *held_q[0])
         if free_q and len(added) < room:
-            return (w.bins[b], True, free_q[0][0], free_q[0][1])
+            return rank(w.bins[b], True, *free_q[0])
         return None
 
     # The bins' heads, lazily updated: a bin's key only grows (its count grows when it takes a task, its
