@@ -45,6 +45,7 @@ from types import MappingProxyType
 from typing import Mapping, Union
 
 from streams import batches
+from streams.enums import TaskCommand, TaskState
 from streams.events import Event, derived_event_id, new_event
 
 PRODUCER = "agent"
@@ -58,16 +59,16 @@ MAX_BACKOFF_MS = 10_000
 STOP_GRACE_MS = 5_000
 
 # TaskCommand symbols of schemas/TaskCommanded.avsc.
-START = "START"
-STOP = "STOP"
-RESTART = "RESTART"
+START = TaskCommand.START
+STOP = TaskCommand.STOP
+RESTART = TaskCommand.RESTART
 
 # TaskState symbols the agent reports (schemas/TaskStateChanged.avsc).
-STARTING = "STARTING"
-RUNNING = "RUNNING"
-STOPPED = "STOPPED"
-FAILED = "FAILED"
-UNKNOWN = "UNKNOWN"  # previous_state of a task the agent never ran
+STARTING = TaskState.STARTING
+RUNNING = TaskState.RUNNING
+STOPPED = TaskState.STOPPED
+FAILED = TaskState.FAILED
+UNKNOWN = TaskState.UNKNOWN  # previous_state of a task the agent never ran
 
 # The agent's own phases of a task.
 P_SPAWNING = "spawning"  # spawn asked of the wiring, not confirmed yet

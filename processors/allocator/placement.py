@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from streams.enums import MachineStatus
+
 # Hard-filter reasons: why a machine of the snapshot cannot take any task of the request.
 FILTER_STATUS = "machine_not_up"
 FILTER_MAINTENANCE = "machine_in_maintenance"  # a planned maintenance is announced (or running) on it
@@ -50,7 +52,7 @@ CONFLICT_OWNER = "machine_owner_changed"
 CONFLICT_CAPACITY = "machine_capacity_changed"
 CONFLICT_VERSION = "machine_version_changed"
 
-MACHINE_UP = "UP"
+MACHINE_UP = MachineStatus.UP
 SPREAD_LEVELS = ("dc", "msb", "rack")
 REQUIREMENT_KEYS = frozenset({"machine_type", "dc"})
 

@@ -57,6 +57,7 @@ from infra import controlplane
 from processors.experiments import figure14 as sim
 from streams import batches
 from processors.experiments.figure14 import CONTROLLER, ENT, JOB, Conditions, Result
+from streams.enums import TaskCommand
 from streams.events import Event
 
 MODE = ("real pipeline: broker, Redis, Resource Broker, allocator, scheduler shard, health and the ReplicaAware "
@@ -65,7 +66,7 @@ MACHINE_TYPE = "cache"
 TASK_CPU, TASK_MEM = 1000, 1024  # one task fills one machine
 INITIAL_START_MS = 200  # starts of the initial deployment (before the experiment) are quick
 LOG_TOPICS = ("intents", "machines", "tasks", "taskcontrol", "unavailability")
-STOP = "STOP"
+STOP = TaskCommand.STOP
 OFFENDERS = 20  # operations that lost shards, listed in the details (the first ones)
 UPDATE_REASON = "rolling_update"
 

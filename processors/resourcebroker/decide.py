@@ -30,22 +30,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from processors.cowmap import CowMap
 from streams import batches
+from streams.enums import MachineStatus, UnavailabilityKind
 from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
-
-from processors.cowmap import CowMap
 
 from .region import MachineSpec
 
 PRODUCER = "resourcebroker"
 
 # Machine statuses: the MachineStatus symbols of schemas/MachineStatusChanged.avsc.
-UP = "UP"
-UNHEALTHY = "UNHEALTHY"
-DOWN = "DOWN"
-MAINTENANCE = "MAINTENANCE"
-UNKNOWN = "UNKNOWN"  # a reader's fallback for a newer symbol; no transition leaves it
+UP = MachineStatus.UP
+UNHEALTHY = MachineStatus.UNHEALTHY
+DOWN = MachineStatus.DOWN
+MAINTENANCE = MachineStatus.MAINTENANCE
+UNKNOWN = MachineStatus.UNKNOWN  # a reader's fallback for a newer symbol; no transition leaves it
 
 # Triggers of status transitions.
 FAILED = "failed"
@@ -60,8 +60,8 @@ REASON_MAINTENANCE = "maintenance"  # planned maintenance: the UE's default reas
 REASON_MAINTENANCE_ENDED = "maintenance_ended"  # the maintenance window closed: status → UP
 
 # UnavailabilityKind symbols of schemas/UnavailabilityStarted.avsc.
-KIND_FAILURE = "FAILURE"
-KIND_MAINTENANCE = "MAINTENANCE"
+KIND_FAILURE = UnavailabilityKind.FAILURE
+KIND_MAINTENANCE = UnavailabilityKind.MAINTENANCE
 
 # Maintenance targets: "machine:<id>" (or a bare id), "rack:<dc>/<msb>/<rack>", "msb:<dc>/<msb>", "dc:<dc>".
 TARGET_MACHINE = "machine"

@@ -82,6 +82,7 @@ from processors.scheduler.lifecycle import (
 )
 from streams import batches
 from streams.batches import SERVICE_DISCOVERY_UPDATED, ENVELOPE_BYTES, batch_id, size_of, split
+from streams.enums import TaskCommand, UnavailabilityKind
 from streams.events import Event, derived_event_id, new_event
 
 PRODUCER = "scheduler"
@@ -146,9 +147,9 @@ REASON_NOT_AN_AGENT_STATE = "not_an_agent_state"  # PENDING/ALLOCATED/STOPPING/U
 REASON_UNKNOWN_TASK = "unknown_task"  # no such task in the job (e.g. retired and freed already)
 
 # Task commands: the TaskCommand symbols of schemas/TaskCommanded.avsc.
-START = "START"
-STOP = "STOP"
-RESTART = "RESTART"
+START = TaskCommand.START
+STOP = TaskCommand.STOP
+RESTART = TaskCommand.RESTART
 
 # What the scheduler does with a task next (its intent), whatever state it is in.
 RUN = "run"  # keep it running at the job's spec version
@@ -165,7 +166,7 @@ JOB_PENDING = "pending"  # published: active, some task not RUNNING
 JOB_RUNNING = "running"  # published: active, every task RUNNING
 JOB_UPDATING = "updating"  # published: active, a rolling update in progress
 
-KIND_POWER = "POWER"  # UnavailabilityKind: power loss of a fault domain, unavailable now like a failure
+KIND_POWER = UnavailabilityKind.POWER  # UnavailabilityKind: power loss of a fault domain, unavailable now like a failure
 UNAVAILABLE_KINDS = frozenset({KIND_FAILURE, KIND_POWER})  # planned MAINTENANCE notices wait for TaskControl
 MACHINE_LOST_REASON = MappingProxyType({  # machine status → why its tasks move
     DOWN: REASON_MACHINE_FAILED,

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-PENDING = "PENDING"
-ALLOCATED = "ALLOCATED"
-STARTING = "STARTING"
-RUNNING = "RUNNING"
-STOPPING = "STOPPING"
-STOPPED = "STOPPED"
-FAILED = "FAILED"
+from streams.enums import TaskState
+
+PENDING = TaskState.PENDING
+ALLOCATED = TaskState.ALLOCATED
+STARTING = TaskState.STARTING
+RUNNING = TaskState.RUNNING
+STOPPING = TaskState.STOPPING
+STOPPED = TaskState.STOPPED
+FAILED = TaskState.FAILED
 STATES = (PENDING, ALLOCATED, STARTING, RUNNING, STOPPING, STOPPED, FAILED)
 
 ALLOCATED_EV = "allocated"  # the allocator placed the task (TasksAllocated)

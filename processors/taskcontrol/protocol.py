@@ -30,18 +30,20 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from streams.enums import MaintenanceChoiceKind, OperationKind
+
 # Operation kinds: the OperationKind symbols of schemas/TaskControlRequested.avsc.
-OP_UPDATE = "UPDATE"  # stop the task to start it again at the job's new spec version (rolling update)
-OP_MOVE = "MOVE"  # place the task elsewhere (its machine was lost)
-OP_RESTART = "RESTART"  # start it again where it is (restart policy): rate limited, never asked
-OP_STOP = "STOP"  # stop it (shrink, job stop, a controller's maintenance MOVE/STOP choice): rate limited, never asked
+OP_UPDATE = OperationKind.UPDATE  # stop the task to start it again at the job's new spec version (rolling update)
+OP_MOVE = OperationKind.MOVE  # place the task elsewhere (its machine was lost)
+OP_RESTART = OperationKind.RESTART  # start it again where it is (restart policy): rate limited, never asked
+OP_STOP = OperationKind.STOP  # stop it (shrink, job stop, a controller's maintenance MOVE/STOP choice): rate limited, never asked
 CONTROLLED = frozenset({OP_UPDATE, OP_MOVE})  # kinds a job's TaskController approves
 
 # A controller's choice for a task under an advance notice: the MaintenanceChoiceKind symbols of
 # schemas/TaskControlAcked.avsc.
-CHOICE_MOVE = "MOVE"  # move it off the machine now
-CHOICE_STOP = "STOP"  # stop it now; started again where it is when the maintenance ends
-CHOICE_KEEP = "KEEP"  # leave it running through the maintenance (short top-of-rack maintenance)
+CHOICE_MOVE = MaintenanceChoiceKind.MOVE  # move it off the machine now
+CHOICE_STOP = MaintenanceChoiceKind.STOP  # stop it now; started again where it is when the maintenance ends
+CHOICE_KEEP = MaintenanceChoiceKind.KEEP  # leave it running through the maintenance (short top-of-rack maintenance)
 CHOICES = frozenset({CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP})
 
 # Why an ack is ignored (the job's last_ignored).
