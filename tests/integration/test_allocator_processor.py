@@ -27,8 +27,6 @@ from streams.serde import NO_MARKER
 from streams.topics import Topics
 from processors.allocator.rebuild import index_state
 
-pytestmark = pytest.mark.integration
-
 FAST = {"broker_session_timeout": 2.0, "broker_heartbeat_interval": 0.5, "broker_rebalance_timeout": 2.0,
         "broker_commit_interval": 0.5}
 CPU, MEM = 4000, 8192

@@ -24,8 +24,6 @@ from streams.serde import NO_MARKER, UNKNOWN_FINGERPRINT, DecodeError, SchemaReg
 from streams.topics import CATALOGUE, Topics, provision
 from streams import schemalog
 
-pytestmark = pytest.mark.integration
-
 GARBAGE = b"\x00\xffnot avro at all\xc3"  # no C3 01 marker: undecodable, must survive byte for byte
 
 

@@ -30,7 +30,6 @@ from streams.deadletter import Skipped
 from streams.events import new_event
 from streams.topics import Topics
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 ENT, JOB = "e1", "e1.web"
 

@@ -13,7 +13,6 @@ import pytest
 
 from infra.process import pid_alive
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # bench/ is not an installed package (the CLI adds it the same way)
     sys.path.append(str(ROOT))

@@ -26,8 +26,6 @@ from streams.clients import EventProducer
 from streams.events import new_event
 from streams.serde import SchemaRegistry
 
-pytestmark = pytest.mark.integration
-
 BIG = 20_000
 
 

@@ -16,8 +16,6 @@ from streams.partitioner import partition_for
 from streams.state import current
 from streams.topics import CATALOGUE, COMPACT_SEGMENT_MS, Topics
 
-pytestmark = pytest.mark.integration
-
 OVERWRITES = 400
 
 

@@ -16,8 +16,6 @@ from streams.clients import EventProducer
 from streams.events import new_event
 from test_cli_jobs import ROOT, cli, job_state
 
-pytestmark = pytest.mark.integration
-
 
 def entitlement(name: str, ts: int):
     return new_event("EntitlementCreated", {"name": name, "quota_machines": 2, "machine_type": None, "dc_pin": None,

@@ -13,7 +13,6 @@ from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
 from streams.topics import Topics
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -16,8 +16,6 @@ import pytest
 
 from regioncli import RegionCli
 
-pytestmark = pytest.mark.integration
-
 # Every kind of decision record: commands (TasksCommanded since decisions are batched per job; TaskCommanded in older
 # logs), allocation requests, and the allocator's answers.
 DECISIONS = ("TaskCommanded", "TasksCommanded", "AllocationRequested", "TasksAllocated", "AllocationRejected",

@@ -32,8 +32,6 @@ from streams.serde import (INVALID_EVENT, MALFORMED, MARKER, NO_MARKER, UNKNOWN_
                            SchemaRegistry, build_schema)
 from streams.topics import Topics
 
-pytestmark = pytest.mark.integration
-
 # Fast group timing for tests (see streams.faustwire.app_settings for the production values).
 FAST = {"broker_session_timeout": 2.0, "broker_heartbeat_interval": 0.5, "broker_rebalance_timeout": 2.0,
         "broker_commit_interval": 0.5}

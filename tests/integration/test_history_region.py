@@ -24,8 +24,6 @@ import pytest
 
 from regioncli import RegionCli
 
-pytestmark = pytest.mark.integration
-
 SPEC = ("name: {name}\nentitlement: {ent}\ntasks: {tasks}\ncommand: [sleep, '3600']\n"
         "resources: {{cpu_millicores: {cpu}, memory_mib: 1024}}\nspread: msb\n{extra}")
 

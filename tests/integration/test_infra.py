@@ -15,8 +15,6 @@ from infra.process import (WANTED_OPEN_FILES, InfraError, ManagedProcess, free_p
                            port_open)
 from streams.topics import CATALOGUE
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 
 

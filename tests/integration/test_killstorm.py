@@ -13,7 +13,6 @@ import pytest
 
 from bench.killstorm import COUNTS, VICTIMS
 
-pytestmark = pytest.mark.integration
 KILLS = len(VICTIMS)
 
 

@@ -17,8 +17,6 @@ from streams.events import new_event
 from streams.serde import MARKER, SchemaRegistry, build_schema
 from streams.topics import CATALOGUE, TOPIC_OF_EVENT, Topics
 
-pytestmark = pytest.mark.integration
-
 
 def read_all(consumer, n, timeout_s=20.0):
     out, deadline = [], time.monotonic() + timeout_s

@@ -13,8 +13,6 @@ from processors.allocator.index import CONFLICT, FENCED, JOURNALED, Decision, Ma
 from processors.allocator.placement import CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION
 from processors.allocator.rebuild import index_state
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 def ix(cfg) -> MachineIndex:

@@ -20,7 +20,6 @@ from streams.events import Event, derived_event_id, new_event
 from streams.state import StateReader
 from test_allocator_processor import wait_for
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 FAST = {"broker_session_timeout": 2.0, "broker_heartbeat_interval": 0.5, "broker_rebalance_timeout": 2.0,
         "broker_commit_interval": 0.5}

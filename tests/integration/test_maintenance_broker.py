@@ -35,8 +35,6 @@ from streams.replay import ReplayFilter, replay
 from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
 from test_taskcontrol_leader_last import Reader
 
-pytestmark = pytest.mark.integration
-
 ENT, SM, WEB = "e1", "e1.sm", "e1.web"
 SHARDS = {f"{SM}/0": ["a"], f"{SM}/1": ["b"], f"{SM}/2": ["a", "b"], f"{SM}/3": ["a"]}  # a: 3 replicas, b: 2
 DURATION_MS, DEADLINE_IN_MS = 30 * 60_000, 12_000

@@ -23,8 +23,6 @@ import pytest
 
 from regioncli import ROOT, RegionCli
 
-pytestmark = pytest.mark.integration
-
 SPEC = ("name: {name}\nentitlement: e1\ntasks: {tasks}\ncommand: [sleep, '3600']\n"
         "resources: {{cpu_millicores: 1000, memory_mib: 1024}}\nrequirements: {{dc: dc1}}\nspread: msb\n{extra}")
 

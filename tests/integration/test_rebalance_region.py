@@ -47,7 +47,6 @@ from streams.events import new_event
 from streams.replay import ReplayFilter, replay
 from streams.serde import SchemaRegistry
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 CPU, MEM = 16_000, 32_768

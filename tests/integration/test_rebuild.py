@@ -32,7 +32,6 @@ from streams.events import Event, new_event
 from streams.topics import Topics, provision
 from test_allocator_processor import MACHINES, answered, requested, run_allocator, send, setup_region, wait_for
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -21,7 +21,6 @@ from streams.clients import EventConsumer, EventProducer
 from streams.topics import Topics
 from test_scheduler_shard import ROOT, Hands, ev, workers  # noqa: F401 - workers is a fixture
 
-pytestmark = pytest.mark.integration
 ENT, JOB = "e1", "e1.web"
 
 

@@ -12,8 +12,6 @@ from infra.config import Config
 from infra.process import pid_alive
 from regioncli import RegionCli
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.mark.timeout(240)
 def test_up_submit_fail_move_down(tmp_path):

@@ -19,8 +19,6 @@ from streams.replay import ReplayFilter, matches, replay
 from streams.serde import MALFORMED, NO_MARKER
 from streams.topics import BY_NAME, TOPIC_OF_EVENT, Topics, provision
 
-pytestmark = pytest.mark.integration
-
 ENTITLEMENTS = ("ads", "search", "feed", "free/dc1", "billing")
 RESOURCES = {"cpu_millicores": 500, "memory_mib": 256}
 PLACED = {"dc": "dc1", "msb": "msb1", "rack": "r1"}

@@ -34,8 +34,6 @@ _spec.loader.exec_module(shard_tests)
 
 workers = shard_tests.workers  # the fixture, made visible to this module
 
-pytestmark = pytest.mark.integration
-
 
 class TimedHands(shard_tests.Hands):
     """The shard tests' hands, noting when the first scheduler output for a watched entitlement arrives."""

@@ -30,8 +30,6 @@ from streams.partitioner import partition_for
 from streams.state import job_whole
 from streams.topics import Topics
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 FAST_ENV = {"ROPEWALK_FAUST_SESSION_TIMEOUT": "2", "ROPEWALK_FAUST_HEARTBEAT_INTERVAL": "0.5",
             "ROPEWALK_FAUST_REBALANCE_TIMEOUT": "2", "ROPEWALK_FAUST_COMMIT_INTERVAL": "0.5",

@@ -25,8 +25,6 @@ from infra.config import Config
 from infra.process import pid_alive
 from regioncli import RegionCli
 
-pytestmark = pytest.mark.integration
-
 WORKERS = {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
            "sidekick", "jobcontrol", "srm", "loans"}
 

@@ -13,8 +13,6 @@ from infra import supervisor
 from infra.process import pid_alive
 from regioncli import wait_for
 
-pytestmark = pytest.mark.integration
-
 
 PROGRAMS = [supervisor.Program("sleeper", ("sleep", "600")),
             supervisor.Program("crasher", ("sh", "-c", "exit 3")),

@@ -19,8 +19,6 @@ from streams.clients import EventConsumer, EventProducer
 from streams.topics import Topics
 from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
 
-pytestmark = pytest.mark.integration
-
 ENT, JOB, LEADER = "e1", "e1.zk", "e1.zk/0"
 
 

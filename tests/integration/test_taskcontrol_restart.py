@@ -31,8 +31,6 @@ from streams.clients import EventProducer
 from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
 from test_taskcontrol_leader_last import ENT, JOB, Reader, run_until, update_stops
 
-pytestmark = pytest.mark.integration
-
 N, LEADER = 5, f"{JOB}/2"
 FOLLOWERS = [f"{JOB}/{i}" for i in (0, 1, 3, 4)]  # the order the controller approves them in
 

@@ -9,8 +9,6 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from streams.topics import CATALOGUE, Topics, provision
 
-pytestmark = pytest.mark.integration
-
 
 def test_provision_creates_topics_with_the_catalogue_config_and_is_idempotent(infra_cfg):
     admin = AdminClient({**infra_cfg.kafka_conf()})

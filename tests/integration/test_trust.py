@@ -24,8 +24,6 @@ from streams.clients import DeliveryError, EventConsumer, EventProducer
 from streams.events import new_event
 from streams.topics import CATALOGUE, Topics
 
-pytestmark = pytest.mark.integration
-
 OPS = ("READ", "WRITE")
 W, R = "W", "R"
 # principal -> topic -> what it may do (R read, W write; "" nothing). operator (a super user) may do everything.

@@ -14,8 +14,6 @@ import pytest
 
 from regioncli import RegionCli
 
-pytestmark = pytest.mark.integration
-
 SPEC = ("name: web\nentitlement: e1\ntasks: 3\ncommand: [sleep, '3600']\n"
         "resources: {cpu_millicores: 1000, memory_mib: 1024}\nspread: msb\n")
 
