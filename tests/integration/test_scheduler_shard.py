@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from processors.scheduler.decide import PRODUCER
-from streams import batches
+from processors.scheduler.shard import APP_ID, SOURCES
+from streams import batches, groups
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
 from streams.partitioner import partition_for
@@ -194,6 +195,27 @@ class Log:
                 parts[p["job_id"]][p["part"]] = p["tasks"]
         return {job: job_whole(h, parts[job]).payload for job, h in heads.items()}
 
+    def read_to_end(self, timeout_s: float = 20.0) -> None:
+        """Read until every partition of its topics is read up to the high watermark it has now."""
+        targets = self.consumer.high_watermarks(self.consumer.partitions())
+        deadline = time.monotonic() + timeout_s
+        while not self.consumer.read_up_to(targets, {}):
+            assert time.monotonic() < deadline, "the test's reader did not reach the end of the log"
+            self.poll(0.2)
+
+    def drained(self, cfg, timeout_s: float = 30.0) -> None:
+        """The marker that nothing else will come: the scheduler's group committed every source partition to its
+        end (a batch's output is flushed before its records are acked, and its own echoes are read and committed
+        too), then this reader reads the log to its end. Instead of a sleep, which passes when an unwanted event
+        is merely slow."""
+        t = Topics(cfg.topic_prefix, cfg.partitions)
+        sources = [t.name(n) for n in SOURCES]
+        deadline = time.monotonic() + timeout_s
+        while groups.lag(cfg, cfg.topic_prefix + APP_ID, sources) > 0:
+            assert time.monotonic() < deadline, "the scheduler did not commit every source to its end"
+            self.poll(0.2)
+        self.read_to_end()
+
     def close(self):
         self.consumer.close()
 
@@ -314,8 +336,7 @@ def test_events_delivered_twice_produce_no_duplicate_output(cfg, registry, worke
         producer.flush()
         run_until(log, None, lambda: all_running(log, {"j1": 2}) and log.of("AllocationRequested", job_id="marker"),
                   30, "the job running and the marker", [w])
-        time.sleep(1.0)
-        log.poll(0.5)
+        log.drained(cfg)  # the marker job is on another topic than the duplicate reports: not proof enough
 
         ids = Counter(r.event.event_id for r in log.records)
         assert not [i for i, n in ids.items() if n > 1], "an output event was produced twice"
@@ -347,8 +368,8 @@ def test_the_timer_asks_again_for_rejected_tasks(cfg, registry, workers):
         retry = log.of("AllocationRequested", job_id="j1")[1]
         assert retry.payload["place_task_ids"] == ["j1/0", "j1/1"]
         assert retry.payload["request_id"] != req.payload["request_id"]
-        time.sleep(2.5)  # the retry's new request id was stored: later ticks do not ask again
-        log.poll(0.5)
+        time.sleep(2.5)  # two more ticks of the 1 s timer (a passage of time, what is tested): they do not ask again
+        log.drained(cfg)
         assert len(log.of("AllocationRequested", job_id="j1")) == 2
     finally:
         log.close()
