@@ -248,7 +248,10 @@ class Rebuild:
             for i in range(0, len(new), _SWAP_CHUNK):
                 self._rename(keys=new[i:i + _SWAP_CHUNK], args=[len(self.scratch), self.prefix], client=pipe)
             pipe.execute()
-        except redis.WatchError:
+        except redis.WatchError as exc:
+            if "ConnectionError" in str(exc):  # redis-py: the watching connection died, whatever changed
+                raise RebuildConflict(f"the Redis connection watching the live index was lost during the rebuild "
+                                      f"({exc}); nothing was replaced. Run the rebuild again") from None
             raise RebuildConflict("the allocator wrote to the index while it was rebuilt; nothing was replaced. "
                                   "Stop the allocator and run the rebuild again") from None
         finally:
