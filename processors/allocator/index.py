@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from processors.allocator import lua
 from processors.allocator.fold import CONFLICT_TASK_PLACED, RegionFold, split_maintenance
 from processors.allocator.placement import (
     CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Machine,
@@ -72,186 +73,16 @@ class IndexLost(RuntimeError):
     """Redis no longer holds the index this allocator projected (emptied, or another generation): nothing was
     committed; the allocator projects its fold again (a new generation) before it decides."""
 
-_LUA_PRELUDE = r"""
-local P = ARGV[1]
-local function k(s) return P .. s end
-local FIELDS = {""" + ", ".join(f"'{f}'" for f in FIELDS) + r"""}
-"""
 
-# ARGV: prefix, JSON [[id, {fields}, [[task, cpu, mem], ...], cause], ...], JSON {mark field: offset},
-# JSON {entitlement: {fields}}, consumer. Returns how many machines were written.
-_LUA_PROJECT = _LUA_PRELUDE + r"""
-local ms, marks, ents, consumer = cjson.decode(ARGV[2]), cjson.decode(ARGV[3]), cjson.decode(ARGV[4]), ARGV[5]
-local written = 0
-for _, row in ipairs(ms) do
-  local id, f, tasks, cause = row[1], row[2], row[3], row[4]
-  local key = k('m:' .. id)
-  local cur = tonumber(redis.call('HGET', key, 'version') or '0')
-  if cur < f.version then
-    local want = {}
-    for _, t in ipairs(tasks) do want[t[1]] = t end
-    for _, t in ipairs(redis.call('SMEMBERS', k('tasks:' .. id))) do
-      if not want[t] then
-        if redis.call('HGET', k('placement'), t) == id then
-          redis.call('HDEL', k('placement'), t)
-          redis.call('HDEL', k('taskres'), t)
-        end
-        redis.call('SREM', k('tasks:' .. id), t)
-      end
-    end
-    for t, r in pairs(want) do
-      redis.call('SADD', k('tasks:' .. id), t)
-      redis.call('HSET', k('placement'), t, id)
-      redis.call('HSET', k('taskres'), t, r[2] .. ' ' .. r[3])
-    end
-    local flat = {}
-    for _, name in ipairs(FIELDS) do flat[#flat + 1] = name; flat[#flat + 1] = f[name] end
-    redis.call('HSET', key, unpack(flat))
-    redis.call('HSET', k('outbox:machines'), id, f.version .. ' ' .. cause)
-    written = written + 1
-  end
-end
-for fieldname, offset in pairs(marks) do
-  local last = redis.call('HGET', k('applied:' .. consumer), fieldname)
-  if not last or tonumber(last) < offset then redis.call('HSET', k('applied:' .. consumer), fieldname, offset) end
-end
-for name, f in pairs(ents) do
-  redis.call('DEL', k('entitlement:' .. name))
-  for fname, v in pairs(f) do redis.call('HSET', k('entitlement:' .. name), fname, v) end
-end
-return written
-"""
+# The Redis scripts (processors/allocator/lua/*.lua, each with its ARGV and reply documented at its top), preceded
+# by the key prefix (ARGV[1]) and these constants (lua.script).
+_CONSTANTS = {"FIELDS": FIELDS, "GENERATION": GENERATION, "LOST": LOST}
 
-# ARGV: prefix, JSON decisions, done TTL (s), JSON reason constants, the index generation ("" = unchecked). A decision:
-#   {rid, part, fence, ent, cpu, mem, frees: [[task, machine]], released: [machine], plan: [[machine, expected
-#    version, added 0/1, [task...]]], events: "<JSON text>"}
-# Returns one reply per decision: {'ok', {machine, version, ...}} | {'journaled', events} | {'fenced'} |
-# {'conflict', {machine, reason, ...}}; or 'lost' alone, nothing written, when the index is not of that generation.
-# A decision is all or nothing but for its frees (applied whatever follows, as the fold applies them before
-# placing; applying them again changes nothing).
-_LUA_COMMIT = _LUA_PRELUDE + r"""
-if ARGV[5] ~= '' and redis.call('GET', k('""" + GENERATION + r"""')) ~= ARGV[5] then return '""" + LOST + r"""' end
-local decisions, ttl, R = cjson.decode(ARGV[2]), tonumber(ARGV[3]), cjson.decode(ARGV[4])
-local loaded = {}
-local function get(id)
-  if loaded[id] == nil then
-    local v = redis.call('HMGET', k('m:' .. id), unpack(FIELDS))
-    if not v[1] then loaded[id] = false else
-      local m = {id = id}
-      for i, f in ipairs(FIELDS) do m[f] = v[i] end
-      for _, f in ipairs({'cpu_cap', 'mem_cap', 'cpu_free', 'mem_free', 'version'}) do m[f] = tonumber(m[f]) end
-      loaded[id] = m
-    end
-  end
-  return loaded[id] or nil
-end
-local function save(m, cause, n)
-  m.version = m.version + n
-  redis.call('HSET', k('m:' .. m.id), 'entitlement', m.entitlement, 'cpu_free', m.cpu_free, 'mem_free',
-             m.mem_free, 'version', m.version)
-  redis.call('HSET', k('outbox:machines'), m.id, m.version .. ' ' .. cause)
-end
-local function place(m, t, cpu, mem)
-  redis.call('HSET', k('placement'), t, m.id)
-  redis.call('HSET', k('taskres'), t, cpu .. ' ' .. mem)
-  redis.call('SADD', k('tasks:' .. m.id), t)
-  m.cpu_free, m.mem_free = m.cpu_free - cpu, m.mem_free - mem
-end
-local function unplace(m, t)
-  local cpu, mem = string.match(redis.call('HGET', k('taskres'), t), '^(%S+) (%S+)$')
-  redis.call('HDEL', k('placement'), t)
-  redis.call('HDEL', k('taskres'), t)
-  redis.call('SREM', k('tasks:' .. m.id), t)
-  m.cpu_free, m.mem_free = m.cpu_free + tonumber(cpu), m.mem_free + tonumber(mem)
-end
-
-local out = {}
-for i, d in ipairs(decisions) do
-  local done = redis.call('GET', k('alloc:done:' .. d.rid))
-  if done then out[i] = {'journaled', done}
-  elseif d.fence ~= cjson.null and redis.call('GET', k('alloc:fence:' .. d.part)) ~= tostring(d.fence) then
-    out[i] = {'fenced'}
-  else
-    -- the frees: each task still placed on the named machine is removed; released machines go back
-    local kinds = {}
-    local function of(id) kinds[id] = kinds[id] or {}; return kinds[id] end
-    for _, f in ipairs(d.frees) do
-      if redis.call('HGET', k('placement'), f[1]) == f[2] then unplace(get(f[2]), f[1]); of(f[2]).removed = 1 end
-    end
-    for _, id in ipairs(d.released) do
-      local m = get(id)
-      if m and m.entitlement == d.ent and redis.call('EXISTS', k('tasks:' .. id)) == 0 then
-        m.entitlement = ''
-        of(id).owner = 1
-      end
-    end
-    for id, kd in pairs(kinds) do
-      local n = 0
-      for _ in pairs(kd) do n = n + 1 end
-      save(get(id), d.rid, n)
-    end
-    -- the plan, re-checked machine by machine
-    local conflicts = {}
-    for _, p in ipairs(d.plan) do
-      local id, expected, added, tasks = p[1], p[2], p[3] == 1, p[4]
-      local m, reason = get(id), nil
-      local n = #tasks
-      if not m or m.status ~= R.up then reason = R.status
-      elseif m.entitlement ~= (added and '' or d.ent) then reason = R.owner
-      elseif m.cpu_free < d.cpu * n or m.mem_free < d.mem * n then reason = R.capacity
-      elseif m.version ~= expected then reason = R.version
-      else
-        for _, t in ipairs(tasks) do
-          if redis.call('HEXISTS', k('placement'), t) == 1 then reason = R.task_placed; break end
-        end
-      end
-      if reason then conflicts[#conflicts + 1] = id; conflicts[#conflicts + 1] = reason end
-    end
-    if #conflicts > 0 then out[i] = {'conflict', conflicts} else
-      local versions = {}
-      for _, p in ipairs(d.plan) do
-        local m, n = get(p[1]), 0
-        if p[3] == 1 then m.entitlement = d.ent; n = n + 1 end
-        for _, t in ipairs(p[4]) do place(m, t, d.cpu, d.mem) end
-        if #p[4] > 0 then n = n + 1 end
-        save(m, d.rid, n)
-        versions[#versions + 1] = m.id
-        versions[#versions + 1] = m.version
-      end
-      redis.call('SET', k('alloc:done:' .. d.rid), d.events, 'EX', ttl)
-      out[i] = {'ok', versions}
-    end
-  end
-end
-return out
-"""
-
-# ARGV: prefix, machine id, ... Returns one string: per machine present, its id and FIELDS joined by \31,
-# machines joined by \30 (one bulk reply parses far faster in Python than 13 replies per machine).
-_LUA_READ = _LUA_PRELUDE + r"""
-local out = {}
-for i = 2, #ARGV do
-  local v = redis.call('HMGET', k('m:' .. ARGV[i]), unpack(FIELDS))
-  for j = 1, #FIELDS do if not v[j] then v[j] = '' end end  -- a field newer than the hash
-  if v[1] ~= '' then out[#out + 1] = ARGV[i] .. '\31' .. table.concat(v, '\31') end
-end
-return table.concat(out, '\30')
-"""
+_LUA_PROJECT = lua.script("project", **_CONSTANTS)
+_LUA_COMMIT = lua.script("commit", **_CONSTANTS)
+_LUA_READ = lua.script("read", **_CONSTANTS)
+_LUA_OUTBOX_DONE = lua.script("outbox_done")
 _READ_CHUNK = 1000
-
-# KEYS[1] the outbox. ARGV: machine, version published, ... Removes a machine whose queued version is at most
-# the one published (a change queued meanwhile stays). Returns how many were removed.
-_LUA_OUTBOX_DONE = r"""
-local n = 0
-for i = 1, #ARGV, 2 do
-  local v = redis.call('HGET', KEYS[1], ARGV[i])
-  if v and tonumber(string.match(v, '^(%d+)')) <= tonumber(ARGV[i + 1]) then
-    redis.call('HDEL', KEYS[1], ARGV[i])
-    n = n + 1
-  end
-end
-return n
-"""
 
 _COMMIT_REASONS = json.dumps({"up": MACHINE_UP, "status": CONFLICT_STATUS, "owner": CONFLICT_OWNER,
                               "capacity": CONFLICT_CAPACITY, "version": CONFLICT_VERSION,

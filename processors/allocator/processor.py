@@ -75,6 +75,7 @@ import redis
 
 from infra import metrics
 from infra.config import Config
+from processors.allocator import lua
 from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
 )
@@ -359,8 +360,7 @@ class Allocator:
         self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
         self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
         self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/heap.py
-        self._unlock = redis_client.register_script(
-            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
+        self._unlock = redis_client.register_script(lua.script("unlock"))
 
     def key(self, name: str) -> str:
         return self.cfg.topic_prefix + name

@@ -60,6 +60,7 @@ import redis
 from confluent_kafka import Consumer, TopicPartition
 
 from infra.config import Config
+from processors.allocator import lua
 from processors.allocator.fold import EVENT_TYPES, FoldError, RegionFold, merged
 from processors.allocator.index import DEFAULT_CONSUMER, GENERATION, MachineIndex
 from processors.allocator.processor import SOURCES
@@ -74,13 +75,7 @@ NOT_INDEX_STATE = ("alloc:done:*", "alloc:fence:*", "metrics:*", "outbox:*", "~r
 SCRATCH = "~rebuild."
 _SWAP_CHUNK = 1000  # keys per UNLINK, and per rename call, inside the swap transaction
 _SCAN_COUNT = 10_000  # keys per SCAN step
-# KEYS: scratch keys; ARGV: the length of the scratch prefix, the live prefix. Each key renamed to the live prefix
-# (one call per chunk, not one RENAME command and reply per key).
-_LUA_RENAME = """
-local cut, live = tonumber(ARGV[1]), ARGV[2]
-for _, key in ipairs(KEYS) do redis.call('RENAME', key, live .. string.sub(key, cut + 1)) end
-return #KEYS
-"""
+_LUA_RENAME = lua.script("rename")
 MAX_ERRORS_SHOWN = 5
 
 Position = tuple[str, int, int]  # (physical topic, partition, offset)

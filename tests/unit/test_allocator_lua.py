@@ -1,0 +1,25 @@
+"""The allocator's Redis scripts are files (processors/allocator/lua/); Python's constants reach them through a
+generated prelude, so each is defined once."""
+import pytest
+
+from processors.allocator import lua
+from processors.allocator.index import FIELDS, GENERATION, LOST
+
+
+@pytest.mark.parametrize("name", ["project", "commit", "read", "outbox_done", "rename", "unlock"])
+def test_every_script_is_a_file_with_its_contract_at_the_top(name):
+    first = lua.script(name).splitlines()[0]
+    assert first.startswith("-- ") and ("ARGV" in first or "KEYS" in first)
+
+
+def test_the_prelude_defines_the_constants_the_scripts_name():
+    text = lua.script("commit", FIELDS=FIELDS, GENERATION=GENERATION, LOST=LOST)
+    assert f"local GENERATION = '{GENERATION}'" in text and f"local LOST = '{LOST}'" in text
+    assert "local FIELDS = {" + ", ".join(f"'{f}'" for f in FIELDS) + "}" in text
+    assert "k(GENERATION)" in text and "return LOST" in text  # the script names them; Python defines them
+
+
+@pytest.mark.parametrize("value", ["it's", "back\\slash", "new\nline"])
+def test_a_constant_the_prelude_cannot_quote_is_refused(value):
+    with pytest.raises(ValueError, match="quoting"):
+        lua.script("read", X=value)
