@@ -9,7 +9,7 @@ decisions are each package's pure ``decide``.
         def tick(self, now_ms) -> list[Event]: ...             # every TICK_S while following
 
 1. **Catch up**: ``handle(records, live=False)`` over the topics up to where they ended when the worker started
-   (``resourcebroker.processor.read_to_end``); nothing is produced. The worker's own events on those topics are
+   (``streams.catchup.read_to_end``); nothing is produced. The worker's own events on those topics are
    facts it folds like any other (a restarted worker knows what it decided). ``caught_up()`` then returns what
    must still be produced (a decision made but not produced before a crash), if the worker can tell.
 2. **Follow**: each poll's records through ``handle(records, live=True)``, then ``tick(now)`` every ``TICK_S``;
@@ -71,7 +71,7 @@ class Follower(LoopWorker):
     # -- the loop ------------------------------------------------------------------------------------------------
     def start(self) -> int:
         """Catch up; produce what ``caught_up`` says is missing. Returns the records folded."""
-        from processors.resourcebroker.processor import read_to_end
+        from streams.catchup import read_to_end
 
         conf = BACKGROUND_READER if self.background else {}
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in self.TOPICS],
@@ -143,7 +143,7 @@ def fold_log(cfg: Config, registry: SchemaRegistry, topics: Iterable[str], name:
              skipped=None):
     """``state`` folded by ``step(state, record) -> state`` over the logical ``topics`` read to their end (every
     partition, from the beginning): what the views show of a worker's picture (its own pure fold, no deciding)."""
-    from processors.resourcebroker.processor import read_to_end
+    from streams.catchup import read_to_end
 
     t = Topics(cfg.topic_prefix, cfg.partitions)
     consumer = EventConsumer(cfg, registry, [t.name(x) for x in topics], name=name, skipped=skipped, types=types)

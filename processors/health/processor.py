@@ -53,8 +53,8 @@ from confluent_kafka import OFFSET_END
 
 from infra.config import Config
 from processors.resourcebroker import decide as broker
-from processors.resourcebroker.processor import read_to_end
 from streams import batches
+from streams.catchup import read_to_end
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters
 from streams.events import Event

@@ -43,7 +43,7 @@ def plan_maintenance(cfg: Config, registry, plan: Plan, now_ms: int | None = Non
 
 def planned_machines(cfg: Config, registry, unavailability_id: str, *, skipped: Skipped | None = None) -> list[str]:
     """The machines of maintenance ``unavailability_id``, from its UnavailabilityStarted events on the log."""
-    from processors.resourcebroker.processor import read_to_end
+    from streams.catchup import read_to_end
     from streams.clients import EventConsumer
     from streams.topics import Topics
 

@@ -178,7 +178,7 @@ def test_read_to_end_terminates_while_the_topic_is_written(cfg, registry):
     before its timeout. Reading until a poll comes back empty never ends here: polls keep returning records."""
     import threading
 
-    from processors.resourcebroker.processor import read_to_end
+    from streams.catchup import read_to_end
     from streams.clients import EventProducer
 
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
@@ -237,7 +237,7 @@ def test_read_to_end_terminates_while_the_topic_is_written(cfg, registry):
 
 
 def test_read_to_end_of_empty_partitions_returns_at_once(cfg, registry):
-    from processors.resourcebroker.processor import read_to_end
+    from streams.catchup import read_to_end
 
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
     consumer = EventConsumer(cfg, registry, [topic], name="test-catch-up")
@@ -252,7 +252,7 @@ def test_read_to_end_of_empty_partitions_returns_at_once(cfg, registry):
 def test_read_to_end_times_out_when_a_partition_is_stuck(cfg, registry):
     """A partition that never advances (here: paused, so nothing is fetched from it, as with a broker away)
     ends the catch-up with CatchUpTimeout naming it, after the stall timeout; the other partitions were read."""
-    from processors.resourcebroker.processor import CatchUpTimeout, read_to_end
+    from streams.catchup import CatchUpTimeout, read_to_end
     from streams.clients import EventProducer
 
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
