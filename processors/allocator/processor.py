@@ -64,7 +64,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -75,7 +74,6 @@ import redis
 
 from infra import metrics
 from infra.config import Config
-from processors.allocator import lua
 from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
 )
@@ -360,7 +358,6 @@ class Allocator:
         self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
         self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
         self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/heap.py
-        self._unlock = redis_client.register_script(lua.script("unlock"))
 
     def key(self, name: str) -> str:
         return self.cfg.topic_prefix + name
@@ -734,8 +731,8 @@ class Allocator:
         has the same event id (machine, version)."""
         with self._publishing:
             self._published_at = time.monotonic()
-            lock, token = self.key(OUTBOX_LOCK), uuid.uuid4().hex
-            if not self.r.set(lock, token, nx=True, px=int(LOCK_TTL_S * 1000)):
+            lock = self.r.lock(self.key(OUTBOX_LOCK), timeout=LOCK_TTL_S)  # redis-py: SET NX PX, token-checked release
+            if not lock.acquire(blocking=False):
                 return 0  # another allocator is draining; what it misses stays for the next drain
             try:
                 total, turn = 0, 0
@@ -754,7 +751,10 @@ class Allocator:
                 self._outbox_backlog = bool(queued) and len(queued) >= limit
                 return total
             finally:
-                self._unlock(keys=[lock], args=[token])
+                try:
+                    lock.release()
+                except redis.exceptions.LockError:  # it expired meanwhile (and another may hold it): not ours
+                    log.warning("allocator: the outbox lock expired while this drain ran")
 
     def _states(self, queued: Mapping[str, tuple[int, str]]) -> dict[str, dict[str, Any]]:
         """The current state of the queued machines: from the fold where it holds the queued version or a newer

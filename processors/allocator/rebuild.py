@@ -62,7 +62,7 @@ from confluent_kafka import Consumer, TopicPartition
 from infra.config import Config
 from processors.allocator import lua
 from processors.allocator.fold import EVENT_TYPES, FoldError, RegionFold, merged
-from processors.allocator.index import DEFAULT_CONSUMER, GENERATION, MachineIndex
+from processors.allocator.index import DEFAULT_CONSUMER, GENERATION, MachineIndex, text
 from processors.allocator.processor import SOURCES
 from streams.clients import consumer_conf
 from streams.events import Event
@@ -153,10 +153,6 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
-def _s(v: Any) -> Any:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 class Rebuild:
     """One rebuild, in steps (``rebuild_index`` runs them all): ``guard`` (WATCH the live index), ``read`` the
     log, ``apply`` it to a fold, ``write`` the fold under the scratch prefix, ``swap`` it in; ``discard`` drops
@@ -222,7 +218,7 @@ class Rebuild:
         self.stats.write_s = time.monotonic() - t0
 
     def _scan(self, prefix: str) -> list[str]:
-        return sorted(_s(k) for k in self.r.scan_iter(match=_glob_escape(prefix) + "*", count=_SCAN_COUNT))
+        return sorted(text(k) for k in self.r.scan_iter(match=_glob_escape(prefix) + "*", count=_SCAN_COUNT))
 
     def swap(self) -> None:
         """Replace the live index state with the scratch keys in one transaction (refused if the live index

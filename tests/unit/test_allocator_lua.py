@@ -6,7 +6,7 @@ from processors.allocator import lua
 from processors.allocator.index import FIELDS, GENERATION, LOST
 
 
-@pytest.mark.parametrize("name", ["project", "commit", "read", "outbox_done", "rename", "unlock"])
+@pytest.mark.parametrize("name", ["project", "commit", "read", "outbox_done", "rename"])
 def test_every_script_is_a_file_with_its_contract_at_the_top(name):
     first = lua.script(name).splitlines()[0]
     assert first.startswith("-- ") and ("ARGV" in first or "KEYS" in first)
