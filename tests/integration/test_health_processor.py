@@ -3,16 +3,12 @@
 machine_failed, health_check); its heartbeats resume → UP (heartbeat_resumed) + UnavailabilityEnded."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import dataclasses
 import threading
 import time
 
 import pytest
 
-from infra.config import PROJECT_ROOT
 from processors.health import decide as hd
 from processors.resourcebroker import decide as bd
 from processors.resourcebroker.region import generate_region, machines
@@ -20,43 +16,12 @@ from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
 from streams.topics import Topics
+from processes import start, stop, wait_ready
 
 
-PY = sys.executable
 TIMEOUT_MS = 1500
 TICK_MS = 200
 BEAT_S = 0.2
-
-
-def env_of(cfg, tmp_path) -> dict:
-    return {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
-            "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
-            "ROPEWALK_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-
-
-def wait_ready(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
-    """Read the process's log until its ready line; fail with the log if it dies or takes too long."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = proc.log_path.read_text()
-        for line in text.splitlines():
-            if " ready" in line:
-                return line
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    stop(proc)
-    raise AssertionError("process not ready:\n" + "\n".join(proc.log_path.read_text().splitlines()[-40:]))
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 class Heartbeats(threading.Thread):
@@ -140,17 +105,13 @@ def region(cfg, registry):
 def health_proc(cfg, tmp_path):
     procs = []
 
-    def start(*args):
-        log_path = tmp_path / f"health-{len(procs)}.log"
-        with open(log_path, "w") as out:
-            p = subprocess.Popen([PY, "-m", "processors.health.processor", "--timeout-ms", str(TIMEOUT_MS),
-                                  "--tick-ms", str(TICK_MS), *args], cwd=PROJECT_ROOT, env=env_of(cfg, tmp_path),
-                                 stdout=out, stderr=subprocess.STDOUT, text=True)
-        p.log_path = log_path
+    def started(*args):
+        p = start(cfg, tmp_path, "processors.health.processor", "--timeout-ms", str(TIMEOUT_MS),
+                  "--tick-ms", str(TICK_MS), *args, name="health")
         procs.append(p)
         return p
 
-    yield start
+    yield started
     for p in procs:
         stop(p)
 

@@ -3,63 +3,19 @@ and registers nothing again); the CLI-facing fail_machine / recover_machine prod
 events keyed to the machine's owner, and name an unknown machine."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 
 import pytest
 
-from infra.config import PROJECT_ROOT
 from processors.resourcebroker import decide as d
 from processors.resourcebroker.processor import fail_machine, fold_machines, recover_machine
 from processors.resourcebroker.region import generate_region, machines
 from streams.clients import EventConsumer
 from streams.topics import Topics
+from processes import start, stop, wait_ready
 
-PY = sys.executable
 N = 50
-
-
-def env_of(cfg, tmp_path) -> dict:
-    return {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
-            "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
-            "ROPEWALK_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-
-
-def start_broker(cfg, tmp_path, *args) -> subprocess.Popen:
-    log_path = tmp_path / f"resourcebroker-{time.monotonic_ns()}.log"
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen([PY, "-m", "processors.resourcebroker.processor", *args], cwd=PROJECT_ROOT,
-                                env=env_of(cfg, tmp_path), stdout=out, stderr=subprocess.STDOUT, text=True)
-    proc.log_path = log_path
-    return proc
-
-
-def wait_ready(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
-    """Read the process's log until its ready line; fail with the log if it dies or takes too long."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = proc.log_path.read_text()
-        for line in text.splitlines():
-            if " ready" in line:
-                return line
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    stop(proc)
-    raise AssertionError("process not ready:\n" + "\n".join(proc.log_path.read_text().splitlines()[-40:]))
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def read_all(cfg, registry, logical, settle_s=1.0, timeout_s=20.0):
@@ -84,12 +40,12 @@ def read_all(cfg, registry, logical, settle_s=1.0, timeout_s=20.0):
 def broker_proc(cfg, tmp_path):
     procs = []
 
-    def start(*args):
-        p = start_broker(cfg, tmp_path, *args)
+    def started(*args):
+        p = start(cfg, tmp_path, "processors.resourcebroker.processor", *args, name="resourcebroker")
         procs.append(p)
         return p
 
-    yield start
+    yield started
     for p in procs:
         stop(p)
 

@@ -1,0 +1,51 @@
+"""A control-plane process run by a test as ``python -m MODULE``: its environment pointed at the session's broker
+and Redis, its log in a file, ready when its log says so, stopped with TERM then KILL."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from infra.config import PROJECT_ROOT
+
+
+def env_of(cfg, tmp_path) -> dict:
+    return {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
+            "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
+            "ROPEWALK_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+
+
+def start(cfg, tmp_path, module: str, *args: str, name: str) -> subprocess.Popen:
+    """``python -m module args`` with its output in ``tmp_path/<name>-<n>.log`` (``proc.log_path``)."""
+    log_path = tmp_path / f"{name}-{time.monotonic_ns()}.log"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=PROJECT_ROOT, env=env_of(cfg, tmp_path),
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = log_path
+    return proc
+
+
+def wait_ready(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    """Read the process's log until its ready line; fail with the log if it dies or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = proc.log_path.read_text()
+        for line in text.splitlines():
+            if " ready" in line:
+                return line
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    stop(proc)
+    raise AssertionError("process not ready:\n" + "\n".join(proc.log_path.read_text().splitlines()[-40:]))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
