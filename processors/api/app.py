@@ -65,6 +65,8 @@ KEEPALIVE_S = 15.0
 UNAUTHENTICATED = "unauthenticated"
 BROKER_UNAVAILABLE = "broker_unavailable"
 USERS_UNREADABLE = "users_file_unreadable"
+# explain --why-not of a machine another entitlement held then, to a user with no role on it: no filter, no scores
+WHY_NOT_HIDDEN = "held then by an entitlement you have no role on: its state is not shown"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"  # rules.NAME
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}\.[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"  # <entitlement>.<name>
 Name = Annotated[str, PathParam(pattern=NAME_PATTERN)]
@@ -464,7 +466,11 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                       user: CurrentUser, at: AtQuery = None,
                       why_not: Annotated[str | None, Query(min_length=1, max_length=200)] = None) -> dict:
         allow(user, "job.view", fe.entitlement_of_job(task))
-        return await call(front(user).explain, task, at, why_not)
+        doc = await call(front(user).explain, task, at, why_not)
+        w = doc.get("why_not") or {}
+        if "owner" in w and not authz.visible(user, w["owner"]):  # another entitlement's machine: not its state
+            doc["why_not"] = {"machine": w["machine"], "answer": WHY_NOT_HIDDEN}
+        return doc
 
     # -- the log ---------------------------------------------------------------------------------------------
     @app.get("/v1/replay", tags=["log"], response_class=StreamingResponse,

@@ -173,6 +173,7 @@ def why_not_there(cfg: Config, registry: SchemaRegistry, doc: Mapping[str, Any],
     m = fold.machine(machine_id)
     if m is None:
         return {"machine": machine_id, "answer": "unknown machine at that moment"}
+    owner = {"owner": m.entitlement or None}  # who held it then (None: the free pool): the API shows it to whom may see
     ent = fold.entitlement(request.entitlement)
     if ent is None:
         return {"machine": machine_id, "answer": f"entitlement {request.entitlement} unknown at that moment"}
@@ -180,7 +181,7 @@ def why_not_there(cfg: Config, registry: SchemaRegistry, doc: Mapping[str, Any],
     for reason, build in FILTERS:
         passes = build(ent, req)
         if passes is not None and not passes(m):
-            return {"machine": machine_id, "answer": "filtered", "filter": reason,
+            return {"machine": machine_id, **owner, "answer": "filtered", "filter": reason,
                     "state": {"status": m.status, "entitlement": m.entitlement, "type": m.machine_type, "dc": m.dc,
                               "cpu_free": m.cpu_free, "mem_free": m.mem_free, "maintenance": list(m.maintenance)}}
     chosen = fold.machine(doc["machine"]) if doc.get("machine") else None
@@ -194,7 +195,7 @@ def why_not_there(cfg: Config, registry: SchemaRegistry, doc: Mapping[str, Any],
     def key(x):
         return {name: score(x, w) for name, score in SCORES}
 
-    out = {"machine": machine_id, "answer": "passed every filter", "its_scores": key(m),
+    out = {"machine": machine_id, **owner, "answer": "passed every filter", "its_scores": key(m),
            "scores_in_order": [n for n, _ in SCORES], "spread_bin": fault_domain(m, req.spread)}
     if chosen is not None:
         out["chosen"] = chosen.id
