@@ -324,7 +324,7 @@ def cmd_status(cfg: Config, args) -> int:
 def _topic_counts(cfg: Config) -> dict[str, int]:
     from confluent_kafka import Consumer, TopicPartition
 
-    from streams.clients import reader_group
+    from infra.acls import reader_group
 
     c = Consumer({**cfg.kafka_conf(), "group.id": reader_group(cfg, "status"), "log_level": 0})
     try:
