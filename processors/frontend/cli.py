@@ -383,7 +383,7 @@ def _send(cfg: Config, registry, events: list) -> None:
 
 
 def cmd_entitlement_create(cfg: Config, args) -> int:
-    from processors.frontend import rules
+    from processors import rules
     from processors.frontend.jobspec import JobSpecError, _name, refuse
 
     fields = {"name": "NAME", "quota_machines": "--quota"}
@@ -504,7 +504,7 @@ def cmd_job_update(cfg: Config, args) -> int:
 
 
 def cmd_job_resize(cfg: Config, args) -> int:
-    from processors.frontend import rules
+    from processors import rules
 
     if (problem := rules.task_count(args.tasks, cfg.max_tasks_per_job, "N", low=0)) is not None:
         raise CliError(str(problem))
@@ -884,7 +884,7 @@ def cmd_user(cfg: Config, args) -> int:
 
 def _role(text: str) -> tuple[str, str]:
     from processors.api.authz import ROLES
-    from processors.frontend import rules
+    from processors import rules
 
     ent, _, role = text.partition("=")
     if rules.name_problem(ent, "entitlement", "") is not None or role not in ROLES:

@@ -1,6 +1,6 @@
 """The front end's operations, once: what `ropewalk` does on the log directly and what the HTTP API does for its
-users. Each validates with the rules of ``rules.py`` / ``jobspec.py``, produces intents with ``EventProducer``
-and reads state with the readers of ``streams/state.py`` and ``streams/replay.py``; each returns the JSON document
+users. Each validates with the rules of ``processors/rules.py`` / ``jobspec.py``, produces intents with
+``EventProducer`` and reads state with the readers of ``streams/state.py`` and ``streams/replay.py``; each returns the JSON document
 the CLI prints with ``--json`` and the API answers.
 
     front = Frontend(cfg, registry, principal="alice", producer="api")
@@ -127,7 +127,7 @@ class Frontend:
     # -- entitlements ----------------------------------------------------------------------------------------
     def entitlement_create(self, name: Any, quota: Any, *, machine_type=None, dc=None, host_profile=None,
                            fields: Mapping[str, str] | None = None) -> dict:
-        from processors.frontend import rules
+        from processors import rules
         from processors.frontend.jobspec import JobSpecError, _name, refuse
 
         payload = {"name": name, "quota_machines": quota, "machine_type": machine_type, "dc_pin": dc,
@@ -143,7 +143,7 @@ class Frontend:
 
     def entitlement_update(self, name: str, changes: Mapping[str, Any]) -> dict:
         """EntitlementUpdated with the fields ``changes`` sets (quota_machines, machine_type, dc_pin, host_profile)."""
-        from processors.frontend import rules
+        from processors import rules
         from processors.frontend.jobspec import JobSpecError, refuse
 
         payload = {k: changes.get(k) for k in ("quota_machines", "machine_type", "dc_pin", "host_profile")}
@@ -237,7 +237,7 @@ class Frontend:
         return {"job": job, "spec_version": version, "event_id": ev.event_id, **self._sent(ev, job, wait_s)}
 
     def job_resize(self, job: str, tasks: Any, *, wait_s: float | None = None, field: str = "tasks") -> dict:
-        from processors.frontend import rules
+        from processors import rules
 
         if (problem := rules.task_count(tasks, self.cfg.max_tasks_per_job, field, low=0)) is not None:
             raise FrontendError(INVALID_REQUEST, str(problem))
@@ -374,8 +374,8 @@ class Frontend:
 
     def intent_declare(self, job: str, dimension: str, payload: Mapping[str, Any]) -> dict:
         """One per-dimension intent for ``job`` (push, canary, size, resources), checked by the intent rules
-        (``rules.py``) and keyed by the job's entitlement; the Job Control Plane reconciles it."""
-        from processors.frontend import rules
+        (``processors/rules.py``) and keyed by the job's entitlement; the Job Control Plane reconciles it."""
+        from processors import rules
 
         type_ = self.INTENT_TYPES.get(dimension)
         if type_ is None:
@@ -450,7 +450,7 @@ class Frontend:
                        lend_idle: Any = True) -> dict:
         """EntitlementElasticityChanged: whether ``entitlement`` may borrow idle machines (up to ``max_borrowed``,
         given back with ``notice_ms`` of notice) and whether its own idle quota may be lent."""
-        from processors.frontend import rules
+        from processors import rules
 
         payload = {"elastic": elastic, "max_borrowed_machines": max_borrowed, "revoke_notice_ms": notice_ms,
                    "lend_idle": lend_idle}

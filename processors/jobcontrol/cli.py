@@ -11,7 +11,7 @@
 
 Thin IO: through the region's API (``processors/api``: ``/v1/jobs/{job}/intents...``) or, ``--direct``, on the log
 as the operator; both run the front end's operations (``processors/frontend/service.py``). A declaration is checked
-at the door by the intent rules (``processors/frontend/rules.py``: a bad one exits 1 naming the field) and produced
+at the door by the intent rules (``processors/rules.py``: a bad one exits 1 naming the field) and produced
 on ``intents``, keyed by the job's entitlement. The views (``views.py``) fold ``intents`` with the Job Control
 Plane's own pure ``decide`` (one full read of the topic per call).
 """

@@ -64,7 +64,7 @@ from typing import Any
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from processors.cowmap import CowMap
 from processors.evolve import evolver
-from processors.frontend import rules
+from processors import rules
 from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.scheduler import lifecycle as lc
@@ -129,7 +129,7 @@ REASON_CHOICE_TOO_LATE = "choice_too_late"  # a choice for a task the deadline s
 REASON_DUPLICATE_JOB_ID = "duplicate_job_id"  # JobSubmitted for a job id that exists with another spec
 REASON_UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # JobSubmitted to an entitlement never created
 REASON_UNKNOWN_JOB = "unknown_job"  # resize/update/stop of a job this shard never had, or stopped and gone
-REASON_INVALID_SPEC = rules.INVALID_SPEC  # a spec or resize breaking a rule (processors/frontend/rules.py)
+REASON_INVALID_SPEC = rules.INVALID_SPEC  # a spec or resize breaking a rule (processors/rules.py)
 REASON_TOO_MANY_TASKS = rules.TOO_MANY_TASKS  # a job (submitted, resized, updated) beyond the maximum tasks per job
 REASON_INVALID_ENTITLEMENT = rules.INVALID_ENTITLEMENT  # EntitlementCreated/Updated breaking a rule (e.g. quota < 0)
 REASON_JOB_NOT_ACTIVE = "job_not_active"  # resize/update of a job that is stopping or rejected; a submission of a
@@ -1178,7 +1178,7 @@ def _refuse(fold: _Fold, ev: Event, reason: str, message: str, w: "_JobWork | No
 
 
 def _problems(fold: _Fold, ev: Event) -> tuple[str, str] | None:
-    """(reason, message) if ``ev`` breaks a rule of ``processors/frontend/rules.py`` (the front end's), else None."""
+    """(reason, message) if ``ev`` breaks a rule of ``processors/rules.py`` (the front end's too), else None."""
     found = rules.intent_problems(ev.type, ev.payload, ev.entitlement, fold.max_tasks)
     return rules.refusal(found) if found else None
 
