@@ -53,7 +53,7 @@ from typing import Any
 
 import yaml
 
-from infra import controlplane
+from processors import controlplane
 from processors.experiments import figure14 as sim
 from streams import batches
 from processors.experiments.figure14 import CONTROLLER, ENT, JOB, Conditions, Result

@@ -136,7 +136,7 @@ def cmd_up(cfg: Config, args) -> int:
     from infra import services
     from streams.topics import provision
 
-    from infra import controlplane
+    from processors import controlplane
 
     from infra import acls
 
@@ -239,7 +239,7 @@ def _start_demo(cfg: Config, skipped) -> dict:
     """The demo of `up`: entitlement ``demo`` (1 machine of the process type) and job ``demo.hello``, one task
     filling the local machine, so it runs as an OS process under the process agent. Waits (bounded) until it
     runs; its state is reported either way. Submitting it again (a second `up`) changes nothing."""
-    from infra import controlplane
+    from processors import controlplane
     from streams import state
     from streams.events import new_event
 
@@ -279,7 +279,8 @@ def _start_demo(cfg: Config, skipped) -> dict:
 
 
 def cmd_down(cfg: Config, args) -> int:
-    from infra import controlplane, services
+    from infra import services
+    from processors import controlplane
 
     if args.keep_tasks:
         controlplane.keep_tasks(cfg)
@@ -292,7 +293,8 @@ def cmd_down(cfg: Config, args) -> int:
 def cmd_status(cfg: Config, args) -> int:
     """The broker and Redis, the supervisor, and every worker it is to run (`up` said which) with its state and
     restarts; exit 1 when a service does not answer or an expected worker does not run."""
-    from infra import controlplane, services, supervisor
+    from infra import services, supervisor
+    from processors import controlplane
 
     st = services.status(cfg)
     programs = supervisor.programs_state(cfg.run_dir)
@@ -695,7 +697,7 @@ def _types(values: list[str] | None) -> list[str] | None:
 
 # --- rebuild ------------------------------------------------------------------------------------
 def cmd_rebuild(cfg: Config, args) -> int:
-    from infra import controlplane
+    from processors import controlplane
     from processors.allocator.rebuild import rebuild_index
 
     _require_broker(cfg)
@@ -735,7 +737,8 @@ def cmd_archive(cfg: Config, args) -> int:
 def cmd_restore(cfg: Config, args) -> int:
     """Disaster recovery: the archive back into the (embedded or configured) broker, the consumer groups'
     offsets, then the allocator's Redis index rebuilt from the restored log. `ropewalk up` then resumes."""
-    from infra import controlplane, services
+    from infra import services
+    from processors import controlplane
     from processors.allocator.rebuild import rebuild_index
     from streams import archive as ar
 
