@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -24,16 +25,10 @@ from pathlib import Path
 
 from infra.broker import BrokerLayout
 from infra.config import Config
-
-
-class CliError(Exception):
-    """A one-line reason for a non-zero exit."""
-
-
-def _registry():
-    from streams.serde import SchemaRegistry
-
-    return SchemaRegistry.from_dir()
+from processors.frontend.console import (  # what every command uses (processors/frontend/commands/ too)
+    AT_HELP, CliError, _ago, _duration_ms, _front, _parse_time, _print, _registry, _require_broker, _table, _verdict,
+    _wait_s, command, direct, human_time, user_command,
+)
 
 
 def _topics(cfg: Config):
@@ -46,89 +41,6 @@ def _admin(cfg: Config):
     from confluent_kafka.admin import AdminClient
 
     return AdminClient({**cfg.kafka_conf(), "log_level": 0})
-
-
-def _require_broker(cfg: Config) -> None:
-    from processors.frontend.service import require_broker
-
-    require_broker(cfg)
-
-
-def direct(args) -> bool:
-    """Whether this command acts on the log itself (``--direct`` or ROPEWALK_DIRECT=1) rather than through the API."""
-    import os
-
-    return bool(getattr(args, "direct", False)) or os.environ.get("ROPEWALK_DIRECT", "") not in ("", "0")
-
-
-def _front(cfg: Config, args):
-    """The front end this command talks to: the API (``processors.api.client.ApiClient``) or, ``--direct``, the log
-    (``processors.frontend.service.Frontend`` as the operator). Both have the same operations and documents."""
-    import os
-
-    from infra.credentials import OPERATOR
-
-    if direct(args):
-        from processors.frontend.service import Frontend
-
-        return Frontend(cfg, _registry(), principal=OPERATOR, producer="cli", skipped=args.skipped)
-    from processors.api.client import ApiClient
-    from processors.api.users import read_token
-
-    return ApiClient(cfg.api_url, os.environ.get("ROPEWALK_TOKEN") or read_token(cfg.secrets))
-
-
-def _wait_s(args) -> float | None:
-    """How long an intent waits for the scheduler's verdict: through the API by default (``--no-wait``: not at all);
-    on the log directly only with ``--wait``."""
-    from processors.frontend.service import DEFAULT_WAIT_S
-
-    if args.no_wait:
-        return None
-    return DEFAULT_WAIT_S if args.wait or not direct(args) else None
-
-
-def _verdict(doc: dict, args) -> None:
-    """A refused intent is a failed command: its reason and message are the one error line."""
-    from processors.frontend.service import PENDING, REFUSED
-
-    if doc.get("verdict") == REFUSED:
-        if args.json:
-            _print(doc, True, "")
-        raise CliError(f"refused by the scheduler: {doc.get('reason')}: {doc.get('message')}".rstrip(": "))
-    if doc.get("verdict") == PENDING:
-        print(f"ropewalk: {doc.get('message')}; `ropewalk job status` shows what happened", file=sys.stderr)
-
-
-def _print(doc, as_json: bool, text: str) -> None:
-    print(json.dumps(doc, indent=2, sort_keys=True) if as_json else text)
-
-
-def _table(headers: list[str], rows: list[list], empty: str) -> str:
-    """Rows under a header row, columns padded to their widest cell (kubectl's tables); ``empty`` when no rows."""
-    if not rows:
-        return empty
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *cells])
-
-
-def human_time(ms: int | None, now_ms: int | None = None) -> str:
-    """ms since epoch as a person reads it: UTC time to the second and how far from now (``2026-11-25 23:40:00Z
-    (in 10m)``); ``-`` for none. ``--json`` keeps the ms."""
-    if ms is None:
-        return "-"
-    from datetime import datetime, timezone
-
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    at = datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-    return f"{at} ({_ago(ms - now_ms)})"
-
-
-def _ago(delta_ms: int) -> str:
-    s = abs(delta_ms) // 1000
-    span = f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
-    return "now" if s == 0 else f"in {span}" if delta_ms > 0 else f"{span} ago"
 
 
 # --- up / down / status -------------------------------------------------------------------------
@@ -638,26 +550,6 @@ def cmd_watch(cfg: Config, args) -> int:
 
 
 # --- replay -------------------------------------------------------------------------------------
-def _parse_time(value: str | None) -> int | None:
-    """ms since epoch, an ISO-8601 time (UTC unless it has an offset), or a duration ago (``10m``, ``1h``, ``2d``)."""
-    if value is None:
-        return None
-    if value.isdigit():
-        return int(value)
-    if value[:1].isdigit() and value[-1:] in ("s", "m", "h", "d"):
-        return int(time.time() * 1000) - _duration_ms(value)
-    from datetime import datetime, timezone
-
-    try:
-        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise CliError(f"bad time {value!r}: use a duration ago (10m, 1h, 2d), ISO-8601 (2026-11-22T10:00:00Z) or "
-                       f"ms since epoch") from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return int(dt.timestamp() * 1000)
-
-
 def cmd_replay(cfg: Config, args) -> int:
     from streams import replay as rp
 
@@ -794,17 +686,6 @@ def cmd_topics(cfg: Config, args) -> int:
 
 
 # --- maintenance (Ops Planner) and experiments ---------------------------------------------------
-def _duration_ms(value: str) -> int:
-    """``90`` (seconds), ``90s``, ``15m``, ``2h`` or ``500ms`` → ms."""
-    units = (("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000))
-    for suffix, ms in units:
-        if value.endswith(suffix) and value[: -len(suffix)].isdigit():
-            return int(value[: -len(suffix)]) * ms
-    if value.isdigit():
-        return int(value) * 1000
-    raise CliError(f"bad duration {value!r}: use seconds, or 500ms, 90s, 15m, 2h, 1d")
-
-
 def _when_ms(value: str, now_ms: int) -> int:
     """An absolute time (ms since epoch, ISO-8601) or ``+DURATION`` from now."""
     return now_ms + _duration_ms(value[1:]) if value.startswith("+") else _parse_time(value)
@@ -925,8 +806,6 @@ def _version() -> str:
     except PackageNotFoundError:
         return "unknown (not installed)"
 
-AT_HELP = ("a moment: ms since epoch, ISO-8601, now-DURATION (now-15m), or TOPIC/PARTITION@OFFSET (when that "
-           "record was written)")
 DRY_RUN_HELP = "say what would happen (tasks moved, stopped, waiting; controllers asked; capacity left); produce nothing"
 
 
@@ -934,24 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
     p.add_argument("--version", action="version", version=f"ropewalk {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-
-    def cmd(name, fn, help_, json_flag=True, json_help="print one JSON document"):
-        sp = sub.add_parser(name, help=help_, description=help_)
-        sp.set_defaults(fn=fn)
-        if json_flag:
-            sp.add_argument("--json", action="store_true", help=json_help)
-        return sp
-
-    def user_command(sp, intent: bool = False):
-        """A command of the front end: through the API unless --direct (module docstring)."""
-        sp.add_argument("--direct", action="store_true",
-                        help="act on the log itself as the operator, not through the API (or ROPEWALK_DIRECT=1)")
-        if intent:
-            when = sp.add_mutually_exclusive_group()
-            when.add_argument("--wait", action="store_true", help="wait for the scheduler's verdict (through the "
-                              "API, job submit waits by default)")
-            when.add_argument("--no-wait", action="store_true", help="do not wait for the scheduler's verdict")
-        return sp
+    cmd = functools.partial(command, sub)
 
     sp = cmd("up", cmd_up, "start the broker and Redis (unless external ones are configured) and provision topics")
     sp.add_argument("--machines", type=int, default=200,
@@ -1133,28 +995,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_user)
     # the history (processors/history): the region at any moment, shadow replay, what-if, explain
-    from processors.history import commands as history
+    from processors.frontend.commands import history
 
-    sp = user_command(cmd("at", history.cmd_at, "the region as it was at TIME, or a read command as it would have "
-                          "printed then (machine list, job status, explain)"))
-    sp.add_argument("moment", metavar="TIME", help=AT_HELP)
-    sp.add_argument("rest", nargs=argparse.REMAINDER, metavar="COMMAND", help="e.g. machine list --json")
-    sp = cmd("shadow", history.cmd_shadow, "re-decide the recorded inputs of a window under another placement "
-             "policy, in memory, and print what differs")
-    sp.add_argument("--since", required=True, metavar="TIME", help=AT_HELP)
-    sp.add_argument("--until", metavar="TIME", help="default: now")
-    sp.add_argument("--policy", default="live", help="live | scores=NAME,NAME,...;spread=dc|msb|rack | "
-                    "MODULE[:NAME] (a placement.Policy)")
-    sp = user_command(cmd("explain", history.cmd_explain, "why is this task here, and why not there: the decision "
-                          "that placed it, the filters' rejections, the events that led to it"))
-    sp.add_argument("task", help="<job>/<index>")
-    sp.add_argument("--at", metavar="TIME", help=AT_HELP)
-    sp.add_argument("--why-not", metavar="MACHINE", help="how MACHINE fared in that decision")
-    sp = cmd("history", history.cmd_history, "snapshots of the region for time travel: fold the log to its end "
-             "writing them (snapshot), or list them")
-    sp.add_argument("action", choices=["snapshot", "list"])
-    sp.add_argument("--every", type=int, default=None, metavar="N",
-                    help="records between two snapshots (default: processors/history/snapshots.SNAPSHOT_EVERY)")
+    history.add_commands(sub, reparse=build_parser)
     exp = sub.add_parser("experiment", help="reproduce the Twine paper's experiments").add_subparsers(
         dest="experiment", required=True)
     sp = exp.add_parser("figure14", help="rolling update + MSB failure under the ReplicaAware TaskController",
@@ -1197,13 +1040,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_upper_floors(sub) -> None:
     """The commands of the Job Control Plane (`intents`), the autoscaler (`srm`) and elastic loans (`loans`), each
-    in its own package (issue 15)."""
-    from processors.jobcontrol import cli as jcp
-    from processors.resourcebroker import loans_cli
-    from processors.srm import cli as srm
+    in its own module of processors/frontend/commands/ (its parser beside its handlers)."""
+    from processors.frontend.commands import intents, loans, srm
 
-    for package in (jcp, srm, loans_cli):
-        package.add_commands(sub)
+    for commands in (intents, srm, loans):
+        commands.add_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
