@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import json
 import sys
 import time
@@ -776,25 +777,19 @@ def _role(text: str) -> tuple[str, str]:
     return ent, role
 
 
-def cmd_experiment(cfg: Config, args) -> int:  # noqa: ARG001 - its own region (--pipeline) or none: not the user's
-    from processors.experiments import figure14
-
-    return figure14.main(args)
+# --- bench, experiment: the bench package's programs --------------------------------------------
+BENCH_COMMANDS = ("bench", "experiment")
 
 
-def cmd_killstorm(cfg: Config, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
-    from bench import killstorm
-
-    return killstorm.run_cli(args)
-
-
-# --- bench --------------------------------------------------------------------------------------
-def cmd_bench(cfg: Config, args) -> int:
-    """The benchmark harness (bench/harness.py). It runs a broker, Redis and region of its own on free ports:
-    ``cfg`` (the user's region) is not touched."""
-    from bench import harness  # installed with the project (pyproject's packages include bench*)
-
-    return harness.run_cli(args)
+def exec_bench(argv: list[str]):
+    """``bench ...`` and ``experiment ...`` are bench/'s (bench/cli.py: their flags and handlers, on this parser):
+    this process becomes ``python -P -m bench.cli ARGV``, so a signal sent to it (Ctrl-C, ``kill``) reaches the bench
+    (which stops the region it started), and its output and exit code are the bench's. Nothing outside bench/
+    imports bench/ (tests/unit/test_layers.py). ``-P``: the working directory is not put on sys.path, so a
+    ``bench/`` there is not the one run (the installed package is). Does not return."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "bench.cli", *argv])
 
 
 # --- parser -------------------------------------------------------------------------------------
@@ -809,7 +804,9 @@ def _version() -> str:
 DRY_RUN_HELP = "say what would happen (tasks moved, stopped, waiting; controllers asked; capacity left); produce nothing"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench_commands=None) -> argparse.ArgumentParser:
+    """The CLI's parser. ``bench_commands(bench, experiment)``: gives those two commands their flags and handlers
+    (bench/cli.add_commands; without it they are names in the help, and ``main`` hands them to bench/cli.py)."""
     p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
     p.add_argument("--version", action="version", version=f"ropewalk {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -926,14 +923,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("schemas", cmd_schemas, "list event schemas, or check they stay compatible with their git history")
     sp.add_argument("action", choices=["list", "check"], nargs="?", default="list")
     cmd("topics", cmd_topics, "the topic catalogue as configured")
-    sp = cmd("bench", cmd_bench, "benchmark the whole pipeline on a region of its own (own ports and run dir); "
-             "prints every figure with its conditions")
-    sp.add_argument("--machines", type=int, help="simulated machines of the region (default 10000; --quick 1000)")
-    sp.add_argument("--quick", action="store_true", help="smoke size: about a minute")
-    sp.add_argument("--jobs", type=int, help="jobs of the burst phase (default 400; --quick 20)")
-    sp.add_argument("--partitions", type=int, help="partitions of each entitlement-keyed topic (default 8)")
-    sp.add_argument("--replay-events", type=int, help="log size of the audit replay (default 1,000,000)")
-    sp.add_argument("--keep", action="store_true", help="keep the run directory (worker logs) after the run")
+    bench = cmd("bench", None, "benchmark the whole pipeline on a region of its own (own ports and run dir); "
+                "prints every figure with its conditions", json_flag=False)  # flags and handler: bench/cli.py
     mnt = sub.add_parser("maintenance", help="Ops Planner: planned maintenance with advance notice and deadline"
                          ).add_subparsers(dest="action", required=True)
     sp = user_command(mnt.add_parser("plan", help="announce maintenance of machines, a rack or an MSB",
@@ -998,43 +989,10 @@ def build_parser() -> argparse.ArgumentParser:
     from processors.frontend.commands import history
 
     history.add_commands(sub, reparse=build_parser)
-    exp = sub.add_parser("experiment", help="reproduce the Twine paper's experiments").add_subparsers(
-        dest="experiment", required=True)
-    sp = exp.add_parser("figure14", help="rolling update + MSB failure under the ReplicaAware TaskController",
-                        description="Twine Figure 14: a rolling update of a sharded job through TaskControl while "
-                                    "an MSB fails. By default an in-process simulation of the processors' pure "
-                                    "decisions (no broker, seconds); with --pipeline a run of the real processes on "
-                                    "an embedded broker and Redis of its own (minutes)")
-    sp.set_defaults(fn=cmd_experiment)
-    sp.add_argument("--json", action="store_true", help="print one JSON document (conditions, totals, curves)")
-    sp.add_argument("--png", help="write the two panels to this PNG file (needs matplotlib: ropewalk[plot])")
-    sp.add_argument("--tasks", type=int, default=1000)
-    sp.add_argument("--shards", type=int, default=15000)
-    sp.add_argument("--replicas", type=int, default=3)
-    sp.add_argument("--msbs", type=int, default=20, help="MSBs the tasks are spread over (tasks/msbs fail)")
-    sp.add_argument("--msb-fail-at", type=int, default=120, help="seconds into the update")
-    sp.add_argument("--msb-down", type=int, default=295, help="seconds the MSB stays down")
-    sp.add_argument("--seed", type=int, default=14)
-    sp.add_argument("--placement", choices=["grouped", "random"], default="grouped",
-                    help="replica placement: grouped (Shard Manager-like replica sets, default) or random")
-    sp.add_argument("--pipeline", action="store_true",
-                    help="run it on the real pipeline (broker, Redis, processes, a TaskController process)")
-    sp.add_argument("--time-scale", type=float, default=10.0,
-                    help="--pipeline: the paper's seconds are divided by this (default 10: a 220 s start takes 22 s)")
-    sp.add_argument("--events-out", metavar="FILE",
-                    help="--pipeline: write the replayed events the curves were counted from (JSON lines)")
-    sp = exp.add_parser("killstorm", help="kill -9 the control plane's processes under load; check nothing is lost",
-                        description="A kill storm on a region of its own (own broker, Redis, ports, run dir): one "
-                                    "control-plane process killed every --interval-s under a stream of job "
-                                    "submissions, resizes, stops and machine failures, the supervisor starting each "
-                                    "again; then every job must converge and the replayed log and Redis show no task "
-                                    "lost, placed or running twice, no machine over-committed, no quota broken. "
-                                    "Exits 1 if a check fails (bench/killstorm.py)")
-    sp.set_defaults(fn=cmd_killstorm)
-    from bench import killstorm
-
-    killstorm.add_arguments(sp)
+    experiment = sub.add_parser("experiment", help="reproduce the Twine paper's experiments")  # bench/cli.py's
     add_upper_floors(sub)
+    if bench_commands is not None:
+        bench_commands(bench, experiment)
     return p
 
 
@@ -1048,9 +1006,17 @@ def add_upper_floors(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in BENCH_COMMANDS:
+        exec_bench(argv)
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    """Parse ``argv`` and run its command: a failure is one line with its reason (exit 1), an interrupt exits 130."""
     from streams.deadletter import Skipped
 
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     args.skipped = Skipped()  # what the command's readers could not decode: said once, when it ends
     failed = False
     try:
