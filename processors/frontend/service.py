@@ -1,7 +1,7 @@
 """The front end's operations, once: what `ropewalk` does on the log directly and what the HTTP API does for its
 users. Each validates with the rules of ``processors/rules.py`` / ``jobspec.py``, produces intents with
-``EventProducer`` and reads state with the readers of ``streams/state.py`` and ``streams/replay.py``; each returns the JSON document
-the CLI prints with ``--json`` and the API answers.
+``EventProducer`` and reads state with the readers of ``streams/state.py`` and ``streams/replay.py``; each returns
+the JSON document the CLI prints with ``--json`` and the API answers.
 
     front = Frontend(cfg, registry, principal="alice", producer="api")
     front.job_submit(spec_dict)            # {"job": "e1.web", "entitlement": "e1", "event_id": ..., "verdict": ...}

@@ -6,8 +6,8 @@
 
 Through the region's API (``/v1/jobs/{job}/srm``, ``/v1/srm/decisions``) or, ``--direct``, on the log as the
 operator (``processors/srm/views.py``: ``show`` folds ``intents`` and ``metrics`` with the SRM's own pure
-``decide``, no deciding; ``decisions`` replays ``intents`` for the SRM's SizingIntentDeclared). To let the SRM size a job:
-``ropewalk intents size JOB --auto --min N --max M --load-per-task L``.
+``decide``, no deciding; ``decisions`` replays ``intents`` for the SRM's SizingIntentDeclared). To let the SRM
+size a job: ``ropewalk intents size JOB --auto --min N --max M --load-per-task L``.
 """
 from __future__ import annotations
 
