@@ -1,6 +1,7 @@
 """What the CLI's commands share (processors/frontend/cli.py and processors/frontend/commands/): the one-line error
 (``CliError``), the front end a command talks to (``_front``: the API, or the log with ``--direct``), waiting for
-and reporting the scheduler's verdict, printing a document (``--json``) or its text, tables, times.
+and reporting the scheduler's verdict, printing a document (``--json``) or its text, tables, times, and the parser's
+shared pieces (``command``, ``user_command``, ``AT_HELP``).
 
 The names are the ones the CLI's commands always called them by (``cli._front``, ``cli._print``, ...); ``cli.py``
 imports them from here, so a command module imports this one and never ``cli.py`` (which imports the command
@@ -24,8 +25,6 @@ def _registry():
     from streams.serde import SchemaRegistry
 
     return SchemaRegistry.from_dir()
-
-
 
 
 def _require_broker(cfg: Config) -> None:
