@@ -3,7 +3,7 @@ a temporary run directory and a topic prefix of its own, so a running ``ropewalk
 
 ``BenchEnv`` is a context manager: entering starts the broker and Redis and provisions the topics (the single-purpose
 scripts beside the harness use just that: ``with BenchEnv(partitions) as env: ... env.cfg``); ``start_region``
-starts the workers (``infra.controlplane.processes``, with the benchmark's heartbeat settings) and waits until the
+starts the workers (``processors.controlplane.processes``, with the benchmark's heartbeat settings) and waits until the
 allocator's index holds every machine UP; leaving stops every process it started (also on an error or Ctrl-C) and
 removes the run directory unless asked to keep it.
 """
@@ -23,9 +23,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from infra import controlplane, services
+from infra import services
 from infra.config import Config
 from infra.process import ManagedProcess, free_ports, pid_alive
+from processors import controlplane
 
 # Heartbeats of the simulated agents and the health check's silence timeout. `ropewalk up` beats every 2 s;
 # at 10,000+ machines on 2 cores that is 5,000+ records/s of background load that would starve the pipeline being
@@ -122,7 +123,7 @@ class BenchEnv:
     # -- the control plane ---------------------------------------------------------------------------------
     def worker_processes(self, region: Path, *, without: tuple[str, ...] = controlplane.UPPER,
                          env: Mapping[str, str] | None = None, machines: int = 0) -> list[ManagedProcess]:
-        """``infra.controlplane.processes`` with the benchmark's heartbeat interval and health timeout (for a
+        """``processors.controlplane.processes`` with the benchmark's heartbeat interval and health timeout (for a
         region of ``machines``), and quick faust group timing; ``without`` names workers not to run (by default
         the upper floors, ``controlplane.UPPER``, which the benchmark does not measure), ``env`` is added to every
         worker's."""

@@ -360,13 +360,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The bench's flags (``ropewalk bench``: bench/cli.py; ``python bench/harness.py``: ``main``)."""
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--machines", type=int, help="simulated machines of the region (default 10000; --quick 1000)")
     ap.add_argument("--quick", action="store_true", help="smoke size: about a minute")
     ap.add_argument("--jobs", type=int, help="jobs of the burst phase (default 400; --quick 20)")
     ap.add_argument("--partitions", type=int, help="partitions of each entitlement-keyed topic (default 8)")
     ap.add_argument("--replay-events", type=int, help="log size of the audit replay (default 1,000,000)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (worker logs) after the run")
-    ap.add_argument("--json", action="store_true", help="print one JSON document")
 
 
 def run_cli(args) -> int:

@@ -6,7 +6,7 @@ each again; then the region must converge, and the replayed log and Redis must s
     .venv/bin/python bench/killstorm.py --kills 100                     # the same
 
 Everything real: its own embedded broker and Redis on free ports, a temporary run directory and topic prefix
-(``bench.env.BenchEnv``), the control plane as ``ropewalk up`` runs it (``infra.controlplane.up``: the supervisor,
+(``bench.env.BenchEnv``), the control plane as ``ropewalk up`` runs it (``processors.controlplane.up``: the supervisor,
 the Resource Broker, the allocator, a scheduler shard, the simulated agents, the process agent of the local
 machine, the health check) and redis-server under the same supervisor. Victims come in rounds: each round kills
 every one of ``VICTIMS`` once, in a seeded shuffled order (one waiting for its restart is passed over for the next).
@@ -196,7 +196,8 @@ class Storm:
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         from bench.env import FAUST_ENV, cores
-        from infra import controlplane, supervisor
+        from infra import supervisor
+        from processors import controlplane
 
         opts, say = self.opts, self.say
         t_start = time.monotonic()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
+from infra.config import Config
 from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, JOBCONTROL, LENDER, OPERATOR, REBALANCER,
                                RESOURCEBROKER, SCHEDULER, SIDEKICK, SRM)
 from streams.topics import CATALOGUE, Topics
@@ -74,6 +75,13 @@ FAUST_TOPIC_OPERATIONS = ("READ", "WRITE", "CREATE", "DESCRIBE", "DESCRIBE_CONFI
 READER_GROUPS = "ropewalk-"  # prefix (after the region's) of the group ids of assign-only readers
 
 
+def reader_group(cfg: Config, name: str = "reader") -> str:
+    """The group id of a consumer that assigns its partitions itself and never joins nor commits: librdkafka needs
+    one anyway (and asks for its coordinator, which the broker authorizes: every principal may DESCRIBE the groups
+    ``<prefix>ropewalk-*`` of its region, ``grants``)."""
+    return f"{cfg.topic_prefix}{READER_GROUPS}{name}"
+
+
 def allowed(principal: str, topic: str, operation: str) -> bool:
     """Whether the table lets ``principal`` do ``operation`` (READ, WRITE) on logical ``topic``. Pure."""
     if principal == OPERATOR:
@@ -98,7 +106,7 @@ def grants(prefix: str) -> list[Grant]:
     for table, op in ((READS, READ), (WRITES, WRITE)):
         for principal, names in table.items():
             out += [Grant(principal, "topic", topics.name(t), False, op) for t in names]
-    for principal in READS:  # the group ids of readers that assign partitions themselves (streams.clients.reader_group)
+    for principal in READS:  # the group ids of readers that assign partitions themselves (reader_group)
         out.append(Grant(principal, "group", f"{prefix}{READER_GROUPS}", True, "DESCRIBE"))
     for principal, app in FAUST_APPS.items():
         out.append(Grant(principal, "group", prefix + app, True, READ))

@@ -77,7 +77,7 @@ def redis_server(cfg: Config) -> ManagedProcess:
     # Persistent like the log beside it: `down` then `up` finds the index as the allocator left it. An
     # append-only file, written at every event loop turn and fsynced every second (a killed redis-server
     # loses nothing the OS got; a machine crash loses at most a second, which `up` notices and repairs with a
-    # rebuild from the log: infra/controlplane.py). No RDB snapshots: the AOF is the whole persistence.
+    # rebuild from the log: processors/controlplane.py). No RDB snapshots: the AOF is the whole persistence.
     return ManagedProcess(
         name="redis",
         argv=[redis_binary(), "--port", str(cfg.redis_port), "--bind", "127.0.0.1", "--dir", str(data_dir),

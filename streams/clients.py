@@ -23,6 +23,7 @@ from typing import Iterable, Mapping
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
+from infra.acls import reader_group
 from infra.config import Config
 from streams import deadletter as dl
 from streams import schemalog
@@ -215,13 +216,6 @@ class EventProducer:
 
     def close(self) -> None:
         self.flush()
-
-
-def reader_group(cfg: Config, name: str = "reader") -> str:
-    """The group id of a consumer that assigns its partitions itself and never joins nor commits: librdkafka needs
-    one anyway (and asks for its coordinator, which the broker authorizes: every principal may DESCRIBE the groups
-    ``<prefix>ropewalk-*`` of its region, infra/acls.py)."""
-    return f"{cfg.topic_prefix}ropewalk-{name}"
 
 
 def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:

@@ -10,6 +10,7 @@ import time
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from infra.acls import reader_group
 from infra.config import Config
 from streams.serde import EventSchema, SchemaRegistry
 from streams.topics import Topics
@@ -28,8 +29,6 @@ def publish(producer, topics: Topics, schema: EventSchema) -> None:
 def load(cfg: Config, registry: SchemaRegistry, only: bytes | None = None, timeout_s: float = 10.0) -> int:
     """Read _schemas up to its end and learn every schema. Returns how many were read."""
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("_schemas")
-    from streams.clients import reader_group
-
     c = Consumer({**cfg.kafka_conf(), "group.id": reader_group(cfg, "schemalog"),
                   "enable.auto.commit": False, "enable.partition.eof": True, "log_level": cfg.kafka_log_level})
     try:

@@ -36,7 +36,7 @@ unchanged, so versions and the materialized Redis keys come out the same)::
     TasksDeallocated               each task placed on the named machine is removed; machines_released go back to
                                    the free pool as for MachineReleasedToFreePool
     EntitlementCreated/Updated     the entitlement's quota, machine type, DC pin, host profile; one that breaks an
-                                   intent rule (processors/frontend/rules.py, e.g. a negative quota) changes
+                                   intent rule (processors/rules.py, e.g. a negative quota) changes
                                    nothing: the scheduler refused it (IntentRefused); a new host profile changes
                                    the state of every machine it holds (its wanted profile: ``profile_state``)
 
@@ -73,7 +73,7 @@ from processors.allocator.placement import (
     CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Entitlement, Machine, Plan,
     Request,
 )
-from processors.frontend import rules
+from processors import rules
 from processors.resourcebroker.decide import KIND_MAINTENANCE
 from streams.events import Event
 

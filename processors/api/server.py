@@ -1,7 +1,7 @@
 """The API process: ``python -m processors.api.server [--host 127.0.0.1] [--port N]`` (default ``ROPEWALK_API_PORT``).
 
 Serves ``app.create_app`` with uvicorn, as broker principal ``api`` (infra/credentials.py), reading the users of
-``<secrets>/users.yaml``. ``ropewalk up`` starts it beside the other workers (infra/controlplane.py).
+``<secrets>/users.yaml``. ``ropewalk up`` starts it beside the other workers (processors/controlplane.py).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from typing import Mapping
 import yaml
 
 from processors.api.authz import ROLES, User
-from processors.frontend import rules
+from processors import rules
 
 TOKEN_PREFIX = "rwt_"
 USERS_FILE = "users.yaml"

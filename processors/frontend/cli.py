@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import os
 import json
 import sys
 import time
@@ -24,16 +26,10 @@ from pathlib import Path
 
 from infra.broker import BrokerLayout
 from infra.config import Config
-
-
-class CliError(Exception):
-    """A one-line reason for a non-zero exit."""
-
-
-def _registry():
-    from streams.serde import SchemaRegistry
-
-    return SchemaRegistry.from_dir()
+from processors.frontend.console import (  # what every command uses (processors/frontend/commands/ too)
+    AT_HELP, CliError, _ago, _duration_ms, _front, _parse_time, _print, _registry, _require_broker, _table, _verdict,
+    _wait_s, command, direct, human_time, user_command,
+)
 
 
 def _topics(cfg: Config):
@@ -48,95 +44,12 @@ def _admin(cfg: Config):
     return AdminClient({**cfg.kafka_conf(), "log_level": 0})
 
 
-def _require_broker(cfg: Config) -> None:
-    from processors.frontend.service import require_broker
-
-    require_broker(cfg)
-
-
-def direct(args) -> bool:
-    """Whether this command acts on the log itself (``--direct`` or ROPEWALK_DIRECT=1) rather than through the API."""
-    import os
-
-    return bool(getattr(args, "direct", False)) or os.environ.get("ROPEWALK_DIRECT", "") not in ("", "0")
-
-
-def _front(cfg: Config, args):
-    """The front end this command talks to: the API (``processors.api.client.ApiClient``) or, ``--direct``, the log
-    (``processors.frontend.service.Frontend`` as the operator). Both have the same operations and documents."""
-    import os
-
-    from infra.credentials import OPERATOR
-
-    if direct(args):
-        from processors.frontend.service import Frontend
-
-        return Frontend(cfg, _registry(), principal=OPERATOR, producer="cli", skipped=args.skipped)
-    from processors.api.client import ApiClient
-    from processors.api.users import read_token
-
-    return ApiClient(cfg.api_url, os.environ.get("ROPEWALK_TOKEN") or read_token(cfg.secrets))
-
-
-def _wait_s(args) -> float | None:
-    """How long an intent waits for the scheduler's verdict: through the API by default (``--no-wait``: not at all);
-    on the log directly only with ``--wait``."""
-    from processors.frontend.service import DEFAULT_WAIT_S
-
-    if args.no_wait:
-        return None
-    return DEFAULT_WAIT_S if args.wait or not direct(args) else None
-
-
-def _verdict(doc: dict, args) -> None:
-    """A refused intent is a failed command: its reason and message are the one error line."""
-    from processors.frontend.service import PENDING, REFUSED
-
-    if doc.get("verdict") == REFUSED:
-        if args.json:
-            _print(doc, True, "")
-        raise CliError(f"refused by the scheduler: {doc.get('reason')}: {doc.get('message')}".rstrip(": "))
-    if doc.get("verdict") == PENDING:
-        print(f"ropewalk: {doc.get('message')}; `ropewalk job status` shows what happened", file=sys.stderr)
-
-
-def _print(doc, as_json: bool, text: str) -> None:
-    print(json.dumps(doc, indent=2, sort_keys=True) if as_json else text)
-
-
-def _table(headers: list[str], rows: list[list], empty: str) -> str:
-    """Rows under a header row, columns padded to their widest cell (kubectl's tables); ``empty`` when no rows."""
-    if not rows:
-        return empty
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *cells])
-
-
-def human_time(ms: int | None, now_ms: int | None = None) -> str:
-    """ms since epoch as a person reads it: UTC time to the second and how far from now (``2026-11-25 23:40:00Z
-    (in 10m)``); ``-`` for none. ``--json`` keeps the ms."""
-    if ms is None:
-        return "-"
-    from datetime import datetime, timezone
-
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    at = datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-    return f"{at} ({_ago(ms - now_ms)})"
-
-
-def _ago(delta_ms: int) -> str:
-    s = abs(delta_ms) // 1000
-    span = f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
-    return "now" if s == 0 else f"in {span}" if delta_ms > 0 else f"{span} ago"
-
-
 # --- up / down / status -------------------------------------------------------------------------
 def cmd_up(cfg: Config, args) -> int:
     from infra import services
     from streams.topics import provision
 
-    from infra import controlplane
+    from processors import controlplane
 
     from infra import acls
 
@@ -239,7 +152,7 @@ def _start_demo(cfg: Config, skipped) -> dict:
     """The demo of `up`: entitlement ``demo`` (1 machine of the process type) and job ``demo.hello``, one task
     filling the local machine, so it runs as an OS process under the process agent. Waits (bounded) until it
     runs; its state is reported either way. Submitting it again (a second `up`) changes nothing."""
-    from infra import controlplane
+    from processors import controlplane
     from streams import state
     from streams.events import new_event
 
@@ -279,7 +192,8 @@ def _start_demo(cfg: Config, skipped) -> dict:
 
 
 def cmd_down(cfg: Config, args) -> int:
-    from infra import controlplane, services
+    from infra import services
+    from processors import controlplane
 
     if args.keep_tasks:
         controlplane.keep_tasks(cfg)
@@ -292,7 +206,8 @@ def cmd_down(cfg: Config, args) -> int:
 def cmd_status(cfg: Config, args) -> int:
     """The broker and Redis, the supervisor, and every worker it is to run (`up` said which) with its state and
     restarts; exit 1 when a service does not answer or an expected worker does not run."""
-    from infra import controlplane, services, supervisor
+    from infra import services, supervisor
+    from processors import controlplane
 
     st = services.status(cfg)
     programs = supervisor.programs_state(cfg.run_dir)
@@ -324,7 +239,7 @@ def cmd_status(cfg: Config, args) -> int:
 def _topic_counts(cfg: Config) -> dict[str, int]:
     from confluent_kafka import Consumer, TopicPartition
 
-    from streams.clients import reader_group
+    from infra.acls import reader_group
 
     c = Consumer({**cfg.kafka_conf(), "group.id": reader_group(cfg, "status"), "log_level": 0})
     try:
@@ -383,7 +298,7 @@ def _send(cfg: Config, registry, events: list) -> None:
 
 
 def cmd_entitlement_create(cfg: Config, args) -> int:
-    from processors.frontend import rules
+    from processors import rules
     from processors.frontend.jobspec import JobSpecError, _name, refuse
 
     fields = {"name": "NAME", "quota_machines": "--quota"}
@@ -504,7 +419,7 @@ def cmd_job_update(cfg: Config, args) -> int:
 
 
 def cmd_job_resize(cfg: Config, args) -> int:
-    from processors.frontend import rules
+    from processors import rules
 
     if (problem := rules.task_count(args.tasks, cfg.max_tasks_per_job, "N", low=0)) is not None:
         raise CliError(str(problem))
@@ -636,26 +551,6 @@ def cmd_watch(cfg: Config, args) -> int:
 
 
 # --- replay -------------------------------------------------------------------------------------
-def _parse_time(value: str | None) -> int | None:
-    """ms since epoch, an ISO-8601 time (UTC unless it has an offset), or a duration ago (``10m``, ``1h``, ``2d``)."""
-    if value is None:
-        return None
-    if value.isdigit():
-        return int(value)
-    if value[:1].isdigit() and value[-1:] in ("s", "m", "h", "d"):
-        return int(time.time() * 1000) - _duration_ms(value)
-    from datetime import datetime, timezone
-
-    try:
-        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise CliError(f"bad time {value!r}: use a duration ago (10m, 1h, 2d), ISO-8601 (2026-11-22T10:00:00Z) or "
-                       f"ms since epoch") from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return int(dt.timestamp() * 1000)
-
-
 def cmd_replay(cfg: Config, args) -> int:
     from streams import replay as rp
 
@@ -695,7 +590,7 @@ def _types(values: list[str] | None) -> list[str] | None:
 
 # --- rebuild ------------------------------------------------------------------------------------
 def cmd_rebuild(cfg: Config, args) -> int:
-    from infra import controlplane
+    from processors import controlplane
     from processors.allocator.rebuild import rebuild_index
 
     _require_broker(cfg)
@@ -735,7 +630,8 @@ def cmd_archive(cfg: Config, args) -> int:
 def cmd_restore(cfg: Config, args) -> int:
     """Disaster recovery: the archive back into the (embedded or configured) broker, the consumer groups'
     offsets, then the allocator's Redis index rebuilt from the restored log. `ropewalk up` then resumes."""
-    from infra import controlplane, services
+    from infra import services
+    from processors import controlplane
     from processors.allocator.rebuild import rebuild_index
     from streams import archive as ar
 
@@ -791,17 +687,6 @@ def cmd_topics(cfg: Config, args) -> int:
 
 
 # --- maintenance (Ops Planner) and experiments ---------------------------------------------------
-def _duration_ms(value: str) -> int:
-    """``90`` (seconds), ``90s``, ``15m``, ``2h`` or ``500ms`` → ms."""
-    units = (("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000))
-    for suffix, ms in units:
-        if value.endswith(suffix) and value[: -len(suffix)].isdigit():
-            return int(value[: -len(suffix)]) * ms
-    if value.isdigit():
-        return int(value) * 1000
-    raise CliError(f"bad duration {value!r}: use seconds, or 500ms, 90s, 15m, 2h, 1d")
-
-
 def _when_ms(value: str, now_ms: int) -> int:
     """An absolute time (ms since epoch, ISO-8601) or ``+DURATION`` from now."""
     return now_ms + _duration_ms(value[1:]) if value.startswith("+") else _parse_time(value)
@@ -884,7 +769,7 @@ def cmd_user(cfg: Config, args) -> int:
 
 def _role(text: str) -> tuple[str, str]:
     from processors.api.authz import ROLES
-    from processors.frontend import rules
+    from processors import rules
 
     ent, _, role = text.partition("=")
     if rules.name_problem(ent, "entitlement", "") is not None or role not in ROLES:
@@ -892,25 +777,19 @@ def _role(text: str) -> tuple[str, str]:
     return ent, role
 
 
-def cmd_experiment(cfg: Config, args) -> int:  # noqa: ARG001 - its own region (--pipeline) or none: not the user's
-    from processors.experiments import figure14
-
-    return figure14.main(args)
+# --- bench, experiment: the bench package's programs --------------------------------------------
+BENCH_COMMANDS = ("bench", "experiment")
 
 
-def cmd_killstorm(cfg: Config, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
-    from bench import killstorm
-
-    return killstorm.run_cli(args)
-
-
-# --- bench --------------------------------------------------------------------------------------
-def cmd_bench(cfg: Config, args) -> int:
-    """The benchmark harness (bench/harness.py). It runs a broker, Redis and region of its own on free ports:
-    ``cfg`` (the user's region) is not touched."""
-    from bench import harness  # installed with the project (pyproject's packages include bench*)
-
-    return harness.run_cli(args)
+def exec_bench(argv: list[str]):
+    """``bench ...`` and ``experiment ...`` are bench/'s (bench/cli.py: their flags and handlers, on this parser):
+    this process becomes ``python -P -m bench.cli ARGV``, so a signal sent to it (Ctrl-C, ``kill``) reaches the bench
+    (which stops the region it started), and its output and exit code are the bench's. Nothing outside bench/
+    imports bench/ (tests/unit/test_layers.py). ``-P``: the working directory is not put on sys.path, so a
+    ``bench/`` there is not the one run (the installed package is). Does not return."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "bench.cli", *argv])
 
 
 # --- parser -------------------------------------------------------------------------------------
@@ -922,33 +801,16 @@ def _version() -> str:
     except PackageNotFoundError:
         return "unknown (not installed)"
 
-AT_HELP = ("a moment: ms since epoch, ISO-8601, now-DURATION (now-15m), or TOPIC/PARTITION@OFFSET (when that "
-           "record was written)")
 DRY_RUN_HELP = "say what would happen (tasks moved, stopped, waiting; controllers asked; capacity left); produce nothing"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench_commands=None) -> argparse.ArgumentParser:
+    """The CLI's parser. ``bench_commands(bench, experiment)``: gives those two commands their flags and handlers
+    (bench/cli.add_commands; without it they are names in the help, and ``main`` hands them to bench/cli.py)."""
     p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
     p.add_argument("--version", action="version", version=f"ropewalk {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-
-    def cmd(name, fn, help_, json_flag=True, json_help="print one JSON document"):
-        sp = sub.add_parser(name, help=help_, description=help_)
-        sp.set_defaults(fn=fn)
-        if json_flag:
-            sp.add_argument("--json", action="store_true", help=json_help)
-        return sp
-
-    def user_command(sp, intent: bool = False):
-        """A command of the front end: through the API unless --direct (module docstring)."""
-        sp.add_argument("--direct", action="store_true",
-                        help="act on the log itself as the operator, not through the API (or ROPEWALK_DIRECT=1)")
-        if intent:
-            when = sp.add_mutually_exclusive_group()
-            when.add_argument("--wait", action="store_true", help="wait for the scheduler's verdict (through the "
-                              "API, job submit waits by default)")
-            when.add_argument("--no-wait", action="store_true", help="do not wait for the scheduler's verdict")
-        return sp
+    cmd = functools.partial(command, sub)
 
     sp = cmd("up", cmd_up, "start the broker and Redis (unless external ones are configured) and provision topics")
     sp.add_argument("--machines", type=int, default=200,
@@ -1061,14 +923,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("schemas", cmd_schemas, "list event schemas, or check they stay compatible with their git history")
     sp.add_argument("action", choices=["list", "check"], nargs="?", default="list")
     cmd("topics", cmd_topics, "the topic catalogue as configured")
-    sp = cmd("bench", cmd_bench, "benchmark the whole pipeline on a region of its own (own ports and run dir); "
-             "prints every figure with its conditions")
-    sp.add_argument("--machines", type=int, help="simulated machines of the region (default 10000; --quick 1000)")
-    sp.add_argument("--quick", action="store_true", help="smoke size: about a minute")
-    sp.add_argument("--jobs", type=int, help="jobs of the burst phase (default 400; --quick 20)")
-    sp.add_argument("--partitions", type=int, help="partitions of each entitlement-keyed topic (default 8)")
-    sp.add_argument("--replay-events", type=int, help="log size of the audit replay (default 1,000,000)")
-    sp.add_argument("--keep", action="store_true", help="keep the run directory (worker logs) after the run")
+    bench = cmd("bench", None, "benchmark the whole pipeline on a region of its own (own ports and run dir); "
+                "prints every figure with its conditions", json_flag=False)  # flags and handler: bench/cli.py
     mnt = sub.add_parser("maintenance", help="Ops Planner: planned maintenance with advance notice and deadline"
                          ).add_subparsers(dest="action", required=True)
     sp = user_command(mnt.add_parser("plan", help="announce maintenance of machines, a rack or an MSB",
@@ -1130,83 +986,37 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_user)
     # the history (processors/history): the region at any moment, shadow replay, what-if, explain
-    from processors.history import commands as history
+    from processors.frontend.commands import history
 
-    sp = user_command(cmd("at", history.cmd_at, "the region as it was at TIME, or a read command as it would have "
-                          "printed then (machine list, job status, explain)"))
-    sp.add_argument("moment", metavar="TIME", help=AT_HELP)
-    sp.add_argument("rest", nargs=argparse.REMAINDER, metavar="COMMAND", help="e.g. machine list --json")
-    sp = cmd("shadow", history.cmd_shadow, "re-decide the recorded inputs of a window under another placement "
-             "policy, in memory, and print what differs")
-    sp.add_argument("--since", required=True, metavar="TIME", help=AT_HELP)
-    sp.add_argument("--until", metavar="TIME", help="default: now")
-    sp.add_argument("--policy", default="live", help="live | scores=NAME,NAME,...;spread=dc|msb|rack | "
-                    "MODULE[:NAME] (a placement.Policy)")
-    sp = user_command(cmd("explain", history.cmd_explain, "why is this task here, and why not there: the decision "
-                          "that placed it, the filters' rejections, the events that led to it"))
-    sp.add_argument("task", help="<job>/<index>")
-    sp.add_argument("--at", metavar="TIME", help=AT_HELP)
-    sp.add_argument("--why-not", metavar="MACHINE", help="how MACHINE fared in that decision")
-    sp = cmd("history", history.cmd_history, "snapshots of the region for time travel: fold the log to its end "
-             "writing them (snapshot), or list them")
-    sp.add_argument("action", choices=["snapshot", "list"])
-    sp.add_argument("--every", type=int, default=None, metavar="N",
-                    help="records between two snapshots (default: processors/history/snapshots.SNAPSHOT_EVERY)")
-    exp = sub.add_parser("experiment", help="reproduce the Twine paper's experiments").add_subparsers(
-        dest="experiment", required=True)
-    sp = exp.add_parser("figure14", help="rolling update + MSB failure under the ReplicaAware TaskController",
-                        description="Twine Figure 14: a rolling update of a sharded job through TaskControl while "
-                                    "an MSB fails. By default an in-process simulation of the processors' pure "
-                                    "decisions (no broker, seconds); with --pipeline a run of the real processes on "
-                                    "an embedded broker and Redis of its own (minutes)")
-    sp.set_defaults(fn=cmd_experiment)
-    sp.add_argument("--json", action="store_true", help="print one JSON document (conditions, totals, curves)")
-    sp.add_argument("--png", help="write the two panels to this PNG file (needs matplotlib: ropewalk[plot])")
-    sp.add_argument("--tasks", type=int, default=1000)
-    sp.add_argument("--shards", type=int, default=15000)
-    sp.add_argument("--replicas", type=int, default=3)
-    sp.add_argument("--msbs", type=int, default=20, help="MSBs the tasks are spread over (tasks/msbs fail)")
-    sp.add_argument("--msb-fail-at", type=int, default=120, help="seconds into the update")
-    sp.add_argument("--msb-down", type=int, default=295, help="seconds the MSB stays down")
-    sp.add_argument("--seed", type=int, default=14)
-    sp.add_argument("--placement", choices=["grouped", "random"], default="grouped",
-                    help="replica placement: grouped (Shard Manager-like replica sets, default) or random")
-    sp.add_argument("--pipeline", action="store_true",
-                    help="run it on the real pipeline (broker, Redis, processes, a TaskController process)")
-    sp.add_argument("--time-scale", type=float, default=10.0,
-                    help="--pipeline: the paper's seconds are divided by this (default 10: a 220 s start takes 22 s)")
-    sp.add_argument("--events-out", metavar="FILE",
-                    help="--pipeline: write the replayed events the curves were counted from (JSON lines)")
-    sp = exp.add_parser("killstorm", help="kill -9 the control plane's processes under load; check nothing is lost",
-                        description="A kill storm on a region of its own (own broker, Redis, ports, run dir): one "
-                                    "control-plane process killed every --interval-s under a stream of job "
-                                    "submissions, resizes, stops and machine failures, the supervisor starting each "
-                                    "again; then every job must converge and the replayed log and Redis show no task "
-                                    "lost, placed or running twice, no machine over-committed, no quota broken. "
-                                    "Exits 1 if a check fails (bench/killstorm.py)")
-    sp.set_defaults(fn=cmd_killstorm)
-    from bench import killstorm
-
-    killstorm.add_arguments(sp)
+    history.add_commands(sub, reparse=build_parser)
+    experiment = sub.add_parser("experiment", help="reproduce the Twine paper's experiments")  # bench/cli.py's
     add_upper_floors(sub)
+    if bench_commands is not None:
+        bench_commands(bench, experiment)
     return p
 
 
 def add_upper_floors(sub) -> None:
     """The commands of the Job Control Plane (`intents`), the autoscaler (`srm`) and elastic loans (`loans`), each
-    in its own package (issue 15)."""
-    from processors.jobcontrol import cli as jcp
-    from processors.resourcebroker import loans_cli
-    from processors.srm import cli as srm
+    in its own module of processors/frontend/commands/ (its parser beside its handlers)."""
+    from processors.frontend.commands import intents, loans, srm
 
-    for package in (jcp, srm, loans_cli):
-        package.add_commands(sub)
+    for commands in (intents, srm, loans):
+        commands.add_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in BENCH_COMMANDS:
+        exec_bench(argv)
+    return run(build_parser(), argv)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    """Parse ``argv`` and run its command: a failure is one line with its reason (exit 1), an interrupt exits 130."""
     from streams.deadletter import Skipped
 
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     args.skipped = Skipped()  # what the command's readers could not decode: said once, when it ends
     failed = False
     try:

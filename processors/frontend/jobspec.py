@@ -13,12 +13,12 @@
 
 A wrong spec is refused with the field that is wrong: `resources.cpu_millicores: expected a positive
 integer up to 1,000,000, got string 'lots'`. This module checks the shape of what a user wrote (fields, types);
-the rules every quantity and choice must meet are ``rules.py``'s, the ones the scheduler applies too: a task count
-from 1 to the region's limit (``ROPEWALK_MAX_TASKS_PER_JOB``, default 25,000: Twine's largest jobs have ~15K tasks;
-`tasks: at most 25,000 tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), got 30,000`), resources no machine could lack,
-a spread level, known requirements, argv and env that fit a record. The job id is `<entitlement>.<name>`: unique
-in the region (a scheduler shard only sees its own entitlements, so a bare name could not be checked for
-uniqueness across shards).
+the rules every quantity and choice must meet are ``processors/rules.py``'s, the ones the scheduler applies too: a
+task count from 1 to the region's limit (``ROPEWALK_MAX_TASKS_PER_JOB``, default 25,000: Twine's largest jobs have
+~15K tasks; `tasks: at most 25,000 tasks per job (ROPEWALK_MAX_TASKS_PER_JOB), got 30,000`), resources no machine
+could lack, a spread level, known requirements, argv and env that fit a record. The job id is
+`<entitlement>.<name>`: unique in the region (a scheduler shard only sees its own entitlements, so a bare name could
+not be checked for uniqueness across shards).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import json
 from typing import Any, Mapping
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
-from processors.frontend import rules
+from processors import rules
 from streams.validate import describe_value
 
 FIELDS = ("name", "entitlement", "tasks", "command", "resources", "requirements", "spread", "max_unavailable", "env",

@@ -4,7 +4,7 @@ Input is one JSON object, a JSON array of objects, or JSON Lines. Each object ho
 an optional `envelope` object may set `entitlement`, `entity_id`, `causation_id`, `event_id`,
 `timestamp_ms`, `producer`. Whatever is missing is filled: a fresh event id, the current time,
 producer "cli", and the entity id from the event's own id field. An intent must also meet the rules the
-scheduler applies (``rules.py``: no negative or absurd quantity), refused here naming the field:
+scheduler applies (``processors/rules.py``: no negative or absurd quantity), refused here naming the field:
 `EntitlementCreated.quota_machines: expected an integer from 0 to 1,000,000, got number -5`. Pure: no I/O; the
 CLI produces.
 """
@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
-from processors.frontend import rules
+from processors import rules
 from streams.events import Event, new_event
 from streams.serde import SchemaRegistry
 from streams.topics import BY_NAME, TOPIC_OF_EVENT, KEY_ENTITLEMENT

@@ -1,7 +1,7 @@
 """The front end's operations, once: what `ropewalk` does on the log directly and what the HTTP API does for its
-users. Each validates with the rules of ``rules.py`` / ``jobspec.py``, produces intents with ``EventProducer``
-and reads state with the readers of ``streams/state.py`` and ``streams/replay.py``; each returns the JSON document
-the CLI prints with ``--json`` and the API answers.
+users. Each validates with the rules of ``processors/rules.py`` / ``jobspec.py``, produces intents with
+``EventProducer`` and reads state with the readers of ``streams/state.py`` and ``streams/replay.py``; each returns
+the JSON document the CLI prints with ``--json`` and the API answers.
 
     front = Frontend(cfg, registry, principal="alice", producer="api")
     front.job_submit(spec_dict)            # {"job": "e1.web", "entitlement": "e1", "event_id": ..., "verdict": ...}
@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping
 from infra.config import Config
 from streams.deadletter import Skipped
 from streams.events import Event, new_event
+from streams.serde import SchemaRegistry
 
 # Reasons (FrontendError.reason) and the HTTP status each answers with.
 UNKNOWN_JOB = "unknown_job"
@@ -92,8 +93,6 @@ class Frontend:
 
     def __init__(self, cfg: Config, registry=None, *, principal: str | None = None, producer: str = "cli",
                  skipped: Skipped | None = None, events=None):
-        from streams.serde import SchemaRegistry
-
         self.cfg = cfg
         self.registry = registry or SchemaRegistry.from_dir()
         self.principal = principal
@@ -127,7 +126,7 @@ class Frontend:
     # -- entitlements ----------------------------------------------------------------------------------------
     def entitlement_create(self, name: Any, quota: Any, *, machine_type=None, dc=None, host_profile=None,
                            fields: Mapping[str, str] | None = None) -> dict:
-        from processors.frontend import rules
+        from processors import rules
         from processors.frontend.jobspec import JobSpecError, _name, refuse
 
         payload = {"name": name, "quota_machines": quota, "machine_type": machine_type, "dc_pin": dc,
@@ -143,7 +142,7 @@ class Frontend:
 
     def entitlement_update(self, name: str, changes: Mapping[str, Any]) -> dict:
         """EntitlementUpdated with the fields ``changes`` sets (quota_machines, machine_type, dc_pin, host_profile)."""
-        from processors.frontend import rules
+        from processors import rules
         from processors.frontend.jobspec import JobSpecError, refuse
 
         payload = {k: changes.get(k) for k in ("quota_machines", "machine_type", "dc_pin", "host_profile")}
@@ -195,10 +194,8 @@ class Frontend:
         """The job's view now, or (``at``: a moment, processors/history/moments.parse_moment) as it was then."""
         if at is None:
             return job_view(self.job_state(job))
-        from processors.history import commands as history
-
         self.require_broker()
-        return job_view(history.job_state_at(self.cfg, self.registry, job, at, skipped=self.skipped))
+        return job_view(job_state_at(self.cfg, self.registry, job, at, skipped=self.skipped))
 
     def jobs(self, entitlement: str | None = None) -> list[dict]:
         from streams import state
@@ -237,7 +234,7 @@ class Frontend:
         return {"job": job, "spec_version": version, "event_id": ev.event_id, **self._sent(ev, job, wait_s)}
 
     def job_resize(self, job: str, tasks: Any, *, wait_s: float | None = None, field: str = "tasks") -> dict:
-        from processors.frontend import rules
+        from processors import rules
 
         if (problem := rules.task_count(tasks, self.cfg.max_tasks_per_job, field, low=0)) is not None:
             raise FrontendError(INVALID_REQUEST, str(problem))
@@ -272,9 +269,7 @@ class Frontend:
 
         self.require_broker()
         if at is not None:
-            from processors.history import commands as history
-
-            rows = history.machine_views_at(self.cfg, self.registry, at, entitlement, skipped=self.skipped)
+            rows = machine_views_at(self.cfg, self.registry, at, entitlement, skipped=self.skipped)
         else:
             latest = state.current(self.cfg, self.registry, "machines", entitlement, skipped=self.skipped)
             rows = [state.machine_view(ev) for _, ev in sorted(latest.items())]
@@ -291,17 +286,13 @@ class Frontend:
     # -- the region at a moment, why a task is where it is (processors/history) ----------------------------
     def region(self, at: str) -> dict:
         """The whole region at the moment ``at``: machines, entitlements, jobs and their tasks."""
-        from processors.history import commands as history
-
         self.require_broker()
-        return history.region_doc(self.cfg, self.registry, at, skipped=self.skipped)
+        return region_doc(self.cfg, self.registry, at, skipped=self.skipped)
 
     def explain(self, task: str, at: str | None = None, why_not: str | None = None) -> dict:
         """The decision that placed ``task`` (as of ``at``), the filters' rejections, the events that led to it."""
-        from processors.history import commands as history
-
         self.require_broker()
-        return history.explain_doc(self.cfg, self.registry, task, at, why_not, skipped=self.skipped)
+        return explain_doc(self.cfg, self.registry, task, at, why_not, skipped=self.skipped)
 
     def machine_action(self, machine: str, action: str, *, dry_run: bool = False) -> dict:
         """``fail`` (→ DOWN, its tasks move) or ``recover`` (→ UP) a machine; ``dry_run`` (fail only): what would
@@ -374,8 +365,8 @@ class Frontend:
 
     def intent_declare(self, job: str, dimension: str, payload: Mapping[str, Any]) -> dict:
         """One per-dimension intent for ``job`` (push, canary, size, resources), checked by the intent rules
-        (``rules.py``) and keyed by the job's entitlement; the Job Control Plane reconciles it."""
-        from processors.frontend import rules
+        (``processors/rules.py``) and keyed by the job's entitlement; the Job Control Plane reconciles it."""
+        from processors import rules
 
         type_ = self.INTENT_TYPES.get(dimension)
         if type_ is None:
@@ -450,7 +441,7 @@ class Frontend:
                        lend_idle: Any = True) -> dict:
         """EntitlementElasticityChanged: whether ``entitlement`` may borrow idle machines (up to ``max_borrowed``,
         given back with ``notice_ms`` of notice) and whether its own idle quota may be lent."""
-        from processors.frontend import rules
+        from processors import rules
 
         payload = {"elastic": elastic, "max_borrowed_machines": max_borrowed, "revoke_notice_ms": notice_ms,
                    "lend_idle": lend_idle}
@@ -487,3 +478,99 @@ def state_view(kind: str, ev: Event) -> dict:
     if kind == "jobs":
         return {**job_view(ev), "deleted": bool(ev.payload.get("deleted"))}
     return machine_view(ev)
+
+
+# -- the region at a moment (processors/history): Frontend's reads with ``at``, ``region``, ``explain`` -------------
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _iso(ms: int) -> str:
+    from streams.replay import iso_time
+
+    return iso_time(ms)
+
+
+def moment(cfg: Config, registry: SchemaRegistry, value: str, field: str = "at") -> int:
+    """A moment as the commands and the API take it (see ``moments.parse_moment``); a bad one is the front end's
+    ``invalid_request`` naming ``field``."""
+    from processors.history import moments
+
+    try:
+        return moments.parse_moment(str(value), _now_ms(),
+                                    lambda t, p, o: moments.record_time(cfg, registry, t, p, o))
+    except (moments.MomentError, ValueError) as exc:
+        raise FrontendError(INVALID_REQUEST, f"{field}: {exc}") from None
+
+
+def machine_views_at(cfg: Config, registry: SchemaRegistry, at: str, entitlement: str | None = None, *,
+                     skipped: Skipped | None = None) -> list[dict]:
+    """``machine list --at``: what ``machine list --json`` printed then (rows of ``state.machine_view``)."""
+    from processors.history import moments
+    from streams import state
+
+    region, _ = moments.region_at(cfg, registry, moment(cfg, registry, at), skipped=skipped,
+                                  scheduler_partitions=frozenset())  # machines are the allocator's: no job decided
+    rows = [state.machine_view(ev) for ev in region.machine_states()]
+    return [r for r in rows if r["entitlement"] == entitlement] if entitlement else rows
+
+
+def job_state_at(cfg: Config, registry: SchemaRegistry, job: str, at: str, *, skipped: Skipped | None = None
+                 ) -> Event:
+    """``job status --at``: the job's JobStatePublished then (only its partition's jobs decided)."""
+    from processors.history import moments
+
+    at_ms = moment(cfg, registry, at)
+    region, _ = moments.region_at(cfg, registry, at_ms, skipped=skipped,
+                                  scheduler_partitions=moments.partitions_of(cfg, [entitlement_of_job(job)]))
+    ev = region.job_states().get(job)
+    if ev is None:
+        raise FrontendError(UNKNOWN_JOB, f"unknown job {job!r} at {_iso(at_ms)} (not submitted yet, or stopped and "
+                                         f"gone)")
+    return ev
+
+
+def region_doc(cfg: Config, registry: SchemaRegistry, at: str, *, skipped: Skipped | None = None) -> dict:
+    """``ropewalk at TIME``: the whole region then (``overview``) and how it was made (``history``)."""
+    from processors.history import moments
+
+    at_ms = moment(cfg, registry, at)
+    region, stats = moments.region_at(cfg, registry, at_ms, skipped=skipped)
+    return {**overview(region, at_ms), "history": stats}
+
+
+def explain_doc(cfg: Config, registry: SchemaRegistry, task: str, at: str | None = None,
+                why_not: str | None = None, *, skipped: Skipped | None = None) -> dict:
+    """``ropewalk explain TASK [--at TIME] [--why-not MACHINE]`` (``explain.explain``)."""
+    from processors.history import explain as ex
+
+    at_ms = None if at is None else moment(cfg, registry, at)
+    try:
+        return ex.explain(cfg, registry, task, at_ms, why_not=why_not, skipped=skipped)
+    except ex.BadTaskId as exc:
+        raise FrontendError(INVALID_REQUEST, f"task: {exc}") from None
+    except ex.ExplainError as exc:
+        raise FrontendError(UNKNOWN_TASK, str(exc)) from None
+
+
+def overview(region, at_ms: int) -> dict[str, Any]:
+    """The whole region at a moment: its machines (each as ``machine list --json`` shows it, and counted),
+    entitlements, jobs with their tasks and where they ran (each as ``job status --json`` shows it)."""
+    from collections import Counter
+
+    from streams import state
+
+    machines = list(region.fold.machines.values())
+    held = Counter(m.entitlement for m in machines if m.entitlement)
+    return {
+        "at_ms": at_ms, "at": _iso(at_ms),
+        "machine_counts": {"total": len(machines),
+                           "by_status": dict(sorted(Counter(m.status for m in machines).items())),
+                           "free": sum(1 for m in machines if not m.entitlement),
+                           "under_maintenance": sum(1 for m in machines if m.maintenance)},
+        "machines": [state.machine_view(ev) for ev in region.machine_states()],
+        "entitlements": [{"name": n, "quota": e.quota_machines, "held": held.get(n, 0), "machine_type": e.machine_type,
+                          "dc_pin": e.dc_pin} for n, e in sorted(region.fold.entitlements.items())],
+        "jobs": [{**(v := job_view(ev)), "running": sum(t["state"] == "RUNNING" for t in v["tasks"])}
+                 for ev in region.job_states().values()],
+    }

@@ -160,15 +160,15 @@ def parse_moment(value: str, now_ms: int, record_time=None) -> int:
 
 
 def _moment(value: str, now_ms: int, record_time=None) -> int:
-    from processors.frontend.cli import _duration_ms, _parse_time
+    from processors.times import duration_ms, parse_time
 
     v = value.strip()
     if v == "now":
         return now_ms
     if v.startswith("now-"):
         try:
-            return now_ms - _duration_ms(v[4:])
-        except Exception:  # noqa: BLE001
+            return now_ms - duration_ms(v[4:])
+        except ValueError:
             raise MomentError(f"bad moment {value!r}: the duration is seconds, or 500ms, 90s, 15m, 2h") from None
     if "@" in v:
         where, _, offset = v.rpartition("@")
@@ -179,8 +179,8 @@ def _moment(value: str, now_ms: int, record_time=None) -> int:
             raise MomentError("a position needs the log")
         return record_time(topic, int(partition), int(offset))
     try:
-        return _parse_time(v)
-    except Exception:  # noqa: BLE001 - the front end's own error, said again with every form a moment takes
+        return parse_time(v)
+    except ValueError:  # the times' own error, said again with every form a moment takes
         raise MomentError(f"bad moment {value!r}: use ms since epoch, ISO-8601 (2026-11-22T10:00:00Z), now, "
                           f"now-DURATION (now-15m) or TOPIC/PARTITION@OFFSET (tasks/3@120)") from None
 

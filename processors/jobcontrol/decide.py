@@ -35,7 +35,7 @@ from typing import Any
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from processors.cowmap import CowMap
-from processors.frontend import rules
+from processors import rules
 from processors.scheduler.versions import round_half_up
 from streams.events import Event, derived_event_id, new_event
 
@@ -58,7 +58,7 @@ CONSUMED = frozenset({*BASE_TYPES, *INTENT_DIMENSION, "IntentRefused"})
 # Reasons an intent is refused (IntentRefused.reason).
 REASON_UNKNOWN_JOB = "unknown_job"  # no live job of that id (never submitted, or stopped)
 REASON_ENTITLEMENT_MISMATCH = "entitlement_mismatch"  # keyed to another entitlement than the job's
-REASON_INVALID_INTENT = rules.INVALID_INTENT  # breaks a rule of processors/frontend/rules.py
+REASON_INVALID_INTENT = rules.INVALID_INTENT  # breaks a rule of processors/rules.py
 REASON_SIZING_PINNED = "sizing_pinned"  # an autoscaler's size while a person pins the size
 REASON_NO_AUTOSCALING = "no_autoscaling_policy"  # an autoscaler's size for a job nobody let it size
 REASON_NO_CANARY = "no_canary"  # promote or abort without a canary running
@@ -399,7 +399,7 @@ def _stable_of(base: Mapping[str, Any]) -> tuple:
 
 
 def _intake(job: JobIntents, ev: Event, position, max_tasks: int) -> tuple[JobIntents, list[Event]]:
-    """A per-dimension intent: refused (a rule of processors/frontend/rules.py, or a ``refuse`` rule of ``RULES``)
+    """A per-dimension intent: refused (a rule of processors/rules.py, or a ``refuse`` rule of ``RULES``)
     or held as its dimension's latest."""
     found = rules.intent_problems(ev.type, ev.payload, ev.entitlement, max_tasks)
     if found:

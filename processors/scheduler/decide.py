@@ -55,6 +55,7 @@ The latest ignored report is kept in the job's ``last_ignored`` (also in ``job_v
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 import dataclasses
 from dataclasses import dataclass, field, fields
@@ -64,11 +65,10 @@ from typing import Any
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from processors.cowmap import CowMap
 from processors.evolve import evolver
-from processors.frontend import rules
+from processors import rules
 from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.scheduler import lifecycle as lc
-from processors.scheduler import rebalance
 from processors.scheduler import versions as vs
 from processors.taskcontrol import limiter
 from processors.taskcontrol import protocol as tc
@@ -130,7 +130,7 @@ REASON_CHOICE_TOO_LATE = "choice_too_late"  # a choice for a task the deadline s
 REASON_DUPLICATE_JOB_ID = "duplicate_job_id"  # JobSubmitted for a job id that exists with another spec
 REASON_UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # JobSubmitted to an entitlement never created
 REASON_UNKNOWN_JOB = "unknown_job"  # resize/update/stop of a job this shard never had, or stopped and gone
-REASON_INVALID_SPEC = rules.INVALID_SPEC  # a spec or resize breaking a rule (processors/frontend/rules.py)
+REASON_INVALID_SPEC = rules.INVALID_SPEC  # a spec or resize breaking a rule (processors/rules.py)
 REASON_TOO_MANY_TASKS = rules.TOO_MANY_TASKS  # a job (submitted, resized, updated) beyond the maximum tasks per job
 REASON_INVALID_ENTITLEMENT = rules.INVALID_ENTITLEMENT  # EntitlementCreated/Updated breaking a rule (e.g. quota < 0)
 REASON_JOB_NOT_ACTIVE = "job_not_active"  # resize/update of a job that is stopping or rejected; a submission of a
@@ -145,6 +145,13 @@ REASON_STALE_REPORT = "stale_report"  # about another machine or spec version th
 REASON_ILLEGAL_REPORT = "illegal_report"  # a transition the lifecycle table refuses from the task's state
 REASON_NOT_AN_AGENT_STATE = "not_an_agent_state"  # PENDING/ALLOCATED/STOPPING/UNKNOWN: not an agent's to say
 REASON_UNKNOWN_TASK = "unknown_task"  # no such task in the job (e.g. retired and freed already)
+REASON_REBALANCE = "rebalance"  # a MOVE of a running task planned by the ReBalancer (op_reason, task reason)
+# Why a move of a ReBalancer plan is refused (IntentRefused.reason of the RebalancePlanned, per job).
+REASON_MOVE_JOB_NOT_RUNNING = "job_not_running"  # the job is stopping, rejected or updating
+REASON_MOVE_NOT_ON_SOURCE = "not_on_source"  # the task is no longer on the plan's source machine
+REASON_MOVE_TASK_NOT_RUNNING = "task_not_running"
+REASON_MOVE_TASK_BUSY = "task_busy"  # another operation (update, move, restart, stop) is wanted on it
+REASON_MOVE_UNDER_MAINTENANCE = "under_maintenance"  # its machine is under a planned maintenance of the job
 
 # Task commands: the TaskCommand symbols of schemas/TaskCommanded.avsc.
 START = TaskCommand.START
@@ -155,7 +162,7 @@ RESTART = TaskCommand.RESTART
 RUN = "run"  # keep it running at the job's spec version
 RETIRE = "retire"  # stop it and free its placement (shrink, job stop); it leaves the job
 UPDATE = "update"  # being stopped to start again at the job's spec version (rolling update, a grow reusing it)
-RELOCATE = "relocate"  # being stopped to be placed on another machine (a ReBalancer move: scheduler/rebalance.py)
+RELOCATE = "relocate"  # being stopped to be placed on another machine (a ReBalancer move: _on_rebalance_planned)
 
 # The job's own status, and the state JobStatePublished/job_view show (derived by ``published_state``).
 JOB_ACTIVE = "active"
@@ -847,8 +854,9 @@ def _advance(w: _JobWork, t: Task) -> None:
         if t.maint_choice == CHOICE_MOVE:  # stopped to move off before the maintenance: placed elsewhere
             _move(w, replace(t, intent=RUN), REASON_MACHINE_MAINTENANCE, avoid=t.machine)
             return
-    if t.intent == RELOCATE:
-        rebalance.advance(w, t)
+    if t.intent == RELOCATE:  # a ReBalancer move: once down, freed and placed on its target (never back on its source)
+        if t.state in (STOPPED, FAILED):
+            _move(w, replace(t, intent=RUN), REASON_REBALANCE, avoid=t.machine)
         return
     if t.intent == UPDATE:
         if t.state == STOPPING:
@@ -1001,7 +1009,8 @@ def _progress_update(w: _JobWork) -> None:
 def _op_moot(w: _JobWork, t: Task) -> bool:
     """Whether ``t``'s not yet performed operation no longer applies."""
     if t.move_to is not None:  # a ReBalancer move of a running task
-        return rebalance.moot(w, t)
+        return (t.state != RUNNING or t.intent != RUN or w.fold.is_down(t.machine) or w.job.updating
+                or t.maint_choice is not None)
     if t.op == OP_STOP:  # of a running task still retiring or leaving for a maintenance
         return t.state not in (STARTING, RUNNING) or (t.intent != RETIRE and t.maint_choice not in LEAVING)
     if t.intent == RETIRE:
@@ -1036,9 +1045,10 @@ def _try_perform(w: _JobWork, t: Task, budget: list[int] | None = None) -> Task:
     if t.op == OP_STOP:  # over once commanded: a retiring task is freed, a leaving one held or moved, once stopped
         reason = t.op_reason
         return _stop(w, replace(w.end_op(t), reason=reason), reason)
-    if t.move_to is not None:
-        return rebalance.perform(w, t, budget)
     t = w.put(replace(t, op_state=OP_RUNNING))
+    if t.move_to is not None:  # a ReBalancer move: out of discovery and STOP; placed on its target once stopped
+        budget[0] -= 1
+        return _stop(w, replace(t, intent=RELOCATE, reason=REASON_REBALANCE), REASON_REBALANCE)
     if t.op == OP_UPDATE:
         budget[0] -= 1
         return _stop(w, replace(t, intent=UPDATE, reason=REASON_ROLLING_UPDATE), REASON_ROLLING_UPDATE)
@@ -1179,7 +1189,7 @@ def _refuse(fold: _Fold, ev: Event, reason: str, message: str, w: "_JobWork | No
 
 
 def _problems(fold: _Fold, ev: Event) -> tuple[str, str] | None:
-    """(reason, message) if ``ev`` breaks a rule of ``processors/frontend/rules.py`` (the front end's), else None."""
+    """(reason, message) if ``ev`` breaks a rule of ``processors/rules.py`` (the front end's too), else None."""
     found = rules.intent_problems(ev.type, ev.payload, ev.entitlement, fold.max_tasks)
     return rules.refusal(found) if found else None
 
@@ -1730,6 +1740,67 @@ def _on_task_control_acked(fold: _Fold, ev: Event) -> None:
         w.ask = True
 
 
+def _on_rebalance_planned(fold: _Fold, ev: Event) -> None:
+    """RebalancePlanned (the ReBalancer's plan, processors/rebalancer): each move of a job of this shard becomes a
+    MOVE operation of its running task (reason ``REASON_REBALANCE``, ``move_to`` its target), approved by the job's
+    TaskController like any operation, performed within max_unavailable and the limiter (``_try_perform``: out of
+    discovery and STOP), then placed on the target avoiding the source (``_advance``, intent RELOCATE; the allocator
+    places it elsewhere if the target no longer passes every filter), complete once it runs there. Refused moves
+    are answered by one IntentRefused per job (the reason of its first refused move, every refused task and why in
+    the message). A move not performed yet is moot once the task no longer runs on its machine (the ordinary paths
+    move it), or the job stops or starts an update (``_op_moot``)."""
+    by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for mv in ev.payload["moves"]:
+        by_job[mv["job_id"]].append(mv)
+    for job_id in sorted(by_job):
+        job = fold.job(job_id)
+        if job is None:
+            continue  # not this shard's job (or gone): nothing to do here
+        if job.entitlement != ev.entitlement:
+            _refused_moves(fold, ev, job_id, [(mv["task_id"], REASON_ENTITLEMENT_MISMATCH) for mv in by_job[job_id]])
+            continue
+        w = fold.work_for(job_id)
+        if w is None:
+            continue  # applied already
+        refused = []
+        for mv in by_job[job_id]:
+            t = w.tasks.get(mv["task_id"])
+            why = _move_refusal(w, t, mv)
+            if why is not None:
+                refused.append((mv["task_id"], why))
+                continue
+            _try_perform(w, w.new_op(t, OP_MOVE, REASON_REBALANCE, move_to=mv["to_machine_id"]))
+        if refused:
+            _refused_moves(fold, ev, job_id, refused)
+
+
+def _move_refusal(w: _JobWork, t: Task | None, move: Mapping[str, Any]) -> str | None:
+    """Why a planned ``move`` cannot become an operation now (None: it can)."""
+    if t is None:
+        return REASON_UNKNOWN_TASK
+    job = w.job
+    if job.status != JOB_ACTIVE or job.updating:
+        return REASON_MOVE_JOB_NOT_RUNNING
+    if t.machine != move["from_machine_id"]:
+        return REASON_MOVE_NOT_ON_SOURCE
+    if t.state != RUNNING or t.intent != RUN or w.fold.is_down(t.machine):
+        return REASON_MOVE_TASK_NOT_RUNNING
+    if t.op is not None:
+        return REASON_MOVE_TASK_BUSY
+    if t.maint_choice is not None or any(t.machine in machines for _, machines, *_ in job.maint):
+        return REASON_MOVE_UNDER_MAINTENANCE
+    return None
+
+
+def _refused_moves(fold: _Fold, ev: Event, job_id: str, refused: list[tuple[str, str]]) -> None:
+    listed = ", ".join(f"{task} {why}" for task, why in refused[:50])
+    more = f" (+{len(refused) - 50} more)" if len(refused) > 50 else ""
+    fold.emit("IntentRefused", ev.entitlement, job_id, {
+        "intent_type": ev.type, "intent_event_id": ev.event_id, "job_id": job_id, "reason": refused[0][1],
+        "message": f"plan {ev.payload['plan_id']}: {len(refused)} moves of job {job_id} not made: {listed}{more}"},
+        "refused", ev.event_id, job_id)
+
+
 Handler = Callable[[_Fold, Event], None]
 
 HANDLERS: Mapping[str, Handler] = MappingProxyType({
@@ -1750,7 +1821,7 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
     "UnavailabilityStarted": _on_unavailability_started,
     "UnavailabilityEnded": _on_unavailability_ended,
     "TaskControlAcked": _on_task_control_acked,
-    "RebalancePlanned": rebalance.on_planned,
+    "RebalancePlanned": _on_rebalance_planned,
 })
 CONSUMED = frozenset(HANDLERS)  # event types the shard reads; every other type is ignored
 

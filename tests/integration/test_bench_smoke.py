@@ -14,7 +14,7 @@ import pytest
 from infra.process import pid_alive
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # bench/ is not an installed package (the CLI adds it the same way)
+if str(ROOT) not in sys.path:  # bench/ from this checkout (the project also installs it: pyproject's bench*)
     sys.path.append(str(ROOT))
 MACHINES = 300
 

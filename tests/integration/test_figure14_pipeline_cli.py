@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from processors.experiments import figure14 as sim
+from bench.experiments import figure14 as sim
 
 ROPEWALK = Path(sys.executable).with_name("ropewalk")
 SMALL = dict(tasks=100, shards=1500, msbs=10)

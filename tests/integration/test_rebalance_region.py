@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from bench.env import BenchEnv
-from infra import controlplane
+from processors import controlplane
 from infra.process import free_port, port_open
 from processors.api import users
 from processors.api.client import ApiClient, ApiClientError

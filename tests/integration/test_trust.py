@@ -18,7 +18,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from infra import credentials as cr
 from infra.config import PROJECT_ROOT
-from infra.controlplane import worker_env
+from processors.controlplane import worker_env
 from infra.process import free_port, port_open
 from streams.clients import DeliveryError, EventConsumer, EventProducer
 from streams.events import new_event

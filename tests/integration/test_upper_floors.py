@@ -287,7 +287,7 @@ def released(machine, ent):
 
 def views(cfg, tmp_path, tasks, rev):
     """The same log through the API's views (authorized per entitlement) and the CLI."""
-    from infra.controlplane import worker_env
+    from processors.controlplane import worker_env
 
     api = Api(cfg, tmp_path)
     try:

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from processors.experiments import figure14 as f
+from bench.experiments import figure14 as f
 
 SMALL = dict(tasks=100, shards=1500, replicas=3, msbs=10, msb_fail_at_s=120, msb_down_s=295)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from processors.experiments.figure14_pipeline import Ledger, curves, failed_msb_machines, merged, region_spec
-from processors.experiments.figure14 import Conditions
+from bench.experiments.figure14_pipeline import Ledger, curves, failed_msb_machines, merged, region_spec
+from bench.experiments.figure14 import Conditions
 from streams.events import new_event
 
 JOB = "figure14.cache"

@@ -1,8 +1,8 @@
-"""The intent rules (processors/frontend/rules.py): one table, applied by the front end at the door and by the
+"""The intent rules (processors/rules.py): one table, applied by the front end at the door and by the
 scheduler to what reaches the log anyway. Each case: the intent, the field refused and the reason (None: good)."""
 import pytest
 
-from processors.frontend import rules
+from processors import rules
 from processors.frontend.jobspec import JobSpecError, validate_spec
 
 ENT = "e1"

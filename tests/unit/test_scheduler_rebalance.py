@@ -1,11 +1,11 @@
-"""A ReBalancer plan's moves in the scheduler's pure decisions (processors/scheduler/rebalance.py).
+"""A ReBalancer plan's moves in the scheduler's pure decisions (processors/scheduler/decide.py, RebalancePlanned).
 
 The harness is the scheduler tests' ``Sim`` (every input also checked for determinism, idempotence and schema
 validity); the allocator, the agents and the TaskController are played by hand.
 """
 import pytest
 
-from processors.scheduler import rebalance as rb
+from processors.scheduler import decide as rb  # the moves' reasons: rb.REASON_REBALANCE, rb.REASON_MOVE_*
 from processors.scheduler.decide import JOB_UPDATING, OP_MOVE, REASON_UNKNOWN_TASK, retry_unplaced
 from processors.taskcontrol.limiter import Limits, Rate
 from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit is on sys.path)

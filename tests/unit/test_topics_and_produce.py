@@ -47,7 +47,7 @@ def test_copartitioning(existing, problem):
     ("intents", "JobStopped", {"job_id": "j", "envelope": {"colour": 1}}, "e1", "envelope.colour: unknown field"),
     ("intents", "JobStopped", {"job_id": "j", "envelope": {"timestamp_ms": "now"}}, "e1",
      "JobStopped.envelope.timestamp_ms: expected long"),
-    # the intent rules (processors/frontend/rules.py), refused at the door naming the field
+    # the intent rules (processors/rules.py), refused at the door naming the field
     ("intents", "EntitlementCreated", {"name": "e1", "quota_machines": -5}, "e1",
      "EntitlementCreated.quota_machines: expected an integer from 0 to 1,000,000, got number -5"),
     ("intents", "EntitlementUpdated", {"quota_machines": 10**7}, "e1",

@@ -5,24 +5,18 @@
     ropewalk srm rules [--json]           # its rules, in the order they apply
 
 Through the region's API (``/v1/jobs/{job}/srm``, ``/v1/srm/decisions``) or, ``--direct``, on the log as the
-operator (``views.py``: ``show`` folds ``intents`` and ``metrics`` with the SRM's own pure ``decide``, no deciding;
-``decisions`` replays ``intents`` for the SRM's SizingIntentDeclared). To let the SRM size a job:
-``ropewalk intents size JOB --auto --min N --max M --load-per-task L``.
+operator (``processors/srm/views.py``: ``show`` folds ``intents`` and ``metrics`` with the SRM's own pure
+``decide``, no deciding; ``decisions`` replays ``intents`` for the SRM's SizingIntentDeclared). To let the SRM
+size a job: ``ropewalk intents size JOB --auto --min N --max M --load-per-task L``.
 """
 from __future__ import annotations
 
+from processors.frontend.console import _front, _print
 from processors.srm import decide as sd
 
 
-def _cli():
-    from processors.frontend import cli
-
-    return cli
-
-
 def cmd_show(cfg, args) -> int:
-    cli = _cli()
-    v = cli._front(cfg, args).srm(args.job)
+    v = _front(cfg, args).srm(args.job)
     f = v["forecast"] or {}
     pol = v["policy"]
     lines = [f"job {v['job']}  size {v['current_tasks']}  "
@@ -32,13 +26,12 @@ def cmd_show(cfg, args) -> int:
              f"(recent {f.get('recent', 0):.1f}, historical {f.get('historical', 0):.1f})"]
     if v["last_change"]:
         lines.append(f"last change {v['last_change']['direction']} at {v['last_change']['at_ms']}")
-    cli._print(v, args.json, "\n".join(lines))
+    _print(v, args.json, "\n".join(lines))
     return 0
 
 
 def cmd_decisions(cfg, args) -> int:
-    cli = _cli()
-    doc = cli._front(cfg, args).srm_decisions(args.job)
+    doc = _front(cfg, args).srm_decisions(args.job)
     rows = doc["decisions"]
     lines = [f"{r['job']:24} {r['direction']:4} {r['current_tasks']:>6} -> {r['tasks']:<6} load {r['load']:.1f} "
              f"forecast {r['forecast']:.1f} ({r['rule']}, frees {r['machines_freed']} machines)  at {r['at_ms']}"
@@ -46,13 +39,13 @@ def cmd_decisions(cfg, args) -> int:
     flips = sum(len(f) for f in doc["reversals"].values())
     lines.append(f"-- {len(rows)} decisions, {flips} reversals, at most {doc['most_reversals_in_an_hour']} in an "
                  f"hour of the load signal's clock (per job)")
-    cli._print(doc, args.json, "\n".join(lines))
+    _print(doc, args.json, "\n".join(lines))
     return 0
 
 
 def cmd_rules(cfg, args) -> int:  # noqa: ARG001
     table = sd.rules_table()
-    _cli()._print(table, args.json, "\n".join(f"{i + 1:2}. {r['rule']:22} {r['says']}" for i, r in enumerate(table)))
+    _print(table, args.json, "\n".join(f"{i + 1:2}. {r['rule']:22} {r['says']}" for i, r in enumerate(table)))
     return 0
 
 

@@ -6,22 +6,16 @@
 
 Through the region's API (``/v1/loans``, ``PUT /v1/entitlements/{name}/elasticity``) or, ``--direct``, on the log as
 the operator; both run the front end's operations (``processors/frontend/service.py``; the view is
-``loans_view.py``: the lender's topics folded with its own pure ``loans.apply``).
+``processors/resourcebroker/loans_view.py``: the lender's topics folded with its own pure ``loans.apply``).
 """
 from __future__ import annotations
 
+from processors.frontend.console import CliError, _front, _print, user_command
 from processors.resourcebroker import loans as ln
 
 
-def _cli():
-    from processors.frontend import cli
-
-    return cli
-
-
 def cmd_show(cfg, args) -> int:
-    cli = _cli()
-    doc = cli._front(cfg, args).loans(args.entitlement)
+    doc = _front(cfg, args).loans(args.entitlement)
     lines = [f"free machines {doc['free_machines']} (headroom {doc['headroom']})"]
     lines += [f"  loan {x['loan_id']:24} {x['machines']:>4} machines  {x['lender']} -> {x['borrower']}"
               for x in doc["loans"]] or ["  no loan"]
@@ -32,24 +26,23 @@ def cmd_show(cfg, args) -> int:
                      f"{doc['returns'][-1]['bound_ms']} ms)")
     lines += [f"  elastic {e}: borrows up to {p['max_borrowed']}, notice {p['notice_ms']} ms"
               for e, p in doc["elastic"].items() if p["elastic"]]
-    cli._print(doc, args.json, "\n".join(lines))
+    _print(doc, args.json, "\n".join(lines))
     return 0
 
 
 def cmd_elastic(cfg, args) -> int:
-    cli = _cli()
     if not args.off and args.max is None:
-        raise cli.CliError("elastic: give --max N (machines it may borrow) or --off")
-    doc = cli._front(cfg, args).elasticity_set(args.entitlement, not args.off, 0 if args.off else args.max,
+        raise CliError("elastic: give --max N (machines it may borrow) or --off")
+    doc = _front(cfg, args).elasticity_set(args.entitlement, not args.off, 0 if args.off else args.max,
                                                args.notice_ms, not args.no_lend_idle)
-    cli._print(doc, args.json, f"{args.entitlement}: " + ("not elastic" if args.off else
+    _print(doc, args.json, f"{args.entitlement}: " + ("not elastic" if args.off else
                                                           f"elastic, borrows up to {args.max} machines"))
     return 0
 
 
 def cmd_rules(cfg, args) -> int:  # noqa: ARG001 - the table is code
     table = ln.rules_table()
-    _cli()._print(table, args.json, "\n".join(f"{i + 1:2}. {r['rule']:28} {r['says']}" for i, r in enumerate(table)))
+    _print(table, args.json, "\n".join(f"{i + 1:2}. {r['rule']:28} {r['says']}" for i, r in enumerate(table)))
     return 0
 
 
@@ -62,8 +55,7 @@ def add_commands(sub) -> None:
         sp.set_defaults(fn=fn)
         sp.add_argument("--json", action="store_true", help="print one JSON document")
         if direct:
-            sp.add_argument("--direct", action="store_true", help="act on the log itself as the operator, not "
-                            "through the API (or ROPEWALK_DIRECT=1)")
+            user_command(sp)
         return sp
 
     sp = cmd("show", cmd_show, "what is lent, what is being taken back, how long returns took")

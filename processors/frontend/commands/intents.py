@@ -11,9 +11,9 @@
 
 Thin IO: through the region's API (``processors/api``: ``/v1/jobs/{job}/intents...``) or, ``--direct``, on the log
 as the operator; both run the front end's operations (``processors/frontend/service.py``). A declaration is checked
-at the door by the intent rules (``processors/frontend/rules.py``: a bad one exits 1 naming the field) and produced
-on ``intents``, keyed by the job's entitlement. The views (``views.py``) fold ``intents`` with the Job Control
-Plane's own pure ``decide`` (one full read of the topic per call).
+at the door by the intent rules (``processors/rules.py``: a bad one exits 1 naming the field) and produced
+on ``intents``, keyed by the job's entitlement. The views (``processors/jobcontrol/views.py``) fold ``intents`` with
+the Job Control Plane's own pure ``decide`` (one full read of the topic per call).
 """
 from __future__ import annotations
 
@@ -21,13 +21,8 @@ import getpass
 import json
 import shlex
 
+from processors.frontend.console import CliError, _front, _print, user_command
 from processors.jobcontrol import decide as jd
-
-
-def _cli():
-    from processors.frontend import cli  # the front end's helpers (errors, printing, sending, job state)
-
-    return cli
 
 
 def owner() -> str:
@@ -38,9 +33,8 @@ def owner() -> str:
 
 
 def _declare(cfg, args, dimension: str, payload: dict) -> int:
-    cli = _cli()
-    doc = cli._front(cfg, args).intent_declare(args.job, dimension, {"owner": args.owner or owner(), **payload})
-    cli._print(doc, args.json, f"{args.job}: {doc['intent']} {doc['event_id']} (ropewalk intents show {args.job})")
+    doc = _front(cfg, args).intent_declare(args.job, dimension, {"owner": args.owner or owner(), **payload})
+    _print(doc, args.json, f"{args.job}: {doc['intent']} {doc['event_id']} (ropewalk intents show {args.job})")
     return 0
 
 
@@ -53,7 +47,7 @@ def _env(pairs: list[str] | None) -> dict[str, str]:
     for p in pairs or ():
         k, sep, v = p.partition("=")
         if not sep or not k:
-            raise _cli().CliError(f"--env: expected KEY=VALUE, got {p!r}")
+            raise CliError(f"--env: expected KEY=VALUE, got {p!r}")
         out[k] = v
     return out
 
@@ -78,7 +72,7 @@ def cmd_size(cfg, args) -> int:
     elif args.release:
         payload = {"tasks": None}
     elif args.tasks is None:
-        raise _cli().CliError("size: give N, --auto (with --min, --max, --load-per-task) or --release")
+        raise CliError("size: give N, --auto (with --min, --max, --load-per-task) or --release")
     else:
         payload = {"tasks": args.tasks}
     return _declare(cfg, args, "size", payload)
@@ -98,8 +92,7 @@ def _summary(spec) -> str:
 
 
 def cmd_show(cfg, args) -> int:
-    cli = _cli()
-    view = cli._front(cfg, args).intents(args.job)
+    view = _front(cfg, args).intents(args.job)
     lines = [f"job {view['job']}  generation {view['generation']}  {'live' if view['live'] else 'stopped'}"]
     for dim, h in view["intents"].items():
         p = {k: v for k, v in h["payload"].items() if k not in ("job_id", "owner") and v not in (None, [], {})}
@@ -109,21 +102,19 @@ def cmd_show(cfg, args) -> int:
     lines.append(f"reconciled: {_summary(spec)}")
     if spec:
         lines += [f"  v{v['version']} {v['label'] or '-':10} {' '.join(v['command'])}" for v in spec["versions"]]
-    cli._print(view, args.json, "\n".join(lines))
+    _print(view, args.json, "\n".join(lines))
     return 0
 
 
 def cmd_list(cfg, args) -> int:
-    cli = _cli()
-    rows = cli._front(cfg, args).intents()
-    cli._print(rows, args.json, "\n".join(f"{r['job']:28} gen {r['generation']:<4} {', '.join(r['intents'])}: "
+    rows = _front(cfg, args).intents()
+    _print(rows, args.json, "\n".join(f"{r['job']:28} gen {r['generation']:<4} {', '.join(r['intents'])}: "
                                           f"{_summary(r['reconciled'])}" for r in rows) or "no job has intents")
     return 0
 
 
 def cmd_history(cfg, args) -> int:
-    cli = _cli()
-    rows = cli._front(cfg, args).intents_history(args.job)
+    rows = _front(cfg, args).intents_history(args.job)
     lines = []
     for r in rows:
         if "refused" in r:
@@ -132,13 +123,13 @@ def cmd_history(cfg, args) -> int:
         lines.append(f"@{r['offset']:<6} gen {r['generation']:<4} {_summary(r)}  from "
                      + ", ".join(f"{p['dimension']}({p['owner']}@{p['offset']})" for p in r["provenance"]))
         lines += [f"         rule {x['rule']}: {x['message']}" for x in r["rules"]]
-    cli._print(rows, args.json, "\n".join(lines) or f"no reconciliation of {args.job} on the log")
+    _print(rows, args.json, "\n".join(lines) or f"no reconciliation of {args.job} on the log")
     return 0
 
 
 def cmd_rules(cfg, args) -> int:  # noqa: ARG001 - the table is code
     table = jd.rules_table()
-    _cli()._print(table, args.json, "\n".join(f"{i + 1:2}. {r['rule']:32} {r['kind']:7} {r['says']}"
+    _print(table, args.json, "\n".join(f"{i + 1:2}. {r['rule']:32} {r['kind']:7} {r['says']}"
                                               for i, r in enumerate(table)))
     return 0
 
@@ -155,8 +146,7 @@ def add_commands(sub) -> None:
             sp.add_argument("job")
         sp.add_argument("--json", action="store_true", help="print one JSON document")
         if direct:
-            sp.add_argument("--direct", action="store_true", help="act on the log itself as the operator, not "
-                            "through the API (or ROPEWALK_DIRECT=1)")
+            user_command(sp)
         return sp
 
     def declared(sp):

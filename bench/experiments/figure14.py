@@ -493,18 +493,33 @@ def write_png(result: Result, path: str) -> None:
     plt.close(fig)
 
 
-def main(args) -> int:
-    """``ropewalk experiment figure14`` (args from the front end's parser)."""
+def add_arguments(ap) -> None:
+    """The experiment's flags (``ropewalk experiment figure14``; ``figure14_pipeline.add_arguments`` adds its own)."""
+    ap.add_argument("--json", action="store_true", help="print one JSON document (conditions, totals, curves)")
+    ap.add_argument("--png", help="write the two panels to this PNG file (needs matplotlib: ropewalk[plot])")
+    ap.add_argument("--tasks", type=int, default=1000)
+    ap.add_argument("--shards", type=int, default=15000)
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--msbs", type=int, default=20, help="MSBs the tasks are spread over (tasks/msbs fail)")
+    ap.add_argument("--msb-fail-at", type=int, default=120, help="seconds into the update")
+    ap.add_argument("--msb-down", type=int, default=295, help="seconds the MSB stays down")
+    ap.add_argument("--seed", type=int, default=14)
+    ap.add_argument("--placement", choices=["grouped", "random"], default="grouped",
+                    help="replica placement: grouped (Shard Manager-like replica sets, default) or random")
+
+
+def conditions(args) -> Conditions:
+    """The conditions the flags of ``add_arguments`` say (a bad combination: ValueError, naming it)."""
+    return Conditions(tasks=args.tasks, shards=args.shards, replicas=args.replicas, msbs=args.msbs,
+                      msb_fail_at_s=args.msb_fail_at, msb_down_s=args.msb_down, seed=args.seed,
+                      placement=args.placement)
+
+
+def main(args, c: Conditions) -> int:
+    """``ropewalk experiment figure14`` without ``--pipeline``: the simulation under ``c``, printed."""
     import sys
     import time
 
-    c = Conditions(tasks=args.tasks, shards=args.shards, replicas=args.replicas, msbs=args.msbs,
-                   msb_fail_at_s=args.msb_fail_at, msb_down_s=args.msb_down, seed=args.seed,
-                   placement=args.placement)
-    if getattr(args, "pipeline", False):
-        from processors.experiments import figure14_pipeline
-
-        return figure14_pipeline.main(args, c)
     t0 = time.monotonic()
     result = run(c)
     wall = time.monotonic() - t0

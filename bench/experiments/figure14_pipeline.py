@@ -53,10 +53,10 @@ from typing import Any
 
 import yaml
 
-from infra import controlplane
-from processors.experiments import figure14 as sim
+from bench.experiments import figure14 as sim
+from bench.experiments.figure14 import CONTROLLER, ENT, JOB, Conditions, Result
+from processors import controlplane
 from streams import batches
-from processors.experiments.figure14 import CONTROLLER, ENT, JOB, Conditions, Result
 from streams.enums import TaskCommand
 from streams.events import Event
 
@@ -491,8 +491,18 @@ def count(events: Iterable[Event], pc: PipelineConditions, start_ms: int) -> tup
     }
 
 
+def add_arguments(ap) -> None:
+    """``--pipeline`` and its own flags, after ``figure14.add_arguments``'s."""
+    ap.add_argument("--pipeline", action="store_true",
+                    help="run it on the real pipeline (broker, Redis, processes, a TaskController process)")
+    ap.add_argument("--time-scale", type=float, default=10.0,
+                    help="--pipeline: the paper's seconds are divided by this (default 10: a 220 s start takes 22 s)")
+    ap.add_argument("--events-out", metavar="FILE",
+                    help="--pipeline: write the replayed events the curves were counted from (JSON lines)")
+
+
 def main(args, c: Conditions) -> int:
-    """``ropewalk experiment figure14 --pipeline`` (args from the front end's parser)."""
+    """``ropewalk experiment figure14 --pipeline``: the experiment under ``c`` on the pipeline, printed."""
     pc = PipelineConditions(base=c, time_scale=args.time_scale)
     say = (lambda msg: print(f"figure14: {msg}", file=sys.stderr, flush=True)) if not args.json else (lambda m: None)
     from bench.env import sigterm_as_interrupt

@@ -1,0 +1,154 @@
+"""What the CLI's commands share (processors/frontend/cli.py and processors/frontend/commands/): the one-line error
+(``CliError``), the front end a command talks to (``_front``: the API, or the log with ``--direct``), waiting for
+and reporting the scheduler's verdict, printing a document (``--json``) or its text, tables, times, and the parser's
+shared pieces (``command``, ``user_command``, ``AT_HELP``).
+
+The names are the ones the CLI's commands always called them by (``cli._front``, ``cli._print``, ...); ``cli.py``
+imports them from here, so a command module imports this one and never ``cli.py`` (which imports the command
+modules to register their parsers).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from infra.config import Config
+from processors import times
+
+
+class CliError(Exception):
+    """A one-line reason for a non-zero exit."""
+
+
+def _registry():
+    from streams.serde import SchemaRegistry
+
+    return SchemaRegistry.from_dir()
+
+
+def _require_broker(cfg: Config) -> None:
+    from processors.frontend.service import require_broker
+
+    require_broker(cfg)
+
+
+def direct(args) -> bool:
+    """Whether this command acts on the log itself (``--direct`` or ROPEWALK_DIRECT=1) rather than through the API."""
+    import os
+
+    return bool(getattr(args, "direct", False)) or os.environ.get("ROPEWALK_DIRECT", "") not in ("", "0")
+
+
+def _front(cfg: Config, args):
+    """The front end this command talks to: the API (``processors.api.client.ApiClient``) or, ``--direct``, the log
+    (``processors.frontend.service.Frontend`` as the operator). Both have the same operations and documents."""
+    import os
+
+    from infra.credentials import OPERATOR
+
+    if direct(args):
+        from processors.frontend.service import Frontend
+
+        return Frontend(cfg, _registry(), principal=OPERATOR, producer="cli", skipped=args.skipped)
+    from processors.api.client import ApiClient
+    from processors.api.users import read_token
+
+    return ApiClient(cfg.api_url, os.environ.get("ROPEWALK_TOKEN") or read_token(cfg.secrets))
+
+
+def _wait_s(args) -> float | None:
+    """How long an intent waits for the scheduler's verdict: through the API by default (``--no-wait``: not at all);
+    on the log directly only with ``--wait``."""
+    from processors.frontend.service import DEFAULT_WAIT_S
+
+    if args.no_wait:
+        return None
+    return DEFAULT_WAIT_S if args.wait or not direct(args) else None
+
+
+def _verdict(doc: dict, args) -> None:
+    """A refused intent is a failed command: its reason and message are the one error line."""
+    from processors.frontend.service import PENDING, REFUSED
+
+    if doc.get("verdict") == REFUSED:
+        if args.json:
+            _print(doc, True, "")
+        raise CliError(f"refused by the scheduler: {doc.get('reason')}: {doc.get('message')}".rstrip(": "))
+    if doc.get("verdict") == PENDING:
+        print(f"ropewalk: {doc.get('message')}; `ropewalk job status` shows what happened", file=sys.stderr)
+
+
+def _print(doc, as_json: bool, text: str) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=True) if as_json else text)
+
+
+def _table(headers: list[str], rows: list[list], empty: str) -> str:
+    """Rows under a header row, columns padded to their widest cell (kubectl's tables); ``empty`` when no rows."""
+    if not rows:
+        return empty
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *cells])
+
+
+def human_time(ms: int | None, now_ms: int | None = None) -> str:
+    """ms since epoch as a person reads it: UTC time to the second and how far from now (``2026-11-25 23:40:00Z
+    (in 10m)``); ``-`` for none. ``--json`` keeps the ms."""
+    if ms is None:
+        return "-"
+    from datetime import datetime, timezone
+
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    at = datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    return f"{at} ({_ago(ms - now_ms)})"
+
+
+def _ago(delta_ms: int) -> str:
+    s = abs(delta_ms) // 1000
+    span = f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
+    return "now" if s == 0 else f"in {span}" if delta_ms > 0 else f"{span} ago"
+
+
+def _parse_time(value: str | None) -> int | None:
+    """ms since epoch, an ISO-8601 time (UTC unless it has an offset), or a duration ago (``10m``, ``1h``, ``2d``):
+    ``processors/times.parse_time``, a bad one a ``CliError``."""
+    try:
+        return times.parse_time(value)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _duration_ms(value: str) -> int:
+    """``90`` (seconds), ``90s``, ``15m``, ``2h`` or ``500ms`` → ms (``processors/times.duration_ms``), a bad one a
+    ``CliError``."""
+    try:
+        return times.duration_ms(value)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+# -- the parser's pieces every command module uses -------------------------------------------------------------------
+AT_HELP = ("a moment: ms since epoch, ISO-8601, now-DURATION (now-15m), or TOPIC/PARTITION@OFFSET (when that "
+           "record was written)")
+
+
+def command(sub, name: str, fn, help_: str, json_flag: bool = True, json_help: str = "print one JSON document"):
+    """A command under ``sub`` (the parser's subcommands) run by ``fn(cfg, args)``, its help as its description."""
+    sp = sub.add_parser(name, help=help_, description=help_)
+    sp.set_defaults(fn=fn)
+    if json_flag:
+        sp.add_argument("--json", action="store_true", help=json_help)
+    return sp
+
+
+def user_command(sp, intent: bool = False):
+    """A command of the front end: through the API unless --direct (cli.py's docstring)."""
+    sp.add_argument("--direct", action="store_true",
+                    help="act on the log itself as the operator, not through the API (or ROPEWALK_DIRECT=1)")
+    if intent:
+        when = sp.add_mutually_exclusive_group()
+        when.add_argument("--wait", action="store_true", help="wait for the scheduler's verdict (through the "
+                          "API, job submit waits by default)")
+        when.add_argument("--no-wait", action="store_true", help="do not wait for the scheduler's verdict")
+    return sp

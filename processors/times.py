@@ -1,0 +1,43 @@
+"""Times and durations as people write them, for the CLI, the API and the history. Pure: no I/O.
+
+    parse_time("10m")                   # ten minutes ago, ms since epoch; also ISO-8601 or ms since epoch
+    duration_ms("90s")                  # 90000; also 500ms, 15m, 2h, 1d, or bare seconds
+
+A malformed value raises ``ValueError`` with a one-line reason naming the forms a value may take (the CLI prints it
+as its error line; ``processors/history/moments.parse_moment`` adds its own forms on top of these).
+"""
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+UNITS = (("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000))
+
+
+def duration_ms(value: str) -> int:
+    """``90`` (seconds), ``90s``, ``15m``, ``2h``, ``1d`` or ``500ms`` → ms."""
+    for suffix, ms in UNITS:
+        if value.endswith(suffix) and value[: -len(suffix)].isdigit():
+            return int(value[: -len(suffix)]) * ms
+    if value.isdigit():
+        return int(value) * 1000
+    raise ValueError(f"bad duration {value!r}: use seconds, or 500ms, 90s, 15m, 2h, 1d")
+
+
+def parse_time(value: str | None, now_ms: int | None = None) -> int | None:
+    """ms since epoch, an ISO-8601 time (UTC unless it has an offset), or a duration ago (``10m``, ``1h``, ``2d``)
+    before ``now_ms`` (default: the clock); None for None."""
+    if value is None:
+        return None
+    if value.isdigit():
+        return int(value)
+    if value[:1].isdigit() and value[-1:] in ("s", "m", "h", "d"):
+        return (int(time.time() * 1000) if now_ms is None else now_ms) - duration_ms(value)
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"bad time {value!r}: use a duration ago (10m, 1h, 2d), ISO-8601 (2026-11-22T10:00:00Z) or "
+                         f"ms since epoch") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return int(dt.timestamp() * 1000)
