@@ -148,7 +148,8 @@ def main() -> None:
 
     cores = len(os.sched_getaffinity(0))
     total_parts = sum(Topics("", args.partitions).partitions_of(t.name) for t in CATALOGUE)
-    import confluent_kafka, fastavro
+    import confluent_kafka
+    import fastavro
     print(f"\nconditions: {n} records ({args.records} events + {n - args.records} _schemas), avg key+value "
           f"{size / n:.0f} B, {args.partitions} partitions per topic ({total_parts} in all), {cores} cores, "
           f"confluent-kafka {confluent_kafka.__version__} / librdkafka {confluent_kafka.libversion()[0]}, "

@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 res = {"name": name, **isolated(fn, *fn_args)}
-            except Exception as exc:  # one failed reader should not lose the others' numbers
+            except Exception as exc:  # noqa: BLE001 - one failed reader should not lose the others' numbers
                 res = {"name": name, "error": f"{type(exc).__name__}: {exc}"}
             results.append(res)
             _print(res)

@@ -196,7 +196,6 @@ class Storm:
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         from bench.env import FAUST_ENV, cores
-        from infra import supervisor
         from processors import controlplane
 
         opts, say = self.opts, self.say

@@ -522,7 +522,7 @@ def run_latency(cfg: Config, name: str, prefix: str, transactional: bool, sample
                 child.drain()
                 raise RuntimeError(f"record {i} not visible within 10 s ({child.failed() or 'no error reported'})")
             lat_ms.append((t1 - t0) * 1000)
-    except Exception as exc:  # report what was measured and why it stopped
+    except Exception as exc:  # noqa: BLE001 - report what was measured and why it stopped
         res["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         note = child.stop()

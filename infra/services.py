@@ -41,7 +41,7 @@ def broker_ready(cfg: Config, conf: dict | None = None) -> bool:
 
     try:
         md = AdminClient({**(conf or cfg.kafka_conf()), "log_level": 0}).list_topics(timeout=2)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to list the topics: not ready
         return False
     return all(t.error is None and all(p.leader >= 0 and p.error is None for p in t.partitions.values())
                for t in md.topics.values())
@@ -50,7 +50,7 @@ def broker_ready(cfg: Config, conf: dict | None = None) -> bool:
 def redis_ready(cfg: Config) -> bool:
     try:
         return bool(cfg.redis_client(socket_timeout=1).ping())
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to ping: not ready
         return False
 
 

@@ -56,8 +56,8 @@ def load(cfg: Config, registry: SchemaRegistry, only: bytes | None = None, timeo
                     try:
                         registry.learn(m.value().decode())
                         seen += 1
-                    except Exception:
-                        pass  # a broken schema record cannot be used; the data record will dead-letter
+                    except Exception:  # noqa: BLE001 - a broken schema record cannot be used: its data
+                        pass  # records will dead-letter
         return seen
     finally:
         c.close()

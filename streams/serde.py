@@ -194,7 +194,7 @@ class SchemaRegistry:
                 record = schemaless_reader(buf, writer.parsed, None)
             else:
                 record = schemaless_reader(buf, writer.parsed, reader.parsed)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any decoding failure becomes the reason below
             kind = type(exc).__name__
             if kind == "SchemaResolutionError":
                 raise DecodeError(INCOMPATIBLE_SCHEMA, f"{writer.fullname}: {exc}") from None

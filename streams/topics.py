@@ -181,7 +181,7 @@ def provision(admin, topics: Topics, timeout_s: float = 15.0) -> dict:
             try:
                 fut.result()
                 created.append(name)
-            except Exception as exc:  # a concurrent provision created it first: fine
+            except Exception as exc:  # noqa: BLE001 - a concurrent provision created it first: fine
                 err = exc.args[0] if exc.args else None
                 if not (hasattr(err, "code") and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
                     raise TopicError(f"cannot create topic {name}: {exc}") from None

@@ -300,7 +300,7 @@ class ProcessAgent(LoopWorker):
         while self._unsent:
             try:
                 self.producer.send(self._unsent[0], validate=False)
-            except Exception as exc:  # DeliveryError (earlier records, or the schema not yet published)
+            except Exception as exc:  # noqa: BLE001 - DeliveryError (earlier records, or the schema not yet published)
                 self.errors += 1
                 log.warning("agent %s: cannot send %s: %s", self.machine_id, self._unsent[0].type, exc)
                 if isinstance(exc, KafkaException) and exc.args and exc.args[0].fatal():
@@ -398,7 +398,7 @@ class ProcessAgent(LoopWorker):
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
                                           types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE})
             return True
-        except Exception as exc:  # broker away: try again later, tasks go on
+        except Exception as exc:  # noqa: BLE001 - broker away: try again later, tasks go on
             self.errors += 1
             self.consumer = None
             log.warning("agent %s: cannot read %s: %s", self.machine_id, self.topic, exc)
@@ -411,13 +411,13 @@ class ProcessAgent(LoopWorker):
             return 0
         try:
             records = self.consumer.poll(1000, timeout_s)
-        except Exception as exc:  # a broker error: librdkafka reconnects by itself; records of the failed
+        except Exception as exc:  # noqa: BLE001 - a broker error: librdkafka reconnects by itself; records of the failed
             self.errors += 1       # batch are read again from the agent's own offsets (duplicates are no-ops)
             log.warning("agent %s: reading %s: %s", self.machine_id, self.topic, exc)
             try:
                 self.consumer.assign(self.offsets, only=[(self.topic, i) for i in range(self.partitions)]
                                      + self.judge.partitions)
-            except Exception:
+            except Exception:  # noqa: BLE001 - the assignment failed: the consumer is made again next time
                 self._close_consumer()
             time.sleep(timeout_s)
             return 0
@@ -492,7 +492,7 @@ class ProcessAgent(LoopWorker):
         if self.consumer is not None:
             try:
                 self.consumer.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - closing a broken consumer: nothing more to do
                 pass
         self.consumer = None
 
@@ -507,7 +507,7 @@ class ProcessAgent(LoopWorker):
         self.flush_reports()
         try:
             self.producer._producer.poll(0)  # serve delivery reports (EventProducer polls only every 1000 sends)
-        except Exception:
+        except Exception:  # noqa: BLE001 - delivery reports are served again at the next poll
             pass
 
     def run(self, until: float | None = None) -> None:
@@ -528,7 +528,7 @@ class ProcessAgent(LoopWorker):
         self._close_consumer()
         try:
             self.producer.flush(5.0)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - at exit: logged, nothing more to do
             log.warning("agent %s: reports not delivered at exit: %s", self.machine_id, exc)
 
     def suspend_tasks(self) -> None:

@@ -487,7 +487,6 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                      exclude_type: Annotated[list[str] | None, Query(description="event types to leave out")] = None
                      ) -> StreamingResponse:
         from streams import replay as rp
-        from streams.topics import TopicError
 
         flt = replay_filter(user, entitlement=entitlement, job=job, machine=machine, since_ms=since_ms,
                             until_ms=until_ms, topics=tuple(topic) if topic else None,

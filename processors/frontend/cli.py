@@ -1026,7 +1026,7 @@ def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    except Exception as exc:  # every failure is one line with a reason, never a traceback
+    except Exception as exc:  # noqa: BLE001 - every failure is one line with a reason, never a traceback
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         skipped = args.skipped.report()  # on the same line: it may be why (a job whose only state was unreadable)
         print(f"ropewalk: {msg}" + (f" ({skipped})" if skipped else ""), file=sys.stderr)

@@ -148,7 +148,7 @@ def load_region(path: str | Path) -> RegionSpec:
             data = yaml.safe_load(text)
     except ValueError as exc:  # json.JSONDecodeError
         raise RegionSpecError("", f"not valid JSON: {exc}", str(path)) from None
-    except Exception as exc:  # yaml.YAMLError
+    except yaml.YAMLError as exc:
         raise RegionSpecError("", f"not valid YAML: {exc}", str(path)) from None
     try:
         return parse_region(data)

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(130)
     except SystemExit:
         raise
-    except Exception as exc:  # one line with the reason, never a traceback (the CLI's rule)
+    except Exception as exc:  # noqa: BLE001 - one line with the reason, never a traceback (the CLI's rule)
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SystemExit(f"{ap.prog}: {text}") from None
 

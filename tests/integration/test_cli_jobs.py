@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event

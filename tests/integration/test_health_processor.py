@@ -47,7 +47,7 @@ class Heartbeats(threading.Thread):
                                                      entitlement="free/dc1", entity_id=mid, producer="test-agent"))
                 self.producer.flush()
                 time.sleep(BEAT_S)
-        except Exception as exc:  # surfaced by the test
+        except Exception as exc:  # noqa: BLE001 - surfaced by the test
             self.error = exc
 
     def stop(self):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import redis
 
 from allocator_log import SEQUENCES, Log, allocated, assign, deallocated, profile, reg, requested, status
 from processors.allocator.fold import CONFLICT_TASK_PLACED, RegionFold

@@ -11,7 +11,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import redis
 
 from processors.allocator.processor import PRODUCER, Allocator, build_app
 from streams.clients import EventProducer, Record

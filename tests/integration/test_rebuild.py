@@ -20,7 +20,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
 from confluent_kafka.admin import AdminClient
 
 from processors.allocator.fold import EVENT_TYPES, merged

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 
-import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from streams.topics import CATALOGUE, Topics, provision

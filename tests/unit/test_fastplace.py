@@ -349,7 +349,7 @@ def index_state(index):
     sorted lists."""
     return (index._machines, +index._held,
             {k: (g.ids, g.down, g.maint, +g.shapes,
-                 {lv: {d: l for d, l in by.items() if l} for lv, by in g.lists.items()})
+                 {lv: {d: lst for d, lst in by.items() if lst} for lv, by in g.lists.items()})
              for k, g in index._groups.items()})
 
 

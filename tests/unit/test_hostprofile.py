@@ -2,8 +2,7 @@
 (processors/sidekick/decide.py). Pure: no broker."""
 import pytest
 
-from allocator_log import Log, allocated, assign, ev as alloc_ev, reg, requested, status
-from processors.agent import decide as d
+from allocator_log import Log, allocated, ev as alloc_ev, reg, requested, status
 from processors.agent import hostprofile as hp
 from processors.sidekick import decide as sk
 from processors.sidekick import catalogue

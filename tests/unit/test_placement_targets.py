@@ -9,7 +9,7 @@ from processors.allocator import placement
 from processors.allocator.fold import PROFILE_APPLIED, PROFILE_FAILED, PROFILE_PENDING, RegionFold, profile_state
 from processors.allocator.placement import (
     FILTER_AVOIDED, FILTER_CPU, FILTER_MAINTENANCE, FILTER_OTHER_ENTITLEMENT, FILTER_STATUS, QUOTA_EXCEEDED,
-    TARGET_REJECTED, UNKNOWN_TARGET, Entitlement,
+    TARGET_REJECTED, UNKNOWN_TARGET,
 )
 
 # name: (target machines, request, held machines, expected placements, expected rejections)

@@ -9,7 +9,7 @@ from processors.scheduler import decide as rb  # the moves' reasons: rb.REASON_R
 from processors.scheduler.decide import JOB_UPDATING, OP_MOVE, REASON_UNKNOWN_TASK, retry_unplaced
 from processors.taskcontrol.limiter import Limits, Rate
 from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit is on sys.path)
-    ENT, T0, Allocator, Sim, agent_reactions, allocated, entitlement, ev, kinds, of_type, refusals, rejected,
+    ENT, T0, Allocator, agent_reactions, allocated, entitlement, ev, kinds, of_type, refusals, rejected,
     report, running_job, spec_changed, stopped,
 )
 from test_taskcontrol_scheduler import CTL, ack, requests, settle
