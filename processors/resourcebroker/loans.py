@@ -136,7 +136,7 @@ def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[Lo
         m = dict(book.maintenance)
         for mid in p["machine_ids"]:
             left = tuple(u for u in m.get(mid, ()) if u != p["unavailability_id"])
-            m.pop(mid) if not left else m.__setitem__(mid, left)
+            m.pop(mid, None) if not left else m.__setitem__(mid, left)  # a failure's end: no maintenance held
         return _with(book, maintenance=m), []
     if t in ("AllocationRejected", "TasksAllocated"):
         demand = dict(book.demand)

@@ -172,3 +172,19 @@ def test_a_restarted_lender_reads_its_decisions_back_and_decides_alike():
 def test_the_rules_table_names_each_rule_once():
     names = [r["rule"] for r in ln.rules_table()]
     assert names == ["take_back_when_short", "lend_to_waiting_borrowers"] and len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("started_kind", [None, "FAILURE"])
+def test_the_end_of_an_unavailability_the_lender_holds_no_maintenance_for_is_folded(started_kind):
+    """A machine's failure ends (`machine recover`: UnavailabilityEnded of a FAILURE, which the lender does not
+    hold): folding it changes nothing (it raised KeyError, so the lender worker and the loans view crashed)."""
+    b = lending(4)
+    machine = next(iter_machines(generate_region(4))).id
+    if started_kind:
+        b.feed(ev("UnavailabilityStarted", {"unavailability_id": "ue-f", "kind": started_kind, "machine_ids": [machine],
+                                            "start_ms": T0, "deadline_ms": None, "expected_duration_ms": None,
+                                            "reason": "failed", "vacate": False}, "free", producer="health"))
+    before = b.book.maintenance
+    assert b.feed(ev("UnavailabilityEnded", {"unavailability_id": "ue-f", "machine_ids": [machine]}, "free",
+                     producer="health")) == []
+    assert b.book.maintenance == before
