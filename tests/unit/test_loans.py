@@ -7,6 +7,7 @@ import pytest
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED
 from processors.resourcebroker import decide as rb
 from processors.resourcebroker import loans as ln
+from processors.resourcebroker import loans_view
 from processors.resourcebroker.region import generate_region, iter_machines
 from streams.events import new_event
 from streams.serde import SchemaRegistry
@@ -140,6 +141,18 @@ def test_an_owner_short_of_machines_takes_them_back_with_notice_and_each_return_
     assert back[1].payload["unavailability_id"] == rev["revocation_id"]
     assert b.feed(released(rev["machine_ids"][0], "batch", T0 + 11_000)) == [], "a release read twice: nothing"
     assert ln.view(b.book, T0 + 12_000)["loans"][0]["machines"] == 3
+    # the loans page's history, and what a user of one entitlement sees of it
+    lender = next(e.payload["lender"] for e in b.emitted if e.type == "LoanGranted")
+    hist = loans_view.history(b.emitted)
+    assert [(h["kind"], h["borrower"], h["lenders"], h["machines"], h["deadline_ms"]) for h in hist] == [
+        ("granted", "batch", [lender], 4, None), ("revoked", "batch", rev["lenders"], 1, T0 + 9000),
+        ("returned", "batch", [], 1, None)]
+    assert hist[2]["machine_ids"] == rev["machine_ids"] and hist[2]["at_ms"] == T0 + 11_000
+    doc = {**ln.view(b.book, T0 + 12_000), "returns": [dict(back[0].payload, borrower="batch")], "history": hist}
+    assert loans_view.only(doc, ["batch", "web"])["history"] == hist
+    assert loans_view.only(doc, "other") == {**doc, "loans": [], "revocations": [], "returns": [], "history": [],
+                                             "elastic": {}, "owner_demand": {}, "borrower_demand": {},
+                                             "returned_p99_ms": None}
 
 
 def test_lent_quota_not_in_use_goes_back_first_and_no_new_loan_within_the_cooldown():
