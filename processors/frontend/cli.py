@@ -145,7 +145,10 @@ def cmd_up(cfg: Config, args) -> int:
     t0 = time.monotonic()
     step = _Steps(t0)
     step("starting the broker and Redis")
-    st = services.up(cfg)
+    try:
+        st = services.up(cfg)
+    except services.InfraError as exc:
+        raise CliError(_remembered_hint(str(exc))) from None
     remember_endpoints()  # a new shell without the variables finds this region (infra/config.py)
     admin = _admin(cfg)
     step("provisioning topics and ACLs")
@@ -203,6 +206,24 @@ def cmd_up(cfg: Config, args) -> int:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
     return 0
+
+
+def _remembered_hint(error: str) -> str:
+    """``error`` of a service `up` could not reach, and, when the endpoints came from an earlier `up`
+    (endpoints.json, infra/config.py) rather than this shell, that they did and how to forget them."""
+    import os
+
+    from infra.config import remembered_endpoints, remembered_from
+
+    path = remembered_from(dict(os.environ))
+    if path is None:
+        return error
+    names = ", ".join(f"{k}={v}" for k, v in sorted(remembered_endpoints(dict(os.environ)).items())
+                      if k in ("ROPEWALK_BOOTSTRAP_SERVERS", "ROPEWALK_REDIS_URL", "ROPEWALK_BROKER_PORT",
+                               "ROPEWALK_REDIS_PORT"))
+    return (f"{error}; these endpoints were remembered from an earlier `ropewalk up` in {path} ({names}). If that "
+            f"region is gone: `ropewalk down --forget` forgets them (or remove {path}), then `ropewalk up` starts "
+            f"a new region; if it is only restarting, run `ropewalk up` again once it answers")
 
 
 def _scrape_targets(cfg: Config) -> dict:
@@ -284,8 +305,14 @@ def cmd_down(cfg: Config, args) -> int:
     if args.keep_tasks:
         controlplane.keep_tasks(cfg)
     st = services.down(cfg)
-    _print(st, args.json, "\n".join(f"{k}: {'stopped' if v.get('stopped') else 'was not running'}" for k, v in st.items())
-           or "nothing to stop (external broker and Redis)")
+    lines = [f"{k}: {'stopped' if v.get('stopped') else 'was not running'}" for k, v in st.items()]
+    if args.forget:
+        from infra.config import forget_endpoints
+
+        gone = forget_endpoints()
+        st = {**st, "forgot": str(gone) if gone else None}
+        lines.append(f"forgot the endpoints remembered in {gone}" if gone else "no endpoints were remembered")
+    _print(st, args.json, "\n".join(lines) or "nothing to stop (external broker and Redis)")
     return 0
 
 
@@ -959,6 +986,9 @@ def build_parser() -> argparse.ArgumentParser:
              "process agent stops its tasks (started again at the next `up`)")
     sp.add_argument("--keep-tasks", action="store_true",
                     help="leave the process agent's tasks running; the next `up` adopts them")
+    sp.add_argument("--forget", action="store_true",
+                    help="also forget the endpoints the last `up` remembered (<run dir>/endpoints.json): a new shell "
+                         "uses the defaults or its ROPEWALK_* variables")
     cmd("status", cmd_status, "components, endpoints, every expected worker (state, restarts) and topic sizes; "
         "exits 1 when one is down")
     sp = cmd("produce", cmd_produce, "validate JSON against an event's schema, fill the envelope, produce it")
