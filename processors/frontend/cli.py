@@ -490,11 +490,27 @@ def cmd_job_status(cfg: Config, args) -> int:
 
 def cmd_job_list(cfg: Config, args) -> int:
     rows = _front(cfg, args).jobs(args.entitlement)
-    _print(rows, args.json, _table(JOB_COLUMNS, [_job_row(v) for v in rows], "no jobs"))
+    _print(rows, args.json or args.output == "json", job_table(rows, args.output == "wide"))
     return 0
 
 
 JOB_COLUMNS = ["JOB", "STATE", "RUNNING", "TASKS", "LAST-REASON"]
+# `job list -o wide`: the columns a user looks for next (kubectl's wide: more of the same row), the last reason last
+JOB_WIDE = (("ENTITLEMENT", lambda v, now: v["entitlement"]),
+            ("SPEC", lambda v, now: f"v{v['spec_version']}" + (f" (incarnation {v['incarnation']})"
+                                                               if v.get("incarnation", 1) != 1 else "")),
+            ("MACHINES", lambda v, now: len({t["machine"] for t in v["tasks"] if t["machine"]})),
+            ("DCS", lambda v, now: ",".join(sorted({t["dc"] for t in v["tasks"] if t["dc"]})) or "-"),
+            ("UPDATED", lambda v, now: human_time(v.get("updated_ms"), now)))
+
+
+def job_table(rows: list[dict], wide: bool = False, now_ms: int | None = None) -> str:
+    """`job list` (``wide``: with JOB_WIDE's columns before the last reason)."""
+    if not wide:
+        return _table(JOB_COLUMNS, [_job_row(v) for v in rows], "no jobs")
+    head = [*JOB_COLUMNS[:-1], *(name for name, _ in JOB_WIDE), JOB_COLUMNS[-1]]
+    return _table(head, [[*_job_row(v)[:-1], *(cell(v, now_ms) for _, cell in JOB_WIDE), _job_row(v)[-1]]
+                         for v in rows], "no jobs")
 
 
 def _task_counts(v: dict) -> str:
@@ -590,12 +606,31 @@ def cmd_maintenance_list(cfg: Config, args) -> int:
     rows = [{"unavailability_id": ue, "machines": sorted(m["id"] for m in ms),
              "statuses": {s: sum(m["status"] == s for m in ms) for s in sorted({m["status"] for m in ms})}}
             for ue, ms in sorted(by_id.items())]
-    _print(rows, args.json, _table(["MAINTENANCE", "MACHINES", "STATUSES", "FIRST-MACHINES"],
-                                   [[r["unavailability_id"], len(r["machines"]),
-                                     ", ".join(f"{s} {n}" for s, n in r["statuses"].items()),
-                                     ",".join(r["machines"][:3]) + (" ..." if len(r["machines"]) > 3 else "")]
-                                    for r in rows], "no maintenance planned or under way"))
+    wide = args.output == "wide"
+    if wide:  # when, from the log's UnavailabilityStarted (the machines' views name only the id)
+        windows = {w["unavailability_id"]: w for w in _front(cfg, args).maintenance_windows()}
+        rows = [{**r, **{k: windows.get(r["unavailability_id"], {}).get(k) for k in MAINTENANCE_WHEN}} for r in rows]
+    _print(rows, args.json or args.output == "json", maintenance_table(rows, wide))
     return 0
+
+
+MAINTENANCE_WHEN = ("start_ms", "deadline_ms", "expected_duration_ms", "reason")
+
+
+def maintenance_table(rows: list[dict], wide: bool = False, now_ms: int | None = None) -> str:
+    """`maintenance list` (``wide``: when it starts, its deadline, how long, why, and every machine)."""
+    head = ["MAINTENANCE", "MACHINES", "STATUSES"]
+    cells = [[r["unavailability_id"], len(r["machines"]), ", ".join(f"{s} {n}" for s, n in r["statuses"].items())]
+             for r in rows]
+    if not wide:
+        return _table([*head, "FIRST-MACHINES"],
+                      [[*c, ",".join(r["machines"][:3]) + (" ..." if len(r["machines"]) > 3 else "")]
+                       for c, r in zip(cells, rows)], "no maintenance planned or under way")
+    return _table([*head, "START", "DEADLINE", "DURATION", "REASON", "MACHINE-IDS"],
+                  [[*c, human_time(r.get("start_ms"), now_ms), human_time(r.get("deadline_ms"), now_ms),
+                    f"{r['expected_duration_ms'] // 60_000}m" if r.get("expected_duration_ms") else "-",
+                    r.get("reason") or "-", ",".join(r["machines"])] for c, r in zip(cells, rows)],
+                  "no maintenance planned or under way")
 
 
 def _profile_text(r: dict) -> str:
@@ -1041,6 +1076,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_job_list)
     sp.add_argument("--entitlement")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("-o", "--output", choices=["wide", "json"],
+                    help="wide: also entitlement, spec version, machines, DCs, when updated; json: as --json")
     sp = user_command(job.add_parser("resize", help="change a job's task count"), intent=True)
     sp.set_defaults(fn=cmd_job_resize)
     sp.add_argument("job")
@@ -1120,6 +1157,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "statuses"))
     sp.set_defaults(fn=cmd_maintenance_list)
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("-o", "--output", choices=["wide", "json"],
+                    help="wide: also start, deadline, duration, reason and every machine; json: as --json")
     sp = user_command(mnt.add_parser("end", help="the maintenance is over: machines back UP, tasks stopped for it "
                                                  "start again"))
     sp.set_defaults(fn=cmd_maintenance)
