@@ -185,7 +185,7 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
                      timeout_s=120)
         cli.wait_for(lambda: (cli.json("srm", "decisions", "--job", "e4.api") or {}).get("decisions"),
                      "the SRM's decision on e4.api", timeout_s=60)
-        cli.wait_for(lambda: (cli.json("loans", "show") or {}).get("loans"), "a loan to e3", timeout_s=90)
+        lent = cli.wait_for(lambda: (cli.json("loans", "show") or {}).get("loans"), "a loan to e3", timeout_s=90)
 
         page.click("header nav a[href='/ui/rebalance']")
         plan = page.locator("section.plan[data-entitlement='e2']").first
@@ -208,6 +208,8 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
         expect(refused.locator(".reason")).to_have_text("no_canary")
         expect(refused.locator(".field")).to_have_text("action")
         expect(page.locator("#elasticity")).to_have_text("not set")
+        expect(page.locator("#ledger tr", has_text="autoscale 1..4").locator(".outcome")).to_have_text(
+            "in force (no spec change yet)")  # a policy: the SRM's sizes change the spec, not the policy itself
         page.screenshot(path=str(shots / "ui-intents.png"), full_page=True)
 
         page.click("header nav a[href='/ui/srm']")
@@ -216,12 +218,13 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
         expect(row.locator(".decision")).to_contain_text("scale_up")
         expect(row.locator(".why")).to_contain_text("hold_same")  # now: it holds at the size it chose
         expect(row.locator(".size")).to_have_text("4")
+        assert cli.json("srm", "plan", "e4.api")["rule"] == "hold_same"  # the same dry run, through the API
         page.screenshot(path=str(shots / "ui-srm.png"), full_page=True)
 
         page.click("header nav a[href='/ui/loans']")
         loan = page.locator("#loans tbody tr").first
         expect(loan.locator(".borrower")).to_have_text("e3")
-        expect(loan.locator(".lender")).to_have_text("free")
+        expect(loan.locator(".lender")).to_have_text(lent[0]["lender"])  # the free pool, or e1's idle quota
         expect(page.locator("#history tr.k-granted .borrower").first).to_have_text("e3")
         page.screenshot(path=str(shots / "ui-loans.png"), full_page=True)
 
