@@ -366,7 +366,9 @@ def test_srm_plan_says_what_it_would_decide_and_writes_nothing(cfg, registry):
     assert (plan["direction"], plan["rule"], plan["current_tasks"], plan["tasks"]) == (sd.UP, "scale_up", 2, 8)
     assert plan["says"] == sd.SAYS["scale_up"] and plan["dry_run"] and plan["at_ms"] == 1_700_000_120_000
     text = cli(cfg, "srm", "plan", job, "--direct")
-    assert text.stdout.startswith(f"job {job}  would up 2 -> 8  (scale_up: ")
+    readme = (ROOT / "processors" / "srm" / "README.md").read_text().split("$ ropewalk srm plan e1.web\n")[1]
+    assert text.stdout.splitlines() == [line.strip().replace("e1.web", job)
+                                        for line in readme.split("```")[0].strip().splitlines()]  # as written
     assert end_offsets() == before, "a dry run wrote to the log"
     unknown = cli(cfg, "srm", "plan", "dry.nothing", "--direct")
     assert unknown.returncode == 1 and "the SRM knows nothing of 'dry.nothing'" in unknown.stderr
