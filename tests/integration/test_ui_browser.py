@@ -243,4 +243,8 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
         assert answer.status == 403
         expect(viewer.locator("#refused")).to_have_attribute("data-reason", "no_role_on_entitlement")
         expect(viewer.locator("#refused")).to_contain_text("viewer2 has no role on entitlement 'e4'")
+        assert viewer.goto(f"{base}/ui/jobs/e4.api").status == 403  # the job's own page: the same refusal
+        expect(viewer.locator("#refused")).to_have_attribute("data-reason", "no_role_on_entitlement")
+        assert viewer.goto(f"{base}/ui/jobs/e2.nosuch").status == 404  # a job of its own that is not there
+        expect(viewer.locator("#refused")).to_have_attribute("data-reason", "unknown_job")
         browser.close()

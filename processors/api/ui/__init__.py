@@ -61,6 +61,24 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
     def page(name: str, request: Request, **ctx: Any) -> HTMLResponse:
         return HTMLResponse(env.get_template(name).render(request=request, vendor=VENDOR.is_dir(), **ctx))
 
+    def refused(request: Request, user, exc: Exception) -> HTMLResponse:
+        """A page the API refuses (403: the user's role; 404: nothing of that name; 503: the log): said on a page
+        with the API's reason constant, in the page's frame."""
+        status = getattr(exc, "status", None) or 400
+        return HTMLResponse(env.get_template("refused.html").render(
+            request=request, vendor=False, user=user, reason=getattr(exc, "reason", "error"), status=status,
+            message=getattr(exc, "message", str(exc))), status)
+
+    async def answered(request: Request, user, fn, *args):
+        """``fn(*args)`` of the API, or the refusal page for its error (the API's own ApiError, FrontendError)."""
+        from processors.api.app import ApiError
+        from processors.frontend.service import FrontendError
+
+        try:
+            return await fn(*args), None
+        except (ApiError, FrontendError) as exc:
+            return None, refused(request, user, exc)
+
     @app.get("/ui/login", include_in_schema=False)
     async def login_form(request: Request) -> HTMLResponse:
         return page("login.html", request, error=None)
@@ -91,15 +109,15 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
     async def job_page(request: Request, job: str) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        view = await api["job_status"](job, user)
-        return page("job.html", request, user=user, job=_job_summary(view), view=view)
+        view, err = await answered(request, user, api["job_status"], job, user)
+        return err or page("job.html", request, user=user, job=_job_summary(view), view=view)
 
     @app.get("/ui/jobs/{job}/tasks", include_in_schema=False)
     async def job_tasks(request: Request, job: str) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        view = await api["job_status"](job, user)
-        return page("tasks.html", request, job=_job_summary(view), view=view)
+        view, err = await answered(request, user, api["job_status"], job, user)
+        return err or page("tasks.html", request, job=_job_summary(view), view=view)
 
     @app.get("/ui/jobs/{job}/timeline.json", include_in_schema=False)
     async def job_timeline(request: Request, job: str) -> Response:
@@ -155,24 +173,6 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
         return page("events.html", request, user=user, rows=[(d, format_text_doc(d)) for d in docs[:FEED_LIMIT]],
                     shown=min(len(docs), FEED_LIMIT), matched=len(docs), error=error,
                     f={"entitlement": entitlement, "job": job, "type": type, "exclude": exclude, "since": since})
-
-    def refused(request: Request, user, exc: Exception) -> HTMLResponse:
-        """A page the API refuses (403: the user's role; 404: nothing of that name; 503: the log): said on a page
-        with the API's reason constant, in the page's frame."""
-        status = getattr(exc, "status", None) or 400
-        return HTMLResponse(env.get_template("refused.html").render(
-            request=request, vendor=False, user=user, reason=getattr(exc, "reason", "error"),
-            message=getattr(exc, "message", str(exc))), status)
-
-    async def answered(request: Request, user, fn, *args):
-        """``fn(*args)`` of the API, or the refusal page for its error (the API's own ApiError, FrontendError)."""
-        from processors.api.app import ApiError
-        from processors.frontend.service import FrontendError
-
-        try:
-            return await fn(*args), None
-        except (ApiError, FrontendError) as exc:
-            return None, refused(request, user, exc)
 
     @app.get("/ui/rebalance", include_in_schema=False)
     async def rebalance_page(request: Request) -> Response:
