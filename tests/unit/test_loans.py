@@ -201,3 +201,16 @@ def test_the_end_of_an_unavailability_the_lender_holds_no_maintenance_for_is_fol
     assert b.feed(ev("UnavailabilityEnded", {"unavailability_id": "ue-f", "machine_ids": [machine]}, "free",
                      producer="health")) == []
     assert b.book.maintenance == before
+
+
+def test_quota_lent_and_not_yet_used_answers_the_demand_that_asked_for_it():
+    """A borrower waiting for 1 task gets 1 machine of quota; until the allocator places the task (TasksAllocated
+    clears the demand), the next ticks see the same demand: the lent quota it does not use yet answers it (it was
+    lent again every tick, up to max_borrowed: 2 machines for 1 task in the browser test's region)."""
+    b = lending(10, max_borrowed=4)
+    b.feed(rejected("batch", "batch.crunch", QUOTA_EXCEEDED, 1))
+    assert [e.payload["machines"] for e in b.tick(T0 + 1000) if e.type == "LoanGranted"] == [1]
+    b.feed(rejected("batch", "batch.crunch", QUOTA_EXCEEDED, 1, ts=T0 + 1500))  # the scheduler asked again
+    assert b.tick(T0 + 2000) == [], "the quota lent is not in use yet: it is what the task waits for"
+    b.feed(rejected("batch", "batch.crunch", QUOTA_EXCEEDED, 3, ts=T0 + 2500))  # now 3 wait: 2 more
+    assert [e.payload["machines"] for e in b.tick(T0 + 3000) if e.type == "LoanGranted"] == [2]
