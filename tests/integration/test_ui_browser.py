@@ -226,6 +226,7 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
         expect(loan.locator(".borrower")).to_have_text("e3")
         expect(loan.locator(".lender")).to_have_text(lent[0]["lender"])  # the free pool, or e1's idle quota
         expect(page.locator("#history tr.k-granted .borrower").first).to_have_text("e3")
+        expect(page.locator("#loans tbody tr")).to_have_count(1)  # one machine for its one waiting task, lent once
         page.screenshot(path=str(shots / "ui-loans.png"), full_page=True)
 
         # a viewer of e2 only: its plan, nothing of e3's loans or e4's SRM, a refusal for e4's intents
