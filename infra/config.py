@@ -21,7 +21,9 @@ real Redis needs no code change.
 
 **Endpoints remembered** (like a kubeconfig): `ropewalk up` writes the endpoint variables it was started with to
 ``$ROPEWALK_RUN_DIR/endpoints.json`` (``remember_endpoints``); a later process whose environment sets none of
-``ENDPOINT_VARS`` takes them from there, so a new shell finds the region its last `up` started.
+``ENDPOINT_VARS`` takes them from there, so a new shell finds the region its last `up` started. When that region
+is gone (its external broker no longer answers), `up` says the endpoints were remembered and where; `ropewalk down
+--forget` (``forget_endpoints``) removes the file.
 
 Which principal a process authenticates as is ``Config.principal``: ``operator`` unless the process names its own
 (``Config.as_principal``: every processor's main does); its credentials come from the secrets directory.
@@ -78,6 +80,23 @@ def remembered_endpoints(env: dict[str, str]) -> dict[str, str]:
     except (OSError, ValueError):
         return {}
     return {k: str(v) for k, v in doc.items() if k in ENDPOINT_VARS} if isinstance(doc, dict) else {}
+
+
+def remembered_from(env: dict[str, str]) -> Path | None:
+    """The endpoints file a process of ``env`` takes its endpoints from (``remembered_endpoints`` not empty), or
+    None: what a failure to reach them says (`ropewalk up`: they came from an earlier `up`, and how to forget)."""
+    return _run_dir(env) / ENDPOINTS_FILE if remembered_endpoints(env) else None
+
+
+def forget_endpoints(env: dict[str, str] | None = None) -> Path | None:
+    """Remove ``<run dir>/endpoints.json`` (`ropewalk down --forget`): later processes without endpoint variables
+    use the defaults again. The path removed, or None when there was none."""
+    path = _run_dir(dict(os.environ if env is None else env)) / ENDPOINTS_FILE
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return None
+    return path
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 | GET /v1/machines[?entitlement=&free=&at=] | machine.view       | machine views (free machines: any user); `at`: as then |
 | POST /v1/machines/{id}/fail, /recover | machine.fail, .recover | the events (`fail?dry_run=true`: what would happen) |
 | POST /v1/maintenance, /v1/maintenance/{id}/end | maintenance.plan, .end | the plan (`?dry_run=true`: what it would do) |
+| GET /v1/maintenance                   | machine.view (filtered) | maintenance not ended: start, deadline, machines (those on machines the user may see) |
 | GET /v1/region?at=                    | region.view            | the whole region at a moment (`ropewalk at TIME`) |
 | GET /v1/tasks/{task}/explain[?at=&why_not=] | job.view        | why the task is where it is (`ropewalk explain`) |
 | GET /v1/rebalance/plans[?entitlement=&all=] | rebalance.view  | the ReBalancer's plans, each move's progress (`rebalance plan --json`) |
@@ -26,8 +27,11 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 | GET /v1/events/jobs, /v1/events/machines[?entitlement=] | job.view / machine.view | server-sent events |
 | GET /v1/intents                       | intents.view (filtered) | every job with intents: who wants what, the reconciled spec |
 | GET /v1/jobs/{job}/intents[/history]  | intents.view           | the job's intents and reconciled spec; every reconciliation with provenance |
+| GET /v1/jobs/{job}/intents/ledger     | intents.view           | every intent declared: applied (generation), refused (reason, field), declared |
 | POST /v1/jobs/{job}/intents/{push,canary,size,resources} | intents.declare | 202, the intent (the Job Control Plane reconciles it) |
 | GET /v1/jobs/{job}/srm                | srm.view               | the autoscaler's picture of the job |
+| GET /v1/jobs/{job}/srm/plan           | srm.view               | what the SRM would decide now, and why (a dry run: writes nothing) |
+| GET /v1/srm                           | srm.view (filtered)    | every job the SRM knows: picture, decision now, latest decision |
 | GET /v1/srm/decisions[?job=]          | srm.view (a job) / region.view | the SRM's decisions with inputs and forecast, reversals |
 | GET /v1/loans[?entitlement=]          | loans.view (one entitlement) / region.view | loans, revocations, returns (took_ms vs bound), p99 |
 | PUT /v1/entitlements/{name}/elasticity | entitlement.elastic   | 202, EntitlementElasticityChanged |
@@ -55,6 +59,7 @@ from starlette.concurrency import run_in_threadpool
 
 from infra.config import Config
 from processors.api import authz, users as users_mod
+from processors.api.errors import ApiError
 from processors.api.authz import User
 from processors.frontend import service as fe
 from processors.frontend.service import Frontend, FrontendError
@@ -99,12 +104,6 @@ class TimedRequests:
             route = scope.get("route")
             API_REQUESTS.labels(route=getattr(route, "path", "unmatched"), method=scope["method"],
                                 status=status[0]).observe(time.monotonic() - t0)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, reason: str, message: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.reason, self.message, self.headers = status, reason, message, headers
 
 
 # -- request bodies (strict: a string is not a number) ----------------------------------------------------------
@@ -396,6 +395,15 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                          reason=body.reason, dry_run=dry_run)
         return JSONResponse(doc, 200 if dry_run else 201)
 
+    @app.get("/v1/maintenance", tags=["maintenance"])
+    async def maintenance_windows(user: CurrentUser) -> list[dict]:
+        rows = await call(front(user).maintenance_windows)
+        if user.region_admin:
+            return rows
+        seen = {m["id"] for m in await machines(user, None, False, None)}  # a window shows on the machines the user may see
+        return [dict(r, machines=[m for m in r["machines"] if m in seen]) for r in rows
+                if seen.intersection(r["machines"])]
+
     @app.post("/v1/maintenance/{unavailability_id}/end", tags=["maintenance"])
     async def maintenance_end(unavailability_id: str, user: CurrentUser) -> dict:
         allow(user, "maintenance.end", None)
@@ -426,6 +434,11 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         allow(user, "intents.view", fe.entitlement_of_job(job))
         return await call(front(user).intents_history, job)
 
+    @app.get("/v1/jobs/{job}/intents/ledger", tags=["intents"])
+    async def intents_ledger(job: JobId, user: CurrentUser) -> list[dict]:
+        allow(user, "intents.view", fe.entitlement_of_job(job))
+        return await call(front(user).intents_ledger, job)
+
     @app.post("/v1/jobs/{job}/intents/{dimension}", status_code=202, tags=["intents"])
     async def intent_declare(job: JobId, dimension: Literal["push", "canary", "size", "resources"],
                              body: dict[str, Any], user: CurrentUser) -> dict:
@@ -437,6 +450,16 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         allow(user, "srm.view", fe.entitlement_of_job(job))
         return await call(front(user).srm, job)
 
+    @app.get("/v1/jobs/{job}/srm/plan", tags=["srm"])
+    async def srm_plan(job: JobId, user: CurrentUser) -> dict:
+        allow(user, "srm.view", fe.entitlement_of_job(job))
+        return await call(front(user).srm_plan, job)
+
+    @app.get("/v1/srm", tags=["srm"])
+    async def srm_overview(user: CurrentUser) -> list[dict]:
+        rows = await call(front(user).srm_overview)
+        return [r for r in rows if authz.decide(user, "srm.view", r["entitlement"]).allowed]
+
     @app.get("/v1/srm/decisions", tags=["srm"])
     async def srm_decisions(user: CurrentUser, job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None) -> dict:
         scope = fe.entitlement_of_job(job) if job is not None else None
@@ -447,6 +470,15 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     async def loans(user: CurrentUser, entitlement: EntitlementQuery = None) -> dict:
         allow(user, "loans.view" if entitlement is not None else "region.view", entitlement)
         return await call(front(user).loans, entitlement)
+
+    async def loans_visible(user: User) -> dict:
+        """The loans document narrowed to what concerns the entitlements the user holds a role on (all of it for a
+        region admin): the web UI's loans page, which a viewer may open without naming an entitlement."""
+        from processors.resourcebroker.loans_view import only
+
+        doc = await call(front(user).loans, None)
+        return doc if user.region_admin else only(doc, [e for e in user.roles
+                                                        if authz.decide(user, "loans.view", e).allowed])
 
     @app.put("/v1/entitlements/{name}/elasticity", status_code=202, tags=["loans"])
     async def elasticity(name: Name, body: Elasticity, user: CurrentUser) -> dict:
@@ -590,5 +622,8 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     from processors.api import ui  # the web UI at /ui/ (processors/api/ui)
 
     ui.mount(app, users=users_file, api={"jobs": jobs, "job_status": job_status, "machines": machines,
-                                         "entitlements": entitlements}, events=events, replay_docs=replay_docs)
+                                         "entitlements": entitlements, "rebalance_plans": rebalance_plans,
+                                         "intents_list": intents_list, "intents_show": intents_show,
+                                         "intents_ledger": intents_ledger, "srm_overview": srm_overview,
+                                         "loans": loans_visible}, events=events, replay_docs=replay_docs)
     return app

@@ -140,6 +140,18 @@ class ApiClient:
     def srm(self, job: str) -> dict:
         return self._json("GET", f"/v1/jobs/{_q(job)}/srm")
 
+    def srm_plan(self, job: str) -> dict:
+        return self._json("GET", f"/v1/jobs/{_q(job)}/srm/plan")
+
+    def srm_overview(self) -> list[dict]:
+        return self._json("GET", "/v1/srm")
+
+    def intents_ledger(self, job: str) -> list[dict]:
+        return self._json("GET", f"/v1/jobs/{_q(job)}/intents/ledger")
+
+    def maintenance_windows(self) -> list[dict]:
+        return self._json("GET", "/v1/maintenance")
+
     def srm_decisions(self, job: str | None = None, entitlement: str | None = None) -> dict:
         return self._json("GET", "/v1/srm/decisions", query={"job": job})
 

@@ -58,7 +58,10 @@ def cmd_up(cfg: Config, args) -> int:
     t0 = time.monotonic()
     step = _Steps(t0)
     step("starting the broker and Redis")
-    st = services.up(cfg)
+    try:
+        st = services.up(cfg)
+    except services.InfraError as exc:
+        raise CliError(_remembered_hint(str(exc))) from None
     remember_endpoints()  # a new shell without the variables finds this region (infra/config.py)
     admin = _admin(cfg)
     step("provisioning topics and ACLs")
@@ -116,6 +119,24 @@ def cmd_up(cfg: Config, args) -> int:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
     return 0
+
+
+def _remembered_hint(error: str) -> str:
+    """``error`` of a service `up` could not reach, and, when the endpoints came from an earlier `up`
+    (endpoints.json, infra/config.py) rather than this shell, that they did and how to forget them."""
+    import os
+
+    from infra.config import remembered_endpoints, remembered_from
+
+    path = remembered_from(dict(os.environ))
+    if path is None:
+        return error
+    names = ", ".join(f"{k}={v}" for k, v in sorted(remembered_endpoints(dict(os.environ)).items())
+                      if k in ("ROPEWALK_BOOTSTRAP_SERVERS", "ROPEWALK_REDIS_URL", "ROPEWALK_BROKER_PORT",
+                               "ROPEWALK_REDIS_PORT"))
+    return (f"{error}; these endpoints were remembered from an earlier `ropewalk up` in {path} ({names}). If that "
+            f"region is gone: `ropewalk down --forget` forgets them (or remove {path}), then `ropewalk up` starts "
+            f"a new region; if it is only restarting, run `ropewalk up` again once it answers")
 
 
 def _scrape_targets(cfg: Config) -> dict:
@@ -198,8 +219,14 @@ def cmd_down(cfg: Config, args) -> int:
     if args.keep_tasks:
         controlplane.keep_tasks(cfg)
     st = services.down(cfg)
-    _print(st, args.json, "\n".join(f"{k}: {'stopped' if v.get('stopped') else 'was not running'}" for k, v in st.items())
-           or "nothing to stop (external broker and Redis)")
+    lines = [f"{k}: {'stopped' if v.get('stopped') else 'was not running'}" for k, v in st.items()]
+    if args.forget:
+        from infra.config import forget_endpoints
+
+        gone = forget_endpoints()
+        st = {**st, "forgot": str(gone) if gone else None}
+        lines.append(f"forgot the endpoints remembered in {gone}" if gone else "no endpoints were remembered")
+    _print(st, args.json, "\n".join(lines) or "nothing to stop (external broker and Redis)")
     return 0
 
 
@@ -378,11 +405,27 @@ def cmd_job_status(cfg: Config, args) -> int:
 
 def cmd_job_list(cfg: Config, args) -> int:
     rows = _front(cfg, args).jobs(args.entitlement)
-    _print(rows, args.json, _table(JOB_COLUMNS, [_job_row(v) for v in rows], "no jobs"))
+    _print(rows, args.json or args.output == "json", job_table(rows, args.output == "wide"))
     return 0
 
 
 JOB_COLUMNS = ["JOB", "STATE", "RUNNING", "TASKS", "LAST-REASON"]
+# `job list -o wide`: the columns a user looks for next (kubectl's wide: more of the same row), the last reason last
+JOB_WIDE = (("ENTITLEMENT", lambda v, now: v["entitlement"]),
+            ("SPEC", lambda v, now: f"v{v['spec_version']}" + (f" (incarnation {v['incarnation']})"
+                                                               if v.get("incarnation", 1) != 1 else "")),
+            ("MACHINES", lambda v, now: len({t["machine"] for t in v["tasks"] if t["machine"]})),
+            ("DCS", lambda v, now: ",".join(sorted({t["dc"] for t in v["tasks"] if t["dc"]})) or "-"),
+            ("UPDATED", lambda v, now: human_time(v.get("updated_ms"), now)))
+
+
+def job_table(rows: list[dict], wide: bool = False, now_ms: int | None = None) -> str:
+    """`job list` (``wide``: with JOB_WIDE's columns before the last reason)."""
+    if not wide:
+        return _table(JOB_COLUMNS, [_job_row(v) for v in rows], "no jobs")
+    head = [*JOB_COLUMNS[:-1], *(name for name, _ in JOB_WIDE), JOB_COLUMNS[-1]]
+    return _table(head, [[*_job_row(v)[:-1], *(cell(v, now_ms) for _, cell in JOB_WIDE), _job_row(v)[-1]]
+                         for v in rows], "no jobs")
 
 
 def _task_counts(v: dict) -> str:
@@ -478,12 +521,31 @@ def cmd_maintenance_list(cfg: Config, args) -> int:
     rows = [{"unavailability_id": ue, "machines": sorted(m["id"] for m in ms),
              "statuses": {s: sum(m["status"] == s for m in ms) for s in sorted({m["status"] for m in ms})}}
             for ue, ms in sorted(by_id.items())]
-    _print(rows, args.json, _table(["MAINTENANCE", "MACHINES", "STATUSES", "FIRST-MACHINES"],
-                                   [[r["unavailability_id"], len(r["machines"]),
-                                     ", ".join(f"{s} {n}" for s, n in r["statuses"].items()),
-                                     ",".join(r["machines"][:3]) + (" ..." if len(r["machines"]) > 3 else "")]
-                                    for r in rows], "no maintenance planned or under way"))
+    wide = args.output == "wide"
+    if wide:  # when, from the log's UnavailabilityStarted (the machines' views name only the id)
+        windows = {w["unavailability_id"]: w for w in _front(cfg, args).maintenance_windows()}
+        rows = [{**r, **{k: windows.get(r["unavailability_id"], {}).get(k) for k in MAINTENANCE_WHEN}} for r in rows]
+    _print(rows, args.json or args.output == "json", maintenance_table(rows, wide))
     return 0
+
+
+MAINTENANCE_WHEN = ("start_ms", "deadline_ms", "expected_duration_ms", "reason")
+
+
+def maintenance_table(rows: list[dict], wide: bool = False, now_ms: int | None = None) -> str:
+    """`maintenance list` (``wide``: when it starts, its deadline, how long, why, and every machine)."""
+    head = ["MAINTENANCE", "MACHINES", "STATUSES"]
+    cells = [[r["unavailability_id"], len(r["machines"]), ", ".join(f"{s} {n}" for s, n in r["statuses"].items())]
+             for r in rows]
+    if not wide:
+        return _table([*head, "FIRST-MACHINES"],
+                      [[*c, ",".join(r["machines"][:3]) + (" ..." if len(r["machines"]) > 3 else "")]
+                       for c, r in zip(cells, rows)], "no maintenance planned or under way")
+    return _table([*head, "START", "DEADLINE", "DURATION", "REASON", "MACHINE-IDS"],
+                  [[*c, human_time(r.get("start_ms"), now_ms), human_time(r.get("deadline_ms"), now_ms),
+                    f"{r['expected_duration_ms'] // 60_000}m" if r.get("expected_duration_ms") else "-",
+                    r.get("reason") or "-", ",".join(r["machines"])] for c, r in zip(cells, rows)],
+                  "no maintenance planned or under way")
 
 
 def _profile_text(r: dict) -> str:
@@ -821,6 +883,9 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
              "process agent stops its tasks (started again at the next `up`)")
     sp.add_argument("--keep-tasks", action="store_true",
                     help="leave the process agent's tasks running; the next `up` adopts them")
+    sp.add_argument("--forget", action="store_true",
+                    help="also forget the endpoints the last `up` remembered (<run dir>/endpoints.json): a new shell "
+                         "uses the defaults or its ROPEWALK_* variables")
     cmd("status", cmd_status, "components, endpoints, every expected worker (state, restarts) and topic sizes; "
         "exits 1 when one is down")
     sp = cmd("produce", cmd_produce, "validate JSON against an event's schema, fill the envelope, produce it")
@@ -873,6 +938,8 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_job_list)
     sp.add_argument("--entitlement")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("-o", "--output", choices=["wide", "json"],
+                    help="wide: also entitlement, spec version, machines, DCs, when updated; json: as --json")
     sp = user_command(job.add_parser("resize", help="change a job's task count"), intent=True)
     sp.set_defaults(fn=cmd_job_resize)
     sp.add_argument("job")
@@ -946,6 +1013,8 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
                                                   "statuses"))
     sp.set_defaults(fn=cmd_maintenance_list)
     sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("-o", "--output", choices=["wide", "json"],
+                    help="wide: also start, deadline, duration, reason and every machine; json: as --json")
     sp = user_command(mnt.add_parser("end", help="the maintenance is over: machines back UP, tasks stopped for it "
                                                  "start again"))
     sp.set_defaults(fn=cmd_maintenance)

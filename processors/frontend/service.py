@@ -412,6 +412,13 @@ class Frontend:
         self.require_broker()
         return history(self.cfg, self.registry, job, skipped=self.skipped)
 
+    def intents_ledger(self, job: str) -> list[dict]:
+        """Every intent declared for ``job`` and what became of it: applied, refused (reason, field), declared."""
+        from processors.jobcontrol.views import ledger
+
+        self.require_broker()
+        return ledger(self.cfg, self.registry, job, skipped=self.skipped)
+
     def srm(self, job: str) -> dict:
         """The job as the SRM sees it: policy, load, forecast, size, last change."""
         from processors.srm import decide as sd
@@ -423,6 +430,24 @@ class Frontend:
             raise FrontendError(UNKNOWN_JOB, f"the SRM knows nothing of {job!r} (no policy, size or load sample on "
                                              f"the log)")
         return sd.job_view(found)
+
+    def srm_plan(self, job: str) -> dict:
+        """What the SRM would decide for ``job`` now, with its rule and reason; writes nothing (a dry run)."""
+        from processors.srm.views import dry_run
+
+        self.require_broker()
+        found = dry_run(self.cfg, self.registry, job, skipped=self.skipped)
+        if found is None:
+            raise FrontendError(UNKNOWN_JOB, f"the SRM knows nothing of {job!r} (no policy, size or load sample on "
+                                             f"the log)")
+        return found
+
+    def srm_overview(self) -> list[dict]:
+        """Every job the SRM knows: its picture, what it would decide now, its latest decision."""
+        from processors.srm.views import overview
+
+        self.require_broker()
+        return overview(self.cfg, self.registry, skipped=self.skipped)
 
     def srm_decisions(self, job: str | None = None, entitlement: str | None = None) -> dict:
         from processors.srm.views import decisions
@@ -453,6 +478,17 @@ class Frontend:
         ev = self.event("EntitlementElasticityChanged", payload, entitlement, entitlement)
         self.send([ev])
         return {"entitlement": entitlement, **payload, "event_id": ev.event_id}
+
+    def maintenance_windows(self) -> list[dict]:
+        """Planned maintenance on the log not ended yet (``UnavailabilityStarted`` of kind MAINTENANCE without its
+        ``UnavailabilityEnded``): id, start, deadline, expected duration, reason, machines."""
+        from streams import replay as rp
+
+        self.require_broker()
+        run = rp.replay(self.cfg, self.registry, rp.ReplayFilter(
+            topics=("unavailability",), types=frozenset({"UnavailabilityStarted", "UnavailabilityEnded"})),
+            skipped=self.skipped)
+        return maintenance_windows(rec.event for rec in run)
 
     # -- the log ---------------------------------------------------------------------------------------------
     def replay(self, flt) -> "Iterator":
@@ -574,3 +610,18 @@ def overview(region, at_ms: int) -> dict[str, Any]:
         "jobs": [{**(v := job_view(ev)), "running": sum(t["state"] == "RUNNING" for t in v["tasks"])}
                  for ev in region.job_states().values()],
     }
+
+
+def maintenance_windows(events) -> list[dict]:
+    """The maintenance windows not ended among ``events`` (UnavailabilityStarted/Ended in log order), by id. Pure."""
+    open_: dict[str, dict] = {}
+    for e in events:
+        p = e.payload
+        if e.type == "UnavailabilityStarted" and p["kind"] == "MAINTENANCE":
+            open_[p["unavailability_id"]] = {
+                "unavailability_id": p["unavailability_id"], "start_ms": p["start_ms"], "deadline_ms": p.get("deadline_ms"),
+                "expected_duration_ms": p.get("expected_duration_ms"), "reason": p.get("reason") or "",
+                "machines": sorted(p["machine_ids"])}
+        elif e.type == "UnavailabilityEnded":
+            open_.pop(p["unavailability_id"], None)
+    return [open_[k] for k in sorted(open_)]

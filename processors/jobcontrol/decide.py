@@ -145,15 +145,15 @@ def _refuse_pinned(job: JobIntents, ev: Event) -> tuple[str, str] | None:
     if p.get("source") != "autoscaler":
         return None
     if person is not None and person.payload.get("tasks") is not None:
-        return REASON_SIZING_PINNED, f"{person.owner} pins {ev.payload['job_id']} at {person.payload['tasks']} tasks"
+        return REASON_SIZING_PINNED, f"tasks: {person.owner} pins {ev.payload['job_id']} at {person.payload['tasks']} tasks"
     if person is None or not person.payload.get("autoscale"):
-        return REASON_NO_AUTOSCALING, f"nobody let the autoscaler size {p['job_id']} (ropewalk intents size --auto)"
+        return REASON_NO_AUTOSCALING, f"tasks: nobody let the autoscaler size {p['job_id']} (ropewalk intents size --auto)"
     return None
 
 
 def _refuse_no_canary(job: JobIntents, ev: Event) -> tuple[str, str] | None:
     if ev.payload.get("action") in (PROMOTE, ABORT) and CANARY not in job.intents:
-        return REASON_NO_CANARY, f"no canary runs on {ev.payload['job_id']} to {ev.payload['action']}"
+        return REASON_NO_CANARY, f"action: no canary runs on {ev.payload['job_id']} to {ev.payload['action']}"
     return None
 
 
@@ -461,10 +461,10 @@ def decide(state: JcpState, ev: Event, position: tuple[str, int, int], *,
     if ev.type in BASE_TYPES:
         new, out = _on_base(job, ev, position)
     elif job is None or not job.live:
-        return state, [_refusal(ev, REASON_UNKNOWN_JOB, f"no job {job_id} in entitlement {ev.entitlement}"
+        return state, [_refusal(ev, REASON_UNKNOWN_JOB, f"job_id: no job {job_id} in entitlement {ev.entitlement}"
                                 f"{' (stopped)' if job is not None else ''}")]
     elif ev.entitlement != job.entitlement:
-        return state, [_refusal(ev, REASON_ENTITLEMENT_MISMATCH, f"{ev.type} {ev.event_id} is keyed to "
+        return state, [_refusal(ev, REASON_ENTITLEMENT_MISMATCH, f"envelope.entitlement: {ev.type} {ev.event_id} is keyed to "
                                 f"{ev.entitlement}, the job belongs to {job.entitlement}")]
     else:
         new, out = _intake(_promote_done_push(job, ev), ev, position, max_tasks)

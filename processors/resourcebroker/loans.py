@@ -136,7 +136,7 @@ def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[Lo
         m = dict(book.maintenance)
         for mid in p["machine_ids"]:
             left = tuple(u for u in m.get(mid, ()) if u != p["unavailability_id"])
-            m.pop(mid) if not left else m.__setitem__(mid, left)
+            m.pop(mid, None) if not left else m.__setitem__(mid, left)  # a failure's end: no maintenance held
         return _with(book, maintenance=m), []
     if t in ("AllocationRejected", "TasksAllocated"):
         demand = dict(book.demand)
@@ -346,7 +346,8 @@ def _lend(book: LoanBook, pic: Picture, tuning: Tuning) -> tuple[LoanBook, list[
     for b, want in sorted(pic.borrower_demand.items()):
         pol = book.elasticity.get(b, Elasticity())
         last = book.revoked_at.get(b)
-        give = min(want, pol.max_borrowed - lent(book, b), room)
+        # quota lent and not in use yet answers the demand that asked for it (the allocator has not placed on it)
+        give = min(want - pic.unused.get(b, 0), pol.max_borrowed - lent(book, b), room)
         if give <= 0 or (last is not None and pic.now - last < tuning.lend_cooldown_ms):
             continue
         idle = sorted(((max(0, q - len(pic.held.get(e, ()))), e) for e, q in book.quota.items()
@@ -379,7 +380,8 @@ RULES: tuple[Rule, ...] = (
          "borrower that borrowed most, with notice (vacate) through TaskControl", _revoke),
     Rule("lend_to_waiting_borrowers", "an elastic entitlement's tasks wait for quota, nobody is short, the free pool "
          "beyond the headroom, the idle quota of entitlements that do not lend it and lent quota not in use has room, "
-         "and the borrower's last take-back is older than the cooldown: lend up to its max_borrowed_machines", _lend),
+         "and the borrower's last take-back is older than the cooldown: lend what its waiting tasks need beyond the "
+         "quota lent to it and not in use yet, up to its max_borrowed_machines", _lend),
 )
 
 

@@ -168,6 +168,9 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+SAYS = {r.name: r.says for r in RULES}
+
+
 def rules_table() -> list[dict]:
     return [{"rule": r.name, "says": r.says} for r in RULES]
 
@@ -224,23 +227,45 @@ def decide(state: SrmState, ev: Event, *, live: bool = True, tuning: Tuning = Tu
     return SrmState(jobs=state.jobs.updated({job.job_id: job})), out
 
 
-def _size(job: JobScaling, ev: Event, tuning: Tuning) -> tuple[JobScaling, list[Event]]:
-    at = ev.payload["at_ms"]
+def plan(job: JobScaling, at: int, tuning: Tuning = Tuning()) -> dict[str, Any]:
+    """What the SRM decides for ``job`` at ``at`` (its samples' clock): the forecast, the size it wants, the rule
+    that decides (``RULES``, with what it says) and its verdict (``up``, ``down`` or ``hold``), ``tasks`` the size
+    it would declare. ``_size`` declares it; ``dry_run`` only says it."""
     f = forecast(job, at, tuning)
     pol = job.policy
     raw = math.ceil(f["forecast"] / pol.load_per_task - 1e-9) if pol is not None else 0
     want = min(max(raw, pol.min_tasks), pol.max_tasks) if pol is not None else 0
     rule, verdict = _rule(Case(job, at, want, tuning))
-    if verdict == HOLD:
-        return job, []
     if verdict == UP:  # with headroom: the next step up waits until the load has grown that much
         want = min(max(math.ceil(f["forecast"] * (1 + tuning.up_headroom) / pol.load_per_task - 1e-9), want),
                    pol.max_tasks)
     freed = (job.current - want) // tuning.tasks_per_machine if verdict == DOWN else 0
-    decision = {"at_ms": at, "load": job.last_load, "recent": f["recent"], "historical": f["historical"],
-                "forecast": f["forecast"], "load_per_task": pol.load_per_task, "raw_tasks": raw,
-                "current_tasks": job.current, "direction": verdict, "rule": rule, "samples": job.samples,
-                "horizon_ms": tuning.horizon_ms, "machines_freed": freed}
+    return {"at_ms": at, "load": job.last_load, "recent": f["recent"], "historical": f["historical"],
+            "forecast": f["forecast"], "load_per_task": pol.load_per_task if pol is not None else None,
+            "raw_tasks": raw, "current_tasks": job.current, "direction": verdict, "rule": rule,
+            "samples": job.samples, "horizon_ms": tuning.horizon_ms, "machines_freed": freed,
+            "tasks": want if verdict != HOLD else job.current, "says": SAYS[rule]}
+
+
+def dry_run(job: JobScaling, tuning: Tuning = Tuning()) -> dict[str, Any]:
+    """What the SRM would decide for ``job`` now, declaring nothing (``ropewalk srm plan JOB``): ``plan`` at its
+    latest sample's time (the SRM's only clock), with the job's state as the log has it. A job without a sample
+    yet: the first rule that holds without one (``no_policy`` or ``warming_up``)."""
+    if job.last_at is None:
+        rule = "no_policy" if job.policy is None else "warming_up"
+        return {"job": job.job_id, "entitlement": job.entitlement, "at_ms": None, "direction": HOLD, "rule": rule,
+                "says": SAYS[rule], "tasks": job.current, "current_tasks": job.current, "samples": 0,
+                "forecast": None, "dry_run": True}
+    return {"job": job.job_id, "entitlement": job.entitlement, **plan(job, job.last_at, tuning), "dry_run": True}
+
+
+def _size(job: JobScaling, ev: Event, tuning: Tuning) -> tuple[JobScaling, list[Event]]:
+    at = ev.payload["at_ms"]
+    p = plan(job, at, tuning)
+    verdict, want = p["direction"], p["tasks"]
+    if verdict == HOLD:
+        return job, []
+    decision = {k: v for k, v in p.items() if k not in ("tasks", "says")}
     intent = new_event("SizingIntentDeclared", {
         "job_id": job.job_id, "owner": OWNER, "source": "autoscaler", "tasks": want, "autoscale": False,
         "min_tasks": None, "max_tasks": None, "load_per_task": None, "decision": decision},

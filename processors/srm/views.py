@@ -29,3 +29,20 @@ def decisions(cfg, registry, job: str | None = None, entitlement: str | None = N
     flips = {j: sd.reversals(rs) for j, rs in by_job.items()}
     return {"decisions": rows, "reversals": flips,
             "most_reversals_in_an_hour": max((sd.most_in_window(f, 3600_000) for f in flips.values()), default=0)}
+
+
+def dry_run(cfg, registry, job: str, *, skipped=None) -> dict | None:
+    """What the SRM would decide for ``job`` now (``decide.dry_run``), producing nothing; None for a job it knows
+    nothing of."""
+    found = fold_srm(cfg, registry, skipped=skipped).jobs.get(job)
+    return None if found is None else sd.dry_run(found)
+
+
+def overview(cfg, registry, *, skipped=None) -> list[dict]:
+    """Every job the SRM knows, one row each (the web UI's SRM page): its picture (``job_view``), what it would
+    decide now (``dry_run``) and its latest decision on the log (None before its first)."""
+    latest = {}
+    for row in decisions(cfg, registry, skipped=skipped)["decisions"]:
+        latest[row["job"]] = row
+    return [{**sd.job_view(j), "now": sd.dry_run(j), "last_decision": latest.get(j.job_id)}
+            for _, j in sorted(fold_srm(cfg, registry, skipped=skipped).jobs.items())]

@@ -87,3 +87,38 @@ def test_a_reference_controller_given_a_missing_file_says_so_in_one_line(args, s
     out = subprocess.run([sys.executable, "-m", "processors.taskcontrol.controllers", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_up_with_endpoints_remembered_from_a_region_that_is_gone_says_so_and_how_to_forget(tmp_path):
+    """A new shell (no endpoint variables) whose last `up` remembered an external broker that is gone: `up` says
+    the endpoints were remembered, from which file, and how to forget them; `down --forget` does."""
+    from infra.config import ENDPOINT_VARS, ENDPOINTS_FILE
+    from infra.process import free_ports
+
+    broker_port, redis_port = free_ports(2)  # nothing listens on them
+    remembered = {"ROPEWALK_BOOTSTRAP_SERVERS": f"127.0.0.1:{broker_port}",
+                  "ROPEWALK_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+                  "ROPEWALK_SECRETS_DIR": str(tmp_path / "secrets")}
+    (tmp_path / ENDPOINTS_FILE).write_text(json.dumps(remembered))
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ENDPOINT_VARS and k not in ("ROPEWALK_DIRECT", "ROPEWALK_TOKEN")}
+    env["ROPEWALK_RUN_DIR"] = str(tmp_path)
+
+    def ropewalk(*args):
+        return subprocess.run([sys.executable, "-m", "processors.frontend.cli", *args], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    up = ropewalk("up", "--machines", "0")
+    assert up.returncode == 1, up.stderr
+    said = up.stderr.splitlines()[-1]  # after the progress line: one line of error
+    assert said.startswith("ropewalk: broker: ")
+    assert f"127.0.0.1:{broker_port} does not answer" in said
+    assert f"remembered from an earlier `ropewalk up` in {tmp_path / ENDPOINTS_FILE}" in said
+    assert "`ropewalk down --forget`" in said and f"ROPEWALK_BOOTSTRAP_SERVERS=127.0.0.1:{broker_port}" in said
+
+    down = ropewalk("down", "--forget")
+    assert down.returncode == 0, down.stderr
+    assert f"forgot the endpoints remembered in {tmp_path / ENDPOINTS_FILE}" in down.stdout
+    assert not (tmp_path / ENDPOINTS_FILE).exists()
+    again = ropewalk("down", "--forget", "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["forgot"] is None

@@ -128,6 +128,14 @@ def test_a_maintenance_never_places_into_itself_and_machine_list_shows_it(tmp_pa
         mlist = cli.ok("maintenance", "list")  # issue 13: a list verb for every noun, with a header row
         assert mlist.split()[0] == "MAINTENANCE" and ue in mlist and "10" in mlist.splitlines()[1].split()
         assert [m["unavailability_id"] for m in cli.json("maintenance", "list")] == [ue]
+        wide = cli.ok("maintenance", "list", "-o", "wide").splitlines()  # when, from the log, through the API
+        assert wide[0].split()[:6] == ["MAINTENANCE", "MACHINES", "STATUSES", "START", "DEADLINE", "DURATION"]
+        assert any(f"(in {m}m)" in wide[1] for m in range(5, 11)), wide  # start +10m ...
+        assert any(f"(in {m}m)" in wide[1] for m in range(0, 6)) or "s)" in wide[1], wide  # ... deadline +5m
+        assert " 30m " in wide[1] and all(m in wide[1] for m in planned)
+        jobs = cli.ok("job", "list", "-o", "wide").splitlines()
+        assert jobs[0].split() == ["JOB", "STATE", "RUNNING", "TASKS", "ENTITLEMENT", "SPEC", "MACHINES", "DCS",
+                                   "UPDATED", "LAST-REASON"]
         # issue 13: a new shell without the port variables finds the region its last `up` started (endpoints.json)
         bare = {k: v for k, v in cli.env.items() if k not in ("ROPEWALK_BROKER_PORT", "ROPEWALK_REDIS_PORT",
                                                                 "ROPEWALK_CONTROLLER_PORT", "ROPEWALK_API_PORT",

@@ -5,8 +5,10 @@ page (tasks and the timeline drawn from the log) and live over server-sent event
 ``ROPEWALK_SCREENSHOTS_DIR=docs`` also writes the pages' screenshots there (how docs/ui-*.png were made)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -17,72 +19,231 @@ SPEC = ("name: web\nentitlement: e1\ntasks: 3\ncommand: [sleep, '3600']\n"
         "resources: {cpu_millicores: 1000, memory_mib: 1024}\nspread: msb\n")
 
 
-@pytest.mark.timeout(300)
-def test_a_job_followed_in_the_browser_through_a_machine_failure(tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+class Region:
+    """One region started by `ropewalk up` for the module's tests (each test uses its own entitlements)."""
 
+    def __init__(self, run: Path):
+        self.cli = RegionCli(run)
+        self.run = run
+
+    def start(self) -> None:
+        up = self.cli("up", "--machines", "12", "--no-demo")
+        assert up.returncode == 0, up.stderr
+        self.base = f"http://127.0.0.1:{self.cli.env['ROPEWALK_API_PORT']}"
+        self.token = (self.run / "secrets" / "token").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def region(tmp_path_factory):
+    # A ReBalancer round every 2 s (60 s in a region): a plan shows while the test looks.
+    r = Region(tmp_path_factory.mktemp("ui") / "run")
+    r.cli.env["ROPEWALK_REBALANCE_INTERVAL_S"] = "2"
+    try:
+        r.start()
+        yield r
+    finally:
+        down = r.cli("down")
+    assert down.returncode == 0, down.stderr
+
+
+def chromium_path() -> str:
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is missing: infra/bootstrap.sh --for-tests installs it"
+    return chromium
+
+
+def sign_in(page, base: str, token: str) -> None:
+    from playwright.sync_api import expect
+
+    page.goto(f"{base}/ui/login")
+    page.fill("#token", token)
+    page.click("button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Jobs")
+
+
+@pytest.mark.timeout(300)
+def test_a_job_followed_in_the_browser_through_a_machine_failure(region, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    chromium = chromium_path()
     shots = Path(os.environ.get("ROPEWALK_SCREENSHOTS_DIR") or tmp_path)
-    cli = RegionCli(tmp_path / "run")
-    up = cli("up", "--machines", "12", "--no-demo")
-    try:
-        assert up.returncode == 0, up.stderr
-        base = f"http://127.0.0.1:{cli.env['ROPEWALK_API_PORT']}"
-        token = (tmp_path / "run" / "secrets" / "token").read_text().strip()
-        cli.ok("entitlement", "create", "e1", "--quota", "6")
-        (tmp_path / "web.yaml").write_text(SPEC)
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1280, "height": 860})
-            page.goto(f"{base}/ui/jobs")
-            expect(page).to_have_url(f"{base}/ui/login")  # signed out: the sign-in page
-            page.fill("#token", "rwt_not-a-token")
-            page.click("button[type=submit]")
-            expect(page.locator("#error")).to_have_text("unknown token")
-            page.fill("#token", token)
-            page.click("button[type=submit]")
-            expect(page.locator("h1")).to_have_text("Jobs")
-            expect(page.locator("#live")).to_have_attribute("data-ready", "1")
+    cli, base, token = region.cli, region.base, region.token
+    cli.ok("entitlement", "create", "e1", "--quota", "6")
+    (tmp_path / "web.yaml").write_text(SPEC)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 860})
+        page.goto(f"{base}/ui/jobs")
+        expect(page).to_have_url(f"{base}/ui/login")  # signed out: the sign-in page
+        page.fill("#token", "rwt_not-a-token")
+        page.click("button[type=submit]")
+        expect(page.locator("#error")).to_have_text("unknown token")
+        page.fill("#token", token)
+        page.click("button[type=submit]")
+        expect(page.locator("h1")).to_have_text("Jobs")
+        expect(page.locator("#live")).to_have_attribute("data-ready", "1")
 
-            # submitted from the CLI: the row appears live, then RUNNING
-            cli.ok("job", "submit", str(tmp_path / "web.yaml"))
-            row = page.locator('tr[data-job="e1.web"]')
-            expect(row.locator(".running")).to_have_text("3/3", timeout=60_000)
-            page.screenshot(path=str(shots / "ui-jobs.png"))
+        # submitted from the CLI: the row appears live, then RUNNING
+        cli.ok("job", "submit", str(tmp_path / "web.yaml"))
+        row = page.locator('tr[data-job="e1.web"]')
+        expect(row.locator(".running")).to_have_text("3/3", timeout=60_000)
+        page.screenshot(path=str(shots / "ui-jobs.png"))
 
-            page.click("text=e1.web")
-            expect(page.locator("h1")).to_have_text("e1.web")
-            expect(page.locator("#timeline")).to_have_attribute("data-moves", "3", timeout=20_000)
-            assert page.locator("#timeline .vis-item").count() > 3  # vis-timeline drew the bars and points
-            first = page.locator('#tasks tr[data-task="e1.web/0"] .machine').inner_text()
+        page.click("text=e1.web")
+        expect(page.locator("h1")).to_have_text("e1.web")
+        expect(page.locator("#timeline")).to_have_attribute("data-moves", "3", timeout=20_000)
+        assert page.locator("#timeline .vis-item").count() > 3  # vis-timeline drew the bars and points
+        first = page.locator('#tasks tr[data-task="e1.web/0"] .machine').inner_text()
 
-            # its machine fails: the page shows the task moved, on the table and on the timeline, live
-            cli.ok("machine", "fail", first)
-            moved = page.locator('#tasks tr[data-task="e1.web/0"] .machine')
-            expect(moved).not_to_have_text(first, timeout=60_000)
-            expect(page.locator('#tasks tr[data-task="e1.web/0"] .state')).to_have_text("RUNNING", timeout=60_000)
-            expect(page.locator("#timeline")).to_have_attribute("data-moves", "4", timeout=20_000)
-            assert page.locator("#timeline .vis-item", has_text=f"on {first}").count() >= 1
-            lag_ms = int(page.locator("body").get_attribute("data-lag-ms"))
-            assert 0 <= lag_ms < 1000, f"a live update reached the page {lag_ms} ms after its record was made"
-            page.screenshot(path=str(shots / "ui-job-timeline.png"), full_page=True)
+        # its machine fails: the page shows the task moved, on the table and on the timeline, live
+        cli.ok("machine", "fail", first)
+        moved = page.locator('#tasks tr[data-task="e1.web/0"] .machine')
+        expect(moved).not_to_have_text(first, timeout=60_000)
+        expect(page.locator('#tasks tr[data-task="e1.web/0"] .state')).to_have_text("RUNNING", timeout=60_000)
+        expect(page.locator("#timeline")).to_have_attribute("data-moves", "4", timeout=20_000)
+        assert page.locator("#timeline .vis-item", has_text=f"on {first}").count() >= 1
+        lag_ms = int(page.locator("body").get_attribute("data-lag-ms"))
+        assert 0 <= lag_ms < 1000, f"a live update reached the page {lag_ms} ms after its record was made"
+        page.screenshot(path=str(shots / "ui-job-timeline.png"), full_page=True)
 
-            page.goto(f"{base}/ui/machines")
-            expect(page.locator(f'tr[data-machine="{first}"] .status')).to_have_text("DOWN")
-            page.screenshot(path=str(shots / "ui-fleet.png"))
-            cli.ok("machine", "recover", first)
-            expect(page.locator(f'tr[data-machine="{first}"] .status')).to_have_text("UP", timeout=30_000)
+        page.goto(f"{base}/ui/machines")
+        expect(page.locator(f'tr[data-machine="{first}"] .status')).to_have_text("DOWN")
+        page.screenshot(path=str(shots / "ui-fleet.png"))
+        cli.ok("machine", "recover", first)
+        expect(page.locator(f'tr[data-machine="{first}"] .status')).to_have_text("UP", timeout=30_000)
 
-            page.goto(f"{base}/ui/entitlements")
-            expect(page.locator("#entitlements tbody tr").first).to_contain_text("e1")
-            page.goto(f"{base}/ui/events?job=e1.web&type=JobSubmitted,TasksCommanded&since=1h")
-            expect(page.locator("#events tbody tr").first).to_be_visible()
-            assert {t.strip() for t in page.locator("#events tbody td:nth-child(2)").all_inner_texts()} == {
-                "JobSubmitted", "TasksCommanded"}
-            page.goto(f"{base}/ui/events?since=1h")
-            page.screenshot(path=str(shots / "ui-events.png"))
-            browser.close()
-    finally:
-        down = cli("down")
-    assert down.returncode == 0, down.stderr
+        page.goto(f"{base}/ui/entitlements")
+        expect(page.locator("#entitlements tbody tr").first).to_contain_text("e1")
+        page.goto(f"{base}/ui/events?job=e1.web&type=JobSubmitted,TasksCommanded&since=1h")
+        expect(page.locator("#events tbody tr").first).to_be_visible()
+        assert {t.strip() for t in page.locator("#events tbody td:nth-child(2)").all_inner_texts()} == {
+            "JobSubmitted", "TasksCommanded"}
+        page.goto(f"{base}/ui/events?since=1h")
+        page.screenshot(path=str(shots / "ui-events.png"))
+        browser.close()
+
+
+def job_spec(name: str, ent: str, tasks: int, cpu: int, spread: str = "rack") -> str:
+    return (f"name: {name}\nentitlement: {ent}\ntasks: {tasks}\ncommand: [sleep, '3600']\n"
+            f"resources: {{cpu_millicores: {cpu}, memory_mib: 64}}\nspread: {spread}\n")
+
+
+XSS_LABEL = '<img src=x onerror="window.__xss=1">v2'
+
+
+@pytest.mark.timeout(420)
+def test_the_upper_floors_in_the_browser(region, tmp_path):
+    """The ReBalancer's plans, a job's intents, the SRM and loans (issues 13, 15) on real events made through the
+    CLI: each page's empty state first, then its rows; a push label with HTML in it shows as text; a viewer of
+    one entitlement sees only its things, and a clear refusal for another's job."""
+    from playwright.sync_api import expect, sync_playwright
+
+    cli, base = region.cli, region.base
+    shots = Path(os.environ.get("ROPEWALK_SCREENSHOTS_DIR") or tmp_path)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 860})
+        sign_in(page, base, region.token)
+        # nothing yet: each page says so, and what makes it show something
+        for path, empty in (("/ui/rebalance", "#empty"), ("/ui/intents", "#intents tr.empty"),
+                            ("/ui/srm", "#srm tr.empty"), ("/ui/loans", "#history tr.empty")):
+            page.click(f"header nav a[href='{path}']")  # reached from the navigation
+            expect(page.locator(empty)).to_be_visible()
+
+        # the events, through the CLI (the API, as the region admin)
+        cli.ok("entitlement", "create", "e2", "--quota", "2", "--dc", "dc1")
+        cli.ok("entitlement", "create", "e3", "--quota", "1", "--dc", "dc2")
+        cli.ok("entitlement", "create", "e4", "--quota", "2")
+        for name, ent, n, cpu, spread in (("base", "e2", 2, 500, "rack"), ("api", "e4", 2, 500, "rack"),
+                                          ("batch", "e3", 2, 20_000, "rack")):
+            (tmp_path / f"{name}.yaml").write_text(job_spec(name, ent, n, cpu, spread))
+            cli.ok("job", "submit", str(tmp_path / f"{name}.yaml"), "--no-wait")
+        cli.wait_for(lambda: cli.running("e2.base", 2), "e2.base running")
+        # a hot spot: 20 tasks of 1 core, packed by the allocator onto one of e2's two machines
+        (tmp_path / "hot.yaml").write_text(job_spec("hot", "e2", 20, 1000, "dc"))
+        cli.ok("job", "submit", str(tmp_path / "hot.yaml"), "--no-wait")
+        # intents: a push with HTML in its label (applied), a promote without a canary (refused: action)
+        cli.wait_for(lambda: cli.running("e4.api", 2), "e4.api running")
+        cli.ok("intents", "push", "e4.api", "--percent", "50", "--command", "sleep 3601", "--label", XSS_LABEL,
+               "--owner", "<b>mallory</b>")
+        cli.ok("intents", "canary", "e4.api", "promote")
+        # the SRM sizes e4.api from 10 to 40 load (10 a task): a decision up, with its reason
+        cli.ok("intents", "size", "e4.api", "--auto", "--min", "1", "--max", "4", "--load-per-task", "10")
+        cli.wait_for(lambda: "sizing/person" in ((cli.json("intents", "show", "e4.api") or {}).get("intents") or {}),
+                     "the autoscaling policy in force")
+        now = int(time.time() * 1000)
+        samples = [{"job_id": "e4.api", "at_ms": now - (3 - k) * 60_000, "load": load, "running_tasks": 2,
+                    "unit": "rps"} for k, load in enumerate((10.0, 20.0, 30.0, 38.0))]
+        (tmp_path / "load.json").write_text(json.dumps(samples))
+        cli.ok("produce", "metrics", "JobLoadReported", str(tmp_path / "load.json"), "--entitlement", "e4")
+        # e3 may borrow: its second task waits for quota, the lender lends it a free machine
+        cli.ok("loans", "elastic", "e3", "--max", "2")
+
+        cli.wait_for(lambda: cli.json("rebalance", "plan", "--entitlement", "e2"), "a ReBalancer plan for e2",
+                     timeout_s=120)
+        cli.wait_for(lambda: (cli.json("srm", "decisions", "--job", "e4.api") or {}).get("decisions"),
+                     "the SRM's decision on e4.api", timeout_s=60)
+        lent = cli.wait_for(lambda: (cli.json("loans", "show") or {}).get("loans"), "a loan to e3", timeout_s=90)
+
+        page.click("header nav a[href='/ui/rebalance']")
+        plan = page.locator("section.plan[data-entitlement='e2']").first
+        expect(plan.locator("td.nmoves")).not_to_have_text("0")
+        assert float(plan.locator("td.before").inner_text()) > float(plan.locator("td.after").inner_text())
+        expect(plan.locator("p.why")).to_contain_text("above the trigger")
+        assert plan.locator("table.moves tbody tr[data-task^='e2.hot/']").count() >= 1
+        page.screenshot(path=str(shots / "ui-rebalance.png"), full_page=True)
+
+        page.click("header nav a[href='/ui/intents']")
+        page.click("#intents a[href='/ui/jobs/e4.api/intents']")
+        expect(page.locator("h1")).to_have_text("e4.api · intents")
+        push = page.locator("#ledger tr", has_text="50%")
+        expect(push.locator(".outcome")).to_contain_text("applied", timeout=30_000)
+        expect(push.locator(".wants")).to_have_text(f"50% on {XSS_LABEL}")  # the markup as text
+        expect(push.locator(".owner")).to_have_text("<b>mallory</b>")
+        assert page.locator("#ledger img, #ledger td.owner b").count() == 0
+        assert page.evaluate("window.__xss") is None
+        refused = page.locator("#ledger tr.o-refused", has_text="canary promote")
+        expect(refused.locator(".reason")).to_have_text("no_canary")
+        expect(refused.locator(".field")).to_have_text("action")
+        expect(page.locator("#elasticity")).to_have_text("not set")
+        expect(page.locator("#ledger tr", has_text="autoscale 1..4").locator(".outcome")).to_have_text(
+            "in force (no spec change yet)")  # a policy: the SRM's sizes change the spec, not the policy itself
+        page.screenshot(path=str(shots / "ui-intents.png"), full_page=True)
+
+        page.click("header nav a[href='/ui/srm']")
+        row = page.locator("#srm tr[data-job='e4.api']")
+        expect(row.locator(".decision")).to_contain_text("up 2 → 4")
+        expect(row.locator(".decision")).to_contain_text("scale_up")
+        expect(row.locator(".why")).to_contain_text("hold_same")  # now: it holds at the size it chose
+        expect(row.locator(".size")).to_have_text("4")
+        assert cli.json("srm", "plan", "e4.api")["rule"] == "hold_same"  # the same dry run, through the API
+        page.screenshot(path=str(shots / "ui-srm.png"), full_page=True)
+
+        page.click("header nav a[href='/ui/loans']")
+        loan = page.locator("#loans tbody tr").first
+        expect(loan.locator(".borrower")).to_have_text("e3")
+        expect(loan.locator(".lender")).to_have_text(lent[0]["lender"])  # the free pool, or e1's idle quota
+        expect(page.locator("#history tr.k-granted .borrower").first).to_have_text("e3")
+        expect(page.locator("#loans tbody tr")).to_have_count(1)  # one machine for its one waiting task, lent once
+        page.screenshot(path=str(shots / "ui-loans.png"), full_page=True)
+
+        # a viewer of e2 only: its plan, nothing of e3's loans or e4's SRM, a refusal for e4's intents
+        made = cli.json("user", "add", "viewer2", "--role", "e2=viewer")
+        viewer = browser.new_context().new_page()
+        sign_in(viewer, base, made["token"])
+        viewer.goto(f"{base}/ui/rebalance")
+        expect(viewer.locator("section.plan[data-entitlement='e2']").first).to_be_visible()
+        viewer.goto(f"{base}/ui/loans")
+        expect(viewer.locator("#loans tr.empty")).to_contain_text("nothing lent to or by your entitlements")
+        assert viewer.locator("#history tr.k-granted").count() == 0
+        viewer.goto(f"{base}/ui/srm")
+        expect(viewer.locator("#srm tr.empty")).to_be_visible()
+        answer = viewer.goto(f"{base}/ui/jobs/e4.api/intents")
+        assert answer.status == 403
+        expect(viewer.locator("#refused")).to_have_attribute("data-reason", "no_role_on_entitlement")
+        expect(viewer.locator("#refused")).to_contain_text("viewer2 has no role on entitlement 'e4'")
+        assert viewer.goto(f"{base}/ui/jobs/e4.api").status == 403  # the job's own page: the same refusal
+        expect(viewer.locator("#refused")).to_have_attribute("data-reason", "no_role_on_entitlement")
+        assert viewer.goto(f"{base}/ui/jobs/e2.nosuch").status == 404  # a job of its own that is not there
+        expect(viewer.locator("#refused")).to_have_attribute("data-reason", "unknown_job")
+        browser.close()

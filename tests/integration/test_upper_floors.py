@@ -335,3 +335,40 @@ def views(cfg, tmp_path, tasks, rev):
             assert out.returncode == 0 and check(json.loads(out.stdout)), (argv, out.stderr)
     finally:
         api.close()
+
+
+def test_srm_plan_says_what_it_would_decide_and_writes_nothing(cfg, registry):
+    """`ropewalk srm plan JOB` (issue 15: HPA has no dry run, kubernetes#106765): the SRM's decision now, with its
+    rule, from the log as it is, and not one record more on any topic."""
+    from test_cli_jobs import cli
+
+    job, ent = "dry.api", "dry"
+    p = EventProducer(cfg, registry, "test")
+
+    def send(type_, payload, producer="cli"):
+        p.send(new_event(type_, {"job_id": job, **payload}, entitlement=ent, entity_id=job, producer=producer))
+
+    send("SizingIntentDeclared", {"owner": "bob", "source": "person", "tasks": None, "autoscale": True,
+                                  "min_tasks": 1, "max_tasks": 8, "load_per_task": 10.0, "decision": None})
+    for k, load in enumerate((20.0, 40.0, 60.0)):
+        send("JobLoadReported", {"at_ms": 1_700_000_000_000 + k * 60_000, "load": load, "running_tasks": 2,
+                                 "unit": "rps"}, producer="agent/simulated")
+    p.flush()
+
+    def end_offsets():
+        out = cli(cfg, "status", "--json")  # exits 1 here (no supervisor): its topics are what counts
+        return json.loads(out.stdout)["topics"]
+
+    before = end_offsets()
+    got = cli(cfg, "srm", "plan", job, "--direct", "--json")
+    assert got.returncode == 0, got.stderr
+    plan = json.loads(got.stdout)
+    assert (plan["direction"], plan["rule"], plan["current_tasks"], plan["tasks"]) == (sd.UP, "scale_up", 2, 8)
+    assert plan["says"] == sd.SAYS["scale_up"] and plan["dry_run"] and plan["at_ms"] == 1_700_000_120_000
+    text = cli(cfg, "srm", "plan", job, "--direct")
+    readme = (ROOT / "processors" / "srm" / "README.md").read_text().split("$ ropewalk srm plan e1.web\n")[1]
+    assert text.stdout.splitlines() == [line.strip().replace("e1.web", job)
+                                        for line in readme.split("```")[0].strip().splitlines()]  # as written
+    assert end_offsets() == before, "a dry run wrote to the log"
+    unknown = cli(cfg, "srm", "plan", "dry.nothing", "--direct")
+    assert unknown.returncode == 1 and "the SRM knows nothing of 'dry.nothing'" in unknown.stderr

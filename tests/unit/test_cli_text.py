@@ -48,3 +48,72 @@ def test_endpoints_are_remembered_for_a_shell_without_the_variables(tmp_path, mo
     cfg = config.Config.from_env()
     assert cfg.broker_port == config.DEFAULT_BROKER_PORT and cfg.redis_port == 16400
     assert config.Config.from_env({"ROPEWALK_RUN_DIR": str(tmp_path)}).broker_port == config.DEFAULT_BROKER_PORT
+
+
+def job(job_id, tasks, **kw):
+    ent = job_id.split(".")[0]
+    return {"job": job_id, "name": job_id.split(".")[1], "entitlement": ent, "state": "running", "incarnation": 1,
+            "spec_version": 1, "desired_tasks": len(tasks), "last_reason": "", "updated_ms": NOW - 60_000,
+            "tasks": [{"id": f"{job_id}/{i}", "state": st, "machine": m, "dc": m and m.split("-")[0], "msb": None,
+                       "rack": None, "spec_version": 1, "reason": ""} for i, (st, m) in enumerate(tasks)], **kw}
+
+
+@pytest.mark.parametrize("name, rows, wide, want", [
+    ("plain", [job("e1.web", [("RUNNING", "dc1-m1"), ("PENDING", None)], last_reason="no_feasible_machine")], False,
+     ["JOB     STATE    RUNNING  TASKS                                 LAST-REASON",
+      "e1.web  running  1/2      1 running, 1 pending of 2 desired     no_feasible_machine"]),
+    ("wide: entitlement, spec, machines, DCs, updated; the reason last",
+     [job("e1.web", [("RUNNING", "dc1-m1"), ("RUNNING", "dc2-m7"), ("RUNNING", "dc1-m1")], last_reason="moved"),
+      job("e2.batch", [("PENDING", None)], spec_version=3, incarnation=2)], True,
+     ["JOB       STATE    RUNNING  TASKS                  ENTITLEMENT  SPEC               MACHINES  DCS      "
+      "UPDATED                          LAST-REASON",
+      "e1.web    running  3/3      3 running of 3 desired  e1           v1                 2         dc1,dc2  "
+      "2026-11-23 13:32:30Z (60s ago)  moved",
+      "e2.batch  running  0/1      1 pending of 1 desired  e2           v3 (incarnation 2)  0         -        "
+      "2026-11-23 13:32:30Z (60s ago)"]),
+    ("wide, none", [], True, ["no jobs"]),
+])
+def test_job_list_table(name, rows, wide, want):
+    got = cli.job_table(rows, wide, NOW).splitlines()
+    assert [line.split() for line in got] == [line.split() for line in want], name
+
+
+MAINT = {"unavailability_id": "ue-1", "machines": ["dc1-m1", "dc1-m2", "dc1-m3", "dc1-m4"],
+         "statuses": {"MAINTENANCE": 1, "UP": 3}}
+
+
+@pytest.mark.parametrize("name, rows, wide, want", [
+    ("plain: the first machines", [MAINT], False,
+     [["MAINTENANCE", "MACHINES", "STATUSES", "FIRST-MACHINES"],
+      ["ue-1", "4", "MAINTENANCE", "1,", "UP", "3", "dc1-m1,dc1-m2,dc1-m3", "..."]]),
+    ("wide: start, deadline, duration, reason, every machine",
+     [{**MAINT, "start_ms": NOW + 600_000, "deadline_ms": NOW + 300_000, "expected_duration_ms": 1_800_000,
+       "reason": "kernel"}], True,
+     [["MAINTENANCE", "MACHINES", "STATUSES", "START", "DEADLINE", "DURATION", "REASON", "MACHINE-IDS"],
+      ["ue-1", "4", "MAINTENANCE", "1,", "UP", "3", "2026-11-23", "13:43:30Z", "(in", "10m)", "2026-11-23",
+       "13:38:30Z", "(in", "5m)", "30m", "kernel", "dc1-m1,dc1-m2,dc1-m3,dc1-m4"]]),
+    ("wide, its start not on the log (a window read before it)", [MAINT], True,
+     [["MAINTENANCE", "MACHINES", "STATUSES", "START", "DEADLINE", "DURATION", "REASON", "MACHINE-IDS"],
+      ["ue-1", "4", "MAINTENANCE", "1,", "UP", "3", "-", "-", "-", "-", "dc1-m1,dc1-m2,dc1-m3,dc1-m4"]]),
+    ("none", [], True, [["no", "maintenance", "planned", "or", "under", "way"]]),
+])
+def test_maintenance_list_table(name, rows, wide, want):
+    assert [line.split() for line in cli.maintenance_table(rows, wide, NOW).splitlines()] == want, name
+
+
+def test_maintenance_windows_are_those_started_and_not_ended():
+    from processors.frontend.service import maintenance_windows
+    from streams.events import new_event
+
+    def ue(type_, uid, kind="MAINTENANCE", **kw):
+        payload = {"unavailability_id": uid, "machine_ids": ["m2", "m1"]}
+        if type_ == "UnavailabilityStarted":
+            payload |= {"kind": kind, "start_ms": NOW, "deadline_ms": NOW + 5, "expected_duration_ms": 60_000,
+                        "reason": "r", "vacate": False, **kw}
+        return new_event(type_, payload, entitlement="free", entity_id=uid, producer="test")
+
+    got = maintenance_windows([ue("UnavailabilityStarted", "a"), ue("UnavailabilityStarted", "f", kind="FAILURE"),
+                               ue("UnavailabilityStarted", "b"), ue("UnavailabilityEnded", "a"),
+                               ue("UnavailabilityEnded", "never-started")])
+    assert got == [{"unavailability_id": "b", "start_ms": NOW, "deadline_ms": NOW + 5, "expected_duration_ms": 60_000,
+                    "reason": "r", "machines": ["m1", "m2"]}]

@@ -8,6 +8,7 @@ know is refused again under the same id); every emitted event encodes with the r
 import pytest
 
 from processors.jobcontrol import decide as jd
+from processors.jobcontrol import views
 from processors.jobcontrol.decide import JcpState, decide
 from streams.events import new_event
 from streams.serde import SchemaRegistry
@@ -237,6 +238,7 @@ def test_refusals_are_events_naming_the_reason(make, reason, submit):
     out = jcp.feed(make())
     assert [(e.type, e.payload["reason"]) for e in out] == [("IntentRefused", reason)]
     assert out[0].payload["message"]
+    assert views.refused_field(out[0].payload["message"]), f"names no field: {out[0].payload['message']}"
 
 
 def test_the_rules_table_names_every_rule_once():
@@ -253,3 +255,36 @@ def test_a_replayed_log_gives_the_same_outputs():
     assert again == outs and state == first.state
     gens = [e.payload["generation"] for e in outs if e.type == "JobSpecReconciled"]
     assert gens == list(range(1, len(gens) + 1))
+
+
+def test_the_ledger_says_what_became_of_each_intent_declared():
+    """``views.ledger_rows`` over the log as the Job Control Plane left it: inputs and its outputs in log order."""
+    jcp, log = running(), []
+    for intent in (push(50, label="<b>v2</b>", owner="<i>eve</i>"), canary("promote"), size(80), push(50),
+                   resources(0)):
+        log.append(intent)
+        log += jcp.feed(intent)
+    log.append(push(60))  # on the log, not reconciled yet
+    rows = views.ledger_rows(enumerate(log))
+    assert [(r["dimension"], r["outcome"], r["generation"], r["reason"], r["field"]) for r in rows] == [
+        ("push", views.APPLIED, 1, None, None),
+        ("canary", views.REFUSED, None, jd.REASON_NO_CANARY, "action"),
+        ("sizing", views.APPLIED, 2, None, None),
+        ("push", views.APPLIED, 3, None, None),
+        ("resources", views.REFUSED, None, jd.REASON_INVALID_INTENT, "resources.cpu_millicores"),
+        ("push", views.DECLARED, None, None, None),
+    ]
+    assert rows[0]["wants"] == "50% on <b>v2</b>" and rows[0]["owner"] == "<i>eve</i>"  # as declared: the UI escapes
+    assert rows[2]["wants"] == "80 tasks"
+
+
+@pytest.mark.parametrize("message, field", [
+    ("tasks: bob pins e1.web at 80 tasks", "tasks"),
+    ("PushIntentDeclared: percent: at most 100 (a percentage), got 120", "percent"),
+    ("resources.cpu_millicores: expected a positive integer", "resources.cpu_millicores"),
+    ("command[0]: expected a string", "command[0]"),
+    ("no job e1.x in entitlement e1", None),
+    ("", None),
+])
+def test_the_field_a_refusal_names(message, field):
+    assert views.refused_field(message) == field

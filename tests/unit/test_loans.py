@@ -7,6 +7,7 @@ import pytest
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED
 from processors.resourcebroker import decide as rb
 from processors.resourcebroker import loans as ln
+from processors.resourcebroker import loans_view
 from processors.resourcebroker.region import generate_region, iter_machines
 from streams.events import new_event
 from streams.serde import SchemaRegistry
@@ -140,6 +141,18 @@ def test_an_owner_short_of_machines_takes_them_back_with_notice_and_each_return_
     assert back[1].payload["unavailability_id"] == rev["revocation_id"]
     assert b.feed(released(rev["machine_ids"][0], "batch", T0 + 11_000)) == [], "a release read twice: nothing"
     assert ln.view(b.book, T0 + 12_000)["loans"][0]["machines"] == 3
+    # the loans page's history, and what a user of one entitlement sees of it
+    lender = next(e.payload["lender"] for e in b.emitted if e.type == "LoanGranted")
+    hist = loans_view.history(b.emitted)
+    assert [(h["kind"], h["borrower"], h["lenders"], h["machines"], h["deadline_ms"]) for h in hist] == [
+        ("granted", "batch", [lender], 4, None), ("revoked", "batch", rev["lenders"], 1, T0 + 9000),
+        ("returned", "batch", [], 1, None)]
+    assert hist[2]["machine_ids"] == rev["machine_ids"] and hist[2]["at_ms"] == T0 + 11_000
+    doc = {**ln.view(b.book, T0 + 12_000), "returns": [dict(back[0].payload, borrower="batch")], "history": hist}
+    assert loans_view.only(doc, ["batch", "web"])["history"] == hist
+    assert loans_view.only(doc, "other") == {**doc, "loans": [], "revocations": [], "returns": [], "history": [],
+                                             "elastic": {}, "owner_demand": {}, "borrower_demand": {},
+                                             "returned_p99_ms": None}
 
 
 def test_lent_quota_not_in_use_goes_back_first_and_no_new_loan_within_the_cooldown():
@@ -172,3 +185,32 @@ def test_a_restarted_lender_reads_its_decisions_back_and_decides_alike():
 def test_the_rules_table_names_each_rule_once():
     names = [r["rule"] for r in ln.rules_table()]
     assert names == ["take_back_when_short", "lend_to_waiting_borrowers"] and len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("started_kind", [None, "FAILURE"])
+def test_the_end_of_an_unavailability_the_lender_holds_no_maintenance_for_is_folded(started_kind):
+    """A machine's failure ends (`machine recover`: UnavailabilityEnded of a FAILURE, which the lender does not
+    hold): folding it changes nothing (it raised KeyError, so the lender worker and the loans view crashed)."""
+    b = lending(4)
+    machine = next(iter_machines(generate_region(4))).id
+    if started_kind:
+        b.feed(ev("UnavailabilityStarted", {"unavailability_id": "ue-f", "kind": started_kind, "machine_ids": [machine],
+                                            "start_ms": T0, "deadline_ms": None, "expected_duration_ms": None,
+                                            "reason": "failed", "vacate": False}, "free", producer="health"))
+    before = b.book.maintenance
+    assert b.feed(ev("UnavailabilityEnded", {"unavailability_id": "ue-f", "machine_ids": [machine]}, "free",
+                     producer="health")) == []
+    assert b.book.maintenance == before
+
+
+def test_quota_lent_and_not_yet_used_answers_the_demand_that_asked_for_it():
+    """A borrower waiting for 1 task gets 1 machine of quota; until the allocator places the task (TasksAllocated
+    clears the demand), the next ticks see the same demand: the lent quota it does not use yet answers it (it was
+    lent again every tick, up to max_borrowed: 2 machines for 1 task in the browser test's region)."""
+    b = lending(10, max_borrowed=4)
+    b.feed(rejected("batch", "batch.crunch", QUOTA_EXCEEDED, 1))
+    assert [e.payload["machines"] for e in b.tick(T0 + 1000) if e.type == "LoanGranted"] == [1]
+    b.feed(rejected("batch", "batch.crunch", QUOTA_EXCEEDED, 1, ts=T0 + 1500))  # the scheduler asked again
+    assert b.tick(T0 + 2000) == [], "the quota lent is not in use yet: it is what the task waits for"
+    b.feed(rejected("batch", "batch.crunch", QUOTA_EXCEEDED, 3, ts=T0 + 2500))  # now 3 wait: 2 more
+    assert [e.payload["machines"] for e in b.tick(T0 + 3000) if e.type == "LoanGranted"] == [2]

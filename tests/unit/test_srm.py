@@ -147,3 +147,31 @@ def test_the_trace_and_its_spec():
     for bad in ("web=speed=2", "e1.web=fast=2", "e1.web=knots=1:5,24:5", "e1.web=speed=-1", "e1.web=noise=x"):
         with pytest.raises(LoadSpecError):
             parse_job_load(bad, 0)
+
+
+@pytest.mark.parametrize("name, samples, want", [
+    # the dry run says what the next sample's decision would be, without declaring it
+    ("warming up", [(0, 100.0)], ("hold", "warming_up", 100)),
+    ("a peak coming", [(k * MIN, 100.0 + 40 * k) for k in range(3)], (UP, "scale_up", 140)),
+    ("held after its own scale-up", [(k * MIN, 100.0 + 40 * k) for k in range(4)], ("hold", "hold_same", 140)),
+    ("off-peak within the band", [(k * MIN, 97.0) for k in range(4)], ("hold", "hysteresis", 100)),
+])
+def test_a_dry_run_says_what_the_srm_would_decide_now_and_declares_nothing(name, samples, want):
+    s = Srm()
+    for at, load in samples[:-1]:
+        s.feed(sample(at, load))
+    last = samples[-1]
+    dry_state = s.state
+    s.state, _ = decide(s.state, sample(*last), live=False)  # folded as a catching-up worker: no decision
+    got = srm.dry_run(s.job)
+    assert (got["direction"], got["rule"], got["tasks"]) == want, name
+    assert got["says"] == srm.SAYS[got["rule"]] and got["dry_run"] and got["at_ms"] == last[0]
+    live = decide(dry_state, sample(*last))[1]  # the same sample, live: the decision the dry run foretold
+    assert [(o.payload["tasks"], o.payload["decision"]["rule"]) for o in live] == (
+        [] if want[0] == "hold" else [(want[2], want[1])])
+
+
+def test_a_dry_run_of_a_job_without_samples_names_the_first_rule_that_holds():
+    assert srm.dry_run(srm.JobScaling(JOB, ENT))["rule"] == "no_policy"
+    s = Srm()
+    assert (srm.dry_run(s.job)["rule"], srm.dry_run(s.job)["tasks"]) == ("warming_up", 100)

@@ -3,7 +3,10 @@
 Pages: jobs (state, tasks running, last reason; live), a job (its tasks, where they run, reasons, and its
 **timeline**: a Gantt chart of every task's states and operations from the log, ``timeline.py``; live), the fleet
 (machines by DC/MSB/rack: status, owner, free capacity, maintenance; live), entitlements (quota, machines held, the
-free pool), and the region's event feed (the log, filtered by entitlement, job, event type and time).
+free pool), the region's event feed (the log, filtered by entitlement, job, event type and time), and the upper
+floors (issue 15): the ReBalancer's plans, a job's intents (declared, applied or refused with reason and field),
+the SRM's picture and decisions per job, and elastic loans. A page the API refuses (a viewer of another
+entitlement, an unknown job) says so with the API's reason constant (``refused.html``), status as the API's.
 
 Why this shape: the pages are the API's own documents rendered on the server (one source of truth with the CLI,
 no second client to keep in step), authorized by the same table (``authz.py``) for the user of the page's token;
@@ -58,6 +61,24 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
     def page(name: str, request: Request, **ctx: Any) -> HTMLResponse:
         return HTMLResponse(env.get_template(name).render(request=request, vendor=VENDOR.is_dir(), **ctx))
 
+    def refused(request: Request, user, exc: Exception) -> HTMLResponse:
+        """A page the API refuses (403: the user's role; 404: nothing of that name; 503: the log): said on a page
+        with the API's reason constant, in the page's frame."""
+        status = getattr(exc, "status", None) or 400
+        return HTMLResponse(env.get_template("refused.html").render(
+            request=request, vendor=False, user=user, reason=getattr(exc, "reason", "error"), status=status,
+            message=getattr(exc, "message", str(exc))), status)
+
+    async def answered(request: Request, user, fn, *args):
+        """``fn(*args)`` of the API, or the refusal page for its error (the API's own ApiError, FrontendError)."""
+        from processors.api.errors import ApiError
+        from processors.frontend.service import FrontendError
+
+        try:
+            return await fn(*args), None
+        except (ApiError, FrontendError) as exc:
+            return None, refused(request, user, exc)
+
     @app.get("/ui/login", include_in_schema=False)
     async def login_form(request: Request) -> HTMLResponse:
         return page("login.html", request, error=None)
@@ -88,15 +109,15 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
     async def job_page(request: Request, job: str) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        view = await api["job_status"](job, user)
-        return page("job.html", request, user=user, job=_job_summary(view), view=view)
+        view, err = await answered(request, user, api["job_status"], job, user)
+        return err or page("job.html", request, user=user, job=_job_summary(view), view=view)
 
     @app.get("/ui/jobs/{job}/tasks", include_in_schema=False)
     async def job_tasks(request: Request, job: str) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        view = await api["job_status"](job, user)
-        return page("tasks.html", request, job=_job_summary(view), view=view)
+        view, err = await answered(request, user, api["job_status"], job, user)
+        return err or page("tasks.html", request, job=_job_summary(view), view=view)
 
     @app.get("/ui/jobs/{job}/timeline.json", include_in_schema=False)
     async def job_timeline(request: Request, job: str) -> Response:
@@ -152,6 +173,64 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
         return page("events.html", request, user=user, rows=[(d, format_text_doc(d)) for d in docs[:FEED_LIMIT]],
                     shown=min(len(docs), FEED_LIMIT), matched=len(docs), error=error,
                     f={"entitlement": entitlement, "job": job, "type": type, "exclude": exclude, "since": since})
+
+    @app.get("/ui/rebalance", include_in_schema=False)
+    async def rebalance_page(request: Request) -> Response:
+        """The ReBalancer's plans (every one the user may see, the newest first): when, its moves and their
+        progress, max/mean before and after, and why (trigger, goals, constraints, what could not move)."""
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        plans, err = await answered(request, user, api["rebalance_plans"], user, None, True)
+        if err is not None:
+            return err
+        plans.sort(key=lambda v: (v["planned_ms"], v["plan"]), reverse=True)
+        return page("rebalance.html", request, user=user, plans=plans)
+
+    @app.get("/ui/intents", include_in_schema=False)
+    async def intents_page(request: Request) -> Response:
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        rows, err = await answered(request, user, api["intents_list"], user)
+        return err or page("intents.html", request, user=user, rows=rows)
+
+    @app.get("/ui/jobs/{job}/intents", include_in_schema=False)
+    async def job_intents_page(request: Request, job: str) -> Response:
+        """A job's intents: every one declared, applied (by which reconciliation) or refused (reason, field);
+        those in force with their owner; the reconciled spec; the entitlement's elasticity."""
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        from processors.frontend.service import entitlement_of_job
+
+        ledger, err = await answered(request, user, api["intents_ledger"], job, user)
+        if err is not None:
+            return err
+        view, err = await answered(request, user, api["intents_show"], job, user)
+        if err is not None and err.status_code != 404:  # 404: no intent known for the job yet (the empty state)
+            return err
+        loans, _ = await answered(request, user, api["loans"], user)
+        ent = entitlement_of_job(job)
+        return page("job_intents.html", request, user=user, job=job, entitlement=ent, ledger=ledger,
+                    view=view, elastic=(loans or {}).get("elastic", {}).get(ent))
+
+    @app.get("/ui/srm", include_in_schema=False)
+    async def srm_page(request: Request) -> Response:
+        """The SRM per job: its size, load and forecast, what it would decide now and why, its latest decision."""
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        rows, err = await answered(request, user, api["srm_overview"], user)
+        return err or page("srm.html", request, user=user, rows=rows)
+
+    @app.get("/ui/loans", include_in_schema=False)
+    async def loans_page(request: Request) -> Response:
+        """Elastic loans: in force (lender, borrower, machines), being taken back (deadline), and every grant,
+        revocation and return on the log."""
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        doc, err = await answered(request, user, api["loans"], user)
+        if err is not None:
+            return err
+        doc["history"] = sorted(doc["history"], key=lambda h: h["at_ms"], reverse=True)
+        return page("loans.html", request, user=user, doc=doc)
 
     @app.get("/ui/stream/{kind}", include_in_schema=False)
     async def stream(request: Request, kind: str, entitlement: str | None = None) -> Response:

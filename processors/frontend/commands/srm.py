@@ -3,6 +3,7 @@
     ropewalk srm show JOB [--json]        # its policy, load, forecast, current size, last change
     ropewalk srm decisions [--job JOB] [--json]   # every sizing decision on the log: inputs, forecast, rule
     ropewalk srm rules [--json]           # its rules, in the order they apply
+    ropewalk srm plan JOB [--json]        # a dry run: what it would decide now, and why; writes nothing
 
 Through the region's API (``/v1/jobs/{job}/srm``, ``/v1/srm/decisions``) or, ``--direct``, on the log as the
 operator (``processors/srm/views.py``: ``show`` folds ``intents`` and ``metrics`` with the SRM's own pure
@@ -43,6 +44,18 @@ def cmd_decisions(cfg, args) -> int:
     return 0
 
 
+def cmd_plan(cfg, args) -> int:
+    d = _front(cfg, args).srm_plan(args.job)
+    act = f"{d['direction']} {d['current_tasks']} -> {d['tasks']}" if d["direction"] != sd.HOLD else \
+        f"hold at {d['current_tasks']}"
+    text = f"job {d['job']}  would {act}  ({d['rule']}: {d['says']})"
+    if d.get("forecast") is not None:
+        text += (f"\nload {d['load']:.1f}  forecast {d['forecast']:.1f} (recent {d['recent']:.1f}, historical "
+                 f"{d['historical']:.1f}) at the latest sample's time {d['at_ms']}  (dry run: nothing written)")
+    _print(d, args.json, text)
+    return 0
+
+
 def cmd_rules(cfg, args) -> int:  # noqa: ARG001
     table = sd.rules_table()
     _print(table, args.json, "\n".join(f"{i + 1:2}. {r['rule']:22} {r['says']}" for i, r in enumerate(table)))
@@ -60,6 +73,11 @@ def add_commands(sub) -> None:
     sp = grp.add_parser("decisions", help="every sizing decision on the log, with its inputs and forecast")
     sp.set_defaults(fn=cmd_decisions)
     sp.add_argument("--job")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--direct", action="store_true", help="read the log itself as the operator, not through the API")
+    sp = grp.add_parser("plan", help="a dry run: what the SRM would decide for a job now, and why (writes nothing)")
+    sp.set_defaults(fn=cmd_plan)
+    sp.add_argument("job")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--direct", action="store_true", help="read the log itself as the operator, not through the API")
     sp = grp.add_parser("rules", help="the SRM's rules in the order they apply")
