@@ -181,3 +181,15 @@ def sample_datum(schema, named=None, ns="", seed=0):
 @pytest.fixture(scope="session")
 def make_sample():
     return sample_datum
+
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    """Every test under tests/integration is marked ``integration`` here, in one place (``-m "not integration"``
+    runs the pure tests alone); a module does not mark itself. (Not in a tests/integration/conftest.py: the tests
+    import ``conftest`` by name for its helpers, and a second one would shadow this one.)"""
+    for item in items:
+        if INTEGRATION in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.integration)

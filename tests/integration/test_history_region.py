@@ -78,11 +78,6 @@ def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):
         cli.wait_for(lambda: (v := cli.status("e3.api")) and len(v["tasks"]) == 1
                      and v["tasks"][0]["state"] == "RUNNING", "e3.api shrunk", 120)
         moments.append(capture(cli, jobs))
-        # a snapshot now: its cut (the log's end less the 15 s look-ahead) is at or before moments[1] as long as
-        # the log's end is within 15 s of it; taken after the maintenance below, a loaded machine made the
-        # maintenance outlast the look-ahead and the snapshot fell after moments[1] (2026-11-26, load 27)
-        snap = cli.json("history", "snapshot")
-        assert snap is not None and snap["snapshots"] >= 1, cli("history", "snapshot").stderr
 
         # what-if, then the real maintenance: they agree task for task
         msb = next(t["msb"] for t in cli.status("e1.web")["tasks"] if t["dc"] == "dc1")
@@ -107,6 +102,12 @@ def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):
                     return None
             return views
         cli.wait_for(as_predicted, f"the maintenance doing what the dry run said: {expected}", 120)
+        moments.append(capture(cli, jobs))  # settled after the maintenance's moves and stops
+        # A snapshot of the whole log now: its cut is the log's end less the 15 s look-ahead, so at or before
+        # moments[2] while the region stays quiet (the maintenance's window opens in 10 minutes). (Taken for
+        # moments[1], the cut depended on how long the maintenance took: under load it fell after moments[1].)
+        snap = cli.json("history", "snapshot")
+        assert snap is not None and snap["snapshots"] >= 1, cli("history", "snapshot").stderr
 
         # time travel: --at prints what the commands printed then (through snapshots too)
         moment, seen = moments[0]
@@ -114,14 +115,14 @@ def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):
         assert machines(cli, "--at", str(moment), "--direct") == seen["machines"]  # on the log as the operator
         for job, view in seen["jobs"].items():
             assert cli.json("job", "status", job, "--at", str(moment)) == view
-        moment, seen = moments[1]  # from the snapshot taken after it
-        assert machines(cli, "--at", str(moment)) == seen["machines"]
-        for job, view in seen["jobs"].items():
-            assert cli.json("at", str(moment), "job", "status", job) == view
-        whole = cli.json("at", str(moments[1][0]))
+        for moment, seen in moments[1:]:  # moments[2] from the snapshot just taken
+            assert machines(cli, "--at", str(moment)) == seen["machines"]
+            for job, view in seen["jobs"].items():
+                assert cli.json("at", str(moment), "job", "status", job) == view
+            whole = cli.json("at", str(moment))
+            assert {j["job"]: j["running"] for j in whole["jobs"]} == {
+                j: sum(t["state"] == "RUNNING" for t in v["tasks"]) for j, v in seen["jobs"].items()}
         assert whole["history"]["set_aside"] == [] and whole["history"]["snapshot"], whole["history"]
-        assert {j["job"]: j["running"] for j in whole["jobs"]} == {
-            j: sum(t["state"] == "RUNNING" for t in v["tasks"]) for j, v in moments[1][1]["jobs"].items()}
         whole = cli.json("at", str(moments[0][0]))
         assert {j["job"]: j["running"] for j in whole["jobs"]} == jobs
 
