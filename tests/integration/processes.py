@@ -49,3 +49,23 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def run_stopped_on_timeout(argv: list[str], timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True)``, but past ``timeout_s`` the command gets SIGTERM
+    (a bench or an experiment then stops the region it started: bench/env.py's ``sigterm_as_interrupt``) and the
+    test fails saying so. ``subprocess.run``'s own timeout, and pytest's, SIGKILL it and leave that region running
+    for the rest of the suite. Keep ``timeout_s`` below the test's pytest timeout."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(argv[:4])} ... still running after {timeout_s:.0f} s: stopped (SIGTERM); "
+                             f"its last output: {err[-2000:]}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

@@ -5,11 +5,12 @@ anything is."""
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from processes import run_stopped_on_timeout
 
 from infra.process import pid_alive
 
@@ -27,9 +28,8 @@ def _number(v) -> bool:
 def bench_doc(tmp_path_factory):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("ROPEWALK_")}  # the bench picks its own ports, run dir and prefix
-    out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", "bench", "--quick", "--machines",
-                          str(MACHINES), "--json"], cwd=tmp_path_factory.mktemp("cwd"), env=env,
-                         capture_output=True, text=True, timeout=200)
+    out = run_stopped_on_timeout([sys.executable, "-m", "processors.frontend.cli", "bench", "--quick", "--machines",
+                                  str(MACHINES), "--json"], 200, cwd=tmp_path_factory.mktemp("cwd"), env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 

@@ -6,10 +6,11 @@ log and Redis show nothing lost, doubled, over-committed or over quota, and Redi
 The full storm (100 kills) is `ropewalk experiment killstorm`; its figures are in RELIABILITY.md."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from processes import run_stopped_on_timeout
 
 from bench.killstorm import COUNTS, VICTIMS
 
@@ -19,9 +20,9 @@ KILLS = len(VICTIMS)
 @pytest.mark.timeout(400)
 def test_a_small_kill_storm_loses_and_doubles_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROPEWALK_")}  # its own ports, run dir, prefix
-    out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", "experiment", "killstorm", "--kills",
-                          str(KILLS), "--interval-s", "2", "--machines", "16", "--json"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=380)
+    out = run_stopped_on_timeout([sys.executable, "-m", "processors.frontend.cli", "experiment", "killstorm",
+                                  "--kills", str(KILLS), "--interval-s", "2", "--machines", "16", "--json"], 370,
+                                 cwd=tmp_path, env=env)
     doc = json.loads(out.stdout)
     failed = {k: doc[k] for k in (*COUNTS, "redis_matches_log", "converged", "not_converged", "running_twice",
                                   "overcommitted", "restarts_by_program", "kills_by_victim")}
