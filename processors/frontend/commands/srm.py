@@ -65,21 +65,16 @@ def cmd_rules(cfg, args) -> int:  # noqa: ARG001
 def add_commands(sub) -> None:
     grp = sub.add_parser("srm", help="the autoscaler (SRM): what it sees and decided").add_subparsers(
         dest="action_", required=True)
-    sp = grp.add_parser("show", help="a job as the SRM sees it: policy, load, forecast, size")
-    sp.set_defaults(fn=cmd_show)
-    sp.add_argument("job")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--direct", action="store_true", help="read the log itself as the operator, not through the API")
-    sp = grp.add_parser("decisions", help="every sizing decision on the log, with its inputs and forecast")
-    sp.set_defaults(fn=cmd_decisions)
-    sp.add_argument("--job")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--direct", action="store_true", help="read the log itself as the operator, not through the API")
-    sp = grp.add_parser("plan", help="a dry run: what the SRM would decide for a job now, and why (writes nothing)")
-    sp.set_defaults(fn=cmd_plan)
-    sp.add_argument("job")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--direct", action="store_true", help="read the log itself as the operator, not through the API")
+    for name, fn, job_arg, help_ in (
+            ("show", cmd_show, "job", "a job as the SRM sees it: policy, load, forecast, size"),
+            ("decisions", cmd_decisions, "--job", "every sizing decision on the log, with its inputs and forecast"),
+            ("plan", cmd_plan, "job", "a dry run: what the SRM would decide for a job now, and why (writes nothing)")):
+        sp = grp.add_parser(name, help=help_)
+        sp.set_defaults(fn=fn)
+        sp.add_argument(job_arg)
+        sp.add_argument("--json", action="store_true")
+        sp.add_argument("--direct", action="store_true",
+                        help="read the log itself as the operator, not through the API")
     sp = grp.add_parser("rules", help="the SRM's rules in the order they apply")
     sp.set_defaults(fn=cmd_rules)
     sp.add_argument("--json", action="store_true")
