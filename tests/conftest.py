@@ -71,13 +71,12 @@ class Janitor(list):
         super().__init__()
         self.admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
 
-    def finish(self) -> None:
-        for futures in self:
-            for fut in futures:
-                try:
-                    fut.result(timeout=30)
-                except Exception:  # noqa: BLE001 - a broker stopped early: nothing left to clean
-                    pass
+    def finish(self, timeout_s: float = 60.0) -> None:
+        """Wait for them all, ``timeout_s`` in all (not each: CI once waited 30 s for each of many requests a
+        broker never answered, past the teardown's 300 s)."""
+        from concurrent.futures import wait
+
+        wait([fut for futures in self for fut in futures], timeout=timeout_s)
 
 
 @pytest.fixture(scope="session")

@@ -126,12 +126,18 @@ def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):
         whole = cli.json("at", str(moments[0][0]))
         assert {j["job"]: j["running"] for j in whole["jobs"]} == jobs
 
-        # shadow: the live policy reproduces the whole run; another one does not
-        live = cli.json("shadow", "--since", str(start))
-        assert live is not None, cli("shadow", "--since", str(start)).stderr
+        # shadow: the live policy reproduces the whole run; another one does not. Both over the same window, ending
+        # at moments[2] (settled) and read once the look-ahead past it is on the log: a window ending "now" could
+        # cut a decision from its input (CI once saw the second run's baseline differ from the first's)
+        until = moments[2][0]
+        while time.time() * 1000 < until + 16_000:  # the 15 s look-ahead past the window: a passage of time
+            time.sleep(0.5)
+        window = ("--since", str(start), "--until", str(until))
+        live = cli.json("shadow", *window)
+        assert live is not None, cli("shadow", *window).stderr
         assert live["empty"] and live["decisions_differ"] == 0 and live["decisions_compared"] >= 5, live
         assert live["scheduler_events_differ"] == 0 and live["scheduler_events_compared"] > 20, live["scheduler"]
-        other = cli.json("shadow", "--since", str(start), "--policy", "scores=spread,least_loaded")
+        other = cli.json("shadow", *window, "--policy", "scores=spread,least_loaded")
         assert other["baseline"]["reproduces_the_log"] and other["decisions_differ"] >= 1, other
 
         # explain: the moved task's decision, its filters, its cause
