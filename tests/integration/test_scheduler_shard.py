@@ -444,20 +444,26 @@ def test_own_echoes_are_passed_over_undecoded_and_bad_records_dead_lettered(cfg,
 
 # -- (5) a job stored in chunks survives its worker ---------------------------------------------------------------------
 
-def _changelog_sizes(cfg, table: str) -> list[int]:
+def _changelog(cfg, table: str, idle_polls: int = 5) -> list:
+    """Every record of the shard's changelog of ``table`` (faust: <app id>-<table name>-changelog), from the start,
+    until ``idle_polls`` polls of 0.5 s bring nothing."""
     from confluent_kafka import Consumer, TopicPartition
-    topic = f"{cfg.topic_prefix}scheduler-scheduler-{table}-changelog"  # faust: <app id>-<table name>-changelog
-    c = Consumer({**cfg.kafka_conf(), "group.id": "test-sizes", "enable.auto.commit": False})
+    topic = f"{cfg.topic_prefix}scheduler-scheduler-{table}-changelog"
+    c = Consumer({**cfg.kafka_conf(), "group.id": f"test-{table}", "enable.auto.commit": False})
     try:
         c.assign([TopicPartition(topic, p, 0) for p in range(cfg.partitions)])
-        sizes, idle = [], 0
-        while idle < 5:
+        out, idle = [], 0
+        while idle < idle_polls:
             msgs = c.consume(1000, 0.5)
             idle = 0 if msgs else idle + 1
-            sizes += [len(m.value() or b"") for m in msgs if m.error() is None]
-        return sizes
+            out += [m for m in msgs if m.error() is None]
+        return out
     finally:
         c.close()
+
+
+def _changelog_sizes(cfg, table: str) -> list[int]:
+    return [len(m.value() or b"") for m in _changelog(cfg, table)]
 
 
 @pytest.mark.timeout(240)
@@ -540,21 +546,8 @@ def _stored_offsets(cfg) -> dict[str, int]:
     """The shard's offsets table as its changelog holds it: "<topic>/<partition>" -> the next offset to apply."""
     import json
 
-    from confluent_kafka import Consumer, TopicPartition
-    topic = f"{cfg.topic_prefix}scheduler-scheduler-offsets-changelog"
-    c = Consumer({**cfg.kafka_conf(), "group.id": "test-offsets", "enable.auto.commit": False})
-    try:
-        c.assign([TopicPartition(topic, p, 0) for p in range(cfg.partitions)])
-        out, idle = {}, 0
-        while idle < 3:
-            msgs = c.consume(1000, 0.5)
-            idle = 0 if msgs else idle + 1
-            for m in msgs:
-                if m.error() is None and m.value() is not None:
-                    out[json.loads(m.key())] = json.loads(m.value())
-        return out
-    finally:
-        c.close()
+    return {json.loads(m.key()): json.loads(m.value()) for m in _changelog(cfg, "offsets", idle_polls=3)
+            if m.value() is not None}
 
 
 @pytest.mark.timeout(180)
