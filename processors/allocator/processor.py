@@ -65,9 +65,9 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import faust
 import redis
@@ -90,6 +90,7 @@ from streams.serde import SchemaRegistry
 from streams.topics import Topics, free_pool_key
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PRODUCER = "allocator"
 APP_ID = "allocator"
@@ -303,6 +304,15 @@ def load_events(blob: str | bytes) -> list[Event]:
 # ---------------------------------------------------------------------------------------------------------
 # The processor.
 
+def in_decision_order(batch: Sequence[T], partition: Callable[[T], int]) -> list[T]:
+    """The order in which one batch's requests are decided: by partition, each partition's in log order (the
+    order they arrive in). The order matters where decisions meet in the free pool; the order of arrival across
+    partitions is the consumer's and is not on the log, this one is a function of the log and of the batch, which
+    its decision time names (each batch's is later than the one before): a replay (processors/history/region.py)
+    decides the batch in the same order and takes the same decisions."""
+    return sorted(batch, key=partition)
+
+
 @dataclass
 class Pending:
     event: Event  # the AllocationRequested
@@ -347,6 +357,7 @@ class Allocator:
         self.caught_up = False
         self.failed = 0  # records the fold could not apply (dead-lettered)
         self.decided = 0
+        self._last_ts = 0  # decision time of the last batch: each batch's is later (in_decision_order)
         self._published_at = 0.0
         self._machines_observed_at = 0.0
         self._outbox_backlog = False  # the last round of publish_machine_states left machines in the outbox
@@ -524,9 +535,9 @@ class Allocator:
 
     def _decide_batch(self, batch: list[Pending]) -> list[Event]:
         produced: list[Event] = []
-        todo = batch
+        todo = in_decision_order(batch, lambda pd: pd.partition)
         while todo:
-            ts = int(time.time() * 1000)
+            ts = self._last_ts = max(int(time.time() * 1000), self._last_ts + 1)  # one batch, one decision time
             planned = []
             for pd in todo:
                 try:

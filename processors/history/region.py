@@ -41,16 +41,16 @@ the time the live allocator decided the same request (else at once), and fed bac
 live shard read that decision (same event ids: same lookups). Agents' reports are recorded; a report about the
 k-th placement of a task is moved to the machine of the k-th placement the shadow made (and dropped if it made
 none), and a command the recorded scheduler never gave (a task placed only in the shadow) is answered by a
-simulated agent (the agent's own ``decide``, ``start_delay_ms``). Requests one live allocator batch decided at the
-same millisecond for different partitions are decided in an order that reproduces the recorded decisions (the
-log does not say the live order; see ``_batch_order``). **What-if** (``start_what_if``): no log ahead at all;
+simulated agent (the agent's own ``decide``, ``start_delay_ms``). The requests one live allocator batch decided
+(its decision time names it) are decided in the live allocator's order (``processor.in_decision_order``: by
+partition, each in log order), so the live policy's shadow takes the recorded decisions. **What-if** (``start_what_if``): no log ahead at all;
 events given are injected, every agent is simulated, the timer runs every ``retry_ms``.
 """
 from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,7 +60,7 @@ from processors.allocator.fold import (
     ALLOCATOR_PRODUCER, DECISION_TYPES, EVENT_TYPES as FOLD_TYPES, FoldError, RegionFold, job_of, profile_state,
 )
 from processors.allocator.placement import LIVE, Entitlement, Plan, Policy, Request, run_policy
-from processors.allocator.processor import Allocator, machine_state_event
+from processors.allocator.processor import Allocator, in_decision_order, machine_state_event
 from processors.cowmap import CowMap
 from processors.scheduler import decide as sd
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
@@ -166,7 +166,6 @@ class ShadowLog:
     requests: dict[str, Event] = field(default_factory=dict)  # request id -> the request (shadow's or recorded)
     scheduler_recorded: dict[str, Event] = field(default_factory=dict)  # event id -> the shard's output
     scheduler_decided: dict[str, Event] = field(default_factory=dict)  # event id -> the shadow scheduler's
-    batch_orders: dict[int, list[str]] = field(default_factory=dict)  # decision ms -> request ids in order
     synthesized: int = 0  # reports made by simulated agents
     dropped_reports: int = 0  # recorded reports about a placement the shadow did not make
     controller_requests: list[Event] = field(default_factory=list)  # TaskControlRequested the shadow sent
@@ -510,13 +509,11 @@ class Region:
         return {j: states.job_whole(ev, self.parts.get(j, {})) for j, ev in sorted(self.published.items())}
 
     # -- shadow ------------------------------------------------------------------------------------------------
-    def start_shadow(self, policy: Policy, *, start_delay_ms: int = START_DELAY_MS,
-                     batch_orders: Mapping[int, Sequence[str]] | None = None) -> ShadowLog:
+    def start_shadow(self, policy: Policy, *, start_delay_ms: int = START_DELAY_MS) -> ShadowLog:
         """From ``cut`` on, decide the scheduler's requests again under ``policy`` (see the module doc). The records
         read ahead of ``cut`` are dropped: read the log again from ``positions``, so the shadow learns what they say."""
         assert self.cut is not None, "advance to the shadow's start first"
         self.shadow = ShadowLog(policy, self.cut)
-        self._hint_orders = {k: list(v) for k, v in (batch_orders or {}).items()}
         self.agents = Agents(start_delay_ms)
         self.fold._index = PolicyIndex.under(policy, (m.view() for m in self.fold.machines.values()))
         for task, mid in self.fold.placement.items():
@@ -538,7 +535,6 @@ class Region:
         self.advance(now)
         self._lag.clear()
         self.shadow = ShadowLog(LIVE, now)
-        self._hint_orders = {}
         self.agents = Agents(start_delay_ms, report_delay_ms=latency_ms)
         self.alloc_delay_ms = latency_ms
         self._what_if = True
@@ -587,9 +583,7 @@ class Region:
 
     def _allocate(self, batch: list[tuple[Event, int]], when: int) -> None:
         decider = _Deciding(self.fold)
-        order = self._batch_order(batch, when)
-        self.shadow.batch_orders[when] = [ev.event_id for ev, _ in order]
-        for request, partition in order:
+        for request, partition in in_decision_order(batch, lambda b: b[1]):
             events = decider.decide(request, when)
             for mid in self.fold.drain_changes():
                 self.changed_ms[mid] = when
@@ -604,61 +598,6 @@ class Region:
                 if ev.type in DECISION_TYPES:
                     tp = (self.topics.name("allocations"), partition)
                     self._enqueue_input(ev, tp, self._topic_rank[tp[0]], -1, recorded=False)
-
-    def _batch_order(self, batch: list[tuple[Event, int]], when: int) -> list[tuple[Event, int]]:
-        """The order of the requests one allocator batch decided at ``when``. Within a partition, log order. Across
-        partitions the log does not say (the live allocator took them in the order its consumer delivered them);
-        the order matters only where decisions meet in the free pool. A hint (the order a baseline run found) wins;
-        else each step takes the first partition's next request whose decision does not touch the free pool, or
-        whose placement planned now equals the recorded one, or else the first."""
-        if len({p for _, p in batch}) < 2:
-            return batch
-        hint = self._hint_orders.get(when)
-        if hint:
-            rank = {rid: i for i, rid in enumerate(hint)}
-            return sorted(batch, key=lambda b: (rank.get(b[0].event_id, len(rank)), b[1]))
-        queues: dict[int, deque] = {}
-        for b in batch:
-            queues.setdefault(b[1], deque()).append(b)
-        order = []
-        while queues:
-            heads = [queues[p][0] for p in sorted(queues)]
-            chosen = next((h for h in heads if self._independent(h[0])), None)
-            if chosen is None:
-                chosen = next((h for h in heads if self._reproduces(h[0])), heads[0])
-            q = queues[chosen[1]]
-            q.popleft()
-            if not q:
-                del queues[chosen[1]]
-            order.append(chosen)
-        return order
-
-    def _recorded_decision(self, request: Event) -> list[Event]:
-        return self.shadow.recorded.get(request.event_id, []) if self.shadow is not None else []
-
-    def _independent(self, request: Event) -> bool:
-        """Its recorded decision neither took nor gave back a free-pool machine: no other partition's affects it."""
-        rec = self._recorded_decision(request)
-        return bool(rec) and not any(e.payload.get("machines_added") or e.payload.get("machines_released")
-                                     for e in rec)
-
-    def _reproduces(self, request: Event) -> bool:
-        """Planned now (without committing), it places as recorded. Requests that free first are not tried."""
-        rec = [e for e in self._recorded_decision(request) if e.type == "TasksAllocated"]
-        p = request.payload
-        if not rec or p.get("free_task_ids"):
-            return False
-        ent = self.fold.entitlement(request.entitlement)
-        if ent is None:
-            return False
-        from processors.allocator.processor import request_of
-
-        try:
-            plan = self.fold.place(ent, request_of(request, self.fold.existing(p["job_id"])))
-        except ValueError:
-            return False
-        recorded = {(r["task_id"], r["machine_id"]) for e in rec for r in e.payload["placements"]}
-        return set(plan.placements) == recorded
 
     def _translate(self, event: Event) -> Event | None:
         """A recorded agent report moved to the shadow's machine of the same placement (see the module doc)."""

@@ -19,9 +19,8 @@ kept, what is decided again), the log read on to ``until``. Nothing is produced 
 
 With the live policy the diff is empty when the replay reproduces the log: that is the determinism check, and the
 baseline that any other policy's run is compared against (when a policy changes nothing, neither does its diff).
-For another policy a baseline run (live policy) is made first: it finds the order of each allocator batch across
-partitions (region.py ``_batch_order``), which the candidate run then follows, and reports how far the replay
-reproduces the log (``determinism``).
+For another policy a baseline run (live policy) is made first and reports how far the replay reproduces the log
+(``determinism``).
 
 **Policies** (``policy_of``): ``live``; ``key=value[;key=value]`` settings, ``scores=NAME,NAME,...`` (from
 ``placement.SCORE_CHOICES``) and ``spread=dc|msb|rack``; or a Python module ``pkg.mod[:NAME]`` holding a
@@ -89,14 +88,14 @@ def policy_of(spec: str) -> Policy:
 
 # -- running --------------------------------------------------------------------------------------------------
 def run(cfg: Config, registry: SchemaRegistry, since_ms: int, until_ms: int, policy: Policy, *,
-        batch_orders: Mapping[int, list[str]] | None = None, skipped: Skipped | None = None
+        skipped: Skipped | None = None
         ) -> tuple[Region, ShadowLog, Mapping[str, str], dict[str, Any]]:
     """One shadow run over ``(since, until]``: the region at its end, what it decided, the placements at since."""
     t0 = time.monotonic()
     if not isinstance(skipped, reader.Once):  # the log up to since is read twice: count what cannot be decoded once
         skipped = reader.Once(skipped)
     region, stats = moments.region_at(cfg, registry, since_ms, skipped=skipped)
-    at_since, log = begin(region, policy, batch_orders)
+    at_since, log = begin(region, policy)
     stream = reader.merged(cfg, registry, region.positions, skipped=skipped, stats=stats)
     try:
         replay(region, stream, until_ms)
@@ -106,12 +105,11 @@ def run(cfg: Config, registry: SchemaRegistry, since_ms: int, until_ms: int, pol
     return region, log, at_since, stats
 
 
-def begin(region: Region, policy: Policy, batch_orders: Mapping[int, list[str]] | None = None
-          ) -> tuple[dict[str, str], ShadowLog]:
+def begin(region: Region, policy: Policy) -> tuple[dict[str, str], ShadowLog]:
     """Start the shadow on ``region`` (advanced to the window's start): the placements then, and its log. Read the
     log again from ``region.positions`` (``replay``)."""
     at_since = dict(region.fold.placement)
-    return at_since, region.start_shadow(policy, batch_orders=batch_orders)
+    return at_since, region.start_shadow(policy)
 
 
 def replay(region: Region, records: Iterable[tuple[Event, tuple[str, int, int]]], until_ms: int) -> Region:
@@ -139,8 +137,7 @@ def shadow(cfg: Config, registry: SchemaRegistry, since_ms: int, until_ms: int, 
     if policy.live:
         doc.update(baseline)
         return doc
-    region, log, at_since, stats = run(cfg, registry, since_ms, until_ms, policy, batch_orders=base.batch_orders,
-                                       skipped=skipped)
+    region, log, at_since, stats = run(cfg, registry, since_ms, until_ms, policy, skipped=skipped)
     doc.update(compare(log, region, at_since, until_ms))
     doc["seconds"] = stats["seconds"]
     return doc

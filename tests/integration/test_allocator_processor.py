@@ -662,3 +662,22 @@ def test_the_echoes_of_a_batch_leave_the_fold_as_a_fold_of_the_log(hand):
     state = lambda f: {k: v for k, v in f.dump().items() if not k.startswith("applied:")}  # noqa: E731 - not the marks
     assert state(a.fold) == state(fresh.fold)  # (the hand-made offsets differ)
     assert a.fold.requests == {} == fresh.fold.requests
+
+
+def test_a_batch_is_decided_in_partition_order_whatever_the_arrival(hand):
+    """Two requests of one batch want more of the free pool than there is: the one of the lower partition is
+    decided first, though it arrived second, so a replay of the log (processors/history) decides them alike; the
+    batch's decisions share one decision time, later than the batch before's."""
+    a = hand.new()
+    hand.region(a)
+    a.assign([0, 1])
+    hand.feed([a], requested("warmup", "e1", "one", 1, cpu=1000), partition=0)
+    [before] = [e for e in a.decide_pending() if e.type == "TasksAllocated"]
+    hand.feed([a], requested("late", "e2", "api", 4, cpu=CPU), partition=1)  # arrives first
+    hand.feed([a], requested("early", "e1", "web", 4, cpu=CPU), partition=0)
+    events = a.decide_pending()
+    placed = {e.payload["request_id"]: len(e.payload["placements"]) for e in events if e.type == "TasksAllocated"}
+    # e1 holds the warm-up's machine (1000m left of it used): 5 whole machines remain for 8 tasks of a machine each
+    assert placed == {"early": 4, "late": 1}, placed
+    assert [e.payload["request_id"] for e in events if e.type == "TasksAllocated"] == ["early", "late"]
+    assert len({e.timestamp_ms for e in events}) == 1 and events[0].timestamp_ms > before.timestamp_ms
