@@ -7,6 +7,7 @@ up:
 test:
 	bash infra/bootstrap.sh --for-tests
 	.venv/bin/ruff check .  # the rules in pyproject.toml ([tool.ruff])
+	.venv/bin/mypy  # the pure decision modules ([tool.mypy] in pyproject.toml)
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile  # two workers, each with its own broker and Redis
 
 down:

@@ -328,6 +328,7 @@ class PlacementIndex:
                 before, after = _first_failing(m, unavoided), _first_failing(m, predicates)
                 if before == after:
                     continue
+                assert after is not None  # it fails the avoid-list: a machine that passes both has before == after
                 if before is not None:
                     rejected[before] -= 1
                 elif m.entitlement is FREE:
@@ -356,6 +357,7 @@ class _Run:
                     self.pools.setdefault(parent, _Bin()).add(entries, g.example.entitlement is FREE, request)
         else:
             for g in feasible_groups:
+                lists: Iterable[tuple[str, list[Entry]]]
                 if spread in LIST_LEVELS:
                     lists = g.lists[spread].items()
                 else:  # the group lies in one bin at this level
@@ -396,6 +398,7 @@ class _Run:
                 return None
             while heap:
                 entry, cursor = heap[0]
+                assert cursor is not None  # a pool's lists hold cursors only: placed machines are in their bins
                 if self.domain_of(self.machines[entry[1]]) not in self.bins:
                     return rank(0, is_free, entry[0], entry[1])
                 heappop(heap)

@@ -557,6 +557,7 @@ def _allocated(f: RegionFold, e: Event) -> None:
         if cur is not None:
             f._unplace(f.machines[cur], t)
             step.add(cur, "removed")
+        assert req is not None  # checked above: a task moves only with its request's resources
         f._place(f.machines[mid], t, req.cpu, req.mem)
         step.add(mid, "added")
     f._answer(p["request_id"], [t for t, _ in pairs])

@@ -422,7 +422,10 @@ def pin(targets: Mapping[str, Machine], entitlement: Entitlement, request: Reque
         if mid is None:
             continue
         m = targets.get(mid)
-        why = UNKNOWN_TARGET if m is None else next((r for r, passes in checks if not passes(m)), None)
+        if m is None:
+            rejected[TARGET_REJECTED + UNKNOWN_TARGET] += 1
+            continue
+        why = next((r for r, passes in checks if not passes(m)), None)
         if why is None:
             n = taken[mid] + 1
             if m.cpu_free < n * request.cpu:
