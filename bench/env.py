@@ -34,15 +34,26 @@ from processors import controlplane
 HEARTBEAT_INTERVAL_MS = 10_000
 HEALTH_TIMEOUT_MS = 60_000
 HEALTH_TICK_MS = 2_000
-# Beyond 100,000 machines the interval grows so the region's heartbeats stay at this rate (one simulated-agents
-# process produces them and one health check reads them): at 1,000,000 machines, one every 100 s, judged silent
-# after 600 s.
-HEARTBEATS_PER_S = 10_000
+# Beyond 100,000 machines (10,000 heartbeats/s at 10 s) the simulated agents run one process per DC
+# (AGENTS_PER_DC_ABOVE) and the interval grows so the region's heartbeats stay at HEARTBEATS_PER_S: at 1,000,000
+# machines one every 200 s, judged silent after 1,200 s. At 10,000/s, one every 100 s, a 1,000,000-machine run
+# (2026-11-26) had its one agents process produce ~3,000/s during registration (py-spy: all of it encoding and
+# producing heartbeats) and the health check judged 720,000 machines silent at its first timeout.
+AGENTS_PER_DC_ABOVE = 100_000
+HEARTBEATS_PER_S = 5_000
 CATCH_UP_TIMEOUT_S = 600.0  # at most this long for the scheduler to commit the registration (BenchEnv)
 
 
 def heartbeat_interval_ms(machines: int) -> int:
+    if machines <= AGENTS_PER_DC_ABOVE:
+        return HEARTBEAT_INTERVAL_MS
     return max(HEARTBEAT_INTERVAL_MS, machines * 1000 // HEARTBEATS_PER_S)
+
+
+def region_dcs(region: Path) -> list[str]:
+    from processors.resourcebroker.region import load_region
+
+    return [dc.name for dc in load_region(region).dcs]
 
 
 def health_timeout_ms(machines: int) -> int:
@@ -136,6 +147,11 @@ class BenchEnv:
                 argv[argv.index("--interval-ms") + 1] = str(heartbeat_interval_ms(machines))
                 i = argv.index("--state-file")  # nothing restarts the bench's agents: no state file to write
                 del argv[i:i + 2]
+                if machines > AGENTS_PER_DC_ABOVE:  # one process per DC of the region
+                    env_all = {**(proc.env or {}), **FAUST_ENV, **(env or {})}
+                    out += [dataclasses.replace(proc, name=f"agents-{dc}", argv=[*argv, "--dc", dc], env=env_all)
+                            for dc in region_dcs(region)]
+                    continue
             elif proc.name == "health":
                 argv[argv.index("--timeout-ms") + 1] = str(health_timeout_ms(machines))
                 argv[argv.index("--tick-ms") + 1] = str(HEALTH_TICK_MS)

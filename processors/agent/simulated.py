@@ -460,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--machines", type=int, help="N machines named sim-000000 …")
     ap.add_argument("--exclude", action="append", default=[], metavar="MACHINE",
                     help="a machine of the region another agent runs (repeatable)")
+    ap.add_argument("--dc", action="append", default=[], metavar="DC",
+                    help="simulate only the machines of this DC of the region (repeatable; default: every DC): "
+                         "one process per DC shares a big region's heartbeats, as a real region's agents do")
     ap.add_argument("--interval-ms", type=int, default=DEFAULT_INTERVAL_MS, help="heartbeat interval per machine")
     ap.add_argument("--start-delay-ms", type=int, default=DEFAULT_START_DELAY_MS, help="START → RUNNING delay")
     ap.add_argument("--state-file", help="where the simulated machines' state is kept across restarts (JSON)")
@@ -484,7 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.region:
         from processors.resourcebroker.region import iter_machines, load_region
-        ids = [m.id for m in iter_machines(load_region(Path(args.region))) if m.id not in set(args.exclude)]
+        spec = load_region(Path(args.region))
+        unknown = set(args.dc) - {dc.name for dc in spec.dcs}
+        if unknown:
+            print(f"simulated agents: --dc {', '.join(sorted(unknown))}: no such DC in {args.region}", file=sys.stderr)
+            return 2
+        ids = [m.id for m in iter_machines(spec) if m.id not in set(args.exclude) and (not args.dc or m.dc in args.dc)]
     else:
         ids = [f"sim-{i:06d}" for i in range(args.machines)]
     from .load import LoadSpecError, parse_job_load
