@@ -96,6 +96,7 @@ def test_a_job_followed_in_the_browser_through_a_machine_failure(region, tmp_pat
         first = page.locator('#tasks tr[data-task="e1.web/0"] .machine').inner_text()
 
         # its machine fails: the page shows the task moved, on the table and on the timeline, live
+        before_ms = int(time.time() * 1000)
         cli.ok("machine", "fail", first)
         moved = page.locator('#tasks tr[data-task="e1.web/0"] .machine')
         expect(moved).not_to_have_text(first, timeout=60_000)
@@ -109,6 +110,25 @@ def test_a_job_followed_in_the_browser_through_a_machine_failure(region, tmp_pat
         page.goto(f"{base}/ui/machines")
         expect(page.locator(f'tr[data-machine="{first}"] .status')).to_have_text("DOWN")
         page.screenshot(path=str(shots / "ui-fleet.png"))
+        after_ms = int(time.time() * 1000)
+
+        # time travel (issue 14): the fleet and the job as they were before the failure, from the log
+        page.goto(f"{base}/ui/machines?at={before_ms}")
+        expect(page.locator("#at-banner")).to_have_attribute("data-at-ms", str(before_ms))
+        expect(page.locator(f'tr[data-machine="{first}"] .status')).to_have_text("UP")
+        page.screenshot(path=str(shots / "ui-fleet-at.png"))
+        page.locator("#at-slider").fill(str(after_ms))  # let go of the slider: the page at that moment
+        expect(page.locator("#at-banner")).to_have_attribute("data-at-ms", str(after_ms))
+        expect(page.locator(f'tr[data-machine="{first}"] .status')).to_have_text("DOWN")
+        page.goto(f"{base}/ui/jobs/e1.web?at={before_ms}")
+        expect(page.locator('#tasks tr[data-task="e1.web/0"] .machine')).to_have_text(first)
+        page.click("#at-now")
+        expect(page.locator('#tasks tr[data-task="e1.web/0"] .machine')).not_to_have_text(first)
+        assert page.locator("#at-banner").count() == 0
+        page.goto(f"{base}/ui/machines?at=yesterday")  # a bad moment: refused, naming the field
+        expect(page.locator("body")).to_contain_text("at: ")
+
+        page.goto(f"{base}/ui/machines")
         cli.ok("machine", "recover", first)
         expect(page.locator(f'tr[data-machine="{first}"] .status')).to_have_text("UP", timeout=30_000)
 

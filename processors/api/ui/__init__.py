@@ -37,6 +37,24 @@ COOKIE = "ropewalk_token"
 FEED_LIMIT = 500  # events shown by the feed (the newest)
 FEED_DEFAULT_SINCE = "15m"
 FEED_DEFAULT_EXCLUDE = "AgentHeartbeat"  # every machine's, every few seconds: the feed is about changes
+AT_SPANS = ("15m", "1h", "6h", "24h", "7d")  # what the time slider covers, back from now
+AT_DEFAULT_SPAN = "1h"
+
+
+def moment_of(at: str, span: str, now_ms: int) -> dict[str, Any]:
+    """The time slider's state (``_at.html``): the moment shown (None: now; ms, ISO-8601 or ``now-15m``: the slider
+    sends ms) and the span it covers back from now. Raises ``MomentError`` naming the field for a bad one."""
+    from processors.history.moments import MomentError, parse_moment
+    from processors.times import duration_ms
+
+    if span not in AT_SPANS:
+        raise MomentError(f"span: one of {', '.join(AT_SPANS)}, got {span!r}")
+    try:
+        ms = parse_moment(at, now_ms) if at else None
+    except (MomentError, ValueError) as exc:  # a TOPIC/PARTITION@OFFSET needs the log: the CLI and API take it
+        raise MomentError(f"at: {exc}") from None
+    return {"ms": ms, "now_ms": now_ms, "min_ms": min(now_ms - duration_ms(span), ms or now_ms), "span": span,
+            "spans": AT_SPANS}
 
 
 def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs) -> None:
@@ -105,12 +123,25 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
         rows = await api["jobs"](user, None)
         return page("jobs.html", request, user=user, jobs=[_job_summary(v) for v in rows])
 
+    def moment(request: Request, user, at: str, span: str) -> tuple[dict | None, HTMLResponse | None]:
+        """The slider's state, or the refusal page for a bad ``at`` or ``span`` (400, the field named)."""
+        from processors.api.errors import ApiError
+        from processors.frontend.service import INVALID_REQUEST
+        from processors.history.moments import MomentError
+
+        try:
+            return moment_of(at, span, int(time.time() * 1000)), None
+        except MomentError as exc:
+            return None, refused(request, user, ApiError(400, INVALID_REQUEST, str(exc)))
+
     @app.get("/ui/jobs/{job}", include_in_schema=False)
-    async def job_page(request: Request, job: str) -> Response:
+    async def job_page(request: Request, job: str, at: str = "", span: str = AT_DEFAULT_SPAN) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        view, err = await answered(request, user, api["job_status"], job, user)
-        return err or page("job.html", request, user=user, job=_job_summary(view), view=view)
+        when, err = moment(request, user, at, span)
+        if err is None:
+            view, err = await answered(request, user, api["job_status"], job, user, str(when["ms"]) if at else None)
+        return err or page("job.html", request, user=user, job=_job_summary(view), view=view, at=when)
 
     @app.get("/ui/jobs/{job}/tasks", include_in_schema=False)
     async def job_tasks(request: Request, job: str) -> Response:
@@ -129,17 +160,22 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
         return JSONResponse(timeline(docs, int(time.time() * 1000), job))
 
     @app.get("/ui/machines", include_in_schema=False)
-    async def machines_page(request: Request) -> Response:
+    async def machines_page(request: Request, at: str = "", span: str = AT_DEFAULT_SPAN) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        rows = await api["machines"](user, None, False)
+        when, err = moment(request, user, at, span)
+        if err is None:
+            rows, err = await answered(request, user, api["machines"], user, None, False,
+                                       str(when["ms"]) if at else None)
+        if err is not None:
+            return err
         tree: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         for m in rows:
             tree[m["dc"]][f"{m['msb']}"].append(m)
         by_status = Counter(m["status"] for m in rows)
         return page("machines.html", request, user=user, tree={dc: dict(sorted(msbs.items()))
                                                              for dc, msbs in sorted(tree.items())},
-                    total=len(rows), by_status=sorted(by_status.items()))
+                    total=len(rows), by_status=sorted(by_status.items()), at=when)
 
     @app.get("/ui/entitlements", include_in_schema=False)
     async def entitlements_page(request: Request) -> Response:

@@ -56,7 +56,21 @@
     });
   };
 
-  rw.jobPage = function (job, entitlement) {
+  // The time slider (_at.html): dragging shows the moment, letting go shows the page as it was then.
+  rw.timeSlider = function () {
+    const form = document.getElementById("at"), slider = document.getElementById("at-slider");
+    const shown = document.getElementById("at-shown");
+    if (!form || !slider) return;
+    const show = () => { shown.textContent = new Date(Number(slider.value)).toISOString().slice(0, 19).replace("T", " ") + "Z"; };
+    slider.addEventListener("input", show);
+    slider.addEventListener("change", () => form.submit());
+    document.getElementById("at-span").addEventListener("change", () => {
+      slider.disabled = !document.getElementById("at-now");  // a new span from now: keep the moment only if one is shown
+      form.submit();
+    });
+  };
+
+  rw.jobPage = function (job, entitlement, live) {
     const box = document.getElementById("timeline");
     const note = document.getElementById("timeline-note");
     let tl = null, items = null, groups = null;
@@ -89,7 +103,7 @@
     }
 
     let pending = null;
-    follow("jobs", "entitlement=" + encodeURIComponent(entitlement), (v) => {
+    if (live !== false) follow("jobs", "entitlement=" + encodeURIComponent(entitlement), (v) => {
       if (v.job !== job) return;
       // how long after the state record was made the page had it (one clock: the same machine in the tests)
       document.body.dataset.lagMs = String(Date.now() - v.updated_ms);
