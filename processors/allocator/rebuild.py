@@ -36,11 +36,8 @@ so a cluster keeps every key on one slot), then in one MULTI/EXEC deletes the li
 every scratch key into place: readers see the old index or the new one, never a half-built one, and a rebuild
 that fails or is interrupted leaves the live index as it was. The live keys every allocator write touches
 (``applied:<consumer>``, ``placement``) are WATCHed from before the log is read, so if an allocator wrote to the
-index meanwhile the swap is refused (``RebuildConflict``) and nothing changes. Their contents are kept too: a
-WATCH that aborts while both are as they were (seen twice at 1,000,000 machines with every allocator stopped, the
-cause not found: an AOF rewrite ran, nothing wrote) is taken again, the keys compared under the new WATCH, and the
-swap tried once more (``swap_retries``). A running allocator makes a rebuild pointless anyway: it holds the fold in
-memory and projects it into Redis whenever Redis lags it.
+index meanwhile the swap is refused (``RebuildConflict``) and nothing changes. A running allocator makes a
+rebuild pointless anyway: it holds the fold in memory and projects it into Redis whenever Redis lags it.
 
 **Refusals** (``RebuildRefused``, nothing replaced): a source partition that no longer starts at offset 0
 (retention deleted records: the topics the index is built from must keep everything), and a log without a
@@ -52,7 +49,6 @@ needs every partition's next record).
 from __future__ import annotations
 
 import fnmatch
-import logging
 import time
 import uuid
 from collections import defaultdict
@@ -75,10 +71,12 @@ from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
-log = logging.getLogger(__name__)
-
 NOT_INDEX_STATE = ("alloc:done:*", "alloc:fence:*", "metrics:*", "outbox:*", "~rebuild.*", GENERATION)
 SCRATCH = "~rebuild."
+# The swap is one MULTI/EXEC over every key of the index: at 1,000,000 machines Redis takes more than redis-py 8's
+# default socket timeout (5 s) to run it, and the timeout, reported as a WatchError, failed the rebuild of two
+# 1,000,000-machine benchmarks (2026-11-26; first read as a concurrent write).
+SWAP_TIMEOUT_S = 600.0
 _SWAP_CHUNK = 1000  # keys per UNLINK, and per rename call, inside the swap transaction
 _SCAN_COUNT = 10_000  # keys per SCAN step
 _LUA_RENAME = lua.script("rename")
@@ -122,7 +120,6 @@ class RebuildStats:
     machines: int = 0
     keys: int = 0  # keys written (then renamed into place)
     replaced: int = 0  # live index keys deleted by the swap
-    swap_retries: int = 0  # swaps taken again after a WATCH abort with the watched keys unchanged
     read_s: float = 0.0
     apply_s: float = 0.0
     write_s: float = 0.0
@@ -176,19 +173,10 @@ class Rebuild:
         self._guard = None
         self._rename = redis_client.register_script(_LUA_RENAME)
 
-    def _watched(self) -> tuple[str, ...]:
-        return tuple(self.prefix + k for k in (f"applied:{self.consumer}", "placement"))
-
     def guard(self) -> None:
-        """WATCH the live keys every allocator write touches, and keep what they hold; the swap is refused if any
-        of them changes."""
+        """WATCH the live keys every allocator write touches; the swap is refused if any of them changes."""
         self._guard = self.r.pipeline(transaction=True)
-        self._guard.watch(*self._watched())
-        self._guarded = self._contents(self._guard)
-
-    def _contents(self, watching) -> list[dict]:
-        """What the watched keys hold, read on the watching connection (after its WATCH)."""
-        return [watching.hgetall(k) for k in self._watched()]
+        self._guard.watch(*(self.prefix + k for k in (f"applied:{self.consumer}", "placement")))
 
     def read(self) -> dict[tuple[str, int], list[tuple[Event, Position]]]:
         """The allocator's source topics up to where they end now: the records the fold applies, per partition.
@@ -249,27 +237,18 @@ class Rebuild:
                                  f"index holds {len(live)} keys: wrong broker or prefix? the index was left as it is")
         pipe, self._guard = self._guard, None
         try:
-            for attempt in range(2):
-                try:
-                    pipe.multi()
-                    for i in range(0, len(live), _SWAP_CHUNK):
-                        pipe.unlink(*live[i:i + _SWAP_CHUNK])
-                    for i in range(0, len(new), _SWAP_CHUNK):
-                        self._rename(keys=new[i:i + _SWAP_CHUNK], args=[len(self.scratch), self.prefix], client=pipe)
-                    pipe.execute()
-                    break
-                except redis.WatchError as exc:
-                    if "occurred while watching" in str(exc):  # redis-py: the watching connection died
-                        raise RebuildConflict(f"the Redis connection watching the live index was lost during the "
-                                              f"rebuild ({exc}); nothing was replaced. Run the rebuild again") from None
-                    pipe.reset()
-                    pipe.watch(*self._watched())
-                    if attempt or self._contents(pipe) != self._guarded:
-                        raise RebuildConflict("the allocator wrote to the index while it was rebuilt; nothing was "
-                                              "replaced. Stop the allocator and run the rebuild again") from None
-                    self.stats.swap_retries += 1
-                    log.warning("rebuild: the swap's WATCH aborted, but the watched keys hold what they held when "
-                                "the rebuild began: swapping again under a new WATCH")
+            pipe.multi()
+            for i in range(0, len(live), _SWAP_CHUNK):
+                pipe.unlink(*live[i:i + _SWAP_CHUNK])
+            for i in range(0, len(new), _SWAP_CHUNK):
+                self._rename(keys=new[i:i + _SWAP_CHUNK], args=[len(self.scratch), self.prefix], client=pipe)
+            pipe.execute()
+        except redis.WatchError as exc:
+            if "occurred while watching" in str(exc):  # redis-py: the watching connection failed (error, timeout)
+                raise RebuildConflict(f"the Redis connection watching the live index failed during the rebuild "
+                                      f"({exc}); nothing was replaced. Run the rebuild again") from None
+            raise RebuildConflict("the allocator wrote to the index while it was rebuilt; nothing was replaced. "
+                                  "Stop the allocator and run the rebuild again") from None
         finally:
             pipe.reset()
         self.stats.keys, self.stats.replaced = len(new), len(live)
@@ -307,7 +286,7 @@ def rebuild_index(cfg: Config, registry: SchemaRegistry | None = None, *, redis_
     Raises RebuildConflict if an allocator wrote to the index meanwhile, RebuildRefused if the log cannot give
     the index back; in both cases nothing was replaced."""
     registry = registry or SchemaRegistry.from_dir()
-    r = redis_client or cfg.redis_client()
+    r = redis_client or cfg.redis_client(socket_timeout=SWAP_TIMEOUT_S)
     try:
         return Rebuild(cfg, registry, r, consumer).run().as_dict()
     finally:

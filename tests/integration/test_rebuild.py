@@ -257,22 +257,6 @@ def test_a_rebuild_that_meets_a_writing_allocator_replaces_nothing(region, index
     assert_same_index(index.dump(), live)
 
 
-def test_a_watch_that_aborts_with_the_watched_keys_unchanged_swaps_again(region, index, registry):
-    """A write that leaves the watched keys as they were (the same mark written again) aborts the WATCH; the swap
-    compares the keys under a new WATCH and goes through. A changed key is still refused (test above)."""
-    cfg, live = region
-    rebuild_index(cfg, registry)
-    rb = Rebuild(cfg, registry, index.r)
-    rb.guard()
-    field, offset = next(iter(index.r.hgetall(index.key("applied:allocator")).items()))
-    index.r.hset(index.key("applied:allocator"), field, offset)  # a write, no change
-    rb.apply(rb.read())
-    rb.write()
-    rb.swap()
-    assert rb.stats.swap_retries == 1 and scratch_keys(index.r) == []
-    assert_same_index(index.dump(), live)
-
-
 def test_a_log_without_allocator_events_does_not_empty_the_index(cfg, registry):
     """A wrong broker or topic prefix (a log without the allocator's events) is refused."""
     r = cfg.redis_client()
