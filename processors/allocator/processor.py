@@ -304,13 +304,14 @@ def load_events(blob: str | bytes) -> list[Event]:
 # ---------------------------------------------------------------------------------------------------------
 # The processor.
 
-def in_decision_order(batch: Sequence[T], partition: Callable[[T], int]) -> list[T]:
-    """The order in which one batch's requests are decided: by partition, each partition's in log order (the
-    order they arrive in). The order matters where decisions meet in the free pool; the order of arrival across
-    partitions is the consumer's and is not on the log, this one is a function of the log and of the batch, which
-    its decision time names (each batch's is later than the one before): a replay (processors/history/region.py)
-    decides the batch in the same order and takes the same decisions."""
-    return sorted(batch, key=partition)
+def in_decision_order(batch: Sequence[T], partition: Callable[[T], int], when_ms: int, partitions: int) -> list[T]:
+    """The order in which one batch's requests are decided: by partition, from the one the batch's decision time
+    names (``when_ms`` modulo ``partitions``: no entitlement's partition always goes first where decisions meet in
+    the free pool), each partition's in log order (the order they arrive in). The order of arrival across
+    partitions is the consumer's and is not on the log; this one is a function of the log (each batch's decision
+    time is its own, later than the one before), so a replay (processors/history/region.py) decides the batch in
+    the same order and takes the same decisions."""
+    return sorted(batch, key=lambda item: (partition(item) - when_ms) % partitions)
 
 
 @dataclass
@@ -535,9 +536,10 @@ class Allocator:
 
     def _decide_batch(self, batch: list[Pending]) -> list[Event]:
         produced: list[Event] = []
-        todo = in_decision_order(batch, lambda pd: pd.partition)
+        todo = batch
         while todo:
             ts = self._last_ts = max(int(time.time() * 1000), self._last_ts + 1)  # one batch, one decision time
+            todo = in_decision_order(todo, lambda pd: pd.partition, ts, self.topics.partitions_of("allocations"))
             planned = []
             for pd in todo:
                 try:

@@ -43,7 +43,7 @@ k-th placement of a task is moved to the machine of the k-th placement the shado
 none), and a command the recorded scheduler never gave (a task placed only in the shadow) is answered by a
 simulated agent (the agent's own ``decide``, ``start_delay_ms``). The requests one live allocator batch decided
 (its decision time names it) are decided in the live allocator's order (``processor.in_decision_order``: by
-partition, each in log order), so the live policy's shadow takes the recorded decisions. **What-if** (``start_what_if``): no log ahead at all;
+partition from the one the decision time names, each in log order), so the live policy's shadow takes the recorded decisions. **What-if** (``start_what_if``): no log ahead at all;
 events given are injected, every agent is simulated, the timer runs every ``retry_ms``.
 """
 from __future__ import annotations
@@ -583,7 +583,8 @@ class Region:
 
     def _allocate(self, batch: list[tuple[Event, int]], when: int) -> None:
         decider = _Deciding(self.fold)
-        for request, partition in in_decision_order(batch, lambda b: b[1]):
+        for request, partition in in_decision_order(batch, lambda b: b[1], when,
+                                                    self.topics.partitions_of("allocations")):
             events = decider.decide(request, when)
             for mid in self.fold.drain_changes():
                 self.changed_ms[mid] = when

@@ -18,7 +18,7 @@ from processors.allocator.index import MachineIndex
 from processors.allocator.placement import FILTER_MACHINE_TYPE, NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED
 from processors.allocator.processor import (
     COMMIT_RETRIES_EXHAUSTED, INVALID_REQUEST, PRODUCER, RELEASED_EMPTY, UNKNOWN_ENTITLEMENT, Allocator,
-    allocator_metrics, build_app,
+    allocator_metrics, build_app, in_decision_order,
 )
 from streams.clients import EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED
@@ -664,10 +664,11 @@ def test_the_echoes_of_a_batch_leave_the_fold_as_a_fold_of_the_log(hand):
     assert a.fold.requests == {} == fresh.fold.requests
 
 
-def test_a_batch_is_decided_in_partition_order_whatever_the_arrival(hand):
-    """Two requests of one batch want more of the free pool than there is: the one of the lower partition is
-    decided first, though it arrived second, so a replay of the log (processors/history) decides them alike; the
-    batch's decisions share one decision time, later than the batch before's."""
+def test_a_batch_is_decided_in_the_order_its_decision_time_names_whatever_the_arrival(hand):
+    """Two requests of one batch want more of the free pool than there is: they are decided in the order
+    ``in_decision_order`` gives for the batch's decision time (by partition from the one that time names), not in
+    the order they arrived, so a replay of the log (processors/history) decides them alike; the batch's decisions
+    share one decision time, later than the batch before's."""
     a = hand.new()
     hand.region(a)
     a.assign([0, 1])
@@ -676,8 +677,10 @@ def test_a_batch_is_decided_in_partition_order_whatever_the_arrival(hand):
     hand.feed([a], requested("late", "e2", "api", 4, cpu=CPU), partition=1)  # arrives first
     hand.feed([a], requested("early", "e1", "web", 4, cpu=CPU), partition=0)
     events = a.decide_pending()
-    placed = {e.payload["request_id"]: len(e.payload["placements"]) for e in events if e.type == "TasksAllocated"}
-    # e1 holds the warm-up's machine (1000m left of it used): 5 whole machines remain for 8 tasks of a machine each
-    assert placed == {"early": 4, "late": 1}, placed
-    assert [e.payload["request_id"] for e in events if e.type == "TasksAllocated"] == ["early", "late"]
     assert len({e.timestamp_ms for e in events}) == 1 and events[0].timestamp_ms > before.timestamp_ms
+    first, second = in_decision_order([("late", 1), ("early", 0)], lambda r: r[1], events[0].timestamp_ms,
+                                      a.topics.partitions_of("allocations"))
+    placed = {e.payload["request_id"]: len(e.payload["placements"]) for e in events if e.type == "TasksAllocated"}
+    # 6 machines of one task each less the warm-up's (e1 holds it, 1000m used): 5 whole ones for 8 tasks
+    assert placed == {first[0]: 4, second[0]: 1}, placed
+    assert [e.payload["request_id"] for e in events if e.type == "TasksAllocated"] == [first[0], second[0]]

@@ -350,3 +350,16 @@ def test_a_policy_ranks_by_its_own_scores_and_spread():
                                                                                        "dc1/b/r3"}
     with pytest.raises(ValueError, match="spread"):
         Policy("bad", spread="zone")
+
+
+@pytest.mark.parametrize("when_ms, expected", [
+    (0, ["a0", "b0", "c1", "d3"]),  # partition 0 first
+    (1, ["c1", "d3", "a0", "b0"]),  # from partition 1: 1, 3, then 0 (its requests in log order)
+    (3, ["d3", "a0", "b0", "c1"]),
+    (4 + 2, ["d3", "a0", "b0", "c1"]),  # modulo the partitions: from 2, the first there is 3
+])
+def test_a_batch_is_decided_by_partition_from_the_one_its_time_names(when_ms, expected):
+    from processors.allocator.processor import in_decision_order
+
+    arrived = [("d3", 3), ("a0", 0), ("c1", 1), ("b0", 0)]
+    assert [r for r, _ in in_decision_order(arrived, lambda x: x[1], when_ms, 4)] == expected
