@@ -70,8 +70,8 @@ from typing import Any
 from processors.allocator import placement
 from processors.allocator.fastplace import PlacementIndex
 from processors.allocator.placement import (
-    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Entitlement, Machine, Plan,
-    Request,
+    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, ENTITLEMENT_FIELDS, MACHINE_UP, Entitlement,
+    Machine, Plan, Request,
 )
 from processors import rules
 from processors.resourcebroker.decide import KIND_MAINTENANCE
@@ -578,9 +578,6 @@ def _deallocated(f: RegionFold, e: Event) -> None:
     f._bump(step, e.event_id)
 
 
-ENTITLEMENT_FIELDS = ("quota_machines", "machine_type", "dc_pin", "host_profile")
-
-
 def _entitlement(f: RegionFold, e: Event) -> None:
     if rules.intent_problems(e.type, e.payload, e.entitlement):
         return  # refused by the scheduler: never held
@@ -608,7 +605,7 @@ def entitlement_of(name: str, fields: Mapping[str, Any]) -> Entitlement | None:
     if fields.get("quota_machines") in (None, ""):
         return None
     return Entitlement(name, int(fields["quota_machines"]), machine_type=fields.get("machine_type") or None,
-                       dc_pin=fields.get("dc_pin") or None)
+                       dc_pin=fields.get("dc_pin") or None, host_profile=fields.get("host_profile") or None)
 
 
 HANDLERS: Mapping[str, Callable[[RegionFold, Event], None]] = {

@@ -29,7 +29,7 @@ GRACE_S = 3.0
 
 
 def _intent_refusals() -> frozenset[str]:
-    from processors.scheduler import decide as s
+    from processors.scheduler import reasons as s
 
     return frozenset({s.REASON_DUPLICATE_JOB_ID, s.REASON_UNKNOWN_ENTITLEMENT, s.REASON_UNKNOWN_JOB,
                       s.REASON_INVALID_SPEC, s.REASON_TOO_MANY_TASKS, s.REASON_INVALID_ENTITLEMENT,
