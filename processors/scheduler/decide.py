@@ -79,8 +79,8 @@ from processors.scheduler import steps
 from processors.scheduler import versions as vs
 from processors.scheduler.lifecycle import (
     ALLOCATED, ALLOCATED_EV, CRASHED, EXITED_OK, FAILED, JOB_ACTIVE, JOB_FREED, JOB_REFUSED, JOB_RESUBMITTED, JOB_STOP,
-    JOB_STOPPING, OP_ACKED, OP_PENDING, OP_RUNNING, PENDING, RUNNING, START_COMMANDED, STARTED, STARTING, STOPPED, STOPPED_EV,
-    STOPPING, IllegalTransition,
+    JOB_STOPPING, OP_ACKED, OP_PENDING, OP_RUNNING, PENDING, RUNNING, START_COMMANDED, STARTED, STARTING, STOPPED,
+    STOPPED_EV, STOPPING, IllegalTransition,
 )
 from processors.scheduler.model import (
     HELD, RETIRE, RUN, Job, SchedulerState, Spec, Task, job_phase, replace,
@@ -173,7 +173,8 @@ def _successor(existing: Job | None) -> dict[str, Any]:
     duplicate ring. Task ids stay ``<job>/<index>``: the previous incarnation's were freed before it was gone."""
     if existing is None:
         return {}
-    return {"status": lc.JOBS.next_state(job_phase(existing), JOB_RESUBMITTED), "incarnation": existing.incarnation + 1, "requests": existing.requests, "ops": existing.ops,
+    return {"status": lc.JOBS.next_state(job_phase(existing), JOB_RESUBMITTED),
+            "incarnation": existing.incarnation + 1, "requests": existing.requests, "ops": existing.ops,
             "tc_seq": existing.tc_seq, "seen": existing.seen, "generation": existing.generation}
 
 
@@ -626,10 +627,10 @@ def _on_rebalance_planned(fold: Fold, ev: Event) -> None:
     """RebalancePlanned (the ReBalancer's plan, processors/rebalancer): each move of a job of this shard becomes a
     MOVE operation of its running task (reason ``REASON_REBALANCE``, ``move_to`` its target), approved by the job's
     TaskController like any operation, performed within max_unavailable and the limiter (``steps.try_perform``: out of
-    discovery and STOP), then placed on the target avoiding the source (``steps.advance``, intent RELOCATE; the allocator
-    places it elsewhere if the target no longer passes every filter), complete once it runs there. Refused moves
-    are answered by one IntentRefused per job (the reason of its first refused move, every refused task and why in
-    the message). A move not performed yet is moot once the task no longer runs on its machine (the ordinary paths
+    discovery and STOP), then placed on the target avoiding the source (``steps.advance``, intent RELOCATE; the
+    allocator places it elsewhere if the target no longer passes every filter), complete once it runs there. Refused
+    moves are answered by one IntentRefused per job (the reason of its first refused move, every refused task and why
+    in the message). A move not performed yet is moot once the task no longer runs on its machine (the ordinary paths
     move it), or the job stops or starts an update (``steps.op_moot``)."""
     by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for mv in ev.payload["moves"]:

@@ -20,7 +20,9 @@ from processors.scheduler import reasons
 from processors.scheduler import records
 from processors.scheduler import work
 from processors.scheduler.decide import decide, retry_unplaced
-from processors.scheduler.lifecycle import JOB_PENDING, JOB_REJECTED, JOB_RUNNING, JOB_STOPPED, JOB_STOPPING, JOB_UPDATING
+from processors.scheduler.lifecycle import (
+    JOB_PENDING, JOB_REJECTED, JOB_RUNNING, JOB_STOPPED, JOB_STOPPING, JOB_UPDATING,
+)
 from processors.scheduler.model import SchedulerState, UnknownJob, job_detail
 from processors.scheduler.reasons import (
     REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_EXITED, REASON_ILLEGAL_REPORT, REASON_INVALID_SPEC,
