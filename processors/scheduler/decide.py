@@ -79,8 +79,8 @@ from processors.scheduler import steps
 from processors.scheduler import versions as vs
 from processors.scheduler.lifecycle import (
     ALLOCATED, ALLOCATED_EV, CRASHED, EXITED_OK, FAILED, JOB_ACTIVE, JOB_FREED, JOB_REFUSED, JOB_RESUBMITTED, JOB_STOP,
-    JOB_STOPPING, OP_ACKED, OP_PENDING, OP_RUNNING, PENDING, RUNNING, START_COMMANDED, STARTED, STARTING, STOPPED,
-    STOPPED_EV, STOPPING, IllegalTransition,
+    JOB_STOPPING, MAINTENANCE_ENDED, OP_ACKED, OP_PENDING, OP_RUNNING, PENDING, RUNNING, STARTED, STARTING,
+    START_COMMANDED, STOPPED, STOPPED_EV, STOPPING, IllegalTransition,
 )
 from processors.scheduler.model import (
     HELD, RETIRE, RUN, Job, SchedulerState, Spec, Task, job_phase, replace,
@@ -560,7 +560,7 @@ def _on_unavailability_ended(fold: Fold, ev: Event) -> None:
             if t.maint_ue != ue:
                 continue
             held = t.maint_choice in HELD and t.state in (FAILED, STOPPED)
-            t = w.put(replace(t, maint_ue=None, maint_choice=None))
+            t = w.put(replace(t, **w.choice_fields(t, MAINTENANCE_ENDED)))
             if held:
                 steps.start_again(w, replace(t, restarts=0), START, REASON_MAINTENANCE_ENDED)
 

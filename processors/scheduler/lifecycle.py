@@ -1,4 +1,4 @@
-"""The lifecycles of the scheduler: tasks, jobs and operations, each a table of its legal transitions (h11
+"""The lifecycles of the scheduler: tasks, jobs, operations and maintenance choices, each a table of its legal transitions (h11
 ``_state.py`` style). Pure: no I/O. Anything not in a table is refused by its ``Table.next_state`` (raises
 ``IllegalTransition``): the scheduler changes a task's state, a job's status or an operation's state only there.
 
@@ -28,6 +28,15 @@ operation):
     None --asked--> pending --acked--> approved --performed--> running --ended--> None
     None --wanted--> approved (no approval to ask: no controller, or a STOP)
     pending|approved --ended--> None (moot, or done once commanded: a STOP, a RESTART after it ran)
+
+**Planned-maintenance choices** of a task (``CHOICE_TRANSITIONS``, ``Task.maint_choice`` with ``Task.maint_ue`` the
+maintenance it is for; ``None`` is no choice): its TaskController's MOVE, STOP or KEEP (a later answer may change
+it), or the scheduler's at the deadline (DEADLINE: held until the end, with a controller; MOVE without one);
+forgotten when the maintenance ends or the task is placed elsewhere.
+
+    None|MOVE|STOP|KEEP --chose_move|chose_stop|chose_keep--> MOVE|STOP|KEEP
+    None --deadline_held--> DEADLINE        None --deadline_moved--> MOVE
+    MOVE|STOP|KEEP|DEADLINE --maintenance_ended|moved_off--> None
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from processors.taskcontrol.protocol import CHOICE_KEEP, CHOICE_MOVE, CHOICE_STOP
 from streams.enums import TaskState
 
 PENDING = TaskState.PENDING
@@ -138,6 +148,29 @@ OP_TRANSITIONS = MappingProxyType({
     (OP_RUNNING, OP_ENDED): OP_NONE,  # the task runs again (or the operation became moot while it was down)
 })
 
+# -- planned-maintenance choices ---------------------------------------------------------------------------------
+CHOICE_NONE = None  # no choice (no maintenance of its machine, or not chosen yet)
+HELD_AT_DEADLINE = "DEADLINE"  # Task.maint_choice of a task the scheduler stopped at a maintenance deadline
+CHOICE_STATES = (CHOICE_NONE, CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP, HELD_AT_DEADLINE)
+
+CHOSE_MOVE = "chose_move"  # the job's TaskController answered the advance notice: move it off (stop, placed elsewhere)
+CHOSE_STOP = "chose_stop"  # ... stop it until the maintenance ends
+CHOSE_KEEP = "chose_keep"  # ... leave it running through the maintenance
+CHOSEN = MappingProxyType({CHOICE_MOVE: CHOSE_MOVE, CHOICE_STOP: CHOSE_STOP, CHOICE_KEEP: CHOSE_KEEP})  # choice -> trigger
+DEADLINE_HELD = "deadline_held"  # still on the machine at the deadline, with a controller: stopped until the end
+DEADLINE_MOVED = "deadline_moved"  # still there at the deadline, no controller (or the machines must be left): moved
+MAINTENANCE_ENDED = "maintenance_ended"  # UnavailabilityEnded
+MOVED_OFF = "moved_off"  # placed anew elsewhere (rescheduled): no maintenance of its new machine is known
+CHOICE_TRIGGERS = (CHOSE_MOVE, CHOSE_STOP, CHOSE_KEEP, DEADLINE_HELD, DEADLINE_MOVED, MAINTENANCE_ENDED, MOVED_OFF)
+
+CHOICE_TRANSITIONS = MappingProxyType({
+    **{(s, CHOSEN[c]): c for s in (CHOICE_NONE, CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP) for c in CHOSEN},
+    (CHOICE_NONE, DEADLINE_HELD): HELD_AT_DEADLINE,
+    (CHOICE_NONE, DEADLINE_MOVED): CHOICE_MOVE,
+    **{(s, t): CHOICE_NONE for s in (CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP, HELD_AT_DEADLINE)
+       for t in (MAINTENANCE_ENDED, MOVED_OFF)},
+})  # HELD_AT_DEADLINE takes no controller's choice: it comes too late (steps.apply_choices ignores it, choice_too_late)
+
 # (trigger, state) pairs where the trigger is one that can produce the state: a repeat of it is a duplicate.
 _PRODUCED_BY = frozenset((trigger, target) for (_, trigger), target in TRANSITIONS.items())
 
@@ -174,7 +207,8 @@ class Table:
 TASKS = Table("task", STATES, TRIGGERS, TRANSITIONS)
 JOBS = Table("job", JOB_PHASES, JOB_TRIGGERS, JOB_TRANSITIONS)
 OPERATIONS = Table("operation", OP_STATES, OP_TRIGGERS, OP_TRANSITIONS)
-TABLES = (TASKS, JOBS, OPERATIONS)
+CHOICES = Table("maintenance choice", CHOICE_STATES, CHOICE_TRIGGERS, CHOICE_TRANSITIONS)
+TABLES = (TASKS, JOBS, OPERATIONS, CHOICES)
 
 
 def next_state(state: str, trigger: str) -> str:

@@ -19,7 +19,7 @@ from processors.cowmap import CowMap
 from processors.evolve import evolver
 from processors.scheduler import versions as vs
 from processors.scheduler.lifecycle import (
-    JOB_ACTIVE, JOB_DELETED, JOB_PENDING, JOB_RUNNING, JOB_UPDATING, PENDING, RUNNING,
+    HELD_AT_DEADLINE, JOB_ACTIVE, JOB_DELETED, JOB_PENDING, JOB_RUNNING, JOB_UPDATING, PENDING, RUNNING,
 )
 from processors.taskcontrol.limiter import Bucket
 from processors.taskcontrol.protocol import CHOICE_MOVE, CHOICE_STOP
@@ -32,8 +32,7 @@ RETIRE = "retire"  # stop it and free its placement (shrink, job stop); it leave
 UPDATE = "update"  # being stopped to start again at the job's spec version (rolling update, a grow reusing it)
 RELOCATE = "relocate"  # being stopped to be placed on another machine (a ReBalancer move: _on_rebalance_planned)
 
-# A task's planned-maintenance choice (Task.maint_choice): its controller's CHOICE_MOVE/STOP/KEEP, or this.
-HELD_AT_DEADLINE = "DEADLINE"  # Task.maint_choice of a task the scheduler stopped at a maintenance deadline
+# Kinds of planned-maintenance choice (Task.maint_choice: its table is lifecycle.CHOICE_TRANSITIONS).
 HELD = frozenset({CHOICE_STOP, HELD_AT_DEADLINE})  # stopped for a maintenance: started again when it ends
 LEAVING = frozenset({CHOICE_MOVE, CHOICE_STOP})  # choices that stop the task before the maintenance
 

@@ -16,12 +16,12 @@ from collections.abc import Iterable
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.scheduler import versions as vs
 from processors.scheduler.lifecycle import (
-    ALLOCATED, FAILED, JOB_ACTIVE, JOB_STOPPING, MACHINE_FAILED, OP_ACKED, OP_APPROVED, OP_PENDING, OP_PERFORMED,
-    OP_RUNNING, PENDING, RESCHEDULED, RESTART_COMMANDED, RUNNING, START_COMMANDED, STARTING, STOP_COMMANDED, STOPPED,
-    STOPPING,
+    ALLOCATED, CHOSEN, DEADLINE_HELD, DEADLINE_MOVED, FAILED, HELD_AT_DEADLINE, JOB_ACTIVE, JOB_STOPPING,
+    MACHINE_FAILED, MOVED_OFF, OP_ACKED, OP_APPROVED, OP_PENDING, OP_PERFORMED, OP_RUNNING, PENDING, RESCHEDULED,
+    RESTART_COMMANDED, RUNNING, STARTING, START_COMMANDED, STOPPED, STOPPING, STOP_COMMANDED,
 )
 from processors.scheduler.model import (
-    HELD, HELD_AT_DEADLINE, LEAVING, RELOCATE, RETIRE, RUN, UPDATE, Job, Task, replace, task_id,
+    HELD, LEAVING, RELOCATE, RETIRE, RUN, UPDATE, Job, Task, replace, task_id,
 )
 from processors.scheduler.reasons import (
     REASON_CHOICE_TOO_LATE, REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE,
@@ -160,9 +160,9 @@ def start_again(w: JobWork, t: Task, command: str, reason: str) -> None:
 
 def move(w: JobWork, t: Task, reason: str, avoid: str | None = None) -> None:
     """FAILED/STOPPED → PENDING, and ask the allocator to free its placement and place it again."""
+    forget = w.choice_fields(t, MOVED_OFF) if t.maint_choice is not None else {"maint_ue": None}
     t = w.step(t, RESCHEDULED, emit_reason=reason, machine=None, dc=None, msb=None, rack=None, terms=None,
-               spec_version=w.wanted(t), running_since_ms=None, reason=reason, maint_ue=None,
-               maint_choice=None)
+               spec_version=w.wanted(t), running_since_ms=None, reason=reason, **forget)
     w.free[t.id] = None
     w.place[t.id] = None
     if avoid is not None:
@@ -419,7 +419,7 @@ def enforce_deadlines(w: JobWork) -> None:
     w.set(quiet=True, maint=tuple((*m[:4], True) if m in due else m for m in w.job.maint))
     for ue, machines, _start, _deadline, _ in due:
         # moved off when it has no controller or must leave (a loan revoked); else held until the end
-        held = HELD_AT_DEADLINE if w.job.spec.controller and ue not in w.job.vacating else CHOICE_MOVE
+        held = DEADLINE_HELD if w.job.spec.controller and ue not in w.job.vacating else DEADLINE_MOVED
         gone = set(machines)
         for t in w.ordered():
             if t.machine not in gone or t.maint_choice == CHOICE_KEEP or t.state not in (STARTING, RUNNING):
@@ -432,7 +432,7 @@ def enforce_deadlines(w: JobWork) -> None:
                 t = w.end_op(t)  # moot: the deadline stops it
             if t.op_state == OP_RUNNING:  # under an update: it restarts on the machine only after the window
                 t = w.end_op(t)
-            stop(w, replace(t, intent=RUN, maint_ue=ue, maint_choice=held, reason=REASON_MAINTENANCE_DEADLINE),
+            stop(w, replace(t, intent=RUN, reason=REASON_MAINTENANCE_DEADLINE, **w.choice_fields(t, held, ue)),
                   REASON_MAINTENANCE_DEADLINE)
 
 
@@ -459,7 +459,7 @@ def apply_choices(w: JobWork, ev: Event, choices: Iterable[tc.Choice]) -> None:
             continue  # chosen already
         if t.op is not None and t.op_state != OP_RUNNING:
             t = w.end_op(t)  # an update or move not performed yet is moot: the choice decides
-        t = w.put(replace(t, maint_ue=c.unavailability_id, maint_choice=c.choice))
+        t = w.put(replace(t, **w.choice_fields(t, CHOSEN[c.choice], c.unavailability_id)))
         if c.choice == CHOICE_KEEP:
             continue
         why = REASON_MAINTENANCE_STOP if c.choice == CHOICE_STOP else REASON_MACHINE_MAINTENANCE

@@ -1,7 +1,7 @@
 """The working copy of one decision: ``Fold`` (the shard's state as the decision changes it, the events it emits,
 their derived ids) and ``JobWork`` (one job's: its task changes, the AllocationRequested being built, what to
 publish). Every change of a task's state, a job's status or an operation's state goes through ``lifecycle.py``'s
-tables here (``JobWork.step``, ``job_step``, ``new_op``/``op_step``/``end_op``). What a task or an operation does
+tables here (``JobWork.step``, ``job_step``, ``new_op``/``op_step``/``end_op``, ``choice_fields``). What a task or an operation does
 next is ``steps.py``; the handlers of the events are ``decide.py``. Pure: no I/O.
 """
 from __future__ import annotations
@@ -252,6 +252,12 @@ class JobWork:
         phase = lc.JOBS.next_state(job_phase(self.job), trigger)
         deleted = phase == JOB_DELETED
         self.set(status=JOB_STOPPED if deleted else phase, deleted=deleted, **fields)
+
+    def choice_fields(self, t: Task, trigger: str, ue: str | None = None) -> dict[str, Any]:
+        """``t``'s planned-maintenance choice after ``trigger`` through ``lifecycle.CHOICE_TRANSITIONS`` (raises
+        IllegalTransition), as the fields to replace: ``maint_choice``, and ``maint_ue`` (``ue``, None once none)."""
+        choice = lc.CHOICES.next_state(t.maint_choice, trigger)
+        return {"maint_choice": choice, "maint_ue": None if choice is None else ue}
 
     def step(self, t: Task, trigger: str, *, emit_reason: str | None = None, **changes: Any) -> Task:
         """Move ``t`` by ``trigger`` through the lifecycle table (raises IllegalTransition: a scheduler bug);

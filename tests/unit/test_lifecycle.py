@@ -4,13 +4,15 @@ import pytest
 from types import MappingProxyType
 
 from processors.scheduler.lifecycle import (
-    ALLOCATED, ALLOCATED_EV, CRASHED, EXITED_OK, FAILED, JOB_ACTIVE, JOB_ALL_STOPPED, JOB_DELETED, JOB_FREED,
-    JOB_REFUSED, JOB_REJECTED, JOB_RESUBMITTED, JOB_STOP, JOB_STOPPED, JOB_STOPPING, JOBS, MACHINE_FAILED, OP_ACKED,
+    ALLOCATED, ALLOCATED_EV, CHOICE_KEEP, CHOICE_MOVE, CHOICE_NONE, CHOICE_STOP, CHOICES, CHOSE_KEEP, CHOSE_MOVE,
+    CHOSE_STOP, CHOSEN, CRASHED, DEADLINE_HELD, DEADLINE_MOVED, EXITED_OK, FAILED, HELD_AT_DEADLINE, JOB_ACTIVE, JOB_ALL_STOPPED, JOB_DELETED, JOB_FREED,
+    JOB_REFUSED, JOB_REJECTED, JOB_RESUBMITTED, JOB_STOP, JOB_STOPPED, JOB_STOPPING, JOBS, MACHINE_FAILED,
+    MAINTENANCE_ENDED, MOVED_OFF, OP_ACKED,
     OP_APPROVED, OP_ASKED, OP_ENDED, OP_NONE, OP_PENDING, OP_PERFORMED, OP_RUNNING, OP_WANTED, OPERATIONS, PENDING,
     RESCHEDULED, RESTART_COMMANDED, RUNNING, START_COMMANDED, STARTED, STARTING, STATES, STOP_COMMANDED, STOPPED,
     STOPPED_EV, STOPPING, TABLES, TASKS, TRANSITIONS, TRIGGERS, IllegalTransition, apply, next_state,
 )
-from processors.scheduler.model import Job, SchedulerState, Spec, Task, job_phase
+from processors.scheduler.model import Job, SchedulerState, Spec, Task, job_phase, replace
 from processors.scheduler.work import Fold
 from processors.taskcontrol.protocol import OP_UPDATE
 
@@ -167,7 +169,29 @@ OP_ILLEGAL = [
 ]
 
 
-@pytest.mark.parametrize("table, legal", [(JOBS, JOB_LEGAL), (OPERATIONS, OP_LEGAL)], ids=["jobs", "operations"])
+CHOICE_LEGAL = [
+    *[(s, CHOSEN[c], c) for s in (CHOICE_NONE, CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP) for c in CHOSEN],  # a later
+    (CHOICE_NONE, DEADLINE_HELD, HELD_AT_DEADLINE),  #                                  answer may change the choice
+    (CHOICE_NONE, DEADLINE_MOVED, CHOICE_MOVE),
+    *[(s, t, CHOICE_NONE) for s in (CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP, HELD_AT_DEADLINE)
+      for t in (MAINTENANCE_ENDED, MOVED_OFF)],
+]
+
+CHOICE_ILLEGAL = [
+    (HELD_AT_DEADLINE, CHOSE_KEEP),  # the deadline stopped it: a controller's answer comes too late
+    (HELD_AT_DEADLINE, CHOSE_MOVE),
+    (HELD_AT_DEADLINE, CHOSE_STOP),
+    (CHOICE_KEEP, DEADLINE_HELD),  # the deadline takes only tasks nothing was chosen for
+    (CHOICE_MOVE, DEADLINE_MOVED),
+    (HELD_AT_DEADLINE, DEADLINE_HELD),
+    (CHOICE_NONE, MAINTENANCE_ENDED),  # nothing chosen: nothing to forget
+    (CHOICE_NONE, MOVED_OFF),
+    ("LATER", CHOSE_MOVE),
+]
+
+
+@pytest.mark.parametrize("table, legal", [(JOBS, JOB_LEGAL), (OPERATIONS, OP_LEGAL), (CHOICES, CHOICE_LEGAL)],
+                         ids=["jobs", "operations", "choices"])
 def test_each_table_is_exactly_its_legal_cases(table, legal):
     assert dict(table.transitions) == {(s, t): e for s, t, e in legal}
     assert {s for s, _ in table.transitions} | set(table.transitions.values()) == set(table.states)
@@ -175,14 +199,16 @@ def test_each_table_is_exactly_its_legal_cases(table, legal):
 
 
 @pytest.mark.parametrize("table, state, trigger, expected",
-                         [(JOBS, *c) for c in JOB_LEGAL] + [(OPERATIONS, *c) for c in OP_LEGAL])
+                         [(JOBS, *c) for c in JOB_LEGAL] + [(OPERATIONS, *c) for c in OP_LEGAL]
+                         + [(CHOICES, *c) for c in CHOICE_LEGAL])
 def test_legal_job_and_operation_transitions(table, state, trigger, expected):
     assert table.next_state(state, trigger) == expected
     assert table.allows(state, trigger)
 
 
 @pytest.mark.parametrize("table, state, trigger",
-                         [(JOBS, *c) for c in JOB_ILLEGAL] + [(OPERATIONS, *c) for c in OP_ILLEGAL])
+                         [(JOBS, *c) for c in JOB_ILLEGAL] + [(OPERATIONS, *c) for c in OP_ILLEGAL]
+                         + [(CHOICES, *c) for c in CHOICE_ILLEGAL])
 def test_illegal_job_and_operation_transitions_are_refused_naming_the_table(table, state, trigger):
     assert not table.allows(state, trigger)
     with pytest.raises(IllegalTransition) as err:
@@ -192,7 +218,8 @@ def test_illegal_job_and_operation_transitions_are_refused_naming_the_table(tabl
 
 
 def test_the_task_table_is_one_of_the_tables():
-    assert TASKS.transitions is TRANSITIONS and {t.what for t in TABLES} == {"task", "job", "operation"}
+    assert TASKS.transitions is TRANSITIONS
+    assert {t.what for t in TABLES} == {"task", "job", "operation", "maintenance choice"}
     assert [TASKS.next_state(s, t) for s, t, _ in LEGAL] == [e for _, _, e in LEGAL]
 
 
@@ -234,3 +261,13 @@ def test_an_operation_moves_through_the_operation_table_only(controller, first):
     t = w.end_op(t)
     assert (t.op, t.op_id, t.op_state) == (None, None, OP_NONE)
     assert w.end_op(t) is t  # no operation: nothing to end
+
+
+def test_a_maintenance_choice_moves_through_the_choice_table_only():
+    w = _work("ctl")
+    t = w.tasks["e1.web/0"]
+    assert w.choice_fields(t, CHOSE_KEEP, "ue1") == {"maint_choice": CHOICE_KEEP, "maint_ue": "ue1"}
+    t = w.put(replace(t, **w.choice_fields(t, DEADLINE_HELD, "ue1")))
+    with pytest.raises(IllegalTransition, match="illegal maintenance choice transition: 'chose_keep' in state"):
+        w.choice_fields(t, CHOSE_KEEP, "ue1")
+    assert w.choice_fields(t, MAINTENANCE_ENDED) == {"maint_choice": CHOICE_NONE, "maint_ue": None}
