@@ -1,8 +1,9 @@
 """The working copy of one decision: ``Fold`` (the shard's state as the decision changes it, the events it emits,
 their derived ids) and ``JobWork`` (one job's: its task changes, the AllocationRequested being built, what to
-publish). Every change of a task's state, a job's status or an operation's state goes through ``lifecycle.py``'s
-tables here (``JobWork.step``, ``job_step``, ``new_op``/``op_step``/``end_op``, ``choice_fields``). What a task or an operation does
-next is ``steps.py``; the handlers of the events are ``decide.py``. Pure: no I/O.
+publish). Every change of a task's state, a job's status, an operation's state or a maintenance choice goes
+through ``lifecycle.py``'s tables here (``JobWork.step``, ``job_step``, ``new_op``/``op_step``/``end_op``,
+``choice_fields``). What a task or an operation does next is ``steps.py``; the handlers of the events are
+``decide.py``. Pure: no I/O.
 """
 from __future__ import annotations
 
