@@ -3,8 +3,9 @@
 A shard's ``SchedulerState`` holds its entitlements (``Entitlement``, the allocator's class: one name for the
 concept), its jobs (``Job``, each with its ``Task``s by id, in index order) and the machines known not to be UP.
 ``Spec`` is a job's spec without its task count, ``Terms`` what a placement holds. How the decisions change them is
-``decide.py`` (handlers) and ``steps.py`` (what a task or an operation does next); which state, status or
-operation state may follow which is ``lifecycle.py``'s tables; how they are stored is ``records.py``.
+``decide.py`` (handlers) and ``steps.py`` (what a task or an operation does next); which task state, job status,
+operation state or maintenance choice may follow which is ``lifecycle.py``'s tables; how they are stored is
+``records.py``.
 """
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ from processors.scheduler.lifecycle import (
 )
 from processors.taskcontrol.limiter import Bucket
 from processors.taskcontrol.protocol import CHOICE_MOVE, CHOICE_STOP
-
-__all__ = ["Entitlement"]  # one class for the concept: the allocator's (processors/allocator/placement.py)
 
 # What the scheduler does with a task next (its intent), whatever state it is in.
 RUN = "run"  # keep it running at the job's spec version
