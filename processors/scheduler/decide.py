@@ -123,6 +123,7 @@ REPORT_TRIGGERS = MappingProxyType({
 })
 
 
+# -- handlers: one per consumed event type -------------------------------------------------------------------------
 
 def _refuse(fold: Fold, ev: Event, reason: str, message: str, w: "JobWork | None" = None) -> None:
     """Refuse intent ``ev``, applying none of it: an IntentRefused (``reason``, ``message``) keyed to its entitlement;
@@ -565,7 +566,6 @@ def _on_unavailability_ended(fold: Fold, ev: Event) -> None:
                 steps.start_again(w, replace(t, restarts=0), START, REASON_MAINTENANCE_ENDED)
 
 
-
 def _advance_notice(fold: Fold, ev: Event) -> None:
     """Planned maintenance: every job of the machines' entitlement with a TaskController and tasks on them is
     told in its next request (sent at once): which tasks, from when, until which deadline."""
@@ -709,8 +709,7 @@ HANDLERS: Mapping[str, Handler] = MappingProxyType({
 CONSUMED = frozenset(HANDLERS)  # event types the shard reads; every other type is ignored
 
 
-
-# -- what an event concerns: the slice of the state a shard loads to decide it ----------------------------------
+# -- what an event concerns: the slice of the state a shard loads to decide it -------------------------------------
 
 # Keyed by the machines' owner (an entitlement, or a free pool's ``free/<dc>``), they name machines, not jobs.
 MACHINE_EVENTS = frozenset({"MachineStatusChanged", "MachinesStatusChanged", "UnavailabilityStarted",
@@ -766,8 +765,7 @@ def is_own(event: Event) -> bool:
     return event.producer == PRODUCER or event.producer.startswith(PRODUCER + "/")
 
 
-
-# -- decisions ---------------------------------------------------------------------------------------------------
+# -- decisions -----------------------------------------------------------------------------------------------------
 
 def decide(state: SchedulerState, event: Event, now_ms: int, *, limits: Limits = DEFAULT_LIMITS,
            max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> tuple[SchedulerState, list[Event]]:

@@ -48,6 +48,8 @@ STOP = TaskCommand.STOP
 RESTART = TaskCommand.RESTART
 
 
+# -- closing a decision --------------------------------------------------------------------------------------------
+
 def close(w: JobWork) -> Job:
     """The steps every decision takes on each job it touched, before ``JobWork.finish``: an active job's rolling
     update goes on, its approved operations are performed as the limiter allows, its TaskController is asked what
@@ -64,6 +66,8 @@ def close(w: JobWork) -> Job:
         w.finish_stop()
     return w.finish()
 
+
+# -- task steps: what each intent does next ------------------------------------------------------------------------
 
 def advance(w: JobWork, t: Task) -> None:
     """Take the next step for ``t`` given its state and intent (after something happened to it)."""
@@ -230,7 +234,7 @@ def progress_update(w: JobWork) -> None:
             w.new_op(t, OP_UPDATE, REASON_ROLLING_UPDATE)
 
 
-# -- operations: approved (TaskControl), then paced (max_unavailable, the rate limiter) ---------------------------
+# -- operations: approved (TaskControl), then paced (max_unavailable, the rate limiter) ----------------------------
 
 def op_moot(w: JobWork, t: Task) -> bool:
     """Whether ``t``'s not yet performed operation no longer applies."""
@@ -401,6 +405,7 @@ def resize(w: JobWork, n: int, reason: str) -> None:
     w.set(desired=n)
 
 
+# -- planned maintenance: the deadline and the controllers' choices ------------------------------------------------
 
 def enforce_deadlines(w: JobWork) -> None:
     """The timer at or after a maintenance deadline: every task still starting or running on the machines is

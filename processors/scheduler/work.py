@@ -42,6 +42,7 @@ def _by_index(tasks: Mapping[str, Task]) -> dict[str, Task]:
     return dict(sorted(tasks.items(), key=lambda kv: kv[1].index))
 
 
+# -- the working copy of one decision ------------------------------------------------------------------------------
 
 class Fold:
     """The working copy of one call; the returned state is immutable. Emits with derived ids."""
