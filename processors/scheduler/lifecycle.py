@@ -1,6 +1,7 @@
-"""The lifecycles of the scheduler: tasks, jobs, operations and maintenance choices, each a table of its legal transitions (h11
-``_state.py`` style). Pure: no I/O. Anything not in a table is refused by its ``Table.next_state`` (raises
-``IllegalTransition``): the scheduler changes a task's state, a job's status or an operation's state only there.
+"""The lifecycles of the scheduler: tasks, jobs, operations and maintenance choices, each a table of its legal
+transitions (h11 ``_state.py`` style). Pure: no I/O. Anything not in a table is refused by its ``Table.next_state``
+(raises ``IllegalTransition``): the scheduler changes a task's state, a job's status, an operation's state or a
+maintenance choice only through them (``work.JobWork``).
 
 **Tasks.** States are the TaskState symbols of ``schemas/TaskStateChanged.avsc`` (UNKNOWN is only a reader's fallback
 for a newer symbol, never a state the scheduler enters). Anything not in ``TRANSITIONS`` raises
@@ -148,7 +149,7 @@ OP_TRANSITIONS = MappingProxyType({
     (OP_RUNNING, OP_ENDED): OP_NONE,  # the task runs again (or the operation became moot while it was down)
 })
 
-# -- planned-maintenance choices ---------------------------------------------------------------------------------
+# -- planned-maintenance choices -----------------------------------------------------------------------------------
 CHOICE_NONE = None  # no choice (no maintenance of its machine, or not chosen yet)
 HELD_AT_DEADLINE = "DEADLINE"  # Task.maint_choice of a task the scheduler stopped at a maintenance deadline
 CHOICE_STATES = (CHOICE_NONE, CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP, HELD_AT_DEADLINE)
@@ -156,7 +157,7 @@ CHOICE_STATES = (CHOICE_NONE, CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP, HELD_AT_DEA
 CHOSE_MOVE = "chose_move"  # the job's TaskController answered the advance notice: move it off (stop, placed elsewhere)
 CHOSE_STOP = "chose_stop"  # ... stop it until the maintenance ends
 CHOSE_KEEP = "chose_keep"  # ... leave it running through the maintenance
-CHOSEN = MappingProxyType({CHOICE_MOVE: CHOSE_MOVE, CHOICE_STOP: CHOSE_STOP, CHOICE_KEEP: CHOSE_KEEP})  # choice -> trigger
+CHOSEN = MappingProxyType({CHOICE_MOVE: CHOSE_MOVE, CHOICE_STOP: CHOSE_STOP, CHOICE_KEEP: CHOSE_KEEP})  # -> trigger
 DEADLINE_HELD = "deadline_held"  # still on the machine at the deadline, with a controller: stopped until the end
 DEADLINE_MOVED = "deadline_moved"  # still there at the deadline, no controller (or the machines must be left): moved
 MAINTENANCE_ENDED = "maintenance_ended"  # UnavailabilityEnded
