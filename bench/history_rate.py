@@ -41,7 +41,7 @@ from processors.history import moments, snapshots  # noqa: E402
 from processors.history.region import SOURCES, STATE_TYPES  # noqa: E402
 from processors.resourcebroker import decide as rb  # noqa: E402
 from processors.resourcebroker.region import generate_region, machines as machines_of  # noqa: E402
-from processors.scheduler.decide import JOB_ACTIVE  # noqa: E402
+from processors.scheduler.lifecycle import JOB_ACTIVE  # noqa: E402
 from streams.clients import EventProducer  # noqa: E402
 from streams.events import Event, new_event  # noqa: E402
 from streams.serde import SchemaRegistry  # noqa: E402

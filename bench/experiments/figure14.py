@@ -34,7 +34,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from processors.scheduler import decide as sd
-from processors.scheduler.decide import OP_APPROVED, OP_RUNNING, SchedulerState
+from processors.scheduler import lifecycle as lc
+from processors.scheduler import model as sm
+from processors.scheduler.lifecycle import OP_APPROVED, OP_RUNNING
+from processors.scheduler.model import SchedulerState
 from processors.taskcontrol import controller as ctl
 from processors.taskcontrol.controllers import ReplicaAware
 from processors.taskcontrol.limiter import Limits, Rate
@@ -106,7 +109,7 @@ def place_replicas(tasks: int, shards: int, replicas: int, seed: int, placement:
 
 
 def task_id(i: int) -> str:
-    return sd.task_id(JOB, i)
+    return sm.task_id(JOB, i)
 
 
 def machine_of(i: int) -> str:
@@ -219,7 +222,7 @@ class _Run:
             return
         for tid in touched:
             t = job.tasks.get(tid)
-            now_running = t is not None and t.state == sd.RUNNING
+            now_running = t is not None and t.state == lc.RUNNING
             if now_running and tid not in self.running:
                 self.running.add(tid)
                 for s in self.hosted[tid]:
@@ -312,7 +315,7 @@ class _Run:
         self.feed(self.ev("EntitlementCreated", {"name": ENT, "quota_machines": c.tasks, "machine_type": None,
                                                  "dc_pin": None, "host_profile": None}, "cli", ENT))
         self.feed(self.ev("JobSubmitted", self.spec(1), "cli", JOB))
-        rid = sd.request_id(JOB, 1, 1)
+        rid = sm.request_id(JOB, 1, 1)
         placements = [self.placement(task_id(i), machine_of(i)) for i in range(c.tasks)]
         self.placed = {task_id(i): machine_of(i) for i in range(c.tasks)}
         self.feed(self.ev("TasksAllocated", {"request_id": rid, "job_id": JOB, "placements": placements},
@@ -347,7 +350,7 @@ class _Run:
         job = self.state.jobs[JOB]
         v = job.spec_version
         updating = sum(1 for t in job.tasks.values() if t.op == OP_UPDATE and t.op_state == OP_RUNNING)
-        updated = sum(1 for t in job.tasks.values() if t.spec_version == v and t.state == sd.RUNNING)
+        updated = sum(1 for t in job.tasks.values() if t.spec_version == v and t.state == lc.RUNNING)
         waiting = sum(1 for t in job.tasks.values() if t.spec_version < v and t.op_state != OP_RUNNING)
         failed = set(failed_tasks(self.c))
         down_failed = sum(1 for tid in failed if tid not in self.running)

@@ -40,7 +40,7 @@ unchanged, so versions and the materialized Redis keys come out the same)::
                                    nothing: the scheduler refused it (IntentRefused); a new host profile changes
                                    the state of every machine it holds (its wanted profile: ``profile_state``)
 
-An event about a machine the fold does not know raises ``UnknownMachine`` and changes nothing (not even the
+An event about a machine the fold does not know raises ``UnknownMachineEvent`` and changes nothing (not even the
 mark); a TasksAllocated that places a task whose request's resources were never seen raises ``MissingResources``.
 
 **Versions.** A machine's version counts changes: each kind of change one step makes to it (attributes, status, host
@@ -70,8 +70,8 @@ from typing import Any
 from processors.allocator import placement
 from processors.allocator.fastplace import PlacementIndex
 from processors.allocator.placement import (
-    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Entitlement, Machine, Plan,
-    Request,
+    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, ENTITLEMENT_FIELDS, MACHINE_UP, Entitlement,
+    Machine, Plan, Request,
 )
 from processors import rules
 from processors.resourcebroker.decide import KIND_MAINTENANCE
@@ -92,8 +92,9 @@ class FoldError(RuntimeError):
     """An event the fold cannot apply; nothing was changed (not even the mark)."""
 
 
-class UnknownMachine(FoldError):
-    pass
+class UnknownMachineEvent(FoldError):
+    """An event names a machine whose MachineRegistered the fold has not applied. (The Resource Broker's
+    ``UnknownMachine`` is another thing: a request about a machine never registered, refused to its caller.)"""
 
 
 class MissingResources(FoldError):
@@ -382,7 +383,7 @@ class RegionFold:
     def _get(self, machine_id: str) -> MachineRec:
         m = self.machines.get(machine_id)
         if m is None:
-            raise UnknownMachine(f"UNKNOWN_MACHINE {machine_id}")
+            raise UnknownMachineEvent(f"UNKNOWN_MACHINE {machine_id}")
         return m
 
     def _set(self, m: MachineRec, attr: str, value: Any) -> bool:
@@ -579,9 +580,6 @@ def _deallocated(f: RegionFold, e: Event) -> None:
     f._bump(step, e.event_id)
 
 
-ENTITLEMENT_FIELDS = ("quota_machines", "machine_type", "dc_pin", "host_profile")
-
-
 def _entitlement(f: RegionFold, e: Event) -> None:
     if rules.intent_problems(e.type, e.payload, e.entitlement):
         return  # refused by the scheduler: never held
@@ -609,7 +607,7 @@ def entitlement_of(name: str, fields: Mapping[str, Any]) -> Entitlement | None:
     if fields.get("quota_machines") in (None, ""):
         return None
     return Entitlement(name, int(fields["quota_machines"]), machine_type=fields.get("machine_type") or None,
-                       dc_pin=fields.get("dc_pin") or None)
+                       dc_pin=fields.get("dc_pin") or None, host_profile=fields.get("host_profile") or None)
 
 
 HANDLERS: Mapping[str, Callable[[RegionFold, Event], None]] = {
@@ -712,7 +710,7 @@ def releases(fold: RegionFold, entitlement: str, to_free: Mapping[str, str]) -> 
     return tuple(out)
 
 
-__all__ = ["RegionFold", "MachineRec", "PendingRequest", "CommitResult", "FoldError", "UnknownMachine",
+__all__ = ["RegionFold", "MachineRec", "PendingRequest", "CommitResult", "FoldError", "UnknownMachineEvent",
            "MissingResources", "HANDLERS", "EVENT_TYPES", "CONFLICT_TASK_PLACED", "REGISTERED_STATUS",
            "releases", "entitlement_of", "merged", "order_key", "job_of", "join_maintenance", "split_maintenance",
            "profile_state"]

@@ -78,12 +78,19 @@ class Machine:
 
 @dataclass(frozen=True)
 class Entitlement:
-    """A quota of machines; ``machine_type`` and ``dc_pin`` restrict which machines may join it."""
+    """A quota of machines; ``machine_type`` and ``dc_pin`` restrict which machines may join it; ``host_profile``
+    is the host profile its machines run (None: the default). One class for the concept: the allocator's fold and
+    the scheduler's shard (``processors/scheduler/model.py``) both hold entitlements as these."""
 
     name: str
     quota_machines: int
     machine_type: str | None = None
     dc_pin: str | None = None
+    host_profile: str | None = None
+
+
+ENTITLEMENT_FIELDS = ("quota_machines", "machine_type", "dc_pin", "host_profile")  # what an EntitlementCreated or
+#                                                                                     EntitlementUpdated may set
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ A deny-list on purpose: a kind of key added to the index later is compared by th
 rebuild without a change here. (With the empty prefix that is every other key of the Redis database: give a
 shared Redis's other users another database or the region a prefix.)
 
-**Events the fold cannot apply** (UnknownMachine, MissingResources) are skipped, as the live allocator does (it
+**Events the fold cannot apply** (UnknownMachineEvent, MissingResources) are skipped, as the live allocator does (it
 dead-letters them); undecodable records are skipped as well. Both are counted.
 
 **Swap.** The rebuild writes under a scratch prefix ``~rebuild.<token>:<prefix>`` (same hash tag as the prefix,

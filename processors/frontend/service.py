@@ -429,7 +429,7 @@ class Frontend:
         if found is None:
             raise FrontendError(UNKNOWN_JOB, f"the SRM knows nothing of {job!r} (no policy, size or load sample on "
                                              f"the log)")
-        return sd.job_view(found)
+        return sd.scaling_view(found)
 
     def srm_plan(self, job: str) -> dict:
         """What the SRM would decide for ``job`` now, with its rule and reason; writes nothing (a dry run)."""

@@ -21,15 +21,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from processors.scheduler.lifecycle import JOB_REJECTED
 from streams.events import Event
 
 ACCEPTED, REFUSED = "accepted", "refused"  # service.ACCEPTED / REFUSED
-REJECTED_STATE = "rejected"  # a job the scheduler rejected (JobStatePublished.state)
 GRACE_S = 3.0
 
 
 def _intent_refusals() -> frozenset[str]:
-    from processors.scheduler import decide as s
+    from processors.scheduler import reasons as s
 
     return frozenset({s.REASON_DUPLICATE_JOB_ID, s.REASON_UNKNOWN_ENTITLEMENT, s.REASON_UNKNOWN_JOB,
                       s.REASON_INVALID_SPEC, s.REASON_TOO_MANY_TASKS, s.REASON_INVALID_ENTITLEMENT,
@@ -55,7 +55,7 @@ def verdict_of(intent_id: str, ev: Event) -> Verdict | None:
         return Verdict(REFUSED, p["reason"], p.get("message") or "", None)
     if ev.type == "JobStatePublished" and ev.causation_id == intent_id:
         reason, _, message = (p.get("last_reason") or "").partition(": ")
-        if p["state"] == REJECTED_STATE:
+        if p["state"] == JOB_REJECTED:  # a job the scheduler rejected (JobStatePublished.state)
             return Verdict(REFUSED, reason, message, p["state"])
         return Verdict(ACCEPTED, "", "", p["state"], final=reason not in INTENT_REFUSALS)
     return None

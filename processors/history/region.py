@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from processors.agent import decide as agent
 from processors.allocator.fastplace import PlacementIndex
 from processors.allocator.fold import (
@@ -63,6 +64,8 @@ from processors.allocator.placement import LIVE, Entitlement, Plan, Policy, Requ
 from processors.allocator.processor import Allocator, in_decision_order, machine_state_event
 from processors.cowmap import CowMap
 from processors.scheduler import decide as sd
+from processors.scheduler import lifecycle as lc
+from processors.scheduler import model as sm
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
 from streams import batches, state as states
 from streams.events import Event
@@ -79,7 +82,7 @@ WHAT_IF_TOPIC = "what-if"  # where a what-if's hypothetical events are "read" fr
 WAIT_TRIES = 8  # a silent input is tried again after this many decisions of its partition at most, then decided
 PRUNE_AT = 200_000  # remembered decision times beyond which those long past are forgotten
 # The jobs ``decide.retry_unplaced`` acts on (it passes over the others): the only ones the timer is given here.
-TIMER_STATES = frozenset({sd.JOB_ACTIVE, sd.JOB_STOPPING})
+TIMER_STATES = frozenset({lc.JOB_ACTIVE, lc.JOB_STOPPING})
 STATE_TYPES = frozenset({"JobStatePublished", "JobTasksPublished"})  # not read back: the shard coalesces them
 ECHO_TYPES = frozenset({"MachineAssignedToEntitlement", "MachineReleasedToFreePool"})
 
@@ -172,7 +175,7 @@ class ShadowLog:
 
 
 class Region:
-    def __init__(self, topics: Topics, *, limits: Limits = DEFAULT_LIMITS, max_tasks: int = sd.DEFAULT_MAX_TASKS_PER_JOB,
+    def __init__(self, topics: Topics, *, limits: Limits = DEFAULT_LIMITS, max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB,
                  lookahead_ms: int = LOOKAHEAD_MS, scheduler_partitions: frozenset[int] | None = None):
         self.topics = topics
         # None: the whole region. A set: only these partitions' jobs are decided (a *partial* region: its other jobs
@@ -182,7 +185,7 @@ class Region:
         self.max_tasks = max_tasks
         self.lookahead_ms = lookahead_ms
         self.fold = RegionFold()
-        self.scheduler = sd.SchedulerState()
+        self.scheduler = sm.SchedulerState()
         self.buckets: dict[int, Bucket | None] = {}  # the shard's bucket per partition
         self.cut: int | None = None  # everything up to this time is applied and decided
         self.read_to: int | None = None  # the latest envelope time read
@@ -195,7 +198,7 @@ class Region:
         # what changed since the last snapshot (snapshots.py writes only that, as a delta)
         self.dirty_machines: set[str] = set()
         self.dirty_published: set[str] = set()
-        self.snapshot_jobs: dict[str, sd.Job] = {}  # the jobs as the last snapshot held them (compared by identity)
+        self.snapshot_jobs: dict[str, sm.Job] = {}  # the jobs as the last snapshot held them (compared by identity)
         self.snapshot_file: str | None = None  # that snapshot's file name
         self.snapshot_depth = 0  # deltas between it and its whole snapshot
         self.published: dict[str, Event] = {}  # job -> its latest JobStatePublished
@@ -454,7 +457,7 @@ class Region:
         ids.intersection_update(j.id for j in jobs)
         if not jobs:
             return
-        part = sd.SchedulerState(entitlements=state.entitlements, jobs=CowMap((j.id, j) for j in jobs),
+        part = sm.SchedulerState(entitlements=state.entitlements, jobs=CowMap((j.id, j) for j in jobs),
                                  machines_down=state.machines_down, shard_bucket=self.buckets.get(partition))
         new, out = sd.retry_unplaced(part, now, limits=self.limits)
         changed = {j.id: new.jobs[j.id] for j in jobs if new.jobs[j.id] is not j}
@@ -562,7 +565,7 @@ class Region:
         """A task placed before the what-if: its simulated agent runs it (at the job's spec version)."""
         job = self.scheduler.jobs.get(job_of(task))
         t = job.tasks.get(task) if job is not None else None
-        if t is None or t.machine is None or t.state not in (sd.STARTING, sd.RUNNING):
+        if t is None or t.machine is None or t.state not in (lc.STARTING, lc.RUNNING):
             return
         run = agent.TaskRun(task_id=task, spec=agent.Spec(job.id, job.entitlement, t.spec_version, (), (), "adopted"),
                             phase=agent.P_RUNNING, reported=agent.RUNNING)

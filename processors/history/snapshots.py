@@ -36,8 +36,10 @@ from fastavro import parse_schema, reader as avro_reader, writer as avro_writer
 
 from infra.config import Config
 from processors.allocator.fold import MachineRec, PendingRequest, entitlement_of
+from processors.allocator.placement import Entitlement
 from processors.history.region import Region
-from processors.scheduler import decide as sd
+from processors.scheduler import model as sm
+from processors.scheduler import records
 from processors.taskcontrol.limiter import bucket_of, bucket_record
 from streams.events import Event
 from streams.serde import SchemaRegistry
@@ -125,7 +127,7 @@ def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[di
     before = region.snapshot_jobs if delta else {}
     for job in st.jobs.values():
         if before.get(job.id) is not job:
-            yield js("job", job.id, sd.job_to_record(job))
+            yield js("job", job.id, records.job_to_record(job))
     yield js("scheduler-entitlements", "", [asdict(e) for e in st.entitlements.values()])
     yield js("machines-down", "", dict(st.machines_down))
     yield js("buckets", "", {str(p): bucket_record(b) for p, b in region.buckets.items()})
@@ -292,8 +294,8 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
             fold.entitlements[name] = ent
     fold.marks = {(t, p): o for t, p, o in json.loads(small["marks"])}
     region._live_jobs = None  # rebuilt from the jobs by the first timer
-    region.scheduler = sd.state_of([sd.job_from_record(json.loads(raw)) for raw in jobs.values()],
-                                   [sd.Entitlement(**e) for e in json.loads(small["scheduler-entitlements"])],
+    region.scheduler = sm.state_of([records.job_from_record(json.loads(raw)) for raw in jobs.values()],
+                                   [Entitlement(**e) for e in json.loads(small["scheduler-entitlements"])],
                                    json.loads(small["machines-down"]))
     region.buckets = {int(p): bucket_of(b) for p, b in json.loads(small["buckets"]).items()}
     for job, data in published.items():

@@ -31,7 +31,8 @@ from processors.allocator.fold import FREE, job_of
 from processors.allocator.placement import MACHINE_UP
 from processors.history import moments
 from processors.history.region import RETRY_MS, START_DELAY_MS, Region
-from processors.scheduler import decide as sd
+from processors.scheduler import lifecycle as lc
+from processors.scheduler import model as sm
 from streams import batches
 from streams.deadletter import Skipped
 from streams.events import Event
@@ -140,7 +141,7 @@ def _tasks(region: Region) -> dict[str, dict[str, Any]]:
             continue
         for t in job.tasks.values():
             out[t.id] = {"machine": t.machine, "state": t.state, "reason": t.reason, "controller": job.spec.controller,
-                         "held": t.maint_choice in sd.HELD, "op": t.op}
+                         "held": t.maint_choice in sm.HELD, "op": t.op}
     return out
 
 
@@ -153,11 +154,11 @@ def _outcome(tid: str, b: Mapping | None, a: Mapping | None, on: set[str], rejec
         row.update(outcome="stop", reason="gone")
     elif a["machine"] is not None and b is not None and a["machine"] != b["machine"] and a["machine"] not in on:
         row["outcome"] = "move"
-    elif a["machine"] is None or a["state"] == sd.PENDING:
+    elif a["machine"] is None or a["state"] == lc.PENDING:
         rej = rejected.get(job)
         row.update(outcome="wait", reason=a["reason"] or (rej.payload["reason"] if rej else ""),
                    **({"message": rej.payload["message"]} if rej else {}))
-    elif a["state"] in (sd.STOPPED, sd.STOPPING) or a["held"]:
+    elif a["state"] in (lc.STOPPED, lc.STOPPING) or a["held"]:
         row.update(outcome="stop", reason=a["reason"])
     elif a["op"] is not None and job in throttled:
         row.update(outcome="wait", reason=throttled[job].payload["reason"])

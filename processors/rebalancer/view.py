@@ -30,7 +30,7 @@ from typing import Any
 from processors.allocator.fold import RegionFold
 from processors.rebalancer import solver
 from processors.rebalancer.solver import Goals, JobRule, MachineLoad, Scope, TaskLoad
-from processors.scheduler.decide import JOB_RUNNING
+from processors.scheduler.lifecycle import JOB_RUNNING
 from streams.events import Event, derived_event_id, new_event
 
 PRODUCER = "rebalancer"

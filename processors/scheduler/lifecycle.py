@@ -1,6 +1,9 @@
-"""Task lifecycle: every legal transition in one table (h11 ``_state.py`` style). Pure: no I/O.
+"""The lifecycles of the scheduler: tasks, jobs, operations and maintenance choices, each a table of its legal
+transitions (h11 ``_state.py`` style). Pure: no I/O. Anything not in a table is refused by its ``Table.next_state``
+(raises ``IllegalTransition``): the scheduler changes a task's state, a job's status, an operation's state or a
+maintenance choice only through them (``work.JobWork``).
 
-States are the TaskState symbols of ``schemas/TaskStateChanged.avsc`` (UNKNOWN is only a reader's fallback
+**Tasks.** States are the TaskState symbols of ``schemas/TaskStateChanged.avsc`` (UNKNOWN is only a reader's fallback
 for a newer symbol, never a state the scheduler enters). Anything not in ``TRANSITIONS`` raises
 ``IllegalTransition``; ``apply()`` also recognises a duplicated event (delivery is at-least-once).
 The main paths (the table below is the authority):
@@ -10,11 +13,39 @@ The main paths (the table below is the authority):
     STARTING|RUNNING --crashed--> FAILED    ALLOCATED|STARTING|RUNNING --machine_failed--> FAILED
     FAILED|STOPPED --rescheduled--> PENDING (reallocated; the machine it failed on is avoided)
     FAILED|STOPPED --restart_commanded--> STARTING (started again on the machine it still holds)
+
+**Jobs** (``JOB_TRANSITIONS``; a job's phase is its ``status``, or ``deleted`` once its stop was freed):
+
+    active --stop--> stopping --all_stopped--> stopped --freed--> deleted
+    active --refused--> rejected          (its submission broke a rule: the incarnation never ran)
+    rejected|deleted --resubmitted--> active (a new incarnation of the job id)
+
+The state JobStatePublished shows (pending, running, updating) is derived from an active job's tasks
+(``model.published_state``), not a phase of its own.
+
+**Operations** on a task (``OP_TRANSITIONS``; UPDATE, MOVE, RESTART, STOP: processors/taskcontrol; ``None`` is no
+operation):
+
+    None --asked--> pending --acked--> approved --performed--> running --ended--> None
+    None --wanted--> approved (no approval to ask: no controller, or a STOP)
+    pending|approved --ended--> None (moot, or done once commanded: a STOP, a RESTART after it ran)
+
+**Planned-maintenance choices** of a task (``CHOICE_TRANSITIONS``, ``Task.maint_choice`` with ``Task.maint_ue`` the
+maintenance it is for; ``None`` is no choice): its TaskController's MOVE, STOP or KEEP (a later answer may change
+it), or the scheduler's at the deadline (DEADLINE: held until the end, with a controller; MOVE without one);
+forgotten when the maintenance ends or the task is placed elsewhere.
+
+    None|MOVE|STOP|KEEP --chose_move|chose_stop|chose_keep--> MOVE|STOP|KEEP
+    None --deadline_held--> DEADLINE        None --deadline_moved--> MOVE
+    MOVE|STOP|KEEP|DEADLINE --maintenance_ended|moved_off--> None
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
+from processors.taskcontrol.protocol import CHOICE_KEEP, CHOICE_MOVE, CHOICE_STOP
 from streams.enums import TaskState
 
 PENDING = TaskState.PENDING
@@ -65,6 +96,82 @@ TRANSITIONS = MappingProxyType({
     (STOPPED, RESTART_COMMANDED): STARTING,  # restarted in place: after an exit, or as a new spec version
 })
 
+# -- jobs ----------------------------------------------------------------------------------------------------------
+# A job's status (Job.status), and the state JobStatePublished shows of an active one (``model.published_state``).
+JOB_ACTIVE = "active"
+JOB_STOPPING = "stopping"  # every task is being stopped
+JOB_STOPPED = "stopped"  # all stopped and their placements asked to be freed; deleted once the allocator says so
+JOB_REJECTED = "rejected"  # the submission was refused (unknown entitlement, invalid spec); a new one may replace it
+JOB_DELETED = "deleted"  # a phase, not a status: stopped and freed (Job.deleted; JobStatePublished "stopped", deleted)
+JOB_PENDING = "pending"  # published: active, some task not RUNNING
+JOB_RUNNING = "running"  # published: active, every task RUNNING
+JOB_UPDATING = "updating"  # published: active, a rolling update in progress
+JOB_PHASES = (JOB_ACTIVE, JOB_STOPPING, JOB_STOPPED, JOB_DELETED, JOB_REJECTED)
+
+JOB_STOP = "stop"  # JobStopped: every task is to stop
+JOB_ALL_STOPPED = "all_stopped"  # its last task stopped: the placements are asked to be freed
+JOB_FREED = "freed"  # the allocator answered the final free request (TasksDeallocated)
+JOB_REFUSED = "refused"  # the submission that made it broke a rule
+JOB_RESUBMITTED = "resubmitted"  # a JobSubmitted of the job id: a new incarnation
+JOB_TRIGGERS = (JOB_STOP, JOB_ALL_STOPPED, JOB_FREED, JOB_REFUSED, JOB_RESUBMITTED)
+
+JOB_TRANSITIONS = MappingProxyType({
+    (JOB_ACTIVE, JOB_STOP): JOB_STOPPING,
+    (JOB_ACTIVE, JOB_REFUSED): JOB_REJECTED,  # at once: the incarnation made by the refused submission never ran
+    (JOB_STOPPING, JOB_ALL_STOPPED): JOB_STOPPED,
+    (JOB_STOPPED, JOB_FREED): JOB_DELETED,
+    (JOB_REJECTED, JOB_RESUBMITTED): JOB_ACTIVE,
+    (JOB_DELETED, JOB_RESUBMITTED): JOB_ACTIVE,
+})
+
+# -- operations ----------------------------------------------------------------------------------------------------
+# Where a task's operation (Task.op_state: UPDATE, MOVE, RESTART, STOP; see processors/taskcontrol) stands.
+OP_NONE = None  # no operation
+OP_PENDING = "pending"  # awaiting the TaskController's ack
+OP_APPROVED = "approved"  # acked (or no controller): performed when ready, within max_unavailable and the limiter
+OP_RUNNING = "running"  # performed; completed when the task runs again (reported to the controller then)
+OP_STATES = (OP_NONE, OP_PENDING, OP_APPROVED, OP_RUNNING)
+
+OP_ASKED = "asked"  # wanted, and the job's TaskController must approve it
+OP_WANTED = "wanted"  # wanted, nothing to approve (no controller, or a kind no controller approves)
+OP_ACKED = "acked"  # the controller approved it (or the job no longer has one)
+OP_PERFORMED = "performed"  # the limiter let it through: the task is taken down for it
+OP_ENDED = "ended"  # done, or moot (reported completed to the controller if it approved it)
+OP_TRIGGERS = (OP_ASKED, OP_WANTED, OP_ACKED, OP_PERFORMED, OP_ENDED)
+
+OP_TRANSITIONS = MappingProxyType({
+    (OP_NONE, OP_ASKED): OP_PENDING,
+    (OP_NONE, OP_WANTED): OP_APPROVED,
+    (OP_PENDING, OP_ACKED): OP_APPROVED,
+    (OP_PENDING, OP_ENDED): OP_NONE,  # moot before the controller answered
+    (OP_APPROVED, OP_PERFORMED): OP_RUNNING,
+    (OP_APPROVED, OP_ENDED): OP_NONE,  # moot, or a STOP: over once commanded
+    (OP_RUNNING, OP_ENDED): OP_NONE,  # the task runs again (or the operation became moot while it was down)
+})
+
+# -- planned-maintenance choices -----------------------------------------------------------------------------------
+CHOICE_NONE = None  # no choice (no maintenance of its machine, or not chosen yet)
+HELD_AT_DEADLINE = "DEADLINE"  # Task.maint_choice of a task the scheduler stopped at a maintenance deadline
+CHOICE_STATES = (CHOICE_NONE, CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP, HELD_AT_DEADLINE)
+
+CHOSE_MOVE = "chose_move"  # the job's TaskController answered the advance notice: move it off (stop, placed elsewhere)
+CHOSE_STOP = "chose_stop"  # ... stop it until the maintenance ends
+CHOSE_KEEP = "chose_keep"  # ... leave it running through the maintenance
+CHOSEN = MappingProxyType({CHOICE_MOVE: CHOSE_MOVE, CHOICE_STOP: CHOSE_STOP, CHOICE_KEEP: CHOSE_KEEP})  # -> trigger
+DEADLINE_HELD = "deadline_held"  # still on the machine at the deadline, with a controller: stopped until the end
+DEADLINE_MOVED = "deadline_moved"  # still there at the deadline, no controller (or the machines must be left): moved
+MAINTENANCE_ENDED = "maintenance_ended"  # UnavailabilityEnded
+MOVED_OFF = "moved_off"  # placed anew elsewhere (rescheduled): no maintenance of its new machine is known
+CHOICE_TRIGGERS = (CHOSE_MOVE, CHOSE_STOP, CHOSE_KEEP, DEADLINE_HELD, DEADLINE_MOVED, MAINTENANCE_ENDED, MOVED_OFF)
+
+CHOICE_TRANSITIONS = MappingProxyType({
+    **{(s, CHOSEN[c]): c for s in (CHOICE_NONE, CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP) for c in CHOSEN},
+    (CHOICE_NONE, DEADLINE_HELD): HELD_AT_DEADLINE,
+    (CHOICE_NONE, DEADLINE_MOVED): CHOICE_MOVE,
+    **{(s, t): CHOICE_NONE for s in (CHOICE_MOVE, CHOICE_STOP, CHOICE_KEEP, HELD_AT_DEADLINE)
+       for t in (MAINTENANCE_ENDED, MOVED_OFF)},
+})  # HELD_AT_DEADLINE takes no controller's choice: it comes too late (steps.apply_choices ignores it, choice_too_late)
+
 # (trigger, state) pairs where the trigger is one that can produce the state: a repeat of it is a duplicate.
 _PRODUCED_BY = frozenset((trigger, target) for (_, trigger), target in TRANSITIONS.items())
 
@@ -72,19 +179,42 @@ _PRODUCED_BY = frozenset((trigger, target) for (_, trigger), target in TRANSITIO
 class IllegalTransition(ValueError):
     """A trigger arrived in a state where the lifecycle table has no transition for it."""
 
-    def __init__(self, state: str, trigger: str):
-        self.state, self.trigger = state, trigger
-        legal = sorted(t for s, t in TRANSITIONS if s == state)
-        super().__init__(f"illegal task transition: {trigger!r} in state {state!r}; "
+    def __init__(self, state: str | None, trigger: str, table: "Table | None" = None):
+        table = TASKS if table is None else table
+        self.state, self.trigger, self.what = state, trigger, table.what
+        legal = sorted(t for s, t in table.transitions if s == state)
+        super().__init__(f"illegal {table.what} transition: {trigger!r} in state {state!r}; "
                          f"legal triggers there: {', '.join(legal) or 'none'}")
 
 
+class Table:
+    """One lifecycle: what it is of (``what``, named in errors), its states, its triggers and its transitions."""
+
+    def __init__(self, what: str, states: tuple, triggers: tuple, transitions: Mapping[tuple, Any]):
+        self.what, self.states, self.triggers, self.transitions = what, states, triggers, transitions
+
+    def next_state(self, state: Any, trigger: str) -> Any:
+        """The state ``trigger`` leads to from ``state``; raises IllegalTransition if the table has no such entry:
+        the one place a transition is refused."""
+        try:
+            return self.transitions[state, trigger]
+        except KeyError:
+            raise IllegalTransition(state, trigger, self) from None
+
+    def allows(self, state: Any, trigger: str) -> bool:
+        return (state, trigger) in self.transitions
+
+
+TASKS = Table("task", STATES, TRIGGERS, TRANSITIONS)
+JOBS = Table("job", JOB_PHASES, JOB_TRIGGERS, JOB_TRANSITIONS)
+OPERATIONS = Table("operation", OP_STATES, OP_TRIGGERS, OP_TRANSITIONS)
+CHOICES = Table("maintenance choice", CHOICE_STATES, CHOICE_TRIGGERS, CHOICE_TRANSITIONS)
+TABLES = (TASKS, JOBS, OPERATIONS, CHOICES)
+
+
 def next_state(state: str, trigger: str) -> str:
-    """The state ``trigger`` leads to from ``state``; raises IllegalTransition if the table has no such entry."""
-    try:
-        return TRANSITIONS[state, trigger]
-    except KeyError:
-        raise IllegalTransition(state, trigger) from None
+    """A task's next state (``TASKS.next_state``); raises IllegalTransition if the table has no such entry."""
+    return TASKS.next_state(state, trigger)
 
 
 def apply(state: str, trigger: str) -> tuple[str, bool]:

@@ -18,8 +18,8 @@ from collections import Counter
 from typing import Sequence
 
 from infra import metrics
-from processors.scheduler.decide import (REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE,
-                                         REASON_MACHINE_UNHEALTHY)
+from processors.scheduler.reasons import (REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE,
+                                          REASON_MACHINE_UNHEALTHY)
 from streams.events import Event
 
 MOVE_REASONS = frozenset({REASON_MACHINE_FAILED, REASON_MACHINE_UNHEALTHY, REASON_MACHINE_MAINTENANCE})

@@ -118,12 +118,12 @@ from typing import Any
 import faust
 
 from infra.config import Config
+from processors.allocator.placement import Entitlement
 from processors.scheduler import store as st
 from processors.scheduler.metrics import ShardMetrics
-from processors.scheduler.decide import (
-    CONSUMED, MACHINE_EVENTS, PRODUCER, Entitlement, Job, SchedulerState, decide, machines_of, named_jobs,
-    retry_unplaced, state_of,
-)
+from processors.scheduler.decide import CONSUMED, MACHINE_EVENTS, decide, machines_of, named_jobs, retry_unplaced
+from processors.scheduler.model import Job, SchedulerState, state_of
+from processors.scheduler.work import PRODUCER
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
 from streams import batches

@@ -39,9 +39,9 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from processors.scheduler.decide import (
-    Job, Task, _terms_of, _terms_record, job_from_record, job_to_record, machines_of, maint_machines,
-)
+from processors.scheduler.decide import machines_of, maint_machines
+from processors.scheduler.model import Job, Task
+from processors.scheduler.records import job_from_record, job_to_record, terms_of, terms_record
 
 CHUNK_TASKS = 500  # tasks per chunk record (a task of index i is in chunk i // CHUNK_TASKS)
 HEADER_FORMAT = 2  # headers with chunks; a record with "tasks" is the older whole-job format (still read)
@@ -75,14 +75,14 @@ def task_record(t: Task) -> dict[str, Any]:
         v = getattr(t, name)
         if name in _TERMS:
             if v is not None:
-                r[name] = _terms_record(v)
+                r[name] = terms_record(v)
         elif name not in _DEFAULTS or v != _DEFAULTS[name]:
             r[name] = v
     return r
 
 
 def task_of(r: Mapping[str, Any]) -> Task:
-    return Task(**{**r, "terms": _terms_of(r.get("terms")), "request_terms": _terms_of(r.get("request_terms"))})
+    return Task(**{**r, "terms": terms_of(r.get("terms")), "request_terms": terms_of(r.get("request_terms"))})
 
 
 def is_chunked(header: Mapping[str, Any]) -> bool:

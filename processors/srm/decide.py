@@ -274,8 +274,9 @@ def _size(job: JobScaling, ev: Event, tuning: Tuning) -> tuple[JobScaling, list[
     return _changed(job, at, want, verdict, intent.event_id), [intent]
 
 
-def job_view(job: JobScaling, tuning: Tuning = Tuning()) -> dict[str, Any]:
-    """The SRM's picture of a job (`ropewalk srm show`)."""
+def scaling_view(job: JobScaling, tuning: Tuning = Tuning()) -> dict[str, Any]:
+    """The SRM's picture of a job's scaling (`ropewalk srm show`): policy, load, forecast, size, last change. (Not
+    `frontend/service.job_view`, a job's published state.)"""
     f = forecast(job, job.last_at, tuning) if job.last_at is not None else None
     return {"job": job.job_id, "entitlement": job.entitlement,
             "policy": None if job.policy is None else {"min_tasks": job.policy.min_tasks,

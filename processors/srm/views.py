@@ -39,10 +39,10 @@ def dry_run(cfg, registry, job: str, *, skipped=None) -> dict | None:
 
 
 def overview(cfg, registry, *, skipped=None) -> list[dict]:
-    """Every job the SRM knows, one row each (the web UI's SRM page): its picture (``job_view``), what it would
+    """Every job the SRM knows, one row each (the web UI's SRM page): its picture (``scaling_view``), what it would
     decide now (``dry_run``) and its latest decision on the log (None before its first)."""
     latest = {}
     for row in decisions(cfg, registry, skipped=skipped)["decisions"]:
         latest[row["job"]] = row
-    return [{**sd.job_view(j), "now": sd.dry_run(j), "last_decision": latest.get(j.job_id)}
+    return [{**sd.scaling_view(j), "now": sd.dry_run(j), "last_decision": latest.get(j.job_id)}
             for _, j in sorted(fold_srm(cfg, registry, skipped=skipped).jobs.items())]

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from processors.evolve import evolver
-from processors.scheduler.decide import Task, Terms, replace
+from processors.scheduler.model import Task, Terms, replace
 
 BASE = Task(id="e1.j/3", index=3, state="RUNNING", machine="m1", dc="dc1", msb="msb1", rack="r1",
             terms=Terms(1000, 2048), discovery=True, running_since_ms=1)

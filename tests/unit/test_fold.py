@@ -15,7 +15,7 @@ from allocator_log import (
 )
 from processors.allocator import placement
 from processors.allocator.fold import (
-    ALLOCATOR_PRODUCER, CONFLICT_TASK_PLACED, MissingResources, RegionFold, UnknownMachine, merged, releases,
+    ALLOCATOR_PRODUCER, CONFLICT_TASK_PLACED, MissingResources, RegionFold, UnknownMachineEvent, merged, releases,
 )
 from processors.allocator.placement import (
     CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, Entitlement, Request,
@@ -51,15 +51,15 @@ def test_a_batch_of_statuses_is_the_statuses_one_by_one():
 
 
 ERRORS = {
-    "status-of-unknown-machine": ([reg("m1")], status("m9", "DOWN"), UnknownMachine),
-    "maintenance-naming-an-unknown-machine": ([reg("m1")], unavailability("ue1", ["m1", "m9"]), UnknownMachine),
-    "batch-status-naming-an-unknown-machine": ([reg("m1")], batch_status(["m1", "m9"], "DOWN"), UnknownMachine),
-    "assign-unknown-machine": ([], assign("m9", "e1"), UnknownMachine),
+    "status-of-unknown-machine": ([reg("m1")], status("m9", "DOWN"), UnknownMachineEvent),
+    "maintenance-naming-an-unknown-machine": ([reg("m1")], unavailability("ue1", ["m1", "m9"]), UnknownMachineEvent),
+    "batch-status-naming-an-unknown-machine": ([reg("m1")], batch_status(["m1", "m9"], "DOWN"), UnknownMachineEvent),
+    "assign-unknown-machine": ([], assign("m9", "e1"), UnknownMachineEvent),
     "allocate-on-unknown-machine": ([reg("m1"), requested("r1", "e1", ["j/0"])],
-                                    allocated("r1", "e1", [("j/0", "m1"), ("j/1", "m9")], ["m1"]), UnknownMachine),
+                                    allocated("r1", "e1", [("j/0", "m1"), ("j/1", "m9")], ["m1"]), UnknownMachineEvent),
     "allocate-without-its-request": ([reg("m1")], allocated("r1", "e1", [("j/0", "m1")], ["m1"]), MissingResources),
     "deallocate-releasing-an-unknown-machine": (ALLOC_J01, deallocated("e1", [("j/0", "m1")], released=["m9"]),
-                                                UnknownMachine),
+                                                UnknownMachineEvent),
 }
 
 

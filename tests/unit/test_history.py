@@ -13,7 +13,7 @@ from infra.config import Config
 from processors.allocator.placement import LIVE, Policy, SCORE_CHOICES
 from processors.history import explain, moments, shadow, snapshots, whatif
 from processors.history.region import Region
-from processors.scheduler import decide as sd
+from processors.scheduler import records
 from streams.serde import SchemaRegistry
 
 
@@ -48,7 +48,8 @@ def test_the_scripted_region_goes_through_what_it_should(rec):
 
 
 def state_of(region: Region) -> dict:
-    return {"fold": region.fold.dump(), "jobs": {j.id: sd.job_to_record(j) for j in region.scheduler.jobs.values()},
+    return {"fold": region.fold.dump(),
+            "jobs": {j.id: records.job_to_record(j) for j in region.scheduler.jobs.values()},
             "published": {j: e.payload for j, e in region.job_states().items()}, "buckets": region.buckets,
             "down": dict(region.scheduler.machines_down), "changed": region.changed_ms,
             "inputs": sorted((w, r, d[0].event_id) for w, r, _, k, d in region._queue if k == 0),

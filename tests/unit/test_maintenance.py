@@ -7,10 +7,12 @@ import pytest
 from processors.opsplanner import decide as op
 from processors.resourcebroker import decide as rb
 from processors.resourcebroker.region import MachineSpec
-from processors.scheduler.decide import (
+from processors.scheduler.decide import retry_unplaced
+from processors.scheduler.reasons import (
     REASON_CHOICE_TOO_LATE, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE, REASON_MAINTENANCE_ENDED,
-    REASON_MAINTENANCE_STOP, REASON_MUST_VACATE, REASON_NOT_UNDER_NOTICE, job_from_record, job_to_record, retry_unplaced,
+    REASON_MAINTENANCE_STOP, REASON_MUST_VACATE, REASON_NOT_UNDER_NOTICE,
 )
+from processors.scheduler.records import job_from_record, job_to_record
 from processors.taskcontrol import protocol as tc
 from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit is on sys.path)
     ENT, REG, T0, Allocator, agent_reactions, ev, machine_status, of_type, running_job,

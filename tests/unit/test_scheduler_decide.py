@@ -11,19 +11,29 @@ from collections import deque
 
 import pytest
 
-from processors.scheduler import decide as sd
+from infra.config import DEFAULT_MAX_TASKS_PER_JOB
+from processors.allocator.placement import Entitlement
 from processors.cowmap import CowMap
-from processors.taskcontrol import limiter
-from processors.scheduler.decide import (
-    JOB_PENDING, JOB_REJECTED, JOB_RUNNING, JOB_STOPPED, JOB_STOPPING, JOB_UPDATING, MAX_RESTARTS, PRODUCER,
+from processors.scheduler import decide as sd
+from processors.scheduler import model as sm
+from processors.scheduler import reasons
+from processors.scheduler import records
+from processors.scheduler import work
+from processors.scheduler.decide import decide, retry_unplaced
+from processors.scheduler.lifecycle import (
+    JOB_PENDING, JOB_REJECTED, JOB_RUNNING, JOB_STOPPED, JOB_STOPPING, JOB_UPDATING,
+)
+from processors.scheduler.model import SchedulerState, UnknownJob, job_detail
+from processors.scheduler.reasons import (
     REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_EXITED, REASON_ILLEGAL_REPORT, REASON_INVALID_SPEC,
     REASON_JOB_NOT_ACTIVE, REASON_JOB_STOPPED, REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE,
-    REASON_MACHINE_UNHEALTHY, REASON_NOT_AN_AGENT_STATE, REASON_RESIZED, REASON_RESTART_LIMIT,
-    REASON_RESTART_POLICY, REASON_ROLLING_UPDATE, REASON_STALE_REPORT, REASON_STALE_SPEC_VERSION,
-    REASON_UNKNOWN_ENTITLEMENT, REASON_UNKNOWN_JOB, REASON_UNKNOWN_TASK, RESTART_RESET_MS, SchedulerState,
-    UnknownJob, decide,
-    job_view, retry_unplaced,
+    REASON_MACHINE_UNHEALTHY, REASON_NOT_AN_AGENT_STATE, REASON_RESIZED, REASON_RESTART_LIMIT, REASON_RESTART_POLICY,
+    REASON_ROLLING_UPDATE, REASON_STALE_REPORT, REASON_STALE_SPEC_VERSION, REASON_UNKNOWN_ENTITLEMENT,
+    REASON_UNKNOWN_JOB, REASON_UNKNOWN_TASK,
 )
+from processors.scheduler.steps import MAX_RESTARTS, RESTART_RESET_MS
+from processors.scheduler.work import PRODUCER
+from processors.taskcontrol import limiter
 from streams.batches import command_events, discovery_changes, task_commands, task_reports
 from streams.events import new_event
 from streams.serde import SchemaRegistry
@@ -178,7 +188,7 @@ class Allocator:
 # -- the harness ------------------------------------------------------------------------------------------------
 
 class Sim:
-    def __init__(self, state=None, max_tasks=sd.DEFAULT_MAX_TASKS_PER_JOB):
+    def __init__(self, state=None, max_tasks=DEFAULT_MAX_TASKS_PER_JOB):
         self.state = state or SchedulerState()
         self.now = T0
         self.max_tasks = max_tasks
@@ -223,7 +233,7 @@ class Sim:
         return out
 
     def view(self, job="j"):
-        return job_view(self.state, job)
+        return job_detail(self.state, job)
 
     def tasks(self, job="j"):
         return {t["id"]: (t["state"], t["machine"]) for t in self.view(job)["tasks"]}
@@ -318,9 +328,9 @@ def test_deploy_step_by_step():
         "job": "j", "entitlement": ENT, "state": JOB_RUNNING, "spec_version": 1, "last_reason": ""}
 
 
-def test_job_view_of_unknown_job_raises():
+def test_job_detail_of_unknown_job_raises():
     with pytest.raises(UnknownJob):
-        job_view(SchedulerState(), "nope")
+        job_detail(SchedulerState(), "nope")
 
 
 def test_own_events_coming_back_change_nothing():
@@ -374,7 +384,7 @@ def test_duplicate_job_id():
     sim = running_job(2, ("m1", "m2"))
     before = sim.state
     assert sim.feed(submit("j", 2)) == []  # the same submission again (a new event id): a no-op
-    assert job_view(sim.state, "j") == job_view(before, "j")
+    assert job_detail(sim.state, "j") == job_detail(before, "j")
     out = sim.feed(submit("j", 5, command=("other",)))  # another job under the same id: refused, shown
     assert refusals(out) == [("JobSubmitted", REASON_DUPLICATE_JOB_ID)]
     assert kinds(out) == [("published", JOB_RUNNING, False)]
@@ -411,7 +421,7 @@ REFUSED_INTENTS = {  # event -> the reason it is refused with (IntentRefused, an
     "stop-unknown-job": (stopped("zz"), REASON_UNKNOWN_JOB),
     "update-unknown-job": (spec_changed("zz", 2, version=2), REASON_UNKNOWN_JOB),
     "resize-keyed-to-another-entitlement": (ev("JobResized", {"job_id": "j", "tasks": 9}, producer="cli", ent="e2"),
-                                            sd.REASON_ENTITLEMENT_MISMATCH),
+                                            reasons.REASON_ENTITLEMENT_MISMATCH),
     "negative-resize": (resized("j", -1), REASON_INVALID_SPEC),
     "invalid-spec-change": (spec_changed("j", 2, version=2, spread="zone"), REASON_INVALID_SPEC),
     "negative-cpu-in-a-spec-change": (spec_changed("j", 2, version=2, cpu=-5), REASON_INVALID_SPEC),
@@ -419,9 +429,9 @@ REFUSED_INTENTS = {  # event -> the reason it is refused with (IntentRefused, an
     "stale-spec-version": (spec_changed("j", 2, version=1, command=("x",)), REASON_STALE_SPEC_VERSION),
     "negative-quota": (ev("EntitlementCreated", {"name": "e7", "quota_machines": -5, "machine_type": None,
                                                  "dc_pin": None, "host_profile": None}, producer="cli", ent="e7"),
-                       sd.REASON_INVALID_ENTITLEMENT),
+                       reasons.REASON_INVALID_ENTITLEMENT),
     "negative-quota-update": (ev("EntitlementUpdated", {"quota_machines": -1}, producer="cli"),
-                              sd.REASON_INVALID_ENTITLEMENT),
+                              reasons.REASON_INVALID_ENTITLEMENT),
 }
 
 
@@ -791,7 +801,7 @@ def test_a_stopped_job_id_is_used_again_by_a_new_incarnation():
     assert (published["incarnation"], published["state"], published["deleted"]) == (2, JOB_PENDING, False)
     view = sim.view()
     assert view["incarnation"] == 2 and view["desired_tasks"] == 3 and view["last_reason"] == ""
-    assert sd.job_from_record(sd.job_to_record(sim.state.jobs["j"])) == sim.state.jobs["j"]  # a table value
+    assert records.job_from_record(records.job_to_record(sim.state.jobs["j"])) == sim.state.jobs["j"]  # a table value
     assert sim.feed(deallocated(free)) == []  # the old incarnation's answer, delivered again: nothing
     out = sim.feed(allocated(req, {"j/0": "m3", "j/1": "m4", "j/2": "m5"}))
     assert [c["command"] for c in commands(out)] == ["START"] * 3 and commands(out)[0]["argv"] == ["v2"]
@@ -975,11 +985,11 @@ def test_state_survives_a_table_round_trip():
     sim.feed(resized("j", 5))
     sim.feed(machine_status("m2", "UNHEALTHY"))
     sim.feed(spec_changed("j", 5, version=2, command=("v2",), requirements={"dc": "dc1"}))
-    jobs = [sd.job_from_record(json.loads(json.dumps(sd.job_to_record(j)))) for j in sim.state.jobs.values()]
-    ents = [sd.Entitlement(**json.loads(json.dumps(dataclasses.asdict(e))))
+    jobs = [records.job_from_record(json.loads(json.dumps(records.job_to_record(j)))) for j in sim.state.jobs.values()]
+    ents = [Entitlement(**json.loads(json.dumps(dataclasses.asdict(e))))
             for e in sim.state.entitlements.values()]
     shard_bucket = limiter.bucket_of(json.loads(json.dumps(limiter.bucket_record(sim.state.shard_bucket))))
-    state = sd.state_of(jobs, ents, json.loads(json.dumps(dict(sim.state.machines_down))), shard_bucket)
+    state = sm.state_of(jobs, ents, json.loads(json.dumps(dict(sim.state.machines_down))), shard_bucket)
     assert state == sim.state
     nxt = report("j/0", "STOPPED", "m1", exit_code=0)
     assert decide(state, nxt, T0) == decide(sim.state, nxt, T0)
@@ -990,12 +1000,12 @@ def test_a_record_made_from_the_previous_one_reuses_the_unchanged_tasks_and_equa
     built from scratch, and only the tasks the decision changed are built again."""
     sim = running_job(3)
     before = sim.state.jobs["j"]
-    record = sd.job_to_record(before)
+    record = records.job_to_record(before)
     for e in (report("j/1", "FAILED", "m2", exit_code=1), resized("j", 4), report("j/1", "RUNNING", "m2")):
         sim.feed(e)
         after = sim.state.jobs["j"]
-        incremental = sd.job_to_record(after, (before, record))
-        assert incremental == sd.job_to_record(after)
+        incremental = records.job_to_record(after, (before, record))
+        assert incremental == records.job_to_record(after)
         old = {id(r) for r in record["tasks"]}
         rebuilt = {t.id for t, r in zip(after.tasks.values(), incremental["tasks"]) if id(r) not in old}
         assert rebuilt == {t.id for t in after.tasks.values() if before.tasks.get(t.id) is not t}
@@ -1005,9 +1015,9 @@ def test_a_record_made_from_the_previous_one_reuses_the_unchanged_tasks_and_equa
 
 def test_duplicate_ring_is_bounded():
     sim = running_job(1, ("m1",))
-    for i in range(sd.SEEN_LIMIT + 10):
+    for i in range(work.SEEN_LIMIT + 10):
         sim.feed(report("j/0", "RUNNING", "m1"))
-    assert len(sim.state.jobs["j"].seen) == sd.SEEN_LIMIT
+    assert len(sim.state.jobs["j"].seen) == work.SEEN_LIMIT
 
 
 # -- batches: agents' reports, many machines at once, big jobs -------------------------------------------------------
@@ -1060,7 +1070,7 @@ def test_a_job_beyond_the_limit_is_refused_with_a_reason(inputs, state):
         sim.feed(e)
     view = sim.view()
     assert view["state"] == state and view["desired_tasks"] <= 2 and len(view["tasks"]) <= 2
-    assert view["last_reason"].startswith(sd.REASON_TOO_MANY_TASKS + ": tasks: at most 100 tasks per job")
+    assert view["last_reason"].startswith(reasons.REASON_TOO_MANY_TASKS + ": tasks: at most 100 tasks per job")
     at_limit = Sim(max_tasks=101)
     at_limit.feed(entitlement())
     assert at_limit.feed(submit("k", 101))[0].type == "AllocationRequested"  # the limit itself is served

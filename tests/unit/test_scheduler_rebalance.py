@@ -5,8 +5,11 @@ validity); the allocator, the agents and the TaskController are played by hand.
 """
 import pytest
 
-from processors.scheduler import decide as rb  # the moves' reasons: rb.REASON_REBALANCE, rb.REASON_MOVE_*
-from processors.scheduler.decide import JOB_UPDATING, OP_MOVE, REASON_UNKNOWN_TASK, retry_unplaced
+from processors.scheduler import reasons as rb  # the moves' reasons: rb.REASON_REBALANCE, rb.REASON_MOVE_*
+from processors.scheduler.decide import retry_unplaced
+from processors.scheduler.lifecycle import JOB_UPDATING
+from processors.scheduler.reasons import REASON_UNKNOWN_TASK
+from processors.taskcontrol.protocol import OP_MOVE
 from processors.taskcontrol.limiter import Limits, Rate
 from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit is on sys.path)
     ENT, T0, Allocator, agent_reactions, allocated, entitlement, ev, kinds, of_type, refusals, rejected,

@@ -6,9 +6,12 @@ from types import MappingProxyType
 
 import pytest
 
-from processors.scheduler import decide as sd
+from processors.scheduler import lifecycle as lc
+from processors.scheduler import records
+from processors.scheduler import work
 from processors.scheduler import store as st
-from processors.scheduler.decide import Job, Spec, Task, Terms, machines_of
+from processors.scheduler.decide import machines_of
+from processors.scheduler.model import Job, Spec, Task, Terms
 from test_scheduler_decide import report, resized, running_job  # the scheduler tests' harness
 
 SPEC = Spec(name="big", command=("sleep", "3600"), cpu=100, mem=64)
@@ -19,11 +22,11 @@ def big_job(n, job_id="e1.big"):
     tasks = {}
     for i in range(n):
         tid = f"{job_id}/{i}"
-        tasks[tid] = Task(id=tid, index=i, state=sd.RUNNING, machine=f"dc1-msb{i % 20}-r{i % 7:02d}-m{i % 50:03d}",
+        tasks[tid] = Task(id=tid, index=i, state=lc.RUNNING, machine=f"dc1-msb{i % 20}-r{i % 7:02d}-m{i % 50:03d}",
                           dc="dc1", msb=f"msb{i % 20}", rack=f"r{i % 7:02d}", terms=Terms(100, 64), discovery=True,
                           running_since_ms=1_700_000_000_000)
     return Job(id=job_id, entitlement="e1", spec=SPEC, spec_version=1, desired=n, tasks=MappingProxyType(tasks),
-               seen=tuple(f"event-{i:08d}-aaaa-bbbb-cccc-dddddddddddd" for i in range(sd.SEEN_LIMIT)))
+               seen=tuple(f"event-{i:08d}-aaaa-bbbb-cccc-dddddddddddd" for i in range(work.SEEN_LIMIT)))
 
 
 def write(chunks: dict, plan: st.Plan, headers: dict | None = None):
@@ -47,7 +50,7 @@ def test_a_job_read_back_from_its_header_and_chunks_is_the_same_job():
 
 def test_the_older_whole_job_record_is_still_read_and_rewritten_in_chunks():
     job = running_job(3).state.jobs["j"]
-    old = json.loads(json.dumps(sd.job_to_record(job)))
+    old = json.loads(json.dumps(records.job_to_record(job)))
     assert st.job_of(old, {}) == job
     plan = st.plan(job, old, {}, job)
     assert set(plan.chunks) == {"j#0@1"} and plan.obsolete == []
@@ -63,9 +66,9 @@ def test_a_20000_task_job_is_40_records_of_bounded_size():
 
 
 CHANGES = {  # what a decision does to a 1,200-task job -> chunks written, chunks gone from the header
-    "one task's state": (lambda j: _put(j, replace(j.tasks["e1.big/7"], state=sd.FAILED)), {0}, set()),
-    "two tasks in two chunks": (lambda j: _put(_put(j, replace(j.tasks["e1.big/7"], state=sd.FAILED)),
-                                               replace(j.tasks["e1.big/1100"], state=sd.FAILED)), {0, 2}, set()),
+    "one task's state": (lambda j: _put(j, replace(j.tasks["e1.big/7"], state=lc.FAILED)), {0}, set()),
+    "two tasks in two chunks": (lambda j: _put(_put(j, replace(j.tasks["e1.big/7"], state=lc.FAILED)),
+                                               replace(j.tasks["e1.big/1100"], state=lc.FAILED)), {0, 2}, set()),
     "job fields only (the duplicate ring)": (lambda j: replace(j, seen=(*j.seen[1:], "new")), set(), set()),
     "a task added in a new chunk": (lambda j: _put(j, Task(id="e1.big/1500", index=1500)), {3}, set()),
     "the last chunk emptied": (lambda j: _drop(j, [f"e1.big/{i}" for i in range(1000, 1200)]), {2}, {2}),
@@ -206,7 +209,7 @@ def test_the_machine_index_built_from_the_tables_equals_the_one_kept_in_step_by_
 
 def test_the_machine_index_reads_the_older_whole_job_record_and_is_rebuilt_after_forget():
     job = running_job(3, machines=("m1", "m2", "m3")).state.jobs["j"]
-    old = json.loads(json.dumps(sd.job_to_record(job)))  # a header in the older format: tasks inside
+    old = json.loads(json.dumps(records.job_to_record(job)))  # a header in the older format: tasks inside
     idx = st.MachineJobs()
     idx.build({"j": old}, {})
     assert {m for m in ("m1", "m2", "m3") if idx.jobs("e1", m) == {"j"}} == {"m1", "m2", "m3"}

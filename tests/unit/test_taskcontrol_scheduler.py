@@ -9,7 +9,9 @@ from collections import Counter
 import pytest
 
 from processors.scheduler import decide as sd
-from processors.scheduler.decide import JOB_RUNNING, JOB_UPDATING, REASK_MS, retry_unplaced
+from processors.scheduler import steps
+from processors.scheduler.decide import REASK_MS, retry_unplaced
+from processors.scheduler.lifecycle import JOB_RUNNING, JOB_UPDATING
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import (
     REASON_RATE_LIMITED_JOB, REASON_RATE_LIMITED_SHARD, Limits, Rate,
@@ -292,7 +294,7 @@ def test_a_runaway_failure_never_moves_faster_than_the_limit():
     assert len(moved(out)) == 5
     (th,) = of_type(out, "OperationsThrottled")
     assert th.payload["reason"] == REASON_RATE_LIMITED_JOB and th.payload["waiting_count"] == n - 5
-    assert len(th.payload["waiting"]) == sd.THROTTLED_LISTED  # the first ones listed: a record of bounded size
+    assert len(th.payload["waiting"]) == steps.THROTTLED_LISTED  # the first ones listed: a record of bounded size
     assert [w["task_id"] for w in th.payload["waiting"]][:2] == ["j/5", "j/6"]
     assert th.payload["retry_at_ms"] == T0 + 1000 and th.payload["limit"] == "job: 60/min, burst 5"
     assert {w["kind"] for w in th.payload["waiting"]} == {tc.OP_MOVE}

@@ -11,9 +11,12 @@ from types import MappingProxyType
 import pytest
 
 from processors.scheduler import decide as sd
-from processors.scheduler.decide import (
-    JOB_STOPPED, JOB_STOPPING, REASON_JOB_STOPPED, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE,
-    REASON_MAINTENANCE_ENDED, REASON_RESIZED,
+from processors.scheduler import lifecycle as lc
+from processors.scheduler import model as sm
+from processors.scheduler.lifecycle import JOB_STOPPED, JOB_STOPPING
+from processors.scheduler.reasons import (
+    REASON_JOB_STOPPED, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE, REASON_MAINTENANCE_ENDED,
+    REASON_RESIZED,
 )
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import REASON_RATE_LIMITED_JOB, Limits, Rate
@@ -138,9 +141,9 @@ def test_a_job_stop_of_ten_thousand_tasks_is_paced():
         {"task_id": f"big/{i}", "machine_id": f"m{i}", "dc": "dc1", "msb": f"msb{i % 3}", "rack": f"r{i}"}
         for i in range(n)]}, producer="allocator"))
     job = sim.state.jobs["big"]  # every task RUNNING (as 20,000 agent reports would make it), built directly
-    running = {k: replace(t, state=sd.RUNNING, discovery=True, reason="", running_since_ms=T0)
+    running = {k: replace(t, state=lc.RUNNING, discovery=True, reason="", running_since_ms=T0)
                for k, t in job.tasks.items()}
-    sim.state = sd.state_of([replace(job, tasks=MappingProxyType(running))], sim.state.entitlements.values())
+    sim.state = sm.state_of([replace(job, tasks=MappingProxyType(running))], sim.state.entitlements.values())
     out = sim.feed(stopped("big"))
     sim.check_schemas = False  # checked on the first (largest) output; encoding 95 more 10,000-row ones is slow
     done = Counter(stops(out))

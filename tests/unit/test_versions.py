@@ -10,9 +10,9 @@ from collections import deque
 import pytest
 
 from processors.scheduler import versions as vs
-from processors.scheduler.decide import (
-    REASON_STALE_GENERATION, REASON_STALE_SUBMISSION, job_from_record, job_to_record, retry_unplaced,
-)
+from processors.scheduler.decide import retry_unplaced
+from processors.scheduler.reasons import REASON_STALE_GENERATION, REASON_STALE_SUBMISSION
+from processors.scheduler.records import job_from_record, job_to_record
 from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit is on sys.path)
     Sim, commands, entitlement, ev, of_type, refusals, spec_changed, submit,
 )

@@ -1,0 +1,261 @@
+"""The scheduler's model: the immutable state a shard decides on. Pure: no I/O.
+
+A shard's ``SchedulerState`` holds its entitlements (``Entitlement``, the allocator's class: one name for the
+concept), its jobs (``Job``, each with its ``Task``s by id, in index order) and the machines known not to be UP.
+``Spec`` is a job's spec without its task count, ``Terms`` what a placement holds. How the decisions change them is
+``decide.py`` (handlers) and ``steps.py`` (what a task or an operation does next); which task state, job status,
+operation state or maintenance choice may follow which is ``lifecycle.py``'s tables; how they are stored is
+``records.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from processors.allocator.placement import Entitlement
+from processors.cowmap import CowMap
+from processors.evolve import evolver
+from processors.scheduler import versions as vs
+from processors.scheduler.lifecycle import (
+    HELD_AT_DEADLINE, JOB_ACTIVE, JOB_DELETED, JOB_PENDING, JOB_RUNNING, JOB_UPDATING, PENDING, RUNNING,
+)
+from processors.taskcontrol.limiter import Bucket
+from processors.taskcontrol.protocol import CHOICE_MOVE, CHOICE_STOP
+
+# What the scheduler does with a task next (its intent), whatever state it is in.
+RUN = "run"  # keep it running at the job's spec version
+RETIRE = "retire"  # stop it and free its placement (shrink, job stop); it leaves the job
+UPDATE = "update"  # being stopped to start again at the job's spec version (rolling update, a grow reusing it)
+RELOCATE = "relocate"  # being stopped to be placed on another machine (a ReBalancer move: _on_rebalance_planned)
+
+# Kinds of planned-maintenance choice (Task.maint_choice: its table is lifecycle.CHOICE_TRANSITIONS).
+HELD = frozenset({CHOICE_STOP, HELD_AT_DEADLINE})  # stopped for a maintenance: started again when it ends
+LEAVING = frozenset({CHOICE_MOVE, CHOICE_STOP})  # choices that stop the task before the maintenance
+
+
+class SchedulerError(ValueError):
+    pass
+
+
+class UnknownJob(SchedulerError, LookupError):
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        super().__init__(f"unknown job {job_id!r}: not in this scheduler shard")
+
+
+# -- the state -------------------------------------------------------------------------------------------------
+
+Pairs = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """What a placement holds on its machine: per-task resources under hard requirements."""
+
+    cpu: int
+    mem: int
+    requirements: Pairs = ()
+
+    def fits(self, wanted: "Terms") -> bool:
+        """Whether a task wanting ``wanted`` can run in this placement (same requirements, no more resources)."""
+        return wanted.cpu <= self.cpu and wanted.mem <= self.mem and wanted.requirements == self.requirements
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A job's spec without its task count (that is the job's ``desired``, changed by resizes too)."""
+
+    name: str
+    command: tuple[str, ...]
+    cpu: int
+    mem: int
+    requirements: Pairs = ()
+    spread: str = "msb"
+    max_unavailable: int = 1
+    env: Pairs = ()
+    controller: str | None = None  # the job's TaskController; None: built-in policy (no approvals asked)
+
+    @classmethod
+    def from_payload(cls, p: Mapping[str, Any]) -> "Spec":
+        """From a JobSubmitted / JobSpecChanged payload."""
+        return cls(name=p["name"], command=tuple(p["command"]), cpu=p["resources"]["cpu_millicores"],
+                   mem=p["resources"]["memory_mib"], requirements=tuple(sorted(p.get("requirements", {}).items())),
+                   spread=p.get("spread", "msb"), max_unavailable=p.get("max_unavailable", 1),
+                   env=tuple(sorted(p.get("env", {}).items())), controller=p.get("controller") or None)
+
+    @property
+    def terms(self) -> Terms:
+        return Terms(self.cpu, self.mem, self.requirements)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One task, ``<job_id>/<index>``."""
+
+    id: str
+    index: int
+    state: str = PENDING
+    intent: str = RUN
+    spec_version: int = 1  # the version it runs (or will start with, while unplaced)
+    machine: str | None = None
+    dc: str | None = None
+    msb: str | None = None
+    rack: str | None = None
+    terms: Terms | None = None  # what its placement holds (None: unplaced)
+    discovery: bool = False  # enabled in service discovery
+    request_id: str | None = None  # the allocation request it awaits (None: none outstanding)
+    request_terms: Terms | None = None  # what that request asked for
+    parked: bool = False  # unplaced after a rejection: waits for a retry (resize, update, ``retry_unplaced``)
+    reason: str = ""  # why it is not (yet) RUNNING; cleared when it runs
+    restarts: int = 0  # restarts in place used (restart policy)
+    running_since_ms: int | None = None
+    op: str | None = None  # wanted on it: OP_UPDATE, OP_MOVE, OP_RESTART, OP_STOP (processors/taskcontrol)
+    op_id: str | None = None  # its id, stable across TaskControl re-asks
+    op_state: str | None = None  # OP_PENDING, OP_APPROVED, OP_RUNNING
+    op_reason: str = ""  # why it is wanted
+    fence: bool = False  # a MOVE off a machine that may still run it: STOP it there when the move is performed
+    maint_ue: str | None = None  # the planned maintenance (UE id) a choice or the deadline applies to it for
+    maint_choice: str | None = None  # CHOICE_MOVE / CHOICE_STOP / CHOICE_KEEP, or HELD_AT_DEADLINE
+    move_to: str | None = None  # a ReBalancer move's target machine, until its AllocationRequested is sent
+    _row: Mapping[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
+
+    @property
+    def row(self) -> Mapping[str, Any]:
+        """Its JobStatePublished TaskStatus: built once per task version, when first published (most versions a
+        decision makes are never published), so publishing a 15K-task job does not rebuild 15K rows per event."""
+        if self._row is None:
+            object.__setattr__(self, "_row", MappingProxyType({
+                "task_id": self.id, "state": self.state, "machine_id": self.machine, "dc": self.dc,
+                "msb": self.msb, "rack": self.rack, "spec_version": self.spec_version, "reason": self.reason}))
+        return self._row
+
+
+_task_with = evolver(Task)
+
+
+def replace(obj: Any, /, **changes: Any) -> Any:
+    """``dataclasses.replace``; a ``Task`` (the hot one: replaced several times per task and decision) through a
+    compiled ``processors.evolve.evolver``, the same result in half the time."""
+    if type(obj) is Task:
+        return _task_with(obj, changes)
+    return dataclasses.replace(obj, **changes)
+
+
+def _empty() -> Mapping:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job with its tasks: one record, so one faust table value (the ring and the tasks change together)."""
+
+    id: str
+    entitlement: str
+    spec: Spec
+    spec_version: int
+    desired: int  # task count asked for
+    status: str = JOB_ACTIVE
+    tasks: Mapping[str, Task] = field(default_factory=_empty)  # by id, kept in index order
+    last_reason: str = ""  # latest allocation rejection or refused intent
+    last_ignored: str = ""  # latest agent report ignored, and why
+    updating: bool = False  # a rolling update is in progress
+    requests: int = 0  # allocation requests sent (names the next one)
+    free_request_id: str | None = None  # the stop's final free request, until the allocator answers it
+    deleted: bool = False  # stopped and freed: the final JobStatePublished said so
+    origin: tuple = ()  # what JobSubmitted said (to tell a redelivery from a clashing job id)
+    seen: tuple[str, ...] = ()  # the duplicate ring: input event ids applied to this job, newest last
+    ops: int = 0  # operations created (names the next)
+    ops_open: int = 0  # tasks with an operation (0: nothing to drain)
+    bucket: Bucket | None = None  # the job's rate-limiter bucket (None: full)
+    throttled: tuple[str, ...] = ()  # operation ids the latest OperationsThrottled announced waiting
+    tc_seq: int = 0  # sequence of the latest TaskControlRequested
+    tc_outstanding: bool = False  # that request awaits its ack
+    tc_asked: tuple[str, ...] = ()  # the operation ids it asked about
+    tc_asked_ms: int | None = None  # when it was sent
+    tc_completed: tuple[str, ...] = ()  # approved operations completed since, for the next request
+    tc_sent_completed: tuple[str, ...] = ()  # those the outstanding request reported (re-sent if it is lost)
+    tc_sent_unhealthy: tuple[str, ...] = ()  # the tasks the outstanding request reported down
+    tc_notices: tuple = ()  # advance notices: (unavailability id, task ids, start_ms, deadline_ms, duration_ms)
+    tc_notice_new: bool = False  # notice news: a new notice, or a task back RUNNING under one (a next choice)
+    maint: tuple = ()  # planned maintenance of its machines: (UE id, machine ids, start_ms, deadline_ms, enforced)
+    incarnation: int = 1  # which submission of this job id (a stopped or rejected job's id may be submitted again)
+    submission: str = ""  # the event id of the JobSubmitted that made this incarnation
+    mix: vs.Mix | None = None  # several versions at once (push %, canary: versions.py); None: every task the job's
+    generation: int = 0  # the latest JobSpecReconciled applied (processors/jobcontrol)
+    vacating: tuple[str, ...] = ()  # planned unavailabilities (ids) whose machines its tasks must leave (loans)
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    """One shard: its entitlements, its jobs (with their tasks), and the machines known not to be UP."""
+
+    entitlements: Mapping[str, Entitlement] = field(default_factory=_empty)
+    jobs: CowMap[Job] = field(default_factory=CowMap)
+    machines_down: Mapping[str, str] = field(default_factory=_empty)  # machine id → status or UE kind
+    shard_bucket: Bucket | None = None  # the shard's rate-limiter bucket (None: full)
+
+
+def state_of(jobs: Iterable[Job] = (), entitlements: Iterable[Entitlement] = (),
+             machines_down: Mapping[str, str] | None = None, shard_bucket: Bucket | None = None) -> SchedulerState:
+    """A shard's state from its parts (e.g. read back from faust tables; ``shard_bucket`` from
+    ``limiter.bucket_of`` of the partition's stored record)."""
+    return SchedulerState(entitlements=MappingProxyType({e.name: e for e in entitlements}),
+                          jobs=CowMap((j.id, j) for j in jobs),
+                          machines_down=MappingProxyType(dict(machines_down or {})), shard_bucket=shard_bucket)
+
+
+def request_id(job_id: str, spec_version: int, n: int) -> str:
+    """The id of a job's ``n``-th allocation request (1-based), sent under ``spec_version``."""
+    return f"{job_id}:v{spec_version}:r{n}"
+
+
+def task_id(job_id: str, index: int) -> str:
+    return f"{job_id}/{index}"
+
+
+def index_of(tid: str) -> int:
+    """The index of task ``<job>/<index>``."""
+    return int(tid.rsplit("/", 1)[1])
+
+
+def published_state(job: Job) -> str:
+    """The job state JobStatePublished (and so ``ropewalk job status``) and ``job_detail`` show."""
+    if job.status != JOB_ACTIVE:
+        return job.status
+    if job.updating:
+        return JOB_UPDATING
+    live = [t for t in job.tasks.values() if t.intent != RETIRE]
+    return JOB_RUNNING if len(live) == job.desired and all(t.state == RUNNING for t in live) else JOB_PENDING
+
+
+def job_phase(job: Job) -> str:
+    """Where ``job`` is in ``lifecycle.JOB_TRANSITIONS``: its status, or ``JOB_DELETED`` once stopped and freed."""
+    return JOB_DELETED if job.deleted else job.status
+
+
+def job_detail(state: SchedulerState, job_id: str) -> dict:
+    """The shard's whole picture of one job: what JobStatePublished shows (``ropewalk job status --json`` prints
+    that event, through ``processors/frontend/service.job_view``), and what only the shard's state holds: the
+    operations, what the limiter holds back, the version mix, the maintenances, the latest ignored report. For
+    tests and debugging: no command prints it. Raises UnknownJob."""
+    job = state.jobs.get(job_id)
+    if job is None:
+        raise UnknownJob(job_id)
+    return {
+        "job": job.id, "name": job.spec.name, "entitlement": job.entitlement, "state": published_state(job),
+        "incarnation": job.incarnation, "spec_version": job.spec_version, "desired_tasks": job.desired,
+        "last_reason": job.last_reason,
+        "last_ignored": job.last_ignored, "controller": job.spec.controller,
+        "operations": [{"id": t.op_id, "task": t.id, "kind": t.op, "state": t.op_state, "reason": t.op_reason}
+                       for t in job.tasks.values() if t.op is not None] if job.ops_open else [],
+        "throttled": list(job.throttled),
+        "mix": vs.mix_view(job.mix),
+        "maintenance": [{"unavailability_id": u, "machines": list(ms), "start_ms": s, "deadline_ms": d,
+                         "deadline_enforced": e} for u, ms, s, d, e in job.maint],
+        "tasks": [{"id": t.id, "state": t.state, "machine": t.machine, "dc": t.dc, "msb": t.msb, "rack": t.rack,
+                   "spec_version": t.spec_version, "reason": t.reason} for t in job.tasks.values()],
+    }
+
