@@ -121,6 +121,16 @@ class Agents:
         self.procs.append(p)
         return p
 
+    def start_running(self, cfg, registry, tasks: "Reader", machine: str, task_id: str):
+        """An agent for ``machine`` running ``task_id`` (``sleep 600``), RUNNING as ``tasks`` reads it: (agent, pid)."""
+        agent = self.start(cfg, machine)
+        send(cfg, registry, allocated(task_id.split("/")[0], {task_id: machine}),
+             command(task_id, "START", machine, ["sleep", "600"]))
+        tasks.until(lambda evs: ("RUNNING", None) in reports(evs, task_id), 30, "RUNNING")
+        pid = self.task_pid(self.tmp / machine, task_id)
+        assert pid and pid_alive(pid)
+        return agent, pid
+
     @staticmethod
     def task_pid(work_dir: Path, task_id: str) -> int | None:
         try:
@@ -271,15 +281,11 @@ def test_tasks_keep_running_while_the_broker_is_down(tmp_path, registry, agents,
         provision(AdminClient({**own.kafka_conf()}), Topics(own.topic_prefix, own.partitions))
         acls.provision_region(own)
         m = "m-b"
-        agent = agents.start(own, m)
-        send(own, registry, allocated("j1", {"j1/keep": m}), command("j1/keep", "START", m, ["sleep", "600"]))
         tasks = Reader(own, registry, "tasks")
         try:
-            tasks.until(lambda evs: ("RUNNING", None) in reports(evs, "j1/keep"), 30, "RUNNING")
+            agent, pid = agents.start_running(own, registry, tasks, m, "j1/keep")
         finally:
             tasks.close()
-        pid = agents.task_pid(tmp_path / m, "j1/keep")
-        assert pid and pid_alive(pid)
         broker.stop()
         assert not port_open(own.broker_port)
         seq = agent_state(tmp_path / m)["sequence"]
@@ -309,12 +315,9 @@ def test_tasks_keep_running_while_the_broker_is_down(tmp_path, registry, agents,
 
 def test_restarted_agent_adopts_its_running_task(cfg, registry, agents):
     m = "m-c"
-    first = agents.start(cfg, m)
-    send(cfg, registry, allocated("j1", {"j1/adopt": m}), command("j1/adopt", "START", m, ["sleep", "600"]))
     tasks = Reader(cfg, registry, "tasks")
     try:
-        tasks.until(lambda evs: ("RUNNING", None) in reports(evs, "j1/adopt"), 30, "RUNNING")
-        pid = agents.task_pid(agents.tmp / m, "j1/adopt")
+        first, pid = agents.start_running(cfg, registry, tasks, m, "j1/adopt")
         first.send_signal(signal.SIGKILL)  # a crash: no goodbye
         first.wait(5)
         assert pid_alive(pid)
