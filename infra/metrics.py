@@ -58,6 +58,9 @@ READ_POSITION = Gauge("ropewalk_reader_position",
                       "its outputs flushed: where a group's committed offset would be, by reader, topic and "
                       "partition (a test's marker that a reader has read past an event)",
                       ["reader", "topic", "partition"])
+TIMER_TICKS = Counter("ropewalk_timer_ticks_total",
+                      "Rounds of a worker's timer completed, their output flushed, by worker kind (a test's marker "
+                      "that time passed for the worker, however slow the machine)", ["worker"])
 DEAD_LETTERS = Counter("ropewalk_dead_letters_total", "Records dead-lettered, by origin topic and reason",
                        ["topic", "reason"])
 WORKER_RESTARTS = Counter("ropewalk_worker_restarts_total", "Restarts of a worker by the region's supervisor",

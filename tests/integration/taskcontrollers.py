@@ -15,15 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from confluent_kafka import Consumer, TopicPartition
-from prometheus_client.parser import text_string_to_metric_families
-
-from infra import metrics
 from infra.config import PROJECT_ROOT
+from processes import worker_metrics
 from processors.scheduler.shard import APP_ID, SOURCES
 from streams import groups
 from streams.clients import consumer_conf
@@ -55,16 +52,9 @@ class Controller:
 
     def position(self) -> dict[tuple[str, int], int]:
         """``{(physical topic, partition): next offset}`` it has read and acted on; {} before it serves any."""
-        port = metrics.targets(self.run_dir).get(self.worker)
-        if port is None:
-            return {}
-        try:
-            with urllib.request.urlopen(f"http://{port}/metrics", timeout=5) as resp:
-                text = resp.read().decode()
-        except OSError:
-            return {}  # not serving yet, or gone
         return {(self.cfg.topic_prefix + s.labels["topic"], int(s.labels["partition"])): int(s.value)
-                for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == POSITION}
+                for samples in worker_metrics(self.run_dir, self.worker).values() for s in samples
+                if s.name == POSITION}
 
 
 def _ends(cfg, topics: Iterable[str]) -> dict[tuple[str, int], int]:
