@@ -22,12 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.env import BenchEnv  # noqa: E402
+from bench.workloads import raw_read  # noqa: E402
 from infra.broker import KAFKA_VERSION  # noqa: E402
 from infra.config import Config  # noqa: E402
 from streams.archive import archive, read_archive, restore  # noqa: E402
@@ -66,17 +67,9 @@ def raw_consume(cfg: Config) -> tuple[int, int, float]:
     c = Consumer(consumer_conf(cfg, None))
     md = c.list_topics(timeout=10)
     todo = {(t, p) for t in cat.all() for p in md.topics[t].partitions}
-    n = size = 0
     t0 = time.monotonic()
     c.assign([TopicPartition(t, p, 0) for t, p in todo])
-    while todo:
-        for m in c.consume(10000, 1.0):
-            if m.error() is not None:
-                if m.error().code() == KafkaError._PARTITION_EOF:
-                    todo.discard((m.topic(), m.partition()))
-                continue
-            n += 1
-            size += len(m.key() or b"") + len(m.value() or b"")
+    n, size = raw_read(c, todo)
     dt = time.monotonic() - t0
     c.close()
     return n, size, dt

@@ -426,7 +426,7 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
 
 
 def check_redis(cfg, r, quota: dict[str, int]) -> dict[str, Any]:
-    from processors.allocator.index import MachineIndex
+    from processors.allocator.index import MachineIndex, text
 
     index = MachineIndex(r, cfg.topic_prefix)
     machines = index.machines(index.machine_ids())
@@ -435,10 +435,10 @@ def check_redis(cfg, r, quota: dict[str, int]) -> dict[str, Any]:
     over = 0
     held: Counter = Counter()
     for m in machines.values():
-        tasks = {k.decode() if isinstance(k, bytes) else k for k in r.smembers(f"{cfg.topic_prefix}tasks:{m.id}")}
+        tasks = {text(k) for k in r.smembers(f"{cfg.topic_prefix}tasks:{m.id}")}
         for t in tasks:
             sets[t] += 1
-        res = [tuple(map(int, (v.decode() if isinstance(v, bytes) else v).split()))
+        res = [tuple(map(int, text(v).split()))
                for v in r.hmget(f"{cfg.topic_prefix}taskres", list(tasks)) if v is not None] if tasks else []
         used = (sum(c for c, _ in res), sum(mm for _, mm in res))
         if (m.cpu_free < 0 or m.mem_free < 0 or m.cpu_free != m.cpu_capacity - used[0]

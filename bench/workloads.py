@@ -314,6 +314,22 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
 
 # -- raw broker rates --------------------------------------------------------------------------------------------
 
+def raw_read(c: Consumer, todo: set[tuple[str, int]], *, limit: int | None = None, deadline: float | None = None,
+             poll_s: float = 1.0) -> tuple[int, int]:
+    """Consume the partitions ``todo`` (assigned to ``c``, partition EOF on) to their ends, undecoded: (records, key +
+    value bytes). Stops early after ``limit`` records or at the monotonic ``deadline``. ``todo`` is emptied."""
+    n = size = 0
+    while todo and (limit is None or n < limit) and (deadline is None or time.monotonic() < deadline):
+        for m in c.consume(10000, poll_s):
+            if m.error() is not None:
+                if m.error().code() == KafkaError._PARTITION_EOF:
+                    todo.discard((m.topic(), m.partition()))
+                continue
+            n += 1
+            size += len(m.key() or b"") + len(m.value() or b"")
+    return n, size
+
+
 def mean_record_bytes(cfg: Config, logical: tuple[str, ...] = ("allocations", "tasks"), limit: int = 200_000) -> int:
     """Mean key + value size of the records on ``logical`` topics (raw bytes, read to end of partition)."""
     names = Topics(cfg.topic_prefix, cfg.partitions)
@@ -322,16 +338,7 @@ def mean_record_bytes(cfg: Config, logical: tuple[str, ...] = ("allocations", "t
         md = c.list_topics(timeout=10)
         todo = {(names.name(t), p) for t in logical for p in md.topics[names.name(t)].partitions}
         c.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t, p in todo])
-        n = size = 0
-        deadline = time.monotonic() + 60
-        while todo and n < limit and time.monotonic() < deadline:
-            for m in c.consume(10000, 0.5):
-                if m.error() is not None:
-                    if m.error().code() == KafkaError._PARTITION_EOF:
-                        todo.discard((m.topic(), m.partition()))
-                    continue
-                n += 1
-                size += len(m.key() or b"") + len(m.value() or b"")
+        n, size = raw_read(c, todo, limit=limit, deadline=time.monotonic() + 60, poll_s=0.5)
         return round(size / n) if n else 200
     finally:
         c.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -52,6 +53,14 @@ TASKCONTROL_PENDING = Gauge("ropewalk_taskcontrol_pending_operations",
 CONSUMER_LAG = Gauge("ropewalk_consumer_lag_seconds",
                      "How far a consumer is behind its topic: now minus the log time of the oldest record its last "
                      "poll returned (0 after a poll that found nothing new)", ["group", "topic"])
+READ_POSITION = Gauge("ropewalk_reader_position",
+                      "The next offset a reader without a consumer group (a TaskController) has read and acted on, "
+                      "its outputs flushed: where a group's committed offset would be, by reader, topic and "
+                      "partition (a test's marker that a reader has read past an event)",
+                      ["reader", "topic", "partition"])
+TIMER_TICKS = Counter("ropewalk_timer_ticks_total",
+                      "Rounds of a worker's timer completed, their output flushed, by worker kind (a test's marker "
+                      "that time passed for the worker, however slow the machine)", ["worker"])
 DEAD_LETTERS = Counter("ropewalk_dead_letters_total", "Records dead-lettered, by origin topic and reason",
                        ["topic", "reason"])
 WORKER_RESTARTS = Counter("ropewalk_worker_restarts_total", "Restarts of a worker by the region's supervisor",
@@ -81,6 +90,13 @@ def observe_lag(group: str, records, prefix: str = "", now_s: float | None = Non
         for sample in _samples(CONSUMER_LAG):
             if sample.labels.get("group") == group:
                 CONSUMER_LAG.labels(**sample.labels).set(0)
+
+
+def observe_position(reader: str, positions: Mapping[tuple[str, int], int], prefix: str = "") -> None:
+    """``READ_POSITION`` of a reader from ``{(physical topic, partition): next offset}``; call it once what was
+    read is acted on (its outputs flushed), never right after a poll."""
+    for (topic, partition), offset in positions.items():
+        READ_POSITION.labels(reader=reader, topic=logical_topic(topic, prefix), partition=str(partition)).set(offset)
 
 
 def _samples(metric):

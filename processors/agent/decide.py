@@ -58,11 +58,6 @@ MAX_BACKOFF_MS = 10_000
 # A killed task gets SIGTERM, then SIGKILL after this grace (the wiring's business; here for one place).
 STOP_GRACE_MS = 5_000
 
-# TaskCommand symbols of schemas/TaskCommanded.avsc.
-START = TaskCommand.START
-STOP = TaskCommand.STOP
-RESTART = TaskCommand.RESTART
-
 # TaskState symbols the agent reports (schemas/TaskStateChanged.avsc).
 STARTING = TaskState.STARTING
 RUNNING = TaskState.RUNNING
@@ -77,8 +72,53 @@ P_BACKOFF = "backoff"  # crashed; restarted when the backoff elapses (still RUNN
 P_KILLING = "killing"  # kill asked; STOPPED when it exits, or the next spec is spawned (``then``)
 P_STOPPED = "stopped"
 P_FAILED = "failed"
+PHASES = (P_SPAWNING, P_RUNNING, P_BACKOFF, P_KILLING, P_STOPPED, P_FAILED)
 LIVE = frozenset({P_SPAWNING, P_RUNNING, P_BACKOFF, P_KILLING})  # a heartbeat lists these tasks
 HAS_PROCESS = frozenset({P_SPAWNING, P_RUNNING, P_KILLING})  # a process exists (or is being made)
+NO_RUN = None  # the phase of a task the agent has no run of (never ran it, or forgot it)
+
+# What changes a task's phase (the name of the change, not an input: one input may make different changes).
+T_START = "start"  # a START/RESTART (or the next spec) to run where no process is: spawn it
+T_SPAWNED = "spawned"  # the wiring says the process is up
+T_SPAWN_FAILED = "spawn_failed"  # the wiring could not start it
+T_KILL = "kill"  # kill its process: a STOP, another spec, a RESTART, the log no longer commands it
+T_RELEASE = "release"  # stopped where no process is to kill: a STOP/orphaning in backoff, a STOP of no live run
+T_KILLED = "killed"  # the killed process exited: stopped
+T_KILLED_FOR_SPEC = "killed_for_spec"  # the killed process exited: its next spec is spawned
+T_EXITED_OK = "exited_ok"  # exited 0 on its own
+T_CRASHED = "crashed"  # exited non-zero (or vanished) with restarts left: back off
+T_GAVE_UP = "gave_up"  # crashed with no restart left (``Policy.max_restarts``)
+T_BACKOFF_ELAPSED = "backoff_elapsed"  # a tick after the backoff: spawn it again
+T_SUSPENDED = "suspended"  # the agent stops and killed its process: spawned again at its next start
+
+# Every legal change of a task's phase (``processors/scheduler/lifecycle.py``'s style): ``phase_after`` refuses any
+# other. Changes that keep the phase (a duplicate command, a START of the spec already running, a second kill
+# while one is under way) are no changes and not listed.
+PHASE_CHANGES = MappingProxyType({
+    (NO_RUN, T_START): P_SPAWNING,
+    (NO_RUN, T_RELEASE): P_STOPPED,  # a STOP for a task it does not run: answered STOPPED at once
+    (P_STOPPED, T_START): P_SPAWNING,
+    (P_FAILED, T_START): P_SPAWNING,
+    (P_FAILED, T_RELEASE): P_STOPPED,
+    (P_SPAWNING, T_SPAWNED): P_RUNNING,
+    (P_SPAWNING, T_SPAWN_FAILED): P_FAILED,
+    (P_SPAWNING, T_KILL): P_KILLING,
+    (P_SPAWNING, T_EXITED_OK): P_STOPPED,
+    (P_SPAWNING, T_CRASHED): P_BACKOFF,
+    (P_SPAWNING, T_GAVE_UP): P_FAILED,
+    (P_SPAWNING, T_SUSPENDED): P_BACKOFF,
+    (P_RUNNING, T_KILL): P_KILLING,
+    (P_RUNNING, T_EXITED_OK): P_STOPPED,
+    (P_RUNNING, T_CRASHED): P_BACKOFF,
+    (P_RUNNING, T_GAVE_UP): P_FAILED,
+    (P_RUNNING, T_SUSPENDED): P_BACKOFF,
+    (P_BACKOFF, T_START): P_SPAWNING,  # another spec while backing off: no process, spawned at once
+    (P_BACKOFF, T_BACKOFF_ELAPSED): P_SPAWNING,
+    (P_BACKOFF, T_RELEASE): P_STOPPED,
+    (P_KILLING, T_KILLED): P_STOPPED,
+    (P_KILLING, T_KILLED_FOR_SPEC): P_SPAWNING,
+    (P_KILLING, T_SUSPENDED): P_BACKOFF,  # killed for a new spec when the agent stopped: that one at its start
+})
 
 # Reasons carried by TaskStateChanged.reason.
 REASON_SPAWNING = "spawning"  # STARTING: the agent is starting the process
@@ -104,6 +144,21 @@ KILL = "kill"
 
 class AgentError(ValueError):
     pass
+
+
+class IllegalPhaseChange(AgentError):
+    """A change ``PHASE_CHANGES`` has no entry for (a bug in ``decide``: no input is refused this way)."""
+
+
+def phase_after(phase: str | None, change: str) -> str:
+    """The phase ``change`` leads to from ``phase`` (``NO_RUN``: no run of the task); IllegalPhaseChange if the
+    table has no such entry."""
+    to = PHASE_CHANGES.get((phase, change))
+    if to is None:
+        legal = sorted(c for p, c in PHASE_CHANGES if p == phase)
+        raise IllegalPhaseChange(f"illegal agent phase change {change!r} in phase {phase!r}; legal there: "
+                                 f"{', '.join(legal) or 'none'}")
+    return to
 
 
 @dataclass(frozen=True)
@@ -271,8 +326,10 @@ def _spec_of(ev: Event) -> Spec:
                 run_id=ev.event_id)
 
 
-def _start(state: AgentState, task_id: str, spec: Spec, previous: str, commands: tuple[str, ...], now_ms: int):
-    run = TaskRun(task_id=task_id, spec=spec, phase=P_SPAWNING, reported=previous, commands=commands)
+def _start(state: AgentState, task_id: str, spec: Spec, previous: str, commands: tuple[str, ...], now_ms: int,
+           phase: str | None = NO_RUN, change: str = T_START):
+    """A new run of ``spec`` spawned (from the task's ``phase`` by ``change``), announced STARTING."""
+    run = TaskRun(task_id=task_id, spec=spec, phase=phase_after(phase, change), reported=previous, commands=commands)
     ev = _report(state, run, STARTING, REASON_SPAWNING, now_ms)
     return state._with(replace(run, reported=STARTING)), [ev], [_spawn(run, WHY_COMMANDED)]
 
@@ -288,37 +345,39 @@ def _on_command(state: AgentState, ev: Event, now_ms: int):
     if run is not None and ev.event_id and ev.event_id in run.commands:
         return state, [], []  # the same command again (redelivery)
     seen = ((run.commands if run else ()) + ((ev.event_id,) if ev.event_id else ()))[-KEEP_COMMAND_IDS:]
-    if command in (START, RESTART):
+    if command in (TaskCommand.START, TaskCommand.RESTART):
         spec = _spec_of(ev)
         if run is None or run.phase in (P_STOPPED, P_FAILED):
-            return _start(state, task_id, spec, run.reported if run else UNKNOWN, seen, now_ms)
+            return _start(state, task_id, spec, run.reported if run else UNKNOWN, seen, now_ms,
+                          run.phase if run else NO_RUN)
         same = run.spec.spec_version == spec.spec_version and run.then is None
-        if command == START and same:  # already running this spec version: the run takes the command's id
+        if command == TaskCommand.START and same:  # already running this spec version: the run takes the command's id
             adopted = replace(run, spec=spec, commands=seen)
             if run.spec.run_id == spec.run_id or run.reported != RUNNING:
                 return state._with(adopted), [], []
             return state._with(adopted), [_report(state, adopted, RUNNING, REASON_ALREADY_RUNNING, now_ms)], []
         if run.phase == P_BACKOFF:  # no process: start the new spec at once
-            return _start(state, task_id, spec, run.reported, seen, now_ms)
+            return _start(state, task_id, spec, run.reported, seen, now_ms, P_BACKOFF)
         if run.phase == P_KILLING:  # already being killed: run the new spec after it
             return state._with(replace(run, then=spec, commands=seen)), [], []
-        return (state._with(replace(run, phase=P_KILLING, then=spec, commands=seen)), [],
+        return (state._with(replace(run, phase=phase_after(run.phase, T_KILL), then=spec, commands=seen)), [],
                 [_kill(task_id, WHY_NEW_SPEC)])
-    if command == STOP:
+    if command == TaskCommand.STOP:
         if run is None or run.phase in (P_STOPPED, P_FAILED):
             if run is not None and run.phase == P_STOPPED:
                 return state._with(replace(run, commands=seen)), [], []  # already stopped
             gone = run or TaskRun(task_id=task_id, spec=_spec_of(ev), phase=P_STOPPED, reported=UNKNOWN)
             out = _report(state, replace(gone, spec=replace(gone.spec, run_id=ev.event_id)), STOPPED,
                           REASON_NOT_RUNNING, now_ms)
-            return state._with(replace(gone, phase=P_STOPPED, reported=STOPPED, commands=seen)), [out], []
+            phase = phase_after(run.phase if run else NO_RUN, T_RELEASE)
+            return state._with(replace(gone, phase=phase, reported=STOPPED, commands=seen)), [out], []
         if run.phase == P_BACKOFF:  # nothing to kill
             out = _report(state, run, STOPPED, REASON_STOP_COMMANDED, now_ms, run.exit_code)
-            return (state._with(replace(run, phase=P_STOPPED, reported=STOPPED, restart_at_ms=None,
-                                        commands=seen)), [out], [])
+            return (state._with(replace(run, phase=phase_after(run.phase, T_RELEASE), reported=STOPPED,
+                                        restart_at_ms=None, commands=seen)), [out], [])
         if run.phase == P_KILLING:
             return state._with(replace(run, then=None, commands=seen)), [], []  # the kill is under way
-        return state._with(replace(run, phase=P_KILLING, then=None, commands=seen)), [], [
+        return state._with(replace(run, phase=phase_after(run.phase, T_KILL), then=None, commands=seen)), [], [
             _kill(task_id, WHY_COMMANDED)]
     raise AgentError(f"unknown task command {command!r}")
 
@@ -330,7 +389,7 @@ def _on_spawned(state: AgentState, task_id: str, now_ms: int):
     events = []
     if run.reported != RUNNING:  # a local restart of a RUNNING task is not news
         events.append(_report(state, run, RUNNING, REASON_PROCESS_UP, now_ms))
-    return state._with(replace(run, phase=P_RUNNING, reported=RUNNING)), events, []
+    return state._with(replace(run, phase=phase_after(run.phase, T_SPAWNED), reported=RUNNING)), events, []
 
 
 def _on_spawn_failed(state: AgentState, task_id: str, now_ms: int):
@@ -338,7 +397,7 @@ def _on_spawn_failed(state: AgentState, task_id: str, now_ms: int):
     if run is None or run.phase != P_SPAWNING:
         return state, [], []
     out = _report(state, run, FAILED, REASON_SPAWN_FAILED, now_ms)
-    return state._with(replace(run, phase=P_FAILED, reported=FAILED)), [out], []
+    return state._with(replace(run, phase=phase_after(run.phase, T_SPAWN_FAILED), reported=FAILED)), [out], []
 
 
 def _on_exited(state: AgentState, task_id: str, code: int | None, now_ms: int, policy: Policy):
@@ -347,18 +406,21 @@ def _on_exited(state: AgentState, task_id: str, code: int | None, now_ms: int, p
         return state, [], []  # not ours, or already accounted for
     if run.phase == P_KILLING:
         if run.then is not None:  # killed to run another spec
-            return _start(state, task_id, run.then, run.reported, run.commands, now_ms)
+            return _start(state, task_id, run.then, run.reported, run.commands, now_ms, P_KILLING, T_KILLED_FOR_SPEC)
         out = _report(state, run, STOPPED, REASON_STOP_COMMANDED, now_ms, code)
-        return state._with(replace(run, phase=P_STOPPED, reported=STOPPED, exit_code=code)), [out], []
+        return state._with(replace(run, phase=phase_after(run.phase, T_KILLED), reported=STOPPED,
+                                   exit_code=code)), [out], []
     if code == 0:
         out = _report(state, run, STOPPED, REASON_EXITED, now_ms, 0)
-        return state._with(replace(run, phase=P_STOPPED, reported=STOPPED, exit_code=0)), [out], []
+        return state._with(replace(run, phase=phase_after(run.phase, T_EXITED_OK), reported=STOPPED,
+                                   exit_code=0)), [out], []
     if run.restarts < policy.max_restarts:
         n = run.restarts + 1
-        return state._with(replace(run, phase=P_BACKOFF, restarts=n, exit_code=code,
+        return state._with(replace(run, phase=phase_after(run.phase, T_CRASHED), restarts=n, exit_code=code,
                                    restart_at_ms=now_ms + policy.backoff(n))), [], []
     out = _report(state, run, FAILED, REASON_RESTART_LIMIT, now_ms, code)
-    return state._with(replace(run, phase=P_FAILED, reported=FAILED, exit_code=code)), [out], []
+    return state._with(replace(run, phase=phase_after(run.phase, T_GAVE_UP), reported=FAILED,
+                               exit_code=code)), [out], []
 
 
 def _on_suspended(state: AgentState, task_id: str, now_ms: int):
@@ -368,12 +430,12 @@ def _on_suspended(state: AgentState, task_id: str, now_ms: int):
     if run.phase == P_KILLING and run.then is None:  # a stop under way: done
         return _on_exited(state, task_id, None, now_ms, DEFAULT_POLICY)
     if run.phase == P_KILLING:  # killed for a new spec: that one starts with the agent (announced now)
-        new = TaskRun(task_id=task_id, spec=run.then, phase=P_BACKOFF, reported=run.reported, restart_at_ms=now_ms,
-                      commands=run.commands)
+        new = TaskRun(task_id=task_id, spec=run.then, phase=phase_after(run.phase, T_SUSPENDED),
+                      reported=run.reported, restart_at_ms=now_ms, commands=run.commands)
         ev = _report(state, new, STARTING, REASON_SPAWNING, now_ms)
         return state._with(replace(new, reported=STARTING)), [ev], []
     # SPAWNING or RUNNING: started again when the agent is, no restart counted, nothing reported
-    return state._with(replace(run, phase=P_BACKOFF, restart_at_ms=now_ms)), [], []
+    return state._with(replace(run, phase=phase_after(run.phase, T_SUSPENDED), restart_at_ms=now_ms)), [], []
 
 
 def _on_orphaned(state: AgentState, task_id: str, now_ms: int):
@@ -382,10 +444,12 @@ def _on_orphaned(state: AgentState, task_id: str, now_ms: int):
         return state, [], []
     if run.phase == P_BACKOFF:  # nothing to kill
         out = _report(state, run, STOPPED, REASON_NOT_IN_LOG, now_ms, run.exit_code)
-        return state._with(replace(run, phase=P_STOPPED, reported=STOPPED, restart_at_ms=None)), [out], []
+        return state._with(replace(run, phase=phase_after(run.phase, T_RELEASE), reported=STOPPED,
+                                   restart_at_ms=None)), [out], []
     if run.phase == P_KILLING:
         return state._with(replace(run, then=None)), [], []
-    return state._with(replace(run, phase=P_KILLING, then=None)), [], [_kill(task_id, WHY_NOT_IN_LOG)]
+    return state._with(replace(run, phase=phase_after(run.phase, T_KILL), then=None)), [], [
+        _kill(task_id, WHY_NOT_IN_LOG)]
 
 
 def _on_tick(state: AgentState, now_ms: int):
@@ -394,7 +458,7 @@ def _on_tick(state: AgentState, now_ms: int):
         run = state.tasks[task_id]
         if run.phase == P_BACKOFF and run.restart_at_ms is not None and run.restart_at_ms <= now_ms:
             tasks = dict(state.tasks) if tasks is None else tasks
-            tasks[task_id] = replace(run, phase=P_SPAWNING, restart_at_ms=None)
+            tasks[task_id] = replace(run, phase=phase_after(run.phase, T_BACKOFF_ELAPSED), restart_at_ms=None)
             actions.append(_spawn(run, WHY_RESTART_POLICY))
     if tasks is not None:
         state = replace(state, tasks=MappingProxyType(tasks))

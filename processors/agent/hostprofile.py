@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from processors.agent import decide as d
+from streams.enums import TaskCommand
 from streams.events import Event, derived_event_id, new_event
 
 REASON_HOST_PROFILE_FAILED = "host_profile_failed"  # TaskStateChanged.reason: not started, the profile failed
@@ -166,7 +167,7 @@ def gate(h: HostState, cmd: Event, now_ms: int) -> tuple[HostState, str, list[Ev
     """A TaskCommanded for this machine: RUN (feed it to ``decide``), HOLD (kept here) or FAIL (answered with the
     FAILED report returned)."""
     p = cmd.payload
-    if p["command"] == d.STOP:
+    if p["command"] == TaskCommand.STOP:
         held = tuple(c for c in h.held if c.payload["task_id"] != p["task_id"])
         return (replace(h, held=held) if len(held) != len(h.held) else h), RUN, []
     verdict = _verdict(h, cmd)

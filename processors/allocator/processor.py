@@ -77,7 +77,7 @@ from infra.config import Config
 from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
 )
-from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, IndexLost, MachineIndex
+from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, IndexLost, MachineIndex, text
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
 from streams.batches import ENVELOPE_BYTES, size_of, split
 from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
@@ -883,8 +883,7 @@ def allocator_metrics(redis_client: redis.Redis, prefix: str) -> dict[str, Any]:
     """The allocator's counters under ``prefix``: ``requests`` decided (each once), ``placed``, ``rejected``. No
     cache: every decision runs on the in-memory fold (``cache_hit_ratio`` is None, kept for readers of the old
     figure)."""
-    raw = {k.decode() if isinstance(k, bytes) else k: int(v)
-           for k, v in redis_client.hgetall(prefix + METRICS_KEY).items()}
+    raw = {text(k): int(v) for k, v in redis_client.hgetall(prefix + METRICS_KEY).items()}
     return {**{k: raw.get(k, 0) for k in ("requests", "placed", "rejected")}, "cache_hit_ratio": None}
 
 

@@ -51,6 +51,7 @@ import time
 
 from confluent_kafka import OFFSET_END
 
+from infra import metrics
 from infra.config import Config
 from processors.resourcebroker import decide as broker
 from streams import batches
@@ -245,6 +246,7 @@ class HealthCheck(LoopWorker):
             self._next_tick_ms = now + self.tick_ms
             try:
                 self.tick(now)
+                metrics.TIMER_TICKS.labels(worker=PRODUCER).inc()  # its verdicts flushed (``emit``)
             except Exception:  # noqa: BLE001
                 self.errors += 1
                 log.exception("health: tick at %d failed", now)
@@ -268,8 +270,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="UNHEALTHY this long → DOWN + FAILURE unavailability (default 0: at once)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from infra import metrics
-
     metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     try:
         hc = HealthCheck(Config.from_env().as_principal("health"), args.timeout_ms, args.tick_ms,

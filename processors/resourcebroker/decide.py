@@ -26,7 +26,7 @@ MachineStatusChanged(DOWN) that recorded it, so the recovery can name it from th
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -407,24 +407,15 @@ def machine_failed(state: BrokerState, machine_id: str, reason: str, now_ms: int
                    causation_id: str | None = None, producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
     """A machine failed: MachineStatusChanged(→DOWN) and UnavailabilityStarted(FAILURE, start now), both keyed
     to its owner. Nothing if it is DOWN already. Raises UnknownMachine."""
-    _check_reason(reason)
-    fold = _Fold(state)
-    rec = fold.known(machine_id)
-    status = next_status(machine_id, rec.status, FAILED)
-    if status is None:
-        return state, []
-    status_ev = _status_event(rec, status, reason, now_ms,
-                              derived_event_id(PRODUCER, FAILED, machine_id, now_ms, causation_id),
-                              causation_id, producer)
-    ue_id = failure_unavailability_id(status_ev.event_id)
-    fold.emit(status_ev)
-    fold.emit(new_event(
-        "UnavailabilityStarted",
-        {"unavailability_id": ue_id, "kind": KIND_FAILURE, "machine_ids": [machine_id], "start_ms": now_ms,
-         "deadline_ms": None, "expected_duration_ms": None, "reason": reason},
-        entitlement=rec.owner_key, entity_id=ue_id, producer=producer, causation_id=causation_id,
-        timestamp_ms=now_ms, event_id=derived_event_id(ue_id, "started", rec.owner_key)))
-    return fold.result()
+    def started(rec: MachineRecord, status_ev: Event) -> Event:
+        ue_id = failure_unavailability_id(status_ev.event_id)
+        return new_event("UnavailabilityStarted", {
+            "unavailability_id": ue_id, "kind": KIND_FAILURE, "machine_ids": [machine_id], "start_ms": now_ms,
+            "deadline_ms": None, "expected_duration_ms": None, "reason": reason},
+            entitlement=rec.owner_key, entity_id=ue_id, producer=producer, causation_id=causation_id,
+            timestamp_ms=now_ms, event_id=derived_event_id(ue_id, "started", rec.owner_key))
+
+    return _status_change(state, machine_id, FAILED, reason, now_ms, causation_id, producer, started)
 
 
 def machines_failed(state: BrokerState, machine_ids: Iterable[str], reason: str, now_ms: int, *,
@@ -478,20 +469,32 @@ def machine_recovered(state: BrokerState, machine_id: str, reason: str, now_ms: 
     """A failed machine is back: MachineStatusChanged(DOWN→UP) and UnavailabilityEnded of its failure's UE,
     keyed to its owner now. Nothing if it is UP; raises IllegalStatusTransition if UNHEALTHY (the health
     check decides) or in MAINTENANCE (``maintenance_ended`` does), UnknownMachine if unknown."""
+    def ended(rec: MachineRecord, _status_ev: Event) -> Event:
+        ue_id = failure_unavailability_id(rec.status_event_id)  # the record as it was: DOWN by that failure
+        return new_event("UnavailabilityEnded", {"unavailability_id": ue_id, "machine_ids": [machine_id]},
+                         entitlement=rec.owner_key, entity_id=ue_id, producer=producer, causation_id=causation_id,
+                         timestamp_ms=now_ms, event_id=derived_event_id(ue_id, "ended", rec.owner_key))
+
+    return _status_change(state, machine_id, RECOVERED, reason, now_ms, causation_id, producer, ended)
+
+
+def _status_change(state: BrokerState, machine_id: str, trigger: str, reason: str, now_ms: int,
+                   causation_id: str | None, producer: str,
+                   unavailability: Callable[[MachineRecord, Event], Event]) -> tuple[BrokerState, list[Event]]:
+    """One machine's status change by ``trigger``: its MachineStatusChanged (id derived from trigger, machine, time
+    and cause), then ``unavailability(record as it was, that event)``; nothing if ``trigger`` changes nothing.
+    Raises BrokerError (no reason), UnknownMachine, IllegalStatusTransition."""
     _check_reason(reason)
     fold = _Fold(state)
     rec = fold.known(machine_id)
-    status = next_status(machine_id, rec.status, RECOVERED)
+    status = next_status(machine_id, rec.status, trigger)
     if status is None:
         return state, []
-    ue_id = failure_unavailability_id(rec.status_event_id)
-    fold.emit(_status_event(rec, status, reason, now_ms,
-                            derived_event_id(PRODUCER, RECOVERED, machine_id, now_ms, causation_id),
-                            causation_id, producer))
-    fold.emit(new_event(
-        "UnavailabilityEnded", {"unavailability_id": ue_id, "machine_ids": [machine_id]},
-        entitlement=rec.owner_key, entity_id=ue_id, producer=producer, causation_id=causation_id,
-        timestamp_ms=now_ms, event_id=derived_event_id(ue_id, "ended", rec.owner_key)))
+    status_ev = _status_event(rec, status, reason, now_ms,
+                              derived_event_id(PRODUCER, trigger, machine_id, now_ms, causation_id),
+                              causation_id, producer)
+    fold.emit(status_ev)
+    fold.emit(unavailability(rec, status_ev))
     return fold.result()
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from infra import metrics
 from infra.config import Config
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.protocol import JobBook, Request, View
@@ -106,6 +107,7 @@ class TaskControllerProcess:
         from streams.topics import Topics
 
         self.name, self.decide = name, decide
+        self.prefix = cfg.topic_prefix
         registry = registry or SchemaRegistry.from_dir()
         topic = Topics(cfg.topic_prefix, cfg.partitions).name("taskcontrol")
         self.producer = EventProducer(cfg, registry, producer_name(name))
@@ -137,6 +139,9 @@ class TaskControllerProcess:
         if sent:
             self.producer.flush()
         self.answered += sent
+        # how far it has read and acted (acks flushed): a reader without a group has no committed offset to show
+        metrics.observe_position(producer_name(self.name),
+                                 {tp: off + 1 for tp, off in self.consumer.last_offsets.items()}, self.prefix)
         return sent
 
     def run(self, until: Callable[[], bool] = lambda: False) -> None:

@@ -211,6 +211,7 @@ def _pairs(items: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from infra import metrics
     from infra.config import Config
     from processors.taskcontrol.controller import TaskControllerProcess
 
@@ -229,7 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         decide = _decider(a)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        TaskControllerProcess(Config.from_env().as_principal("controller"), a.name, decide).run()
+        cfg = Config.from_env()
+        metrics.serve_worker(cfg.run_dir)  # infra/metrics.py: its read position among them (READ_POSITION)
+        TaskControllerProcess(cfg.as_principal("controller"), a.name, decide).run()
     except KeyboardInterrupt:
         raise SystemExit(130)
     except SystemExit:

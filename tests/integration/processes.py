@@ -10,17 +10,48 @@ import time
 from infra.config import PROJECT_ROOT
 
 
+def scrape(addr: str) -> dict[str, list]:
+    """``{metric family: [samples]}`` of one target's Prometheus text."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as resp:
+        return {f.name: f.samples for f in text_string_to_metric_families(resp.read().decode())}
+
+
+def value(families: dict, name: str, **labels) -> float:
+    return sum(s.value for f, samples in families.items() for s in samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def worker_metrics(run_dir, worker: str) -> dict[str, list]:
+    """``scrape`` of the worker named ``worker`` (``ROPEWALK_WORKER_NAME``) under ``run_dir``; {} while it serves
+    none (not started yet, or gone)."""
+    from infra import metrics
+
+    addr = metrics.targets(run_dir).get(worker)
+    if addr is None:
+        return {}
+    try:
+        return scrape(addr)
+    except OSError:
+        return {}
+
+
 def env_of(cfg, tmp_path) -> dict:
     return {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
             "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
             "ROPEWALK_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
 
 
-def start(cfg, tmp_path, module: str, *args: str, name: str) -> subprocess.Popen:
-    """``python -m module args`` with its output in ``tmp_path/<name>-<n>.log`` (``proc.log_path``)."""
+def start(cfg, tmp_path, module: str, *args: str, name: str, worker: str | None = None) -> subprocess.Popen:
+    """``python -m module args`` with its output in ``tmp_path/<name>-<n>.log`` (``proc.log_path``); named
+    ``worker`` it serves its metrics as the supervisor's workers do (``worker_metrics(tmp_path, worker)``)."""
     log_path = tmp_path / f"{name}-{time.monotonic_ns()}.log"
+    env = {**env_of(cfg, tmp_path), **({"ROPEWALK_WORKER_NAME": worker} if worker else {})}
     with open(log_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=PROJECT_ROOT, env=env_of(cfg, tmp_path),
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=PROJECT_ROOT, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     proc.log_path = log_path
     return proc

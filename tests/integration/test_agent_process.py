@@ -68,10 +68,12 @@ class Reader:
                                       name="test-reader")
         self.events = []
         self.types = Counter()
+        self.at: dict[str, tuple[str, int, int]] = {}  # event id -> (topic, partition, offset) of its record
 
     def poll(self, n, timeout_s):
         recs = self.consumer.poll(n, timeout_s)
         self.types.update(r.event.type for r in recs)
+        self.at.update((r.event.event_id, (r.topic, r.partition, r.offset)) for r in recs)
         return [x for r in recs for x in singles(r.event)]
 
     def until(self, pred, timeout_s, what):
@@ -119,6 +121,16 @@ class Agents:
         self.procs.append(p)
         return p
 
+    def start_running(self, cfg, registry, tasks: "Reader", machine: str, task_id: str):
+        """An agent for ``machine`` running ``task_id`` (``sleep 600``), RUNNING as ``tasks`` reads it: (agent, pid)."""
+        agent = self.start(cfg, machine)
+        send(cfg, registry, allocated(task_id.split("/")[0], {task_id: machine}),
+             command(task_id, "START", machine, ["sleep", "600"]))
+        tasks.until(lambda evs: ("RUNNING", None) in reports(evs, task_id), 30, "RUNNING")
+        pid = self.task_pid(self.tmp / machine, task_id)
+        assert pid and pid_alive(pid)
+        return agent, pid
+
     @staticmethod
     def task_pid(work_dir: Path, task_id: str) -> int | None:
         try:
@@ -159,6 +171,27 @@ def wait_for(pred, timeout_s, what):
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def agent_state(work_dir: Path) -> dict:
+    """The process agent's state file (written atomically: never half a document)."""
+    return json.loads((work_dir / "agent-state.json").read_text())
+
+
+def agent_settled(cfg, registry, tasks: Reader, work_dir: Path, ticks: int = 2, timeout_s: float = 30) -> None:
+    """The marker that the process agent of ``work_dir`` has acted on everything sent before, instead of a sleep
+    (which passes when the unwanted act is merely slow): a command for a machine that is not its own is sent now;
+    the agent's saved offsets pass it (offsets are saved with the state their records made: spawns and kills
+    done, reports handed over), then it ticks ``ticks`` times more (a restart whose backoff elapsed is spawned
+    at a tick)."""
+    marker = command("j1/marker", "STOP", "m-nobody")
+    send(cfg, registry, marker)
+    tasks.until(lambda evs: marker.event_id in tasks.at, timeout_s, "the marker on the log")
+    topic, partition, offset = tasks.at[marker.event_id]
+    wait_for(lambda: any((t, p) == (topic, partition) and o > offset for t, p, o in agent_state(work_dir)["offsets"]),
+             timeout_s, "the agent past the marker")
+    seq = agent_state(work_dir)["sequence"]
+    wait_for(lambda: agent_state(work_dir)["sequence"] >= seq + ticks, timeout_s, f"{ticks} more ticks")
 
 
 # -- (a) real commands -----------------------------------------------------------------------------------------
@@ -248,23 +281,19 @@ def test_tasks_keep_running_while_the_broker_is_down(tmp_path, registry, agents,
         provision(AdminClient({**own.kafka_conf()}), Topics(own.topic_prefix, own.partitions))
         acls.provision_region(own)
         m = "m-b"
-        agent = agents.start(own, m)
-        send(own, registry, allocated("j1", {"j1/keep": m}), command("j1/keep", "START", m, ["sleep", "600"]))
         tasks = Reader(own, registry, "tasks")
         try:
-            tasks.until(lambda evs: ("RUNNING", None) in reports(evs, "j1/keep"), 30, "RUNNING")
+            agent, pid = agents.start_running(own, registry, tasks, m, "j1/keep")
         finally:
             tasks.close()
-        pid = agents.task_pid(tmp_path / m, "j1/keep")
-        assert pid and pid_alive(pid)
         broker.stop()
         assert not port_open(own.broker_port)
-        time.sleep(6)  # many ticks and polls against a dead broker
+        seq = agent_state(tmp_path / m)["sequence"]
+        # many ticks (200 ms each) and polls against a dead broker: counted by the agent's own heartbeat sequence
+        wait_for(lambda: agent.poll() is not None or agent_state(tmp_path / m)["sequence"] >= seq + 10, 60,
+                 "10 ticks with the broker down")
         assert agent.poll() is None, (tmp_path / m / "agent.out").read_text()[-2000:]
         assert pid_alive(pid) and agents.task_pid(tmp_path / m, "j1/keep") == pid
-        seq = json.loads((tmp_path / m / "agent-state.json").read_text())["sequence"]
-        time.sleep(1)
-        assert json.loads((tmp_path / m / "agent-state.json").read_text())["sequence"] > seq  # still ticking
         # The broker comes back (empty: the embedded broker keeps nothing across a restart, so only what the
         # agent sends afterwards can be checked): the agent's buffered producer delivers again.
         services.start_broker(own)
@@ -286,17 +315,14 @@ def test_tasks_keep_running_while_the_broker_is_down(tmp_path, registry, agents,
 
 def test_restarted_agent_adopts_its_running_task(cfg, registry, agents):
     m = "m-c"
-    first = agents.start(cfg, m)
-    send(cfg, registry, allocated("j1", {"j1/adopt": m}), command("j1/adopt", "START", m, ["sleep", "600"]))
     tasks = Reader(cfg, registry, "tasks")
     try:
-        tasks.until(lambda evs: ("RUNNING", None) in reports(evs, "j1/adopt"), 30, "RUNNING")
-        pid = agents.task_pid(agents.tmp / m, "j1/adopt")
+        first, pid = agents.start_running(cfg, registry, tasks, m, "j1/adopt")
         first.send_signal(signal.SIGKILL)  # a crash: no goodbye
         first.wait(5)
         assert pid_alive(pid)
         second = agents.start(cfg, m)
-        time.sleep(3)  # the restarted agent reads the log again from its offsets and ticks
+        agent_settled(cfg, registry, tasks, agents.tmp / m)  # it read the log again from its offsets and ticked
         assert second.poll() is None
         assert agents.task_pid(agents.tmp / m, "j1/adopt") == pid and pid_alive(pid)
         procs = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True).stdout.split()
@@ -379,8 +405,18 @@ def test_simulated_agents_run_10000_machines(cfg, registry):
              command("j3/3", "STOP", victim, job="j3", entitlement="e3"))
         drive(lambda evs: any(e.type == "TaskStateChanged" and e.payload["task_id"] == "j1/1"
                               and e.payload["state"] == "STOPPED" for e in evs), tasks, 30, "STOPPED")
-        sim.step(0.5)
-        tasks.events += tasks.poll(10_000, 1.0)
+        # the marker: the simulated agents read ``tasks`` to the end it has now (both STOPs), handed over what that
+        # made, and the test's reader then read the topic to its end (instead of a sleep)
+        ends = tasks.consumer.high_watermarks(tasks.consumer.partitions())
+        deadline = time.monotonic() + 30
+        while not sim.consumer.read_up_to(ends, {}):
+            assert time.monotonic() < deadline, "the simulated agents did not read the STOPs"
+            sim.step(0.02)
+        sim.producer.flush(10)
+        ends = tasks.consumer.high_watermarks(tasks.consumer.partitions())
+        while not tasks.consumer.read_up_to(ends, {}):
+            assert time.monotonic() < deadline, "the test's reader did not reach the end of tasks"
+            tasks.events += tasks.poll(20_000, 0.2)
         assert not [e for e in tasks.events if e.type == "TaskStateChanged" and e.payload["task_id"] == "j3/3"
                     and e.payload["state"] == "STOPPED"]
         assert sim.heartbeats >= 2 * len(machines)

@@ -100,8 +100,10 @@ def wait_for(predicate, what: str, timeout_s: float = 30.0):
     return value
 
 
-def run_allocator(cfg, registry, body, timeout_s: float = 100.0, *, clear: bool = True):
-    """Run the allocator's faust app while ``body(ctx)`` (blocking, in a thread) drives and checks it."""
+def run_allocator(cfg, registry, body, timeout_s: float = 100.0, *, clear: bool = True,
+                  region: dict[str, int] | None = None):
+    """Run the allocator's faust app while ``body(ctx)`` (blocking, in a thread) drives and checks it; with
+    ``region``, the machines and these entitlements are set up first (``setup_region``)."""
     r = cfg.redis_client()
     ctx = type("Ctx", (), {})()
     ctx.cfg, ctx.r = cfg, r
@@ -114,7 +116,7 @@ def run_allocator(cfg, registry, body, timeout_s: float = 100.0, *, clear: bool 
         ctx.allocator = allocator
         await app.start()
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, body, ctx)
+            return await asyncio.get_running_loop().run_in_executor(None, _with_region, body, ctx, region)
         finally:
             crash = app.crash_reason
             await app.stop()
@@ -127,6 +129,12 @@ def run_allocator(cfg, registry, body, timeout_s: float = 100.0, *, clear: bool 
         if clear:
             ctx.index.clear()
         r.close()
+
+
+def _with_region(body, ctx, region: dict[str, int] | None):
+    if region is not None:
+        setup_region(ctx, region)
+    return body(ctx)
 
 
 def setup_region(ctx, entitlements: dict[str, int]) -> None:
@@ -162,7 +170,6 @@ def derived_from(request: Event, event: Event) -> None:
 @pytest.mark.timeout(150)
 def test_allocates_a_job_spread_over_msbs(cfg, registry):
     def body(ctx):
-        setup_region(ctx, {"e1": 10})
         req = requested("r1", "e1", "web", 6)
         send(ctx, req)
         log = ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated")
@@ -197,7 +204,7 @@ def test_allocates_a_job_spread_over_msbs(cfg, registry):
         assert allocator_metrics(ctx.r, cfg.topic_prefix) == {"requests": 1, "placed": 1, "rejected": 0,
                                                              "cache_hit_ratio": None}
 
-    run_allocator(cfg, registry, body)
+    run_allocator(cfg, registry, body, region={"e1": 10})
 
 
 # --- (2) nothing fits --------------------------------------------------------------------------------------
@@ -205,7 +212,6 @@ def test_allocates_a_job_spread_over_msbs(cfg, registry):
 @pytest.mark.timeout(150)
 def test_rejects_a_request_no_machine_can_meet(cfg, registry):
     def body(ctx):
-        setup_region(ctx, {"e1": 10})
         req = requested("r1", "e1", "gpu", 2, requirements={"machine_type": "gpu-a100"})
         send(ctx, req)
         log = ctx.log.wait(answered("r1", "AllocationRejected"), "AllocationRejected")
@@ -217,7 +223,7 @@ def test_rejects_a_request_no_machine_can_meet(cfg, registry):
         assert "machine_type=gpu-a100" in rej.payload["message"] and FILTER_MACHINE_TYPE in rej.payload["message"]
         assert not log.events("TasksAllocated") and ctx.index.placements() == {}
 
-    run_allocator(cfg, registry, body)
+    run_allocator(cfg, registry, body, region={"e1": 10})
 
 
 # --- (3) quota ----------------------------------------------------------------------------------------------
@@ -225,7 +231,6 @@ def test_rejects_a_request_no_machine_can_meet(cfg, registry):
 @pytest.mark.timeout(150)
 def test_quota_gives_a_partial_placement_and_a_rejection(cfg, registry):
     def body(ctx):
-        setup_region(ctx, {"small": 1})
         req = requested("r1", "small", "batch", 6)  # 6 x 1000m: one machine (4000m) holds 4
         send(ctx, req)
         log = ctx.log.wait(answered("r1", "TasksAllocated", "AllocationRejected"), "both results")
@@ -238,7 +243,7 @@ def test_quota_gives_a_partial_placement_and_a_rejection(cfg, registry):
         assert done.event_id != rej.event_id
         assert ctx.allocator.fold.held_count("small") == 1 and len(ctx.index.placements()) == 4
 
-    run_allocator(cfg, registry, body)
+    run_allocator(cfg, registry, body, region={"small": 1})
 
 
 # --- (4) redelivery: a request whose decision is on the log is answered by it --------------------------------
@@ -246,7 +251,6 @@ def test_quota_gives_a_partial_placement_and_a_rejection(cfg, registry):
 @pytest.mark.timeout(150)
 def test_a_request_delivered_twice_is_decided_once(cfg, registry):
     def body(ctx):
-        setup_region(ctx, {"e1": 10})
         req = requested("r1", "e1", "web", 6)
         send(ctx, req)
         ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated")
@@ -259,7 +263,7 @@ def test_a_request_delivered_twice_is_decided_once(cfg, registry):
         assert len({e.event_id for e in log.events("MachineAssignedToEntitlement")}) == 3
         assert len(ctx.index.placements()) == 7
 
-    run_allocator(cfg, registry, body)
+    run_allocator(cfg, registry, body, region={"e1": 10})
 
 
 # --- (5) freeing ---------------------------------------------------------------------------------------------
@@ -267,7 +271,6 @@ def test_a_request_delivered_twice_is_decided_once(cfg, registry):
 @pytest.mark.timeout(150)
 def test_freeing_tasks_restores_capacity_and_releases_empty_machines(cfg, registry):
     def body(ctx):
-        setup_region(ctx, {"e1": 10})
         send(ctx, requested("r1", "e1", "web", 6))
         log = ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated")
         placed = {p["task_id"]: p["machine_id"] for p in log.events("TasksAllocated")[0].payload["placements"]}
@@ -299,7 +302,7 @@ def test_freeing_tasks_restores_capacity_and_releases_empty_machines(cfg, regist
         for m in ctx.index.machines(MACHINES).values():
             assert (m.cpu_free, m.mem_free, m.entitlement) == (CPU, MEM, None)
 
-    run_allocator(cfg, registry, body)
+    run_allocator(cfg, registry, body, region={"e1": 10})
 
 
 # --- (6) bad records -----------------------------------------------------------------------------------------
@@ -307,7 +310,6 @@ def test_freeing_tasks_restores_capacity_and_releases_empty_machines(cfg, regist
 @pytest.mark.timeout(150)
 def test_bad_records_go_to_deadletter_and_the_allocator_goes_on(cfg, registry):
     def body(ctx):
-        setup_region(ctx, {"e1": 10})
         catalogue = Topics(cfg.topic_prefix, cfg.partitions)
         ctx.producer.send_raw(catalogue.name("allocations"), b"e1", b"not an event at all")
         # Decodes fine, but the fold cannot apply it (a machine nobody registered): processing_failed.
@@ -325,13 +327,12 @@ def test_bad_records_go_to_deadletter_and_the_allocator_goes_on(cfg, registry):
         assert all(p["consumer"] == PRODUCER for p in reasons.values())
         assert len(ctx.index.placements()) == 2
 
-    run_allocator(cfg, registry, body)
+    run_allocator(cfg, registry, body, region={"e1": 10})
 
 
 @pytest.mark.timeout(150)
 def test_a_transient_redis_error_folds_the_log_again_and_decides_once(cfg, registry):
     def body(ctx):
-        setup_region(ctx, {"e1": 10})
         real, failures = ctx.allocator.index.commit, []
 
         def flaky(decisions):
@@ -346,7 +347,7 @@ def test_a_transient_redis_error_folds_the_log_again_and_decides_once(cfg, regis
         assert failures == [1] and not log.events("DeadLetterRecorded")
         assert len(log.events("TasksAllocated")) == 1 and len(ctx.index.placements()) == 3
 
-    run_allocator(cfg, registry, body)
+    run_allocator(cfg, registry, body, region={"e1": 10})
 
 
 # --- a restarted allocator: the fold of the log, and a Redis that lost the index -------------------------------
@@ -356,13 +357,12 @@ def test_a_restarted_allocator_folds_the_log_and_writes_a_lost_index_back(cfg, r
     state = {}
 
     def first(ctx):
-        setup_region(ctx, {"e1": 10})
         send(ctx, requested("r1", "e1", "web", 5))
         ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated")
         wait_for(lambda: index_state(ctx.index.dump()) == index_state(ctx.allocator.fold.dump()), "Redis = fold")
         state["index"] = index_state(ctx.index.dump())
 
-    run_allocator(cfg, registry, first, clear=False)
+    run_allocator(cfg, registry, first, clear=False, region={"e1": 10})
     r = cfg.redis_client()
     MachineIndex(r, cfg.topic_prefix).clear()  # Redis lost everything (FLUSHALL, a new server)
     r.close()

@@ -16,9 +16,10 @@ from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
 from streams.topics import Topics
-from processes import start, stop, wait_ready
+from processes import start, stop, value, wait_ready, worker_metrics
 
 
+WORKER = "health"  # the worker name it serves its metrics under (its timer's ticks among them)
 TIMEOUT_MS = 1500
 TICK_MS = 200
 BEAT_S = 0.2
@@ -72,11 +73,34 @@ class Follow:
         raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; saw "
                              f"{[(e.type, e.entity_id, e.payload.get('status'), e.payload.get('reason')) for e in self.events()][-20:]}")
 
+    def read_to_end(self, timeout_s: float = 20.0) -> list:
+        """Read every partition up to the high watermark it has now: what is on the log now is in ``events``."""
+        targets = self.consumer.high_watermarks(self.consumer.partitions())
+        deadline = time.monotonic() + timeout_s
+        while not self.consumer.read_up_to(targets, {}):
+            assert time.monotonic() < deadline, "the test's reader did not reach the end of the log"
+            self.records += self.consumer.poll(5000, 0.2)
+        return self.events()
+
     def events(self):
         return [r.event for r in self.records]
 
     def close(self):
         self.consumer.close()
+
+
+def ticks(run_dir) -> float:
+    """The health check's timer rounds completed (their verdicts flushed), from its metrics."""
+    return value(worker_metrics(run_dir, WORKER), "ropewalk_timer_ticks_total", worker=hd.PRODUCER)
+
+
+def ticked(run_dir, n: int, timeout_s: float = 60.0) -> None:
+    """The marker that time passed for the health check, instead of a sleep (which passes when the unwanted
+    verdict is merely slow): ``n`` more of its ticks completed from now."""
+    goal, deadline = ticks(run_dir) + n, time.monotonic() + timeout_s
+    while ticks(run_dir) < goal:
+        assert time.monotonic() < deadline, f"the health check did not tick {n} times in {timeout_s:.0f}s"
+        time.sleep(0.05)
 
 
 def status_changes(events, status=None):
@@ -107,7 +131,7 @@ def health_proc(cfg, tmp_path):
 
     def started(*args):
         p = start(cfg, tmp_path, "processors.health.processor", "--timeout-ms", str(TIMEOUT_MS),
-                  "--tick-ms", str(TICK_MS), *args, name="health")
+                  "--tick-ms", str(TICK_MS), *args, name="health", worker=WORKER)
         procs.append(p)
         return p
 
@@ -116,7 +140,7 @@ def health_proc(cfg, tmp_path):
         stop(p)
 
 
-def test_silent_machine_fails_and_recovers(cfg, registry, region, health_proc):
+def test_silent_machine_fails_and_recovers(cfg, registry, region, health_proc, tmp_path):
     line = wait_ready(health_proc())
     assert "5 machines watched" in line, line
     beats = Heartbeats(cfg, registry, region)
@@ -124,8 +148,8 @@ def test_silent_machine_fails_and_recovers(cfg, registry, region, health_proc):
     follow = Follow(cfg, registry, "machines", "unavailability")
     try:
         # Past the startup hold and a few ticks: everyone heartbeats, nobody is judged.
-        time.sleep((TIMEOUT_MS + 3 * TICK_MS) / 1000)
-        follow.until(lambda evs: len(evs) >= 5, 10, "the registrations")
+        ticked(tmp_path, 3)  # the first tick comes after the startup hold
+        assert len(follow.read_to_end()) >= 5, "the registrations"
         assert status_changes(follow.events()) == []
 
         victim = region[2]
@@ -156,9 +180,9 @@ def test_silent_machine_fails_and_recovers(cfg, registry, region, health_proc):
         assert len(ended) == 1 and ended[0].payload["unavailability_id"] == started[0].payload["unavailability_id"]
         assert ended[0].entitlement == "free/dc1"
 
-        # Stays healthy: no more status changes for anyone over a few timeouts.
-        time.sleep(2 * TIMEOUT_MS / 1000)
-        follow.until(lambda evs: True, 1, "")
+        # Stays healthy: no more status changes for anyone over a few timeouts (of its ticks).
+        ticked(tmp_path, 2 * TIMEOUT_MS // TICK_MS)
+        follow.read_to_end()
         assert len(status_changes(follow.events())) == 3
         assert beats.error is None
     finally:
@@ -166,14 +190,14 @@ def test_silent_machine_fails_and_recovers(cfg, registry, region, health_proc):
         follow.close()
 
 
-def test_grace_period_resume_opens_no_unavailability(cfg, registry, region, health_proc):
+def test_grace_period_resume_opens_no_unavailability(cfg, registry, region, health_proc, tmp_path):
     """With a grace period, a machine that speaks again before it ends goes UNHEALTHY → UP, no UE."""
     wait_ready(health_proc("--grace-ms", "60000"))
     beats = Heartbeats(cfg, registry, region)
     beats.start()
     follow = Follow(cfg, registry, "machines", "unavailability")
     try:
-        time.sleep((TIMEOUT_MS + 3 * TICK_MS) / 1000)
+        ticked(tmp_path, 3)  # past the startup hold
         victim = region[0]
         beats.silent.add(victim)
         follow.until(lambda evs: status_changes(evs, bd.UNHEALTHY), (TIMEOUT_MS + TICK_MS) / 1000 + 8, "UNHEALTHY")
@@ -181,8 +205,8 @@ def test_grace_period_resume_opens_no_unavailability(cfg, registry, region, heal
         evs = follow.until(lambda evs: status_changes(evs, bd.UP), 10, "UP")
         assert [(e.entity_id, e.payload["reason"], e.payload["previous_status"]) for e in status_changes(evs)] == \
             [(victim, hd.HEARTBEAT_MISSED, bd.UP), (victim, hd.HEARTBEAT_RESUMED, bd.UNHEALTHY)]
-        time.sleep(1)
-        follow.until(lambda evs: True, 1, "")
+        ticked(tmp_path, 1000 // TICK_MS)
+        follow.read_to_end()
         assert not [e for e in follow.events() if e.type.startswith("Unavailability")]
     finally:
         beats.stop()

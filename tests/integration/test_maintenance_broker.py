@@ -16,9 +16,6 @@ The whole story is then read back with ``streams.replay`` (the audit reader ``ro
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -32,7 +29,8 @@ from processors.scheduler.decide import PRODUCER
 from streams import batches
 from streams.clients import EventProducer
 from streams.replay import ReplayFilter, replay
-from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
+from taskcontrollers import Controller, settle
+from test_scheduler_shard import Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
 from test_taskcontrol_leader_last import Reader
 
 ENT, SM, WEB = "e1", "e1.sm", "e1.web"
@@ -58,23 +56,15 @@ class JobReader(Reader):
 
 @pytest.fixture
 def controllers(cfg, tmp_path):
-    env = {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
-           "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions)}
     (tmp_path / "shards.json").write_text(json.dumps(SHARDS))
     (tmp_path / "load").write_text("0.2")
-    args = {"sm": ["replica-aware", "--name", "sm", "--shards", str(tmp_path / "shards.json"), "--min-live", "2"],
-            "web": ["pacing", "--name", "web", "--load-file", str(tmp_path / "load"), "--keep-below-s", "7200"]}
-    procs, logs = [], []
-    for name, a in args.items():
-        logs.append(tmp_path / f"controller-{name}.log")
-        with open(logs[-1], "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "processors.taskcontrol.controllers", *a], cwd=ROOT,
-                                          env={**env, "ROPEWALK_RUN_DIR": str(tmp_path / f"controller-{name}")},
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-    yield logs
-    for p in procs:
-        p.kill()
-        p.wait(10)
+    args = {"sm": ["replica-aware", "--shards", str(tmp_path / "shards.json"), "--min-live", "2"],
+            "web": ["pacing", "--load-file", str(tmp_path / "load"), "--keep-below-s", "7200"]}
+    started = [Controller(cfg, tmp_path / f"controller-{name}", tmp_path / f"controller-{name}.log", *a, name=name)
+               for name, a in args.items()]
+    yield started
+    for c in started:
+        c.kill()
 
 
 def register_machines(cfg, registry, n):
@@ -100,7 +90,7 @@ def run_until(reader, hands, done, timeout_s, what, logs):
 @pytest.mark.timeout(180)
 def test_maintenance_story_on_the_broker(cfg, registry, workers, controllers):  # noqa: F811
     w = workers("shard", ROPEWALK_SCHEDULER_RETRY_S="1")
-    logs = [w.log_path, *controllers]
+    logs = [w.log_path, *(c.log_path for c in controllers)]
     reader, producer = JobReader(cfg, registry), EventProducer(cfg, registry, "test")
     hands = Hands(producer)
     t_begin = int(time.time() * 1000)
@@ -136,14 +126,14 @@ def test_maintenance_story_on_the_broker(cfg, registry, workers, controllers):  
         _, opened = rb.maintenance_started(fold_machines(cfg, registry), ue, ["m1", "m2", "m5"],
                                            int(time.time() * 1000))
         produce(EventProducer(cfg, registry, "resourcebroker"), opened)
-        time.sleep(1.5)
-        hands.react([e for e in reader.poll() if e.producer == PRODUCER])
+        # the marker: all the scheduler and the controllers make of the opened window is in the log by then
+        settle(cfg, reader, lambda: hands.react([e for e in reader.poll() if e.producer == PRODUCER]), controllers)
         assert reader.tasks(SM)[f"{SM}/1"][:2] == ("STOPPED", "m2") and reader.tasks(WEB)[f"{WEB}/0"][0] == "RUNNING"
         ended = ops.end_maintenance(cfg, registry, ue)
         assert [e.type for e in ended][-1] == "UnavailabilityEnded"
         run_until(reader, hands, lambda: reader.tasks(SM)[f"{SM}/1"][0] == "RUNNING", 30, "sm/1 restarted", logs)
-        time.sleep(1.0)  # anything else the scheduler or a controller would (wrongly) still do
-        hands.react([e for e in reader.poll() if e.producer == PRODUCER])
+        # the marker: anything else the scheduler or a controller would (wrongly) still do is in the log by then
+        settle(cfg, reader, lambda: hands.react([e for e in reader.poll() if e.producer == PRODUCER]), controllers)
     finally:
         reader.consumer.close()
 

@@ -21,25 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from processes import scrape, value
 from regioncli import ROOT, RegionCli
 
 SPEC = ("name: {name}\nentitlement: e1\ntasks: {tasks}\ncommand: [sleep, '3600']\n"
         "resources: {{cpu_millicores: 1000, memory_mib: 1024}}\nrequirements: {{dc: dc1}}\nspread: msb\n{extra}")
-
-
-def scrape(addr: str) -> dict[str, list]:
-    """``{metric family: [samples]}`` of one target's Prometheus text."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as resp:
-        return {f.name: f.samples for f in text_string_to_metric_families(resp.read().decode())}
-
-
-def value(families: dict, name: str, **labels) -> float:
-    return sum(s.value for f, samples in families.items() for s in samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def check_metrics(where: dict) -> None:

@@ -99,109 +99,105 @@ def spec_file(tmp_path, name, command, cpu=500):
     return str(f)
 
 
-@pytest.mark.timeout(300)
-def test_refusals_are_shown_and_a_stopped_job_name_is_used_again(cfg, registry, workers, tmp_path):
+@pytest.fixture
+def log(cfg, registry, workers):  # noqa: F811 - workers is a fixture
+    """A scheduler shard worker and its output read back (``Scheduled``); the shard must still run at the end."""
     w = workers("shard")
-    hands = Freeing(EventProducer(cfg, registry, "test-hands"))
-    log = Scheduled(cfg, registry, hands)
-    try:
-        ok(cfg, "entitlement", "create", ENT, "--quota", "4")
-        first, other = spec_file(tmp_path, "web.yaml", "sleep"), spec_file(tmp_path, "other.yaml", "cat")
-        assert ok(cfg, "job", "submit", first).strip() == JOB
-        log.until(lambda: (log.state() or {}).get("state") == "running", "e1.web running")
+    scheduled = Scheduled(cfg, registry, Freeing(EventProducer(cfg, registry, "test-hands")))
+    yield scheduled
+    scheduled.consumer.close()
+    if w.proc.poll() is not None:
+        pytest.fail(f"the shard exited:\n{w.tail()}")
 
-        # another spec under the same name: refused, and shown by job status, watch and replay
-        ok(cfg, "job", "submit", other)
-        log.until(lambda: log.refused("duplicate_job_id"), "the duplicate refused")
-        status = json.loads(ok(cfg, "job", "status", JOB, "--json"))
-        assert status["state"] == "running" and status["last_reason"].startswith("duplicate_job_id: job e1.web exists")
-        assert "duplicate_job_id" in ok(cfg, "watch", "jobs", "--once")
-        replayed = [json.loads(line) for line in ok(cfg, "replay", "--job", JOB, "--json").splitlines()]
-        refusals = [r for r in replayed if r["type"] == "IntentRefused"]
-        assert [(r["topic"], r["payload"]["intent_type"], r["payload"]["reason"]) for r in refusals] == [
-            ("intents", "JobSubmitted", "duplicate_job_id")]
-        assert "refused=JobSubmitted" in ok(cfg, "replay", "--job", JOB)  # the text line says so too
 
-        # a resize of a stopping job: refused, shown
-        hands.hold_stops = True
-        ok(cfg, "job", "stop", JOB)
-        log.until(lambda: (log.state() or {}).get("state") == "stopping", "e1.web stopping")
-        ok(cfg, "job", "resize", JOB, "5")
-        log.until(lambda: log.refused("job_not_active"), "the resize refused")
-        assert json.loads(ok(cfg, "job", "status", JOB, "--json"))["last_reason"].startswith("job_not_active: ")
-        hands.release()
-        log.until(lambda: (log.state() or {}).get("deleted"), "e1.web stopped and freed")
-        gone = cli(cfg, "job", "status", JOB)
-        assert gone.returncode == 1 and "unknown job" in gone.stderr
+@pytest.mark.timeout(300)
+def test_refusals_are_shown_and_a_stopped_job_name_is_used_again(cfg, log, tmp_path):
+    hands = log.hands
+    ok(cfg, "entitlement", "create", ENT, "--quota", "4")
+    first, other = spec_file(tmp_path, "web.yaml", "sleep"), spec_file(tmp_path, "other.yaml", "cat")
+    assert ok(cfg, "job", "submit", first).strip() == JOB
+    log.until(lambda: (log.state() or {}).get("state") == "running", "e1.web running")
 
-        # the name again: a new incarnation, visible in job status and replay
-        assert ok(cfg, "job", "submit", other).strip() == JOB
-        log.until(lambda: (log.state() or {}).get("state") == "running" and log.state()["incarnation"] == 2,
-                  "incarnation 2 running")
-        status = json.loads(ok(cfg, "job", "status", JOB, "--json"))
-        assert (status["incarnation"], status["state"], len(status["tasks"])) == (2, "running", 2)
-        assert "(incarnation 2)" in ok(cfg, "job", "status", JOB)
-        replayed = [json.loads(line) for line in ok(cfg, "replay", "--job", JOB, "--json").splitlines()]
-        assert [r["payload"]["command"][0] for r in replayed if r["type"] == "JobSubmitted"] == ["sleep", "cat", "cat"]
-        assert {r["payload"].get("incarnation") for r in replayed if r["type"] == "JobStatePublished"} == {1, 2}
+    # another spec under the same name: refused, and shown by job status, watch and replay
+    ok(cfg, "job", "submit", other)
+    log.until(lambda: log.refused("duplicate_job_id"), "the duplicate refused")
+    status = json.loads(ok(cfg, "job", "status", JOB, "--json"))
+    assert status["state"] == "running" and status["last_reason"].startswith("duplicate_job_id: job e1.web exists")
+    assert "duplicate_job_id" in ok(cfg, "watch", "jobs", "--once")
+    replayed = [json.loads(line) for line in ok(cfg, "replay", "--job", JOB, "--json").splitlines()]
+    refusals = [r for r in replayed if r["type"] == "IntentRefused"]
+    assert [(r["topic"], r["payload"]["intent_type"], r["payload"]["reason"]) for r in refusals] == [
+        ("intents", "JobSubmitted", "duplicate_job_id")]
+    assert "refused=JobSubmitted" in ok(cfg, "replay", "--job", JOB)  # the text line says so too
 
-        # an intent for a job that does not exist, reaching the log anyway: refused with a reason
-        ok(cfg, "produce", "intents", "JobResized", "-", "--entitlement", ENT,
-           stdin=json.dumps({"job_id": "e1.nope", "tasks": 3}))
-        log.until(lambda: log.refused("unknown_job"), "the unknown job's resize refused")
-        assert log.refused("unknown_job")[0].payload["job_id"] == "e1.nope"
-    finally:
-        log.consumer.close()
-        if w.proc.poll() is not None:
-            pytest.fail(f"the shard exited:\n{w.tail()}")
+    # a resize of a stopping job: refused, shown
+    hands.hold_stops = True
+    ok(cfg, "job", "stop", JOB)
+    log.until(lambda: (log.state() or {}).get("state") == "stopping", "e1.web stopping")
+    ok(cfg, "job", "resize", JOB, "5")
+    log.until(lambda: log.refused("job_not_active"), "the resize refused")
+    assert json.loads(ok(cfg, "job", "status", JOB, "--json"))["last_reason"].startswith("job_not_active: ")
+    hands.release()
+    log.until(lambda: (log.state() or {}).get("deleted"), "e1.web stopped and freed")
+    gone = cli(cfg, "job", "status", JOB)
+    assert gone.returncode == 1 and "unknown job" in gone.stderr
+
+    # the name again: a new incarnation, visible in job status and replay
+    assert ok(cfg, "job", "submit", other).strip() == JOB
+    log.until(lambda: (log.state() or {}).get("state") == "running" and log.state()["incarnation"] == 2,
+              "incarnation 2 running")
+    status = json.loads(ok(cfg, "job", "status", JOB, "--json"))
+    assert (status["incarnation"], status["state"], len(status["tasks"])) == (2, "running", 2)
+    assert "(incarnation 2)" in ok(cfg, "job", "status", JOB)
+    replayed = [json.loads(line) for line in ok(cfg, "replay", "--job", JOB, "--json").splitlines()]
+    assert [r["payload"]["command"][0] for r in replayed if r["type"] == "JobSubmitted"] == ["sleep", "cat", "cat"]
+    assert {r["payload"].get("incarnation") for r in replayed if r["type"] == "JobStatePublished"} == {1, 2}
+
+    # an intent for a job that does not exist, reaching the log anyway: refused with a reason
+    ok(cfg, "produce", "intents", "JobResized", "-", "--entitlement", ENT,
+       stdin=json.dumps({"job_id": "e1.nope", "tasks": 3}))
+    log.until(lambda: log.refused("unknown_job"), "the unknown job's resize refused")
+    assert log.refused("unknown_job")[0].payload["job_id"] == "e1.nope"
 
 
 @pytest.mark.timeout(180)
-def test_absurd_quantities_are_refused_at_the_door_and_by_the_scheduler(cfg, registry, workers, tmp_path):
-    w = workers("shard")
-    hands = Freeing(EventProducer(cfg, registry, "test-hands"))
-    log = Scheduled(cfg, registry, hands)
-    try:
-        # at the door: one line naming the field, nothing produced
-        out = cli(cfg, "produce", "intents", "EntitlementCreated", "-", "--entitlement", "e7",
-                  stdin=json.dumps({"name": "e7", "quota_machines": -5}))
-        assert out.returncode == 1 and out.stderr.strip() == (
-            "ropewalk: EntitlementCreated.quota_machines: expected an integer from 0 to 1,000,000, got number -5")
-        out = cli(cfg, "entitlement", "create", "e7", "--quota", "-5")
-        assert out.returncode == 1 and out.stderr.startswith("ropewalk: --quota: expected an integer from 0")
-        out = cli(cfg, "job", "submit", spec_file(tmp_path, "neg.yaml", "sleep", cpu=-5))
-        assert out.returncode == 1 and "resources.cpu_millicores: expected a positive integer" in out.stderr
-        out = cli(cfg, "job", "resize", JOB, "-3")
-        assert out.returncode == 1 and out.stderr.startswith("ropewalk: N: expected an integer from 0")
+def test_absurd_quantities_are_refused_at_the_door_and_by_the_scheduler(cfg, registry, log, tmp_path):
+    # at the door: one line naming the field, nothing produced
+    out = cli(cfg, "produce", "intents", "EntitlementCreated", "-", "--entitlement", "e7",
+              stdin=json.dumps({"name": "e7", "quota_machines": -5}))
+    assert out.returncode == 1 and out.stderr.strip() == (
+        "ropewalk: EntitlementCreated.quota_machines: expected an integer from 0 to 1,000,000, got number -5")
+    out = cli(cfg, "entitlement", "create", "e7", "--quota", "-5")
+    assert out.returncode == 1 and out.stderr.startswith("ropewalk: --quota: expected an integer from 0")
+    out = cli(cfg, "job", "submit", spec_file(tmp_path, "neg.yaml", "sleep", cpu=-5))
+    assert out.returncode == 1 and "resources.cpu_millicores: expected a positive integer" in out.stderr
+    out = cli(cfg, "job", "resize", JOB, "-3")
+    assert out.returncode == 1 and out.stderr.startswith("ropewalk: N: expected an integer from 0")
 
-        # the same records reaching the log anyway (another writer): refused by the scheduler, not applied
-        p = EventProducer(cfg, registry, "another-writer")
-        p.send(ev("EntitlementCreated", {"name": "e7", "quota_machines": -5, "machine_type": None, "dc_pin": None,
-                                         "host_profile": None}, ent="e7", entity="e7", producer="another-writer"))
-        p.flush()
-        log.until(lambda: log.refused("invalid_entitlement"), "the negative quota refused")
-        refused = log.refused("invalid_entitlement")[0]
-        assert refused.entitlement == "e7" and refused.payload["message"].startswith("quota_machines: ")
-        p.send(ev("JobSubmitted", {"job_id": "e7.web", "name": "web", "spec_version": 1, "tasks": 1,
-                                   "command": ["sleep", "1"], "resources": {"cpu_millicores": 100, "memory_mib": 64},
-                                   "requirements": {}, "spread": "msb", "max_unavailable": 1, "env": {}},
-                  ent="e7", entity="e7.web", producer="another-writer"))
-        p.send(ev("EntitlementCreated", {"name": ENT, "quota_machines": 4, "machine_type": None, "dc_pin": None,
-                                         "host_profile": None}, ent=ENT, entity=ENT, producer="another-writer"))
-        p.send(ev("JobSubmitted", {"job_id": JOB, "name": "web", "spec_version": 1, "tasks": 2,
-                                   "command": ["sleep", "1"], "resources": {"cpu_millicores": -100, "memory_mib": 64},
-                                   "requirements": {}, "spread": "msb", "max_unavailable": 1, "env": {}},
-                  ent=ENT, entity=JOB, producer="another-writer"))
-        p.flush()
-        log.until(lambda: log.refused("unknown_entitlement") and log.refused("invalid_spec"), "both refused")
-        assert log.state("e7.web")["state"] == "rejected"  # e7 was never created: the refused record changed nothing
-        bad = log.refused("invalid_spec")[0]
-        assert bad.payload["message"] == ("resources.cpu_millicores: expected a positive integer up to 1,000,000, "
-                                          "got number -100")
-        status = json.loads(ok(cfg, "job", "status", JOB, "--json"))
-        assert status["state"] == "rejected" and status["last_reason"] == f"invalid_spec: {bad.payload['message']}"
-        assert not [e for e in log.events if e.type == "AllocationRequested"]  # nothing of either was applied
-    finally:
-        log.consumer.close()
-        if w.proc.poll() is not None:
-            pytest.fail(f"the shard exited:\n{w.tail()}")
+    # the same records reaching the log anyway (another writer): refused by the scheduler, not applied
+    p = EventProducer(cfg, registry, "another-writer")
+    p.send(ev("EntitlementCreated", {"name": "e7", "quota_machines": -5, "machine_type": None, "dc_pin": None,
+                                     "host_profile": None}, ent="e7", entity="e7", producer="another-writer"))
+    p.flush()
+    log.until(lambda: log.refused("invalid_entitlement"), "the negative quota refused")
+    refused = log.refused("invalid_entitlement")[0]
+    assert refused.entitlement == "e7" and refused.payload["message"].startswith("quota_machines: ")
+    p.send(ev("JobSubmitted", {"job_id": "e7.web", "name": "web", "spec_version": 1, "tasks": 1,
+                               "command": ["sleep", "1"], "resources": {"cpu_millicores": 100, "memory_mib": 64},
+                               "requirements": {}, "spread": "msb", "max_unavailable": 1, "env": {}},
+              ent="e7", entity="e7.web", producer="another-writer"))
+    p.send(ev("EntitlementCreated", {"name": ENT, "quota_machines": 4, "machine_type": None, "dc_pin": None,
+                                     "host_profile": None}, ent=ENT, entity=ENT, producer="another-writer"))
+    p.send(ev("JobSubmitted", {"job_id": JOB, "name": "web", "spec_version": 1, "tasks": 2,
+                               "command": ["sleep", "1"], "resources": {"cpu_millicores": -100, "memory_mib": 64},
+                               "requirements": {}, "spread": "msb", "max_unavailable": 1, "env": {}},
+              ent=ENT, entity=JOB, producer="another-writer"))
+    p.flush()
+    log.until(lambda: log.refused("unknown_entitlement") and log.refused("invalid_spec"), "both refused")
+    assert log.state("e7.web")["state"] == "rejected"  # e7 was never created: the refused record changed nothing
+    bad = log.refused("invalid_spec")[0]
+    assert bad.payload["message"] == ("resources.cpu_millicores: expected a positive integer up to 1,000,000, "
+                                      "got number -100")
+    status = json.loads(ok(cfg, "job", "status", JOB, "--json"))
+    assert status["state"] == "rejected" and status["last_reason"] == f"invalid_spec: {bad.payload['message']}"
+    assert not [e for e in log.events if e.type == "AllocationRequested"]  # nothing of either was applied

@@ -68,7 +68,8 @@ def test_registers_a_generated_region_once(cfg, registry, broker_proc):
     p2 = broker_proc("--machines", str(N), "--seed", "3")
     line = wait_ready(p2)
     assert f"{N} machines, 0 registered" in line, line
-    time.sleep(0.5)
+    stop(p2)  # the marker: all it would (wrongly) register again is on the log once it has stopped cleanly
+    assert p2.returncode == 0
     regs2 = [r for r in read_all(cfg, registry, "machines") if r.event.type == "MachineRegistered"]
     assert len(regs2) == N
 
@@ -128,6 +129,18 @@ def registrations(n: int, seed: int, now_ms: int = 1_795_000_000_000) -> list:
     return events
 
 
+def produced_registrations(cfg, registry, n: int, seed: int) -> tuple[str, list]:
+    """``registrations(n, seed)`` produced on ``machines``: (the topic, the events)."""
+    from streams.clients import EventProducer
+
+    events = registrations(n, seed)
+    p = EventProducer(cfg, registry, "test")
+    for ev in events:
+        p.send(ev, validate=False)
+    p.flush()
+    return Topics(cfg.topic_prefix, cfg.partitions).name("machines"), events
+
+
 def test_read_to_end_terminates_while_the_topic_is_written(cfg, registry):
     """Another producer keeps writing to ``machines`` for the whole catch-up (as a big region registering does):
     the read ends at where the partitions ended when it started (everything written before it is read), long
@@ -137,12 +150,7 @@ def test_read_to_end_terminates_while_the_topic_is_written(cfg, registry):
     from streams.catchup import read_to_end
     from streams.clients import EventProducer
 
-    topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
-    before = registrations(3000, seed=1)
-    p = EventProducer(cfg, registry, "test")
-    for ev in before:
-        p.send(ev, validate=False)
-    p.flush()
+    topic, before = produced_registrations(cfg, registry, 3000, seed=1)
 
     stop_writing = threading.Event()
     written_during = []
@@ -209,14 +217,8 @@ def test_read_to_end_times_out_when_a_partition_is_stuck(cfg, registry):
     """A partition that never advances (here: paused, so nothing is fetched from it, as with a broker away)
     ends the catch-up with CatchUpTimeout naming it, after the stall timeout; the other partitions were read."""
     from streams.catchup import CatchUpTimeout, read_to_end
-    from streams.clients import EventProducer
 
-    topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
-    events = registrations(200, seed=4)
-    p = EventProducer(cfg, registry, "test")
-    for ev in events:
-        p.send(ev, validate=False)
-    p.flush()
+    topic, events = produced_registrations(cfg, registry, 200, seed=4)
     consumer = EventConsumer(cfg, registry, [topic], name="test-catch-up")
     seen: list = []
     try:

@@ -264,6 +264,16 @@ def run_until(log: Log, hands: Hands | None, done, timeout_s: float, what: str, 
             hands.react(new)
 
 
+def first_request(log: Log, producer: EventProducer, worker) -> object:
+    """Entitlement e1 and job j1 (2 tasks) submitted: the scheduler's one AllocationRequested for it."""
+    producer.send(entitlement("e1"))
+    producer.send(submit("e1", "j1", 2))
+    producer.flush()
+    run_until(log, None, lambda: log.of("AllocationRequested", job_id="j1"), 40, "AllocationRequested", [worker])
+    [req] = log.of("AllocationRequested", job_id="j1")
+    return req
+
+
 def all_running(log: Log, jobs: dict[str, int], down: set[str] = frozenset()) -> bool:
     latest = log.latest_state()
     for job, n in jobs.items():
@@ -282,11 +292,7 @@ def test_a_job_is_allocated_started_and_enabled(cfg, registry, workers):
     w = workers("w1")
     log, producer = Log(cfg, registry), EventProducer(cfg, registry, "test")
     try:
-        producer.send(entitlement("e1"))
-        producer.send(submit("e1", "j1", 2))
-        producer.flush()
-        run_until(log, None, lambda: log.of("AllocationRequested", job_id="j1"), 40, "AllocationRequested", [w])
-        [req] = log.of("AllocationRequested", job_id="j1")
+        req = first_request(log, producer, w)
         assert req.payload["place_task_ids"] == ["j1/0", "j1/1"] and req.entitlement == "e1"
 
         producer.send(allocated(req, {"j1/0": "m1", "j1/1": "m2"}))
@@ -354,11 +360,7 @@ def test_the_timer_asks_again_for_rejected_tasks(cfg, registry, workers):
     w = workers("w1", ROPEWALK_SCHEDULER_RETRY_S="1")
     log, producer = Log(cfg, registry), EventProducer(cfg, registry, "test")
     try:
-        producer.send(entitlement("e1"))
-        producer.send(submit("e1", "j1", 2))
-        producer.flush()
-        run_until(log, None, lambda: log.of("AllocationRequested", job_id="j1"), 40, "AllocationRequested", [w])
-        [req] = log.of("AllocationRequested", job_id="j1")
+        req = first_request(log, producer, w)
         producer.send(ev("AllocationRejected", {
             "request_id": req.payload["request_id"], "job_id": "j1", "reason": "no_feasible_machine",
             "message": "none fits", "unplaced_task_ids": ["j1/0", "j1/1"], "filter_rejections": {}},

@@ -6,9 +6,6 @@ last (one leader change per release), echo every request's sequence in its ack, 
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,7 +14,8 @@ from processors.scheduler.decide import PRODUCER
 from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.topics import Topics
-from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
+from taskcontrollers import Controller
+from test_scheduler_shard import Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
 
 ENT, JOB, LEADER = "e1", "e1.zk", "e1.zk/0"
 
@@ -62,17 +60,10 @@ def run_until(reader, hands, done, timeout_s, what, procs):
 
 @pytest.fixture
 def controller(cfg, tmp_path):
-    log_path = tmp_path / "controller.log"
-    env = {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
-           "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
-           "ROPEWALK_RUN_DIR": str(tmp_path / "controller")}
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "processors.taskcontrol.controllers", "leader-last",
-                                 "--name", "zk", "--leader", f"{JOB}={LEADER}"], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    yield log_path
-    proc.kill()
-    proc.wait(10)
+    c = Controller(cfg, tmp_path / "controller", tmp_path / "controller.log", "leader-last",
+                   "--leader", f"{JOB}={LEADER}", name="zk")
+    yield c.log_path
+    c.kill()
 
 
 @pytest.mark.timeout(180)

@@ -16,10 +16,6 @@ last, every task RUNNING at version 2; and each lifetime approved something (the
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -28,7 +24,8 @@ import pytest
 from processors.scheduler.decide import PRODUCER
 from streams import batches
 from streams.clients import EventProducer
-from test_scheduler_shard import ROOT, Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
+from taskcontrollers import Controller, settle
+from test_scheduler_shard import Hands, entitlement, ev, workers  # noqa: F401 - workers is a fixture
 from test_taskcontrol_leader_last import ENT, JOB, Reader, run_until, update_stops
 
 N, LEADER = 5, f"{JOB}/2"
@@ -69,29 +66,22 @@ class Controllers:
 
     def __init__(self, cfg, tmp_path):
         self.cfg, self.tmp_path = cfg, tmp_path
-        self.procs: list[subprocess.Popen] = []
-        self.logs = []
+        self.procs: list[Controller] = []
         self.windows: list[list[float]] = []  # [started, killed] wall-clock ms per lifetime
 
+    @property
+    def logs(self):
+        return [c.log_path for c in self.procs]
+
     def start(self) -> None:
-        cfg, n = self.cfg, len(self.procs)
-        log_path = self.tmp_path / f"controller-{n}.log"
-        env = {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
-               "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
-               "ROPEWALK_RUN_DIR": str(self.tmp_path / f"controller-{n}")}
+        n = len(self.procs)
         self.windows.append([time.time() * 1000, float("inf")])
-        with open(log_path, "wb") as out:
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "processors.taskcontrol.controllers", "leader-last", "--name", "zk",
-                 "--leader", f"{JOB}={LEADER}"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True))
-        self.logs.append(log_path)
+        self.procs.append(Controller(self.cfg, self.tmp_path / f"controller-{n}", self.tmp_path / f"controller-{n}.log",
+                                     "leader-last", "--leader", f"{JOB}={LEADER}", name="zk"))
 
     def kill(self) -> None:
-        proc = self.procs[-1]
-        assert proc.poll() is None, f"controller {len(self.procs) - 1} died on its own:\n{self.tail(-1)}"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        assert self.procs[-1].alive(), f"controller {len(self.procs) - 1} died on its own:\n{self.tail(-1)}"
+        self.procs[-1].kill()
         self.windows[-1][1] = time.time() * 1000
 
     def lifetime(self, ts_ms: int) -> int | None:
@@ -101,13 +91,11 @@ class Controllers:
         return None
 
     def tail(self, i: int) -> str:
-        return self.logs[i].read_text(errors="replace")[-3000:]
+        return self.procs[i].log_path.read_text(errors="replace")[-3000:]
 
     def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        for c in self.procs:
+            c.kill()
 
 
 @pytest.fixture
@@ -155,8 +143,8 @@ def test_a_controller_killed_and_restarted_mid_release(cfg, registry, workers, c
         # the operation completes meanwhile and the scheduler asks again: nobody answers
         run_until(reader, hands, lambda: any(e.type == "TaskControlRequested" and e.payload["sequence"] > acked_seq
                                              for e in reader.events), 30, "a request after the kill", procs())
-        time.sleep(0.5)
-        reader.poll()
+        settle(cfg, reader, lambda: hands.react([e for e in reader.poll() if e.producer == PRODUCER]),
+               controllers.procs)  # the marker: a live controller would have answered by then
         assert max(e.payload["sequence"] for e in reader.events if e.type == "TaskControlAcked") == acked_seq
 
         # lifetime B answers it (and what follows) until it approved the last follower; killed, C started at once
@@ -168,8 +156,9 @@ def test_a_controller_killed_and_restarted_mid_release(cfg, registry, workers, c
 
         run_until(reader, hands, lambda: (j := reader.job()) is not None and j["state"] == "running"
                   and {t["spec_version"] for t in j["tasks"]} == {2}, 90, "the update done", procs())
-        time.sleep(1.0)  # anything a controller or the scheduler would (wrongly) still add
-        reader.poll()
+        # the marker: everything a controller or the scheduler would (wrongly) still add is in the log by then
+        settle(cfg, reader, lambda: hands.react([e for e in reader.poll() if e.producer == PRODUCER]),
+               controllers.procs)
     finally:
         reader.consumer.close()
 

@@ -277,15 +277,20 @@ def random_request(rnd, machines):
     return req(rnd.randint(0, 30), job=job, cpu=rnd.choice((500, 1000, 1500)), mem=rnd.choice((512, 2048)), **kw)
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_place_decides_as_the_reference_on_random_regions(seed):
+def random_cases(seed: int):
+    """Ten (machines, entitlement, request, held) cases on one random region of ``seed``."""
     rnd = random.Random(seed)
     machines = random_region(rnd, rnd.choice((5, 30, 120)))
     for _ in range(10):
         ent = e1(quota=rnd.randint(0, 12), machine_type=rnd.choice((None, None, "skylake")),
                  dc_pin=rnd.choice((None, None, None, "dc2")))
         request_ = random_request(rnd, machines)
-        held = sum(x.entitlement == "e1" for x in machines) + rnd.randint(0, 2)
+        yield machines, ent, request_, sum(x.entitlement == "e1" for x in machines) + rnd.randint(0, 2)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_place_decides_as_the_reference_on_random_regions(seed):
+    for machines, ent, request_, held in random_cases(seed):
         plan = place(machines, ent, request_, held)
         got = (plan.placements, plan.machines_added, dict(plan.fault_domain_bins), dict(plan.filter_rejections),
                plan.unplaced, plan.reason)
@@ -296,13 +301,7 @@ def test_the_random_regions_exercise_what_they_should():
     """The comparison above is only worth something if its cases place, spread, add, hit the quota and filter."""
     seen = set()
     for seed in range(40):
-        rnd = random.Random(seed)
-        machines = random_region(rnd, rnd.choice((5, 30, 120)))
-        for _ in range(10):
-            ent = e1(quota=rnd.randint(0, 12), machine_type=rnd.choice((None, None, "skylake")),
-                     dc_pin=rnd.choice((None, None, None, "dc2")))
-            request_ = random_request(rnd, machines)
-            held = sum(x.entitlement == "e1" for x in machines) + rnd.randint(0, 2)
+        for machines, ent, request_, held in random_cases(seed):
             plan = place(machines, ent, request_, held)
             seen |= {plan.reason} | set(plan.filter_rejections)
             seen |= {"placed"} if plan.placements else set()
