@@ -60,6 +60,7 @@ from fastavro.write import Writer
 from infra.config import Config
 from streams import groups as consumer_groups
 from streams.clients import DeliveryError, consumer_conf, producer_conf
+from streams.progress import ProgressFn, silent
 from streams.topics import BY_NAME, CATALOGUE, CHANGELOG_CONFIG, Topics, provision, wait_until_served
 
 FORMAT = "ropewalk-archive/1"
@@ -142,9 +143,11 @@ class RestoreStats:
 
 # -- archive -------------------------------------------------------------------------------------------
 def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None, max_records: int | None = None,
-            codec: str = "null", timeout_s: float = 30.0) -> ArchiveStats:
+            codec: str = "null", timeout_s: float = 30.0, progress: ProgressFn | None = None) -> ArchiveStats:
     """Archive every record of `topics` (logical names; default: the whole catalogue and the changelogs under the
-    prefix) not yet in `out_dir`, and the committed offsets of the consumer groups under the prefix."""
+    prefix) not yet in `out_dir`, and the committed offsets of the consumer groups under the prefix. ``progress``:
+    records archived of those to archive, after each batch."""
+    say = progress or silent
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cat = Topics(cfg.topic_prefix, cfg.partitions)
@@ -166,8 +169,11 @@ def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None
             else:
                 names = [t if is_changelog(t) else cat.logical(cat.name(t)) for t in topics]
             # Before the partitions' ends (_plan): every record a group consumed is then in the archive.
+            say("reading the consumer groups' offsets")
             manifest["groups"] = _group_offsets(cfg, cat, names)
             pending = _plan(consumer, cat, names, manifest, out_dir, stats, timeout_s)
+            to_archive = sum(max(0, end - start) for start, end, _ in pending.values())
+            say("archiving the log", 0, to_archive)
             _write_manifest(out_dir, manifest)
             consumer.assign([TopicPartition(t, p, start) for (t, p), (start, _, _) in pending.items()])
             fetched: set[tuple[str, int]] = set()
@@ -240,6 +246,7 @@ def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None
                         finish(tp)
                     if max_records is not None and stats.records >= max_records:
                         break
+                say("archiving the log", stats.records, max(to_archive, stats.records))
             stats.complete = not pending
             for tp in list(open_segments):  # stopped at max_records: keep what is complete
                 finish(tp)
@@ -357,9 +364,11 @@ def _clean_partition_dir(pdir: Path, segments: list) -> None:
 
 
 # -- restore -------------------------------------------------------------------------------------------
-def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: float = 30.0) -> RestoreStats:
+def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: float = 30.0,
+            progress: ProgressFn | None = None) -> RestoreStats:
     """Republish the archive in `in_dir` into `cfg`'s broker under `cfg.topic_prefix`, then commit the archived
-    consumer groups' offsets (translated where offsets moved; see the module doc).
+    consumer groups' offsets (translated where offsets moved; see the module doc). ``progress``: records
+    republished of those archived, every 1,000.
 
     Refuses (ArchiveError) when a target topic already holds records, unless `force`; the group offsets are
     refused by the broker while a group has live members (stop the control plane first).
@@ -382,6 +391,9 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
         if n != want:
             raise ArchiveError(f"archive's {name} has {n} partitions, the catalogue says {want}")
     stats, started = RestoreStats(partitions=dict(counts)), time.monotonic()
+    say = progress or silent
+    archived = sum(pst["records"] for st in tstates.values() for pst in st["partitions"].values())
+    say("creating the topics")
     admin = AdminClient({**cfg.kafka_conf(), "log_level": 3})
     provision(admin, cat, timeout_s)
     _create_changelogs(admin, cat, {n: c for n, c in counts.items() if is_changelog(n)}, timeout_s)
@@ -416,6 +428,7 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
                 wanted.setdefault((name, int(p)), []).append(offset)
     translated: dict[tuple[str, int, int], int] = {}  # (logical, p, archived offset) -> restored offset
 
+    say("republishing the archived records", 0, archived)
     catalogue_order = [t.name for t in CATALOGUE]
     order = sorted(tstates, key=lambda n: (n != "_schemas", is_changelog(n),
                                            catalogue_order.index(n) if n in catalogue_order else 0, n))
@@ -447,11 +460,14 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
                 stats.per_topic[name] = stats.per_topic.get(name, 0) + 1
                 if stats.records % 1000 == 0:
                     producer.poll(0)
+                    say("republishing the archived records", stats.records, max(archived, stats.records))
             for offset in targets:  # at or past the partition's end: the restored end
                 translated[(name, int(p), offset)] = base + i
             if moved:
                 stats.offsets_moved.append(f"{physical}[{p}]")
     flush()
+    say("republishing the archived records", stats.records, max(archived, stats.records))
+    say("committing the consumer groups' offsets")
     for group, per_topic in sorted(groups.items()):
         offsets = {(physical_name(cat, name), int(p)): translated[(name, int(p), offset)]
                    for name, per_partition in per_topic.items() for p, offset in per_partition.items()}
