@@ -40,6 +40,10 @@ Guarantees:
   lost to retention) the restored offsets are denser: group offsets are translated (the first record at or
   after the archived committed offset), and the partitions whose offsets moved are reported
   (``RestoreStats.offsets_moved``). Archive a restored region into a NEW directory.
+* A restore leaves a note in the run directory (``restored.json``: the archive, when, the partitions whose offsets
+  moved, the restored ``_schemas`` topic's id); ``restore_note`` gives it back while the log is that one, and
+  `ropewalk status` says so beside each topic's records and end offsets.
+* ``progress`` (streams/progress.py): both report how many records of how many, once per batch.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ from infra.config import Config
 from streams import groups as consumer_groups
 from streams.clients import DeliveryError, consumer_conf, producer_conf
 from streams.progress import ProgressFn, silent
-from streams.topics import BY_NAME, CATALOGUE, CHANGELOG_CONFIG, Topics, provision, wait_until_served
+from streams.topics import BY_NAME, CATALOGUE, CHANGELOG_CONFIG, Topics, provision, topic_id, wait_until_served
 
 FORMAT = "ropewalk-archive/1"
 MANIFEST = "manifest.json"
@@ -478,7 +482,44 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
                                "control plane (`ropewalk down`) before restoring") from None
         stats.groups[cat.prefix + group] = len(offsets)
     stats.seconds = time.monotonic() - started
+    _write_restore_note(cfg, cat, in_dir, stats)
     return stats
+
+
+# -- what a restore renumbered, for `ropewalk status` ---------------------------------------------------
+RESTORE_NOTE = "restored.json"  # in the run directory
+
+
+def _write_restore_note(cfg: Config, cat: Topics, in_dir: Path, stats: RestoreStats) -> None:
+    """Remember in the run directory that this log was restored from ``in_dir``, and which partitions' offsets the
+    restore renumbered (where the archived offsets had holes): their end offsets differ from the archived region's.
+    Keyed by the restored ``_schemas`` topic's id, so a later log (the data removed, a new broker) is not said to
+    be the restored one."""
+    note = {"archive": str(in_dir.resolve()), "restored_at": _now(), "topic_prefix": cfg.topic_prefix,
+            "records": stats.records, "offsets_moved": sorted(stats.offsets_moved),
+            "schemas_topic_id": topic_id(cfg, cat.name("_schemas"))}
+    path = Path(cfg.run_dir) / RESTORE_NOTE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RESTORE_NOTE}.tmp")
+    tmp.write_text(json.dumps(note, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def restore_note(cfg: Config) -> dict | None:
+    """What the restore that made this log wrote (``_write_restore_note``); None when the log was not restored
+    (no note, or a note of another log or topic prefix)."""
+    path = Path(cfg.run_dir) / RESTORE_NOTE
+    try:
+        note = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if note.get("topic_prefix") != cfg.topic_prefix:
+        return None
+    try:
+        current = topic_id(cfg, Topics(cfg.topic_prefix, cfg.partitions).name("_schemas"))
+    except Exception:  # noqa: BLE001 - no such topic (another log): not the restored one
+        return None
+    return note if current == note.get("schemas_topic_id") else None
 
 
 def _create_changelogs(admin, cat: Topics, counts: dict[str, int], timeout_s: float) -> None:
@@ -585,5 +626,5 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-__all__ = ["archive", "restore", "read_archive", "ArchiveStats", "RestoreStats", "ArchiveError",
+__all__ = ["archive", "restore", "restore_note", "read_archive", "ArchiveStats", "RestoreStats", "ArchiveError",
            "LOG_RECORD_SCHEMA", "FORMAT"]

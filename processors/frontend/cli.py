@@ -231,9 +231,13 @@ def cmd_status(cfg: Config, args) -> int:
     workers = controlplane.status(cfg)
     sup_pid = supervisor.process(cfg.run_dir).pid()
     doc = {"components": st, "supervisor": {"running": sup_pid is not None, "pid": sup_pid},
-           "control_plane": workers, "programs": programs, "topics": {}}
+           "control_plane": workers, "programs": programs, "topics": {}, "topic_offsets": {}, "restored": None}
     if st["broker"]["ready"]:
-        doc["topics"] = _topic_counts(cfg)
+        from streams.archive import restore_note
+
+        doc["topic_offsets"] = _topic_offsets(cfg)
+        doc["topics"] = {t: o["records"] for t, o in doc["topic_offsets"].items()}  # as it always was: high - low
+        doc["restored"] = restore_note(cfg)
     lines = [f"{name:7} {'ready' if s['ready'] else 'DOWN':5}  {s['endpoint']}"
              + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "")
              + (f"  restarts {programs[name]['restarts']}" if name in programs else "") for name, s in st.items()]
@@ -243,9 +247,8 @@ def cmd_status(cfg: Config, args) -> int:
         last = supervisor.exit_text(w.get("last_exit"))
         lines.append(f"{name:14} {w['state']:8} pid {w['pid'] or '-':<8} restarts {w['restarts']}"
                      + (f" (last: {last})" if last else "") + f"  log {w['log']}")
-    # Listed end offsets (high - low watermark): the records of each topic (compacted topics: the offsets
-    # spanned, more than the records the cleaner left).
-    lines += [f"topic   {t:28} {n:>10} (listed end offsets)" for t, n in doc["topics"].items()]
+    if doc["topic_offsets"]:
+        lines += ["", _topics_table(doc["topic_offsets"], doc["restored"])]
     _print(doc, args.json, "\n".join(lines))
     down = [n for n, w in programs.items() if not w["running"]] + ([supervisor.NAME] if programs and not sup_pid else [])
     if down and not args.json:
@@ -253,11 +256,17 @@ def cmd_status(cfg: Config, args) -> int:
     return 0 if all(s["ready"] for s in st.values()) and not down else 1
 
 
-def _topic_counts(cfg: Config) -> dict[str, int]:
+def _topic_offsets(cfg: Config) -> dict[str, dict]:
+    """Per topic, summed over its partitions: ``end_offsets`` (the high watermarks: the offset the next record
+    gets), ``start_offsets`` (the low watermarks: where the log starts now) and ``records`` (end - start: the records
+    the topic holds; for a compacted topic at most that many, as the cleaner removes a key's older records without
+    moving the start), and whether it is ``compacted``."""
     from confluent_kafka import Consumer, TopicPartition
 
     from infra.acls import reader_group
+    from streams.topics import CATALOGUE
 
+    compacted = {_topics(cfg).name(s.name) for s in CATALOGUE if s.config.get("cleanup.policy") == "compact"}
     c = Consumer({**cfg.kafka_conf(), "group.id": reader_group(cfg, "status"), "log_level": 0})
     try:
         md = c.list_topics(timeout=5)
@@ -266,14 +275,28 @@ def _topic_counts(cfg: Config) -> dict[str, int]:
             t = md.topics.get(name)
             if t is None or t.error is not None:
                 continue
-            total = 0
-            for p in t.partitions:
-                lo, hi = c.get_watermark_offsets(TopicPartition(name, p), timeout=5)
-                total += hi - lo
-            out[name] = total
+            marks = [c.get_watermark_offsets(TopicPartition(name, p), timeout=5) for p in t.partitions]
+            out[name] = {"partitions": len(marks), "start_offsets": sum(lo for lo, _ in marks),
+                         "end_offsets": sum(hi for _, hi in marks), "records": sum(hi - lo for lo, hi in marks),
+                         "compacted": name in compacted}
         return out
     finally:
         c.close()
+
+
+def _topics_table(offsets: dict[str, dict], restored: dict | None) -> str:
+    """`status`'s topics: records held and end offsets (``_topic_offsets``), and what a restore renumbered."""
+    rows = [[t, o["partitions"], f"≤ {o['records']}" if o["compacted"] else o["records"], o["end_offsets"],
+             "compacted: at most this many records" if o["compacted"] else ""] for t, o in offsets.items()]
+    text = _table(["TOPIC", "PARTITIONS", "RECORDS", "END OFFSETS", ""], rows, "")
+    if restored:
+        moved = restored["offsets_moved"]
+        text += (f"\nrestored from {restored['archive']} at {restored['restored_at']}: "
+                 + (f"the restore renumbered the offsets of {len(moved)} partitions ({', '.join(moved[:6])}"
+                    f"{' ...' if len(moved) > 6 else ''}), where the archived log had holes (compaction, retention): "
+                    f"their end offsets are lower than the archived region's; every other partition has its "
+                    f"archived offsets" if moved else "every partition has its archived offsets"))
+    return text
 
 
 # --- produce ------------------------------------------------------------------------------------
