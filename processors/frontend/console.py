@@ -162,8 +162,8 @@ class Progress:
     (streams/ and the components know nothing of the front end).
 
     On a terminal (rich's ``Console(stderr=True).is_terminal``: stderr a tty, or ``FORCE_COLOR``/``TTY_COMPATIBLE``
-    set) each phase is a live line of rich's progress display — spinner, what, a bar and done/total when they are
-    known, time elapsed — left on the screen, ticked, when the next phase starts. Otherwise (a pipe, a file, CI) at
+    set) each phase is a live line of rich's progress display — spinner, time elapsed, a bar and done/total when
+    they are known, what — left on the screen, ticked, when the next phase starts. Otherwise (a pipe, a file, CI) at
     most one plain line per phase when it starts (``ropewalk: [  1.2s] what ...``), and only when ``lines``: a read
     command whose stderr already ends with its one summary line passes ``lines=False`` and says nothing more. stdout
     and ``--json`` never see any of it (rich is told not to redirect them). Use it as a context manager: the display
@@ -193,9 +193,14 @@ class Progress:
         from rich import progress as rp
 
         if self._bar is None:
-            self._bar = rp.Progress(rp.SpinnerColumn(finished_text="[green]✓"), rp.TextColumn("{task.description}"),
-                                    rp.BarColumn(), _Count(), rp.TimeElapsedColumn(), console=self.console,
-                                    redirect_stdout=False, redirect_stderr=False)
+            from rich.table import Column
+
+            # the phase's description last: a long one is cut (…) at the width of the terminal, not the figures
+            self._bar = rp.Progress(rp.SpinnerColumn(finished_text="[green]✓"), rp.TimeElapsedColumn(),
+                                    rp.BarColumn(bar_width=20), _Count(),
+                                    rp.TextColumn("{task.description}", table_column=Column(no_wrap=True,
+                                                                                            overflow="ellipsis")),
+                                    console=self.console, redirect_stdout=False, redirect_stderr=False)
             self._bar.start()
         self._finish_task()
         self._task = self._bar.add_task(what, total=total, counted=False)

@@ -3,6 +3,7 @@ and Redis, its log in a file, ready when its log says so, stopped with TERM then
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -101,3 +102,10 @@ def run_stopped_on_timeout(argv: list[str], timeout_s: float, terminal: bool = F
         raise AssertionError(f"{' '.join(argv[:4])} ... still running after {timeout_s:.0f} s: stopped (SIGTERM); "
                              f"its last output: {stderr(err)[-2000:]}") from None
     return subprocess.CompletedProcess(argv, proc.returncode, out, stderr(err))
+
+
+def phase_drawn(shown: str, phase: str) -> bool:
+    """Whether what a terminal showed (``run_stopped_on_timeout(..., terminal=True).stderr``) has ``phase`` as a line
+    of rich's progress display ticked once over (console.Progress): a ✓, then on the same line, before any other
+    line's spinner or tick, the phase's description."""
+    return bool(re.search(rf"✓[^\r\n✓\u2800-\u28ff]*? {re.escape(phase)}", shown))

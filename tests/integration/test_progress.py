@@ -9,7 +9,7 @@ import re
 import sys
 import time
 
-from processes import env_of, run_stopped_on_timeout
+from processes import env_of, phase_drawn as drawn, run_stopped_on_timeout
 from streams.clients import EventProducer
 from streams.events import new_event
 
@@ -37,11 +37,6 @@ def untimed(doc):
     if isinstance(doc, dict):
         return {k: untimed(v) for k, v in doc.items() if not TIMINGS.search(k)}
     return [untimed(v) for v in doc] if isinstance(doc, list) else doc
-
-
-def drawn(shown: str, phase: str) -> bool:
-    """The phase is a line of rich's display, ticked once over."""
-    return bool(re.search(rf"✓\S* {re.escape(phase)}", shown))
 
 
 def phases(stderr: str) -> list[str]:
