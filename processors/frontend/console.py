@@ -206,9 +206,10 @@ class Progress:
         self._task = self._bar.add_task(what, total=total, counted=False)
 
     def _finish_task(self) -> None:
-        if self._task is not None:
-            done = self._bar.tasks[-1].completed
-            self._bar.update(self._task, total=done or 1, completed=done or 1)  # ticked, its bar full
+        if self._task is not None:  # ticked, its bar full, its count what it counted (a phase that counts nothing: 1/1)
+            task = self._bar.tasks[-1]
+            done = int(task.completed) if task.fields.get("counted") else 1
+            self._bar.update(self._task, total=done, completed=done)
             self._bar.stop_task(self._task)
             self._task = None
 
@@ -226,7 +227,7 @@ class Progress:
         self.close(ok=exc_type is None)
 
 
-def _Count():  # noqa: N802 - stands for the class it makes (rich imported only when drawn)
+def _Count():  # named for the class it makes: rich is imported only when a display is drawn
     """rich's column of a phase's count: ``done/total``, ``done`` when the total is not known, nothing for a phase
     that counts nothing (a step of `up`)."""
     from rich.progress import ProgressColumn
