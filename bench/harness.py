@@ -373,12 +373,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run_cli(args) -> int:
     opts = options_for(args.machines, args.quick, burst_jobs=args.jobs, partitions=args.partitions,
                        replay_events=args.replay_events, keep=args.keep or None)
-    t0 = time.monotonic()
+    from processors.frontend.console import Progress
 
-    def progress(msg: str) -> None:
-        print(f"bench [{time.monotonic() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
-
-    with sigterm_as_interrupt():
+    with sigterm_as_interrupt(), Progress(name="bench") as progress:  # each phase on stderr (console.Progress)
         doc = run(opts, progress)
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_table(doc))
     return 0

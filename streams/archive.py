@@ -40,6 +40,10 @@ Guarantees:
   lost to retention) the restored offsets are denser: group offsets are translated (the first record at or
   after the archived committed offset), and the partitions whose offsets moved are reported
   (``RestoreStats.offsets_moved``). Archive a restored region into a NEW directory.
+* A restore leaves a note in the run directory (``restored.json``: the archive, when, the partitions whose offsets
+  moved, the restored ``_schemas`` topic's id); ``restore_note`` gives it back while the log is that one, and
+  `ropewalk status` says so beside each topic's records and end offsets.
+* ``progress`` (streams/progress.py): both report how many records of how many, once per batch.
 """
 from __future__ import annotations
 
@@ -60,7 +64,8 @@ from fastavro.write import Writer
 from infra.config import Config
 from streams import groups as consumer_groups
 from streams.clients import DeliveryError, consumer_conf, producer_conf
-from streams.topics import BY_NAME, CATALOGUE, CHANGELOG_CONFIG, Topics, provision, wait_until_served
+from streams.progress import ProgressFn, silent
+from streams.topics import BY_NAME, CATALOGUE, CHANGELOG_CONFIG, Topics, provision, topic_id, wait_until_served
 
 FORMAT = "ropewalk-archive/1"
 MANIFEST = "manifest.json"
@@ -142,9 +147,11 @@ class RestoreStats:
 
 # -- archive -------------------------------------------------------------------------------------------
 def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None, max_records: int | None = None,
-            codec: str = "null", timeout_s: float = 30.0) -> ArchiveStats:
+            codec: str = "null", timeout_s: float = 30.0, progress: ProgressFn | None = None) -> ArchiveStats:
     """Archive every record of `topics` (logical names; default: the whole catalogue and the changelogs under the
-    prefix) not yet in `out_dir`, and the committed offsets of the consumer groups under the prefix."""
+    prefix) not yet in `out_dir`, and the committed offsets of the consumer groups under the prefix. ``progress``:
+    records archived of those to archive, after each batch."""
+    say = progress or silent
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cat = Topics(cfg.topic_prefix, cfg.partitions)
@@ -166,8 +173,11 @@ def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None
             else:
                 names = [t if is_changelog(t) else cat.logical(cat.name(t)) for t in topics]
             # Before the partitions' ends (_plan): every record a group consumed is then in the archive.
+            say("reading the consumer groups' offsets")
             manifest["groups"] = _group_offsets(cfg, cat, names)
             pending = _plan(consumer, cat, names, manifest, out_dir, stats, timeout_s)
+            to_archive = sum(max(0, end - start) for start, end, _ in pending.values())
+            say("archiving the log", 0, to_archive)
             _write_manifest(out_dir, manifest)
             consumer.assign([TopicPartition(t, p, start) for (t, p), (start, _, _) in pending.items()])
             fetched: set[tuple[str, int]] = set()
@@ -240,6 +250,7 @@ def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None
                         finish(tp)
                     if max_records is not None and stats.records >= max_records:
                         break
+                say("archiving the log", stats.records, max(to_archive, stats.records))
             stats.complete = not pending
             for tp in list(open_segments):  # stopped at max_records: keep what is complete
                 finish(tp)
@@ -357,9 +368,11 @@ def _clean_partition_dir(pdir: Path, segments: list) -> None:
 
 
 # -- restore -------------------------------------------------------------------------------------------
-def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: float = 30.0) -> RestoreStats:
+def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: float = 30.0,
+            progress: ProgressFn | None = None) -> RestoreStats:
     """Republish the archive in `in_dir` into `cfg`'s broker under `cfg.topic_prefix`, then commit the archived
-    consumer groups' offsets (translated where offsets moved; see the module doc).
+    consumer groups' offsets (translated where offsets moved; see the module doc). ``progress``: records
+    republished of those archived, every 1,000.
 
     Refuses (ArchiveError) when a target topic already holds records, unless `force`; the group offsets are
     refused by the broker while a group has live members (stop the control plane first).
@@ -382,6 +395,9 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
         if n != want:
             raise ArchiveError(f"archive's {name} has {n} partitions, the catalogue says {want}")
     stats, started = RestoreStats(partitions=dict(counts)), time.monotonic()
+    say = progress or silent
+    archived = sum(pst["records"] for st in tstates.values() for pst in st["partitions"].values())
+    say("creating the topics")
     admin = AdminClient({**cfg.kafka_conf(), "log_level": 3})
     provision(admin, cat, timeout_s)
     _create_changelogs(admin, cat, {n: c for n, c in counts.items() if is_changelog(n)}, timeout_s)
@@ -416,6 +432,7 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
                 wanted.setdefault((name, int(p)), []).append(offset)
     translated: dict[tuple[str, int, int], int] = {}  # (logical, p, archived offset) -> restored offset
 
+    say("republishing the archived records", 0, archived)
     catalogue_order = [t.name for t in CATALOGUE]
     order = sorted(tstates, key=lambda n: (n != "_schemas", is_changelog(n),
                                            catalogue_order.index(n) if n in catalogue_order else 0, n))
@@ -447,11 +464,14 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
                 stats.per_topic[name] = stats.per_topic.get(name, 0) + 1
                 if stats.records % 1000 == 0:
                     producer.poll(0)
+                    say("republishing the archived records", stats.records, max(archived, stats.records))
             for offset in targets:  # at or past the partition's end: the restored end
                 translated[(name, int(p), offset)] = base + i
             if moved:
                 stats.offsets_moved.append(f"{physical}[{p}]")
     flush()
+    say("republishing the archived records", stats.records, max(archived, stats.records))
+    say("committing the consumer groups' offsets")
     for group, per_topic in sorted(groups.items()):
         offsets = {(physical_name(cat, name), int(p)): translated[(name, int(p), offset)]
                    for name, per_partition in per_topic.items() for p, offset in per_partition.items()}
@@ -462,7 +482,44 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
                                "control plane (`ropewalk down`) before restoring") from None
         stats.groups[cat.prefix + group] = len(offsets)
     stats.seconds = time.monotonic() - started
+    _write_restore_note(cfg, cat, in_dir, stats)
     return stats
+
+
+# -- what a restore renumbered, for `ropewalk status` ---------------------------------------------------
+RESTORE_NOTE = "restored.json"  # in the run directory
+
+
+def _write_restore_note(cfg: Config, cat: Topics, in_dir: Path, stats: RestoreStats) -> None:
+    """Remember in the run directory that this log was restored from ``in_dir``, and which partitions' offsets the
+    restore renumbered (where the archived offsets had holes): their end offsets differ from the archived region's.
+    Keyed by the restored ``_schemas`` topic's id, so a later log (the data removed, a new broker) is not said to
+    be the restored one."""
+    note = {"archive": str(in_dir.resolve()), "restored_at": _now(), "topic_prefix": cfg.topic_prefix,
+            "records": stats.records, "offsets_moved": sorted(stats.offsets_moved),
+            "schemas_topic_id": topic_id(cfg, cat.name("_schemas"))}
+    path = Path(cfg.run_dir) / RESTORE_NOTE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RESTORE_NOTE}.tmp")
+    tmp.write_text(json.dumps(note, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def restore_note(cfg: Config) -> dict | None:
+    """What the restore that made this log wrote (``_write_restore_note``); None when the log was not restored
+    (no note, or a note of another log or topic prefix)."""
+    path = Path(cfg.run_dir) / RESTORE_NOTE
+    try:
+        note = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if note.get("topic_prefix") != cfg.topic_prefix:
+        return None
+    try:
+        current = topic_id(cfg, Topics(cfg.topic_prefix, cfg.partitions).name("_schemas"))
+    except Exception:  # noqa: BLE001 - no such topic (another log): not the restored one
+        return None
+    return note if current == note.get("schemas_topic_id") else None
 
 
 def _create_changelogs(admin, cat: Topics, counts: dict[str, int], timeout_s: float) -> None:
@@ -569,5 +626,5 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-__all__ = ["archive", "restore", "read_archive", "ArchiveStats", "RestoreStats", "ArchiveError",
+__all__ = ["archive", "restore", "restore_note", "read_archive", "ArchiveStats", "RestoreStats", "ArchiveError",
            "LOG_RECORD_SCHEMA", "FORMAT"]

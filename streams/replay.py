@@ -61,6 +61,7 @@ from streams.clients import EventConsumer, Record
 from streams.deadletter import Skipped
 from streams.events import Event
 from streams.partitioner import partition_for
+from streams.progress import ProgressFn, silent
 from streams.serde import SchemaRegistry
 from streams.topics import BY_NAME, CATALOGUE, TOPIC_OF_EVENT, TopicError, Topics
 
@@ -257,8 +258,9 @@ class Replay:
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, flt: ReplayFilter = ReplayFilter(),
                  start_offsets: Mapping[tuple[str, int], int] | None = None, dead_letters=None, batch: int = 5000,
-                 stall_timeout_s: float = 30.0, skipped: Skipped | None = None):
+                 stall_timeout_s: float = 30.0, skipped: Skipped | None = None, progress: ProgressFn | None = None):
         self.cfg = cfg
+        self.progress = progress or silent  # ("reading the log", records examined, records in the range), per batch
         self.registry = registry
         self.filter = flt
         self.start_offsets = dict(start_offsets or {})
@@ -299,6 +301,8 @@ class Replay:
         try:
             st.partitions = len(consumer.next_offset)
             pending = {tp for tp in consumer.next_offset if not consumer.finished(tp)}
+            in_range = sum(max(0, consumer.ends.get(tp, consumer.floor[tp]) - start)
+                           for tp, start in consumer.next_offset.items())  # the ends' lower bounds: grows by a little
             last_progress = time.monotonic()
             while pending:
                 records = consumer.poll(self.batch, 0.1)  # returns early only when `batch` are ready
@@ -316,6 +320,7 @@ class Replay:
                                      for t, p in sorted(pending))
                     raise ReplayStalled(f"replay: no records for {self.stall_timeout_s:.0f}s; unfinished: {left}")
                 self._update(consumer, t0)
+                self.progress("reading the log", st.read, max(in_range, st.read))
         finally:
             consumer.close()
             self.ends = dict(consumer.ends)
@@ -332,10 +337,10 @@ class Replay:
 
 def replay(cfg: Config, registry: SchemaRegistry, flt: ReplayFilter = ReplayFilter(),
            start_offsets: Mapping[tuple[str, int], int] | None = None, dead_letters=None,
-           batch: int = 5000, skipped: Skipped | None = None) -> Replay:
+           batch: int = 5000, skipped: Skipped | None = None, progress: ProgressFn | None = None) -> Replay:
     """A replay of the log as it is when iteration starts, filtered by `flt` (see the module docstring)."""
     return Replay(cfg, registry, flt, start_offsets=start_offsets, dead_letters=dead_letters, batch=batch,
-                  skipped=skipped)
+                  skipped=skipped, progress=progress)
 
 
 # --- output -------------------------------------------------------------------------------------

@@ -229,3 +229,13 @@ def wait_until_served(admin, partition_counts: Mapping[str, int], timeout_s: flo
             # librdkafka finds the leaders in its metadata cache, which may hold the topic as created (no leader
             # yet: "No leaders found") until its next refresh, minutes away: ask for fresh metadata.
             admin.list_topics(timeout=timeout_s)
+
+
+def topic_id(cfg, topic: str, timeout_s: float = 10.0) -> str:
+    """The Kafka id of ``topic`` (a topic deleted and created again, or restored into a new broker, has another)."""
+    from confluent_kafka import TopicCollection
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
+    desc = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic].result(timeout_s)
+    return str(desc.topic_id)

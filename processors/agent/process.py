@@ -64,7 +64,7 @@ from streams.deadletter import DeadLetters
 from streams.clients import EventConsumer, EventProducer
 from streams.events import Event
 from streams.serde import SchemaRegistry
-from streams.topics import Topics
+from streams.topics import Topics, topic_id
 
 from . import decide as d
 from . import gate as g
@@ -550,16 +550,6 @@ class ProcessAgent(LoopWorker):
 
     def keep_tasks_at_stop(self, *_) -> None:
         self.keep_tasks = True
-
-
-def topic_id(cfg: Config, topic: str, timeout_s: float = 10.0) -> str:
-    """The Kafka id of ``topic`` (a topic deleted and created again, or restored into a new broker, has another)."""
-    from confluent_kafka import TopicCollection
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
-    desc = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)[topic].result(timeout_s)
-    return str(desc.topic_id)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,7 @@ from processors.allocator.processor import SOURCES
 from streams.clients import consumer_conf
 from streams.events import Event
 from streams.heap import folding
+from streams.progress import ProgressFn, silent
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
@@ -163,8 +164,10 @@ class Rebuild:
     the scratch keys."""
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, redis_client: redis.Redis,
-                 consumer: str = DEFAULT_CONSUMER, stall_timeout_s: float = 30.0) -> None:
+                 consumer: str = DEFAULT_CONSUMER, stall_timeout_s: float = 30.0,
+                 progress: ProgressFn | None = None) -> None:
         self.cfg, self.registry, self.r, self.consumer = cfg, registry, redis_client, consumer
+        self.progress = progress or silent  # a phase per step; the read counts records (streams/progress.py)
         self.stall_timeout_s = stall_timeout_s
         self.prefix = cfg.topic_prefix
         self.scratch = f"{SCRATCH}{uuid.uuid4().hex[:12]}:{self.prefix}"
@@ -186,7 +189,7 @@ class Rebuild:
             raise RebuildRefused(f"the log no longer starts at offset 0 in {', '.join(gone)} (retention deleted "
                                  f"records): a rebuild from it would lose what they did; the index was left as it is")
         run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES, types=EVENT_TYPES),
-                     stall_timeout_s=self.stall_timeout_s)
+                     stall_timeout_s=self.stall_timeout_s, progress=self.progress)
         out: dict[tuple[str, int], list[tuple[Event, Position]]] = defaultdict(list)
         for rec in run:
             if rec.event.type in EVENT_TYPES:
@@ -201,6 +204,7 @@ class Rebuild:
     def apply(self, partitions: Mapping[tuple[str, int], list[tuple[Event, Position]]]) -> None:
         """Apply the records to the fold in the merged order; one the fold cannot apply is skipped (counted)."""
         t0 = time.monotonic()
+        self.progress("folding the log")
         for event, position in merged(partitions):
             try:
                 self.fold.apply(event, position)
@@ -218,6 +222,7 @@ class Rebuild:
     def write(self) -> None:
         """The whole fold under the scratch prefix, pipelined."""
         t0 = time.monotonic()
+        self.progress("writing the index to Redis")
         MachineIndex(self.r, self.scratch, self.consumer).project_all(self.fold)
         self.stats.write_s = time.monotonic() - t0
 
@@ -230,6 +235,7 @@ class Rebuild:
         if self._guard is None:
             raise RuntimeError("swap() needs guard() first")
         t0 = time.monotonic()
+        self.progress("swapping it in")
         live = [k for k in self._scan(self.prefix) if is_index_state(k[len(self.prefix):])]
         new = self._scan(self.scratch)
         if live and not self.fold.machines and not self.fold.entitlements:
@@ -280,7 +286,7 @@ class Rebuild:
 
 
 def rebuild_index(cfg: Config, registry: SchemaRegistry | None = None, *, redis_client: redis.Redis | None = None,
-                  consumer: str = DEFAULT_CONSUMER) -> dict[str, Any]:
+                  consumer: str = DEFAULT_CONSUMER, progress: ProgressFn | None = None) -> dict[str, Any]:
     """Rebuild the allocator's Redis state under ``cfg.topic_prefix`` from the log and swap it in (see the
     module doc). Returns ``RebuildStats.as_dict()``: events, index_events, keys, seconds, events_per_s, ...
     Raises RebuildConflict if an allocator wrote to the index meanwhile, RebuildRefused if the log cannot give
@@ -288,7 +294,7 @@ def rebuild_index(cfg: Config, registry: SchemaRegistry | None = None, *, redis_
     registry = registry or SchemaRegistry.from_dir()
     r = redis_client or cfg.redis_client(socket_timeout=SWAP_TIMEOUT_S)
     try:
-        return Rebuild(cfg, registry, r, consumer).run().as_dict()
+        return Rebuild(cfg, registry, r, consumer, progress=progress).run().as_dict()
     finally:
         if redis_client is None:
             r.close()

@@ -27,8 +27,8 @@ from pathlib import Path
 from infra.broker import BrokerLayout
 from infra.config import Config
 from processors.frontend.console import (  # what every command uses (processors/frontend/commands/ too)
-    AT_HELP, CliError, _ago, _duration_ms, _front, _parse_time, _print, _registry, _require_broker, _table, _verdict,
-    _wait_s, command, direct, human_time, user_command,
+    AT_HELP, CliError, Progress, _ago, _duration_ms, _front, _parse_time, _print, _registry, _require_broker, _table,
+    _verdict, _wait_s, command, direct, human_time, user_command,
 )
 
 
@@ -46,17 +46,17 @@ def _admin(cfg: Config):
 
 # --- up / down / status -------------------------------------------------------------------------
 def cmd_up(cfg: Config, args) -> int:
-    from infra import services
+    t0 = time.monotonic()
+    with Progress() as step:  # each step on stderr as it goes (processors/frontend/console.py)
+        return _up(cfg, args, t0, step)
+
+
+def _up(cfg: Config, args, t0: float, step: Progress) -> int:
+    from infra import acls, services
+    from infra.config import remember_endpoints
+    from processors import controlplane
     from streams.topics import provision
 
-    from processors import controlplane
-
-    from infra import acls
-
-    from infra.config import remember_endpoints
-
-    t0 = time.monotonic()
-    step = _Steps(t0)
     step("starting the broker and Redis")
     try:
         st = services.up(cfg)
@@ -108,6 +108,7 @@ def cmd_up(cfg: Config, args) -> int:
                      "ropewalk job status JOB ; ropewalk watch jobs ; ropewalk replay ; ropewalk down")
     else:
         lines.append("next    ropewalk status | ropewalk produce intents EntitlementCreated FILE | ropewalk replay | ropewalk down")
+    step.close()  # the display ends before the result
     _print(doc, args.json, "\n".join(lines))
     if dead:
         from infra.supervisor import exit_text
@@ -147,17 +148,6 @@ def _scrape_targets(cfg: Config) -> dict:
     api = {"api": cfg.api_url.removeprefix("http://").removeprefix("https://")}
     return {"file_sd": str(metrics.write_file_sd(cfg.run_dir, extra=api)),
             "targets": {**metrics.targets(cfg.run_dir), **api}}
-
-
-class _Steps:
-    """Progress of a long command on stderr: one line per step with the seconds since it started (stdout keeps the
-    command's result alone)."""
-
-    def __init__(self, t0: float):
-        self.t0 = t0
-
-    def __call__(self, what: str) -> None:
-        print(f"ropewalk: [{time.monotonic() - self.t0:5.1f}s] {what} ...", file=sys.stderr, flush=True)
 
 
 DEMO_ENTITLEMENT = "demo"
@@ -241,9 +231,13 @@ def cmd_status(cfg: Config, args) -> int:
     workers = controlplane.status(cfg)
     sup_pid = supervisor.process(cfg.run_dir).pid()
     doc = {"components": st, "supervisor": {"running": sup_pid is not None, "pid": sup_pid},
-           "control_plane": workers, "programs": programs, "topics": {}}
+           "control_plane": workers, "programs": programs, "topics": {}, "topic_offsets": {}, "restored": None}
     if st["broker"]["ready"]:
-        doc["topics"] = _topic_counts(cfg)
+        from streams.archive import restore_note
+
+        doc["topic_offsets"] = _topic_offsets(cfg)
+        doc["topics"] = {t: o["records"] for t, o in doc["topic_offsets"].items()}  # as it always was: high - low
+        doc["restored"] = restore_note(cfg)
     lines = [f"{name:7} {'ready' if s['ready'] else 'DOWN':5}  {s['endpoint']}"
              + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "")
              + (f"  restarts {programs[name]['restarts']}" if name in programs else "") for name, s in st.items()]
@@ -253,9 +247,8 @@ def cmd_status(cfg: Config, args) -> int:
         last = supervisor.exit_text(w.get("last_exit"))
         lines.append(f"{name:14} {w['state']:8} pid {w['pid'] or '-':<8} restarts {w['restarts']}"
                      + (f" (last: {last})" if last else "") + f"  log {w['log']}")
-    # Listed end offsets (high - low watermark): the records of each topic (compacted topics: the offsets
-    # spanned, more than the records the cleaner left).
-    lines += [f"topic   {t:28} {n:>10} (listed end offsets)" for t, n in doc["topics"].items()]
+    if doc["topic_offsets"]:
+        lines += ["", _topics_table(doc["topic_offsets"], doc["restored"])]
     _print(doc, args.json, "\n".join(lines))
     down = [n for n, w in programs.items() if not w["running"]] + ([supervisor.NAME] if programs and not sup_pid else [])
     if down and not args.json:
@@ -263,11 +256,17 @@ def cmd_status(cfg: Config, args) -> int:
     return 0 if all(s["ready"] for s in st.values()) and not down else 1
 
 
-def _topic_counts(cfg: Config) -> dict[str, int]:
+def _topic_offsets(cfg: Config) -> dict[str, dict]:
+    """Per topic, summed over its partitions: ``end_offsets`` (the high watermarks: the offset the next record
+    gets), ``start_offsets`` (the low watermarks: where the log starts now) and ``records`` (end - start: the records
+    the topic holds; for a compacted topic at most that many, as the cleaner removes a key's older records without
+    moving the start), and whether it is ``compacted``."""
     from confluent_kafka import Consumer, TopicPartition
 
     from infra.acls import reader_group
+    from streams.topics import CATALOGUE
 
+    compacted = {_topics(cfg).name(s.name) for s in CATALOGUE if s.config.get("cleanup.policy") == "compact"}
     c = Consumer({**cfg.kafka_conf(), "group.id": reader_group(cfg, "status"), "log_level": 0})
     try:
         md = c.list_topics(timeout=5)
@@ -276,14 +275,28 @@ def _topic_counts(cfg: Config) -> dict[str, int]:
             t = md.topics.get(name)
             if t is None or t.error is not None:
                 continue
-            total = 0
-            for p in t.partitions:
-                lo, hi = c.get_watermark_offsets(TopicPartition(name, p), timeout=5)
-                total += hi - lo
-            out[name] = total
+            marks = [c.get_watermark_offsets(TopicPartition(name, p), timeout=5) for p in t.partitions]
+            out[name] = {"partitions": len(marks), "start_offsets": sum(lo for lo, _ in marks),
+                         "end_offsets": sum(hi for _, hi in marks), "records": sum(hi - lo for lo, hi in marks),
+                         "compacted": name in compacted}
         return out
     finally:
         c.close()
+
+
+def _topics_table(offsets: dict[str, dict], restored: dict | None) -> str:
+    """`status`'s topics: records held and end offsets (``_topic_offsets``), and what a restore renumbered."""
+    rows = [[t, o["partitions"], f"≤ {o['records']}" if o["compacted"] else o["records"], o["end_offsets"],
+             "compacted: at most this many records" if o["compacted"] else ""] for t, o in offsets.items()]
+    text = _table(["TOPIC", "PARTITIONS", "RECORDS", "END OFFSETS", ""], rows, "")
+    if restored:
+        moved = restored["offsets_moved"]
+        text += (f"\nrestored from {restored['archive']} at {restored['restored_at']}: "
+                 + (f"the restore renumbered the offsets of {len(moved)} partitions ({', '.join(moved[:6])}"
+                    f"{' ...' if len(moved) > 6 else ''}), where the archived log had holes (compaction, retention): "
+                    f"their end offsets are lower than the archived region's; every other partition has its "
+                    f"archived offsets" if moved else "every partition has its archived offsets"))
+    return text
 
 
 # --- produce ------------------------------------------------------------------------------------
@@ -621,22 +634,29 @@ def cmd_replay(cfg: Config, args) -> int:
     out = sys.stdout
     front = _front(cfg, args)
     # One timeline: the matched events of every topic and partition merged by their time (rp.time_order_key).
-    if not direct(args):
-        run = front.replay(entitlement=args.entitlement, job=args.job, machine=args.machine, since_ms=since,
-                           until_ms=until, topic=args.topic, type=types, exclude_type=exclude)
-        found = list(run)
-        matched, read, elapsed = (run.stats.get(k, 0) for k in ("matched", "read", "elapsed_s"))
-    else:
-        try:
-            flt = rp.ReplayFilter(entitlement=args.entitlement, job=args.job, machine=args.machine, since_ms=since,
-                                  until_ms=until, topics=tuple(args.topic) if args.topic else None,
-                                  types=frozenset(types) if types else None,
-                                  exclude_types=frozenset(exclude) if exclude else None)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-        run = front.replay(flt)
-        found = [(line, json.loads(line)) for line in (rp.format_json(rec) for rec in run)]
-        matched, read, elapsed = run.stats.matched, run.stats.read, run.stats.elapsed_s
+    # Progress on a terminal only: off one, stderr keeps its one summary line (console.Progress).
+    with Progress(lines=False) as progress:
+        if not direct(args):
+            run = front.replay(entitlement=args.entitlement, job=args.job, machine=args.machine, since_ms=since,
+                               until_ms=until, topic=args.topic, type=types, exclude_type=exclude)
+            found = []
+            progress("the API reads the log; matched events received", 0)  # counted as they come (no total)
+            for item in run:
+                found.append(item)
+                if len(found) % 500 == 0:
+                    progress("the API reads the log; matched events received", len(found))
+            matched, read, elapsed = (run.stats.get(k, 0) for k in ("matched", "read", "elapsed_s"))
+        else:
+            try:
+                flt = rp.ReplayFilter(entitlement=args.entitlement, job=args.job, machine=args.machine,
+                                      since_ms=since, until_ms=until, topics=tuple(args.topic) if args.topic else None,
+                                      types=frozenset(types) if types else None,
+                                      exclude_types=frozenset(exclude) if exclude else None)
+            except ValueError as exc:
+                raise CliError(str(exc)) from None
+            run = front.replay(flt, progress=progress)
+            found = [(line, json.loads(line)) for line in (rp.format_json(rec) for rec in run)]
+            matched, read, elapsed = run.stats.matched, run.stats.read, run.stats.elapsed_s
     found.sort(key=lambda ld: rp.time_order_key(ld[1]))
     for line, doc in found:
         out.write((line if args.json else rp.format_text_doc(doc)) + "\n")
@@ -662,7 +682,8 @@ def cmd_rebuild(cfg: Config, args) -> int:
         raise CliError(f"the allocator is running (pid {pid}); stop it first (`ropewalk down`, then `ropewalk up "
                        f"--machines 0` for the broker and Redis alone; `ropewalk up` after the rebuild), or pass "
                        f"--force (a running allocator also rewrites an index it finds emptied)")
-    st = rebuild_index(cfg, _registry())
+    with Progress() as progress:
+        st = rebuild_index(cfg, _registry(), progress=progress)
     lines = [f"rebuilt the allocator's Redis index from {st['events']} events ({st['index_events']} applied) in "
              f"{st['seconds']:.2f}s ({st['events_per_s']:,.0f} events/s): {st['keys']} keys swapped in, "
              f"{st['replaced']} replaced"]
@@ -683,7 +704,8 @@ def cmd_archive(cfg: Config, args) -> int:
     from streams import archive as ar
 
     _require_broker(cfg)
-    st = ar.archive(cfg, Path(args.dir))
+    with Progress() as progress:
+        st = ar.archive(cfg, Path(args.dir), progress=progress)
     _print(_asdict(st), args.json, f"archived {st.records} records to {args.dir} in {st.seconds:.2f}s "
            f"({st.records_per_s:,.0f} records/s)")
     return 0
@@ -701,9 +723,12 @@ def cmd_restore(cfg: Config, args) -> int:
     if running:
         raise CliError(f"the control plane is running ({', '.join(running)}); `ropewalk down` first: restored "
                        f"processors must start from the restored positions")
-    services.up(cfg)
-    st = ar.restore(cfg, Path(args.dir), force=args.force)
-    index = rebuild_index(cfg, _registry())
+    with Progress() as progress:
+        progress("starting the broker and Redis")
+        services.up(cfg)
+        st = ar.restore(cfg, Path(args.dir), force=args.force, progress=progress)
+        index = rebuild_index(cfg, _registry(), progress=lambda what, done=None, total=None: progress(
+            f"rebuilding the allocator's index: {what}", done, total))
     doc = {**_asdict(st), "index": index}
     lines = [f"restored {st.records} records from {args.dir} in {st.seconds:.2f}s ({st.records_per_s:,.0f} records/s); "
              f"offsets of {len(st.groups)} consumer groups committed ({', '.join(sorted(st.groups)) or 'none archived'})",

@@ -152,3 +152,92 @@ def user_command(sp, intent: bool = False):
                           "API, job submit waits by default)")
         when.add_argument("--no-wait", action="store_true", help="do not wait for the scheduler's verdict")
     return sp
+
+
+# -- progress of long steps ------------------------------------------------------------------------------------------
+class Progress:
+    """Progress of a long command on stderr, the one helper of `up`, `bench`, `replay`, `rebuild`, `archive` and
+    `restore`: ``progress(what)`` starts a phase, ``progress(what, done, total)`` says how far it is (``total``
+    None: not known). A library function that reports progress takes it as a plain callable of that signature
+    (streams/ and the components know nothing of the front end).
+
+    On a terminal (rich's ``Console(stderr=True).is_terminal``: stderr a tty, or ``FORCE_COLOR``/``TTY_COMPATIBLE``
+    set) each phase is a live line of rich's progress display — spinner, time elapsed, a bar and done/total when
+    they are known, what — left on the screen, ticked, when the next phase starts. Otherwise (a pipe, a file, CI) at
+    most one plain line per phase when it starts (``ropewalk: [  1.2s] what ...``), and only when ``lines``: a read
+    command whose stderr already ends with its one summary line passes ``lines=False`` and says nothing more. stdout
+    and ``--json`` never see any of it (rich is told not to redirect them). Use it as a context manager: the display
+    stops before the command prints its result or its error line."""
+
+    def __init__(self, lines: bool = True, name: str = "ropewalk", console=None):
+        from rich.console import Console
+
+        self.console = console or Console(stderr=True)
+        self.live, self.lines, self.name = self.console.is_terminal, lines, name
+        self.t0 = time.monotonic()
+        self._what: str | None = None
+        self._bar = self._task = None
+
+    def __call__(self, what: str, done: int | None = None, total: int | None = None) -> None:
+        if what != self._what:
+            self._start(what, total)
+        if self._bar is not None and done is not None:
+            self._bar.update(self._task, completed=done, total=total, counted=True)
+
+    def _start(self, what: str, total: int | None) -> None:
+        self._what = what
+        if not self.live:
+            if self.lines:
+                print(f"{self.name}: [{time.monotonic() - self.t0:5.1f}s] {what} ...", file=sys.stderr, flush=True)
+            return
+        from rich import progress as rp
+
+        if self._bar is None:
+            from rich.table import Column
+
+            # the phase's description last: a long one is cut (…) at the width of the terminal, not the figures
+            self._bar = rp.Progress(rp.SpinnerColumn(finished_text="[green]✓"), rp.TimeElapsedColumn(),
+                                    rp.BarColumn(bar_width=20), _Count(),
+                                    rp.TextColumn("{task.description}", table_column=Column(no_wrap=True,
+                                                                                            overflow="ellipsis")),
+                                    console=self.console, redirect_stdout=False, redirect_stderr=False)
+            self._bar.start()
+        self._finish_task()
+        self._task = self._bar.add_task(what, total=total, counted=False)
+
+    def _finish_task(self) -> None:
+        if self._task is not None:  # ticked, its bar full, its count what it counted (a phase that counts nothing: 1/1)
+            task = self._bar.tasks[-1]
+            done = int(task.completed) if task.fields.get("counted") else 1
+            self._bar.update(self._task, total=done, completed=done)
+            self._bar.stop_task(self._task)
+            self._task = None
+
+    def close(self, ok: bool = True) -> None:
+        if self._bar is not None:
+            if ok:
+                self._finish_task()
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(ok=exc_type is None)
+
+
+def _Count():  # named for the class it makes: rich is imported only when a display is drawn
+    """rich's column of a phase's count: ``done/total``, ``done`` when the total is not known, nothing for a phase
+    that counts nothing (a step of `up`)."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class Count(ProgressColumn):
+        def render(self, task) -> Text:
+            if not task.fields.get("counted"):
+                return Text("")
+            done = f"{int(task.completed):,}"
+            return Text(done if task.total is None else f"{done}/{int(task.total):,}", style="progress.download")
+
+    return Count()

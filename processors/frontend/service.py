@@ -491,12 +491,13 @@ class Frontend:
         return maintenance_windows(rec.event for rec in run)
 
     # -- the log ---------------------------------------------------------------------------------------------
-    def replay(self, flt) -> "Iterator":
-        """The audit timeline (``streams.replay.replay``): a ``Replay`` to iterate once (``.stats`` after)."""
+    def replay(self, flt, progress=None) -> "Iterator":
+        """The audit timeline (``streams.replay.replay``): a ``Replay`` to iterate once (``.stats`` after);
+        ``progress`` as streams/progress.py says."""
         from streams import replay as rp
 
         self.require_broker()
-        return rp.replay(self.cfg, self.registry, flt, skipped=self.skipped)
+        return rp.replay(self.cfg, self.registry, flt, skipped=self.skipped, progress=progress)
 
     def state_reader(self, kind: str, entitlement: str | None = None):
         """A ``streams.state.StateReader`` of ``kind`` (jobs, machines): ``catch_up`` then ``poll``/``follow``."""

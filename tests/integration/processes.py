@@ -3,8 +3,10 @@ and Redis, its log in a file, ready when its log says so, stopped with TERM then
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 
 from infra.config import PROJECT_ROOT
@@ -82,12 +84,43 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(5)
 
 
-def run_stopped_on_timeout(argv: list[str], timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
+def run_stopped_on_timeout(argv: list[str], timeout_s: float, terminal: bool = False,
+                           **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, capture_output=True, text=True)``, but past ``timeout_s`` the command gets SIGTERM
     (a bench or an experiment then stops the region it started: bench/env.py's ``sigterm_as_interrupt``) and the
     test fails saying so. ``subprocess.run``'s own timeout, and pytest's, SIGKILL it and leave that region running
-    for the rest of the suite. Keep ``timeout_s`` below the test's pytest timeout."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    for the rest of the suite. Keep ``timeout_s`` below the test's pytest timeout.
+
+    ``terminal``: the command's stderr is a terminal (a pseudo-terminal, python's ``pty``), and the result's
+    ``stderr`` is what it showed there, escape sequences and all; stdout stays a pipe."""
+    if terminal:
+        master, slave = os.openpty()
+        shown: list[bytes] = []
+
+        def drain() -> None:
+            while True:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the command and its children closed the terminal
+                    return
+                if not chunk:
+                    return
+                shown.append(chunk)
+
+        reader = threading.Thread(target=drain, daemon=True)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave, text=True, **kwargs)
+        os.close(slave)
+        reader.start()
+    else:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+    def stderr(err: str | None) -> str:
+        if not terminal:
+            return err or ""
+        reader.join(10)
+        os.close(master)
+        return b"".join(shown).decode("utf-8", errors="replace")
+
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -98,5 +131,12 @@ def run_stopped_on_timeout(argv: list[str], timeout_s: float, **kwargs) -> subpr
             proc.kill()
             out, err = proc.communicate()
         raise AssertionError(f"{' '.join(argv[:4])} ... still running after {timeout_s:.0f} s: stopped (SIGTERM); "
-                             f"its last output: {err[-2000:]}") from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+                             f"its last output: {stderr(err)[-2000:]}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, stderr(err))
+
+
+def phase_drawn(shown: str, phase: str) -> bool:
+    """Whether what a terminal showed (``run_stopped_on_timeout(..., terminal=True).stderr``) has ``phase`` as a line
+    of rich's progress display ticked once over (console.Progress): a ✓, then on the same line, before any other
+    line's spinner or tick, the phase's description."""
+    return bool(re.search(rf"✓[^\r\n✓\u2800-\u28ff]*? {re.escape(phase)}", shown))

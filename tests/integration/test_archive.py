@@ -3,6 +3,12 @@ the archive is restored into a fresh broker; plus incremental runs, resume after
 refusal to restore into topics that hold records."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -13,6 +19,7 @@ from confluent_kafka.admin import AdminClient
 
 import streams.archive as arch
 from infra import services
+from infra.broker import BrokerLayout
 from infra.config import Config
 from infra.process import free_ports, port_open
 from streams.archive import ArchiveError, archive, read_archive, restore
@@ -283,3 +290,67 @@ def test_restore_into_non_empty_topics_is_refused(cfg, registry, tmp_path):
     restore(other, tmp_path / "arc")
     with pytest.raises(ArchiveError, match="already hold records"):
         restore(other, tmp_path / "arc")
+
+
+def _status(cfg: Config, *args: str) -> subprocess.CompletedProcess:
+    """`ropewalk status` against ``cfg``'s broker, its run directory (where a restore leaves its note)."""
+    env = {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
+           "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
+           "ROPEWALK_RUN_DIR": str(cfg.run_dir)}
+    return subprocess.run([sys.executable, "-m", "processors.frontend.cli", "status", *args], env=env,
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+
+
+def test_status_after_a_restore_says_what_it_holds_and_what_the_restore_renumbered(dedicated_brokers, registry,
+                                                                                    tmp_path):
+    """Issue 13: `status` after `archive` + `restore`. A partition whose log no longer starts at 0 (retention: here
+    DeleteRecords) is restored from offset 0: its records are the same, its end offset lower. Status says records
+    held and end offsets, each for what it is, and that the restore renumbered that partition; a new log in the same
+    run directory is not said to be the restored one."""
+    a = dedicated_brokers("a")
+    _produce(a, registry, 0, 40)
+    hb = Topics(a.topic_prefix, a.partitions).name("heartbeats")
+    admin = AdminClient({**a.kafka_conf()})
+    c = Consumer(consumer_conf(a, None))
+    ends = {p: c.get_watermark_offsets(TopicPartition(hb, p), timeout=10)[1] for p in range(a.partitions)}
+    c.close()
+    part = max(ends, key=ends.get)  # the fullest heartbeats partition loses its first 5 records, as to retention
+    assert ends[part] > 5
+    for fut in admin.delete_records([TopicPartition(hb, part, 5)]).values():
+        fut.result(15)
+    before = _status(a, "--json")
+    assert before.returncode == 0, before.stderr
+    before = json.loads(before.stdout)
+    assert before["restored"] is None and before["topic_offsets"][hb]["start_offsets"] == 5
+    archive(a, tmp_path / "arc")
+    services.down(a)
+
+    b = dedicated_brokers("b")
+    rstats = restore(b, tmp_path / "arc")
+    assert rstats.offsets_moved == [f"{hb}[{part}]"]
+    after = _status(b, "--json")
+    assert after.returncode == 0, after.stderr
+    after = json.loads(after.stdout)
+    assert after["restored"]["archive"] == str((tmp_path / "arc").resolve())
+    assert after["restored"]["offsets_moved"] == [f"{hb}[{part}]"]
+    for topic, was in before["topic_offsets"].items():
+        now = after["topic_offsets"][topic]
+        assert now["records"] == was["records"], topic  # the same records
+        assert now["start_offsets"] == 0
+        assert now["end_offsets"] == was["end_offsets"] - (5 if topic == hb else 0), topic  # renumbered: 5 lower
+    assert after["topics"] == before["topics"]  # --json's records per topic, as it always was
+    text = _status(b).stdout
+    header = next(line for line in text.splitlines() if line.startswith("TOPIC"))
+    assert header.split() == ["TOPIC", "PARTITIONS", "RECORDS", "END", "OFFSETS"]
+    assert re.search(rf"^{re.escape(hb)} +{b.partitions} +{before['topics'][hb]} +{before['topics'][hb]}$", text, re.M)
+    assert re.search(r"^(\S+\.)?state\.jobs +\d+ +≤ \d+ +\d+ +compacted: at most this many records$", text, re.M)
+    assert (f"restored from {(tmp_path / 'arc').resolve()} at " in text
+            and f"renumbered the offsets of 1 partitions ({hb}[{part}])" in text), text
+
+    # A new log in the same run directory (the broker's data removed): not the restored one.
+    services.down(b)
+    shutil.rmtree(BrokerLayout.of(b).data)
+    services.up(b)
+    provision(AdminClient({**b.kafka_conf()}), Topics(b.topic_prefix, b.partitions))
+    fresh = json.loads(_status(b, "--json").stdout)
+    assert fresh["restored"] is None and "restored from" not in _status(b).stdout

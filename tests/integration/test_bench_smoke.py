@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_stopped_on_timeout
+from processes import phase_drawn, run_stopped_on_timeout
 
 from infra.process import pid_alive
 
@@ -25,13 +25,30 @@ def _number(v) -> bool:
 
 
 @pytest.fixture(scope="module")
-def bench_doc(tmp_path_factory):
+def bench_run(tmp_path_factory):
+    """The bench run as a user at a terminal runs it: stderr a (pseudo-)terminal, where its progress is drawn;
+    stdout a pipe, for the JSON document alone."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("ROPEWALK_")}  # the bench picks its own ports, run dir and prefix
     out = run_stopped_on_timeout([sys.executable, "-m", "processors.frontend.cli", "bench", "--quick", "--machines",
-                                  str(MACHINES), "--json"], 200, cwd=tmp_path_factory.mktemp("cwd"), env=env)
+                                  str(MACHINES), "--json"], 200, terminal=True, cwd=tmp_path_factory.mktemp("cwd"),
+                                 env={**env, "TERM": "xterm", "COLUMNS": "120"})
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bench_doc(bench_run):
+    return json.loads(bench_run.stdout)  # stdout is the document alone, progress or not
+
+
+@pytest.mark.timeout(240)
+def test_progress_is_drawn_on_the_terminal(bench_run):
+    """Each phase is a line of rich's live display on stderr, ticked once over (issue 13)."""
+    shown = bench_run.stderr
+    assert "\x1b[" in shown  # drawn (escape sequences), not plain lines
+    for phase in ("registering a simulated region", "1/5 allocation", "2/5 failover", "3/5 rebuild", "5/5 per-event"):
+        assert phase_drawn(shown, phase), (phase, shown[-2000:])
 
 
 @pytest.mark.timeout(240)

@@ -10,6 +10,7 @@ is DOWN, and no TasksCommanded, AllocationRequested or TasksAllocated may be add
 """
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -97,6 +98,12 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
         assert restored["offsets_moved"] == [p for p in restored["offsets_moved"] if "changelog" in p or "state." in p
                                              or "_schemas" in p], "a data topic's offsets moved"
         assert restored["index"]["machines"] == 25
+        # status after the restore (issue 13): the records each topic holds are the archived ones, and it says
+        # which archive the log came from (the control plane is down: exit 1, the document all the same)
+        st = json.loads(region("status", "--json").stdout)
+        assert st["restored"]["archive"] == str((tmp_path / "arc").resolve())
+        assert st["restored"]["offsets_moved"] == sorted(restored["offsets_moved"])
+        assert st["topics"] == {t: archived["per_topic"].get(t, 0) for t in st["topics"]}
         back = region.json("up", "--machines", "24", "--no-demo")
         assert back and back["ready"], back
         time.sleep(QUIET_S)
