@@ -429,7 +429,7 @@ def _on_suspended(state: AgentState, task_id: str, now_ms: int):
         return state, [], []
     if run.phase == P_KILLING and run.then is None:  # a stop under way: done
         return _on_exited(state, task_id, None, now_ms, DEFAULT_POLICY)
-    if run.phase == P_KILLING:  # killed for a new spec: that one starts with the agent (announced now)
+    if run.phase == P_KILLING and run.then is not None:  # killed for a new spec: it starts with the agent (announced now)
         new = TaskRun(task_id=task_id, spec=run.then, phase=phase_after(run.phase, T_SUSPENDED),
                       reported=run.reported, restart_at_ms=now_ms, commands=run.commands)
         ev = _report(state, new, STARTING, REASON_SPAWNING, now_ms)

@@ -126,11 +126,13 @@ class Task:
     def row(self) -> Mapping[str, Any]:
         """Its JobStatePublished TaskStatus: built once per task version, when first published (most versions a
         decision makes are never published), so publishing a 15K-task job does not rebuild 15K rows per event."""
-        if self._row is None:
-            object.__setattr__(self, "_row", MappingProxyType({
+        row = self._row
+        if row is None:
+            row = MappingProxyType({
                 "task_id": self.id, "state": self.state, "machine_id": self.machine, "dc": self.dc,
-                "msb": self.msb, "rack": self.rack, "spec_version": self.spec_version, "reason": self.reason}))
-        return self._row
+                "msb": self.msb, "rack": self.rack, "spec_version": self.spec_version, "reason": self.reason})
+            object.__setattr__(self, "_row", row)
+        return row
 
 
 _task_with = evolver(Task)
