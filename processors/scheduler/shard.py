@@ -594,6 +594,9 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             dropped = tables.drop_orphans(active)
             if dropped:
                 log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)", dropped)
+        from infra import metrics
+
+        metrics.TIMER_TICKS.labels(worker=APP_ID).inc()  # a round of the retry timer done, its output produced
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:

@@ -15,13 +15,16 @@ import time
 
 import pytest
 
+from processes import value, worker_metrics
 from regioncli import RegionCli
+
+from processors.scheduler.shard import APP_ID
 
 # Every kind of decision record: commands (TasksCommanded since decisions are batched per job; TaskCommanded in older
 # logs), allocation requests, and the allocator's answers.
 DECISIONS = ("TaskCommanded", "TasksCommanded", "AllocationRequested", "TasksAllocated", "AllocationRejected",
              "TasksDeallocated")
-QUIET_S = 5.0  # how long the restarted region runs before it is compared (five retry-timer rounds)
+QUIET_ROUNDS = 5  # rounds of the scheduler's retry timer the restarted region runs before it is compared
 
 
 def job_spec(path, name: str, tasks: int) -> str:
@@ -52,6 +55,19 @@ def decisions(region: RegionCli) -> dict[str, list[str]]:
 
 
 @pytest.mark.timeout(420)
+def quiet(region: RegionCli, rounds: int = QUIET_ROUNDS) -> None:
+    """Wait until the scheduler's retry timer (the one that decides again what is unplaced or overdue) has run
+    ``rounds`` more rounds, counted by its metric: however slow the machine, the region had its chances to
+    re-execute something."""
+    def ticks() -> float | None:
+        fams = worker_metrics(region.run_dir, "scheduler-0")
+        return value(fams, "ropewalk_timer_ticks_total", worker=APP_ID) if fams else None
+
+    region.wait_for(lambda: ticks() is not None, "the scheduler serves its metrics")
+    first = ticks()
+    region.wait_for(lambda: (ticks() or 0) >= first + rounds, f"{rounds} rounds of the scheduler's retry timer")
+
+
 def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
     region = RegionCli(tmp_path / "run", ROPEWALK_SCHEDULER_RETRY_S="1")
     try:
@@ -70,7 +86,7 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
         region.ok("machine", "fail", victim)
         region.wait_for(lambda: (v := region.running("e1.moved", 3)) and victim not in {t["machine"] for t in v["tasks"]},
                         "e1.moved's task moved off the failed machine")
-        time.sleep(QUIET_S)
+        quiet(region)
         before, made = snapshot(region), decisions(region)
         assert made["TasksCommanded"] and made["TasksAllocated"], made  # the test sees the decisions it compares
         assert before["jobs"]["e1.gone"] is None and before["jobs"]["e1.run"]["state"] == "running"
@@ -81,7 +97,7 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
         again = region.json("up", "--machines", "24", "--no-demo")
         assert again and again["ready"], again  # ready although a machine is DOWN
         assert again["machines_indexed"] == 25 and again["machines_up"] == 24
-        time.sleep(QUIET_S)
+        quiet(region)
         assert snapshot(region) == before
         assert decisions(region) == made
 
@@ -106,7 +122,7 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
         assert st["topics"] == {t: archived["per_topic"].get(t, 0) for t in st["topics"]}
         back = region.json("up", "--machines", "24", "--no-demo")
         assert back and back["ready"], back
-        time.sleep(QUIET_S)
+        quiet(region)
         assert snapshot(region) == before
         assert decisions(region) == made
     finally:
