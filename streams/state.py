@@ -20,10 +20,10 @@ command may share among its readers and report once); the reader goes on.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Iterator
 
 from infra.config import Config
+from streams.catchup import CatchUpTimeout, read_to_end
 from streams.clients import EventConsumer, Record
 from streams.deadletter import Skipped
 from streams.events import Event
@@ -63,10 +63,13 @@ class StateReader:
     def poll(self, timeout_s: float = 0.5) -> list[Record]:
         """Apply the next batch of changes; returns the changed records (in log order per partition; for jobs,
         one record per job that changed, carrying the whole job)."""
+        return self._apply(self._consumer.poll(5000, timeout_s))
+
+    def _apply(self, records: list[Record]) -> list[Record]:
         if self.kind == "jobs":
-            return self._poll_jobs(timeout_s)
+            return self._apply_jobs(records)
         changed = []
-        for rec in self._consumer.poll(5000, timeout_s):
+        for rec in records:
             # One key's records share a partition, so log order is the order of its states: last wins.
             key = rec.event.payload[KEY_FIELD[self.kind]]
             if self.kind == "machines":
@@ -84,9 +87,9 @@ class StateReader:
             changed.append(rec)
         return changed
 
-    def _poll_jobs(self, timeout_s: float) -> list[Record]:
+    def _apply_jobs(self, records: list[Record]) -> list[Record]:
         touched: dict[str, Record] = {}
-        for rec in self._consumer.poll(5000, timeout_s):
+        for rec in records:
             ev, p = rec.event, rec.event.payload
             job = p["job_id"]
             if ev.type == "JobTasksPublished":
@@ -115,14 +118,13 @@ class StateReader:
         return changed
 
     def catch_up(self, timeout_s: float = 30.0) -> dict[str, Event]:
-        """Read to the end of every partition (end-of-partition, not the listed watermark) and return the
-        latest state per key."""
-        partitions = set(self._consumer.partitions())
-        deadline = time.monotonic() + timeout_s
-        while not partitions <= self._consumer.eof:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"state.{self.kind}: not caught up after {timeout_s:.0f}s")
-            self.poll(0.2)
+        """Read every partition up to where it ended when the call started (``streams.catchup.read_to_end``: it
+        ends although the allocator keeps publishing) and return the latest state per key. Call it first, on
+        the fresh reader. ``TimeoutError`` when no partition made progress for ``timeout_s`` (broker away)."""
+        try:
+            read_to_end(self._consumer, self._apply, timeout_s=timeout_s)
+        except CatchUpTimeout as exc:
+            raise TimeoutError(f"state.{self.kind}: not caught up: {exc}") from None
         return self.latest
 
     def follow(self, idle_s: float = 0.5) -> Iterator[Record]:
