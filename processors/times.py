@@ -12,6 +12,7 @@ import time
 from datetime import datetime, timezone
 
 UNITS = (("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000))
+MAX_MOMENT_CHARS = 200  # the longest moment taken (`at`, `--at`): a topic, a partition and an offset fit many times
 
 
 def duration_ms(value: str) -> int:

@@ -63,6 +63,7 @@ from processors.api.errors import ApiError
 from processors.api.authz import User
 from processors.frontend import service as fe
 from processors.frontend.service import Frontend, FrontendError
+from processors.times import MAX_MOMENT_CHARS
 from streams.events import MAX_TIME_MS
 
 PRODUCER = "api"
@@ -218,7 +219,7 @@ WaitS = Annotated[float, Query(ge=0, le=fe.MAX_WAIT_S, description="how long to 
 EntitlementQuery = Annotated[str | None, Query(pattern=NAME_PATTERN)]
 AT_DESCRIPTION = ("a moment: ms since epoch, ISO-8601, now, now-DURATION (now-15m), or TOPIC/PARTITION@OFFSET "
                   "(processors/history/moments.parse_moment)")
-AtQuery = Annotated[str | None, Query(min_length=1, max_length=200, description=AT_DESCRIPTION)]
+AtQuery = Annotated[str | None, Query(min_length=1, max_length=MAX_MOMENT_CHARS, description=AT_DESCRIPTION)]
 DryRun = Annotated[bool, Query(description="say what would happen; produce nothing (processors/history/whatif.py)")]
 
 
@@ -488,7 +489,7 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
 
     # -- the region at a moment, and why a task is where it is (processors/history) ----------------------
     @app.get("/v1/region", tags=["history"])
-    async def region(user: CurrentUser, at: Annotated[str, Query(min_length=1, max_length=200,
+    async def region(user: CurrentUser, at: Annotated[str, Query(min_length=1, max_length=MAX_MOMENT_CHARS,
                                                                  description=AT_DESCRIPTION)]) -> dict:
         allow(user, "region.view", None)
         return await call(front(user).region, at)

@@ -153,6 +153,10 @@ def parse_moment(value: str, now_ms: int, record_time=None) -> int:
     ``events.MAX_TIME_MS``."""
     from streams.events import MAX_TIME_MS
 
+    from processors.times import MAX_MOMENT_CHARS
+
+    if len(value) > MAX_MOMENT_CHARS:
+        raise MomentError(f"bad moment: at most {MAX_MOMENT_CHARS} characters, got {len(value)}")
     ms = _moment(value, now_ms, record_time)
     if not 0 <= ms <= MAX_TIME_MS:
         raise MomentError(f"bad moment {value!r}: before 1970 or after 9999")

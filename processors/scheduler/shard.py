@@ -117,6 +117,7 @@ from typing import Any
 
 import faust
 
+from infra import metrics
 from infra.config import Config
 from processors.allocator.placement import Entitlement
 from processors.scheduler import store as st
@@ -594,8 +595,6 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             dropped = tables.drop_orphans(active)
             if dropped:
                 log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)", dropped)
-        from infra import metrics
-
         metrics.TIMER_TICKS.labels(worker=APP_ID).inc()  # a round of the retry timer done, its output produced
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
@@ -641,8 +640,6 @@ def _profile_to(directory: str) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from infra import metrics
-
     metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     if os.environ.get(PROFILE_ENV):
         _profile_to(os.environ[PROFILE_ENV])

@@ -20,6 +20,7 @@ def test_the_time_slider_s_moment_and_span(at, span, expected):
 
 @pytest.mark.parametrize("at, span, field", [
     ("yesterday", "1h", "at: "), ("now-", "1h", "at: "), ("t/0@5", "1h", "at: "), ("", "2h", "span: "),
+    ("1" * 201, "1h", "at: "),  # longer than any moment: refused before it is parsed
 ])
 def test_a_bad_moment_or_span_is_refused_naming_the_field(at, span, field):
     from processors.api.ui import moment_of
