@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import shutil
@@ -32,6 +33,7 @@ from processors import controlplane
 # at 10,000+ machines on 2 cores that is 5,000+ records/s of background load that would starve the pipeline being
 # measured (and a starved agent would be judged dead), so the benchmark beats every 10 s and waits 60 s.
 HEARTBEAT_INTERVAL_MS = 10_000
+REGION_FILE = "bench-region.json"  # in a run directory: its ports and topic prefix (BenchEnv)
 HEALTH_TIMEOUT_MS = 60_000
 HEALTH_TICK_MS = 2_000
 # Beyond 100,000 machines (10,000 heartbeats/s at 10 s) the simulated agents run one process per DC
@@ -92,14 +94,23 @@ def cpu_seconds(pid: int) -> float | None:
 
 class BenchEnv:
     def __init__(self, partitions: int = 8, keep: bool = False, run_dir: Path | None = None):
+        """A new region in a temporary directory (removed at the end unless ``keep``), or in ``run_dir``: there, the
+        region of an earlier run again if it left one (its broker's log, under the same ports and topic prefix,
+        which ``REGION_FILE`` keeps), else a new one."""
         self.own_run_dir = run_dir is None
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="ropewalk-bench-"))
         self.keep = keep
-        broker, controller, redis_port, api_port = free_ports(4)
-        env = {"ROPEWALK_BROKER_PORT": str(broker), "ROPEWALK_CONTROLLER_PORT": str(controller),
-               "ROPEWALK_REDIS_PORT": str(redis_port), "ROPEWALK_API_PORT": str(api_port),  # a region of its own
-               "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
-               "ROPEWALK_TOPIC_PREFIX": f"bench{uuid.uuid4().hex[:6]}."}
+        earlier = self.run_dir / REGION_FILE
+        if earlier.is_file():
+            env = json.loads(earlier.read_text())
+        else:
+            broker, controller, redis_port, api_port = free_ports(4)
+            env = {"ROPEWALK_BROKER_PORT": str(broker), "ROPEWALK_CONTROLLER_PORT": str(controller),
+                   "ROPEWALK_REDIS_PORT": str(redis_port), "ROPEWALK_API_PORT": str(api_port),  # a region of its own
+                   "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
+                   "ROPEWALK_TOPIC_PREFIX": f"bench{uuid.uuid4().hex[:6]}."}
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            earlier.write_text(json.dumps(env, indent=2))
         self.cfg = Config.from_env(env)
         self.workers: list[ManagedProcess] = []
         self.pids: dict[str, int] = {}  # every process started, by name (also after it stopped)

@@ -2,6 +2,11 @@
 rate of the same log.
 
     .venv/bin/python bench/history_rate.py [--events 1000000] [--machines 10000] [--moments 12] [--json]
+                                           [--keep DIR | --again DIR [--refold]]
+
+``--keep DIR`` keeps the region (the broker's log, the snapshots) in DIR, a new directory; ``--again DIR`` measures
+such a kept log again without generating it (the raw consume again, as the baseline of that run; the snapshots
+folded again only if none are left or with ``--refold``).
 
 Starts its own broker (bench.env.BenchEnv: free ports, a temporary run directory), then:
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import time
 from collections import Counter
@@ -52,6 +58,7 @@ SHAPES = ((1000, 2048), (2000, 4096), (500, 1024), (4000, 8192))
 STEP_MS = 1_000
 JOB_EVERY_MS = 2_000  # a job submitted this often (each lives 10-40 minutes)
 SPAN_MS = 72 * 3600_000  # the log's time span at most (it ends a minute before now)
+KEPT = "history-bench.json"  # in a --keep directory: the log's figures, for --again
 
 
 def generate(cfg: Config, registry: SchemaRegistry, n_events: int, n_machines: int, seed: int = 14,
@@ -175,23 +182,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--without-snapshots", action="store_true",
                     help="also time the log's end folded from the beginning (as long as the snapshots' fold)")
     ap.add_argument("--json", action="store_true")
+    kept = ap.add_mutually_exclusive_group()
+    kept.add_argument("--keep", type=Path, metavar="DIR", help="keep the region (log, snapshots) in DIR, a new directory")
+    kept.add_argument("--again", type=Path, metavar="DIR", help="measure the log kept in DIR again (no generation)")
+    ap.add_argument("--refold", action="store_true", help="with --again: fold the snapshots again")
     args = ap.parse_args(argv)
+    if args.keep and args.keep.exists():
+        ap.error(f"--keep: {args.keep} exists (a new directory is made)")
+    if args.again and not (args.again / KEPT).is_file():
+        ap.error(f"--again: {args.again / KEPT} is missing (a directory written by --keep)")
     registry = SchemaRegistry.from_dir()
+    before = json.loads((args.again / KEPT).read_text()) if args.again else None
     doc: dict = {"conditions": {"events": args.events, "machines": args.machines, "partitions": args.partitions,
                                 "cores": cores(), "snapshot_every": snapshots.SNAPSHOT_EVERY,
                                 "lookahead_ms": moments.new_region(Config.from_env()).lookahead_ms}}
-    with sigterm_as_interrupt(), BenchEnv(args.partitions) as env:
+    if before:
+        doc["conditions"].update(before["conditions"], again=str(args.again))
+    where = args.keep or args.again
+    with sigterm_as_interrupt(), BenchEnv(doc["conditions"]["partitions"], keep=bool(where), run_dir=where) as env:
         cfg = env.cfg
-        doc["log"] = generate(cfg, registry, args.events, args.machines)
-        print(f"log: {doc['log']['records']:,} records in {doc['log']['generate_s']} s", file=sys.stderr)
+        if before:
+            doc["log"] = before["log"]
+        else:
+            doc["log"] = generate(cfg, registry, args.events, args.machines)
+            print(f"log: {doc['log']['records']:,} records in {doc['log']['generate_s']} s", file=sys.stderr)
+            if args.keep:
+                (args.keep / KEPT).write_text(json.dumps({"conditions": doc["conditions"], "log": doc["log"]}, indent=2))
         doc["raw_consume"] = raw_rate(cfg)
-        t0 = time.monotonic()
-        _, stats = moments.fold_log(cfg, registry)
-        fold_s = time.monotonic() - t0
+        if args.refold:
+            shutil.rmtree(snapshots.directory(cfg), ignore_errors=True)
+        if before and snapshots.listing(cfg):
+            doc["snapshots"] = before["snapshots"]  # folded by an earlier run (its time is that run's)
+        else:
+            t0 = time.monotonic()
+            _, stats = moments.fold_log(cfg, registry)
+            fold_s = time.monotonic() - t0
+            doc["snapshots"] = {"seconds": round(fold_s, 1), "records_per_s": round(stats["applied"] / fold_s)}
         snaps = snapshots.listing(cfg)
-        doc["snapshots"] = {"seconds": round(fold_s, 1), "records_per_s": round(stats["applied"] / fold_s),
-                            "files": len(snaps), "bytes_each_max": max((s.path.stat().st_size for s in snaps), default=0)}
-        print(f"snapshots: {len(snaps)} in {fold_s:.1f} s", file=sys.stderr)
+        doc["snapshots"].update(files=len(snaps), bytes_each_max=max((s.path.stat().st_size for s in snaps), default=0))
+        if where:
+            kept_doc = json.loads((where / KEPT).read_text())
+            (where / KEPT).write_text(json.dumps({**kept_doc, "snapshots": doc["snapshots"]}, indent=2))
+        print(f"snapshots: {len(snaps)} in {doc['snapshots']['seconds']} s", file=sys.stderr)
         rng = random.Random(7)
         first, last = doc["log"]["first_ms"], doc["log"]["last_ms"]
         worst = [s.cut - 1 for s in snaps[1:]]  # just before a snapshot: the longest tail after the previous one
