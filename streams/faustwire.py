@@ -279,3 +279,49 @@ async def route_dead_letter(dead_letters: DeadLetters, message: Any, reason: str
 
 __all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter",
            "take_batches"]
+
+
+# -- partitions faust stopped fetching ---------------------------------------------------------------------------
+UNFETCHED_AFTER_S = 30.0  # a partition out of the fetch this long, without a pause of ours: taken back (FlowWatch)
+
+
+class FlowWatch:
+    """Partitions faust's consumer left out of its fetch for ``UNFETCHED_AFTER_S``, and taking them back.
+
+    Faust (0.15.3, pinned) takes a partition out of what it asks aiokafka for when a stream's buffer is under
+    pressure (``Consumer.on_buffer_full``) and puts it back when the buffer drains (``on_buffer_drop``, a callback
+    the buffer queue runs when read below its low mark). aiokafka then keeps that partition's last fetched records
+    and fetches nothing more for it until asked. If the callback never runs, the partition is never read again
+    while its high watermark moves on: a shard of a 1,000,000-machine region read a machine failure 173 s late
+    after the registration backlog (2026-11-26, aiokafka "Stream stopped processing ... TP(machines/3)"). The
+    scheduler's stall timer calls ``check``: a partition out of the fetch this long (no buffer stays under pressure
+    for 30 s while its stream is reading) is logged with faust's view of it and given back with faust's own
+    ``on_buffer_drop``. ``seen`` is when each partition was first found out (monotonic)."""
+
+    def __init__(self, after_s: float = UNFETCHED_AFTER_S) -> None:
+        self.after_s = after_s
+        self.seen: dict[Any, float] = {}
+
+    def check(self, consumer: Any, assigned: Any, now: float) -> list[tuple[Any, str]]:
+        """The partitions of ``assigned`` (faust TPs) out of ``consumer``'s fetch for ``after_s`` or more, each
+        given back, with what faust said of it; ``[]`` if none (or if this faust keeps no such sets)."""
+        active = getattr(consumer, "_active_partitions", None)
+        if active is None or not consumer.flow_active:  # not built yet, or a rebalance under way: faust's own time
+            self.seen.clear()
+            return []
+        paused = getattr(consumer, "_paused_partitions", set())  # recovery's pauses: faust resumes those itself
+        buffered = getattr(consumer, "_buffered_partitions", set())
+        out = [tp for tp in assigned if tp not in active and tp not in paused]
+        self.seen = {tp: self.seen.get(tp, now) for tp in out}
+        taken: list[tuple[Any, str]] = []
+        for tp in out:
+            if now - self.seen[tp] < self.after_s:
+                continue
+            why = "buffer full, never drained" if tp in buffered else "left out of the fetch"
+            if tp in buffered:
+                consumer.on_buffer_drop(tp)
+            else:
+                active.add(tp)
+            del self.seen[tp]
+            taken.append((tp, why))
+        return taken

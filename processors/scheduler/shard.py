@@ -131,7 +131,7 @@ from streams import batches
 from streams.clients import PRODUCER_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import decode_message, header_of, make_app, route_dead_letter, take_batches
+from streams.faustwire import FlowWatch, decode_message, header_of, make_app, route_dead_letter, take_batches
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
 from streams.topics import CHANGELOG_CONFIG, Topics
@@ -597,9 +597,15 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)", dropped)
         metrics.TIMER_TICKS.labels(worker=APP_ID).inc()  # a round of the retry timer done, its output produced
 
+    flow = FlowWatch()
+
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:
         now = time.monotonic()
+        sources = [tp for tp in app.assignor.assigned_actives() if tp.topic in source_names]
+        for tp, why in flow.check(app.consumer, sources, now):
+            log.warning("scheduler: %s[%d] was out of the consumer's fetch for %.0f s (%s): fetching it again",
+                        tp.topic, tp.partition, flow.after_s, why)
         for tp in app.assignor.assigned_actives():
             if tp.topic in source_names:
                 key = partition_key(tp.topic, tp.partition)
