@@ -49,6 +49,7 @@ events given are injected, every agent is simulated, the timer runs every ``retr
 from __future__ import annotations
 
 import heapq
+import json
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -66,6 +67,7 @@ from processors.cowmap import CowMap
 from processors.scheduler import decide as sd
 from processors.scheduler import lifecycle as lc
 from processors.scheduler import model as sm
+from processors.scheduler import records
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
 from streams import batches, state as states
 from streams.events import Event
@@ -204,6 +206,9 @@ class Region:
         self.published: dict[str, Event] = {}  # job -> its latest JobStatePublished
         self.parts: dict[str, dict[int, list]] = {}  # job -> part -> tasks (JobTasksPublished)
         self.open_requests: dict[str, tuple[Event, int]] = {}  # request id -> (request, partition) undecided
+        # deleted jobs a snapshot held (``decide.is_dormant``), as their records (JSON): decoded only when an input
+        # names one (``wake``), so a look at a moment does not decode every job the region ever stopped
+        self.dormant: dict[str, str] = {}
         self._last_key: dict[tuple[str, int], int] = {}  # per topic-partition: the decision time of its last input
         self._lag: deque[tuple[Event, Position]] = deque()  # read, not applied yet (after ``cut``)
         self._queue: list[tuple] = []  # (time, rank, seq, kind, data): decisions to take
@@ -395,6 +400,8 @@ class Region:
         its MachineStatusChanged and its UnavailabilityStarted): it waits, and is tried again after each decision
         of its partition that has outputs, until it decides silently or ``lookahead_ms`` passed (``_force``).
         Returns whether it was decided."""
+        if self.dormant:
+            self.wake(sd.named_jobs(event))
         state = self.scheduler
         bucket = self.buckets.get(partition)
         if state.shard_bucket is not bucket:
@@ -419,6 +426,14 @@ class Region:
         if visible and retry and self._waiting.get(partition):
             self._retry_waiting(partition, now)
         return True
+
+    def wake(self, job_ids: Iterable[str]) -> None:
+        """The dormant jobs among ``job_ids`` decoded into the scheduler's state (an input names them: ``decide``
+        reads no other dormant job, ``decide.concerned_jobs``)."""
+        woken = {j: records.job_from_record(json.loads(raw)) for j in job_ids
+                 if (raw := self.dormant.pop(j, None)) is not None}
+        if woken:
+            self.scheduler = replace(self.scheduler, jobs=self.scheduler.jobs.updated(woken))
 
     def _retry_waiting(self, partition: int, now: int) -> None:
         """Try the partition's waiting inputs again, in order; one tried ``WAIT_TRIES`` times is decided whatever it

@@ -15,7 +15,9 @@ when it is used: the event id of the last record it applied in every partition m
 
 **Format.** An Avro Object Container File (fastavro) of ``HistoryItem`` records: ``kind`` (what the record is),
 ``key``, and its value as JSON (the fold's machines, requests, entitlements; the scheduler's jobs as its table
-records, ``decide.job_to_record``) or as an Avro single-object encoded event (the jobs' latest published states,
+records, ``records.job_to_record``: a deleted one, ``decide.is_dormant``, as ``job-deleted``, which a load keeps
+undecoded in ``Region.dormant`` until an input names it: a region keeps every job it ever stopped, ~1.2 KB each,
+and decoding 60,000 of them was most of a look at the end of a 1,000,000-event log) or as an Avro single-object encoded event (the jobs' latest published states,
 undecided inputs, open requests). The container's metadata ``ropewalk.history`` holds the cut, the positions
 (offset and event id per partition) and the configuration. Written to a temporary name and renamed.
 """
@@ -40,11 +42,12 @@ from processors.allocator.placement import Entitlement
 from processors.history.region import Region
 from processors.scheduler import model as sm
 from processors.scheduler import records
+from processors.scheduler.decide import is_dormant
 from processors.taskcontrol.limiter import bucket_of, bucket_record
 from streams.events import Event
 from streams.serde import SchemaRegistry
 
-FORMAT = 1
+FORMAT = 2  # 2: deleted jobs (``decide.is_dormant``) as ``job-deleted`` records, loaded undecoded (``Region.dormant``)
 META_KEY = "ropewalk.history"
 SNAPSHOT_EVERY = 3_000  # records read between two snapshots a fold of the log writes (at most)
 SNAPSHOT_WORK_S = 2.0  # ... or this much folding time, whichever comes first (bounds a later look's tail)
@@ -127,7 +130,10 @@ def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[di
     before = region.snapshot_jobs if delta else {}
     for job in st.jobs.values():
         if before.get(job.id) is not job:
-            yield js("job", job.id, records.job_to_record(job))
+            yield js("job-deleted" if is_dormant(job) else "job", job.id, records.job_to_record(job))
+    if not delta:  # the dormant ones never change while dormant: in the whole snapshots only
+        for job_id, raw in region.dormant.items():
+            yield {"kind": "job-deleted", "key": job_id, "json": raw, "event": None}
     yield js("scheduler-entitlements", "", [asdict(e) for e in st.entitlements.values()])
     yield js("machines-down", "", dict(st.machines_down))
     yield js("buckets", "", {str(p): bucket_record(b) for p, b in region.buckets.items()})
@@ -234,6 +240,7 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
     the chain is missing or was made under other conditions."""
     machines: dict[str, str] = {}
     jobs: dict[str, str] = {}
+    deleted: dict[str, str] = {}  # dormant jobs (``decide.is_dormant``): left undecoded, in ``region.dormant``
     published: dict[str, bytes | None] = {}
     parts: dict[str, str] = {}
     small: dict[str, str] = {}
@@ -258,6 +265,10 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
                     machines[key] = item["json"]
                 elif kind == "job":
                     jobs[key] = item["json"]
+                    deleted.pop(key, None)
+                elif kind == "job-deleted":
+                    deleted[key] = item["json"]
+                    jobs.pop(key, None)
                 elif kind == "published":
                     published[key] = item["event"]
                 elif kind == "published-gone":
@@ -297,6 +308,7 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
     region.scheduler = sm.state_of([records.job_from_record(json.loads(raw)) for raw in jobs.values()],
                                    [Entitlement(**e) for e in json.loads(small["scheduler-entitlements"])],
                                    json.loads(small["machines-down"]))
+    region.dormant = deleted
     region.buckets = {int(p): bucket_of(b) for p, b in json.loads(small["buckets"]).items()}
     for job, data in published.items():
         if data is not None:

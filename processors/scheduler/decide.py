@@ -760,6 +760,14 @@ def concerned_jobs(state: SchedulerState, event: Event) -> list[str]:
                   if in_owner_scope(state.entitlements, event, job) and machines_of(job) & machines)
 
 
+def is_dormant(job: Job) -> bool:
+    """A deleted job with no task and no maintenance remembered: ``concerned_jobs`` names it only for an event that
+    names it (it is on no machine), and the timer never acts on it. A region that holds many (each stopped job stays,
+    for its id's next incarnation and its duplicate ring) may keep them undecoded until an event names one
+    (``processors/history``: a snapshot's deleted jobs)."""
+    return job.deleted and not job.tasks and not job.maint
+
+
 def is_own(event: Event) -> bool:
     """Whether the scheduler produced ``event`` (its events come back on the topics it reads)."""
     return event.producer == PRODUCER or event.producer.startswith(PRODUCER + "/")

@@ -5,6 +5,7 @@ decision and its causes."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -48,8 +49,10 @@ def test_the_scripted_region_goes_through_what_it_should(rec):
 
 
 def state_of(region: Region) -> dict:
-    return {"fold": region.fold.dump(),
-            "jobs": {j.id: records.job_to_record(j) for j in region.scheduler.jobs.values()},
+    """Everything a region holds; its dormant jobs (a loaded snapshot's deleted ones, undecoded) as the jobs they are."""
+    jobs = {j.id: records.job_to_record(j) for j in region.scheduler.jobs.values()}
+    jobs.update({j: records.job_to_record(records.job_from_record(json.loads(raw))) for j, raw in region.dormant.items()})
+    return {"fold": region.fold.dump(), "jobs": jobs,
             "published": {j: e.payload for j, e in region.job_states().items()}, "buckets": region.buckets,
             "down": dict(region.scheduler.machines_down), "changed": region.changed_ms,
             "inputs": sorted((w, r, d[0].event_id) for w, r, _, k, d in region._queue if k == 0),
@@ -75,6 +78,33 @@ def test_a_snapshot_chain_gives_the_region_a_fold_from_the_beginning_gives(rec, 
     # a snapshot made under other conditions is not used
     other = Region(hl.TOPICS, lookahead_ms=5_000)
     assert "lookahead_ms" in snapshots.usable(files[-1], other)
+
+
+def test_a_loaded_snapshot_s_deleted_jobs_wake_when_an_input_names_one(rec, registry, tmp_path):
+    """A snapshot's deleted jobs are loaded undecoded (``Region.dormant``); a resubmission of one's id, or an intent
+    about it, decides on the loaded region exactly as on the region folded from the beginning (the next incarnation,
+    the duplicate ring), and the next snapshot keeps the ones still dormant."""
+    cfg = Config.from_env({"ROPEWALK_RUN_DIR": str(tmp_path), "ROPEWALK_PARTITIONS": str(hl.PARTITIONS)})
+    snap = snapshots.write(cfg, hl.fold(rec, at(hl.UNTIL_S)), registry)
+    loaded = Region(hl.TOPICS)
+    snapshots.load(snap, loaded, registry)
+    fresh = hl.fold(rec, snap.cut)
+    assert loaded.dormant, "the recorded region deletes no job: nothing is tested"
+    assert not set(loaded.dormant) & set(loaded.scheduler.jobs)
+    job_id, dormant = sorted(loaded.dormant)[0], len(loaded.dormant)
+    submitted = next(ev for ev, _ in rec.records if ev.type == "JobSubmitted" and ev.payload["job_id"] == job_id)
+    now = snap.cut + 1_000
+    again = [dataclasses.replace(submitted, event_id="resubmitted-once", timestamp_ms=now),
+             dataclasses.replace(submitted, event_id="resubmitted-once", timestamp_ms=now + 1)]  # a redelivery
+    docs = [whatif.simulate(r, again, now, now + whatif.SETTLE_MS) for r in (loaded, fresh)]
+    assert docs[0] == docs[1]
+    assert state_of(loaded) == state_of(fresh)
+    assert job_id not in loaded.dormant and loaded.scheduler.jobs[job_id].incarnation == 2
+    assert len(loaded.dormant) == dormant - 1  # the others stay undecoded
+    again_snap = snapshots.write(cfg, loaded, registry)
+    reloaded = Region(hl.TOPICS)
+    snapshots.load(again_snap, reloaded, registry)
+    assert state_of(reloaded) == state_of(loaded)
 
 
 def shadow_of(rec: hl.Recorded, since: int, policy: Policy, until: int = hl.UNTIL_S):

@@ -215,6 +215,9 @@ class Sim:
         """Deciding on only the jobs ``concerned_jobs`` names (what a shard loads) gives the same events and jobs;
         every other job is left as it was."""
         concerned = sd.concerned_jobs(self.state, event)
+        dormant = {j for j, job in self.state.jobs.items() if sd.is_dormant(job)}
+        assert dormant & set(concerned) <= set(sd.named_jobs(event)), \
+            f"{event.type} concerns a dormant job it does not name (processors/history keeps those undecoded)"
         held = [j for j in concerned if j in self.state.jobs]
         sliced = dataclasses.replace(self.state, jobs=CowMap((j, self.state.jobs[j]) for j in held))
         s2, out2 = decide(sliced, event, now, max_tasks=self.max_tasks)
