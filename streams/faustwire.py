@@ -325,3 +325,22 @@ class FlowWatch:
             del self.seen[tp]
             taken.append((tp, why))
         return taken
+
+    @staticmethod
+    def describe(consumer: Any, tp: Any) -> str:
+        """What faust and aiokafka say of ``tp`` (a line for a log: a partition behind its high watermark)."""
+        active = getattr(consumer, "_active_partitions", None) or set()
+        said = ["in the fetch" if tp in active else "out of the fetch"]
+        if tp in getattr(consumer, "_buffered_partitions", ()):
+            said.append("its buffer full")
+        if tp in getattr(consumer, "_paused_partitions", ()):
+            said.append("paused")
+        if not getattr(consumer, "flow_active", True):
+            said.append("flow stopped")
+        try:  # aiokafka's fetcher (faust's consumer thread owns it; read only)
+            records = consumer._thread._consumer._fetcher._records
+            said.append("aiokafka holds fetched records for it" if any(
+                (k.topic, k.partition) == (tp.topic, tp.partition) for k in list(records)) else "aiokafka holds none")
+        except Exception:  # noqa: BLE001 - another faust/aiokafka, or not started: say less
+            pass
+        return ", ".join(said)

@@ -598,6 +598,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         metrics.TIMER_TICKS.labels(worker=APP_ID).inc()  # a round of the retry timer done, its output produced
 
     flow = FlowWatch()
+    behind: dict[str, float] = {}  # partition key -> since when it is below its high watermark (logged once)
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:
@@ -606,15 +607,20 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         for tp, why in flow.check(app.consumer, sources, now):
             log.warning("scheduler: %s[%d] was out of the consumer's fetch for %.0f s (%s): fetching it again",
                         tp.topic, tp.partition, flow.after_s, why)
-        for tp in app.assignor.assigned_actives():
-            if tp.topic in source_names:
-                key = partition_key(tp.topic, tp.partition)
-                try:
-                    high = app.consumer.highwater(tp)  # from the last fetch response
-                except Exception:  # noqa: BLE001 - a partition moving away in a rebalance: look next time
-                    continue
-                if guard.stalled(key, high, now):
-                    await seek_back(tp, key, "stalled below the high watermark")
+        for tp in sources:
+            key = partition_key(tp.topic, tp.partition)
+            try:
+                high = app.consumer.highwater(tp)  # from the last fetch response
+            except Exception:  # noqa: BLE001 - a partition moving away in a rebalance: look next time
+                continue
+            if high is None or high <= guard.next_offset(key):
+                behind.pop(key, None)
+            elif now - behind.setdefault(key, now) >= flow.after_s:
+                behind[key] = float("inf")  # one line an episode (a backlog, or a stall)
+                log.warning("scheduler: %s has been below its high watermark for %.0f s (next offset %d, high %d; "
+                            "%s)", key, flow.after_s, guard.next_offset(key), high, flow.describe(app.consumer, tp))
+            if guard.stalled(key, high, now):
+                await seek_back(tp, key, "stalled below the high watermark")
 
     @app.on_partitions_assigned.connect
     async def announce(app, assigned, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature

@@ -64,3 +64,11 @@ def test_the_clock_starts_again_when_a_partition_leaves_the_fetch_again(consumer
     consumer.on_buffer_full(B)
     assert watch.check(consumer, [A, B], 40.0) == []  # out since 40, not since 0
     assert watch.check(consumer, [A, B], 70.0) == [(B, "buffer full, never drained")]
+
+
+def test_describe_says_what_faust_says_of_a_partition(consumer):
+    consumer.on_buffer_full(B)
+    assert FlowWatch.describe(consumer, A).startswith("in the fetch")
+    assert FlowWatch.describe(consumer, B).startswith("out of the fetch, its buffer full")
+    consumer.stop_flow()
+    assert "flow stopped" in FlowWatch.describe(consumer, A)
