@@ -102,6 +102,11 @@ AllocationRejected, for the jobs of the partitions this worker actively owns (st
 partitions, which faust also keeps in the same tables, are left alone); then it deletes chunk records no header
 names (``store.orphans``: left by a write a crash interrupted). The agent and the timer share an
 ``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
+
+**Stalls.** A second timer (every ``offsets.STALL_S``) seeks back a partition the offset guard finds stalled, gives
+back a source partition faust left out of its fetch for 30 s (``faustwire.FlowWatch``: a buffer-pressure pause
+whose release never ran), and logs once a partition that has been below its high watermark for 30 s with what
+faust and aiokafka say of it.
 """
 from __future__ import annotations
 
