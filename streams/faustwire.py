@@ -277,8 +277,6 @@ async def route_dead_letter(dead_letters: DeadLetters, message: Any, reason: str
     await asyncio.get_running_loop().run_in_executor(None, route)
 
 
-__all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter",
-           "take_batches"]
 
 
 # -- partitions faust stopped fetching ---------------------------------------------------------------------------
@@ -292,8 +290,10 @@ class FlowWatch:
     pressure (``Consumer.on_buffer_full``) and puts it back when the buffer drains (``on_buffer_drop``, a callback
     the buffer queue runs when read below its low mark). aiokafka then keeps that partition's last fetched records
     and fetches nothing more for it until asked. If the callback never runs, the partition is never read again
-    while its high watermark moves on: a shard of a 1,000,000-machine region read a machine failure 173 s late
-    after the registration backlog (2026-11-26, aiokafka "Stream stopped processing ... TP(machines/3)"). The
+    while its high watermark moves on. That fits what a shard of a 1,000,000-machine region showed when it read a
+    machine failure 173 s late after the registration backlog (2026-11-26, aiokafka "Stream stopped processing ...
+    TP(machines/3)": high watermark past the position while fetches go on); the path where the callback does not
+    run was not found, and the stall did not recur, so this is a guard and a witness, not a proven fix. The
     scheduler's stall timer calls ``check``: a partition out of the fetch this long (no buffer stays under pressure
     for 30 s while its stream is reading) is logged with faust's view of it and given back with faust's own
     ``on_buffer_drop``. ``seen`` is when each partition was first found out (monotonic)."""
@@ -344,3 +344,7 @@ class FlowWatch:
         except Exception:  # noqa: BLE001 - another faust/aiokafka, or not started: say less
             pass
         return ", ".join(said)
+
+
+__all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter",
+           "take_batches", "FlowWatch"]

@@ -15,10 +15,10 @@ when it is used: the event id of the last record it applied in every partition m
 
 **Format.** An Avro Object Container File (fastavro) of ``HistoryItem`` records: ``kind`` (what the record is),
 ``key``, and its value as JSON (the fold's machines, requests, entitlements; the scheduler's jobs as its table
-records, ``records.job_to_record``: a deleted one, ``decide.is_dormant``, as ``job-deleted``, which a load keeps
+records, ``records.job_to_record``; a deleted one, ``decide.is_dormant``, as ``job-deleted``, which a load keeps
 undecoded in ``Region.dormant`` until an input names it: a region keeps every job it ever stopped, ~1.2 KB each,
-and decoding 60,000 of them was most of a look at the end of a 1,000,000-event log) or as an Avro single-object encoded event (the jobs' latest published states,
-undecided inputs, open requests). The container's metadata ``ropewalk.history`` holds the cut, the positions
+and decoding 60,000 of them was most of a look at the end of a 1,000,000-event log) or as an Avro single-object
+encoded event (the jobs' latest published states, undecided inputs, open requests). The container's metadata ``ropewalk.history`` holds the cut, the positions
 (offset and event id per partition) and the configuration. Written to a temporary name and renamed.
 """
 from __future__ import annotations
