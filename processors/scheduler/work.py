@@ -301,8 +301,7 @@ class JobWork:
         if self.commands:
             ent = self.fold.entitlements().get(job.entitlement)
             profile = None if ent is None else ent.host_profile or ""  # agents start tasks only where it is applied
-            for version, commands in _by_version(self.commands, job.mix):
-                code = job.mix.code(version) if version is not None else None
+            for version, code, commands in _by_version(self.commands, job.mix):
                 argv, env = (list(code.command), dict(code.env)) if code else (list(job.spec.command), dict(job.spec.env))
                 parts = split(commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env) + 30)
                 disc = () if version is None else (version,)  # a job with a version mix: a batch per version run
@@ -448,15 +447,17 @@ class JobWork:
         self.job_step(JOB_ALL_STOPPED, free_request_id=rid)
 
 
-def _by_version(commands: list[dict[str, Any]], mix: vs.Mix | None) -> list[tuple[int | None, list[dict]]]:
-    """A decision's commands for one job, in TasksCommanded batches: one (None) without a version mix, else one per
-    version the lines run (argv/env are the version's), in the order the versions first appear."""
+def _by_version(commands: list[dict[str, Any]], mix: vs.Mix | None
+                ) -> list[tuple[int | None, vs.Code | None, list[dict]]]:
+    """A decision's commands for one job, in TasksCommanded batches: one (None, None) without a version mix, else one
+    per version the lines run with the mix's code of it (argv/env; None: a version the mix does not list runs the
+    job's spec), in the order the versions first appear."""
     if mix is None:
-        return [(None, commands)]
+        return [(None, None, commands)]
     by: dict[int, list[dict]] = {}
     for c in commands:
         by.setdefault(c["spec_version"], []).append(c)
-    return list(by.items())
+    return [(version, mix.code(version), part) for version, part in by.items()]
 
 
 def task_parts(job: Job) -> int:
@@ -464,7 +465,7 @@ def task_parts(job: Job) -> int:
     index i in part i // PUBLISH_PART_TASKS), because the job has a task of index PUBLISH_PART_TASKS or more."""
     if not job.tasks:
         return 0
-    last = next(reversed(job.tasks.values())).index  # tasks are kept in index order
+    last = job.tasks[next(reversed(job.tasks))].index  # tasks are kept in index order
     return 0 if last < PUBLISH_PART_TASKS else last // PUBLISH_PART_TASKS + 1
 
 
