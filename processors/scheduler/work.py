@@ -7,7 +7,7 @@ through ``lifecycle.py``'s tables here (``JobWork.step``, ``job_step``, ``new_op
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -95,6 +95,12 @@ class Fold:
         w = self.work.get(job_id)
         return w.job if w is not None else self.state.jobs.get(job_id)
 
+    def jobs(self) -> Iterator[Job]:
+        """The jobs of the state the decision started from, in id order, each as the decision has it so far."""
+        for job_id in sorted(self.state.jobs):
+            w = self.work.get(job_id)
+            yield w.job if w is not None else self.state.jobs[job_id]
+
     def work_for(self, job_id: str) -> "JobWork | None":
         """The job's working copy, or None if the job is unknown or this event was applied to it already."""
         w = self.work.get(job_id)
@@ -103,7 +109,14 @@ class Fold:
         job = self.state.jobs.get(job_id)
         if job is None or (self.cause_id is not None and self.cause_id in job.seen):
             return None
-        w = self.work[job_id] = JobWork(self, job)
+        return self.work_of(job)
+
+    def work_of(self, job: Job) -> "JobWork":
+        """The working copy of ``job``, one of the state's, for a decision without a cause (the timer's: nothing to
+        find in the job's duplicate ring); an event's decision asks ``work_for``."""
+        w = self.work.get(job.id)
+        if w is None:
+            w = self.work[job.id] = JobWork(self, job)
         return w
 
     def new_job(self, job: Job) -> "JobWork":
