@@ -368,8 +368,8 @@ def ask_controller(w: JobWork) -> None:
 
 
 def _operation(t: Task) -> tc.Operation:
-    """``t``'s operation as its TaskController is told it. ``t`` has one (``op`` or ``op_state`` set): ``JobWork.new_op``
-    sets ``op``, ``op_id`` and ``op_state`` together and ``end_op`` clears them together."""
+    """``t``'s operation as its TaskController is told it. ``t`` has one (``op`` or ``op_state`` set):
+    ``JobWork.new_op`` sets ``op``, ``op_id`` and ``op_state`` together and ``end_op`` clears them together."""
     assert t.op is not None and t.op_id is not None, f"{t.id} has op_state {t.op_state} but no operation"
     return tc.Operation(t.op_id, t.id, t.op, t.op_reason)
 
