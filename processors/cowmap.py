@@ -8,9 +8,10 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 V = TypeVar("V")
+T = TypeVar("T")
 _SHARDS = 256  # a power of two
 _NO_ENTRIES: Mapping[str, Any] = MappingProxyType({})
 
@@ -43,7 +44,13 @@ class CowMap(Mapping[str, V], Generic[V]):
     def __getitem__(self, key: str) -> V:
         return self._shards[_shard_of(key)][key]
 
-    def get(self, key: str, default: Any = None) -> Any:
+    @overload
+    def get(self, key: str, /) -> V | None: ...
+
+    @overload
+    def get(self, key: str, /, default: V | T) -> V | T: ...
+
+    def get(self, key: str, /, default: Any = None) -> Any:
         return self._shards[_shard_of(key)].get(key, default)
 
     def __contains__(self, key: object) -> bool:

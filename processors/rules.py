@@ -127,7 +127,7 @@ def intent_problems(event_type: str, p: Mapping[str, Any], entitlement: str,
     """What is wrong with an intent of ``event_type`` (its payload ``p``, keyed to ``entitlement``); empty if
     nothing, or if the event type has no rules here."""
     if event_type in ("EntitlementCreated", "EntitlementUpdated"):
-        found = []
+        found: list[Problem | None] = []  # a rule's check is None when it holds; the Nones are dropped below
         if event_type == "EntitlementCreated" and p.get("name") != entitlement:
             found.append(Problem("name", f"must be the entitlement it is keyed to ({entitlement!r}: the partition "
                                          f"key), got {describe_value(p.get('name'))}", INVALID_ENTITLEMENT))

@@ -85,9 +85,8 @@ def _owner_key(ev: Event) -> str:
     return ev.entitlement
 
 
-def _apply(cur: MachineHealth | None, ev: Event) -> MachineHealth | None:
-    if ev.type not in APPLIED:
-        return cur
+def _apply(cur: MachineHealth | None, ev: Event) -> MachineHealth:
+    """``cur`` (None: not watched yet) after ``ev``, one machine's event of ``APPLIED`` (``apply_all`` filters)."""
     ts = ev.timestamp_ms
     if cur is None:  # watched from the first event about it, whichever partition brings it first
         cur = MachineHealth(machine_id=ev.payload["machine_id"], owner_key=_owner_key(ev), last_seen_ms=ts,
@@ -209,6 +208,8 @@ def on_heartbeats(state: HealthState, heartbeats: Iterable[Event], *,
         _check_heartbeat(heartbeat)
         mid = heartbeat.payload["machine_id"]
         rec = changes.get(mid) or state.machines.get(mid)
+        if rec is None:  # not (yet) seen on the machines topic: HB_UNKNOWN_MACHINE, not counted
+            continue
         if _verdict(rec, heartbeat) not in COUNTED:
             continue
         seq, ts = heartbeat.payload.get("sequence", 0), heartbeat.timestamp_ms

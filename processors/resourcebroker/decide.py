@@ -272,9 +272,9 @@ class _Fold:
         if fn is None:
             return
         mid = ev.payload["machine_id"]
-        cur = self.get(mid)
-        new = fn(cur, ev)
-        if new != cur:
+        held = self.get(mid)  # None: the first event about it (an applier makes the stub)
+        new = fn(held, ev)
+        if new != held:
             self.changes[mid] = new
 
     def emit(self, ev: Event) -> None:
@@ -447,7 +447,8 @@ def machines_recovered(state: BrokerState, machine_ids: Iterable[str], reason: s
     MAINTENANCE raise IllegalStatusTransition and unknown ones UnknownMachine (nothing emitted)."""
     _check_reason(reason)
     fold = _Fold(state)
-    changes, ues = [], {}
+    changes: list[tuple[MachineRecord, str]] = []
+    ues: dict[tuple[str, str], list[str]] = {}  # (owner key, failure UE id) -> its machines recovered
     for mid in sorted(set(machine_ids)):
         rec = fold.known(mid)
         status = next_status(mid, rec.status, RECOVERED)
@@ -559,9 +560,9 @@ def resolve_targets(state: BrokerState, targets: Iterable[str | Target]) -> tupl
             if not rec.registered:
                 continue
             for level, paths in domains.items():
-                t = paths.get(rec.fault_domain(level))
-                if t is not None:
-                    hits[t].append(rec.id)
+                hit = paths.get(rec.fault_domain(level))
+                if hit is not None:
+                    hits[hit].append(rec.id)
     for t, ids in hits.items():
         if not ids:
             raise BadTarget(f"maintenance target {t} matches no registered machine")

@@ -160,7 +160,7 @@ def _on_entitlement_updated(fold: Fold, ev: Event) -> None:
         return
     p = ev.payload
     known = fold.entitlements().get(ev.entitlement)
-    given = {k: p.get(k) for k in ENTITLEMENT_FIELDS if p.get(k) is not None}
+    given: dict[str, Any] = {k: p.get(k) for k in ENTITLEMENT_FIELDS if p.get(k) is not None}
     if known is not None:
         fold.set_entitlement(replace(known, **given))
     elif "quota_machines" in given:
@@ -312,6 +312,7 @@ def _on_job_spec_reconciled(fold: Fold, ev: Event) -> None:
         return
     mix = vs.mix_of(p, job.mix)
     code = mix.code(mix.push if mix.push is not None else mix.stable)  # the job's spec shows the newest code
+    assert code is not None  # refused above otherwise: the rules refuse a version the payload does not list
     spec = Spec.from_payload({**p, "command": code.command, "env": dict(code.env)})
     w.set(mix=mix, generation=p["generation"])
     w.remix = True
@@ -470,15 +471,14 @@ def _evacuate(fold: Fold, ev: Event, machine_ids: Iterable[str], reason: str) ->
     (they start again where they are when it ends), stay."""
     spare = reason == REASON_MACHINE_MAINTENANCE
     gone = set(machine_ids)
-    for job_id in sorted(fold.state.jobs):
-        job = fold.job(job_id)
+    for job in fold.jobs():
         if job.status not in (JOB_ACTIVE, JOB_STOPPING) or not in_owner_scope(fold.entitlements(), ev, job):
             continue
         hit = [t.id for t in job.tasks.values() if t.machine in gone and t.state in ON_MACHINE
                and not (spare and (t.maint_choice == CHOICE_KEEP or t.maint_choice in HELD))]
         if not hit:
             continue
-        w = fold.work_for(job_id)
+        w = fold.work_for(job.id)
         if w is None:  # applied already
             continue
         for tid in hit:
@@ -511,10 +511,9 @@ def _on_unavailability_started(fold: Fold, ev: Event) -> None:
     _evacuate(fold, ev, ev.payload["machine_ids"], REASON_MACHINE_FAILED)
 
 
-def _jobs_in_scope(fold: Fold, ev: Event) -> list[str]:
+def _jobs_in_scope(fold: Fold, ev: Event) -> list[Job]:
     """Active jobs an event keyed to a machine owner concerns: that entitlement's (every job for a free-pool key)."""
-    return [j for j in sorted(fold.state.jobs) if (job := fold.job(j)).status == JOB_ACTIVE
-            and in_owner_scope(fold.entitlements(), ev, job)]
+    return [job for job in fold.jobs() if job.status == JOB_ACTIVE and in_owner_scope(fold.entitlements(), ev, job)]
 
 
 def _record_maintenance(fold: Fold, ev: Event) -> None:
@@ -525,12 +524,11 @@ def _record_maintenance(fold: Fold, ev: Event) -> None:
     gone = frozenset(p["machine_ids"])
     deadline = p.get("deadline_ms")
     deadline = p["start_ms"] if deadline is None else deadline
-    for job_id in _jobs_in_scope(fold, ev):
-        job = fold.job(job_id)
+    for job in _jobs_in_scope(fold, ev):
         if any(m[0] == p["unavailability_id"] for m in job.maint) or not any(
                 t.machine in gone for t in job.tasks.values()):
             continue
-        w = fold.work_for(job_id)
+        w = fold.work_for(job.id)
         if w is not None:
             w.set(quiet=True, maint=(*w.job.maint, (p["unavailability_id"], tuple(sorted(gone)), p["start_ms"],
                                                      deadline, False)))
@@ -547,11 +545,10 @@ def _on_unavailability_ended(fold: Fold, ev: Event) -> None:
     for mid in ev.payload["machine_ids"]:  # over: a machine still in MAINTENANCE here is UP (its status change,
         if fold.is_down(mid) and fold.down_status(mid) == MAINTENANCE:  # on another topic, may come after this)
             fold.set_down(mid, None)
-    for job_id in _jobs_in_scope(fold, ev):
-        job = fold.job(job_id)
+    for job in _jobs_in_scope(fold, ev):
         if not any(m[0] == ue for m in job.maint) and not any(t.maint_ue == ue for t in job.tasks.values()):
             continue
-        w = fold.work_for(job_id)
+        w = fold.work_for(job.id)
         if w is None:
             continue
         w.set(quiet=True, maint=tuple(m for m in w.job.maint if m[0] != ue),
@@ -571,14 +568,13 @@ def _advance_notice(fold: Fold, ev: Event) -> None:
     told in its next request (sent at once): which tasks, from when, until which deadline."""
     p = ev.payload
     gone = set(p["machine_ids"])
-    for job_id in sorted(fold.state.jobs):
-        job = fold.job(job_id)
+    for job in fold.jobs():
         if job.status != JOB_ACTIVE or not job.spec.controller or not in_owner_scope(fold.entitlements(), ev, job):
             continue
         hit = tuple(t.id for t in job.tasks.values() if t.machine in gone)
         if not hit or any(n[0] == p["unavailability_id"] for n in job.tc_notices):
             continue
-        w = fold.work_for(job_id)
+        w = fold.work_for(job.id)
         if w is None:
             continue
         notice = (p["unavailability_id"], hit, p["start_ms"], p.get("deadline_ms"), p.get("expected_duration_ms"))
@@ -607,7 +603,7 @@ def _on_task_control_acked(fold: Fold, ev: Event) -> None:
     down_when_asked = set(job.tc_sent_unhealthy)
     w.set(quiet=True, tc_outstanding=False, tc_sent_completed=(), tc_sent_unhealthy=())
     steps.apply_choices(w, ev, tc.choices_of(p))
-    approved = set(p["approved_operation_ids"])
+    approved: set[str] = set(p["approved_operation_ids"])
     if not approved:
         return
     stale = []
@@ -648,19 +644,18 @@ def _on_rebalance_planned(fold: Fold, ev: Event) -> None:
         refused = []
         for mv in by_job[job_id]:
             t = w.tasks.get(mv["task_id"])
-            why = _move_refusal(w, t, mv)
-            if why is not None:
+            if t is None:
+                refused.append((mv["task_id"], REASON_UNKNOWN_TASK))
+            elif (why := _move_refusal(w, t, mv)) is not None:
                 refused.append((mv["task_id"], why))
-                continue
-            steps.try_perform(w, w.new_op(t, OP_MOVE, REASON_REBALANCE, move_to=mv["to_machine_id"]))
+            else:
+                steps.try_perform(w, w.new_op(t, OP_MOVE, REASON_REBALANCE, move_to=mv["to_machine_id"]))
         if refused:
             _refused_moves(fold, ev, job_id, refused)
 
 
-def _move_refusal(w: JobWork, t: Task | None, move: Mapping[str, Any]) -> str | None:
-    """Why a planned ``move`` cannot become an operation now (None: it can)."""
-    if t is None:
-        return REASON_UNKNOWN_TASK
+def _move_refusal(w: JobWork, t: Task, move: Mapping[str, Any]) -> str | None:
+    """Why a planned ``move`` of the job's task ``t`` cannot become an operation now (None: it can)."""
     job = w.job
     if job.status != JOB_ACTIVE or job.updating:
         return REASON_MOVE_JOB_NOT_RUNNING
@@ -815,11 +810,11 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
         if job.status not in (JOB_ACTIVE, JOB_STOPPING):  # a stopping job's stops wait for tokens too
             continue
         if any(not m[4] and m[3] <= now_ms for m in job.maint):
-            steps.enforce_deadlines(fold.work_for(job_id))
+            steps.enforce_deadlines(fold.work_of(job))
         if job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()):
-            fold.work_for(job_id).retry_parked()
+            fold.work_of(job).retry_parked()
         if job.ops_open or job.throttled:
-            w = fold.work_for(job_id)  # its finish drains what is approved
+            w = fold.work_of(job)  # its finish drains what is approved
             if (job.status == JOB_ACTIVE and job.spec.controller and job.tc_asked_ms is not None
                     and now_ms - job.tc_asked_ms >= REASK_MS
                     and (job.tc_outstanding or any(t.op_state == OP_PENDING for t in job.tasks.values()))):

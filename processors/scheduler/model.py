@@ -146,7 +146,7 @@ def replace(obj: Any, /, **changes: Any) -> Any:
     return dataclasses.replace(obj, **changes)
 
 
-def _empty() -> Mapping:
+def _empty() -> MappingProxyType:
     return MappingProxyType({})
 
 
@@ -160,7 +160,7 @@ class Job:
     spec_version: int
     desired: int  # task count asked for
     status: str = JOB_ACTIVE
-    tasks: Mapping[str, Task] = field(default_factory=_empty)  # by id, kept in index order
+    tasks: MappingProxyType[str, Task] = field(default_factory=_empty)  # by id, kept in index order (a dict's view)
     last_reason: str = ""  # latest allocation rejection or refused intent
     last_ignored: str = ""  # latest agent report ignored, and why
     updating: bool = False  # a rolling update is in progress

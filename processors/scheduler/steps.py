@@ -258,12 +258,12 @@ def try_perform(w: JobWork, t: Task, budget: list[int] | None = None) -> Task:
         return t
     if t.op == OP_STOP and t.state not in (STARTING, RUNNING):
         return t
-    if t.op == OP_UPDATE or t.move_to is not None:  # both take a running task down: max_unavailable paces them
+    paced = None  # the budget it takes a unit of: an UPDATE or a move takes a running task down
+    if t.op == OP_UPDATE or t.move_to is not None:  # max_unavailable paces them
         if t.state != RUNNING:  # not up yet (starting): taken down once it runs
             return t
-        if budget is None:
-            budget = [unavailable_budget(w)]
-        if budget[0] <= 0:
+        paced = budget if budget is not None else [unavailable_budget(w)]
+        if paced[0] <= 0:
             return t
     # within one decision time stands still and buckets only drain: once refused, the job's next operations are
     # refused for the same reason (10,000 waiting stops cost one bucket check per decision, not 10,000)
@@ -276,11 +276,11 @@ def try_perform(w: JobWork, t: Task, budget: list[int] | None = None) -> Task:
         reason = t.op_reason
         return stop(w, replace(w.end_op(t), reason=reason), reason)
     t = w.op_step(t, OP_PERFORMED)
+    if paced is not None:
+        paced[0] -= 1
     if t.move_to is not None:  # a ReBalancer move: out of discovery and STOP; placed on its target once stopped
-        budget[0] -= 1
         return stop(w, replace(t, intent=RELOCATE, reason=REASON_REBALANCE), REASON_REBALANCE)
     if t.op == OP_UPDATE:
-        budget[0] -= 1
         return stop(w, replace(t, intent=UPDATE, reason=REASON_ROLLING_UPDATE), REASON_ROLLING_UPDATE)
     if t.op == OP_MOVE:
         if t.fence:
@@ -355,15 +355,23 @@ def ask_controller(w: JobWork) -> None:
     seq = job.tc_seq + 1
     req = tc.Request(
         job_id=job.id, entitlement=job.entitlement, controller=job.spec.controller, sequence=seq,
-        pending=tuple(tc.Operation(t.op_id, t.id, t.op, t.op_reason) for t in pending),
+        pending=tuple(_operation(t) for t in pending),
         completed=completed,
         notices=notices,
         unhealthy=tuple(t.id for t in w.ordered() if (t.state != RUNNING or t.op == OP_STOP) and t.intent != RETIRE),
-        in_flight=tuple(t.op_id for t in w.ordered() if t.op in CONTROLLED and t.op_state in (OP_APPROVED, OP_RUNNING)))
+        in_flight=tuple(_operation(t).operation_id for t in w.ordered()
+                        if t.op in CONTROLLED and t.op_state in (OP_APPROVED, OP_RUNNING)))
     w.emit("TaskControlRequested", job.id, tc.request_payload(req), "taskcontrol", job.id, seq)
     w.set(quiet=True, tc_seq=seq, tc_outstanding=True, tc_asked=tuple(t.op_id for t in pending),
           tc_asked_ms=w.fold.now, tc_completed=(), tc_sent_completed=completed, tc_notice_new=False,
           tc_sent_unhealthy=req.unhealthy)
+
+
+def _operation(t: Task) -> tc.Operation:
+    """``t``'s operation as its TaskController is told it. ``t`` has one (``op`` or ``op_state`` set):
+    ``JobWork.new_op`` sets ``op``, ``op_id`` and ``op_state`` together and ``end_op`` clears them together."""
+    assert t.op is not None and t.op_id is not None, f"{t.id} has op_state {t.op_state} but no operation"
+    return tc.Operation(t.op_id, t.id, t.op, t.op_reason)
 
 
 def open_notices(w: JobWork) -> tuple[tc.AdvanceNotice, ...]:

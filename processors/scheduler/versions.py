@@ -89,7 +89,7 @@ def mix_of(p: Mapping[str, Any], previous: Mix | None = None) -> Mix:
     codes = tuple(Code(v["version"], v.get("label", ""), tuple(v["command"]), tuple(sorted(v.get("env", {}).items())))
                   for v in p["versions"])
     push, canary = p.get("push"), p.get("canary")
-    picks = ()
+    picks: tuple[int, ...] = ()
     if previous is not None and canary is not None and previous.canary == canary["version"]:
         picks = previous.canary_tasks
     return Mix(generation=p["generation"], submission=p.get("submission_id", ""), codes=codes,
@@ -130,13 +130,14 @@ def pick_canaries(mix: Mix, desired: int) -> Mix:
 def targets(mix: Mix, desired: int) -> dict[int, int]:
     """The version each live task (index ``0 .. desired-1``) is to run. ``mix`` must carry its picks for
     ``desired`` (``pick_canaries``)."""
-    canaries = frozenset(i for i in mix.canary_tasks if i < desired) if mix.canary is not None else frozenset()
+    canary = mix.canary
+    canaries = frozenset(i for i in mix.canary_tasks if i < desired) if canary is not None else frozenset()
     out = dict.fromkeys(range(desired), mix.stable)
     if mix.push is not None:
         for i in _push_targets(range(desired), mix.percent, canaries):
             out[i] = mix.push
-    for i in canaries:
-        out[i] = mix.canary
+    if canary is not None:
+        out.update(dict.fromkeys(canaries, canary))
     return out
 
 

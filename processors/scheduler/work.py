@@ -7,7 +7,7 @@ through ``lifecycle.py``'s tables here (``JobWork.step``, ``job_step``, ``new_op
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -95,6 +95,12 @@ class Fold:
         w = self.work.get(job_id)
         return w.job if w is not None else self.state.jobs.get(job_id)
 
+    def jobs(self) -> Iterator[Job]:
+        """The jobs of the state the decision started from, in id order, each as the decision has it so far."""
+        for job_id in sorted(self.state.jobs):
+            w = self.work.get(job_id)
+            yield w.job if w is not None else self.state.jobs[job_id]
+
     def work_for(self, job_id: str) -> "JobWork | None":
         """The job's working copy, or None if the job is unknown or this event was applied to it already."""
         w = self.work.get(job_id)
@@ -103,7 +109,14 @@ class Fold:
         job = self.state.jobs.get(job_id)
         if job is None or (self.cause_id is not None and self.cause_id in job.seen):
             return None
-        w = self.work[job_id] = JobWork(self, job)
+        return self.work_of(job)
+
+    def work_of(self, job: Job) -> "JobWork":
+        """The working copy of ``job``, one of the state's, for a decision without a cause (the timer's: nothing to
+        find in the job's duplicate ring); an event's decision asks ``work_for``."""
+        w = self.work.get(job.id)
+        if w is None:
+            w = self.work[job.id] = JobWork(self, job)
         return w
 
     def new_job(self, job: Job) -> "JobWork":
@@ -301,8 +314,7 @@ class JobWork:
         if self.commands:
             ent = self.fold.entitlements().get(job.entitlement)
             profile = None if ent is None else ent.host_profile or ""  # agents start tasks only where it is applied
-            for version, commands in _by_version(self.commands, job.mix):
-                code = job.mix.code(version) if version is not None else None
+            for version, code, commands in _by_version(self.commands, job.mix):
                 argv, env = (list(code.command), dict(code.env)) if code else (list(job.spec.command), dict(job.spec.env))
                 parts = split(commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env) + 30)
                 disc = () if version is None else (version,)  # a job with a version mix: a batch per version run
@@ -448,15 +460,17 @@ class JobWork:
         self.job_step(JOB_ALL_STOPPED, free_request_id=rid)
 
 
-def _by_version(commands: list[dict[str, Any]], mix: vs.Mix | None) -> list[tuple[int | None, list[dict]]]:
-    """A decision's commands for one job, in TasksCommanded batches: one (None) without a version mix, else one per
-    version the lines run (argv/env are the version's), in the order the versions first appear."""
+def _by_version(commands: list[dict[str, Any]], mix: vs.Mix | None
+                ) -> list[tuple[int | None, vs.Code | None, list[dict]]]:
+    """A decision's commands for one job, in TasksCommanded batches: one (None, None) without a version mix, else one
+    per version the lines run with the mix's code of it (argv/env; None: a version the mix does not list runs the
+    job's spec), in the order the versions first appear."""
     if mix is None:
-        return [(None, commands)]
+        return [(None, None, commands)]
     by: dict[int, list[dict]] = {}
     for c in commands:
         by.setdefault(c["spec_version"], []).append(c)
-    return list(by.items())
+    return [(version, mix.code(version), part) for version, part in by.items()]
 
 
 def task_parts(job: Job) -> int:
@@ -464,7 +478,7 @@ def task_parts(job: Job) -> int:
     index i in part i // PUBLISH_PART_TASKS), because the job has a task of index PUBLISH_PART_TASKS or more."""
     if not job.tasks:
         return 0
-    last = next(reversed(job.tasks.values())).index  # tasks are kept in index order
+    last = job.tasks[next(reversed(job.tasks))].index  # tasks are kept in index order
     return 0 if last < PUBLISH_PART_TASKS else last // PUBLISH_PART_TASKS + 1
 
 

@@ -4,6 +4,7 @@ harness), checking after EVERY decision what the combined test of issue 15 check
 version's share of the live non-canary tasks stays within one task of the percentage through shrinks and grows,
 and a canary never takes a push target's task.
 """
+import dataclasses
 import random
 from collections import deque
 
@@ -305,3 +306,25 @@ def test_stale_reconciliations_are_refused():
         ("JobSpecReconciled", REASON_STALE_SUBMISSION)]
     assert refusals(sim.feed(reconciled(tasks=4, percent=120, generation=5, submission=sim.submission))) == [
         ("JobSpecReconciled", "invalid_spec")]
+
+
+UNLISTED = {  # a JobSpecReconciled naming a version its versions do not list -> the field the refusal names
+    "stable": (lambda p: {**p, "stable_version": 9}, "stable_version"),
+    "push": (lambda p: {**p, "push": {**p["push"], "version": 9}}, "push.version"),
+    "canary": (lambda p: {**p, "canary": {**p["canary"], "version": 9}}, "canary.version"),
+}
+
+
+@pytest.mark.parametrize("unlist, field", UNLISTED.values(), ids=UNLISTED)
+def test_a_reconciliation_naming_a_version_it_does_not_list_is_refused(unlist, field):
+    """The scheduler takes the job's spec from the code of the push's version (else the stable one's): a version
+    the payload does not list has no code, so the rules (processors/rules.py) refuse it before, naming the field,
+    and the job keeps what it runs."""
+    sim = settle_job(4)
+    good = reconciled(tasks=4, percent=50, canary=1, submission=sim.submission)
+    before = sim.state.jobs["j"]
+    out = sim.feed(dataclasses.replace(good, payload=unlist(good.payload)))
+    assert refusals(out) == [("JobSpecReconciled", "invalid_spec")]
+    assert f"{field}: no such version in versions ([1, 2, 3])" in of_type(out, "IntentRefused")[0].payload["message"]
+    assert sim.state.jobs["j"].mix is None and sim.state.jobs["j"].spec == before.spec
+    assert not commands(out)
