@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     kept.add_argument("--again", type=Path, metavar="DIR", help="measure the log kept in DIR again (no generation)")
     ap.add_argument("--refold", action="store_true", help="with --again: fold the snapshots again")
     args = ap.parse_args(argv)
+    if args.refold and not args.again:
+        ap.error("--refold goes with --again DIR (a new log is always folded)")
     if args.keep and args.keep.exists():
         ap.error(f"--keep: {args.keep} exists (a new directory is made)")
     if args.again and not (args.again / KEPT).is_file():

@@ -630,6 +630,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     @app.on_partitions_assigned.connect
     async def announce(app, assigned, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
         guard.forget()
+        behind.clear()  # a partition back after a move is watched afresh (its episode may have been logged)
         tables.machine_jobs.forget()  # the recovery that follows may change the tables: built again when needed
         mine = sorted({tp.partition for tp in assigned if tp.topic in source_names})
         log.info("scheduler shard %d: assigned partitions %s", os.getpid(), mine)

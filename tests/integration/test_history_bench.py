@@ -41,8 +41,9 @@ def test_a_kept_log_is_measured_again_without_generating_it(tmp_path):
     assert all(r["machines"] == 200 for r in refolded["moments"])
 
 
-def test_keep_refuses_a_directory_that_exists_and_again_one_keep_did_not_write(tmp_path):
-    for args, says in ((["--keep", str(tmp_path)], "exists"), (["--again", str(tmp_path)], "history-bench.json")):
+def test_keep_refuses_a_directory_that_exists_again_one_keep_did_not_write_refold_a_new_log(tmp_path):
+    for args, says in ((["--keep", str(tmp_path)], "exists"), (["--again", str(tmp_path)], "history-bench.json"),
+                       (["--refold"], "--refold goes with --again")):
         done = subprocess.run([sys.executable, str(ROOT / "bench" / "history_rate.py"), *SMALL, *args],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and says in done.stderr, done.stderr
