@@ -48,7 +48,7 @@ class Follower(LoopWorker):
         self.cfg = cfg
         self.registry = registry or SchemaRegistry.from_dir()
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
-        self.producer = EventProducer(cfg, self.registry, self.NAME)
+        self.producer = EventProducer(cfg, self.registry, self.NAME, follow_map=True)
         self.dead_letters = DeadLetters(self.producer, self.NAME)
         self.consumer: EventConsumer | None = None
         self.background = background  # a reader nobody waits on: fetches wait to fill (BACKGROUND_READER)

@@ -117,9 +117,15 @@ class EventProducer:
     callable); None: the key's hash partition (a record sent to the wrong partition is forwarded by the scheduler
     shard that finds it there, so a producer without the map is slower across a move, never wrong)."""
 
-    def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, *, route: Callable[[str], int] | None = None,
-                 **conf):
+    def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, *,
+                 route: "Callable[[str], int] | None" = None, follow_map: bool = False, **conf):
+        """``follow_map``: route by a ``MapFollower`` of this producer's own (a worker's producer; closed with it)."""
         self.cfg = cfg
+        self._follower = None
+        if follow_map and route is None:
+            from streams.partitionmap import MapFollower
+
+            route = self._follower = MapFollower.start(cfg, registry, name=f"{name}-map")
         self.route = route
         self.registry = registry
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
@@ -237,6 +243,14 @@ class EventProducer:
 
     def close(self) -> None:
         self.flush()
+        self.stop_following()
+
+    def stop_following(self) -> None:
+        """Close the map follower of ``follow_map`` (if any); the producer routes by hash from then on."""
+        if self._follower is not None:
+            self._follower.close()
+            self._follower = None
+            self.route = None
 
 
 def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:

@@ -89,7 +89,7 @@ class HealthCheck(LoopWorker):
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.machines_topic = self.topics.name("machines")
         self.heartbeats_topic = self.topics.name("heartbeats")
-        self.producer = EventProducer(cfg, self.registry, PRODUCER)
+        self.producer = EventProducer(cfg, self.registry, PRODUCER, follow_map=True)
         self.dead_letters = DeadLetters(self.producer, PRODUCER)
         self.health = d.HealthState()
         self.broker = broker.BrokerState()

@@ -49,7 +49,7 @@ class Rebalancer(LoopWorker):
         self.view = rv.RebalanceView(goals.no_bounce_ms)
         self.follower = Follower(cfg, self.registry, self.view, topics=TOPICS,
                                  types=region_fold.EVENT_TYPES | rv.EVENT_TYPES, name=rv.PRODUCER)
-        self.producer = EventProducer(cfg, self.registry, rv.PRODUCER)
+        self.producer = EventProducer(cfg, self.registry, rv.PRODUCER, follow_map=True)
         self.caught_up = False
         self._planned_at = 0.0
 

@@ -139,7 +139,7 @@ class ResourceBroker(LoopWorker):
         self.region = region
         self.registry = _registry(registry)
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
-        self.producer = EventProducer(cfg, self.registry, PRODUCER)
+        self.producer = EventProducer(cfg, self.registry, PRODUCER, follow_map=True)
         self.dead_letters = DeadLetters(self.producer, PRODUCER)
         self.state = d.BrokerState()
         self.consumer: EventConsumer | None = None

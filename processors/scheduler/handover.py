@@ -145,6 +145,7 @@ def begin(state: SchedulerState, home: Home | None, ev: Event, partition: int, p
     to = ev.payload["to_partition"]
     if home is not None and home.handover_id == ev.event_id:
         return home, []  # this very move: decided already (redelivered, or forwarded back by the new partition)
+    given = home
     if home is None and ent in state.entitlements:
         home = Home(partition)  # it lives here without a home record: it never moved
     problem = None
@@ -158,7 +159,7 @@ def begin(state: SchedulerState, home: Home | None, ev: Event, partition: int, p
     if problem is not None:
         fold = Fold(state, now_ms, ev)
         refuse(fold, ev, *problem)
-        return home, fold.events
+        return given, fold.events
     return Home(partition, home.epoch + 1, moving_to=to, handover_id=ev.event_id,
                 history=home.history, drain_offset=home.drain_offset), []
 
@@ -170,8 +171,9 @@ def jobs_of(state: SchedulerState, entitlement: str) -> list[Job]:
 
 
 def items_of(state: SchedulerState, entitlement: str) -> list[str]:
-    """The entitlement's state as JSON documents: its fields, then per job its header and its task records (a chunk
-    of ``store.CHUNK_TASKS`` at most per document, as the tables keep them), then the machines its jobs know down."""
+    """The entitlement's state as JSON documents: its fields, then per job its task records (a chunk of
+    ``store.CHUNK_TASKS`` at most per document, as the tables keep them) each with the job's header, so that a part
+    stands alone, then the machines its jobs know down."""
     items: list[dict[str, Any]] = []
     ent = state.entitlements.get(entitlement)
     if ent is not None:
@@ -181,10 +183,9 @@ def items_of(state: SchedulerState, entitlement: str) -> list[str]:
         header = st.plan(None, None, {}, job).header
         for kept in ("chunks", "key", "format", "version"):  # how a shard keeps it, not what it is
             header.pop(kept, None)
-        items.append({"job": header})
         tasks = [st.task_record(t) for t in job.tasks.values()]
-        for i in range(0, len(tasks), st.CHUNK_TASKS):
-            items.append({"job_id": job.id, "tasks": tasks[i:i + st.CHUNK_TASKS]})
+        for i in range(0, max(len(tasks), 1), st.CHUNK_TASKS):  # each with the header: parts stand alone
+            items.append({"job": header, "tasks": tasks[i:i + st.CHUNK_TASKS]})
         for m in machines_of(job):
             if (s := state.machines_down.get(m)) is not None:
                 down[m] = s
@@ -250,6 +251,17 @@ def adopt(state: SchedulerState, home: Home | None, ev: Event, partition: int
     return state, new
 
 
+def job_ids_of(ev: Event) -> list[str]:
+    """The jobs an ``EntitlementHandedOver`` part carries (the shard loads them: a part adds to what earlier ones
+    brought)."""
+    out = []
+    for text in ev.payload["items"]:
+        doc = json.loads(text)
+        if "job" in doc:
+            out.append(doc["job"]["id"])
+    return sorted(set(out))
+
+
 def _take_items(state: SchedulerState, entitlement: str, items: Iterable[str]) -> SchedulerState:
     ents = dict(state.entitlements)
     down = dict(state.machines_down)
@@ -259,12 +271,8 @@ def _take_items(state: SchedulerState, entitlement: str, items: Iterable[str]) -
         if "entitlement" in doc:
             ents[entitlement] = Entitlement(**doc["entitlement"])
         elif "job" in doc:
-            job = job_from_record({**doc["job"], "tasks": []})
-            jobs[job.id] = job
-        elif "tasks" in doc:
-            job = jobs.get(doc["job_id"]) or state.jobs.get(doc["job_id"])
-            if job is None:
-                continue  # its header was in a part that never came (cannot happen: a header precedes its tasks)
+            job_id = doc["job"]["id"]
+            job = jobs.get(job_id) or state.jobs.get(job_id) or job_from_record({**doc["job"], "tasks": []})
             tasks = dict(job.tasks)
             for r in doc["tasks"]:
                 t = st.task_of(r)
@@ -289,4 +297,4 @@ def map_entry(entitlement: str, home: Home, weight: int, reason: str) -> MapEntr
 
 __all__ = ["DECIDE", "FORWARD", "HANDED_OVER", "HOLD", "Home", "MOVE_REQUESTED", "REASON_ALREADY_THERE",
            "REASON_INVALID_PARTITION", "Route", "adopt", "begin", "hand_over", "home_key", "home_of", "home_record",
-           "items_of", "jobs_of", "map_entry", "route", "storage_key", "without"]
+           "items_of", "job_ids_of", "jobs_of", "map_entry", "route", "storage_key", "without"]

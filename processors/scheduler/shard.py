@@ -544,7 +544,9 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             now = int(time.time() * 1000)
             job_keys: set[str] = set()
             for _, rec, ev in items:
-                if ev.type not in ho_types:
+                if ev.type == ho.HANDED_OVER:  # what earlier parts of the hand-over brought
+                    job_keys.update(tables.key(j, ev.entitlement, rec.partition) for j in ho.job_ids_of(ev))
+                elif ev.type != ho.MOVE_REQUESTED:
                     job_keys.update(tables.job_keys_for(ev, rec.partition))
             start, headers, where = tables.load([(ev, rec.partition) for _, rec, ev in items], sorted(job_keys))
             state = start

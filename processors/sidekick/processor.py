@@ -44,7 +44,7 @@ class Sidekick(LoopWorker):
         self.view = sk.SidekickView()
         self.follower = Follower(cfg, self.registry, self.view, topics=(*SOURCES, "tasks"),
                                  types=region_fold.EVENT_TYPES | sk.EVENT_TYPES, name=sk.PRODUCER)
-        self.producer = EventProducer(cfg, self.registry, sk.PRODUCER)
+        self.producer = EventProducer(cfg, self.registry, sk.PRODUCER, follow_map=True)
         self.caught_up = False
         self._next = 0
         self.requested = 0

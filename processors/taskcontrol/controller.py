@@ -110,7 +110,7 @@ class TaskControllerProcess:
         self.prefix = cfg.topic_prefix
         registry = registry or SchemaRegistry.from_dir()
         topic = Topics(cfg.topic_prefix, cfg.partitions).name("taskcontrol")
-        self.producer = EventProducer(cfg, registry, producer_name(name))
+        self.producer = EventProducer(cfg, registry, producer_name(name), follow_map=True)
         # a record it cannot decode is dead-lettered (its id derives from the record's place: reading the topic
         # again after a restart routes it again under the same id) and the controller goes on
         self.consumer = EventConsumer(cfg, registry, [topic], name=producer_name(name),
@@ -150,4 +150,5 @@ class TaskControllerProcess:
                 self.step()
         finally:
             self.producer.flush()
+            self.producer.stop_following()
             self.consumer.close()
