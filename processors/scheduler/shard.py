@@ -112,6 +112,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 import logging
 import os
 import time
@@ -167,6 +168,10 @@ FAUST_ENV = {
     "ROPEWALK_FAUST_COMMIT_INTERVAL": "broker_commit_interval",
 }
 RETRY_ENV = "ROPEWALK_SCHEDULER_RETRY_S"
+# A test's crash between two durable steps of a move: ``after_freeze`` (a move's freeze stored, its state not sent),
+# ``after_handover`` (sent, its jobs not dropped yet), ``after_adopt`` (adopted, the map not told): the process exits
+# at once there (os._exit: nothing flushed, nothing stored), as a SIGKILL would.
+FAILPOINT_ENV = "ROPEWALK_SCHEDULER_FAILPOINT"
 PROFILE_ENV = "ROPEWALK_PROFILE_DIR"  # a directory: profile the worker (cProfile) and write its stats there at exit
 
 
@@ -630,12 +635,18 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             finally:
                 if output is not None:
                     await output  # also when storing failed: its outcome is what apply_or_retry acts on
+            if forwards:
+                where_to = Counter(f"{m.key.decode('utf-8', 'replace')}->{r.to}" for m, r in forwards)
+                log.info("scheduler: forwarded %d records to their entitlements' new partitions (%s)", len(forwards),
+                         ", ".join(f"{k}: {n}" for k, n in sorted(where_to.items())))
             for ent, part in moving:
                 log.info("scheduler: entitlement %s frozen on partition %d, moving to %d", ent, part,
                          homes[ho.home_key(ent, part)].moving_to)
+                failpoint("after_freeze")
                 await send_handover(ent, part)
             for ent, part in arrived:
                 log.info("scheduler: entitlement %s adopted on partition %d", ent, part)
+                failpoint("after_adopt")
             await publish_map(state, start, where, arrived)
             t2 = time.monotonic()
             if t2 - t0 > SLOW_BATCH_S:
@@ -668,6 +679,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 producer.send(ev, partition=home.moving_to)
             producer.flush(FLUSH_S)
         await loop.run_in_executor(None, send_all)
+        failpoint("after_handover")
         where[ent] = part
         await store(state, new_state, headers, where=where, homes={ho.home_key(ent, part): new_home})
         log.info("scheduler: entitlement %s handed over from partition %d to %d: %d jobs in %d parts (drain offset "
@@ -911,6 +923,13 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         log.info("scheduler shard %d: assigned partitions %s", os.getpid(), mine)
 
     return app, schedule, tables
+
+
+def failpoint(name: str) -> None:
+    """Exit at once if ``FAILPOINT_ENV`` names this point (tests of a crash between the steps of a move)."""
+    if os.environ.get(FAILPOINT_ENV) == name:
+        log.warning("scheduler: failpoint %s: exiting", name)
+        os._exit(70)
 
 
 def ent_weight(state: SchedulerState, entitlement: str) -> int:
