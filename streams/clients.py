@@ -118,15 +118,12 @@ class EventProducer:
     shard that finds it there, so a producer without the map is slower across a move, never wrong)."""
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, *,
-                 route: "Callable[[str], int] | None" = None, follow_map: bool = False, **conf):
-        """``follow_map``: route by a ``MapFollower`` of this producer's own (a worker's producer; closed with it)."""
+                 route: "Callable[[str], int] | None" = None, owns_route: bool = False, **conf):
+        """``owns_route``: ``route`` is this producer's own (``partitionmap.routed_producer``'s follower), closed with
+        it."""
         self.cfg = cfg
-        self._follower = None
-        if follow_map and route is None:
-            from streams.partitionmap import MapFollower
-
-            route = self._follower = MapFollower.start(cfg, registry, name=f"{name}-map")
         self.route = route
+        self._owned_route = route if owns_route else None
         self.registry = registry
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.name = name
@@ -246,11 +243,11 @@ class EventProducer:
         self.stop_following()
 
     def stop_following(self) -> None:
-        """Close the map follower of ``follow_map`` (if any); the producer routes by hash from then on."""
-        if self._follower is not None:
-            self._follower.close()
-            self._follower = None
+        """Close the route this producer owns (a map follower), if any; it routes by hash from then on."""
+        owned, self._owned_route = self._owned_route, None
+        if owned is not None:
             self.route = None
+            owned.close()
 
 
 def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:

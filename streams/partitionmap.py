@@ -263,9 +263,18 @@ def assignment_event(entry: MapEntry, *, producer: str, cause: str | None = None
                      principal=principal)
 
 
+def routed_producer(cfg, registry, name: str, **conf):
+    """An ``EventProducer`` that routes by a ``MapFollower`` of its own (a worker's), closed with it
+    (``stop_following``, which ``processors.worker.close_clients`` calls)."""
+    from streams.clients import EventProducer
+
+    return EventProducer(cfg, registry, name, route=MapFollower.start(cfg, registry, name=f"{name}-map"),
+                         owns_route=True, **conf)
+
+
 def entries_of(mapping: Mapping[str, MapEntry]) -> list[MapEntry]:
     return [mapping[k] for k in sorted(mapping)]
 
 
 __all__ = ["EVENT", "MapEntry", "MapFollower", "PartitionMap", "REASON_CREATED", "REASON_HELD", "REASON_MOVED",
-           "REASON_MOVING", "TOPIC", "assignment_event", "entries_of", "least_loaded", "read_map"]
+           "REASON_MOVING", "TOPIC", "assignment_event", "entries_of", "least_loaded", "read_map", "routed_producer"]

@@ -71,6 +71,7 @@ from processors.scheduler import records
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
 from streams import batches, state as states
 from streams.events import Event
+from processors.scheduler.handover import MOVE_REQUESTED
 from streams.partitioner import partition_for
 from streams.topics import Topics
 
@@ -327,12 +328,23 @@ class Region:
             self.open_requests[event.event_id] = (event, position[1])
         elif decision and event.causation_id is not None:
             self.open_requests.pop(event.causation_id, None)
+        if event.type == MOVE_REQUESTED:
+            self._moved(event)
         if event.type in sd.CONSUMED and not own:
             if self.shadow is not None and event.type in ("TaskStatesChanged", "TaskStateChanged"):
                 event = self._translate(event)
                 if event is None:
                     return
             self._enqueue_input(event, tp, self._topic_rank.get(position[0], len(SOURCES)), position[2])
+
+    def _moved(self, event: Event) -> None:
+        """An entitlement moved to another partition (processors/scheduler/handover.py): its decisions take that
+        partition's rate-limiter bucket from then on, as the shard that adopts it does. One whole region holds every
+        partition's jobs here, so nothing else of a move concerns it. (A move the scheduler refused, to a partition
+        the topics have, is taken as made: a known approximation of the buckets.)"""
+        to = event.payload.get("to_partition")
+        if isinstance(to, int) and 0 <= to < self.topics.partitions:
+            self._partition_of[event.entitlement] = to
 
     def _fold(self, event: Event, position: Position | None) -> None:
         try:
