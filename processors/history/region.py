@@ -220,6 +220,7 @@ class Region:
         self._waiting: dict[int, list[tuple[Event, int, int]]] = {}  # partition -> silent inputs waiting: (input,
         # since, tries) (``_decide``)
         self._topic_rank = {topics.name(t): i for i, t in enumerate(SOURCES)}
+        self.homes: dict[str, int] = {}  # entitlement -> where the log placed or moved it (else: its hash partition)
         self._partition_of: dict[str, int] = {}
         self._live_jobs: dict[int, set[str]] | None = defaultdict(set)  # per partition: jobs the timer may act on
         self.shadow: ShadowLog | None = None
@@ -330,6 +331,9 @@ class Region:
             self.open_requests.pop(event.causation_id, None)
         if event.type == MOVE_REQUESTED:
             self._moved(event)
+        elif event.type == "EntitlementCreated" and event.entitlement not in self.homes:
+            self.homes[event.entitlement] = tp[1]  # where it was created: the partition map's choice
+            self._partition_of.pop(event.entitlement, None)
         if event.type in sd.CONSUMED and not own:
             if self.shadow is not None and event.type in ("TaskStatesChanged", "TaskStateChanged"):
                 event = self._translate(event)
@@ -344,7 +348,8 @@ class Region:
         the topics have, is taken as made: a known approximation of the buckets.)"""
         to = event.payload.get("to_partition")
         if isinstance(to, int) and 0 <= to < self.topics.partitions:
-            self._partition_of[event.entitlement] = to
+            self.homes[event.entitlement] = to
+            self._partition_of.pop(event.entitlement, None)
 
     def _fold(self, event: Event, position: Position | None) -> None:
         try:
@@ -400,7 +405,9 @@ class Region:
 
     # -- the scheduler -------------------------------------------------------------------------------------------
     def partition(self, entitlement: str) -> int:
-        p = self._partition_of.get(entitlement)
+        p = self.homes.get(entitlement)
+        if p is None:
+            p = self._partition_of.get(entitlement)
         if p is None:
             p = self._partition_of[entitlement] = partition_for(entitlement, self.topics.partitions)
         return p
