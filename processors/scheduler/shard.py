@@ -129,6 +129,7 @@ from processors.scheduler import store as st
 from processors.scheduler.metrics import ShardMetrics
 from processors.scheduler.decide import CONSUMED, MACHINE_EVENTS, decide, machines_of, named_jobs, retry_unplaced
 from processors.scheduler.model import Job, SchedulerState, state_of
+from processors.scheduler.reasons import JOB_UNREADABLE
 from processors.scheduler.work import PRODUCER
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
@@ -136,7 +137,8 @@ from streams import batches
 from streams.clients import PRODUCER_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import FlowWatch, decode_message, header_of, make_app, route_dead_letter, take_batches
+from streams.faustwire import (FlowWatch, decode_message, header_of, make_app, route_dead_letter, tables_ready,
+                               take_batches)
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
 from streams.topics import CHANGELOG_CONFIG, Topics
@@ -153,6 +155,9 @@ BATCH_MAX_WAIT_S = 0.02  # ...or its first record waited this long
 BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
 FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
 SLOW_BATCH_S = 0.25  # a batch that takes longer is logged with where its time went
+RETRY_SLICE_JOBS = 50  # jobs the retry timer decides on at a time, each slice under the lock on its own
+SLOW_RETRY_S = 5.0  # a retry round that takes longer is logged with where its time went
+SETTLE_S = 5.0  # how long a rebalance's revocation waits for a decision under way (``settle``)
 COALESCED = {"JobStatePublished": "job_id", "JobTasksPublished": None}  # only a batch's last one per key is produced
 
 # Environment variables of a worker (beside infra.config's), mapped to faust settings; tests lower them.
@@ -198,6 +203,20 @@ def is_own_record(msg: Any) -> bool:
     return name == PRODUCER.encode() or name.startswith(PRODUCER.encode() + b"/")
 
 
+def unreadable_named(event: Event, unreadable: Mapping[str, str]) -> tuple[bool, str] | None:
+    """Whether ``event`` names a job the shard could not read (``unreadable``: job id -> why): None if not, else
+    (whether it names only such jobs, the dead letter's detail). One that names only such jobs is not decided (a
+    decision without its job would take it for unknown: a JobSubmitted would make a new one over it); one that also
+    names readable jobs (an agent's batch of reports) is decided for those. Either is dead-lettered, to be replayed
+    once the job is mended (its other jobs' duplicate rings make the replay a no-op for them)."""
+    named = named_jobs(event)
+    bad = [j for j in named if j in unreadable]
+    if not bad:
+        return None
+    why = "; ".join(f"{j}: {unreadable[j]}" for j in bad)
+    return len(bad) == len(named), f"{event.type} names jobs the shard cannot read: {why}"
+
+
 def coalesce(events: list[Event]) -> list[Event]:
     """A batch's output with only the last JobStatePublished per job and JobTasksPublished per part (the state
     topics keep only the latest per key anyway); everything else as it is, in order."""
@@ -235,6 +254,8 @@ class ShardTables:
         # so it can never disagree with the table.
         self._decoded: dict[str, tuple[dict, Job]] = {}
         self._unacked: list = []  # changelog sends since the last barrier (faust FutureMessages)
+        self.unreadable: dict[str, str] = {}  # job id -> why: the jobs the last load could not read (load)
+        self._unreadable_logged: dict[str, dict] = {}  # job id -> the header last logged as unreadable (once each)
         self.written_chunks = 0  # chunk records written (a figure for tests and profiles)
         self.store_ms = (0, 0)  # the last store's wait for its chunks and output, then for its headers (logged)
 
@@ -262,9 +283,29 @@ class ShardTables:
 
     def load(self, events: Iterable[Event], job_ids: Iterable[str]) -> tuple[SchedulerState, dict[str, dict]]:
         """The slice of the state: the given jobs, the entitlements they and ``events`` name, and whether each
-        machine they (and the machine events) touch is down. Also the job headers as read (to diff on write-back)."""
-        headers = {j: r for j in job_ids if (r := self.jobs.data.get(j)) is not None}
-        jobs = [self._job_of(j, r) for j, r in headers.items()]
+        machine they (and the machine events) touch is down. Also the job headers as read (to diff on write-back).
+
+        A job whose stored form cannot be read (its header names a chunk the table does not hold: ``MissingChunk``,
+        or a header that is no job) is left out of both, and ``unreadable`` says which and why (job id -> reason)
+        until the next load; it is logged once per stored header. Never raises for one job: the others are still
+        decided (the callers skip what names such a job: ``unreadable_named``)."""
+        headers: dict[str, dict] = {}
+        jobs: list[Job] = []
+        self.unreadable = {}
+        for j in job_ids:
+            r = self.jobs.data.get(j)
+            if r is None:
+                continue
+            try:
+                jobs.append(self._job_of(j, r))
+            except Exception as exc:  # noqa: BLE001 - a job it cannot read must not stop the shard for the others
+                self.unreadable[j] = f"{type(exc).__name__}: {exc}"
+                if self._unreadable_logged.get(j) is not r:
+                    self._unreadable_logged[j] = r
+                    log.error("scheduler: job %s cannot be read from the tables, left alone until its stored form "
+                              "changes (events naming it are dead-lettered): %s", j, self.unreadable[j])
+                continue
+            headers[j] = r
         ent_names = {j.entitlement for j in jobs}
         machines: set[str] = set()
         for j in jobs:
@@ -295,6 +336,23 @@ class ShardTables:
     def active_job_ids(self, active_partitions: set[int]) -> list[str]:
         return sorted(k for k, r in list(self.jobs.data.items())
                       if r is not None and self.partition_of(r["entitlement"]) in active_partitions)
+
+    def timer_job_ids(self, active_partitions: set[int]) -> dict[int, list[str]]:
+        """Partition -> the jobs of it the retry timer may have work for (``store.wants_timer`` of their headers:
+        ``decide.has_timer_work`` when written), for ``active_partitions``, read without decoding any job. (The
+        timer used to load and decide on every job of the shard every round, most of them running untouched.)"""
+        part_of: dict[str, int] = {}  # entitlement -> its partition, hashed once per call
+        out: dict[int, list[str]] = {p: [] for p in sorted(active_partitions)}
+        for k, r in list(self.jobs.data.items()):
+            if r is None or not st.wants_timer(r):
+                continue
+            ent = r["entitlement"]
+            part = part_of.get(ent)
+            if part is None:
+                part = part_of[ent] = self.partition_of(ent)
+            if part in out:
+                out[part].append(k)
+        return {p: sorted(ids) for p, ids in out.items()}
 
     # -- writing ----------------------------------------------------------------------------------------------
     def _put(self, table: faust.Table, partition: int, key: str, value: Any) -> None:
@@ -434,18 +492,26 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         """Decide a batch of (message, record, event), in order, on one state; produce; store (with the offsets
         of the records the batch ``passed`` over: key -> (partition, next offset))."""
         async with lock:
+            if not tables_ready(app):  # a rebalance or a recovery under way: decide nothing on the tables now
+                set_aside(items, passed)
+                return
             t0 = time.monotonic()
             now = int(time.time() * 1000)
             job_ids: set[str] = set()
             for _, rec, ev in items:
                 job_ids.update(tables.job_ids_for(ev, rec.partition))
             start, headers = tables.load([ev for _, _, ev in items], sorted(job_ids))
+            unreadable = tables.unreadable
             state = start
             buckets: dict[int, Bucket | None] = {}
             down_partitions: dict[str, int] = {}
             out: list[Event] = []
             failed = []
             for msg, rec, ev in items:
+                if unreadable and (bad := unreadable_named(ev, unreadable)):
+                    failed.append((msg, JOB_UNREADABLE, bad[1]))
+                    if bad[0]:
+                        continue  # it names no job that can be read: nothing to decide
                 part = rec.partition
                 if part not in buckets:
                     buckets[part] = tables.bucket(part)
@@ -456,7 +522,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
                     log.exception("scheduler: %s %s at %s[%d]@%d failed", ev.type, ev.event_id, rec.topic, part,
                                   rec.offset)
-                    failed.append((msg, f"{ev.type}: {type(exc).__name__}: {exc}"))
+                    failed.append((msg, PROCESSING_FAILED, f"{ev.type}: {type(exc).__name__}: {exc}"))
                     continue
                 try:
                     shard_metrics.decided(ev, emitted, time.monotonic() - t_ev, now)
@@ -472,8 +538,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 buckets[part] = new.shard_bucket
                 state = new
                 out.extend(emitted)
-            for msg, detail in failed:
-                await route_dead_letter(dead_letters, msg, PROCESSING_FAILED, detail)
+            for msg, reason, detail in failed:
+                await route_dead_letter(dead_letters, msg, reason, detail)
             t1 = time.monotonic()
             # The output is flushed before any table value that stands for it (see "Delivery" in the module
             # docstring); it is produced while the new chunks are sent, which need not wait for it.
@@ -492,6 +558,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 if output is not None:
                     await output  # also when storing failed: its outcome is what apply_or_retry acts on
             t2 = time.monotonic()
+            guard.worked(time.monotonic())
             if t2 - t0 > SLOW_BATCH_S:
                 log.info("scheduler: slow batch: %d records, %d events out, %.0f ms (decide %.0f, produce and store "
                          "%.0f: chunks and output %d, headers %d)", len(items), len(out), (t2 - t0) * 1e3,
@@ -573,6 +640,16 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await read_again(items[n:])
                 return
 
+    def set_aside(items: list, passed: Mapping[str, tuple[int, int]]) -> None:
+        """A batch that came while the tables are not ready: not decided, and the guard's next offsets of its
+        partitions go back to the stored ones, so its records apply when they come again (faust seeks to the
+        committed offsets after the recovery; a gap before them makes the guard seek back to the stored ones)."""
+        keys = {partition_key(rec.topic, rec.partition) for _, rec, _ in items} | set(passed)
+        for key in keys:
+            guard.rewind(key)
+        log.info("scheduler: a batch of %d records set aside: the tables are being recovered (read again after)",
+                 len(items) + len(passed))
+
     async def read_again(items: list) -> None:
         """Seek back to the stored offsets of these records' partitions (the offset guard falls back to them)."""
         starts: dict[str, Any] = {}
@@ -583,23 +660,62 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             await seek_back(tp, key, "a batch not applied")
         await asyncio.sleep(FAILED_BATCH_PAUSE_S)
 
+    def active_partitions() -> set[int]:
+        return {tp.partition for tp in app.assignor.assigned_actives() if tp.topic in source_names}
+
+    async def retry_slice(part: int, job_ids: list[str]) -> int:
+        """``retry_unplaced`` on these jobs of partition ``part``, its output produced and its state stored; the
+        caller holds the lock. Returns the events emitted."""
+        state, headers = tables.load((), job_ids)  # a job it cannot read is left out (and logged)
+        state = tables.with_bucket(state, part)
+        new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
+        if out:
+            await produce(coalesce(out))
+        if new is not state:
+            await store(state, new, headers, buckets={part: new.shard_bucket})
+        return len(out)
+
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
     async def retry() -> None:
-        active = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic in source_names}
-        if not active:
+        """A round of the timer: the jobs with something to retry (``timer_job_ids``), partition by partition,
+        ``RETRY_SLICE_JOBS`` at a time, each slice a decision of its own under the lock (the agent decides in
+        between), none while the tables are not ready (a rebalance or a recovery: the round ends there)."""
+        if not tables_ready(app):
+            log.info("scheduler: retry round skipped: the tables are being recovered (a rebalance)")
             return
+        t0 = time.monotonic()
+        active = active_partitions()
+        todo = tables.timer_job_ids(active)
+        n_jobs = n_out = n_slices = failed = 0
+        waited = 0.0
+        for part, ids in todo.items():
+            for i in range(0, len(ids), RETRY_SLICE_JOBS):
+                t_wait = time.monotonic()
+                async with lock:
+                    waited += time.monotonic() - t_wait
+                    if not tables_ready(app) or part not in active_partitions():
+                        log.info("scheduler: retry round cut short after %d slices: a rebalance began", n_slices)
+                        return
+                    try:
+                        n_out += await retry_slice(part, ids[i:i + RETRY_SLICE_JOBS])
+                    except Exception:  # noqa: BLE001 - the broker refused the output, or a bug: the others go on
+                        failed += 1
+                        log.exception("scheduler: a retry slice of %d jobs of partition %d failed (nothing of it "
+                                      "stored; the next round tries again)", len(ids[i:i + RETRY_SLICE_JOBS]), part)
+                    finally:
+                        guard.worked(time.monotonic())
+                n_jobs += len(ids[i:i + RETRY_SLICE_JOBS])
+                n_slices += 1
         async with lock:
-            for part in sorted(active):  # one partition at a time: each has its own shard bucket
-                state, headers = tables.load((), tables.active_job_ids({part}))
-                state = tables.with_bucket(state, part)
-                new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
-                if out:
-                    await produce(coalesce(out))
-                if new is not state:
-                    await store(state, new, headers, buckets={part: new.shard_bucket})
-            dropped = tables.drop_orphans(active)
-            if dropped:
-                log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)", dropped)
+            if tables_ready(app):
+                dropped = tables.drop_orphans(active)
+                if dropped:
+                    log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)",
+                                dropped)
+        took = time.monotonic() - t0
+        if took > SLOW_RETRY_S:
+            log.info("scheduler: slow retry round: %.1f s for %d jobs in %d slices (%d failed), %d events out; "
+                     "%.1f s of it waiting for the lock", took, n_jobs, n_slices, failed, n_out, waited)
         metrics.TIMER_TICKS.labels(worker=APP_ID).inc()  # a round of the retry timer done, its output produced
 
     flow = FlowWatch()
@@ -607,6 +723,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:
+        if not tables_ready(app):  # a rebalance: faust pauses, seeks and resumes the partitions itself
+            return
         now = time.monotonic()
         sources = [tp for tp in app.assignor.assigned_actives() if tp.topic in source_names]
         for tp, why in flow.check(app.consumer, sources, now):
@@ -624,8 +742,26 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 behind[key] = float("inf")  # one line an episode (a backlog, or a stall)
                 log.warning("scheduler: %s has been below its high watermark for %.0f s (next offset %d, high %d; "
                             "%s)", key, flow.after_s, guard.next_offset(key), high, flow.describe(app.consumer, tp))
-            if guard.stalled(key, high, now):
-                await seek_back(tp, key, "stalled below the high watermark")
+            target = guard.stall_seek(key, high, now, busy=lock.locked())
+            if target is not None:
+                episode = guard.stalls[key]
+                log.warning("scheduler: %s stalled below its high watermark %d: seeking back to offset %d (seek %d of "
+                            "this stall; next no sooner than in %.0f s)", key, high, target, episode.seeks,
+                            episode.next_seek_at - now)
+                await app.consumer.seek_wait({tp: target})  # in the consumer's thread, which owns the fetcher
+
+    @app.on_partitions_revoked.connect
+    async def settle(app, revoked, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
+        """A rebalance begins (``tables_ready`` is False from now on): wait for a decision under way to end, so that
+        none spans the recovery that follows (faust has waited for the agent's batch already; this is the timer's
+        slice). Bounded: a slice stuck on the broker does not hold the group's rebalance up for ever."""
+        wait_s = min(SETTLE_S, float(app.conf.broker_rebalance_timeout) / 2)
+        try:
+            await asyncio.wait_for(lock.acquire(), wait_s)
+        except asyncio.TimeoutError:
+            log.warning("scheduler: a decision still under way %.1f s into a rebalance; going on without it", wait_s)
+            return
+        lock.release()
 
     @app.on_partitions_assigned.connect
     async def announce(app, assigned, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature

@@ -1,8 +1,8 @@
 """The scheduler's offset guard (processors/scheduler/offsets.py): pure, table-driven."""
 import pytest
 
-from processors.scheduler.offsets import (APPLY, DUPLICATE, GAP, PERSIST_AFTER, SEEK_AGAIN_S, STALL_S, OffsetGuard,
-                                         verdict)
+from processors.scheduler.offsets import (APPLY, DUPLICATE, GAP, PERSIST_AFTER, SEEK_AGAIN_S, STALL_BACKOFF_MAX_S,
+                                         STALL_BACKOFF_S, STALL_S, Episode, OffsetGuard, stall_step, verdict)
 
 
 @pytest.mark.parametrize("next_offset, offset, expected", [
@@ -51,16 +51,60 @@ def test_a_batch_not_stored_is_rewound_to_the_table_value_and_applied_again():
     assert g.next_offset("t/1") == 3 and g.rewind("t/1") == 3  # another partition: untouched
 
 
-@pytest.mark.parametrize("high_watermark, idle_s, expected", [
-    (None, 10.0, False),           # no fetch yet: nothing known
-    (3, 10.0, False),              # everything applied
-    (5, 10.0, True),               # records wait and the shard is idle: a stall
-    (5, STALL_S / 2, False),       # records wait but the shard is busy: a backlog, not a stall
-])
-def test_stalled(high_watermark, idle_s, expected):
-    g = OffsetGuard({"t/0": 3})
-    g.check("t/1", 0, 100.0)  # the last record the shard received, of any partition
-    assert g.stalled("t/0", high_watermark, 100.0 + idle_s) is expected
+# (episode before, next offset, high watermark, idle s, busy) -> (episode after, seek?). Now is 1000.0.
+E5 = Episode(5, 1, 1000.0 + STALL_BACKOFF_S)  # found stalled at offset 5, sought once, next seek no sooner than that
+STALL_RULE = [
+    ("no fetch yet: nothing known", None, 5, None, 60.0, False, None, False),
+    ("caught up", None, 5, 5, 60.0, False, None, False),
+    ("caught up ends an episode", E5, 5, 5, 60.0, False, None, False),
+    ("records wait, the shard idle: a stall, seek at once", None, 5, 9, STALL_S, False,
+     Episode(5, 1, 1000.0 + STALL_BACKOFF_S), True),
+    ("records wait, records reach the shard: reading a backlog", None, 5, 9, STALL_S / 2, False, None, False),
+    ("records wait, a decision under way: deciding, not stalled", None, 5, 9, 60.0, True, None, False),
+    ("a decision under way keeps the episode, seeks nothing", E5, 5, 9, 60.0, True, E5, False),
+    ("still stalled within the backoff: no second seek", E5, 5, 9, 60.0, False, E5, False),
+    ("moved on since, stalled again: a new episode", E5, 7, 9, 60.0, False, Episode(7, 1, 1000.0 + STALL_BACKOFF_S),
+     True),
+    ("moved on since, reading: the episode is over", E5, 7, 9, 0.0, False, None, False),
+]
+
+
+@pytest.mark.parametrize("why, before, next_offset, high, idle_s, busy, after, seek", STALL_RULE,
+                         ids=[c[0] for c in STALL_RULE])
+def test_the_stall_rule(why, before, next_offset, high, idle_s, busy, after, seek):
+    assert stall_step(before, next_offset, high, idle_s, busy, 1000.0) == (after, seek)
+
+
+def test_a_stall_seeks_back_once_then_with_a_doubling_backoff():
+    """An episode that does not end (the seek brings nothing): seeks at 0, then after 10, 20, 40, 80, 120, 120 s
+    more; never every STALL_S (the 2026-11-27 bench's 2,029 seeks)."""
+    g = OffsetGuard({"t/0": 5})
+    seeks = [t for t in range(0, 600, int(STALL_S)) if g.stall_seek("t/0", 9, 100.0 + t) is not None]
+    gaps = [b - a for a, b in zip(seeks, seeks[1:])]
+    assert seeks[0] == 0 and gaps[:6] == [10, 20, 40, 80, 120, 120]
+    assert all(gap <= STALL_BACKOFF_MAX_S for gap in gaps)
+    assert len(seeks) == 8 and g.stalls["t/0"] == Episode(5, 8, 100.0 + seeks[-1] + STALL_BACKOFF_MAX_S)  # not 300
+
+
+def test_a_busy_shard_never_seeks_and_its_idle_time_counts_from_the_end_of_the_decision():
+    """A decision holding the shard for minutes (the retry timer's 152 s round): no record reaches the guard, yet
+    nothing is stalled; once it ends, the partition is stalled only after STALL_S more of nothing."""
+    g = OffsetGuard({"t/0": 5})
+    g.check("t/1", 0, 0.0)
+    assert all(g.stall_seek("t/0", 9, float(t), busy=True) is None for t in range(2, 200, 2))
+    g.worked(200.0)
+    assert g.stall_seek("t/0", 9, 200.0 + STALL_S / 2) is None
+    assert g.stall_seek("t/0", 9, 200.0 + STALL_S) == 5
+
+
+def test_progress_ends_an_episode_and_a_rebalance_forgets_it():
+    g = OffsetGuard({"t/0": 5})
+    assert g.stall_seek("t/0", 9, 0.0) == 5
+    assert g.stall_seek("t/0", 9, STALL_S) is None  # within the backoff
+    assert [g.check("t/0", o, 3.0) for o in (5, 6)] == [APPLY, APPLY]
+    assert g.stall_seek("t/0", 9, 3.0 + STALL_S) == 7  # stalled again further on: a new episode, sought at once
+    g.forget()
+    assert g.stalls == {} and g.stall_seek("t/0", 9, 3.0 + 2 * STALL_S) == 5  # the table's value, afresh
 
 
 @pytest.mark.parametrize("persisted, applied, due", [
