@@ -26,16 +26,22 @@ shard decided but could not produce or store is ``rewind``-ed: the in-memory val
 moved) applies again, and the shard seeks back to it. Every seek is logged.
 
 **Stalls** (``stall_step``, pure; ``OffsetGuard.stall_seek``). A stall is a gap with no record after it: the
-partition's high watermark is past the next offset and nothing comes. A timer looks every ``STALL_S``. The shard
-is *reading*, not stalled, while any record reached it in the last ``STALL_S`` or a decision is under way (the
-agent's batch, a slice of the retry timer): under a backlog a partition's records wait in faust's buffers behind
-others', and while the shard decides nothing new reaches the guard at all; seeking back then only makes the
-consumer fetch the same records twice. A stall starts an *episode*: the first look that finds it seeks back at
-once; while the next offset stays where the episode began, a seek again waits ``STALL_BACKOFF_S``, doubled each
-time up to ``STALL_BACKOFF_MAX_S``; the episode ends when the partition moves past that offset or catches up, and
-at a rebalance (``forget``). The rule was a seek every ``STALL_S`` once the shard had been idle for it: in a
-100,000-machine bench (2026-11-27) a timer round held the shard's lock for 152 s, no record reached the guard, and
-the shard sought back 2,029 times.
+partition's high watermark is past the next offset and nothing of it comes. A timer looks every ``STALL_S``. A
+partition is stalled when
+
+* the shard has been *idle* for ``STALL_S``: no record reached it and no decision ended, and none is under way; or
+* it is *starved*: the shard kept receiving other partitions' records for ``STARVED_S`` since the last record of
+  this one (a seek lost to faust's own seek at the end of a recovery, 2026-11-28: the other partitions kept the
+  shard busy, the idle rule never fired, and the partition waited for ever).
+
+It is not stalled while a decision is under way (the agent's batch, a slice of the retry timer: nothing reaches
+the guard then), nor while it is merely behind on a backlog its records are coming from (they wait in faust's
+buffers behind others'; seeking back would only fetch them twice). A stall starts an *episode*: the first look
+that finds it seeks back at once; while the next offset stays where the episode began, a seek again waits
+``STALL_BACKOFF_S``, doubled each time up to ``STALL_BACKOFF_MAX_S``; the episode ends when the partition moves
+past that offset or catches up, and at a rebalance (``forget``). The rule was a seek every ``STALL_S`` once the
+shard had been idle for it: in a 100,000-machine bench (2026-11-27) a timer round held the shard's lock for 152 s,
+no record reached the guard, and the shard sought back 2,029 times.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ APPLY = "apply"
 DUPLICATE = "duplicate"
 GAP = "gap"
 STALL_S = 2.0  # the shard idle this long while a high watermark is past the next offset: a stall (and the look's period)
+STARVED_S = 30.0  # other partitions' records kept coming this long since this one's last: a stall too
 STALL_BACKOFF_S = 10.0  # a stall's episode seeks again no sooner than this after its first seek...
 STALL_BACKOFF_MAX_S = 120.0  # ...doubling after each seek, up to this
 SEEK_AGAIN_S = 1.0  # a seek to the same offset (after a gap) is not repeated sooner (buffered records keep arriving)
@@ -72,16 +79,17 @@ class Episode:
     next_seek_at: float
 
 
-def stall_step(episode: Episode | None, next_offset: int, high_watermark: int | None, idle_s: float, busy: bool,
-               now: float) -> tuple[Episode | None, bool]:
+def stall_step(episode: Episode | None, next_offset: int, high_watermark: int | None, idle_s: float,
+               starved_s: float, busy: bool, now: float) -> tuple[Episode | None, bool]:
     """The stall rule for one partition at one look: (its episode after the look, whether to seek back now).
-    ``idle_s``: since a record last reached the shard or a decision last ended; ``busy``: a decision under way."""
+    ``idle_s``: since a record last reached the shard or a decision last ended; ``starved_s``: how long the shard
+    went on receiving other partitions' records after this one's last; ``busy``: a decision under way."""
     if high_watermark is None or high_watermark <= next_offset:
         return None, False  # nothing waits: no stall
     if episode is not None and next_offset > episode.offset:
         episode = None  # it moved on since: that episode is over
-    if busy or idle_s < STALL_S:
-        return episode, False  # the shard is reading or deciding: a backlog, not a stall
+    if busy or (idle_s < STALL_S and starved_s < STARVED_S):
+        return episode, False  # deciding, or reading (this partition's backlog among others'): not a stall
     if episode is None:
         return Episode(next_offset, 1, now + STALL_BACKOFF_S), True
     if now < episode.next_seek_at:
@@ -99,6 +107,9 @@ class OffsetGuard:
     last_record_at: float = float("-inf")  # when any record last reached the guard, or a decision last ended
     sought: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (offset, when) of the last seek
     stalls: dict[str, Episode] = field(default_factory=dict)  # key -> its stall episode (stall_step)
+    last_seen: dict[str, float] = field(default_factory=dict)  # key -> when a record of it last reached the guard
+    behind_since: dict[str, float] = field(default_factory=dict)  # key -> since when a look found it behind
+    received_at: float = float("-inf")  # when any record last reached the guard (decisions aside)
 
     def next_offset(self, key: str) -> int:
         if key in self.in_memory:
@@ -110,7 +121,8 @@ class OffsetGuard:
         v = verdict(self.next_offset(key), offset)
         if v == APPLY:
             self.in_memory[key] = offset + 1
-        self.last_record_at = now
+        self.last_record_at = self.received_at = now
+        self.last_seen[key] = now
         return v
 
     def should_seek(self, key: str, now: float) -> int | None:
@@ -133,8 +145,14 @@ class OffsetGuard:
 
     def stall_seek(self, key: str, high_watermark: int | None, now: float, busy: bool = False) -> int | None:
         """The offset to seek ``key`` back to now because it is stalled (``stall_step``), or None."""
-        episode, seek = stall_step(self.stalls.get(key), self.next_offset(key), high_watermark,
-                                   now - self.last_record_at, busy, now)
+        nxt = self.next_offset(key)
+        if high_watermark is None or high_watermark <= nxt:
+            self.behind_since.pop(key, None)
+            since = now
+        else:  # starved since its last record, or since it fell behind (a quiet partition's new record is not late)
+            since = max(self.behind_since.setdefault(key, now), self.last_seen.get(key, float("-inf")))
+        episode, seek = stall_step(self.stalls.get(key), nxt, high_watermark, now - self.last_record_at,
+                                   self.received_at - since, busy, now)
         if episode is None:
             self.stalls.pop(key, None)
         else:
@@ -153,3 +171,5 @@ class OffsetGuard:
         self.in_memory.clear()
         self.sought.clear()
         self.stalls.clear()
+        self.last_seen.clear()
+        self.behind_since.clear()

@@ -24,7 +24,8 @@ survivors, which recover the partitions' table data from the changelogs before t
      tables ◄── 1. new task chunks ─ acks and the output's flush ─ 2. job headers, index, entitlements, machines,
                 buckets ─ acks ─
                 3. source offsets, tombstones of chunks no header names any more  (store.py: "Delivery")
- timer (RETRY_S) ──► retry_unplaced over the jobs of the partitions this worker actively owns ──► same path
+ timer (RETRY_S) ──► retry_unplaced over the jobs with timer work of the partitions this worker actively owns,
+                     50 at a time ──► same path (nothing while faust recovers the tables: faustwire.tables_ready)
 ```
 
 **Tables** (memory store, each backed by a changelog topic co-partitioned with the sources):
@@ -99,14 +100,34 @@ owning partition, and every scan filters by partition, so they are never acted o
 **Timer.** Every ``RETRY_S`` (``ROPEWALK_SCHEDULER_RETRY_S``, default 10 s) ``retry_unplaced`` releases throttled
 operations, re-asks controllers whose ack is overdue, and re-asks placement of tasks parked by an
 AllocationRejected, for the jobs of the partitions this worker actively owns (standby copies of other workers'
-partitions, which faust also keeps in the same tables, are left alone); then it deletes chunk records no header
-names (``store.orphans``: left by a write a crash interrupted). The agent and the timer share an
-``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
+partitions, which faust also keeps in the same tables, are left alone) that have something for it to do: each
+header says so (``timer``: ``decide.has_timer_work`` of the job when written), so a round reads the headers and
+decodes only those jobs. It works ``RETRY_SLICE_JOBS`` jobs at a time, each slice a decision of its own under the
+lock (load, decide, produce, store), so the agent decides in between; a slice that fails is logged and the others
+go on. Then it deletes chunk records no header names (``store.orphans``: left by a write a crash interrupted). The
+agent and the timer share an ``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
+(It was one decision over every active job, all partitions under the lock at once: at 100,000 machines a round
+held the lock for 152 s while the broker was slow to take its output and state, 2026-11-27.)
 
-**Stalls.** A second timer (every ``offsets.STALL_S``) seeks back a partition the offset guard finds stalled, gives
-back a source partition faust left out of its fetch for 30 s (``faustwire.FlowWatch``: a buffer-pressure pause
-whose release never ran), and logs once a partition that has been below its high watermark for 30 s with what
-faust and aiokafka say of it.
+**Recovery.** After a rebalance faust reads the changelogs of the partitions this worker keeps or takes into its
+tables again, before the agent gets their records (``tables/recovery.py``): a kept partition from where its last
+recovery stopped, i.e. every value this worker wrote since, in order; the job headers' topic is read beside the
+chunks' topic, so until it is done a header may be an older version of itself naming a chunk the table no longer
+(or not yet) holds. The timers go on meanwhile. So nothing is decided unless ``faustwire.tables_ready`` (from the
+rebalance's first moment until faust has read every active changelog): the timer skips its round (or ends it), a
+batch the agent holds is set aside (its offsets rewound in the guard; faust seeks to the committed offsets after
+the recovery and the guard seeks back over the gap), the stall timer and the guard's seeks wait, and a revocation
+waits (``SETTLE_S`` at most) for a decision under way to end (``settle``). A job the tables cannot give back whole
+all the same (``store.MissingChunk``, a header that is no job) is left out of every decision and logged once; an
+event that names it is dead-lettered with reason ``job_unreadable`` and, if it names other jobs too, decided for
+those (``unreadable_named``); the shard goes on for every other job. (The 2026-11-27 bench's shard died of
+``MissingChunk`` in its retry timer during such a recovery.)
+
+**Stalls.** A second timer (every ``offsets.STALL_S``) seeks back a partition the offset guard finds stalled (the
+shard idle while records wait, or the partition starved while others' records come; never while a decision is
+under way; once per episode, then with a doubling backoff: ``offsets.stall_step``), gives back a source partition
+faust left out of its fetch for 30 s (``faustwire.FlowWatch``: a buffer-pressure pause whose release never ran),
+and logs once a partition that has been below its high watermark for 30 s with what faust and aiokafka say of it.
 """
 from __future__ import annotations
 
@@ -483,6 +504,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await tables.store(*args, **kwargs)
                 return
             except StoreTimeout as exc:
+                if app.should_stop:  # the worker stops: its successor decides again from the stored offsets
+                    raise
                 log.warning("scheduler: storing a decision's state: %s; writing it again", exc)
 
     shard_metrics = ShardMetrics()  # this process's metrics (processors/scheduler/metrics.py)
@@ -567,6 +590,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     guard = OffsetGuard(tables.offsets.data)
 
     async def seek_back(tp: Any, key: str, why: str) -> None:
+        if not tables_ready(app):  # faust seeks every partition to its committed offset itself once the recovery
+            return  # is done, and would undo this seek; the records come again then, and the guard sees the gap
         target = guard.should_seek(key, time.monotonic())
         if target is not None:
             log.warning("scheduler: %s on %s: seeking back to offset %d", why, key, target)
@@ -670,6 +695,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         state = tables.with_bucket(state, part)
         new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
         if out:
+            log.info("scheduler: retry: %d events for %d jobs of partition %d", len(out), len(state.jobs), part)
             await produce(coalesce(out))
         if new is not state:
             await store(state, new, headers, buckets={part: new.shard_bucket})
