@@ -117,7 +117,10 @@ chunks' topic, so until it is done a header may be an older version of itself na
 rebalance's first moment until faust has read every active changelog): the timer skips its round (or ends it), a
 batch the agent holds is set aside (its offsets rewound in the guard; faust seeks to the committed offsets after
 the recovery and the guard seeks back over the gap), the stall timer and the guard's seeks wait, and a revocation
-waits (``SETTLE_S`` at most) for a decision under way to end (``settle``). A job the tables cannot give back whole
+waits for a decision under way to end (``settle``: its writes must be on the log before the recovery reads it).
+The retry timer also deletes orphan chunks only then: on tables half recovered, a header read back at an older
+version leaves its job's newest chunk unnamed, and deleting it would lose it on the log too (reasoned from the
+code; a test run of main's timer deleted "orphans" in the middle of a recovery, the log stayed whole there). A job the tables cannot give back whole
 all the same (``store.MissingChunk``, a header that is no job) is left out of every decision and logged once; an
 event that names it is dead-lettered with reason ``job_unreadable`` and, if it names other jobs too, decided for
 those (``unreadable_named``); the shard goes on for every other job. (The 2026-11-27 bench's shard died of
@@ -178,7 +181,7 @@ FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before tr
 SLOW_BATCH_S = 0.25  # a batch that takes longer is logged with where its time went
 RETRY_SLICE_JOBS = 50  # jobs the retry timer decides on at a time, each slice under the lock on its own
 SLOW_RETRY_S = 5.0  # a retry round that takes longer is logged with where its time went
-SETTLE_S = 5.0  # how long a rebalance's revocation waits for a decision under way (``settle``)
+SETTLE_S = 5.0  # a rebalance waiting this long for a decision under way says so (``settle``), and waits on
 COALESCED = {"JobStatePublished": "job_id", "JobTasksPublished": None}  # only a batch's last one per key is produced
 
 # Environment variables of a worker (beside infra.config's), mapped to faust settings; tests lower them.
@@ -365,9 +368,8 @@ class ShardTables:
         part_of: dict[str, int] = {}  # entitlement -> its partition, hashed once per call
         out: dict[int, list[str]] = {p: [] for p in sorted(active_partitions)}
         for k, r in list(self.jobs.data.items()):
-            if r is None or not st.wants_timer(r):
-                continue
-            ent = r["entitlement"]
+            if not isinstance(r, dict) or not st.wants_timer(r) or not isinstance(ent := r.get("entitlement"), str):
+                continue  # (a header that is no job's is left to load, which says so when an event names it)
             part = part_of.get(ent)
             if part is None:
                 part = part_of[ent] = self.partition_of(ent)
@@ -732,9 +734,13 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                         guard.worked(time.monotonic())
                 n_jobs += len(ids[i:i + RETRY_SLICE_JOBS])
                 n_slices += 1
-        async with lock:
-            if tables_ready(app):
-                dropped = tables.drop_orphans(active)
+        async with lock:  # never while recovering: a header read back at an older version leaves its job's newest
+            if tables_ready(app):  # chunk unnamed for a while, and deleting it would delete it on the log too
+                try:
+                    dropped = tables.drop_orphans(active)
+                except Exception:  # noqa: BLE001 - a chunk record that is no chunk: the timer goes on
+                    log.exception("scheduler: looking for chunk records no job names failed")
+                    dropped = 0
                 if dropped:
                     log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)",
                                 dropped)
@@ -778,15 +784,20 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     @app.on_partitions_revoked.connect
     async def settle(app, revoked, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
-        """A rebalance begins (``tables_ready`` is False from now on): wait for a decision under way to end, so that
-        none spans the recovery that follows (faust has waited for the agent's batch already; this is the timer's
-        slice). Bounded: a slice stuck on the broker does not hold the group's rebalance up for ever."""
-        wait_s = min(SETTLE_S, float(app.conf.broker_rebalance_timeout) / 2)
-        try:
-            await asyncio.wait_for(lock.acquire(), wait_s)
-        except asyncio.TimeoutError:
-            log.warning("scheduler: a decision still under way %.1f s into a rebalance; going on without it", wait_s)
-            return
+        """A rebalance begins (``tables_ready`` is False from now on): wait for a decision under way (a slice of the
+        timer: faust has waited for the agent's batch already) to end before the recovery that follows reads the
+        changelogs. Its writes must be on the log by then: one written after the recovery took the changelogs' ends
+        would be overwritten in memory by an older value the recovery reads, and the worker would go on from a
+        state its log no longer holds (then deleting the newer chunks as orphans). As faust waits for the agent, not
+        bounded: a slice is 50 jobs; one stuck on the broker is logged every SETTLE_S."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                await asyncio.wait_for(lock.acquire(), SETTLE_S)
+                break
+            except asyncio.TimeoutError:
+                log.warning("scheduler: the rebalance waits for a decision under way (%.0f s so far)",
+                            time.monotonic() - t0)
         lock.release()
 
     @app.on_partitions_assigned.connect

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from processors.scheduler import store as st
 from streams.clients import EventProducer
 from streams.partitioner import partition_for
 
@@ -62,6 +63,33 @@ def windows(lines: list[str], start: str) -> list[tuple[int, int]]:
     if begun is not None:
         out.append((begun, len(lines) - 1))
     return out
+
+
+def stored_jobs_broken(cfg) -> dict[str, str]:
+    """Job -> what is wrong with it, for every job whose latest header on the ``jobs`` changelog names a chunk the
+    ``job-chunks`` changelog does not hold at its latest (what any worker recovering the partition would read).
+    Read with no worker left writing."""
+    import json
+
+    def latest(table: str) -> dict:
+        values: dict = {}
+        for msg in shard_tests._changelog(cfg, table):
+            key = json.loads(msg.key())
+            if msg.value() is None:
+                values.pop(key, None)
+            else:
+                values[key] = json.loads(msg.value())
+        return values
+
+    headers, chunks = latest("jobs"), latest("job-chunks")
+    broken = {}
+    for job_id, header in headers.items():
+        try:
+            st.job_of(header, chunks)
+        except st.MissingChunk as exc:
+            broken[job_id] = str(exc)
+    assert headers, "no job header on the changelog at all"
+    return broken
 
 
 def request_counts(log) -> dict[str, int]:
@@ -147,5 +175,10 @@ def test_the_retry_timer_decides_nothing_on_tables_being_recovered(cfg, registry
         assert held, "the timer never fired during the rebalance: the test did not test what it is for"
         owners = {p: ("w1" if p in w1.partitions() else "w2") for p in range(cfg.partitions)}
         assert {owners[partition_for(ent, cfg.partitions)] for ent in ents} == {"w1", "w2"}
+        # what a worker recovering any partition would read is whole: no job's header names a chunk that is gone
+        # (a timer deleting "orphan" chunks on tables half recovered could delete a job's newest chunk on the log)
+        w1.kill()
+        w2.kill()
+        assert stored_jobs_broken(cfg) == {}
     finally:
         log.close()
