@@ -736,8 +736,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 n_slices += 1
         async with lock:  # never while recovering: a header read back at an older version leaves its job's newest
             if tables_ready(app):  # chunk unnamed for a while, and deleting it would delete it on the log too
-                try:
-                    dropped = tables.drop_orphans(active)
+                try:  # the partitions owned now: a rebalance may have come and gone during the round
+                    dropped = tables.drop_orphans(active_partitions())
                 except Exception:  # noqa: BLE001 - a chunk record that is no chunk: the timer goes on
                     log.exception("scheduler: looking for chunk records no job names failed")
                     dropped = 0
