@@ -220,3 +220,21 @@ def test_tables_are_ready_only_between_a_recovery_and_the_next_rebalance(tmp_pat
     assert tables_ready(app) is False and app.in_recovery is False
     app.on_rebalance_end()  # both flags count: the actives were not recovered since the rebalance began
     assert tables_ready(app) is False
+
+
+def test_the_retry_round_bench_runs_at_a_small_size(capsys):
+    """``bench/retry_round.py`` (its figures are in BENCHMARKS.md) at CI size: it runs and says what it measured;
+    the sliced round decides on the parked jobs only (a selection, then one slice per partition here)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import retry_round
+
+    assert retry_round.main(["--jobs", "40", "--tasks", "3", "--parked", "0.25", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["jobs"] == 40 and doc["jobs_parked"] == 10
+    assert doc["baseline_warm"]["decisions"] == 1
+    assert doc["now_warm"]["decisions"] == 1 + 1  # the selection, then one slice: every 4th job is bench-e0's
+    assert all(doc[k]["round_ms"] >= 0 for k in ("baseline_cold", "baseline_warm", "now_cold", "now_warm"))
