@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import time
 import sys
 from pathlib import Path
 
@@ -180,5 +181,60 @@ def test_the_retry_timer_decides_nothing_on_tables_being_recovered(cfg, registry
         w1.kill()
         w2.kill()
         assert stored_jobs_broken(cfg) == {}
+    finally:
+        log.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_job_whose_chunk_is_gone_is_dead_lettered_and_the_shard_goes_on(cfg, registry, workers):
+    """A job's newest chunk deleted on the changelog behind the shard's back (a store broken outside the delivery
+    argument: what a timer deleting "orphans" during a recovery could do). The next worker recovers a header naming
+    a chunk that is not there. It must not die (the 2026-11-27 bench's did, in the retry timer): the job is logged
+    once and left alone, its timer work skipped, an intent naming it dead-lettered with reason ``job_unreadable``,
+    and another job of the same entitlement, submitted after, runs."""
+    import json
+
+    from confluent_kafka import Producer
+
+    from processors.scheduler.reasons import JOB_UNREADABLE
+
+    m = shard_tests
+    w1 = workers("w1", ROPEWALK_SCHEDULER_RETRY_S="0.5")
+    log, producer = m.Log(cfg, registry), EventProducer(cfg, registry, "test")
+    try:
+        producer.send(m.entitlement("e1"))
+        producer.send(m.submit("e1", "broken", 2))
+        producer.flush()
+        m.run_until(log, Rejecter(producer), lambda: len(log.of("AllocationRequested", job_id="broken")) >= 2, 60,
+                    "the job's tasks parked and asked for again", [w1])
+        w1.kill()
+        header = [json.loads(msg.value()) for msg in m._changelog(cfg, "jobs")
+                  if json.loads(msg.key()) == "broken" and msg.value() is not None][-1]
+        named = st.named_keys(header)
+        latest = [msg for msg in m._changelog(cfg, "job-chunks") if json.loads(msg.key()) in named][-1]
+        assert latest.value() is not None
+        # the tombstone, as the worker itself writes one, with the scheduler's own credentials
+        p = Producer(cfg.as_principal("scheduler").kafka_conf())
+        p.produce(latest.topic(), key=latest.key(), value=None, partition=latest.partition())
+        assert p.flush(30) == 0
+        assert stored_jobs_broken(cfg) == {"broken": stored_jobs_broken(cfg)["broken"]}
+
+        w2 = workers("w2", ROPEWALK_SCHEDULER_RETRY_S="0.5")
+        producer.send(m.resize("e1", "broken", 3))
+        producer.send(m.submit("e1", "ok", 2))
+        producer.flush()
+        m.run_until(log, m.Hands(producer), lambda: m.all_running(log, {"ok": 2}), 90,
+                    "the other job running", [w2])
+        deadline = time.monotonic() + 60
+        while not (dl := [d for d in m.dead_letters(cfg, registry, 1.0) if d.payload["consumer"] == "scheduler"]):
+            assert time.monotonic() < deadline, "no dead letter for the intent naming the unreadable job"
+        # the resize, and any answer to the job's last request the first worker had not applied yet
+        assert {d.payload["reason"] for d in dl} == {JOB_UNREADABLE}
+        assert all(" names jobs the shard cannot read: broken: MissingChunk" in d.payload["detail"] for d in dl)
+        assert [d.payload["detail"].split(" ")[0] for d in dl if d.payload["origin_topic"].endswith(".intents")] == [
+            "JobResized"]
+        text = w2.log_path.read_text(errors="replace")
+        assert text.count("job broken cannot be read") == 1, w2.tail(60)  # once per stored header, not per round
+        assert w2.proc.poll() is None and "Traceback" not in text, w2.tail(80)
     finally:
         log.close()
