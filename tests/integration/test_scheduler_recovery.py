@@ -22,28 +22,19 @@ never read again while other partitions kept the shard busy; the starvation rule
 The second test breaks a job on the changelog (its newest chunk deleted) and starts a worker on it: main's worker
 dies of ``MissingChunk``, the bench's crash, every time.
 
-The helpers are those of tests/integration/test_scheduler_shard.py, imported by path, as
-test_scheduler_failover.py does.
+The helpers are those of tests/integration/test_scheduler_shard.py.
 """
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import time
-from pathlib import Path
 
 import pytest
+import test_scheduler_shard as shard_tests  # the shard tests' helpers (tests/integration is on sys.path)
 
 from processors.scheduler import store as st
 from streams.clients import EventProducer
 from streams.partitioner import partition_for
-
-_SHARD_TESTS = Path(__file__).resolve().parents[1] / "integration" / "test_scheduler_shard.py"
-_spec = importlib.util.spec_from_file_location("_ropewalk_scheduler_shard_tests_r", _SHARD_TESTS)
-shard_tests = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = shard_tests
-_spec.loader.exec_module(shard_tests)
 
 workers = shard_tests.workers  # the fixture, made visible to this module
 
