@@ -10,7 +10,7 @@ real timer also does under the lock, are the broker's round trips and are not in
 
   baseline   as main did until 2026-11-28: per partition, every job loaded and ``retry_unplaced`` on all of
              them, one decision (the lock held across all partitions in the shard: the round's total);
-  now        ``ShardTables.timer_job_ids`` (the headers' ``timer`` flag, no decoding), then slices of
+  now        ``ShardTables.timer_job_keys`` (the headers' ``timer`` flag, no decoding), then slices of
              ``shard.RETRY_SLICE_JOBS`` jobs, each a decision of its own (the lock held per slice).
 
 Each twice: ``cold`` (the decoded-job memo empty, as after a recovery) and ``warm``. Prints ms per round and the
@@ -92,7 +92,7 @@ def baseline_round(tables: ShardTables, now: int) -> list[float]:
     holds = []
     for part in range(PARTITIONS):
         t = time.perf_counter()
-        state, _ = tables.load((), tables.active_job_ids({part}))
+        state, _, _ = tables.load((), tables.partition_job_keys({part}))
         retry_unplaced(tables.with_bucket(state, part), now)
         holds.append(time.perf_counter() - t)
     return [sum(holds)]  # one decision per partition, all under the lock at once
@@ -101,12 +101,12 @@ def baseline_round(tables: ShardTables, now: int) -> list[float]:
 def sliced_round(tables: ShardTables, now: int) -> list[float]:
     holds = []
     t = time.perf_counter()
-    todo = tables.timer_job_ids(set(range(PARTITIONS)))
+    todo = tables.timer_job_keys(set(range(PARTITIONS)))
     holds.append(time.perf_counter() - t)  # the selection (headers only) happens outside the lock; counted in
-    for part, job_ids in todo.items():
-        for i in range(0, len(job_ids), RETRY_SLICE_JOBS):
+    for part, keys in todo.items():
+        for i in range(0, len(keys), RETRY_SLICE_JOBS):
             t = time.perf_counter()
-            state, _ = tables.load((), job_ids[i:i + RETRY_SLICE_JOBS])
+            state, _, _ = tables.load((), keys[i:i + RETRY_SLICE_JOBS])
             retry_unplaced(tables.with_bucket(state, part), now)
             holds.append(time.perf_counter() - t)
     return holds

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 APPLY = "apply"
 DUPLICATE = "duplicate"
 GAP = "gap"
-STALL_S = 2.0  # the shard idle this long while a high watermark is past the next offset: a stall (and the look's period)
+STALL_S = 2.0  # the shard idle this long while a high watermark is past the next offset: a stall; the look's period
 STARVED_S = 30.0  # other partitions' records kept coming this long since this one's last: a stall too
 STALL_BACKOFF_S = 10.0  # a stall's episode seeks again no sooner than this after its first seek...
 STALL_BACKOFF_MAX_S = 120.0  # ...doubling after each seek, up to this

@@ -13,6 +13,7 @@ import pytest
 
 from infra.config import Config
 from processors.cowmap import CowMap
+from processors.scheduler import handover as ho
 from processors.scheduler import store as st
 from processors.scheduler.decide import REASK_MS, has_timer_work, retry_unplaced
 from processors.scheduler.shard import ShardTables, unreadable_named
@@ -143,15 +144,29 @@ def _two_jobs():
     return running_job(job="k", machines=("m4", "m5", "m6"), sim=sim)
 
 
-def test_timer_job_ids_are_the_flagged_jobs_of_each_active_partition(tables):
+def test_timer_job_keys_are_the_flagged_jobs_of_each_active_partition(tables):
     sim = _two_jobs()
     _put(tables, sim.state)
-    part = tables.partition_of(ENT)
+    part = tables.hash_partition(ENT)
     other = (part + 1) % 8
-    assert tables.timer_job_ids({part, other}) == {part: ["j"], other: []}
-    assert tables.timer_job_ids({other}) == {other: []}
+    assert tables.timer_job_keys({part, other}) == {part: ["j"], other: []}
+    assert tables.timer_job_keys({other}) == {other: []}
     del tables.jobs.data["k"]["timer"]  # an older header: loaded to be sure
-    assert tables.timer_job_ids({part}) == {part: ["j", "k"]}
+    assert tables.timer_job_keys({part}) == {part: ["j", "k"]}
+
+
+def test_timer_job_keys_follow_a_moved_entitlement_and_skip_a_frozen_one(tables):
+    """A job of an entitlement that moved to another partition is kept under ``<job>~<partition>`` and belongs to
+    that partition's round; an entitlement frozen on a partition (leaving it) is decided nowhere there."""
+    sim = _parked()
+    job = sim.state.jobs["j"]
+    here = tables.hash_partition(ENT)
+    there = (here + 1) % 8
+    key = tables.key("j", ENT, there)
+    tables.jobs.data[key] = st.plan(None, None, {}, job, key=key).header
+    assert key == f"j~{there}" and tables.timer_job_keys({here, there}) == {here: [], there: [key]}
+    tables.homes.data[ho.home_key(ENT, there)] = ho.home_record(ho.Home(there, epoch=1, moving_to=here))
+    assert tables.timer_job_keys({here, there}) == {here: [], there: []}
 
 
 def test_a_job_whose_chunk_is_missing_is_left_out_and_the_others_load(tables, caplog):
@@ -162,16 +177,16 @@ def test_a_job_whose_chunk_is_missing_is_left_out_and_the_others_load(tables, ca
     [chunk] = [k for k in tables.job_chunks.data if st.job_of_key(k) == "j"]
     del tables.job_chunks.data[chunk]
     for _ in range(2):
-        state, headers = tables.load((), ["j", "k", "unknown"])
+        state, headers, _ = tables.load((), ["j", "k", "unknown"])
         assert list(state.jobs) == ["k"] and list(headers) == ["k"]
         assert state.jobs["k"] == sim.state.jobs["k"]
         assert list(tables.unreadable) == ["j"]
         assert tables.unreadable["j"].startswith("MissingChunk: job j: its header names chunk 0 at version 1")
     assert len([r for r in caplog.records if "cannot be read" in r.getMessage()]) == 1  # once per stored header
-    new, out = retry_unplaced(tables.with_bucket(state, tables.partition_of(ENT)), T0 + 30_000)
+    new, out = retry_unplaced(tables.with_bucket(state, tables.hash_partition(ENT)), T0 + 30_000)
     assert out == [] and new.jobs["k"] is state.jobs["k"]  # the timer goes on with the others
     tables.job_chunks.data[chunk] = st.plan(None, None, {}, sim.state.jobs["j"]).chunks[chunk]  # mended
-    state, headers = tables.load((), ["j", "k"])
+    state, headers, _ = tables.load((), ["j", "k"])
     assert sorted(state.jobs) == ["j", "k"] and tables.unreadable == {}
 
 
@@ -179,7 +194,7 @@ def test_a_header_that_is_no_job_is_left_out_too(tables):
     sim = _two_jobs()
     _put(tables, sim.state)
     tables.jobs.data["j"] = {**tables.jobs.data["j"], "spec": "garbage"}
-    state, _ = tables.load((), ["j", "k"])
+    state, _, _ = tables.load((), ["j", "k"])
     assert list(state.jobs) == ["k"] and list(tables.unreadable) == ["j"]
 
 
