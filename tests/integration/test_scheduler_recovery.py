@@ -9,7 +9,7 @@ since, in order, one table's topic beside the other's; a job's header goes back 
 naming a chunk version the worker had deleted long ago and that comes back only when the chunks' topic is read that
 far.
 
-Here: one worker (retry timer every 0.2 s) holds jobs whose tasks the test's allocator always rejects, so the
+Here: one worker (retry timer every 0.1 s) holds jobs whose tasks the test's allocator always rejects, so the
 timer re-asks every round and writes new versions of their headers and chunks; then a second worker joins, the
 first re-reads its changelogs, and its timer fires throughout. Each worker's log says when faust read changelogs
 ("Restoring state from changelog topics" ... "Worker ready") and when the timer decided ("scheduler: retry:
@@ -38,7 +38,7 @@ from streams.partitioner import partition_for
 
 workers = shard_tests.workers  # the fixture, made visible to this module
 
-RETRY_S = "0.2"
+RETRY_S = "0.1"
 JOBS_PER_ENTITLEMENT = 2
 TASKS = 3
 CHURN = 4  # requests per job (each a new version of its header and chunk) before the second worker joins
