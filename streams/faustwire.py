@@ -281,6 +281,27 @@ async def route_dead_letter(dead_letters: DeadLetters, message: Any, reason: str
 
 
 
+# -- whether the tables may be read ---------------------------------------------------------------------------------
+
+def tables_ready(app: Any) -> bool:
+    """Whether ``app``'s tables hold every partition it actively owns whole: no rebalance under way and faust's
+    recovery of the active partitions' changelogs done. Read it before deciding on the tables, and again after
+    every ``await`` that a rebalance may have come through.
+
+    How faust (faust-streaming 0.15.3, pinned) says so: a rebalance starts with ``App.on_rebalance_start`` (called
+    by the consumer's rebalance listener as the partitions are revoked, before any of the new assignment's work),
+    which sets ``app.rebalancing`` and clears ``app.tables.actives_ready``; the recovery that follows the
+    assignment (``tables/recovery.py``) reads the changelogs of the active partitions into the tables, one table's
+    topic after another, then sets ``actives_ready`` (``on_actives_ready``) and clears ``rebalancing``
+    (``on_rebalance_end``). In between the tables are a mix: a job's header may be back before the chunk it names
+    (the 2026-11-27 crash: ``MissingChunk`` in the scheduler's retry timer). ``app.in_recovery`` is not enough: it
+    is set only once the recovery starts reading (after ``stream_recovery_delay``), not from the rebalance's start;
+    ``Recovery.completed`` is set once and never cleared. Timers start only after the first recovery
+    (``App.on_started``), but keep running through later ones; agents get no records of a partition while it is
+    paused for its recovery, but a batch in hand is not taken back."""
+    return bool(app.tables.actives_ready) and not app.rebalancing
+
+
 # -- partitions faust stopped fetching ---------------------------------------------------------------------------
 UNFETCHED_AFTER_S = 30.0  # a partition out of the fetch this long, without a pause of ours: taken back (FlowWatch)
 
@@ -349,4 +370,4 @@ class FlowWatch:
 
 
 __all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter",
-           "take_batches", "FlowWatch"]
+           "take_batches", "tables_ready", "FlowWatch"]

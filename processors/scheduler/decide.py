@@ -796,6 +796,18 @@ def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int, *, l
     return state, out
 
 
+def has_timer_work(job: Job) -> bool:
+    """Whether ``retry_unplaced`` may have something to do for ``job``, at some time: a job retry_unplaced passes
+    over at every ``now_ms`` is one this says False of. An active or stopping job (a stopping job's stops wait for
+    tokens too) with a planned maintenance not ended (its deadline), a task parked by an AllocationRejected, or
+    operations open or throttled (tokens, a TaskController to ask again). The shard keeps it in each job's header
+    (``store.plan``), so its timer loads only these jobs."""
+    if job.status not in (JOB_ACTIVE, JOB_STOPPING):
+        return False
+    return (bool(job.ops_open or job.throttled) or any(not m[4] for m in job.maint)
+            or (job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values())))
+
+
 def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAULT_LIMITS
                    ) -> tuple[SchedulerState, list[Event]]:
     """The timer's decision: stop what remains on machines whose planned maintenance reached its deadline
@@ -807,7 +819,7 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
     fold = Fold(state, now_ms, None, id_root=f"{PRODUCER}/retry/{now_ms}", limits=limits)
     for job_id in sorted(state.jobs):
         job = state.jobs[job_id]
-        if job.status not in (JOB_ACTIVE, JOB_STOPPING):  # a stopping job's stops wait for tokens too
+        if not has_timer_work(job):
             continue
         if any(not m[4] and m[3] <= now_ms for m in job.maint):
             steps.enforce_deadlines(fold.work_of(job))

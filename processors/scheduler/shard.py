@@ -24,7 +24,8 @@ survivors, which recover the partitions' table data from the changelogs before t
      tables ◄── 1. new task chunks ─ acks and the output's flush ─ 2. job headers, index, entitlements, machines,
                 buckets ─ acks ─
                 3. source offsets, tombstones of chunks no header names any more  (store.py: "Delivery")
- timer (RETRY_S) ──► retry_unplaced over the jobs of the partitions this worker actively owns ──► same path
+ timer (RETRY_S) ──► retry_unplaced over the jobs with timer work of the partitions this worker actively owns,
+                     50 at a time ──► same path (nothing while faust recovers the tables: faustwire.tables_ready)
 ```
 
 **Tables** (memory store, each backed by a changelog topic co-partitioned with the sources):
@@ -99,14 +100,37 @@ owning partition, and every scan filters by partition, so they are never acted o
 **Timer.** Every ``RETRY_S`` (``ROPEWALK_SCHEDULER_RETRY_S``, default 10 s) ``retry_unplaced`` releases throttled
 operations, re-asks controllers whose ack is overdue, and re-asks placement of tasks parked by an
 AllocationRejected, for the jobs of the partitions this worker actively owns (standby copies of other workers'
-partitions, which faust also keeps in the same tables, are left alone); then it deletes chunk records no header
-names (``store.orphans``: left by a write a crash interrupted). The agent and the timer share an
-``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
+partitions, which faust also keeps in the same tables, are left alone) that have something for it to do: each
+header says so (``timer``: ``decide.has_timer_work`` of the job when written), so a round reads the headers and
+decodes only those jobs. It works ``RETRY_SLICE_JOBS`` jobs at a time, each slice a decision of its own under the
+lock (load, decide, produce, store), so the agent decides in between; a slice that fails is logged and the others
+go on. Then it deletes chunk records no header names (``store.orphans``: left by a write a crash interrupted). The
+agent and the timer share an ``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
+(It was one decision over every active job, all partitions under the lock at once: at 100,000 machines a round
+held the lock for 152 s while the broker was slow to take its output and state, 2026-11-27.)
 
-**Stalls.** A second timer (every ``offsets.STALL_S``) seeks back a partition the offset guard finds stalled, gives
-back a source partition faust left out of its fetch for 30 s (``faustwire.FlowWatch``: a buffer-pressure pause
-whose release never ran), and logs once a partition that has been below its high watermark for 30 s with what
-faust and aiokafka say of it.
+**Recovery.** After a rebalance faust reads the changelogs of the partitions this worker keeps or takes into its
+tables again, before the agent gets their records (``tables/recovery.py``): a kept partition from where its last
+recovery stopped, i.e. every value this worker wrote since, in order; the job headers' topic is read beside the
+chunks' topic, so until it is done a header may be an older version of itself naming a chunk the table no longer
+(or not yet) holds. The timers go on meanwhile. So nothing is decided unless ``faustwire.tables_ready`` (from the
+rebalance's first moment until faust has read every active changelog): the timer skips its round (or ends it), a
+batch the agent holds is set aside (its offsets rewound in the guard; faust seeks to the committed offsets after
+the recovery and the guard seeks back over the gap), the stall timer and the guard's seeks wait, and a revocation
+waits for a decision under way to end (``settle``: its writes must be on the log before the recovery reads it).
+The retry timer also deletes orphan chunks only then: on tables half recovered, a header read back at an older
+version leaves its job's newest chunk unnamed, and deleting it would lose it on the log too (reasoned from the
+code; a test run of the earlier timer deleted "orphans" in the middle of a recovery, the log stayed whole there).
+A job the tables cannot give back whole all the same (``store.MissingChunk``, a header that is no job) is left
+out of every decision and logged once; an event that names it is dead-lettered with reason ``job_unreadable``
+and, if it names other jobs too, decided for those (``unreadable_named``); the shard goes on for every other job.
+(The 2026-11-27 bench's shard died of ``MissingChunk`` in its retry timer during such a recovery.)
+
+**Stalls.** A second timer (every ``offsets.STALL_S``) seeks back a partition the offset guard finds stalled (the
+shard idle while records wait, or the partition starved while others' records come; never while a decision is
+under way; once per episode, then with a doubling backoff: ``offsets.stall_step``), gives back a source partition
+faust left out of its fetch for 30 s (``faustwire.FlowWatch``: a buffer-pressure pause whose release never ran),
+and logs once a partition that has been below its high watermark for 30 s with what faust and aiokafka say of it.
 """
 from __future__ import annotations
 
@@ -131,6 +155,7 @@ from processors.scheduler import store as st
 from processors.scheduler.metrics import ShardMetrics
 from processors.scheduler.decide import CONSUMED, MACHINE_EVENTS, decide, machines_of, named_jobs, retry_unplaced
 from processors.scheduler.model import Job, SchedulerState, state_of
+from processors.scheduler.reasons import JOB_UNREADABLE
 from processors.scheduler.work import PRODUCER
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
@@ -138,7 +163,8 @@ from streams import batches
 from streams.clients import EPOCH_HEADER, FORWARDED_HEADER, PRODUCER_HEADER, TYPE_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import FlowWatch, decode_message, header_of, make_app, route_dead_letter, take_batches
+from streams.faustwire import (FlowWatch, decode_message, header_of, make_app, route_dead_letter, tables_ready,
+                               take_batches)
 from streams.partitionmap import REASON_HELD, REASON_MOVED, REASON_MOVING, MapFollower, assignment_event
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
@@ -156,6 +182,9 @@ BATCH_MAX_WAIT_S = 0.02  # ...or its first record waited this long
 BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
 FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
 SLOW_BATCH_S = 0.25  # a batch that takes longer is logged with where its time went
+RETRY_SLICE_JOBS = 50  # jobs the retry timer decides on at a time, each slice under the lock on its own
+SLOW_RETRY_S = 5.0  # a retry round that takes longer is logged with where its time went
+SETTLE_S = 5.0  # a rebalance waiting this long for a decision under way says so (``settle``), and waits on
 ho_types = frozenset({ho.HANDED_OVER, ho.MOVE_REQUESTED})  # a move's events: the shard's own, not decide's
 SHARD_CONSUMED = CONSUMED | ho_types  # what the shard reads (any other type is passed over undecoded)
 COALESCED = {"JobStatePublished": "job_id", "JobTasksPublished": None}  # only a batch's last one per key is produced
@@ -207,6 +236,20 @@ def is_own_record(msg: Any) -> bool:
     return name == PRODUCER.encode() or name.startswith(PRODUCER.encode() + b"/")
 
 
+def unreadable_named(event: Event, unreadable: Mapping[str, str]) -> tuple[bool, str] | None:
+    """Whether ``event`` names a job the shard could not read (``unreadable``: job id -> why): None if not, else
+    (whether it names only such jobs, the dead letter's detail). One that names only such jobs is not decided (a
+    decision without its job would take it for unknown: a JobSubmitted would make a new one over it); one that also
+    names readable jobs (an agent's batch of reports) is decided for those. Either is dead-lettered, to be replayed
+    once the job is mended (its other jobs' duplicate rings make the replay a no-op for them)."""
+    named = named_jobs(event)
+    bad = [j for j in named if j in unreadable]
+    if not bad:
+        return None
+    why = "; ".join(f"{j}: {unreadable[j]}" for j in bad)
+    return len(bad) == len(named), f"{event.type} names jobs the shard cannot read: {why}"
+
+
 def coalesce(events: list[Event]) -> list[Event]:
     """A batch's output with only the last JobStatePublished per job and JobTasksPublished per part (the state
     topics keep only the latest per key anyway); everything else as it is, in order."""
@@ -247,6 +290,8 @@ class ShardTables:
         # so it can never disagree with the table.
         self._decoded: dict[str, tuple[dict, Job]] = {}
         self._unacked: list = []  # changelog sends since the last barrier (faust FutureMessages)
+        self.unreadable: dict[str, str] = {}  # job id -> why: the jobs the last load could not read (load)
+        self._unreadable_logged: dict[str, dict] = {}  # job key -> the header last logged as unreadable (once each)
         self.written_chunks = 0  # chunk records written (a figure for tests and profiles)
         self.store_ms = (0, 0)  # the last store's wait for its chunks and output, then for its headers (logged)
         self._here: dict[str, int] | None = None  # a memo of the homes table: entitlement -> where it lives here
@@ -325,15 +370,34 @@ class ShardTables:
         """The slice of the state: the jobs of ``job_keys``, the entitlements they, the ``events`` (each with its
         partition) and ``entitlements`` (name -> partition) name, and whether each machine they (and the machine
         events) touch is down. Also the job headers as read, by job id (to diff on write-back), and where each
-        entitlement's values are kept (``store``'s ``where``)."""
+        entitlement's values are kept (``store``'s ``where``).
+
+        A job whose stored form cannot be read (its header names a chunk the table does not hold: ``MissingChunk``,
+        or a header that is no job) is left out of both, and ``unreadable`` says which and why (job id -> reason)
+        until the next load; it is logged once per stored header. Never raises for one job: the others are still
+        decided (the callers skip what names such a job: ``unreadable_named``)."""
         headers = {}
+        jobs: list[Job] = []
+        self.unreadable = {}
         wanted: dict[str, int] = dict(entitlements or {})  # entitlement -> the partition its values are read from
         for k in job_keys:
             r = self.jobs.data.get(k)
-            if r is not None:
-                headers[r["id"]] = r
-                wanted.setdefault(r["entitlement"], self.partition_of_key(k, r["entitlement"]))
-        jobs = [self._job_of(st.header_key(r), r) for r in headers.values()]
+            if r is None:
+                continue
+            try:
+                job = self._job_of(st.header_key(r), r)
+                part = self.partition_of_key(k, r["entitlement"])
+            except Exception as exc:  # noqa: BLE001 - a job it cannot read must not stop the shard for the others
+                job_id = r.get("id", k) if isinstance(r, dict) else k
+                self.unreadable[job_id] = f"{type(exc).__name__}: {exc}"
+                if self._unreadable_logged.get(k) is not r:
+                    self._unreadable_logged[k] = r
+                    log.error("scheduler: job %s cannot be read from the tables, left alone until its stored form "
+                              "changes (events naming it are dead-lettered): %s", job_id, self.unreadable[job_id])
+                continue
+            jobs.append(job)
+            headers[r["id"]] = r
+            wanted.setdefault(r["entitlement"], part)
         machines: set[str] = set()
         for j in jobs:
             machines |= machines_of(j)
@@ -360,6 +424,20 @@ class ShardTables:
 
     def with_bucket(self, state: SchedulerState, partition: int) -> SchedulerState:
         return dataclasses.replace(state, shard_bucket=self.bucket(partition))
+
+    def timer_job_keys(self, partitions: set[int]) -> dict[int, list[str]]:
+        """Partition -> the keys of the jobs of it the retry timer may have work for (``store.wants_timer`` of their
+        headers: ``decide.has_timer_work`` when written), for ``partitions``, read without decoding any job, but
+        those of an entitlement frozen there (as ``partition_job_keys``). The timer used to load and decide on every
+        job of the shard every round, most of them running untouched."""
+        out: dict[int, list[str]] = {p: [] for p in sorted(partitions)}
+        for k, r in list(self.jobs.data.items()):
+            if not isinstance(r, dict) or not st.wants_timer(r) or not isinstance(ent := r.get("entitlement"), str):
+                continue  # (a header that is no job's is left to load, which says so when an event names it)
+            part = self.partition_of_key(k, ent)
+            if part in out and not self.frozen(ent, part):
+                out[part].append(k)
+        return {p: sorted(keys) for p, keys in out.items()}
 
     # -- writing ----------------------------------------------------------------------------------------------
     def _put(self, table: faust.Table, partition: int, key: str, value: Any) -> None:
@@ -533,6 +611,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await tables.store(*args, **kwargs)
                 return
             except StoreTimeout as exc:
+                if app.should_stop:  # the worker stops: its successor decides again from the stored offsets
+                    raise
                 log.warning("scheduler: storing a decision's state: %s; writing it again", exc)
 
     shard_metrics = ShardMetrics()  # this process's metrics (processors/scheduler/metrics.py)
@@ -545,6 +625,9 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         an entitlement frozen here sent to its new partition, the map told of one adopted here."""
         forwards = list(forwards or ())
         async with lock:
+            if not tables_ready(app):  # a rebalance or a recovery under way: decide nothing on the tables now
+                set_aside(items, passed, forwards)
+                return
             t0 = time.monotonic()
             now = int(time.time() * 1000)
             job_keys: set[str] = set()
@@ -554,6 +637,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 elif ev.type != ho.MOVE_REQUESTED:
                     job_keys.update(tables.job_keys_for(ev, rec.partition))
             start, headers, where = tables.load([(ev, rec.partition) for _, rec, ev in items], sorted(job_keys))
+            unreadable = tables.unreadable
             state = start
             buckets: dict[int, Bucket | None] = {}
             down_partitions: dict[str, int] = {}
@@ -584,6 +668,10 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                         homes[hk] = new_home
                         moving.append((ent, part))
                     continue
+                if unreadable and (bad := unreadable_named(ev, unreadable)):
+                    failed.append((msg, JOB_UNREADABLE, bad[1]))
+                    if bad[0]:
+                        continue  # it names no job that can be read: nothing to decide
                 if part not in buckets:
                     buckets[part] = tables.bucket(part)
                 state = dataclasses.replace(state, shard_bucket=buckets[part])
@@ -593,7 +681,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
                     log.exception("scheduler: %s %s at %s[%d]@%d failed", ev.type, ev.event_id, rec.topic, part,
                                   rec.offset)
-                    failed.append((msg, f"{ev.type}: {type(exc).__name__}: {exc}"))
+                    failed.append((msg, PROCESSING_FAILED, f"{ev.type}: {type(exc).__name__}: {exc}"))
                     continue
                 try:
                     shard_metrics.decided(ev, emitted, time.monotonic() - t_ev, now)
@@ -609,8 +697,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 buckets[part] = new.shard_bucket
                 state = new
                 out.extend(emitted)
-            for msg, detail in failed:
-                await route_dead_letter(dead_letters, msg, PROCESSING_FAILED, detail)
+            for msg, reason, detail in failed:
+                await route_dead_letter(dead_letters, msg, reason, detail)
             t1 = time.monotonic()
             # The output is flushed before any table value that stands for it (see "Delivery" in the module
             # docstring); it is produced while the new chunks are sent, which need not wait for it.
@@ -649,6 +737,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 failpoint("after_adopt")
             await publish_map(state, start, where, arrived)
             t2 = time.monotonic()
+            guard.worked(time.monotonic())
             if t2 - t0 > SLOW_BATCH_S:
                 log.info("scheduler: slow batch: %d records, %d events out, %.0f ms (decide %.0f, produce and store "
                          "%.0f: chunks and output %d, headers %d)", len(items), len(out), (t2 - t0) * 1e3,
@@ -733,6 +822,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     guard = OffsetGuard(tables.offsets.data)
 
     async def seek_back(tp: Any, key: str, why: str) -> None:
+        if not tables_ready(app):  # faust seeks every partition to its committed offset itself once the recovery
+            return  # is done, and would undo this seek; the records come again then, and the guard sees the gap
         target = guard.should_seek(key, time.monotonic())
         if target is not None:
             log.warning("scheduler: %s on %s: seeking back to offset %d", why, key, target)
@@ -857,6 +948,17 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await read_again(items[n:])
                 return
 
+    def set_aside(items: list, passed: Mapping[str, tuple[int, int]], forwards: list = ()) -> None:
+        """A batch that came while the tables are not ready: not decided (nor forwarded), and the guard's next
+        offsets of its partitions go back to the stored ones, so its records apply when they come again (faust seeks
+        to the committed offsets after the recovery; a gap before them makes the guard seek back to the stored
+        ones)."""
+        msgs = [msg for msg, _, _ in items] + [msg for msg, _ in forwards]
+        for key in {partition_key(msg.topic, msg.partition) for msg in msgs} | set(passed):
+            guard.rewind(key)
+        log.info("scheduler: a batch of %d records set aside: the tables are being recovered (read again after)",
+                 len(msgs) + len(passed))
+
     async def read_again(items: list) -> None:
         """Seek back to the stored offsets of these records' partitions (the offset guard falls back to them)."""
         starts: dict[str, Any] = {}
@@ -867,24 +969,71 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             await seek_back(tp, key, "a batch not applied")
         await asyncio.sleep(FAILED_BATCH_PAUSE_S)
 
+    def active_partitions() -> set[int]:
+        return {tp.partition for tp in app.assignor.assigned_actives() if tp.topic in source_names}
+
+    async def retry_slice(part: int, job_keys: list[str]) -> int:
+        """``retry_unplaced`` on these jobs of partition ``part``, its output produced and its state stored; the
+        caller holds the lock. Returns the events emitted."""
+        state, headers, where = tables.load((), job_keys)  # a job it cannot read is left out (and logged)
+        state = tables.with_bucket(state, part)
+        new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
+        if out:
+            log.info("scheduler: retry: %d events for %d jobs of partition %d", len(out), len(state.jobs), part)
+            await produce(coalesce(out))
+        if new is not state:
+            await store(state, new, headers, where=where, buckets={part: new.shard_bucket})
+        return len(out)
+
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
     async def retry() -> None:
-        active = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic in source_names}
-        if not active:
+        """A round of the timer: the jobs with something to retry (``timer_job_keys``), partition by partition,
+        ``RETRY_SLICE_JOBS`` at a time, each slice a decision of its own under the lock (the agent decides in
+        between), none while the tables are not ready (a rebalance or a recovery: the round ends there)."""
+        if not tables_ready(app):
+            log.info("scheduler: retry round skipped: the tables are being recovered (a rebalance)")
             return
-        async with lock:
+        t0 = time.monotonic()
+        active = active_partitions()
+        async with lock:  # the steps of a move a crash cut short (handover.py), before the round
+            if not tables_ready(app):
+                return
             await reconcile(active)
-            for part in sorted(active):  # one partition at a time: each has its own shard bucket
-                state, headers, where = tables.load((), tables.partition_job_keys({part}))
-                state = tables.with_bucket(state, part)
-                new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
-                if out:
-                    await produce(coalesce(out))
-                if new is not state:
-                    await store(state, new, headers, where=where, buckets={part: new.shard_bucket})
-            dropped = tables.drop_orphans(active)
-            if dropped:
-                log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)", dropped)
+        todo = tables.timer_job_keys(active)
+        n_jobs = n_out = n_slices = failed = 0
+        waited = 0.0
+        for part, keys in todo.items():
+            for i in range(0, len(keys), RETRY_SLICE_JOBS):
+                t_wait = time.monotonic()
+                async with lock:
+                    waited += time.monotonic() - t_wait
+                    if not tables_ready(app) or part not in active_partitions():
+                        log.info("scheduler: retry round cut short after %d slices: a rebalance began", n_slices)
+                        return
+                    try:
+                        n_out += await retry_slice(part, keys[i:i + RETRY_SLICE_JOBS])
+                    except Exception:  # noqa: BLE001 - the broker refused the output, or a bug: the others go on
+                        failed += 1
+                        log.exception("scheduler: a retry slice of %d jobs of partition %d failed (nothing of it "
+                                      "stored; the next round tries again)", len(keys[i:i + RETRY_SLICE_JOBS]), part)
+                    finally:
+                        guard.worked(time.monotonic())
+                n_jobs += len(keys[i:i + RETRY_SLICE_JOBS])
+                n_slices += 1
+        async with lock:  # never while recovering: a header read back at an older version leaves its job's newest
+            if tables_ready(app):  # chunk unnamed for a while, and deleting it would delete it on the log too
+                try:  # the partitions owned now: a rebalance may have come and gone during the round
+                    dropped = tables.drop_orphans(active_partitions())
+                except Exception:  # noqa: BLE001 - a chunk record that is no chunk: the timer goes on
+                    log.exception("scheduler: looking for chunk records no job names failed")
+                    dropped = 0
+                if dropped:
+                    log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)",
+                                dropped)
+        took = time.monotonic() - t0
+        if took > SLOW_RETRY_S:
+            log.info("scheduler: slow retry round: %.1f s for %d jobs in %d slices (%d failed), %d events out; "
+                     "%.1f s of it waiting for the lock", took, n_jobs, n_slices, failed, n_out, waited)
         metrics.TIMER_TICKS.labels(worker=APP_ID).inc()  # a round of the retry timer done, its output produced
 
     flow = FlowWatch()
@@ -892,6 +1041,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:
+        if not tables_ready(app):  # a rebalance: faust pauses, seeks and resumes the partitions itself
+            return
         now = time.monotonic()
         sources = [tp for tp in app.assignor.assigned_actives() if tp.topic in source_names]
         for tp, why in flow.check(app.consumer, sources, now):
@@ -909,8 +1060,31 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 behind[key] = float("inf")  # one line an episode (a backlog, or a stall)
                 log.warning("scheduler: %s has been below its high watermark for %.0f s (next offset %d, high %d; "
                             "%s)", key, flow.after_s, guard.next_offset(key), high, flow.describe(app.consumer, tp))
-            if guard.stalled(key, high, now):
-                await seek_back(tp, key, "stalled below the high watermark")
+            target = guard.stall_seek(key, high, now, busy=lock.locked())
+            if target is not None:
+                episode = guard.stalls[key]
+                log.warning("scheduler: %s stalled below its high watermark %d: seeking back to offset %d (seek %d of "
+                            "this stall; next no sooner than in %.0f s)", key, high, target, episode.seeks,
+                            episode.next_seek_at - now)
+                await app.consumer.seek_wait({tp: target})  # in the consumer's thread, which owns the fetcher
+
+    @app.on_partitions_revoked.connect
+    async def settle(app, revoked, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
+        """A rebalance begins (``tables_ready`` is False from now on): wait for a decision under way (a slice of the
+        timer: faust has waited for the agent's batch already) to end before the recovery that follows reads the
+        changelogs. Its writes must be on the log by then: one written after the recovery took the changelogs' ends
+        would be overwritten in memory by an older value the recovery reads, and the worker would go on from a
+        state its log no longer holds (then deleting the newer chunks as orphans). As faust waits for the agent, not
+        bounded: a slice is 50 jobs; one stuck on the broker is logged every SETTLE_S."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                await asyncio.wait_for(lock.acquire(), SETTLE_S)
+                break
+            except asyncio.TimeoutError:
+                log.warning("scheduler: the rebalance waits for a decision under way (%.0f s so far)",
+                            time.monotonic() - t0)
+        lock.release()
 
     @app.on_partitions_assigned.connect
     async def announce(app, assigned, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature

@@ -7,6 +7,8 @@ crash-looped. Now a job is
     header   jobs table, key <job id>       the job without its tasks (``job_to_record`` of it) and
                                             "chunks": {"<i>": v, ...}  which version of each chunk is the job's,
                                             "version": the latest version written
+                                            "timer": ``decide.has_timer_work`` of the job (its timer loads only
+                                            these; a header without it, written before, counts as True)
     chunk    chunks table, key <job>#<i>@<v>  {"entitlement": e, "tasks": [task record, ...]}: the tasks of index
                                             in [i*CHUNK_TASKS, (i+1)*CHUNK_TASKS), in index order, at version v
 
@@ -39,7 +41,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from processors.scheduler.decide import machines_of, maint_machines
+from processors.scheduler.decide import has_timer_work, machines_of, maint_machines
 from processors.scheduler.model import Job, Task
 from processors.scheduler.records import job_from_record, job_to_record, terms_of, terms_record
 
@@ -175,10 +177,17 @@ def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Map
             new_chunks[i] = version
     head = job_to_record(replace(after, tasks=MappingProxyType({})))
     del head["tasks"]
-    head.update(format=HEADER_FORMAT, version=version, chunks={str(i): v for i, v in sorted(new_chunks.items())})
+    head.update(format=HEADER_FORMAT, version=version, chunks={str(i): v for i, v in sorted(new_chunks.items())},
+                timer=has_timer_work(after))
     if key != after.id:
         head["key"] = key
     return Plan(head, out_chunks, obsolete)
+
+
+def wants_timer(header: Mapping[str, Any]) -> bool:
+    """Whether the job a header stands for may have work for the retry timer (its ``timer``; True if it has none:
+    a header written before the flag, or the older whole-job record)."""
+    return bool(header.get("timer", True))
 
 
 def named_keys(header: Mapping[str, Any]) -> set[str]:
