@@ -65,6 +65,7 @@ from infra.config import Config
 from streams import groups as consumer_groups
 from streams.clients import DeliveryError, consumer_conf, producer_conf
 from streams.progress import ProgressFn, silent
+from streams.retry import watermark_offsets
 from streams.topics import BY_NAME, CATALOGUE, CHANGELOG_CONFIG, Topics, provision, topic_id, wait_until_served
 
 FORMAT = "ropewalk-archive/1"
@@ -286,7 +287,7 @@ def _plan(consumer, cat: Topics, names: list[str], manifest: dict, out_dir: Path
             pstate = tstate["partitions"].setdefault(
                 str(p), {"next_offset": 0, "records": 0, "bytes": 0, "segments": [], "gaps": []})
             _clean_partition_dir(out_dir / name / f"p{p}", pstate["segments"])
-            lo, hi = consumer.get_watermark_offsets(TopicPartition(physical, p), timeout=timeout_s)
+            lo, hi = watermark_offsets(consumer, TopicPartition(physical, p), timeout_s)
             start = pstate["next_offset"]
             if start < lo:  # retention removed records before they could be archived
                 pstate["gaps"].append([start, lo - 1])
@@ -546,7 +547,7 @@ def _ends(cfg: Config, cat: Topics, counts: dict[str, int], timeout_s: float) ->
     """(logical topic, partition) -> its high watermark on the target broker."""
     c = Consumer(consumer_conf(cfg, None))
     try:
-        return {(name, p): c.get_watermark_offsets(TopicPartition(physical_name(cat, name), p), timeout=timeout_s)[1]
+        return {(name, p): watermark_offsets(c, TopicPartition(physical_name(cat, name), p), timeout_s)[1]
                 for name, n in counts.items() for p in range(n)}
     finally:
         c.close()
