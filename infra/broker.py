@@ -161,6 +161,12 @@ def server_properties(cfg: Config, layout: BrokerLayout, security: dict[str, str
     me = node or nodes[0]
     rf = cfg.replication_factor or 1  # embedded: always set (infra/config.py)
     isr = min_insync_replicas(rf)
+    # A cluster fences a node that stopped heartbeating after 4 s (Kafka's default 9 s), and only then elects new
+    # leaders for its partitions: until then writes to them wait. The agents beat every 2 s and the health check
+    # judges a machine silent after 10 s (processors/controlplane.py): with 9 s, the beats of the machines whose
+    # heartbeats partition a killed node led arrived 11 s apart, and the health check failed those machines. A node
+    # starved of CPU for 4 s is fenced too: it rejoins at its next heartbeat (its partitions' leaders moved meanwhile).
+    failover = {"broker.session.timeout.ms": "4000", "broker.heartbeat.interval.ms": "1000"} if len(nodes) > 1 else {}
     return {
         "process.roles": "broker,controller",  # each JVM is a broker and a KRaft voter (combined mode)
         "node.id": str(me.id),
@@ -185,6 +191,7 @@ def server_properties(cfg: Config, layout: BrokerLayout, security: dict[str, str
         # one as leader (which would drop what only the lost ones had). Kafka's default, stated: it is the rule
         # that makes "nothing acknowledged is lost" hold.
         "unclean.leader.election.enable": "false",
+        **failover,
         # Topics exist because provisioning (streams/topics.py) or faust (its changelogs) created them, with
         # their partition counts and configs; a typo in a topic name is an error, not a new topic.
         "auto.create.topics.enable": "false",
@@ -328,16 +335,21 @@ def prepare(cfg: Config) -> None:
     """Write every node's configuration and, the first time, format the data directories. Refuses data formatted
     for another number of nodes or other ports (the KRaft voter set names the controllers' endpoints)."""
     check_libs()
+    check_held(cfg)
+    if cfg.brokers == 1:
+        prepare_node(cfg)
+    else:
+        prepare_cluster(cfg)
+
+
+def check_held(cfg: Config) -> None:
+    """InfraError when the run directory holds a cluster of another number of nodes than ``cfg`` asks for."""
     was = formatted_brokers(cfg.run_dir)
     if was is not None and was != cfg.brokers:
         kafka = Path(cfg.run_dir) / "kafka"
         raise InfraError(f"embedded broker: the data in {kafka} is a cluster of {was} node{'s' if was > 1 else ''}, "
                          f"not {cfg.brokers}: `ropewalk up --brokers {was}` (ROPEWALK_BROKERS={was}) resumes it; "
                          f"remove {kafka} to start from nothing")
-    if cfg.brokers == 1:
-        prepare_node(cfg)
-    else:
-        prepare_cluster(cfg)
 
 
 def prepare_node(cfg: Config) -> None:

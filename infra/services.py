@@ -186,8 +186,10 @@ def redis_server(cfg: Config) -> ManagedProcess:
 
 
 def up(cfg: Config) -> dict:
-    # Every embedded service is checked (binary there, ports free) before any is started, so a failure
-    # leaves nothing half-started behind.
+    # Every embedded service is checked (binary there, ports free, the run directory's cluster the one asked for)
+    # before any is started, so a failure leaves nothing half-started behind.
+    if cfg.embedded_broker:
+        embedded_kafka.check_held(cfg)
     procs = ([broker(cfg, n) for n in cfg.broker_nodes] if cfg.embedded_broker else []) + \
         ([redis_server(cfg)] if cfg.embedded_redis else [])
     for proc in procs:
