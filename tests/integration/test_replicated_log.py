@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections import Counter
 
 import pytest
@@ -73,6 +74,12 @@ def test_a_broker_killed_in_a_burst_loses_nothing_and_rejoins_its_replicas(tmp_p
         names = [f"broker-{i}" for i in range(1, BROKERS + 1)]
         assert doc and all(doc["components"][n]["ready"] for n in names), doc and doc["components"]
         assert all(doc["programs"][n]["state"] == "RUNNING" for n in names)  # supervised, as services
+        # Every principal's SCRAM user is let in by every node (ensure_users waited for it at `up`).
+        from infra import credentials
+
+        for principal in credentials.PRINCIPALS:
+            who = credentials.kafka_credentials(cfg.secrets, principal)
+            assert all(embedded_kafka.authenticates(n, who.username, who.password) for n in cfg.broker_nodes), principal
         # Every topic replicated 3 times, 2 in sync for a write: the catalogue's, faust's changelogs, the internal ones
         from confluent_kafka.admin import AdminClient, ConfigResource
 
@@ -90,6 +97,7 @@ def test_a_broker_killed_in_a_burst_loses_nothing_and_rejoins_its_replicas(tmp_p
         e1_partition = partition_for("e1", cfg.partitions)
         jobs: list[str] = []
         kills = []
+        figures: list[str] = []  # printed at the end (RELIABILITY.md quotes them)
         for round_, victim_of in enumerate((
                 lambda: embedded_kafka.quorum_leader(cfg),  # the active controller
                 lambda: leader_of(cfg, intents, e1_partition))):  # the leader the burst writes to
@@ -103,6 +111,7 @@ def test_a_broker_killed_in_a_burst_loses_nothing_and_rejoins_its_replicas(tmp_p
                 jobs.append(f"e1.{name}")
                 if i == 0:  # the burst has begun: the victim dies under it
                     os.kill(pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
                     kills.append((victim, pid))
             # The supervisor starts it again; it catches up and is back in every partition's in-sync replicas.
             region.wait_for(lambda: not pid_alive(pid), f"broker-{victim} gone")
@@ -110,7 +119,10 @@ def test_a_broker_killed_in_a_burst_loses_nothing_and_rejoins_its_replicas(tmp_p
                                    and s, f"broker-{victim} back in the cluster", timeout_s=240)
             assert back["programs"][f"broker-{victim}"]["restarts"] == sum(1 for v, _ in kills if v == victim)
             assert back["programs"][f"broker-{victim}"]["last_exit"]["signal"] == "SIGKILL"
+            back_s = time.monotonic() - killed_at
             region.wait_for(lambda: nodes_in_sync(cfg, victim), f"broker-{victim} in sync", timeout_s=240)
+            figures.append(f"round {round_}: broker-{victim} killed; {JOBS_PER_BURST} submissions answered; back in "
+                           f"the cluster {back_s:.0f} s and in sync {time.monotonic() - killed_at:.0f} s after the kill")
 
         for job in jobs:
             region.wait_for(lambda: region.running(job, TASKS), f"{job} running", timeout_s=240)
@@ -142,8 +154,13 @@ def test_a_broker_killed_in_a_burst_loses_nothing_and_rejoins_its_replicas(tmp_p
                 counts["machines_overcommitted"], counts["quota_breaches"]) == (0, 0, 0, 0, 0), counts
         assert counts["duplicate_records"] == 0 and counts["conflicting_duplicates"] == 0, counts
         assert counts["redis_matches_log"], counts["redis_differences"]
-        ids = Counter(ev["event_id"] for ev in region.replay())  # every topic the API replays
+        replayed = region.replay()  # every topic the API replays
+        ids = Counter(ev["event_id"] for ev in replayed)
         assert ids and max(ids.values()) == 1, [i for i, n in ids.items() if n > 1][:5]
+        silent = sum(len(ev["payload"]["machine_ids"]) for ev in replayed
+                     if ev["type"] == "UnavailabilityStarted" and ev["producer"] == "health")
+        figures.append(f"{len(replayed)} records replayed, 0 event ids twice; {counts['tasks_placed']} tasks placed; "
+                       f"machines judged silent by the health check meanwhile: {silent}")
 
         # `down` stops every node; `up` without --brokers resumes the same cluster, the jobs where they were.
         pids = {n: doc["programs"][n]["pid"] for n in names}
@@ -158,5 +175,6 @@ def test_a_broker_killed_in_a_burst_loses_nothing_and_rejoins_its_replicas(tmp_p
             region.wait_for(lambda: region.running(job, TASKS), f"{job} running after up", timeout_s=240)
         refused = region("up", "--brokers", "1", "--machines", "20", "--no-demo")
         assert refused.returncode != 0 and "is a cluster of 3 nodes, not 1" in refused.stderr, refused.stderr
+        print("\n".join(figures))
     finally:
         region("down")
