@@ -64,7 +64,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.config import PROJECT_ROOT, BrokerNode, Config
+from infra.config import CLUSTER_FILE, PROJECT_ROOT, BrokerNode, Config, formatted_brokers
 from infra.process import InfraError, ManagedProcess
 
 KAFKA_VERSION = "4.3.1"  # the pin in infra/kafka/pom.xml; checked against the jars present
@@ -75,7 +75,6 @@ MIN_JAVA = 17
 START_TIMEOUT_S = 60.0  # a cold JVM on a loaded 2-core machine; measured ~3 s when idle
 NODE_ID = 1  # the one node's id (a cluster's nodes are 1..N)
 NAME = "broker"  # the one node's process name (pid file, log); node i of a cluster is "broker-<i>"
-CLUSTER_FILE = "cluster.json"
 # Committed consumer offsets are kept this long after a group's last member left (Kafka's default is 7 days,
 # after which a region that was `down` for a week would replay its whole history). Kafka takes an int.
 OFFSETS_RETENTION_MINUTES = 2**31 - 1
@@ -103,17 +102,6 @@ def node_name(cfg: Config, node: int) -> str:
 
 def node_names(cfg: Config) -> list[str]:
     return [node_name(cfg, n.id) for n in cfg.broker_nodes]
-
-
-def formatted_brokers(run_dir: Path) -> int | None:
-    """How many nodes the embedded cluster of ``run_dir`` was formatted with (None: not formatted yet)."""
-    kafka = Path(run_dir) / "kafka"
-    if (kafka / "data" / "meta.properties").exists():
-        return 1
-    try:
-        return len(json.loads((kafka / CLUSTER_FILE).read_text())["nodes"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 LISTENER = "SASL_PLAINTEXT"  # the clients' listener, also the nodes' replication listener

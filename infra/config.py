@@ -45,6 +45,7 @@ DEFAULT_BROKER_HEAP_MB = 512
 DEFAULT_API_PORT = 19080
 MAX_BROKERS = 9  # nodes of the embedded cluster, each a JVM on this machine
 REPLICATED_FROM = 3  # an embedded cluster of this many nodes or more replicates every topic this many times
+CLUSTER_FILE = "cluster.json"  # <run dir>/kafka/cluster.json: an embedded cluster's nodes (infra/broker.py)
 DEFAULT_PRINCIPAL = "operator"  # the CLI's direct path, `up`, tests (infra/credentials.py)
 # Twine (OSDI 2020, §5 "the largest job has ≈15K tasks"): 25,000 serves every job the paper reports, with room.
 DEFAULT_MAX_TASKS_PER_JOB = 25_000
@@ -265,11 +266,24 @@ class Config:
         return redis.Redis.from_url(self.redis_url, **auth, **kwargs)
 
 
+def formatted_brokers(run_dir: Path) -> int | None:
+    """How many nodes the embedded cluster of ``run_dir`` was formatted with (None: not formatted yet): one node's data
+    is ``<run dir>/kafka/data``, a cluster's nodes are listed in ``<run dir>/kafka/cluster.json`` (infra/broker.py,
+    ``BrokerLayout``; here because configuration reads it too)."""
+    import json
+
+    kafka = Path(run_dir) / "kafka"
+    if (kafka / "data" / "meta.properties").exists():
+        return 1
+    try:
+        return len(json.loads((kafka / CLUSTER_FILE).read_text())["nodes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def held_brokers(run_dir: Path) -> int:
     """The nodes of the embedded cluster whose data ``run_dir`` holds (1 when none yet): what a process that is not
     told ROPEWALK_BROKERS takes, so `status` and `down` in any shell see the cluster `up --brokers N` made."""
-    from infra.broker import formatted_brokers
-
     return formatted_brokers(run_dir) or 1
 
 

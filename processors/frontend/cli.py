@@ -126,10 +126,9 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
 
 def _with_brokers(cfg: Config, brokers: int | None) -> Config:
     """`up --brokers N` (or ROPEWALK_BROKERS): the embedded cluster of N nodes; neither: the cluster the run directory
-    holds (infra/broker.formatted_brokers), else one node. Remembered with the endpoints, for `status` and `down` in
+    holds (infra/config.held_brokers), else one node. Remembered with the endpoints, for `status` and `down` in
     another shell. (A run directory holding another number of nodes is refused when the broker starts.)"""
-    from infra.broker import formatted_brokers
-    from infra.config import check_brokers
+    from infra.config import check_brokers, held_brokers
 
     if not cfg.embedded_broker:
         if brokers is not None:
@@ -137,7 +136,7 @@ def _with_brokers(cfg: Config, brokers: int | None) -> Config:
         return cfg
     asked = brokers if brokers is not None else (cfg.brokers if os.environ.get("ROPEWALK_BROKERS") else None)
     try:
-        cfg = cfg.with_brokers(check_brokers(asked or formatted_brokers(cfg.run_dir) or 1))
+        cfg = cfg.with_brokers(check_brokers(asked or held_brokers(cfg.run_dir)))
     except ValueError as exc:
         raise CliError(f"--brokers: {exc}") from None
     os.environ["ROPEWALK_BROKERS"] = str(cfg.brokers)
