@@ -125,13 +125,12 @@ def broker_status(cfg: Config) -> dict:
 
 def broker_text(cfg: Config, st: dict) -> str:
     """What `ropewalk up` says of the embedded broker it started (``st``: ``start_brokers``)."""
-    from infra.broker import BrokerLayout
-
+    layout = embedded_kafka.BrokerLayout
     if cfg.brokers == 1:
-        return f"embedded Apache Kafka, pid {st.get('pid')}, data in {BrokerLayout.of(cfg).data}"
+        return f"embedded Apache Kafka, pid {st.get('pid')}, data in {layout.of(cfg).data}"
     nodes = ", ".join(f"{name} pid {n.get('pid')}" for name, n in st.get("nodes", {}).items())
     return (f"embedded Apache Kafka, a cluster of {cfg.brokers} nodes ({nodes}), data in "
-            f"{BrokerLayout.of(cfg, 1).root.parent}/{embedded_kafka.NAME}-*/data")
+            f"{layout.of(cfg, 1).root.parent}/{embedded_kafka.NAME}-*/data")
 
 
 def cluster_state(cfg: Config) -> dict:
