@@ -165,8 +165,47 @@ def wait_for(futures: Iterable) -> None:
 
 def provision_region(cfg, admin=None, *, wait: bool = True):
     """``provision`` for the region of ``cfg`` (its topic prefix, the users of its secrets directory); nothing when
-    the region has no Kafka credentials (a broker without authentication)."""
-    return provision(admin or _admin(cfg), cfg.topic_prefix, _users(cfg), wait=wait)
+    the region has no Kafka credentials (a broker without authentication). Waited for (``wait``), on a cluster of
+    several brokers it returns once each of them enforces the bindings (``wait_until_known``)."""
+    admin = admin or _admin(cfg)
+    out = provision(admin, cfg.topic_prefix, _users(cfg), wait=wait)
+    if wait and out:
+        brokers = admin.list_topics(timeout=15).brokers
+        if len(brokers) > 1:
+            wait_until_known(cfg.kafka_conf(), brokers, bindings(cfg.topic_prefix, _users(cfg)))
+    return out
+
+
+def wait_until_known(conf: Mapping, brokers: Mapping, wanted: list, timeout_s: float = 60.0) -> None:
+    """Wait until each of ``brokers`` (id -> confluent ``BrokerMetadata``) describes every binding of ``wanted``. A
+    broker's authorizer learns new bindings from the controller's metadata log on its own time (seconds under load):
+    until then it refuses what they allow (a worker started at once died of TOPIC_AUTHORIZATION_FAILED). Each broker
+    is asked by a client that knows it alone (``conf`` with it as the bootstrap server)."""
+    import time
+
+    from confluent_kafka.admin import (AclBindingFilter, AclOperation, AclPermissionType, AdminClient,
+                                       ResourcePatternType, ResourceType)
+
+    def key(b) -> tuple:
+        return (b.restype, b.name, b.resource_pattern_type, b.principal, b.host, b.operation, b.permission_type)
+
+    every = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None, AclOperation.ANY,
+                             AclPermissionType.ANY)
+    want = {key(b) for b in wanted}
+    deadline = time.monotonic() + timeout_s
+    for b in brokers.values():
+        admin = AdminClient({**conf, "bootstrap.servers": f"{b.host}:{b.port}", "log_level": 0})
+        while True:
+            try:
+                missing = len(want - {key(x) for x in admin.describe_acls(every, request_timeout=5).result()})
+            except Exception:  # noqa: BLE001 - not answering: asked again
+                missing = len(want)
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"broker {b.id} ({b.host}:{b.port}) does not know {missing} of the region's "
+                                   f"{len(want)} ACL bindings {timeout_s:.0f}s after they were created")
+            time.sleep(0.2)
 
 
 def drop_region(cfg, admin=None, *, wait: bool = True):

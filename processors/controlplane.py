@@ -45,6 +45,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
                 "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
                 "ROPEWALK_RUN_DIR": str(cfg.run_dir), "ROPEWALK_SECRETS_DIR": str(cfg.secrets),
                 "ROPEWALK_API_PORT": str(cfg.api_port), "PYTHONUNBUFFERED": "1"})
+    if cfg.replication_factor is not None:  # the replicas of the topics a worker creates (faust's changelogs)
+        env["ROPEWALK_REPLICATION_FACTOR"] = str(cfg.replication_factor)
     return env
 
 

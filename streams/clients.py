@@ -28,6 +28,7 @@ from infra.config import Config
 from streams import deadletter as dl
 from streams import schemalog
 from streams.events import Event
+from streams.retry import watermark_offsets
 from streams.serde import INVALID_EVENT, UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
 from streams.topics import BY_NAME, CATALOGUE, KEY_ENTITLEMENT, KEY_JOB, KEY_MACHINE, Topics
 
@@ -338,8 +339,7 @@ class EventConsumer:
 
     def high_watermarks(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """The broker's high watermark of each partition now (ListOffsets)."""
-        return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
-                for t, p in partitions}
+        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p))[1] for t, p in partitions}
 
     def read_up_to(self, targets: Mapping[tuple[str, int], int], start: Mapping[tuple[str, int], int]) -> bool:
         """Whether this consumer has read every partition of ``targets`` up to (below) its offset: its last record
@@ -348,8 +348,7 @@ class EventConsumer:
 
     def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(low, high) per partition as the broker lists them (ListOffsets)."""
-        return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)
-                for t, p in self.partitions()}
+        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p)) for t, p in self.partitions()}
 
     def poll(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list[Record]:
         """Up to ``max_records`` decoded records. ``linger_s`` None: wait until ``max_records`` are there or

@@ -68,6 +68,7 @@ from streams.clients import consumer_conf
 from streams.events import Event
 from streams.heap import folding
 from streams.progress import ProgressFn, silent
+from streams.retry import watermark_offsets
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
@@ -146,7 +147,7 @@ def truncated_partitions(cfg: Config, timeout_s: float = 10.0) -> list[str]:
         for physical in map(topics.name, SOURCES):
             tmd = md.topics.get(physical)
             for p in sorted(tmd.partitions) if tmd is not None and tmd.error is None else ():
-                low, _ = consumer.get_watermark_offsets(TopicPartition(physical, p), timeout=timeout_s)
+                low, _ = watermark_offsets(consumer, TopicPartition(physical, p), timeout_s)
                 if low > 0:
                     out.append(f"{physical}[{p}]@{low}")
         return out

@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-from infra.broker import BrokerLayout
 from infra.config import Config
 from processors.frontend.console import (  # what every command uses (processors/frontend/commands/ too)
     AT_HELP, CliError, Progress, _ago, _duration_ms, _front, _parse_time, _print, _registry, _require_broker, _table,
@@ -55,8 +54,9 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     from infra import acls, services
     from infra.config import remember_endpoints
     from processors import controlplane
-    from streams.topics import provision
+    from streams.topics import provision, replication_factor
 
+    cfg = _with_brokers(cfg, args.brokers)
     step("starting the broker and Redis")
     try:
         st = services.up(cfg)
@@ -65,7 +65,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     remember_endpoints()  # a new shell without the variables finds this region (infra/config.py)
     admin = _admin(cfg)
     step("provisioning topics and ACLs")
-    prov = provision(admin, _topics(cfg))
+    prov = provision(admin, _topics(cfg), replication=replication_factor(cfg, admin), conf=cfg.kafka_conf())
+    cfg = cfg.with_(replication_factor=prov["replication_factor"])  # the workers' (faust's changelogs)
     acls.provision_region(cfg, admin)  # what each component's principal may do (infra/acls.py)
     from processors.api.users import ensure_admin
 
@@ -86,7 +87,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
            "ready": region["ready"], "demo": demo, "metrics": scrape,
            "seconds": round(time.monotonic() - t0, 2)}
     lines = [
-        f"broker  {cfg.bootstrap_servers}  ({'embedded Apache Kafka, pid %s, data in %s' % (st['broker'].get('pid'), BrokerLayout.of(cfg).data) if cfg.embedded_broker else 'external'})",
+        f"broker  {cfg.bootstrap_servers}  ({services.broker_text(cfg, st['broker']) if cfg.embedded_broker else 'external'}"
+        f"; topics replicated {prov['replication_factor']} times)",
         f"redis   {cfg.redis_url}  ({'private redis-server, pid %s' % st['redis'].get('pid') if cfg.embedded_redis else 'external'})",
         f"topics  {len(prov['topics'])} ready ({len(prov['created'])} created), {cfg.partitions} partitions per entitlement-keyed topic",
         f"logs    {cfg.run_dir}",
@@ -120,6 +122,25 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
     return 0
+
+
+def _with_brokers(cfg: Config, brokers: int | None) -> Config:
+    """`up --brokers N` (or ROPEWALK_BROKERS): the embedded cluster of N nodes; neither: the cluster the run directory
+    holds (infra/config.held_brokers), else one node. Remembered with the endpoints, for `status` and `down` in
+    another shell. (A run directory holding another number of nodes is refused when the broker starts.)"""
+    from infra.config import check_brokers, held_brokers
+
+    if not cfg.embedded_broker:
+        if brokers is not None:
+            raise CliError("--brokers: the broker is external (ROPEWALK_BOOTSTRAP_SERVERS); its nodes are yours to run")
+        return cfg
+    asked = brokers if brokers is not None else (cfg.brokers if os.environ.get("ROPEWALK_BROKERS") else None)
+    try:
+        cfg = cfg.with_brokers(check_brokers(asked or held_brokers(cfg.run_dir)))
+    except ValueError as exc:
+        raise CliError(f"--brokers: {exc}") from None
+    os.environ["ROPEWALK_BROKERS"] = str(cfg.brokers)
+    return cfg
 
 
 def _remembered_hint(error: str) -> str:
@@ -240,7 +261,8 @@ def cmd_status(cfg: Config, args) -> int:
         doc["restored"] = restore_note(cfg)
     lines = [f"{name:7} {'ready' if s['ready'] else 'DOWN':5}  {s['endpoint']}"
              + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "")
-             + (f"  restarts {programs[name]['restarts']}" if name in programs else "") for name, s in st.items()]
+             + (f"  restarts {programs[name]['restarts']}" if name in programs else "")
+             + (f"  {s['detail']}" if s.get("detail") else "") for name, s in st.items()]
     if programs:
         lines.append(f"supervisor {'running  pid %d' % sup_pid if sup_pid else 'NOT RUNNING (nothing restarts a worker that dies)'}")
     for name, w in workers.items():
@@ -264,6 +286,7 @@ def _topic_offsets(cfg: Config) -> dict[str, dict]:
     from confluent_kafka import Consumer, TopicPartition
 
     from infra.acls import reader_group
+    from streams.retry import watermark_offsets
     from streams.topics import CATALOGUE
 
     compacted = {_topics(cfg).name(s.name) for s in CATALOGUE if s.config.get("cleanup.policy") == "compact"}
@@ -275,7 +298,7 @@ def _topic_offsets(cfg: Config) -> dict[str, dict]:
             t = md.topics.get(name)
             if t is None or t.error is not None:
                 continue
-            marks = [c.get_watermark_offsets(TopicPartition(name, p), timeout=5) for p in t.partitions]
+            marks = [watermark_offsets(c, TopicPartition(name, p), 5) for p in t.partitions]
             out[name] = {"partitions": len(marks), "start_offsets": sum(lo for lo, _ in marks),
                          "end_offsets": sum(hi for _, hi in marks), "records": sum(hi - lo for lo, hi in marks),
                          "compacted": name in compacted}
@@ -924,6 +947,10 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
                     help="simulated machines of the local region (0: infrastructure and topics only)")
     sp.add_argument("--no-demo", action="store_true",
                     help="do not create the demo entitlement and job (demo.hello on the process agent)")
+    sp.add_argument("--brokers", type=int, default=None,
+                    help="nodes of the embedded Kafka cluster: 1, or 3 and more (each topic replicated 3 times, "
+                         "min.insync.replicas 2); default: the cluster the run directory holds, else 1 "
+                         "(ROPEWALK_BROKERS)")
     sp = cmd("down", cmd_down, "stop everything `up` started (the supervisor, every worker, Redis, the broker); the "
              "process agent stops its tasks (started again at the next `up`)")
     sp.add_argument("--keep-tasks", action="store_true",

@@ -168,7 +168,7 @@ from streams.faustwire import (FlowWatch, decode_message, header_of, make_app, r
 from streams.partitionmap import REASON_HELD, REASON_MOVED, REASON_MOVING, MapFollower, assignment_event
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
-from streams.topics import BY_NAME, CHANGELOG_CONFIG, Topics
+from streams.topics import BY_NAME, CHANGELOG_CONFIG, Topics, replication_config
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class ShardTables:
         self.app = app
         self.partitions = partitions
         opts = {"default": None, "key_type": str, "value_type": None, "partitions": partitions,
-                "extra_topic_configs": dict(CHANGELOG_CONFIG)}
+                "extra_topic_configs": {**CHANGELOG_CONFIG, **replication_config(app.conf.topic_replication_factor)}}
         self.jobs = app.Table("scheduler-jobs", **opts)  # job key -> header (store.py)
         self.job_chunks = app.Table("scheduler-job-chunks", **opts)  # "<job key>#<i>@<v>" -> a chunk of its tasks
         self.entitlements = app.Table("scheduler-entitlements", **opts)  # entitlement key -> its fields
