@@ -203,7 +203,8 @@ class MachineIndex:
         """The whole fold: every machine, mark and entitlement (a Redis that lost or lags the index), in this
         layout (``FORMAT``)."""
         n = self.project(fold, {mid: "" for mid in fold.machines}, entitlements=fold.entitlement_fields)
-        self.r.set(self.key(FORMAT_KEY), FORMAT)
+        if fold.machines or fold.entitlement_fields:  # (an empty index has no layout to name)
+            self.r.set(self.key(FORMAT_KEY), FORMAT)
         return n
 
     def format(self) -> str | None:
