@@ -8,10 +8,15 @@ What is checked, on the real broker and Redis:
 * a shard SIGKILLed while jobs of four entitlements are submitted: every job runs, and the replayed log shows no
   event decided twice (one id, two contents), no task placed, started or running twice, no machine over its
   capacity, no entitlement over its quota (``bench.killstorm.replay_checks``), and Redis equals a rebuild;
-* a shard and an allocator started from a copy of the source, in a run directory of their own, knowing only the
-  region's broker, Redis, topic prefix and their principal's credential file: they take partitions and decide,
-  jobs keep running; SIGKILLed (nothing restarts them there), the region's shards take the partitions back;
-* a later `up` with other counts stops shards and allocators for good, and starts them again.
+* a later `up` with fewer shards and allocators stops the extra ones for good; then a shard and an allocator
+  started from a copy of the source, in a run directory of their own, knowing only the region's broker, Redis,
+  topic prefix and their principal's credential file, take partitions and decide, and jobs keep running; the
+  remote shard SIGKILLed (nothing restarts it there), the region's shard takes its partitions back; an `up` with
+  the counts of before starts the shards again.
+
+(Why one local shard beside the remote one: with standby replicas, faust's assignor leaves each member the
+partitions it holds while it holds at most ceil(partitions / members): 4 partitions held 2 and 2 give a third
+member nothing. README, "A region on several machines".)
 """
 from __future__ import annotations
 
@@ -31,9 +36,9 @@ from infra import credentials
 from infra.config import Config
 from infra.process import pid_alive
 from processes import scrape, value
-from regioncli import ROOT, RegionCli
+from regioncli import ROOT, RegionCli, wait_for
 
-ENTITLEMENTS = [f"so-e{i}" for i in range(4)]
+ENTITLEMENTS = ["so-e0", "so-e5", "so-e1", "so-e2"]  # one on each of the 4 partitions (streams.partitioner)
 QUOTA = 4
 SPEC = {"command": ["sleep", "3600"], "resources": {"cpu_millicores": 500, "memory_mib": 512}, "spread": "msb"}
 ASSIGNED = re.compile(r"scheduler shard \d+: assigned partitions \[([\d, ]*)\]")
@@ -114,6 +119,15 @@ class Region:
             r.close()
         return doc
 
+    def scale(self, schedulers: int, allocators: int) -> dict:
+        """``ropewalk up`` with these counts (what runs already is left as it is)."""
+        out = self.cli("up", "--machines", "16", "--no-demo", "--schedulers", str(schedulers), "--allocators",
+                       str(allocators), "--json", timeout_s=240)
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert (doc["schedulers"], doc["allocators"]) == (schedulers, allocators), doc
+        return doc
+
     def status(self) -> dict:
         out = self.cli("status", "--json")
         return json.loads(out.stdout)
@@ -159,6 +173,7 @@ def region(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_shards_and_allocators_split_the_partitions_and_a_killed_shard_loses_and_doubles_nothing(region):
+    region.scale(2, 2)
     workers = region.status()["control_plane"]
     assert {"scheduler-0", "scheduler-1", "allocator-0", "allocator-1"} <= set(workers), sorted(workers)
     assert "allocator" not in workers and all(w["state"] == "RUNNING" for w in workers.values())
@@ -224,7 +239,26 @@ def remote_worker(region: Region, checkout: Path, home: Path, principal: str, mo
 
 
 @pytest.mark.timeout(420)
-def test_a_shard_and_an_allocator_on_another_machine_take_partitions_and_keep_the_region_running(region, tmp_path):
+def test_fewer_shards_then_a_shard_and_an_allocator_on_another_machine_keep_the_region_running(region, tmp_path):
+    # -- a later `up` with fewer: the extra shard and allocator stop for good; one shard owns every partition -----
+    region.scale(2, 2)
+    before = region.status()["control_plane"]
+    gone = {n: before[n]["pid"] for n in ("scheduler-1", "allocator-1")}
+    doc = region.scale(1, 1)
+    assert doc["retired"] == ["allocator-1", "scheduler-1"], doc["retired"]
+    workers = region.status()["control_plane"]
+    assert "scheduler-1" not in workers and "allocator-1" not in workers and workers["scheduler-0"]["running"]
+    assert not any(pid_alive(p) for p in gone.values())
+    everyone = set(range(region.cfg.partitions))
+    region.cli.wait_for(lambda: partitions_in(region.run_dir / "scheduler-0.log", ASSIGNED) == everyone,
+                        "scheduler-0 owning every partition")
+    # an `up` without the flags keeps the counts that run; a bad count is refused before anything starts
+    again = region.cli.json("up", "--machines", "16", "--no-demo")
+    assert again and (again["schedulers"], again["allocators"]) == (1, 1) and again["retired"] == []
+    refused = region.cli("up", "--machines", "16", "--schedulers", "0")
+    assert refused.returncode == 1 and "--schedulers: expected from 1 to 4" in refused.stderr, refused.stderr
+
+    # -- a shard and an allocator from another checkout and run directory join ------------------------------------
     checkout = remote_checkout(tmp_path / "checkout")
     remote = tmp_path / "host2"
     where = subprocess.run([sys.executable, "-c", "import processors, streams; print(processors.__file__)"],
@@ -237,10 +271,15 @@ def test_a_shard_and_an_allocator_on_another_machine_take_partitions_and_keep_th
     procs = [shard, allocator]
     try:
         assert sorted(p.name for p in (remote / "scheduler" / "secrets").iterdir()) == ["scheduler.json"]
-        mine = region.cli.wait_for(lambda: partitions_in(shard.log_path, ASSIGNED), "the remote shard's partitions",
-                                   120)
-        owned = region.cli.wait_for(lambda: partitions_in(allocator.log_path, OWNS),
-                                    "the remote allocator's partitions", 120)
+
+        def tails() -> str:
+            return "".join(f"\n--- {p.log_path}:\n" + "\n".join(p.log_path.read_text(errors="replace").splitlines()[-30:])
+                           for p in procs)
+
+        mine = wait_for(lambda: partitions_in(shard.log_path, ASSIGNED), "the remote shard's partitions", 120, 0.5,
+                        tails)
+        owned = wait_for(lambda: partitions_in(allocator.log_path, OWNS), "the remote allocator's partitions", 120,
+                         0.5, tails)
         local = {n: partitions_in(region.run_dir / f"{n}.log", ASSIGNED) for n in ("scheduler-0", "scheduler-1")}
         print(f"\nremote shard owns {sorted(mine)}, remote allocator {sorted(owned)}; region's shards {local}")
         assert shard.poll() is None and allocator.poll() is None
@@ -249,15 +288,13 @@ def test_a_shard_and_an_allocator_on_another_machine_take_partitions_and_keep_th
 
         jobs = [region.submit(ENTITLEMENTS[i % len(ENTITLEMENTS)]) for i in range(8)]
         region.wait_all_running("every job running with the remote workers in the region")
-        assert {partition_for(e, region.cfg.partitions) for e in ENTITLEMENTS} & mine, "no entitlement hashed there"
+        assert {partition_for(e, region.cfg.partitions) for e in ENTITLEMENTS} == everyone  # some on each of them
         sched_metrics = scrape(f"127.0.0.1:{(remote / 'scheduler' / 'metrics' / 'scheduler-remote.port').read_text().strip()}")
         alloc_metrics = scrape(f"127.0.0.1:{(remote / 'allocator' / 'metrics' / 'allocator-remote.port').read_text().strip()}")
         decided = value(sched_metrics, "ropewalk_scheduling_attempt_duration_seconds_count", result="events")
         placed = value(alloc_metrics, "ropewalk_allocation_attempts_total", result="placed")
         print(f"the remote shard decided {decided:.0f} events, the remote allocator placed {placed:.0f} tasks")
-        if {partition_for(e, region.cfg.partitions) for e in ENTITLEMENTS} & owned:
-            assert placed >= 1
-        assert decided >= 1
+        assert decided >= 1 and placed >= 1
         # nothing of the region's run directory was written or needed there
         assert not (remote / "scheduler" / "secrets" / credentials.KAFKA_FILE).exists()
         assert not list((remote / "scheduler").glob("region.yaml"))
@@ -270,11 +307,9 @@ def test_a_shard_and_an_allocator_on_another_machine_take_partitions_and_keep_th
                 shard.wait(10)
                 killed_at = time.monotonic()
             time.sleep(0.3)
-        taken = region.cli.wait_for(
-            lambda: (lambda got: got if all(got.values()) and set().union(*got.values()) == set(range(region.cfg.partitions))
-                     else None)({n: partitions_in(region.run_dir / f"{n}.log", ASSIGNED) for n in ("scheduler-0", "scheduler-1")}),
-            "the region's shards owning every partition again", 120)
-        print(f"the region's shards own {taken} again, {time.monotonic() - killed_at:.1f} s after the SIGKILL")
+        region.cli.wait_for(lambda: partitions_in(region.run_dir / "scheduler-0.log", ASSIGNED) == everyone,
+                            "the region's shard owning every partition again", 120)
+        print(f"scheduler-0 owns every partition again {time.monotonic() - killed_at:.1f} s after the SIGKILL")
         region.wait_all_running("every job running after the remote shard was killed")
         assert_nothing_doubled(region.checks())
     finally:
@@ -286,30 +321,6 @@ def test_a_shard_and_an_allocator_on_another_machine_take_partitions_and_keep_th
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait(5)
-
-
-@pytest.mark.timeout(300)
-def test_a_later_up_with_other_counts_stops_and_starts_shards(region):
-    before = region.status()["control_plane"]
-    gone = {n: before[n]["pid"] for n in ("scheduler-1", "allocator-1")}
-    out = region.cli("up", "--machines", "16", "--no-demo", "--schedulers", "1", "--allocators", "1", "--json",
-                     timeout_s=240)
-    assert out.returncode == 0, out.stderr
-    doc = json.loads(out.stdout)
-    assert doc["retired"] == ["allocator-1", "scheduler-1"] and (doc["schedulers"], doc["allocators"]) == (1, 1)
-    workers = region.status()["control_plane"]
-    assert "scheduler-1" not in workers and "allocator-1" not in workers and workers["scheduler-0"]["running"]
-    assert not any(pid_alive(p) for p in gone.values())
-    assert partitions_in(region.run_dir / "scheduler-0.log", ASSIGNED) is not None
-    region.cli.wait_for(lambda: partitions_in(region.run_dir / "scheduler-0.log", ASSIGNED) == set(
-        range(region.cfg.partitions)), "scheduler-0 owning every partition")
-    job = region.submit(ENTITLEMENTS[0])
-    region.wait_all_running(f"{job} running on one shard")
-    # an `up` without the flags keeps the counts that run; a bad count is refused before anything starts
-    again = region.cli.json("up", "--machines", "16", "--no-demo")
-    assert again and (again["schedulers"], again["allocators"]) == (1, 1) and again["retired"] == []
-    refused = region.cli("up", "--machines", "16", "--schedulers", "0")
-    assert refused.returncode == 1 and "--schedulers: expected from 1 to 4" in refused.stderr, refused.stderr
-    back = region.cli.json("up", "--machines", "16", "--no-demo", "--schedulers", "2", "--allocators", "2")
-    assert back and (back["schedulers"], back["allocators"]) == (2, 2)
+    # -- an `up` with the counts of before starts the shard and the allocator again --------------------------------
+    region.scale(2, 2)
     assert {"scheduler-1", "allocator-1"} <= set(region.status()["control_plane"])
