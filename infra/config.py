@@ -18,6 +18,7 @@ real Redis needs no code change.
 | ROPEWALK_API_URL            | http://127.0.0.1:$ROPEWALK_API_PORT  | where the CLI finds the API |
 | ROPEWALK_TOKEN              | the token in $ROPEWALK_SECRETS_DIR/token | the CLI's API token (a user made by `ropewalk user add`) |
 | ROPEWALK_DIRECT             | unset                                | `1`: the CLI writes to and reads the log itself as principal `operator`, not through the API (as `--direct`) |
+| ROPEWALK_METRICS_ADDR       | 127.0.0.1:0                          | HOST:PORT a worker serves its Prometheus metrics on (infra/metrics.py; a worker on another machine) |
 
 **Endpoints remembered** (like a kubeconfig): `ropewalk up` writes the endpoint variables it was started with to
 ``$ROPEWALK_RUN_DIR/endpoints.json`` (``remember_endpoints``); a later process whose environment sets none of
