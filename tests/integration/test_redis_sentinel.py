@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 
 import pytest
 
