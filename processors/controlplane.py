@@ -261,11 +261,16 @@ def worker_pid(cfg: Config, name: str) -> int | None:
     return ManagedProcess(name=name, argv=[name], port=None, run_dir=cfg.run_dir, ready=lambda: True).pid()
 
 
+def known_workers(cfg: Config) -> list[str]:
+    """The workers of this run directory that may run: those of a region of one of each, those the supervisor is to
+    run, and any other with a pid file (started by the bench, or left by a supervisor that died)."""
+    files = {f.stem for f in Path(cfg.run_dir).glob("*.pid") if is_worker(f.stem)}
+    return sorted({*names(), *(n for n in supervisor.expected(cfg.run_dir) if is_worker(n)), *files})
+
+
 def allocator_names(cfg: Config) -> list[str]:
-    """The allocators of this run directory that may run: those the supervisor is to run, and any other with a pid
-    file (started by the bench, or left by a supervisor that died)."""
-    files = {f.stem for f in Path(cfg.run_dir).glob("allocator-*.pid") if kind_of(f.stem) == "allocator"}
-    return sorted({n for n in supervisor.expected(cfg.run_dir) if kind_of(n) == "allocator"} | files)
+    """The allocators of ``known_workers``."""
+    return [n for n in known_workers(cfg) if kind_of(n) == "allocator"]
 
 
 def keep_tasks(cfg: Config) -> bool:
