@@ -42,6 +42,7 @@ DEFAULT_COUNTS = {"scheduler": 1, "allocator": 1}
 SINGLE = ("resourcebroker", "agents", "agent-local", "health", "api", "rebalancer", "sidekick", "jobcontrol", "srm",
           "loans")
 UPPER = ("rebalancer", "sidekick", "jobcontrol", "srm", "loans")  # left out of the bench's regions (bench/env.py)
+RENAMED = ("allocator",)  # workers of an older Ropewalk's region, now named otherwise (allocator-0): `up` retires them
 LOCAL_DC = "local"
 LOCAL_MACHINE_TYPE = "process"
 LOCAL_CPU_MILLICORES = 2000
@@ -217,6 +218,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
               for kind, given in (("scheduler", schedulers), ("allocator", allocators))}
     check_counts(cfg, counts["scheduler"], counts["allocator"])
     extra = [scaled_name(kind, i) for kind in SCALED for i in reversed(range(counts[kind], now[kind]))]
+    extra += [n for n in supervisor.expected(cfg.run_dir) if n in RENAMED]
     retired = supervisor.retire(cfg.run_dir, extra) if extra else {}
     for name in retired:
         metrics.forget(cfg.run_dir, name)
