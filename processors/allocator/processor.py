@@ -913,7 +913,10 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
     dead_letters = DeadLetters(producer, PRODUCER)
     allocator = Allocator(cfg, registry, redis_client or cfg.redis_client(), producer,
                           consumer=consumer)
-    app = make_app(cfg, APP_ID, **settings)
+    # No tables, so no standby copies of them: without standbys faust's assignor also rebalances towards an even
+    # split when an allocator joins (with them it leaves each member what it holds up to ceil(partitions / members),
+    # and a joining allocator could get nothing: README, "A region on several machines").
+    app = make_app(cfg, APP_ID, **{"table_standby_replicas": 0, **settings})
     allocations = app.topic(catalogue.name("allocations"), key_serializer="raw", value_serializer="raw",
                             partitions=cfg.partitions)
     stop = threading.Event()
