@@ -16,7 +16,8 @@ What is checked, on the real broker and Redis:
 
 (Why one local shard beside the remote one: with standby replicas, faust's assignor leaves each member the
 partitions it holds while it holds at most ceil(partitions / members): 4 partitions held 2 and 2 give a third
-member nothing. README, "A region on several machines".)
+shard nothing. README, "A region on several machines". The allocators, without standbys, would split evenly; the
+test scales both alike.)
 """
 from __future__ import annotations
 
