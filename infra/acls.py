@@ -17,6 +17,8 @@ Writers per topic, and where a topic-level ACL cannot tell writers apart:
 | unavailability   | resourcebroker, health, api (admins' maintenance, machine fail), lender (a revocation's notice, vacate) | |
 | allocations      | scheduler (AllocationRequested), allocator (TasksAllocated, AllocationRejected, TasksDeallocated) | the scheduler could forge a placement: agents trust the allocations topic, written only by these two |
 | tasks            | scheduler (commands, its own task transitions), agent (reports), sidekick (HostProfileRequested) | an agent principal could forge a command: agents start only what ``allocations`` placed on their machine for that entitlement and job (processors/agent/gate.py); a forged STOP from an agent principal is not caught (all agents share one principal) |
+| partitionmap     | api (a new entitlement's partition), scheduler (moves) | |
+| handoff          | scheduler (hand-overs, forwarded records) | |
 | loans            | lender (LoanGranted, LoanRevoked, LoanReturned) | |
 | metrics          | agent (JobLoadReported: the load signals) | an agent could report another job's load: the SRM sizes within the job's min/max only |
 | taskcontrol      | scheduler (requests, throttling), controller (acks) | a controller could ack another job's request: the scheduler ignores acks of a stale or unknown sequence |
@@ -38,12 +40,13 @@ from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, JOBCON
 from streams.topics import CATALOGUE, Topics
 
 READ, WRITE = "READ", "WRITE"
-SCHEMAS, DEADLETTER = "_schemas", "deadletter"
+SCHEMAS, DEADLETTER, MAP = "_schemas", "deadletter", "partitionmap"
 DATA = tuple(t.name for t in CATALOGUE if t.name != SCHEMAS)
 
 WRITES: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    API: ("intents", "machines", "unavailability", SCHEMAS),
-    SCHEDULER: ("intents", "allocations", "tasks", "taskcontrol", "state.jobs", "state.tasks", DEADLETTER, SCHEMAS),
+    API: ("intents", "machines", "unavailability", MAP, SCHEMAS),
+    SCHEDULER: ("intents", "allocations", "tasks", "taskcontrol", "state.jobs", "state.tasks", "handoff", MAP,
+                DEADLETTER, SCHEMAS),
     ALLOCATOR: ("allocations", "machines", "state.machines", DEADLETTER, SCHEMAS),
     RESOURCEBROKER: ("machines", "unavailability", DEADLETTER, SCHEMAS),
     HEALTH: ("machines", "unavailability", DEADLETTER, SCHEMAS),
@@ -55,19 +58,21 @@ WRITES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     SRM: ("intents", DEADLETTER, SCHEMAS),
     LENDER: ("loans", "intents", "unavailability", DEADLETTER, SCHEMAS),  # intents: a borrower's quota
 })
+# Every principal that produces entitlement-keyed records reads the partition map (streams/partitionmap.py).
 READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     API: (*DATA, SCHEMAS),  # state, replay, the verdict of a submission, server-sent events
-    SCHEDULER: ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", SCHEMAS),
-    ALLOCATOR: ("intents", "machines", "unavailability", "allocations", "state.machines", SCHEMAS),
-    RESOURCEBROKER: ("machines", "unavailability", SCHEMAS),
-    HEALTH: ("machines", "heartbeats", SCHEMAS),
-    AGENT: ("tasks", "allocations", SCHEMAS),
-    CONTROLLER: ("taskcontrol", SCHEMAS),
-    REBALANCER: ("intents", "machines", "unavailability", "allocations", "state.jobs", SCHEMAS),  # its TOPICS
-    SIDEKICK: ("intents", "machines", "unavailability", "allocations", "tasks", SCHEMAS),
-    JOBCONTROL: ("intents", SCHEMAS),
-    SRM: ("intents", "metrics", SCHEMAS),
-    LENDER: ("machines", "intents", "unavailability", "allocations", "loans", SCHEMAS),
+    SCHEDULER: ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "handoff", MAP,
+                SCHEMAS),
+    ALLOCATOR: ("intents", "machines", "unavailability", "allocations", "state.machines", MAP, SCHEMAS),
+    RESOURCEBROKER: ("machines", "unavailability", MAP, SCHEMAS),
+    HEALTH: ("machines", "heartbeats", MAP, SCHEMAS),
+    AGENT: ("tasks", "allocations", MAP, SCHEMAS),
+    CONTROLLER: ("taskcontrol", MAP, SCHEMAS),
+    REBALANCER: ("intents", "machines", "unavailability", "allocations", "state.jobs", MAP, SCHEMAS),  # its TOPICS
+    SIDEKICK: ("intents", "machines", "unavailability", "allocations", "tasks", MAP, SCHEMAS),
+    JOBCONTROL: ("intents", MAP, SCHEMAS),
+    SRM: ("intents", "metrics", MAP, SCHEMAS),
+    LENDER: ("machines", "intents", "unavailability", "allocations", "loans", MAP, SCHEMAS),
 })
 # faust apps: principal -> app id (its consumer group `<prefix><app>` and internal topics `<prefix><app>-...`).
 FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})

@@ -144,10 +144,12 @@ async def decoded(stream: faust.StreamT, registry: SchemaRegistry, dead_letters:
 
 
 async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadLetters, catalogue: Topics, *,
-                         cfg: Config | None = None, missed: dict[bytes, float] | None = None
-                         ) -> tuple[Record, Event] | None:
+                         cfg: Config | None = None, missed: dict[bytes, float] | None = None,
+                         placement_topic: str | None = None) -> tuple[Record, Event] | None:
     """One faust message as `(record, event)`, or None once a bad one is routed to `deadletter` (see `decoded`;
-    `missed` is the caller's memory of fingerprints `_schemas` did not have, kept across its messages)."""
+    `missed` is the caller's memory of fingerprints `_schemas` did not have, kept across its messages;
+    `placement_topic`: the physical topic whose rules the record must follow, when it is not the one it is on: a
+    record a scheduler shard forwarded, on `handoff`, follows its original topic's)."""
     missed = {} if missed is None else missed
     value = msg.value
     try:
@@ -165,7 +167,7 @@ async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadL
                 raise
             type_, data = registry.decode(value)
         event = Event.from_record(type_, data)
-        check_placement(catalogue, msg.topic, msg.key, event)
+        check_placement(catalogue, placement_topic or msg.topic, msg.key, event)
     except DecodeError as exc:
         await route_dead_letter(dead_letters, msg, exc.reason, exc.detail)
         return None

@@ -63,7 +63,7 @@ CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("intents", KEY_ENTITLEMENT, ("EntitlementCreated", "EntitlementUpdated", "JobSubmitted",
               "JobSpecChanged", "JobResized", "JobStopped", "IntentRefused", "RebalancePlanned", "PushIntentDeclared",
               "CanaryIntentDeclared", "SizingIntentDeclared", "ResourcesIntentDeclared", "JobSpecReconciled",
-              "EntitlementElasticityChanged"), True,
+              "EntitlementElasticityChanged", "EntitlementMoveRequested"), True,
               config=_KEEP_FOREVER,
               doc="user intent from the front end, per-dimension intents and the Job Control Plane's reconciled "
                   "specs, the ReBalancer's plans, and the scheduler's refusals"),
@@ -82,6 +82,12 @@ CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("taskcontrol", KEY_ENTITLEMENT, ("TaskControlRequested", "TaskControlAcked", "OperationsThrottled"),
               True, config=_KEEP_FOREVER,
               doc="TaskControl requests to application controllers and their acks"),
+    TopicSpec("handoff", KEY_ENTITLEMENT, ("EntitlementHandedOver",), True, config=_KEEP_FOREVER,
+              doc="an entitlement moving to this partition: its state handed over by the shard it leaves, then the "
+                  "records that shard forwards (header forwarded_from); read by the scheduler alone"),
+    TopicSpec("partitionmap", KEY_ENTITLEMENT, ("EntitlementPartitionAssigned",), partitions=1, config=_COMPACT,
+              doc="where each entitlement lives: the partition producers send its events to (compacted; none: its "
+                  "key's hash partition)"),
     TopicSpec("loans", KEY_ENTITLEMENT, ("LoanGranted", "LoanRevoked", "LoanReturned"), True, config=_KEEP_FOREVER,
               doc="elastic compute: machines the Resource Broker lends to elastic entitlements and takes back"),
     TopicSpec("metrics", KEY_ENTITLEMENT, ("JobLoadReported",), True, config=_HEARTBEATS,

@@ -87,6 +87,8 @@ from streams.deadletter import DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import make_app
 from streams.heap import GrowthFreezer, folding
+from streams.partitionmap import MapEntry, MapFollower
+from streams.partitioner import partition_for
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics, free_pool_key
@@ -316,6 +318,26 @@ def in_decision_order(batch: Sequence[T], partition: Callable[[T], int], when_ms
     return sorted(batch, key=lambda item: (partition(item) - when_ms) % partitions)
 
 
+def drain_of(entry: "MapEntry | None", partition: int) -> tuple[int, int] | None:
+    """The requests a request of an entitlement on ``partition`` must wait for, by the partition map's ``entry`` of
+    the entitlement: (the partition it moved from, the end of that partition of allocations when it left), when
+    ``partition`` is where it moved to; None when it never moved, or ``partition`` is one it left (its requests there
+    precede the move). Pure. (The scheduler's README, "Moving an entitlement": a job's requests are decided in the
+    order they were asked, across the move.)"""
+    if entry is None or entry.epoch == 0 or entry.drain_offset is None:
+        return None
+    target = entry.moving_to if entry.moving_to is not None else entry.partition
+    if partition != target:
+        return None
+    source = entry.partition if entry.moving_to is not None else (entry.history[-1] if entry.history else None)
+    return None if source is None or source == target else (source, entry.drain_offset)
+
+
+def expected_partitions(entry: "MapEntry | None", hash_partition: int) -> set[int]:
+    """The partitions an entitlement's requests may be on, by what the map says (else: the map is behind). Pure."""
+    return {hash_partition} if entry is None else {hash_partition, *entry.partitions_ever}
+
+
 @dataclass
 class Pending:
     event: Event  # the AllocationRequested
@@ -340,8 +362,9 @@ class Allocator:
     def __init__(self, cfg: Config, registry: SchemaRegistry, redis_client: redis.Redis,
                  producer: EventProducer | None, *, consumer: str = DEFAULT_CONSUMER,
                  max_attempts: int = MAX_ATTEMPTS, batch: int = BATCH_REQUESTS,
-                 publish_interval_s: float = PUBLISH_INTERVAL_S):
+                 publish_interval_s: float = PUBLISH_INTERVAL_S, partition_map: "MapFollower | None" = None):
         self.cfg = cfg
+        self.partition_map = partition_map  # where entitlements live (drain_of); None: none ever moves
         self.registry = registry
         self.r = redis_client
         self.producer = producer
@@ -527,15 +550,35 @@ class Allocator:
         out: list[Event] = []
         while not self.stale:
             with self.lock:
-                ready = [pd for rid, pd in self.pending.items() if pd.partition in self.owned
-                         and not self.fold.is_decided(rid)][:self.batch]
                 for rid in [rid for rid in self.pending if self.fold.is_decided(rid)]:
                     del self.pending[rid]  # answered on the log meanwhile (another owner, or redelivered)
+                ready = [pd for rid, pd in self.pending.items() if pd.partition in self.owned
+                         and not self.held_back(pd)][:self.batch]
                 if not ready:
                     break
                 events = self._decide_batch(ready)
             out += events
         return out
+
+    def held_back(self, pd: Pending) -> bool:
+        """Whether a request waits for requests of its entitlement asked before it moved to this partition: until
+        the fold has read the partition it came from up to the move's drain offset, and none of its requests there
+        is pending (``drain_of``). A request on a partition the map does not know for its entitlement makes the map
+        catch up first (the move that brought it there is on the map before any request is asked there)."""
+        if self.partition_map is None:
+            return False
+        ent = pd.event.entitlement
+        entry = self.partition_map.entry(ent)
+        if pd.partition not in expected_partitions(entry, partition_for(ent, self.cfg.partitions)):
+            self.partition_map.catch_up(5.0)
+            entry = self.partition_map.entry(ent)
+        drain = drain_of(entry, pd.partition)
+        if drain is None:
+            return False
+        source, offset = drain
+        if self.fold.marks.get((self.allocations, source), -1) < offset - 1:
+            return True
+        return any(other.partition == source and other.event.entitlement == ent for other in self.pending.values())
 
     def _decide_batch(self, batch: list[Pending]) -> list[Event]:
         produced: list[Event] = []
@@ -909,10 +952,11 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
     """The allocator's faust app, its (ownership-only) agent, and the ``Allocator`` it drives."""
     registry = registry or SchemaRegistry.from_dir()
     catalogue = Topics(cfg.topic_prefix, cfg.partitions)
-    producer = EventProducer(cfg, registry, PRODUCER)
+    partition_map = MapFollower.start(cfg, registry, name="allocator-map")
+    producer = EventProducer(cfg, registry, PRODUCER, route=partition_map)
     dead_letters = DeadLetters(producer, PRODUCER)
     allocator = Allocator(cfg, registry, redis_client or cfg.redis_client(), producer,
-                          consumer=consumer)
+                          consumer=consumer, partition_map=partition_map)
     # No tables, so no standby copies of them: without standbys faust's assignor also rebalances towards an even
     # split when an allocator joins (with them it leaves each member what it holds up to ceil(partitions / members),
     # and a joining allocator could get nothing: README, "A region on several machines").

@@ -378,6 +378,26 @@ def cmd_entitlement_update(cfg: Config, args) -> int:
     return 0
 
 
+def _partition_cell(row: dict) -> str:
+    """Where an entitlement lives (its scheduler shard's partition), and where it moves to if it does."""
+    if row.get("partition") is None:
+        return "-"
+    return f"{row['partition']}->{row['moving_to']}" if row.get("moving_to") is not None else str(row["partition"])
+
+
+def cmd_entitlement_move(cfg: Config, args) -> int:
+    doc = _front(cfg, args).entitlement_move(args.name, args.partition, args.reason,
+                                             wait_s=None if args.no_wait else args.wait_s)
+    text = (f"{doc['entitlement']}: {doc['state']} from partition {doc['from_partition']} to "
+            f"{doc['to_partition']}")
+    _print(doc, args.json, text)
+    if doc["state"] not in ("moved", "requested"):
+        raise CliError(f"{doc['entitlement']} did not arrive on partition {doc['to_partition']} within "
+                       f"{args.wait_s:.0f} s (state: {doc['state']}); `ropewalk entitlement get {doc['entitlement']}` "
+                       f"shows where it lives")
+    return 0
+
+
 def cmd_entitlement_list(cfg: Config, args) -> int:
     rows = _front(cfg, args).entitlements()
     if getattr(args, "name", None) is not None:  # `entitlement get NAME`
@@ -387,9 +407,9 @@ def cmd_entitlement_list(cfg: Config, args) -> int:
                            f"shows them")
         rows = found
     _print(rows[0] if getattr(args, "name", None) is not None else rows, args.json,
-           _table(["ENTITLEMENT", "QUOTA", "MACHINE-TYPE", "DC", "HOST-PROFILE"],
+           _table(["ENTITLEMENT", "QUOTA", "MACHINE-TYPE", "DC", "HOST-PROFILE", "PARTITION"],
                   [[r["entitlement"], r["quota_machines"], r["machine_type"] or "-", r["dc_pin"] or "-",
-                    r.get("host_profile") or "-"] for r in rows], "no entitlements"))
+                    r.get("host_profile") or "-", _partition_cell(r)] for r in rows], "no entitlements"))
     return 0
 
 
@@ -954,6 +974,16 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     sp.add_argument("--host-profile")
     sp.add_argument("--machine-type")
     sp.add_argument("--dc")
+    sp.add_argument("--json", action="store_true")
+    sp = user_command(ent.add_parser(
+        "move", help="move an entitlement to another partition (another scheduler shard), its jobs running on "
+                     "(region admin); waits until it lives there"))
+    sp.set_defaults(fn=cmd_entitlement_move)
+    sp.add_argument("name")
+    sp.add_argument("--partition", type=int, required=True, help="the partition it is to live on")
+    sp.add_argument("--reason", default="", help="why (kept on the log)")
+    sp.add_argument("--no-wait", action="store_true", help="return once the request is on the log")
+    sp.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for it to arrive (default 60)")
     sp.add_argument("--json", action="store_true")
     sp = user_command(ent.add_parser("list", help="the entitlements you may see"))
     sp.set_defaults(fn=cmd_entitlement_list)
