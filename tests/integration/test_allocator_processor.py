@@ -711,8 +711,7 @@ def test_a_change_read_with_a_request_is_in_redis_before_the_request_is_committe
 def _to_partition(producer: EventProducer, event: Event, partition: int) -> None:
     """``event`` on a partition its entitlement's hash does not name: where a request of an entitlement moving to
     another partition is, while the old partition's owner may still decide for it (issue 25, item 2)."""
-    topic, key, value, headers = producer._encoded(event, None, True)
-    producer.send_raw(topic, key, value, partition=partition, headers=headers)
+    producer.send(event, partition=partition)
 
 
 RACES = {

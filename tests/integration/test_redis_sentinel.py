@@ -55,10 +55,14 @@ def test_a_sentinel_url_follows_the_primary_across_a_failover(tmp_path):
             fold.apply(reg(mid), ("machines", 0, i))
         index.project_all(fold)
         assert r.wait(1, 5000) == 1  # the replica has it
+        watcher = redis.Redis(port=sentinel)  # the sentinel knows the replica (from the primary's INFO, every 10 s)
+        wait_for(lambda: any(s["port"] == replica and not s["is_disconnected"] and "s_down" not in s["flags"]
+                             for s in _replicas(watcher)), "the sentinel knowing the replica", 60, 0.2)
 
         procs["primary"].send_signal(signal.SIGKILL)
         procs["primary"].wait(10)
-        promoted = wait_for(lambda: _role(direct) == "master", "Sentinel promoting the replica", 60, 0.2)
+        promoted = wait_for(lambda: _role(direct) == "master", "Sentinel promoting the replica", 60, 0.2,
+                            lambda: "; " + (tmp_path / "redis.log").read_text()[-3000:])
         assert promoted
 
         def commit():  # the allocator's next commit: its first may meet the dead connection (a TRANSIENT error)
@@ -87,6 +91,13 @@ def _ping(client) -> bool:
         return bool(client.ping())
     except Exception:  # noqa: BLE001 - not answering yet
         return False
+
+
+def _replicas(sentinel) -> list[dict]:
+    try:
+        return sentinel.sentinel_slaves("rw")
+    except Exception:  # noqa: BLE001 - not answering yet
+        return []
 
 
 def _role(client) -> str | None:
