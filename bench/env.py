@@ -151,13 +151,16 @@ class BenchEnv:
 
     # -- the control plane ---------------------------------------------------------------------------------
     def worker_processes(self, region: Path, *, without: tuple[str, ...] = controlplane.UPPER,
-                         env: Mapping[str, str] | None = None, machines: int = 0) -> list[ManagedProcess]:
+                         env: Mapping[str, str] | None = None, machines: int = 0, schedulers: int = 1,
+                         allocators: int = 1) -> list[ManagedProcess]:
         """``processors.controlplane.processes`` with the benchmark's heartbeat interval and health timeout (for a
         region of ``machines``), and quick faust group timing; ``without`` names workers not to run (by default
         the upper floors, ``controlplane.UPPER``, which the benchmark does not measure), ``env`` is added to every
-        worker's."""
+        worker's; ``schedulers`` / ``allocators``: how many scheduler shards and allocators (``scheduler-0..``,
+        ``allocator-0..``)."""
         out = []
-        for proc in controlplane.processes(self.cfg, region, local=False):  # simulated machines only
+        for proc in controlplane.processes(self.cfg, region, local=False,  # simulated machines only
+                                           schedulers=schedulers, allocators=allocators):
             if proc.name in without or proc.name == "api":  # the bench drives the log, not the HTTP API
                 continue
             argv = list(proc.argv)
@@ -177,12 +180,14 @@ class BenchEnv:
         return out
 
     def start_region(self, machines: int, timeout_s: float = 300.0, *, region: Path | None = None,
-                     without: tuple[str, ...] = controlplane.UPPER, env: Mapping[str, str] | None = None) -> dict:
+                     without: tuple[str, ...] = controlplane.UPPER, env: Mapping[str, str] | None = None,
+                     schedulers: int = 1, allocators: int = 1) -> dict:
         """Write the generated region (or use the ``region`` file given, of ``machines`` machines), start the
-        workers (``without`` and ``env``: see ``worker_processes``), wait until the allocator indexed every machine
-        UP."""
+        workers (``without``, ``env``, ``schedulers`` and ``allocators``: see ``worker_processes``), wait until the
+        allocators indexed every machine UP."""
         region = region or controlplane.write_region(self.cfg, machines, local=False)
-        self.workers = self.worker_processes(region, without=without, env=env, machines=machines)
+        self.workers = self.worker_processes(region, without=without, env=env, machines=machines,
+                                             schedulers=schedulers, allocators=allocators)
         t0 = time.monotonic()
         for proc in self.workers:
             st = proc.start()
@@ -203,7 +208,7 @@ class BenchEnv:
             time.sleep(0.5)  # one small read of the index summary (processors/allocator/index.py)
         if seen < machines:
             raise RuntimeError(f"bench: only {seen} of {machines} machines reached the allocator's index in "
-                               f"{timeout_s:.0f} s; see {self.run_dir}/allocator.log")
+                               f"{timeout_s:.0f} s; see {self.run_dir}/allocator-0.log")
         indexed_s = time.monotonic() - t0
         caught_up = self.wait_caught_up(min(deadline, time.monotonic() + CATCH_UP_TIMEOUT_S))
         return {"seconds": time.monotonic() - t0, "indexed_s": indexed_s, "machines_up": seen,

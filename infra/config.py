@@ -4,7 +4,7 @@ real Redis needs no code change.
 | variable                    | default                              | meaning                                   |
 |-----------------------------|--------------------------------------|-------------------------------------------|
 | ROPEWALK_BOOTSTRAP_SERVERS  | 127.0.0.1:$ROPEWALK_BROKER_PORT       | Kafka bootstrap servers. When set, `up` does not start the embedded broker. |
-| ROPEWALK_REDIS_URL          | redis://127.0.0.1:$ROPEWALK_REDIS_PORT/0 | Redis. When set, `up` does not start a private redis-server. |
+| ROPEWALK_REDIS_URL          | redis://127.0.0.1:$ROPEWALK_REDIS_PORT/0 | Redis. When set, `up` does not start a private redis-server. `redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`: the primary Redis Sentinel names SERVICE, followed across a failover (``redis_client``) |
 | ROPEWALK_BROKER_PORT        | 19092                                | port of the embedded broker (its clients) |
 | ROPEWALK_CONTROLLER_PORT    | $ROPEWALK_BROKER_PORT + 1            | port of the embedded broker's KRaft controller |
 | ROPEWALK_BROKERS            | the run dir's cluster, else 1        | nodes of the embedded Kafka cluster (1, or 3 and more: `ropewalk up --brokers N`); node i (0-based) listens on $ROPEWALK_BROKER_PORT + 2i and its controller on $ROPEWALK_CONTROLLER_PORT + 2i |
@@ -20,6 +20,7 @@ real Redis needs no code change.
 | ROPEWALK_API_URL            | http://127.0.0.1:$ROPEWALK_API_PORT  | where the CLI finds the API |
 | ROPEWALK_TOKEN              | the token in $ROPEWALK_SECRETS_DIR/token | the CLI's API token (a user made by `ropewalk user add`) |
 | ROPEWALK_DIRECT             | unset                                | `1`: the CLI writes to and reads the log itself as principal `operator`, not through the API (as `--direct`) |
+| ROPEWALK_METRICS_ADDR       | 127.0.0.1:0                          | HOST:PORT a worker serves its Prometheus metrics on (infra/metrics.py; a worker on another machine) |
 
 **Endpoints remembered** (like a kubeconfig): `ropewalk up` writes the endpoint variables it was started with to
 ``$ROPEWALK_RUN_DIR/endpoints.json`` (``remember_endpoints``); a later process whose environment sets none of
@@ -179,6 +180,7 @@ class Config:
             raise ValueError(f"ROPEWALK_MAX_TASKS_PER_JOB must be >= 1, got {max_tasks}")
         run_dir = _run_dir(env)
         api_port = _int(env, "ROPEWALK_API_PORT", DEFAULT_API_PORT)
+        sentinel_of(redis_url)  # a sentinel URL that cannot be used is refused here, naming what is wrong
         controller_port = _int(env, "ROPEWALK_CONTROLLER_PORT", broker_port + 1)
         try:
             brokers = check_brokers(_int(env, "ROPEWALK_BROKERS", 0) or (1 if bootstrap else held_brokers(run_dir)))
@@ -257,13 +259,60 @@ class Config:
 
     def redis_client(self, *, read_only: bool = False, **kwargs):
         """A redis-py client of ``redis_url`` as this principal's Redis user (``read_only``: as the read-only user,
-        what a reader that must not write uses whoever it runs as)."""
+        what a reader that must not write uses whoever it runs as). A ``redis+sentinel://`` URL gives a client of
+        the primary the sentinels name (``sentinel_of``): after a failover its next connection goes to the new
+        primary."""
         import redis
 
         from infra import credentials
 
         auth = credentials.redis_auth(self.secrets, self.principal, read_only=read_only)
-        return redis.Redis.from_url(self.redis_url, **auth, **kwargs)
+        sentinel = sentinel_of(self.redis_url)
+        if sentinel is None:
+            return redis.Redis.from_url(self.redis_url, **auth, **kwargs)
+        from redis.sentinel import Sentinel
+
+        timeouts = {k: v for k, v in kwargs.items() if k in ("socket_timeout", "socket_connect_timeout")}
+        sentinels = Sentinel(sentinel.hosts, sentinel_kwargs={**sentinel.auth, **timeouts})
+        return sentinels.master_for(sentinel.service, db=sentinel.db, **auth, **kwargs)
+
+
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    hosts: tuple[tuple[str, int], ...]  # the sentinels
+    service: str  # the name they monitor the primary under
+    db: int
+    auth: dict  # username/password of the sentinels themselves ({}: none)
+
+
+def sentinel_of(url: str) -> SentinelUrl | None:
+    """``redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`` parsed (None: another URL);
+    ValueError naming what is wrong. Pure."""
+    from urllib.parse import unquote
+
+    scheme, sep, rest = url.partition("://")
+    if scheme != SENTINEL_SCHEME or not sep:
+        return None
+    netloc, _, path = rest.partition("/")
+    creds, at, hosts = netloc.rpartition("@")
+    auth = {}
+    if at:
+        user, _, password = creds.partition(":")
+        auth = {k: unquote(v) for k, v in (("username", user), ("password", password)) if v}
+    parsed = []
+    for hp in filter(None, hosts.split(",")):
+        host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"ROPEWALK_REDIS_URL: sentinel {hp!r} is not HOST:PORT (in {url!r})")
+        parsed.append((host, int(port)))
+    parts = [x for x in path.split("/") if x]
+    if not parsed or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError(f"ROPEWALK_REDIS_URL: expected {SENTINEL_SCHEME}://HOST:PORT[,HOST:PORT...]/SERVICE[/DB], "
+                         f"got {url!r}")
+    return SentinelUrl(tuple(parsed), parts[0], int(parts[1]) if len(parts) == 2 else 0, auth)
 
 
 def formatted_brokers(run_dir: Path) -> int | None:

@@ -4,7 +4,8 @@ Names follow Prometheus's conventions: a ``ropewalk_`` prefix, base units in the
 ``_total`` for counters. Labels are small closed sets (a result, a reason constant, a worker, a topic, a consumer
 group, a state, an entitlement): never a machine id or a task id, whose cardinality grows with the region.
 
-Each worker serves its registry over HTTP (``serve``): on an ephemeral port on 127.0.0.1, written to
+Each worker serves its registry over HTTP (``serve``): on an ephemeral port on 127.0.0.1 (``ROPEWALK_METRICS_ADDR``
+``HOST:PORT`` says otherwise: a worker on another machine, scraped from the Prometheus host), written to
 ``<run dir>/metrics/<worker>.port``; ``targets(run_dir)`` lists them and ``write_file_sd`` writes a Prometheus
 ``file_sd_configs`` file (``<run dir>/metrics/targets.json``) that `ropewalk up` prints. The HTTP API serves the same
 registry on its own port at ``/metrics``. An ephemeral port never collides with another region on the machine
@@ -23,6 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 log = logging.getLogger(__name__)
 METRICS_DIR = "metrics"
 TARGETS_FILE = "targets.json"
+METRICS_ADDR_ENV = "ROPEWALK_METRICS_ADDR"  # HOST:PORT a worker serves its metrics on (default 127.0.0.1:0)
 # Latencies of a control plane: from a few ms (one decision) to minutes (a big job through a busy region).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -107,10 +109,13 @@ def _samples(metric):
 def serve(run_dir: Path | str, worker: str) -> int | None:
     """Serve this process's metrics on an ephemeral port of 127.0.0.1 and write the port to
     ``<run dir>/metrics/<worker>.port``; the port, or None when it could not (logged; the worker goes on)."""
+    import os
+
     from prometheus_client import start_http_server
 
+    host, _, port = (os.environ.get(METRICS_ADDR_ENV) or "127.0.0.1:0").rpartition(":")
     try:
-        server, _thread = start_http_server(0, addr="127.0.0.1")
+        server, _thread = start_http_server(int(port or 0), addr=host or "127.0.0.1")
         port = server.server_address[1]
         d = Path(run_dir) / METRICS_DIR
         d.mkdir(parents=True, exist_ok=True)
@@ -118,8 +123,9 @@ def serve(run_dir: Path | str, worker: str) -> int | None:
         tmp.write_text(f"{port}\n")
         tmp.replace(d / f"{worker}.port")
         return port
-    except OSError as exc:
-        log.warning("%s: metrics not served: %s", worker, exc)
+    except (OSError, ValueError) as exc:
+        log.warning("%s: metrics not served (%s=%r): %s", worker, METRICS_ADDR_ENV, os.environ.get(METRICS_ADDR_ENV),
+                    exc)
         return None
 
 

@@ -18,6 +18,7 @@ compared (``index_state``) and which the swap does not delete:
     index:generation   names the index since an allocator last wrote it whole (``MachineIndex.claim_generation``);
                        kept by the swap: an allocator that starts on a rebuilt index without one writes its fold
                        (the same keys) and names one
+    index:format       the layout the index was written in (``index.FORMAT``): the rebuild writes its own
     metrics:*          the allocator's counters: about the process, not the index
     outbox:*           the state.machines publisher's queue (and its lock). The projection queues every machine
                        it writes, so the rebuilt outbox holds every machine; it replaces the live one (RENAME
@@ -62,7 +63,7 @@ from confluent_kafka import Consumer, TopicPartition
 from infra.config import Config
 from processors.allocator import lua
 from processors.allocator.fold import EVENT_TYPES, FoldError, RegionFold, merged
-from processors.allocator.index import DEFAULT_CONSUMER, GENERATION, MachineIndex, text
+from processors.allocator.index import DEFAULT_CONSUMER, FORMAT_KEY, GENERATION, MachineIndex, text
 from processors.allocator.processor import SOURCES
 from streams.clients import consumer_conf
 from streams.events import Event
@@ -73,7 +74,7 @@ from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
-NOT_INDEX_STATE = ("alloc:done:*", "alloc:fence:*", "metrics:*", "outbox:*", "~rebuild.*", GENERATION)
+NOT_INDEX_STATE = ("alloc:done:*", "alloc:fence:*", "metrics:*", "outbox:*", "~rebuild.*", GENERATION, FORMAT_KEY)
 SCRATCH = "~rebuild."
 # The swap is one MULTI/EXEC over every key of the index: at 1,000,000 machines Redis takes more than redis-py 8's
 # default socket timeout (5 s) to run it, and the timeout, reported as a WatchError, failed the rebuild of two

@@ -57,12 +57,21 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     from streams.topics import provision, replication_factor
 
     cfg = _with_brokers(cfg, args.brokers)
+    running = controlplane.running_counts(cfg)
+    try:  # refused before anything starts
+        controlplane.check_counts(cfg, args.schedulers if args.schedulers is not None else running["scheduler"] or 1,
+                                  args.allocators if args.allocators is not None else running["allocator"] or 1)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     step("starting the broker and Redis")
     try:
         st = services.up(cfg)
     except services.InfraError as exc:
         raise CliError(_remembered_hint(str(exc))) from None
     remember_endpoints()  # a new shell without the variables finds this region (infra/config.py)
+    from infra.credentials import write_principal_files
+
+    write_principal_files(cfg.secrets)  # one file per principal: what a worker on another machine is given
     admin = _admin(cfg)
     step("provisioning topics and ACLs")
     prov = provision(admin, _topics(cfg), replication=replication_factor(cfg, admin), conf=cfg.kafka_conf())
@@ -74,7 +83,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     if args.machines > 0:
         step(f"starting the control plane; waiting until its {args.machines + 1} machines are in the allocator's "
              f"index (at most {controlplane.READY_TIMEOUT_S:.0f} s)")
-    region = controlplane.up(cfg, args.machines) if args.machines > 0 else {"workers": {}, "ready": True}
+    region = (controlplane.up(cfg, args.machines, schedulers=args.schedulers, allocators=args.allocators)
+              if args.machines > 0 else {"workers": {}, "ready": True})
     cp = region["workers"]
     if args.machines > 0 and region["ready"] and not args.no_demo:
         step(f"starting the demo job {DEMO_ENTITLEMENT}.{DEMO_JOB} (at most {DEMO_WAIT_S:.0f} s)")
@@ -84,6 +94,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
            "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
            "machines_up": region.get("machines_up", 0), "machines_indexed": region.get("machines_indexed", 0),
+           "schedulers": region.get("schedulers"), "allocators": region.get("allocators"),
+           "retired": sorted(region.get("retired") or ()),
            "ready": region["ready"], "demo": demo, "metrics": scrape,
            "seconds": round(time.monotonic() - t0, 2)}
     lines = [
@@ -97,7 +109,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
         by_status = ", ".join(f"{n} {s}" for s, n in sorted(region["machines_by_status"].items()))
         lines.append(f"region  {region['machines_indexed']} machines in the index ({by_status}; {args.machines} "
                      f"simulated + {controlplane.LOCAL_MACHINE_ID} run by the process agent); workers: "
-                     + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running")))
+                     + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running"))
+                     + (f"; stopped for good: {', '.join(sorted(region['retired']))}" if region.get("retired") else ""))
         if demo:
             lines.append(f"demo    job {demo['job']} ({demo['state']}) runs `{' '.join(demo['command'])}` as a real "
                          f"process on {controlplane.LOCAL_MACHINE_ID}; its output: {demo['logs']}")
@@ -120,7 +133,7 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
                        + f"; see {cfg.run_dir}/<name>.log")
     if not region["ready"]:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
-                       f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
+                       f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator-0.log")
     return 0
 
 
@@ -719,10 +732,11 @@ def cmd_rebuild(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
 
     _require_broker(cfg)
-    pid = controlplane.worker_pid(cfg, "allocator")
-    allocator = {"running": pid is not None, "pid": pid}
+    pids = {n: p for n in controlplane.allocator_names(cfg) if (p := controlplane.worker_pid(cfg, n)) is not None}
+    pid = ", ".join(map(str, pids.values())) if pids else None
+    allocator = {"running": bool(pids), "pid": pid}
     if allocator["running"] and not args.force:
-        raise CliError(f"the allocator is running (pid {pid}); stop it first (`ropewalk down`, then `ropewalk up "
+        raise CliError(f"an allocator is running ({', '.join(f'{n} pid {p}' for n, p in pids.items())}); stop it first (`ropewalk down`, then `ropewalk up "
                        f"--machines 0` for the broker and Redis alone; `ropewalk up` after the rebuild), or pass "
                        f"--force (a running allocator also rewrites an index it finds emptied)")
     with Progress() as progress:
@@ -762,7 +776,7 @@ def cmd_restore(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
     from streams import archive as ar
 
-    running = [n for n in controlplane.NAMES if controlplane.worker_pid(cfg, n) is not None]
+    running = [n for n in controlplane.known_workers(cfg) if controlplane.worker_pid(cfg, n) is not None]
     if running:
         raise CliError(f"the control plane is running ({', '.join(running)}); `ropewalk down` first: restored "
                        f"processors must start from the restored positions")
@@ -951,6 +965,12 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
                     help="nodes of the embedded Kafka cluster: 1, or 3 and more (each topic replicated 3 times, "
                          "min.insync.replicas 2); default: the cluster the run directory holds, else 1 "
                          "(ROPEWALK_BROKERS)")
+    sp.add_argument("--schedulers", type=int, metavar="N",
+                    help="scheduler shards, each its own process (scheduler-0..N-1), splitting the partitions; a "
+                         "later `up` with another N adds or stops shards (default: as many as run, else 1)")
+    sp.add_argument("--allocators", type=int, metavar="M",
+                    help="allocators, each its own process (allocator-0..M-1), splitting the allocations "
+                         "partitions (default: as many as run, else 1)")
     sp = cmd("down", cmd_down, "stop everything `up` started (the supervisor, every worker, Redis, the broker); the "
              "process agent stops its tasks (started again at the next `up`)")
     sp.add_argument("--keep-tasks", action="store_true",
