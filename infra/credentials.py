@@ -77,6 +77,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from infra.private import write_private
+
 OPERATOR = "operator"
 API = "api"
 SCHEDULER = "scheduler"
@@ -128,19 +130,6 @@ def new_password() -> str:
 
 
 # -- files -----------------------------------------------------------------------------------------------------
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600 (a temp file created 0600, renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
 
 def read_json(path: Path) -> dict | None:
     try:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from infra.private import PRIVATE_UMASK, open_private, write_private
+
 
 class InfraError(RuntimeError):
     """A start/stop problem with a one-line reason a user can act on."""
@@ -196,7 +198,7 @@ class ManagedProcess:
         self.check_can_start()
         if self.prepare is not None:
             self.prepare()
-        with open(self.log_file, "ab") as log:
+        with open_private(self.log_file) as log:
             proc = subprocess.Popen(
                 self.argv,
                 stdout=log,
@@ -204,10 +206,11 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # survives the CLI that started it; not killed by its ^C
                 preexec_fn=raise_open_files_limit,
+                umask=PRIVATE_UMASK,  # what it writes under the run directory is its owner's alone (infra/private.py)
                 cwd=self.run_dir,
                 env=self.env,
             )
-        self.pid_file.write_text(str(proc.pid))
+        write_private(self.pid_file, str(proc.pid))
         self._wait_ready(proc.pid, proc)
         return {**self.status(), "started": True}
 

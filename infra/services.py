@@ -26,6 +26,7 @@ import time
 from infra import broker as embedded_kafka
 from infra import supervisor
 from infra.config import BrokerNode, Config
+from infra.private import make_dir, secure_run_dir
 from infra.process import InfraError, ManagedProcess, port_open
 
 
@@ -164,8 +165,7 @@ def cluster_state(cfg: Config) -> dict:
 def redis_server(cfg: Config) -> ManagedProcess:
     from infra import credentials
 
-    data_dir = cfg.run_dir / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = make_dir(cfg.run_dir / "redis")  # 0700: its append-only file is the region's alone (infra/private.py)
     # ACL users per component (infra/credentials.py: REDIS_RULES; redis.json and the ACL file made from it before
     # each start); the default user is off, so a client without a user and password can run nothing (no FLUSHALL).
     # Persistent like the log beside it: `down` then `up` finds the index as the allocator left it. An
@@ -185,6 +185,8 @@ def redis_server(cfg: Config) -> ManagedProcess:
 
 
 def up(cfg: Config) -> dict:
+    # The run directory readable by its owner alone (infra/private.py), before anything writes to it.
+    secure_run_dir(cfg.run_dir)
     # Every embedded service is checked (binary there, ports free, the run directory's cluster the one asked for)
     # before any is started, so a failure leaves nothing half-started behind.
     if cfg.embedded_broker:

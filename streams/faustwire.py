@@ -34,6 +34,7 @@ import faust
 from faust.transport.drivers import aiokafka as faust_kafka
 
 from infra.config import Config
+from infra.private import make_dir
 from streams import schemalog
 from streams.clients import Record, check_placement, header
 from streams.deadletter import DeadLetters
@@ -132,7 +133,7 @@ def make_app(cfg: Config, app_id: str, **settings: Any) -> faust.App:
     conf = app_settings(cfg, app_id)
     conf.update(settings)
     app_name = conf.pop("id")
-    Path(cfg.run_dir, "faust").mkdir(parents=True, exist_ok=True)
+    make_dir(Path(cfg.run_dir, "faust"))  # 0700: its tables are the region's alone (infra/private.py)
     return App(app_name, **conf)
 
 

@@ -30,9 +30,11 @@
   mean nothing there: the agent reads that log's backlog from its beginning, applies the last command per task
   (a START for a task it still runs adopts it and reports it RUNNING), and stops the tasks it runs that this
   log does not command (``decide.Orphaned``).
-* **Tasks run unprivileged.** An agent running as root runs its tasks as ``--task-user`` (``ROPEWALK_TASK_USER``,
-  default ``nobody``), with no supplementary groups; their stdout/stderr go to files the agent opens, and each
-  task's working directory ``<work>/tasks/<task>/`` is given to that user. A non-root agent runs them as itself.
+* **Tasks isolated from one another** (``isolation.py``). An agent running as root runs each task as a uid of its
+  own, leased from ``--task-uids`` (``ROPEWALK_TASK_UIDS``) and kept in the state file, in a working directory
+  ``<work>/tasks/<task>/`` only that uid can open, in a bubblewrap sandbox where it runs (``--task-sandbox``,
+  ``ROPEWALK_TASK_SANDBOX``: ``auto``, ``bwrap``, ``none``); their stdout/stderr go to files the agent opens. The uid
+  is handed back (its processes killed) when the task is stopped or failed. A non-root agent runs them as itself.
 * Host profiles (``hostprofile.py``): a ``HostProfileRequested`` for this machine is applied by writing the
   profile and its settings to ``<work>/host-profile.json`` (the harmless, visible setting this agent stands for:
   a real one would write sysctls) and answered ``HostProfileApplied`` (``HostProfileFailed`` if the file cannot be
@@ -46,7 +48,6 @@ import faulthandler
 import json
 import logging
 import os
-import pwd
 import signal
 import subprocess
 import sys
@@ -59,7 +60,8 @@ from types import MappingProxyType
 from confluent_kafka import KafkaException
 
 from infra.config import Config
-from infra.process import process_start_time, signal_group
+from infra.private import make_dir, open_private, private_umask, secure_work_dir, write_private
+from infra.process import process_start_time
 from streams.deadletter import DeadLetters
 from streams.clients import EventConsumer, EventProducer
 from streams.partitionmap import MapFollower
@@ -70,6 +72,7 @@ from streams.topics import Topics, topic_id
 from . import decide as d
 from . import gate as g
 from . import hostprofile as hp
+from . import isolation as iso
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent")
@@ -77,8 +80,6 @@ log = logging.getLogger("ropewalk.agent")
 STATE_FILE = "agent-state.json"
 PROFILE_FILE = "host-profile.json"  # the host profile applied: its name and settings
 KEEP_TASKS_SIGNAL = signal.SIGUSR2  # `ropewalk down --keep-tasks`: the agent leaves its tasks running when it stops
-TASK_USER_ENV = "ROPEWALK_TASK_USER"
-DEFAULT_TASK_USER = "nobody"  # on every Debian-like system; unprivileged, owns nothing
 
 
 def task_log(work_dir: Path, task_id: str) -> Path:
@@ -95,28 +96,6 @@ def task_dir(work_dir: Path, task_id: str) -> Path:
     return Path(work_dir) / "tasks" / task_id.replace("/", "_")
 
 
-@dataclass(frozen=True)
-class TaskUser:
-    """Who a task runs as: ``uid``/``gid`` to switch to (None: as the agent itself)."""
-
-    name: str
-    uid: int | None
-    gid: int | None
-
-    @classmethod
-    def resolve(cls, name: str | None) -> "TaskUser":
-        """As root: the named user (default ``DEFAULT_TASK_USER``); else the agent's own user (it cannot switch)."""
-        if os.geteuid() != 0:
-            return cls(pwd.getpwuid(os.geteuid()).pw_name, None, None)
-        name = name or os.environ.get(TASK_USER_ENV) or DEFAULT_TASK_USER
-        try:
-            pw = pwd.getpwnam(name)
-        except KeyError:
-            raise SystemExit(f"task user {name!r} does not exist: create it, or pass --task-user / set "
-                             f"{TASK_USER_ENV}") from None
-        if pw.pw_uid == 0:
-            raise SystemExit(f"task user {name!r} is root: tasks must run unprivileged")
-        return cls(name, pw.pw_uid, pw.pw_gid)
 STATE_FORMAT = 1
 DEFAULT_TICK_MS = 1000
 POLL_S = 0.1
@@ -152,7 +131,7 @@ class Proc:
 class ProcessAgent(LoopWorker):
     def __init__(self, cfg: Config, machine_id: str, work_dir: Path | str, *, registry: SchemaRegistry | None = None,
                  tick_ms: int = DEFAULT_TICK_MS, policy: d.Policy = d.DEFAULT_POLICY,
-                 stop_grace_ms: int = d.STOP_GRACE_MS, task_user: TaskUser | None = None):
+                 stop_grace_ms: int = d.STOP_GRACE_MS, isolation: iso.Isolation | None = None):
         self.cfg = cfg
         self.machine_id = machine_id
         self.work_dir = Path(work_dir)
@@ -160,14 +139,16 @@ class ProcessAgent(LoopWorker):
         self.tick_ms = tick_ms
         self.policy = policy
         self.stop_grace_ms = stop_grace_ms
-        self.task_user = task_user or TaskUser.resolve(None)
+        self.isolation = isolation or iso.Isolation(None, why_not="tasks run as the agent's own user")
+        self.uids: dict[str, int] = {}  # task -> the uid leased to it (isolation.py), saved with the state
         self.keep_tasks = False  # at stop: leave the tasks running (KEEP_TASKS_SIGNAL) instead of stopping them
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.topic, self.partitions = topics.name("tasks"), topics.partitions_of("tasks")
         self.allocations = topics.name("allocations")
         self.judge = g.Judge(g.Gate(machine_id.__eq__),
                              [(self.allocations, i) for i in range(topics.partitions_of("allocations"))])
-        (self.work_dir / "logs").mkdir(parents=True, exist_ok=True)
+        secure_work_dir(self.work_dir)  # passages to the task directories; the rest the agent's alone
+        make_dir(self.work_dir / "logs")
         self.procs: dict[str, Proc] = {}
         self.offsets: dict[tuple[str, int], int] = {}
         self.log_id: str | None = None  # the id of the `tasks` topic ``offsets`` are offsets of
@@ -205,6 +186,7 @@ class ProcessAgent(LoopWorker):
                              tasks=MappingProxyType(runs))
         self.offsets = {(t, int(p)): o for t, p, o in doc.get("offsets", [])}
         self.log_id = doc.get("log_id")
+        self.uids = {t: int(u) for t, u in (doc.get(iso.OWNER_UIDS_KEY) or {}).items()}
         for task_id, pr in doc.get("procs", {}).items():
             self.procs[task_id] = Proc(pid=pr["pid"], start_time=pr["start_time"],
                                        kill_deadline_ms=pr.get("kill_deadline_ms"))
@@ -220,10 +202,9 @@ class ProcessAgent(LoopWorker):
                "tasks": [d.run_to_json(r) for r in self.state.tasks.values()],
                "procs": {t: {"pid": p.pid, "start_time": p.start_time, "kill_deadline_ms": p.kill_deadline_ms}
                          for t, p in self.procs.items()},
-               "gate": self.judge.gate.to_json(), "host": hp.to_json(self.host)}
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-        os.replace(tmp, self.state_path)
+               "gate": self.judge.gate.to_json(), "host": hp.to_json(self.host),
+               iso.OWNER_UIDS_KEY: dict(sorted(self.uids.items())), "sandbox": self.isolation.sandbox}
+        write_private(self.state_path, json.dumps(doc, indent=1, sort_keys=True))
 
     # -- deciding and acting ---------------------------------------------------------------------------------
     def feed(self, inp: d.Input) -> None:
@@ -321,22 +302,25 @@ class ProcessAgent(LoopWorker):
             self._kill(act.task_id)
 
     def _spawn(self, act: d.Action) -> None:
+        """Run the action's argv as the task's own uid, in its own directory (and sandbox): ``isolation.py``."""
         logfile = task_log(self.work_dir, act.task_id)
-        user = self.task_user
+        cwd = task_dir(self.work_dir, act.task_id)
         try:
-            cwd = task_dir(self.work_dir, act.task_id)
-            cwd.mkdir(parents=True, exist_ok=True)
-            if user.uid is not None:
-                os.chown(cwd, user.uid, user.gid)
-            switch = {} if user.uid is None else {"user": user.uid, "group": user.gid, "extra_groups": []}
-            with open(logfile, "ab") as out:  # opened by the agent: written by the task through the descriptor
+            uid = self.isolation.prepare(act.task_id, cwd, self.uids.get(act.task_id))
+            if uid is not None and self.uids.get(act.task_id) != uid:
+                self.uids[act.task_id] = uid
+                self.save()  # the lease is in the state before anything runs as it: a restarted agent knows it
+            argv, switch = self.isolation.command(act.argv, cwd, uid)
+            who = f"uid {uid}" + (" in a sandbox" if self.isolation.sandbox == iso.BWRAP else "") if uid is not None \
+                else "the agent's user"
+            with open_private(logfile) as out:  # opened by the agent: written by the task through the descriptor
                 out.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} spawn {list(act.argv)} spec "
-                          f"{act.spec_version} as {user.name} ({act.reason})\n".encode())
+                          f"{act.spec_version} as {who} ({act.reason})\n".encode())
                 out.flush()
-                popen = subprocess.Popen(list(act.argv), env={**os.environ, **act.env}, stdout=out,
+                popen = subprocess.Popen(argv, env=iso.task_env(dict(act.env), cwd, os.environ), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, cwd=cwd, **switch)
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        except (OSError, ValueError, subprocess.SubprocessError, iso.IsolationError) as exc:
             self.feed(d.SpawnFailed(act.task_id, str(exc)))
             return
         self.procs[act.task_id] = Proc(popen.pid, process_start_time(popen.pid), popen)
@@ -348,19 +332,32 @@ class ProcessAgent(LoopWorker):
         if proc is None:  # no process (it vanished): the exit is all there is to report
             self.feed(d.Exited(task_id, None))
             return
-        signal_group(proc.pid, signal.SIGTERM)
+        self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGTERM)
         proc.kill_deadline_ms = now_ms() + self.stop_grace_ms
 
     def check_processes(self) -> None:
         for task_id, proc in list(self.procs.items()):
             exited, code = proc.poll()
             if exited:
-                signal_group(proc.pid, signal.SIGKILL)  # whatever the task left in its group
+                self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGKILL)  # whatever it left behind
                 del self.procs[task_id]
                 self.feed(d.Exited(task_id, code))
             elif proc.kill_deadline_ms is not None and now_ms() >= proc.kill_deadline_ms:
-                signal_group(proc.pid, signal.SIGKILL)
+                self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGKILL)
                 proc.kill_deadline_ms = None
+        self.release_uids()
+
+    def release_uids(self) -> None:
+        """Hand back the uid of every task that no longer runs nor will run again here (stopped, failed, forgotten):
+        its processes killed, its directory given to root (``isolation.Isolation.release``)."""
+        done = [t for t in self.uids if t not in self.procs
+                and (self.state.tasks.get(t) is None or self.state.tasks[t].phase not in d.LIVE)]
+        for task_id in done:
+            left = self.isolation.release(self.uids.pop(task_id), task_dir(self.work_dir, task_id))
+            if left:
+                log.info("agent %s: %s left %s: removed", self.machine_id, task_id, left)
+        if done:
+            self.save()
 
     def adopt(self) -> None:
         """After a restart: processes of the state file that are gone become exits (or are dropped)."""
@@ -514,7 +511,11 @@ class ProcessAgent(LoopWorker):
             pass
 
     def run(self, until: float | None = None) -> None:
+        gone = self.isolation.reconcile(self.uids)
+        if gone:
+            log.warning("agent %s: uids %s were leased to it but not in its state: handed back", self.machine_id, gone)
         self.adopt()
+        self.release_uids()
         self.flush_reports()
         self.loop(until)
 
@@ -538,13 +539,13 @@ class ProcessAgent(LoopWorker):
     def suspend_tasks(self) -> None:
         """Stop every task's process group (SIGTERM, SIGKILL after the grace) and tell ``decide`` (``Suspended``)."""
         procs = dict(self.procs)
-        for proc in procs.values():
-            signal_group(proc.pid, signal.SIGTERM)
+        for task_id, proc in procs.items():
+            self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_ms / 1000
         while time.monotonic() < deadline and any(not p.poll()[0] for p in procs.values()):
             time.sleep(0.05)
         for task_id, proc in procs.items():
-            signal_group(proc.pid, signal.SIGKILL)
+            self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGKILL)
             if proc.popen is not None:
                 proc.popen.wait()
             self.procs.pop(task_id, None)
@@ -564,23 +565,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-restarts", type=int, default=d.MAX_RESTARTS)
     ap.add_argument("--backoff-ms", type=int, default=d.BACKOFF_MS)
     ap.add_argument("--stop-grace-ms", type=int, default=d.STOP_GRACE_MS)
-    ap.add_argument("--task-user", help=f"as root: the user tasks run as (default ${TASK_USER_ENV} or "
-                                        f"{DEFAULT_TASK_USER})")
+    ap.add_argument("--task-uids", default=os.environ.get(iso.UIDS_ENV) or iso.DEFAULT_UIDS,
+                    help=f"as root: the uids leased to tasks, one each, FIRST-LAST (${iso.UIDS_ENV}, default "
+                         f"{iso.DEFAULT_UIDS})")
+    ap.add_argument("--task-sandbox", choices=iso.SANDBOXES, default=os.environ.get(iso.SANDBOX_ENV) or iso.AUTO,
+                    help=f"as root: run tasks in a bubblewrap sandbox: auto (if it runs here), bwrap (required), none "
+                         f"(${iso.SANDBOX_ENV}, default auto)")
+    ap.add_argument("--task-uid-leases", default=os.environ.get(iso.LEASES_ENV) or iso.DEFAULT_LEASES,
+                    help=f"the directory of this machine's uid leases, shared by its agents (${iso.LEASES_ENV})")
     args = ap.parse_args(argv)
+    private_umask()  # its state, logs and task logs are root's alone (infra/private.py)
+    try:
+        uids = iso.UidRange.parse(args.task_uids)
+    except ValueError as exc:
+        ap.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from infra import metrics
 
     metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     cfg = Config.from_env().as_principal("agent")
     work = Path(args.work_dir) if args.work_dir else default_work_dir(cfg.run_dir, args.machine_id)
+    try:
+        isolation = iso.Isolation.start(want=args.task_sandbox, uids=uids, leases_dir=Path(args.task_uid_leases),
+                                        owner=work / STATE_FILE, hidden=[cfg.run_dir, cfg.secrets, work],
+                                        scratch=work / "tasks")
+    except iso.IsolationError as exc:
+        raise SystemExit(f"agent {args.machine_id}: {exc}") from None
     agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
                          policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts, backoff_ms=args.backoff_ms),
-                         stop_grace_ms=args.stop_grace_ms, task_user=TaskUser.resolve(args.task_user))
+                         stop_grace_ms=args.stop_grace_ms, isolation=isolation)
     faulthandler.register(signal.SIGUSR1)
     signal.signal(KEEP_TASKS_SIGNAL, agent.keep_tasks_at_stop)  # kill -USR1 <agent pid>: print every thread's stack to stderr
     agent.stop_on_signals()
-    log.info("agent %s: work dir %s, reading %s, tasks run as %s", args.machine_id, work, agent.topic,
-             agent.task_user.name)
+    log.info("agent %s: work dir %s, reading %s; tasks run %s", args.machine_id, work, agent.topic,
+             isolation.describe())
     agent.run()
     return 0
 

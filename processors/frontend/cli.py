@@ -1178,6 +1178,9 @@ def add_upper_floors(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from infra.private import private_umask
+
+    private_umask()  # what the CLI writes (the run directory, archives) is its user's alone (infra/private.py)
     if argv[:1] and argv[0] in BENCH_COMMANDS:
         exec_bench(argv)
     return run(build_parser(), argv)
