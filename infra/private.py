@@ -106,12 +106,11 @@ TASKS_DIR = "tasks"  # <work dir>/tasks: the process agent's task directories (a
 def secure_work_dir(work_dir: Path) -> list[Path]:
     """A process agent's work directory: itself and ``tasks/`` passages (0711), everything else in it private. The
     task directories in ``tasks/`` are not touched (their owner is the task's uid: the agent sees to them). Made if
-    missing. Returns the paths restricted."""
+    missing, ``tasks/`` too. Returns the paths restricted."""
     work_dir = make_dir(work_dir, PASSAGE_MODE)
+    make_dir(work_dir / TASKS_DIR, PASSAGE_MODE)
     changed = []
     for entry in sorted(work_dir.iterdir()):
-        if entry.name == TASKS_DIR and entry.is_dir() and not entry.is_symlink():
-            make_dir(entry, PASSAGE_MODE)
-        elif restrict(entry):
+        if entry.name != TASKS_DIR and restrict(entry):
             changed.append(entry)
     return changed

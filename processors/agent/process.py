@@ -60,7 +60,7 @@ from types import MappingProxyType
 from confluent_kafka import KafkaException
 
 from infra.config import Config
-from infra.private import make_dir, open_private, private_umask, secure_work_dir, write_private
+from infra.private import PASSAGE_MODE, make_dir, open_private, private_umask, secure_work_dir, write_private
 from infra.process import process_start_time
 from streams.deadletter import DeadLetters
 from streams.clients import EventConsumer, EventProducer
@@ -585,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     cfg = Config.from_env().as_principal("agent")
     work = Path(args.work_dir) if args.work_dir else default_work_dir(cfg.run_dir, args.machine_id)
+    if not args.work_dir:  # the passages to its task directories: <run dir> and <run dir>/agents (infra/private.py)
+        make_dir(cfg.run_dir, PASSAGE_MODE)
+        make_dir(work.parent, PASSAGE_MODE)
     try:
         isolation = iso.Isolation.start(want=args.task_sandbox, uids=uids, leases_dir=Path(args.task_uid_leases),
                                         owner=work / STATE_FILE, hidden=[cfg.run_dir, cfg.secrets, work],
