@@ -341,12 +341,14 @@ def redis_auth(secrets_dir: Path, principal: str, *, read_only: bool = False) ->
 
 
 # What each Redis user may run (Redis ACL rules). The allocator owns the index: any key, any command but the
-# dangerous ones (FLUSHALL, FLUSHDB, KEYS, CONFIG, DEBUG, SHUTDOWN, ...) except INFO, which it reads for its
-# memory figures. The API and the readers read; they may run the index's Lua readers (MachineIndex), since Redis
-# checks every command a script calls against the user's rules (a script that writes fails for them). The default
-# (unauthenticated) user is switched off.
-_READS = ("~* resetchannels -@all +@read +@connection -@dangerous "
-          "+evalsha +eval +evalsha_ro +eval_ro +script|load +script|exists")
+# dangerous ones (FLUSHALL, FLUSHDB, KEYS, CONFIG, DEBUG, SHUTDOWN, CLIENT KILL, ...) except INFO, which it reads for
+# its memory figures; it loads the index's function library (FUNCTION LOAD) and may FUNCTION KILL / SCRIPT KILL. The
+# API and the readers run the index's registered read functions (FCALL_RO of processors/allocator/index.py's
+# LIBRARY: each bounded work whatever its arguments) and nothing else — no EVAL, no SCRIPT, no FUNCTION, no plain
+# reads (an HGETALL of a million-field hash would hold Redis, and the allocator, for as long as it takes), no KILL
+# of any kind: what they can do cannot stall the allocator. Redis checks every command a function calls against the
+# caller's rules as well. The default (unauthenticated) user is switched off.
+_READS = "~* resetchannels -@all +@connection -@dangerous +fcall_ro"
 REDIS_RULES: Mapping[str, str] = {
     REDIS_OPERATOR: "~* &* +@all",
     REDIS_ALLOCATOR: "~* resetchannels -@all +@all -@dangerous +info",

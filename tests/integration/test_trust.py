@@ -156,14 +156,33 @@ REDIS_TABLE = [
     ("allocator", ["FLUSHALL"], False),
     ("allocator", ["KEYS", "*"], False),
     ("allocator", ["CONFIG", "SET", "appendonly", "no"], False),
-    ("api", ["HGETALL", "k"], True),
+    ("allocator", ["FUNCTION", "LOAD", "REPLACE", "x"], True),  # the index's read functions (MachineIndex)
+    ("allocator", ["FUNCTION", "KILL"], True),  # a long read-only script or function, if ever
+    ("allocator", ["SCRIPT", "KILL"], True),
+    ("allocator", ["CLIENT", "KILL", "ID", "1"], False),
+    # the readers run the index's registered read functions, and nothing else (issue 27)
+    ("api", ["FCALL_RO", "ropewalk_read", "0", "p", "m1"], True),
+    ("api", ["HGETALL", "k"], False),
     ("api", ["SET", "k", "v"], False),
     ("api", ["DEL", "k"], False),
     ("api", ["FLUSHALL"], False),
-    ("reader", ["GET", "k"], True),
+    ("reader", ["FCALL_RO", "ropewalk_machine_ids", "0", "p", "0"], True),
+    ("reader", ["PING"], True),
+    ("reader", ["GET", "k"], False),
     ("reader", ["HSET", "k", "f", "v"], False),
-    ("reader", ["EVAL", "return redis.call('GET', KEYS[1])", "1", "k"], True),  # the index's Lua readers
+    ("reader", ["EVAL", "while true do end", "0"], False),
+    ("reader", ["EVAL_RO", "return 1", "0"], False),
+    ("reader", ["EVALSHA", "0" * 40, "0"], False),
+    ("reader", ["EVALSHA_RO", "0" * 40, "0"], False),
+    ("reader", ["SCRIPT", "LOAD", "return 1"], False),
     ("reader", ["SCRIPT", "FLUSH"], False),
+    ("reader", ["SCRIPT", "KILL"], False),
+    ("reader", ["FUNCTION", "LOAD", "x"], False),
+    ("reader", ["FUNCTION", "KILL"], False),
+    ("reader", ["FUNCTION", "DUMP"], False),
+    ("reader", ["FCALL", "ropewalk_read", "0", "p"], False),
+    ("reader", ["CLIENT", "KILL", "ID", "1"], False),
+    ("reader", ["CLIENT", "PAUSE", "1000"], False),
     ("default", ["GET", "k"], False),  # the user of a client without credentials: off
 ]
 
@@ -195,7 +214,7 @@ def test_redis_refuses_flushall_and_writes_for_real(infra_cfg):
         redis.Redis.from_url(cfg.redis_url).execute_command("FLUSHALL")
     with pytest.raises(redis.exceptions.NoPermissionError):
         cfg.as_principal("api").redis_client().set("trust-test-x", "1")
-    with pytest.raises(redis.ResponseError, match="can't run this command"):  # a script obeys the user's rules
+    with pytest.raises(redis.exceptions.NoPermissionError, match="'eval' command"):  # no script of its own at all
         cfg.redis_client(read_only=True).eval("return redis.call('SET', KEYS[1], '1')", 1, "trust-test-x")
     with pytest.raises(redis.exceptions.NoPermissionError):
         cfg.as_principal("allocator").redis_client().flushall()

@@ -17,7 +17,6 @@ the Job Control Plane's own pure ``decide`` (one full read of the topic per call
 """
 from __future__ import annotations
 
-import getpass
 import json
 import shlex
 
@@ -25,15 +24,9 @@ from processors.frontend.console import CliError, _front, _print, user_command
 from processors.jobcontrol import decide as jd
 
 
-def owner() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name (a container): say it came from the CLI
-        return "cli"
-
-
 def _declare(cfg, args, dimension: str, payload: dict) -> int:
-    doc = _front(cfg, args).intent_declare(args.job, dimension, {"owner": args.owner or owner(), **payload})
+    # the owner is who declares it (the API's user; --direct: operator): --owner naming another is refused
+    doc = _front(cfg, args).intent_declare(args.job, dimension, {"owner": args.owner, **payload})
     _print(doc, args.json, f"{args.job}: {doc['intent']} {doc['event_id']} (ropewalk intents show {args.job})")
     return 0
 
@@ -150,7 +143,7 @@ def add_commands(sub) -> None:
         return sp
 
     def declared(sp):
-        sp.add_argument("--owner", help="who wants it (default: your user name)")
+        sp.add_argument("--owner", help="who wants it: you (the API's user; --direct: operator); another is refused")
         return sp
 
     sp = declared(cmd("push", cmd_push, "code push: run a version on a percentage of the job's non-canary tasks"))
