@@ -296,7 +296,7 @@ COUNTS = ("tasks_lost", "tasks_placed_twice", "tasks_started_twice", "tasks_runn
 def machine_ids(cfg) -> list[str]:
     from processors.allocator.index import MachineIndex
 
-    r = cfg.redis_client(read_only=True)
+    r = cfg.redis_client()  # a scan: the operator's (a read-only user may not: infra/credentials.py)
     try:
         return MachineIndex(r, cfg.topic_prefix).machine_ids()
     finally:

@@ -344,11 +344,13 @@ def redis_auth(secrets_dir: Path, principal: str, *, read_only: bool = False) ->
 # dangerous ones (FLUSHALL, FLUSHDB, KEYS, CONFIG, DEBUG, SHUTDOWN, CLIENT KILL, ...) except INFO, which it reads for
 # its memory figures; it loads the index's function library (FUNCTION LOAD) and may FUNCTION KILL / SCRIPT KILL. The
 # API and the readers run the index's registered read functions (FCALL_RO of processors/allocator/index.py's
-# LIBRARY: each bounded work whatever its arguments) and nothing else — no EVAL, no SCRIPT, no FUNCTION, no plain
-# reads (an HGETALL of a million-field hash would hold Redis, and the allocator, for as long as it takes), no KILL
-# of any kind: what they can do cannot stall the allocator. Redis checks every command a function calls against the
-# caller's rules as well. The default (unauthenticated) user is switched off.
-_READS = "~* resetchannels -@all +@connection -@dangerous +fcall_ro"
+# LIBRARY: each bounded work whatever its arguments) — no EVAL, no SCRIPT, no FUNCTION LOAD, no KILL of any kind,
+# no SCAN, KEYS or other read of the whole keyspace. Redis checks every command a function calls against the
+# caller's rules too, so they keep the two reads the functions make, and only on the keys those read, read-only:
+# HMGET of a machine's hash (``m:<id>``, 14 fields) and HGETALL of the summary (a count per status) — never of
+# ``taskres`` or ``placement``, a field per task (an HGETALL of a million fields would hold Redis, and the allocator,
+# for as long as it takes). What they can do cannot stall the allocator. The default (unauthenticated) user is off.
+_READS = "resetkeys %R~*m:* %R~*index:summary resetchannels -@all +@connection -@dangerous +fcall_ro +hmget +hgetall"
 REDIS_RULES: Mapping[str, str] = {
     REDIS_OPERATOR: "~* &* +@all",
     REDIS_ALLOCATOR: "~* resetchannels -@all +@all -@dangerous +info",

@@ -193,7 +193,12 @@ def machines_indexed(cfg: Config) -> dict[str, int]:
         summary = index.summary()  # one small read; an index written before the summary existed is counted
         if summary is not None:
             return summary
-        return dict(Counter(m.status for m in index.machines(index.machine_ids()).values()))
+        operator = cfg.redis_client()  # a scan: the operator's (a read-only user may not)
+        try:
+            ids = MachineIndex(operator, cfg.topic_prefix).machine_ids()
+        finally:
+            operator.close()
+        return dict(Counter(m.status for m in index.machines(ids).values()))
     except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
         return {}
     finally:

@@ -99,8 +99,8 @@ _READ_CHUNK = 1000  # machines a read call takes at most (the library's MAX_READ
 # The readers' functions (FCALL_RO): the one thing a Redis user of the readers may run against the index
 # (infra/credentials.py, REDIS_RULES), each bounded work whatever its arguments (processors/allocator/lua).
 LIBRARY = "ropewalk_index"
-READ, SUMMARY_OF, MACHINE_IDS = "ropewalk_read", "ropewalk_summary", "ropewalk_machine_ids"
-_LUA_LIBRARY = lua.library(LIBRARY, {READ: "read", SUMMARY_OF: "summary", MACHINE_IDS: "machine_ids"},
+READ, SUMMARY_OF = "ropewalk_read", "ropewalk_summary"
+_LUA_LIBRARY = lua.library(LIBRARY, {READ: "read", SUMMARY_OF: "summary"},
                            FIELDS=FIELDS, SUMMARY=SUMMARY, MAX_READ=_READ_CHUNK)
 
 _COMMIT_REASONS = json.dumps({"up": MACHINE_UP, "status": CONFLICT_STATUS, "owner": CONFLICT_OWNER,
@@ -373,14 +373,10 @@ class MachineIndex:
         return self.machines([machine_id]).get(machine_id)
 
     def machine_ids(self) -> list[str]:
-        """Every machine of the index (``MACHINE_IDS``: a SCAN step a call)."""
-        out, cursor = [], "0"
-        while True:
-            step = self._fcall([(MACHINE_IDS, [self.prefix, cursor])])[0]
-            cursor = text(step[0])
-            out += [text(m) for m in step[1:]]
-            if cursor == "0":
-                return out
+        """Every machine of the index (a SCAN: the allocator's and the operator's; a reader may not scan)."""
+        start = len(self.key("m:"))
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "m:*"
+        return [text(k)[start:] for k in self.r.scan_iter(match=pattern, count=1000)]
 
     def placements(self) -> dict[str, str]:
         """task -> machine, every placement in the index."""

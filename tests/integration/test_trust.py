@@ -163,10 +163,16 @@ REDIS_TABLE = [
     # the readers run the index's registered read functions, and nothing else (issue 27)
     ("api", ["FCALL_RO", "ropewalk_read", "0", "p", "m1"], True),
     ("api", ["HGETALL", "k"], False),
+    ("api", ["KEYS", "*"], False),
     ("api", ["SET", "k", "v"], False),
     ("api", ["DEL", "k"], False),
     ("api", ["FLUSHALL"], False),
-    ("reader", ["FCALL_RO", "ropewalk_machine_ids", "0", "p", "0"], True),
+    ("reader", ["FCALL_RO", "ropewalk_summary", "0", "p"], True),
+    ("reader", ["HMGET", "pm:m1", "cpu_free"], True),  # what the read function reads, on the keys it reads
+    ("reader", ["HGETALL", "pindex:summary"], True),
+    ("reader", ["HGETALL", "ptaskres"], False),  # a field per task: not for readers
+    ("reader", ["HMGET", "pplacement", "t1"], False),
+    ("reader", ["SCAN", "0", "COUNT", "100000000"], False),
     ("reader", ["PING"], True),
     ("reader", ["GET", "k"], False),
     ("reader", ["HSET", "k", "f", "v"], False),
