@@ -185,7 +185,7 @@ def machines_indexed(cfg: Config) -> dict[str, int]:
     none while Redis does not answer (a redis-server being started again by the supervisor)."""
     import redis
 
-    from processors.allocator.index import MachineIndex
+    from processors.allocator.index import FunctionsMissing, MachineIndex
 
     client = cfg.redis_client(read_only=True)
     try:
@@ -199,8 +199,8 @@ def machines_indexed(cfg: Config) -> dict[str, int]:
         finally:
             operator.close()
         return dict(Counter(m.status for m in index.machines(ids).values()))
-    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-        return {}
+    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, FunctionsMissing):
+        return {}  # (the read functions missing: no allocator has loaded them yet)
     finally:
         client.close()
 
