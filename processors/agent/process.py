@@ -514,6 +514,11 @@ class ProcessAgent(LoopWorker):
         gone = self.isolation.reconcile(self.uids)
         if gone:
             log.warning("agent %s: uids %s were leased to it but not in its state: handed back", self.machine_id, gone)
+        if self.isolation.leases is not None:  # a directory no uid holds is root's (one an older agent gave nobody)
+            held = {task_dir(self.work_dir, t) for t in self.uids}
+            for d in (self.work_dir / "tasks").iterdir():
+                if d.is_dir() and not d.is_symlink() and d not in held:
+                    iso.disown(d)
         self.adopt()
         self.release_uids()
         self.flush_reports()
