@@ -61,7 +61,7 @@ READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     ALLOCATOR: ("intents", "machines", "unavailability", "allocations", "state.machines", SCHEMAS),
     RESOURCEBROKER: ("machines", "unavailability", SCHEMAS),
     HEALTH: ("machines", "heartbeats", SCHEMAS),
-    AGENT: ("tasks", "allocations", SCHEMAS),
+    AGENT: ("tasks", "allocations", "unavailability", SCHEMAS),  # unavailability: the simulated machines' power
     CONTROLLER: ("taskcontrol", SCHEMAS),
     REBALANCER: ("intents", "machines", "unavailability", "allocations", "state.jobs", SCHEMAS),  # its TOPICS
     SIDEKICK: ("intents", "machines", "unavailability", "allocations", "tasks", SCHEMAS),
