@@ -269,8 +269,10 @@ class _Fold:
             for m in ev.payload["machines"]:
                 mid = m["machine_id"]
                 cur = self.get(mid) or _stub(mid)
+                if ev.timestamp_ms < cur.status_ms:  # newest wins, as for one machine's (``_apply_status``)
+                    continue
                 new = replace(cur, status=ev.payload["status"], status_reason=ev.payload.get("reason", ""),
-                              status_event_id=ev.event_id)
+                              status_event_id=ev.event_id, status_ms=ev.timestamp_ms)
                 if new != cur:
                     self.changes[mid] = new
             return

@@ -118,3 +118,19 @@ def test_power_state_round_trips_through_the_state_file():
     assert pw.from_json(pw.to_json(state), MINE) == state
     assert dict(pw.from_json(pw.to_json(state), {A1}.__contains__).off) == {A1: "p1"}  # machines it no longer runs
     assert pw.from_json(None, MINE) == pw.PowerState()
+
+
+def test_a_fold_that_reads_the_power_back_before_the_power_loss_keeps_the_newest():
+    """The machines' owner changed meanwhile (their entitlement released them): the loss is keyed to the old owner,
+    the return to the free pool, on another partition; a fold that reads that partition first must still end UP
+    (before, a MachinesStatusChanged applied whatever its time, and `power-restore` found them down again)."""
+    state = apply_all(registered_state(), [assigned(A1, "e1")])
+    lost_state, lost = power_lost(state, ["rack:dc1/msb1/r01"], T0 + 10)
+    released = new_event("MachineReleasedToFreePool", {"machine_id": A1, "dc": "dc1", "reason": "entitlement_empty"},
+                         entitlement="e1", entity_id=A1, producer="allocator", timestamp_ms=T0 + 15)
+    lost_state = apply_all(lost_state, [released])
+    _, back = power_restored(lost_state, ["rack:dc1/msb1/r01"], T0 + 20)
+    assert {e.entitlement for e in back if e.type == "MachinesStatusChanged"} == {"free/dc1"}
+    for order in ([*lost, released, *back], [*back, released, *lost], [released, *back, *lost]):
+        folded = apply_all(state, order)
+        assert folded.get(A1).status == UP and folded.get(A2).status == UP, [e.type for e in order]
