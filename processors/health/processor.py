@@ -43,8 +43,8 @@ passed, so every live agent has had a chance to speak, however long the control 
 a zone (DC) with many machines silent at once has them failed at a pace, a region silent everywhere none, each
 zone's change announced (ZoneDisruptionChanged) and its state, silent and held machines exported as metrics. The
 clocks also restart when the process sees it was away: a tick more than ``T`` after the previous one (paused, or
-its loop held: ``on_tick``), or heartbeats read more than ``T/2`` late (the newest heartbeat of a poll older than
-that: it is reading a backlog; no machine is judged until it has caught up, and then each gets ``T`` anew).
+its loop held: ``on_tick``), or heartbeats read more than ``T/2`` late (a full poll, so a backlog waits, whose newest
+heartbeat is older than that; no machine is judged until it has caught up, and then each gets ``T`` anew).
 
 Own events are applied to both states at once and skipped when they come back on ``machines`` (an id set),
 so a tick never sees its own verdict undone by the log's slower echo. A bad record goes to ``deadletter``
@@ -100,7 +100,7 @@ class HealthCheck(LoopWorker):
         self.cfg = cfg
         self.timeout_ms, self.tick_ms, self.grace_ms = timeout_ms, tick_ms, grace_ms
         self.policy = policy or zones.DisruptionPolicy()
-        self.behind_ms = 0  # how late the newest heartbeat of the last poll that had some was read
+        self.behind_ms = 0  # how old the newest heartbeat of the last full poll was (0: the last poll was not full)
         self.registry = registry or SchemaRegistry.from_dir()
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.machines_topic = self.topics.name("machines")
@@ -132,9 +132,10 @@ class HealthCheck(LoopWorker):
                  len(self.health.machines), time.monotonic() - t0, self.timeout_ms)
 
     def restart_clocks(self, now: int, reason: str) -> None:
+        if self.health.clocks_reason != reason or now - self.health.clocks_from_ms > self.timeout_ms:
+            log.warning("health: every silence counts anew from now (%s)", reason)  # once a timeout while it lasts
         self.health = d.restart_clocks(self.health, now, reason)
         metrics.HEALTH_CLOCK_RESTARTS.labels(reason=reason).inc()
-        log.warning("health: every silence counts anew from now (%s)", reason)
 
     # -- records ---------------------------------------------------------------------------------------------
     def handle(self, records: list[Record]) -> None:
@@ -190,8 +191,6 @@ class HealthCheck(LoopWorker):
         """Judge a poll's heartbeats: UNHEALTHY machines they resume are UP (``d.on_heartbeats``, one event per
         owner); machines this service failed (DOWN, ``health_check``) that a counted heartbeat newer than the
         failure speaks for are recovered together (``broker.machines_recovered``)."""
-        if beats:
-            self.behind_ms = max(0, now_ms() - max(hb.timestamp_ms for hb in beats))
         before = self.health
         counted = [hb for hb in beats if d.classify(before, hb) in d.COUNTED]
         self.health, events = d.on_heartbeats(self.health, beats)
@@ -220,7 +219,6 @@ class HealthCheck(LoopWorker):
         if self.behind_ms > self.timeout_ms // 2:
             self.restart_clocks(now, d.CLOCKS_READING_BEHIND)
             self.health = dataclasses.replace(self.health, last_tick_ms=now)
-            self.behind_ms = 0  # measured again by the next poll that has heartbeats
             return
         before = self.health
         self.health, events = d.on_tick(self.health, now, self.timeout_ms, policy=self.policy)
@@ -294,6 +292,10 @@ class HealthCheck(LoopWorker):
         if records:
             self.handle(records)
         now = now_ms()
+        # Behind: a full poll (a backlog waits) whose newest heartbeat is old. A poll that is not full has read up to
+        # the end; on a quiet log, the fetch's wait alone makes the newest heartbeat a little old.
+        beats = [r.event.timestamp_ms for r in records if r.event.type == "AgentHeartbeat"]
+        self.behind_ms = max(0, now - max(beats)) if len(records) >= POLL_MAX and beats else 0
         if now >= self._next_tick_ms:
             self._next_tick_ms = now + self.tick_ms
             try:
