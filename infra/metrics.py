@@ -67,6 +67,19 @@ DEAD_LETTERS = Counter("ropewalk_dead_letters_total", "Records dead-lettered, by
                        ["topic", "reason"])
 WORKER_RESTARTS = Counter("ropewalk_worker_restarts_total", "Restarts of a worker by the region's supervisor",
                           ["worker"])
+HEALTH_ZONE_STATE = Gauge("ropewalk_health_zone_state",
+                          "The health check's view of each zone (DC) for its protection against mass failure: 0 normal, "
+                          "1 partial disruption, 2 full disruption (processors/health/zones.py)", ["dc"])
+HEALTH_ZONE_SILENT = Gauge("ropewalk_health_zone_silent_machines",
+                           "Machines of a zone the health check finds silent (or failed itself), at its last tick",
+                           ["dc"])
+HEALTH_ZONE_HELD = Gauge("ropewalk_health_zone_held_machines",
+                         "Silent machines of a zone its failure rate kept from being failed at the last tick", ["dc"])
+HEALTH_REGION_DISRUPTED = Gauge("ropewalk_health_region_disrupted",
+                                "1 while every zone is in full disruption: the health check fails nobody")
+HEALTH_CLOCK_RESTARTS = Counter("ropewalk_health_clock_restarts_total",
+                                "Times the health check counted every silence anew, by reason (started, tick_gap, "
+                                "reading_behind, region_disruption_ended)", ["reason"])
 API_REQUESTS = Histogram("ropewalk_api_request_duration_seconds",
                          "HTTP API requests by route template, method and status code",
                          ["route", "method", "status"], buckets=LATENCY_BUCKETS)

@@ -19,6 +19,7 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 | POST /v1/jobs/{job}/resize, /stop     | job.resize, job.stop   | as update |
 | GET /v1/machines[?entitlement=&free=&at=] | machine.view       | machine views (free machines: any user); `at`: as then |
 | POST /v1/machines/{id}/fail, /recover | machine.fail, .recover | the events (`fail?dry_run=true`: what would happen) |
+| POST /v1/power/loss, /v1/power/restore | machine.power_loss, .power_restore | `{dc|msb|rack}`: a fault domain's power lost or back: the machines changed, the POWER UEs |
 | POST /v1/maintenance, /v1/maintenance/{id}/end | maintenance.plan, .end | the plan (`?dry_run=true`: what it would do) |
 | GET /v1/maintenance                   | machine.view (filtered) | maintenance not ended: start, deadline, machines (those on machines the user may see) |
 | GET /v1/region?at=                    | region.view            | the whole region at a moment (`ropewalk at TIME`) |
@@ -171,6 +172,13 @@ class MaintenancePlan(Strict):
     duration_ms: int = Field(gt=0)
     deadline_ms: int | None = None
     reason: str = "maintenance"
+
+
+class PowerDomain(Strict):
+    """Exactly one of dc, msb (DC/MSB), rack (DC/MSB/RACK): the fault domain whose power is lost or back."""
+    dc: str | None = None
+    msb: str | None = None
+    rack: str | None = None
 
 
 class Elasticity(BaseModel):
@@ -400,6 +408,11 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                              dry_run: DryRun = False) -> dict:
         allow(user, f"machine.{action}", None)
         return await call(front(user).machine_action, machine, action, dry_run=dry_run)
+
+    @app.post("/v1/power/{action}", tags=["machines"])
+    async def machine_power(action: Literal["loss", "restore"], body: PowerDomain, user: CurrentUser) -> dict:
+        allow(user, f"machine.power_{action}", None)
+        return await call(front(user).machine_power, action, dc=body.dc, msb=body.msb, rack=body.rack)
 
     @app.post("/v1/maintenance", status_code=201, tags=["maintenance"],
               responses={200: {"description": "dry_run: what the maintenance would do"}})

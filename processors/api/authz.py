@@ -17,6 +17,7 @@ region administrator may do everything. Every answer carries a reason constant, 
 | entitlement.update      | owner                | host profile, machine type, DC pin of the entitlement   |
 | entitlement.quota       | region admin         | create an entitlement, change its quota                 |
 | machine.fail / machine.recover | region admin  | operator actions on machines                            |
+| machine.power_loss / .power_restore | region admin | a fault domain's power lost or back (a power controller's) |
 | maintenance.plan / maintenance.end | region admin | planned maintenance                                  |
 | region.view             | region admin         | region-wide reads: every machine, the whole replay      |
 | intents.view            | viewer               | a job's intents (who wants what) and its reconciled spec |
@@ -53,6 +54,8 @@ ACTIONS: Mapping[str, str] = MappingProxyType({
     "entitlement.move": REGION_ADMIN,  # to another scheduler shard: the region's balance, not the entitlement's
     "machine.fail": REGION_ADMIN,
     "machine.recover": REGION_ADMIN,
+    "machine.power_loss": REGION_ADMIN,
+    "machine.power_restore": REGION_ADMIN,
     "maintenance.plan": REGION_ADMIN,
     "maintenance.end": REGION_ADMIN,
     "region.view": REGION_ADMIN,

@@ -116,6 +116,11 @@ class ApiClient:
         return self._json("POST", f"/v1/machines/{_q(machine)}/{_q(action)}",
                           query={"dry_run": "true" if dry_run else None})
 
+    def machine_power(self, action: str, *, dc: str | None = None, msb: str | None = None,
+                      rack: str | None = None) -> dict:
+        body = {k: v for k, v in (("dc", dc), ("msb", msb), ("rack", rack)) if v is not None}
+        return self._json("POST", f"/v1/power/{_q(action)}", body)
+
     def maintenance_plan(self, *, dry_run: bool = False, **plan) -> dict:
         return self._json("POST", "/v1/maintenance", plan, {"dry_run": "true" if dry_run else None})
 

@@ -563,6 +563,47 @@ def cmd_machine_fail(cfg: Config, args) -> int:
     return 0
 
 
+def cmd_machine_power(cfg: Config, args) -> int:
+    """`machine power-loss` / `power-restore` of a DC, an MSB or a rack (processors/resourcebroker: power_lost,
+    power_restored): what a power controller announces. The tasks there are gone at once and move (paced by the
+    scheduler's limiter); power back, the machines boot and the tasks restart (paced too)."""
+    action = POWER_ACTIONS[args.action]
+    doc = front_power(cfg, args, action)
+    what = args.dc or args.msb or args.rack
+    if not doc["machines"]:
+        text = f"{what}: nothing to do ({'every machine there is down already' if action == 'loss' else 'no machine there is down for a power loss'})"
+    elif action == "loss":
+        text = (f"{what}: power lost on {len(doc['machines'])} machines (UnavailabilityStarted POWER "
+                f"{', '.join(doc['unavailability_ids'])}); their tasks are gone and move")
+    else:
+        text = (f"{what}: power back on {len(doc['machines'])} machines; their tasks restart, paced by the "
+                f"scheduler's limiter")
+    _print(doc, args.json, text)
+    return 0
+
+
+POWER_ACTIONS = {"power-loss": "loss", "power-restore": "restore"}
+
+
+def front_power(cfg: Config, args, action: str) -> dict:
+    return _front(cfg, args).machine_power(action, dc=args.dc, msb=args.msb, rack=args.rack)
+
+
+def add_machine_power(mach) -> None:
+    """The parsers of `machine power-loss` and `machine power-restore`."""
+    for name, help_ in (("power-loss", "a DC, MSB or rack lost its power: its machines DOWN and an UnavailabilityStarted "
+                                       "POWER (its tasks are gone at once and move)"),
+                        ("power-restore", "power is back in a DC, MSB or rack: its machines down for a power loss UP "
+                                          "again, the POWER unavailability ended (the tasks restart, paced)")):
+        sp = user_command(mach.add_parser(name, help=help_, description=help_))
+        sp.set_defaults(fn=cmd_machine_power)
+        where = sp.add_mutually_exclusive_group(required=True)
+        where.add_argument("--dc", metavar="DC")
+        where.add_argument("--msb", metavar="DC/MSB")
+        where.add_argument("--rack", metavar="DC/MSB/RACK")
+        sp.add_argument("--json", action="store_true")
+
+
 def cmd_machine_list(cfg: Config, args) -> int:
     """`machine list`: the latest state of every machine, from state.machines (published by the allocator)."""
     rows = _front(cfg, args).machines(args.entitlement, args.free, at=args.at)
@@ -1055,6 +1096,7 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true")
         if name == "fail":
             sp.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    add_machine_power(mach)
     sp = user_command(mach.add_parser("list", help="machines: status, owner, fault domains, free capacity",
                       description="machines: status, owner, fault domains, free capacity (from state.machines)"))
     sp.set_defaults(fn=cmd_machine_list)

@@ -419,6 +419,40 @@ class Frontend:
             raise FrontendError(NOT_ALLOWED_HERE, str(exc)) from None
         return {"machine": machine, "event_ids": ids}
 
+    def machine_power(self, action: str, *, dc: str | None = None, msb: str | None = None,
+                      rack: str | None = None) -> dict:
+        """A power loss (``loss``) or power back (``restore``) of one fault domain (exactly one of ``dc``, ``msb``
+        ``<dc>/<msb>``, ``rack`` ``<dc>/<msb>/<rack>``): the Resource Broker's ``power_lost`` / ``power_restored``
+        (processors/resourcebroker/processor.power_event). The document lists the machines changed and the UEs."""
+        from processors.resourcebroker import decide as rb
+        from processors.resourcebroker.processor import POWER_LOSS, POWER_RESTORE, power_event
+
+        if action not in (POWER_LOSS, POWER_RESTORE):
+            raise FrontendError(INVALID_REQUEST, f"action: expected {POWER_LOSS} or {POWER_RESTORE}, got {action!r}")
+        given = [(level, v) for level, v in ((rb.TARGET_DC, dc), (rb.TARGET_MSB, msb), (rb.TARGET_RACK, rack))
+                 if v is not None]
+        if len(given) != 1:
+            raise FrontendError(INVALID_REQUEST, "give exactly one of dc, msb, rack"
+                                + (f" (got {', '.join(level for level, _ in given)})" if given else ""))
+        level, value = given[0]
+        form = {rb.TARGET_DC: "<dc>", rb.TARGET_MSB: "<dc>/<msb>", rb.TARGET_RACK: "<dc>/<msb>/<rack>"}[level]
+        try:
+            target = str(rb.parse_target(f"{level}:{value}"))
+        except rb.BadTarget:
+            raise FrontendError(INVALID_REQUEST, f"{level}: expected {form}, got {value!r}") from None
+        self.require_broker()
+        try:
+            events = power_event(self.cfg, action, [target], registry=self.registry, skipped=self.skipped,
+                                 principal=self.principal)
+        except rb.BadTarget:
+            raise FrontendError(INVALID_REQUEST, f"{level}: no registered machine in {value!r}") from None
+        statuses = [e for e in events if e.type == "MachinesStatusChanged"]
+        return {"action": action, "target": target,
+                "machines": sorted(m["machine_id"] for e in statuses for m in e.payload["machines"]),
+                "unavailability_ids": sorted({e.payload["unavailability_id"] for e in events
+                                              if e.type.startswith("Unavailability")}),
+                "event_ids": [e.event_id for e in events]}
+
     def maintenance_plan(self, *, start_ms: int, duration_ms: int, deadline_ms: int | None = None,
                          machines: list[str] | None = None, rack: str | None = None, msb: str | None = None,
                          reason: str = "maintenance", dry_run: bool = False) -> dict:
