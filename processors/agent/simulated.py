@@ -399,7 +399,7 @@ class SimulatedAgents(LoopWorker):
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations], name=self.name,
                                       start_offsets=start_offsets or self.offsets,
                                       dead_letters=DeadLetters(self.producer, self.name),
-                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE})
+                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE}, follows=True)
 
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:

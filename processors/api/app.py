@@ -229,6 +229,10 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
 
     registry = SchemaRegistry.from_dir()
     users_file = UsersFile(users_path or cfg.secrets / users_mod.USERS_FILE)
+    from infra import metrics
+
+    metrics.own(metrics.API_REQUESTS)  # what /metrics exports from the start (infra/metrics.py)
+    metrics.build_info(PRODUCER)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

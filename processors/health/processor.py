@@ -106,7 +106,7 @@ class HealthCheck(LoopWorker):
                     for p in range(self.topics.partitions_of("heartbeats"))}
         self.consumer = EventConsumer(self.cfg, self.registry, [self.machines_topic, self.heartbeats_topic],
                                       name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
-                                      **BACKGROUND_READER)
+                                      follows=True, **BACKGROUND_READER)
         t0 = time.monotonic()
         with folding(freeze=True):  # the machines this process watches from now on (streams/heap.py)
             n = read_to_end(self.consumer, self.handle,
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="UNHEALTHY this long → DOWN + FAILURE unavailability (default 0: at once)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
+    metrics.serve_worker(Config.from_env().run_dir, (metrics.TIMER_TICKS,))  # infra/metrics.py
     try:
         hc = HealthCheck(Config.from_env().as_principal("health"), args.timeout_ms, args.tick_ms,
                          grace_ms=args.grace_ms)
