@@ -30,6 +30,7 @@ from processors.frontend.console import (  # what every command uses (processors
     AT_HELP, CliError, Progress, _ago, _duration_ms, _front, _parse_time, _print, _registry, _require_broker, _table,
     _verdict, _wait_s, command, direct, human_time, user_command,
 )
+from processors.frontend.console import task_counts as _task_counts
 
 
 def _topics(cfg: Config):
@@ -401,21 +402,6 @@ def cmd_job_submit(cfg: Config, args) -> int:
     return 0
 
 
-def cmd_job_status(cfg: Config, args) -> int:
-    view = _front(cfg, args).job_status(args.job, at=args.at)
-    again = f" (incarnation {view['incarnation']})" if view["incarnation"] != 1 else ""
-    lines = [f"job {view['job']}{again}  entitlement {view['entitlement']}  state {view['state']}  "
-             f"spec v{view['spec_version']}  tasks: {_task_counts(view)}"]
-    if view["last_reason"]:
-        lines.append(f"reason: {view['last_reason']}")
-    lines.append(_table(["TASK", "STATE", "MACHINE", "DC/MSB/RACK", "REASON"],
-                        [[t["id"], t["state"], t["machine"] or "-",
-                          f"{t['dc'] or '-'}/{t['msb'] or '-'}/{t['rack'] or '-'}", t["reason"] or ""]
-                         for t in view["tasks"]], "no tasks"))
-    _print(view, args.json, "\n".join(lines))
-    return 0
-
-
 def cmd_job_list(cfg: Config, args) -> int:
     rows = _front(cfg, args).jobs(args.entitlement)
     _print(rows, args.json or args.output == "json", job_table(rows, args.output == "wide"))
@@ -439,15 +425,6 @@ def job_table(rows: list[dict], wide: bool = False, now_ms: int | None = None) -
     head = [*JOB_COLUMNS[:-1], *(name for name, _ in JOB_WIDE), JOB_COLUMNS[-1]]
     return _table(head, [[*_job_row(v)[:-1], *(cell(v, now_ms) for _, cell in JOB_WIDE), _job_row(v)[-1]]
                          for v in rows], "no jobs")
-
-
-def _task_counts(v: dict) -> str:
-    """``4 running, 2 pending of 6 desired``: how many tasks are in each state, not just how many exist."""
-    from collections import Counter
-
-    by_state = Counter(t["state"] for t in v["tasks"])
-    parts = [f"{n} {s.lower()}" for s, n in sorted(by_state.items(), key=lambda x: (x[0] != "RUNNING", x[0]))]
-    return f"{', '.join(parts) or 'none'} of {v['desired_tasks']} desired"
 
 
 def _job_row(v: dict) -> list:
@@ -946,19 +923,19 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     for name, fn, help_, extra in (
         ("submit", cmd_job_submit, "submit a job spec (YAML or JSON); prints the job id once the scheduler accepted "
                                    "it (through the API: a refusal fails with its reason)", ("file",)),
-        ("status", cmd_job_status, "a job's tasks: state, machine, fault domains", ("job",)),
         ("update", cmd_job_update, "replace a job's spec (rolling update)", ("job", "file")),
         ("stop", cmd_job_stop, "stop a job and free its tasks", ("job",)),
     ):
-        sp = user_command(job.add_parser(name, help=help_, description=help_), intent=name != "status")
+        sp = user_command(job.add_parser(name, help=help_, description=help_), intent=True)
         sp.set_defaults(fn=fn)
         for a in extra:
             sp.add_argument(a)
         sp.add_argument("--json", action="store_true")
         if name == "stop":
             sp.add_argument("--reason", default="")
-        if name == "status":
-            sp.add_argument("--at", metavar="TIME", help=AT_HELP)
+    from processors.frontend.commands import jobs  # status, describe, logs (processors/frontend/commands/jobs.py)
+
+    jobs.add_commands(job)
     sp = user_command(job.add_parser("list", help="the jobs you may see: state, tasks running"))
     sp.set_defaults(fn=cmd_job_list)
     sp.add_argument("--entitlement")
@@ -1110,7 +1087,9 @@ def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     """Parse ``argv`` and run its command: a failure is one line with its reason (exit 1), an interrupt exits 130."""
     from streams.deadletter import Skipped
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser, with its usage (not the top level's: `job status X -o wide`)
+        _deepest(parser, argv).error(f"unrecognized arguments: {' '.join(extra)}")
     args.skipped = Skipped()  # what the command's readers could not decode: said once, when it ends
     failed = False
     try:
@@ -1129,6 +1108,16 @@ def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     finally:
         if not failed and (line := args.skipped.report()) is not None:
             print(f"ropewalk: {line}", file=sys.stderr)
+
+
+def _deepest(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``argv`` names: ``job status`` → the `job status` parser."""
+    current = parser
+    for token in argv:
+        subs = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and token in subs[0].choices:
+            current = subs[0].choices[token]
+    return current
 
 
 if __name__ == "__main__":

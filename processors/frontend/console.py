@@ -92,6 +92,16 @@ def _table(headers: list[str], rows: list[list], empty: str) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *cells])
 
 
+def task_counts(v: dict) -> str:
+    """``4 running, 2 pending of 6 desired``: how many of a job view's tasks are in each state, not just how many
+    exist."""
+    from collections import Counter
+
+    by_state = Counter(t["state"] for t in v["tasks"])
+    parts = [f"{n} {s.lower()}" for s, n in sorted(by_state.items(), key=lambda x: (x[0] != "RUNNING", x[0]))]
+    return f"{', '.join(parts) or 'none'} of {v['desired_tasks']} desired"
+
+
 def human_time(ms: int | None, now_ms: int | None = None) -> str:
     """ms since epoch as a person reads it: UTC time to the second and how far from now (``2026-11-25 23:40:00Z
     (in 10m)``); ``-`` for none. ``--json`` keeps the ms."""
