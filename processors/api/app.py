@@ -336,7 +336,8 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         v = doc.get("verdict")
         if v == fe.REFUSED:
             return JSONResponse({**doc, "error": doc.get("reason") or fe.REFUSED}, 409)
-        return JSONResponse(doc, 201 if created and v == fe.ACCEPTED else 200 if v == fe.ACCEPTED else 202)
+        return JSONResponse(doc, 201 if created and v == fe.ACCEPTED else 200 if v in (fe.ACCEPTED, fe.UNCHANGED)
+                            else 202)
 
     @app.post("/v1/jobs", tags=["jobs"], status_code=201,
               responses={201: {"description": "accepted"}, 202: {"description": "pending, or not waited for"},

@@ -69,7 +69,7 @@ def _wait_s(args) -> float | None:
 
 def _verdict(doc: dict, args) -> None:
     """A refused intent is a failed command: its reason and message are the one error line."""
-    from processors.frontend.service import PENDING, REFUSED
+    from processors.frontend.service import PENDING, REFUSED, UNCHANGED
 
     if doc.get("verdict") == REFUSED:
         if args.json:
@@ -77,6 +77,8 @@ def _verdict(doc: dict, args) -> None:
         raise CliError(f"refused by the scheduler: {doc.get('reason')}: {doc.get('message')}".rstrip(": "))
     if doc.get("verdict") == PENDING:
         print(f"ropewalk: {doc.get('message')}; `ropewalk job status` shows what happened", file=sys.stderr)
+    if doc.get("verdict") == UNCHANGED and not args.json:  # not an error: said as what it is
+        print(f"unchanged: {doc.get('message')}", file=sys.stderr)
 
 
 def _print(doc, as_json: bool, text: str) -> None:

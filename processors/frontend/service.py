@@ -39,6 +39,7 @@ ACCEPTED = "accepted"  # the scheduler applied it (its JobStatePublished caused 
 REFUSED = "refused"  # the scheduler refused it (IntentRefused), or rejected the job
 PENDING = "pending"  # no verdict within the wait (an identical resubmission of a live job gets none: a no-op)
 SENT = "sent"  # on the log; not waited for
+UNCHANGED = "unchanged"  # a submission identical to the live job's spec: the scheduler changes nothing (no refusal)
 
 DEFAULT_WAIT_S = 30.0  # how long a submission waits for the scheduler's verdict at most
 EXISTING_WAIT_S = 3.0  # ... when the job exists (the scheduler answers only a refusal; it is as quick as any answer)
@@ -253,9 +254,10 @@ class Frontend:
             self.require_broker()
             existing = state.current(self.cfg, self.registry, "jobs", ent, skipped=self.skipped).get(payload["job_id"])
         doc = self._sent(ev, payload["job_id"], min(wait_s, EXISTING_WAIT_S) if existing is not None else wait_s)
-        if existing is not None and doc["verdict"] == PENDING:
-            doc["message"] = (f"job {payload['job_id']} exists ({existing.payload['state']}): an identical submission "
-                              f"changes nothing; one that differs would have been refused")
+        if existing is not None and doc["verdict"] == PENDING:  # not refused: the spec is the job's own
+            doc["verdict"] = UNCHANGED
+            doc["message"] = (f"job {payload['job_id']} exists ({existing.payload['state']}) with this spec: nothing "
+                              f"changed (a spec that differs is refused: `ropewalk job update` changes it)")
         return {"job": payload["job_id"], "entitlement": ent, "event_id": ev.event_id, **doc}
 
     def job_update(self, job: str, spec: Any, *, wait_s: float | None = None, where: str = "") -> dict:

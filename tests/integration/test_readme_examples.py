@@ -81,7 +81,7 @@ SHAPES = {
     "ropewalk job status e1.web": lambda o: re.match(r"job e1\.web .*tasks: .* of \d+ desired\n", o)
     and o.splitlines()[1].split() == ["TASK", "STATE", "MACHINE", "DC/MSB/RACK", "REASON"],
     "ropewalk machine list --entitlement e1": lambda o: o.split()[:3] == ["MACHINE", "STATUS", "OWNER"],
-    "ropewalk watch jobs": lambda o: re.search(r"^\d\d:\d\d:\d\d  e1\.web ", o, re.M),
+    "ropewalk watch jobs": lambda o: re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ  e1\.web +\w+ +tasks: ", o, re.M),
     "ropewalk replay --entitlement e1 --since 10m": lambda o: re.match(TIME, o),
     "ropewalk replay --job e1.web --exclude-type TaskStatesChanged": lambda o: re.match(TIME, o)
     and "TaskStatesChanged" not in o,

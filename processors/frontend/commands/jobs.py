@@ -15,8 +15,10 @@ from __future__ import annotations
 import sys
 import time
 
-from processors.frontend.console import AT_HELP, CliError, _front, _print, _table, direct, human_time, task_counts, \
-    user_command
+from typing import Any, Mapping
+
+from processors.frontend.console import AT_HELP, CliError, _ago, _front, _print, _table, direct, human_time, \
+    task_counts, user_command
 
 EXAMPLES = {
     "status": "examples:\n  ropewalk job status e1.web\n  ropewalk job status e1.web -o wide    # + version, age, "
@@ -28,8 +30,6 @@ EXAMPLES = {
 
 
 def cmd_status(cfg, args) -> int:
-    from processors.frontend import describe as dsc
-
     front = _front(cfg, args)
     wide = args.output == "wide"
     if wide and args.at:
@@ -46,7 +46,7 @@ def cmd_status(cfg, args) -> int:
     if view["last_reason"]:
         lines.append(f"reason: {view['last_reason']}")
     if wide:
-        head, rows = dsc.task_rows(view["tasks"], int(time.time() * 1000))
+        head, rows = task_rows(view["tasks"], int(time.time() * 1000))
         lines.append(_table(head, rows, "no tasks"))
     else:
         lines.append(_table(["TASK", "STATE", "MACHINE", "DC/MSB/RACK", "REASON"],
@@ -58,10 +58,8 @@ def cmd_status(cfg, args) -> int:
 
 
 def cmd_describe(cfg, args) -> int:
-    from processors.frontend import describe as dsc
-
     doc = _front(cfg, args).job_describe(args.job, args.events)
-    _print(doc, args.json, dsc.text(doc))
+    _print(doc, args.json, describe_text(doc))
     return 0
 
 
@@ -97,6 +95,42 @@ def cmd_logs(cfg, args) -> int:
     for line in lines:
         print(line, flush=True)
     return 0
+
+
+def task_rows(tasks: list[Mapping[str, Any]], now_ms: int) -> tuple[list[str], list[list]]:
+    """`job status -o wide` and `describe`'s task table: placement, version, and the story of each task."""
+    head = ["TASK", "STATE", "VERSION", "MACHINE", "DC/MSB/RACK", "AGE", "RESTARTS", "MOVES", "PREVIOUS-MACHINE",
+            "REASON"]
+    rows = [[t["id"], t["state"], f"v{t['spec_version']}", t["machine"] or "-",
+             f"{t['dc'] or '-'}/{t['msb'] or '-'}/{t['rack'] or '-'}",
+             _ago(t["since_ms"] - now_ms).removesuffix(" ago") if t.get("since_ms") else "-",
+             t.get("restarts", 0), t.get("moves", 0), t.get("previous_machine") or "-", t["reason"] or ""]
+            for t in tasks]
+    return head, rows
+
+
+def describe_text(doc: Mapping[str, Any]) -> str:
+    """`job describe`'s text."""
+    v, now = doc["job"], doc["at_ms"]
+    counts = task_counts(v)
+    lines = [f"Job:          {v['job']}" + (f" (incarnation {v['incarnation']})" if v.get("incarnation", 1) != 1 else ""),
+             f"Entitlement:  {v['entitlement']}",
+             f"State:        {v['state']}" + ("  (stopped and gone: its last state)" if v.get("deleted") else "")
+             + f"  spec v{v['spec_version']}  tasks: {counts}",
+             f"Updated:      {human_time(v.get('updated_ms'), now)}",
+             f"Last reason:  {v['last_reason'] or '-'}", "", "Tasks:"]
+    head, rows = task_rows(v["tasks"], now)
+    lines += ["  " + r for r in _table(head, rows, "no tasks").splitlines()]
+    lines += ["", "Last refusals:"]
+    lines += ["  " + r for r in _table(["TIME", "TYPE", "REASON", "MESSAGE"],
+                                       [[human_time(e["at_ms"], now), e["type"], e["reason"], e["message"]]
+                                        for e in doc["refusals"]], "none").splitlines()]
+    shown = len(doc["events"])
+    lines += ["", f"Events (the last {shown} of {doc['events_total']}; `ropewalk replay --job {v['job']}` has all):"]
+    lines += ["  " + r for r in _table(["TIME", "TYPE", "BY", "WHAT"],
+                                       [[human_time(e["at_ms"], now), e["type"], e.get("principal") or "-",
+                                         e["summary"][:140]] for e in doc["events"]], "none").splitlines()]
+    return "\n".join(lines)
 
 
 def _say_missing(missing: dict[str, str]) -> None:
