@@ -675,5 +675,6 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                                          "entitlements": entitlements, "rebalance_plans": rebalance_plans,
                                          "intents_list": intents_list, "intents_show": intents_show,
                                          "intents_ledger": intents_ledger, "srm_overview": srm_overview,
-                                         "loans": loans_visible}, events=events, replay_docs=replay_docs)
+                                         "loans": loans_visible, "maintenance": maintenance_windows},
+             events=events, replay_docs=replay_docs)
     return app

@@ -155,3 +155,37 @@ def test_where_a_tasks_output_is_or_why_not(tmp_path):
         fh.write("ve\n")
     assert reader.new() == [("e1.web/0", "five")]
     assert logs.no_output({"a/0": "why", "a/1": "why"}) == "a/0: why; and 1 more tasks without output"
+
+
+def test_the_event_feed_reads_only_the_topics_that_carry_what_it_shows():
+    from processors.api.ui import feed_topics
+
+    assert feed_topics(None, None) is None  # nothing filtered: every topic
+    assert "heartbeats" not in feed_topics(None, frozenset({"AgentHeartbeat"}))  # the feed's default
+    assert feed_topics(frozenset({"JobSubmitted", "TasksCommanded"}), None) == ("intents", "tasks")
+
+
+FLEET = [{"id": f"dc{d}-msb1-r0{r}-m00{m}", "dc": f"dc{d}", "msb": "msb1", "rack": f"r0{r}", "status": s, "entitlement": e}
+         for d, r, m, s, e in [(2, 1, 1, "UP", None), (1, 2, 1, "DOWN", "e1"), (1, 1, 2, "UP", "e1"),
+                               (1, 1, 1, "UP", None)]]
+
+
+@pytest.mark.parametrize("f, ids", [
+    ({}, ["dc1-msb1-r01-m001", "dc1-msb1-r01-m002", "dc1-msb1-r02-m001", "dc2-msb1-r01-m001"]),
+    ({"status": "DOWN"}, ["dc1-msb1-r02-m001"]), ({"owner": "free"}, ["dc1-msb1-r01-m001", "dc2-msb1-r01-m001"]),
+    ({"dc": "dc2"}, ["dc2-msb1-r01-m001"]), ({"q": "r01-m002"}, ["dc1-msb1-r01-m002"]),
+    ({"owner": "e1", "status": "UP"}, ["dc1-msb1-r01-m002"]),
+])
+def test_the_fleet_filters(f, ids):
+    from processors.api.ui import fleet_filter
+
+    assert [m["id"] for m in fleet_filter(FLEET, {"status": "", "owner": "", "dc": "", "q": "", **f})] == ids
+
+
+@pytest.mark.parametrize("owner, status, maintenance, free", [
+    (None, "UP", False, True), (None, "DOWN", False, False), (None, "UP", True, False), ("e1", "UP", False, False),
+    (None, "UNHEALTHY", False, False)])
+def test_one_rule_for_a_free_machine(owner, status, maintenance, free):
+    from processors.resourcebroker.decide import is_free
+
+    assert is_free(owner, status, maintenance) is free
