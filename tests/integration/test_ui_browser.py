@@ -167,7 +167,7 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
         sign_in(page, base, region.token)
         # nothing yet: each page says so, and what makes it show something
         for path, empty in (("/ui/rebalance", "#empty"), ("/ui/intents", "#intents tr.empty"),
-                            ("/ui/srm", "#srm tr.empty"), ("/ui/loans", "#history tr.empty")):
+                            ("/ui/srm", "#srm tr.unsized[data-job='e1.web']"), ("/ui/loans", "#history tr.empty")):
             page.click(f"header nav a[href='{path}']")  # reached from the navigation
             expect(page.locator(empty)).to_be_visible()
 
@@ -257,8 +257,9 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
         viewer.goto(f"{base}/ui/loans")
         expect(viewer.locator("#loans tr.empty")).to_contain_text("nothing lent to or by your entitlements")
         assert viewer.locator("#history tr.k-granted").count() == 0
-        viewer.goto(f"{base}/ui/srm")
-        expect(viewer.locator("#srm tr.empty")).to_be_visible()
+        viewer.goto(f"{base}/ui/srm")  # its jobs, none autoscaled; nothing of e4's
+        expect(viewer.locator("#srm tr.unsized[data-job='e2.base']")).to_be_visible()
+        assert viewer.locator("#srm tr[data-job^='e4.'], #srm tr:not(.unsized)[data-job]").count() == 0
         answer = viewer.goto(f"{base}/ui/jobs/e4.api/intents")
         assert answer.status == 403
         expect(viewer.locator("#refused")).to_have_attribute("data-reason", "no_role_on_entitlement")
@@ -309,8 +310,9 @@ def test_the_operator_pages_in_the_browser(region, tmp_path):
         assert int(box.get_attribute("data-intent")) >= 2  # submitted, then the update
         expect(page.locator("#timeline .vis-item.vis-range", has_text=re.compile(r"^RUNNING v2 on "))).not_to_have_count(0)
         expect(page.locator("#timeline .vis-item.vis-range", has_text=re.compile(r"^RUNNING v1 on "))).not_to_have_count(0)
-        overflow = page.evaluate("getComputedStyle(document.querySelector('#timeline .vis-item-overflow')).overflow")
-        assert overflow == "visible"  # a short bar's label is not cut ("RU")
+        overflow = page.evaluate("getComputedStyle(document.querySelector('#timeline .vis-item.open "
+                                 ".vis-item-overflow')).overflow")
+        assert overflow == "visible"  # a task's current bar, however short yet, is not cut to "RU"
         page.screenshot(path=str(shots / "ui-job-timeline.png"), full_page=True)
 
         page.click("header nav a[href='/ui/maintenance']")

@@ -92,8 +92,8 @@
         groups = new vis.DataSet(data.groups);
         // a row's bars on one line; its marks on lines of their own (subgroups, timeline.py), stacked there so
         // marks close in time (intents, a failure and its commands) do not overlap
-        tl = new vis.Timeline(box, items, groups, { stack: false, stackSubgroups: true, groupOrder: "order",
-                                                    maxHeight: 620, margin: { item: { horizontal: 2, vertical: 3 } },
+        tl = new vis.Timeline(box, items, groups, { stack: true, stackSubgroups: true, groupOrder: "order",
+                                                    maxHeight: 620, margin: { item: { horizontal: 0, vertical: 3 } },
                                                     tooltip: { followMouse: true }, zoomKey: "" });
         // the job's life, not vis-timeline's default week: from its first item to now (or its last, a future
         // deadline), with a margin, so marks a few seconds apart stand apart
