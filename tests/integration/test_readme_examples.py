@@ -92,8 +92,8 @@ SHAPES = {
         "TASK", "STATE", "VERSION", "MACHINE", "DC/MSB/RACK", "AGE", "RESTARTS", "MOVES", "PREVIOUS-MACHINE", "REASON"],
     "ropewalk job describe e1.web": lambda o: o.startswith("Job:          e1.web\n") and "\nLast refusals:\n" in o
     and "\nEvents (the last " in o,
-    "ropewalk job logs demo.hello --tail 5": lambda o: 1 <= len(o.splitlines()) <= 5
-    and all(line.startswith("hello from Ropewalk at ") for line in o.splitlines()),
+    "ropewalk job logs demo.hello --tail 5": lambda o: 1 <= len(o.splitlines()) <= 5  # the agent's spawn line too
+    and "hello from Ropewalk at " in o and all(line.startswith(("hello from Ropewalk at ", "--- ")) for line in o.splitlines()),
     "ropewalk job status e1.web | grep -m1 PENDING": lambda o: re.fullmatch(r"e1\.web/\d+ +PENDING +- +-/-/- +\S+.*\n", o),
     "infra/kafka/bin/kafka-consumer-groups --bootstrap-server 127.0.0.1:19092 --command-config "
     ".run/secrets/kafka-tools.properties --describe --all-groups":
