@@ -17,6 +17,8 @@ Writers per topic, and where a topic-level ACL cannot tell writers apart:
 | unavailability   | resourcebroker, health, api (admins' maintenance, machine fail), lender (a revocation's notice, vacate) | |
 | allocations      | scheduler (AllocationRequested), allocator (TasksAllocated, AllocationRejected, TasksDeallocated) | the scheduler could forge a placement: agents trust the allocations topic, written only by these two |
 | tasks            | scheduler (commands, its own task transitions), agent (reports), sidekick (HostProfileRequested) | an agent principal could forge a command: agents start only what ``allocations`` placed on their machine for that entitlement and job (processors/agent/gate.py); a forged STOP from an agent principal is not caught (all agents share one principal) |
+| partitionmap     | api (a new entitlement's partition), scheduler (moves) | |
+| handoff          | scheduler (hand-overs, forwarded records) | |
 | loans            | lender (LoanGranted, LoanRevoked, LoanReturned) | |
 | metrics          | agent (JobLoadReported: the load signals) | an agent could report another job's load: the SRM sizes within the job's min/max only |
 | taskcontrol      | scheduler (requests, throttling), controller (acks) | a controller could ack another job's request: the scheduler ignores acks of a stale or unknown sequence |
@@ -38,12 +40,13 @@ from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, JOBCON
 from streams.topics import CATALOGUE, Topics
 
 READ, WRITE = "READ", "WRITE"
-SCHEMAS, DEADLETTER = "_schemas", "deadletter"
+SCHEMAS, DEADLETTER, MAP = "_schemas", "deadletter", "partitionmap"
 DATA = tuple(t.name for t in CATALOGUE if t.name != SCHEMAS)
 
 WRITES: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    API: ("intents", "machines", "unavailability", SCHEMAS),
-    SCHEDULER: ("intents", "allocations", "tasks", "taskcontrol", "state.jobs", "state.tasks", DEADLETTER, SCHEMAS),
+    API: ("intents", "machines", "unavailability", MAP, SCHEMAS),
+    SCHEDULER: ("intents", "allocations", "tasks", "taskcontrol", "state.jobs", "state.tasks", "handoff", MAP,
+                DEADLETTER, SCHEMAS),
     ALLOCATOR: ("allocations", "machines", "state.machines", DEADLETTER, SCHEMAS),
     RESOURCEBROKER: ("machines", "unavailability", DEADLETTER, SCHEMAS),
     HEALTH: ("machines", "unavailability", DEADLETTER, SCHEMAS),
@@ -55,19 +58,21 @@ WRITES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     SRM: ("intents", DEADLETTER, SCHEMAS),
     LENDER: ("loans", "intents", "unavailability", DEADLETTER, SCHEMAS),  # intents: a borrower's quota
 })
+# Every principal that produces entitlement-keyed records reads the partition map (streams/partitionmap.py).
 READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     API: (*DATA, SCHEMAS),  # state, replay, the verdict of a submission, server-sent events
-    SCHEDULER: ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", SCHEMAS),
-    ALLOCATOR: ("intents", "machines", "unavailability", "allocations", "state.machines", SCHEMAS),
-    RESOURCEBROKER: ("machines", "unavailability", SCHEMAS),
-    HEALTH: ("machines", "heartbeats", SCHEMAS),
-    AGENT: ("tasks", "allocations", SCHEMAS),
-    CONTROLLER: ("taskcontrol", SCHEMAS),
-    REBALANCER: ("intents", "machines", "unavailability", "allocations", "state.jobs", SCHEMAS),  # its TOPICS
-    SIDEKICK: ("intents", "machines", "unavailability", "allocations", "tasks", SCHEMAS),
-    JOBCONTROL: ("intents", SCHEMAS),
-    SRM: ("intents", "metrics", SCHEMAS),
-    LENDER: ("machines", "intents", "unavailability", "allocations", "loans", SCHEMAS),
+    SCHEDULER: ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "handoff", MAP,
+                SCHEMAS),
+    ALLOCATOR: ("intents", "machines", "unavailability", "allocations", "state.machines", MAP, SCHEMAS),
+    RESOURCEBROKER: ("machines", "unavailability", MAP, SCHEMAS),
+    HEALTH: ("machines", "heartbeats", MAP, SCHEMAS),
+    AGENT: ("tasks", "allocations", MAP, SCHEMAS),
+    CONTROLLER: ("taskcontrol", MAP, SCHEMAS),
+    REBALANCER: ("intents", "machines", "unavailability", "allocations", "state.jobs", MAP, SCHEMAS),  # its TOPICS
+    SIDEKICK: ("intents", "machines", "unavailability", "allocations", "tasks", MAP, SCHEMAS),
+    JOBCONTROL: ("intents", MAP, SCHEMAS),
+    SRM: ("intents", "metrics", MAP, SCHEMAS),
+    LENDER: ("machines", "intents", "unavailability", "allocations", "loans", MAP, SCHEMAS),
 })
 # faust apps: principal -> app id (its consumer group `<prefix><app>` and internal topics `<prefix><app>-...`).
 FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})
@@ -172,8 +177,47 @@ def wait_for(futures: Iterable) -> None:
 
 def provision_region(cfg, admin=None, *, wait: bool = True):
     """``provision`` for the region of ``cfg`` (its topic prefix, the users of its secrets directory); nothing when
-    the region has no Kafka credentials (a broker without authentication)."""
-    return provision(admin or _admin(cfg), cfg.topic_prefix, _users(cfg), wait=wait)
+    the region has no Kafka credentials (a broker without authentication). Waited for (``wait``), on a cluster of
+    several brokers it returns once each of them enforces the bindings (``wait_until_known``)."""
+    admin = admin or _admin(cfg)
+    out = provision(admin, cfg.topic_prefix, _users(cfg), wait=wait)
+    if wait and out:
+        brokers = admin.list_topics(timeout=15).brokers
+        if len(brokers) > 1:
+            wait_until_known(cfg.kafka_conf(), brokers, bindings(cfg.topic_prefix, _users(cfg)))
+    return out
+
+
+def wait_until_known(conf: Mapping, brokers: Mapping, wanted: list, timeout_s: float = 60.0) -> None:
+    """Wait until each of ``brokers`` (id -> confluent ``BrokerMetadata``) describes every binding of ``wanted``. A
+    broker's authorizer learns new bindings from the controller's metadata log on its own time (seconds under load):
+    until then it refuses what they allow (a worker started at once died of TOPIC_AUTHORIZATION_FAILED). Each broker
+    is asked by a client that knows it alone (``conf`` with it as the bootstrap server)."""
+    import time
+
+    from confluent_kafka.admin import (AclBindingFilter, AclOperation, AclPermissionType, AdminClient,
+                                       ResourcePatternType, ResourceType)
+
+    def key(b) -> tuple:
+        return (b.restype, b.name, b.resource_pattern_type, b.principal, b.host, b.operation, b.permission_type)
+
+    every = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None, AclOperation.ANY,
+                             AclPermissionType.ANY)
+    want = {key(b) for b in wanted}
+    deadline = time.monotonic() + timeout_s
+    for b in brokers.values():
+        admin = AdminClient({**conf, "bootstrap.servers": f"{b.host}:{b.port}", "log_level": 0})
+        while True:
+            try:
+                missing = len(want - {key(x) for x in admin.describe_acls(every, request_timeout=5).result()})
+            except Exception:  # noqa: BLE001 - not answering: asked again
+                missing = len(want)
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"broker {b.id} ({b.host}:{b.port}) does not know {missing} of the region's "
+                                   f"{len(want)} ACL bindings {timeout_s:.0f}s after they were created")
+            time.sleep(0.2)
 
 
 def drop_region(cfg, admin=None, *, wait: bool = True):

@@ -12,7 +12,8 @@ targets (the supervisor's too) reported ``ropewalk_index_staleness_seconds 0`` a
 no ``_created`` series (``disable_created_metrics``), and every target has ``ropewalk_build_info`` (version, git
 revision, Python) and the process's own ``process_*``/``python_*`` series.
 
-Each worker serves its registry over HTTP (``serve``): on an ephemeral port on 127.0.0.1, written to
+Each worker serves its registry over HTTP (``serve``): on an ephemeral port on 127.0.0.1 (``ROPEWALK_METRICS_ADDR``
+``HOST:PORT`` says otherwise: a worker on another machine, scraped from the Prometheus host), written to
 ``<run dir>/metrics/<worker>.port``; ``targets(run_dir)`` lists them and ``write_file_sd`` writes a Prometheus
 ``file_sd_configs`` file (``<run dir>/metrics/targets.json``) that `ropewalk up` prints. The HTTP API serves the same
 registry on its own port at ``/metrics``. An ephemeral port never collides with another region on the machine
@@ -32,6 +33,7 @@ from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 log = logging.getLogger(__name__)
 METRICS_DIR = "metrics"
 TARGETS_FILE = "targets.json"
+METRICS_ADDR_ENV = "ROPEWALK_METRICS_ADDR"  # HOST:PORT a worker serves its metrics on (default 127.0.0.1:0)
 # Latencies of a control plane: from a few ms (one decision) to minutes (a big job through a busy region).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # One placement decision of the allocator: from tens of microseconds (a task on a small region) to seconds.
@@ -211,12 +213,15 @@ def serve(run_dir: Path | str, worker: str, owns: tuple[Metric, ...] = (), **ser
     """Serve this process's metrics on an ephemeral port of 127.0.0.1 and write the port to
     ``<run dir>/metrics/<worker>.port``; the port, or None when it could not (logged; the worker goes on).
     ``owns``/``series``: the metrics it exports from the start (``own``)."""
+    import os
+
     from prometheus_client import start_http_server
 
     own(*owns, **series)
     build_info(worker)
+    host, _, port = (os.environ.get(METRICS_ADDR_ENV) or "127.0.0.1:0").rpartition(":")
     try:
-        server, _thread = start_http_server(0, addr="127.0.0.1")
+        server, _thread = start_http_server(int(port or 0), addr=host or "127.0.0.1")
         port = server.server_address[1]
         d = Path(run_dir) / METRICS_DIR
         d.mkdir(parents=True, exist_ok=True)
@@ -224,8 +229,9 @@ def serve(run_dir: Path | str, worker: str, owns: tuple[Metric, ...] = (), **ser
         tmp.write_text(f"{port}\n")
         tmp.replace(d / f"{worker}.port")
         return port
-    except OSError as exc:
-        log.warning("%s: metrics not served: %s", worker, exc)
+    except (OSError, ValueError) as exc:
+        log.warning("%s: metrics not served (%s=%r): %s", worker, METRICS_ADDR_ENV, os.environ.get(METRICS_ADDR_ENV),
+                    exc)
         return None
 
 

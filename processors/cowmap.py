@@ -93,5 +93,23 @@ class CowMap(Mapping[str, V], Generic[V]):
         new._shards, new._len = tuple(shards), size
         return new
 
+    def without(self, keys: Iterable[str]) -> "CowMap[V]":
+        """A new map without ``keys`` (those it holds); this one is unchanged."""
+        by_shard: dict[int, list[str]] = {}
+        for key in keys:
+            if key in self:
+                by_shard.setdefault(_shard_of(key), []).append(key)
+        if not by_shard:
+            return self
+        shards = list(self._shards)
+        size = self._len
+        for i, gone in by_shard.items():
+            shard = {k: v for k, v in shards[i].items() if k not in gone}
+            size -= len(shards[i]) - len(shard)
+            shards[i] = shard if shard else _NO_ENTRIES
+        new = CowMap.__new__(CowMap)
+        new._shards, new._len = tuple(shards), size
+        return new
+
     def __repr__(self) -> str:
         return f"CowMap({len(self)} entries)"

@@ -27,7 +27,8 @@ from collections.abc import Iterable
 from infra import metrics
 from infra.config import Config
 from processors.worker import LoopWorker, close_clients
-from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
+from streams.partitionmap import routed_producer
+from streams.clients import BACKGROUND_READER, EventConsumer, Record
 from streams.deadletter import DeadLetters
 from streams.events import Event
 from streams.serde import SchemaRegistry
@@ -48,7 +49,7 @@ class Follower(LoopWorker):
         self.cfg = cfg
         self.registry = registry or SchemaRegistry.from_dir()
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
-        self.producer = EventProducer(cfg, self.registry, self.NAME)
+        self.producer = routed_producer(cfg, self.registry, self.NAME)
         self.dead_letters = DeadLetters(self.producer, self.NAME)
         self.consumer: EventConsumer | None = None
         self.background = background  # a reader nobody waits on: fetches wait to fill (BACKGROUND_READER)

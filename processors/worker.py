@@ -41,3 +41,4 @@ def close_clients(consumer, producer, log: logging.Logger, name: str, flush_s: f
         producer.flush(flush_s)
     except Exception as exc:  # noqa: BLE001 - at exit, report and go
         log.warning("%s: flush at exit: %s", name, exc)
+    producer.stop_following()

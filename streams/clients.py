@@ -19,7 +19,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
@@ -28,10 +28,17 @@ from infra.config import Config
 from streams import deadletter as dl
 from streams import schemalog
 from streams.events import Event
+from streams.retry import watermark_offsets
 from streams.serde import INVALID_EVENT, UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
-from streams.topics import BY_NAME, KEY_ENTITLEMENT, KEY_JOB, KEY_MACHINE, Topics
+from streams.topics import BY_NAME, CATALOGUE, KEY_ENTITLEMENT, KEY_JOB, KEY_MACHINE, Topics
 
 
+# The topics an EventProducer's ``route`` places: co-partitioned and keyed by entitlement (the scheduler's shards).
+ROUTED = frozenset(t.name for t in CATALOGUE if t.copartitioned and t.key == KEY_ENTITLEMENT and t.name != "handoff")
+# Record headers of a record a scheduler shard forwarded to an entitlement's new partition (on `handoff`): where the
+# original is ("<logical topic>/<partition>@<offset>") and the entitlement's move count when it was forwarded.
+FORWARDED_HEADER = "forwarded_from"
+EPOCH_HEADER = "epoch"
 PRODUCER_HEADER = "producer"  # record header: the EventProducer's name (the envelope's producer, usually)
 TYPE_HEADER = "type"  # record header: the event type (the schema's name), so readers can pass over what they ignore
 
@@ -106,8 +113,18 @@ def key_of(topic_logical: str, event: Event) -> str:
 
 
 class EventProducer:
-    def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, **conf):
+    """Produces Ropewalk events (see the module docstring). ``route``: where an entitlement's records go on the
+    co-partitioned entitlement-keyed topics (``streams/partitionmap.MapFollower``, or any entitlement -> partition
+    callable); None: the key's hash partition (a record sent to the wrong partition is forwarded by the scheduler
+    shard that finds it there, so a producer without the map is slower across a move, never wrong)."""
+
+    def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, *,
+                 route: "Callable[[str], int] | None" = None, owns_route: bool = False, **conf):
+        """``owns_route``: ``route`` is this producer's own (``partitionmap.routed_producer``'s follower), closed with
+        it."""
         self.cfg = cfg
+        self.route = route
+        self._owned_route = route if owns_route else None
         self.registry = registry
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.name = name
@@ -143,12 +160,14 @@ class EventProducer:
         return True
 
     def send(self, event: Event, *, topic: str | None = None, validate: bool = True,
-             log_timestamp_ms: int | None = None) -> None:
-        """Encode and produce asynchronously to the event's topic, keyed per the catalogue. The record's log
-        timestamp is the time of sending unless ``log_timestamp_ms`` says otherwise (an import, a test)."""
+             log_timestamp_ms: int | None = None, partition: int | None = None) -> None:
+        """Encode and produce asynchronously to the event's topic, keyed per the catalogue (to ``partition`` if
+        given, else where ``route`` or the key's hash says). The record's log timestamp is the time of sending
+        unless ``log_timestamp_ms`` says otherwise (an import, a test)."""
         self._raise_errors()
-        physical, key, value, headers = self._encoded(event, topic, validate)
-        self.send_raw(physical, key, value, timestamp_ms=log_timestamp_ms, headers=headers)
+        physical, key, value, headers, routed = self._encoded(event, topic, validate)
+        partition = routed if partition is None else partition
+        self.send_raw(physical, key, value, partition=partition, timestamp_ms=log_timestamp_ms, headers=headers)
 
     def send_all(self, events: Iterable[Event], *, validate: bool = True) -> None:
         """``send`` each, in order, but every event encoded before the first is produced: the records reach
@@ -156,17 +175,23 @@ class EventProducer:
         encoded (a scheduler batch's JobStatePublished records went out ~one produce request each when the
         5 ms linger expired in the middle of encoding them)."""
         self._raise_errors()
-        for topic, key, value, headers in [self._encoded(e, None, validate) for e in events]:
-            self.send_raw(topic, key, value, headers=headers)
+        for topic, key, value, headers, partition in [self._encoded(e, None, validate) for e in events]:
+            self.send_raw(topic, key, value, partition=partition, headers=headers)
 
-    def _encoded(self, event: Event, topic: str | None, validate: bool) -> tuple[str, bytes, bytes, list]:
-        """(physical topic, key, value, headers) of an event; its schema published first if it was not yet."""
+    def _encoded(self, event: Event, topic: str | None, validate: bool
+                 ) -> tuple[str, bytes, bytes, list, int | None]:
+        """(physical topic, key, value, headers, partition) of an event (partition None: the key's hash partition);
+        its schema published first if it was not yet."""
         logical = topic or self.topics.logical(self.topics.for_event(event.type))
         schema = self.registry.reader(event.type)
         if self._publish_schema(schema):
             self._flush_or_raise(10.0)  # the schema is on the log before any record that uses it
         value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
-        return self.topics.name(logical), key_of(logical, event).encode(), value, self.headers_for(event.type)
+        key = key_of(logical, event)
+        partition = None
+        if self.route is not None and logical in ROUTED:
+            partition = self.route(key)
+        return self.topics.name(logical), key.encode(), value, self.headers_for(event.type), partition
 
     def send_raw(self, topic: str, key: bytes | None, value: bytes | None, *, partition: int | None = None,
                  timestamp_ms: int | None = None, headers: list | None = None) -> None:
@@ -216,6 +241,14 @@ class EventProducer:
 
     def close(self) -> None:
         self.flush()
+        self.stop_following()
+
+    def stop_following(self) -> None:
+        """Close the route this producer owns (a map follower), if any; it routes by hash from then on."""
+        owned, self._owned_route = self._owned_route, None
+        if owned is not None:
+            self.route = None
+            owned.close()
 
 
 def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:
@@ -282,6 +315,7 @@ class EventConsumer:
         self._consumer = Consumer(consumer_conf(cfg, group_id or self.position_group,
                                                 **{"client.id": client_id(name), **conf}))
         self.eof: set[tuple[str, int]] = set()
+        self.eof_offsets: dict[tuple[str, int], int] = {}  # per partition, the offset of its last end reached
         self.dead_lettered = 0  # records this consumer skipped (and dead-lettered, with dead_letters)
         self._missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
         self.types = None if types is None else frozenset(types)  # None: every type is decoded
@@ -323,8 +357,7 @@ class EventConsumer:
 
     def high_watermarks(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """The broker's high watermark of each partition now (ListOffsets)."""
-        return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
-                for t, p in partitions}
+        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p))[1] for t, p in partitions}
 
     def read_up_to(self, targets: Mapping[tuple[str, int], int], start: Mapping[tuple[str, int], int]) -> bool:
         """Whether this consumer has read every partition of ``targets`` up to (below) its offset: its last record
@@ -333,8 +366,7 @@ class EventConsumer:
 
     def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(low, high) per partition as the broker lists them (ListOffsets)."""
-        return {(t, p): self._consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)
-                for t, p in self.partitions()}
+        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p)) for t, p in self.partitions()}
 
     def poll(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list[Record]:
         """Up to ``max_records`` decoded records. ``linger_s`` None: wait until ``max_records`` are there or
@@ -372,6 +404,7 @@ class EventConsumer:
                 if err.code() == KafkaError._PARTITION_EOF:
                     self.eof.add((msg.topic(), msg.partition()))
                     self._at_end[(msg.topic(), msg.partition())] = msg.offset()  # the next offset: the end
+                    self.eof_offsets[(msg.topic(), msg.partition())] = msg.offset()
                     continue
                 raise RuntimeError(f"consumer {self.name}: {err.str()}")
             self.eof.discard((msg.topic(), msg.partition()))

@@ -27,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, AsyncIterator
 
 import faust
+from faust.transport.drivers import aiokafka as faust_kafka
 
 from infra.config import Config
 from streams import schemalog
@@ -38,7 +39,7 @@ from streams.clients import Record, check_placement, header
 from streams.deadletter import DeadLetters
 from streams.events import Event
 from streams.serde import UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
-from streams.topics import Topics
+from streams.topics import Topics, replication_factor
 
 # How long routing one dead letter may wait for the broker's ack before the agent fails loudly.
 DEAD_LETTER_FLUSH_S = 15.0
@@ -63,8 +64,10 @@ def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
         "store": "memory://",
         # Keep faust's data directory under the run directory instead of `<id>-data` in the cwd.
         "datadir": str(Path(cfg.run_dir) / "faust" / "{conf.name}-data"),
-        # Internal topics faust creates (changelogs, group_by repartitions) are co-partitioned with ours.
+        # Internal topics faust creates (changelogs, group_by repartitions) are co-partitioned with ours, and
+        # replicated as ours (streams/topics.py, "Replication"; faust's default is 1 replica).
         "topic_partitions": cfg.partitions,
+        "topic_replication_factor": replication_factor(cfg),
         # The catalogue's topics are created by streams.topics.provision; faust only ever declares
         # *internal* topics (table changelogs, group_by repartition topics, the leader topic). Tables
         # need their changelogs, so declaring stays allowed (True is the default; see make_app).
@@ -101,18 +104,36 @@ def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
     }
 
 
+class IdempotentProducer(faust_kafka.Producer):
+    """faust's aiokafka producer, idempotent (as every confluent producer is: ``streams/clients.producer_conf``).
+    faust turns idempotence on only inside a transaction (``_settings_extra``); without it a send retried after a
+    broker failed over (its leader moved, a request timed out after the leader had written it) could write a record
+    twice. ``acks=all`` goes with it (faust's default too)."""
+
+    def _settings_extra(self) -> Mapping[str, Any]:
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
+
+
+class App(faust.App):
+    """A faust app whose producer is ``IdempotentProducer``."""
+
+    def _new_producer(self) -> Any:
+        return IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+
 def make_app(cfg: Config, app_id: str, **settings: Any) -> faust.App:
     """A faust app for Ropewalk's log; `settings` override `app_settings` (tests lower the timeouts).
 
     Left at faust's defaults on purpose: `producer_partitioner` (aiokafka's murmur2, which is what the
     confluent producers' `murmur2_random` computes, so keyed topics stay co-partitioned across both
-    clients), `producer_acks` (-1 = all), `processing_guarantee` (at_least_once).
+    clients), `producer_acks` (-1 = all), `processing_guarantee` (at_least_once). Its producer is idempotent
+    (``IdempotentProducer``).
     """
     conf = app_settings(cfg, app_id)
     conf.update(settings)
     app_name = conf.pop("id")
     Path(cfg.run_dir, "faust").mkdir(parents=True, exist_ok=True)
-    return faust.App(app_name, **conf)
+    return App(app_name, **conf)
 
 
 def source_topic(app: faust.App, cfg: Config, logical: str, **options: Any) -> faust.TopicT:
@@ -144,10 +165,12 @@ async def decoded(stream: faust.StreamT, registry: SchemaRegistry, dead_letters:
 
 
 async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadLetters, catalogue: Topics, *,
-                         cfg: Config | None = None, missed: dict[bytes, float] | None = None
-                         ) -> tuple[Record, Event] | None:
+                         cfg: Config | None = None, missed: dict[bytes, float] | None = None,
+                         placement_topic: str | None = None) -> tuple[Record, Event] | None:
     """One faust message as `(record, event)`, or None once a bad one is routed to `deadletter` (see `decoded`;
-    `missed` is the caller's memory of fingerprints `_schemas` did not have, kept across its messages)."""
+    `missed` is the caller's memory of fingerprints `_schemas` did not have, kept across its messages;
+    `placement_topic`: the physical topic whose rules the record must follow, when it is not the one it is on: a
+    record a scheduler shard forwarded, on `handoff`, follows its original topic's)."""
     missed = {} if missed is None else missed
     value = msg.value
     try:
@@ -165,7 +188,7 @@ async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadL
                 raise
             type_, data = registry.decode(value)
         event = Event.from_record(type_, data)
-        check_placement(catalogue, msg.topic, msg.key, event)
+        check_placement(catalogue, placement_topic or msg.topic, msg.key, event)
     except DecodeError as exc:
         await route_dead_letter(dead_letters, msg, exc.reason, exc.detail)
         return None
@@ -279,6 +302,27 @@ async def route_dead_letter(dead_letters: DeadLetters, message: Any, reason: str
 
 
 
+# -- whether the tables may be read ---------------------------------------------------------------------------------
+
+def tables_ready(app: Any) -> bool:
+    """Whether ``app``'s tables hold every partition it actively owns whole: no rebalance under way and faust's
+    recovery of the active partitions' changelogs done. Read it before deciding on the tables, and again after
+    every ``await`` that a rebalance may have come through.
+
+    How faust (faust-streaming 0.15.3, pinned) says so: a rebalance starts with ``App.on_rebalance_start`` (called
+    by the consumer's rebalance listener as the partitions are revoked, before any of the new assignment's work),
+    which sets ``app.rebalancing`` and clears ``app.tables.actives_ready``; the recovery that follows the
+    assignment (``tables/recovery.py``) reads the changelogs of the active partitions into the tables, one table's
+    topic after another, then sets ``actives_ready`` (``on_actives_ready``) and clears ``rebalancing``
+    (``on_rebalance_end``). In between the tables are a mix: a job's header may be back before the chunk it names
+    (the 2026-11-27 crash: ``MissingChunk`` in the scheduler's retry timer). ``app.in_recovery`` is not enough: it
+    is set only once the recovery starts reading (after ``stream_recovery_delay``), not from the rebalance's start;
+    ``Recovery.completed`` is set once and never cleared. Timers start only after the first recovery
+    (``App.on_started``), but keep running through later ones; agents get no records of a partition while it is
+    paused for its recovery, but a batch in hand is not taken back."""
+    return bool(app.tables.actives_ready) and not app.rebalancing
+
+
 # -- partitions faust stopped fetching ---------------------------------------------------------------------------
 UNFETCHED_AFTER_S = 30.0  # a partition out of the fetch this long, without a pause of ours: taken back (FlowWatch)
 
@@ -347,4 +391,4 @@ class FlowWatch:
 
 
 __all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter",
-           "take_batches", "FlowWatch"]
+           "take_batches", "tables_ready", "FlowWatch"]

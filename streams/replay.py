@@ -30,8 +30,9 @@ Guarantees and choices
   Only records examined are counted: a record that the entitlement narrowing (below) skips without decoding
   is not.
 * Entitlement narrowing: when `entitlement` is set, each co-partitioned (entitlement-keyed) topic is read on
-  the single partition murmur2 sends that key to (see streams/partitioner.py), and records on it with another
-  key are skipped without being decoded. This is sound whatever other filters are set: on those topics the
+  the partitions the entitlement ever lived on: the one murmur2 sends its key to (see streams/partitioner.py) and
+  those the partition map names (streams/partitionmap.py: where it was placed, moved from and to), and records
+  on them with another key are skipped without being decoded. This is sound whatever other filters are set: on those topics the
   record key IS the envelope entitlement (the consumer dead-letters a record whose key disagrees).
   Other topics (heartbeats, deadletter, state.*) are read whole and filtered on the envelope.
 * Time: `since_ms`/`until_ms` compare the event's own envelope `timestamp_ms` (since inclusive, until
@@ -53,7 +54,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 
 from infra.config import Config
@@ -66,6 +67,9 @@ from streams.serde import SchemaRegistry
 from streams.topics import BY_NAME, CATALOGUE, TOPIC_OF_EVENT, TopicError, Topics
 
 DATA_TOPICS: tuple[str, ...] = tuple(t.name for t in CATALOGUE if t.name != "_schemas")  # logical names
+# Read only when asked for by name: `handoff` holds the records a scheduler shard forwarded to an entitlement's new
+# partition (copies of records on the other topics: the same events again) and the hand-overs' parts.
+COPIES: frozenset[str] = frozenset({"handoff"})
 LOG_TIME_SLACK_MS = 5 * 60 * 1000  # how far an event's envelope time may be from its log time (seeking by time)
 
 
@@ -98,7 +102,7 @@ class ReplayFilter:
 
     def logical_topics(self) -> tuple[str, ...]:
         """The logical topics to read, in catalogue order."""
-        wanted = DATA_TOPICS if self.topics is None else set(self.topics)
+        wanted = set(DATA_TOPICS) - COPIES if self.topics is None else set(self.topics)
         return tuple(t for t in DATA_TOPICS if t in wanted)
 
 
@@ -172,9 +176,11 @@ class _BoundedConsumer(EventConsumer):
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, topics: list[str], *, narrow: Mapping[str, bytes],
                  skipped: Skipped, dead_letters, start_offsets: Mapping[tuple[str, int], int],
-                 since_ms: int | None = None, until_ms: int | None = None, types: frozenset[str] | None = None):
+                 since_ms: int | None = None, until_ms: int | None = None, types: frozenset[str] | None = None,
+                 narrow_partitions: Iterable[int] | None = None):
         # Set before super().__init__, which calls partitions() and assign().
         self.narrow = dict(narrow)
+        self.narrow_partitions = None if narrow_partitions is None else frozenset(narrow_partitions)
         self.since_ms, self.until_ms = since_ms, until_ms
         self.skipped_by_time = 0  # records never read: before the since offset or from the until offset on
         self.floor: dict[tuple[str, int], int] = {}  # ListOffsets high watermark: a lower bound of the end
@@ -187,7 +193,8 @@ class _BoundedConsumer(EventConsumer):
     def partitions(self) -> list[tuple[str, int]]:
         every = super().partitions()
         count = Counter(t for t, _ in every)
-        return [(t, p) for t, p in every if t not in self.narrow or p == partition_for(self.narrow[t], count[t])]
+        return [(t, p) for t, p in every if t not in self.narrow or p == partition_for(self.narrow[t], count[t])
+                or (self.narrow_partitions is not None and p in self.narrow_partitions)]
 
     def assign(self, start_offsets: Mapping[tuple[str, int], int]) -> None:
         marks = self.watermarks()
@@ -293,8 +300,13 @@ class Replay:
     def _run(self) -> Iterator[Record]:
         t0 = time.monotonic()
         topics, narrow = self.physical_topics()
+        places = None
+        if narrow:  # every partition the entitlement lived on (a move leaves its past on the old one)
+            from streams.partitionmap import read_map
+
+            places = read_map(self.cfg, self.registry).partitions_ever(self.filter.entitlement or "")
         consumer = _BoundedConsumer(self.cfg, self.registry, topics, narrow=narrow, skipped=self.skipped,
-                                    dead_letters=self.dead_letters,
+                                    dead_letters=self.dead_letters, narrow_partitions=places,
                                     start_offsets=self.start_offsets, since_ms=self.filter.since_ms,
                                     until_ms=self.filter.until_ms, types=self.filter.types)
         st = self.stats

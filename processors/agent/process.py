@@ -62,6 +62,7 @@ from infra.config import Config
 from infra.process import process_start_time, signal_group
 from streams.deadletter import DeadLetters
 from streams.clients import EventConsumer, EventProducer
+from streams.partitionmap import MapFollower
 from streams.events import Event
 from streams.serde import SchemaRegistry
 from streams.topics import Topics, topic_id
@@ -172,6 +173,7 @@ class ProcessAgent(LoopWorker):
         self.log_id: str | None = None  # the id of the `tasks` topic ``offsets`` are offsets of
         self.host = hp.HostState(machine_id, applied=self.profile_on_disk())
         self.state, fresh = self._load()
+        self.partition_map = MapFollower.start(cfg, self.registry, name=f"agent-{machine_id}-map")
         self.producer = self._new_producer()
         self._unsent: deque[Event] = deque()
         self._reports: list[Event] = []  # this step's TaskStateChanged reports, batched into _unsent at its end
@@ -309,7 +311,8 @@ class ProcessAgent(LoopWorker):
             self._unsent.popleft()
 
     def _new_producer(self) -> EventProducer:
-        return EventProducer(self.cfg, self.registry, f"agent/{self.machine_id}", **PRODUCER_CONF)
+        return EventProducer(self.cfg, self.registry, f"agent/{self.machine_id}", route=self.partition_map,
+                             **PRODUCER_CONF)
 
     def _act(self, act: d.Action) -> None:
         if act.kind == d.SPAWN:
@@ -531,6 +534,7 @@ class ProcessAgent(LoopWorker):
             self.producer.flush(5.0)
         except Exception as exc:  # noqa: BLE001 - at exit: logged, nothing more to do
             log.warning("agent %s: reports not delivered at exit: %s", self.machine_id, exc)
+        self.partition_map.close()
 
     def suspend_tasks(self) -> None:
         """Stop every task's process group (SIGTERM, SIGKILL after the grace) and tell ``decide`` (``Suspended``)."""

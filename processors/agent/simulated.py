@@ -54,6 +54,7 @@ from types import MappingProxyType
 from typing import Iterable, Sequence
 
 from infra.config import Config
+from streams.partitionmap import routed_producer
 from streams.clients import EventConsumer, EventProducer
 from streams.deadletter import DeadLetters
 from streams.events import Event
@@ -116,7 +117,7 @@ class SimulatedAgents(LoopWorker):
         self.profile_switch_scale = (float(os.environ.get("ROPEWALK_PROFILE_SWITCH_SCALE", "1"))
                                      if profile_switch_scale is None else profile_switch_scale)
         self.profile_failures = frozenset(profile_failures)
-        self.producer = EventProducer(cfg, self.registry, name, **PRODUCER_CONF)  # task reports, dead letters
+        self.producer = routed_producer(cfg, self.registry, name, **PRODUCER_CONF)  # task reports, dead letters
         self.beats = EventProducer(cfg, self.registry, name, **HEARTBEAT_PRODUCER_CONF)
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.topic = topics.name("tasks")
@@ -432,6 +433,7 @@ class SimulatedAgents(LoopWorker):
         self.send_reports(now_ms())
         self.producer.flush()
         self.beats.flush()
+        self.producer.stop_following()
         self.save()  # after the flush: the reports of the saved state are on the log
 
 

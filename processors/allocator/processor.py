@@ -77,7 +77,9 @@ from infra.config import Config
 from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
 )
-from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, IndexLost, MachineIndex, text
+from processors.allocator.index import (
+    DEFAULT_CONSUMER, FENCED, FORMAT, JOURNALED, Decision, IndexLost, MachineIndex, text,
+)
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
 from streams.batches import ENVELOPE_BYTES, size_of, split
 from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
@@ -85,6 +87,8 @@ from streams.deadletter import DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import make_app
 from streams.heap import GrowthFreezer, folding
+from streams.partitionmap import MapEntry, MapFollower
+from streams.partitioner import partition_for
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics, free_pool_key
@@ -325,6 +329,26 @@ def in_decision_order(batch: Sequence[T], partition: Callable[[T], int], when_ms
     return sorted(batch, key=lambda item: (partition(item) - when_ms) % partitions)
 
 
+def drain_of(entry: "MapEntry | None", partition: int) -> tuple[int, int] | None:
+    """The requests a request of an entitlement on ``partition`` must wait for, by the partition map's ``entry`` of
+    the entitlement: (the partition it moved from, the end of that partition of allocations when it left), when
+    ``partition`` is where it moved to; None when it never moved, or ``partition`` is one it left (its requests there
+    precede the move). Pure. (The scheduler's README, "Moving an entitlement": a job's requests are decided in the
+    order they were asked, across the move.)"""
+    if entry is None or entry.epoch == 0 or entry.drain_offset is None:
+        return None
+    target = entry.moving_to if entry.moving_to is not None else entry.partition
+    if partition != target:
+        return None
+    source = entry.partition if entry.moving_to is not None else (entry.history[-1] if entry.history else None)
+    return None if source is None or source == target else (source, entry.drain_offset)
+
+
+def expected_partitions(entry: "MapEntry | None", hash_partition: int) -> set[int]:
+    """The partitions an entitlement's requests may be on, by what the map says (else: the map is behind). Pure."""
+    return {hash_partition} if entry is None else {hash_partition, *entry.partitions_ever}
+
+
 @dataclass
 class Pending:
     event: Event  # the AllocationRequested
@@ -349,8 +373,9 @@ class Allocator:
     def __init__(self, cfg: Config, registry: SchemaRegistry, redis_client: redis.Redis,
                  producer: EventProducer | None, *, consumer: str = DEFAULT_CONSUMER,
                  max_attempts: int = MAX_ATTEMPTS, batch: int = BATCH_REQUESTS,
-                 publish_interval_s: float = PUBLISH_INTERVAL_S):
+                 publish_interval_s: float = PUBLISH_INTERVAL_S, partition_map: "MapFollower | None" = None):
         self.cfg = cfg
+        self.partition_map = partition_map  # where entitlements live (drain_of); None: none ever moves
         self.registry = registry
         self.r = redis_client
         self.producer = producer
@@ -420,7 +445,8 @@ class Allocator:
             self.fold.drain_changes()
             self.fold.index  # noqa: B018 - built now, in bulk, not by the first request after a start
             generation = self.index.read_generation()  # None: emptied (or never written whole)
-            behind = generation is None or self._redis_behind()
+            # emptied, lagging the fold, or written in an older layout (without the quota's held sets)
+            behind = generation is None or self._redis_behind() or self.index.format() != FORMAT
             projected = self.index.project_all(self.fold) if behind else 0
             self._adopt_index(refence=generation is None or generation != self.index.generation)
             self.caught_up = True
@@ -535,18 +561,42 @@ class Allocator:
         out: list[Event] = []
         while not self.stale:
             with self.lock:
-                ready = [pd for rid, pd in self.pending.items() if pd.partition in self.owned
-                         and not self.fold.is_decided(rid)][:self.batch]
                 for rid in [rid for rid in self.pending if self.fold.is_decided(rid)]:
                     del self.pending[rid]  # answered on the log meanwhile (another owner, or redelivered)
+                ready = [pd for rid, pd in self.pending.items() if pd.partition in self.owned
+                         and not self.held_back(pd)][:self.batch]
                 if not ready:
                     break
                 events = self._decide_batch(ready)
             out += events
         return out
 
+    def held_back(self, pd: Pending) -> bool:
+        """Whether a request waits for requests of its entitlement asked before it moved to this partition: until
+        the fold has read the partition it came from up to the move's drain offset, and none of its requests there
+        is pending (``drain_of``). A request on a partition the map does not know for its entitlement makes the map
+        catch up first (the move that brought it there is on the map before any request is asked there)."""
+        if self.partition_map is None:
+            return False
+        ent = pd.event.entitlement
+        entry = self.partition_map.entry(ent)
+        if pd.partition not in expected_partitions(entry, partition_for(ent, self.cfg.partitions)):
+            self.partition_map.catch_up(5.0)
+            entry = self.partition_map.entry(ent)
+        drain = drain_of(entry, pd.partition)
+        if drain is None:
+            return False
+        source, offset = drain
+        if self.fold.marks.get((self.allocations, source), -1) < offset - 1:
+            return True
+        return any(other.partition == source and other.event.entitlement == ent for other in self.pending.values())
+
     def _decide_batch(self, batch: list[Pending]) -> list[Event]:
         produced: list[Event] = []
+        # What the fold applied since the last projection is in Redis before anything is committed against it: a
+        # machine changed by a record of this poll would otherwise meet its older version in Redis, and the reload
+        # that answers a conflict would take that older state back into the fold (the change lost).
+        self.project_changes()
         todo = batch
         while todo:
             ts = self._last_ts = max(int(time.time() * 1000), self._last_ts + 1)  # one batch, one decision time
@@ -583,10 +633,10 @@ class Allocator:
                 elif res.outcome == FENCED:
                     reload |= p.touched
                     self.pending.pop(p.pending.event.event_id, None)  # another process owns its partition now
-                else:  # CONFLICT: the fold was behind Redis for these machines
+                else:  # CONFLICT: the fold was behind Redis for these machines (or the entitlement's quota)
                     metrics.ALLOCATION_ATTEMPTS.labels(result="conflict").inc(
                         len(p.pending.event.payload["place_task_ids"]))
-                    reload |= p.touched | set(res.conflicts)
+                    reload |= p.touched | set(res.conflicts) | self._unknown_held(p.pending.event.entitlement, res.held)
                     if p.pending.attempts >= self.max_attempts:
                         finished.append((p.pending, self._exhausted(p.pending, res.conflicts, ts)))
                     else:
@@ -634,9 +684,10 @@ class Allocator:
         events = (freeing + placing) or nothing_freed(request, ts)
         touched = machines_of(events)
         res = p["resources"]  # every decision is committed, a rejection too: journaled, so it can be given again
+        ent = self.fold.entitlement(request.entitlement)  # the quota the plan kept: Redis checks it again
         decision = Decision(request.event_id, pd.partition, self.owned.get(pd.partition), request.entitlement,
                             res["cpu_millicores"], res["memory_mib"], frees, released, plan_rows,
-                            dump_events(events))
+                            dump_events(events), quota=ent.quota_machines if ent is not None else None)
         return _Planned(pd, events, decision, touched)
 
     def _free(self, request: Event, ts: int) -> list[Event]:
@@ -703,6 +754,12 @@ class Allocator:
         return rejection_events(pd.event, p["place_task_ids"], COMMIT_RETRIES_EXHAUSTED,
                                 f"{len(p['place_task_ids'])} tasks of job {p['job_id']} unplaced: {pd.attempts} commit "
                                 f"attempts met conflicts ({reasons})", {}, ts)
+
+    def _unknown_held(self, entitlement: str, held: Iterable[str]) -> set[str]:
+        """Of the machines Redis says ``entitlement`` holds (a CONFLICT_QUOTA's ``held``), those the fold does not
+        know it holds: another allocator added them (a decision for the same entitlement on another partition)."""
+        machines = self.fold.machines
+        return {mid for mid in held if (m := machines.get(mid)) is not None and m.entitlement != entitlement}
 
     def _reload(self, machine_ids: Iterable[str]) -> None:
         """Take these machines back from Redis into the fold (Redis was ahead: another allocator, or a journaled
@@ -908,11 +965,15 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
     """The allocator's faust app, its (ownership-only) agent, and the ``Allocator`` it drives."""
     registry = registry or SchemaRegistry.from_dir()
     catalogue = Topics(cfg.topic_prefix, cfg.partitions)
-    producer = EventProducer(cfg, registry, PRODUCER)
+    partition_map = MapFollower.start(cfg, registry, name="allocator-map")
+    producer = EventProducer(cfg, registry, PRODUCER, route=partition_map)
     dead_letters = DeadLetters(producer, PRODUCER)
     allocator = Allocator(cfg, registry, redis_client or cfg.redis_client(), producer,
-                          consumer=consumer)
-    app = make_app(cfg, APP_ID, **settings)
+                          consumer=consumer, partition_map=partition_map)
+    # No tables, so no standby copies of them: without standbys faust's assignor also rebalances towards an even
+    # split when an allocator joins (with them it leaves each member what it holds up to ceil(partitions / members),
+    # and a joining allocator could get nothing: README, "A region on several machines").
+    app = make_app(cfg, APP_ID, **{"table_standby_replicas": 0, **settings})
     allocations = app.topic(catalogue.name("allocations"), key_serializer="raw", value_serializer="raw",
                             partitions=cfg.partitions)
     stop = threading.Event()

@@ -11,6 +11,7 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 | GET /v1/entitlements                  | entitlement.view       | the entitlements the user may see |
 | POST /v1/entitlements                 | entitlement.quota      | 201, EntitlementCreated |
 | PATCH /v1/entitlements/{name}         | entitlement.update; a quota: entitlement.quota | 202, EntitlementUpdated |
+| POST /v1/entitlements/{name}/move     | entitlement.move       | 202, EntitlementMoveRequested; with wait_s, once it moved (409: refused) |
 | GET /v1/jobs[?entitlement=]           | job.view               | job views (all the user may see) |
 | POST /v1/jobs[?wait=&timeout_s=]      | job.submit             | 201 accepted, 409 refused (reason), 202 pending / not waited |
 | GET /v1/jobs/{job}[?at=]              | job.view               | the job's view (`job status --json`); `at`: as it was then; a job stopped and gone: its last state, `deleted` |
@@ -149,6 +150,12 @@ class EntitlementUpdate(Strict):
     host_profile: str | None = None
 
 
+class EntitlementMove(Strict):
+    partition: int
+    reason: str = ""
+    wait_s: float | None = Field(None, ge=0, le=600)
+
+
 class Resize(Strict):
     tasks: int
 
@@ -238,9 +245,14 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.producer = EventProducer(cfg, registry, PRODUCER, **{"message.timeout.ms": 15000})
+        from streams.partitionmap import MapFollower
+
+        app.state.partition_map = await run_in_threadpool(MapFollower.start, cfg, registry, name="api-map")
+        app.state.producer = EventProducer(cfg, registry, PRODUCER, route=app.state.partition_map,
+                                           **{"message.timeout.ms": 15000})
         yield
         await run_in_threadpool(app.state.producer.flush, 10)
+        await run_in_threadpool(app.state.partition_map.close)
 
     app = FastAPI(title="Ropewalk API", version="1", lifespan=lifespan,
                   description="The control plane of a Ropewalk region for authenticated users: entitlements, jobs, "
@@ -254,7 +266,8 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
             raise ApiError(403, d.reason, d.message)
 
     def front(user: User) -> Frontend:
-        return Frontend(cfg, registry, principal=user.name, producer=PRODUCER, events=app.state.producer)
+        return Frontend(cfg, registry, principal=user.name, producer=PRODUCER, events=app.state.producer,
+                        partition_map=app.state.partition_map)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -322,6 +335,11 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                                  user: CurrentUser) -> dict:
         allow(user, "entitlement.quota" if body.quota_machines is not None else "entitlement.update", name)
         return await call(front(user).entitlement_update, name, body.model_dump())
+
+    @app.post("/v1/entitlements/{name}/move", status_code=202, tags=["entitlements"])
+    async def entitlement_move(name: Name, body: EntitlementMove, user: CurrentUser) -> dict:
+        allow(user, "entitlement.move", name)
+        return await call(front(user).entitlement_move, name, body.partition, body.reason, wait_s=body.wait_s)
 
     # -- jobs ------------------------------------------------------------------------------------------------
     @app.get("/v1/jobs", tags=["jobs"])

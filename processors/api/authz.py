@@ -50,6 +50,7 @@ ACTIONS: Mapping[str, str] = MappingProxyType({
     "job.stop": OPERATOR,
     "entitlement.update": OWNER,
     "entitlement.quota": REGION_ADMIN,
+    "entitlement.move": REGION_ADMIN,  # to another scheduler shard: the region's balance, not the entitlement's
     "machine.fail": REGION_ADMIN,
     "machine.recover": REGION_ADMIN,
     "maintenance.plan": REGION_ADMIN,

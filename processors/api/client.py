@@ -82,6 +82,10 @@ class ApiClient:
     def entitlements(self) -> list[dict]:
         return self._json("GET", "/v1/entitlements")
 
+    def entitlement_move(self, name: str, partition: int, reason: str = "", *, wait_s: float | None = None) -> dict:
+        return self._json("POST", f"/v1/entitlements/{_q(name)}/move",
+                          {"partition": partition, "reason": reason, "wait_s": wait_s})
+
     def job_status(self, job: str, at: str | None = None) -> dict:
         return self._json("GET", f"/v1/jobs/{_q(job)}", query={"at": at})
 

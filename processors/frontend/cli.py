@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-from infra.broker import BrokerLayout
 from infra.config import Config
 from processors.frontend.console import (  # what every command uses (processors/frontend/commands/ too)
     AT_HELP, CliError, Progress, _ago, _duration_ms, _front, _parse_time, _print, _registry, _require_broker, _table,
@@ -56,17 +55,28 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     from infra import acls, services
     from infra.config import remember_endpoints
     from processors import controlplane
-    from streams.topics import provision
+    from streams.topics import provision, replication_factor
 
+    cfg = _with_brokers(cfg, args.brokers)
+    running = controlplane.running_counts(cfg)
+    try:  # refused before anything starts
+        controlplane.check_counts(cfg, args.schedulers if args.schedulers is not None else running["scheduler"] or 1,
+                                  args.allocators if args.allocators is not None else running["allocator"] or 1)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     step("starting the broker and Redis")
     try:
         st = services.up(cfg)
     except services.InfraError as exc:
         raise CliError(_remembered_hint(str(exc))) from None
     remember_endpoints()  # a new shell without the variables finds this region (infra/config.py)
+    from infra.credentials import write_principal_files
+
+    write_principal_files(cfg.secrets)  # one file per principal: what a worker on another machine is given
     admin = _admin(cfg)
     step("provisioning topics and ACLs")
-    prov = provision(admin, _topics(cfg))
+    prov = provision(admin, _topics(cfg), replication=replication_factor(cfg, admin), conf=cfg.kafka_conf())
+    cfg = cfg.with_(replication_factor=prov["replication_factor"])  # the workers' (faust's changelogs)
     acls.provision_region(cfg, admin)  # what each component's principal may do (infra/acls.py)
     from processors.api.users import ensure_admin
 
@@ -74,7 +84,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     if args.machines > 0:
         step(f"starting the control plane; waiting until its {args.machines + 1} machines are in the allocator's "
              f"index (at most {controlplane.READY_TIMEOUT_S:.0f} s)")
-    region = controlplane.up(cfg, args.machines) if args.machines > 0 else {"workers": {}, "ready": True}
+    region = (controlplane.up(cfg, args.machines, schedulers=args.schedulers, allocators=args.allocators)
+              if args.machines > 0 else {"workers": {}, "ready": True})
     cp = region["workers"]
     if args.machines > 0 and region["ready"] and not args.no_demo:
         step(f"starting the demo job {DEMO_ENTITLEMENT}.{DEMO_JOB} (at most {DEMO_WAIT_S:.0f} s)")
@@ -84,10 +95,13 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
            "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
            "machines_up": region.get("machines_up", 0), "machines_indexed": region.get("machines_indexed", 0),
+           "schedulers": region.get("schedulers"), "allocators": region.get("allocators"),
+           "retired": sorted(region.get("retired") or ()),
            "ready": region["ready"], "demo": demo, "metrics": scrape,
            "seconds": round(time.monotonic() - t0, 2)}
     lines = [
-        f"broker  {cfg.bootstrap_servers}  ({'embedded Apache Kafka, pid %s, data in %s' % (st['broker'].get('pid'), BrokerLayout.of(cfg).data) if cfg.embedded_broker else 'external'})",
+        f"broker  {cfg.bootstrap_servers}  ({services.broker_text(cfg, st['broker']) if cfg.embedded_broker else 'external'}"
+        f"; topics replicated {prov['replication_factor']} times)",
         f"redis   {cfg.redis_url}  ({'private redis-server, pid %s' % st['redis'].get('pid') if cfg.embedded_redis else 'external'})",
         f"topics  {len(prov['topics'])} ready ({len(prov['created'])} created), {cfg.partitions} partitions per entitlement-keyed topic",
         f"logs    {cfg.run_dir}",
@@ -96,7 +110,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
         by_status = ", ".join(f"{n} {s}" for s, n in sorted(region["machines_by_status"].items()))
         lines.append(f"region  {region['machines_indexed']} machines in the index ({by_status}; {args.machines} "
                      f"simulated + {controlplane.LOCAL_MACHINE_ID} run by the process agent); workers: "
-                     + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running")))
+                     + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running"))
+                     + (f"; stopped for good: {', '.join(sorted(region['retired']))}" if region.get("retired") else ""))
         if demo:
             lines.append(f"demo    job {demo['job']} ({demo['state']}) runs `{' '.join(demo['command'])}` as a real "
                          f"process on {controlplane.LOCAL_MACHINE_ID}; its output: {demo['logs']}")
@@ -119,8 +134,27 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
                        + f"; see {cfg.run_dir}/<name>.log")
     if not region["ready"]:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
-                       f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
+                       f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator-0.log")
     return 0
+
+
+def _with_brokers(cfg: Config, brokers: int | None) -> Config:
+    """`up --brokers N` (or ROPEWALK_BROKERS): the embedded cluster of N nodes; neither: the cluster the run directory
+    holds (infra/config.held_brokers), else one node. Remembered with the endpoints, for `status` and `down` in
+    another shell. (A run directory holding another number of nodes is refused when the broker starts.)"""
+    from infra.config import check_brokers, held_brokers
+
+    if not cfg.embedded_broker:
+        if brokers is not None:
+            raise CliError("--brokers: the broker is external (ROPEWALK_BOOTSTRAP_SERVERS); its nodes are yours to run")
+        return cfg
+    asked = brokers if brokers is not None else (cfg.brokers if os.environ.get("ROPEWALK_BROKERS") else None)
+    try:
+        cfg = cfg.with_brokers(check_brokers(asked or held_brokers(cfg.run_dir)))
+    except ValueError as exc:
+        raise CliError(f"--brokers: {exc}") from None
+    os.environ["ROPEWALK_BROKERS"] = str(cfg.brokers)
+    return cfg
 
 
 def _remembered_hint(error: str) -> str:
@@ -239,10 +273,11 @@ def cmd_status(cfg: Config, args) -> int:
         doc["topic_offsets"] = _topic_offsets(cfg)
         doc["topics"] = {t: o["records"] for t, o in doc["topic_offsets"].items()}  # as it always was: high - low
         doc["restored"] = restore_note(cfg)
-    lines = [_table(["SERVICE", "STATE", "ENDPOINT", "PID", "RESTARTS"],
+    lines = [_table(["SERVICE", "STATE", "ENDPOINT", "PID", "RESTARTS", "DETAIL"],
                     [[name, "ready" if s["ready"] else "DOWN", s["endpoint"],
                       s.get("pid") if s.get("embedded") and s.get("pid") else "-",
-                      programs[name]["restarts"] if name in programs else "-"] for name, s in st.items()], "")]
+                      programs[name]["restarts"] if name in programs else "-", s.get("detail") or ""]
+                     for name, s in st.items()], "")]
     if programs:
         lines.append(f"supervisor {'running  pid %d' % sup_pid if sup_pid else 'NOT RUNNING (nothing restarts a worker that dies)'}")
     if workers:
@@ -267,6 +302,7 @@ def _topic_offsets(cfg: Config) -> dict[str, dict]:
     from confluent_kafka import Consumer, TopicPartition
 
     from infra.acls import reader_group
+    from streams.retry import watermark_offsets
     from streams.topics import CATALOGUE
 
     compacted = {_topics(cfg).name(s.name) for s in CATALOGUE if s.config.get("cleanup.policy") == "compact"}
@@ -278,7 +314,7 @@ def _topic_offsets(cfg: Config) -> dict[str, dict]:
             t = md.topics.get(name)
             if t is None or t.error is not None:
                 continue
-            marks = [c.get_watermark_offsets(TopicPartition(name, p), timeout=5) for p in t.partitions]
+            marks = [watermark_offsets(c, TopicPartition(name, p), 5) for p in t.partitions]
             out[name] = {"partitions": len(marks), "start_offsets": sum(lo for lo, _ in marks),
                          "end_offsets": sum(hi for _, hi in marks), "records": sum(hi - lo for lo, hi in marks),
                          "compacted": name in compacted}
@@ -368,6 +404,26 @@ def cmd_entitlement_update(cfg: Config, args) -> int:
     return 0
 
 
+def _partition_cell(row: dict) -> str:
+    """Where an entitlement lives (its scheduler shard's partition), and where it moves to if it does."""
+    if row.get("partition") is None:
+        return "-"
+    return f"{row['partition']}->{row['moving_to']}" if row.get("moving_to") is not None else str(row["partition"])
+
+
+def cmd_entitlement_move(cfg: Config, args) -> int:
+    doc = _front(cfg, args).entitlement_move(args.name, args.partition, args.reason,
+                                             wait_s=None if args.no_wait else args.wait_s)
+    text = (f"{doc['entitlement']}: {doc['state']} from partition {doc['from_partition']} to "
+            f"{doc['to_partition']}")
+    _print(doc, args.json, text)
+    if doc["state"] not in ("moved", "requested"):
+        raise CliError(f"{doc['entitlement']} did not arrive on partition {doc['to_partition']} within "
+                       f"{args.wait_s:.0f} s (state: {doc['state']}); `ropewalk entitlement get {doc['entitlement']}` "
+                       f"shows where it lives")
+    return 0
+
+
 def cmd_entitlement_list(cfg: Config, args) -> int:
     rows = _front(cfg, args).entitlements()
     if getattr(args, "name", None) is not None:  # `entitlement get NAME`
@@ -377,9 +433,9 @@ def cmd_entitlement_list(cfg: Config, args) -> int:
                            f"shows them")
         rows = found
     _print(rows[0] if getattr(args, "name", None) is not None else rows, args.json,
-           _table(["ENTITLEMENT", "QUOTA", "MACHINE-TYPE", "DC", "HOST-PROFILE"],
+           _table(["ENTITLEMENT", "QUOTA", "MACHINE-TYPE", "DC", "HOST-PROFILE", "PARTITION"],
                   [[r["entitlement"], r["quota_machines"], r["machine_type"] or "-", r["dc_pin"] or "-",
-                    r.get("host_profile") or "-"] for r in rows], "no entitlements"))
+                    r.get("host_profile") or "-", _partition_cell(r)] for r in rows], "no entitlements"))
     return 0
 
 
@@ -655,10 +711,11 @@ def cmd_rebuild(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
 
     _require_broker(cfg)
-    pid = controlplane.worker_pid(cfg, "allocator")
-    allocator = {"running": pid is not None, "pid": pid}
+    pids = {n: p for n in controlplane.allocator_names(cfg) if (p := controlplane.worker_pid(cfg, n)) is not None}
+    pid = ", ".join(map(str, pids.values())) if pids else None
+    allocator = {"running": bool(pids), "pid": pid}
     if allocator["running"] and not args.force:
-        raise CliError(f"the allocator is running (pid {pid}); stop it first (`ropewalk down`, then `ropewalk up "
+        raise CliError(f"an allocator is running ({', '.join(f'{n} pid {p}' for n, p in pids.items())}); stop it first (`ropewalk down`, then `ropewalk up "
                        f"--machines 0` for the broker and Redis alone; `ropewalk up` after the rebuild), or pass "
                        f"--force (a running allocator also rewrites an index it finds emptied)")
     with Progress() as progress:
@@ -698,7 +755,7 @@ def cmd_restore(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
     from streams import archive as ar
 
-    running = [n for n in controlplane.NAMES if controlplane.worker_pid(cfg, n) is not None]
+    running = [n for n in controlplane.known_workers(cfg) if controlplane.worker_pid(cfg, n) is not None]
     if running:
         raise CliError(f"the control plane is running ({', '.join(running)}); `ropewalk down` first: restored "
                        f"processors must start from the restored positions")
@@ -918,6 +975,16 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
                     help="simulated machines of the local region (0: infrastructure and topics only)")
     sp.add_argument("--no-demo", action="store_true",
                     help="do not create the demo entitlement and job (demo.hello on the process agent)")
+    sp.add_argument("--brokers", type=int, default=None,
+                    help="nodes of the embedded Kafka cluster: 1, or 3 and more (each topic replicated 3 times, "
+                         "min.insync.replicas 2); default: the cluster the run directory holds, else 1 "
+                         "(ROPEWALK_BROKERS)")
+    sp.add_argument("--schedulers", type=int, metavar="N",
+                    help="scheduler shards, each its own process (scheduler-0..N-1), splitting the partitions; a "
+                         "later `up` with another N adds or stops shards (default: as many as run, else 1)")
+    sp.add_argument("--allocators", type=int, metavar="M",
+                    help="allocators, each its own process (allocator-0..M-1), splitting the allocations "
+                         "partitions (default: as many as run, else 1)")
     sp = cmd("down", cmd_down, "stop everything `up` started (the supervisor, every worker, Redis, the broker); the "
              "process agent stops its tasks (started again at the next `up`)")
     sp.add_argument("--keep-tasks", action="store_true",
@@ -948,6 +1015,16 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     sp.add_argument("--host-profile")
     sp.add_argument("--machine-type")
     sp.add_argument("--dc")
+    sp.add_argument("--json", action="store_true")
+    sp = user_command(ent.add_parser(
+        "move", help="move an entitlement to another partition (another scheduler shard), its jobs running on "
+                     "(region admin); waits until it lives there"))
+    sp.set_defaults(fn=cmd_entitlement_move)
+    sp.add_argument("name")
+    sp.add_argument("--partition", type=int, required=True, help="the partition it is to live on")
+    sp.add_argument("--reason", default="", help="why (kept on the log)")
+    sp.add_argument("--no-wait", action="store_true", help="return once the request is on the log")
+    sp.add_argument("--wait-s", type=float, default=60.0, help="how long to wait for it to arrive (default 60)")
     sp.add_argument("--json", action="store_true")
     sp = user_command(ent.add_parser("list", help="the entitlements you may see"))
     sp.set_defaults(fn=cmd_entitlement_list)

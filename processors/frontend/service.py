@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping
 from infra.config import Config
 from streams.deadletter import Skipped
 from streams.events import Event, new_event
+from streams.partitionmap import REASON_CREATED, MapEntry, assignment_event, least_loaded
 from streams.serde import SchemaRegistry
 
 # Reasons (FrontendError.reason) and the HTTP status each answers with.
@@ -91,17 +92,57 @@ def spec_payload(data: Any, entitlement: str | None, max_tasks: int, where: str 
         raise FrontendError(INVALID_REQUEST, f"{where}{exc}") from None
 
 
+class MoveWatch:
+    """Waits for the outcome of an entitlement's move: the partition map placing it on its new partition, or the
+    scheduler's IntentRefused of the request (on the intents partition it was sent to)."""
+
+    def __init__(self, cfg: Config, registry, entitlement: str, partition: int, request_id: str):
+        from streams.clients import EventConsumer
+        from streams.partitionmap import MapFollower
+        from streams.topics import Topics
+
+        self.entitlement, self.request_id = entitlement, request_id
+        self.follower = MapFollower.start(cfg, registry, name="move-watch")
+        where = [(Topics(cfg.topic_prefix, cfg.partitions).name("intents"), partition)]
+        self.consumer = EventConsumer(cfg, registry, [where[0][0]], name="move-watch", start_offsets={},
+                                      types=("IntentRefused",))
+        self.consumer.assign(self.consumer.high_watermarks(where), only=where)
+
+    def wait(self, partition: int, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            e = self.follower.entry(self.entitlement)
+            if e is not None and e.partition == partition and e.moving_to is None and e.epoch > 0:
+                return {"state": "moved", "epoch": e.epoch}
+            for rec in self.consumer.poll(100, 0.2, linger_s=0.0):
+                p = rec.event.payload
+                if p.get("intent_event_id") == self.request_id:
+                    raise FrontendError(p["reason"], f"refused by the scheduler: {p['reason']}: {p.get('message', '')}",
+                                        409)
+        e = self.follower.entry(self.entitlement)
+        return {"state": "moving" if e is not None and e.moving_to == partition else "requested"}
+
+    def __enter__(self) -> "MoveWatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.consumer.close()
+        self.follower.close()
+
+
 class Frontend:
     """The operations, for one principal (who asked: an API user, or ``operator`` on the CLI's direct path)."""
 
     def __init__(self, cfg: Config, registry=None, *, principal: str | None = None, producer: str = "cli",
-                 skipped: Skipped | None = None, events=None):
+                 skipped: Skipped | None = None, events=None, partition_map=None):
         self.cfg = cfg
         self.registry = registry or SchemaRegistry.from_dir()
         self.principal = principal
         self.producer_name = producer
         self.skipped = skipped if skipped is not None else Skipped()
         self._producer = events  # an EventProducer to share (the API's); None: one per call
+        self._follower = partition_map  # a streams.partitionmap.MapFollower to share (the API's); None: read once
+        self._map = None  # the map read once (a one-shot command's)
 
     # -- plumbing --------------------------------------------------------------------------------------------
     def require_broker(self) -> None:
@@ -111,15 +152,31 @@ class Frontend:
         return new_event(type_, payload, entitlement=entitlement, entity_id=entity_id, producer=self.producer_name,
                          principal=self.principal)
 
-    def send(self, events: list[Event]) -> None:
+    def partition_map(self, fresh: bool = False):
+        """The entitlement -> partition map (``streams.partitionmap.PartitionMap``): the shared follower's (caught up
+        first when ``fresh``), else read from the log once per front end."""
+        from streams.partitionmap import PartitionMap, read_map
+
+        if self._follower is not None:
+            if fresh:
+                self._follower.catch_up(5.0)
+            return PartitionMap(self.cfg.partitions, self._follower.entries())
+        if self._map is None or fresh:
+            self.require_broker()
+            self._map = read_map(self.cfg, self.registry)
+        return self._map
+
+    def send(self, events: list[Event], *, partition: int | None = None) -> None:
+        """Produce ``events``, each to the partition its entitlement lives on (or ``partition``), and flush."""
         from streams.clients import EventProducer
 
         producer = self._producer
         if producer is None:
             self.require_broker()
-            producer = EventProducer(self.cfg, self.registry, self.producer_name, **{"message.timeout.ms": 15000})
+            producer = EventProducer(self.cfg, self.registry, self.producer_name,
+                                     route=self.partition_map().partition_of, **{"message.timeout.ms": 15000})
         for ev in events:
-            producer.send(ev)
+            producer.send(ev, partition=partition)
         producer.flush(20)
 
     def stamp(self, events: list[Event]) -> list[Event]:
@@ -140,8 +197,45 @@ class Frontend:
         except JobSpecError as exc:
             raise FrontendError(INVALID_REQUEST, str(exc)) from None
         ev = self.event("EntitlementCreated", payload, name, name)
-        self.send([ev])
-        return {"entitlement": name, "event_id": ev.event_id}
+        pmap = self.partition_map(fresh=True)
+        placed = pmap.entry(name)
+        if placed is None:  # a new entitlement goes to the least-loaded partition, on the map before it exists
+            placed = MapEntry(name, least_loaded(pmap.entries.values(), self.cfg.partitions, quota), weight=quota,
+                              reason=REASON_CREATED)
+            pmap.entries[name] = placed
+            self.send([assignment_event(placed, producer=self.producer_name, cause=ev.event_id,
+                                        principal=self.principal)])
+        self.send([ev], partition=placed.partition)  # there whatever a producer's map says yet
+        return {"entitlement": name, "event_id": ev.event_id, "partition": placed.partition}
+
+    def entitlement_move(self, name: str, partition: Any, reason: str = "", *, wait_s: float | None = None) -> dict:
+        """Move an entitlement to another partition of the entitlement-keyed topics (another scheduler shard), its
+        jobs running on (``EntitlementMoveRequested``; processors/scheduler/README.md, "Moving an entitlement").
+        With ``wait_s``, wait that long for the map to place it there (``state``: moved, or moving when it did not
+        in time), or for the scheduler's refusal."""
+        from processors.frontend.jobspec import JobSpecError, _name
+
+        try:
+            name = _name(name, "name")
+        except JobSpecError as exc:
+            raise FrontendError(INVALID_REQUEST, str(exc)) from None
+        if isinstance(partition, bool) or not isinstance(partition, int) or not 0 <= partition < self.cfg.partitions:
+            raise FrontendError(INVALID_REQUEST, f"partition: expected a partition from 0 to "
+                                                 f"{self.cfg.partitions - 1}, got {partition!r}")
+        pmap = self.partition_map(fresh=True)
+        before = pmap.entry(name)
+        if before is not None and before.moving_to is not None:
+            raise FrontendError(INVALID_REQUEST, f"entitlement {name!r} is moving from partition {before.partition} "
+                                                 f"to {before.moving_to} already: wait for it to arrive")
+        ev = self.event("EntitlementMoveRequested", {"to_partition": partition, "reason": reason}, name, name)
+        doc = {"entitlement": name, "event_id": ev.event_id, "from_partition": pmap.partition_of(name),
+               "to_partition": partition}
+        if not wait_s:
+            self.send([ev])
+            return {**doc, "state": "requested"}
+        with MoveWatch(self.cfg, self.registry, name, pmap.partition_of(name), ev.event_id) as watch:
+            self.send([ev])
+            return {**doc, **watch.wait(partition, wait_s)}
 
     def entitlement_update(self, name: str, changes: Mapping[str, Any]) -> dict:
         """EntitlementUpdated with the fields ``changes`` sets (quota_machines, machine_type, dc_pin, host_profile)."""
@@ -180,6 +274,11 @@ class Frontend:
             elif ev.type == "IntentRefused" and p["intent_type"] == "EntitlementCreated":
                 refused.add(p["intent_event_id"])
         gone = {by_event[e] for e in refused if e in by_event}
+        pmap = self.partition_map(fresh=True)
+        for name, row in found.items():  # where it lives (its scheduler shard's partition)
+            e = pmap.entry(name)
+            row["partition"] = pmap.partition_of(name)
+            row["moving_to"] = e.moving_to if e is not None else None
         return [v for k, v in sorted(found.items()) if k not in gone]
 
     # -- jobs ------------------------------------------------------------------------------------------------
@@ -292,7 +391,8 @@ class Frontend:
         from processors.frontend.verdict import VerdictWatch
 
         self.require_broker()
-        with VerdictWatch(self.cfg, self.registry, ev, job) as watch:  # positioned before the intent is sent
+        with VerdictWatch(self.cfg, self.registry, ev, job,  # positioned before the intent is sent, where it goes
+                          intents_partition=self.partition_map().partition_of(ev.entitlement)) as watch:
             self.send([ev])
             got = watch.wait(min(float(wait_s), MAX_WAIT_S))
         if got is None:

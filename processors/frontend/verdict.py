@@ -62,15 +62,18 @@ def verdict_of(intent_id: str, ev: Event) -> Verdict | None:
 
 
 class VerdictWatch:
-    def __init__(self, cfg, registry, intent: Event, job_id: str):
+    def __init__(self, cfg, registry, intent: Event, job_id: str, *, intents_partition: int | None = None):
+        """``intents_partition``: where the intent goes, and the scheduler's refusal with it (the partition map's
+        partition of its entitlement; default: its key's hash partition)."""
         from streams.clients import EventConsumer, key_of
         from streams.partitioner import partition_for
         from streams.topics import Topics
 
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.intent = intent
-        where = [(topics.name("intents"), partition_for(key_of("intents", intent).encode(),
-                                                        topics.partitions_of("intents"))),
+        if intents_partition is None:
+            intents_partition = partition_for(key_of("intents", intent).encode(), topics.partitions_of("intents"))
+        where = [(topics.name("intents"), intents_partition),
                  (topics.name("state.jobs"), partition_for(job_id.encode(), topics.partitions_of("state.jobs")))]
         self.consumer = EventConsumer(cfg, registry, [t for t, _ in where], name="verdict",
                                       start_offsets={}, types=("IntentRefused", "JobStatePublished"))

@@ -56,7 +56,8 @@ from infra.config import Config
 from processors.resourcebroker import decide as broker
 from streams import batches
 from streams.catchup import read_to_end
-from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
+from streams.partitionmap import routed_producer
+from streams.clients import BACKGROUND_READER, EventConsumer, Record
 from streams.deadletter import DeadLetters
 from streams.events import Event
 from streams.heap import GrowthFreezer, folding
@@ -89,7 +90,7 @@ class HealthCheck(LoopWorker):
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.machines_topic = self.topics.name("machines")
         self.heartbeats_topic = self.topics.name("heartbeats")
-        self.producer = EventProducer(cfg, self.registry, PRODUCER)
+        self.producer = routed_producer(cfg, self.registry, PRODUCER)
         self.dead_letters = DeadLetters(self.producer, PRODUCER)
         self.health = d.HealthState()
         self.broker = broker.BrokerState()

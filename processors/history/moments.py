@@ -41,10 +41,12 @@ def new_region(cfg: Config, scheduler_partitions: frozenset[int] | None = None) 
 
 
 def partitions_of(cfg: Config, entitlements) -> frozenset[int]:
-    """The partitions of these entitlements' jobs (the scheduler's for ``job status --at``)."""
-    from streams.partitioner import partition_for
+    """The partitions of these entitlements' jobs (the scheduler's for ``job status --at``): every one each lived on
+    (its hash partition, and where the partition map placed and moved it)."""
+    from streams.partitionmap import read_map
 
-    return frozenset(partition_for(e, cfg.partitions) for e in entitlements)
+    pmap = read_map(cfg)
+    return frozenset(p for e in entitlements for p in pmap.partitions_ever(e))
 
 
 def fold(cfg: Config, registry: SchemaRegistry, region: Region, moment_ms: int | None, *,

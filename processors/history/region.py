@@ -71,6 +71,7 @@ from processors.scheduler import records
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
 from streams import batches, state as states
 from streams.events import Event
+from processors.scheduler.handover import MOVE_REQUESTED
 from streams.partitioner import partition_for
 from streams.topics import Topics
 
@@ -219,6 +220,7 @@ class Region:
         self._waiting: dict[int, list[tuple[Event, int, int]]] = {}  # partition -> silent inputs waiting: (input,
         # since, tries) (``_decide``)
         self._topic_rank = {topics.name(t): i for i, t in enumerate(SOURCES)}
+        self.homes: dict[str, int] = {}  # entitlement -> where the log placed or moved it (else: its hash partition)
         self._partition_of: dict[str, int] = {}
         self._live_jobs: dict[int, set[str]] | None = defaultdict(set)  # per partition: jobs the timer may act on
         self.shadow: ShadowLog | None = None
@@ -327,12 +329,27 @@ class Region:
             self.open_requests[event.event_id] = (event, position[1])
         elif decision and event.causation_id is not None:
             self.open_requests.pop(event.causation_id, None)
+        if event.type == MOVE_REQUESTED:
+            self._moved(event)
+        elif event.type == "EntitlementCreated" and event.entitlement not in self.homes:
+            self.homes[event.entitlement] = tp[1]  # where it was created: the partition map's choice
+            self._partition_of.pop(event.entitlement, None)
         if event.type in sd.CONSUMED and not own:
             if self.shadow is not None and event.type in ("TaskStatesChanged", "TaskStateChanged"):
                 event = self._translate(event)
                 if event is None:
                     return
             self._enqueue_input(event, tp, self._topic_rank.get(position[0], len(SOURCES)), position[2])
+
+    def _moved(self, event: Event) -> None:
+        """An entitlement moved to another partition (processors/scheduler/handover.py): its decisions take that
+        partition's rate-limiter bucket from then on, as the shard that adopts it does. One whole region holds every
+        partition's jobs here, so nothing else of a move concerns it. (A move the scheduler refused, to a partition
+        the topics have, is taken as made: a known approximation of the buckets.)"""
+        to = event.payload.get("to_partition")
+        if isinstance(to, int) and 0 <= to < self.topics.partitions:
+            self.homes[event.entitlement] = to
+            self._partition_of.pop(event.entitlement, None)
 
     def _fold(self, event: Event, position: Position | None) -> None:
         try:
@@ -388,7 +405,9 @@ class Region:
 
     # -- the scheduler -------------------------------------------------------------------------------------------
     def partition(self, entitlement: str) -> int:
-        p = self._partition_of.get(entitlement)
+        p = self.homes.get(entitlement)
+        if p is None:
+            p = self._partition_of.get(entitlement)
         if p is None:
             p = self._partition_of[entitlement] = partition_for(entitlement, self.topics.partitions)
         return p

@@ -137,6 +137,7 @@ def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[di
     yield js("scheduler-entitlements", "", [asdict(e) for e in st.entitlements.values()])
     yield js("machines-down", "", dict(st.machines_down))
     yield js("buckets", "", {str(p): bucket_record(b) for p, b in region.buckets.items()})
+    yield js("homes", "", dict(sorted(region.homes.items())))
     for job in (sorted(region.dirty_published) if delta else region.published):
         header = region.published.get(job)
         if header is None:
@@ -310,6 +311,7 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
                                    json.loads(small["machines-down"]))
     region.dormant = deleted
     region.buckets = {int(p): bucket_of(b) for p, b in json.loads(small["buckets"]).items()}
+    region.homes = {e: int(p) for e, p in json.loads(small.get("homes") or "{}").items()}  # none before the map
     for job, data in published.items():
         if data is not None:
             region.published[job] = _event(registry, data)

@@ -28,7 +28,7 @@ from processors.allocator.follow import SOURCES, Follower
 from processors.rebalancer import view as rv
 from processors.rebalancer.solver import Goals, Plan, goals_arguments, goals_of, solve
 from processors.worker import LoopWorker, close_clients
-from streams.clients import EventProducer
+from streams.partitionmap import routed_producer
 from streams.serde import SchemaRegistry
 
 log = logging.getLogger("ropewalk.rebalancer")
@@ -49,7 +49,7 @@ class Rebalancer(LoopWorker):
         self.view = rv.RebalanceView(goals.no_bounce_ms)
         self.follower = Follower(cfg, self.registry, self.view, topics=TOPICS,
                                  types=region_fold.EVENT_TYPES | rv.EVENT_TYPES, name=rv.PRODUCER)
-        self.producer = EventProducer(cfg, self.registry, rv.PRODUCER)
+        self.producer = routed_producer(cfg, self.registry, rv.PRODUCER)
         self.caught_up = False
         self._planned_at = 0.0
 

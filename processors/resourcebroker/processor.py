@@ -34,6 +34,7 @@ from collections.abc import Iterable
 
 from infra.config import Config
 from streams.catchup import CATCH_UP_TIMEOUT_S, read_to_end
+from streams.partitionmap import routed_producer
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters, Skipped
 from streams.events import Event
@@ -139,7 +140,7 @@ class ResourceBroker(LoopWorker):
         self.region = region
         self.registry = _registry(registry)
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
-        self.producer = EventProducer(cfg, self.registry, PRODUCER)
+        self.producer = routed_producer(cfg, self.registry, PRODUCER)
         self.dead_letters = DeadLetters(self.producer, PRODUCER)
         self.state = d.BrokerState()
         self.consumer: EventConsumer | None = None

@@ -125,7 +125,7 @@ REPORT_TRIGGERS = MappingProxyType({
 
 # -- handlers: one per consumed event type -------------------------------------------------------------------------
 
-def _refuse(fold: Fold, ev: Event, reason: str, message: str, w: "JobWork | None" = None) -> None:
+def refuse(fold: Fold, ev: Event, reason: str, message: str, w: "JobWork | None" = None) -> None:
     """Refuse intent ``ev``, applying none of it: an IntentRefused (``reason``, ``message``) keyed to its entitlement;
     the job it is about (``w``, if it has one) shows it in its published last_reason."""
     job_id = ev.payload.get("job_id")
@@ -145,7 +145,7 @@ def _problems(fold: Fold, ev: Event) -> tuple[str, str] | None:
 def _on_entitlement_created(fold: Fold, ev: Event) -> None:
     p = ev.payload
     if (refused := _problems(fold, ev)) is not None:
-        _refuse(fold, ev, *refused)
+        refuse(fold, ev, *refused)
         return
     fold.set_entitlement(Entitlement(name=p["name"], quota_machines=p["quota_machines"],
                                      machine_type=p.get("machine_type"), dc_pin=p.get("dc_pin"),
@@ -156,7 +156,7 @@ def _on_entitlement_updated(fold: Fold, ev: Event) -> None:
     """The fields an EntitlementUpdated sets change (an entitlement exists once a quota is set, as the allocator
     has it); one breaking a rule is refused."""
     if (refused := _problems(fold, ev)) is not None:
-        _refuse(fold, ev, *refused)
+        refuse(fold, ev, *refused)
         return
     p = ev.payload
     known = fold.entitlements().get(ev.entitlement)
@@ -194,11 +194,11 @@ def _on_job_submitted(fold: Fold, ev: Event) -> None:
         if w is None or (existing.status == JOB_ACTIVE and existing.origin == origin):
             return  # applied already, or the same submission again (under another event id): a no-op
         if existing.status == JOB_ACTIVE:
-            _refuse(fold, ev, REASON_DUPLICATE_JOB_ID, f"job {job_id} exists with another spec (submitted to "
+            refuse(fold, ev, REASON_DUPLICATE_JOB_ID, f"job {job_id} exists with another spec (submitted to "
                                                        f"{existing.entitlement} at spec version "
                                                        f"{existing.origin[1]})", w)
         else:
-            _refuse(fold, ev, REASON_JOB_NOT_ACTIVE, f"job {job_id} is {existing.status}: submit it again once it "
+            refuse(fold, ev, REASON_JOB_NOT_ACTIVE, f"job {job_id} is {existing.status}: submit it again once it "
                                                      "is stopped", w)
         return
     refused = _problems(fold, ev)
@@ -208,7 +208,7 @@ def _on_job_submitted(fold: Fold, ev: Event) -> None:
                          desired=0, origin=origin, submission=ev.event_id, **_successor(existing)))
     if refused is not None:
         w.job_step(JOB_REFUSED)
-        _refuse(fold, ev, *refused, w)
+        refuse(fold, ev, *refused, w)
         return
     steps.resize(w, p["tasks"], REASON_SUBMITTED)
 
@@ -222,18 +222,18 @@ def _intent_work(fold: Fold, ev: Event) -> JobWork | None:
     if job is None or job.deleted:
         if job is None or ev.event_id not in job.seen:
             gone = "" if job is None else " (stopped and gone)"
-            _refuse(fold, ev, REASON_UNKNOWN_JOB, f"no job {job_id} in entitlement {ev.entitlement}{gone}")
+            refuse(fold, ev, REASON_UNKNOWN_JOB, f"no job {job_id} in entitlement {ev.entitlement}{gone}")
         return None
     w = fold.work_for(job_id)
     if w is None:
         return None  # applied already
     if ev.entitlement != w.job.entitlement:
-        _refuse(fold, ev, REASON_ENTITLEMENT_MISMATCH, f"{ev.type} {ev.event_id} is keyed to {ev.entitlement}, the "
+        refuse(fold, ev, REASON_ENTITLEMENT_MISMATCH, f"{ev.type} {ev.event_id} is keyed to {ev.entitlement}, the "
                                                        f"job belongs to {w.job.entitlement}", w)
         return None
     if w.job.status != JOB_ACTIVE:
         if ev.type != "JobStopped":
-            _refuse(fold, ev, REASON_JOB_NOT_ACTIVE, f"{ev.type} {ev.event_id} refused, the job is {w.job.status}", w)
+            refuse(fold, ev, REASON_JOB_NOT_ACTIVE, f"{ev.type} {ev.event_id} refused, the job is {w.job.status}", w)
         return None
     return w
 
@@ -243,7 +243,7 @@ def _on_job_resized(fold: Fold, ev: Event) -> None:
     if w is None:
         return
     if (refused := _problems(fold, ev)) is not None:
-        _refuse(fold, ev, *refused, w)
+        refuse(fold, ev, *refused, w)
         return
     steps.resize(w, ev.payload["tasks"], REASON_RESIZED)
     w.retry_parked()
@@ -269,11 +269,11 @@ def _refused_stale_version(fold: Fold, ev: Event, w: JobWork, *, same_is_stale: 
     of the intent rules; True if refused."""
     new, have = ev.payload["spec_version"], w.job.spec_version
     if new < have or (same_is_stale and new == have):
-        _refuse(fold, ev, REASON_STALE_SPEC_VERSION, f"spec version {new} is "
+        refuse(fold, ev, REASON_STALE_SPEC_VERSION, f"spec version {new} is "
                 f"{'not newer than' if same_is_stale else 'older than'} {have}", w)
         return True
     if (refused := _problems(fold, ev)) is not None:
-        _refuse(fold, ev, *refused, w)
+        refuse(fold, ev, *refused, w)
         return True
     return False
 
@@ -301,11 +301,11 @@ def _on_job_spec_reconciled(fold: Fold, ev: Event) -> None:
     p = ev.payload
     job = w.job
     if p["generation"] <= job.generation:
-        _refuse(fold, ev, REASON_STALE_GENERATION, f"generation {p['generation']} is not newer than "
+        refuse(fold, ev, REASON_STALE_GENERATION, f"generation {p['generation']} is not newer than "
                                                    f"{job.generation}", w)
         return
     if p.get("submission_id") and job.submission and p["submission_id"] != job.submission:
-        _refuse(fold, ev, REASON_STALE_SUBMISSION, f"reconciled for submission {p['submission_id']}; this "
+        refuse(fold, ev, REASON_STALE_SUBMISSION, f"reconciled for submission {p['submission_id']}; this "
                                                    f"incarnation ({job.incarnation}) is {job.submission}", w)
         return
     if _refused_stale_version(fold, ev, w, same_is_stale=False):  # a size or mix change keeps the versions
@@ -798,6 +798,18 @@ def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int, *, l
     return state, out
 
 
+def has_timer_work(job: Job) -> bool:
+    """Whether ``retry_unplaced`` may have something to do for ``job``, at some time: a job retry_unplaced passes
+    over at every ``now_ms`` is one this says False of. An active or stopping job (a stopping job's stops wait for
+    tokens too) with a planned maintenance not ended (its deadline), a task parked by an AllocationRejected, or
+    operations open or throttled (tokens, a TaskController to ask again). The shard keeps it in each job's header
+    (``store.plan``), so its timer loads only these jobs."""
+    if job.status not in (JOB_ACTIVE, JOB_STOPPING):
+        return False
+    return (bool(job.ops_open or job.throttled) or any(not m[4] for m in job.maint)
+            or (job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values())))
+
+
 def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAULT_LIMITS
                    ) -> tuple[SchedulerState, list[Event]]:
     """The timer's decision: stop what remains on machines whose planned maintenance reached its deadline
@@ -809,7 +821,7 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
     fold = Fold(state, now_ms, None, id_root=f"{PRODUCER}/retry/{now_ms}", limits=limits)
     for job_id in sorted(state.jobs):
         job = state.jobs[job_id]
-        if job.status not in (JOB_ACTIVE, JOB_STOPPING):  # a stopping job's stops wait for tokens too
+        if not has_timer_work(job):
             continue
         if any(not m[4] and m[3] <= now_ms for m in job.maint):
             steps.enforce_deadlines(fold.work_of(job))

@@ -21,13 +21,27 @@ The guard keeps, per source partition, the next offset the shard has to apply:
 
 For each record, ``verdict`` (pure) says: ``APPLY`` it (its offset is the next one), it is a ``DUPLICATE``
 (below the next one: applied already), or there is a ``GAP`` before it (records were skipped): the shard then
-seeks the partition back to the next offset and passes the record over, to see it again in order. A stall (the
-partition's high watermark is past the next offset while the shard has received no record at all for
-``STALL_S``) is a gap with no record after it: a timer finds it and seeks back too. "No record at all", not
-"none of this partition": under a backlog, a partition's records wait in faust's buffers behind others', and
-seeking back then would only fetch them twice. Every seek is logged. A batch the shard decided but could not
-produce or store is ``rewind``-ed: the in-memory value is dropped, the table's (not yet moved) applies again, and
-the shard seeks back to it.
+seeks the partition back to the next offset and passes the record over, to see it again in order. A batch the
+shard decided but could not produce or store is ``rewind``-ed: the in-memory value is dropped, the table's (not yet
+moved) applies again, and the shard seeks back to it. Every seek is logged.
+
+**Stalls** (``stall_step``, pure; ``OffsetGuard.stall_seek``). A stall is a gap with no record after it: the
+partition's high watermark is past the next offset and nothing of it comes. A timer looks every ``STALL_S``. A
+partition is stalled when
+
+* the shard has been *idle* for ``STALL_S``: no record reached it and no decision ended, and none is under way; or
+* it is *starved*: the shard kept receiving other partitions' records for ``STARVED_S`` since the last record of
+  this one (a seek lost to faust's own seek at the end of a recovery, 2026-11-28: the other partitions kept the
+  shard busy, the idle rule never fired, and the partition waited for ever).
+
+It is not stalled while a decision is under way (the agent's batch, a slice of the retry timer: nothing reaches
+the guard then), nor while it is merely behind on a backlog its records are coming from (they wait in faust's
+buffers behind others'; seeking back would only fetch them twice). A stall starts an *episode*: the first look
+that finds it seeks back at once; while the next offset stays where the episode began, a seek again waits
+``STALL_BACKOFF_S``, doubled each time up to ``STALL_BACKOFF_MAX_S``; the episode ends when the partition moves
+past that offset or catches up, and at a rebalance (``forget``). The rule was a seek every ``STALL_S`` once the
+shard had been idle for it: in a 100,000-machine bench (2026-11-27) a timer round held the shard's lock for 152 s,
+no record reached the guard, and the shard sought back 2,029 times.
 """
 from __future__ import annotations
 
@@ -36,8 +50,11 @@ from dataclasses import dataclass, field
 APPLY = "apply"
 DUPLICATE = "duplicate"
 GAP = "gap"
-STALL_S = 2.0  # the shard idle this long while a high watermark is past the next offset: seek back
-SEEK_AGAIN_S = 1.0  # a seek to the same offset is not repeated sooner (buffered records keep arriving)
+STALL_S = 2.0  # the shard idle this long while a high watermark is past the next offset: a stall; the look's period
+STARVED_S = 30.0  # other partitions' records kept coming this long since this one's last: a stall too
+STALL_BACKOFF_S = 10.0  # a stall's episode seeks again no sooner than this after its first seek...
+STALL_BACKOFF_MAX_S = 120.0  # ...doubling after each seek, up to this
+SEEK_AGAIN_S = 1.0  # a seek to the same offset (after a gap) is not repeated sooner (buffered records keep arriving)
 PERSIST_AFTER = 10_000  # records applied that changed nothing, beyond the table's offset: write the offset alone
 
 
@@ -52,14 +69,47 @@ def partition_key(topic: str, partition: int) -> str:
     return f"{topic}/{partition}"
 
 
+@dataclass(frozen=True)
+class Episode:
+    """A partition stalled at ``offset`` (its next offset when the stall was found): ``seeks`` made, none before
+    ``next_seek_at`` (monotonic seconds)."""
+
+    offset: int
+    seeks: int
+    next_seek_at: float
+
+
+def stall_step(episode: Episode | None, next_offset: int, high_watermark: int | None, idle_s: float,
+               starved_s: float, busy: bool, now: float) -> tuple[Episode | None, bool]:
+    """The stall rule for one partition at one look: (its episode after the look, whether to seek back now).
+    ``idle_s``: since a record last reached the shard or a decision last ended; ``starved_s``: how long the shard
+    went on receiving other partitions' records after this one's last; ``busy``: a decision under way."""
+    if high_watermark is None or high_watermark <= next_offset:
+        return None, False  # nothing waits: no stall
+    if episode is not None and next_offset > episode.offset:
+        episode = None  # it moved on since: that episode is over
+    if busy or (idle_s < STALL_S and starved_s < STARVED_S):
+        return episode, False  # deciding, or reading (this partition's backlog among others'): not a stall
+    if episode is None:
+        return Episode(next_offset, 1, now + STALL_BACKOFF_S), True
+    if now < episode.next_seek_at:
+        return episode, False
+    wait = min(STALL_BACKOFF_S * 2 ** episode.seeks, STALL_BACKOFF_MAX_S)
+    return Episode(episode.offset, episode.seeks + 1, now + wait), True
+
+
 @dataclass
 class OffsetGuard:
     """Per partition key: the next offset to apply (``persisted`` is the table's data, read-only here)."""
 
     persisted: dict
     in_memory: dict[str, int] = field(default_factory=dict)
-    last_record_at: float = float("-inf")  # when any record last reached the guard
+    last_record_at: float = float("-inf")  # when any record last reached the guard, or a decision last ended
     sought: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (offset, when) of the last seek
+    stalls: dict[str, Episode] = field(default_factory=dict)  # key -> its stall episode (stall_step)
+    last_seen: dict[str, float] = field(default_factory=dict)  # key -> when a record of it last reached the guard
+    behind_since: dict[str, float] = field(default_factory=dict)  # key -> since when a look found it behind
+    received_at: float = float("-inf")  # when any record last reached the guard (decisions aside)
 
     def next_offset(self, key: str) -> int:
         if key in self.in_memory:
@@ -71,7 +121,8 @@ class OffsetGuard:
         v = verdict(self.next_offset(key), offset)
         if v == APPLY:
             self.in_memory[key] = offset + 1
-        self.last_record_at = now
+        self.last_record_at = self.received_at = now
+        self.last_seen[key] = now
         return v
 
     def should_seek(self, key: str, now: float) -> int | None:
@@ -88,11 +139,25 @@ class OffsetGuard:
         partition, next offset)): one of them is ``PERSIST_AFTER`` records or more beyond the table's value."""
         return any(nxt - int(self.persisted.get(key) or 0) >= PERSIST_AFTER for key, (_, nxt) in applied.items())
 
-    def stalled(self, key: str, high_watermark: int | None, now: float) -> bool:
-        """Whether records below ``high_watermark`` wait while no record reached the shard for STALL_S."""
-        if high_watermark is None or high_watermark <= self.next_offset(key):
-            return False
-        return now - self.last_record_at >= STALL_S
+    def worked(self, now: float) -> None:
+        """A decision ended at ``now``: the shard was busy until then (the idle time of a stall counts from here)."""
+        self.last_record_at = max(self.last_record_at, now)
+
+    def stall_seek(self, key: str, high_watermark: int | None, now: float, busy: bool = False) -> int | None:
+        """The offset to seek ``key`` back to now because it is stalled (``stall_step``), or None."""
+        nxt = self.next_offset(key)
+        if high_watermark is None or high_watermark <= nxt:
+            self.behind_since.pop(key, None)
+            since = now
+        else:  # starved since its last record, or since it fell behind (a quiet partition's new record is not late)
+            since = max(self.behind_since.setdefault(key, now), self.last_seen.get(key, float("-inf")))
+        episode, seek = stall_step(self.stalls.get(key), nxt, high_watermark, now - self.last_record_at,
+                                   self.received_at - since, busy, now)
+        if episode is None:
+            self.stalls.pop(key, None)
+        else:
+            self.stalls[key] = episode
+        return self.next_offset(key) if seek else None
 
     def rewind(self, key: str) -> int:
         """A batch of ``key``'s records was not applied after all (its output or its tables could not be written):
@@ -105,3 +170,6 @@ class OffsetGuard:
         """At a rebalance: take the table's values again (they may be a little behind; see the module doc)."""
         self.in_memory.clear()
         self.sought.clear()
+        self.stalls.clear()
+        self.last_seen.clear()
+        self.behind_since.clear()

@@ -55,3 +55,6 @@ REASON_MOVE_NOT_ON_SOURCE = "not_on_source"  # the task is no longer on the plan
 REASON_MOVE_TASK_NOT_RUNNING = "task_not_running"
 REASON_MOVE_TASK_BUSY = "task_busy"  # another operation (update, move, restart, stop) is wanted on it
 REASON_MOVE_UNDER_MAINTENANCE = "under_maintenance"  # its machine is under a planned maintenance of the job
+# Why the shard sent a record to ``deadletter`` (DeadLetterRecorded.reason; the other reason there is
+# ``streams.deadletter.PROCESSING_FAILED``, a decision that raised or an output the broker refused).
+JOB_UNREADABLE = "job_unreadable"  # it names a job whose stored form the shard cannot read (ShardTables.load)

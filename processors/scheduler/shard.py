@@ -24,7 +24,8 @@ survivors, which recover the partitions' table data from the changelogs before t
      tables ◄── 1. new task chunks ─ acks and the output's flush ─ 2. job headers, index, entitlements, machines,
                 buckets ─ acks ─
                 3. source offsets, tombstones of chunks no header names any more  (store.py: "Delivery")
- timer (RETRY_S) ──► retry_unplaced over the jobs of the partitions this worker actively owns ──► same path
+ timer (RETRY_S) ──► retry_unplaced over the jobs with timer work of the partitions this worker actively owns,
+                     50 at a time ──► same path (nothing while faust recovers the tables: faustwire.tables_ready)
 ```
 
 **Tables** (memory store, each backed by a changelog topic co-partitioned with the sources):
@@ -99,19 +100,43 @@ owning partition, and every scan filters by partition, so they are never acted o
 **Timer.** Every ``RETRY_S`` (``ROPEWALK_SCHEDULER_RETRY_S``, default 10 s) ``retry_unplaced`` releases throttled
 operations, re-asks controllers whose ack is overdue, and re-asks placement of tasks parked by an
 AllocationRejected, for the jobs of the partitions this worker actively owns (standby copies of other workers'
-partitions, which faust also keeps in the same tables, are left alone); then it deletes chunk records no header
-names (``store.orphans``: left by a write a crash interrupted). The agent and the timer share an
-``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
+partitions, which faust also keeps in the same tables, are left alone) that have something for it to do: each
+header says so (``timer``: ``decide.has_timer_work`` of the job when written), so a round reads the headers and
+decodes only those jobs. It works ``RETRY_SLICE_JOBS`` jobs at a time, each slice a decision of its own under the
+lock (load, decide, produce, store), so the agent decides in between; a slice that fails is logged and the others
+go on. Then it deletes chunk records no header names (``store.orphans``: left by a write a crash interrupted). The
+agent and the timer share an ``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
+(It was one decision over every active job, all partitions under the lock at once: at 100,000 machines a round
+held the lock for 152 s while the broker was slow to take its output and state, 2026-11-27.)
 
-**Stalls.** A second timer (every ``offsets.STALL_S``) seeks back a partition the offset guard finds stalled, gives
-back a source partition faust left out of its fetch for 30 s (``faustwire.FlowWatch``: a buffer-pressure pause
-whose release never ran), and logs once a partition that has been below its high watermark for 30 s with what
-faust and aiokafka say of it.
+**Recovery.** After a rebalance faust reads the changelogs of the partitions this worker keeps or takes into its
+tables again, before the agent gets their records (``tables/recovery.py``): a kept partition from where its last
+recovery stopped, i.e. every value this worker wrote since, in order; the job headers' topic is read beside the
+chunks' topic, so until it is done a header may be an older version of itself naming a chunk the table no longer
+(or not yet) holds. The timers go on meanwhile. So nothing is decided unless ``faustwire.tables_ready`` (from the
+rebalance's first moment until faust has read every active changelog): the timer skips its round (or ends it), a
+batch the agent holds is set aside (its offsets rewound in the guard; faust seeks to the committed offsets after
+the recovery and the guard seeks back over the gap), the stall timer and the guard's seeks wait, and a revocation
+waits for a decision under way to end (``settle``: its writes must be on the log before the recovery reads it).
+The retry timer also deletes orphan chunks only then: on tables half recovered, a header read back at an older
+version leaves its job's newest chunk unnamed, and deleting it would lose it on the log too (reasoned from the
+code; a test run of the earlier timer deleted "orphans" in the middle of a recovery, the log stayed whole there).
+A job the tables cannot give back whole all the same (``store.MissingChunk``, a header that is no job) is left
+out of every decision and logged once; an event that names it is dead-lettered with reason ``job_unreadable``
+and, if it names other jobs too, decided for those (``unreadable_named``); the shard goes on for every other job.
+(The 2026-11-27 bench's shard died of ``MissingChunk`` in its retry timer during such a recovery.)
+
+**Stalls.** A second timer (every ``offsets.STALL_S``) seeks back a partition the offset guard finds stalled (the
+shard idle while records wait, or the partition starved while others' records come; never while a decision is
+under way; once per episode, then with a doubling backoff: ``offsets.stall_step``), gives back a source partition
+faust left out of its fetch for 30 s (``faustwire.FlowWatch``: a buffer-pressure pause whose release never ran),
+and logs once a partition that has been below its high watermark for 30 s with what faust and aiokafka say of it.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 import logging
 import os
 import time
@@ -125,26 +150,30 @@ import faust
 from infra import metrics
 from infra.config import Config
 from processors.allocator.placement import Entitlement
+from processors.scheduler import handover as ho
 from processors.scheduler import store as st
 from processors.scheduler.metrics import ShardMetrics
 from processors.scheduler.decide import CONSUMED, MACHINE_EVENTS, decide, machines_of, named_jobs, retry_unplaced
 from processors.scheduler.model import Job, SchedulerState, state_of
+from processors.scheduler.reasons import JOB_UNREADABLE
 from processors.scheduler.work import PRODUCER
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
 from streams import batches
-from streams.clients import PRODUCER_HEADER, EventProducer, passes_type
+from streams.clients import EPOCH_HEADER, FORWARDED_HEADER, PRODUCER_HEADER, TYPE_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import FlowWatch, decode_message, header_of, make_app, route_dead_letter, take_batches
+from streams.faustwire import (FlowWatch, decode_message, header_of, make_app, route_dead_letter, tables_ready,
+                               take_batches)
+from streams.partitionmap import REASON_HELD, REASON_MOVED, REASON_MOVING, MapFollower, assignment_event
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
-from streams.topics import CHANGELOG_CONFIG, Topics
+from streams.topics import BY_NAME, CHANGELOG_CONFIG, Topics, replication_config
 
 log = logging.getLogger(__name__)
 
 APP_ID = "scheduler"
-SOURCES = ("intents", "allocations", "tasks", "machines", "unavailability", "taskcontrol")
+SOURCES = ("intents", "allocations", "tasks", "machines", "unavailability", "taskcontrol", "handoff")
 RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
 FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
 BATCH_MAX = 500  # records handed to one decision batch at most
@@ -153,6 +182,11 @@ BATCH_MAX_WAIT_S = 0.02  # ...or its first record waited this long
 BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
 FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
 SLOW_BATCH_S = 0.25  # a batch that takes longer is logged with where its time went
+RETRY_SLICE_JOBS = 50  # jobs the retry timer decides on at a time, each slice under the lock on its own
+SLOW_RETRY_S = 5.0  # a retry round that takes longer is logged with where its time went
+SETTLE_S = 5.0  # a rebalance waiting this long for a decision under way says so (``settle``), and waits on
+ho_types = frozenset({ho.HANDED_OVER, ho.MOVE_REQUESTED})  # a move's events: the shard's own, not decide's
+SHARD_CONSUMED = CONSUMED | ho_types  # what the shard reads (any other type is passed over undecoded)
 COALESCED = {"JobStatePublished": "job_id", "JobTasksPublished": None}  # only a batch's last one per key is produced
 
 # Environment variables of a worker (beside infra.config's), mapped to faust settings; tests lower them.
@@ -163,6 +197,10 @@ FAUST_ENV = {
     "ROPEWALK_FAUST_COMMIT_INTERVAL": "broker_commit_interval",
 }
 RETRY_ENV = "ROPEWALK_SCHEDULER_RETRY_S"
+# A test's crash between two durable steps of a move: ``after_freeze`` (a move's freeze stored, its state not sent),
+# ``after_handover`` (sent, its jobs not dropped yet), ``after_adopt`` (adopted, the map not told): the process exits
+# at once there (os._exit: nothing flushed, nothing stored), as a SIGKILL would.
+FAILPOINT_ENV = "ROPEWALK_SCHEDULER_FAILPOINT"
 PROFILE_ENV = "ROPEWALK_PROFILE_DIR"  # a directory: profile the worker (cProfile) and write its stats there at exit
 
 
@@ -185,9 +223,9 @@ def shard_bucket_key(partition: int) -> str:
 
 
 def is_ignored_record(msg: Any) -> bool:
-    """Whether a record's ``type`` header names an event ``decide`` does nothing with (a MachineRegistered, say:
+    """Whether a record's ``type`` header names an event the shard does nothing with (a MachineRegistered, say:
     100,000 of them when a region registers): passed over undecoded, like the scheduler's own echoes."""
-    return not passes_type(getattr(msg, "headers", None), CONSUMED)
+    return not passes_type(getattr(msg, "headers", None), SHARD_CONSUMED)
 
 
 def is_own_record(msg: Any) -> bool:
@@ -196,6 +234,20 @@ def is_own_record(msg: Any) -> bool:
     if name is None:
         return False
     return name == PRODUCER.encode() or name.startswith(PRODUCER.encode() + b"/")
+
+
+def unreadable_named(event: Event, unreadable: Mapping[str, str]) -> tuple[bool, str] | None:
+    """Whether ``event`` names a job the shard could not read (``unreadable``: job id -> why): None if not, else
+    (whether it names only such jobs, the dead letter's detail). One that names only such jobs is not decided (a
+    decision without its job would take it for unknown: a JobSubmitted would make a new one over it); one that also
+    names readable jobs (an agent's batch of reports) is decided for those. Either is dead-lettered, to be replayed
+    once the job is mended (its other jobs' duplicate rings make the replay a no-op for them)."""
+    named = named_jobs(event)
+    bad = [j for j in named if j in unreadable]
+    if not bad:
+        return None
+    why = "; ".join(f"{j}: {unreadable[j]}" for j in bad)
+    return len(bad) == len(named), f"{event.type} names jobs the shard cannot read: {why}"
 
 
 def coalesce(events: list[Event]) -> list[Event]:
@@ -216,73 +268,154 @@ def coalesce(events: list[Event]) -> list[Event]:
 
 class ShardTables:
     """The shard's faust tables, and how one batch's slice of ``SchedulerState`` is read from and written back to
-    them. Writes go to the table's store and to the changelog partition of the entitlement."""
+    them. Writes go to the table's store and to the changelog partition the entitlement lives on (``where``: the
+    partition of the events decided for it); an entitlement off its hash partition keeps its values under keys
+    qualified by the partition (``handover.storage_key``)."""
 
     def __init__(self, app: faust.App, partitions: int):
         self.app = app
         self.partitions = partitions
         opts = {"default": None, "key_type": str, "value_type": None, "partitions": partitions,
-                "extra_topic_configs": dict(CHANGELOG_CONFIG)}
-        self.jobs = app.Table("scheduler-jobs", **opts)  # job id -> header (store.py)
-        self.job_chunks = app.Table("scheduler-job-chunks", **opts)  # "<job>#<i>@<v>" -> a chunk of its tasks
-        self.entitlements = app.Table("scheduler-entitlements", **opts)
+                "extra_topic_configs": {**CHANGELOG_CONFIG, **replication_config(app.conf.topic_replication_factor)}}
+        self.jobs = app.Table("scheduler-jobs", **opts)  # job key -> header (store.py)
+        self.job_chunks = app.Table("scheduler-job-chunks", **opts)  # "<job key>#<i>@<v>" -> a chunk of its tasks
+        self.entitlements = app.Table("scheduler-entitlements", **opts)  # entitlement key -> its fields
         self.machines_down = app.Table("scheduler-machines-down", **opts)
+        self.homes = app.Table("scheduler-homes", **opts)  # "<entitlement>@<partition>" -> handover.Home
         self.machine_jobs = st.MachineJobs()  # in memory, derived from jobs and job_chunks (see the module docstring)
         self.offsets = app.Table("scheduler-offsets", **opts)  # "<topic>/<partition>" -> next offset to apply
         self.limits = app.Table("scheduler-limits", **opts)  # "shard/<partition>" -> the shard's token bucket
-        # A memo, not state: job id -> (the header this worker last wrote or read, the Job it stands for). Used
+        # A memo, not state: job key -> (the header this worker last wrote or read, the Job it stands for). Used
         # only while the table still holds that very object (a recovery or another worker's write puts a new one),
         # so it can never disagree with the table.
         self._decoded: dict[str, tuple[dict, Job]] = {}
         self._unacked: list = []  # changelog sends since the last barrier (faust FutureMessages)
+        self.unreadable: dict[str, str] = {}  # job id -> why: the jobs the last load could not read (load)
+        self._unreadable_logged: dict[str, dict] = {}  # job key -> the header last logged as unreadable (once each)
         self.written_chunks = 0  # chunk records written (a figure for tests and profiles)
         self.store_ms = (0, 0)  # the last store's wait for its chunks and output, then for its headers (logged)
+        self._here: dict[str, int] | None = None  # a memo of the homes table: entitlement -> where it lives here
 
-    def partition_of(self, entitlement: str) -> int:
+    # -- keys: where an entitlement's values are kept ---------------------------------------------------------
+    def hash_partition(self, entitlement: str) -> int:
         return partition_for(entitlement, self.partitions)
 
+    def key(self, key: str, entitlement: str, partition: int) -> str:
+        return ho.storage_key(key, entitlement, partition, self.hash_partition(entitlement))
+
+    def partition_of_key(self, key: str, entitlement: str) -> int:
+        """The partition a value stored under ``key`` (a job key, an entitlement key) is kept for."""
+        base, sep, part = key.rpartition("~")
+        if sep and part.isdigit() and base:
+            return int(part)
+        return self.hash_partition(entitlement)
+
+    def home(self, entitlement: str, partition: int) -> ho.Home | None:
+        return ho.home_of(self.homes.data.get(ho.home_key(entitlement, partition)))
+
+    def here_partition(self, entitlement: str, pmap: "MapFollower") -> int:
+        """Where this shard's own records of ``entitlement`` go: the partition it lives on here (a move adopted here
+        is known before the map says so), else the partition map's."""
+        if self._here is None:
+            self._here = {}
+            for key, r in list(self.homes.data.items()):
+                h = ho.home_of(r)
+                if h is not None and h.here:
+                    self._here[key.rsplit("@", 1)[0]] = h.partition
+        p = self._here.get(entitlement)
+        return p if p is not None else pmap.partition_of(entitlement)
+
+    def forget_homes(self) -> None:
+        """At every assignment: the recovery that follows may change the homes (``here_partition`` builds again)."""
+        self._here = None
+
+    def frozen(self, entitlement: str, partition: int) -> bool:
+        """Whether the entitlement is leaving ``partition`` or not all arrived there: nothing of it is decided."""
+        h = self.home(entitlement, partition)
+        return h is not None and not h.here
+
     # -- reading ----------------------------------------------------------------------------------------------
-    def job_ids_for(self, event: Event, partition: int) -> list[str]:
-        """The jobs ``event`` concerns: ``decide.concerned_jobs``'s rule, machine events through the machine index
-        (a key no entitlement of this shard has: every job of the event's partition, the ones this shard holds)."""
+    def job_keys_for(self, event: Event, partition: int) -> list[str]:
+        """The keys of the jobs ``event`` concerns on ``partition``: ``decide.concerned_jobs``'s rule, machine events
+        through the machine index (a key no entitlement of this shard has: every job of the event's partition)."""
         named = named_jobs(event)
         if named or event.type not in MACHINE_EVENTS:
-            return named
+            return [self.key(j, event.entitlement, partition) for j in named]
         machines = batches.machine_ids(event)
-        if self.entitlements.data.get(event.entitlement) is not None:
+        if self.entitlements.data.get(self.key(event.entitlement, event.entitlement, partition)) is not None:
             if not self.machine_jobs.built:
                 self.machine_jobs.build(self.jobs.data, self.job_chunks.data)
-            ids: set[str] = set()
+            keys: set[str] = set()
             for m in machines:
-                ids.update(self.machine_jobs.jobs(event.entitlement, m))
-            return sorted(ids)
+                keys.update(k for k in self.machine_jobs.jobs(event.entitlement, m)
+                            if self.partition_of_key(k, event.entitlement) == partition)
+            return sorted(keys)
         # a key no entitlement of this shard has (free/<dc>): every job of the event's partition
-        return sorted(k for k, r in list(self.jobs.data.items())
-                      if r is not None and self.partition_of(r["entitlement"]) == partition)
+        return self.partition_job_keys({partition})
 
-    def load(self, events: Iterable[Event], job_ids: Iterable[str]) -> tuple[SchedulerState, dict[str, dict]]:
-        """The slice of the state: the given jobs, the entitlements they and ``events`` name, and whether each
-        machine they (and the machine events) touch is down. Also the job headers as read (to diff on write-back)."""
-        headers = {j: r for j in job_ids if (r := self.jobs.data.get(j)) is not None}
-        jobs = [self._job_of(j, r) for j, r in headers.items()]
-        ent_names = {j.entitlement for j in jobs}
+    def partition_job_keys(self, partitions: set[int], entitlement: str | None = None) -> list[str]:
+        """The keys of every job these partitions hold (of ``entitlement`` only, if given), but those of an
+        entitlement frozen there (leaving, or not all arrived: ``frozen``)."""
+        out = []
+        for k, r in list(self.jobs.data.items()):
+            if r is None or (entitlement is not None and r["entitlement"] != entitlement):
+                continue
+            part = self.partition_of_key(k, r["entitlement"])
+            if part in partitions and (entitlement is not None or not self.frozen(r["entitlement"], part)):
+                out.append(k)
+        return sorted(out)
+
+    def load(self, events: Iterable[tuple[Event, int]], job_keys: Iterable[str], *,
+             entitlements: Mapping[str, int] | None = None) -> tuple[SchedulerState, dict[str, dict], dict[str, int]]:
+        """The slice of the state: the jobs of ``job_keys``, the entitlements they, the ``events`` (each with its
+        partition) and ``entitlements`` (name -> partition) name, and whether each machine they (and the machine
+        events) touch is down. Also the job headers as read, by job id (to diff on write-back), and where each
+        entitlement's values are kept (``store``'s ``where``).
+
+        A job whose stored form cannot be read (its header names a chunk the table does not hold: ``MissingChunk``,
+        or a header that is no job) is left out of both, and ``unreadable`` says which and why (job id -> reason)
+        until the next load; it is logged once per stored header. Never raises for one job: the others are still
+        decided (the callers skip what names such a job: ``unreadable_named``)."""
+        headers = {}
+        jobs: list[Job] = []
+        self.unreadable = {}
+        wanted: dict[str, int] = dict(entitlements or {})  # entitlement -> the partition its values are read from
+        for k in job_keys:
+            r = self.jobs.data.get(k)
+            if r is None:
+                continue
+            try:
+                job = self._job_of(st.header_key(r), r)
+                part = self.partition_of_key(k, r["entitlement"])
+            except Exception as exc:  # noqa: BLE001 - a job it cannot read must not stop the shard for the others
+                job_id = r.get("id", k) if isinstance(r, dict) else k
+                self.unreadable[job_id] = f"{type(exc).__name__}: {exc}"
+                if self._unreadable_logged.get(k) is not r:
+                    self._unreadable_logged[k] = r
+                    log.error("scheduler: job %s cannot be read from the tables, left alone until its stored form "
+                              "changes (events naming it are dead-lettered): %s", job_id, self.unreadable[job_id])
+                continue
+            jobs.append(job)
+            headers[r["id"]] = r
+            wanted.setdefault(r["entitlement"], part)
         machines: set[str] = set()
         for j in jobs:
             machines |= machines_of(j)
-        for event in events:
-            ent_names.add(event.entitlement)
+        for event, partition in events:
+            wanted.setdefault(event.entitlement, partition)
             if event.type in MACHINE_EVENTS:
                 machines.update(batches.machine_ids(event))
-        ents = [Entitlement(**e) for n in sorted(ent_names) if (e := self.entitlements.data.get(n)) is not None]
+        ents = [Entitlement(**e) for n, p in sorted(wanted.items())
+                if (e := self.entitlements.data.get(self.key(n, n, p))) is not None]
         down = {m: s for m in machines if (s := self.machines_down.data.get(m)) is not None}
-        return state_of(jobs, ents, down), headers
+        return state_of(jobs, ents, down), headers, wanted
 
-    def _job_of(self, job_id: str, header: dict) -> Job:
-        memo = self._decoded.get(job_id)
+    def _job_of(self, key: str, header: dict) -> Job:
+        memo = self._decoded.get(key)
         if memo is not None and memo[0] is header:
             return memo[1]
         job = st.job_of(header, self.job_chunks.data)
-        self._decoded[job_id] = (header, job)
+        self._decoded[key] = (header, job)
         return job
 
     def bucket(self, partition: int) -> Bucket | None:
@@ -292,9 +425,19 @@ class ShardTables:
     def with_bucket(self, state: SchedulerState, partition: int) -> SchedulerState:
         return dataclasses.replace(state, shard_bucket=self.bucket(partition))
 
-    def active_job_ids(self, active_partitions: set[int]) -> list[str]:
-        return sorted(k for k, r in list(self.jobs.data.items())
-                      if r is not None and self.partition_of(r["entitlement"]) in active_partitions)
+    def timer_job_keys(self, partitions: set[int]) -> dict[int, list[str]]:
+        """Partition -> the keys of the jobs of it the retry timer may have work for (``store.wants_timer`` of their
+        headers: ``decide.has_timer_work`` when written), for ``partitions``, read without decoding any job, but
+        those of an entitlement frozen there (as ``partition_job_keys``). The timer used to load and decide on every
+        job of the shard every round, most of them running untouched."""
+        out: dict[int, list[str]] = {p: [] for p in sorted(partitions)}
+        for k, r in list(self.jobs.data.items()):
+            if not isinstance(r, dict) or not st.wants_timer(r) or not isinstance(ent := r.get("entitlement"), str):
+                continue  # (a header that is no job's is left to load, which says so when an event names it)
+            part = self.partition_of_key(k, ent)
+            if part in out and not self.frozen(ent, part):
+                out[part].append(k)
+        return {p: sorted(keys) for p, keys in out.items()}
 
     # -- writing ----------------------------------------------------------------------------------------------
     def _put(self, table: faust.Table, partition: int, key: str, value: Any) -> None:
@@ -322,25 +465,31 @@ class ShardTables:
                                f"acknowledged after {BARRIER_TIMEOUT_S:.0f} s") from None
 
     async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,
-                    down_partitions: Mapping[str, int] | None = None, buckets: Mapping[int, Bucket | None] = (),
+                    where: Mapping[str, int], down_partitions: Mapping[str, int] | None = None,
+                    buckets: Mapping[int, Bucket | None] = (), homes: Mapping[str, ho.Home] = (),
                     applied: Mapping[str, tuple[int, int]] = (), output: Awaitable[Any] | None = None) -> int:
         """Write back what a batch's decisions changed, in the three steps of store.py's delivery argument;
-        returns the number of jobs written. ``down_partitions``: machine -> the partition of the event that
-        changed its ``machines_down`` entry; ``buckets``: partition -> its bucket after the batch; ``applied``:
-        source partition key -> (its changelog partition, the next offset to apply), written last; ``output``:
-        the batch's output being produced, awaited once the new chunks are sent and before any header is (the
-        two round trips overlap; a header is still never written before the output it stands for is flushed)."""
-        plans: list[tuple[Job, int, st.Plan]] = []
+        returns the number of jobs written. ``where``: entitlement -> the partition its values are kept for (the
+        partition of the events decided for it); ``down_partitions``: machine -> the partition of the event that
+        changed its ``machines_down`` entry; ``buckets``: partition -> its bucket after the batch; ``homes``: home
+        key -> the home after the batch; ``applied``: source partition key -> (its changelog partition, the next
+        offset to apply), written last; ``output``: the batch's output being produced, awaited once the new chunks
+        are sent and before any header is (the two round trips overlap; a header is still never written before the
+        output it stands for is flushed). A job or an entitlement in ``before`` and not in ``after`` (handed over to
+        another partition) is deleted: its header and entitlement in step 2, its chunks in step 3."""
+        plans: list[tuple[Job, int, str, st.Plan]] = []
         for job_id, job in after.jobs.items():
             old = before.jobs.get(job_id)
             if old is job:
                 continue
-            plans.append((job, self.partition_of(job.entitlement),
-                          st.plan(old, headers.get(job_id), self.job_chunks.data, job)))
+            part = where[job.entitlement]
+            key = self.key(job_id, job.entitlement, part)
+            plans.append((job, part, key, st.plan(old, headers.get(job_id), self.job_chunks.data, job, key)))
+        gone = [(job, where[job.entitlement]) for job_id, job in before.jobs.items() if job_id not in after.jobs]
         t0 = time.monotonic()
         # 1. the new chunks, durable before any header names them
-        if any(p.chunks for _, _, p in plans):
-            for _, part, p in plans:
+        if any(p.chunks for _, _, _, p in plans):
+            for _, part, _, p in plans:
                 for key, value in p.chunks.items():
                     self._put(self.job_chunks, part, key, value)
                     self.written_chunks += 1
@@ -350,15 +499,27 @@ class ShardTables:
         t1 = time.monotonic()
         # 2. the headers, and the other tables' values
         wrote = False
-        for job, part, p in plans:
-            self._put(self.jobs, part, job.id, p.header)
-            self._decoded[job.id] = (p.header, job)
-            self.machine_jobs.update(job.id, job.entitlement, machines_of(before.jobs.get(job.id)),
-                                     machines_of(job))
+        for job, part, key, p in plans:
+            self._put(self.jobs, part, key, p.header)
+            self._decoded[key] = (p.header, job)
+            self.machine_jobs.update(key, job.entitlement, machines_of(before.jobs.get(job.id)), machines_of(job))
             wrote = True
-        for name, ent in after.entitlements.items():
+        obsolete = [(part, key) for _, part, _, p in plans for key in p.obsolete]
+        for job, part in gone:
+            key = self.key(job.id, job.entitlement, part)
+            header = headers.get(job.id) or self.jobs.data.get(key)
+            self._put(self.jobs, part, key, None)
+            self._decoded.pop(key, None)
+            self.machine_jobs.update(key, job.entitlement, machines_of(job), set())
+            if header is not None:
+                obsolete += [(part, k) for k in sorted(st.named_keys(header))]
+            wrote = True
+        for name in set(before.entitlements) | set(after.entitlements):
+            ent = after.entitlements.get(name)
             if before.entitlements.get(name) != ent:
-                self._put(self.entitlements, self.partition_of(name), name, dataclasses.asdict(ent))
+                part = where[name]
+                self._put(self.entitlements, part, self.key(name, name, part),
+                          None if ent is None else dataclasses.asdict(ent))
                 wrote = True
         if after.machines_down is not before.machines_down:
             for m in set(before.machines_down) | set(after.machines_down):
@@ -370,7 +531,12 @@ class ShardTables:
             if bucket != self.bucket(part):
                 self._put(self.limits, part, shard_bucket_key(part), bucket_record(bucket))
                 wrote = True
-        obsolete = [(part, key) for _, part, p in plans for key in p.obsolete]
+        for key, home in dict(homes).items():
+            record = ho.home_record(home)
+            if self.homes.data.get(key) != record:
+                self._put(self.homes, home.partition, key, record)
+                self._here = None
+                wrote = True
         if wrote and (applied or obsolete):
             await self._barrier()
         self.store_ms = (round((t1 - t0) * 1e3), round((time.monotonic() - t1) * 1e3))
@@ -386,31 +552,51 @@ class ShardTables:
         write a crash interrupted, or a tombstone lost with it). Between decisions a chunk that a header on the log
         names is named by the header in memory too: ``store`` drops a chunk from a header only as ``obsolete``, and
         deletes it itself once the new header is flushed. Returns how many were deleted."""
-        parts = {k: self.partition_of(v["entitlement"]) for k, v in list(self.job_chunks.data.items())
-                 if v is not None and self.partition_of(v["entitlement"]) in active_partitions}
+        parts = {k: part for k, v in list(self.job_chunks.data.items())
+                 if v is not None and (part := self.partition_of_key(st.job_of_key(k), v["entitlement"]))
+                 in active_partitions}
         garbage = st.orphans(parts, self.jobs.data)
         for key in garbage:
             self._put(self.job_chunks, parts[key], key, None)
         return len(garbage)
 
 
-def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S, **settings: Any):
-    """The scheduler's faust app, its agent, its timer and its tables; ``settings`` override faust's."""
+def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S,
+              partition_map: MapFollower | None = None, **settings: Any):
+    """The scheduler's faust app, its agent, its timer and its tables; ``settings`` override faust's;
+    ``partition_map``: the follower of the entitlement -> partition map (default: one of its own)."""
     registry = registry or SchemaRegistry.from_dir()
     catalogue = Topics(cfg.topic_prefix, cfg.partitions)
-    producer = EventProducer(cfg, registry, PRODUCER)
-    dead_letters = DeadLetters(producer, PRODUCER)
     app = make_app(cfg, APP_ID, **settings)
     tables = ShardTables(app, cfg.partitions)
+    pmap = partition_map if partition_map is not None else MapFollower.start(cfg, registry, name="scheduler-map")
+    producer = EventProducer(cfg, registry, PRODUCER, route=lambda e: tables.here_partition(e, pmap))
+    dead_letters = DeadLetters(producer, PRODUCER)
     source_names = [catalogue.name(t) for t in SOURCES]
+    handoff_topic = catalogue.name("handoff")
+    allocations_topic = catalogue.name("allocations")
     source = app.topic(*source_names, key_serializer="raw", value_serializer="raw", partitions=cfg.partitions)
     lock = asyncio.Lock()
     limits = Limits.from_env(os.environ)
     max_tasks = cfg.max_tasks_per_job
+    # Records of an entitlement whose hand-over is not all here yet (handover.HOLD), in the order they came, per
+    # entitlement: (message, the epoch they await). Memory only: their partitions' offsets are stored no further
+    # than the first of them (``floors``), so a crash or a rebalance reads them again.
+    held: dict[str, dict[tuple[str, int], tuple[Any, int]]] = {}
 
-    async def produce(events: list[Event]) -> None:
+    def floors() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for waiting in held.values():
+            for key, offset in waiting:
+                out[key] = min(out.get(key, offset), offset)
+        return out
+
+    async def produce(events: list[Event], forwards: list[tuple[Any, ho.Route]] = ()) -> None:
         def send_all() -> None:
             producer.send_all(events, validate=False)  # built by decide from decoded events; fastavro still checks
+            for msg, r in forwards:
+                producer.send_raw(handoff_topic, msg.key, msg.value, partition=r.to,
+                                  headers=forwarded_headers(msg, catalogue, r.epoch))
             producer.flush(FLUSH_S)
         try:
             await asyncio.get_running_loop().run_in_executor(None, send_all)
@@ -425,28 +611,67 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await tables.store(*args, **kwargs)
                 return
             except StoreTimeout as exc:
+                if app.should_stop:  # the worker stops: its successor decides again from the stored offsets
+                    raise
                 log.warning("scheduler: storing a decision's state: %s; writing it again", exc)
 
     shard_metrics = ShardMetrics()  # this process's metrics (processors/scheduler/metrics.py)
 
-    async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({})
-                    ) -> None:
-        """Decide a batch of (message, record, event), in order, on one state; produce; store (with the offsets
-        of the records the batch ``passed`` over: key -> (partition, next offset))."""
+    async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({}),
+                    forwards: list[tuple[Any, ho.Route]] | None = None) -> None:
+        """Decide a batch of (message, record, event), in order, on one state; produce (with the records to
+        ``forwards`` to an entitlement's new partition); store (with the offsets of the records the batch ``passed``
+        over: key -> (partition, next offset)). Then the steps of a move that follow a durable decision: the state of
+        an entitlement frozen here sent to its new partition, the map told of one adopted here."""
+        forwards = list(forwards or ())
         async with lock:
+            if not tables_ready(app):  # a rebalance or a recovery under way: decide nothing on the tables now
+                set_aside(items, passed, forwards)
+                return
             t0 = time.monotonic()
             now = int(time.time() * 1000)
-            job_ids: set[str] = set()
+            job_keys: set[str] = set()
             for _, rec, ev in items:
-                job_ids.update(tables.job_ids_for(ev, rec.partition))
-            start, headers = tables.load([ev for _, _, ev in items], sorted(job_ids))
+                if ev.type == ho.HANDED_OVER:  # what earlier parts of the hand-over brought
+                    job_keys.update(tables.key(j, ev.entitlement, rec.partition) for j in ho.job_ids_of(ev))
+                elif ev.type != ho.MOVE_REQUESTED:
+                    job_keys.update(tables.job_keys_for(ev, rec.partition))
+            start, headers, where = tables.load([(ev, rec.partition) for _, rec, ev in items], sorted(job_keys))
+            unreadable = tables.unreadable
             state = start
             buckets: dict[int, Bucket | None] = {}
             down_partitions: dict[str, int] = {}
+            homes: dict[str, ho.Home] = {}  # home key -> the home this batch leaves
+            moving: list[tuple[str, int]] = []  # (entitlement, partition): frozen by this batch
+            arrived: list[tuple[str, int]] = []  # adopted by this batch
             out: list[Event] = []
             failed = []
             for msg, rec, ev in items:
                 part = rec.partition
+                ent = ev.entitlement
+                hk = ho.home_key(ent, part)
+                home = homes[hk] if hk in homes else tables.home(ent, part)
+                if ev.type == ho.HANDED_OVER:
+                    state, new_home = ho.adopt(state, home, ev, part)
+                    if new_home is not None and new_home != home:
+                        homes[hk], where[ent] = new_home, part
+                        if new_home.here:
+                            arrived.append((ent, part))
+                    continue
+                if home is not None and home.moving_to is not None:  # frozen by a move earlier in this batch
+                    forwards.append((msg, ho.Route(ho.FORWARD, home.moving_to, home.epoch)))
+                    continue
+                if ev.type == ho.MOVE_REQUESTED:
+                    new_home, refused = ho.begin(state, home, ev, part, cfg.partitions, now)
+                    out.extend(refused)
+                    if new_home is not None and new_home.moving_to is not None and new_home != home:
+                        homes[hk] = new_home
+                        moving.append((ent, part))
+                    continue
+                if unreadable and (bad := unreadable_named(ev, unreadable)):
+                    failed.append((msg, JOB_UNREADABLE, bad[1]))
+                    if bad[0]:
+                        continue  # it names no job that can be read: nothing to decide
                 if part not in buckets:
                     buckets[part] = tables.bucket(part)
                 state = dataclasses.replace(state, shard_bucket=buckets[part])
@@ -456,7 +681,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
                     log.exception("scheduler: %s %s at %s[%d]@%d failed", ev.type, ev.event_id, rec.topic, part,
                                   rec.offset)
-                    failed.append((msg, f"{ev.type}: {type(exc).__name__}: {exc}"))
+                    failed.append((msg, PROCESSING_FAILED, f"{ev.type}: {type(exc).__name__}: {exc}"))
                     continue
                 try:
                     shard_metrics.decided(ev, emitted, time.monotonic() - t_ev, now)
@@ -472,34 +697,133 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 buckets[part] = new.shard_bucket
                 state = new
                 out.extend(emitted)
-            for msg, detail in failed:
-                await route_dead_letter(dead_letters, msg, PROCESSING_FAILED, detail)
+            for msg, reason, detail in failed:
+                await route_dead_letter(dead_letters, msg, reason, detail)
             t1 = time.monotonic()
             # The output is flushed before any table value that stands for it (see "Delivery" in the module
             # docstring); it is produced while the new chunks are sent, which need not wait for it.
-            output = asyncio.ensure_future(produce(coalesce(out))) if out else None
+            output = asyncio.ensure_future(produce(coalesce(out), forwards)) if out or forwards else None
             applied = dict(passed)  # the offset after the last record of this batch, per partition
+            for msg, _ in forwards:
+                key = partition_key(msg.topic, msg.partition)
+                if key not in applied or msg.offset + 1 > applied[key][1]:
+                    applied[key] = (msg.partition, msg.offset + 1)
             for _, rec, _ in items:
                 key = partition_key(rec.topic, rec.partition)
                 if key not in applied or rec.offset + 1 > applied[key][1]:
                     applied[key] = (rec.partition, rec.offset + 1)
+            for key, floor in floors().items():  # never past a record held for a hand-over
+                if key in applied and applied[key][1] > floor:
+                    applied[key] = (applied[key][0], floor)
             try:
-                if (state is not start or any(b != tables.bucket(p) for p, b in buckets.items())
-                        or guard.persist_due(applied)):
-                    await store(start, state, headers, down_partitions=down_partitions, buckets=buckets,
-                                applied=applied, output=output)
+                if (state is not start or homes or any(b != tables.bucket(p) for p, b in buckets.items())
+                        or guard.persist_due(applied) or forwards):
+                    await store(start, state, headers, where=where, down_partitions=down_partitions,
+                                buckets=buckets, homes=homes, applied=applied, output=output)
             finally:
                 if output is not None:
                     await output  # also when storing failed: its outcome is what apply_or_retry acts on
+            if forwards:
+                where_to = Counter(f"{m.key.decode('utf-8', 'replace')}->{r.to}" for m, r in forwards)
+                log.info("scheduler: forwarded %d records to their entitlements' new partitions (%s)", len(forwards),
+                         ", ".join(f"{k}: {n}" for k, n in sorted(where_to.items())))
+            for ent, part in moving:
+                log.info("scheduler: entitlement %s frozen on partition %d, moving to %d", ent, part,
+                         homes[ho.home_key(ent, part)].moving_to)
+                failpoint("after_freeze")
+                await send_handover(ent, part)
+            for ent, part in arrived:
+                log.info("scheduler: entitlement %s adopted on partition %d", ent, part)
+                failpoint("after_adopt")
+            await publish_map(state, start, where, arrived)
             t2 = time.monotonic()
+            guard.worked(time.monotonic())
             if t2 - t0 > SLOW_BATCH_S:
                 log.info("scheduler: slow batch: %d records, %d events out, %.0f ms (decide %.0f, produce and store "
                          "%.0f: chunks and output %d, headers %d)", len(items), len(out), (t2 - t0) * 1e3,
                          (t1 - t0) * 1e3, (t2 - t1) * 1e3, *tables.store_ms)
 
+    async def send_handover(ent: str, part: int) -> None:
+        """The second step of a move (``handover.hand_over``), once the freeze is durable: the map says the
+        entitlement is moving (with the drain offset), its state goes to the new partition, its jobs leave this
+        one. Called with the lock held; repeated by the timer if a crash cut it short (the frozen state does not
+        change: the same parts)."""
+        home = tables.home(ent, part)
+        if home is None or home.moving_to is None or home.sent:
+            return
+        keys = tables.partition_job_keys({part}, entitlement=ent)
+        state, headers, where = tables.load((), keys, entitlements={ent: part})
+        loop = asyncio.get_running_loop()
+        drain = await loop.run_in_executor(None, lambda: pmap.high_watermark(allocations_topic, part))
+        now = int(time.time() * 1000)
+        new_state, new_home, parts = ho.hand_over(state, home, ent, drain_offset=drain, now_ms=now)
+        weight = ent_weight(state, ent)
+        moving_entry = ho.map_entry(ent, new_home, weight, REASON_MOVING)
+
+        def send_all() -> None:
+            producer.send(assignment_event(moving_entry, producer=PRODUCER, cause=home.handover_id,
+                                           timestamp_ms=now))
+            producer.flush(FLUSH_S)  # the map says "moving" (and the drain) before any part is on the log
+            for ev in parts:
+                producer.send(ev, partition=home.moving_to)
+            producer.flush(FLUSH_S)
+        await loop.run_in_executor(None, send_all)
+        failpoint("after_handover")
+        where[ent] = part
+        await store(state, new_state, headers, where=where, homes={ho.home_key(ent, part): new_home})
+        log.info("scheduler: entitlement %s handed over from partition %d to %d: %d jobs in %d parts (drain offset "
+                 "%d)", ent, part, home.moving_to, len(keys), len(parts), drain)
+
+    async def publish_map(state: SchedulerState, start: SchedulerState, where: Mapping[str, int],
+                          arrived: Iterable[tuple[str, int]]) -> None:
+        """Tell the partition map where the entitlements this batch adopted, created or changed the quota of live
+        (after their state is durable: producers send there only then). An entry the map has already is not
+        written again."""
+        entries = []
+        for ent, part in arrived:
+            home = tables.home(ent, part)
+            if home is not None and home.here:
+                entries.append(ho.map_entry(ent, home, ent_weight(state, ent), REASON_MOVED))
+        for ent, e in state.entitlements.items():
+            if start.entitlements.get(ent) == e or ent not in where:
+                continue
+            part = where[ent]
+            home = tables.home(ent, part) or ho.Home(part)
+            if home.here:
+                entries.append(ho.map_entry(ent, home, ent_weight(state, ent), REASON_HELD))
+        entries = [e for e in entries if not e.same_place(pmap.entry(e.entitlement))]
+        if not entries:
+            return
+        now = int(time.time() * 1000)
+
+        def send_all() -> None:
+            for e in entries:
+                producer.send(assignment_event(e, producer=PRODUCER, timestamp_ms=now))
+            producer.flush(FLUSH_S)
+        await asyncio.get_running_loop().run_in_executor(None, send_all)
+
+    async def reconcile(active: set[int]) -> None:
+        """The steps of a move a crash may have cut short, for the partitions this worker actively owns: a state
+        frozen here but not sent yet is sent; an entitlement adopted here that the map does not place here yet is
+        published. Called with the lock held (the timer's)."""
+        for key, r in list(tables.homes.data.items()):
+            home = ho.home_of(r)
+            if home is None or home.partition not in active:
+                continue
+            ent = key.rsplit("@", 1)[0]
+            if home.moving_to is not None and not home.sent:
+                await send_handover(ent, home.partition)
+            elif home.here and home.epoch > 0:
+                entry = pmap.entry(ent)
+                if entry is None or entry.partition != home.partition or entry.epoch < home.epoch:
+                    state, _, _ = tables.load((), (), entitlements={ent: home.partition})
+                    await publish_map(state, SchedulerState(), {ent: home.partition}, [(ent, home.partition)])
+
     guard = OffsetGuard(tables.offsets.data)
 
     async def seek_back(tp: Any, key: str, why: str) -> None:
+        if not tables_ready(app):  # faust seeks every partition to its committed offset itself once the recovery
+            return  # is done, and would undo this seek; the records come again then, and the guard sees the gap
         target = guard.should_seek(key, time.monotonic())
         if target is not None:
             log.warning("scheduler: %s on %s: seeking back to offset %d", why, key, target)
@@ -514,44 +838,95 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             await seek_back(msg.tp, key, f"gap before offset {msg.offset}")
         return v == APPLY
 
+    missed: dict[bytes, float] = {}
+
+    async def triage(msg: Any, items: list, passed: dict, forwards: list) -> None:
+        """Where one record goes: passed over (an own echo, a type the scheduler ignores, one that does not
+        decode), forwarded to its entitlement's new partition, held for a hand-over, or decided (``items``)."""
+        on_handoff = msg.topic == handoff_topic
+        where = partition_key(msg.topic, msg.partition)
+        if not on_handoff and (is_own_record(msg) or is_ignored_record(msg)):  # own echoes, types decide ignores
+            passed[where] = (msg.partition, msg.offset + 1)
+            return
+        ent = msg.key.decode("utf-8", "replace") if msg.key is not None else None
+        if ent is not None and header_of(msg, TYPE_HEADER) != ho.HANDED_OVER.encode():
+            epoch = header_of(msg, EPOCH_HEADER)
+            r = ho.route(tables.home(ent, msg.partition), pmap.entry(ent), msg.partition,
+                         int(epoch) if epoch is not None and epoch.isdigit() else None)
+            if r.action == ho.FORWARD:
+                forwards.append((msg, r))
+                return
+            if r.action == ho.HOLD:
+                held.setdefault(ent, {})[(where, msg.offset)] = (msg, r.epoch)
+                return
+        got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed,
+                                   placement_topic=original_topic(msg, catalogue))
+        if got is not None:
+            items.append((msg, *got))
+        else:  # dead-lettered: its offset still moves on
+            passed[where] = (msg.partition, msg.offset + 1)
+
+    async def release_held() -> None:
+        """Decide (or forward) the held records of the entitlements whose hand-over is now adopted here."""
+        for ent in list(held):
+            waiting = held[ent]
+            ready = []
+            for key, (msg, epoch) in list(waiting.items()):
+                r = ho.route(tables.home(ent, msg.partition), pmap.entry(ent), msg.partition, epoch)
+                if r.action != ho.HOLD:
+                    ready.append(msg)
+                    del waiting[key]
+            if not waiting:
+                del held[ent]
+            if ready:
+                items: list = []
+                passed: dict = {}
+                forwards: list = []
+                for msg in ready:
+                    await triage(msg, items, passed, forwards)
+                log.info("scheduler: %d records of entitlement %s held for its hand-over: released", len(ready), ent)
+                await apply_or_retry(items, passed, forwards)
+
     @app.agent(source, name=f"{APP_ID}.schedule")
     async def schedule(stream):
-        missed: dict[bytes, float] = {}
         async for batch in take_batches(stream, BATCH_MAX, BATCH_GAP_S, BATCH_MAX_WAIT_S):
-            items = []
+            items: list = []
             passed: dict[str, tuple[int, int]] = {}  # records passed over (no decision): key -> (partition, next)
+            forwards: list = []
             for fev in batch:
                 msg = fev.message
-                if not await gate(msg):
-                    continue
-                got = None
-                if not is_own_record(msg) and not is_ignored_record(msg):  # own echoes, types decide ignores
-                    got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed)
-                if got is not None:
-                    items.append((msg, *got))
-                else:  # passed over undecoded, or dead-lettered: its offset still moves on
-                    passed[partition_key(msg.topic, msg.partition)] = (msg.partition, msg.offset + 1)
+                if await gate(msg):
+                    await triage(msg, items, passed, forwards)
             # A batch of only passed-over records (a region's registration: a million MachineRegistered) stores
             # its offsets once they run PERSIST_AFTER ahead of the table's, or a rebalance reads them all again.
-            if items or guard.persist_due(passed):
-                await apply_or_retry(items, passed)
+            if items or forwards or guard.persist_due(passed):
+                await apply_or_retry(items, passed, forwards)
+            if held:
+                await release_held()
 
-    async def apply_or_retry(items: list, passed: Mapping[str, tuple[int, int]]) -> None:
+    async def apply_or_retry(items: list, passed: Mapping[str, tuple[int, int]], forwards: list = ()) -> None:
         """Apply a batch. If the broker does not take its output (nothing is stored then), apply its records one
         at a time, each once more after a pause if refused, and send one still refused to ``deadletter``
         (processing_failed): a record the broker refuses for ever does not stop the shard for everyone else. (A
         batch is not read again: answers to what part of its output did reach the log may already follow it.)
         Anything else that fails (a bug) makes the shard read the batch again from the stored offsets."""
         try:
-            await apply(items, passed)
+            await apply(items, passed, list(forwards))
             return
         except OutputRefused:
             log.exception("scheduler: the output of a batch of %d records was not taken by the broker; deciding "
                           "them one at a time", len(items))
         except Exception:  # noqa: BLE001 - not an infrastructure failure we know: read the batch again
             log.exception("scheduler: a batch of %d records failed; reading it again", len(items))
-            await read_again(items)
+            await read_again(items + [(msg, None, None) for msg, _ in forwards])
             return
+        if forwards:
+            try:
+                await apply([], {}, list(forwards))
+            except Exception:  # noqa: BLE001 - the broker away: read them again
+                log.exception("scheduler: %d records to forward were not taken; reading them again", len(forwards))
+                await read_again([(msg, None, None) for msg, _ in forwards])
+                return
         for n, item in enumerate(items):
             msg, rec, ev = item
             try:
@@ -573,33 +948,92 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await read_again(items[n:])
                 return
 
+    def set_aside(items: list, passed: Mapping[str, tuple[int, int]], forwards: list = ()) -> None:
+        """A batch that came while the tables are not ready: not decided (nor forwarded), and the guard's next
+        offsets of its partitions go back to the stored ones, so its records apply when they come again (faust seeks
+        to the committed offsets after the recovery; a gap before them makes the guard seek back to the stored
+        ones)."""
+        msgs = [msg for msg, _, _ in items] + [msg for msg, _ in forwards]
+        for key in {partition_key(msg.topic, msg.partition) for msg in msgs} | set(passed):
+            guard.rewind(key)
+        log.info("scheduler: a batch of %d records set aside: the tables are being recovered (read again after)",
+                 len(msgs) + len(passed))
+
     async def read_again(items: list) -> None:
         """Seek back to the stored offsets of these records' partitions (the offset guard falls back to them)."""
         starts: dict[str, Any] = {}
-        for msg, rec, _ in items:
-            starts.setdefault(partition_key(rec.topic, rec.partition), msg.tp)
+        for msg, _, _ in items:
+            starts.setdefault(partition_key(msg.topic, msg.partition), msg.tp)
         for key, tp in starts.items():
             guard.rewind(key)
             await seek_back(tp, key, "a batch not applied")
         await asyncio.sleep(FAILED_BATCH_PAUSE_S)
 
+    def active_partitions() -> set[int]:
+        return {tp.partition for tp in app.assignor.assigned_actives() if tp.topic in source_names}
+
+    async def retry_slice(part: int, job_keys: list[str]) -> int:
+        """``retry_unplaced`` on these jobs of partition ``part``, its output produced and its state stored; the
+        caller holds the lock. Returns the events emitted."""
+        state, headers, where = tables.load((), job_keys)  # a job it cannot read is left out (and logged)
+        state = tables.with_bucket(state, part)
+        new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
+        if out:
+            log.info("scheduler: retry: %d events for %d jobs of partition %d", len(out), len(state.jobs), part)
+            await produce(coalesce(out))
+        if new is not state:
+            await store(state, new, headers, where=where, buckets={part: new.shard_bucket})
+        return len(out)
+
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
     async def retry() -> None:
-        active = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic in source_names}
-        if not active:
+        """A round of the timer: the jobs with something to retry (``timer_job_keys``), partition by partition,
+        ``RETRY_SLICE_JOBS`` at a time, each slice a decision of its own under the lock (the agent decides in
+        between), none while the tables are not ready (a rebalance or a recovery: the round ends there)."""
+        if not tables_ready(app):
+            log.info("scheduler: retry round skipped: the tables are being recovered (a rebalance)")
             return
-        async with lock:
-            for part in sorted(active):  # one partition at a time: each has its own shard bucket
-                state, headers = tables.load((), tables.active_job_ids({part}))
-                state = tables.with_bucket(state, part)
-                new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
-                if out:
-                    await produce(coalesce(out))
-                if new is not state:
-                    await store(state, new, headers, buckets={part: new.shard_bucket})
-            dropped = tables.drop_orphans(active)
-            if dropped:
-                log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)", dropped)
+        t0 = time.monotonic()
+        active = active_partitions()
+        async with lock:  # the steps of a move a crash cut short (handover.py), before the round
+            if not tables_ready(app):
+                return
+            await reconcile(active)
+        todo = tables.timer_job_keys(active)
+        n_jobs = n_out = n_slices = failed = 0
+        waited = 0.0
+        for part, keys in todo.items():
+            for i in range(0, len(keys), RETRY_SLICE_JOBS):
+                t_wait = time.monotonic()
+                async with lock:
+                    waited += time.monotonic() - t_wait
+                    if not tables_ready(app) or part not in active_partitions():
+                        log.info("scheduler: retry round cut short after %d slices: a rebalance began", n_slices)
+                        return
+                    try:
+                        n_out += await retry_slice(part, keys[i:i + RETRY_SLICE_JOBS])
+                    except Exception:  # noqa: BLE001 - the broker refused the output, or a bug: the others go on
+                        failed += 1
+                        log.exception("scheduler: a retry slice of %d jobs of partition %d failed (nothing of it "
+                                      "stored; the next round tries again)", len(keys[i:i + RETRY_SLICE_JOBS]), part)
+                    finally:
+                        guard.worked(time.monotonic())
+                n_jobs += len(keys[i:i + RETRY_SLICE_JOBS])
+                n_slices += 1
+        async with lock:  # never while recovering: a header read back at an older version leaves its job's newest
+            if tables_ready(app):  # chunk unnamed for a while, and deleting it would delete it on the log too
+                try:  # the partitions owned now: a rebalance may have come and gone during the round
+                    dropped = tables.drop_orphans(active_partitions())
+                except Exception:  # noqa: BLE001 - a chunk record that is no chunk: the timer goes on
+                    log.exception("scheduler: looking for chunk records no job names failed")
+                    dropped = 0
+                if dropped:
+                    log.warning("scheduler: deleted %d chunk records no job names (left by an interrupted write)",
+                                dropped)
+        took = time.monotonic() - t0
+        if took > SLOW_RETRY_S:
+            log.info("scheduler: slow retry round: %.1f s for %d jobs in %d slices (%d failed), %d events out; "
+                     "%.1f s of it waiting for the lock", took, n_jobs, n_slices, failed, n_out, waited)
         metrics.TIMER_TICKS.labels(worker=APP_ID).inc()  # a round of the retry timer done, its output produced
 
     flow = FlowWatch()
@@ -607,6 +1041,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:
+        if not tables_ready(app):  # a rebalance: faust pauses, seeks and resumes the partitions itself
+            return
         now = time.monotonic()
         sources = [tp for tp in app.assignor.assigned_actives() if tp.topic in source_names]
         for tp, why in flow.check(app.consumer, sources, now):
@@ -624,18 +1060,76 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 behind[key] = float("inf")  # one line an episode (a backlog, or a stall)
                 log.warning("scheduler: %s has been below its high watermark for %.0f s (next offset %d, high %d; "
                             "%s)", key, flow.after_s, guard.next_offset(key), high, flow.describe(app.consumer, tp))
-            if guard.stalled(key, high, now):
-                await seek_back(tp, key, "stalled below the high watermark")
+            target = guard.stall_seek(key, high, now, busy=lock.locked())
+            if target is not None:
+                episode = guard.stalls[key]
+                log.warning("scheduler: %s stalled below its high watermark %d: seeking back to offset %d (seek %d of "
+                            "this stall; next no sooner than in %.0f s)", key, high, target, episode.seeks,
+                            episode.next_seek_at - now)
+                await app.consumer.seek_wait({tp: target})  # in the consumer's thread, which owns the fetcher
+
+    @app.on_partitions_revoked.connect
+    async def settle(app, revoked, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
+        """A rebalance begins (``tables_ready`` is False from now on): wait for a decision under way (a slice of the
+        timer: faust has waited for the agent's batch already) to end before the recovery that follows reads the
+        changelogs. Its writes must be on the log by then: one written after the recovery took the changelogs' ends
+        would be overwritten in memory by an older value the recovery reads, and the worker would go on from a
+        state its log no longer holds (then deleting the newer chunks as orphans). As faust waits for the agent, not
+        bounded: a slice is 50 jobs; one stuck on the broker is logged every SETTLE_S."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                await asyncio.wait_for(lock.acquire(), SETTLE_S)
+                break
+            except asyncio.TimeoutError:
+                log.warning("scheduler: the rebalance waits for a decision under way (%.0f s so far)",
+                            time.monotonic() - t0)
+        lock.release()
 
     @app.on_partitions_assigned.connect
     async def announce(app, assigned, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
         guard.forget()
         behind.clear()  # a partition back after a move is watched afresh (its episode may have been logged)
+        held.clear()  # read again from the stored offsets, which stop before them
         tables.machine_jobs.forget()  # the recovery that follows may change the tables: built again when needed
+        tables.forget_homes()
         mine = sorted({tp.partition for tp in assigned if tp.topic in source_names})
         log.info("scheduler shard %d: assigned partitions %s", os.getpid(), mine)
 
     return app, schedule, tables
+
+
+def failpoint(name: str) -> None:
+    """Exit at once if ``FAILPOINT_ENV`` names this point (tests of a crash between the steps of a move)."""
+    if os.environ.get(FAILPOINT_ENV) == name:
+        log.warning("scheduler: failpoint %s: exiting", name)
+        os._exit(70)
+
+
+def ent_weight(state: SchedulerState, entitlement: str) -> int:
+    """An entitlement's weight in the partition map: its quota in machines (streams/partitionmap.least_loaded)."""
+    e = state.entitlements.get(entitlement)
+    return e.quota_machines if e is not None else 0
+
+
+def original_topic(msg: Any, catalogue: Topics) -> str | None:
+    """The physical topic a forwarded record was first on (its ``forwarded_from`` header), or None."""
+    origin = header_of(msg, FORWARDED_HEADER)
+    if origin is None:
+        return None
+    logical = origin.decode("utf-8", "replace").split("/", 1)[0]
+    return catalogue.name(logical) if logical in BY_NAME else None
+
+
+def forwarded_headers(msg: Any, catalogue: Topics, epoch: int) -> list[tuple[str, bytes]]:
+    """A forwarded record's headers: the original's (producer, type), where it first was, the epoch."""
+    headers = msg.headers or []
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    keep = [(k, v) for k, v in pairs if k not in (FORWARDED_HEADER, EPOCH_HEADER)]
+    first = header_of(msg, FORWARDED_HEADER)
+    if first is None:
+        first = f"{catalogue.logical(msg.topic)}/{msg.partition}@{msg.offset}".encode()
+    return [*keep, (FORWARDED_HEADER, first), (EPOCH_HEADER, str(epoch).encode())]
 
 
 def _profile_to(directory: str) -> None:

@@ -7,6 +7,8 @@ crash-looped. Now a job is
     header   jobs table, key <job id>       the job without its tasks (``job_to_record`` of it) and
                                             "chunks": {"<i>": v, ...}  which version of each chunk is the job's,
                                             "version": the latest version written
+                                            "timer": ``decide.has_timer_work`` of the job (its timer loads only
+                                            these; a header without it, written before, counts as True)
     chunk    chunks table, key <job>#<i>@<v>  {"entitlement": e, "tasks": [task record, ...]}: the tasks of index
                                             in [i*CHUNK_TASKS, (i+1)*CHUNK_TASKS), in index order, at version v
 
@@ -39,7 +41,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from processors.scheduler.decide import machines_of, maint_machines
+from processors.scheduler.decide import has_timer_work, machines_of, maint_machines
 from processors.scheduler.model import Job, Task
 from processors.scheduler.records import job_from_record, job_to_record, terms_of, terms_record
 
@@ -89,13 +91,21 @@ def is_chunked(header: Mapping[str, Any]) -> bool:
     return "chunks" in header
 
 
+def header_key(header: Mapping[str, Any]) -> str:
+    """The key a header is stored under, which its chunks' keys start with: the job id, or the job id qualified by
+    the partition it is kept for (``handover.storage_key``: a job of an entitlement that lives off its hash
+    partition)."""
+    return header.get("key") or header["id"]
+
+
 def job_of(header: Mapping[str, Any], chunks: Mapping[str, Any]) -> Job:
     """The job a header and the chunk table (key -> value) hold. Raises MissingChunk."""
     if not is_chunked(header):
         return job_from_record(header)  # the older whole-job record
     tasks: list[Task] = []
+    key = header_key(header)
     for i, v in sorted(((int(i), v) for i, v in header["chunks"].items())):
-        value = chunks.get(chunk_key(header["id"], i, v))
+        value = chunks.get(chunk_key(key, i, v))
         if value is None:
             raise MissingChunk(f"job {header['id']}: its header names chunk {i} at version {v}, which the table "
                                "does not hold")
@@ -121,10 +131,12 @@ def _by_chunk(tasks: Iterable[Task]) -> dict[int, list[Task]]:
 
 
 def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Mapping[str, Any],
-         after: Job) -> Plan:
+         after: Job, key: str | None = None) -> Plan:
     """The writes that take the stored job from ``header`` (as read; None: not stored) and ``before`` (the job
     it holds) to ``after``. Only chunks with a task added, removed or replaced are written (a new version);
-    their records of unchanged tasks are reused from ``chunk_values`` (the chunk table) as they are."""
+    their records of unchanged tasks are reused from ``chunk_values`` (the chunk table) as they are. ``key``: the
+    key the job is stored under (``header_key``; None: its id)."""
+    key = key or after.id
     old_chunks: dict[int, int] = {}
     version = 0
     if header is not None and is_chunked(header) and before is not None:
@@ -149,10 +161,10 @@ def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Map
         for i in sorted(changed):
             reuse: dict[str, dict] = {}
             if i in old_chunks and before is not None:
-                old_value = chunk_values.get(chunk_key(after.id, i, old_chunks[i]))
+                old_value = chunk_values.get(chunk_key(key, i, old_chunks[i]))
                 if old_value is not None:
                     reuse = {r["id"]: r for r in old_value["tasks"]}
-                obsolete.append(chunk_key(after.id, i, old_chunks[i]))
+                obsolete.append(chunk_key(key, i, old_chunks[i]))
             tasks = grouped.get(i)
             if not tasks:
                 new_chunks.pop(i, None)
@@ -161,19 +173,29 @@ def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Map
             for t in tasks:
                 r = reuse.get(t.id)
                 records.append(r if r is not None and before.tasks.get(t.id) is t else task_record(t))
-            out_chunks[chunk_key(after.id, i, version)] = {"entitlement": after.entitlement, "tasks": records}
+            out_chunks[chunk_key(key, i, version)] = {"entitlement": after.entitlement, "tasks": records}
             new_chunks[i] = version
     head = job_to_record(replace(after, tasks=MappingProxyType({})))
     del head["tasks"]
-    head.update(format=HEADER_FORMAT, version=version, chunks={str(i): v for i, v in sorted(new_chunks.items())})
+    head.update(format=HEADER_FORMAT, version=version, chunks={str(i): v for i, v in sorted(new_chunks.items())},
+                timer=has_timer_work(after))
+    if key != after.id:
+        head["key"] = key
     return Plan(head, out_chunks, obsolete)
+
+
+def wants_timer(header: Mapping[str, Any]) -> bool:
+    """Whether the job a header stands for may have work for the retry timer (its ``timer``; True if it has none:
+    a header written before the flag, or the older whole-job record)."""
+    return bool(header.get("timer", True))
 
 
 def named_keys(header: Mapping[str, Any]) -> set[str]:
     """The chunk keys a header names."""
     if not is_chunked(header):
         return set()
-    return {chunk_key(header["id"], int(i), v) for i, v in header["chunks"].items()}
+    key = header_key(header)
+    return {chunk_key(key, int(i), v) for i, v in header["chunks"].items()}
 
 
 def orphans(chunk_keys: Iterable[str], headers: Mapping[str, Any]) -> list[str]:
@@ -195,7 +217,8 @@ def index_key(entitlement: str, machine: str) -> str:
 
 
 class MachineJobs:
-    """``"<entitlement>|<machine>"`` -> the ids of the jobs of that entitlement with a task on the machine, in memory.
+    """``"<entitlement>|<machine>"`` -> the keys (``header_key``: ids, or ids qualified by a partition) of the jobs of
+    that entitlement with a task on the machine, in memory.
     Derived from the jobs table and its chunks (``build``: each stored job's task records name their machine), kept
     in step by ``update`` for every job a batch writes, and dropped (``forget``) at every partition assignment: a
     recovery or a standby copy changes the tables without a write of this worker's, so the next use builds it

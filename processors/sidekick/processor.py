@@ -21,7 +21,7 @@ from processors.allocator import fold as region_fold
 from processors.allocator.follow import SOURCES, Follower
 from processors.sidekick import decide as sk
 from processors.worker import LoopWorker, close_clients
-from streams.clients import EventProducer
+from streams.partitionmap import routed_producer
 from streams.serde import SchemaRegistry
 
 log = logging.getLogger("ropewalk.sidekick")
@@ -44,7 +44,7 @@ class Sidekick(LoopWorker):
         self.view = sk.SidekickView()
         self.follower = Follower(cfg, self.registry, self.view, topics=(*SOURCES, "tasks"),
                                  types=region_fold.EVENT_TYPES | sk.EVENT_TYPES, name=sk.PRODUCER)
-        self.producer = EventProducer(cfg, self.registry, sk.PRODUCER)
+        self.producer = routed_producer(cfg, self.registry, sk.PRODUCER)
         self.caught_up = False
         self._next = 0
         self.requested = 0

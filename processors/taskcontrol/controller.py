@@ -101,7 +101,8 @@ class TaskControllerProcess:
     """A TaskController on the real log: consume ``taskcontrol``, ``decide``, produce acks."""
 
     def __init__(self, cfg: Config, name: str, decide: Decide, *, registry=None):
-        from streams.clients import EventConsumer, EventProducer
+        from streams.clients import EventConsumer
+        from streams.partitionmap import routed_producer
         from streams.deadletter import DeadLetters
         from streams.serde import SchemaRegistry
         from streams.topics import Topics
@@ -110,7 +111,7 @@ class TaskControllerProcess:
         self.prefix = cfg.topic_prefix
         registry = registry or SchemaRegistry.from_dir()
         topic = Topics(cfg.topic_prefix, cfg.partitions).name("taskcontrol")
-        self.producer = EventProducer(cfg, registry, producer_name(name))
+        self.producer = routed_producer(cfg, registry, producer_name(name))
         # a record it cannot decode is dead-lettered (its id derives from the record's place: reading the topic
         # again after a restart routes it again under the same id) and the controller goes on
         self.consumer = EventConsumer(cfg, registry, [topic], name=producer_name(name),
@@ -150,4 +151,5 @@ class TaskControllerProcess:
                 self.step()
         finally:
             self.producer.flush()
+            self.producer.stop_following()
             self.consumer.close()

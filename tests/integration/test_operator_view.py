@@ -18,7 +18,7 @@ import pytest
 from processes import scrape, value
 from regioncli import ROOT, RegionCli, wait_for
 
-WORKERS = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
+WORKERS = ("resourcebroker", "allocator-0", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
            "sidekick", "jobcontrol", "srm", "loans")
 SPEC = ("name: {name}\nentitlement: {ent}\ntasks: {tasks}\ncommand: [sleep, '3600']\n"
         "resources: {{cpu_millicores: {cpu}, memory_mib: 256}}\nspread: msb\n")
@@ -68,9 +68,9 @@ def test_every_target_exports_what_its_process_does_and_nothing_else(region):
     targets = region.targets()
     assert set(targets) == {*WORKERS, "supervisor"}, targets
     got = {w: scrape(a) for w, a in targets.items()}
-    owners = {"ropewalk_index_staleness_seconds": {"allocator"},
-              "ropewalk_allocation_decision_duration_seconds": {"allocator"},
-              "ropewalk_machines": {"allocator"},
+    owners = {"ropewalk_index_staleness_seconds": {"allocator-0"},
+              "ropewalk_allocation_decision_duration_seconds": {"allocator-0"},
+              "ropewalk_machines": {"allocator-0"},
               "ropewalk_scheduling_attempt_duration_seconds": {"scheduler-0"},
               "ropewalk_submit_to_running_seconds": {"scheduler-0"},
               "ropewalk_taskcontrol_pending_operations": {"scheduler-0"},
@@ -89,9 +89,9 @@ def test_every_target_exports_what_its_process_does_and_nothing_else(region):
     restarts = {s.labels["worker"]: s.value for s in got["supervisor"]["ropewalk_worker_restarts"]
                 if s.name == "ropewalk_worker_restarts_total"}
     assert set(restarts) == {*WORKERS, "redis"} and all(v == 0 for v in restarts.values()), restarts
-    assert value(got["allocator"], "ropewalk_allocation_decision_duration_seconds_count", result="placed") >= 1
+    assert value(got["allocator-0"], "ropewalk_allocation_decision_duration_seconds_count", result="placed") >= 1
     assert "ropewalk_consumer_lag_seconds" not in got["api"]
-    lagging = {"allocator", "resourcebroker", "health", "agents", "agent-local"}
+    lagging = {"allocator-0", "resourcebroker", "health", "agents", "agent-local"}
     assert lagging <= {w for w, fams in got.items() if "ropewalk_consumer_lag_seconds" in fams}
 
     def idle() -> dict:  # an idle region's readers are not behind: every lag series falls to 0 (no false alert)

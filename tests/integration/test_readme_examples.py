@@ -67,7 +67,7 @@ SUBSTITUTIONS = {
 # $TOKEN (curl's): the region administrator's token, .run/secrets/token.
 
 # Commands the README says are refused in the region as it is then: (exit code, the error line's start).
-REFUSED = {"ropewalk rebuild": (1, "ropewalk: the allocator is running")}  # "refused while an allocator runs"
+REFUSED = {"ropewalk rebuild": (1, "ropewalk: an allocator is running")}  # "refused while an allocator runs"
 
 # Commands that run until interrupted: run for this long, then SIGINT (exit 130), their output checked.
 FOLLOWERS = {"ropewalk watch jobs": 4.0}

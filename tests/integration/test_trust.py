@@ -28,23 +28,23 @@ OPS = ("READ", "WRITE")
 W, R = "W", "R"
 # principal -> topic -> what it may do (R read, W write; "" nothing). operator (a super user) may do everything.
 TABLE = {
-    #                intents  machines unavail  allocs  tasks taskctl heartb deadl  st.jobs st.tasks st.mach _schemas loans metrics
-    "api":          ("RW",    "RW",    "RW",    "R",    "R",  "R",    "R",   "R",   "R",    "R",     "R",    "RW",   "R",  "R"),
-    "scheduler":    ("RW",    "R",     "R",     "RW",   "RW", "RW",   "",    "W",   "W",    "W",     "",     "RW",   "",   ""),
-    "allocator":    ("R",     "RW",    "R",     "RW",   "",   "",     "",    "W",   "",     "",      "RW",   "RW",   "",   ""),
-    "resourcebroker": ("",    "RW",    "RW",    "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   ""),
-    "health":       ("",      "RW",    "W",     "",     "",   "",     "R",   "W",   "",     "",      "",     "RW",   "",   ""),
-    "agent":        ("",      "W",     "",      "R",    "RW", "",     "W",   "W",   "",     "",      "",     "RW",   "",   "W"),
-    "controller":   ("",      "",      "",      "",     "",   "RW",   "",    "W",   "",     "",      "",     "RW",   "",   ""),
-    "rebalancer":   ("RW",    "R",     "R",     "R",    "",   "",     "",    "W",   "R",    "",      "",     "RW",   "",   ""),
-    "sidekick":     ("R",     "R",     "R",     "R",    "RW", "",     "",    "W",   "",     "",      "",     "RW",   "",   ""),
-    "jobcontrol":   ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   ""),
-    "srm":          ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "R"),
-    "lender":       ("RW",    "R",     "RW",    "R",    "",   "",     "",    "W",   "",     "",      "",     "RW",   "RW", ""),
-    "operator":     ("RW",) * 14,
+    #                intents  machines unavail  allocs  tasks taskctl heartb deadl  st.jobs st.tasks st.mach _schemas loans metrics handoff partitionmap
+    "api":          ("RW",    "RW",    "RW",    "R",    "R",  "R",    "R",   "R",   "R",    "R",     "R",    "RW",   "R",  "R", "R", "RW"),
+    "scheduler":    ("RW",    "R",     "R",     "RW",   "RW", "RW",   "",    "W",   "W",    "W",     "",     "RW",   "",   "", "RW", "RW"),
+    "allocator":    ("R",     "RW",    "R",     "RW",   "",   "",     "",    "W",   "",     "",      "RW",   "RW",   "",   "", "", "R"),
+    "resourcebroker": ("",    "RW",    "RW",    "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
+    "health":       ("",      "RW",    "W",     "",     "",   "",     "R",   "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
+    "agent":        ("",      "W",     "",      "R",    "RW", "",     "W",   "W",   "",     "",      "",     "RW",   "",   "W", "", "R"),
+    "controller":   ("",      "",      "",      "",     "",   "RW",   "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
+    "rebalancer":   ("RW",    "R",     "R",     "R",    "",   "",     "",    "W",   "R",    "",      "",     "RW",   "",   "", "", "R"),
+    "sidekick":     ("R",     "R",     "R",     "R",    "RW", "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
+    "jobcontrol":   ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
+    "srm":          ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "R", "", "R"),
+    "lender":       ("RW",    "R",     "RW",    "R",    "",   "",     "",    "W",   "",     "",      "",     "RW",   "RW", "", "", "R"),
+    "operator":     ("RW",) * 16,
 }
 TOPICS = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "heartbeats", "deadletter",
-          "state.jobs", "state.tasks", "state.machines", "_schemas", "loans", "metrics")
+          "state.jobs", "state.tasks", "state.machines", "_schemas", "loans", "metrics", "handoff", "partitionmap")
 AUTHZ = KafkaError.TOPIC_AUTHORIZATION_FAILED
 
 

@@ -97,7 +97,7 @@ def test_parse_documents(text, count, error):
 # --- retention: the log is the system of record ---------------------------------------------------------------
 
 SYSTEM_OF_RECORD = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans",
-                    "deadletter", "state.jobs", "state.tasks", "state.machines", "_schemas")
+                    "handoff", "deadletter", "state.jobs", "state.tasks", "state.machines", "partitionmap", "_schemas")
 BOUNDED = ("heartbeats", "metrics")  # liveness and load samples: judged on recent ones, nothing rebuilt from them
 
 
@@ -106,9 +106,10 @@ def test_every_topic_but_heartbeats_and_metrics_keeps_its_records_forever():
     assert set(by_name) == set(SYSTEM_OF_RECORD) | set(BOUNDED)  # a new topic must choose its retention here
     for name in SYSTEM_OF_RECORD:
         assert by_name[name].config.get("retention.ms") == "-1", name
-    for name in ("state.jobs", "state.tasks", "state.machines", "_schemas"):
+    for name in ("state.jobs", "state.tasks", "state.machines", "partitionmap", "_schemas"):
         assert by_name[name].config.get("cleanup.policy") == "compact", name
-    for name in ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans", "deadletter"):
+    for name in ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans", "handoff",
+                 "deadletter"):
         assert by_name[name].config.get("cleanup.policy", "delete") == "delete", name  # a log, never compacted
     for name in BOUNDED:
         hb = int(by_name[name].config["retention.ms"])
