@@ -86,6 +86,7 @@ WORDS: Mapping[str, str] = MappingProxyType({
     "srm.view": "seeing the autoscaler's picture",
     "loans.view": "seeing loans",
     "entitlement.elastic": "making an entitlement elastic",
+    "entitlement.move": "moving an entitlement to another scheduler shard",
 })
 
 # Reasons (Decision.reason).

@@ -88,7 +88,7 @@ def test_every_target_exports_what_its_process_does_and_nothing_else(region):
         assert info.labels["revision"] == revision, (worker, info.labels)
     restarts = {s.labels["worker"]: s.value for s in got["supervisor"]["ropewalk_worker_restarts"]
                 if s.name == "ropewalk_worker_restarts_total"}
-    assert set(restarts) == {*WORKERS, "redis"} and all(v == 0 for v in restarts.values()), restarts
+    assert set(restarts) == {*WORKERS, "redis", "broker"} and all(v == 0 for v in restarts.values()), restarts
     assert value(got["allocator-0"], "ropewalk_allocation_decision_duration_seconds_count", result="placed") >= 1
     assert "ropewalk_consumer_lag_seconds" not in got["api"]
     lagging = {"allocator-0", "resourcebroker", "health", "agents", "agent-local"}
