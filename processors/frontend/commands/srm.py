@@ -16,6 +16,12 @@ from processors.frontend.console import _front, _print, human_time
 from processors.srm import decide as sd
 
 
+def utc(ms: int) -> str:
+    """A moment of the load signal's clock, UTC to the second (not how far from now: its clock may not be this
+    one's)."""
+    return human_time(ms).split(" (")[0]
+
+
 def cmd_show(cfg, args) -> int:
     v = _front(cfg, args).srm(args.job)
     f = v["forecast"] or {}
@@ -51,7 +57,7 @@ def cmd_plan(cfg, args) -> int:
     text = f"job {d['job']}  would {act}  ({d['rule']}: {d['says']})"
     if d.get("forecast") is not None:
         text += (f"\nload {d['load']:.1f}  forecast {d['forecast']:.1f} (recent {d['recent']:.1f}, historical "
-                 f"{d['historical']:.1f}) at the latest sample's time {human_time(d['at_ms'])}  (dry run: nothing written)")
+                 f"{d['historical']:.1f}) at the latest sample's time {utc(d['at_ms'])}  (dry run: nothing written)")
     _print(d, args.json, text)
     return 0
 
