@@ -78,6 +78,7 @@ READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})
 FAUST_TOPIC_OPERATIONS = ("READ", "WRITE", "CREATE", "DESCRIBE", "DESCRIBE_CONFIGS")
 READER_GROUPS = "ropewalk-"  # prefix (after the region's) of the group ids of assign-only readers
+POSITION_GROUPS = READER_GROUPS + "position-"  # ... of the groups a worker's reader commits its position to
 
 
 def reader_group(cfg: Config, name: str = "reader") -> str:
@@ -85,6 +86,15 @@ def reader_group(cfg: Config, name: str = "reader") -> str:
     one anyway (and asks for its coordinator, which the broker authorizes: every principal may DESCRIBE the groups
     ``<prefix>ropewalk-*`` of its region, ``grants``)."""
     return f"{cfg.topic_prefix}{READER_GROUPS}{name}"
+
+
+def position_group(cfg: Config, name: str) -> str:
+    """The group a worker's assigning reader named ``name`` commits its position to, for Kafka's lag tools
+    (``streams.clients.EventConsumer``'s ``follows``): ``<prefix>ropewalk-position-<name>``, the name's characters
+    outside ``[A-Za-z0-9._-]`` as ``-`` (``agent/local-msb1-r01-m001`` → ``agent-local-msb1-r01-m001``)."""
+    import re
+
+    return f"{cfg.topic_prefix}{POSITION_GROUPS}{re.sub(r'[^A-Za-z0-9._-]', '-', name)}"
 
 
 def allowed(principal: str, topic: str, operation: str) -> bool:
@@ -113,6 +123,8 @@ def grants(prefix: str) -> list[Grant]:
             out += [Grant(principal, "topic", topics.name(t), False, op) for t in names]
     for principal in READS:  # the group ids of readers that assign partitions themselves (reader_group)
         out.append(Grant(principal, "group", f"{prefix}{READER_GROUPS}", True, "DESCRIBE"))
+        # a worker's reader commits its position to its own group (position_group): READ on the group
+        out.append(Grant(principal, "group", f"{prefix}{POSITION_GROUPS}", True, READ))
     for principal, app in FAUST_APPS.items():
         out.append(Grant(principal, "group", prefix + app, True, READ))
         out += [Grant(principal, "topic", f"{prefix}{app}-", True, op) for op in FAUST_TOPIC_OPERATIONS]

@@ -426,7 +426,7 @@ class SimulatedAgents(LoopWorker):
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations, self.unavailability],
                                       name=self.name, start_offsets=start,
                                       dead_letters=DeadLetters(self.producer, self.name),
-                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE} | pw.TYPES)
+                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE} | pw.TYPES, follows=True)
 
     def catch_up_power(self) -> dict[tuple[str, int], int]:
         """Fold the power events of ``unavailability`` up to its end (a fresh agent: the machines of a DC whose

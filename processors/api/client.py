@@ -25,7 +25,7 @@ class ApiClientError(Exception):
 
 
 class ApiClient:
-    def __init__(self, url: str, token: str | None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, url: str, token: str | None, timeout_s: float | None = DEFAULT_TIMEOUT_S):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
@@ -88,6 +88,24 @@ class ApiClient:
 
     def job_status(self, job: str, at: str | None = None) -> dict:
         return self._json("GET", f"/v1/jobs/{_q(job)}", query={"at": at})
+
+    def job_describe(self, job: str, events: int | None = None) -> dict:
+        return self._json("GET", f"/v1/jobs/{_q(job)}/describe", query={"events": events})
+
+    def job_logs(self, job: str, task: str | None = None, tail: int = 100, follow: bool = False
+                 ) -> tuple[dict[str, str], Iterator[str]]:
+        """The tasks without output (task -> why) and the output's lines as they come (``follow``: until closed)."""
+        api = ApiClient(self.url, self.token, timeout_s=None) if follow else self  # -f: waits as long as it must
+        resp = api._open("GET", f"/v1/jobs/{_q(job)}/logs", query={"task": task, "tail": tail,
+                                                                    "follow": "true" if follow else None})
+        missing = json.loads(resp.headers.get("X-Ropewalk-No-Output") or "{}")
+
+        def lines() -> Iterator[str]:
+            with resp:
+                for raw in resp:
+                    yield raw.decode("utf-8", "replace").rstrip("\n")
+
+        return missing, lines()
 
     def jobs(self, entitlement: str | None = None) -> list[dict]:
         return self._json("GET", "/v1/jobs", query={"entitlement": entitlement})

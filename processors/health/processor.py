@@ -123,7 +123,7 @@ class HealthCheck(LoopWorker):
                     for p in range(self.topics.partitions_of("heartbeats"))}
         self.consumer = EventConsumer(self.cfg, self.registry, [self.machines_topic, self.heartbeats_topic],
                                       name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
-                                      **BACKGROUND_READER)
+                                      follows=True, **BACKGROUND_READER)
         t0 = time.monotonic()
         with folding(freeze=True):  # the machines this process watches from now on (streams/heap.py)
             n = read_to_end(self.consumer, self.handle,
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{p.large_zone_size})")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
+    metrics.serve_worker(Config.from_env().run_dir, (metrics.TIMER_TICKS,))  # infra/metrics.py
     try:
         policy = zones.DisruptionPolicy(unhealthy_zone_threshold=args.unhealthy_zone_threshold,
                                         full_rate_per_s=args.zone_failure_rate,

@@ -102,6 +102,13 @@ MACHINE_EVENTS = ("MachineRegistered", "MachineStatusChanged", "MachineAssignedT
                   "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED)
 
 
+def is_free(owner: str | None, status: str, under_maintenance: bool) -> bool:
+    """A machine of the free pool that can be given now: no owner, UP, under no maintenance. The one rule the
+    lender's headroom and the web UI's free pool (Entitlements, Loans) count by: a DOWN machine, or one under
+    maintenance, is unowned but not free."""
+    return owner is None and status == UP and not under_maintenance
+
+
 class BrokerError(ValueError):
     """A decision cannot be taken on this input; the message says why."""
 

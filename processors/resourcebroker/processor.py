@@ -173,7 +173,7 @@ class ResourceBroker(LoopWorker):
         """Catch up with the log, then register what is missing. After this, ``step`` follows the topics."""
         machines = self.topics.name("machines")
         self.consumer = EventConsumer(self.cfg, self.registry, [machines, self.topics.name("unavailability")],
-                                      name=PRODUCER, dead_letters=self.dead_letters, **BACKGROUND_READER)
+                                      name=PRODUCER, dead_letters=self.dead_letters, follows=True, **BACKGROUND_READER)
         t0 = time.monotonic()
         with folding(freeze=True):  # the registry this process holds from now on (streams/heap.py)
             n = read_to_end(self.consumer, self.handle,

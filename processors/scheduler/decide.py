@@ -437,6 +437,8 @@ def _apply_report(w: JobWork, p: Mapping[str, Any], rid: str) -> None:
         w.ignore(REASON_ILLEGAL_REPORT, f"{rid} reports {t.id} {reported} while it is {t.state}")
         return
     if not changed:
+        if state == STARTING and p.get("reason") and p["reason"] != t.reason:  # why it is not running yet (held
+            w.put(replace(t, reason=p["reason"]))  # by its agent until the machine has the job's host profile)
         return
     now = fold.now
     if state == RUNNING:
