@@ -90,6 +90,8 @@ WORDS: Mapping[str, str] = MappingProxyType({
     "loans.view": "seeing loans",
     "entitlement.elastic": "making an entitlement elastic",
     "entitlement.move": "moving an entitlement to another scheduler shard",
+    "machine.power_loss": "announcing a power loss (machine power-loss)",
+    "machine.power_restore": "announcing power back (machine power-restore)",
 })
 
 # Reasons (Decision.reason).
