@@ -367,11 +367,15 @@ class ProcessAgent(LoopWorker):
                 del self.procs[task_id]  # not the agent's any more; leave it be
             elif proc.start_time is None or process_start_time(proc.pid) != proc.start_time:
                 del self.procs[task_id]
+                if task_id in self.uids:  # what outlived it (a sandbox whose monitor alone was killed) goes too
+                    self.isolation.signal(proc.pid, self.uids[task_id], signal.SIGKILL)
                 self.feed(d.Exited(task_id, None))
             else:
                 log.info("agent %s: adopted %s pid %d", self.machine_id, task_id, proc.pid)
         for task_id, run in self.state.tasks.items():  # SPAWNING with no process on disk: spawn never happened
             if run.phase == d.P_SPAWNING and task_id not in self.procs:
+                if task_id in self.uids:  # (or happened, and the agent died before it saved the pid)
+                    iso.kill_uid(self.uids[task_id])
                 self.feed(d.SpawnFailed(task_id, "agent stopped while spawning"))
         self.save()
 
@@ -396,7 +400,8 @@ class ProcessAgent(LoopWorker):
             self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations],
                                           name=f"agent/{self.machine_id}", start_offsets=self.offsets,
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
-                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE})
+                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE},
+                                          follows=True)
             return True
         except Exception as exc:  # noqa: BLE001 - broker away: try again later, tasks go on
             self.errors += 1
