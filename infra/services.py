@@ -99,14 +99,15 @@ def start_brokers(cfg: Config) -> dict:
     if any(pid is None for pid in was.values()):
         embedded_kafka.prepare(cfg)  # configurations, data formatted: on disk for the supervisor's restarts too
     supervisor.ensure(cfg.run_dir, embedded_kafka.programs(cfg))
-    deadline = time.monotonic() + embedded_kafka.START_TIMEOUT_S
+    timeout_s = embedded_kafka.start_timeout_s(cfg)
+    deadline = time.monotonic() + timeout_s
     while True:
         up = all(p.pid() is not None and port_open(p.port) for p in nodes.values())
         if up and cluster_ready(cfg):
             break
         if time.monotonic() > deadline:
             down = [p for p in nodes.values() if p.pid() is None or not port_open(p.port)]
-            raise InfraError(f"broker: not ready after {embedded_kafka.START_TIMEOUT_S:.0f}s: "
+            raise InfraError(f"broker: not ready after {timeout_s:.0f}s: "
                              + ("; ".join(f"{p.name}: {p._log_tail()}" for p in down) if down
                                 else "a node is not in the cluster, or a partition has no leader"))
         time.sleep(0.1)
