@@ -295,9 +295,13 @@ def running(cfg: Config) -> dict[str, dict]:
 def region_pids(cfg: Config) -> dict[str, int]:
     """Every process of a local region, by what it is: ``supervisor``, ``program:<name>`` (redis-server, the broker's
     nodes and every worker under the supervisor), ``service:<name>`` (an embedded service run on its own), and
-    ``task:<task>`` (the process agents' tasks, from their state files): what a power loss of the whole region
-    kills (``bench/killstorm.py``, ``tests/integration/test_cold_start.py``)."""
+    ``task:<task>`` (the process agents' tasks, from their state files: in a sandbox, its monitor, root's) and
+    ``task:<task>:<pid>`` (every process running as a task's own uid: a sandboxed task's processes outlive its
+    monitor; processors/agent/isolation.py): what a power loss of the whole region kills (``bench/killstorm.py``,
+    ``tests/integration/test_cold_start.py``)."""
     import json
+
+    from infra.process import processes_of
 
     pids = {f"program:{n}": s["pid"] for n, s in supervisor.programs_state(cfg.run_dir).items() if s.get("pid")}
     pids.update({f"service:{n}": s["pid"] for n, s in running(cfg).items() if s.get("pid")
@@ -307,12 +311,14 @@ def region_pids(cfg: Config) -> dict[str, int]:
         pids["supervisor"] = sup
     for state in (Path(cfg.run_dir) / "agents").glob("*/agent-state.json"):
         try:
-            procs = json.loads(state.read_text()).get("procs", {})
+            doc = json.loads(state.read_text())
         except (OSError, ValueError):
             continue
-        for task, proc in procs.items():
+        for task, proc in doc.get("procs", {}).items():
             if proc.get("pid"):
                 pids[f"task:{task}"] = proc["pid"]
+        for task, uid in doc.get("uids", {}).items():  # isolation.OWNER_UIDS_KEY: the tasks' own uids
+            pids.update({f"task:{task}:{pid}": pid for pid in processes_of(uid)})
     return pids
 
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.private import PASSAGE_MODE, PRIVATE_DIR_MODE, make_dir
-from infra.process import signal_group
+from infra.process import processes_of, signal_group, uids_in_use
 
 UIDS_ENV = "ROPEWALK_TASK_UIDS"
 DEFAULT_UIDS = "70000-79999"  # between Debian's and systemd's named ranges and the usual /etc/subuid ranges (100000+)
@@ -149,42 +149,7 @@ def sandbox_argv(argv: Sequence[str], *, task_dir: Path, hidden: Iterable[Path],
     return args
 
 
-# -- processes of a uid ----------------------------------------------------------------------------------------
-
-def _status_uids(pid: str) -> tuple[set[int], bool] | None:
-    """(real, effective, saved and file-system uids, a zombie) of ``/proc/<pid>``; None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            text = fh.read()
-    except OSError:
-        return None
-    uids: set[int] = set()
-    zombie = False
-    for line in text.splitlines():
-        if line.startswith("Uid:"):
-            uids = {int(x) for x in line.split()[1:]}
-        elif line.startswith("State:"):
-            zombie = line.split()[1] == "Z"
-    return uids, zombie
-
-
-def uids_in_use() -> set[int]:
-    """Every uid some process of this machine runs as (any of its real, effective, saved, file-system uids)."""
-    out: set[int] = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and (st := _status_uids(pid)) is not None:
-            out |= st[0]
-    return out
-
-
-def processes_of(uid: int) -> list[int]:
-    """The live (not zombie) processes running as ``uid`` (any of their uids)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and (st := _status_uids(pid)) is not None and uid in st[0] and not st[1]:
-            out.append(int(pid))
-    return out
-
+# -- processes of a uid (which processes run as it: infra/process.py) ---------------------------------------
 
 def signal_uid(uid: int, sig: int) -> int:
     """``sig`` to every process of ``uid``; how many were signalled."""

@@ -9,10 +9,11 @@
   else is answered by a TaskCommandRefused.
 * Reports go out batched: the TaskStateChanged transitions of one step as one TaskStatesChanged per entitlement
   (``decide.batch``); heartbeats as they come.
-* Each task runs as ``argv`` with the command's env on top of the agent's, in its own session (its own
-  process group, so a stop takes its children too), stdout+stderr appended to ``<work>/logs/<task>.log``.
-  A kill is SIGTERM to the group, then SIGKILL after ``STOP_GRACE_MS``; after any exit the group is
-  SIGKILLed so nothing is left behind.
+* Each task runs as ``argv`` with a clean environment (``isolation.task_env``: a few of the agent's variables,
+  ``HOME``, the command's env on top), in its own session (its own process group, so a stop takes its children
+  too), stdout+stderr appended to ``<work>/logs/<task>.log``. A kill is SIGTERM to the task (the processes of its
+  uid, or its group without one), then SIGKILL after ``STOP_GRACE_MS``; after any exit its group and its uid's
+  processes are SIGKILLed so nothing is left behind.
 * The control plane going away is not the agent's business: when the broker is unreachable the agent keeps
   its tasks running (and restarting), the producer buffers the reports (no delivery timeout), and the
   consumer resumes from the agent's own offsets when the broker is back.

@@ -3,6 +3,7 @@ The tasks themselves, as an attacker tries them: tests/integration/test_isolatio
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -148,3 +149,42 @@ def test_the_task_directory_is_given_to_its_uid_and_back_to_root(tmp_path):
     assert d.stat().st_uid == 71005 and (d / "f").stat().st_uid == 71005
     assert (d / "root-owned").stat().st_uid == 0 and Path("/etc/shadow").stat().st_uid == 0
     assert os.lstat(d / "link").st_uid == 71005
+
+
+# How tasks run, decided at the agent's start (Isolation.start), on every kind of machine: (root?, --task-sandbox,
+# bwrap installed?, the probe's verdict) -> (a uid per task?, the sandbox, what the agent says, or the error).
+NOT_ROOT = "the agent does not run as root"
+MISSING = "bubblewrap is not installed"
+PROBE_FAILED = "bwrap failed (exit 1): No permissions to create new namespace"
+
+
+@pytest.mark.parametrize("root, want, installed, probe, uids, sandbox, says", [
+    (False, iso.AUTO, True, None, False, iso.NONE, NOT_ROOT),
+    (False, iso.NONE, True, None, False, iso.NONE, NOT_ROOT),
+    (False, iso.BWRAP, True, None, None, None, NOT_ROOT),  # required: the agent refuses to start
+    (True, iso.AUTO, True, None, True, iso.BWRAP, "in a bubblewrap sandbox"),
+    (True, iso.AUTO, False, None, True, iso.NONE, MISSING),
+    (True, iso.AUTO, True, PROBE_FAILED, True, iso.NONE, PROBE_FAILED),
+    (True, iso.NONE, True, None, True, iso.NONE, f"{iso.SANDBOX_ENV}=none"),
+    (True, iso.BWRAP, True, None, True, iso.BWRAP, "in a bubblewrap sandbox"),
+    (True, iso.BWRAP, False, None, None, None, MISSING),
+    (True, iso.BWRAP, True, PROBE_FAILED, None, None, PROBE_FAILED),
+    (True, "firejail", True, None, None, None, "expected one of"),
+])
+def test_how_tasks_run_is_decided_at_the_agents_start(monkeypatch, tmp_path, root, want, installed, probe, uids,
+                                                      sandbox, says):
+    monkeypatch.setattr(iso.os, "geteuid", lambda: 0 if root else 1000)
+    monkeypatch.setattr(iso.shutil, "which", lambda name: f"/usr/bin/{name}" if installed or name != "bwrap" else None)
+    monkeypatch.setattr(iso, "probe_sandbox", lambda bwrap, setpriv, scratch: probe)
+
+    def start() -> iso.Isolation:
+        return iso.Isolation.start(want=want, uids=iso.UidRange.parse("71100-71109"), leases_dir=tmp_path / "leases",
+                                   owner=tmp_path / "agent-state.json", hidden=[tmp_path], scratch=tmp_path / "tasks")
+
+    if uids is None:
+        with pytest.raises(iso.IsolationError, match=re.escape(says)):
+            start()
+        return
+    got = start()
+    assert (got.leases is not None, got.sandbox) == (uids, sandbox)
+    assert says in got.describe()
