@@ -297,8 +297,7 @@ def region_pids(cfg: Config) -> dict[str, int]:
     nodes and every worker under the supervisor), ``service:<name>`` (an embedded service run on its own), and
     ``task:<task>`` (the process agents' tasks, from their state files: in a sandbox, its monitor, root's) and
     ``task:<task>:<pid>`` (every process running as a task's own uid: a sandboxed task's processes outlive its
-    monitor; processors/agent/isolation.py): what a power loss of the whole region kills (``bench/killstorm.py``,
-    ``tests/integration/test_cold_start.py``)."""
+    monitor; processors/agent/isolation.py): what a power loss of the whole region kills (``power_off``)."""
     import json
 
     from infra.process import processes_of
@@ -319,6 +318,40 @@ def region_pids(cfg: Config) -> dict[str, int]:
                 pids[f"task:{task}"] = proc["pid"]
         for task, uid in doc.get("uids", {}).items():  # isolation.OWNER_UIDS_KEY: the tasks' own uids
             pids.update({f"task:{task}:{pid}": pid for pid in processes_of(uid)})
+    return pids
+
+
+def power_off(cfg: Config, timeout_s: float = 30.0) -> dict[str, int]:
+    """A power loss of the whole local region: every process of ``region_pids`` SIGKILLed at once, then every process
+    still running as a task's own uid, again until none is left (a task's shell forks between the listing and the
+    kill; a power loss spares none). Returns the processes listed; the caller waits for them to be gone
+    (``bench/killstorm.py``, ``tests/integration/test_cold_start.py``)."""
+    import json
+    import os
+    import signal
+
+    from infra.process import processes_of
+
+    pids = region_pids(cfg)
+    uids = set()
+    for state in (Path(cfg.run_dir) / "agents").glob("*/agent-state.json"):
+        try:
+            uids |= set(json.loads(state.read_text()).get("uids", {}).values())
+        except (OSError, ValueError):
+            continue
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while (left := [pid for uid in uids for pid in processes_of(uid)]) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
     return pids
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 
 import pytest
 
 from infra.config import Config
-from infra.services import region_pids
+from infra.services import power_off
 from infra.process import pid_alive, processes_of
 from processes import value, worker_metrics
 from processors import controlplane
@@ -52,21 +51,16 @@ def test_every_process_killed_at_once_then_up_brings_the_region_back_as_it_was(t
         # the simulated machines are running the tasks (their state is what a real machine's memory would be)
         cli.wait_for(lambda: set(where) <= saved_tasks(cli), "the simulated machines' state saved", 60)
 
-        # -- power off: every process at once
-        pids = region_pids(cfg)
-        assert {"service:broker", "supervisor", "program:redis", "program:health", "program:scheduler-0",
-                "program:allocator-0", "program:agents", "program:agent-local"} <= set(pids), pids
-        assert any(k.startswith("task:") for k in pids), pids  # the demo's process
-        if os.geteuid() == 0:  # the demo runs as a uid of its own (in a sandbox if bwrap is here): its processes too
-            assert any(k.startswith("task:") and k.count(":") == 2 for k in pids), pids
+        # -- power off: every process at once (and whatever a task's uid forks meanwhile)
         task_uids = {uid for state in (cfg.run_dir / "agents").glob("*/agent-state.json")
                      for uid in json.loads(state.read_text()).get("uids", {}).values()}
         killed_ms = int(time.time() * 1000)
-        for pid in pids.values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        pids = power_off(cfg)
+        assert {"program:broker", "supervisor", "program:redis", "program:health", "program:scheduler-0",
+                "program:allocator-0", "program:agents", "program:agent-local"} <= set(pids), pids
+        assert any(k.startswith("task:") for k in pids), pids  # the demo's process
+        if os.geteuid() == 0:  # the demo runs as a uid of its own (in a sandbox if bwrap is here): its processes too
+            assert task_uids and any(k.startswith("task:") and k.count(":") == 2 for k in pids), pids
         deadline = time.monotonic() + 30
         while any(pid_alive(p) for p in pids.values()):
             assert time.monotonic() < deadline, {k: p for k, p in pids.items() if pid_alive(p)}
