@@ -20,7 +20,8 @@ from processors.scheduler.lifecycle import (
     PENDING, STOPPED,
 )
 from processors.scheduler.model import (
-    RUN, Job, SchedulerState, Task, index_of, job_phase, published_state, replace, request_id,
+    RUN, Job, SchedulerState, Task, incarnation_tag, index_of, job_phase, operation_id, published_state, replace,
+    request_id,
 )
 from processors.taskcontrol import limiter
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Limits
@@ -266,6 +267,8 @@ class JobWork:
         bug), changing ``fields`` with it."""
         phase = lc.JOBS.next_state(job_phase(self.job), trigger)
         deleted = phase == JOB_DELETED
+        if phase in lc.JOB_ENDED:  # its grace runs from now (``decide.collect``)
+            fields = {"ended_ms": self.fold.now, **fields}
         self.set(status=JOB_STOPPED if deleted else phase, deleted=deleted, **fields)
 
     def choice_fields(self, t: Task, trigger: str, ue: str | None = None) -> dict[str, Any]:
@@ -334,7 +337,7 @@ class JobWork:
         if place:
             avoid = set(avoid).union(*(machines for _, machines, *_ in job.maint))
         n = job.requests + 1
-        rid = request_id(job.id, job.spec_version, n)
+        rid = request_id(job.id, job.spec_version, n, incarnation_tag(job.submission))
         self.set(quiet=True, requests=n)
         self.emit("AllocationRequested", rid, {
             "request_id": rid, "job_id": job.id, "spec_version": job.spec_version,
@@ -359,7 +362,7 @@ class JobWork:
         n = self.job.ops + 1
         self.set(quiet=True, ops=n)
         asked = OP_ASKED if kind in CONTROLLED and self.job.spec.controller else OP_WANTED
-        return self.put(replace(t, op=kind, op_id=f"{t.id}:{kind.lower()}:{n}",
+        return self.put(replace(t, op=kind, op_id=operation_id(t.id, kind, n, incarnation_tag(self.job.submission)),
                                 op_state=lc.OPERATIONS.next_state(t.op_state, asked), op_reason=reason, **changes))
 
     def op_step(self, t: Task, trigger: str) -> Task:

@@ -7,6 +7,7 @@ every emitted event encodes with the real schemas and carries the envelope the s
 """
 import dataclasses
 import json
+import re
 from collections import deque
 
 import pytest
@@ -242,6 +243,12 @@ class Sim:
         return {t["id"]: (t["state"], t["machine"]) for t in self.view(job)["tasks"]}
 
 
+def untag(name):
+    """A request or operation id without its incarnation's tag (``model.incarnation_tag``): ``j:v1:r1``,
+    ``j/0:move:1``, as the tables here name them."""
+    return re.sub(r":([0-9a-f]{8})(?=:v)|(?<=:)[0-9a-f]{8}\.", "", name)
+
+
 def kinds(out):
     """Emitted events in a comparable short form (the items of a batch, each in its place)."""
     short = []
@@ -300,7 +307,9 @@ def test_deploy_step_by_step():
     out = sim.feed(submit("j", 3))
     assert kinds(out) == [("request", ("j/0", "j/1", "j/2"), (), ()), ("published", JOB_PENDING, False)]
     req = out[0]
-    assert req.payload["request_id"] == "j:v1:r1" and req.entity_id == "j:v1:r1" and req.entitlement == ENT
+    assert untag(req.payload["request_id"]) == "j:v1:r1" and req.entity_id == req.payload["request_id"]
+    assert req.payload["request_id"] == f"j:{sm.incarnation_tag(sim.state.jobs['j'].submission)}:v1:r1"
+    assert req.entitlement == ENT
     assert req.payload["resources"] == {"cpu_millicores": 1000, "memory_mib": 2048}
     assert sim.tasks() == {"j/0": ("PENDING", None), "j/1": ("PENDING", None), "j/2": ("PENDING", None)}
 
@@ -787,19 +796,22 @@ def test_a_placement_read_before_its_request_applies_when_it_comes_again():
 
 def test_a_stopped_job_id_is_used_again_by_a_new_incarnation():
     """A job stopped and freed (deleted): its id may be submitted again. The new incarnation (2) keeps the id
-    ``<job>`` and its task ids; its request numbers go on from the old one's (r1 placed it, r2 freed it), so a late
-    result for an old request is stale; the old incarnation's events stay no-ops."""
+    ``<job>`` and its task ids; its requests are named by its own submission (``model.incarnation_tag``): its r1 is
+    not the old incarnation's r1, so a late result for an old request is stale; the old incarnation's events stay
+    no-ops."""
     sim = running_job(2, ("m1", "m2"))
     sim.feed(stopped("j"))
     sim.feed(report("j/0", "STOPPED", "m1", exit_code=0))
     free = of_type(sim.feed(report("j/1", "STOPPED", "m2", exit_code=0)), "AllocationRequested")[0]
-    assert free.payload["request_id"] == "j:v1:r2"
+    assert untag(free.payload["request_id"]) == "j:v1:r2"
     sim.feed(deallocated(free))
     assert sim.view()["state"] == JOB_STOPPED and sim.state.jobs["j"].deleted
+    first = sim.state.jobs["j"].submission
     out = sim.feed(submit("j", 3, command=("v2",)))  # the name again, another spec
     assert refusals(out) == []
     req = of_type(out, "AllocationRequested")[0]
-    assert req.payload["request_id"] == "j:v1:r3" and req.payload["place_task_ids"] == ["j/0", "j/1", "j/2"]
+    assert untag(req.payload["request_id"]) == "j:v1:r1" and req.payload["place_task_ids"] == ["j/0", "j/1", "j/2"]
+    assert req.payload["request_id"] != sm.request_id("j", 1, 1, sm.incarnation_tag(first))
     published = of_type(out, "JobStatePublished")[-1].payload
     assert (published["incarnation"], published["state"], published["deleted"]) == (2, JOB_PENDING, False)
     view = sim.view()
