@@ -773,9 +773,15 @@ def is_dormant(job: Job) -> bool:
 
 def is_expired(job: Job, now_ms: int, gc_ms: int) -> bool:
     """Whether ``job`` ended (stopped and freed, or rejected: ``lifecycle.JOB_ENDED``) ``gc_ms`` or more before
-    ``now_ms``: it is gone, whether ``collect`` took it out of the state yet or not. A job ended before
-    ``ended_ms`` was kept (a record without it) counts as ended at 0: gone at the first look."""
-    return job_phase(job) in lc.JOB_ENDED and now_ms - (job.ended_ms or 0) >= gc_ms
+    ``now_ms``: it is gone, whether ``collect`` took it out of the state yet or not."""
+    return ended_before(job_phase(job), job.ended_ms, now_ms, gc_ms)
+
+
+def ended_before(phase: str, ended_ms: int | None, now_ms: int, gc_ms: int) -> bool:
+    """``is_expired`` of a job in ``phase`` that ended at ``ended_ms`` (a stored header is asked without decoding
+    it: ``store.expired``). A job ended before ``ended_ms`` was kept (a record without it) counts as ended at 0:
+    gone at the first look (a region upgraded in place drops the deleted jobs it kept for ever)."""
+    return phase in lc.JOB_ENDED and now_ms - (ended_ms or 0) >= gc_ms
 
 
 def collect(state: SchedulerState, now_ms: int, gc_ms: int = DEFAULT_JOB_GC_MS,

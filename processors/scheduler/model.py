@@ -189,6 +189,7 @@ class Job:
     mix: vs.Mix | None = None  # several versions at once (push %, canary: versions.py); None: every task the job's
     generation: int = 0  # the latest JobSpecReconciled applied (processors/jobcontrol)
     vacating: tuple[str, ...] = ()  # planned unavailabilities (ids) whose machines its tasks must leave (loans)
+    parts: int = 0  # the most JobTasksPublished parts it published (``work.state_keys``: tombstoned when it leaves)
     ended_ms: int | None = None  # when this incarnation ended (stopped and freed, or rejected): it leaves the state
     #                              ``job_gc_ms`` later (``decide.collect``); None while it lives
 

@@ -394,6 +394,8 @@ class JobWork:
             job = replace(job, tasks=MappingProxyType(_by_index(self._tasks) if self._added else self._tasks))
         if self.fold.cause_id is not None:
             job = replace(job, seen=(*job.seen, self.fold.cause_id)[-SEEN_LIMIT:])
+        if self.dirty and task_parts(job) > job.parts:
+            job = replace(job, parts=task_parts(job))
         self.job = job
         self.emit_batches()
         if self.dirty:
@@ -474,6 +476,13 @@ def _by_version(commands: list[dict[str, Any]], mix: vs.Mix | None
     for c in commands:
         by.setdefault(c["spec_version"], []).append(c)
     return [(version, mix.code(version), part) for version, part in by.items()]
+
+
+def state_keys(job: Job) -> list[tuple[str, str]]:
+    """(topic, key) of every record of the latest-state topics ``job`` may hold: its JobStatePublished on
+    ``state.jobs``, and on ``state.tasks`` each JobTasksPublished part it ever published (``Job.parts``). The shard
+    writes a tombstone to each when the job leaves the state (``decide.collect``), so compaction forgets them."""
+    return [("state.jobs", job.id), *(("state.tasks", f"{job.id}#{p}") for p in range(job.parts))]
 
 
 def task_parts(job: Job) -> int:

@@ -52,7 +52,8 @@ def test_the_scripted_region_goes_through_what_it_should(rec):
 def state_of(region: Region) -> dict:
     """Everything a region holds; its dormant jobs (a loaded snapshot's deleted ones, undecoded) as the jobs they are."""
     jobs = {j.id: records.job_to_record(j) for j in region.scheduler.jobs.values()}
-    jobs.update({j: records.job_to_record(records.job_from_record(json.loads(raw))) for j, raw in region.dormant.items()})
+    jobs.update({j: records.job_to_record(records.job_from_record(json.loads(raw)))
+                 for j, (raw, _) in region.dormant.items()})
     return {"fold": region.fold.dump(), "jobs": jobs,
             "published": {j: e.payload for j, e in region.job_states().items()}, "buckets": region.buckets,
             "down": dict(region.scheduler.machines_down), "changed": region.changed_ms,

@@ -189,17 +189,21 @@ class Allocator:
 # -- the harness ------------------------------------------------------------------------------------------------
 
 class Sim:
-    def __init__(self, state=None, max_tasks=DEFAULT_MAX_TASKS_PER_JOB):
+    def __init__(self, state=None, max_tasks=DEFAULT_MAX_TASKS_PER_JOB, gc_ms=sd.DEFAULT_JOB_GC_MS):
         self.state = state or SchedulerState()
         self.now = T0
         self.max_tasks = max_tasks
+        self.gc_ms = gc_ms
+
+    def decide(self, state, event, now):
+        return decide(state, event, now, max_tasks=self.max_tasks, gc_ms=self.gc_ms)
 
     def feed(self, event, now=None):
         now = self.now if now is None else now
-        new, out = decide(self.state, event, now, max_tasks=self.max_tasks)
-        again, out_again = decide(self.state, event, now, max_tasks=self.max_tasks)
+        new, out = self.decide(self.state, event, now)
+        again, out_again = self.decide(self.state, event, now)
         assert (again, out_again) == (new, out), "same input, same state: same output"
-        dup_state, dup_out = decide(new, event, now, max_tasks=self.max_tasks)
+        dup_state, dup_out = self.decide(new, event, now)
         refused_again = dup_out == out and all(e.type == "IntentRefused" for e in out)
         assert (dup_out == [] or refused_again) and dup_state == new, \
             f"{event.type} delivered twice must change nothing"
@@ -209,8 +213,20 @@ class Sim:
             assert e.event_id and e.event_id != event.event_id
         assert len({e.event_id for e in out}) == len(out)
         self._check_slice(event, now, new, out)
+        self._check_collected(event, now, new, out)
         self.state = new
         return out
+
+    def _check_collected(self, event, now, new, out):
+        """Deciding after the timer took the jobs whose grace passed out of the state (``collect``) gives the same
+        events and jobs: no decision depends on when (or whether) the timer ran."""
+        collected, gone = sd.collect(self.state, now, self.gc_ms)
+        if not gone:
+            return
+        s3, out3 = self.decide(collected, event, now)
+        assert out3 == out, f"{event.type}: decided after {gone} were collected, it must emit the same"
+        kept = {j: job for j, job in new.jobs.items() if not (j in gone and job is self.state.jobs[j])}
+        assert {j: s3.jobs[j] for j in s3.jobs} == kept, f"{event.type}: the jobs differ once {gone} were collected"
 
     def _check_slice(self, event, now, new, out):
         """Deciding on only the jobs ``concerned_jobs`` names (what a shard loads) gives the same events and jobs;
@@ -221,7 +237,7 @@ class Sim:
             f"{event.type} concerns a dormant job it does not name (processors/history keeps those undecoded)"
         held = [j for j in concerned if j in self.state.jobs]
         sliced = dataclasses.replace(self.state, jobs=CowMap((j, self.state.jobs[j]) for j in held))
-        s2, out2 = decide(sliced, event, now, max_tasks=self.max_tasks)
+        s2, out2 = self.decide(sliced, event, now)
         assert out2 == out, f"{event.type}: decided on its jobs {concerned} only, it must emit the same"
         for j in set(self.state.jobs) | set(new.jobs):
             if j in concerned or j not in self.state.jobs:
