@@ -43,7 +43,8 @@ allocator's commit refuses to place a task that is still placed, so it must free
 Retired tasks (shrink, stop) are freed with a request holding only ``free_task_ids``. Each decision sends one
 request per job for all its tasks (all of a tick's failed machines at once), or a few when a huge job's task ids
 would not fit one record (``JobWork._request_parts``: a task in one of them, free and place together). Request ids are
-``<job>:v<spec_version>:r<n>`` with ``n`` a per-job counter in the state, so a replay names them alike. A newer
+``<job>:<tag>:v<spec_version>:r<n>`` with ``tag`` the incarnation's (``model.incarnation_tag``) and ``n`` a
+per-incarnation counter in the state, so a replay names them alike. A newer
 request for a task supersedes the older one: the task remembers only its outstanding request, and a result for
 another request is stale.
 
