@@ -41,10 +41,14 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 
 Server-sent events: each state record as ``event: job`` (or ``machine``) with its view as ``data``, first the
 current state of everything the user may see, then ``event: ready``, then each change as it is published (a
-comment every ``KEEPALIVE_S`` while nothing changes). A web UI subscribes with ``EventSource``.
+comment every ``KEEPALIVE_S`` while nothing changes). A web UI subscribes with ``EventSource``. At most
+``MAX_STREAMS`` streams are open at once (``ROPEWALK_API_MAX_STREAMS``): one more is refused with 503
+``too_many_streams`` and ``Retry-After``; a client that stops reading holds its stream's reader still (nothing is
+queued for it: the reader is polled only as the client takes what was sent), and one gone is closed at the next poll.
 """
 import asyncio
 import json
+import os
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -69,6 +73,11 @@ from streams.events import MAX_TIME_MS
 
 PRODUCER = "api"
 KEEPALIVE_S = 15.0
+# Event streams open at once, at most (each holds a reader of the state topics: a consumer and the latest state of
+# what it shows); one more is refused (503, too_many_streams) until one closes. ROPEWALK_API_MAX_STREAMS.
+MAX_STREAMS = 64
+MAX_STREAMS_ENV = "ROPEWALK_API_MAX_STREAMS"
+TOO_MANY_STREAMS = "too_many_streams"
 UNAUTHENTICATED = "unauthenticated"
 BROKER_UNAVAILABLE = "broker_unavailable"
 USERS_UNREADABLE = "users_file_unreadable"
@@ -253,6 +262,8 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                               "machines, maintenance, the audit log and live state. Bearer tokens: `ropewalk user "
                               "add`.")
     app.state.users = users_file
+    app.state.streams = 0  # event streams open now (``events``)
+    max_streams = int(os.environ.get(MAX_STREAMS_ENV) or MAX_STREAMS)
 
     def allow(user: User, action: str, entitlement: str | None) -> None:
         d = authz.decide(user, action, entitlement)
@@ -589,6 +600,10 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         action = "job.view" if kind == "jobs" else "machine.view"
         if entitlement is not None:
             allow(user, action, entitlement)
+        if app.state.streams >= max_streams:
+            raise ApiError(503, TOO_MANY_STREAMS, f"{app.state.streams} event streams are open, the most this API "
+                           f"serves at once ({MAX_STREAMS_ENV}={max_streams}): try again later",
+                           headers={"Retry-After": "5"})
         reader = await call(front(user).state_reader, kind, entitlement)
         name = "job" if kind == "jobs" else "machine"
 
@@ -599,6 +614,7 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
             return authz.visible(user, view["entitlement"])
 
         async def stream():
+            app.state.streams += 1  # counted while the stream runs (a response never started counts nothing)
             try:
                 current = await run_in_threadpool(reader.catch_up)
                 for ev in sorted(current.values(), key=lambda e: e.entity_id):
@@ -620,6 +636,7 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
             except asyncio.CancelledError:
                 raise
             finally:
+                app.state.streams -= 1
                 reader.close()
 
         return StreamingResponse(stream(), media_type="text/event-stream",
