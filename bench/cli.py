@@ -1,4 +1,4 @@
-"""`ropewalk bench` and `ropewalk experiment figure14|killstorm`: the bench package's commands of the CLI.
+"""`ropewalk bench` and `ropewalk experiment figure14|killstorm|soak`: the bench package's commands of the CLI.
 
 The front end (processors/frontend/cli.py) names these commands in its parser (so `ropewalk --help` lists them) and
 hands them over whole: it replaces itself with this program, ``python -P -m bench.cli COMMAND ...`` (the same
@@ -19,7 +19,7 @@ from processors.frontend import cli
 def add_commands(bench, experiment) -> None:
     """The flags and handlers of the front end's ``bench`` and ``experiment`` parsers."""
     from bench import harness, killstorm
-    from bench.experiments import figure14, figure14_pipeline
+    from bench.experiments import figure14, figure14_pipeline, soak
 
     harness.add_arguments(bench)
     bench.set_defaults(fn=cmd_bench)
@@ -41,6 +41,15 @@ def add_commands(bench, experiment) -> None:
                                     "Exits 1 if a check fails (bench/killstorm.py)")
     sp.set_defaults(fn=cmd_killstorm)
     killstorm.add_arguments(sp)
+    sp = exp.add_parser("soak", help="simulated days of churn on a region; what stays bounded (RSS, disk, Redis)",
+                        description="A soak on a region of its own (own broker, Redis, ports, run dir): D simulated "
+                                    "days of churn (jobs submitted, resized, updated and stopped; machines failing "
+                                    "and recovering; maintenance) at S simulated seconds per second, sampling every "
+                                    "process's RSS, the broker's disk per topic, Redis's memory, the changelogs, a "
+                                    "shard's recovery time after kill -9 and the latencies of `at` and `replay`; a "
+                                    "table and a plot (PNG) over simulated time (bench/experiments/soak.py)")
+    sp.set_defaults(fn=cmd_soak)
+    soak.add_arguments(sp)
 
 
 def cmd_bench(cfg, args) -> int:  # noqa: ARG001 - a region of its own (own ports and run dir): not the user's
@@ -61,6 +70,12 @@ def cmd_killstorm(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the 
     from bench import killstorm
 
     return killstorm.run_cli(args)
+
+
+def cmd_soak(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
+    from bench.experiments import soak
+
+    return soak.run_cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:
