@@ -6,10 +6,10 @@ Everything real, as ``ropewalk up`` runs it (``processors.controlplane.up``: the
 embedded broker and Redis), in a region of its own (``bench.env.BenchEnv``: ports, run directory, topic prefix).
 **Simulated time** runs ``S`` times faster than the clock: the workload's intervals are simulated seconds, and so
 is every duration the region measures for itself that the soak would otherwise never see pass: a stopped job's
-grace (``ROPEWALK_JOB_GC_S``, an hour), the time-bounded topics' retention and segments (streams/topics.py), a
-stopped task's log (a day) — each divided by ``S``. Not scaled (they are the region's own and bound what they bound
-in real time): the allocator's journal (an hour of decisions in Redis, processors/allocator/index.py DONE_TTL_S),
-the heartbeat interval, the scheduler's timer.
+grace (``ROPEWALK_JOB_GC_S``, an hour), the time-bounded topics' retention and segments and the compacted ones'
+segments and tombstones (streams/topics.py), a stopped task's log (a day), the allocator's journal in Redis (an
+hour; at least 10 s) — each divided by ``S``. Not scaled: the heartbeat interval, the health check's timeout, the
+scheduler's timer (they pace work, not memory).
 
 **The churn**, in simulated seconds: a job every ``--job-every-s`` (1 to 3 tasks), the oldest stopped once more than
 ``--live-jobs`` live; a live job resized every ``--resize-every-s``, updated (a new spec version: a rolling update)
@@ -38,6 +38,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -95,22 +96,29 @@ def scaled_env(time_scale: float) -> dict[str, str]:
     from infra.config import DEFAULT_JOB_GC_S
     from processors.agent import logs
 
+    from processors.allocator.index import DONE_TTL_ENV, DONE_TTL_S
+
     return {"ROPEWALK_JOB_GC_S": f"{DEFAULT_JOB_GC_S / time_scale:.3f}",
-            "ROPEWALK_TASK_LOG_KEEP_S": f"{logs.KEEP_S / time_scale:.3f}"}
+            "ROPEWALK_TASK_LOG_KEEP_S": f"{logs.KEEP_S / time_scale:.3f}",
+            DONE_TTL_ENV: str(max(10, int(DONE_TTL_S / time_scale)))}  # its decisions reach the log in seconds
+
+
+MIN_SEGMENT_MS = 10_000  # a scaled segment rolls no more often than this (the broker's cost per segment)
+SCALED_KEYS = ("retention.ms", "segment.ms", "delete.retention.ms")
+
+
+def scaled(conf: dict[str, str], time_scale: float) -> dict[str, str]:
+    """The time settings of a topic's config in simulated time (a kept topic's -1 stays)."""
+    return {k: str(max(MIN_SEGMENT_MS, int(int(v) / time_scale))) for k, v in conf.items()
+            if k in SCALED_KEYS and int(v) >= 0}
 
 
 def scaled_topic_configs(time_scale: float) -> dict[str, dict[str, str]]:
-    """The time-bounded topics' retention and segments, in simulated time (logical topic -> config)."""
+    """The catalogue's topics' retention, segments and tombstones' stay in simulated time (logical topic ->
+    config; faust's changelogs are scaled once faust made them: ``Soak.scale_changelogs``)."""
     from streams.topics import CATALOGUE
 
-    out = {}
-    for spec in CATALOGUE:
-        conf = spec.config
-        if conf.get("cleanup.policy") == "compact" or conf.get("retention.ms", "-1") == "-1":
-            continue
-        out[spec.name] = {k: str(max(1000, int(int(v) / time_scale)))
-                          for k, v in conf.items() if k in ("retention.ms", "segment.ms")}
-    return out
+    return {spec.name: conf for spec in CATALOGUE if (conf := scaled(dict(spec.config), time_scale))}
 
 
 def growth_per_week(points: list[tuple[float, float]]) -> float | None:
@@ -129,7 +137,8 @@ def growth_per_week(points: list[tuple[float, float]]) -> float | None:
 
 
 def dir_sizes(data_dir: Path) -> dict[str, int]:
-    """Bytes on disk per topic of a broker's data directory (``<topic>-<partition>`` directories)."""
+    """Bytes on disk per topic of a broker's data directory (``<topic>-<partition>`` directories): blocks used, not
+    the files' lengths (a segment's index files are preallocated sparse, 10 MiB each)."""
     out: Counter = Counter()
     if not data_dir.is_dir():
         return {}
@@ -139,7 +148,7 @@ def dir_sizes(data_dir: Path) -> dict[str, int]:
         topic = d.name.rsplit("-", 1)[0]
         for f in d.iterdir():
             try:
-                out[topic] += f.stat().st_size
+                out[topic] += f.stat().st_blocks * 512
             except FileNotFoundError:
                 continue
     return dict(out)
@@ -171,6 +180,8 @@ class Soak:
         self.recoveries: list[dict[str, Any]] = []
         self.t0 = 0.0
         self.probes = 0
+        self._held: dict[bytes, bool] = {}  # the scheduler's jobs table as its changelog says: key -> held
+        self._changelog = None
 
     # -- clocks ----------------------------------------------------------------------------------------------
     def sim(self) -> float:
@@ -321,7 +332,29 @@ class Soak:
                 "redis_bytes": redis_bytes, "disk_bytes": sum(sizes.values()),
                 "topics_bytes": dict(sorted(topics.items())),
                 "changelog_bytes": sum(v for k, v in topics.items() if k.endswith("-changelog")),
-                "scheduler_lag": lag, "submitted": self.work.counts["submitted"], "live": len(self.work.live)}
+                "scheduler_lag": lag, "submitted": self.work.counts["submitted"], "live": len(self.work.live),
+                "jobs_held": self.jobs_held()}
+
+    def jobs_held(self) -> int | None:
+        """The jobs the scheduler's table holds now (its changelog read on: the latest record per key not a
+        tombstone): what a shard's recovery reads."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        from processors.scheduler.shard import APP_ID
+
+        if self._changelog is None:
+            topic = f"{self.cfg.topic_prefix}{APP_ID}-scheduler-jobs-changelog"
+            self._changelog = Consumer({**self.cfg.kafka_conf(), "group.id": f"{PRODUCER}-changelog",
+                                        "enable.auto.commit": False, "log_level": 0})
+            self._changelog.assign([TopicPartition(topic, p, 0) for p in range(self.cfg.partitions)])
+        idle = 0
+        while idle < 2:
+            msgs = self._changelog.consume(5000, 0.3)
+            idle = 0 if msgs else idle + 1
+            for m in msgs:
+                if m.error() is None:
+                    self._held[m.key()] = m.value() is not None
+        return sum(self._held.values())
 
     def probe(self, wait_s: float = 300.0) -> float | None:
         """Seconds until the scheduler answers a new job (its JobStatePublished), or None."""
@@ -350,6 +383,12 @@ class Soak:
         out.update(self.look_latencies())
         return out
 
+    def recovery_logged(self) -> None:
+        rec = self.recovery()
+        self.recoveries.append(rec)
+        self.say(f"day {rec['day']:.2f}: shard recovered in {rec.get('recovery_s')} s; at {rec['at_s']} s, "
+                 f"replay {rec['replay_s']} s")
+
     def look_latencies(self) -> dict[str, Any]:
         from processors.history import moments
         from streams import replay as rp
@@ -362,30 +401,50 @@ class Soak:
         except Exception as exc:  # noqa: BLE001 - reported, the soak goes on
             self.say(f"at: {type(exc).__name__}: {exc}")
             at_s = None
-        job = next(iter(self.work.live), None)
+        job = next(iter(list(self.work.live)), None)
         t = time.monotonic()
         since = now - int(3600 / self.opts.time_scale * 1000)
         n = sum(1 for _ in rp.replay(self.cfg, self.registry, rp.ReplayFilter(job=job, since_ms=since)))
         return {"at_s": at_s, "replay_s": round(time.monotonic() - t, 2), "replay_matched": n}
 
     # -- the run ---------------------------------------------------------------------------------------------
-    def scale_topics(self) -> None:
+    def alter(self, configs: dict[str, dict[str, str]]) -> None:
+        """Set these configs (physical topic -> config) on the broker."""
         from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
+        if not configs:
+            return
+        admin = AdminClient({**self.cfg.kafka_conf(), "log_level": 0})
+        resources = [ConfigResource(ConfigResource.Type.TOPIC, name, incremental_configs=[
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in conf.items()])
+            for name, conf in configs.items()]
+        for fut in admin.incremental_alter_configs(resources).values():
+            fut.result(timeout=30)
+
+    def scale_topics(self) -> None:
         from streams.topics import Topics
 
         t = Topics(self.cfg.topic_prefix, self.cfg.partitions)
+        self.alter({t.name(n): conf for n, conf in scaled_topic_configs(self.opts.time_scale).items()})
+
+    def scale_changelogs(self) -> None:
+        """faust's changelogs (made by the scheduler at its start, streams/topics.py CHANGELOG_CONFIG) in simulated
+        time: segments and tombstones."""
+        from confluent_kafka.admin import AdminClient
+
+        from streams.topics import CHANGELOG_CONFIG
+
         admin = AdminClient({**self.cfg.kafka_conf(), "log_level": 0})
-        resources = [ConfigResource(ConfigResource.Type.TOPIC, t.name(name), incremental_configs=[
-            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in conf.items()])
-            for name, conf in scaled_topic_configs(self.opts.time_scale).items()]
-        for fut in admin.incremental_alter_configs(resources).values():
-            fut.result(timeout=30)
+        names = [n for n in admin.list_topics(timeout=30).topics
+                 if n.startswith(self.cfg.topic_prefix) and n.endswith("-changelog")]
+        conf = scaled(dict(CHANGELOG_CONFIG), self.opts.time_scale)
+        self.alter({n: conf for n in names})
 
     def run(self) -> dict[str, Any]:
         from bench.env import FAUST_ENV, cores
         from bench.killstorm import machine_ids
         from processors import controlplane
+        from streams.topics import CHANGELOG_CONFIG
 
         opts, say, w = self.opts, self.say, self.work
         t_start = time.monotonic()
@@ -395,6 +454,7 @@ class Soak:
         if not region["ready"]:
             raise RuntimeError(f"soak: the region did not come up: {region}")
         self.machines = sorted(machine_ids(self.cfg))
+        self.scale_changelogs()
         for ent, quota in [*((e, opts.quota) for e in w.entitlements), (PROBE_ENT, 2)]:
             self.send("EntitlementCreated", {"name": ent, "quota_machines": quota, "machine_type": None,
                                              "dc_pin": None, "host_profile": None}, ent, ent)
@@ -407,6 +467,7 @@ class Soak:
                "fail": opts.fail_every_s, "maintain": opts.maintenance_every_s / 2, "sample": 0.0,
                "recovery": 0.0}
         behind = 0.0
+        looking: threading.Thread | None = None
         while (now := self.sim()) < end:
             for kind, every, act in (("submit", opts.job_every_s, self.submit),
                                      ("resize", opts.resize_every_s, self.resize),
@@ -423,12 +484,11 @@ class Soak:
                 self.maintain(now)
                 due["maintain"] += opts.maintenance_every_s
             self.end_maintenance_due(now)
-            if due["recovery"] <= now:
-                rec = self.recovery()
-                self.recoveries.append(rec)
-                say(f"day {rec['day']:.2f}: shard recovered in {rec.get('recovery_s')} s; at {rec['at_s']} s, "
-                    f"replay {rec['replay_s']} s")
-                due["recovery"] += opts.recovery_every_s
+            if due["recovery"] <= now and (looking is None or not looking.is_alive()):
+                # beside the churn, which goes on meanwhile (a recovery of seconds is an hour simulated)
+                looking = threading.Thread(target=self.recovery_logged, name="soak-recovery", daemon=True)
+                looking.start()
+                due["recovery"] = max(due["recovery"] + opts.recovery_every_s, now)
             if due["sample"] <= now:
                 s = self.sample()
                 self.samples.append(s)
@@ -438,15 +498,22 @@ class Soak:
             behind = max(behind, self.sim() - now)
             time.sleep(0.02)
         wall = time.monotonic() - self.t0
+        if looking is not None:
+            looking.join()
         self.recover_due(0.0, all_=True)
         self.end_maintenance_due(0.0, all_=True)
         self.producer.flush(30)
         self.samples.append(self.sample())
         self.recoveries.append(self.recovery())
+        self.producer.close()
+        if self._changelog is not None:
+            self._changelog.close()
         doc = {"conditions": {**{k: v for k, v in asdict(opts).items() if k not in ("keep", "plot")},
                               "cores": cores(), "scaled_env": scaled_env(opts.time_scale),
-                              "scaled_topics": scaled_topic_configs(opts.time_scale)},
+                              "scaled_topics": scaled_topic_configs(opts.time_scale),
+                              "scaled_changelogs": scaled(dict(CHANGELOG_CONFIG), opts.time_scale)},
                "wall_s": round(wall, 1), "simulated_days": round(self.sim() / DAY_S, 3),
+               "loop_behind_sim_s": round(behind),  # the longest turn of the churn's loop, simulated
                "workload": dict(w.counts), "jobs_per_sim_day": round(w.counts["submitted"] / max(opts.days, 1e-9)),
                "samples": self.samples, "recoveries": self.recoveries}
         doc["goals"] = goals(doc)
@@ -486,12 +553,13 @@ def format_text(doc: dict) -> str:
              f"{c['machines']} machines, {c['partitions']} partitions, {c['cores']} cores; a job every "
              f"{c['job_every_s']:g} s simulated ({doc['jobs_per_sim_day']} a simulated day), {c['live_jobs']} live",
              f"  workload {doc['workload']}",
-             "   day  wall_s   disk MiB  changelogs MiB  redis MiB  sched lag   jobs  " + "  ".join(
+             "   day  wall_s   disk MiB  changelogs MiB  redis MiB  sched lag   jobs   held  " + "  ".join(
                  f"{n[:10]:>10}" for n in sorted(doc["samples"][0]["rss_kib"])) + "   (RSS MiB)"]
     for s in doc["samples"]:
         lines.append(f"{s['day']:6.2f} {s['wall_s']:7.0f} {s['disk_bytes'] / 2**20:10.1f} "
                      f"{s['changelog_bytes'] / 2**20:15.2f} {s['redis_bytes'] / 2**20:10.2f} "
-                     f"{s['scheduler_lag'] if s['scheduler_lag'] is not None else '-':>10} {s['submitted']:6d}  "
+                     f"{s['scheduler_lag'] if s['scheduler_lag'] is not None else '-':>10} {s['submitted']:6d} "
+                     f"{s['jobs_held'] if s['jobs_held'] is not None else '-':>6}  "
                      + "  ".join(f"{(v or 0) / 1024:10.1f}" for _, v in sorted(s["rss_kib"].items())))
     lines.append("   day  jobs ever  shard recovery s   at s  replay s")
     for r in doc["recoveries"]:
@@ -534,8 +602,12 @@ def plot(doc: dict, path: Path) -> None:
     ax[1][1].plot(rd, [x.get("recovery_s") or 0 for x in r], "o-", label="shard recovery (s)")
     ax[1][1].plot(rd, [x["at_s"] or 0 for x in r], "s-", label="ropewalk at (s)")
     ax[1][1].plot(rd, [x["replay_s"] for x in r], "^-", label="replay, one job, last hour (s)")
-    ax[1][1].set_title("recovery and look latencies")
-    ax[1][1].legend(fontsize=8)
+    ax[1][1].set_title("recovery and look latencies; jobs (right axis)")
+    ax[1][1].legend(fontsize=8, loc="upper left")
+    jobs = ax[1][1].twinx()
+    jobs.plot(days, [x["submitted"] for x in s], ":", color="gray", label="jobs ever submitted")
+    jobs.plot(days, [x.get("jobs_held") or 0 for x in s], "--", color="black", label="jobs the scheduler holds")
+    jobs.legend(fontsize=8, loc="lower right")
     for a in ax.flat:
         a.set_xlabel("simulated day")
     c = doc["conditions"]

@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
@@ -77,7 +78,9 @@ from infra.config import Config
 from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
 )
-from processors.allocator.index import DEFAULT_CONSUMER, FENCED, JOURNALED, Decision, IndexLost, MachineIndex, text
+from processors.allocator.index import (
+    DEFAULT_CONSUMER, DONE_TTL_ENV, DONE_TTL_S, FENCED, JOURNALED, Decision, IndexLost, MachineIndex, text,
+)
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
 from streams.batches import ENVELOPE_BYTES, size_of, split
 from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
@@ -369,7 +372,8 @@ class Allocator:
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.allocations = self.topics.name("allocations")
         self.fold = RegionFold()
-        self.index = MachineIndex(redis_client, cfg.topic_prefix, consumer)
+        self.index = MachineIndex(redis_client, cfg.topic_prefix, consumer,
+                                  done_ttl_s=max(1, int(float(os.environ.get(DONE_TTL_ENV) or DONE_TTL_S))))
         self.max_attempts = max_attempts
         self.batch = batch
         self.publish_interval_s = publish_interval_s
