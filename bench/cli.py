@@ -1,4 +1,5 @@
-"""`ropewalk bench` and `ropewalk experiment figure14|killstorm|soak`: the bench package's commands of the CLI.
+"""`ropewalk bench` and `ropewalk experiment figure14|killstorm|powerloss|soak`: the bench package's commands of the
+CLI.
 
 The front end (processors/frontend/cli.py) names these commands in its parser (so `ropewalk --help` lists them) and
 hands them over whole: it replaces itself with this program, ``python -P -m bench.cli COMMAND ...`` (the same
@@ -19,7 +20,7 @@ from processors.frontend import cli
 def add_commands(bench, experiment) -> None:
     """The flags and handlers of the front end's ``bench`` and ``experiment`` parsers."""
     from bench import harness, killstorm
-    from bench.experiments import figure14, figure14_pipeline, soak
+    from bench.experiments import figure14, figure14_pipeline
 
     harness.add_arguments(bench)
     bench.set_defaults(fn=cmd_bench)
@@ -41,6 +42,27 @@ def add_commands(bench, experiment) -> None:
                                     "Exits 1 if a check fails (bench/killstorm.py)")
     sp.set_defaults(fn=cmd_killstorm)
     killstorm.add_arguments(sp)
+    add_powerloss(exp)
+    add_soak(exp)
+
+
+def add_powerloss(exp) -> None:
+    from bench.experiments import powerloss
+
+    sp = exp.add_parser("powerloss", help="a DC loses its power and gets it back: tasks stopped, then all running",
+                        description="On a region of its own: every machine of dc1 loses its power (the Resource "
+                                    "Broker's UnavailabilityStarted POWER, as `ropewalk machine power-loss` "
+                                    "announces it) under jobs pinned to dc1, then gets it back: the time until every "
+                                    "task is stopped, and until every task runs again (the restarts paced by the "
+                                    "scheduler's shard limiter). Exits 1 if a check fails "
+                                    "(bench/experiments/powerloss.py)")
+    sp.set_defaults(fn=cmd_powerloss)
+    powerloss.add_arguments(sp)
+
+
+def add_soak(exp) -> None:
+    from bench.experiments import soak
+
     sp = exp.add_parser("soak", help="simulated days of churn on a region; what stays bounded (RSS, disk, Redis)",
                         description="A soak on a region of its own (own broker, Redis, ports, run dir): D simulated "
                                     "days of churn (jobs submitted, resized, updated and stopped; machines failing "
@@ -70,6 +92,12 @@ def cmd_killstorm(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the 
     from bench import killstorm
 
     return killstorm.run_cli(args)
+
+
+def cmd_powerloss(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
+    from bench.experiments import powerloss
+
+    return powerloss.run_cli(args)
 
 
 def cmd_soak(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched

@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 from infra import services
 from infra.config import Config
-from infra.process import ManagedProcess, free_ports, pid_alive
+from infra.process import ManagedProcess, free_port_block, free_ports, pid_alive
 from processors import controlplane
 
 # Heartbeats of the simulated agents and the health check's silence timeout. `ropewalk up` beats every 2 s;
@@ -93,10 +93,11 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 class BenchEnv:
-    def __init__(self, partitions: int = 8, keep: bool = False, run_dir: Path | None = None):
+    def __init__(self, partitions: int = 8, keep: bool = False, run_dir: Path | None = None, brokers: int = 1):
         """A new region in a temporary directory (removed at the end unless ``keep``), or in ``run_dir``: there, the
         region of an earlier run again if it left one (its broker's log, under the same ports and topic prefix,
-        which ``REGION_FILE`` keeps), else a new one."""
+        which ``REGION_FILE`` keeps), else a new one. ``brokers``: the nodes of its embedded Kafka cluster (3: every
+        topic replicated 3 times, infra/broker.py)."""
         self.own_run_dir = run_dir is None
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="ropewalk-bench-"))
         self.keep = keep
@@ -104,8 +105,10 @@ class BenchEnv:
         if earlier.is_file():
             env = json.loads(earlier.read_text())
         else:
-            broker, controller, redis_port, api_port = free_ports(4)
-            env = {"ROPEWALK_BROKER_PORT": str(broker), "ROPEWALK_CONTROLLER_PORT": str(controller),
+            broker = free_port_block(2 * brokers)  # node i on broker + 2i, its controller on broker + 2i + 1
+            redis_port, api_port = free_ports(2)
+            env = {"ROPEWALK_BROKER_PORT": str(broker), "ROPEWALK_CONTROLLER_PORT": str(broker + 1),
+                   "ROPEWALK_BROKERS": str(brokers),
                    "ROPEWALK_REDIS_PORT": str(redis_port), "ROPEWALK_API_PORT": str(api_port),  # a region of its own
                    "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
                    "ROPEWALK_TOPIC_PREFIX": f"bench{uuid.uuid4().hex[:6]}."}
@@ -123,13 +126,17 @@ class BenchEnv:
             for name in ("broker", "redis"):
                 if st[name].get("pid"):
                     self.pids[name] = st[name]["pid"]
+            for name, node in st["broker"].get("nodes", {}).items():  # a cluster: each node
+                if node.get("pid") and name not in self.pids:
+                    self.pids[name] = node["pid"]
             from confluent_kafka.admin import AdminClient
 
             from infra import acls
             from streams.topics import Topics, provision
 
             admin = AdminClient({**self.cfg.kafka_conf(), "log_level": 0})
-            provision(admin, Topics(self.cfg.topic_prefix, self.cfg.partitions))
+            provision(admin, Topics(self.cfg.topic_prefix, self.cfg.partitions),
+                      replication=self.cfg.replication_factor, conf=self.cfg.kafka_conf())
             acls.provision_region(self.cfg, admin)  # the workers run as their own principals
         except BaseException:
             self.close()
@@ -144,13 +151,16 @@ class BenchEnv:
 
     # -- the control plane ---------------------------------------------------------------------------------
     def worker_processes(self, region: Path, *, without: tuple[str, ...] = controlplane.UPPER,
-                         env: Mapping[str, str] | None = None, machines: int = 0) -> list[ManagedProcess]:
+                         env: Mapping[str, str] | None = None, machines: int = 0, schedulers: int = 1,
+                         allocators: int = 1) -> list[ManagedProcess]:
         """``processors.controlplane.processes`` with the benchmark's heartbeat interval and health timeout (for a
         region of ``machines``), and quick faust group timing; ``without`` names workers not to run (by default
         the upper floors, ``controlplane.UPPER``, which the benchmark does not measure), ``env`` is added to every
-        worker's."""
+        worker's; ``schedulers`` / ``allocators``: how many scheduler shards and allocators (``scheduler-0..``,
+        ``allocator-0..``)."""
         out = []
-        for proc in controlplane.processes(self.cfg, region, local=False):  # simulated machines only
+        for proc in controlplane.processes(self.cfg, region, local=False,  # simulated machines only
+                                           schedulers=schedulers, allocators=allocators):
             if proc.name in without or proc.name == "api":  # the bench drives the log, not the HTTP API
                 continue
             argv = list(proc.argv)
@@ -170,12 +180,14 @@ class BenchEnv:
         return out
 
     def start_region(self, machines: int, timeout_s: float = 300.0, *, region: Path | None = None,
-                     without: tuple[str, ...] = controlplane.UPPER, env: Mapping[str, str] | None = None) -> dict:
+                     without: tuple[str, ...] = controlplane.UPPER, env: Mapping[str, str] | None = None,
+                     schedulers: int = 1, allocators: int = 1) -> dict:
         """Write the generated region (or use the ``region`` file given, of ``machines`` machines), start the
-        workers (``without`` and ``env``: see ``worker_processes``), wait until the allocator indexed every machine
-        UP."""
+        workers (``without``, ``env``, ``schedulers`` and ``allocators``: see ``worker_processes``), wait until the
+        allocators indexed every machine UP."""
         region = region or controlplane.write_region(self.cfg, machines, local=False)
-        self.workers = self.worker_processes(region, without=without, env=env, machines=machines)
+        self.workers = self.worker_processes(region, without=without, env=env, machines=machines,
+                                             schedulers=schedulers, allocators=allocators)
         t0 = time.monotonic()
         for proc in self.workers:
             st = proc.start()
@@ -196,7 +208,7 @@ class BenchEnv:
             time.sleep(0.5)  # one small read of the index summary (processors/allocator/index.py)
         if seen < machines:
             raise RuntimeError(f"bench: only {seen} of {machines} machines reached the allocator's index in "
-                               f"{timeout_s:.0f} s; see {self.run_dir}/allocator.log")
+                               f"{timeout_s:.0f} s; see {self.run_dir}/allocator-0.log")
         indexed_s = time.monotonic() - t0
         caught_up = self.wait_caught_up(min(deadline, time.monotonic() + CATCH_UP_TIMEOUT_S))
         return {"seconds": time.monotonic() - t0, "indexed_s": indexed_s, "machines_up": seen,
@@ -268,7 +280,7 @@ class BenchEnv:
     def close(self) -> None:
         """Stop everything this environment started; remove its run directory (unless ``keep``)."""
         self.stop_workers()
-        for name in ("broker", "redis"):
+        for name in [n for n in self.pids if n.startswith("broker")] + ["redis"]:
             pid = self.pids.get(name)
             if pid is not None and pid_alive(pid):
                 self.stopped_rss[name] = peak_rss_kib(pid)

@@ -1,6 +1,6 @@
 """``ropewalk bench``: the whole-pipeline benchmark of issue #5, one command.
 
-    ropewalk bench [--machines N] [--quick] [--json]
+    ropewalk bench [--machines N] [--schedulers N] [--allocators M] [--quick] [--json]
 
 It starts an embedded broker, a private Redis and the control plane on free ports, a temporary run directory and
 a topic prefix of its own (a running ``ropewalk up`` is left alone), registers a simulated region of N machines
@@ -15,7 +15,7 @@ faust, aiokafka) against raw consume.
 Order of the run (what runs beside what matters on a small machine):
 
     infrastructure + topics, Redis baseline
-    region: Resource Broker registers N machines, agents, health, allocator, one scheduler shard  -> Redis bytes
+    region: Resource Broker registers N machines, agents, health, allocators, scheduler shards  -> Redis bytes
     1 allocation: latency phase (1 job in flight), burst phase, repeat phase (every burst job grows)
     raw rates (the control plane running, as for the pipeline figures, but quiet: no backlog left)
     2 failover of 1% of the machines
@@ -70,6 +70,8 @@ class Options:
     failover_fraction: float = 0.01
     phase_timeout_s: float = 300.0  # cap of each waiting phase; a capped phase reports what finished, with a note
     seed: int = 7
+    schedulers: int = 1  # scheduler shards, each its own process (scheduler-0..N-1)
+    allocators: int = 1  # allocators, each its own process (allocator-0..M-1)
     keep: bool = False  # keep the run directory (logs) after the run
     quick: bool = False
 
@@ -97,19 +99,26 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
     say = progress or (lambda msg: None)
     if opts.machines < 2:
         raise ValueError(f"--machines: at least 2 machines (one per DC), got {opts.machines}")
+    for flag, n in (("--schedulers", opts.schedulers), ("--allocators", opts.allocators)):
+        if not 1 <= n <= opts.partitions:
+            raise ValueError(f"{flag}: expected from 1 to {opts.partitions} (the partitions: each owns one at least), "
+                             f"got {n}")
     from streams.serde import SchemaRegistry
 
     t_start = time.monotonic()
     registry = SchemaRegistry.from_dir()
     notes: dict[str, str] = {}
     details: dict[str, Any] = {}
-    doc: dict[str, Any] = {"machines": opts.machines, "cores": cores(), "partitions": opts.partitions}
+    doc: dict[str, Any] = {"machines": opts.machines, "cores": cores(), "partitions": opts.partitions,
+                           "schedulers": opts.schedulers, "allocators": opts.allocators}
     with BenchEnv(partitions=opts.partitions, keep=opts.keep) as env:
         say(f"infrastructure up on {env.cfg.bootstrap_servers} / {env.cfg.redis_url} (run dir {env.run_dir})")
         r = env.redis()
         redis_empty = w.redis_used_memory(r)
         say(f"registering a simulated region of {opts.machines} machines")
-        region = env.start_region(opts.machines, timeout_s=max(120.0, opts.machines / 50))
+        say(f"{opts.schedulers} scheduler shards, {opts.allocators} allocators")
+        region = env.start_region(opts.machines, timeout_s=max(120.0, opts.machines / 50),
+                                  schedulers=opts.schedulers, allocators=opts.allocators)
         redis_region = w.redis_used_memory(r)
         doc["redis_bytes_per_machine"] = round((redis_region - redis_empty) / opts.machines, 1)
         details["region"] = {"machines_up": region["machines_up"], "ready_s": round(region["seconds"], 2),
@@ -139,6 +148,10 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
             doc["pipeline_tasks_running_per_s"] = burst.get("tasks_running_per_s")
             doc["alloc_burst_p50_ms"] = burst["p50_ms"]
             doc["alloc_burst_p99_ms"] = burst["p99_ms"]
+            # CPU per job of the burst, per process (every scheduler shard and allocator on its own), and summed
+            doc["cpu_ms_per_job"] = (burst["cpu"]["ms_per_job"] or {})
+            doc["cpu_ms_per_job_total"] = round(sum(doc["cpu_ms_per_job"].values()), 3) if burst["cpu"]["ms_per_job"] \
+                else None
             doc["cache_hit_ratio"] = alloc["repeat"]["cache_hit_ratio"]
             doc["cache_hit_ratio_whole_workload"] = alloc["whole_workload_cache"]["cache_hit_ratio"]
             notes["cache_hit_ratio"] = ("no job-level cache: every decision runs on the allocator's in-memory fold "
@@ -217,7 +230,8 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
         details["profile"] = w.profile_allocator(env, registry, opts.profile_requests)
         r.close()
         pids = env.pids
-        workers = [p.name.split("-")[0] for p in env.workers]
+        workers = [p.name.rpartition("-")[0] if p.name.rpartition("-")[2].isdigit() else p.name.split("-")[0]
+                   for p in env.workers]
 
     doc["ratios"] = {rate: {"base": base, "ratio": _ratio(doc.get(rate), doc.get(base))}
                      for rate, base in RATIO_BASES.items() if rate in doc}
@@ -323,7 +337,8 @@ def format_table(doc: dict) -> str:
     lines = [f"ropewalk bench: {doc['machines']:,} machines ({c['region']['dcs']} DCs, {c['region']['msbs']} MSBs, "
              f"{c['region']['racks']} racks), {doc.get('jobs')} jobs x {doc.get('tasks_per_job')} tasks on average, "
              f"{doc['partitions']} partitions, {sum(doc['worker_processes'].values())} worker processes "
-             f"(1 scheduler shard, 1 allocator), {doc['cores']} cores, records of {doc.get('record_bytes')} bytes, "
+             f"({doc['worker_processes'].get('scheduler')} scheduler shards, {doc['worker_processes'].get('allocator')} "
+             f"allocators), {doc['cores']} cores, records of {doc.get('record_bytes')} bytes, "
              f"wall time {doc['wall_s']:.0f} s", ""]
     lines.append(f"{'figure':32} {'value':>14} {'unit':10} {'x raw':>8}  conditions")
     for key, unit, cond in ROWS:
@@ -366,13 +381,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="smoke size: about a minute")
     ap.add_argument("--jobs", type=int, help="jobs of the burst phase (default 400; --quick 20)")
     ap.add_argument("--partitions", type=int, help="partitions of each entitlement-keyed topic (default 8)")
+    ap.add_argument("--schedulers", type=int, help="scheduler shards, each its own process (default 1)")
+    ap.add_argument("--allocators", type=int, help="allocators, each its own process (default 1)")
     ap.add_argument("--replay-events", type=int, help="log size of the audit replay (default 1,000,000)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (worker logs) after the run")
 
 
 def run_cli(args) -> int:
     opts = options_for(args.machines, args.quick, burst_jobs=args.jobs, partitions=args.partitions,
-                       replay_events=args.replay_events, keep=args.keep or None)
+                       replay_events=args.replay_events, keep=args.keep or None, schedulers=args.schedulers,
+                       allocators=args.allocators)
     from processors.frontend.console import Progress
 
     with sigterm_as_interrupt(), Progress(name="bench") as progress:  # each phase on stderr (console.Progress)

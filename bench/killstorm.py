@@ -2,14 +2,16 @@
 continuous stream of job submissions, resizes, stops and machine failures, with the region's supervisor starting
 each again; then the region must converge, and the replayed log and Redis must show nothing lost or doubled.
 
-    ropewalk experiment killstorm [--kills 100] [--interval-s 3] [--machines 40] [--seed 11] [--json]
+    ropewalk experiment killstorm [--kills 100] [--interval-s 3] [--machines 40] [--seed 11]
+                                  [--schedulers N] [--allocators M] [--json]
     .venv/bin/python bench/killstorm.py --kills 100                     # the same
 
 Everything real: its own embedded broker and Redis on free ports, a temporary run directory and topic prefix
 (``bench.env.BenchEnv``), the control plane as ``ropewalk up`` runs it (``processors.controlplane.up``: the supervisor,
-the Resource Broker, the allocator, a scheduler shard, the simulated agents, the process agent of the local
-machine, the health check) and redis-server under the same supervisor. Victims come in rounds: each round kills
-every one of ``VICTIMS`` once, in a seeded shuffled order (one waiting for its restart is passed over for the next).
+the Resource Broker, the allocators, the scheduler shards (``--schedulers``/``--allocators``, default 1 and 1),
+the simulated agents, the process agent of the local machine, the health check) and redis-server under the same
+supervisor. Victims come in rounds: each round kills every one of ``victims()`` once (every scheduler shard and
+allocator among them), in a seeded shuffled order (one waiting for its restart is passed over for the next).
 
 What is checked once every job converged (``check``), from a replay of the log and from Redis:
 
@@ -17,6 +19,8 @@ What is checked once every job converged (``check``), from a replay of the log a
   stopped that is not gone;
 * **tasks placed twice**: a TasksAllocated that places a task still placed on another machine (the allocations
   topic replayed in order; a move frees first); at the end, a task in two machines' task sets in Redis;
+* **tasks started twice**: more START commands of a task (distinct events) than placements of it: a decision made
+  twice under two ids (a scheduler that decided an event again on another state);
 * **tasks running twice**: a task in the latest heartbeat of two machines;
 * **machines over-committed**: a machine whose placed tasks need more cpu or memory than it has, at any point of
   the replay (per entitlement, whose events are in order) or in Redis at the end (free below zero, or free not
@@ -47,7 +51,16 @@ if __package__ in (None, ""):  # run as a script: bench/killstorm.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-VICTIMS = ("allocator", "scheduler-0", "health", "resourcebroker", "agents", "agent-local", "redis")
+VICTIMS = ("allocator-0", "scheduler-0", "health", "resourcebroker", "agents", "agent-local", "redis")  # 1 and 1
+
+
+def victims(schedulers: int = 1, allocators: int = 1) -> tuple[str, ...]:
+    """What a storm kills: every allocator and scheduler shard of the region, and its other workers of ``VICTIMS``."""
+    from processors.controlplane import scaled_name
+
+    return (*(scaled_name("allocator", i) for i in range(allocators)),
+            *(scaled_name("scheduler", i) for i in range(schedulers)),
+            *(v for v in VICTIMS if not v.startswith(("allocator-", "scheduler-"))))
 PRODUCER = "killstorm"
 SPEC = {"command": ["sleep", "3600"], "resources": {"cpu_millicores": 500, "memory_mib": 512}, "spread": "msb"}
 
@@ -61,6 +74,8 @@ class Options:
     seed: int = 11
     entitlements: int = 4
     quota: int = 8  # machines per entitlement
+    schedulers: int = 1  # scheduler shards (scheduler-0..N-1)
+    allocators: int = 1  # allocators (allocator-0..M-1)
     max_live_jobs: int = 24  # beyond, the oldest live jobs are stopped
     max_tasks: int = 5  # a job has 1..max_tasks tasks, and is resized within that
     submit_every_s: float = 1.0
@@ -98,6 +113,7 @@ class Storm:
         self.kills: list[dict] = []
         self.order: list[str] = []  # victims left in this round
         self.machine_ids: list[str] = []
+        self.victims = victims(opts.schedulers, opts.allocators)
 
     # -- the workload ------------------------------------------------------------------------------------------
     def send(self, type_: str, payload: dict, entitlement: str, entity: str) -> None:
@@ -175,11 +191,11 @@ class Storm:
         from infra import supervisor
 
         running = {n: s["pid"] for n, s in supervisor.programs_state(self.cfg.run_dir).items()
-                   if n in VICTIMS and s["running"] and s["pid"]}
+                   if n in self.victims and s["running"] and s["pid"]}
         if not running:
             return None
         if not self.order:  # each round kills every victim once, in a seeded shuffled order
-            self.order = list(VICTIMS)
+            self.order = list(self.victims)
             self.rng.shuffle(self.order)
         victim = next((v for v in self.order if v in running), None)
         if victim is None:  # every victim left in this round is waiting for its restart
@@ -200,7 +216,8 @@ class Storm:
 
         opts, say = self.opts, self.say
         t_start = time.monotonic()
-        region = controlplane.up(self.cfg, opts.machines, ready_timeout_s=180.0, env=dict(FAUST_ENV))
+        region = controlplane.up(self.cfg, opts.machines, ready_timeout_s=180.0, env=dict(FAUST_ENV),
+                                 schedulers=opts.schedulers, allocators=opts.allocators)
         if not region["ready"]:
             raise RuntimeError(f"killstorm: the region did not come up: {region}")
         self.machine_ids = sorted(m for m in machine_ids(self.cfg))
@@ -243,7 +260,8 @@ class Storm:
                            "entitlements": opts.entitlements, "quota": opts.quota,
                            "submit_every_s": opts.submit_every_s, "resize_every_s": opts.resize_every_s,
                            "fail_every_s": opts.fail_every_s, "max_live_jobs": opts.max_live_jobs,
-                           "victims": list(VICTIMS)},
+                           "schedulers": opts.schedulers, "allocators": opts.allocators,
+                           "victims": list(self.victims)},
             "storm_s": round(storm_s, 1), "converge_s": round(converge_s, 1), "converged": converged["ok"],
             "kills_by_victim": dict(sorted(Counter(k["victim"] for k in self.kills).items())),
             "restarts_by_program": restarts, "workload": dict(self.work.counts),
@@ -271,8 +289,8 @@ class Storm:
         return {"ok": False, "not": bad}
 
 
-COUNTS = ("tasks_lost", "tasks_placed_twice", "tasks_running_twice", "machines_overcommitted", "quota_breaches",
-          "conflicting_duplicates")
+COUNTS = ("tasks_lost", "tasks_placed_twice", "tasks_started_twice", "tasks_running_twice", "machines_overcommitted",
+          "quota_breaches", "conflicting_duplicates")
 
 
 def machine_ids(cfg) -> list[str]:
@@ -337,10 +355,30 @@ def restarts_by_program(run_dir: Path) -> dict[str, int]:
 def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
     """The counts of ``COUNTS`` (and what they were counted from), from a replay of the log and from Redis."""
     from streams import state
-    from streams.replay import Replay, ReplayFilter
 
     jobs = state.current(cfg, registry, "jobs")
     lost = not_converged(jobs, work)
+    doc = replay_checks(cfg, registry)
+    quota = doc.pop("quota")
+    doc.pop("placed")
+    redis_doc = check_redis(cfg, r, quota)
+    doc.update({"tasks_lost": len(lost),
+                "tasks_placed_twice": doc["tasks_placed_twice"] + redis_doc["tasks_in_two_machines"],
+                "machines_overcommitted": doc["machines_overcommitted"] + redis_doc["machines_overcommitted"],
+                "quota_breaches": doc["quota_breaches"] + redis_doc["quota_breaches"],
+                "redis_differences": (diff := redis_differences(cfg, registry, r))[:10], "redis_matches_log": not diff,
+                "redis": redis_doc})
+    return doc
+
+
+def replay_checks(cfg, registry) -> dict[str, Any]:
+    """What a replay of the log says (``intents``, ``machines``, ``allocations``, ``tasks``, ``heartbeats``):
+    ``conflicting_duplicates`` (one event id with two contents: an event decided twice, differently),
+    ``tasks_placed_twice``, ``tasks_started_twice`` (more START commands of a task, by distinct events, than
+    placements of it: a decision made twice under two ids), ``tasks_running_twice``, ``machines_overcommitted``,
+    ``quota_breaches``, and the counts they come from. Shared by the kill storm and the scale-out tests."""
+    from streams.replay import Replay, ReplayFilter
+
     seen: dict[str, str] = {}  # event id -> its payload, as JSON
     conflicting = duplicates = 0
     capacity: dict[str, tuple[int, int]] = {}
@@ -351,10 +389,13 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
     peak: Counter = Counter()  # the most machines each entitlement held at once
     quota: dict[str, int] = {}
     beats: dict[str, list[str]] = {}
+    placements: Counter = Counter()  # task -> times a TasksAllocated placed it somewhere new
+    starts: Counter = Counter()  # task -> START commands (distinct events)
     twice = over = breaches = 0
     over_at: list[str] = []
     log = []
-    for rec in Replay(cfg, registry, ReplayFilter(topics=("intents", "machines", "allocations", "heartbeats"))):
+    for rec in Replay(cfg, registry, ReplayFilter(topics=("intents", "machines", "allocations", "tasks",
+                                                          "heartbeats"))):
         ev = rec.event
         body = json.dumps(ev.payload, sort_keys=True, default=str)
         if ev.event_id in seen:
@@ -363,7 +404,7 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
             continue
         seen[ev.event_id] = body
         log.append(ev)
-        if ev.type == "EntitlementCreated":
+        if ev.type in ("EntitlementCreated", "EntitlementUpdated") and ev.payload.get("quota_machines") is not None:
             quota[ev.entitlement] = ev.payload["quota_machines"]
         elif ev.type == "MachineRegistered":
             capacity[ev.payload["machine_id"]] = (ev.payload["capacity"]["cpu_millicores"],
@@ -400,6 +441,7 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
                 if cur is not None:
                     twice += 1
                 placed[t] = (m, cpu, mem)
+                placements[t] += 1
                 sums = load[(ev.entitlement, m)]
                 sums[0] += cpu
                 sums[1] += mem
@@ -407,6 +449,8 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
                 if sums[0] > cap[0] or sums[1] > cap[1]:
                     over += 1
                     over_at.append(f"{m} ({ev.entitlement}: {sums} of {cap})")
+        elif ev.type == "TasksCommanded":
+            starts.update(c["task_id"] for c in p["commands"] if c["command"] == "START")
         elif ev.type == "AgentHeartbeat":
             beats[p["machine_id"]] = list(p["running_task_ids"])
     running_on: dict[str, set[str]] = defaultdict(set)
@@ -414,15 +458,13 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
         for t in tasks:
             running_on[t].add(m)
     running_twice = sorted(t for t, ms in running_on.items() if len(ms) > 1)
-    redis_doc = check_redis(cfg, r, quota)
+    started_twice = sorted(t for t, n in starts.items() if n > placements[t])
     return {"records_replayed": records, "duplicate_records": duplicates, "conflicting_duplicates": conflicting,
-            "tasks_lost": len(lost), "tasks_placed_twice": twice + redis_doc["tasks_in_two_machines"],
-            "tasks_running_twice": len(running_twice), "running_twice": running_twice[:10],
-            "machines_overcommitted": over + redis_doc["machines_overcommitted"], "overcommitted": over_at[:10],
-            "quota_breaches": breaches + redis_doc["quota_breaches"], "tasks_placed": len(placed),
-            "peak_machines_held": dict(sorted(peak.items())),
-            "redis_differences": (diff := redis_differences(cfg, registry, r))[:10], "redis_matches_log": not diff,
-            "redis": redis_doc}
+            "tasks_placed_twice": twice, "tasks_started_twice": len(started_twice),
+            "started_twice": started_twice[:10], "tasks_running_twice": len(running_twice),
+            "running_twice": running_twice[:10], "machines_overcommitted": over, "overcommitted": over_at[:10],
+            "quota_breaches": breaches, "tasks_placed": len(placed), "placed": {t: m for t, (m, _, _) in placed.items()},
+            "peak_machines_held": dict(sorted(peak.items())), "quota": quota}
 
 
 def check_redis(cfg, r, quota: dict[str, int]) -> dict[str, Any]:
@@ -509,6 +551,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kills", type=int, default=d.kills, help=f"processes killed in all (default {d.kills})")
     ap.add_argument("--interval-s", type=float, default=d.interval_s, help="seconds between two kills")
     ap.add_argument("--machines", type=int, default=d.machines)
+    ap.add_argument("--schedulers", type=int, default=d.schedulers, help="scheduler shards (each one a victim)")
+    ap.add_argument("--allocators", type=int, default=d.allocators, help="allocators (each one a victim)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--keep", action="store_true", help="keep the run directory (every process's log)")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
@@ -516,6 +560,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run_cli(args) -> int:
     opts = Options(kills=args.kills, interval_s=args.interval_s, machines=args.machines, seed=args.seed,
+                   schedulers=args.schedulers, allocators=args.allocators,
                    keep=args.keep)
     doc = run(opts, say=lambda s: print(f"killstorm: {s}", file=sys.stderr, flush=True))
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_text(doc))

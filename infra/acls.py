@@ -14,7 +14,7 @@ Writers per topic, and where a topic-level ACL cannot tell writers apart:
 |------------------|--------------------------------------|---------------------------------------|
 | intents          | api (users' intents), scheduler (IntentRefused), rebalancer (RebalancePlanned), jobcontrol (JobSpecReconciled, its IntentRefused), srm (sizing intents, owner srm), lender (an elastic borrower's quota: EntitlementUpdated of a loan) | the scheduler could forge an intent; it is trusted with every task command anyway. The rebalancer could too; its plans only move tasks the scheduler checks (a move the entitlement's job does not hold is not made). jobcontrol, srm and lender could write any intent type: the topic-level ACL cannot tell types apart |
 | machines         | resourcebroker, health, allocator, api (admins' machine fail/recover, maintenance end), agent (HostProfileApplied/Failed) | an agent principal could forge any machine event (a registration, a status, an owner): readers of `machines` do not check the writer. Closing it needs the agents' profile answers on a topic of their own, relayed by Sidekick (not done) |
-| unavailability   | resourcebroker, health, api (admins' maintenance, machine fail), lender (a revocation's notice, vacate) | |
+| unavailability   | resourcebroker, health, api (admins' maintenance, machine fail, power loss and restore), lender (a revocation's notice, vacate) | agents read it: the simulated machines go dark on a power UE (processors/agent/power.py) |
 | allocations      | scheduler (AllocationRequested), allocator (TasksAllocated, AllocationRejected, TasksDeallocated) | the scheduler could forge a placement: agents trust the allocations topic, written only by these two |
 | tasks            | scheduler (commands, its own task transitions), agent (reports), sidekick (HostProfileRequested) | an agent principal could forge a command: agents start only what ``allocations`` placed on their machine for that entitlement and job (processors/agent/gate.py); a forged STOP from an agent principal is not caught (all agents share one principal) |
 | partitionmap     | api (a new entitlement's partition), scheduler (moves) | |
@@ -66,7 +66,7 @@ READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     ALLOCATOR: ("intents", "machines", "unavailability", "allocations", "state.machines", MAP, SCHEMAS),
     RESOURCEBROKER: ("machines", "unavailability", MAP, SCHEMAS),
     HEALTH: ("machines", "heartbeats", MAP, SCHEMAS),
-    AGENT: ("tasks", "allocations", MAP, SCHEMAS),
+    AGENT: ("tasks", "allocations", "unavailability", MAP, SCHEMAS),  # unavailability: the simulated machines' power
     CONTROLLER: ("taskcontrol", MAP, SCHEMAS),
     REBALANCER: ("intents", "machines", "unavailability", "allocations", "state.jobs", MAP, SCHEMAS),  # its TOPICS
     SIDEKICK: ("intents", "machines", "unavailability", "allocations", "tasks", MAP, SCHEMAS),
@@ -78,6 +78,7 @@ READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})
 FAUST_TOPIC_OPERATIONS = ("READ", "WRITE", "CREATE", "DESCRIBE", "DESCRIBE_CONFIGS")
 READER_GROUPS = "ropewalk-"  # prefix (after the region's) of the group ids of assign-only readers
+POSITION_GROUPS = READER_GROUPS + "position-"  # ... of the groups a worker's reader commits its position to
 
 
 def reader_group(cfg: Config, name: str = "reader") -> str:
@@ -85,6 +86,15 @@ def reader_group(cfg: Config, name: str = "reader") -> str:
     one anyway (and asks for its coordinator, which the broker authorizes: every principal may DESCRIBE the groups
     ``<prefix>ropewalk-*`` of its region, ``grants``)."""
     return f"{cfg.topic_prefix}{READER_GROUPS}{name}"
+
+
+def position_group(cfg: Config, name: str) -> str:
+    """The group a worker's assigning reader named ``name`` commits its position to, for Kafka's lag tools
+    (``streams.clients.EventConsumer``'s ``follows``): ``<prefix>ropewalk-position-<name>``, the name's characters
+    outside ``[A-Za-z0-9._-]`` as ``-`` (``agent/local-msb1-r01-m001`` → ``agent-local-msb1-r01-m001``)."""
+    import re
+
+    return f"{cfg.topic_prefix}{POSITION_GROUPS}{re.sub(r'[^A-Za-z0-9._-]', '-', name)}"
 
 
 def allowed(principal: str, topic: str, operation: str) -> bool:
@@ -113,6 +123,8 @@ def grants(prefix: str) -> list[Grant]:
             out += [Grant(principal, "topic", topics.name(t), False, op) for t in names]
     for principal in READS:  # the group ids of readers that assign partitions themselves (reader_group)
         out.append(Grant(principal, "group", f"{prefix}{READER_GROUPS}", True, "DESCRIBE"))
+        # a worker's reader commits its position to its own group (position_group): READ on the group
+        out.append(Grant(principal, "group", f"{prefix}{POSITION_GROUPS}", True, READ))
     for principal, app in FAUST_APPS.items():
         out.append(Grant(principal, "group", prefix + app, True, READ))
         out += [Grant(principal, "topic", f"{prefix}{app}-", True, op) for op in FAUST_TOPIC_OPERATIONS]
@@ -165,8 +177,47 @@ def wait_for(futures: Iterable) -> None:
 
 def provision_region(cfg, admin=None, *, wait: bool = True):
     """``provision`` for the region of ``cfg`` (its topic prefix, the users of its secrets directory); nothing when
-    the region has no Kafka credentials (a broker without authentication)."""
-    return provision(admin or _admin(cfg), cfg.topic_prefix, _users(cfg), wait=wait)
+    the region has no Kafka credentials (a broker without authentication). Waited for (``wait``), on a cluster of
+    several brokers it returns once each of them enforces the bindings (``wait_until_known``)."""
+    admin = admin or _admin(cfg)
+    out = provision(admin, cfg.topic_prefix, _users(cfg), wait=wait)
+    if wait and out:
+        brokers = admin.list_topics(timeout=15).brokers
+        if len(brokers) > 1:
+            wait_until_known(cfg.kafka_conf(), brokers, bindings(cfg.topic_prefix, _users(cfg)))
+    return out
+
+
+def wait_until_known(conf: Mapping, brokers: Mapping, wanted: list, timeout_s: float = 60.0) -> None:
+    """Wait until each of ``brokers`` (id -> confluent ``BrokerMetadata``) describes every binding of ``wanted``. A
+    broker's authorizer learns new bindings from the controller's metadata log on its own time (seconds under load):
+    until then it refuses what they allow (a worker started at once died of TOPIC_AUTHORIZATION_FAILED). Each broker
+    is asked by a client that knows it alone (``conf`` with it as the bootstrap server)."""
+    import time
+
+    from confluent_kafka.admin import (AclBindingFilter, AclOperation, AclPermissionType, AdminClient,
+                                       ResourcePatternType, ResourceType)
+
+    def key(b) -> tuple:
+        return (b.restype, b.name, b.resource_pattern_type, b.principal, b.host, b.operation, b.permission_type)
+
+    every = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None, AclOperation.ANY,
+                             AclPermissionType.ANY)
+    want = {key(b) for b in wanted}
+    deadline = time.monotonic() + timeout_s
+    for b in brokers.values():
+        admin = AdminClient({**conf, "bootstrap.servers": f"{b.host}:{b.port}", "log_level": 0})
+        while True:
+            try:
+                missing = len(want - {key(x) for x in admin.describe_acls(every, request_timeout=5).result()})
+            except Exception:  # noqa: BLE001 - not answering: asked again
+                missing = len(want)
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"broker {b.id} ({b.host}:{b.port}) does not know {missing} of the region's "
+                                   f"{len(want)} ACL bindings {timeout_s:.0f}s after they were created")
+            time.sleep(0.2)
 
 
 def drop_region(cfg, admin=None, *, wait: bool = True):

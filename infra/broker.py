@@ -1,38 +1,57 @@
-"""The embedded broker: Apache Kafka (4.x, KRaft, one combined broker/controller node), data on disk.
+"""The embedded broker: Apache Kafka (4.x, KRaft), data on disk; one node by default, or a cluster of N nodes
+(``ROPEWALK_BROKERS``, `ropewalk up --brokers 3`), one JVM per node, each a broker and a KRaft controller.
 
-    proc = broker(cfg)      # a ManagedProcess; services.up/down/status start, stop and probe it
+    programs(cfg)            # the nodes as the supervisor's programs; services.up runs them (supervised)
+    broker(cfg, ready, node) # one node as a ManagedProcess (started alone: tests that stop it themselves)
 
 Where things are (``BrokerLayout``)::
 
     <project>/.kafka/libs/               the broker's jars, copied from Maven Central by infra/bootstrap.sh
                                          (pins in infra/kafka/pom.xml; nothing is downloaded at start)
-    <run dir>/kafka/server.properties    written at every start from ``server_properties(cfg)``
-    <run dir>/kafka/data/                the log: every topic, consumer-group offsets, faust changelogs,
+    <run dir>/kafka/                     one node: its root (below); N nodes: the cluster's, with
+        cluster.json                     N nodes: the cluster id, each node's id, ports and KRaft directory id
+        broker-<i>/                      N nodes: node i's root
+    <root>/server.properties             written at every start from ``server_properties(cfg, node)``
+    <root>/data/                         the log: every topic, consumer-group offsets, faust changelogs,
                                          the KRaft metadata log. It survives ``down``/``up``; delete the
                                          run directory to start a region from nothing
-    <run dir>/kafka/ports.json           the listener ports the data directory was formatted for
-    <run dir>/broker.log                 the broker's own log (warnings, start, stop)
+    <root>/ports.json                    one node: the listener ports the data directory was formatted for
+    <run dir>/broker.log, broker-<i>.log the node's own log (warnings, start, stop, quorum elections)
 
-The first start formats the data directory (``kafka.tools.StorageTool format --standalone``: a new cluster id,
-this node the only KRaft voter). A data directory formatted for other ports is refused with the reason: the
-KRaft voter set records the controller's endpoint.
+The first start formats the data directories (``kafka.tools.StorageTool format``): one node with
+``--standalone`` (a new cluster id, this node the only KRaft voter); N nodes with ``--initial-controllers`` (one
+cluster id, every node a voter of the quorum, which survives the loss of a minority: one node of 3). Data
+formatted for other ports, or for another number of nodes, is refused with the reason: the KRaft voter set
+records the controllers' endpoints (growing a cluster is adding voters and reassigning partitions: not done here).
+
+**Replication** (``server_properties``): one node keeps one replica of everything. N nodes (3 or more) replicate
+every topic 3 times with ``min.insync.replicas=2`` (``streams/topics.py``: ``min_insync_replicas``): the broker's
+defaults, which the internal topics (``__consumer_offsets``, ``__transaction_state``) and the topics faust creates
+follow, and what provisioning asks for the catalogue's topics. With every producer ``acks=all`` and idempotent
+(``streams/clients.py``, ``streams/faustwire.py``), a write acknowledged is on two nodes at least, and the loss of
+any one node — the quorum's leader (the active controller) or a partition's leader — loses nothing acknowledged:
+the controller fences the dead node and elects new leaders from the in-sync replicas (never an out-of-sync one:
+``unclean.leader.election.enable=false``), and the node, started again by the region's supervisor
+(``infra/supervisor.py``, ``services.up``), catches up from the leaders and rejoins the in-sync replicas.
 
 **Authentication and authorization** (issue 12; ``security_properties``): the client listener is SASL_PLAINTEXT
 with SCRAM-SHA-256, one Kafka user per principal of ``infra/credentials.py``; the ACLs of ``infra/acls.py`` are
 enforced by Kafka's ``StandardAuthorizer`` (what no ACL allows is refused). The broker's own user ``broker`` (a
 super user, with ``operator``) authenticates with PLAIN from the broker's JAAS configuration, on the KRaft controller
-listener (SASL_PLAINTEXT too: nobody reaches the controller without it) and on the client listener, where it is
-the only PLAIN user with ``operator``: Debian's kcat links librdkafka 2.0.2, whose SCRAM client Kafka 4 refuses
-(a nonce bug fixed in librdkafka 2.6.1, confluentinc/librdkafka#4895), so ``<secrets>/kcat.conf`` logs the operator
-in with PLAIN (on the loopback interface only). ``ensure_users`` (run by ``services.up`` once the broker answers)
-creates or refreshes every principal's SCRAM credential as ``broker``, so a data directory formatted before SASL
-existed gets its users too (measured: a region of the previous version resumes under SASL, jobs running). The
-passwords are in ``<secrets>/kafka.json`` (0600); ``server.properties`` (which holds the broker's) is 0600.
+listener (SASL_PLAINTEXT too: nobody reaches the controller without it) and on the client listener, which is also
+the nodes' replication listener; it is the only PLAIN user with ``operator``: Debian's kcat links librdkafka 2.0.2,
+whose SCRAM client Kafka 4 refuses (a nonce bug fixed in librdkafka 2.6.1, confluentinc/librdkafka#4895), so
+``<secrets>/kcat.conf`` logs the operator in with PLAIN (on the loopback interface only). ``ensure_users`` (run by
+``services.up`` once the cluster answers) creates or refreshes every principal's SCRAM credential as ``broker``
+(the credentials live in the KRaft metadata log: one write serves every node), and waits until every node
+authenticates them, so a data directory formatted before SASL existed gets its users too (measured: a region of
+the previous version resumes under SASL, jobs running). The passwords are in ``<secrets>/kafka.json`` (0600);
+``server.properties`` (which holds the broker's) is 0600.
 
-Tuning for one node (each setting with its reason in ``server_properties``): replication factor 1 everywhere,
-topics created only by provisioning (``auto.create.topics.enable=false``), a new consumer group's first join
-not held back, committed offsets that never expire while the region is down, and a log cleaner that looks for
-work every few seconds so compacted topics compact soon after a segment rolls.
+Tuning (each setting with its reason in ``server_properties``): topics created only by provisioning
+(``auto.create.topics.enable=false``), a new consumer group's first join not held back, committed offsets that
+never expire while the region is down, and a log cleaner that looks for work every few seconds so compacted topics
+compact soon after a segment rolls.
 """
 from __future__ import annotations
 
@@ -45,7 +64,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.config import PROJECT_ROOT, Config
+from infra.config import CLUSTER_FILE, PROJECT_ROOT, BrokerNode, Config, formatted_brokers
 from infra.process import InfraError, ManagedProcess
 
 KAFKA_VERSION = "4.3.1"  # the pin in infra/kafka/pom.xml; checked against the jars present
@@ -54,7 +73,8 @@ LOG4J_CONFIG = PROJECT_ROOT / "infra" / "kafka" / "log4j2.yaml"
 LIBS = PROJECT_ROOT / ".kafka" / "libs"
 MIN_JAVA = 17
 START_TIMEOUT_S = 60.0  # a cold JVM on a loaded 2-core machine; measured ~3 s when idle
-NODE_ID = 1
+NODE_ID = 1  # the one node's id (a cluster's nodes are 1..N)
+NAME = "broker"  # the one node's process name (pid file, log); node i of a cluster is "broker-<i>"
 # Committed consumer offsets are kept this long after a group's last member left (Kafka's default is 7 days,
 # after which a region that was `down` for a week would replay its whole history). Kafka takes an int.
 OFFSETS_RETENTION_MINUTES = 2**31 - 1
@@ -62,11 +82,12 @@ OFFSETS_RETENTION_MINUTES = 2**31 - 1
 
 @dataclass(frozen=True)
 class BrokerLayout:
-    root: Path  # <run dir>/kafka
+    root: Path  # <run dir>/kafka (one node), <run dir>/kafka/broker-<i> (node i of a cluster)
 
     @classmethod
-    def of(cls, cfg: Config) -> "BrokerLayout":
-        return cls(Path(cfg.run_dir) / "kafka")
+    def of(cls, cfg: Config, node: int = NODE_ID) -> "BrokerLayout":
+        base = Path(cfg.run_dir) / "kafka"
+        return cls(base if cfg.brokers == 1 else base / f"{NAME}-{node}")
 
     data = property(lambda self: self.root / "data")
     properties = property(lambda self: self.root / "server.properties")
@@ -74,7 +95,16 @@ class BrokerLayout:
     formatted = property(lambda self: (self.root / "data" / "meta.properties").exists())
 
 
-LISTENER = "SASL_PLAINTEXT"  # the clients' listener (also the inter-broker one, unused with one node)
+def node_name(cfg: Config, node: int) -> str:
+    """The process name of node ``node`` (its pid file, its log, its program in the supervisor)."""
+    return NAME if cfg.brokers == 1 else f"{NAME}-{node}"
+
+
+def node_names(cfg: Config) -> list[str]:
+    return [node_name(cfg, n.id) for n in cfg.broker_nodes]
+
+
+LISTENER = "SASL_PLAINTEXT"  # the clients' listener, also the nodes' replication listener
 CLIENT_MECHANISM = "SCRAM-SHA-256"  # every principal (infra/credentials.py)
 BROKER_MECHANISM = "PLAIN"  # the broker's own user, from its JAAS configuration
 AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
@@ -108,28 +138,48 @@ def security_properties(broker_user: str, broker_password: str, super_users: tup
     }
 
 
-def server_properties(cfg: Config, layout: BrokerLayout, security: dict[str, str] | None = None) -> dict[str, str]:
-    """The broker's configuration for one local node, with ``security`` (``security_properties``). Pure."""
+def server_properties(cfg: Config, layout: BrokerLayout, security: dict[str, str] | None = None,
+                      node: BrokerNode | None = None) -> dict[str, str]:
+    """The configuration of node ``node`` (default: the first) of ``cfg``'s embedded cluster, with ``security``
+    (``security_properties``). Pure."""
+    from streams.topics import min_insync_replicas
+
     host = "127.0.0.1"
+    nodes = cfg.broker_nodes
+    me = node or nodes[0]
+    rf = cfg.replication_factor or 1  # embedded: always set (infra/config.py)
+    isr = min_insync_replicas(rf)
+    # A cluster fences a node that stopped heartbeating after 4 s (Kafka's default 9 s), and only then elects new
+    # leaders for its partitions: until then writes to them wait. The agents beat every 2 s and the health check
+    # judges a machine silent after 10 s (processors/controlplane.py): with 9 s, the beats of the machines whose
+    # heartbeats partition a killed node led arrived 11 s apart, and the health check failed those machines. A node
+    # starved of CPU for 4 s is fenced too: it rejoins at its next heartbeat (its partitions' leaders moved meanwhile).
+    failover = {"broker.session.timeout.ms": "4000", "broker.heartbeat.interval.ms": "1000"} if len(nodes) > 1 else {}
     return {
-        "process.roles": "broker,controller",  # one JVM is the whole cluster
-        "node.id": str(NODE_ID),
-        "controller.quorum.bootstrap.servers": f"{host}:{cfg.controller_port}",
-        "listeners": f"{LISTENER}://{host}:{cfg.broker_port},CONTROLLER://{host}:{cfg.controller_port}",
-        "advertised.listeners": f"{LISTENER}://{host}:{cfg.broker_port}",
+        "process.roles": "broker,controller",  # each JVM is a broker and a KRaft voter (combined mode)
+        "node.id": str(me.id),
+        "controller.quorum.bootstrap.servers": ",".join(f"{host}:{n.controller_port}" for n in nodes),
+        "listeners": f"{LISTENER}://{host}:{me.port},CONTROLLER://{host}:{me.controller_port}",
+        "advertised.listeners": f"{LISTENER}://{host}:{me.port}",
         "controller.listener.names": "CONTROLLER",
         **(security or {}),
         "log.dirs": str(layout.data),
-        # One node: every internal topic with one replica (the defaults, 3, cannot be met).
-        "offsets.topic.replication.factor": "1",
+        # Replication (the module docstring): one node, one replica of everything (Kafka's defaults, 3, cannot be
+        # met); a cluster, 3 replicas and 2 in sync for a write (acks=all), internal topics included.
+        "offsets.topic.replication.factor": str(rf),
         "offsets.topic.num.partitions": "8",  # 50 by default: 50 log directories for one local region
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.replication.factor": str(rf),
+        "transaction.state.log.min.isr": str(isr),
         "transaction.state.log.num.partitions": "4",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
-        "default.replication.factor": "1",
-        "min.insync.replicas": "1",
+        "share.coordinator.state.topic.replication.factor": str(rf),
+        "share.coordinator.state.topic.min.isr": str(isr),
+        "default.replication.factor": str(rf),
+        "min.insync.replicas": str(isr),
+        # A partition whose in-sync replicas are all gone waits for one of them rather than taking an out-of-sync
+        # one as leader (which would drop what only the lost ones had). Kafka's default, stated: it is the rule
+        # that makes "nothing acknowledged is lost" hold.
+        "unclean.leader.election.enable": "false",
+        **failover,
         # Topics exist because provisioning (streams/topics.py) or faust (its changelogs) created them, with
         # their partition counts and configs; a typo in a topic name is an error, not a new topic.
         "auto.create.topics.enable": "false",
@@ -185,9 +235,9 @@ def jvm_argv(cfg: Config, main: str, *args: str, heap_mb: int | None = None) -> 
             f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", "-cp", f"{LIBS}/*", main, *args]
 
 
-def write_config(cfg: Config, layout: BrokerLayout) -> None:
-    """server.properties (0600: it holds the broker's password), with the credentials of the secrets directory
-    (made if missing)."""
+def write_config(cfg: Config, layout: BrokerLayout, node: BrokerNode | None = None) -> None:
+    """server.properties of ``node`` (0600: it holds the broker's password), with the credentials of the secrets
+    directory (made if missing)."""
     from infra import credentials
 
     layout.root.mkdir(parents=True, exist_ok=True)
@@ -195,22 +245,25 @@ def write_config(cfg: Config, layout: BrokerLayout) -> None:
     me = credentials.kafka_credentials(cfg.secrets, credentials.BROKER_USER)
     operator = credentials.kafka_credentials(cfg.secrets, credentials.OPERATOR)
     props = server_properties(cfg, layout, security_properties(
-        me.username, me.password, (me.username, operator.username), {operator.username: operator.password}))
+        me.username, me.password, (me.username, operator.username), {operator.username: operator.password}), node)
     credentials.write_private(layout.properties, "".join(f"{k}={v}\n" for k, v in props.items()))
 
 
-def admin_conf(cfg: Config) -> dict[str, str]:
-    """confluent-kafka settings of the broker's own user (PLAIN): what ``ensure_users`` connects with."""
+def admin_conf(cfg: Config, node: BrokerNode | None = None) -> dict[str, str]:
+    """confluent-kafka settings of the broker's own user (PLAIN): what ``ensure_users`` connects with; to ``node``
+    alone if given."""
     from infra import credentials
 
     me = credentials.kafka_credentials(cfg.secrets, credentials.BROKER_USER)
-    return {"bootstrap.servers": cfg.bootstrap_servers, "security.protocol": "SASL_PLAINTEXT",
+    servers = f"127.0.0.1:{node.port}" if node is not None else cfg.bootstrap_servers
+    return {"bootstrap.servers": servers, "security.protocol": "SASL_PLAINTEXT",
             "sasl.mechanism": BROKER_MECHANISM, "sasl.username": me.username, "sasl.password": me.password}
 
 
 def ensure_users(cfg: Config, timeout_s: float = 30.0) -> list[str]:
     """Create (or refresh) the SCRAM credential of every principal of ``<secrets>/kafka.json``, as the broker's own
-    user, and wait until the broker knows them all. Idempotent; returns the users."""
+    user, and wait until the cluster knows them all: on one node, until it describes them; on several, until every
+    node authenticates each of them. Idempotent; returns the users."""
     import time
 
     from confluent_kafka.admin import (AdminClient, ScramCredentialInfo, ScramMechanism,
@@ -231,19 +284,67 @@ def ensure_users(cfg: Config, timeout_s: float = 30.0) -> list[str]:
         try:
             known = admin.describe_user_scram_credentials(users, request_timeout=timeout_s)  # user -> future
             if all(known[u].result().scram_credential_infos for u in users):
-                return users
+                break
         except Exception:  # noqa: BLE001 - a user not there yet is an error of the describe: ask again
             pass
         if time.monotonic() > deadline:
             raise InfraError(f"embedded broker: SCRAM users {', '.join(users)} not known {timeout_s:.0f}s after "
                              f"they were created")
         time.sleep(0.1)
+    if cfg.brokers > 1:  # every node applies the metadata log on its own: each must authenticate every user
+        from concurrent.futures import ThreadPoolExecutor
+
+        pending = [(node, u) for node in cfg.broker_nodes for u in users]
+        with ThreadPoolExecutor(8) as pool:
+            while pending:
+                ok = list(pool.map(lambda nu: authenticates(nu[0], nu[1], passwords[nu[1]]), pending))
+                pending = [nu for nu, good in zip(pending, ok) if not good]
+                if pending and time.monotonic() > deadline:
+                    raise InfraError("embedded broker: SCRAM users not authenticated "
+                                     f"{timeout_s:.0f}s after they were created: "
+                                     + ", ".join(f"{u} on {node_name(cfg, n.id)}" for n, u in pending))
+                if pending:
+                    time.sleep(0.2)
+    return users
+
+
+def authenticates(node: BrokerNode, username: str, password: str, timeout_s: float = 5.0) -> bool:
+    """Whether ``node`` lets ``username`` in with SCRAM (a metadata request on a connection to it alone)."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{node.port}", "security.protocol": "SASL_PLAINTEXT",
+                         "sasl.mechanism": CLIENT_MECHANISM, "sasl.username": username, "sasl.password": password,
+                         "log_level": 0})
+    try:
+        admin.list_topics(timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - refused (not known yet) or not answering: not authenticated
+        return False
 
 
 def prepare(cfg: Config) -> None:
-    """Write the configuration and, the first time, format the data directory. Refuses a data directory
-    formatted for other ports (the KRaft voter set names the controller endpoint)."""
+    """Write every node's configuration and, the first time, format the data directories. Refuses data formatted
+    for another number of nodes or other ports (the KRaft voter set names the controllers' endpoints)."""
     check_libs()
+    check_held(cfg)
+    if cfg.brokers == 1:
+        prepare_node(cfg)
+    else:
+        prepare_cluster(cfg)
+
+
+def check_held(cfg: Config) -> None:
+    """InfraError when the run directory holds a cluster of another number of nodes than ``cfg`` asks for."""
+    was = formatted_brokers(cfg.run_dir)
+    if was is not None and was != cfg.brokers:
+        kafka = Path(cfg.run_dir) / "kafka"
+        raise InfraError(f"embedded broker: the data in {kafka} is a cluster of {was} node{'s' if was > 1 else ''}, "
+                         f"not {cfg.brokers}: `ropewalk up --brokers {was}` (ROPEWALK_BROKERS={was}) resumes it; "
+                         f"remove {kafka} to start from nothing")
+
+
+def prepare_node(cfg: Config) -> None:
+    """One node: its configuration; formatted as a standalone KRaft quorum the first time."""
     layout = BrokerLayout.of(cfg)
     ports = {"broker_port": cfg.broker_port, "controller_port": cfg.controller_port}
     write_config(cfg, layout)
@@ -258,34 +359,114 @@ def prepare(cfg: Config) -> None:
                 f"{was['controller_port']}, not {cfg.broker_port}/{cfg.controller_port}; set "
                 f"ROPEWALK_BROKER_PORT/ROPEWALK_CONTROLLER_PORT back, or remove {layout.root} to start from nothing")
         return
-    cluster_id = new_cluster_id()
-    argv = jvm_argv(cfg, "kafka.tools.StorageTool", "format", "--cluster-id", cluster_id, "--config",
-                    str(layout.properties), "--standalone", heap_mb=256)
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-3:])
-        raise InfraError(f"embedded broker: formatting {layout.data} failed: {tail}")
+    format_storage(cfg, [(layout, ("--standalone",))])
     layout.ports.write_text(json.dumps(ports))
 
 
+def prepare_cluster(cfg: Config) -> None:
+    """N nodes: ``cluster.json`` (written before any node is formatted, so a format cut short is finished with the
+    same ids), each node's configuration, and the nodes not formatted yet formatted with every node a voter."""
+    kafka = Path(cfg.run_dir) / "kafka"
+    kafka.mkdir(parents=True, exist_ok=True)
+    want = [{"id": n.id, "port": n.port, "controller_port": n.controller_port} for n in cfg.broker_nodes]
+    path = kafka / CLUSTER_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        doc = None
+    if doc is None:
+        doc = {"cluster_id": new_cluster_id(), "nodes": [{**w, "directory_id": new_cluster_id()} for w in want]}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(path)
+    was = [{k: n[k] for k in ("id", "port", "controller_port")} for n in doc["nodes"]]
+    if was != want:
+        ports = lambda nodes: ", ".join(f"{n['port']}/{n['controller_port']}" for n in nodes)  # noqa: E731
+        raise InfraError(f"embedded broker: the cluster in {kafka} belongs to ports {ports(was)}, not {ports(want)}; "
+                         f"set ROPEWALK_BROKER_PORT/ROPEWALK_CONTROLLER_PORT back, or remove {kafka} to start from "
+                         f"nothing")
+    voters = ",".join(f"{n['id']}@127.0.0.1:{n['controller_port']}:{n['directory_id']}" for n in doc["nodes"])
+    todo = []
+    for node in cfg.broker_nodes:
+        layout = BrokerLayout.of(cfg, node.id)
+        write_config(cfg, layout, node)
+        if not layout.formatted:
+            todo.append((layout, ("--initial-controllers", voters)))
+    format_storage(cfg, todo, doc["cluster_id"])
+
+
+def format_storage(cfg: Config, nodes: list[tuple[BrokerLayout, tuple[str, ...]]], cluster_id: str | None = None
+                   ) -> None:
+    """Format the data directories of ``nodes`` ((layout, the storage tool's quorum arguments)) for the cluster
+    ``cluster_id`` (None: a new one), the tools run side by side."""
+    cluster_id = cluster_id or new_cluster_id()
+    runs = [(layout, subprocess.Popen(
+        jvm_argv(cfg, "kafka.tools.StorageTool", "format", "--cluster-id", cluster_id, "--config",
+                 str(layout.properties), *quorum, heap_mb=256),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for layout, quorum in nodes]
+    failed = []
+    for layout, run in runs:
+        try:
+            out, _ = run.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            out, _ = run.communicate()
+        if run.returncode != 0:
+            failed.append(f"formatting {layout.data} failed: " + " | ".join(out.strip().splitlines()[-3:]))
+    if failed:
+        raise InfraError("embedded broker: " + "; ".join(failed))
+
+
 def new_cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes, URL-safe base64. Like Kafka's ``Uuid.randomUuid`` it never starts
-    with '-', which the storage tool's argument parser would take for an option."""
+    """A KRaft cluster id (or directory id): 16 random bytes, URL-safe base64. Like Kafka's ``Uuid.randomUuid`` it
+    never starts with '-', which the storage tool's argument parser would take for an option."""
     while (cid := base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))[0] == "-":
         pass
     return cid
 
 
-def broker(cfg: Config, ready) -> ManagedProcess:
+def broker(cfg: Config, ready, node: BrokerNode | None = None) -> ManagedProcess:
+    """Node ``node`` (default: the first) as a ManagedProcess; its ``prepare`` prepares the whole cluster."""
     check_libs()
-    layout = BrokerLayout.of(cfg)
+    node = node or cfg.broker_nodes[0]
+    layout = BrokerLayout.of(cfg, node.id)
+    port_var = "ROPEWALK_BROKER_PORT" + (f" (node {node.id} listens on it + {2 * (node.id - 1)})"
+                                         if node.id > 1 else "")
+    controller_var = "ROPEWALK_CONTROLLER_PORT" + (f" (node {node.id}'s controller listens on it + "
+                                                   f"{2 * (node.id - 1)})" if node.id > 1 else "")
     return ManagedProcess(
-        name="broker",
+        name=node_name(cfg, node.id),
         argv=jvm_argv(cfg, "kafka.Kafka", str(layout.properties)),
-        port=cfg.broker_port,
-        extra_ports=((cfg.controller_port, "ROPEWALK_CONTROLLER_PORT"),),
+        port=node.port,
+        port_var=port_var,
+        extra_ports=((node.controller_port, controller_var),),
         run_dir=cfg.run_dir,
         ready=ready,
         start_timeout_s=START_TIMEOUT_S,
         prepare=lambda: prepare(cfg),
     )
+
+
+def programs(cfg: Config) -> list:
+    """The nodes as the region supervisor's programs (services: started before the workers, stopped after them)."""
+    from infra.supervisor import Program
+
+    check_libs()
+    return [Program(node_name(cfg, n.id), tuple(jvm_argv(cfg, "kafka.Kafka", str(BrokerLayout.of(cfg, n.id).properties))),
+                    service=True) for n in cfg.broker_nodes]
+
+
+def quorum_leader(cfg: Config) -> int | None:
+    """The KRaft quorum's leader (the active controller) as the nodes' own ``quorum-state`` files say: the leader
+    of the highest epoch any node recorded (None: no node knows one). Files only: cheap, no request."""
+    best: tuple[int, int] | None = None  # (epoch, leader)
+    for node in cfg.broker_nodes:
+        path = BrokerLayout.of(cfg, node.id).data / "__cluster_metadata-0" / "quorum-state"
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        leader, epoch = doc.get("leaderId", -1), doc.get("leaderEpoch", -1)
+        if leader is not None and leader >= 0 and (best is None or epoch > best[0]):
+            best = (epoch, leader)
+    return best[1] if best else None

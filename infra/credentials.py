@@ -34,8 +34,21 @@ the directory 0700, every file 0600, written whole and renamed into place):
     redis.json   {"users": {"operator": {"username": "operator", "password": "..."}, ...}}
     redis.acl    the embedded redis-server's ACL file: the same users, passwords as SHA-256 hashes
     kcat.conf    the operator's librdkafka settings (PLAIN), for tools: ``kcat -F <secrets>/kcat.conf -b ... -L``
+    kafka-tools.properties  the operator's Java client settings, for Kafka's own tools (infra/kafka/bin/):
+                 ``kafka-consumer-groups --command-config <secrets>/kafka-tools.properties ...``
     users.yaml   the API's users: token hashes, roles per entitlement (processors/api/users.py)
     token        the local region administrator's API token, read by the CLI
+    <principal>.json  ONE principal's credentials, all a worker of that principal reads (``principal_file``):
+                 {"principal": "scheduler", "kafka": {"security_protocol", "mechanism", "ssl_ca", "username",
+                  "password"} | null, "redis": {"username", "password"} | null}   (null: no SASL / no Redis user)
+
+**Each worker reads its own principal's file alone.** ``kafka.json`` and ``redis.json`` hold every principal's
+password (and the broker's, a super user): they are the operator's, on the host that runs ``up``. ``ensure`` (and
+``up``, ``write_principal_files``) derives one file per principal from them, and a process that authenticates as
+a principal with such a file reads that file and nothing else of the directory. So a worker on another machine
+needs one file: ``scp .run/secrets/scheduler.json host:<its secrets dir>/`` (README, "A region on several
+machines"). A principal without its file falls back to ``kafka.json`` / ``redis.json`` (a directory written by hand
+for an external cluster, or by an older Ropewalk: ``up`` writes the files).
 
 ``ensure(cfg)`` (run by ``ropewalk up`` and the test session) creates what is missing with random passwords
 (``secrets.token_urlsafe``, 192 bits) and keeps what exists, so a region keeps its credentials across ``down`` /
@@ -93,7 +106,9 @@ DEFAULT_MECHANISM = "SCRAM-SHA-256"
 SCRAM_ITERATIONS = 4096  # Kafka's minimum for SCRAM-SHA-256, and what its tools use by default
 
 KAFKA_FILE = "kafka.json"
+PRINCIPAL_FILE = "{principal}.json"  # one principal's own credentials (principal_file)
 KCAT_FILE = "kcat.conf"
+JAVA_TOOLS_FILE = "kafka-tools.properties"
 REDIS_FILE = "redis.json"
 REDIS_ACL_FILE = "redis.acl"
 
@@ -170,6 +185,7 @@ def ensure(secrets_dir: Path, *, kafka: bool = True, redis: bool = True) -> dict
         # PLAIN, not SCRAM: Debian's kcat links librdkafka 2.0.2, whose SCRAM Kafka 4 refuses (infra/broker.py).
         operator = {**librdkafka_conf(kafka_credentials(secrets_dir, OPERATOR)), "sasl.mechanism": "PLAIN"}
         write_private(secrets_dir / KCAT_FILE, "".join(f"{k}={v}\n" for k, v in operator.items()))
+        write_private(secrets_dir / JAVA_TOOLS_FILE, java_client_properties(kafka_credentials(secrets_dir, OPERATOR)))
         added[KAFKA_FILE] = new
     if redis:
         path = secrets_dir / REDIS_FILE
@@ -182,14 +198,80 @@ def ensure(secrets_dir: Path, *, kafka: bool = True, redis: bool = True) -> dict
             write_private(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
         write_private(secrets_dir / REDIS_ACL_FILE, redis_acl_file(users))
         added[REDIS_FILE] = new
+    write_principal_files(secrets_dir)
     return added
+
+
+# -- one principal's file --------------------------------------------------------------------------------------
+
+def principal_file(secrets_dir: Path, principal: str) -> Path:
+    """Where ``principal``'s own credentials are (``<secrets>/<principal>.json``)."""
+    return Path(secrets_dir) / PRINCIPAL_FILE.format(principal=principal)
+
+
+def principal_doc(principal: str, kafka: Mapping[str, Any] | None, redis_users: Mapping[str, Any] | None) -> dict:
+    """The content of ``principal``'s own file from the operator's ``kafka.json`` and ``redis.json`` documents
+    (None: no such file). Pure."""
+    who = (kafka.get("principals") or {}).get(principal) if kafka is not None else None
+    kafka_part = None if who is None else {
+        "security_protocol": kafka.get("security_protocol") or DEFAULT_PROTOCOL,
+        "mechanism": kafka.get("mechanism") or DEFAULT_MECHANISM, "ssl_ca": kafka.get("ssl_ca"),
+        "username": who["username"], "password": who["password"]}
+    user = (redis_users.get("users") or {}).get(redis_user(principal)) if redis_users is not None else None
+    redis_part = None if user is None else {"username": user.get("username") or redis_user(principal),
+                                            "password": user["password"]}
+    return {"principal": principal, "kafka": kafka_part, "redis": redis_part}
+
+
+def write_principal_files(secrets_dir: Path) -> list[str]:
+    """One file per principal (``principal_file``) from ``kafka.json`` and ``redis.json``, rewritten when it
+    differs (a password changed by hand); nothing when neither exists. Returns the principals written."""
+    secrets_dir = Path(secrets_dir)
+    kafka, redis_users = read_json(secrets_dir / KAFKA_FILE), read_json(secrets_dir / REDIS_FILE)
+    if kafka is None and redis_users is None:
+        return []
+    written = []
+    for principal in PRINCIPALS:
+        text = json.dumps(principal_doc(principal, kafka, redis_users), indent=1, sort_keys=True) + "\n"
+        path = principal_file(secrets_dir, principal)
+        try:
+            same = path.read_text() == text
+        except OSError:
+            same = False
+        if not same:
+            write_private(path, text)
+            written.append(principal)
+    return written
+
+
+def _own(secrets_dir: Path, principal: str) -> dict | None:
+    """``principal``'s own file, if it has one (a file without the expected shape is an error naming it)."""
+    path = principal_file(secrets_dir, principal)
+    doc = read_json(path)
+    if doc is None:
+        return None
+    if doc.get("principal") != principal or not {"kafka", "redis"} <= doc.keys():
+        raise CredentialsError(f"{path} is not the credentials file of principal {principal!r} "
+                               f"(expected {{\"principal\": \"{principal}\", \"kafka\": ..., \"redis\": ...}})")
+    return doc
 
 
 # -- Kafka -----------------------------------------------------------------------------------------------------
 
 def kafka_credentials(secrets_dir: Path, principal: str) -> KafkaCredentials | None:
-    """The credentials ``principal`` connects with, from ``kafka.json``; None when there is no such file (no SASL).
-    A file that lacks the principal is an error naming it."""
+    """The credentials ``principal`` connects with: from its own file (``principal_file``) when it has one, else
+    from ``kafka.json``; None when neither says (no SASL). A ``kafka.json`` that lacks the principal is an error
+    naming it."""
+    own = _own(secrets_dir, principal) if principal != BROKER_USER else None
+    if own is not None:
+        k = own["kafka"]
+        if k is None:
+            return None
+        if not k.get("username") or k.get("password") is None:
+            raise CredentialsError(f"{principal_file(secrets_dir, principal)}: kafka needs a username and a password")
+        return KafkaCredentials(security_protocol=k.get("security_protocol") or DEFAULT_PROTOCOL,
+                                mechanism=k.get("mechanism") or DEFAULT_MECHANISM, username=k["username"],
+                                password=k["password"], ssl_ca=k.get("ssl_ca"))
     path = Path(secrets_dir) / KAFKA_FILE
     doc = read_json(path)
     if doc is None:
@@ -220,6 +302,21 @@ def librdkafka_conf(creds: KafkaCredentials | None) -> dict[str, Any]:
     if creds.ssl_ca:
         conf["ssl.ca.location"] = creds.ssl_ca
     return conf
+
+
+def java_client_properties(creds: KafkaCredentials | None) -> str:
+    """A Java Kafka client's properties for ``creds`` (Kafka's own tools: ``--command-config``). Pure."""
+    if creds is None:
+        return ""
+    module = ("org.apache.kafka.common.security.plain.PlainLoginModule" if creds.mechanism == "PLAIN"
+              else "org.apache.kafka.common.security.scram.ScramLoginModule")
+    quoted = {k: v.replace("\\", "\\\\").replace('"', '\\"') for k, v in
+              (("username", creds.username), ("password", creds.password))}
+    lines = [f"security.protocol={creds.security_protocol}", f"sasl.mechanism={creds.mechanism}",
+             f'sasl.jaas.config={module} required username="{quoted["username"]}" password="{quoted["password"]}";']
+    if creds.ssl_ca:
+        lines += ["ssl.truststore.type=PEM", f"ssl.truststore.location={creds.ssl_ca}"]
+    return "\n".join(lines) + "\n"
 
 
 def aiokafka_kwargs_of(creds: KafkaCredentials | None) -> dict[str, Any]:
@@ -253,10 +350,17 @@ def redis_user(principal: str) -> str:
 
 
 def redis_auth(secrets_dir: Path, principal: str, *, read_only: bool = False) -> dict[str, str]:
-    """``username``/``password`` for redis-py as ``principal``'s Redis user (``read_only``: the read-only user);
-    empty without ``redis.json``."""
+    """``username``/``password`` for redis-py as ``principal``'s Redis user (``read_only``: the read-only user):
+    from its own file when it has one (and it is that user), else from ``redis.json``; empty without either."""
+    own = _own(secrets_dir, principal)
+    if own is not None and (not read_only or redis_user(principal) == REDIS_READER):
+        r = own["redis"]
+        return {} if r is None else {"username": r.get("username") or redis_user(principal), "password": r["password"]}
     path = Path(secrets_dir) / REDIS_FILE
     doc = read_json(path)
+    if doc is None and own is not None and own["redis"] is not None:  # read_only asked of a file that is not it
+        raise CredentialsError(f"{principal_file(secrets_dir, principal)} holds Redis user "
+                               f"{redis_user(principal)!r}, not the read-only one, and there is no {path}")
     if doc is None:
         return {}
     user = REDIS_READER if read_only else redis_user(principal)

@@ -54,6 +54,26 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def free_port_block(n: int) -> int:
+    """The first of ``n`` consecutive ports no process listens on, in ``SERVICE_PORTS``: an embedded cluster of k
+    broker nodes takes 2k of them (``ROPEWALK_BROKER_PORT`` the first, ``ROPEWALK_CONTROLLER_PORT`` the second;
+    infra/config.broker_nodes)."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(SERVICE_PORTS.start, SERVICE_PORTS.stop - n)
+        if all(_bindable(p) and not port_open(p) for p in range(base, base + n)):
+            return base
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 # A Kafka broker holds one open file per partition (its active segment; measured: 96 + 1 per partition), so a
 # soft limit of 1,024 or 4,096 ends a broker with a few thousand partitions ("Too many open files"). Children
 # get the hard limit, up to this.
@@ -125,6 +145,7 @@ class ManagedProcess:
     env: dict[str, str] | None = None  # the child's environment (default: inherited)
     extra_ports: tuple[tuple[int, str], ...] = ()  # other (port, variable that sets it) it listens on
     prepare: Callable[[], None] | None = None  # run before each start (e.g. write config, format data)
+    port_var: str | None = None  # the variable that sets ``port`` (default ROPEWALK_<NAME>_PORT)
 
     @property
     def pid_file(self) -> Path:
@@ -157,7 +178,7 @@ class ManagedProcess:
         not ours, or the binary is missing. A no-op when the process already runs."""
         if self.pid() is not None:
             return
-        for port, var in ((self.port, f"ROPEWALK_{self.name.upper()}_PORT"),
+        for port, var in ((self.port, self.port_var or f"ROPEWALK_{self.name.upper()}_PORT"),
                           *self.extra_ports):
             if port is not None and port_open(port):
                 raise InfraError(f"{self.name}: port {port} is taken by another process; stop it or set {var} "

@@ -1,14 +1,20 @@
-"""The two services of a local region: the embedded broker (Apache Kafka, infra/broker.py) and a private
-redis-server, both keeping their data under the run directory.
+"""The two services of a local region: the embedded broker (Apache Kafka, infra/broker.py: one node, or a cluster
+of ``ROPEWALK_BROKERS`` nodes) and a private redis-server, both keeping their data under the run directory.
 
 `up()` starts whichever of them the configuration says Ropewalk runs itself (see infra/config.py),
 `down()` stops them, `status()` reports them. Pointing ROPEWALK_BOOTSTRAP_SERVERS / ROPEWALK_REDIS_URL at
 real services makes these no-ops for that service; status then only probes the endpoint.
 
-The redis-server runs under the region's supervisor (infra/supervisor.py), like the control plane's workers: one
-that dies is started again on its append-only file, and the allocator notices an index it lost and writes it
-again (processors/allocator/README.md). `down()` stops the supervisor, and with it every worker and the
-redis-server, then the broker.
+Both run under the region's supervisor (infra/supervisor.py), like the control plane's workers, as its services
+(started before the workers, stopped after them). A redis-server that dies is started again on its append-only
+file, and the allocator notices an index it lost and writes it again (processors/allocator/README.md). A broker
+node that dies is started again on its data directory: on a cluster the others went on meanwhile (they hold every
+partition's in-sync replicas), and the node catches up from them and rejoins the in-sync replicas; on one node
+the region waits for it (clients retry), as it waited for a broker `up` started again before the broker was
+supervised. Why supervised, rather than started once by `up`: the supervisor is the one thing in the region that
+restarts what dies, with a backoff and a record of each restart that `ropewalk status` shows; a broker is one
+more such program (its configuration and formatted data directory written by `up` first, as the redis-server's
+ACL file is). `down()` stops the supervisor: every worker, then the services.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import time
 
 from infra import broker as embedded_kafka
 from infra import supervisor
-from infra.config import Config
+from infra.config import BrokerNode, Config
 from infra.process import InfraError, ManagedProcess, port_open
 
 
@@ -54,17 +60,105 @@ def redis_ready(cfg: Config) -> bool:
         return False
 
 
-def broker(cfg: Config) -> ManagedProcess:
+def broker(cfg: Config, node: BrokerNode | None = None) -> ManagedProcess:
+    """Node ``node`` of the embedded broker (default: the first) as a process of its own, unsupervised (``up`` runs
+    the nodes under the supervisor; a test that stops a broker itself starts it with ``start_broker``)."""
     # Ready once it answers its own user: the principals' SCRAM users may not exist yet (ensure_users makes them).
-    return embedded_kafka.broker(cfg, ready=lambda: broker_ready(cfg, embedded_kafka.admin_conf(cfg)))
+    return embedded_kafka.broker(cfg, ready=lambda: broker_ready(cfg, embedded_kafka.admin_conf(cfg)), node=node)
 
 
 def start_broker(cfg: Config) -> dict:
-    """Start the embedded broker (unless it runs) and make every principal's SCRAM user (a data directory from before
-    SASL gets them now). Idempotent."""
+    """Start the embedded broker of one node (unless it runs) as a process of its own, not supervised, and make every
+    principal's SCRAM user. Idempotent. (For a test that stops and starts the broker itself; ``up`` supervises.)"""
     st = broker(cfg).start()
     embedded_kafka.ensure_users(cfg)
     return st
+
+
+def cluster_ready(cfg: Config) -> bool:
+    """Every node of the embedded cluster is in the cluster's metadata (registered, not fenced) and every partition
+    has a leader, as the broker's own user sees it."""
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        md = AdminClient({**embedded_kafka.admin_conf(cfg), "log_level": 0}).list_topics(timeout=2)
+    except Exception:  # noqa: BLE001 - any failure to list the topics: not ready
+        return False
+    return (set(md.brokers) == {n.id for n in cfg.broker_nodes}
+            and all(t.error is None and all(p.leader >= 0 and p.error is None for p in t.partitions.values())
+                    for t in md.topics.values()))
+
+
+def start_brokers(cfg: Config) -> dict:
+    """Have the supervisor run every node of the embedded broker (unless it does), wait until the cluster is ready
+    (``cluster_ready``) and make every principal's SCRAM user. Idempotent: nodes that run are left as they are.
+    Returns the cluster's status, ``started`` if a node was started."""
+    nodes = {n.id: broker(cfg, n) for n in cfg.broker_nodes}
+    was = {i: p.pid() for i, p in nodes.items()}
+    if any(pid is None for pid in was.values()):
+        embedded_kafka.prepare(cfg)  # configurations, data formatted: on disk for the supervisor's restarts too
+    supervisor.ensure(cfg.run_dir, embedded_kafka.programs(cfg))
+    deadline = time.monotonic() + embedded_kafka.START_TIMEOUT_S
+    while True:
+        up = all(p.pid() is not None and port_open(p.port) for p in nodes.values())
+        if up and cluster_ready(cfg):
+            break
+        if time.monotonic() > deadline:
+            down = [p for p in nodes.values() if p.pid() is None or not port_open(p.port)]
+            raise InfraError(f"broker: not ready after {embedded_kafka.START_TIMEOUT_S:.0f}s: "
+                             + ("; ".join(f"{p.name}: {p._log_tail()}" for p in down) if down
+                                else "a node is not in the cluster, or a partition has no leader"))
+        time.sleep(0.1)
+    embedded_kafka.ensure_users(cfg)
+    started = any(was[i] is None or was[i] != p.pid() for i, p in nodes.items())
+    return {**broker_status(cfg), "started": started}
+
+
+def broker_status(cfg: Config) -> dict:
+    """The embedded broker as one service (the first node's process; ``nodes``: each node's)."""
+    nodes = {embedded_kafka.node_name(cfg, n.id): _by_pid(embedded_kafka.node_name(cfg, n.id), cfg).status()
+             for n in cfg.broker_nodes}
+    first = next(iter(nodes.values()))
+    return {**first, "name": "broker", "nodes": nodes, "pid": first["pid"] if cfg.brokers == 1 else None,
+            "running": all(st["running"] for st in nodes.values())}
+
+
+def broker_text(cfg: Config, st: dict) -> str:
+    """What `ropewalk up` says of the embedded broker it started (``st``: ``start_brokers``)."""
+    layout = embedded_kafka.BrokerLayout
+    if cfg.brokers == 1:
+        return f"embedded Apache Kafka, pid {st.get('pid')}, data in {layout.of(cfg).data}"
+    nodes = ", ".join(f"{name} pid {n.get('pid')}" for name, n in st.get("nodes", {}).items())
+    return (f"embedded Apache Kafka, a cluster of {cfg.brokers} nodes ({nodes}), data in "
+            f"{layout.of(cfg, 1).root.parent}/{embedded_kafka.NAME}-*/data")
+
+
+def cluster_state(cfg: Config) -> dict:
+    """The embedded cluster as its metadata shows it (the broker's own user): the nodes in it, partitions without a
+    leader, ``under_replicated`` ("topic[partition]" whose in-sync replicas are fewer than its replicas) and, per
+    node, the partitions it holds a replica of that it is not in sync for (``out_of_sync``); the quorum's leader
+    (``controller``, ``broker.quorum_leader``). ``error`` when the cluster does not answer."""
+    from confluent_kafka.admin import AdminClient
+
+    out: dict = {"controller": embedded_kafka.quorum_leader(cfg), "nodes": [], "partitions": 0, "leaderless": [],
+                 "under_replicated": [], "out_of_sync": {n.id: [] for n in cfg.broker_nodes}, "error": None}
+    try:
+        md = AdminClient({**embedded_kafka.admin_conf(cfg), "log_level": 0}).list_topics(timeout=5)
+    except Exception as exc:  # noqa: BLE001 - no answer: said so
+        out["error"] = str(exc)
+        return out
+    out["nodes"] = sorted(md.brokers)
+    for name, t in sorted(md.topics.items()):
+        for p in t.partitions.values():
+            out["partitions"] += 1
+            where = f"{name}[{p.id}]"
+            if p.leader < 0:
+                out["leaderless"].append(where)
+            if len(p.isrs) < len(p.replicas):
+                out["under_replicated"].append(where)
+                for r in set(p.replicas) - set(p.isrs):
+                    out["out_of_sync"].setdefault(r, []).append(where)
+    return out
 
 
 def redis_server(cfg: Config) -> ManagedProcess:
@@ -91,14 +185,16 @@ def redis_server(cfg: Config) -> ManagedProcess:
 
 
 def up(cfg: Config) -> dict:
-    # Every embedded service is checked (binary there, port free) before any is started, so a failure
-    # leaves nothing half-started behind.
-    procs = {name: make(cfg) for name, make, embedded in (("broker", broker, cfg.embedded_broker),
-                                                          ("redis", redis_server, cfg.embedded_redis)) if embedded}
-    for proc in procs.values():
+    # Every embedded service is checked (binary there, ports free, the run directory's cluster the one asked for)
+    # before any is started, so a failure leaves nothing half-started behind.
+    if cfg.embedded_broker:
+        embedded_kafka.check_held(cfg)
+    procs = ([broker(cfg, n) for n in cfg.broker_nodes] if cfg.embedded_broker else []) + \
+        ([redis_server(cfg)] if cfg.embedded_redis else [])
+    for proc in procs:
         proc.check_can_start()
-    start = {"broker": lambda p: start_broker(cfg), "redis": lambda p: start_supervised(p, cfg)}
-    out = {name: start[name](procs[name]) if name in procs else _external(name, cfg) for name in ("broker", "redis")}
+    out = {"broker": start_brokers(cfg) if cfg.embedded_broker else _external("broker", cfg),
+           "redis": start_supervised(procs[-1], cfg) if cfg.embedded_redis else _external("redis", cfg)}
     for name, st in out.items():
         if not st.get("ready", True):
             raise InfraError(f"{name}: {st['endpoint']} does not answer")
@@ -121,23 +217,31 @@ def start_supervised(proc: ManagedProcess, cfg: Config) -> dict:
 
 
 def down(cfg: Config) -> dict:
-    """Stop the supervisor (every control-plane worker, then redis-server) and the broker. Idempotent. Returns
-    {name: {"stopped": bool, ...}} for each program of the supervisor, and the embedded services."""
+    """Stop the supervisor (every control-plane worker, then redis-server and the broker's nodes). Idempotent.
+    Returns {name: {"stopped": bool, ...}} for each program of the supervisor, and the embedded services."""
     out = {n: st for n, st in supervisor.stop(cfg.run_dir).items() if n != supervisor.NAME}
-    # Stop what we started even if the binary has since gone missing: only the pid file matters.
-    if cfg.embedded_broker:
-        out["broker"] = _by_pid("broker", cfg).stop()
-    if cfg.embedded_redis and not out.get("redis", {}).get("stopped"):
-        out["redis"] = _by_pid("redis", cfg).stop()  # one started before the supervisor existed
+    # One started before the supervisor ran it (or alone: start_broker): by its pid file, even if the binary has
+    # since gone missing.
+    names = (embedded_kafka.node_names(cfg) if cfg.embedded_broker else []) + (["redis"] if cfg.embedded_redis else [])
+    for name in names:
+        if not out.get(name, {}).get("stopped"):
+            out[name] = _by_pid(name, cfg).stop()
     return out
 
 
 def status(cfg: Config) -> dict:
+    """Each embedded service or the external endpoint: running, ready, endpoint. A cluster of several nodes is the
+    service ``broker`` (ready: every node in the cluster, every partition led, and this principal answered) and one
+    entry per node (ready: its process runs and it is in the cluster), with a ``detail`` line each."""
     out = {}
+    if cfg.embedded_broker and cfg.brokers > 1:
+        out.update(_cluster_status(cfg))
     for name, embedded, ready, endpoint in (
-        ("broker", cfg.embedded_broker, lambda: broker_ready(cfg), cfg.bootstrap_servers),
+        ("broker", cfg.embedded_broker and cfg.brokers == 1, lambda: broker_ready(cfg), cfg.bootstrap_servers),
         ("redis", cfg.embedded_redis, lambda: redis_ready(cfg), cfg.redis_url),
     ):
+        if name in out:
+            continue
         if embedded:
             st = _by_pid(name, cfg).status()
             st["ready"] = st["accepting"] and ready()
@@ -146,17 +250,47 @@ def status(cfg: Config) -> dict:
         st["endpoint"] = endpoint
         st["embedded"] = embedded
         out[name] = st
+    return {"broker": out.pop("broker"), **out}
+
+
+def _cluster_status(cfg: Config) -> dict:
+    nodes = broker_status(cfg)["nodes"]
+    state = cluster_state(cfg) if any(st["running"] for st in nodes.values()) else None
+    in_cluster = set(state["nodes"]) if state else set()
+    ok = bool(state) and not state["error"] and not state["leaderless"] and in_cluster == {
+        n.id for n in cfg.broker_nodes}
+    leader = state["controller"] if state else None
+    cluster = {"name": "broker", "embedded": True, "endpoint": cfg.bootstrap_servers, "brokers": cfg.brokers,
+               "running": all(st["running"] for st in nodes.values()), "ready": ok and broker_ready(cfg),
+               "cluster": state,
+               "detail": (f"{len(in_cluster)} of {cfg.brokers} nodes in the cluster, controller "
+                          f"{embedded_kafka.node_name(cfg, leader) if leader else 'unknown'}, "
+                          f"{len(state['under_replicated'])} of {state['partitions']} partitions under-replicated"
+                          + (f", {len(state['leaderless'])} without a leader" if state['leaderless'] else "")
+                          if state and not state["error"] else "the cluster does not answer")}
+    out = {"broker": cluster}
+    for node in cfg.broker_nodes:
+        name = embedded_kafka.node_name(cfg, node.id)
+        st = nodes[name]
+        behind = state["out_of_sync"].get(node.id, []) if state else []
+        st.update(embedded=True, endpoint=f"127.0.0.1:{node.port}",
+                  ready=st["running"] and st["accepting"] and node.id in in_cluster,
+                  controller=leader == node.id, out_of_sync=behind,
+                  detail=", ".join(x for x in ("controller" if leader == node.id else "",
+                                               f"{len(behind)} replicas out of sync" if behind else "") if x))
+        out[name] = st
     return out
 
 
 def running(cfg: Config) -> dict[str, dict]:
-    """The embedded services' processes: running or not, pid, log file (no protocol probe: cheap)."""
-    return {name: _by_pid(name, cfg).status() for name, embedded in (("broker", cfg.embedded_broker),
-                                                                    ("redis", cfg.embedded_redis)) if embedded}
+    """The embedded services' processes (each broker node): running or not, pid, log file (no protocol probe)."""
+    names = (embedded_kafka.node_names(cfg) if cfg.embedded_broker else []) + (["redis"] if cfg.embedded_redis else [])
+    return {name: _by_pid(name, cfg).status() for name in names}
 
 
 def _by_pid(name: str, cfg: Config) -> ManagedProcess:
-    port = cfg.broker_port if name == "broker" else cfg.redis_port
+    ports = {embedded_kafka.node_name(cfg, n.id): n.port for n in cfg.broker_nodes}
+    port = ports.get(name, cfg.broker_port) if name.startswith(embedded_kafka.NAME) else cfg.redis_port
     return ManagedProcess(name=name, argv=[name], port=port, run_dir=cfg.run_dir, ready=lambda: True)
 
 

@@ -5,7 +5,8 @@ exit and restart.
     python -m infra.supervisor --run-dir DIR      # started by `ropewalk up` (``ensure``); stopped by `down` (``stop``)
 
 ```
- `ropewalk up` ──writes──► supervisor.programs.json ──(start, or SIGHUP: add the new ones)──► supervisor
+ `ropewalk up` ──writes──► supervisor.programs.json ──(start, or SIGHUP: add the new ones, ──► supervisor
+                                                       retire those no longer listed)
                            [{name, argv, env, service}]                                          │ fork/exec each,
                                                                                                  │ own session
    child exits (any cause: kill -9, a crash, exit 0) ◄── waitpid ────────────────────────────────┘
@@ -35,7 +36,8 @@ with no supervisor left.
 Files under the run directory::
 
     supervisor.pid / supervisor.log     the supervisor itself (a ManagedProcess: ``ensure`` starts it)
-    supervisor.programs.json            what to run, in start order (``write_programs``)
+    supervisor.programs.json            what to run, in start order (``write_programs``; ``retire`` takes programs
+                                        out: the supervisor stops them for good)
     supervisor.state.json               per program: state, pid, start time, restarts, last exit; rewritten
                                         atomically on every change
     supervisor.restarts.jsonl           one line per restart: program, old pid, how it ended, uptime, delay
@@ -155,6 +157,7 @@ class Supervisor:
         self._stopping = False
         self._reload = True
         self._previous = read_state(self.run_dir) or {}  # a former supervisor's record: its programs' start times
+        self.retiring: dict[str, float] = {}  # program no longer listed -> when it is killed (monotonic) if still up
 
     # -- files ---------------------------------------------------------------------------------------------
     def load_programs(self) -> list[Program]:
@@ -174,12 +177,19 @@ class Supervisor:
     # -- programs ------------------------------------------------------------------------------------------
     def reload(self) -> None:
         """Take the programs file: programs new to it are started (in file order); running ones are left as they
-        are (a second `up` changes nothing that runs)."""
+        are (a second `up` changes nothing that runs); programs no longer in it are retired (``retire``: `up` with
+        fewer scheduler shards or allocators)."""
         self._reload = False
-        for prog in self.load_programs():
-            if prog.name in self.programs:
+        listed = self.load_programs()
+        for name in [n for n in self.programs if n not in {p.name for p in listed} and n not in self.retiring]:
+            self.retire(name)
+        for prog in listed:
+            if prog.name in self.programs:  # running (or retiring: listed again, it starts anew once it stopped)
                 continue
             self.programs[prog.name] = prog
+            from infra.metrics import WORKER_RESTARTS
+
+            WORKER_RESTARTS.labels(worker=prog.name)  # a zero series: increase() sees the first restart
             st = self.states[prog.name] = ProgramState()
             _stop_orphan(self._pid_file(prog.name), self._recorded_start_time(prog.name), self.stop_timeout_s)
             self.start(prog.name, st)
@@ -206,11 +216,42 @@ class Supervisor:
         self._pid_file(name).write_text(str(proc.pid))
         log.info("%s: started, pid %d%s", name, proc.pid, f" (restart {st.restarts})" if st.restarts else "")
 
+    def retire(self, name: str) -> None:
+        """Stop a program for good (no longer in the programs file): TERM to its group now, KILL after
+        ``stop_timeout_s``; once it exited it is forgotten, not restarted. One waiting for its restart goes at once."""
+        st = self.states[name]
+        if st.pid is None:
+            self._forget(name)
+            return
+        log.info("%s: retired (no longer in %s): stopping pid %d", name, PROGRAMS_FILE, st.pid)
+        signal_group(st.pid, signal.SIGTERM)
+        self.retiring[name] = time.monotonic() + self.stop_timeout_s
+
+    def _forget(self, name: str) -> None:
+        self.programs.pop(name, None)
+        self.states.pop(name, None)
+        self.retiring.pop(name, None)
+        self._pid_file(name).unlink(missing_ok=True)
+        log.info("%s: retired", name)
+
+    def kill_overdue(self) -> None:
+        """A retired program still running ``stop_timeout_s`` after its TERM: KILL."""
+        for name, at in list(self.retiring.items()):
+            pid = self.states[name].pid
+            if pid is not None and time.monotonic() >= at:
+                log.warning("%s: pid %d did not stop in %.0f s: killed", name, pid, self.stop_timeout_s)
+                signal_group(pid, signal.SIGKILL)
+                self.retiring[name] = float("inf")
+
     def _exited(self, name: str, st: ProgramState, pid: int | None, how: dict) -> None:
         uptime = (now_ms() - st.started_ms) / 1000 if st.started_ms and pid is not None else 0.0
         st.last_exit = {**how, "at_ms": now_ms(), "uptime_s": round(uptime, 3)}
         st.pid = st.start_time = None
         self._pid_file(name).unlink(missing_ok=True)
+        if name in self.retiring:
+            self._forget(name)
+            self._reload = self._reload or name in {p.name for p in self.load_programs()}  # listed again meanwhile
+            return
         if self._stopping:
             st.state = STOPPED
             return
@@ -253,7 +294,7 @@ class Supervisor:
         signal.signal(signal.SIGHUP, self._on_hup)
         from infra import metrics
 
-        metrics.serve(self.run_dir, NAME)  # ropewalk_worker_restarts_total
+        metrics.serve(self.run_dir, NAME, (metrics.WORKER_RESTARTS,))  # ropewalk_worker_restarts_total
         while not self._stopping:
             changed = False
             if self._reload:
@@ -261,6 +302,7 @@ class Supervisor:
                 changed = True
             changed |= self.reap()
             changed |= self.start_due()
+            self.kill_overdue()
             if changed:
                 self.save_state()
             time.sleep(TICK_S)
@@ -396,6 +438,36 @@ def ensure(run_dir: Path, programs: Sequence[Program], env: Mapping[str, str] | 
             raise InfraError(f"supervisor: exited: {sup._log_tail()}")
         time.sleep(0.05)
     raise InfraError(f"supervisor: {', '.join(names)} not started after {timeout_s:.0f} s: {sup._log_tail()}")
+
+
+def retire(run_dir: Path, names: Sequence[str], timeout_s: float = STOP_TIMEOUT_S + 10.0) -> dict[str, bool]:
+    """Stop these programs for good: take them out of the programs file, tell the supervisor (SIGHUP), and wait
+    until each has stopped (``timeout_s`` in all). Returns {name: stopped}."""
+    run_dir = Path(run_dir)
+    path = run_dir / PROGRAMS_FILE
+    gone = set(names)
+    try:
+        current = [Program.from_json(d) for d in json.loads(path.read_text())]
+    except (OSError, ValueError):
+        current = []
+    before = {n: s for n, s in programs_state(run_dir).items() if n in gone}
+    _write_atomic(path, json.dumps([p.to_json() for p in current if p.name not in gone], indent=1))
+    pid = process(run_dir).pid()
+    if pid is not None:
+        os.kill(pid, signal.SIGHUP)
+    else:  # no supervisor to tell: stop what a dead one left running (by pid file and recorded start time)
+        for name in names:
+            _stop_orphan(run_dir / f"{name}.pid", (before.get(name) or {}).get("start_time"), STOP_TIMEOUT_S)
+    deadline = time.monotonic() + timeout_s
+    out = {}
+    for name in names:
+        st = before.get(name) or {}
+        victim, start_time = st.get("pid"), st.get("start_time")
+        while (victim is not None and pid_alive(victim) and process_start_time(victim) == start_time
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        out[name] = victim is None or not pid_alive(victim) or process_start_time(victim) != start_time
+    return out
 
 
 def programs_state(run_dir: Path) -> dict[str, dict]:

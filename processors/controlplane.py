@@ -1,5 +1,6 @@
 """The control plane of a local region as managed processes: Resource Broker (registers a generated region),
-Health Check Service, allocator, one scheduler shard, the ReBalancer and Sidekick, the Job Control Plane, the SRM
+Health Check Service, allocators (``allocator-0..M-1``), scheduler shards (``scheduler-0..N-1``), the ReBalancer and
+Sidekick, the Job Control Plane, the SRM
 autoscaler and the Resource Broker's lender of elastic loans (``UPPER``: Twine's upper floors, each folding the
 region's log as the allocator does), simulated agents for every generated machine, and one
 real process agent for the region's ``local`` machine (``LOCAL_MACHINE_ID``, type ``process``, in a DC of its
@@ -10,6 +11,13 @@ supervisor (infra/supervisor.py) run them, after the broker and Redis: a worker 
 after a backoff, and each restart is recorded; `ropewalk status` shows every expected worker with its state and
 restarts; `ropewalk down` stops the supervisor, the workers first. Configuration reaches them through the same
 ROPEWALK_* environment variables (infra/config.py).
+
+**Several of each** (``ropewalk up --schedulers N --allocators M``, ``SCALED``): the scheduler shards are one faust
+consumer group, which splits the partitions among them (a shard that dies hands its partitions to the others); the
+allocators are another, which splits the ``allocations`` partitions (each folds the whole log and decides the
+requests of the partitions it owns; processors/allocator/README.md). A later ``up`` with other counts starts the
+shards it adds and stops (``supervisor.retire``) those it removes, highest index first; an ``up`` without the flags
+keeps the counts that run.
 """
 from __future__ import annotations
 
@@ -28,14 +36,58 @@ from infra.process import ManagedProcess
 HEARTBEAT_INTERVAL_MS = 2000
 HEALTH_TIMEOUT_MS = 10000
 READY_TIMEOUT_S = 90.0
-NAMES = ("resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
-         "sidekick", "jobcontrol", "srm", "loans")
+# Workers run N times, each named ``<kind>-<i>`` (i from 0): kind -> its module. Every other worker runs once.
+SCALED = {"allocator": "processors.allocator.processor", "scheduler": "processors.scheduler.shard"}
+DEFAULT_COUNTS = {"scheduler": 1, "allocator": 1}
+SINGLE = ("resourcebroker", "agents", "agent-local", "health", "api", "rebalancer", "sidekick", "jobcontrol", "srm",
+          "loans")
 UPPER = ("rebalancer", "sidekick", "jobcontrol", "srm", "loans")  # left out of the bench's regions (bench/env.py)
+RENAMED = ("allocator",)  # workers of an older Ropewalk's region, now named otherwise (allocator-0): `up` retires them
 LOCAL_DC = "local"
 LOCAL_MACHINE_TYPE = "process"
 LOCAL_CPU_MILLICORES = 2000
 LOCAL_MEMORY_MIB = 2048
 LOCAL_MACHINE_ID = "local-msb1-r01-m001"  # what region.iter_machines names the one machine of LOCAL_DC
+
+
+def scaled_name(kind: str, i: int) -> str:
+    return f"{kind}-{i}"
+
+
+def kind_of(name: str) -> str | None:
+    """The ``SCALED`` kind of a worker's name (``scheduler-2`` -> ``scheduler``), or None."""
+    kind, _, index = name.rpartition("-")
+    return kind if kind in SCALED and index.isdigit() else None
+
+
+def names(schedulers: int = 1, allocators: int = 1) -> tuple[str, ...]:
+    """The workers of a region of these counts, in start order."""
+    counts = {"scheduler": schedulers, "allocator": allocators}
+    return ("resourcebroker", *(scaled_name("allocator", i) for i in range(counts["allocator"])),
+            *(scaled_name("scheduler", i) for i in range(counts["scheduler"])), *SINGLE[1:])
+
+
+def is_worker(name: str) -> bool:
+    return name in SINGLE or kind_of(name) is not None
+
+
+def check_counts(cfg: Config, schedulers: int, allocators: int) -> None:
+    """A shard or an allocator owns partitions: from 1 to the partitions of the region (``ROPEWALK_PARTITIONS``);
+    ValueError naming the flag otherwise."""
+    for flag, n in (("--schedulers", schedulers), ("--allocators", allocators)):
+        if not 1 <= n <= cfg.partitions:
+            raise ValueError(f"{flag}: expected from 1 to {cfg.partitions} (the partitions of each entitlement-keyed "
+                             f"topic, ROPEWALK_PARTITIONS: each owns at least one), got {n}")
+
+
+def running_counts(cfg: Config) -> dict[str, int]:
+    """How many of each ``SCALED`` kind the supervisor is to run now (its programs file); 0 when none."""
+    out = dict.fromkeys(SCALED, 0)
+    for name in supervisor.expected(cfg.run_dir):
+        kind = kind_of(name)
+        if kind is not None:
+            out[kind] = max(out[kind], int(name.rpartition("-")[2]) + 1)
+    return out
 
 
 def worker_env(cfg: Config) -> dict[str, str]:
@@ -45,6 +97,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
                 "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
                 "ROPEWALK_RUN_DIR": str(cfg.run_dir), "ROPEWALK_SECRETS_DIR": str(cfg.secrets),
                 "ROPEWALK_API_PORT": str(cfg.api_port), "PYTHONUNBUFFERED": "1"})
+    if cfg.replication_factor is not None:  # the replicas of the topics a worker creates (faust's changelogs)
+        env["ROPEWALK_REPLICATION_FACTOR"] = str(cfg.replication_factor)
     return env
 
 
@@ -68,13 +122,12 @@ def local_dc() -> dict:
                                               "memory_mib": LOCAL_MEMORY_MIB}}}
 
 
-def processes(cfg: Config, region: Path | None = None, *, local: bool = True) -> list[ManagedProcess]:
+def processes(cfg: Config, region: Path | None = None, *, local: bool = True, schedulers: int = 1,
+              allocators: int = 1) -> list[ManagedProcess]:
     py = sys.executable
     region_args = ["--region", str(region)] if region else []
     specs = {
         "resourcebroker": ["processors.resourcebroker.processor", *region_args],
-        "allocator": ["processors.allocator.processor"],
-        "scheduler-0": ["processors.scheduler.shard"],
         "agents": ["processors.agent.simulated", *region_args, "--exclude", LOCAL_MACHINE_ID,
                    "--interval-ms", str(HEARTBEAT_INTERVAL_MS), "--state-file", str(simulated_state_file(cfg))],
         "agent-local": ["processors.agent.process", "--machine-id", LOCAL_MACHINE_ID,
@@ -87,8 +140,10 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
         "srm": ["processors.srm.processor"],  # load -> sizing intents
         "loans": ["processors.resourcebroker.lender"],  # elastic loans of the Resource Broker
     }
+    specs.update({scaled_name(kind, i): [module] for kind, module in SCALED.items()
+                  for i in range({"scheduler": schedulers, "allocator": allocators}[kind])})
     out = []
-    for name in NAMES:
+    for name in names(schedulers, allocators):
         if name == "agent-local" and not local:
             continue
         api = name == "api"  # the one worker with a port: ready once it answers /healthz
@@ -99,15 +154,15 @@ def processes(cfg: Config, region: Path | None = None, *, local: bool = True) ->
     return out
 
 
-def programs(cfg: Config, region: Path | None = None, *, local: bool = True,
-             env: dict[str, str] | None = None) -> list[supervisor.Program]:
+def programs(cfg: Config, region: Path | None = None, *, local: bool = True, env: dict[str, str] | None = None,
+             schedulers: int = 1, allocators: int = 1) -> list[supervisor.Program]:
     """The workers as the supervisor's programs: the argv of ``processes``, the ROPEWALK_* configuration (and
     ``env``) as their environment, on top of the supervisor's."""
     env = {**{k: v for k, v in worker_env(cfg).items() if k.startswith("ROPEWALK_") or k == "PYTHONUNBUFFERED"},
            **(env or {})}
     # ROPEWALK_WORKER_NAME: the name a worker serves its metrics under (infra/metrics.serve_worker)
     return [supervisor.Program(p.name, tuple(p.argv), {**env, "ROPEWALK_WORKER_NAME": p.name})
-            for p in processes(cfg, region, local=local)]
+            for p in processes(cfg, region, local=local, schedulers=schedulers, allocators=allocators)]
 
 
 def api_ready(cfg: Config) -> bool:
@@ -146,18 +201,31 @@ def machines_indexed(cfg: Config) -> dict[str, int]:
 
 
 def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
-       env: dict[str, str] | None = None) -> dict:
+       env: dict[str, str] | None = None, schedulers: int | None = None, allocators: int | None = None) -> dict:
     """Have the supervisor run the workers, then wait until the allocator's index holds all ``machines`` (+ the local
     one), whatever their status: a job submitted after ``up`` returns sees the whole region (not just the partitions
     indexed first). ``ready`` in the result says whether that happened within ``ready_timeout_s``; ``machines_indexed``
     how many were seen, ``machines_up`` how many of them are UP; a worker that exited meanwhile (the supervisor
     starts it again) is ``running: False`` with its ``last_exit``. (A Redis that lost the index is written again
     by the allocator itself: it folds the log at start and projects the fold into a Redis that lags it, and it
-    notices a Redis emptied while it runs.)"""
+    notices a Redis emptied while it runs.)
+
+    ``schedulers`` / ``allocators``: how many scheduler shards and allocators (None: as many as run now, else 1);
+    the shards and allocators beyond them that run are stopped for good (``retired`` in the result)."""
+    from infra import metrics
     from processors.allocator.placement import MACHINE_UP
 
+    now = running_counts(cfg)
+    counts = {kind: given if given is not None else (now[kind] or DEFAULT_COUNTS[kind])
+              for kind, given in (("scheduler", schedulers), ("allocator", allocators))}
+    check_counts(cfg, counts["scheduler"], counts["allocator"])
+    extra = [scaled_name(kind, i) for kind in SCALED for i in reversed(range(counts[kind], now[kind]))]
+    extra += [n for n in supervisor.expected(cfg.run_dir) if n in RENAMED]
+    retired = supervisor.retire(cfg.run_dir, extra) if extra else {}
+    for name in retired:
+        metrics.forget(cfg.run_dir, name)
     region = write_region(cfg, machines)
-    progs = programs(cfg, region, env=env)
+    progs = programs(cfg, region, env=env, schedulers=counts["scheduler"], allocators=counts["allocator"])
     before = {n: s.get("restarts", 0) for n, s in supervisor.programs_state(cfg.run_dir).items()}
     first = [p for p in progs if p.name == "resourcebroker"]
     supervisor.ensure(cfg.run_dir, first)
@@ -181,19 +249,32 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
         out[name]["running"] = False
     indexed = sum(seen.values())
     return {"workers": out, "machines_indexed": indexed, "machines_up": seen.get(MACHINE_UP, 0),
-            "machines_by_status": seen, "api_ready": api_ready(cfg),
+            "machines_by_status": seen, "api_ready": api_ready(cfg), "schedulers": counts["scheduler"],
+            "allocators": counts["allocator"], "retired": retired,
             "ready": indexed >= machines + 1 and not exited and api_ready(cfg)}
 
 
 def status(cfg: Config) -> dict:
     """Every worker the supervisor is to run (``up`` said so), with its state (RUNNING, BACKOFF: exited and
     waiting for its restart, STOPPED), pid, restarts and last exit: ``supervisor.programs_state``."""
-    return {n: st for n, st in supervisor.programs_state(cfg.run_dir).items() if n in NAMES}
+    return {n: st for n, st in supervisor.programs_state(cfg.run_dir).items() if is_worker(n)}
 
 
 def worker_pid(cfg: Config, name: str) -> int | None:
     """The pid of a running worker by its pid file (under the supervisor or started alone, as the bench does)."""
     return ManagedProcess(name=name, argv=[name], port=None, run_dir=cfg.run_dir, ready=lambda: True).pid()
+
+
+def known_workers(cfg: Config) -> list[str]:
+    """The workers of this run directory that may run: those of a region of one of each, those the supervisor is to
+    run, and any other with a pid file (started by the bench, or left by a supervisor that died)."""
+    files = {f.stem for f in Path(cfg.run_dir).glob("*.pid") if is_worker(f.stem)}
+    return sorted({*names(), *(n for n in supervisor.expected(cfg.run_dir) if is_worker(n)), *files})
+
+
+def allocator_names(cfg: Config) -> list[str]:
+    """The allocators of ``known_workers``."""
+    return [n for n in known_workers(cfg) if kind_of(n) == "allocator"]
 
 
 def keep_tasks(cfg: Config) -> bool:

@@ -65,7 +65,9 @@ from infra.config import Config
 from streams import groups as consumer_groups
 from streams.clients import DeliveryError, consumer_conf, producer_conf
 from streams.progress import ProgressFn, silent
-from streams.topics import BY_NAME, CATALOGUE, CHANGELOG_CONFIG, Topics, provision, topic_id, wait_until_served
+from streams.retry import watermark_offsets
+from streams.topics import (BY_NAME, CATALOGUE, CHANGELOG_CONFIG, Topics, provision, replication_config,
+                            replication_factor, topic_id, wait_until_served)
 
 FORMAT = "ropewalk-archive/1"
 MANIFEST = "manifest.json"
@@ -286,7 +288,7 @@ def _plan(consumer, cat: Topics, names: list[str], manifest: dict, out_dir: Path
             pstate = tstate["partitions"].setdefault(
                 str(p), {"next_offset": 0, "records": 0, "bytes": 0, "segments": [], "gaps": []})
             _clean_partition_dir(out_dir / name / f"p{p}", pstate["segments"])
-            lo, hi = consumer.get_watermark_offsets(TopicPartition(physical, p), timeout=timeout_s)
+            lo, hi = watermark_offsets(consumer, TopicPartition(physical, p), timeout_s)
             start = pstate["next_offset"]
             if start < lo:  # retention removed records before they could be archived
                 pstate["gaps"].append([start, lo - 1])
@@ -399,8 +401,9 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
     archived = sum(pst["records"] for st in tstates.values() for pst in st["partitions"].values())
     say("creating the topics")
     admin = AdminClient({**cfg.kafka_conf(), "log_level": 3})
-    provision(admin, cat, timeout_s)
-    _create_changelogs(admin, cat, {n: c for n, c in counts.items() if is_changelog(n)}, timeout_s)
+    rf = replication_factor(cfg, admin)  # the region's, as `up` and faust create them (streams/topics.py)
+    provision(admin, cat, timeout_s, replication=rf, conf=cfg.kafka_conf())
+    _create_changelogs(admin, cat, {n: c for n, c in counts.items() if is_changelog(n)}, timeout_s, rf)
     bases = _ends(cfg, cat, counts, timeout_s)  # where each partition's restored records will start
     if not force and (busy := [f"{physical_name(cat, n)}[{p}] (high watermark {hi})"
                                for (n, p), hi in sorted(bases.items()) if hi > 0]):
@@ -522,15 +525,17 @@ def restore_note(cfg: Config) -> dict | None:
     return note if current == note.get("schemas_topic_id") else None
 
 
-def _create_changelogs(admin, cat: Topics, counts: dict[str, int], timeout_s: float) -> None:
-    """Create the changelog topics as faust would (compacted), with Ropewalk's compaction settings."""
+def _create_changelogs(admin, cat: Topics, counts: dict[str, int], timeout_s: float, replication: int = 1) -> None:
+    """Create the changelog topics as faust would (compacted, ``replication`` replicas), with Ropewalk's compaction
+    settings."""
     from confluent_kafka import KafkaError
     from confluent_kafka.admin import NewTopic
 
     if not counts:
         return
-    config = {"cleanup.policy": "compact", **CHANGELOG_CONFIG}
-    futures = admin.create_topics([NewTopic(physical_name(cat, n), c, 1, config=config) for n, c in counts.items()],
+    config = {"cleanup.policy": "compact", **CHANGELOG_CONFIG, **replication_config(replication)}
+    futures = admin.create_topics([NewTopic(physical_name(cat, n), c, replication, config=config)
+                                   for n, c in counts.items()],
                                   operation_timeout=timeout_s)
     for name, fut in futures.items():
         try:
@@ -546,7 +551,7 @@ def _ends(cfg: Config, cat: Topics, counts: dict[str, int], timeout_s: float) ->
     """(logical topic, partition) -> its high watermark on the target broker."""
     c = Consumer(consumer_conf(cfg, None))
     try:
-        return {(name, p): c.get_watermark_offsets(TopicPartition(physical_name(cat, name), p), timeout=timeout_s)[1]
+        return {(name, p): watermark_offsets(c, TopicPartition(physical_name(cat, name), p), timeout_s)[1]
                 for name, n in counts.items() for p in range(n)}
     finally:
         c.close()

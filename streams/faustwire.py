@@ -27,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, AsyncIterator
 
 import faust
+from faust.transport.drivers import aiokafka as faust_kafka
 
 from infra.config import Config
 from streams import schemalog
@@ -38,7 +39,7 @@ from streams.clients import Record, check_placement, header
 from streams.deadletter import DeadLetters
 from streams.events import Event
 from streams.serde import UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
-from streams.topics import Topics
+from streams.topics import Topics, replication_factor
 
 # How long routing one dead letter may wait for the broker's ack before the agent fails loudly.
 DEAD_LETTER_FLUSH_S = 15.0
@@ -63,8 +64,10 @@ def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
         "store": "memory://",
         # Keep faust's data directory under the run directory instead of `<id>-data` in the cwd.
         "datadir": str(Path(cfg.run_dir) / "faust" / "{conf.name}-data"),
-        # Internal topics faust creates (changelogs, group_by repartitions) are co-partitioned with ours.
+        # Internal topics faust creates (changelogs, group_by repartitions) are co-partitioned with ours, and
+        # replicated as ours (streams/topics.py, "Replication"; faust's default is 1 replica).
         "topic_partitions": cfg.partitions,
+        "topic_replication_factor": replication_factor(cfg),
         # The catalogue's topics are created by streams.topics.provision; faust only ever declares
         # *internal* topics (table changelogs, group_by repartition topics, the leader topic). Tables
         # need their changelogs, so declaring stays allowed (True is the default; see make_app).
@@ -101,18 +104,36 @@ def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
     }
 
 
+class IdempotentProducer(faust_kafka.Producer):
+    """faust's aiokafka producer, idempotent (as every confluent producer is: ``streams/clients.producer_conf``).
+    faust turns idempotence on only inside a transaction (``_settings_extra``); without it a send retried after a
+    broker failed over (its leader moved, a request timed out after the leader had written it) could write a record
+    twice. ``acks=all`` goes with it (faust's default too)."""
+
+    def _settings_extra(self) -> Mapping[str, Any]:
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
+
+
+class App(faust.App):
+    """A faust app whose producer is ``IdempotentProducer``."""
+
+    def _new_producer(self) -> Any:
+        return IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+
 def make_app(cfg: Config, app_id: str, **settings: Any) -> faust.App:
     """A faust app for Ropewalk's log; `settings` override `app_settings` (tests lower the timeouts).
 
     Left at faust's defaults on purpose: `producer_partitioner` (aiokafka's murmur2, which is what the
     confluent producers' `murmur2_random` computes, so keyed topics stay co-partitioned across both
-    clients), `producer_acks` (-1 = all), `processing_guarantee` (at_least_once).
+    clients), `producer_acks` (-1 = all), `processing_guarantee` (at_least_once). Its producer is idempotent
+    (``IdempotentProducer``).
     """
     conf = app_settings(cfg, app_id)
     conf.update(settings)
     app_name = conf.pop("id")
     Path(cfg.run_dir, "faust").mkdir(parents=True, exist_ok=True)
-    return faust.App(app_name, **conf)
+    return App(app_name, **conf)
 
 
 def source_topic(app: faust.App, cfg: Config, logical: str, **options: Any) -> faust.TopicT:

@@ -19,6 +19,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from infra.config import Config
+from streams.retry import watermark_offsets
 
 TIMEOUT_S = 15.0
 # Errors of a group's coordinator that a moment cures (a broker that just started loads __consumer_offsets).
@@ -65,7 +66,7 @@ def lag(cfg: Config, group: str, topics: Iterable[str]) -> int:
         done = _committed(c, tps)
         behind = 0
         for tp in tps:
-            low, high = c.get_watermark_offsets(tp, timeout=TIMEOUT_S)
+            low, high = watermark_offsets(c, tp, TIMEOUT_S)
             behind += max(0, high - max(low, done.get((tp.topic, tp.partition), low)))
         return behind
     finally:

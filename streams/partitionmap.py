@@ -211,11 +211,12 @@ class MapFollower:
         from confluent_kafka import Consumer, TopicPartition
 
         from streams.clients import client_id, consumer_conf
+        from streams.retry import watermark_offsets
 
         with self._queries_lock:
             if self._queries is None:
                 self._queries = Consumer(consumer_conf(self.cfg, None, **{"client.id": client_id("partitionmap")}))
-            return self._queries.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout_s)[1]
+            return watermark_offsets(self._queries, TopicPartition(topic, partition), timeout_s)[1]
 
     def partition_of(self, entitlement: str) -> int:
         with self._cond:

@@ -390,6 +390,11 @@ def format_text_doc(doc: Mapping[str, Any]) -> str:
                       doc["entity_id"], doc["payload"])
 
 
+def summary(type_: str, payload: Mapping[str, Any]) -> str:
+    """The payload of an event of ``type_`` in one short line, as ``replay`` prints it after the entity."""
+    return _SUMMARIES.get(type_, _summary_generic)(payload)
+
+
 def _text_line(ts: int, topic: str, partition: int, offset: int, type_: str, entity: str, payload) -> str:
     summary = _SUMMARIES.get(type_, _summary_generic)(payload)
     return f"{iso_time(ts)} {topic:<14} {partition}@{offset:<7} {type_:<28} {entity}  {summary}".rstrip()

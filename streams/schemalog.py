@@ -12,6 +12,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from infra.acls import reader_group
 from infra.config import Config
+from streams.retry import watermark_offsets
 from streams.serde import EventSchema, SchemaRegistry
 from streams.topics import Topics
 
@@ -38,7 +39,7 @@ def load(cfg: Config, registry: SchemaRegistry, only: bytes | None = None, timeo
         # Read to end-of-partition (reported at the high watermark of a fetch made now).
         live = set()
         for p in md.partitions:
-            lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+            lo, hi = watermark_offsets(c, TopicPartition(topic, p), timeout_s)
             if hi > lo:
                 live.add(p)
         if not live:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 KEY_ENTITLEMENT = "entitlement"  # envelope.entitlement (free/<dc> for free-pool machines)
 KEY_MACHINE = "machine"  # machine id
@@ -98,7 +98,7 @@ CATALOGUE: tuple[TopicSpec, ...] = (
                   "specs, the ReBalancer's plans, and the scheduler's refusals"),
     TopicSpec("machines", KEY_ENTITLEMENT, ("MachineRegistered", "MachineStatusChanged",
               "MachineAssignedToEntitlement", "MachineReleasedToFreePool", "HostProfileApplied",
-              "MachinesStatusChanged", "HostProfileFailed"), True,
+              "MachinesStatusChanged", "HostProfileFailed", "ZoneDisruptionChanged"), True,
               config=_KEEP_FOREVER, doc="machine registry and ownership; free-pool machines keyed free/<dc>"),
     TopicSpec("unavailability", KEY_ENTITLEMENT, ("UnavailabilityStarted", "UnavailabilityEnded"), True,
               config=_KEEP_FOREVER, doc="failures, maintenance and power events"),
@@ -146,6 +146,43 @@ TOPIC_OF_EVENT: Mapping[str, str] = MappingProxyType({e: t.name for t in CATALOG
 
 class TopicError(RuntimeError):
     pass
+
+
+# Replication. Every topic Ropewalk creates (the catalogue, faust's changelogs) gets the region's replication factor
+# (infra/config.py: 1 on one embedded node, 3 on an embedded cluster; on an external cluster ROPEWALK_REPLICATION_FACTOR,
+# or as many as it has brokers, at most REPLICATED_FROM) and the min.insync.replicas below. Producers write with
+# acks=all: a write is acknowledged once every in-sync replica has it, and refused (NOT_ENOUGH_REPLICAS, retried)
+# while fewer than min.insync.replicas are in sync, so an acknowledged write is on that many brokers.
+def min_insync_replicas(replication_factor: int) -> int:
+    """The in-sync replicas a write needs on a topic of ``replication_factor`` replicas: a majority from 3 up (2 of 3:
+    any one broker may be lost, writes go on, and an acknowledged write is on two), else 1 (with 2 replicas, 2
+    would stop every write while either broker is away). Pure."""
+    return replication_factor // 2 + 1 if replication_factor >= 3 else 1
+
+
+def replication_config(replication_factor: int) -> dict[str, str]:
+    """The topic configuration that goes with ``replication_factor`` (``min_insync_replicas``). Pure."""
+    return {"min.insync.replicas": str(min_insync_replicas(replication_factor))}
+
+
+def cluster_replication_factor(brokers: int) -> int:
+    """The replication factor a cluster of ``brokers`` brokers gets when the region does not say: one replica per
+    broker, at most REPLICATED_FROM. Pure."""
+    from infra.config import REPLICATED_FROM
+
+    return max(1, min(REPLICATED_FROM, brokers))
+
+
+def replication_factor(cfg, admin=None, timeout_s: float = 15.0) -> int:
+    """The replicas of the topics ``cfg``'s region creates: ``cfg.replication_factor``, or (an external cluster that
+    does not say) ``cluster_replication_factor`` of the brokers the cluster lists (asked through ``admin``)."""
+    if cfg.replication_factor is not None:
+        return cfg.replication_factor
+    if admin is None:
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
+    return cluster_replication_factor(len(admin.list_topics(timeout=timeout_s).brokers))
 
 
 @dataclass(frozen=True)
@@ -197,15 +234,21 @@ def check_copartitioning(topics: Topics, existing: Mapping[str, int]) -> list[st
     return problems
 
 
-def provision(admin, topics: Topics, timeout_s: float = 15.0) -> dict:
+def provision(admin, topics: Topics, timeout_s: float = 15.0, *, replication: int | None = None,
+              conf: Mapping[str, Any] | None = None) -> dict:
     """Create missing topics and check the partition counts of existing ones. Idempotent.
 
-    `admin` is a confluent_kafka.admin.AdminClient. Raises TopicError if partition counts disagree.
+    `admin` is a confluent_kafka.admin.AdminClient. A topic is created with ``replication`` replicas (None: as many
+    as the cluster lists brokers: ``cluster_replication_factor``) and ``replication_config``. An
+    existing topic is left as it is. Raises TopicError if partition counts disagree. With ``conf`` (the confluent
+    settings ``admin`` was made with), on a cluster of several brokers, returns once each of them lists the topics
+    created (``wait_until_known``).
     """
     from confluent_kafka import KafkaError
     from confluent_kafka.admin import NewTopic
 
     md = admin.list_topics(timeout=timeout_s)
+    rf = replication if replication is not None else cluster_replication_factor(len(md.brokers))
     existing = {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
     problems = check_copartitioning(topics, existing)
     if problems:
@@ -214,7 +257,8 @@ def provision(admin, topics: Topics, timeout_s: float = 15.0) -> dict:
     created = []
     if missing:
         futures = admin.create_topics(
-            [NewTopic(topics.name(s.name), topics.partitions_of(s.name), 1, config=dict(s.config)) for s in missing],
+            [NewTopic(topics.name(s.name), topics.partitions_of(s.name), rf,
+                      config={**replication_config(rf), **s.config}) for s in missing],
             operation_timeout=timeout_s,
         )
         for name, fut in futures.items():
@@ -229,11 +273,14 @@ def provision(admin, topics: Topics, timeout_s: float = 15.0) -> dict:
         # under load: the counts of some came back missing).
         wait_until_served(admin, {topics.name(s.name): topics.partitions_of(s.name) for s in missing})
         md = admin.list_topics(timeout=timeout_s)
+        if conf is not None and len(md.brokers) > 1:
+            wait_until_known(conf, md.brokers, [topics.name(s.name) for s in missing])
         existing = {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
         problems = check_copartitioning(topics, existing)
         if problems:
             raise TopicError("; ".join(problems))
-    return {"created": sorted(created), "topics": {n: existing.get(n) for n in topics.all()}}
+    return {"created": sorted(created), "topics": {n: existing.get(n) for n in topics.all()},
+            "replication_factor": rf}
 
 
 SERVED_TIMEOUT_S = 60.0  # how long new partitions may take to be served (~0.5 s idle; much more under load)
@@ -269,6 +316,33 @@ def wait_until_served(admin, partition_counts: Mapping[str, int], timeout_s: flo
             # librdkafka finds the leaders in its metadata cache, which may hold the topic as created (no leader
             # yet: "No leaders found") until its next refresh, minutes away: ask for fresh metadata.
             admin.list_topics(timeout=timeout_s)
+
+
+def wait_until_known(conf: Mapping[str, Any], brokers: Mapping[int, Any], names: list[str],
+                     timeout_s: float = SERVED_TIMEOUT_S) -> None:
+    """Wait until each of ``brokers`` (id -> confluent ``BrokerMetadata``) lists the topics ``names`` in its metadata.
+    A broker learns a new topic from the controller's metadata log on its own time (seconds under load): until then a
+    reader that asks it is told the topic does not exist. Each broker is asked by a client that knows it alone
+    (``conf`` with it as the bootstrap server)."""
+    import time
+
+    from confluent_kafka.admin import AdminClient
+
+    deadline = time.monotonic() + timeout_s
+    for b in brokers.values():
+        admin = AdminClient({**conf, "bootstrap.servers": f"{b.host}:{b.port}", "log_level": 0})
+        while True:
+            try:
+                listed = admin.list_topics(timeout=5).topics
+                missing = [n for n in names if n not in listed or listed[n].error is not None]
+            except Exception as exc:  # noqa: BLE001 - not answering: asked again
+                missing = [f"(no answer: {exc})"]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise TopicError(f"broker {b.id} ({b.host}:{b.port}) does not list {', '.join(missing[:3])} "
+                                 f"{timeout_s:.0f}s after their creation")
+            time.sleep(0.2)
 
 
 def topic_id(cfg, topic: str, timeout_s: float = 10.0) -> str:

@@ -127,11 +127,13 @@ SEQUENCES = {
     "status-down": ([reg("m1"), reg("m2"), status("m1", "DOWN")], {"m:m1": {"status": "DOWN", "version": "2"}}),
     "same-status-again-is-no-change": ([reg("m1"), status("m1", "UP")], {"m:m1": {"status": "UP", "version": "1"}}),
     "host-profile": ([reg("m1"), profile("m1", "web")], {"m:m1": {"host_profile": "web", "version": "2"}}),
-    "assign-moves-free-to-entitlement": ([reg("m1"), assign("m1", "e1")], {"m:m1": {"entitlement": "e1", "version": "2"}}),
+    "assign-moves-free-to-entitlement": ([reg("m1"), assign("m1", "e1")], {"m:m1": {"entitlement": "e1", "version": "2"},
+                                                                            "held:e1": ["m1"]}),
     "assign-of-a-held-machine-is-ignored": (
         [reg("m1"), assign("m1", "e1"), assign("m1", "e2")], {"m:m1": {"entitlement": "e1", "version": "2"}}),
     "release-back-to-free-pool": (
-        [reg("m1"), assign("m1", "e1"), release("m1", "e1")], {"m:m1": {"entitlement": "", "version": "3"}}),
+        [reg("m1"), assign("m1", "e1"), release("m1", "e1")], {"m:m1": {"entitlement": "", "version": "3"},
+                                                               "held:e1": ABSENT}),
     "release-by-a-non-owner-is-ignored": (
         [reg("m1"), assign("m1", "e2"), release("m1", "e1")], {"m:m1": {"entitlement": "e2", "version": "2"}}),
     "request-remembers-resources": (
@@ -180,6 +182,7 @@ SEQUENCES = {
         ALLOC_J01 + [requested("r2", "e1", ["j/0"], cpu=1000, mem=1024), assign("m2", "e1"),
                      allocated("r2", "e1", [("j/0", "m2")])],
         {"m:m1": {"cpu_free": "3000", "version": "4"}, "m:m2": {"cpu_free": "3000", "version": "3"},
+         "held:e1": ["m1", "m2"],
          "placement": {"j/0": "m2", "j/1": "m1"}, "tasks:m1": ["j/1"], "tasks:m2": ["j/0"]}),
     "re-registration-with-more-capacity-keeps-the-tasks": (
         ALLOC_J01 + [reg("m1", cpu=8000, mem=16384)],

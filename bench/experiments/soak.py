@@ -309,13 +309,14 @@ class Soak:
         return pids
 
     def sample(self) -> dict[str, Any]:
+        from infra.broker import BrokerLayout
         from processors.scheduler.shard import APP_ID as SCHEDULER_APP
         from processors.scheduler.shard import SOURCES as SCHEDULER_SOURCES
         from streams import groups
         from streams.topics import Topics
 
         t = Topics(self.cfg.topic_prefix, self.cfg.partitions)
-        sizes = dir_sizes(self.cfg.run_dir / "kafka" / "data")
+        sizes = dir_sizes(BrokerLayout.of(self.cfg).data)
         prefix = self.cfg.topic_prefix
         topics = {k[len(prefix):]: v for k, v in sizes.items() if k.startswith(prefix)}
         r = self.env.redis()

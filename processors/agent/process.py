@@ -405,7 +405,8 @@ class ProcessAgent(LoopWorker):
             self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations],
                                           name=f"agent/{self.machine_id}", start_offsets=self.offsets,
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
-                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE})
+                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE},
+                                          follows=True)
             return True
         except Exception as exc:  # noqa: BLE001 - broker away: try again later, tasks go on
             self.errors += 1

@@ -280,6 +280,12 @@ class RegionFold:
             out["taskres"] = {t: f"{c} {m}" for t, (c, m) in self.taskres.items()}
         for name, fields in self.entitlement_fields.items():
             out[f"entitlement:{name}"] = {k: "" if v is None else str(v) for k, v in fields.items()}
+        held: dict[str, list[str]] = defaultdict(list)
+        for mid, m in self.machines.items():
+            if m.entitlement != FREE:
+                held[m.entitlement].append(mid)
+        for name, mids in held.items():  # index.HELD: what the commit checks quotas against
+            out[f"held:{name}"] = sorted(mids)
         if self.marks:
             out[f"applied:{consumer}"] = {f"{t}/{p}": str(o) for (t, p), o in self.marks.items()}
         if self.machines:

@@ -11,8 +11,9 @@ folded, the decisions committed but maybe not yet on the log, and the partitions
   (never lowered) and the entitlements.
 * ``commit`` — a batch of decisions in ONE call, each all or nothing and re-checked machine by machine against
   Redis (the optimistic check where several allocators could race; Nomad's plan_apply): the decision's frees,
-  then for each machine of its plan the status, owner, capacity, version and that no task is placed already;
-  then the placements, each machine's version bumped by the kinds of change, and the decision's events kept
+  then for each machine of its plan the status, owner, capacity, version and that no task is placed already,
+  and, when the plan adds free machines to the entitlement, that the machines it then holds stay within its quota
+  (``held:<e>``: two allocators may decide for one entitlement at once); then the placements, each machine's version bumped by the kinds of change, and the decision's events kept
   under ``alloc:done:<request event id>`` (``DONE_TTL_S``) until they are surely on the log. A request whose
   done entry exists is answered from it; a decision whose partition's fence moved is refused (``FENCED``).
 
@@ -24,6 +25,8 @@ Keys (under the prefix; ``<m>`` a machine, ``<t>`` a task, ``<e>`` an entitlemen
     tasks:<m>           set    tasks placed on the machine
     placement           hash   task -> machine              taskres   hash   task -> "cpu mem"
     entitlement:<e>     hash   quota_machines machine_type dc_pin host_profile ("" = none)
+    held:<e>            set    the machines the entitlement holds (any status): what the commit checks its quota
+                               against; kept by the commit and the projection wherever a machine's owner changes
     applied:<consumer>  hash   "topic/partition" -> the last offset the projected fold applied
     outbox:machines     hash   machine -> "version cause": changed, state not yet published to state.machines
     alloc:done:<r>      string a committed decision's events (JSON), until DONE_TTL_S after the commit
@@ -35,6 +38,9 @@ Keys (under the prefix; ``<m>`` a machine, ``<t>`` a task, ``<e>`` an entitlemen
                                its fold again before it decides (processors/allocator/README.md)
     index:summary       hash   machines: how many the fold holds, and per status how many have it (``summary``:
                                what ``ropewalk up`` waits on, without reading every machine)
+    index:format        string the index's layout (``FORMAT``), written with every whole projection: an allocator
+                               that finds an older one (an index written before ``held:<e>`` existed) writes its
+                               fold whole at start
 
 About 0.5 KB per machine (measured by ``ropewalk bench``; the index sets, free-capacity zset, epochs and request
 hashes of the Redis-first index are gone: the fold answers those questions in memory).
@@ -51,7 +57,7 @@ from typing import Any
 from processors.allocator import lua
 from processors.allocator.fold import CONFLICT_TASK_PLACED, RegionFold, split_maintenance
 from processors.allocator.placement import (
-    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Machine,
+    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_QUOTA, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Machine,
 )
 
 DEFAULT_CONSUMER = "allocator"
@@ -67,6 +73,9 @@ FENCED = "fenced"  # the request's partition has a new owner: this allocator mus
 CONFLICT = "conflict"
 GENERATION = "index:generation"
 SUMMARY = "index:summary"  # hash: machines, and per status the machines with it (written with each projection)
+HELD = "held:"  # + entitlement: set of the machines it holds (the commit's quota check)
+FORMAT_KEY = "index:format"
+FORMAT = "2"  # 2: with HELD sets. An index of another format is written whole by the next allocator to start
 LOST = "lost"  # the commit's reply when the index is not the generation the allocator projected into
 
 
@@ -77,7 +86,7 @@ class IndexLost(RuntimeError):
 
 # The Redis scripts (processors/allocator/lua/*.lua, each with its ARGV and reply documented at its top), preceded
 # by the key prefix (ARGV[1]) and these constants (lua.script).
-_CONSTANTS = {"FIELDS": FIELDS, "GENERATION": GENERATION, "LOST": LOST}
+_CONSTANTS = {"FIELDS": FIELDS, "GENERATION": GENERATION, "LOST": LOST, "HELD": HELD}
 
 _LUA_PROJECT = lua.script("project", **_CONSTANTS)
 _LUA_COMMIT = lua.script("commit", **_CONSTANTS)
@@ -87,7 +96,7 @@ _READ_CHUNK = 1000
 
 _COMMIT_REASONS = json.dumps({"up": MACHINE_UP, "status": CONFLICT_STATUS, "owner": CONFLICT_OWNER,
                               "capacity": CONFLICT_CAPACITY, "version": CONFLICT_VERSION,
-                              "task_placed": CONFLICT_TASK_PLACED})
+                              "task_placed": CONFLICT_TASK_PLACED, "quota": CONFLICT_QUOTA})
 
 
 @dataclass(frozen=True)
@@ -104,12 +113,14 @@ class Decision:
     released: tuple[str, ...]  # machines going back to the free pool
     plan: tuple[tuple[str, int, bool, tuple[str, ...]], ...]  # (machine, expected version, added, tasks)
     events: str  # the decision's events, JSON (processor.dump_events)
+    quota: int | None = None  # the machines its entitlement may hold, checked when the plan adds some (None: not)
 
     def to_json(self) -> dict:
         return {"rid": self.request_event_id, "part": self.partition, "fence": self.fence, "ent": self.entitlement,
                 "cpu": self.cpu, "mem": self.mem, "frees": [list(f) for f in self.frees],
                 "released": list(self.released),
-                "plan": [[m, v, int(a), list(ts)] for m, v, a, ts in self.plan], "events": self.events}
+                "plan": [[m, v, int(a), list(ts)] for m, v, a, ts in self.plan], "events": self.events,
+                "quota": self.quota}
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,7 @@ class Committed:
     versions: Mapping[str, int] = field(default_factory=dict)  # ok: machine -> its version after the commit
     conflicts: Mapping[str, str] = field(default_factory=dict)  # CONFLICT: machine -> CONFLICT_*
     events: str | None = None  # JOURNALED: the decision committed before
+    held: tuple[str, ...] = ()  # CONFLICT_QUOTA: the machines the entitlement holds in Redis (the loser reloads them)
 
 
 def text(v: Any) -> Any:
@@ -191,8 +203,16 @@ class MachineIndex:
         return raw
 
     def project_all(self, fold: RegionFold) -> int:
-        """The whole fold: every machine, mark and entitlement (a Redis that lost or lags the index)."""
-        return self.project(fold, {mid: "" for mid in fold.machines}, entitlements=fold.entitlement_fields)
+        """The whole fold: every machine, mark and entitlement (a Redis that lost or lags the index), in this
+        layout (``FORMAT``)."""
+        n = self.project(fold, {mid: "" for mid in fold.machines}, entitlements=fold.entitlement_fields)
+        if fold.machines or fold.entitlement_fields:  # (an empty index has no layout to name)
+            self.r.set(self.key(FORMAT_KEY), FORMAT)
+        return n
+
+    def format(self) -> str | None:
+        """The layout the index was last written whole in (``FORMAT``); None: before the layout was named."""
+        return text(self.r.get(self.key(FORMAT_KEY)))
 
     def marks(self) -> dict[tuple[str, int], int]:
         out = {}
@@ -225,7 +245,8 @@ class MachineIndex:
             else:
                 flat = reply[1]
                 out.append(Committed(CONFLICT, conflicts=MappingProxyType(
-                    {text(m): text(r) for m, r in zip(flat[::2], flat[1::2])})))
+                    {text(m): text(r) for m, r in zip(flat[::2], flat[1::2])}),
+                    held=tuple(sorted(map(text, reply[2])))))
         return out
 
     # --- the generation -----------------------------------------------------------------------------------

@@ -51,6 +51,9 @@ CONFLICT_STATUS = "machine_not_up_at_commit"
 CONFLICT_OWNER = "machine_owner_changed"
 CONFLICT_CAPACITY = "machine_capacity_changed"
 CONFLICT_VERSION = "machine_version_changed"
+# ... and a machine the plan adds to its entitlement would take it over its quota: another allocator added machines
+# to the entitlement first (two allocators deciding for one entitlement: one moving between partitions).
+CONFLICT_QUOTA = "quota_exceeded_at_commit"
 
 MACHINE_UP = MachineStatus.UP
 SPREAD_LEVELS = ("dc", "msb", "rack")

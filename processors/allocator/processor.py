@@ -79,7 +79,7 @@ from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
 )
 from processors.allocator.index import (
-    DEFAULT_CONSUMER, DONE_TTL_ENV, DONE_TTL_S, FENCED, JOURNALED, Decision, IndexLost, MachineIndex, text,
+    DEFAULT_CONSUMER, DONE_TTL_ENV, DONE_TTL_S, FENCED, FORMAT, JOURNALED, Decision, IndexLost, MachineIndex, text,
 )
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
 from streams.batches import ENVELOPE_BYTES, size_of, split
@@ -241,6 +241,13 @@ def metric_increments(decision: Sequence[Event]) -> dict[str, int]:
     return out
 
 
+def decision_result(placing: Sequence[Event]) -> str:
+    """``ropewalk_allocation_decision_duration_seconds``'s result of one request's placing events."""
+    if not placing:
+        return "freed"
+    return "placed" if any(e.type == "TasksAllocated" for e in placing) else "unplaceable"
+
+
 def observe_attempts(decision: Sequence[Event]) -> None:
     """``ropewalk_allocation_attempts_total``: the tasks one decision placed and those it left unplaceable."""
     for e in decision:
@@ -248,6 +255,10 @@ def observe_attempts(decision: Sequence[Event]) -> None:
             metrics.ALLOCATION_ATTEMPTS.labels(result="placed").inc(len(e.payload["placements"]))
         elif e.type == "AllocationRejected":
             metrics.ALLOCATION_ATTEMPTS.labels(result="unplaceable").inc(len(e.payload["unplaced_task_ids"]))
+
+
+# what the allocator's target exports from its start (infra/metrics.own)
+OWNED_METRICS = (metrics.ALLOCATION_ATTEMPTS, metrics.ALLOCATION_DECISION, metrics.INDEX_STALENESS, metrics.MACHINES)
 
 
 def observe_machines(machines: Iterable[Any]) -> None:
@@ -436,7 +447,8 @@ class Allocator:
             self.fold.drain_changes()
             self.fold.index  # noqa: B018 - built now, in bulk, not by the first request after a start
             generation = self.index.read_generation()  # None: emptied (or never written whole)
-            behind = generation is None or self._redis_behind()
+            # emptied, lagging the fold, or written in an older layout (without the quota's held sets)
+            behind = generation is None or self._redis_behind() or self.index.format() != FORMAT
             projected = self.index.project_all(self.fold) if behind else 0
             self._adopt_index(refence=generation is None or generation != self.index.generation)
             self.caught_up = True
@@ -583,6 +595,10 @@ class Allocator:
 
     def _decide_batch(self, batch: list[Pending]) -> list[Event]:
         produced: list[Event] = []
+        # What the fold applied since the last projection is in Redis before anything is committed against it: a
+        # machine changed by a record of this poll would otherwise meet its older version in Redis, and the reload
+        # that answers a conflict would take that older state back into the fold (the change lost).
+        self.project_changes()
         todo = batch
         while todo:
             ts = self._last_ts = max(int(time.time() * 1000), self._last_ts + 1)  # one batch, one decision time
@@ -619,10 +635,10 @@ class Allocator:
                 elif res.outcome == FENCED:
                     reload |= p.touched
                     self.pending.pop(p.pending.event.event_id, None)  # another process owns its partition now
-                else:  # CONFLICT: the fold was behind Redis for these machines
+                else:  # CONFLICT: the fold was behind Redis for these machines (or the entitlement's quota)
                     metrics.ALLOCATION_ATTEMPTS.labels(result="conflict").inc(
                         len(p.pending.event.payload["place_task_ids"]))
-                    reload |= p.touched | set(res.conflicts)
+                    reload |= p.touched | set(res.conflicts) | self._unknown_held(p.pending.event.entitlement, res.held)
                     if p.pending.attempts >= self.max_attempts:
                         finished.append((p.pending, self._exhausted(p.pending, res.conflicts, ts)))
                     else:
@@ -664,13 +680,16 @@ class Allocator:
         frees = tuple((r["task_id"], r["machine_id"]) for e in freeing if e.type == "TasksDeallocated"
                       for r in e.payload["placements"])
         released = tuple(mid for e in freeing if e.type == "TasksDeallocated" for mid in e.payload["machines_released"])
+        t0 = time.perf_counter()
         placing, plan_rows, _ = self._place(request, pd.attempts, ts)
+        metrics.ALLOCATION_DECISION.labels(result=decision_result(placing)).observe(time.perf_counter() - t0)
         events = (freeing + placing) or nothing_freed(request, ts)
         touched = machines_of(events)
         res = p["resources"]  # every decision is committed, a rejection too: journaled, so it can be given again
+        ent = self.fold.entitlement(request.entitlement)  # the quota the plan kept: Redis checks it again
         decision = Decision(request.event_id, pd.partition, self.owned.get(pd.partition), request.entitlement,
                             res["cpu_millicores"], res["memory_mib"], frees, released, plan_rows,
-                            dump_events(events))
+                            dump_events(events), quota=ent.quota_machines if ent is not None else None)
         return _Planned(pd, events, decision, touched)
 
     def _free(self, request: Event, ts: int) -> list[Event]:
@@ -737,6 +756,12 @@ class Allocator:
         return rejection_events(pd.event, p["place_task_ids"], COMMIT_RETRIES_EXHAUSTED,
                                 f"{len(p['place_task_ids'])} tasks of job {p['job_id']} unplaced: {pd.attempts} commit "
                                 f"attempts met conflicts ({reasons})", {}, ts)
+
+    def _unknown_held(self, entitlement: str, held: Iterable[str]) -> set[str]:
+        """Of the machines Redis says ``entitlement`` holds (a CONFLICT_QUOTA's ``held``), those the fold does not
+        know it holds: another allocator added them (a decision for the same entitlement on another partition)."""
+        machines = self.fold.machines
+        return {mid for mid in held if (m := machines.get(mid)) is not None and m.entitlement != entitlement}
 
     def _reload(self, machine_ids: Iterable[str]) -> None:
         """Take these machines back from Redis into the fold (Redis was ahead: another allocator, or a journaled
@@ -853,7 +878,7 @@ class Allocator:
                         self.refold()
                         consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in SOURCES],
                                                  name=PRODUCER, start_offsets=self.ends, dead_letters=dead_letters,
-                                                 types=EVENT_TYPES)
+                                                 types=EVENT_TYPES, follows=True)
                     records = consumer.poll(POLL_RECORDS, POLL_S, linger_s=0.0)
                     self.on_records(records, dead_letters)
                     # behind the log: how old the newest record of this poll was when it was applied; 0 when idle
@@ -947,7 +972,10 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
     dead_letters = DeadLetters(producer, PRODUCER)
     allocator = Allocator(cfg, registry, redis_client or cfg.redis_client(), producer,
                           consumer=consumer, partition_map=partition_map)
-    app = make_app(cfg, APP_ID, **settings)
+    # No tables, so no standby copies of them: without standbys faust's assignor also rebalances towards an even
+    # split when an allocator joins (with them it leaves each member what it holds up to ceil(partitions / members),
+    # and a joining allocator could get nothing: README, "A region on several machines").
+    app = make_app(cfg, APP_ID, **{"table_standby_replicas": 0, **settings})
     allocations = app.topic(catalogue.name("allocations"), key_serializer="raw", value_serializer="raw",
                             partitions=cfg.partitions)
     stop = threading.Event()
@@ -989,7 +1017,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from infra import metrics
 
-    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
+    metrics.serve_worker(Config.from_env().run_dir, OWNED_METRICS)  # infra/metrics.py; `up` lists the targets
+    for result in ("placed", "unplaceable", "conflict"):
+        metrics.ALLOCATION_ATTEMPTS.labels(result=result)  # every result's series from the start, at 0
     app, _, _ = build_app(Config.from_env().as_principal("allocator"))
     faust.Worker(app, loglevel="INFO").execute_from_commandline()
 

@@ -18,6 +18,7 @@ compared (``index_state``) and which the swap does not delete:
     index:generation   names the index since an allocator last wrote it whole (``MachineIndex.claim_generation``);
                        kept by the swap: an allocator that starts on a rebuilt index without one writes its fold
                        (the same keys) and names one
+    index:format       the layout the index was written in (``index.FORMAT``): the rebuild writes its own
     metrics:*          the allocator's counters: about the process, not the index
     outbox:*           the state.machines publisher's queue (and its lock). The projection queues every machine
                        it writes, so the rebuilt outbox holds every machine; it replaces the live one (RENAME
@@ -62,17 +63,18 @@ from confluent_kafka import Consumer, TopicPartition
 from infra.config import Config
 from processors.allocator import lua
 from processors.allocator.fold import EVENT_TYPES, FoldError, RegionFold, merged
-from processors.allocator.index import DEFAULT_CONSUMER, GENERATION, MachineIndex, text
+from processors.allocator.index import DEFAULT_CONSUMER, FORMAT_KEY, GENERATION, MachineIndex, text
 from processors.allocator.processor import SOURCES
 from streams.clients import consumer_conf
 from streams.events import Event
 from streams.heap import folding
 from streams.progress import ProgressFn, silent
+from streams.retry import watermark_offsets
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
-NOT_INDEX_STATE = ("alloc:done:*", "alloc:fence:*", "metrics:*", "outbox:*", "~rebuild.*", GENERATION)
+NOT_INDEX_STATE = ("alloc:done:*", "alloc:fence:*", "metrics:*", "outbox:*", "~rebuild.*", GENERATION, FORMAT_KEY)
 SCRATCH = "~rebuild."
 # The swap is one MULTI/EXEC over every key of the index: at 1,000,000 machines Redis takes more than redis-py 8's
 # default socket timeout (5 s) to run it, and the timeout, reported as a WatchError, failed the rebuild of two
@@ -146,7 +148,7 @@ def truncated_partitions(cfg: Config, timeout_s: float = 10.0) -> list[str]:
         for physical in map(topics.name, SOURCES):
             tmd = md.topics.get(physical)
             for p in sorted(tmd.partitions) if tmd is not None and tmd.error is None else ():
-                low, _ = consumer.get_watermark_offsets(TopicPartition(physical, p), timeout=timeout_s)
+                low, _ = watermark_offsets(consumer, TopicPartition(physical, p), timeout_s)
                 if low > 0:
                     out.append(f"{physical}[{p}]@{low}")
         return out

@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from infra.broker import BrokerLayout
 from infra.config import Config
 from processors.frontend.console import (  # what every command uses (processors/frontend/commands/ too)
     AT_HELP, CliError, Progress, _ago, _duration_ms, _front, _parse_time, _print, _registry, _require_broker, _table,
     _verdict, _wait_s, command, direct, human_time, user_command,
 )
+from processors.frontend.console import task_counts as _task_counts
 
 
 def _topics(cfg: Config):
@@ -55,17 +55,28 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     from infra import acls, services
     from infra.config import remember_endpoints
     from processors import controlplane
-    from streams.topics import provision
+    from streams.topics import provision, replication_factor
 
+    cfg = _with_brokers(cfg, args.brokers)
+    running = controlplane.running_counts(cfg)
+    try:  # refused before anything starts
+        controlplane.check_counts(cfg, args.schedulers if args.schedulers is not None else running["scheduler"] or 1,
+                                  args.allocators if args.allocators is not None else running["allocator"] or 1)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     step("starting the broker and Redis")
     try:
         st = services.up(cfg)
     except services.InfraError as exc:
         raise CliError(_remembered_hint(str(exc))) from None
     remember_endpoints()  # a new shell without the variables finds this region (infra/config.py)
+    from infra.credentials import write_principal_files
+
+    write_principal_files(cfg.secrets)  # one file per principal: what a worker on another machine is given
     admin = _admin(cfg)
     step("provisioning topics and ACLs")
-    prov = provision(admin, _topics(cfg))
+    prov = provision(admin, _topics(cfg), replication=replication_factor(cfg, admin), conf=cfg.kafka_conf())
+    cfg = cfg.with_(replication_factor=prov["replication_factor"])  # the workers' (faust's changelogs)
     acls.provision_region(cfg, admin)  # what each component's principal may do (infra/acls.py)
     from processors.api.users import ensure_admin
 
@@ -73,7 +84,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     if args.machines > 0:
         step(f"starting the control plane; waiting until its {args.machines + 1} machines are in the allocator's "
              f"index (at most {controlplane.READY_TIMEOUT_S:.0f} s)")
-    region = controlplane.up(cfg, args.machines) if args.machines > 0 else {"workers": {}, "ready": True}
+    region = (controlplane.up(cfg, args.machines, schedulers=args.schedulers, allocators=args.allocators)
+              if args.machines > 0 else {"workers": {}, "ready": True})
     cp = region["workers"]
     if args.machines > 0 and region["ready"] and not args.no_demo:
         step(f"starting the demo job {DEMO_ENTITLEMENT}.{DEMO_JOB} (at most {DEMO_WAIT_S:.0f} s)")
@@ -83,10 +95,13 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
            "topics": prov["topics"], "control_plane": cp, "machines": args.machines,
            "machines_up": region.get("machines_up", 0), "machines_indexed": region.get("machines_indexed", 0),
+           "schedulers": region.get("schedulers"), "allocators": region.get("allocators"),
+           "retired": sorted(region.get("retired") or ()),
            "ready": region["ready"], "demo": demo, "metrics": scrape,
            "seconds": round(time.monotonic() - t0, 2)}
     lines = [
-        f"broker  {cfg.bootstrap_servers}  ({'embedded Apache Kafka, pid %s, data in %s' % (st['broker'].get('pid'), BrokerLayout.of(cfg).data) if cfg.embedded_broker else 'external'})",
+        f"broker  {cfg.bootstrap_servers}  ({services.broker_text(cfg, st['broker']) if cfg.embedded_broker else 'external'}"
+        f"; topics replicated {prov['replication_factor']} times)",
         f"redis   {cfg.redis_url}  ({'private redis-server, pid %s' % st['redis'].get('pid') if cfg.embedded_redis else 'external'})",
         f"topics  {len(prov['topics'])} ready ({len(prov['created'])} created), {cfg.partitions} partitions per entitlement-keyed topic",
         f"logs    {cfg.run_dir}",
@@ -95,7 +110,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
         by_status = ", ".join(f"{n} {s}" for s, n in sorted(region["machines_by_status"].items()))
         lines.append(f"region  {region['machines_indexed']} machines in the index ({by_status}; {args.machines} "
                      f"simulated + {controlplane.LOCAL_MACHINE_ID} run by the process agent); workers: "
-                     + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running")))
+                     + ", ".join(f"{n} (pid {s.get('pid')})" for n, s in cp.items() if s.get("running"))
+                     + (f"; stopped for good: {', '.join(sorted(region['retired']))}" if region.get("retired") else ""))
         if demo:
             lines.append(f"demo    job {demo['job']} ({demo['state']}) runs `{' '.join(demo['command'])}` as a real "
                          f"process on {controlplane.LOCAL_MACHINE_ID}; its output: {demo['logs']}")
@@ -118,8 +134,27 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
                        + f"; see {cfg.run_dir}/<name>.log")
     if not region["ready"]:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
-                       f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator.log")
+                       f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator-0.log")
     return 0
+
+
+def _with_brokers(cfg: Config, brokers: int | None) -> Config:
+    """`up --brokers N` (or ROPEWALK_BROKERS): the embedded cluster of N nodes; neither: the cluster the run directory
+    holds (infra/config.held_brokers), else one node. Remembered with the endpoints, for `status` and `down` in
+    another shell. (A run directory holding another number of nodes is refused when the broker starts.)"""
+    from infra.config import check_brokers, held_brokers
+
+    if not cfg.embedded_broker:
+        if brokers is not None:
+            raise CliError("--brokers: the broker is external (ROPEWALK_BOOTSTRAP_SERVERS); its nodes are yours to run")
+        return cfg
+    asked = brokers if brokers is not None else (cfg.brokers if os.environ.get("ROPEWALK_BROKERS") else None)
+    try:
+        cfg = cfg.with_brokers(check_brokers(asked or held_brokers(cfg.run_dir)))
+    except ValueError as exc:
+        raise CliError(f"--brokers: {exc}") from None
+    os.environ["ROPEWALK_BROKERS"] = str(cfg.brokers)
+    return cfg
 
 
 def _remembered_hint(error: str) -> str:
@@ -238,15 +273,18 @@ def cmd_status(cfg: Config, args) -> int:
         doc["topic_offsets"] = _topic_offsets(cfg)
         doc["topics"] = {t: o["records"] for t, o in doc["topic_offsets"].items()}  # as it always was: high - low
         doc["restored"] = restore_note(cfg)
-    lines = [f"{name:7} {'ready' if s['ready'] else 'DOWN':5}  {s['endpoint']}"
-             + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "")
-             + (f"  restarts {programs[name]['restarts']}" if name in programs else "") for name, s in st.items()]
+    lines = [_table(["SERVICE", "STATE", "ENDPOINT", "PID", "RESTARTS", "DETAIL"],
+                    [[name, "ready" if s["ready"] else "DOWN", s["endpoint"],
+                      s.get("pid") if s.get("embedded") and s.get("pid") else "-",
+                      programs[name]["restarts"] if name in programs else "-", s.get("detail") or ""]
+                     for name, s in st.items()], "")]
     if programs:
         lines.append(f"supervisor {'running  pid %d' % sup_pid if sup_pid else 'NOT RUNNING (nothing restarts a worker that dies)'}")
-    for name, w in workers.items():
-        last = supervisor.exit_text(w.get("last_exit"))
-        lines.append(f"{name:14} {w['state']:8} pid {w['pid'] or '-':<8} restarts {w['restarts']}"
-                     + (f" (last: {last})" if last else "") + f"  log {w['log']}")
+    if workers:
+        lines += ["", _table(["WORKER", "STATE", "PID", "RESTARTS", "LAST-EXIT", "LOG"],
+                             [[name, w["state"], w["pid"] or "-", w["restarts"],
+                               supervisor.exit_text(w.get("last_exit")) or "-", w["log"]]
+                              for name, w in workers.items()], "")]
     if doc["topic_offsets"]:
         lines += ["", _topics_table(doc["topic_offsets"], doc["restored"])]
     _print(doc, args.json, "\n".join(lines))
@@ -264,6 +302,7 @@ def _topic_offsets(cfg: Config) -> dict[str, dict]:
     from confluent_kafka import Consumer, TopicPartition
 
     from infra.acls import reader_group
+    from streams.retry import watermark_offsets
     from streams.topics import CATALOGUE
 
     compacted = {_topics(cfg).name(s.name) for s in CATALOGUE if s.config.get("cleanup.policy") == "compact"}
@@ -275,7 +314,7 @@ def _topic_offsets(cfg: Config) -> dict[str, dict]:
             t = md.topics.get(name)
             if t is None or t.error is not None:
                 continue
-            marks = [c.get_watermark_offsets(TopicPartition(name, p), timeout=5) for p in t.partitions]
+            marks = [watermark_offsets(c, TopicPartition(name, p), 5) for p in t.partitions]
             out[name] = {"partitions": len(marks), "start_offsets": sum(lo for lo, _ in marks),
                          "end_offsets": sum(hi for _, hi in marks), "records": sum(hi - lo for lo, hi in marks),
                          "compacted": name in compacted}
@@ -421,21 +460,6 @@ def cmd_job_submit(cfg: Config, args) -> int:
     return 0
 
 
-def cmd_job_status(cfg: Config, args) -> int:
-    view = _front(cfg, args).job_status(args.job, at=args.at)
-    again = f" (incarnation {view['incarnation']})" if view["incarnation"] != 1 else ""
-    lines = [f"job {view['job']}{again}  entitlement {view['entitlement']}  state {view['state']}  "
-             f"spec v{view['spec_version']}  tasks: {_task_counts(view)}"]
-    if view["last_reason"]:
-        lines.append(f"reason: {view['last_reason']}")
-    lines.append(_table(["TASK", "STATE", "MACHINE", "DC/MSB/RACK", "REASON"],
-                        [[t["id"], t["state"], t["machine"] or "-",
-                          f"{t['dc'] or '-'}/{t['msb'] or '-'}/{t['rack'] or '-'}", t["reason"] or ""]
-                         for t in view["tasks"]], "no tasks"))
-    _print(view, args.json, "\n".join(lines))
-    return 0
-
-
 def cmd_job_list(cfg: Config, args) -> int:
     rows = _front(cfg, args).jobs(args.entitlement)
     _print(rows, args.json or args.output == "json", job_table(rows, args.output == "wide"))
@@ -461,23 +485,14 @@ def job_table(rows: list[dict], wide: bool = False, now_ms: int | None = None) -
                          for v in rows], "no jobs")
 
 
-def _task_counts(v: dict) -> str:
-    """``4 running, 2 pending of 6 desired``: how many tasks are in each state, not just how many exist."""
-    from collections import Counter
-
-    by_state = Counter(t["state"] for t in v["tasks"])
-    parts = [f"{n} {s.lower()}" for s, n in sorted(by_state.items(), key=lambda x: (x[0] != "RUNNING", x[0]))]
-    return f"{', '.join(parts) or 'none'} of {v['desired_tasks']} desired"
-
-
 def _job_row(v: dict) -> list:
     running = sum(t["state"] == "RUNNING" for t in v["tasks"])
     return [v["job"], v["state"], f"{running}/{v['desired_tasks']}", _task_counts(v), v["last_reason"] or ""]
 
 
 def _job_line(v: dict) -> str:
-    running = sum(t["state"] == "RUNNING" for t in v["tasks"])
-    return (f"{v['job']:28} {v['state']:9} {running}/{v['desired_tasks']} running  {_task_counts(v)}"
+    """`watch jobs`: a job in one line (its tasks counted once, by state)."""
+    return (f"{v['job']:28} {v['state']:9} tasks: {_task_counts(v)}"
             + (f"  {v['last_reason']}" if v["last_reason"] else ""))
 
 
@@ -525,6 +540,47 @@ def cmd_machine_fail(cfg: Config, args) -> int:
     _print(doc, args.json, f"{args.machine} {verb}" if doc["event_ids"] else
            f"{args.machine}: nothing to do (already {'down' if args.action == 'fail' else 'up'})")
     return 0
+
+
+def cmd_machine_power(cfg: Config, args) -> int:
+    """`machine power-loss` / `power-restore` of a DC, an MSB or a rack (processors/resourcebroker: power_lost,
+    power_restored): what a power controller announces. The tasks there are gone at once and move (paced by the
+    scheduler's limiter); power back, the machines boot and the tasks restart (paced too)."""
+    action = POWER_ACTIONS[args.action]
+    doc = front_power(cfg, args, action)
+    what = args.dc or args.msb or args.rack
+    if not doc["machines"]:
+        text = f"{what}: nothing to do ({'every machine there is down already' if action == 'loss' else 'no machine there is down for a power loss'})"
+    elif action == "loss":
+        text = (f"{what}: power lost on {len(doc['machines'])} machines (UnavailabilityStarted POWER "
+                f"{', '.join(doc['unavailability_ids'])}); their tasks are gone and move")
+    else:
+        text = (f"{what}: power back on {len(doc['machines'])} machines; their tasks restart, paced by the "
+                f"scheduler's limiter")
+    _print(doc, args.json, text)
+    return 0
+
+
+POWER_ACTIONS = {"power-loss": "loss", "power-restore": "restore"}
+
+
+def front_power(cfg: Config, args, action: str) -> dict:
+    return _front(cfg, args).machine_power(action, dc=args.dc, msb=args.msb, rack=args.rack)
+
+
+def add_machine_power(mach) -> None:
+    """The parsers of `machine power-loss` and `machine power-restore`."""
+    for name, help_ in (("power-loss", "a DC, MSB or rack lost its power: its machines DOWN and an UnavailabilityStarted "
+                                       "POWER (its tasks are gone at once and move)"),
+                        ("power-restore", "power is back in a DC, MSB or rack: its machines down for a power loss UP "
+                                          "again, the POWER unavailability ended (the tasks restart, paced)")):
+        sp = user_command(mach.add_parser(name, help=help_, description=help_))
+        sp.set_defaults(fn=cmd_machine_power)
+        where = sp.add_mutually_exclusive_group(required=True)
+        where.add_argument("--dc", metavar="DC")
+        where.add_argument("--msb", metavar="DC/MSB")
+        where.add_argument("--rack", metavar="DC/MSB/RACK")
+        sp.add_argument("--json", action="store_true")
 
 
 def cmd_machine_list(cfg: Config, args) -> int:
@@ -607,7 +663,7 @@ def cmd_watch(cfg: Config, args) -> int:
             from datetime import datetime, timezone
 
             at = datetime.fromtimestamp(v.get("updated_ms", time.time() * 1000) / 1000, timezone.utc)
-            print(f"{at.strftime('%H:%M:%S')}  {body}", flush=True)
+            print(f"{at.strftime('%Y-%m-%d %H:%M:%SZ')}  {body}", flush=True)  # the tables' UTC form
 
     def show(v: dict) -> str:
         if args.kind == "jobs":
@@ -696,10 +752,11 @@ def cmd_rebuild(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
 
     _require_broker(cfg)
-    pid = controlplane.worker_pid(cfg, "allocator")
-    allocator = {"running": pid is not None, "pid": pid}
+    pids = {n: p for n in controlplane.allocator_names(cfg) if (p := controlplane.worker_pid(cfg, n)) is not None}
+    pid = ", ".join(map(str, pids.values())) if pids else None
+    allocator = {"running": bool(pids), "pid": pid}
     if allocator["running"] and not args.force:
-        raise CliError(f"the allocator is running (pid {pid}); stop it first (`ropewalk down`, then `ropewalk up "
+        raise CliError(f"an allocator is running ({', '.join(f'{n} pid {p}' for n, p in pids.items())}); stop it first (`ropewalk down`, then `ropewalk up "
                        f"--machines 0` for the broker and Redis alone; `ropewalk up` after the rebuild), or pass "
                        f"--force (a running allocator also rewrites an index it finds emptied)")
     with Progress() as progress:
@@ -739,7 +796,7 @@ def cmd_restore(cfg: Config, args) -> int:
     from processors.allocator.rebuild import rebuild_index
     from streams import archive as ar
 
-    running = [n for n in controlplane.NAMES if controlplane.worker_pid(cfg, n) is not None]
+    running = [n for n in controlplane.known_workers(cfg) if controlplane.worker_pid(cfg, n) is not None]
     if running:
         raise CliError(f"the control plane is running ({', '.join(running)}); `ropewalk down` first: restored "
                        f"processors must start from the restored positions")
@@ -868,9 +925,10 @@ def cmd_user(cfg: Config, args) -> int:
     except u.UsersError as exc:
         raise CliError(str(exc)) from None
     rows = [{"user": n, "region_admin": x.region_admin, "roles": dict(x.roles)} for n, x in sorted(users.items())]
-    _print(rows, args.json, "\n".join(f"{r['user']:16} {'region-admin ' if r['region_admin'] else ''}"
-                                      + " ".join(f"{e}={role}" for e, role in sorted(r["roles"].items()))
-                                      for r in rows) or "no users")
+    _print(rows, args.json, _table(["USER", "REGION-ADMIN", "ROLES"],
+                                   [[r["user"], "yes" if r["region_admin"] else "no",
+                                     " ".join(f"{e}={role}" for e, role in sorted(r["roles"].items())) or "-"]
+                                    for r in rows], "no users"))
     return 0
 
 
@@ -908,13 +966,47 @@ def _version() -> str:
     except PackageNotFoundError:
         return "unknown (not installed)"
 
+EXAMPLES = """examples (the README's "Using it" has more):
+  ropewalk up                                   # a local region: broker, Redis, 200 simulated machines, the API
+  ropewalk status                               # every worker and topic
+  ropewalk entitlement create e1 --quota 4
+  ropewalk job submit examples/web.yaml         # prints the job id, e1.web
+  ropewalk job status e1.web -o wide            # its tasks: machine, version, age, restarts, moves
+  ropewalk job describe e1.web                  # + its last refusals and recent events
+  ropewalk job logs demo.hello -f               # a task's output as it is written
+  ropewalk machine fail dc1-msb2-r02-m001 --dry-run   # what would move where
+  ropewalk replay --job e1.web --since now-10m  # its events, in time order
+  ropewalk at now-15m                           # the whole region 15 minutes ago
+  ropewalk <command> --help                     # a command's flags and examples
+"""
+SUBCOMMAND_EXAMPLES = {  # a command's examples under its --help
+    "machine": "examples:\n  ropewalk machine list --entitlement e1\n  ropewalk machine list -o wide\n"
+               "  ropewalk machine fail dc1-msb2-r02-m001 --dry-run\n  ropewalk machine recover dc1-msb2-r02-m001",
+    "replay": "examples:\n  ropewalk replay --entitlement e1 --since 10m\n  ropewalk replay --job e1.web --since now-1h "
+              "--exclude-type TaskStatesChanged\n  ropewalk replay --machine dc1-msb2-r02-m001 --json",
+    "maintenance": "examples:\n  ropewalk maintenance plan --msb dc1/msb2 --start +15m --duration 30m --deadline +10m\n"
+                   "  ropewalk maintenance list -o wide\n  ropewalk maintenance end ID",
+    "up": "examples:\n  ropewalk up                      # 200 simulated machines and the demo job\n"
+          "  ropewalk up --machines 0 --no-demo   # the broker, Redis and topics alone",
+}
+
+
+def _with_examples(p: argparse.ArgumentParser) -> None:
+    """Give the commands of SUBCOMMAND_EXAMPLES their examples (an epilog kept as written)."""
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    for name, text in SUBCOMMAND_EXAMPLES.items():
+        sp = sub.choices[name]
+        sp.epilog, sp.formatter_class = text, argparse.RawDescriptionHelpFormatter
+
+
 DRY_RUN_HELP = "say what would happen (tasks moved, stopped, waiting; controllers asked; capacity left); produce nothing"
 
 
 def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     """The CLI's parser. ``bench_commands(bench, experiment)``: gives those two commands their flags and handlers
     (bench/cli.add_commands; without it they are names in the help, and ``main`` hands them to bench/cli.py)."""
-    p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
+    p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"ropewalk {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     cmd = functools.partial(command, sub)
@@ -924,6 +1016,16 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
                     help="simulated machines of the local region (0: infrastructure and topics only)")
     sp.add_argument("--no-demo", action="store_true",
                     help="do not create the demo entitlement and job (demo.hello on the process agent)")
+    sp.add_argument("--brokers", type=int, default=None,
+                    help="nodes of the embedded Kafka cluster: 1, or 3 and more (each topic replicated 3 times, "
+                         "min.insync.replicas 2); default: the cluster the run directory holds, else 1 "
+                         "(ROPEWALK_BROKERS)")
+    sp.add_argument("--schedulers", type=int, metavar="N",
+                    help="scheduler shards, each its own process (scheduler-0..N-1), splitting the partitions; a "
+                         "later `up` with another N adds or stops shards (default: as many as run, else 1)")
+    sp.add_argument("--allocators", type=int, metavar="M",
+                    help="allocators, each its own process (allocator-0..M-1), splitting the allocations "
+                         "partitions (default: as many as run, else 1)")
     sp = cmd("down", cmd_down, "stop everything `up` started (the supervisor, every worker, Redis, the broker); the "
              "process agent stops its tasks (started again at the next `up`)")
     sp.add_argument("--keep-tasks", action="store_true",
@@ -976,19 +1078,19 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     for name, fn, help_, extra in (
         ("submit", cmd_job_submit, "submit a job spec (YAML or JSON); prints the job id once the scheduler accepted "
                                    "it (through the API: a refusal fails with its reason)", ("file",)),
-        ("status", cmd_job_status, "a job's tasks: state, machine, fault domains", ("job",)),
         ("update", cmd_job_update, "replace a job's spec (rolling update)", ("job", "file")),
         ("stop", cmd_job_stop, "stop a job and free its tasks", ("job",)),
     ):
-        sp = user_command(job.add_parser(name, help=help_, description=help_), intent=name != "status")
+        sp = user_command(job.add_parser(name, help=help_, description=help_), intent=True)
         sp.set_defaults(fn=fn)
         for a in extra:
             sp.add_argument(a)
         sp.add_argument("--json", action="store_true")
         if name == "stop":
             sp.add_argument("--reason", default="")
-        if name == "status":
-            sp.add_argument("--at", metavar="TIME", help=AT_HELP)
+    from processors.frontend.commands import jobs  # status, describe, logs (processors/frontend/commands/jobs.py)
+
+    jobs.add_commands(job)
     sp = user_command(job.add_parser("list", help="the jobs you may see: state, tasks running"))
     sp.set_defaults(fn=cmd_job_list)
     sp.add_argument("--entitlement")
@@ -1008,6 +1110,7 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true")
         if name == "fail":
             sp.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    add_machine_power(mach)
     sp = user_command(mach.add_parser("list", help="machines: status, owner, fault domains, free capacity",
                       description="machines: status, owner, fault domains, free capacity (from state.machines)"))
     sp.set_defaults(fn=cmd_machine_list)
@@ -1117,6 +1220,7 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     add_upper_floors(sub)
     if bench_commands is not None:
         bench_commands(bench, experiment)
+    _with_examples(p)
     return p
 
 
@@ -1140,7 +1244,9 @@ def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     """Parse ``argv`` and run its command: a failure is one line with its reason (exit 1), an interrupt exits 130."""
     from streams.deadletter import Skipped
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser, with its usage (not the top level's: `job status X -o wide`)
+        _deepest(parser, argv).error(f"unrecognized arguments: {' '.join(extra)}")
     args.skipped = Skipped()  # what the command's readers could not decode: said once, when it ends
     failed = False
     try:
@@ -1159,6 +1265,16 @@ def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     finally:
         if not failed and (line := args.skipped.report()) is not None:
             print(f"ropewalk: {line}", file=sys.stderr)
+
+
+def _deepest(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``argv`` names: ``job status`` → the `job status` parser."""
+    current = parser
+    for token in argv:
+        subs = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and token in subs[0].choices:
+            current = subs[0].choices[token]
+    return current
 
 
 if __name__ == "__main__":

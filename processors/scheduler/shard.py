@@ -173,7 +173,7 @@ from streams.faustwire import (FlowWatch, decode_message, header_of, make_app, r
 from streams.partitionmap import REASON_HELD, REASON_MOVED, REASON_MOVING, MapFollower, assignment_event
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
-from streams.topics import BY_NAME, CHANGELOG_CONFIG, Topics
+from streams.topics import BY_NAME, CHANGELOG_CONFIG, Topics, replication_config
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ class ShardTables:
         self.app = app
         self.partitions = partitions
         opts = {"default": None, "key_type": str, "value_type": None, "partitions": partitions,
-                "extra_topic_configs": dict(CHANGELOG_CONFIG)}
+                "extra_topic_configs": {**CHANGELOG_CONFIG, **replication_config(app.conf.topic_replication_factor)}}
         self.jobs = app.Table("scheduler-jobs", **opts)  # job key -> header (store.py)
         self.job_chunks = app.Table("scheduler-job-chunks", **opts)  # "<job key>#<i>@<v>" -> a chunk of its tasks
         self.entitlements = app.Table("scheduler-entitlements", **opts)  # entitlement key -> its fields
@@ -1166,9 +1166,14 @@ def _profile_to(directory: str) -> None:
     prof.enable()
 
 
+# what a shard's target exports from its start (infra/metrics.own)
+OWNED_METRICS = (metrics.SCHEDULING_ATTEMPT, metrics.SUBMIT_TO_RUNNING, metrics.PENDING_TASKS, metrics.TASK_MOVES,
+                 metrics.TASKCONTROL_ACK, metrics.TASKCONTROL_PENDING, metrics.TIMER_TICKS)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
+    metrics.serve_worker(Config.from_env().run_dir, OWNED_METRICS)  # infra/metrics.py; `up` lists the targets
     if os.environ.get(PROFILE_ENV):
         _profile_to(os.environ[PROFILE_ENV])
     retry_s = float(os.environ.get(RETRY_ENV) or RETRY_S)

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import redis
 
-from processors.allocator.index import MachineIndex
+from processors.allocator.index import Committed, MachineIndex
 from processors.allocator.placement import FILTER_MACHINE_TYPE, NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED
 from processors.allocator.processor import (
     COMMIT_RETRIES_EXHAUSTED, INVALID_REQUEST, PRODUCER, RELEASED_EMPTY, UNKNOWN_ENTITLEMENT, Allocator,
@@ -554,7 +554,7 @@ def test_every_attempt_in_conflict_ends_in_a_rejection(hand):
     a = hand.new()
     hand.region(a)
     a.assign([0])
-    a.index.commit = lambda decisions: [type("C", (), {"outcome": "conflict", "conflicts": {"m1a": "machine_version_changed"}})()
+    a.index.commit = lambda decisions: [Committed("conflict", conflicts={"m1a": "machine_version_changed"})
                                         for _ in decisions]
     hand.feed([a], requested("r1", "e1", "web", 2))
     events = a.decide_pending()
@@ -684,3 +684,143 @@ def test_a_batch_is_decided_in_the_order_its_decision_time_names_whatever_the_ar
     # 6 machines of one task each less the warm-up's (e1 holds it, 1000m used): 5 whole ones for 8 tasks
     assert placed == {first[0]: 4, second[0]: 1}, placed
     assert [e.payload["request_id"] for e in events if e.type == "TasksAllocated"] == [first[0], second[0]]
+
+
+def test_a_change_read_with_a_request_is_in_redis_before_the_request_is_committed(hand):
+    """A record that changes a machine (its host profile) arrives in the same poll as a request placed on it: the
+    fold is ahead of Redis for that machine when the request is decided. Before, the commit met the older version
+    in Redis, reloaded the machine from it and so undid the change in the fold (the host profile lost until the
+    next change, Redis no longer a projection of the log)."""
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+    for mid in MACHINES:
+        hand.feed([a], new_event("HostProfileApplied", {"machine_id": mid, "host_profile": "web",
+                                                                 "previous_host_profile": None},
+                                 entitlement="free/dc1", entity_id=mid, producer="test"), "machines")
+    hand.feed([a], requested("r1", "e1", "web", 2))
+    [placed] = [e for e in a.decide_pending() if e.type == "TasksAllocated"]
+    assert placed.payload["commit_attempts"] == 1
+    assert {m.host_profile for m in a.fold.machines.values()} == {"web"}
+    a.project_changes(force=True)
+    assert index_state(hand.index.dump()) == index_state(a.fold.dump())
+
+
+# --- two allocators deciding for one entitlement at once --------------------------------------------------------
+
+def _to_partition(producer: EventProducer, event: Event, partition: int) -> None:
+    """``event`` on a partition its entitlement's hash does not name: where a request of an entitlement moving to
+    another partition is, while the old partition's owner may still decide for it (issue 25, item 2)."""
+    producer.send(event, partition=partition)
+
+
+RACES = {
+    # name: (machines {id: (dc, cpu)}, quota of e1, warm-up request of e1 decided first (or None),
+    #        the two racing requests of e1 (partition 0, partition 1), what must hold once both decided)
+    "one machine's last capacity": (
+        {"m1": ("dc1", CPU)}, 1, requested("warm", "e1", "w", 1, cpu=1000),
+        (requested("ra", "e1", "a", 1, cpu=3000), requested("rb", "e1", "b", 1, cpu=3000)),
+        {"placed": 1, "loser_reason": NO_FEASIBLE_MACHINE, "conflict": "machine_capacity_changed", "held": 1}),
+    "the quota's last machine": (
+        {"m1": ("dc1", CPU), "m2": ("dc1", CPU), "m3": ("dc2", CPU)}, 2, requested("warm", "e1", "w", 1, cpu=CPU),
+        (requested("ra", "e1", "a", 1, requirements={"dc": "dc1"}), requested("rb", "e1", "b", 1,
+                                                                              requirements={"dc": "dc2"})),
+        {"placed": 1, "loser_reason": QUOTA_EXCEEDED, "conflict": "quota_exceeded_at_commit", "held": 2}),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("machines,quota,warm,race,want", RACES.values(), ids=RACES.keys())
+def test_two_allocators_deciding_at_once_for_one_entitlement_keep_capacity_and_quota(cfg, registry, machines, quota,
+                                                                                     warm, race, want):
+    """Two allocator processes' worth (two ``Allocator``s, each folding the real log, each with its own producer
+    to it) own partitions 0 and 1; a request of e1 waits on each (one entitlement on two partitions: a move between
+    shards). Both plan on the same fold and commit at once, against one Redis (a barrier holds each commit until
+    both planned). The commit re-checks every machine, and the quota when a plan adds machines: one decision
+    commits, the other meets a conflict (capacity, or ``quota_exceeded_at_commit``), reloads what the other took
+    and decides again. The log, replayed, has no machine over its capacity and no entitlement over its quota;
+    Redis equals a rebuild from the log."""
+    import threading
+
+    from bench.killstorm import redis_differences, replay_checks
+
+    r = cfg.redis_client()
+    producer = EventProducer(cfg, registry, "test")
+    for mid, (dc, cpu) in machines.items():
+        producer.send(new_event("MachineRegistered", {
+            "machine_id": mid, "topology": {"region": "reg1", "dc": dc, "msb": "msb1", "rack": "r1"},
+            "machine_type": "skylake", "capacity": {"cpu_millicores": cpu, "memory_mib": MEM}, "host_profile": None},
+            entitlement=f"free/{dc}", entity_id=mid, producer="test"))
+    producer.send(entitlement_created("e1", quota))
+    producer.send(warm)
+    producer.flush()
+    made: list[Allocator] = []
+
+    def allocator() -> Allocator:
+        a = Allocator(cfg, registry, r, EventProducer(cfg, registry, PRODUCER))
+        made.append(a)
+        a.catch_up()
+        return a
+
+    try:
+        first = allocator()  # the warm-up: e1 takes a machine
+        first.assign(range(cfg.partitions))
+        assert any(e.type == "TasksAllocated" for e in first.decide_pending())
+        first.producer.flush()
+        for partition, req in enumerate(race):
+            _to_partition(producer, req, partition)
+        producer.flush()
+        a, b = allocator(), allocator()  # both fold the warm-up's decision and the two requests
+        a.assign([0])
+        b.assign([1])
+        assert len(a.pending) == len(b.pending) == 2
+        barrier = threading.Barrier(2)
+        outcomes: list = []  # every commit's results, both allocators'
+        for al in (a, b):
+            real = al.index.commit
+            waited: list[bool] = []
+
+            def commit(decisions, real=real, waited=waited):
+                if not waited:  # the first commit of each waits for the other's plan: they race
+                    waited.append(True)
+                    barrier.wait(30)
+                out = real(decisions)
+                outcomes.extend(out)
+                return out
+
+            al.index.commit = commit
+        decided: dict[str, list[Event]] = {}
+        threads = [threading.Thread(target=lambda al=al, n=n: decided.__setitem__(n, al.decide_pending()))
+                   for n, al in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for al in (a, b):
+            al.producer.flush()
+            al.project_changes(force=True)
+        events = decided["a"] + decided["b"]
+        placed = [e for e in events if e.type == "TasksAllocated"]
+        rejected = [e for e in events if e.type == "AllocationRejected"]
+        assert len(placed) == want["placed"] and len(rejected) == 1, [(e.type, e.payload) for e in events]
+        [loser] = rejected
+        assert loser.payload["reason"] == want["loser_reason"], loser.payload
+        assert sum(len(e.payload["placements"]) for e in placed) == 1
+        # the loser met the winner's commit (a conflict of the expected reason), then decided again on what it
+        # reloaded from Redis: three commits in all
+        assert [c.outcome for c in outcomes].count("ok") == 2 and len(outcomes) == 3, outcomes
+        [conflict] = [c for c in outcomes if c.outcome == "conflict"]
+        assert set(conflict.conflicts.values()) == {want["conflict"]}, conflict
+        checks = replay_checks(cfg, registry)
+        assert {k: checks[k] for k in ("machines_overcommitted", "quota_breaches", "tasks_placed_twice",
+                                       "conflicting_duplicates")} == dict.fromkeys(
+            ("machines_overcommitted", "quota_breaches", "tasks_placed_twice", "conflicting_duplicates"), 0), checks
+        index = MachineIndex(r, cfg.topic_prefix)
+        held = [m for m in index.machines(machines).values() if m.entitlement == "e1"]
+        assert len(held) == want["held"] <= quota
+        assert sorted(index.dump().get("held:e1", [])) == sorted(m.id for m in held)
+        # (the applied marks aside: these two did not read their own decisions back from the log, a rebuild did)
+        assert [d for d in redis_differences(cfg, registry, r) if not d.startswith("applied:")] == []
+    finally:
+        MachineIndex(r, cfg.topic_prefix).clear()
+        r.close()

@@ -31,7 +31,7 @@ def bench_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("ROPEWALK_")}  # the bench picks its own ports, run dir and prefix
     out = run_stopped_on_timeout([sys.executable, "-m", "processors.frontend.cli", "bench", "--quick", "--machines",
-                                  str(MACHINES), "--json"], 200, terminal=True, cwd=tmp_path_factory.mktemp("cwd"),
+                                  str(MACHINES), "--schedulers", "2", "--allocators", "2", "--json"], 200, terminal=True, cwd=tmp_path_factory.mktemp("cwd"),
                                  env={**env, "TERM": "xterm", "COLUMNS": "120"})
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -75,7 +75,13 @@ def test_conditions_and_consistency(bench_doc):
     for key in ("machines", "jobs", "tasks_per_job", "partitions", "worker_processes", "cores"):
         assert c[key] is not None, key
     assert c["machines"] == MACHINES and c["partitions"] == doc["partitions"]
-    assert c["worker_processes"]["scheduler"] >= 1 and c["worker_processes"]["allocator"] >= 1
+    assert c["worker_processes"]["scheduler"] == 2 and c["worker_processes"]["allocator"] == 2
+    assert doc["schedulers"] == doc["allocators"] == 2
+    # the burst's CPU per job, per process: every shard and allocator its own figure, and their sum
+    cpu = doc["cpu_ms_per_job"]
+    assert {"scheduler-0", "scheduler-1", "allocator-0", "allocator-1"} <= set(cpu), cpu
+    assert all(_number(v) and v >= 0 for v in cpu.values()) and cpu["allocator-0"] + cpu["allocator-1"] > 0
+    assert doc["cpu_ms_per_job_total"] == pytest.approx(sum(cpu.values()), abs=0.01)
     assert 12 <= doc["tasks_per_job"] <= 64
     burst = doc["details"]["allocation"]["burst"]
     assert burst["jobs"] > 0
@@ -115,9 +121,10 @@ def test_profile_memory_and_nothing_left_running(bench_doc):
     assert all(_number(row["cumulative_s"]) for row in prof["top_cumulative"])
     assert prof["pipeline_stages"]["burst"]["allocator_p50_ms"] is not None
     rss = doc["memory"]["peak_rss_kib"]
-    for name in ("broker", "redis", "allocator", "scheduler-0", "agents", "resourcebroker", "health"):
+    for name in ("broker", "redis", "allocator-0", "allocator-1", "scheduler-0", "scheduler-1", "agents",
+                 "resourcebroker", "health"):
         assert _number(rss.get(name)) and rss[name] > 0, (name, rss)
-    assert set(doc["pids"]) >= {"broker", "redis", "allocator", "scheduler-0", "agents"}
+    assert set(doc["pids"]) >= {"broker", "redis", "allocator-0", "allocator-1", "scheduler-0", "scheduler-1", "agents"}
     assert not [name for name, pid in doc["pids"].items() if pid_alive(pid)]
 
 

@@ -9,7 +9,9 @@ import pytest
 from allocator_log import SEQUENCES, Log, allocated, assign, deallocated, profile, reg, requested, status
 from processors.allocator.fold import CONFLICT_TASK_PLACED, RegionFold
 from processors.allocator.index import CONFLICT, FENCED, JOURNALED, Decision, MachineIndex
-from processors.allocator.placement import CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION
+from processors.allocator.placement import (
+    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_QUOTA, CONFLICT_STATUS, CONFLICT_VERSION,
+)
 from processors.allocator.rebuild import index_state
 
 
@@ -171,3 +173,34 @@ def test_reload_reads_a_machine_with_its_tasks(ix):
     committed_region(ix)
     got = ix.reload(["m2", "m9"])
     assert list(got) == ["m2"] and got["m2"]["tasks"] == {"old/0": (1000, 1024)} and got["m2"]["version"] == 3
+
+
+@pytest.mark.parametrize("quota,outcome", [(None, "ok"), (2, "ok"), (1, CONFLICT)])
+def test_a_plan_that_adds_machines_is_checked_against_the_quota_redis_holds(ix, quota, outcome):
+    """e1 holds m2 (``held:e1``); a plan adding m1 fits a quota of 2, not of 1: then it is a conflict naming the
+    machine it would add, with the machines e1 holds (what the loser reloads), and nothing is written."""
+    fold = committed_region(ix)
+    assert ix.dump()["held:e1"] == ["m2"] and ix.dump()["held:e2"] == ["m3"]
+    before = index_state(ix.dump())
+    [res] = ix.commit([Decision("req-1", 0, None, "e1", 1000, 1024, (), (), (("m1", 1, True, ("j/0",)),), '["e"]',
+                                quota=quota)])
+    assert res.outcome == outcome
+    if outcome == CONFLICT:
+        assert dict(res.conflicts) == {"m1": CONFLICT_QUOTA} and res.held == ("m2",)
+        assert index_state(ix.dump()) == before
+    else:
+        assert ix.dump()["held:e1"] == ["m1", "m2"]
+        fold.commit([("j/0", "m1")], ["m1"], "e1", 1000, 1024, {"m1": 1}, "req-1")
+        assert {k: v for k, v in index_state(ix.dump()).items() if k.startswith("held:")} == \
+            {k: v for k, v in fold.dump().items() if k.startswith("held:")}
+
+
+def test_the_held_sets_follow_every_owner_change_of_the_projection(ix):
+    """A machine released and another assigned by events (not by a commit): the projection moves them between
+    the entitlements' held sets, as a rebuild (a whole projection) has them."""
+    fold = committed_region(ix)
+    fold.apply(deallocated("e1", [("old/0", "m2")], released=["m2"], job="old"), None)
+    fold.apply(assign("m1", "e2"), None)
+    ix.project(fold, fold.drain_changes())
+    assert "held:e1" not in ix.dump() and ix.dump()["held:e2"] == ["m1", "m3"]
+    assert index_state(ix.dump()) == index_state(fold.dump())

@@ -32,20 +32,20 @@ def check_metrics(where: dict) -> None:
     """Issue 13: every worker and the API serve Prometheus metrics where `up` said; names in base units; the
     control plane's work shows in them; no machine, task or job id is a label value."""
     targets = where["targets"]
-    assert {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
+    assert {"resourcebroker", "allocator-0", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
             "sidekick", "jobcontrol", "srm", "loans", "supervisor"} <= set(targets), targets
     assert json.loads(Path(where["file_sd"]).read_text())  # a Prometheus file_sd_configs file
     got = {w: scrape(a) for w, a in targets.items()}
-    assert value(got["allocator"], "ropewalk_allocation_attempts_total", result="placed") >= 2
+    assert value(got["allocator-0"], "ropewalk_allocation_attempts_total", result="placed") >= 2
     # ropewalk_machines is counted from the fold every MACHINES_METRIC_S: its last count may predate the registration
     from processors.allocator.processor import MACHINES_METRIC_S
 
     deadline = time.monotonic() + 3 * MACHINES_METRIC_S
-    while value(got["allocator"], "ropewalk_machines", status="UP") < 40 and time.monotonic() < deadline:
+    while value(got["allocator-0"], "ropewalk_machines", status="UP") < 40 and time.monotonic() < deadline:
         time.sleep(0.5)
-        got["allocator"] = scrape(targets["allocator"])
-    assert value(got["allocator"], "ropewalk_machines", status="UP") >= 40
-    assert "ropewalk_index_staleness_seconds" in got["allocator"]
+        got["allocator-0"] = scrape(targets["allocator-0"])
+    assert value(got["allocator-0"], "ropewalk_machines", status="UP") >= 40
+    assert "ropewalk_index_staleness_seconds" in got["allocator-0"]
     assert value(got["scheduler-0"], "ropewalk_scheduling_attempt_duration_seconds_count", result="events") >= 1
     assert value(got["scheduler-0"], "ropewalk_submit_to_running_seconds_count") >= 1
     assert value(got["api"], "ropewalk_api_request_duration_seconds_count", route="/v1/jobs/{job}") >= 1

@@ -174,10 +174,11 @@ def test_the_rebuild_from_the_log_equals_the_live_index_key_for_key(region, inde
     stats = rebuild_index(cfg, registry)
     assert_same_index(index.dump(), live)
     # The only live keys left out of the comparison: the five decisions journaled by the commit (three placed,
-    # two freed), the partitions' fences, the counters and the index's generation.
+    # two freed), the partitions' fences, the counters, the index's generation and its format.
     left_out = set(live) - set(index_state(live))
     assert len([k for k in left_out if k.startswith("alloc:done:")]) == 5
-    assert all(k.startswith(("alloc:done:", "alloc:fence:", "metrics:", "index:generation")) for k in left_out)
+    assert all(k.startswith(("alloc:done:", "alloc:fence:", "metrics:", "index:generation", "index:format"))
+               for k in left_out)
     assert stats["keys"] == len(list(index.r.scan_iter(index.key("*")))) and stats["replaced"] == 0
     # The outbox holds every machine, so the allocator republishes their states (see rebuild.py).
     assert set(index.outbox()) == set(MACHINES)
@@ -285,13 +286,13 @@ def cli(cfg, run_dir: Path, *args: str) -> subprocess.CompletedProcess:
 def test_the_cli_rebuilds_and_refuses_while_the_allocator_runs(region, index, tmp_path):
     cfg, live = region
     index.r.delete(index.key("placement"))
-    (tmp_path / "allocator.pid").write_text(str(os.getpid()))  # a live process: "the allocator runs"
+    (tmp_path / "allocator-0.pid").write_text(str(os.getpid()))  # a live process: "the allocator runs"
     refused = cli(cfg, tmp_path, "rebuild")
     assert refused.returncode == 1 and refused.stdout == ""
-    assert refused.stderr.startswith("ropewalk: the allocator is running") and "--force" in refused.stderr
+    assert refused.stderr.startswith("ropewalk: an allocator is running (allocator-0 pid") and "--force" in refused.stderr
     assert "placement" not in index.dump()
 
-    (tmp_path / "allocator.pid").unlink()
+    (tmp_path / "allocator-0.pid").unlink()
     out = cli(cfg, tmp_path, "rebuild", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)

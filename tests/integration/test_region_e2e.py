@@ -23,7 +23,7 @@ def test_up_submit_fail_move_down(tmp_path):
         assert up.returncode == 0, up.stderr
         doc = json.loads(up.stdout)
         pids = [s["pid"] for s in doc["control_plane"].values()]
-        assert len(pids) == 12  # resourcebroker, allocator, scheduler-0, agents, agent-local, health, api,
+        assert len(pids) == 12  # resourcebroker, allocator-0, scheduler-0, agents, agent-local, health, api,
         #                         rebalancer, sidekick, jobcontrol, srm, loans
         assert doc["ready"] and doc["machines_indexed"] == 41  # up returns once the whole region is indexed
         # the demo job runs as a real OS process under the process agent, and says so in its log

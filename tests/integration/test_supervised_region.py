@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import pwd
 import shutil
 import signal
@@ -25,7 +26,7 @@ from infra.config import Config
 from infra.process import pid_alive
 from regioncli import RegionCli
 
-WORKERS = {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
+WORKERS = {"resourcebroker", "allocator-0", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
            "sidekick", "jobcontrol", "srm", "loans"}
 
 
@@ -54,22 +55,22 @@ def test_dead_workers_are_restarted_and_shown_and_a_lost_redis_is_healed(tmp_pat
         pids = [w["pid"] for w in doc["programs"].values()] + [doc["supervisor"]["pid"]]
 
         # -- a worker dies while nothing can restart it: status shows it down and exits 1 ------------------------
-        sup, allocator = doc["supervisor"]["pid"], doc["control_plane"]["allocator"]["pid"]
+        sup, allocator = doc["supervisor"]["pid"], doc["control_plane"]["allocator-0"]["pid"]
         os.kill(sup, signal.SIGSTOP)
         try:
             os.kill(allocator, signal.SIGKILL)
             region.wait_for(lambda: not pid_alive(allocator), "the allocator gone")
             out = region("status")
-            assert out.returncode == 1 and "not running: allocator" in out.stderr, (out.stdout, out.stderr)
-            assert "allocator      RUNNING" not in out.stdout and "allocator" in out.stdout
+            assert out.returncode == 1 and "not running: allocator-0" in out.stderr, (out.stdout, out.stderr)
+            assert not re.search(r"^allocator-0 +RUNNING", out.stdout, re.M) and "allocator-0" in out.stdout
         finally:
             os.kill(sup, signal.SIGCONT)
         # ... the supervisor starts it again, and says so
         again = region.wait_for(lambda: (s := status(region))[0] == 0 and s[1], "status 0 again")
-        alloc = again["control_plane"]["allocator"]
+        alloc = again["control_plane"]["allocator-0"]
         assert alloc["restarts"] == 1 and alloc["last_exit"]["signal"] == "SIGKILL" and alloc["pid"] != allocator
         restarts = [json.loads(line) for line in (tmp_path / "run" / "supervisor.restarts.jsonl").read_text().splitlines()]
-        assert [(r["program"], r["pid"], r["signal"]) for r in restarts] == [("allocator", allocator, "SIGKILL")]
+        assert [(r["program"], r["pid"], r["signal"]) for r in restarts] == [("allocator-0", allocator, "SIGKILL")]
 
         # -- Redis emptied under the running allocator ---------------------------------------------------------
         region.ok("entitlement", "create", "e1", "--quota", "6")
@@ -84,7 +85,7 @@ def test_dead_workers_are_restarted_and_shown_and_a_lost_redis_is_healed(tmp_pat
         assert r.hget("entitlement:e1", "quota_machines") == b"6"
         log = region("replay").stdout
         assert "AllocationRejected" not in log and "create it" not in log
-        assert "Redis lost the index" in (tmp_path / "run" / "allocator.log").read_text()
+        assert "Redis lost the index" in (tmp_path / "run" / "allocator-0.log").read_text()
 
         # -- redis-server killed: the supervisor starts it again on its append-only file ------------------------
         redis_pid = status(region)[1]["programs"]["redis"]["pid"]

@@ -81,3 +81,28 @@ def test_the_programs_of_a_killed_supervisor_are_stopped_and_never_doubled(run_d
     out = supervisor.stop(run_dir)
     assert out["sleeper"]["stopped"] and not pid_alive(new_child)
     assert not list(run_dir.glob("*.pid"))
+
+
+def test_a_retired_program_is_stopped_for_good_and_can_come_back(run_dir):
+    """`up` with fewer shards: ``retire`` takes programs out of the programs file; the supervisor stops them (TERM, then
+    KILL after its timeout: here a program that ignores TERM) and does not start them again; one waiting for its
+    restart goes at once; a program listed again later starts anew."""
+    programs = [supervisor.Program("keeper", ("sleep", "600")),
+                supervisor.Program("stubborn", ("sh", "-c", "trap '' TERM; sleep 600 & wait")),
+                supervisor.Program("crasher", ("sh", "-c", "exit 3"))]
+    st = supervisor.ensure(run_dir, programs)
+    wait_for(lambda: state(run_dir, "crasher")["restarts"] >= 1, "the crasher waiting for its restart")
+    keeper, stubborn = st["keeper"]["pid"], st["stubborn"]["pid"]
+    out = supervisor.retire(run_dir, ["stubborn", "crasher"], timeout_s=supervisor.STOP_TIMEOUT_S + 10)
+    assert out == {"stubborn": True, "crasher": True}
+    assert not pid_alive(stubborn) and pid_alive(keeper)
+    assert supervisor.expected(run_dir) == ["keeper"] and set(supervisor.programs_state(run_dir)) == {"keeper"}
+    wait_for(lambda: set((supervisor.read_state(run_dir) or {}).get("programs", {})) == {"keeper"},
+             "the supervisor's state without them")
+    assert not (run_dir / "stubborn.pid").exists()
+    log = (run_dir / "supervisor.log").read_text()
+    assert "stubborn: retired" in log and "stubborn: pid %d did not stop" % stubborn in log  # TERM ignored: KILL
+    assert "stubborn: started" not in log.split("stubborn: retired (no longer")[1]  # not restarted
+    back = supervisor.ensure(run_dir, programs[1:2])
+    assert back["stubborn"]["pid"] not in (None, stubborn) and back["stubborn"]["restarts"] == 0
+    assert state(run_dir, "keeper")["pid"] == keeper

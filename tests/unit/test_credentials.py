@@ -56,3 +56,43 @@ def test_redis_acl_file_holds_hashes_and_switches_the_default_user_off():
     assert "pw-" not in text
     assert "user api on #" in text and "+@read" in text.split("user api ")[1].splitlines()[0]
     assert "-@dangerous" in text.split("user allocator ")[1].splitlines()[0]
+
+
+def test_each_principal_has_a_file_of_its_own_and_a_worker_needs_no_other(tmp_path):
+    """``ensure`` writes one file per principal (its Kafka user and its Redis user, nothing else); a secrets
+    directory holding only that file (a worker on another machine) gives that principal everything it connects
+    with, and the operator's files with every password are not read."""
+    d = tmp_path / "secrets"
+    c.ensure(d)
+    kafka = json.loads((d / c.KAFKA_FILE).read_text())
+    for principal in c.PRINCIPALS:
+        doc = json.loads(c.principal_file(d, principal).read_text())
+        assert doc["kafka"]["password"] == kafka["principals"][principal]["password"]
+        others = [v["password"] for p, v in kafka["principals"].items() if p != principal] + [kafka["broker"]["password"]]
+        assert not any(pw in c.principal_file(d, principal).read_text() for pw in others), principal
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "scheduler.json").write_text(c.principal_file(d, c.SCHEDULER).read_text())
+    cfg = Config.from_env({"ROPEWALK_RUN_DIR": str(tmp_path), "ROPEWALK_SECRETS_DIR": str(remote)})
+    here = Config.from_env({"ROPEWALK_RUN_DIR": str(tmp_path), "ROPEWALK_SECRETS_DIR": str(d)})
+    sched = cfg.as_principal(c.SCHEDULER)
+    assert sched.kafka_conf() == here.as_principal(c.SCHEDULER).kafka_conf()
+    assert sched.redis_auth() == here.as_principal(c.SCHEDULER).redis_auth()
+    assert sched.redis_auth()["username"] == c.REDIS_READER
+    # another principal finds nothing of its own there (no SASL: the broker refuses it), never someone else's
+    assert cfg.as_principal(c.ALLOCATOR).kafka_conf() == {"bootstrap.servers": cfg.bootstrap_servers}
+
+
+def test_a_principal_file_follows_a_password_changed_by_hand_and_a_wrong_one_is_named(tmp_path):
+    d = tmp_path / "s"
+    c.ensure(d)
+    doc = json.loads((d / c.KAFKA_FILE).read_text())
+    doc["principals"][c.AGENT]["password"] = "changed-by-hand"
+    c.write_private(d / c.KAFKA_FILE, json.dumps(doc))
+    assert c.write_principal_files(d) == [c.AGENT]
+    assert c.kafka_credentials(d, c.AGENT).password == "changed-by-hand"
+    c.write_private(c.principal_file(d, c.HEALTH), json.dumps({"principal": c.AGENT, "kafka": None, "redis": None}))
+    import pytest
+
+    with pytest.raises(c.CredentialsError, match="health.json is not the credentials file of principal 'health'"):
+        c.kafka_credentials(d, c.HEALTH)

@@ -1,10 +1,15 @@
 -- ARGV: prefix, JSON decisions, done TTL (s), JSON reason constants, the index generation ("" = unchecked). A decision:
 --   {rid, part, fence, ent, cpu, mem, frees: [[task, machine]], released: [machine], plan: [[machine, expected
---    version, added 0/1, [task...]]], events: "<JSON text>"}
+--    version, added 0/1, [task...]]], events: "<JSON text>", quota: machines the entitlement may hold (null:
+--    unchecked)}
 -- Returns one reply per decision: {'ok', {machine, version, ...}} | {'journaled', events} | {'fenced'} |
--- {'conflict', {machine, reason, ...}}; or 'lost' alone, nothing written, when the index is not of that generation.
+-- {'conflict', {machine, reason, ...}, {machine the entitlement holds, ...}}; or 'lost' alone, nothing written, when
+-- the index is not of that generation. The third part of a conflict lists the entitlement's machines (HELD) when
+-- its quota was what failed: the loser reloads those it did not know of.
 -- A decision is all or nothing but for its frees (applied whatever follows, as the fold applies them before
--- placing; applying them again changes nothing).
+-- placing; applying them again changes nothing). HELD (a set per entitlement: the machines it holds, any status)
+-- follows every owner change, so a decision that adds free machines is checked against the quota here, where two
+-- allocators deciding for one entitlement meet.
 if ARGV[5] ~= '' and redis.call('GET', k(GENERATION)) ~= ARGV[5] then return LOST end
 local decisions, ttl, R = cjson.decode(ARGV[2]), tonumber(ARGV[3]), cjson.decode(ARGV[4])
 local loaded = {}
@@ -57,6 +62,7 @@ for i, d in ipairs(decisions) do
       local m = get(id)
       if m and m.entitlement == d.ent and redis.call('EXISTS', k('tasks:' .. id)) == 0 then
         m.entitlement = ''
+        redis.call('SREM', k(HELD .. d.ent), id)
         of(id).owner = 1
       end
     end
@@ -65,13 +71,21 @@ for i, d in ipairs(decisions) do
       for _ in pairs(kd) do n = n + 1 end
       save(get(id), d.rid, n)
     end
-    -- the plan, re-checked machine by machine
-    local conflicts = {}
+    -- the plan, re-checked machine by machine, and the machines it adds against the quota
+    local conflicts, held, over = {}, {}, false
+    local adding = 0
+    for _, p in ipairs(d.plan) do if p[3] == 1 then adding = adding + 1 end end
+    if adding > 0 and d.quota ~= nil and d.quota ~= cjson.null
+        and redis.call('SCARD', k(HELD .. d.ent)) + adding > d.quota then
+      over = true
+      held = redis.call('SMEMBERS', k(HELD .. d.ent))
+    end
     for _, p in ipairs(d.plan) do
       local id, expected, added, tasks = p[1], p[2], p[3] == 1, p[4]
       local m, reason = get(id), nil
       local n = #tasks
-      if not m or m.status ~= R.up then reason = R.status
+      if over and added then reason = R.quota
+      elseif not m or m.status ~= R.up then reason = R.status
       elseif m.entitlement ~= (added and '' or d.ent) then reason = R.owner
       elseif m.cpu_free < d.cpu * n or m.mem_free < d.mem * n then reason = R.capacity
       elseif m.version ~= expected then reason = R.version
@@ -82,11 +96,15 @@ for i, d in ipairs(decisions) do
       end
       if reason then conflicts[#conflicts + 1] = id; conflicts[#conflicts + 1] = reason end
     end
-    if #conflicts > 0 then out[i] = {'conflict', conflicts} else
+    if #conflicts > 0 then out[i] = {'conflict', conflicts, held} else
       local versions = {}
       for _, p in ipairs(d.plan) do
         local m, n = get(p[1]), 0
-        if p[3] == 1 then m.entitlement = d.ent; n = n + 1 end
+        if p[3] == 1 then
+          m.entitlement = d.ent
+          redis.call('SADD', k(HELD .. d.ent), m.id)
+          n = n + 1
+        end
         for _, t in ipairs(p[4]) do place(m, t, d.cpu, d.mem) end
         if #p[4] > 0 then n = n + 1 end
         save(m, d.rid, n)

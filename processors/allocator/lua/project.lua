@@ -1,12 +1,18 @@
 -- ARGV: prefix, JSON [[id, {fields}, [[task, cpu, mem], ...], cause], ...], JSON {mark field: offset},
--- JSON {entitlement: {fields}}, consumer. Returns how many machines were written.
+-- JSON {entitlement: {fields}}, consumer. Returns how many machines were written. A machine whose owner changes
+-- moves between the entitlements' HELD sets (what the commit checks quotas against).
 local ms, marks, ents, consumer = cjson.decode(ARGV[2]), cjson.decode(ARGV[3]), cjson.decode(ARGV[4]), ARGV[5]
 local written = 0
 for _, row in ipairs(ms) do
   local id, f, tasks, cause = row[1], row[2], row[3], row[4]
   local key = k('m:' .. id)
-  local cur = tonumber(redis.call('HGET', key, 'version') or '0')
-  if cur < f.version then
+  local cur, owner = unpack(redis.call('HMGET', key, 'version', 'entitlement'))
+  if tonumber(cur or '0') < f.version then
+    owner = owner or ''
+    if owner ~= f.entitlement then
+      if owner ~= '' then redis.call('SREM', k(HELD .. owner), id) end
+      if f.entitlement ~= '' then redis.call('SADD', k(HELD .. f.entitlement), id) end
+    end
     local want = {}
     for _, t in ipairs(tasks) do want[t[1]] = t end
     for _, t in ipairs(redis.call('SMEMBERS', k('tasks:' .. id))) do
