@@ -594,7 +594,7 @@ def plot(doc: dict, path: Path) -> None:
     days = [x["day"] for x in s]
     fig, ax = plt.subplots(2, 2, figsize=(13, 8))
     for n in sorted(s[0]["rss_kib"]):
-        ax[0][0].plot(days, [(x["rss_kib"].get(n) or 0) / 1024 for x in s], label=n)
+        ax[0][0].plot(days, [(x["rss_kib"].get(n) or float("nan")) / 1024 for x in s], label=n)  # gap: restarting
     ax[0][0].set_title("RSS per process (MiB)")
     ax[0][0].legend(fontsize=7, ncol=2)
     ax[0][1].plot(days, [x["disk_bytes"] / 2**20 for x in s], label="broker disk")
