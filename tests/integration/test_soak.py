@@ -19,8 +19,8 @@ def test_a_short_soak_samples_everything_and_stopped_jobs_leave(tmp_path):
     samples, recs = doc["samples"], doc["recoveries"]
     assert len(samples) >= 5 and len(recs) >= 3
     names = set(samples[0]["rss_kib"])
-    assert {"allocator", "scheduler-0", "agents", "health", "resourcebroker", "api", "broker", "redis"} <= names
-    assert all(s["rss_kib"][n] for s in samples for n in ("allocator", "scheduler-0", "broker", "redis"))
+    assert {"allocator-0", "scheduler-0", "agents", "health", "resourcebroker", "api", "broker", "redis"} <= names
+    assert all(s["rss_kib"][n] for s in samples for n in ("allocator-0", "broker", "redis"))
     assert all(s["disk_bytes"] > 0 and s["redis_bytes"] > 0 and s["changelog_bytes"] > 0 for s in samples)
     assert all(r["recovery_s"] is not None for r in recs), recs  # every kill -9: the shard answered again
     assert all(r["at_s"] is not None and r["replay_s"] >= 0 for r in recs), recs
