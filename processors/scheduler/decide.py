@@ -826,11 +826,12 @@ def decide(state: SchedulerState, event: Event, now_ms: int, *, limits: Limits =
         return state, []
     hidden = {j: job for j in named_jobs(event) if (job := state.jobs.get(j)) is not None
               and is_expired(job, now_ms, gc_ms)}
-    if hidden:
-        state = dataclasses.replace(state, jobs=state.jobs.without(hidden))
-    fold = Fold(state, now_ms, event, limits=limits, max_tasks=max_tasks)
+    seen = dataclasses.replace(state, jobs=state.jobs.without(hidden)) if hidden else state
+    fold = Fold(seen, now_ms, event, limits=limits, max_tasks=max_tasks)
     handler(fold, event)
     new, out = fold.result(steps.close)
+    if new is seen:
+        return state, out  # nothing changed (the state as it came, hidden jobs and all)
     if hidden:
         new = dataclasses.replace(new, jobs=new.jobs.updated({j: job for j, job in hidden.items()
                                                               if j not in new.jobs}))

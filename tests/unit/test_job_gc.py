@@ -196,3 +196,13 @@ def test_a_very_old_event_is_never_read_again(offset, next_offset):
     producers are idempotent (a retry is not a second record), so a second copy is a read again, never a write."""
     assert offsets.verdict(next_offset, offset) == offsets.DUPLICATE
     assert offsets.verdict(offset, offset) == offsets.APPLY
+
+
+def test_an_event_about_a_held_expired_job_leaves_the_state_as_it_came():
+    """The shard stores a batch's state only if it changed (``state is not start``): an answer or a report about a
+    job held past its grace (the timer not come yet) changes nothing, the very state object comes back."""
+    sim, (free,) = gone_job()
+    later = T0 + GC_MS + 1
+    for old in (deallocated(free), report("j/0", "RUNNING", "m1")):
+        new, out = sd.decide(sim.state, old, later, gc_ms=GC_MS)
+        assert new is sim.state and out == []
