@@ -71,6 +71,7 @@ from processors.api.errors import ApiError
 from processors.api.authz import User
 from processors.frontend import service as fe
 from processors.frontend.service import Frontend, FrontendError
+from processors.history.reader import MomentGone
 from processors.times import MAX_MOMENT_CHARS
 from streams.events import MAX_TIME_MS
 
@@ -81,6 +82,7 @@ KEEPALIVE_S = 15.0
 MAX_STREAMS = 64
 MAX_STREAMS_ENV = "ROPEWALK_API_MAX_STREAMS"
 TOO_MANY_STREAMS = "too_many_streams"
+MOMENT_GONE = "moment_gone"  # a look needs records the broker deleted (processors/history/reader.MomentGone): 410
 UNAUTHENTICATED = "unauthenticated"
 BROKER_UNAVAILABLE = "broker_unavailable"
 USERS_UNREADABLE = "users_file_unreadable"
@@ -295,6 +297,10 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     @app.exception_handler(FrontendError)
     async def _frontend_error(request: Request, exc: FrontendError):
         return JSONResponse({"error": exc.reason, "message": exc.message}, exc.status)
+
+    @app.exception_handler(MomentGone)
+    async def _moment_gone(request: Request, exc: MomentGone):  # a look before what the broker still holds
+        return JSONResponse({"error": MOMENT_GONE, "message": str(exc)}, 410)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -97,6 +97,7 @@ def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int]
         marks = watermarks(cfg, wanted)
         first: dict[tuple[str, int], int] = {}
         ends: dict[tuple[str, int], int] = {}
+        read = 0
         gone = sorted((tp, low) for tp, (low, high) in marks.items() if tp not in start and low > 0)
         if gone:  # from the beginning, where there is no beginning any more
             (topic, partition), low = gone[0]
