@@ -92,14 +92,22 @@ class Work:
     serial: int = 0
 
 
+MIN_RETRY_S = 1.0  # the scaled retry timer's fastest round
+
+
 def scaled_env(time_scale: float) -> dict[str, str]:
     """What the region measures in time that the soak must see pass: in simulated time."""
     from infra.config import DEFAULT_JOB_GC_S
     from processors.agent import logs
 
     from processors.allocator.index import DONE_TTL_ENV, DONE_TTL_S
+    from processors.scheduler.shard import RETRY_ENV, RETRY_S
 
-    return {"ROPEWALK_JOB_GC_S": f"{DEFAULT_JOB_GC_S / time_scale:.3f}",
+    # The scheduler's timer collects the jobs whose grace passed: at its real 10 s a scaled grace of seconds is
+    # collected once a round at best, and a shard killed every few seconds of wall time (the recoveries) ran no
+    # round at all between two kills. Scaled too, but no faster than once a second (MIN_RETRY_S).
+    return {RETRY_ENV: f"{max(MIN_RETRY_S, RETRY_S / time_scale):.3f}",
+            "ROPEWALK_JOB_GC_S": f"{DEFAULT_JOB_GC_S / time_scale:.3f}",
             "ROPEWALK_TASK_LOG_KEEP_S": f"{logs.KEEP_S / time_scale:.3f}",
             DONE_TTL_ENV: str(max(10, int(DONE_TTL_S / time_scale)))}  # its decisions reach the log in seconds
 
