@@ -26,7 +26,7 @@ task's own directory, bound writable; private ``/tmp``, ``/var/tmp`` and ``/dev/
 namespace (its ``/proc`` shows its own processes alone) and an IPC namespace; ``setpriv`` then drops to the task's
 uid with no capabilities (and bwrap sets no-new-privileges) before the task's command runs. The network is shared
 (a task is a service). In the sandbox a task killed by signal N exits ``128 + N`` (bwrap's init reports it as a
-shell would), not ``-N``. ``sandbox_argv`` builds that command line (pure; ``tests/unit/test_isolation.py``).
+shell would), not ``-N``. ``sandbox_argv`` builds that command line (pure; ``tests/unit/test_isolation_parts.py``).
 What it costs at start: ``bench/task_start.py`` (README, "Tasks isolated from one another").
 
 **Stopping one** (``signal``): with a uid of its own, a SIGTERM goes to the processes of that uid (never to the

@@ -13,7 +13,7 @@
 These need root (an agent hands out uids only as root): CI runs as root. There, the sandbox is demanded: a machine
 without bubblewrap, or where it cannot make its namespaces, fails the sandboxed case (`bash infra/bootstrap.sh
 --for-tests` installs it). An agent that is not root runs its tasks as itself, unsandboxed, and says so: what it
-decides on every kind of machine is tests/unit/test_isolation.py's.
+decides on every kind of machine is tests/unit/test_isolation_parts.py's.
 """
 from __future__ import annotations
 
