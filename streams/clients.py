@@ -5,6 +5,11 @@
   errors are collected and raised by `flush()` (and by the next `send`), never swallowed. Every event it
   sends carries the record headers `producer` = its name (`PRODUCER_HEADER`) and `type` = the event type
   (`TYPE_HEADER`), readable without decoding.
+* Identities (streams/auth.py): on the topics agents may write (`auth.AUTHENTICATED`), an `EventProducer` seals
+  every record with its signer (by default its principal's, `infra.trust.signer_for`; agents give theirs) and an
+  `EventConsumer` checks every record's proof with its verifier (`infra.trust.verifier_for`): one that does not
+  verify is refused like a record that does not decode (dead-lettered with the reason), and the events it hands out
+  carry the identity it proved (`Event.identity`). A region without keys seals and checks nothing.
 * `EventConsumer`: decodes every record with the reader's schemas; a record that fails to decode or
   validate is skipped and counted by reason (`skipped`, a `streams.deadletter.Skipped`, which a command may
   share among its consumers to report once), routed to `deadletter` with its reason and origin when the
@@ -19,12 +24,13 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from infra.acls import reader_group
 from infra.config import Config
+from streams import auth
 from streams import deadletter as dl
 from streams import schemalog
 from streams.events import Event
@@ -37,6 +43,7 @@ from streams.topics import BY_NAME, CATALOGUE, KEY_ENTITLEMENT, KEY_JOB, KEY_MAC
 ROUTED = frozenset(t.name for t in CATALOGUE if t.copartitioned and t.key == KEY_ENTITLEMENT and t.name != "handoff")
 # Record headers of a record a scheduler shard forwarded to an entitlement's new partition (on `handoff`): where the
 # original is ("<logical topic>/<partition>@<offset>") and the entitlement's move count when it was forwarded.
+_FROM_CONFIG: Any = object()  # the default signer / verifier: the one of the client's principal (infra/trust.py)
 FORWARDED_HEADER = "forwarded_from"
 EPOCH_HEADER = "epoch"
 PRODUCER_HEADER = "producer"  # record header: the EventProducer's name (the envelope's producer, usually)
@@ -119,10 +126,16 @@ class EventProducer:
     shard that finds it there, so a producer without the map is slower across a move, never wrong)."""
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, *,
-                 route: "Callable[[str], int] | None" = None, owns_route: bool = False, **conf):
+                 route: "Callable[[str], int] | None" = None, owns_route: bool = False,
+                 signer: "auth.Signer | None" = _FROM_CONFIG, **conf):
         """``owns_route``: ``route`` is this producer's own (``partitionmap.routed_producer``'s follower), closed with
-        it."""
+        it. ``signer``: what seals the records on the authenticated topics (default: the principal's; None: none)."""
         self.cfg = cfg
+        if signer is _FROM_CONFIG:
+            from infra.trust import signer_for
+
+            signer = signer_for(cfg)
+        self.signer = signer
         self.route = route
         self._owned_route = route if owns_route else None
         self.registry = registry
@@ -186,7 +199,10 @@ class EventProducer:
         schema = self.registry.reader(event.type)
         if self._publish_schema(schema):
             self._flush_or_raise(10.0)  # the schema is on the log before any record that uses it
-        value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
+        if self.signer is not None and logical in auth.AUTHENTICATED:
+            value = self.signer.seal(self.registry, event.type, event.to_record(schema.version), validate)
+        else:
+            value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
         key = key_of(logical, event)
         partition = None
         if self.route is not None and logical in ROUTED:
@@ -286,8 +302,21 @@ class EventConsumer:
                  group_id: str | None = None, dead_letters: "dl.DeadLetters | None" = None,
                  skipped: "dl.Skipped | None" = None,
                  start_offsets: Mapping[tuple[str, int], int] | None = None,
-                 types: Iterable[str] | None = None, **conf):
+                 types: Iterable[str] | None = None, verify: bool = True,
+                 verifier: "auth.Verifier | None" = _FROM_CONFIG, keep_refused: bool = False, **conf):
+        """``verify``: check the proofs of the records of authenticated topics with ``verifier`` (default: the
+        principal's); ``keep_refused``: keep the events refused for their proof in ``refused`` (the agents answer
+        the commands among them)."""
         self.cfg = cfg
+        if not verify:
+            verifier = None
+        elif verifier is _FROM_CONFIG:
+            from infra.trust import verifier_for
+
+            verifier = verifier_for(cfg, registry)
+        self.verifier = verifier
+        self.keep_refused = keep_refused
+        self.refused: list[tuple[Event, str, str]] = []  # (event, reason, detail) refused for their proof
         self.registry = registry
         self.catalogue = Topics(cfg.topic_prefix, cfg.partitions)
         self.name = name
@@ -399,6 +428,7 @@ class EventConsumer:
             self.passed_over += 1
             return None
         value = msg.value()
+        data = None
         try:
             try:
                 type_, data = self.registry.decode(value)
@@ -413,10 +443,16 @@ class EventConsumer:
                     self._missed[fp] = time.monotonic()
                     raise
                 type_, data = self.registry.decode(value)
-            event = Event.from_record(type_, data)
+            if self.types is not None and type_ not in self.types:  # a record without its type header
+                self.passed_over += 1
+                return None
+            identity = identity_of(self.verifier, self.catalogue, msg.topic(), type_, data, value)
+            event = Event.from_record(type_, data, identity)
             check_placement(self.catalogue, msg.topic(), msg.key(), event)
         except DecodeError as exc:
             self._dead_letter(msg, exc.reason, exc.detail)
+            if self.keep_refused and isinstance(exc, auth.AuthError) and data is not None:
+                self.refused.append((Event.from_record(type_, data), exc.reason, exc.detail))
             return None
         ts_type, ts = msg.timestamp()
         return Record(event, msg.topic(), msg.partition(), msg.offset(), msg.key(), ts)
@@ -434,6 +470,15 @@ class EventConsumer:
 
     def close(self) -> None:
         self._consumer.close()
+
+
+def identity_of(verifier: "auth.Verifier | None", catalogue: Topics, physical_topic: str, type_: str,
+                record: Mapping[str, Any], value: bytes) -> str | None:
+    """Who wrote a record of an authenticated topic, proven by ``verifier`` (AuthError if not); None elsewhere, or
+    without a verifier (a region without keys)."""
+    if verifier is None or catalogue.logical(physical_topic) not in auth.AUTHENTICATED:
+        return None
+    return verifier.check(type_, record, value)
 
 
 def check_placement(catalogue: Topics, physical_topic: str, key: bytes | None, event: Event) -> None:

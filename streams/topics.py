@@ -92,6 +92,9 @@ CATALOGUE: tuple[TopicSpec, ...] = (
               doc="elastic compute: machines the Resource Broker lends to elastic entitlements and takes back"),
     TopicSpec("metrics", KEY_ENTITLEMENT, ("JobLoadReported",), True, config=_HEARTBEATS,
               doc="load signals per job for the autoscaler; bounded retention like heartbeats"),
+    TopicSpec("keys", KEY_ENTITY, ("SigningKeyAnnounced",), partitions=1, config=_KEEP_FOREVER,
+              doc="the public keys agents verify commands with, and their rotations, each signed by the operator's key "
+                  "or the identity's previous one (streams/auth.py); written by the operator, read by every principal"),
     TopicSpec("heartbeats", KEY_MACHINE, ("AgentHeartbeat",), config=_HEARTBEATS,
               doc="agent liveness, high volume; bounded retention (HEARTBEAT_RETENTION_MS)"),
     TopicSpec("deadletter", KEY_ORIGIN, ("DeadLetterRecorded",), partitions=1, config=_KEEP_FOREVER,

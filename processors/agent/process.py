@@ -59,7 +59,9 @@ from types import MappingProxyType
 from confluent_kafka import KafkaException
 
 from infra.config import Config
+from infra.credentials import CredentialsError
 from infra.process import process_start_time, signal_group
+from infra.trust import machine_signer
 from streams.deadletter import DeadLetters
 from streams.clients import EventConsumer, EventProducer
 from streams.partitionmap import MapFollower
@@ -152,9 +154,11 @@ class Proc:
 class ProcessAgent(LoopWorker):
     def __init__(self, cfg: Config, machine_id: str, work_dir: Path | str, *, registry: SchemaRegistry | None = None,
                  tick_ms: int = DEFAULT_TICK_MS, policy: d.Policy = d.DEFAULT_POLICY,
-                 stop_grace_ms: int = d.STOP_GRACE_MS, task_user: TaskUser | None = None):
+                 stop_grace_ms: int = d.STOP_GRACE_MS, task_user: TaskUser | None = None,
+                 machine_key: Path | None = None):
         self.cfg = cfg
         self.machine_id = machine_id
+        self.signer = machine_signer(cfg, machine_id, machine_key)  # what it says, it says as this machine
         self.work_dir = Path(work_dir)
         self.registry = registry or SchemaRegistry.from_dir()
         self.tick_ms = tick_ms
@@ -312,7 +316,7 @@ class ProcessAgent(LoopWorker):
 
     def _new_producer(self) -> EventProducer:
         return EventProducer(self.cfg, self.registry, f"agent/{self.machine_id}", route=self.partition_map,
-                             **PRODUCER_CONF)
+                             signer=self.signer, **PRODUCER_CONF)
 
     def _act(self, act: d.Action) -> None:
         if act.kind == d.SPAWN:
@@ -399,7 +403,8 @@ class ProcessAgent(LoopWorker):
             self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations],
                                           name=f"agent/{self.machine_id}", start_offsets=self.offsets,
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
-                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE})
+                                          types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE},
+                                          keep_refused=True)  # forged commands: answered (gate.forged)
             return True
         except Exception as exc:  # noqa: BLE001 - broker away: try again later, tasks go on
             self.errors += 1
@@ -424,9 +429,10 @@ class ProcessAgent(LoopWorker):
                 self._close_consumer()
             time.sleep(timeout_s)
             return 0
+        mine = self.machine_id.__eq__
+        self.judge.take_refused(self.consumer, mine, now_ms())
         if self._catch_up:
             return self._catch_up_with(records)
-        mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1  # saved with the state the record makes
             if rec.event.type == hp.REQUEST_TYPE:
@@ -566,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-grace-ms", type=int, default=d.STOP_GRACE_MS)
     ap.add_argument("--task-user", help=f"as root: the user tasks run as (default ${TASK_USER_ENV} or "
                                         f"{DEFAULT_TASK_USER})")
+    ap.add_argument("--machine-key", help="this machine's key file (default: <secrets>/machines/<machine>.json; the "
+                                          "operator writes it: `ropewalk machine key M`)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from infra import metrics
@@ -573,9 +581,15 @@ def main(argv: list[str] | None = None) -> int:
     metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     cfg = Config.from_env().as_principal("agent")
     work = Path(args.work_dir) if args.work_dir else default_work_dir(cfg.run_dir, args.machine_id)
-    agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
-                         policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts, backoff_ms=args.backoff_ms),
-                         stop_grace_ms=args.stop_grace_ms, task_user=TaskUser.resolve(args.task_user))
+    try:
+        agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
+                             policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts,
+                                            backoff_ms=args.backoff_ms),
+                             stop_grace_ms=args.stop_grace_ms, task_user=TaskUser.resolve(args.task_user),
+                             machine_key=Path(args.machine_key) if args.machine_key else None)
+    except CredentialsError as exc:
+        print(f"agent: {exc}", file=sys.stderr)
+        return 2
     faulthandler.register(signal.SIGUSR1)
     signal.signal(KEEP_TASKS_SIGNAL, agent.keep_tasks_at_stop)  # kill -USR1 <agent pid>: print every thread's stack to stderr
     agent.stop_on_signals()

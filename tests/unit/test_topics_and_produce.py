@@ -97,7 +97,7 @@ def test_parse_documents(text, count, error):
 # --- retention: the log is the system of record ---------------------------------------------------------------
 
 SYSTEM_OF_RECORD = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans",
-                    "handoff", "deadletter", "state.jobs", "state.tasks", "state.machines", "partitionmap", "_schemas")
+                    "handoff", "deadletter", "state.jobs", "state.tasks", "state.machines", "partitionmap", "_schemas", "keys")
 BOUNDED = ("heartbeats", "metrics")  # liveness and load samples: judged on recent ones, nothing rebuilt from them
 
 
