@@ -107,6 +107,8 @@ def mac(key: bytes, message: bytes) -> bytes:
 
 def _long(n: int) -> bytes:
     """Avro's zig-zag varint of a non-negative ``n`` (a length)."""
+    if n < 64:
+        return _SMALL[n]
     n <<= 1
     out = bytearray()
     while n > 0x7F:
@@ -116,8 +118,12 @@ def _long(n: int) -> bytes:
     return bytes(out)
 
 
+_SMALL = tuple(bytes((n << 1,)) for n in range(64))
+
+
 def _encoded_len(raw: bytes) -> int:
-    return len(_long(len(raw))) + len(raw)
+    n = len(raw)
+    return (1 if n < 64 else len(_long(n))) + n
 
 
 def proof_offset(identity: str, key_id: str) -> int:

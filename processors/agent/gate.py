@@ -1,23 +1,24 @@
 """An agent runs only what the scheduler signed and the allocator placed: every command is judged here.
 
 The ``tasks`` topic is written by the scheduler (commands) and by the agents (reports), so the broker's ACL cannot
-tell a scheduler's command from one an agent principal forged. Three checks, in order:
+tell a scheduler's command from one an agent principal forged. Three checks, in this order:
 
 * **Signed by the scheduler** (issue 27). Every command batch is signed with the scheduler's Ed25519 key over all it
   says (tasks, machines, spec versions, argv, env, resources, host profile: ``streams/auth.py``); the agent's
   consumer checks the signature against the scheduler's public key (pinned in the agent's file, rotations from the
   ``keys`` topic) and hands over only what verifies, with its proven ``identity``. A command that does not verify
   (forged, altered, unsigned, signed with a retired key) never reaches the gate: the wiring answers it with a
-  ``TaskCommandRefused`` naming why (``forged``) and the record is dead-lettered. The gate then checks the proven
+  ``TaskCommandRefused`` naming why (``forged``: unsigned, bad_proof, ...) and the record is dead-lettered. The gate then checks the proven
   identity is the scheduler's (or the operator's) — for STOP too: a forged STOP is refused like a forged START.
+* **Placed here.** ``allocations`` is written only by the scheduler and the allocator (``infra/acls.py``); a START or
+  RESTART runs only if the agent's fold of it says the allocator placed that task on its machine, for the command's
+  entitlement and job.
 * **Not older than the last command applied** to the task (``stale_command``). A signature proves who wrote a
   command, not that it is the latest: a copy of an old, genuinely signed STOP (or START of an older spec version)
   written again by an agent principal verifies. The agent keeps, per task placed on it, the time (the scheduler's
   own, signed) of the last command it applied, and refuses an older one. (Not the spec version: a canary rolled
-  back runs an older version on purpose, ``processors/scheduler/versions.py``.)
-* **Placed here.** ``allocations`` is written only by the scheduler and the allocator (``infra/acls.py``); a START or
-  RESTART runs only if the agent's fold of it says the allocator placed that task on its machine, for the command's
-  entitlement and job.
+  back runs an older version on purpose, ``processors/scheduler/versions.py``.) Commands of one task come on one
+  partition, in order; across partitions (an entitlement moving) an older one read late is refused, not applied.
 
 Anything else is refused with a ``TaskCommandRefused`` event on ``tasks`` naming the reason. In a region without keys
 (``infra/trust.py``: nothing is signed) the first check falls back to the command's envelope producer.
@@ -99,16 +100,15 @@ def verdict(cmd: Event, held: Placement | None, last_ms: int | None = None) -> s
     p = cmd.payload
     if not from_scheduler(cmd):
         return REFUSED_NOT_SCHEDULER
+    if p["command"] in JUDGED:
+        if held is None or held.machine_id != p["machine_id"]:
+            return REFUSED_NOT_ALLOCATED
+        if held.entitlement != cmd.entitlement:
+            return REFUSED_OTHER_ENTITLEMENT
+        if held.job_id != p["job_id"]:
+            return REFUSED_OTHER_JOB
     if last_ms is not None and cmd.timestamp_ms < last_ms:
         return REFUSED_STALE
-    if p["command"] not in JUDGED:
-        return None
-    if held is None or held.machine_id != p["machine_id"]:
-        return REFUSED_NOT_ALLOCATED
-    if held.entitlement != cmd.entitlement:
-        return REFUSED_OTHER_ENTITLEMENT
-    if held.job_id != p["job_id"]:
-        return REFUSED_OTHER_JOB
     return None
 
 

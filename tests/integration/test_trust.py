@@ -28,23 +28,24 @@ OPS = ("READ", "WRITE")
 W, R = "W", "R"
 # principal -> topic -> what it may do (R read, W write; "" nothing). operator (a super user) may do everything.
 TABLE = {
-    #                intents  machines unavail  allocs  tasks taskctl heartb deadl  st.jobs st.tasks st.mach _schemas loans metrics handoff partitionmap
-    "api":          ("RW",    "RW",    "RW",    "R",    "R",  "R",    "R",   "R",   "R",    "R",     "R",    "RW",   "R",  "R", "R", "RW"),
-    "scheduler":    ("RW",    "R",     "R",     "RW",   "RW", "RW",   "",    "W",   "W",    "W",     "",     "RW",   "",   "", "RW", "RW"),
-    "allocator":    ("R",     "RW",    "R",     "RW",   "",   "",     "",    "W",   "",     "",      "RW",   "RW",   "",   "", "", "R"),
-    "resourcebroker": ("",    "RW",    "RW",    "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "health":       ("",      "RW",    "W",     "",     "",   "",     "R",   "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "agent":        ("",      "W",     "",      "R",    "RW", "",     "W",   "W",   "",     "",      "",     "RW",   "",   "W", "", "R"),
-    "controller":   ("",      "",      "",      "",     "",   "RW",   "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "rebalancer":   ("RW",    "R",     "R",     "R",    "",   "",     "",    "W",   "R",    "",      "",     "RW",   "",   "", "", "R"),
-    "sidekick":     ("R",     "R",     "R",     "R",    "RW", "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "jobcontrol":   ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "srm":          ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "R", "", "R"),
-    "lender":       ("RW",    "R",     "RW",    "R",    "",   "",     "",    "W",   "",     "",      "",     "RW",   "RW", "", "", "R"),
-    "operator":     ("RW",) * 16,
+    #                intents  machines unavail  allocs  tasks taskctl heartb deadl  st.jobs st.tasks st.mach _schemas loans metrics handoff partitionmap keys
+    "api":          ("RW",    "RW",    "RW",    "R",    "R",  "R",    "R",   "R",   "R",    "R",     "R",    "RW",   "R",  "R", "R", "RW", "R"),
+    "scheduler":    ("RW",    "R",     "R",     "RW",   "RW", "RW",   "",    "W",   "W",    "W",     "",     "RW",   "",   "", "RW", "RW", "R"),
+    "allocator":    ("R",     "RW",    "R",     "RW",   "",   "",     "",    "W",   "",     "",      "RW",   "RW",   "",   "", "", "R", "R"),
+    "resourcebroker": ("",    "RW",    "RW",    "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "health":       ("",      "RW",    "W",     "",     "",   "",     "R",   "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "agent":        ("",      "W",     "",      "R",    "RW", "",     "W",   "W",   "",     "",      "",     "RW",   "",   "W", "", "R", "R"),
+    "controller":   ("",      "",      "",      "",     "",   "RW",   "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "rebalancer":   ("RW",    "R",     "R",     "R",    "",   "",     "",    "W",   "R",    "",      "",     "RW",   "",   "", "", "R", "R"),
+    "sidekick":     ("R",     "R",     "R",     "R",    "RW", "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "jobcontrol":   ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "srm":          ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "R", "", "R", "R"),
+    "lender":       ("RW",    "R",     "RW",    "R",    "",   "",     "",    "W",   "",     "",      "",     "RW",   "RW", "", "", "R", "R"),
+    "operator":     ("RW",) * 17,
 }
 TOPICS = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "heartbeats", "deadletter",
-          "state.jobs", "state.tasks", "state.machines", "_schemas", "loans", "metrics", "handoff", "partitionmap")
+          "state.jobs", "state.tasks", "state.machines", "_schemas", "loans", "metrics", "handoff", "partitionmap",
+          "keys")
 AUTHZ = KafkaError.TOPIC_AUTHORIZATION_FAILED
 
 
@@ -241,10 +242,11 @@ def test_forged_task_commands_are_refused_by_the_broker(cfg, registry, principal
 
 @pytest.mark.timeout(120)
 def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
-    """The one principal besides the scheduler that may write `tasks` is the agents'. A START it forges for a job
-    and an allocation that do not exist, or for a task placed on the machine for another entitlement, is refused
-    by the process agent with a TaskCommandRefused naming the reason, and nothing runs; a START the allocator
-    placed runs."""
+    """The one principal besides the scheduler that may write `tasks` is the agents'. A START it forges (unsigned: it
+    has no scheduler's key) is refused by the process agent with a TaskCommandRefused naming why (issue 27); a START
+    the scheduler signed for a job and an allocation that do not exist, or for a task placed on the machine for
+    another entitlement, is refused for that (the allocation gate, issue 12), and nothing runs; a START the
+    scheduler signed and the allocator placed runs."""
     from test_agent_process import Agents, allocated
 
     m = "local-msb1-r01-m001"
@@ -255,7 +257,10 @@ def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
         with refused_by_the_broker():  # an agent cannot place a task
             _produce_as(cfg, registry, "agent", allocated("e1.web", {"e1.web/0": m}, "e1"))
         _produce_as(cfg, registry, "allocator", allocated("e1.web", {"e1.web/0": m}, "e1"))  # placed here for e1
-        _produce_as(cfg, registry, "agent",
+        _produce_as(cfg, registry, "agent",  # the agents' credentials, a START for the placed task: not signed
+                    forged_task("START", m, ["sh", "-c", f"id > {pwned}"], task="e1.web/0", job="e1.web",
+                                entitlement="e1"))
+        _produce_as(cfg, registry, "scheduler",  # signed, but not what the allocations log placed here
                     forged_task("START", m, ["sh", "-c", f"id > {pwned}"]),  # no allocation at all
                     forged_task("START", m, ["sh", "-c", f"id > {pwned}"], task="e1.web/0", job="e1.web",
                                 entitlement="e2"))  # placed for e1, commanded as e2's
@@ -270,15 +275,17 @@ def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
                 running = any(e.type == "TaskStatesChanged" and any(r["state"] == "RUNNING" and r["task_id"] ==
                                                                      "e1.web/0" for r in e.payload["reports"])
                               for e in seen)
-                if len(refused) == 2 and running:
+                if len(refused) == 3 and running:
                     break
         finally:
             tasks.close()
-        assert refused == {("e2.victim/0", "not_allocated"), ("e1.web/0", "allocated_to_other_entitlement")}, seen
+        assert refused == {("e1.web/0", "unsigned"), ("e2.victim/0", "not_allocated"),
+                           ("e1.web/0", "allocated_to_other_entitlement")}, seen
         assert running
         assert not pwned.exists()
         refusal = next(e for e in seen if e.type == "TaskCommandRefused")
         assert refusal.producer == f"agent/{m}" and refusal.payload["command_producer"] == "scheduler"
+        assert refusal.identity == f"machine/{m}"  # the refusal itself is proven to come from that machine
     finally:
         agents.cleanup()
 
