@@ -305,8 +305,8 @@ class EventConsumer:
                  types: Iterable[str] | None = None, verify: bool = True,
                  verifier: "auth.Verifier | None" = _FROM_CONFIG, keep_refused: bool = False, **conf):
         """``verify``: check the proofs of the records of authenticated topics with ``verifier`` (default: the
-        principal's); ``keep_refused``: keep the events refused for their proof in ``refused`` (the agents answer
-        the commands among them)."""
+        principal's); ``keep_refused``: keep the events refused for their proof in ``refused`` instead of
+        dead-lettering them (an agent answers and dead-letters those addressed to its machines: gate.Judge)."""
         self.cfg = cfg
         if not verify:
             verifier = None
@@ -316,7 +316,9 @@ class EventConsumer:
             verifier = verifier_for(cfg, registry)
         self.verifier = verifier
         self.keep_refused = keep_refused
-        self.refused: list[tuple[Event, str, str]] = []  # (event, reason, detail) refused for their proof
+        # (event, reason, detail, where) refused for their proof, not dead-lettered (``keep_refused``): ``where`` is what
+        # ``DeadLetters.route`` takes besides the reason and detail
+        self.refused: list[tuple[Event, str, str, dict]] = []
         self.registry = registry
         self.catalogue = Topics(cfg.topic_prefix, cfg.partitions)
         self.name = name
@@ -450,19 +452,27 @@ class EventConsumer:
             event = Event.from_record(type_, data, identity)
             check_placement(self.catalogue, msg.topic(), msg.key(), event)
         except DecodeError as exc:
-            self._dead_letter(msg, exc.reason, exc.detail)
             if self.keep_refused and isinstance(exc, auth.AuthError) and data is not None:
-                self.refused.append((Event.from_record(type_, data), exc.reason, exc.detail))
+                # the caller answers (and dead-letters) the ones that concern it: one forged record is not
+                # dead-lettered by every agent of the region
+                self._dead_letter(msg, exc.reason, exc.detail, route=False)
+                self.refused.append((Event.from_record(type_, data), exc.reason, exc.detail, self._where(msg)))
+            else:
+                self._dead_letter(msg, exc.reason, exc.detail)
             return None
         ts_type, ts = msg.timestamp()
         return Record(event, msg.topic(), msg.partition(), msg.offset(), msg.key(), ts)
 
-    def _dead_letter(self, msg, reason: str, detail: str) -> None:
+    @staticmethod
+    def _where(msg) -> dict:
+        return {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
+                "value": msg.value()}
+
+    def _dead_letter(self, msg, reason: str, detail: str, *, route: bool = True) -> None:
         self.dead_lettered += 1
-        where = {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
-                 "value": msg.value(), "reason": reason, "detail": detail}
+        where = {**self._where(msg), "reason": reason, "detail": detail}
         self.skipped.route(**where)
-        if self.dead_letters is not None:
+        if route and self.dead_letters is not None:
             self.dead_letters.route(**where)
 
     def commit(self) -> None:

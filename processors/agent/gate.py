@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from streams import auth
+from streams import auth, batches
 from streams.events import Event, derived_event_id, new_event
 
 ALLOCATION_TYPES = frozenset({"TasksAllocated", "TasksDeallocated"})  # what an agent reads of ``allocations``
@@ -266,13 +266,22 @@ class Judge:
             act += self._judge(commands(ev, machine_ok), now_ms)
         return act
 
-    def take_refused(self, consumer, machine_ok: Callable[[str], bool], now_ms: int) -> int:
-        """Answer the commands among the records ``consumer`` refused for their proof (its ``refused``, emptied) that
-        are addressed to a machine ``machine_ok`` accepts; returns how many records it had refused."""
+    def take_refused(self, consumer, machine_ok: Callable[[str], bool], now_ms: int, dead_letters=None) -> int:
+        """The records ``consumer`` refused for their proof (its ``refused``, emptied) that concern a machine
+        ``machine_ok`` accepts: each command of them answered (``forged``), each record dead-lettered with its reason
+        (on ``dead_letters``); the others are left to the agents and readers they concern. Returns how many concerned
+        these machines."""
         taken, consumer.refused = consumer.refused, []
-        for ev, reason, detail in taken:
-            self.refused += forged(ev, reason, detail, machine_ok, now_ms)
-        return len(taken)
+        mine = 0
+        for ev, reason, detail, where in taken:
+            answers = forged(ev, reason, detail, machine_ok, now_ms)
+            if not answers and not any(machine_ok(m) for m in batches.machine_ids(ev)):
+                continue
+            mine += 1
+            self.refused += answers
+            if dead_letters is not None:
+                dead_letters.route(**where, reason=reason, detail=detail)
+        return mine
 
     def take_commands(self, cmds: Iterable[Event], now_ms: int) -> list[Event]:
         """``take`` for commands already taken out of their batches (TaskCommanded events for our machines)."""

@@ -430,7 +430,7 @@ class ProcessAgent(LoopWorker):
             time.sleep(timeout_s)
             return 0
         mine = self.machine_id.__eq__
-        self.judge.take_refused(self.consumer, mine, now_ms())
+        self.judge.take_refused(self.consumer, mine, now_ms(), self.consumer.dead_letters)
         if self._catch_up:
             return self._catch_up_with(records)
         for rec in records:

@@ -410,7 +410,7 @@ class SimulatedAgents(LoopWorker):
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:
             records = self.consumer.poll(10_000, poll_s, linger_s=0.0)
-            self.judge.take_refused(self.consumer, self.known.__contains__, now_ms())
+            self.judge.take_refused(self.consumer, self.known.__contains__, now_ms(), self.consumer.dead_letters)
             self.on_commands((r.event for r in records), now_ms())
             for r in records:
                 self.offsets[(r.topic, r.partition)] = r.offset + 1
