@@ -201,7 +201,7 @@ def machine_signer(cfg, machine_id: str, key_file: Path | None = None) -> Machin
     doc = read_json(path)
     if doc is None:
         raise CredentialsError(f"no key for machine {machine_id} at {path}: the operator writes it with `ropewalk "
-                               f"machine key {machine_id}` (and gives the file to this machine)")
+                               f"keys machine {machine_id}` (and gives the file to this machine)")
     if doc.get("machine_id") != machine_id or "key" not in doc:
         raise CredentialsError(f"{path} is not the key of machine {machine_id}")
     key = unb64(doc["key"])

@@ -177,7 +177,7 @@ def api_ready(cfg: Config) -> bool:
 
 def local_machine_key(cfg: Config) -> Path | None:
     """The process agent's own key (``LOCAL_MACHINE_ID``'s, infra/trust.py), written by the operator's ``up`` like any
-    machine's (``ropewalk machine key``); None in a region without keys."""
+    machine's (``ropewalk keys machine``); None in a region without keys."""
     from infra import trust
 
     if trust.trust_doc(cfg.secrets) is None:

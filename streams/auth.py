@@ -55,6 +55,8 @@ AUTHENTICATED = frozenset({"tasks", "machines", "heartbeats"})
 COMMANDED: Mapping[str, frozenset[str]] = MappingProxyType({
     "TasksCommanded": frozenset({"scheduler"}), "TaskCommanded": frozenset({"scheduler"}),
     "HostProfileRequested": frozenset({"sidekick"})})
+# Sealed with an Ed25519 signature (by a signer that has a key): what agents act on, and the keys' announcements.
+SIGNED = frozenset({*COMMANDED, "SigningKeyAnnounced"})
 ITEMS = "reports"  # MACHINE_SPEECH of a batch: every report names a machine
 # What a machine may write, and the payload field naming the machine it speaks of.
 MACHINE_SPEECH: Mapping[str, str] = MappingProxyType({
@@ -317,8 +319,8 @@ def _sealed(registry, type_: str, record: dict, validate: bool, identity: str, k
 
 
 class ComponentSigner(Signer):
-    """A control-plane principal's: HMAC under its component key; the records agents act on (``COMMANDED``) signed
-    with its Ed25519 key when it has one (else they go unsigned: agents refuse them)."""
+    """A control-plane principal's: HMAC under its component key; the records agents act on (``COMMANDED``) and the
+    keys' announcements signed with its Ed25519 key when it has one (else they go unsigned: readers refuse them)."""
 
     def __init__(self, identity: str, component_secret: bytes | None, signing_key: SigningKey | None = None):
         self.identity = identity
@@ -327,9 +329,9 @@ class ComponentSigner(Signer):
 
     def seal(self, registry, type_: str, record: dict, validate: bool = True) -> bytes:
         sk = self.signing_key
-        if type_ in COMMANDED and sk is not None:
+        if type_ in SIGNED and sk is not None:
             return _sealed(registry, type_, record, validate, self.identity, sk.key_id, sk.sign)
-        if self.key is None or type_ in COMMANDED:
+        if self.key is None or type_ in SIGNED:
             return registry.encode(type_, record, validate=validate)
         key = self.key
         return _sealed(registry, type_, record, validate, self.identity, HMAC_KEY_ID, lambda m: mac(key, m))

@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task-user", help=f"as root: the user tasks run as (default ${TASK_USER_ENV} or "
                                         f"{DEFAULT_TASK_USER})")
     ap.add_argument("--machine-key", help="this machine's key file (default: <secrets>/machines/<machine>.json; the "
-                                          "operator writes it: `ropewalk machine key M`)")
+                                          "operator writes it: `ropewalk keys machine M`)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from infra import metrics
