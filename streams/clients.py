@@ -445,8 +445,8 @@ class EventConsumer:
                     self._missed[fp] = time.monotonic()
                     raise
                 type_, data = self.registry.decode(value)
-            if self.types is not None and type_ not in self.types:  # a record without its type header
-                self.passed_over += 1
+            if self.types is not None and type_ not in self.types and belongs(self.catalogue, msg.topic(), type_):
+                self.passed_over += 1  # a record without its type header, of a type this reader does not want
                 return None
             identity = identity_of(self.verifier, self.catalogue, msg.topic(), type_, data, value)
             event = Event.from_record(type_, data, identity)
@@ -482,12 +482,22 @@ class EventConsumer:
         self._consumer.close()
 
 
+def belongs(catalogue: Topics, physical_topic: str, type_: str) -> bool:
+    """Whether events of ``type_`` belong on the topic (one of the catalogue's: else nothing is said here)."""
+    logical = catalogue.logical(physical_topic)
+    return logical is None or logical == "_schemas" or type_ in BY_NAME[logical].events
+
+
 def identity_of(verifier: "auth.Verifier | None", catalogue: Topics, physical_topic: str, type_: str,
                 record: Mapping[str, Any], value: bytes) -> str | None:
     """Who wrote a record of an authenticated topic, proven by ``verifier`` (AuthError if not); None elsewhere, or
-    without a verifier (a region without keys)."""
-    if verifier is None or catalogue.logical(physical_topic) not in auth.AUTHENTICATED:
+    without a verifier (a region without keys). An event that does not belong on the topic is refused for that first
+    (INVALID_EVENT, as ``check_placement`` says)."""
+    logical = catalogue.logical(physical_topic)
+    if verifier is None or logical not in auth.AUTHENTICATED:
         return None
+    if type_ not in BY_NAME[logical].events:
+        raise DecodeError(INVALID_EVENT, f"{type_} does not belong on topic {logical}")
     return verifier.check(type_, record, value)
 
 
