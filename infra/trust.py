@@ -253,7 +253,7 @@ def rotation(doc: Mapping[str, Any], identity: str, now_ms: int, *, overlap_ms: 
     until = now_ms + overlap_ms
     ev = new_event("SigningKeyAnnounced", {
         "identity": identity, "key_id": new["key_id"], "public_key": unb64(new["public"]),
-        "previous_key_id": old["key_id"], "previous_until_ms": until,
+        "previous_key_id": old["key_id"], "previous_until_ms": until, "previous_public_key": unb64(old["public"]),
         "reason": "revocation" if overlap_ms == 0 else "rotation"}, entitlement="", entity_id=identity,
         producer=OPERATOR, timestamp_ms=now_ms, event_id=derived_event_id("keys", identity, new["key_id"]))
     after = json.loads(json.dumps(doc))

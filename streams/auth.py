@@ -51,6 +51,7 @@ ANY_MACHINES = MACHINE_PREFIX + "*"  # the identity of a batch whose reports eac
 # The data topics the agent principal may write (infra/acls.py) whose readers act on what they read: every record on
 # them carries a proof. (An agent also writes `metrics`, `deadletter` and `_schemas`: README, "What is still open".)
 AUTHENTICATED = frozenset({"tasks", "machines", "heartbeats"})
+SEALED = AUTHENTICATED | {"keys"}  # what producers seal: those, and the keys' announcements (checked by the KeyRing)
 # Records agents act on: signed (Ed25519) by one of these identities, or by the operator.
 COMMANDED: Mapping[str, frozenset[str]] = MappingProxyType({
     "TasksCommanded": frozenset({"scheduler"}), "TaskCommanded": frozenset({"scheduler"}),
@@ -296,6 +297,9 @@ class KeyRing:
             return exc.reason
         new = PublicKey(record["identity"], record["key_id"], bytes(record["public_key"]))
         self.keys.setdefault((new.identity, new.key_id), new)
+        if record.get("previous_key_id") and record.get("previous_public_key"):  # a file that pins only the new one
+            self.keys.setdefault((new.identity, record["previous_key_id"]),
+                                 PublicKey(new.identity, record["previous_key_id"], bytes(record["previous_public_key"])))
         prev = self.keys.get((new.identity, record.get("previous_key_id") or ""))
         if prev is not None and prev is not new and record.get("previous_until_ms") is not None:
             until = record["previous_until_ms"]

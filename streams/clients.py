@@ -199,7 +199,7 @@ class EventProducer:
         schema = self.registry.reader(event.type)
         if self._publish_schema(schema):
             self._flush_or_raise(10.0)  # the schema is on the log before any record that uses it
-        if self.signer is not None and logical in auth.AUTHENTICATED:
+        if self.signer is not None and logical in auth.SEALED:
             value = self.signer.seal(self.registry, event.type, event.to_record(schema.version), validate)
         else:
             value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)

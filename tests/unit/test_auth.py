@@ -217,7 +217,8 @@ def test_an_event_read_carries_its_identity_which_no_equality_or_encoding_sees()
 def announcement(identity, new, previous=None, until=None, signer=OPERATOR_KEY, ts=1000):
     ev = new_event("SigningKeyAnnounced", {"identity": identity, "key_id": new.key_id, "public_key": new.public(),
                                            "previous_key_id": previous.key_id if previous else None,
-                                           "previous_until_ms": until, "reason": "rotation"},
+                                           "previous_until_ms": until, "reason": "rotation",
+                                           "previous_public_key": previous.public() if previous else None},
                    entitlement="", entity_id=identity, producer="operator", timestamp_ms=ts)
     value = sealed(auth.ComponentSigner(signer.identity, None, signer), ev)
     return REG.decode(value)[1], value
@@ -282,3 +283,13 @@ def test_an_unknown_key_makes_the_ring_read_the_keys_topic_at_most_so_often():
     now[0] += auth.REFRESH_S + 1
     keys.key("scheduler", new.key_id, 9000)  # known, but read again every REFRESH_S (a retirement is learnt)
     assert len(calls) == 3
+
+
+def test_a_reader_whose_file_names_only_the_new_key_accepts_the_old_one_for_the_overlap():
+    """A principal file written after the rotation pins the new key only; the announcement names the old one too."""
+    new = auth.new_signing_key("scheduler")
+    keys = ring(new)
+    assert keys.apply(*announcement("scheduler", new, SCHEDULER_KEY, until=5000)) is None
+    v = verifier(keys=keys)
+    assert check(sealed(component("scheduler", SCHEDULER_KEY), commands(ts=5000)), v) == "scheduler"
+    assert refused(sealed(component("scheduler", SCHEDULER_KEY), commands(ts=5001)), v) == auth.KEY_RETIRED
