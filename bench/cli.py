@@ -1,4 +1,4 @@
-"""`ropewalk bench` and `ropewalk experiment figure14|killstorm`: the bench package's commands of the CLI.
+"""`ropewalk bench` and `ropewalk experiment figure14|killstorm|powerloss`: the bench package's commands of the CLI.
 
 The front end (processors/frontend/cli.py) names these commands in its parser (so `ropewalk --help` lists them) and
 hands them over whole: it replaces itself with this program, ``python -P -m bench.cli COMMAND ...`` (the same
@@ -41,6 +41,21 @@ def add_commands(bench, experiment) -> None:
                                     "Exits 1 if a check fails (bench/killstorm.py)")
     sp.set_defaults(fn=cmd_killstorm)
     killstorm.add_arguments(sp)
+    add_powerloss(exp)
+
+
+def add_powerloss(exp) -> None:
+    from bench.experiments import powerloss
+
+    sp = exp.add_parser("powerloss", help="a DC loses its power and gets it back: tasks stopped, then all running",
+                        description="On a region of its own: every machine of dc1 loses its power (the Resource "
+                                    "Broker's UnavailabilityStarted POWER, as `ropewalk machine power-loss` "
+                                    "announces it) under jobs pinned to dc1, then gets it back: the time until every "
+                                    "task is stopped, and until every task runs again (the restarts paced by the "
+                                    "scheduler's shard limiter). Exits 1 if a check fails "
+                                    "(bench/experiments/powerloss.py)")
+    sp.set_defaults(fn=cmd_powerloss)
+    powerloss.add_arguments(sp)
 
 
 def cmd_bench(cfg, args) -> int:  # noqa: ARG001 - a region of its own (own ports and run dir): not the user's
@@ -61,6 +76,12 @@ def cmd_killstorm(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the 
     from bench import killstorm
 
     return killstorm.run_cli(args)
+
+
+def cmd_powerloss(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
+    from bench.experiments import powerloss
+
+    return powerloss.run_cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:

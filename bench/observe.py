@@ -36,6 +36,7 @@ class LogObserver:
         self.requested_ms: dict[str, int] = {}  # job -> log time of its first AllocationRequested since expect()
         self.running: dict[str, tuple[str, int]] = {}  # task -> (machine, log time) of its latest RUNNING
         self.discovered: dict[str, tuple[str, int]] = {}  # task -> (machine, log time) the scheduler enabled it on
+        self.undiscovered_ms: dict[str, int] = {}  # task -> log time the scheduler last took it out of discovery
         self.rejected: Counter[str] = Counter()  # AllocationRejected reasons
         self.by_type: Counter[str] = Counter()
         self.records = 0
@@ -86,6 +87,7 @@ class LogObserver:
                         self.discovered[c["task_id"]] = (c["machine_id"], ts)
                     elif self.discovered.get(c["task_id"], ("",))[0] == c["machine_id"]:
                         del self.discovered[c["task_id"]]
+                        self.undiscovered_ms[c["task_id"]] = ts
         return len(recs)
 
     def wait(self, done: Callable[[], bool], timeout_s: float) -> bool:

@@ -14,11 +14,11 @@ Writers per topic, and where a topic-level ACL cannot tell writers apart:
 |------------------|--------------------------------------|---------------------------------------|
 | intents          | api (users' intents), scheduler (IntentRefused), rebalancer (RebalancePlanned), jobcontrol (JobSpecReconciled, its IntentRefused), srm (sizing intents, owner srm), lender (an elastic borrower's quota: EntitlementUpdated of a loan) | the scheduler could forge an intent; it is trusted with every task command anyway. The rebalancer could too; its plans only move tasks the scheduler checks (a move the entitlement's job does not hold is not made). jobcontrol, srm and lender could write any intent type: the topic-level ACL cannot tell types apart |
 | machines         | resourcebroker, health, allocator, api (admins' machine fail/recover, maintenance end), agent (HostProfileApplied/Failed) | closed by identities (streams/auth.py): every record proves its writer, a component (HMAC under a secret agents do not hold) or a machine speaking of itself (its own key); readers dead-letter the rest. A control-plane principal could pass for another (they share the component secret) |
-| unavailability   | resourcebroker, health, api (admins' maintenance, machine fail), lender (a revocation's notice, vacate) | |
+| unavailability   | resourcebroker, health, api (admins' maintenance, machine fail, power loss and restore), lender (a revocation's notice, vacate) | agents read it: the simulated machines go dark on a power UE (processors/agent/power.py) |
 | allocations      | scheduler (AllocationRequested), allocator (TasksAllocated, AllocationRejected, TasksDeallocated) | the scheduler could forge a placement: agents trust the allocations topic, written only by these two |
 | tasks            | scheduler (commands, its own task transitions), agent (reports), sidekick (HostProfileRequested) | closed by identities: commands are signed with the scheduler's Ed25519 key (Sidekick's requests with its own), which agents check, and no older than the last one applied (processors/agent/gate.py); each report is proven by its machine's key and the scheduler checks it. A genuine record copied again (a machine's old report) still verifies: README, "What is still open" |
-| partitionmap     | api (a new entitlement's partition), scheduler (moves) | |
-| handoff          | scheduler (hand-overs, forwarded records) | |
+| partitionmap     | api (a new entitlement's partition), scheduler (moves) | not sealed (streams/auth.py): no agent may write it; the API could move an entitlement, the scheduler is trusted with every command anyway |
+| handoff          | scheduler (hand-overs, forwarded records) | not sealed: the scheduler's alone |
 | loans            | lender (LoanGranted, LoanRevoked, LoanReturned) | |
 | metrics          | agent (JobLoadReported: the load signals) | an agent could report another job's load: the SRM sizes within the job's min/max only |
 | taskcontrol      | scheduler (requests, throttling), controller (acks) | a controller could ack another job's request: the scheduler ignores acks of a stale or unknown sequence |
@@ -69,7 +69,7 @@ READS: Mapping[str, tuple[str, ...]] = MappingProxyType({p: tuple(dict.fromkeys(
     ALLOCATOR: ("intents", "machines", "unavailability", "allocations", "state.machines", MAP, SCHEMAS),
     RESOURCEBROKER: ("machines", "unavailability", MAP, SCHEMAS),
     HEALTH: ("machines", "heartbeats", MAP, SCHEMAS),
-    AGENT: ("tasks", "allocations", MAP, SCHEMAS),
+    AGENT: ("tasks", "allocations", "unavailability", MAP, SCHEMAS),  # unavailability: the simulated machines' power
     CONTROLLER: ("taskcontrol", MAP, SCHEMAS),
     REBALANCER: ("intents", "machines", "unavailability", "allocations", "state.jobs", MAP, SCHEMAS),  # its TOPICS
     SIDEKICK: ("intents", "machines", "unavailability", "allocations", "tasks", MAP, SCHEMAS),
@@ -81,6 +81,7 @@ READS: Mapping[str, tuple[str, ...]] = MappingProxyType({p: tuple(dict.fromkeys(
 FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})
 FAUST_TOPIC_OPERATIONS = ("READ", "WRITE", "CREATE", "DESCRIBE", "DESCRIBE_CONFIGS")
 READER_GROUPS = "ropewalk-"  # prefix (after the region's) of the group ids of assign-only readers
+POSITION_GROUPS = READER_GROUPS + "position-"  # ... of the groups a worker's reader commits its position to
 
 
 def reader_group(cfg: Config, name: str = "reader") -> str:
@@ -88,6 +89,15 @@ def reader_group(cfg: Config, name: str = "reader") -> str:
     one anyway (and asks for its coordinator, which the broker authorizes: every principal may DESCRIBE the groups
     ``<prefix>ropewalk-*`` of its region, ``grants``)."""
     return f"{cfg.topic_prefix}{READER_GROUPS}{name}"
+
+
+def position_group(cfg: Config, name: str) -> str:
+    """The group a worker's assigning reader named ``name`` commits its position to, for Kafka's lag tools
+    (``streams.clients.EventConsumer``'s ``follows``): ``<prefix>ropewalk-position-<name>``, the name's characters
+    outside ``[A-Za-z0-9._-]`` as ``-`` (``agent/local-msb1-r01-m001`` → ``agent-local-msb1-r01-m001``)."""
+    import re
+
+    return f"{cfg.topic_prefix}{POSITION_GROUPS}{re.sub(r'[^A-Za-z0-9._-]', '-', name)}"
 
 
 def allowed(principal: str, topic: str, operation: str) -> bool:
@@ -116,6 +126,8 @@ def grants(prefix: str) -> list[Grant]:
             out += [Grant(principal, "topic", topics.name(t), False, op) for t in names]
     for principal in READS:  # the group ids of readers that assign partitions themselves (reader_group)
         out.append(Grant(principal, "group", f"{prefix}{READER_GROUPS}", True, "DESCRIBE"))
+        # a worker's reader commits its position to its own group (position_group): READ on the group
+        out.append(Grant(principal, "group", f"{prefix}{POSITION_GROUPS}", True, READ))
     for principal, app in FAUST_APPS.items():
         out.append(Grant(principal, "group", prefix + app, True, READ))
         out += [Grant(principal, "topic", f"{prefix}{app}-", True, op) for op in FAUST_TOPIC_OPERATIONS]

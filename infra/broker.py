@@ -73,6 +73,15 @@ LOG4J_CONFIG = PROJECT_ROOT / "infra" / "kafka" / "log4j2.yaml"
 LIBS = PROJECT_ROOT / ".kafka" / "libs"
 MIN_JAVA = 17
 START_TIMEOUT_S = 60.0  # a cold JVM on a loaded 2-core machine; measured ~3 s when idle
+# A cluster's nodes start together and elect their quorum: three cold JVMs on a loaded 2-core machine took more than
+# 60 s to be ready after a whole region's power loss (the kill storm, load average 13), ~30 s each to reach Kafka's
+# start alone.
+CLUSTER_START_TIMEOUT_S = 180.0
+
+
+def start_timeout_s(cfg: Config) -> float:
+    """How long the embedded broker may take to be ready: one node, or a cluster (``CLUSTER_START_TIMEOUT_S``)."""
+    return START_TIMEOUT_S if cfg.brokers == 1 else CLUSTER_START_TIMEOUT_S
 NODE_ID = 1  # the one node's id (a cluster's nodes are 1..N)
 NAME = "broker"  # the one node's process name (pid file, log); node i of a cluster is "broker-<i>"
 # Committed consumer offsets are kept this long after a group's last member left (Kafka's default is 7 days,

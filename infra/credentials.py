@@ -34,6 +34,8 @@ the directory 0700, every file 0600, written whole and renamed into place):
     redis.json   {"users": {"operator": {"username": "operator", "password": "..."}, ...}}
     redis.acl    the embedded redis-server's ACL file: the same users, passwords as SHA-256 hashes
     kcat.conf    the operator's librdkafka settings (PLAIN), for tools: ``kcat -F <secrets>/kcat.conf -b ... -L``
+    kafka-tools.properties  the operator's Java client settings, for Kafka's own tools (infra/kafka/bin/):
+                 ``kafka-consumer-groups --command-config <secrets>/kafka-tools.properties ...``
     users.yaml   the API's users: token hashes, roles per entitlement (processors/api/users.py)
     token        the local region administrator's API token, read by the CLI
     <principal>.json  ONE principal's credentials, all a worker of that principal reads (``principal_file``):
@@ -106,6 +108,7 @@ SCRAM_ITERATIONS = 4096  # Kafka's minimum for SCRAM-SHA-256, and what its tools
 KAFKA_FILE = "kafka.json"
 PRINCIPAL_FILE = "{principal}.json"  # one principal's own credentials (principal_file)
 KCAT_FILE = "kcat.conf"
+JAVA_TOOLS_FILE = "kafka-tools.properties"
 REDIS_FILE = "redis.json"
 REDIS_ACL_FILE = "redis.acl"
 TRUST_FILE = "trust.json"  # the keys behind the identities on the log (below, and infra/trust.py)
@@ -193,6 +196,7 @@ def ensure(secrets_dir: Path, *, kafka: bool = True, redis: bool = True) -> dict
         # PLAIN, not SCRAM: Debian's kcat links librdkafka 2.0.2, whose SCRAM Kafka 4 refuses (infra/broker.py).
         operator = {**librdkafka_conf(kafka_credentials(secrets_dir, OPERATOR)), "sasl.mechanism": "PLAIN"}
         write_private(secrets_dir / KCAT_FILE, "".join(f"{k}={v}\n" for k, v in operator.items()))
+        write_private(secrets_dir / JAVA_TOOLS_FILE, java_client_properties(kafka_credentials(secrets_dir, OPERATOR)))
         added[KAFKA_FILE] = new
     if redis:
         path = secrets_dir / REDIS_FILE
@@ -388,6 +392,21 @@ def librdkafka_conf(creds: KafkaCredentials | None) -> dict[str, Any]:
     if creds.ssl_ca:
         conf["ssl.ca.location"] = creds.ssl_ca
     return conf
+
+
+def java_client_properties(creds: KafkaCredentials | None) -> str:
+    """A Java Kafka client's properties for ``creds`` (Kafka's own tools: ``--command-config``). Pure."""
+    if creds is None:
+        return ""
+    module = ("org.apache.kafka.common.security.plain.PlainLoginModule" if creds.mechanism == "PLAIN"
+              else "org.apache.kafka.common.security.scram.ScramLoginModule")
+    quoted = {k: v.replace("\\", "\\\\").replace('"', '\\"') for k, v in
+              (("username", creds.username), ("password", creds.password))}
+    lines = [f"security.protocol={creds.security_protocol}", f"sasl.mechanism={creds.mechanism}",
+             f'sasl.jaas.config={module} required username="{quoted["username"]}" password="{quoted["password"]}";']
+    if creds.ssl_ca:
+        lines += ["ssl.truststore.type=PEM", f"ssl.truststore.location={creds.ssl_ca}"]
+    return "\n".join(lines) + "\n"
 
 
 def aiokafka_kwargs_of(creds: KafkaCredentials | None) -> dict[str, Any]:

@@ -187,6 +187,9 @@ class Supervisor:
             if prog.name in self.programs:  # running (or retiring: listed again, it starts anew once it stopped)
                 continue
             self.programs[prog.name] = prog
+            from infra.metrics import WORKER_RESTARTS
+
+            WORKER_RESTARTS.labels(worker=prog.name)  # a zero series: increase() sees the first restart
             st = self.states[prog.name] = ProgramState()
             _stop_orphan(self._pid_file(prog.name), self._recorded_start_time(prog.name), self.stop_timeout_s)
             self.start(prog.name, st)
@@ -291,7 +294,7 @@ class Supervisor:
         signal.signal(signal.SIGHUP, self._on_hup)
         from infra import metrics
 
-        metrics.serve(self.run_dir, NAME)  # ropewalk_worker_restarts_total
+        metrics.serve(self.run_dir, NAME, (metrics.WORKER_RESTARTS,))  # ropewalk_worker_restarts_total
         while not self._stopping:
             changed = False
             if self._reload:

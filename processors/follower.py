@@ -76,7 +76,8 @@ class Follower(LoopWorker):
 
         conf = BACKGROUND_READER if self.background else {}
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in self.TOPICS],
-                                      name=self.NAME, dead_letters=self.dead_letters, types=self.TYPES, **conf)
+                                      name=self.NAME, dead_letters=self.dead_letters, types=self.TYPES, follows=True,
+                                      **conf)
         t0 = time.monotonic()
         n = read_to_end(self.consumer, lambda recs: self._handle(recs, live=False))
         missing = self.caught_up()

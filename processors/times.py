@@ -1,6 +1,6 @@
 """Times and durations as people write them, for the CLI, the API and the history. Pure: no I/O.
 
-    parse_time("10m")                   # ten minutes ago, ms since epoch; also ISO-8601 or ms since epoch
+    parse_time("10m")                   # ten minutes ago, ms since epoch; also now-10m, now, ISO-8601 or ms
     duration_ms("90s")                  # 90000; also 500ms, 15m, 2h, 1d, or bare seconds
 
 A malformed value raises ``ValueError`` with a one-line reason naming the forms a value may take (the CLI prints it
@@ -25,20 +25,31 @@ def duration_ms(value: str) -> int:
     raise ValueError(f"bad duration {value!r}: use seconds, or 500ms, 90s, 15m, 2h, 1d")
 
 
+TIME_FORMS = "a duration ago (10m, now-10m), now, ISO-8601 (2026-11-22T10:00:00Z) or ms since epoch"
+
+
 def parse_time(value: str | None, now_ms: int | None = None) -> int | None:
-    """ms since epoch, an ISO-8601 time (UTC unless it has an offset), or a duration ago (``10m``, ``1h``, ``2d``)
-    before ``now_ms`` (default: the clock); None for None."""
+    """ms since epoch, an ISO-8601 time (UTC unless it has an offset), ``now``, or a duration ago (``10m``, ``1h``,
+    ``2d``, or as ``at`` writes it, ``now-10m``) before ``now_ms`` (default: the clock); None for None. One
+    grammar for every command that takes a time (``--since``, ``--until``, ``at``, ``--at``)."""
     if value is None:
         return None
+    value = value.strip()
+    now = int(time.time() * 1000) if now_ms is None else now_ms
     if value.isdigit():
         return int(value)
-    if value[:1].isdigit() and value[-1:] in ("s", "m", "h", "d"):
-        return (int(time.time() * 1000) if now_ms is None else now_ms) - duration_ms(value)
+    if value == "now":
+        return now
+    ago = value[4:] if value.startswith("now-") else value
+    if ago[:1].isdigit() and ago[-1:] in ("s", "m", "h", "d"):
+        try:
+            return now - duration_ms(ago)
+        except ValueError:
+            raise ValueError(f"bad time {value!r}: use {TIME_FORMS}") from None
     try:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"bad time {value!r}: use a duration ago (10m, 1h, 2d), ISO-8601 (2026-11-22T10:00:00Z) or "
-                         f"ms since epoch") from None
+        raise ValueError(f"bad time {value!r}: use {TIME_FORMS}") from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return int(dt.timestamp() * 1000)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
-from infra.acls import reader_group
+from infra.acls import position_group, reader_group
 from infra.config import Config
 from streams import auth
 from streams import deadletter as dl
@@ -288,6 +288,7 @@ def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:
 # returns as soon as one record arrives, so a reader of busy topics fetched once per produce request of every
 # writer (~3 fetch requests per job in a burst, the broker's second largest cost).
 BACKGROUND_READER = {"fetch.wait.max.ms": 500, "fetch.min.bytes": 64 * 1024}
+POSITION_COMMIT_S = 1.0  # how often a follower reports its position to its group (EventConsumer)
 
 
 class EventConsumer:
@@ -296,13 +297,22 @@ class EventConsumer:
 
     With `group_id` it joins the consumer group (partitions are shared among members); without, it
     assigns every partition of `topics` itself, starting at `start_offsets` or the beginning.
+
+    `follows`: this consumer follows the log for a worker (a processor's reader, not a one-shot read such as an API
+    request's). Then, and only then, it exports ``ropewalk_consumer_lag_seconds`` (infra/metrics.py), and an
+    assigning reader reports its position where Kafka's own tools see it: the offsets of the records its previous
+    poll handed out (the worker has handled them when it polls again) are committed, at most every
+    ``POSITION_COMMIT_S``, to the group ``<prefix>ropewalk-position-<name>`` (``infra.acls.position_group``), which
+    no member ever joins: ``kafka-consumer-groups --describe`` shows its lag, so does Burrow or kafka-lag-exporter.
+    The worker does not start from those offsets (it folds the log from where its own state says); they are a
+    report.
     """
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, topics: Iterable[str], *, name: str,
                  group_id: str | None = None, dead_letters: "dl.DeadLetters | None" = None,
                  skipped: "dl.Skipped | None" = None,
                  start_offsets: Mapping[tuple[str, int], int] | None = None,
-                 types: Iterable[str] | None = None, verify: bool = True,
+                 types: Iterable[str] | None = None, follows: bool = False, verify: bool = True,
                  verifier: "auth.Verifier | None" = _FROM_CONFIG, keep_refused: bool = False, **conf):
         """``verify``: check the proofs of the records of authenticated topics with ``verifier`` (default: the
         principal's); ``keep_refused``: keep the events refused for their proof in ``refused`` instead of
@@ -326,7 +336,15 @@ class EventConsumer:
         self.physical_topics = list(topics)
         self.dead_letters = dead_letters
         self.skipped = skipped if skipped is not None else dl.Skipped()  # maybe shared with other readers
-        self._consumer = Consumer(consumer_conf(cfg, group_id, **{"client.id": client_id(name), **conf}))
+        self.follows = follows
+        # an assigning follower's positions go to a group of its own (never joined); any other reader's group id
+        # is only what librdkafka needs to run
+        self.position_group = position_group(cfg, name) if follows and not group_id else None
+        self._handed: dict[tuple[str, int], int] = {}  # the next offset per partition after the last poll's records
+        self._at_end: dict[tuple[str, int], int] = {}  # partitions read to their end: the end offset then
+        self._committed_at = 0.0
+        self._consumer = Consumer(consumer_conf(cfg, group_id or self.position_group,
+                                                **{"client.id": client_id(name), **conf}))
         self.eof: set[tuple[str, int]] = set()
         self.eof_offsets: dict[tuple[str, int], int] = {}  # per partition, the offset of its last end reached
         self.dead_lettered = 0  # records this consumer skipped (and dead-lettered, with dead_letters)
@@ -391,15 +409,19 @@ class EventConsumer:
             rec = self.decode(msg)
             if rec is not None:
                 out.append(rec)
-        from infra.metrics import observe_lag
+        if self.follows:
+            from infra.metrics import observe_lag
 
-        # the consumer group, or for an assigned reader its name's kind (``agent/<machine>`` → ``agent``): never an id
-        observe_lag(self.group_id or self.name.split("/", 1)[0], out, self.cfg.topic_prefix)
+            # the consumer group, or for an assigned reader its name's kind (``agent/<machine>`` → ``agent``): never
+            # an id
+            observe_lag(self.group_id or self.name.split("/", 1)[0], out, self.cfg.topic_prefix)
         return out
 
     def poll_raw(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list:
         """``poll`` without decoding: the records as the broker gave them (end-of-partition and the positions
         accounted for); ``decode`` each when it is needed (a reader that may stop before it needs them all)."""
+        if self.position_group is not None:
+            self.report_position()
         if linger_s is None or max_records <= 1:
             msgs = self._consumer.consume(max_records, timeout_s)
         else:
@@ -412,6 +434,7 @@ class EventConsumer:
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     self.eof.add((msg.topic(), msg.partition()))
+                    self._at_end[(msg.topic(), msg.partition())] = msg.offset()  # the next offset: the end
                     self.eof_offsets[(msg.topic(), msg.partition())] = msg.offset()
                     continue
                 raise RuntimeError(f"consumer {self.name}: {err.str()}")
@@ -419,6 +442,25 @@ class EventConsumer:
             self.last_offsets[(msg.topic(), msg.partition())] = msg.offset()
             out.append(msg)
         return out
+
+    def report_position(self, force: bool = False) -> None:
+        """Commit (asynchronously) the positions after the records the previous poll handed out to the follower's
+        position group (the class's docstring), at most every POSITION_COMMIT_S unless ``force``; then remember
+        where this poll starts. A commit the broker refuses is logged by librdkafka and tried again next time."""
+        from confluent_kafka import KafkaException
+
+        now = time.monotonic()
+        if self._handed and (force or now - self._committed_at >= POSITION_COMMIT_S):
+            try:
+                self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in self._handed.items()],
+                                      asynchronous=True)
+                self._committed_at = now
+                self._handed = {}
+            except KafkaException:  # e.g. the coordinator moving: the next poll commits again
+                pass
+        self._handed.update(self._at_end)  # a partition read to its end (maybe empty, never a record read)
+        self._handed.update({tp: off + 1 for tp, off in self.last_offsets.items() if tp not in self._at_end})
+        self._at_end = {}
 
     def decode(self, msg) -> Record | None:
         """One record of ``poll_raw`` decoded; None if its type is not wanted or it cannot be decoded (counted in
@@ -479,6 +521,8 @@ class EventConsumer:
         self._consumer.commit(asynchronous=False)
 
     def close(self) -> None:
+        if self.position_group is not None:
+            self.report_position(force=True)
         self._consumer.close()
 
 

@@ -54,7 +54,14 @@ class OperationKind:  # schemas/TaskControlRequested.avsc
     OTHER = "OTHER"
 
 
-ENUMS = (MachineStatus, TaskCommand, TaskState, MaintenanceChoiceKind, UnavailabilityKind, OperationKind)
+class ZoneState:  # schemas/ZoneDisruptionChanged.avsc
+    NORMAL = "NORMAL"
+    PARTIAL_DISRUPTION = "PARTIAL_DISRUPTION"
+    FULL_DISRUPTION = "FULL_DISRUPTION"
+    UNKNOWN = "UNKNOWN"  # a reader's fallback for a newer symbol
+
+
+ENUMS = (MachineStatus, TaskCommand, TaskState, MaintenanceChoiceKind, UnavailabilityKind, OperationKind, ZoneState)
 
 
 def symbols(cls: type) -> tuple[str, ...]:

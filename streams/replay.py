@@ -397,6 +397,11 @@ def format_text_doc(doc: Mapping[str, Any]) -> str:
                       doc["entity_id"], doc["payload"], doc.get("identity"))
 
 
+def summary(type_: str, payload: Mapping[str, Any]) -> str:
+    """The payload of an event of ``type_`` in one short line, as ``replay`` prints it after the entity."""
+    return _SUMMARIES.get(type_, _summary_generic)(payload)
+
+
 def _text_line(ts: int, topic: str, partition: int, offset: int, type_: str, entity: str, payload,
                identity: str | None = None) -> str:
     summary = _SUMMARIES.get(type_, _summary_generic)(payload)

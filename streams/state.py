@@ -45,6 +45,7 @@ class StateReader:
         self.kind = kind
         self.entitlement = entitlement
         self.latest: dict[str, Event] = {}
+        self.gone: dict[str, Event] = {}  # jobs: the last state of a job that is gone (its deleted header)
         self._versions: dict[str, int] = {}  # machines: the newest version seen per machine
         self._headers: dict[str, Event] = {}  # jobs: the latest JobStatePublished per job (tasks maybe in parts)
         self._parts: dict[str, dict[int, list]] = {}  # jobs: job -> part -> its tasks (JobTasksPublished)
@@ -110,8 +111,11 @@ class StateReader:
                 self.latest.pop(job, None)  # not (or no longer) in the filter; or a tombstone: the job is gone
                 if header.payload.get("deleted"):
                     self._parts.pop(job, None)
+                    if self._wanted(header):
+                        self.gone[job] = header
                 changed.append(dataclasses.replace(rec, event=header))
                 continue
+            self.gone.pop(job, None)
             whole = job_whole(header, self._parts.get(job, {}))
             self.latest[job] = whole
             changed.append(dataclasses.replace(rec, event=whole))
@@ -162,5 +166,17 @@ def current(cfg: Config, registry: SchemaRegistry, kind: str, entitlement: str |
     reader = StateReader(cfg, registry, kind, entitlement, skipped=skipped)
     try:
         return dict(reader.catch_up())
+    finally:
+        reader.close()
+
+
+def current_and_gone(cfg: Config, registry: SchemaRegistry, entitlement: str | None = None, *,
+                     skipped: Skipped | None = None) -> tuple[dict[str, Event], dict[str, Event]]:
+    """The jobs: the latest state of every live job, and the last state (``deleted``) of every job that was stopped
+    and is gone. A gone job's record is the scheduler's final JobStatePublished, kept by compaction as its key's
+    latest until the job id is submitted again (Nomad keeps a dead job until its garbage collection)."""
+    reader = StateReader(cfg, registry, "jobs", entitlement, skipped=skipped)
+    try:
+        return dict(reader.catch_up()), dict(reader.gone)
     finally:
         reader.close()

@@ -474,6 +474,15 @@ def refused_start(machine_id: str, cmd: Event, reason: str, now_ms: int) -> Even
     return _report(AgentState(machine_id), run, FAILED, reason, now_ms)
 
 
+def held_start(machine_id: str, cmd: Event, reason: str, now_ms: int) -> Event:
+    """The STARTING report of a START/RESTART this agent holds (``reason``: until its machine has the host profile
+    the command requires, ``hostprofile.py``); the task's spawn reports STARTING again, under its own id."""
+    run = TaskRun(task_id=cmd.payload["task_id"], spec=_spec_of(cmd), phase=P_SPAWNING, reported=UNKNOWN)
+    ev = _report(AgentState(machine_id), run, STARTING, reason, now_ms)
+    s = run.spec
+    return replace(ev, event_id=derived_event_id(PRODUCER, machine_id, run.task_id, s.run_id, "held", reason))
+
+
 COMMAND_TYPES = frozenset({"TaskCommanded", batches.TASKS_COMMANDED})  # what an agent reads of ``tasks``
 
 

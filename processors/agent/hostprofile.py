@@ -36,6 +36,7 @@ from streams.enums import TaskCommand
 from streams.events import Event, derived_event_id, new_event
 
 REASON_HOST_PROFILE_FAILED = "host_profile_failed"  # TaskStateChanged.reason: not started, the profile failed
+REASON_WAITING_FOR_PROFILE = "waiting_for_host_profile"  # STARTING: held until the machine has the job's profile
 DEFAULT_PROFILE = ""
 REQUEST_TYPE = "HostProfileRequested"  # what an agent reads of ``tasks`` beside the commands
 
@@ -176,7 +177,8 @@ def gate(h: HostState, cmd: Event, now_ms: int) -> tuple[HostState, str, list[Ev
     if verdict == FAIL:
         return h, FAIL, [d.refused_start(h.machine_id, cmd, REASON_HOST_PROFILE_FAILED, now_ms)]
     held = tuple(c for c in h.held if c.payload["task_id"] != p["task_id"]) + (cmd,)  # the latest per task
-    return replace(h, held=held), HOLD, []
+    # said, so `job status` tells why the task is not running yet (it said "submitted" while it waited)
+    return replace(h, held=held), HOLD, [d.held_start(h.machine_id, cmd, REASON_WAITING_FOR_PROFILE, now_ms)]
 
 
 # -- persistence (the agents' state files) --------------------------------------------------------------------

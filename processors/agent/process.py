@@ -404,7 +404,8 @@ class ProcessAgent(LoopWorker):
                                           name=f"agent/{self.machine_id}", start_offsets=self.offsets,
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
                                           types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE},
-                                          keep_refused=True)  # forged commands: answered (gate.forged)
+                                          keep_refused=True,  # forged commands: answered (gate.forged)
+                                          follows=True)
             return True
         except Exception as exc:  # noqa: BLE001 - broker away: try again later, tasks go on
             self.errors += 1

@@ -65,6 +65,7 @@ from streams.topics import Topics
 from . import decide as d
 from . import gate as g
 from . import hostprofile as hp
+from . import power as pw
 from processors.sidekick import catalogue
 from .load import JobLoad
 from processors.worker import LoopWorker
@@ -126,6 +127,8 @@ class SimulatedAgents(LoopWorker):
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.topic = topics.name("tasks")
         self.allocations = topics.name("allocations")
+        self.unavailability = topics.name("unavailability")
+        self.power = pw.PowerState()  # machines dark for a power loss (power.py)
         self.judge = g.Judge(g.Gate(self.known.__contains__),
                              [(self.allocations, i) for i in range(topics.partitions_of("allocations"))])
         self.consumer: EventConsumer | None = None
@@ -171,6 +174,7 @@ class SimulatedAgents(LoopWorker):
         self._round = doc["round"] + 1  # a new round: its heartbeats are new events, every machine beats at once
         self.offsets = {(t, int(p)): o for t, p, o in doc["offsets"]}
         self.judge.gate.load_json(doc.get("gate"))
+        self.power = pw.from_json(doc.get("power"), self.known.__contains__)
         log.info("%s: resumed %d machines with tasks, %d failed, from %s", self.name, len(self.states),
                  len(self.failed), self.state_file)
 
@@ -186,7 +190,7 @@ class SimulatedAgents(LoopWorker):
                "spawns": sorted(self._spawns),
                "hosts": {m: hp.to_json(h) for m, h in self.hosts.items()}, "switches": sorted(self._switches),
                "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
-               "gate": self.judge.gate.to_json()}
+               "gate": self.judge.gate.to_json(), "power": pw.to_json(self.power)}
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, separators=(",", ":")))
@@ -247,18 +251,35 @@ class SimulatedAgents(LoopWorker):
         a START the allocation gate admits waits here while its machine lacks the host profile it names. Returns how
         many commands were applied or held."""
         n = 0
-        run: list[Event] = []  # a run of events between two profile requests: judged in one take (their order kept)
+        run: list[Event] = []  # a run of events between two profile requests or power events: judged in one take
         for ev in [*events, None]:
-            if ev is not None and ev.type != hp.REQUEST_TYPE:
+            if ev is not None and ev.type != hp.REQUEST_TYPE and ev.type not in pw.TYPES:
                 run.append(ev)
                 continue
             for cmd in self.judge.take(run, self.known.__contains__, now) if run else ():
                 self.command(cmd, now)
                 n += 1
             run = []
-            if ev is not None:
+            if ev is None:
+                continue
+            if ev.type in pw.TYPES:
+                self.on_power(ev)
+            else:
                 self.profile_request(ev, now)
         return n
+
+    def on_power(self, ev: Event) -> None:
+        """A power event of the region (power.py): the machines it turns off go dark (``fail``: silent, tasks
+        gone); those its end turns on again boot empty (``recover``)."""
+        self.power, change = pw.on_unavailability(self.power, ev, self.known.__contains__)
+        for m in change.off:
+            self.fail(m)
+        for m in change.on:
+            self.recover(m)
+        if change.off or change.on:
+            self._dirty = True
+            log.info("%s: power %s: %d machines off, %d on again", self.name, ev.payload["unavailability_id"],
+                     len(change.off), len(change.on))
 
     def command(self, cmd: Event, now: int) -> None:
         """A command the allocation gate admitted, through the host-profile gate (a START waits for its profile)."""
@@ -400,12 +421,38 @@ class SimulatedAgents(LoopWorker):
 
     # -- running -------------------------------------------------------------------------------------------
     def connect(self, start_offsets=None) -> None:
-        """Read every partition of ``tasks``, from ``start_offsets``, else the state file's, else the beginning."""
-        self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations], name=self.name,
-                                      start_offsets=start_offsets or self.offsets,
+        """Read every partition of ``tasks`` and ``allocations``, from ``start_offsets``, else the state file's, else
+        the beginning; ``unavailability`` from where the state file left it, else from its end once its power events
+        are folded (``catch_up_power``: which machines are dark now, before any command)."""
+        start = dict(start_offsets or self.offsets)
+        if not any(t == self.unavailability for t, _ in start):
+            start.update(self.catch_up_power())
+        self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations, self.unavailability],
+                                      name=self.name, start_offsets=start,
                                       dead_letters=DeadLetters(self.producer, self.name),
-                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE},
-                                      keep_refused=True)  # forged commands: answered (gate.forged)
+                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE} | pw.TYPES,
+                                      keep_refused=True,  # forged commands: answered (gate.forged)
+                                      follows=True)
+
+    def catch_up_power(self) -> dict[tuple[str, int], int]:
+        """Fold the power events of ``unavailability`` up to its end (a fresh agent: the machines of a DC whose
+        power is still off stay dark); returns where to read on from, per partition."""
+        from streams.catchup import read_to_end
+
+        consumer = EventConsumer(self.cfg, self.registry, [self.unavailability], name=f"{self.name}-power",
+                                 types=pw.TYPES)
+        try:
+            nexts = {tp: high for tp, (_, high) in consumer.watermarks().items()}
+
+            def fold(records) -> None:
+                for r in records:
+                    self.on_power(r.event)
+                    nexts[(r.topic, r.partition)] = max(nexts.get((r.topic, r.partition), 0), r.offset + 1)
+
+            read_to_end(consumer, fold)
+        finally:
+            consumer.close()
+        return nexts
 
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:

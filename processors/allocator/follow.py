@@ -72,7 +72,7 @@ class Follower:
             names = Topics(self.cfg.topic_prefix, self.cfg.partitions)
             self.consumer = EventConsumer(self.cfg, self.registry, [names.name(t) for t in self.topics],
                                           name=self.name, start_offsets=self.ends, types=self.types,
-                                          dead_letters=self.dead_letters)
+                                          dead_letters=self.dead_letters, follows=True)
         records = self.consumer.poll(max_records, timeout_s, linger_s=0.0)
         for rec in records:
             self._apply(rec.event, (rec.topic, rec.partition, rec.offset))

@@ -240,6 +240,13 @@ def metric_increments(decision: Sequence[Event]) -> dict[str, int]:
     return out
 
 
+def decision_result(placing: Sequence[Event]) -> str:
+    """``ropewalk_allocation_decision_duration_seconds``'s result of one request's placing events."""
+    if not placing:
+        return "freed"
+    return "placed" if any(e.type == "TasksAllocated" for e in placing) else "unplaceable"
+
+
 def observe_attempts(decision: Sequence[Event]) -> None:
     """``ropewalk_allocation_attempts_total``: the tasks one decision placed and those it left unplaceable."""
     for e in decision:
@@ -247,6 +254,10 @@ def observe_attempts(decision: Sequence[Event]) -> None:
             metrics.ALLOCATION_ATTEMPTS.labels(result="placed").inc(len(e.payload["placements"]))
         elif e.type == "AllocationRejected":
             metrics.ALLOCATION_ATTEMPTS.labels(result="unplaceable").inc(len(e.payload["unplaced_task_ids"]))
+
+
+# what the allocator's target exports from its start (infra/metrics.own)
+OWNED_METRICS = (metrics.ALLOCATION_ATTEMPTS, metrics.ALLOCATION_DECISION, metrics.INDEX_STALENESS, metrics.MACHINES)
 
 
 def observe_machines(machines: Iterable[Any]) -> None:
@@ -667,7 +678,9 @@ class Allocator:
         frees = tuple((r["task_id"], r["machine_id"]) for e in freeing if e.type == "TasksDeallocated"
                       for r in e.payload["placements"])
         released = tuple(mid for e in freeing if e.type == "TasksDeallocated" for mid in e.payload["machines_released"])
+        t0 = time.perf_counter()
         placing, plan_rows, _ = self._place(request, pd.attempts, ts)
+        metrics.ALLOCATION_DECISION.labels(result=decision_result(placing)).observe(time.perf_counter() - t0)
         events = (freeing + placing) or nothing_freed(request, ts)
         touched = machines_of(events)
         res = p["resources"]  # every decision is committed, a rejection too: journaled, so it can be given again
@@ -863,7 +876,7 @@ class Allocator:
                         self.refold()
                         consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in SOURCES],
                                                  name=PRODUCER, start_offsets=self.ends, dead_letters=dead_letters,
-                                                 types=EVENT_TYPES)
+                                                 types=EVENT_TYPES, follows=True)
                     records = consumer.poll(POLL_RECORDS, POLL_S, linger_s=0.0)
                     self.on_records(records, dead_letters)
                     # behind the log: how old the newest record of this poll was when it was applied; 0 when idle
@@ -1002,7 +1015,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from infra import metrics
 
-    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
+    metrics.serve_worker(Config.from_env().run_dir, OWNED_METRICS)  # infra/metrics.py; `up` lists the targets
+    for result in ("placed", "unplaceable", "conflict"):
+        metrics.ALLOCATION_ATTEMPTS.labels(result=result)  # every result's series from the start, at 0
     app, _, _ = build_app(Config.from_env().as_principal("allocator"))
     faust.Worker(app, loglevel="INFO").execute_from_commandline()
 

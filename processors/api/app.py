@@ -14,11 +14,14 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 | POST /v1/entitlements/{name}/move     | entitlement.move       | 202, EntitlementMoveRequested; with wait_s, once it moved (409: refused) |
 | GET /v1/jobs[?entitlement=]           | job.view               | job views (all the user may see) |
 | POST /v1/jobs[?wait=&timeout_s=]      | job.submit             | 201 accepted, 409 refused (reason), 202 pending / not waited |
-| GET /v1/jobs/{job}[?at=]              | job.view               | the job's view (`job status --json`); `at`: as it was then |
+| GET /v1/jobs/{job}[?at=]              | job.view               | the job's view (`job status --json`); `at`: as it was then; a job stopped and gone: its last state, `deleted` |
+| GET /v1/jobs/{job}/describe[?events=] | job.view               | tasks with their story, recent events, last refusals (`job describe`) |
+| GET /v1/jobs/{job}/logs[?task=&tail=&follow=] | job.view       | the tasks' output, text (`job logs`; a simulated machine's task has none: header X-Ropewalk-No-Output) |
 | PUT /v1/jobs/{job}/spec               | job.update             | a rolling update (verdict as submit, not waited by default) |
 | POST /v1/jobs/{job}/resize, /stop     | job.resize, job.stop   | as update |
 | GET /v1/machines[?entitlement=&free=&at=] | machine.view       | machine views (free machines: any user); `at`: as then |
 | POST /v1/machines/{id}/fail, /recover | machine.fail, .recover | the events (`fail?dry_run=true`: what would happen) |
+| POST /v1/power/loss, /v1/power/restore | machine.power_loss, .power_restore | `{dc|msb|rack}`: a fault domain's power lost or back: the machines changed, the POWER UEs |
 | POST /v1/maintenance, /v1/maintenance/{id}/end | maintenance.plan, .end | the plan (`?dry_run=true`: what it would do) |
 | GET /v1/maintenance                   | machine.view (filtered) | maintenance not ended: start, deadline, machines (those on machines the user may see) |
 | GET /v1/region?at=                    | region.view            | the whole region at a moment (`ropewalk at TIME`) |
@@ -173,6 +176,13 @@ class MaintenancePlan(Strict):
     reason: str = "maintenance"
 
 
+class PowerDomain(Strict):
+    """Exactly one of dc, msb (DC/MSB), rack (DC/MSB/RACK): the fault domain whose power is lost or back."""
+    dc: str | None = None
+    msb: str | None = None
+    rack: str | None = None
+
+
 class Elasticity(BaseModel):
     model_config = ConfigDict(extra="forbid")
     elastic: bool
@@ -236,6 +246,10 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
 
     registry = SchemaRegistry.from_dir()
     users_file = UsersFile(users_path or cfg.secrets / users_mod.USERS_FILE)
+    from infra import metrics
+
+    metrics.own(metrics.API_REQUESTS)  # what /metrics exports from the start (infra/metrics.py)
+    metrics.build_info(PRODUCER)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -348,7 +362,8 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         v = doc.get("verdict")
         if v == fe.REFUSED:
             return JSONResponse({**doc, "error": doc.get("reason") or fe.REFUSED}, 409)
-        return JSONResponse(doc, 201 if created and v == fe.ACCEPTED else 200 if v == fe.ACCEPTED else 202)
+        return JSONResponse(doc, 201 if created and v == fe.ACCEPTED else 200 if v in (fe.ACCEPTED, fe.UNCHANGED)
+                            else 202)
 
     @app.post("/v1/jobs", tags=["jobs"], status_code=201,
               responses={201: {"description": "accepted"}, 202: {"description": "pending, or not waited for"},
@@ -364,6 +379,48 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     async def job_status(job: JobId, user: CurrentUser, at: AtQuery = None) -> dict:
         allow(user, "job.view", fe.entitlement_of_job(job))
         return await call(front(user).job_status, job, at)
+
+    @app.get("/v1/jobs/{job}/describe", tags=["jobs"])
+    async def job_describe(job: JobId, user: CurrentUser,
+                           events: Annotated[int, Query(ge=0, le=10_000, description="recent events shown")] = 20
+                           ) -> dict:
+        """The job, its tasks with their story (age, restarts, moves, previous machine, version), its recent events
+        and its last refusals (`ropewalk job describe`)."""
+        allow(user, "job.view", fe.entitlement_of_job(job))
+        return await call(front(user).job_describe, job, events)
+
+    @app.get("/v1/jobs/{job}/logs", tags=["jobs"], response_class=StreamingResponse,
+             responses={200: {"content": {"text/plain": {}},
+                              "description": "the tasks' output, `[task] line` when several; a task without output "
+                                             "is named in the X-Ropewalk-No-Output header (JSON: task -> why)"}})
+    async def job_logs(request: Request, job: JobId, user: CurrentUser,
+                       task: Annotated[str | None, Query(max_length=200)] = None,
+                       tail: Annotated[int, Query(ge=0, le=100_000)] = 100, follow: bool = False
+                       ) -> StreamingResponse:
+        """The output of the job's tasks (`ropewalk job logs JOB [TASK] [-f]`): the last ``tail`` lines of each, then
+        with ``follow`` each line as it is written, until the client goes."""
+        from processors.frontend import logs
+
+        allow(user, "job.view", fe.entitlement_of_job(job))
+        srcs = await call(front(user).job_log_sources, job, task)
+        reader = logs.Reader(srcs)
+        several = len(srcs) > 1
+        missing = {s["task"]: s["why"] for s in srcs if s["path"] is None}
+        if not reader.srcs:
+            raise ApiError(404, "no_output", logs.no_output(missing))
+
+        async def lines():
+            for t, line in await run_in_threadpool(reader.first, tail):
+                yield logs.line_of(t, line, several) + "\n"
+            while follow and not await request.is_disconnected():
+                got = await run_in_threadpool(reader.new)
+                for t, line in got:
+                    yield logs.line_of(t, line, several) + "\n"
+                if not got:
+                    await asyncio.sleep(0.25)
+
+        return StreamingResponse(lines(), media_type="text/plain; charset=utf-8",
+                                 headers={"X-Ropewalk-No-Output": json.dumps(missing), "Cache-Control": "no-cache"})
 
     @app.put("/v1/jobs/{job}/spec", tags=["jobs"])
     async def job_update(job: JobId, spec: JobSpec, user: CurrentUser, wait: Wait = None,
@@ -400,6 +457,11 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                              dry_run: DryRun = False) -> dict:
         allow(user, f"machine.{action}", None)
         return await call(front(user).machine_action, machine, action, dry_run=dry_run)
+
+    @app.post("/v1/power/{action}", tags=["machines"])
+    async def machine_power(action: Literal["loss", "restore"], body: PowerDomain, user: CurrentUser) -> dict:
+        allow(user, f"machine.power_{action}", None)
+        return await call(front(user).machine_power, action, dc=body.dc, msb=body.msb, rack=body.rack)
 
     @app.post("/v1/maintenance", status_code=201, tags=["maintenance"],
               responses={200: {"description": "dry_run: what the maintenance would do"}})
@@ -644,5 +706,6 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                                          "entitlements": entitlements, "rebalance_plans": rebalance_plans,
                                          "intents_list": intents_list, "intents_show": intents_show,
                                          "intents_ledger": intents_ledger, "srm_overview": srm_overview,
-                                         "loans": loans_visible}, events=events, replay_docs=replay_docs)
+                                         "loans": loans_visible, "maintenance": maintenance_windows},
+             events=events, replay_docs=replay_docs)
     return app

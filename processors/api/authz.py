@@ -17,6 +17,7 @@ region administrator may do everything. Every answer carries a reason constant, 
 | entitlement.update      | owner                | host profile, machine type, DC pin of the entitlement   |
 | entitlement.quota       | region admin         | create an entitlement, change its quota                 |
 | machine.fail / machine.recover | region admin  | operator actions on machines                            |
+| machine.power_loss / .power_restore | region admin | a fault domain's power lost or back (a power controller's) |
 | maintenance.plan / maintenance.end | region admin | planned maintenance                                  |
 | region.view             | region admin         | region-wide reads: every machine, the whole replay      |
 | intents.view            | viewer               | a job's intents (who wants what) and its reconciled spec |
@@ -53,6 +54,8 @@ ACTIONS: Mapping[str, str] = MappingProxyType({
     "entitlement.move": REGION_ADMIN,  # to another scheduler shard: the region's balance, not the entitlement's
     "machine.fail": REGION_ADMIN,
     "machine.recover": REGION_ADMIN,
+    "machine.power_loss": REGION_ADMIN,
+    "machine.power_restore": REGION_ADMIN,
     "maintenance.plan": REGION_ADMIN,
     "maintenance.end": REGION_ADMIN,
     "region.view": REGION_ADMIN,
@@ -61,6 +64,34 @@ ACTIONS: Mapping[str, str] = MappingProxyType({
     "srm.view": VIEWER,
     "loans.view": VIEWER,
     "entitlement.elastic": REGION_ADMIN,
+})
+
+# What each action is, in a user's words (a refusal says what was refused, not the table's name of it).
+WORDS: Mapping[str, str] = MappingProxyType({
+    "entitlement.view": "seeing an entitlement",
+    "job.view": "seeing its jobs",
+    "machine.view": "seeing its machines",
+    "replay.view": "reading its events (replay)",
+    "rebalance.view": "seeing its ReBalancer plans",
+    "job.submit": "submitting a job",
+    "job.update": "updating a job",
+    "job.resize": "resizing a job",
+    "job.stop": "stopping a job",
+    "entitlement.update": "changing an entitlement's host profile, machine type or DC",
+    "entitlement.quota": "creating an entitlement or changing its quota",
+    "machine.fail": "failing a machine (machine fail)",
+    "machine.recover": "recovering a machine (machine recover)",
+    "maintenance.plan": "planning maintenance",
+    "maintenance.end": "ending maintenance",
+    "region.view": "reading the whole region",
+    "intents.view": "seeing a job's intents",
+    "intents.declare": "declaring an intent",
+    "srm.view": "seeing the autoscaler's picture",
+    "loans.view": "seeing loans",
+    "entitlement.elastic": "making an entitlement elastic",
+    "entitlement.move": "moving an entitlement to another scheduler shard",
+    "machine.power_loss": "announcing a power loss (machine power-loss)",
+    "machine.power_restore": "announcing power back (machine power-restore)",
 })
 
 # Reasons (Decision.reason).
@@ -94,17 +125,20 @@ def decide(user: User, action: str, entitlement: str | None) -> Decision:
         return Decision(False, DENIED_UNKNOWN_ACTION, f"unknown action {action!r}")
     if user.region_admin:
         return Decision(True, ALLOWED_ADMIN, f"{user.name} is a region administrator")
+    what = WORDS.get(action, action)
     if need == REGION_ADMIN:
-        return Decision(False, DENIED_NEEDS_ADMIN, f"{action} needs the region-admin role; {user.name} has not")
+        return Decision(False, DENIED_NEEDS_ADMIN,
+                        f"{what} is for region administrators; {user.name} is not one")
     if entitlement is None:
         return Decision(False, DENIED_NO_ENTITLEMENT,
-                        f"{action} without an entitlement is region-wide: name one ({user.name} is no region admin)")
+                        f"{what} without naming an entitlement covers the whole region: name one ({user.name} is "
+                        f"no region administrator)")
     role = user.roles.get(entitlement)
     if role is None:
         return Decision(False, DENIED_NO_ROLE, f"{user.name} has no role on entitlement {entitlement!r}")
     if RANK.get(role, 0) < RANK[need]:
         return Decision(False, DENIED_ROLE_TOO_LOW,
-                        f"{action} on entitlement {entitlement!r} needs {need}; {user.name} is {role}")
+                        f"{what} in entitlement {entitlement!r} needs the {need} role; {user.name} is {role}")
     return Decision(True, ALLOWED_ROLE, f"{user.name} is {role} of {entitlement!r}")
 
 

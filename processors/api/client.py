@@ -25,7 +25,7 @@ class ApiClientError(Exception):
 
 
 class ApiClient:
-    def __init__(self, url: str, token: str | None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, url: str, token: str | None, timeout_s: float | None = DEFAULT_TIMEOUT_S):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
@@ -89,6 +89,24 @@ class ApiClient:
     def job_status(self, job: str, at: str | None = None) -> dict:
         return self._json("GET", f"/v1/jobs/{_q(job)}", query={"at": at})
 
+    def job_describe(self, job: str, events: int | None = None) -> dict:
+        return self._json("GET", f"/v1/jobs/{_q(job)}/describe", query={"events": events})
+
+    def job_logs(self, job: str, task: str | None = None, tail: int = 100, follow: bool = False
+                 ) -> tuple[dict[str, str], Iterator[str]]:
+        """The tasks without output (task -> why) and the output's lines as they come (``follow``: until closed)."""
+        api = ApiClient(self.url, self.token, timeout_s=None) if follow else self  # -f: waits as long as it must
+        resp = api._open("GET", f"/v1/jobs/{_q(job)}/logs", query={"task": task, "tail": tail,
+                                                                    "follow": "true" if follow else None})
+        missing = json.loads(resp.headers.get("X-Ropewalk-No-Output") or "{}")
+
+        def lines() -> Iterator[str]:
+            with resp:
+                for raw in resp:
+                    yield raw.decode("utf-8", "replace").rstrip("\n")
+
+        return missing, lines()
+
     def jobs(self, entitlement: str | None = None) -> list[dict]:
         return self._json("GET", "/v1/jobs", query={"entitlement": entitlement})
 
@@ -115,6 +133,11 @@ class ApiClient:
     def machine_action(self, machine: str, action: str, *, dry_run: bool = False) -> dict:
         return self._json("POST", f"/v1/machines/{_q(machine)}/{_q(action)}",
                           query={"dry_run": "true" if dry_run else None})
+
+    def machine_power(self, action: str, *, dc: str | None = None, msb: str | None = None,
+                      rack: str | None = None) -> dict:
+        body = {k: v for k, v in (("dc", dc), ("msb", msb), ("rack", rack)) if v is not None}
+        return self._json("POST", f"/v1/power/{_q(action)}", body)
 
     def maintenance_plan(self, *, dry_run: bool = False, **plan) -> dict:
         return self._json("POST", "/v1/maintenance", plan, {"dry_run": "true" if dry_run else None})

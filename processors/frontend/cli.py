@@ -29,6 +29,7 @@ from processors.frontend.console import (  # what every command uses (processors
     AT_HELP, CliError, Progress, _ago, _duration_ms, _front, _parse_time, _print, _registry, _require_broker, _table,
     _verdict, _wait_s, command, direct, human_time, user_command,
 )
+from processors.frontend.console import task_counts as _task_counts
 
 
 def _topics(cfg: Config):
@@ -272,16 +273,18 @@ def cmd_status(cfg: Config, args) -> int:
         doc["topic_offsets"] = _topic_offsets(cfg)
         doc["topics"] = {t: o["records"] for t, o in doc["topic_offsets"].items()}  # as it always was: high - low
         doc["restored"] = restore_note(cfg)
-    lines = [f"{name:7} {'ready' if s['ready'] else 'DOWN':5}  {s['endpoint']}"
-             + (f"  pid {s.get('pid')}" if s.get("embedded") and s.get("pid") else "")
-             + (f"  restarts {programs[name]['restarts']}" if name in programs else "")
-             + (f"  {s['detail']}" if s.get("detail") else "") for name, s in st.items()]
+    lines = [_table(["SERVICE", "STATE", "ENDPOINT", "PID", "RESTARTS", "DETAIL"],
+                    [[name, "ready" if s["ready"] else "DOWN", s["endpoint"],
+                      s.get("pid") if s.get("embedded") and s.get("pid") else "-",
+                      programs[name]["restarts"] if name in programs else "-", s.get("detail") or ""]
+                     for name, s in st.items()], "")]
     if programs:
         lines.append(f"supervisor {'running  pid %d' % sup_pid if sup_pid else 'NOT RUNNING (nothing restarts a worker that dies)'}")
-    for name, w in workers.items():
-        last = supervisor.exit_text(w.get("last_exit"))
-        lines.append(f"{name:14} {w['state']:8} pid {w['pid'] or '-':<8} restarts {w['restarts']}"
-                     + (f" (last: {last})" if last else "") + f"  log {w['log']}")
+    if workers:
+        lines += ["", _table(["WORKER", "STATE", "PID", "RESTARTS", "LAST-EXIT", "LOG"],
+                             [[name, w["state"], w["pid"] or "-", w["restarts"],
+                               supervisor.exit_text(w.get("last_exit")) or "-", w["log"]]
+                              for name, w in workers.items()], "")]
     if doc["topic_offsets"]:
         lines += ["", _topics_table(doc["topic_offsets"], doc["restored"])]
     _print(doc, args.json, "\n".join(lines))
@@ -457,21 +460,6 @@ def cmd_job_submit(cfg: Config, args) -> int:
     return 0
 
 
-def cmd_job_status(cfg: Config, args) -> int:
-    view = _front(cfg, args).job_status(args.job, at=args.at)
-    again = f" (incarnation {view['incarnation']})" if view["incarnation"] != 1 else ""
-    lines = [f"job {view['job']}{again}  entitlement {view['entitlement']}  state {view['state']}  "
-             f"spec v{view['spec_version']}  tasks: {_task_counts(view)}"]
-    if view["last_reason"]:
-        lines.append(f"reason: {view['last_reason']}")
-    lines.append(_table(["TASK", "STATE", "MACHINE", "DC/MSB/RACK", "REASON"],
-                        [[t["id"], t["state"], t["machine"] or "-",
-                          f"{t['dc'] or '-'}/{t['msb'] or '-'}/{t['rack'] or '-'}", t["reason"] or ""]
-                         for t in view["tasks"]], "no tasks"))
-    _print(view, args.json, "\n".join(lines))
-    return 0
-
-
 def cmd_job_list(cfg: Config, args) -> int:
     rows = _front(cfg, args).jobs(args.entitlement)
     _print(rows, args.json or args.output == "json", job_table(rows, args.output == "wide"))
@@ -497,23 +485,14 @@ def job_table(rows: list[dict], wide: bool = False, now_ms: int | None = None) -
                          for v in rows], "no jobs")
 
 
-def _task_counts(v: dict) -> str:
-    """``4 running, 2 pending of 6 desired``: how many tasks are in each state, not just how many exist."""
-    from collections import Counter
-
-    by_state = Counter(t["state"] for t in v["tasks"])
-    parts = [f"{n} {s.lower()}" for s, n in sorted(by_state.items(), key=lambda x: (x[0] != "RUNNING", x[0]))]
-    return f"{', '.join(parts) or 'none'} of {v['desired_tasks']} desired"
-
-
 def _job_row(v: dict) -> list:
     running = sum(t["state"] == "RUNNING" for t in v["tasks"])
     return [v["job"], v["state"], f"{running}/{v['desired_tasks']}", _task_counts(v), v["last_reason"] or ""]
 
 
 def _job_line(v: dict) -> str:
-    running = sum(t["state"] == "RUNNING" for t in v["tasks"])
-    return (f"{v['job']:28} {v['state']:9} {running}/{v['desired_tasks']} running  {_task_counts(v)}"
+    """`watch jobs`: a job in one line (its tasks counted once, by state)."""
+    return (f"{v['job']:28} {v['state']:9} tasks: {_task_counts(v)}"
             + (f"  {v['last_reason']}" if v["last_reason"] else ""))
 
 
@@ -561,6 +540,47 @@ def cmd_machine_fail(cfg: Config, args) -> int:
     _print(doc, args.json, f"{args.machine} {verb}" if doc["event_ids"] else
            f"{args.machine}: nothing to do (already {'down' if args.action == 'fail' else 'up'})")
     return 0
+
+
+def cmd_machine_power(cfg: Config, args) -> int:
+    """`machine power-loss` / `power-restore` of a DC, an MSB or a rack (processors/resourcebroker: power_lost,
+    power_restored): what a power controller announces. The tasks there are gone at once and move (paced by the
+    scheduler's limiter); power back, the machines boot and the tasks restart (paced too)."""
+    action = POWER_ACTIONS[args.action]
+    doc = front_power(cfg, args, action)
+    what = args.dc or args.msb or args.rack
+    if not doc["machines"]:
+        text = f"{what}: nothing to do ({'every machine there is down already' if action == 'loss' else 'no machine there is down for a power loss'})"
+    elif action == "loss":
+        text = (f"{what}: power lost on {len(doc['machines'])} machines (UnavailabilityStarted POWER "
+                f"{', '.join(doc['unavailability_ids'])}); their tasks are gone and move")
+    else:
+        text = (f"{what}: power back on {len(doc['machines'])} machines; their tasks restart, paced by the "
+                f"scheduler's limiter")
+    _print(doc, args.json, text)
+    return 0
+
+
+POWER_ACTIONS = {"power-loss": "loss", "power-restore": "restore"}
+
+
+def front_power(cfg: Config, args, action: str) -> dict:
+    return _front(cfg, args).machine_power(action, dc=args.dc, msb=args.msb, rack=args.rack)
+
+
+def add_machine_power(mach) -> None:
+    """The parsers of `machine power-loss` and `machine power-restore`."""
+    for name, help_ in (("power-loss", "a DC, MSB or rack lost its power: its machines DOWN and an UnavailabilityStarted "
+                                       "POWER (its tasks are gone at once and move)"),
+                        ("power-restore", "power is back in a DC, MSB or rack: its machines down for a power loss UP "
+                                          "again, the POWER unavailability ended (the tasks restart, paced)")):
+        sp = user_command(mach.add_parser(name, help=help_, description=help_))
+        sp.set_defaults(fn=cmd_machine_power)
+        where = sp.add_mutually_exclusive_group(required=True)
+        where.add_argument("--dc", metavar="DC")
+        where.add_argument("--msb", metavar="DC/MSB")
+        where.add_argument("--rack", metavar="DC/MSB/RACK")
+        sp.add_argument("--json", action="store_true")
 
 
 def cmd_machine_list(cfg: Config, args) -> int:
@@ -643,7 +663,7 @@ def cmd_watch(cfg: Config, args) -> int:
             from datetime import datetime, timezone
 
             at = datetime.fromtimestamp(v.get("updated_ms", time.time() * 1000) / 1000, timezone.utc)
-            print(f"{at.strftime('%H:%M:%S')}  {body}", flush=True)
+            print(f"{at.strftime('%Y-%m-%d %H:%M:%SZ')}  {body}", flush=True)  # the tables' UTC form
 
     def show(v: dict) -> str:
         if args.kind == "jobs":
@@ -905,9 +925,10 @@ def cmd_user(cfg: Config, args) -> int:
     except u.UsersError as exc:
         raise CliError(str(exc)) from None
     rows = [{"user": n, "region_admin": x.region_admin, "roles": dict(x.roles)} for n, x in sorted(users.items())]
-    _print(rows, args.json, "\n".join(f"{r['user']:16} {'region-admin ' if r['region_admin'] else ''}"
-                                      + " ".join(f"{e}={role}" for e, role in sorted(r["roles"].items()))
-                                      for r in rows) or "no users")
+    _print(rows, args.json, _table(["USER", "REGION-ADMIN", "ROLES"],
+                                   [[r["user"], "yes" if r["region_admin"] else "no",
+                                     " ".join(f"{e}={role}" for e, role in sorted(r["roles"].items())) or "-"]
+                                    for r in rows], "no users"))
     return 0
 
 
@@ -945,13 +966,47 @@ def _version() -> str:
     except PackageNotFoundError:
         return "unknown (not installed)"
 
+EXAMPLES = """examples (the README's "Using it" has more):
+  ropewalk up                                   # a local region: broker, Redis, 200 simulated machines, the API
+  ropewalk status                               # every worker and topic
+  ropewalk entitlement create e1 --quota 4
+  ropewalk job submit examples/web.yaml         # prints the job id, e1.web
+  ropewalk job status e1.web -o wide            # its tasks: machine, version, age, restarts, moves
+  ropewalk job describe e1.web                  # + its last refusals and recent events
+  ropewalk job logs demo.hello -f               # a task's output as it is written
+  ropewalk machine fail dc1-msb2-r02-m001 --dry-run   # what would move where
+  ropewalk replay --job e1.web --since now-10m  # its events, in time order
+  ropewalk at now-15m                           # the whole region 15 minutes ago
+  ropewalk <command> --help                     # a command's flags and examples
+"""
+SUBCOMMAND_EXAMPLES = {  # a command's examples under its --help
+    "machine": "examples:\n  ropewalk machine list --entitlement e1\n  ropewalk machine list -o wide\n"
+               "  ropewalk machine fail dc1-msb2-r02-m001 --dry-run\n  ropewalk machine recover dc1-msb2-r02-m001",
+    "replay": "examples:\n  ropewalk replay --entitlement e1 --since 10m\n  ropewalk replay --job e1.web --since now-1h "
+              "--exclude-type TaskStatesChanged\n  ropewalk replay --machine dc1-msb2-r02-m001 --json",
+    "maintenance": "examples:\n  ropewalk maintenance plan --msb dc1/msb2 --start +15m --duration 30m --deadline +10m\n"
+                   "  ropewalk maintenance list -o wide\n  ropewalk maintenance end ID",
+    "up": "examples:\n  ropewalk up                      # 200 simulated machines and the demo job\n"
+          "  ropewalk up --machines 0 --no-demo   # the broker, Redis and topics alone",
+}
+
+
+def _with_examples(p: argparse.ArgumentParser) -> None:
+    """Give the commands of SUBCOMMAND_EXAMPLES their examples (an epilog kept as written)."""
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    for name, text in SUBCOMMAND_EXAMPLES.items():
+        sp = sub.choices[name]
+        sp.epilog, sp.formatter_class = text, argparse.RawDescriptionHelpFormatter
+
+
 DRY_RUN_HELP = "say what would happen (tasks moved, stopped, waiting; controllers asked; capacity left); produce nothing"
 
 
 def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     """The CLI's parser. ``bench_commands(bench, experiment)``: gives those two commands their flags and handlers
     (bench/cli.add_commands; without it they are names in the help, and ``main`` hands them to bench/cli.py)."""
-    p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log")
+    p = argparse.ArgumentParser(prog="ropewalk", description="Ropewalk: a Twine-style cluster manager on a Kafka log",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"ropewalk {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     cmd = functools.partial(command, sub)
@@ -1023,19 +1078,19 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     for name, fn, help_, extra in (
         ("submit", cmd_job_submit, "submit a job spec (YAML or JSON); prints the job id once the scheduler accepted "
                                    "it (through the API: a refusal fails with its reason)", ("file",)),
-        ("status", cmd_job_status, "a job's tasks: state, machine, fault domains", ("job",)),
         ("update", cmd_job_update, "replace a job's spec (rolling update)", ("job", "file")),
         ("stop", cmd_job_stop, "stop a job and free its tasks", ("job",)),
     ):
-        sp = user_command(job.add_parser(name, help=help_, description=help_), intent=name != "status")
+        sp = user_command(job.add_parser(name, help=help_, description=help_), intent=True)
         sp.set_defaults(fn=fn)
         for a in extra:
             sp.add_argument(a)
         sp.add_argument("--json", action="store_true")
         if name == "stop":
             sp.add_argument("--reason", default="")
-        if name == "status":
-            sp.add_argument("--at", metavar="TIME", help=AT_HELP)
+    from processors.frontend.commands import jobs  # status, describe, logs (processors/frontend/commands/jobs.py)
+
+    jobs.add_commands(job)
     sp = user_command(job.add_parser("list", help="the jobs you may see: state, tasks running"))
     sp.set_defaults(fn=cmd_job_list)
     sp.add_argument("--entitlement")
@@ -1055,6 +1110,7 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true")
         if name == "fail":
             sp.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
+    add_machine_power(mach)
     sp = user_command(mach.add_parser("list", help="machines: status, owner, fault domains, free capacity",
                       description="machines: status, owner, fault domains, free capacity (from state.machines)"))
     sp.set_defaults(fn=cmd_machine_list)
@@ -1167,6 +1223,7 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     add_upper_floors(sub)
     if bench_commands is not None:
         bench_commands(bench, experiment)
+    _with_examples(p)
     return p
 
 
@@ -1190,7 +1247,9 @@ def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     """Parse ``argv`` and run its command: a failure is one line with its reason (exit 1), an interrupt exits 130."""
     from streams.deadletter import Skipped
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser, with its usage (not the top level's: `job status X -o wide`)
+        _deepest(parser, argv).error(f"unrecognized arguments: {' '.join(extra)}")
     args.skipped = Skipped()  # what the command's readers could not decode: said once, when it ends
     failed = False
     try:
@@ -1209,6 +1268,16 @@ def run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     finally:
         if not failed and (line := args.skipped.report()) is not None:
             print(f"ropewalk: {line}", file=sys.stderr)
+
+
+def _deepest(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``argv`` names: ``job status`` → the `job status` parser."""
+    current = parser
+    for token in argv:
+        subs = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and token in subs[0].choices:
+            current = subs[0].choices[token]
+    return current
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def _wait_s(args) -> float | None:
 
 def _verdict(doc: dict, args) -> None:
     """A refused intent is a failed command: its reason and message are the one error line."""
-    from processors.frontend.service import PENDING, REFUSED
+    from processors.frontend.service import PENDING, REFUSED, UNCHANGED
 
     if doc.get("verdict") == REFUSED:
         if args.json:
@@ -77,6 +77,8 @@ def _verdict(doc: dict, args) -> None:
         raise CliError(f"refused by the scheduler: {doc.get('reason')}: {doc.get('message')}".rstrip(": "))
     if doc.get("verdict") == PENDING:
         print(f"ropewalk: {doc.get('message')}; `ropewalk job status` shows what happened", file=sys.stderr)
+    if doc.get("verdict") == UNCHANGED and not args.json:  # not an error: said as what it is
+        print(f"unchanged: {doc.get('message')}", file=sys.stderr)
 
 
 def _print(doc, as_json: bool, text: str) -> None:
@@ -90,6 +92,16 @@ def _table(headers: list[str], rows: list[list], empty: str) -> str:
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *cells])
+
+
+def task_counts(v: dict) -> str:
+    """``4 running, 2 pending of 6 desired``: how many of a job view's tasks are in each state, not just how many
+    exist."""
+    from collections import Counter
+
+    by_state = Counter(t["state"] for t in v["tasks"])
+    parts = [f"{n} {s.lower()}" for s, n in sorted(by_state.items(), key=lambda x: (x[0] != "RUNNING", x[0]))]
+    return f"{', '.join(parts) or 'none'} of {v['desired_tasks']} desired"
 
 
 def human_time(ms: int | None, now_ms: int | None = None) -> str:

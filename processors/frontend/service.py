@@ -25,13 +25,14 @@ from streams.serde import SchemaRegistry
 
 # Reasons (FrontendError.reason) and the HTTP status each answers with.
 UNKNOWN_JOB = "unknown_job"
+JOB_GONE = "job_gone"  # the job was stopped and is gone: what it was is still shown (job status, describe)
 UNKNOWN_MACHINE = "unknown_machine"
 UNKNOWN_MAINTENANCE = "unknown_maintenance"
 UNKNOWN_TASK = "unknown_task"  # explain: no event names the task (up to the moment asked)
 INVALID_REQUEST = "invalid_request"  # a field of the request is wrong (the message names it)
 BROKER_UNREACHABLE = "broker_unreachable"
 NOT_ALLOWED_HERE = "illegal_transition"  # e.g. recover a machine in maintenance
-STATUS = {UNKNOWN_JOB: 404, UNKNOWN_MACHINE: 404, UNKNOWN_MAINTENANCE: 404, UNKNOWN_TASK: 404, INVALID_REQUEST: 400,
+STATUS = {UNKNOWN_JOB: 404, JOB_GONE: 404, UNKNOWN_MACHINE: 404, UNKNOWN_MAINTENANCE: 404, UNKNOWN_TASK: 404, INVALID_REQUEST: 400,
           BROKER_UNREACHABLE: 503, NOT_ALLOWED_HERE: 409}
 
 # Verdicts of an intent (``verdict`` of an answer).
@@ -39,6 +40,7 @@ ACCEPTED = "accepted"  # the scheduler applied it (its JobStatePublished caused 
 REFUSED = "refused"  # the scheduler refused it (IntentRefused), or rejected the job
 PENDING = "pending"  # no verdict within the wait (an identical resubmission of a live job gets none: a no-op)
 SENT = "sent"  # on the log; not waited for
+UNCHANGED = "unchanged"  # a submission identical to the live job's spec: the scheduler changes nothing (no refusal)
 
 DEFAULT_WAIT_S = 30.0  # how long a submission waits for the scheduler's verdict at most
 EXISTING_WAIT_S = 3.0  # ... when the job exists (the scheduler answers only a refusal; it is as quick as any answer)
@@ -59,6 +61,7 @@ def job_view(ev: Event) -> dict:
     return {"job": p["job_id"], "name": p["name"], "entitlement": ev.entitlement, "state": p["state"],
             "incarnation": p.get("incarnation", 1), "spec_version": p["spec_version"],
             "desired_tasks": p["desired_tasks"], "last_reason": p["last_reason"], "updated_ms": ev.timestamp_ms,
+            "deleted": bool(p.get("deleted")),
             "tasks": [{"id": t["task_id"], "state": t["state"], "machine": t["machine_id"], "dc": t["dc"],
                        "msb": t["msb"], "rack": t["rack"], "spec_version": t["spec_version"], "reason": t["reason"]}
                       for t in p["tasks"]]}
@@ -279,22 +282,55 @@ class Frontend:
         return [v for k, v in sorted(found.items()) if k not in gone]
 
     # -- jobs ------------------------------------------------------------------------------------------------
-    def job_state(self, job: str) -> Event:
+    def job_state(self, job: str, *, gone_too: bool = False) -> Event:
+        """The job's latest state; ``gone_too``: also the last state of a job that was stopped and is gone (its
+        ``deleted`` record), which otherwise is refused as ``job_gone`` naming when it went."""
         from streams import state
 
         self.require_broker()
-        latest = state.current(self.cfg, self.registry, "jobs", skipped=self.skipped).get(job)
-        if latest is None:
-            raise FrontendError(UNKNOWN_JOB, f"unknown job {job!r} (no state published for it; `ropewalk watch jobs` "
-                                             f"lists jobs)")
-        return latest
+        latest, gone = state.current_and_gone(self.cfg, self.registry, entitlement_of_job(job), skipped=self.skipped)
+        if job in latest:
+            return latest[job]
+        if job in gone:
+            if gone_too:
+                return gone[job]
+            raise FrontendError(JOB_GONE, f"job {job!r} was stopped and is gone since {_iso(gone[job].timestamp_ms)} "
+                                          f"(`ropewalk job status {job}` shows its last state); submitting it again "
+                                          f"makes a new incarnation")
+        raise FrontendError(UNKNOWN_JOB, f"unknown job {job!r} (no state published for it; `ropewalk job list` "
+                                         f"lists jobs)")
 
     def job_status(self, job: str, at: str | None = None) -> dict:
-        """The job's view now, or (``at``: a moment, processors/history/moments.parse_moment) as it was then."""
+        """The job's view now (a job stopped and gone: its last state, ``deleted``), or (``at``: a moment,
+        processors/history/moments.parse_moment) as it was then."""
         if at is None:
-            return job_view(self.job_state(job))
+            return job_view(self.job_state(job, gone_too=True))
         self.require_broker()
         return job_view(job_state_at(self.cfg, self.registry, job, at, skipped=self.skipped))
+
+    def job_describe(self, job: str, events: int | None = None) -> dict:
+        """`job describe`: the job (a gone job's last state too), its tasks with their story, its recent events and
+        its last refusals, from its events on the log (``processors/frontend/describe.py``)."""
+        import json
+
+        from processors.frontend import describe as dsc
+        from streams import replay as rp
+
+        view = job_view(self.job_state(job, gone_too=True))
+        run = rp.replay(self.cfg, self.registry, rp.ReplayFilter(entitlement=entitlement_of_job(job), job=job),
+                        skipped=self.skipped)
+        docs = sorted((json.loads(rp.format_json(rec)) for rec in run), key=rp.time_order_key)
+        return dsc.describe(view, docs, _now_ms(), events=dsc.EVENTS_SHOWN if events is None else events)
+
+    def job_log_sources(self, job: str, task: str | None = None) -> list[dict]:
+        """`job logs`: where each task's output is, or why it has none (``processors/frontend/logs.py``)."""
+        from processors.frontend import logs
+
+        view = job_view(self.job_state(job, gone_too=True))
+        try:
+            return logs.sources(view, self.cfg.run_dir, task)
+        except LookupError as exc:
+            raise FrontendError(UNKNOWN_TASK, str(exc)) from None
 
     def jobs(self, entitlement: str | None = None) -> list[dict]:
         from streams import state
@@ -317,9 +353,10 @@ class Frontend:
             self.require_broker()
             existing = state.current(self.cfg, self.registry, "jobs", ent, skipped=self.skipped).get(payload["job_id"])
         doc = self._sent(ev, payload["job_id"], min(wait_s, EXISTING_WAIT_S) if existing is not None else wait_s)
-        if existing is not None and doc["verdict"] == PENDING:
-            doc["message"] = (f"job {payload['job_id']} exists ({existing.payload['state']}): an identical submission "
-                              f"changes nothing; one that differs would have been refused")
+        if existing is not None and doc["verdict"] == PENDING:  # not refused: the spec is the job's own
+            doc["verdict"] = UNCHANGED
+            doc["message"] = (f"job {payload['job_id']} exists ({existing.payload['state']}) with this spec: nothing "
+                              f"changed (a spec that differs is refused: `ropewalk job update` changes it)")
         return {"job": payload["job_id"], "entitlement": ent, "event_id": ev.event_id, **doc}
 
     def job_update(self, job: str, spec: Any, *, wait_s: float | None = None, where: str = "") -> dict:
@@ -418,6 +455,40 @@ class Frontend:
         except rb.IllegalStatusTransition as exc:
             raise FrontendError(NOT_ALLOWED_HERE, str(exc)) from None
         return {"machine": machine, "event_ids": ids}
+
+    def machine_power(self, action: str, *, dc: str | None = None, msb: str | None = None,
+                      rack: str | None = None) -> dict:
+        """A power loss (``loss``) or power back (``restore``) of one fault domain (exactly one of ``dc``, ``msb``
+        ``<dc>/<msb>``, ``rack`` ``<dc>/<msb>/<rack>``): the Resource Broker's ``power_lost`` / ``power_restored``
+        (processors/resourcebroker/processor.power_event). The document lists the machines changed and the UEs."""
+        from processors.resourcebroker import decide as rb
+        from processors.resourcebroker.processor import POWER_LOSS, POWER_RESTORE, power_event
+
+        if action not in (POWER_LOSS, POWER_RESTORE):
+            raise FrontendError(INVALID_REQUEST, f"action: expected {POWER_LOSS} or {POWER_RESTORE}, got {action!r}")
+        given = [(level, v) for level, v in ((rb.TARGET_DC, dc), (rb.TARGET_MSB, msb), (rb.TARGET_RACK, rack))
+                 if v is not None]
+        if len(given) != 1:
+            raise FrontendError(INVALID_REQUEST, "give exactly one of dc, msb, rack"
+                                + (f" (got {', '.join(level for level, _ in given)})" if given else ""))
+        level, value = given[0]
+        form = {rb.TARGET_DC: "<dc>", rb.TARGET_MSB: "<dc>/<msb>", rb.TARGET_RACK: "<dc>/<msb>/<rack>"}[level]
+        try:
+            target = str(rb.parse_target(f"{level}:{value}"))
+        except rb.BadTarget:
+            raise FrontendError(INVALID_REQUEST, f"{level}: expected {form}, got {value!r}") from None
+        self.require_broker()
+        try:
+            events = power_event(self.cfg, action, [target], registry=self.registry, skipped=self.skipped,
+                                 principal=self.principal)
+        except rb.BadTarget:
+            raise FrontendError(INVALID_REQUEST, f"{level}: no registered machine in {value!r}") from None
+        statuses = [e for e in events if e.type == "MachinesStatusChanged"]
+        return {"action": action, "target": target,
+                "machines": sorted(m["machine_id"] for e in statuses for m in e.payload["machines"]),
+                "unavailability_ids": sorted({e.payload["unavailability_id"] for e in events
+                                              if e.type.startswith("Unavailability")}),
+                "event_ids": [e.event_id for e in events]}
 
     def maintenance_plan(self, *, start_ms: int, duration_ms: int, deadline_ms: int | None = None,
                          machines: list[str] | None = None, rack: str | None = None, msb: str | None = None,
@@ -613,7 +684,7 @@ def state_view(kind: str, ev: Event) -> dict:
     from streams.state import machine_view
 
     if kind == "jobs":
-        return {**job_view(ev), "deleted": bool(ev.payload.get("deleted"))}
+        return job_view(ev)
     return machine_view(ev)
 
 

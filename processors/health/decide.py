@@ -18,15 +18,19 @@ back on the log after it has moved on). Heartbeat time is the heartbeat's own ti
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from processors.cowmap import CowMap
-from processors.resourcebroker.decide import UNHEALTHY, UP
+from processors.resourcebroker.decide import DOWN, REASON_HEALTH_CHECK, UNHEALTHY, UP
 from streams import batches
 from streams.batches import MACHINES_STATUS_CHANGED
 from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
+
+from . import zones as z
+from .zones import DisruptionPolicy, Zone
 
 PRODUCER = "health"
 
@@ -49,6 +53,18 @@ MAX_CLOCK_SKEW_MS = 30_000
 
 JUDGED = frozenset({UP, UNHEALTHY})  # statuses this service moves between; the rest are the broker's
 
+ZONE_DISRUPTION_CHANGED = "ZoneDisruptionChanged"
+# ZoneDisruptionChanged.reason
+ZONE_STATE_CHANGED = "zone_state_changed"  # the zone's own state changed (zones.zone_state)
+REGION_DISRUPTION = "region_disruption"  # every zone is dark: nobody is failed anywhere
+REGION_DISRUPTION_ENDED = "region_disruption_ended"  # someone is heard again: every silence counts anew
+
+# Why the silence clocks restarted (HealthState.clocks_reason): every UP machine's silence counts from then.
+CLOCKS_STARTED = "started"  # the service (re)started: it does not know the heartbeats sent while it was away
+CLOCKS_TICK_GAP = "tick_gap"  # its ticks stopped for longer than the timeout (paused, or its loop held)
+CLOCKS_READING_BEHIND = "reading_behind"  # it reads heartbeats late: the ones it has not read would speak
+CLOCKS_REGION_DISRUPTION_ENDED = REGION_DISRUPTION_ENDED  # see REGION_DISRUPTION_ENDED
+
 
 class HealthError(ValueError):
     pass
@@ -65,13 +81,24 @@ class MachineHealth:
     last_seen_ms: int = 0  # last heartbeat, or since when the machine is watched (registration, back UP)
     last_sequence: int = -1  # -1: no heartbeat yet
     owner_ms: int = 0  # time of the event that set ``owner_key``: an older one changes it no more
+    dc: str = ""  # its zone (from its registration or an ownership event; "" until one is read)
+    status_reason: str = ""  # the reason of the event that set ``status`` (DOWN by health_check: still silent)
+
+    def silent_since_ms(self, clocks_from_ms: int) -> int:
+        """Since when its silence counts: its last heartbeat (or return UP), or the last restart of the clocks."""
+        return max(self.last_seen_ms, clocks_from_ms)
 
 
 @dataclass(frozen=True)
 class HealthState:
-    """machine id → MachineHealth (immutable; decisions return a new state)."""
+    """machine id → MachineHealth, and the protection's zones (immutable; decisions return a new state)."""
 
     machines: CowMap[MachineHealth] = field(default_factory=CowMap)
+    zones: Mapping[str, Zone] = field(default_factory=lambda: MappingProxyType({}))  # dc → its zone, last tick
+    region_disrupted: bool = False  # every zone was in full disruption at the last tick
+    last_tick_ms: int = 0  # the last tick's time (0: none yet)
+    clocks_from_ms: int = 0  # silence counts from no earlier than this (``restart_clocks``)
+    clocks_reason: str = ""  # why the clocks last restarted (CLOCKS_*)
 
     @property
     def unhealthy(self) -> frozenset[str]:
@@ -79,7 +106,7 @@ class HealthState:
         return frozenset(h.machine_id for h in self.machines.values() if h.status == UNHEALTHY)
 
     def _with(self, changes: dict[str, MachineHealth]) -> "HealthState":
-        return HealthState(self.machines.updated(changes)) if changes else self
+        return replace(self, machines=self.machines.updated(changes)) if changes else self
 
 
 # -- folding the machines topic --------------------------------------------------------------------------------
@@ -90,12 +117,22 @@ def _owner_key(ev: Event) -> str:
     return ev.entitlement
 
 
+def _dc(ev: Event) -> str:
+    """The DC an event of the machines topic names ("" when it names none)."""
+    if ev.type == "MachineRegistered":
+        return ev.payload["topology"]["dc"]
+    return ev.payload.get("dc") or ""
+
+
 def _apply(cur: MachineHealth | None, ev: Event) -> MachineHealth:
     """``cur`` (None: not watched yet) after ``ev``, one machine's event of ``APPLIED`` (``apply_all`` filters)."""
     ts = ev.timestamp_ms
     if cur is None:  # watched from the first event about it, whichever partition brings it first
         cur = MachineHealth(machine_id=ev.payload["machine_id"], owner_key=_owner_key(ev), last_seen_ms=ts,
                             owner_ms=ts)
+    dc = _dc(ev)
+    if dc and dc != cur.dc:
+        cur = replace(cur, dc=dc)
     # A machine's events change partitions with its owner, so they may be read out of their order (a restart
     # reads every partition at once): an owner or status older than the one held changes nothing (newest wins).
     # Before, a restarted health check that read an old assignment after a newer one keyed its verdicts on the
@@ -107,7 +144,8 @@ def _apply(cur: MachineHealth | None, ev: Event) -> MachineHealth:
         seen = max(cur.last_seen_ms, ts) if status == UP and cur.status != UP else cur.last_seen_ms
         moved = ev.entitlement != cur.owner_key and ts >= cur.owner_ms  # a status event carries its owner's key
         owner = (ev.entitlement, ts) if moved else (cur.owner_key, cur.owner_ms)
-        return replace(cur, status=status, status_ms=ts, owner_key=owner[0], owner_ms=owner[1], last_seen_ms=seen)
+        return replace(cur, status=status, status_ms=ts, owner_key=owner[0], owner_ms=owner[1], last_seen_ms=seen,
+                       status_reason=ev.payload.get("reason", ""))
     if ev.type == "MachineAssignedToEntitlement":
         return replace(cur, owner_key=ev.entitlement, owner_ms=ts) if ts >= cur.owner_ms else cur
     if ev.type == "MachineReleasedToFreePool":
@@ -226,7 +264,7 @@ def on_heartbeats(state: HealthState, heartbeats: Iterable[Event], *,
         new = replace(rec, last_sequence=seq, last_seen_ms=max(rec.last_seen_ms, ts))
         if rec.status == UNHEALTHY and ts > rec.status_ms:
             resumed[mid] = (rec, heartbeat)
-            new = replace(new, status=UP, status_ms=ts)
+            new = replace(new, status=UP, status_ms=ts, status_reason=HEARTBEAT_RESUMED)
         changes[mid] = new
     if not resumed:
         return state._with(changes), []
@@ -241,15 +279,125 @@ def on_heartbeats(state: HealthState, heartbeats: Iterable[Event], *,
     return state._with(changes), events
 
 
-def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *,
+def restart_clocks(state: HealthState, now_ms: int, reason: str) -> HealthState:
+    """Every machine's silence counts from ``now_ms`` at the earliest: nobody is judged silent before ``now_ms`` plus
+    the timeout (the service (re)started, paused, read heartbeats late, or heard the region again after it was all
+    dark: it cannot tell who spoke meanwhile). One field: no machine is rewritten."""
+    return replace(state, clocks_from_ms=max(state.clocks_from_ms, now_ms), clocks_reason=reason)
+
+
+def _member(h: MachineHealth) -> bool:
+    """Whether the protection counts the machine in its zone: the statuses this service judges, and the machines it
+    failed itself (DOWN by health_check: still silent). DOWN for another reason (an operator, a power loss) and
+    MAINTENANCE are the broker's: known to be away, not silent."""
+    return h.status in JUDGED or (h.status == DOWN and h.status_reason == REASON_HEALTH_CHECK)
+
+
+def _missed(state: HealthState, judged: list[MachineHealth], now_ms: int,
+            producer: str) -> tuple[HealthState, list[Event]]:
+    events = _statuses(judged, UNHEALTHY, HEARTBEAT_MISSED, now_ms,
+                       lambda h: f"{h.machine_id}@{h.last_seen_ms}:{h.last_sequence}", None, producer)
+    return state._with({h.machine_id: replace(h, status=UNHEALTHY, status_ms=now_ms, status_reason=HEARTBEAT_MISSED)
+                        for h in judged}), events
+
+
+def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *, policy: DisruptionPolicy | None = None,
             producer: str = PRODUCER) -> tuple[HealthState, list[Event]]:
-    """Mark every UP machine silent for longer than ``timeout_ms`` at ``now_ms`` UNHEALTHY, announced as one
+    """Mark UP machines silent for longer than ``timeout_ms`` at ``now_ms`` UNHEALTHY, announced as one
     MachinesStatusChanged(UP→UNHEALTHY, HEARTBEAT_MISSED) per owner key. A machine is reported once per
     silence; an event's id derives from its machines' silences (each one's last heartbeat), so a replayed tick
-    that finds the same silences emits the same ids. One scan of the watched machines."""
+    that finds the same silences emits the same ids. One scan of the watched machines. Silence counts from a
+    machine's last heartbeat or from the last ``restart_clocks``, whichever is later.
+
+    Without ``policy`` every silent machine is marked. With one (the service's), the protection against mass
+    failure (``zones.py``): a tick more than ``timeout_ms`` after the previous one restarts the clocks instead
+    (CLOCKS_TICK_GAP: the service was paused or its loop held; it did not hear what was said meanwhile); each
+    zone (DC) fails its silent machines at its state's rate, longest silent first; when every zone is in full
+    disruption nobody is failed, and when one is heard again the clocks restart (REGION_DISRUPTION_ENDED). A zone
+    whose state changes is announced in a ZoneDisruptionChanged keyed free/<dc>."""
     if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms <= 0:
         raise HealthError(f"timeout_ms must be a positive number of ms, got {timeout_ms!r}")
-    silent = [h for h in state.machines.values() if h.status == UP and now_ms - h.last_seen_ms > timeout_ms]
-    events = _statuses(silent, UNHEALTHY, HEARTBEAT_MISSED, now_ms,
-                       lambda h: f"{h.machine_id}@{h.last_seen_ms}:{h.last_sequence}", None, producer)
-    return state._with({h.machine_id: replace(h, status=UNHEALTHY, status_ms=now_ms) for h in silent}), events
+    since = state.clocks_from_ms
+    if policy is None:
+        silent = [h for h in state.machines.values() if h.status == UP and now_ms - h.silent_since_ms(since) > timeout_ms]
+        state, missed = _missed(state, silent, now_ms, producer)
+        return replace(state, last_tick_ms=now_ms), missed
+    if state.last_tick_ms and now_ms - state.last_tick_ms > timeout_ms:
+        return replace(restart_clocks(state, now_ms, CLOCKS_TICK_GAP), last_tick_ms=now_ms), []
+    return _zoned_tick(state, now_ms, timeout_ms, policy, producer, ended=False)
+
+
+def _zoned_tick(state: HealthState, now_ms: int, timeout_ms: int, policy: DisruptionPolicy, producer: str, *,
+                ended: bool) -> tuple[HealthState, list[Event]]:
+    """``on_tick`` with a policy (``ended``: the region was just heard again; every zone is announced)."""
+    since = state.clocks_from_ms
+    counts: dict[str, list[int]] = {}  # dc -> [machines, silent]
+    candidates: dict[str, list[MachineHealth]] = {}  # dc -> UP machines silent past the timeout
+    for h in state.machines.values():
+        if not _member(h):
+            continue
+        c = counts.setdefault(h.dc, [0, 0])
+        c[0] += 1
+        if h.status != UP:
+            c[1] += 1
+        elif now_ms - h.silent_since_ms(since) > timeout_ms:
+            c[1] += 1
+            candidates.setdefault(h.dc, []).append(h)
+    states = {dc: z.zone_state(n, s, policy) for dc, (n, s) in counts.items()}
+    if states and all(st == z.ZONE_FULL for st in states.values()):
+        return _region_disrupted(state, counts, candidates, now_ms, policy, producer)
+    if state.region_disrupted:  # heard again after the whole region was dark: every silence counts anew
+        state = replace(restart_clocks(state, now_ms, CLOCKS_REGION_DISRUPTION_ENDED), region_disrupted=False)
+        return _zoned_tick(state, now_ms, timeout_ms, policy, producer, ended=True)
+    events: list[Event] = []
+    zones: dict[str, Zone] = {}
+    judged: list[MachineHealth] = []
+    for dc in sorted(set(states) | set(state.zones)):
+        n, s = counts.get(dc, (0, 0))
+        st = states.get(dc, z.ZONE_NORMAL)
+        old = state.zones.get(dc)
+        rate = policy.rate(st, n)
+        zone, allowed = z.allowance(old, st, rate, now_ms, policy)
+        cand = sorted(candidates.get(dc, ()), key=lambda h: (h.silent_since_ms(since), h.machine_id))
+        take = cand if allowed is None else cand[:allowed]
+        judged += take
+        if allowed is not None:
+            zone = z.spend(zone, len(take), policy)
+        zone = replace(zone, machines=n, silent=s, held=len(cand) - len(take))
+        before = old.state if old is not None else z.ZONE_NORMAL
+        if before != st or (ended and old is not None):
+            events.append(_zone_event(dc, zone, before, False, rate, policy, now_ms,
+                                      REGION_DISRUPTION_ENDED if ended else ZONE_STATE_CHANGED, producer))
+        if n or st != z.ZONE_NORMAL:
+            zones[dc] = zone
+    state, missed = _missed(state, judged, now_ms, producer)
+    return replace(state, zones=MappingProxyType(zones), last_tick_ms=now_ms), events + missed
+
+
+def _region_disrupted(state: HealthState, counts: dict[str, list[int]], candidates: dict[str, list[MachineHealth]],
+                      now_ms: int, policy: DisruptionPolicy, producer: str) -> tuple[HealthState, list[Event]]:
+    """Every zone is in full disruption: nobody is failed; each zone is announced once as the region goes dark."""
+    events = []
+    zones: dict[str, Zone] = {}
+    for dc in sorted(counts):
+        n, s = counts[dc]
+        old = state.zones.get(dc)
+        zone = replace(old or Zone(), state=z.ZONE_FULL, tokens=0.0, tokens_ms=now_ms, machines=n, silent=s,
+                       held=len(candidates.get(dc, ())))
+        if not state.region_disrupted:
+            events.append(_zone_event(dc, zone, old.state if old is not None else z.ZONE_NORMAL, True, 0.0, policy,
+                                      now_ms, REGION_DISRUPTION, producer))
+        zones[dc] = zone
+    return replace(state, zones=MappingProxyType(zones), region_disrupted=True, last_tick_ms=now_ms), events
+
+
+def _zone_event(dc: str, zone: Zone, before: str, region: bool, rate: float | None, policy: DisruptionPolicy,
+                now_ms: int, reason: str, producer: str) -> Event:
+    key = free_pool_key(dc)
+    return new_event(
+        ZONE_DISRUPTION_CHANGED,
+        {"dc": dc, "state": zone.state, "previous_state": before, "region_disrupted": region,
+         "machines": zone.machines, "silent": zone.silent, "held": zone.held,
+         "threshold": float(policy.unhealthy_zone_threshold), "failure_rate_per_s": rate, "reason": reason},
+        entitlement=key, entity_id=dc, producer=producer, timestamp_ms=now_ms,
+        event_id=derived_event_id(PRODUCER, "zone", dc, before, zone.state, region, reason, now_ms))

@@ -34,8 +34,17 @@ the next tick; a DOWN(health_check) machine whose agent heartbeats is recovered.
 
 **Where reading starts.** ``machines`` from the beginning (to its end before the first tick), ``heartbeats``
 from the end: history is not needed (silence is judged on the heartbeat's own timestamp) and the topic is
-the biggest. Because the process does not know the last heartbeat of each machine at start, the first tick
-waits one timeout (``T``) after catching up, so every live agent has had a chance to speak.
+the biggest. Because the process does not know the last heartbeat of each machine at start, it restarts every
+silence clock once caught up (``restart_clocks``, CLOCKS_STARTED): nobody is judged before one timeout (``T``) has
+passed, so every live agent has had a chance to speak, however long the control plane was away.
+
+**Protection against mass failure** (``zones.py``, README): ticks pass ``DisruptionPolicy`` (the flags
+``--unhealthy-zone-threshold``, ``--zone-failure-rate``, ``--secondary-zone-failure-rate``, ``--large-zone-size``):
+a zone (DC) with many machines silent at once has them failed at a pace, a region silent everywhere none, each
+zone's change announced (ZoneDisruptionChanged) and its state, silent and held machines exported as metrics. The
+clocks also restart when the process sees it was away: a tick more than ``T`` after the previous one (paused, or
+its loop held: ``on_tick``), or heartbeats read more than ``T/2`` late (a full poll, so a backlog waits, whose newest
+heartbeat is older than that; no machine is judged until it has caught up, and then each gets ``T`` anew).
 
 Own events are applied to both states at once and skipped when they come back on ``machines`` (an id set),
 so a tick never sees its own verdict undone by the log's slower echo. A bad record goes to ``deadletter``
@@ -47,6 +56,7 @@ own key for its heartbeats, a component's for its verdicts: streams/auth.py) or 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -67,6 +77,7 @@ from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
 from . import decide as d
+from . import zones
 from processors.worker import LoopWorker, close_clients
 
 log = logging.getLogger("ropewalk.health")
@@ -81,13 +92,18 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+ZONE_STATE_VALUE = {zones.ZONE_NORMAL: 0, zones.ZONE_PARTIAL: 1, zones.ZONE_FULL: 2}  # the zone-state gauge's values
+
+
 class HealthCheck(LoopWorker):
     def __init__(self, cfg: Config, timeout_ms: int, tick_ms: int, *, grace_ms: int = 0,
-                 registry: SchemaRegistry | None = None):
+                 registry: SchemaRegistry | None = None, policy: zones.DisruptionPolicy | None = None):
         if timeout_ms <= 0 or tick_ms <= 0 or grace_ms < 0:
             raise ValueError("timeout and tick must be positive, grace not negative (ms)")
         self.cfg = cfg
         self.timeout_ms, self.tick_ms, self.grace_ms = timeout_ms, tick_ms, grace_ms
+        self.policy = policy or zones.DisruptionPolicy()
+        self.behind_ms = 0  # how old the newest heartbeat of the last full poll was (0: the last poll was not full)
         self.registry = registry or SchemaRegistry.from_dir()
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.machines_topic = self.topics.name("machines")
@@ -110,14 +126,20 @@ class HealthCheck(LoopWorker):
                     for p in range(self.topics.partitions_of("heartbeats"))}
         self.consumer = EventConsumer(self.cfg, self.registry, [self.machines_topic, self.heartbeats_topic],
                                       name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
-                                      **BACKGROUND_READER)
+                                      follows=True, **BACKGROUND_READER)
         t0 = time.monotonic()
         with folding(freeze=True):  # the machines this process watches from now on (streams/heap.py)
             n = read_to_end(self.consumer, self.handle,
                             partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
-        self._next_tick_ms = now_ms() + self.timeout_ms  # startup hold: let every live agent speak once
-        log.info("health: caught up with %d records (%d machines watched) in %.1fs; first tick in %d ms", n,
+        self.restart_clocks(now_ms(), d.CLOCKS_STARTED)  # every live agent gets one timeout to speak
+        log.info("health: caught up with %d records (%d machines watched) in %.1fs; nobody judged for %d ms", n,
                  len(self.health.machines), time.monotonic() - t0, self.timeout_ms)
+
+    def restart_clocks(self, now: int, reason: str) -> None:
+        if self.health.clocks_reason != reason or now - self.health.clocks_from_ms > self.timeout_ms:
+            log.warning("health: every silence counts anew from now (%s)", reason)  # once a timeout while it lasts
+        self.health = d.restart_clocks(self.health, now, reason)
+        metrics.HEALTH_CLOCK_RESTARTS.labels(reason=reason).inc()
 
     # -- records ---------------------------------------------------------------------------------------------
     def handle(self, records: list[Record]) -> None:
@@ -201,9 +223,20 @@ class HealthCheck(LoopWorker):
 
     # -- timer -----------------------------------------------------------------------------------------------
     def tick(self, now: int) -> None:
-        """Silent machines become UNHEALTHY; UNHEALTHY ones past the grace fail, all of a tick together
-        (``broker.machines_failed``: one MachinesStatusChanged and one UnavailabilityStarted per owner)."""
-        self.health, events = d.on_tick(self.health, now, self.timeout_ms)
+        """Silent machines become UNHEALTHY, zone by zone at the policy's pace; UNHEALTHY ones past the grace fail,
+        all of a tick together (``broker.machines_failed``: one MachinesStatusChanged and one
+        UnavailabilityStarted per owner). While heartbeats are read late (``behind_ms`` over half the timeout), the
+        clocks restart instead: the heartbeats not read yet may speak for anyone."""
+        if self.behind_ms > self.timeout_ms // 2:
+            self.restart_clocks(now, d.CLOCKS_READING_BEHIND)
+            self.health = dataclasses.replace(self.health, last_tick_ms=now)
+            return
+        before = self.health
+        self.health, events = d.on_tick(self.health, now, self.timeout_ms, policy=self.policy)
+        if self.health.clocks_from_ms != before.clocks_from_ms:
+            metrics.HEALTH_CLOCK_RESTARTS.labels(reason=self.health.clocks_reason).inc()
+            log.warning("health: every silence counts anew from now (%s)", self.health.clocks_reason)
+        self.export_zones(before)
         self.emit(events)
         due = []
         for mid in sorted(self.health.unhealthy):
@@ -223,6 +256,16 @@ class HealthCheck(LoopWorker):
             return
         self.emit(events)
 
+    def export_zones(self, before: d.HealthState) -> None:
+        metrics.HEALTH_REGION_DISRUPTED.set(1 if self.health.region_disrupted else 0)
+        for dc in set(before.zones) - set(self.health.zones):
+            for gauge in (metrics.HEALTH_ZONE_STATE, metrics.HEALTH_ZONE_SILENT, metrics.HEALTH_ZONE_HELD):
+                gauge.labels(dc=dc).set(0)
+        for dc, zone in self.health.zones.items():
+            metrics.HEALTH_ZONE_STATE.labels(dc=dc).set(ZONE_STATE_VALUE.get(zone.state, 0))
+            metrics.HEALTH_ZONE_SILENT.labels(dc=dc).set(zone.silent)
+            metrics.HEALTH_ZONE_HELD.labels(dc=dc).set(zone.held)
+
     # -- output ----------------------------------------------------------------------------------------------
     def emit(self, events: list[Event]) -> None:
         """Produce ``events`` (flushed: they are rare) and apply the machine events to both states now."""
@@ -230,6 +273,13 @@ class HealthCheck(LoopWorker):
             return
         for ev in events:
             self.producer.send(ev)
+            if ev.type == d.ZONE_DISRUPTION_CHANGED:
+                p = ev.payload
+                log.warning("health: zone %s %s → %s (%s): %d of %d machines silent, %d held; failing %s", p["dc"],
+                            p["previous_state"], p["state"], p["reason"], p["silent"], p["machines"], p["held"],
+                            "every one at once" if p["failure_rate_per_s"] is None
+                            else f"{p['failure_rate_per_s']:g} a second")
+                continue
             log.info("health: %s %s %s %s %s", ev.type, ev.entity_id, ev.payload.get("status", ""),
                      ev.payload.get("reason", ""), f"({len(batches.machine_ids(ev))} machines)")
         self.producer.flush()
@@ -253,6 +303,10 @@ class HealthCheck(LoopWorker):
         if records:
             self.handle(records)
         now = now_ms()
+        # Behind: a full poll (a backlog waits) whose newest heartbeat is old. A poll that is not full has read up to
+        # the end; on a quiet log, the fetch's wait alone makes the newest heartbeat a little old.
+        beats = [r.event.timestamp_ms for r in records if r.event.type == "AgentHeartbeat"]
+        self.behind_ms = max(0, now - max(beats)) if len(records) >= POLL_MAX and beats else 0
         if now >= self._next_tick_ms:
             self._next_tick_ms = now + self.tick_ms
             try:
@@ -264,8 +318,11 @@ class HealthCheck(LoopWorker):
 
     def run(self) -> None:
         self.start()
+        p = self.policy
         print(f"health ready: {len(self.health.machines)} machines watched, timeout {self.timeout_ms} ms, "
-              f"tick {self.tick_ms} ms, grace {self.grace_ms} ms", flush=True)
+              f"tick {self.tick_ms} ms, grace {self.grace_ms} ms; zones: threshold {p.unhealthy_zone_threshold:g}, "
+              f"failure rate {p.full_rate_per_s:g}/s (full), {p.partial_rate_per_s:g}/s (partial, zones over "
+              f"{p.large_zone_size})", flush=True)
         self.loop()
 
     def close(self) -> None:
@@ -279,12 +336,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tick-ms", type=int, required=True, help="how often silences are checked")
     ap.add_argument("--grace-ms", type=int, default=0,
                     help="UNHEALTHY this long → DOWN + FAILURE unavailability (default 0: at once)")
+    p = zones.DisruptionPolicy()
+    ap.add_argument("--unhealthy-zone-threshold", type=float, default=p.unhealthy_zone_threshold,
+                    help="share of a zone's machines silent (at least 3) from which it is partially disrupted "
+                         f"(default {p.unhealthy_zone_threshold})")
+    ap.add_argument("--zone-failure-rate", type=float, default=p.full_rate_per_s,
+                    help="machines failed per second in a zone fully silent while others are heard "
+                         f"(default {p.full_rate_per_s})")
+    ap.add_argument("--secondary-zone-failure-rate", type=float, default=p.partial_rate_per_s,
+                    help=f"machines failed per second in a partially disrupted zone (default {p.partial_rate_per_s})")
+    ap.add_argument("--large-zone-size", type=int, default=p.large_zone_size,
+                    help=f"a partially disrupted zone of at most this many machines fails none (default "
+                         f"{p.large_zone_size})")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
+    metrics.serve_worker(Config.from_env().run_dir, (metrics.TIMER_TICKS,))  # infra/metrics.py
     try:
+        policy = zones.DisruptionPolicy(unhealthy_zone_threshold=args.unhealthy_zone_threshold,
+                                        full_rate_per_s=args.zone_failure_rate,
+                                        partial_rate_per_s=args.secondary_zone_failure_rate,
+                                        large_zone_size=args.large_zone_size)
         hc = HealthCheck(Config.from_env().as_principal("health"), args.timeout_ms, args.tick_ms,
-                         grace_ms=args.grace_ms)
+                         grace_ms=args.grace_ms, policy=policy)
     except ValueError as exc:
         print(f"health: {exc}", file=sys.stderr)
         return 2

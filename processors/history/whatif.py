@@ -123,8 +123,9 @@ def simulate(region: Region, events: Sequence[Event], now_ms: int, until_ms: int
         "throttled": [{"job": j, "reason": e.payload["reason"], "waiting": e.payload["waiting_count"],
                        "retry_at_ms": e.payload["retry_at_ms"]} for j, e in sorted(throttled.items())],
         "capacity": {"before": before_capacity, "after": capacity(region)},
-        "assumptions": (f"simulated from the log at {now_ms}: scheduler timer every {retry_ms} ms, agents start in "
-                        f"{start_delay_ms} ms, TaskControllers do not answer"),
+        "assumptions": (f"simulated from the log at {_when(now_ms)} to {_when(until_ms)}: scheduler timer every "
+                        f"{retry_ms / 1000:g} s, agents start in {start_delay_ms / 1000:g} s, TaskControllers do not "
+                        f"answer"),
         **({"history": dict(stats)} if stats else {}),
     }
 
@@ -195,6 +196,13 @@ def capacity(region: Region) -> dict[str, Any]:
             e["free_cpu_millicores"] += m.cpu_free
             e["free_memory_mib"] += m.mem_free
     return {"entitlements": ents, "free_pool": dict(sorted(pool.items()))}
+
+
+def _when(ms: int) -> str:
+    """A moment as the dry runs' text says it (UTC to the second, as the CLI's tables do; --json keeps the ms)."""
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def text(doc: Mapping[str, Any]) -> str:

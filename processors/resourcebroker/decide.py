@@ -13,6 +13,9 @@ Decisions (all keyed to the machine's current owner: its entitlement, or ``free/
   MachinesStatusChanged(→DOWN) and ONE UnavailabilityStarted(FAILURE) listing them.
 * ``machine_recovered``: MachineStatusChanged(DOWN→UP) + UnavailabilityEnded of the failure's UE;
   ``machines_recovered``: many, per owner ONE MachinesStatusChanged(DOWN→UP), an UnavailabilityEnded per UE.
+* ``power_lost`` / ``power_restored``: a power controller's (or an operator's) announcement that a fault domain
+  (DC, MSB, rack) lost its power: ``machines_failed`` of its machines with kind POWER and reason ``power``; power
+  back: ``machines_recovered`` of those of its machines DOWN for that reason (reason ``power_restored``).
 * ``plan_maintenance``: UnavailabilityStarted(MAINTENANCE) with advance notice and deadline, one per owner,
   listing that owner's affected machines (the Ops Planner's input path; statuses do not change yet).
 * ``maintenance_started``/``maintenance_ended``: per owner ONE MachinesStatusChanged(→MAINTENANCE / →UP), and on
@@ -58,10 +61,13 @@ REASON_OPERATOR = "operator"  # an operator said so: ropewalk machine fail / rec
 REASON_HEALTH_CHECK = "health_check"  # failed after the Health Check Service's verdict
 REASON_MAINTENANCE = "maintenance"  # planned maintenance: the UE's default reason, and status → MAINTENANCE
 REASON_MAINTENANCE_ENDED = "maintenance_ended"  # the maintenance window closed: status → UP
+REASON_POWER = "power"  # the machine's fault domain lost its power: DOWN, UnavailabilityStarted POWER
+REASON_POWER_RESTORED = "power_restored"  # power back: DOWN (power) → UP, the POWER UE ended
 
 # UnavailabilityKind symbols of schemas/UnavailabilityStarted.avsc.
 KIND_FAILURE = UnavailabilityKind.FAILURE
 KIND_MAINTENANCE = UnavailabilityKind.MAINTENANCE
+KIND_POWER = UnavailabilityKind.POWER
 
 # Maintenance targets: "machine:<id>" (or a bare id), "rack:<dc>/<msb>/<rack>", "msb:<dc>/<msb>", "dc:<dc>".
 TARGET_MACHINE = "machine"
@@ -94,6 +100,13 @@ NO_CHANGE = frozenset({
 MACHINES_STATUS_CHANGED = "MachinesStatusChanged"  # one status change of many machines of one owner
 MACHINE_EVENTS = ("MachineRegistered", "MachineStatusChanged", "MachineAssignedToEntitlement",
                   "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED)
+
+
+def is_free(owner: str | None, status: str, under_maintenance: bool) -> bool:
+    """A machine of the free pool that can be given now: no owner, UP, under no maintenance. The one rule the
+    lender's headroom and the web UI's free pool (Entitlements, Loans) count by: a DOWN machine, or one under
+    maintenance, is unowned but not free."""
+    return owner is None and status == UP and not under_maintenance
 
 
 class BrokerError(ValueError):
@@ -263,8 +276,10 @@ class _Fold:
             for m in ev.payload["machines"]:
                 mid = m["machine_id"]
                 cur = self.get(mid) or _stub(mid)
+                if ev.timestamp_ms < cur.status_ms:  # newest wins, as for one machine's (``_apply_status``)
+                    continue
                 new = replace(cur, status=ev.payload["status"], status_reason=ev.payload.get("reason", ""),
-                              status_event_id=ev.event_id)
+                              status_event_id=ev.event_id, status_ms=ev.timestamp_ms)
                 if new != cur:
                     self.changes[mid] = new
             return
@@ -419,11 +434,13 @@ def machine_failed(state: BrokerState, machine_id: str, reason: str, now_ms: int
 
 
 def machines_failed(state: BrokerState, machine_ids: Iterable[str], reason: str, now_ms: int, *,
-                    causation_id: str | None = None, producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
+                    causation_id: str | None = None, producer: str = PRODUCER,
+                    kind: str = KIND_FAILURE) -> tuple[BrokerState, list[Event]]:
     """Many machines failed at once (a Health Check tick, a power loss): per owner key, ONE
-    MachinesStatusChanged(→DOWN) listing its machines and ONE UnavailabilityStarted(FAILURE) naming them (its
-    id derived from the status event's, which every machine's record keeps: ``machine_recovered`` names it).
-    Machines DOWN already are left out; nothing to do, nothing emitted. Raises UnknownMachine (nothing emitted)."""
+    MachinesStatusChanged(→DOWN) listing its machines and ONE UnavailabilityStarted(``kind``: FAILURE, or POWER)
+    naming them (its id derived from the status event's, which every machine's record keeps:
+    ``machine_recovered`` names it). Machines DOWN already are left out; nothing to do, nothing emitted. Raises
+    UnknownMachine (nothing emitted)."""
     _check_reason(reason)
     fold = _Fold(state)
     changes = _transitions(fold, sorted(set(machine_ids)), FAILED)
@@ -431,7 +448,7 @@ def machines_failed(state: BrokerState, machine_ids: Iterable[str], reason: str,
         ue_id = failure_unavailability_id(ev.event_id)
         fold.emit(new_event(
             "UnavailabilityStarted",
-            {"unavailability_id": ue_id, "kind": KIND_FAILURE,
+            {"unavailability_id": ue_id, "kind": kind,
              "machine_ids": [m["machine_id"] for m in ev.payload["machines"]], "start_ms": now_ms,
              "deadline_ms": None, "expected_duration_ms": None, "reason": reason},
             entitlement=ev.entitlement, entity_id=ue_id, producer=producer, causation_id=causation_id,
@@ -462,6 +479,28 @@ def machines_recovered(state: BrokerState, machine_ids: Iterable[str], reason: s
             entitlement=key, entity_id=ue_id, producer=producer, causation_id=causation_id, timestamp_ms=now_ms,
             event_id=derived_event_id(ue_id, "ended", key, *ids)))
     return fold.result()
+
+
+def power_lost(state: BrokerState, targets: Iterable[str | "Target"], now_ms: int, *, causation_id: str | None = None,
+               producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
+    """The fault domains ``targets`` (``dc:<dc>``, ``msb:<dc>/<msb>``, ``rack:...``, machines; ``parse_target``)
+    lost their power: ``machines_failed`` of every machine they cover, kind POWER, reason ``power`` (one
+    MachinesStatusChanged(→DOWN) and one UnavailabilityStarted(POWER) per owner). Machines DOWN already (failed
+    before) are left out: they keep their own UE. Raises BadTarget (nothing emitted)."""
+    return machines_failed(state, resolve_targets(state, targets), REASON_POWER, now_ms, causation_id=causation_id,
+                           producer=producer, kind=KIND_POWER)
+
+
+def power_restored(state: BrokerState, targets: Iterable[str | "Target"], now_ms: int, *,
+                   causation_id: str | None = None, producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
+    """Power is back in ``targets``: their machines DOWN because of a power loss (reason ``power``) are UP again
+    (``machines_recovered``, reason ``power_restored``: one MachinesStatusChanged(DOWN→UP) per owner, the POWER
+    UEs ended). Machines down for another reason (a failure, the health check's verdict) stay down. Nothing to do,
+    nothing emitted. Raises BadTarget (nothing emitted)."""
+    ids = [m for m in resolve_targets(state, targets)
+           if (rec := state.get(m)) is not None and rec.status == DOWN and rec.status_reason == REASON_POWER]
+    return machines_recovered(state, ids, REASON_POWER_RESTORED, now_ms, causation_id=causation_id,
+                              producer=producer)
 
 
 def machine_recovered(state: BrokerState, machine_id: str, reason: str, now_ms: int, *,

@@ -256,7 +256,7 @@ def picture(book: LoanBook, now: int, tuning: Tuning) -> Picture:
     free = 0
     for m in book.broker.machines.values():
         if m.owner is None:
-            free += m.status == rb.UP and not book.maintenance.get(m.id)
+            free += rb.is_free(m.owner, m.status, bool(book.maintenance.get(m.id)))
         else:
             held.setdefault(m.owner, []).append(m.id)
     for ids in held.values():

@@ -121,6 +121,26 @@ def recover_machine(cfg: Config, machine_id: str, reason: str = d.REASON_OPERATO
     return _produce_once(cfg, registry, events, principal)
 
 
+def power_event(cfg: Config, action: str, targets: list[str], *, registry: SchemaRegistry | None = None,
+                now: int | None = None, skipped: Skipped | None = None, principal: str | None = None) -> list[Event]:
+    """A power loss (``action`` ``loss``) of the fault domains ``targets`` (``dc:<dc>``, ``msb:<dc>/<msb>``,
+    ``rack:<dc>/<msb>/<rack>``), as a power controller or an operator announces it: DOWN (reason power) and an
+    UnavailabilityStarted POWER per owner for every machine there not down already; or power back (``restore``):
+    those DOWN for a power loss UP again and their POWER UEs ended. Returns the events produced (none: nothing to
+    do). Raises ``decide.BadTarget``. Cost: one full fold of the ``machines`` topic per call."""
+    decide = {POWER_LOSS: d.power_lost, POWER_RESTORE: d.power_restored}.get(action)
+    if decide is None:
+        raise ValueError(f"action: expected {POWER_LOSS} or {POWER_RESTORE}, got {action!r}")
+    registry = _registry(registry)
+    state = fold_machines(cfg, registry, skipped=skipped)
+    _, events = decide(state, targets, now_ms() if now is None else now)
+    _produce_once(cfg, registry, events, principal)
+    return events
+
+
+POWER_LOSS, POWER_RESTORE = "loss", "restore"  # power_event's actions
+
+
 def _produce_once(cfg: Config, registry: SchemaRegistry, events: list[Event], principal: str | None = None
                   ) -> list[str]:
     """Produce ``events`` (an operator's action: ``principal`` asked for it, recorded in their envelopes)."""
@@ -153,7 +173,7 @@ class ResourceBroker(LoopWorker):
         """Catch up with the log, then register what is missing. After this, ``step`` follows the topics."""
         machines = self.topics.name("machines")
         self.consumer = EventConsumer(self.cfg, self.registry, [machines, self.topics.name("unavailability")],
-                                      name=PRODUCER, dead_letters=self.dead_letters, **BACKGROUND_READER)
+                                      name=PRODUCER, dead_letters=self.dead_letters, follows=True, **BACKGROUND_READER)
         t0 = time.monotonic()
         with folding(freeze=True):  # the registry this process holds from now on (streams/heap.py)
             n = read_to_end(self.consumer, self.handle,

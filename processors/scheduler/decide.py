@@ -437,6 +437,8 @@ def _apply_report(w: JobWork, p: Mapping[str, Any], rid: str) -> None:
         w.ignore(REASON_ILLEGAL_REPORT, f"{rid} reports {t.id} {reported} while it is {t.state}")
         return
     if not changed:
+        if state == STARTING and p.get("reason") and p["reason"] != t.reason:  # why it is not running yet (held
+            w.put(replace(t, reason=p["reason"]))  # by its agent until the machine has the job's host profile)
         return
     now = fold.now
     if state == RUNNING:
@@ -824,7 +826,7 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
         if any(not m[4] and m[3] <= now_ms for m in job.maint):
             steps.enforce_deadlines(fold.work_of(job))
         if job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()):
-            fold.work_of(job).retry_parked()
+            fold.work_of(job).retry_parked(paced=True)  # restarts take a shard token (work.retry_parked)
         if job.ops_open or job.throttled:
             w = fold.work_of(job)  # its finish drains what is approved
             if (job.status == JOB_ACTIVE and job.spec.controller and job.tc_asked_ms is not None

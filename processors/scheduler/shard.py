@@ -1152,9 +1152,14 @@ def _profile_to(directory: str) -> None:
     prof.enable()
 
 
+# what a shard's target exports from its start (infra/metrics.own)
+OWNED_METRICS = (metrics.SCHEDULING_ATTEMPT, metrics.SUBMIT_TO_RUNNING, metrics.PENDING_TASKS, metrics.TASK_MOVES,
+                 metrics.TASKCONTROL_ACK, metrics.TASKCONTROL_PENDING, metrics.TIMER_TICKS)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
+    metrics.serve_worker(Config.from_env().run_dir, OWNED_METRICS)  # infra/metrics.py; `up` lists the targets
     if os.environ.get(PROFILE_ENV):
         _profile_to(os.environ[PROFILE_ENV])
     retry_s = float(os.environ.get(RETRY_ENV) or RETRY_S)

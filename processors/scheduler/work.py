@@ -133,6 +133,14 @@ class Fold:
         self.shard_bucket = shard_b
         return refused
 
+    def take_shard_token(self) -> bool:
+        """One token of the shard's bucket (a restart re-asked after a power loss): True if taken."""
+        b = limiter.take(self.shard_bucket, self.limits.shard, self.now)
+        if b is None:
+            return False
+        self.shard_bucket = b
+        return True
+
     # events
     def derive(self, type_: str, *disc: Any) -> str:
         """The next derived id for ``(type_, *disc)`` in this decision (a repeat gets a counter)."""
@@ -349,9 +357,15 @@ class JobWork:
             "target_machine_ids": dict(targets or {})}, "request", rid)
         return rid
 
-    def retry_parked(self) -> None:
+    def retry_parked(self, *, paced: bool = False) -> None:
+        """Ask again to place the tasks a rejection parked. ``paced`` (the timer's retry): a parked task that an
+        operation is restarting (``op_state`` running: a move off a lost machine, an update or a move whose new
+        placement failed) takes a token of the shard's bucket first, as its move did, or waits for a later tick:
+        when a DC's power comes back, its tasks restart at the shard's rate, not all at once."""
         for t in self.ordered():
             if t.parked and t.state == PENDING and t.intent == RUN:
+                if paced and t.op_state == OP_RUNNING and not self.fold.take_shard_token():
+                    continue
                 self.put(replace(t, parked=False))
                 self.place[t.id] = None
 

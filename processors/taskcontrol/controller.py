@@ -115,7 +115,7 @@ class TaskControllerProcess:
         # a record it cannot decode is dead-lettered (its id derives from the record's place: reading the topic
         # again after a restart routes it again under the same id) and the controller goes on
         self.consumer = EventConsumer(cfg, registry, [topic], name=producer_name(name),
-                                      dead_letters=DeadLetters(self.producer, producer_name(name)))
+                                      dead_letters=DeadLetters(self.producer, producer_name(name)), follows=True)
         self.partitions = set(self.consumer.partitions())
         self.books = Books()
         self.caught_up = False

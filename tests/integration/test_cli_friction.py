@@ -74,7 +74,9 @@ def test_tables_have_header_rows_and_count_tasks_by_state(cfg, registry):
     assert missing.returncode == 1 and missing.stderr.startswith("ropewalk: no entitlement 'e9'")
     assert cli(cfg, "job", "status", "e1.web", "--json").stdout.startswith("{")  # --json unchanged
     watched = cli(cfg, "watch", "jobs", "--once").stdout.splitlines()
-    assert len(watched) == 1 and re.match(r"^\d\d:\d\d:\d\d  e1\.web ", watched[0])
+    # the time with its date and zone (UTC, as the tables); the tasks counted once (not "4/6 running 4 running ...")
+    assert len(watched) == 1 and re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ  e1\.web +running +tasks: 4 running, "
+                                          r"2 pending of 6 desired$", watched[0]), watched
     version = cli(cfg, "--version")
     assert version.returncode == 0 and re.fullmatch(r"ropewalk \S+\n", version.stdout)
 

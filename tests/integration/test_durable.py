@@ -37,8 +37,8 @@ def snapshot(region: RegionCli) -> dict:
     """What a user sees of the region: jobs (state, tasks, machines), machines (status, owner)."""
     jobs = {}
     for job in ("e1.run", "e1.gone", "e1.moved"):
-        view = region.status(job)  # None once a stopped job is gone
-        jobs[job] = view and {"state": view["state"],
+        view = region.status(job)  # a stopped job once gone: its last state, deleted (issue 30)
+        jobs[job] = None if view is None or view["deleted"] else {"state": view["state"],
                               "tasks": sorted((t["id"], t["state"], t["machine"]) for t in view["tasks"])}
     machines = sorted((m["id"], m["status"], m["entitlement"]) for m in region.json("machine", "list"))
     return {"jobs": jobs, "machines": machines}
@@ -80,7 +80,7 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
         for name, n in (("run", 3), ("gone", 2), ("moved", 3)):
             region.wait_for(lambda: region.running(f"e1.{name}", n), f"e1.{name} running")
         region.ok("job", "stop", "e1.gone")
-        region.wait_for(lambda: region.status("e1.gone") is None, "e1.gone stopped and gone")
+        region.wait_for(lambda: (region.status("e1.gone") or {}).get("deleted"), "e1.gone stopped and gone")
         moved = region.status("e1.moved")
         victim = moved["tasks"][0]["machine"]
         region.ok("machine", "fail", victim)
@@ -110,7 +110,10 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
             __import__("shutil").rmtree(tmp_path / "run" / d)
         restored = region.json("restore", str(tmp_path / "arc"))
         assert restored is not None and restored["records"] == archived["records"]
-        assert set(restored["groups"]) == {"allocator", "scheduler"}
+        # the faust groups, and the groups the workers report their positions to (issue 30: Kafka's lag tools)
+        assert {"allocator", "scheduler"} <= set(restored["groups"])
+        assert {g for g in restored["groups"] if g not in ("allocator", "scheduler")} == {
+            g for g in restored["groups"] if g.startswith("ropewalk-position-")}
         assert restored["offsets_moved"] == [p for p in restored["offsets_moved"] if "changelog" in p or "state." in p
                                              or "_schemas" in p], "a data topic's offsets moved"
         assert restored["index"]["machines"] == 25

@@ -1,20 +1,18 @@
 """An entitlement moves to another scheduler shard while its job is in a rolling update and one of its machines
-fails (issue 25): on a real region of two scheduler shards, through the CLI. The job ends as the update and the
+fails (issue 25): on a real region of two scheduler shards and two allocators (`ropewalk up --schedulers 2
+--allocators 2`), through the CLI. The job ends as the update and the
 failure want it (every task RUNNING at the new version, none on the failed machine), no task restarted because of
 the move, and the replayed log shows every input decided once: no scheduler decision twice, none on both shards.
 """
 import json
-import os
 import re
-import subprocess
-import sys
 import threading
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
-from regioncli import ROOT, RegionCli, wait_for
+from regioncli import RegionCli, wait_for
 
 TASKS = 16
 ASSIGNED = re.compile(r"assigned partitions \[([0-9, ]*)\]")
@@ -34,22 +32,10 @@ def spec(version_env: str) -> str:
 @pytest.mark.timeout(420)
 def test_an_entitlement_moves_shards_during_a_rolling_update_and_a_machine_failure(tmp_path):
     cli = RegionCli(tmp_path / "run")
-    up = cli("up", "--machines", "24", "--no-demo", "--json")
-    second = None
+    up = cli("up", "--machines", "24", "--no-demo", "--schedulers", "2", "--allocators", "2", "--json")
     try:
         assert up.returncode == 0, up.stderr
-        # a second scheduler shard, as a remote worker would run: its own run directory, the region's endpoints
-        # and the scheduler's credentials
-        env = {**cli.env, "ROPEWALK_RUN_DIR": str(tmp_path / "second"), "ROPEWALK_WORKER_NAME": "scheduler-1",
-               "ROPEWALK_SECRETS_DIR": str(tmp_path / "run" / "secrets"), "PYTHONUNBUFFERED": "1"}
-        endpoints = json.loads((tmp_path / "run" / "endpoints.json").read_text())
-        env.update({k: v for k, v in endpoints.items() if k != "ROPEWALK_SECRETS_DIR"})
-        (tmp_path / "second").mkdir()
-        log1 = tmp_path / "second" / "scheduler-1.log"
-        with open(log1, "wb") as out:
-            second = subprocess.Popen([sys.executable, "-m", "processors.scheduler.shard"], cwd=ROOT, env=env,
-                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        log0 = tmp_path / "run" / "scheduler-0.log"
+        log0, log1 = tmp_path / "run" / "scheduler-0.log", tmp_path / "run" / "scheduler-1.log"
 
         def split():
             a, b = assignment(log0), assignment(log1)
@@ -101,9 +87,6 @@ def test_an_entitlement_moves_shards_during_a_rolling_update_and_a_machine_failu
         cli.wait_for(lambda: cli.running("e1.web", TASKS + 1), f"{TASKS + 1} RUNNING tasks", 120)
         assert "entitlement e1 adopted on partition" in (log0 if target in mine0 else log1).read_text()
     finally:
-        if second is not None and second.poll() is None:
-            os.killpg(second.pid, 9)
-            second.wait(10)
         cli("down")
 
 

@@ -141,14 +141,14 @@ def health_proc(cfg, tmp_path):
 
 
 def test_silent_machine_fails_and_recovers(cfg, registry, region, health_proc, tmp_path):
+    beats = Heartbeats(cfg, registry, region)  # the agents speak before the health check starts, as in a region
+    beats.start()
     line = wait_ready(health_proc())
     assert "5 machines watched" in line, line
-    beats = Heartbeats(cfg, registry, region)
-    beats.start()
     follow = Follow(cfg, registry, "machines", "unavailability")
     try:
-        # Past the startup hold and a few ticks: everyone heartbeats, nobody is judged.
-        ticked(tmp_path, 3)  # the first tick comes after the startup hold
+        # A few ticks: everyone heartbeats, nobody is judged (nobody could be before a timeout: clocks restart at start).
+        ticked(tmp_path, 3)
         assert len(follow.read_to_end()) >= 5, "the registrations"
         assert status_changes(follow.events()) == []
 
@@ -192,12 +192,12 @@ def test_silent_machine_fails_and_recovers(cfg, registry, region, health_proc, t
 
 def test_grace_period_resume_opens_no_unavailability(cfg, registry, region, health_proc, tmp_path):
     """With a grace period, a machine that speaks again before it ends goes UNHEALTHY → UP, no UE."""
-    wait_ready(health_proc("--grace-ms", "60000"))
     beats = Heartbeats(cfg, registry, region)
     beats.start()
+    wait_ready(health_proc("--grace-ms", "60000"))
     follow = Follow(cfg, registry, "machines", "unavailability")
     try:
-        ticked(tmp_path, 3)  # past the startup hold
+        ticked(tmp_path, 3)
         victim = region[0]
         beats.silent.add(victim)
         follow.until(lambda evs: status_changes(evs, bd.UNHEALTHY), (TIMEOUT_MS + TICK_MS) / 1000 + 8, "UNHEALTHY")
@@ -213,12 +213,15 @@ def test_grace_period_resume_opens_no_unavailability(cfg, registry, region, heal
         follow.close()
 
 
-def test_bad_heartbeat_record_goes_to_deadletter(cfg, registry, region, health_proc):
+def test_bad_heartbeat_record_goes_to_deadletter(cfg, registry, region, health_proc, tmp_path):
     """Garbage on heartbeats is dead-lettered and the service keeps judging."""
+    beats = Heartbeats(cfg, registry, region)
+    beats.silent.update(region[:2])  # two of five never speak: a normal zone, judged at once
+    beats.start()
     wait_ready(health_proc())
     p = EventProducer(cfg, registry, "test")
     t = Topics(cfg.topic_prefix, cfg.partitions)
-    time.sleep(0.5)
+    ticked(tmp_path, 1)
     p.send_raw(t.name("heartbeats"), region[0].encode(), b"not avro at all")
     p.flush()
     follow = Follow(cfg, registry, "deadletter", "machines")
@@ -226,11 +229,119 @@ def test_bad_heartbeat_record_goes_to_deadletter(cfg, registry, region, health_p
         evs = follow.until(lambda evs: any(e.type == "DeadLetterRecorded" for e in evs), 15, "a dead letter")
         dl = [e for e in evs if e.type == "DeadLetterRecorded"][0]
         assert dl.payload["consumer"] == hd.PRODUCER and dl.payload["origin_topic"] == t.name("heartbeats")
-        # Still alive: nobody heartbeats here, so all five go UNHEALTHY after the timeout.
-        evs = follow.until(lambda evs: len(status_changes(evs, bd.UNHEALTHY)) == 5, (2 * TIMEOUT_MS) / 1000 + 8,
-                           "five UNHEALTHY")
+        # Still alive: the two that never heartbeat go UNHEALTHY after the timeout.
+        evs = follow.until(lambda evs: len(status_changes(evs, bd.UNHEALTHY)) == 2, (2 * TIMEOUT_MS) / 1000 + 8,
+                           "two UNHEALTHY")
+        assert sorted(e.entity_id for e in status_changes(evs, bd.UNHEALTHY)) == sorted(region[:2])
         records = [e for e in evs if e.type in ("MachineStatusChanged", "MachinesStatusChanged")]
-        assert {e.type for e in records} == {"MachinesStatusChanged"} and len(records) < 5, \
+        assert {e.type for e in records} == {"MachinesStatusChanged"} and len(records) < 4, \
             "one event per tick for the machines it finds silent, not one per machine"
+        assert beats.error is None
     finally:
+        beats.stop()
+        follow.close()
+
+
+# -- protection against mass failure (processors/health/zones.py) ----------------------------------------------
+
+ZONE_RATE = 2.0  # machines a second failed in a dark zone (--zone-failure-rate)
+ZONE_TIMEOUT_MS = 4000  # a longer timeout than the others': a busy machine must not make it count silences anew
+
+
+@pytest.fixture
+def two_dcs(cfg, registry):
+    """A region of 2 DCs of 12 machines each, registered."""
+    ms = machines(generate_region(24, 2, 0))
+    _, events = bd.register_all(bd.BrokerState(), ms, int(time.time() * 1000))
+    p = EventProducer(cfg, registry, "test")
+    for ev in events:
+        p.send(ev)
+    p.flush()
+    return {dc: [m.id for m in ms if m.dc == dc] for dc in sorted({m.dc for m in ms})}
+
+
+def zone_events(events, dc=None):
+    return [e for e in events if e.type == hd.ZONE_DISRUPTION_CHANGED and (dc is None or e.payload["dc"] == dc)]
+
+
+def test_a_dc_gone_silent_at_once_is_failed_at_a_pace_and_announced(cfg, registry, two_dcs, health_proc, tmp_path):
+    """Every agent of one DC falls silent at once while the other DC is heard: the DC is in full disruption
+    (announced: ZoneDisruptionChanged, and the zone-state metric), and its machines are failed ZONE_RATE a second,
+    not all at once; the other DC's machines are never judged."""
+    dc1, dc2 = sorted(two_dcs)
+    beats = Heartbeats(cfg, registry, two_dcs[dc1] + two_dcs[dc2])
+    beats.start()
+    wait_ready(health_proc("--zone-failure-rate", str(ZONE_RATE), "--timeout-ms", str(ZONE_TIMEOUT_MS)))
+    follow = Follow(cfg, registry, "machines", "unavailability")
+    try:
+        ticked(tmp_path, 3)
+        beats.silent.update(two_dcs[dc2])
+        n = len(two_dcs[dc2])
+        evs = follow.until(lambda evs: len(status_changes(evs, bd.UNHEALTHY)) == n,
+                           (ZONE_TIMEOUT_MS + 1000 * n / ZONE_RATE) / 1000 + 30, f"all {n} machines of {dc2} UNHEALTHY")
+        zone = zone_events(evs)[0]
+        assert zone.entitlement == f"free/{dc2}" and zone.payload["state"] == "FULL_DISRUPTION"
+        assert (zone.payload["previous_state"], zone.payload["region_disrupted"]) == ("NORMAL", False)
+        assert zone.payload["machines"] == n and zone.payload["silent"] == n
+        assert zone.payload["failure_rate_per_s"] == ZONE_RATE and zone.payload["held"] == n - 1
+        assert not zone_events(evs, dc1)
+        verdicts = [e for e in evs if e.type == "MachinesStatusChanged" and e.payload["status"] == bd.UNHEALTHY]
+        assert len(verdicts) >= n // 2, "paced: many small verdicts, not one"
+        # Never more than the buckets allow: one token when the zone turns dark, then ZONE_RATE a second. (A busy
+        # machine may pause the health check long enough for it to count every silence anew: the zone is then
+        # dark again later, with a new bucket; counted as such.)
+        first = verdicts[0].timestamp_ms
+        judged, buckets = 0, 0
+        for e in sorted(verdicts + zone_events(evs, dc2), key=lambda e: (e.timestamp_ms, e.type != hd.ZONE_DISRUPTION_CHANGED)):
+            if e.type == hd.ZONE_DISRUPTION_CHANGED:
+                buckets += e.payload["state"] == "FULL_DISRUPTION"
+                continue
+            judged += len(e.payload["machines"])
+            assert judged <= buckets + ZONE_RATE * (e.timestamp_ms - first) / 1000 + 1e-9, (judged, e.timestamp_ms - first)
+        assert verdicts[-1].timestamp_ms - first >= 1000 * (n - buckets) / ZONE_RATE - TICK_MS
+        assert {e.entity_id for e in status_changes(evs)} == set(two_dcs[dc2])  # dc1 never judged
+        started = [e for e in evs if e.type == "UnavailabilityStarted"]
+        assert sorted(m for e in started for m in e.payload["machine_ids"]) == sorted(two_dcs[dc2])
+        metrics_now = worker_metrics(tmp_path, WORKER)
+        assert value(metrics_now, "ropewalk_health_zone_state", dc=dc2) == 2
+        assert value(metrics_now, "ropewalk_health_zone_state", dc=dc1) == 0
+        assert value(metrics_now, "ropewalk_health_zone_silent_machines", dc=dc2) == n
+        assert beats.error is None
+    finally:
+        beats.stop()
+        follow.close()
+
+
+def test_a_region_silent_everywhere_fails_nobody_and_is_heard_again(cfg, registry, two_dcs, health_proc, tmp_path):
+    """Every agent falls silent (a control-plane or network outage, as the health check sees it): nobody is
+    failed, each zone is announced in full disruption with region_disrupted; when they speak again every silence
+    counts anew (announced region_disruption_ended) and still nobody is failed."""
+    everyone = [m for ids in two_dcs.values() for m in ids]
+    beats = Heartbeats(cfg, registry, everyone)
+    beats.start()
+    wait_ready(health_proc("--timeout-ms", str(ZONE_TIMEOUT_MS)))
+    follow = Follow(cfg, registry, "machines", "unavailability")
+    try:
+        ticked(tmp_path, 3)
+        beats.silent.update(everyone)
+        evs = follow.until(lambda evs: len(zone_events(evs)) == 2, ZONE_TIMEOUT_MS / 1000 + 20, "both zones dark")
+        assert {(e.payload["dc"], e.payload["state"], e.payload["region_disrupted"], e.payload["reason"])
+                for e in zone_events(evs)} == {(dc, "FULL_DISRUPTION", True, hd.REGION_DISRUPTION) for dc in two_dcs}
+        assert all(e.payload["failure_rate_per_s"] == 0 for e in zone_events(evs))
+        ticked(tmp_path, 3 * ZONE_TIMEOUT_MS // TICK_MS)  # three timeouts of the region dark
+        assert value(worker_metrics(tmp_path, WORKER), "ropewalk_health_region_disrupted") == 1
+        beats.silent.clear()
+        evs = follow.until(lambda evs: len(zone_events(evs)) == 4, 20, "the region heard again")
+        assert {(e.payload["dc"], e.payload["state"], e.payload["reason"]) for e in zone_events(evs)[2:]} == \
+            {(dc, "NORMAL", hd.REGION_DISRUPTION_ENDED) for dc in two_dcs}
+        ticked(tmp_path, 2 * ZONE_TIMEOUT_MS // TICK_MS)
+        follow.read_to_end()
+        assert status_changes(follow.events()) == [] and not [e for e in follow.events()
+                                                               if e.type == "UnavailabilityStarted"]
+        m = worker_metrics(tmp_path, WORKER)
+        assert value(m, "ropewalk_health_clock_restarts_total", reason=hd.CLOCKS_REGION_DISRUPTION_ENDED) == 1
+        assert value(m, "ropewalk_health_region_disrupted") == 0
+        assert beats.error is None
+    finally:
+        beats.stop()
         follow.close()

@@ -160,9 +160,9 @@ def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):
         assert out.returncode == 0 and json.loads(out.stdout)["why_not"] == {
             "machine": theirs, "answer": "held then by an entitlement you have no role on: its state is not shown"}
         for denied, reason in ((("job", "status", "e3.api", "--at", str(moments[0][0])), "no role on entitlement"),
-                               (("at", str(moments[0][0])), "region-admin"),
+                               (("at", str(moments[0][0])), "for region administrators"),
                                (("explain", "e3.api/0"), "no role on entitlement"),
-                               (("maintenance", "plan", *args[2:], "--dry-run"), "region-admin")):
+                               (("maintenance", "plan", *args[2:], "--dry-run"), "for region administrators")):
             out = cli.run_with(viewer, *denied)
             assert out.returncode == 1 and reason in out.stderr, (denied, out.stderr)
 

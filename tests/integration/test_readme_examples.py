@@ -32,7 +32,7 @@ MACHINES = 24  # the smallest generated region with the machines the examples na
 # Commands not run, with the reason (the exact text of the README line).
 NOT_RUN = {
     "make up": "the set-up itself: the test session ran it (infra/bootstrap.sh) and the test starts its region "
-               "with `ropewalk up --machines 24 --no-demo` on free ports",
+               "with `ropewalk up --machines 24` on free ports (the demo job too: `job logs demo.hello` reads it)",
     "make test": "the test suite this test is part of",
     "ropewalk down; rm -rf .run/kafka .run/redis; ropewalk restore archive/; ropewalk up":
         "stops the region and starts a 200-machine one (~1 min): tests/integration/test_durable.py runs this very "
@@ -81,13 +81,28 @@ SHAPES = {
     "ropewalk job status e1.web": lambda o: re.match(r"job e1\.web .*tasks: .* of \d+ desired\n", o)
     and o.splitlines()[1].split() == ["TASK", "STATE", "MACHINE", "DC/MSB/RACK", "REASON"],
     "ropewalk machine list --entitlement e1": lambda o: o.split()[:3] == ["MACHINE", "STATUS", "OWNER"],
-    "ropewalk watch jobs": lambda o: re.search(r"^\d\d:\d\d:\d\d  e1\.web ", o, re.M),
+    "ropewalk watch jobs": lambda o: re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ  e1\.web +\w+ +tasks: ", o, re.M),
     "ropewalk replay --entitlement e1 --since 10m": lambda o: re.match(TIME, o),
     "ropewalk replay --job e1.web --exclude-type TaskStatesChanged": lambda o: re.match(TIME, o)
     and "TaskStatesChanged" not in o,
     "ropewalk job list ; ropewalk entitlement get e1 ; ropewalk maintenance list":
         lambda o: o.split()[:5] == ["JOB", "STATE", "RUNNING", "TASKS", "LAST-REASON"],
     "ropewalk machine list -o wide": lambda o: o.split()[:3] == ["MACHINE", "STATUS", "OWNER"],
+    "ropewalk job status e1.web -o wide": lambda o: o.splitlines()[1].split()[:10] == [
+        "TASK", "STATE", "VERSION", "MACHINE", "DC/MSB/RACK", "AGE", "RESTARTS", "MOVES", "PREVIOUS-MACHINE", "REASON"],
+    "ropewalk job describe e1.web": lambda o: o.startswith("Job:          e1.web\n") and "\nLast refusals:\n" in o
+    and "\nEvents (the last " in o,
+    "ropewalk job logs demo.hello --tail 5": lambda o: 1 <= len(o.splitlines()) <= 5  # the agent's spawn line too
+    and "hello from Ropewalk at " in o and all(line.startswith(("hello from Ropewalk at ", "--- ")) for line in o.splitlines()),
+    "ropewalk job status e1.web | grep -m1 PENDING": lambda o: re.fullmatch(r"e1\.web/\d+ +PENDING +- +-/-/- +\S+.*\n", o),
+    "infra/kafka/bin/kafka-consumer-groups --bootstrap-server 127.0.0.1:19092 --command-config "
+    ".run/secrets/kafka-tools.properties --describe --all-groups":
+        lambda o: all(re.search(rf"^{g} +\S+ +\d+ +\d+ +\d+ +\d+ ", o, re.M)
+                      for g in ("scheduler", "ropewalk-position-health", "ropewalk-position-agent-simulated")),
+    "python examples/state_jobs.py --bootstrap 127.0.0.1:19092 --config .run/secrets/kcat.conf":
+        lambda o: re.search(r"^e1\.web +\w+ +\d+/200 running ", o, re.M),
+    "python examples/submit_job.py --api http://127.0.0.1:19080 --entitlement e2 --name hello --tasks 2":
+        lambda o: o.splitlines()[0] == "e2.hello: accepted" and len(re.findall(r"^e2\.hello/\d RUNNING on ", o, re.M)) == 2,
     "ropewalk --version": lambda o: re.fullmatch(r"ropewalk \S+\n", o),
     "ropewalk archive archive/": lambda o: re.match(r"archived \d+ records to archive/", o),
     "ropewalk user add bob --role e1=operator": lambda o: re.fullmatch(r"rwt_\S+\n", o),  # "prints its token"
@@ -192,10 +207,10 @@ def test_the_lists_name_only_commands_the_readmes_have():
 
 @pytest.mark.timeout(420)
 def test_every_readme_example_runs_as_written(tmp_path):
-    for name in ("examples", ".venv"):  # the checkout's, where the README's relative paths expect them
-        (tmp_path / name).symlink_to(ROOT / name if name == "examples" else Path(sys.executable).parents[1])
+    for name in ("examples", "infra", ".venv"):  # the checkout's, where the README's relative paths expect them
+        (tmp_path / name).symlink_to(ROOT / name if name != ".venv" else Path(sys.executable).parents[1])
     cli = RegionCli(tmp_path / ".run")
-    up = cli("up", "--machines", str(MACHINES), "--no-demo", "--json")
+    up = cli("up", "--machines", str(MACHINES), "--json")
     failed = []
     try:
         assert up.returncode == 0, up.stderr

@@ -139,8 +139,10 @@ def test_refusals_are_shown_and_a_stopped_job_name_is_used_again(cfg, log, tmp_p
     assert json.loads(ok(cfg, "job", "status", JOB, "--json"))["last_reason"].startswith("job_not_active: ")
     hands.release()
     log.until(lambda: (log.state() or {}).get("deleted"), "e1.web stopped and freed")
-    gone = cli(cfg, "job", "status", JOB)
-    assert gone.returncode == 1 and "unknown job" in gone.stderr
+    gone = cli(cfg, "job", "status", JOB)  # its last state, not "unknown job" (issue 30)
+    assert gone.returncode == 0 and gone.stdout.startswith(f"job {JOB} was stopped and is gone since "), gone.stdout
+    again = cli(cfg, "job", "resize", JOB, "2")
+    assert again.returncode == 1 and "was stopped and is gone since" in again.stderr
 
     # the name again: a new incarnation, visible in job status and replay
     assert ok(cfg, "job", "submit", other).strip() == JOB

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -166,7 +167,7 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
         sign_in(page, base, region.token)
         # nothing yet: each page says so, and what makes it show something
         for path, empty in (("/ui/rebalance", "#empty"), ("/ui/intents", "#intents tr.empty"),
-                            ("/ui/srm", "#srm tr.empty"), ("/ui/loans", "#history tr.empty")):
+                            ("/ui/srm", "#srm tr.unsized[data-job='e1.web']"), ("/ui/loans", "#history tr.empty")):
             page.click(f"header nav a[href='{path}']")  # reached from the navigation
             expect(page.locator(empty)).to_be_visible()
 
@@ -256,8 +257,9 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
         viewer.goto(f"{base}/ui/loans")
         expect(viewer.locator("#loans tr.empty")).to_contain_text("nothing lent to or by your entitlements")
         assert viewer.locator("#history tr.k-granted").count() == 0
-        viewer.goto(f"{base}/ui/srm")
-        expect(viewer.locator("#srm tr.empty")).to_be_visible()
+        viewer.goto(f"{base}/ui/srm")  # its jobs, none autoscaled; nothing of e4's
+        expect(viewer.locator("#srm tr.unsized[data-job='e2.base']")).to_be_visible()
+        assert viewer.locator("#srm tr[data-job^='e4.'], #srm tr:not(.unsized)[data-job]").count() == 0
         answer = viewer.goto(f"{base}/ui/jobs/e4.api/intents")
         assert answer.status == 403
         expect(viewer.locator("#refused")).to_have_attribute("data-reason", "no_role_on_entitlement")
@@ -267,3 +269,96 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
         assert viewer.goto(f"{base}/ui/jobs/e2.nosuch").status == 404  # a job of its own that is not there
         expect(viewer.locator("#refused")).to_have_attribute("data-reason", "unknown_job")
         browser.close()
+
+
+@pytest.mark.timeout(360)
+def test_the_operator_pages_in_the_browser(region, tmp_path):
+    """Issue 30: the maintenance page; the fleet a page at a time, with its host profile and each maintenance by
+    its reason linked to that page; a job's timeline marking a machine failure, a maintenance notice and deadline,
+    and the spec version of each bar through a rolling update, no label cut to its bar; the free pool counted
+    alike on the Entitlements and Loans pages; every job on the SRM page."""
+    from playwright.sync_api import expect, sync_playwright
+
+    cli, base = region.cli, region.base
+    shots = Path(os.environ.get("ROPEWALK_SCREENSHOTS_DIR") or tmp_path)
+    cli.ok("entitlement", "create", "e5", "--quota", "2", "--host-profile", "web")
+    (tmp_path / "ops.yaml").write_text(job_spec("ops", "e5", 2, 500, "rack"))
+    cli.ok("job", "submit", str(tmp_path / "ops.yaml"))
+    cli.wait_for(lambda: cli.running("e5.ops", 2), "e5.ops running", timeout_s=90)
+    (tmp_path / "ops2.yaml").write_text(job_spec("ops", "e5", 2, 500, "rack").replace("'3600'", "'3601'"))
+    cli.ok("job", "update", "e5.ops", str(tmp_path / "ops2.yaml"))
+    view = cli.wait_for(lambda: (v := cli.running("e5.ops", 2)) and all(t["spec_version"] == 2 for t in v["tasks"])
+                        and v, "e5.ops at v2", timeout_s=90)
+    kept, lost = view["tasks"][0]["machine"], view["tasks"][1]["machine"]
+    planned = cli.json("maintenance", "plan", "--machines", kept, "--start", "+10m", "--duration", "30m",
+                       "--deadline", "+5m", "--reason", "kernel upgrade")
+    ue = planned["unavailability_id"]
+    cli.ok("machine", "fail", lost)
+    cli.wait_for(lambda: (v := cli.running("e5.ops", 2)) and lost not in {t["machine"] for t in v["tasks"]},
+                 "e5.ops/1 moved off the failed machine", timeout_s=90)
+    free = [m for m in cli.json("machine", "list", "--free") if m["status"] == "UP" and not m["maintenance"]]
+    cli.ok("machine", "fail", free[0]["id"])  # a free machine DOWN: unowned, but not free
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        sign_in(page, base, region.token)
+
+        page.goto(f"{base}/ui/jobs/e5.ops")
+        box = page.locator("#timeline")
+        expect(box).to_have_attribute("data-failure", re.compile(r"[1-9]"), timeout=20_000)
+        assert int(box.get_attribute("data-deadline")) >= 1 and int(box.get_attribute("data-maintenance")) >= 1
+        assert int(box.get_attribute("data-intent")) >= 2  # submitted, then the update
+        expect(page.locator("#timeline .vis-item.vis-range", has_text=re.compile(r"^RUNNING v2 on "))).not_to_have_count(0)
+        expect(page.locator("#timeline .vis-item.vis-range", has_text=re.compile(r"^RUNNING v1 on "))).not_to_have_count(0)
+        overflow = page.evaluate("getComputedStyle(document.querySelector('#timeline .vis-item.open "
+                                 ".vis-item-overflow')).overflow")
+        assert overflow == "visible"  # a task's current bar, however short yet, is not cut to "RU"
+        page.screenshot(path=str(shots / "ui-job-timeline.png"), full_page=True)
+
+        page.click("header nav a[href='/ui/maintenance']")
+        row = page.locator(f'#maintenance tr[data-maintenance="{ue}"]')
+        expect(row.locator(".reason")).to_have_text("kernel upgrade")
+        expect(row.locator(".machines")).to_contain_text(kept)
+        expect(row.locator(".start")).to_contain_text("(in ")
+        page.screenshot(path=str(shots / "ui-maintenance.png"), full_page=True)
+
+        page.goto(f"{base}/ui/machines")
+        machine = page.locator(f'#machines tr[data-machine="{kept}"]')
+        expect(machine.locator(".profile")).to_contain_text("web")
+        link = machine.locator(".maint a")
+        expect(link).to_have_text(f"kernel upgrade ({ue[:8]})")
+        page.screenshot(path=str(shots / "ui-fleet.png"), full_page=True)
+        link.click()
+        expect(page).to_have_url(f"{base}/ui/maintenance#{ue}")
+        page.goto(f"{base}/ui/machines?per=5")
+        expect(page.locator("#machines tbody tr")).to_have_count(5)
+        expect(page.locator(".pager").first).to_contain_text("page 1 of 3")
+        page.locator(".pager a.next").first.click()
+        expect(page.locator(".pager").first).to_contain_text("page 2 of 3")
+        expect(page.locator("#machines tbody tr")).to_have_count(5)
+        page.goto(f"{base}/ui/machines?status=DOWN")
+        statuses = page.locator("#machines tbody td.status").all_inner_texts()
+        assert statuses and set(statuses) == {"DOWN"}, statuses
+
+        def free_counts():
+            page.goto(f"{base}/ui/entitlements")
+            ents = page.locator("#free-total").inner_text()
+            page.goto(f"{base}/ui/loans")
+            return ents, page.locator("#free-machines").inner_text()
+        deadline = time.monotonic() + 60
+        while (counts := free_counts())[0] != counts[1] and time.monotonic() < deadline:
+            time.sleep(1)
+        assert counts[0] == counts[1], counts  # one rule: a DOWN free machine is not free on either page
+        page.goto(f"{base}/ui/entitlements")
+        expect(page.locator("#free-pool td.unusable", has_text="DOWN")).not_to_have_count(0)
+
+        page.goto(f"{base}/ui/srm")
+        for job in (v["job"] for v in cli.json("job", "list")):
+            expect(page.locator(f'#srm tr[data-job="{job}"]')).to_have_count(1)
+        expect(page.locator('#srm tr[data-job="e5.ops"] td', has_text="not autoscaled").first).to_be_visible()
+        page.goto(f"{base}/ui/events")
+        expect(page.locator("#events tbody tr").first).to_be_visible()
+        browser.close()
+    cli.ok("machine", "recover", free[0]["id"])
+    cli.ok("machine", "recover", lost)
+    cli.ok("maintenance", "end", ue)

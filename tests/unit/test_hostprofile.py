@@ -57,6 +57,10 @@ def test_gate(host, cmd, verdict):
     if verdict == hp.FAIL:
         (report,) = encode(events)
         assert (report.payload["state"], report.payload["reason"]) == ("FAILED", hp.REASON_HOST_PROFILE_FAILED)
+    elif verdict == hp.HOLD:  # said: the task waits for its profile (`job status` showed "submitted", issue 30)
+        (report,) = encode(events)
+        assert (report.payload["state"], report.payload["reason"]) == ("STARTING", hp.REASON_WAITING_FOR_PROFILE)
+        assert report.event_id != hp.d.refused_start(M, cmd, "x", T0).event_id
     else:
         assert events == []
 

@@ -2,8 +2,11 @@
 
 Pages: jobs (state, tasks running, last reason; live), a job (its tasks, where they run, reasons, and its
 **timeline**: a Gantt chart of every task's states and operations from the log, ``timeline.py``; live), the fleet
-(machines by DC/MSB/rack: status, owner, free capacity, maintenance; live), entitlements (quota, machines held, the
-free pool), the region's event feed (the log, filtered by entitlement, job, event type and time), and the upper
+(machines by DC/MSB/rack: status, owner, free capacity, host profile, maintenance; a page of ``FLEET_PAGE`` rows,
+filtered by status, owner, DC or name; live), maintenance (each window: when, its deadline, why, its machines and
+their status), entitlements (quota, machines held, the free pool by the one rule of ``resourcebroker.decide.is_free``,
+as the loans page counts it), the region's event feed (the log, filtered by entitlement, job, event type and time),
+and the upper
 floors (issue 15): the ReBalancer's plans, a job's intents (declared, applied or refused with reason and field),
 the SRM's picture and decisions per job, and elastic loans. A page the API refuses (a viewer of another
 entitlement, an unknown job) says so with the API's reason constant (``refused.html``), status as the API's.
@@ -37,6 +40,7 @@ COOKIE = "ropewalk_token"
 FEED_LIMIT = 500  # events shown by the feed (the newest)
 FEED_DEFAULT_SINCE = "15m"
 FEED_DEFAULT_EXCLUDE = "AgentHeartbeat"  # every machine's, every few seconds: the feed is about changes
+FLEET_PAGE = 50  # machines per page of the fleet (201 rows were one 6,369-px page)
 AT_SPANS = ("15m", "1h", "6h", "24h", "7d")  # what the time slider covers, back from now
 AT_DEFAULT_SPAN = "1h"
 
@@ -156,11 +160,19 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
             return RedirectResponse("/ui/login", 303)
         from processors.frontend.service import entitlement_of_job
 
-        docs = await replay_docs(user, entitlement=entitlement_of_job(job), job=job)
-        return JSONResponse(timeline(docs, int(time.time() * 1000), job))
+        ent = entitlement_of_job(job)
+        docs = await replay_docs(user, entitlement=ent, job=job)
+        # the maintenance of its machines: keyed to their owner, the job's entitlement (they name machines, not jobs)
+        down = await replay_docs(user, entitlement=ent, topics=("unavailability",),
+                                 types=frozenset({"UnavailabilityStarted", "UnavailabilityEnded"}))
+        return JSONResponse(timeline(docs, int(time.time() * 1000), job, down))
 
     @app.get("/ui/machines", include_in_schema=False)
-    async def machines_page(request: Request, at: str = "", span: str = AT_DEFAULT_SPAN) -> Response:
+    async def machines_page(request: Request, at: str = "", span: str = AT_DEFAULT_SPAN, status: str = "",
+                            owner: str = "", dc: str = "", q: str = "", page_no: int = 1,
+                            per: int = FLEET_PAGE) -> Response:
+        """The fleet: a page of FLEET_PAGE machines by DC, MSB, rack and name, filtered (status, owner: an
+        entitlement or ``free``, DC, a part of the name); each maintenance by its reason, linked to its page."""
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
         when, err = moment(request, user, at, span)
@@ -169,23 +181,52 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
                                        str(when["ms"]) if at else None)
         if err is not None:
             return err
-        tree: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        for m in rows:
-            tree[m["dc"]][f"{m['msb']}"].append(m)
-        by_status = Counter(m["status"] for m in rows)
-        return page("machines.html", request, user=user, tree={dc: dict(sorted(msbs.items()))
-                                                             for dc, msbs in sorted(tree.items())},
-                    total=len(rows), by_status=sorted(by_status.items()), at=when)
+        windows = {w["unavailability_id"]: w for w in (await answered(request, user, api["maintenance"], user))[0]
+                   or ()} if not at else {}
+        f = {"status": status, "owner": owner, "dc": dc, "q": q}
+        shown = fleet_filter(rows, f)
+        per = min(max(5, per), 1000)
+        pages = max(1, -(-len(shown) // per))
+        page_no = min(max(1, page_no), pages)
+        if per != FLEET_PAGE:
+            f["per"] = str(per)  # kept by the pager's links
+        return page("machines.html", request, user=user, rows=shown[(page_no - 1) * per:page_no * per],
+                    total=len(rows), matched=len(shown), page_no=page_no, pages=pages, per=per, f=f,
+                    by_status=sorted(Counter(m["status"] for m in rows).items()),
+                    dcs=sorted({m["dc"] for m in rows}), owners=sorted({m["entitlement"] or "free" for m in rows}),
+                    windows=windows, at=when)
+
+    @app.get("/ui/maintenance", include_in_schema=False)
+    async def maintenance_page(request: Request) -> Response:
+        """Maintenance planned or under way (the API's ``/v1/maintenance``, narrowed to the machines the user may
+        see): its id, reason, start, deadline, how long, and its machines with their status now."""
+        if (user := user_of(request)) is None:
+            return RedirectResponse("/ui/login", 303)
+        windows, err = await answered(request, user, api["maintenance"], user)
+        if err is not None:
+            return err
+        machines = {m["id"]: m for m in await api["machines"](user, None, False)}
+        rows = [{**w, "by_status": sorted(Counter(machines[m]["status"] for m in w["machines"]
+                                                  if m in machines).items()),
+                 "now_ms": int(time.time() * 1000)} for w in sorted(windows, key=lambda w: w["start_ms"])]
+        return page("maintenance.html", request, user=user, rows=rows, machines=machines)
 
     @app.get("/ui/entitlements", include_in_schema=False)
     async def entitlements_page(request: Request) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
+        from processors.resourcebroker.decide import is_free
+
         ents = await api["entitlements"](user)
         rows = await api["machines"](user, None, False)
         held = Counter(m["entitlement"] for m in rows if m["entitlement"])
-        free = Counter(m["dc"] for m in rows if m["entitlement"] is None)
-        return page("entitlements.html", request, user=user, ents=ents, held=held, free=sorted(free.items()))
+        pool: dict[str, Counter] = defaultdict(Counter)  # per DC: free (the loans page's rule), and unowned but not
+        for m in rows:
+            if m["entitlement"] is None:
+                pool[m["dc"]]["free" if is_free(None, m["status"], bool(m["maintenance"])) else m["status"]
+                              if not m["maintenance"] else "maintenance"] += 1
+        return page("entitlements.html", request, user=user, ents=ents, held=held,
+                    pool=sorted(pool.items()), free_total=sum(c["free"] for c in pool.values()))
 
     @app.get("/ui/events", include_in_schema=False)
     async def events_page(request: Request, entitlement: str = "", job: str = "", type: str = "",
@@ -198,11 +239,12 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
         since_ms = _since_ms(since)
         error = None
         docs: list[dict] = []
+        types = frozenset(t for t in type.split(",") if t) or None
+        excluded = frozenset(t for t in exclude.split(",") if t) or None
         try:
             docs = await replay_docs(user, entitlement=entitlement or (entitlement_of_job(job) if job else None),
-                                     job=job or None, since_ms=since_ms,
-                                     types=frozenset(t for t in type.split(",") if t) or None,
-                                     exclude_types=frozenset(t for t in exclude.split(",") if t) or None)
+                                     job=job or None, since_ms=since_ms, types=types, exclude_types=excluded,
+                                     topics=feed_topics(types, excluded))
         except Exception as exc:  # noqa: BLE001 - a bad filter is said on the page
             error = getattr(exc, "message", None) or str(exc)
         docs.sort(key=time_order_key, reverse=True)
@@ -254,7 +296,12 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
         rows, err = await answered(request, user, api["srm_overview"], user)
-        return err or page("srm.html", request, user=user, rows=rows)
+        if err is not None:
+            return err
+        known = {r["job"] for r in rows}  # every job the user sees: those the SRM does not size say so
+        others = [{"job": v["job"], "entitlement": v["entitlement"], "current_tasks": v["desired_tasks"]}
+                  for v in await api["jobs"](user, None) if v["job"] not in known]
+        return page("srm.html", request, user=user, rows=rows, others=others)
 
     @app.get("/ui/loans", include_in_schema=False)
     async def loans_page(request: Request) -> Response:
@@ -274,6 +321,28 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
         if user is None or kind not in ("jobs", "machines"):
             return Response(status_code=401 if user is None else 404)
         return await events(request, user, kind, entitlement)
+
+
+def fleet_filter(rows: list[dict], f: dict[str, str]) -> list[dict]:
+    """The fleet page's machines: those matching every filter given (status, owner: an entitlement or ``free``, DC,
+    ``q``: part of the name), by DC, MSB, rack and name. Pure."""
+    out = [m for m in rows if (not f["status"] or m["status"] == f["status"])
+           and (not f["owner"] or (m["entitlement"] or "free") == f["owner"])
+           and (not f["dc"] or m["dc"] == f["dc"]) and (not f["q"] or f["q"] in m["id"])]
+    return sorted(out, key=lambda m: (m["dc"], m["msb"], m["rack"], m["id"]))
+
+
+def feed_topics(types: frozenset[str] | None, excluded: frozenset[str] | None) -> tuple[str, ...] | None:
+    """The topics the event feed reads: those that carry an event type it may show (the catalogue's ``events``).
+    Leaving out AgentHeartbeat (its default) skips the heartbeats topic instead of reading it record by record:
+    the feed took 12 s for 500 rows on a 200-machine region. None: every topic."""
+    from streams.replay import DATA_TOPICS
+    from streams.topics import BY_NAME
+
+    if types is None and excluded is None:
+        return None
+    return tuple(t for t in DATA_TOPICS if not BY_NAME[t].events or any(  # a topic naming no types: read it
+        (types is None or e in types) and (excluded is None or e not in excluded) for e in BY_NAME[t].events))
 
 
 def _job_summary(v: dict) -> dict:

@@ -17,7 +17,6 @@ the Job Control Plane's own pure ``decide`` (one full read of the topic per call
 """
 from __future__ import annotations
 
-import getpass
 import json
 import shlex
 
@@ -25,15 +24,10 @@ from processors.frontend.console import CliError, _front, _print, user_command
 from processors.jobcontrol import decide as jd
 
 
-def owner() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name (a container): say it came from the CLI
-        return "cli"
-
-
 def _declare(cfg, args, dimension: str, payload: dict) -> int:
-    doc = _front(cfg, args).intent_declare(args.job, dimension, {"owner": args.owner or owner(), **payload})
+    # the owner, unless --owner names another: who the front end serves (the API's user; --direct: the operator),
+    # never the Unix user running the CLI ("root" said nothing of who asked)
+    doc = _front(cfg, args).intent_declare(args.job, dimension, {"owner": args.owner, **payload})
     _print(doc, args.json, f"{args.job}: {doc['intent']} {doc['event_id']} (ropewalk intents show {args.job})")
     return 0
 
@@ -150,7 +144,7 @@ def add_commands(sub) -> None:
         return sp
 
     def declared(sp):
-        sp.add_argument("--owner", help="who wants it (default: your user name)")
+        sp.add_argument("--owner", help="who wants it (default: you, the API's user; --direct: operator)")
         return sp
 
     sp = declared(cmd("push", cmd_push, "code push: run a version on a percentage of the job's non-canary tasks"))

@@ -10,7 +10,7 @@ the operator; both run the front end's operations (``processors/frontend/service
 """
 from __future__ import annotations
 
-from processors.frontend.console import CliError, _front, _print, user_command
+from processors.frontend.console import CliError, _front, _print, user_command, human_time
 from processors.resourcebroker import loans as ln
 
 
@@ -20,7 +20,7 @@ def cmd_show(cfg, args) -> int:
     lines += [f"  loan {x['loan_id']:24} {x['machines']:>4} machines  {x['lender']} -> {x['borrower']}"
               for x in doc["loans"]] or ["  no loan"]
     lines += [f"  taking back {r['revocation_id']}: {len(r['returned'])}/{len(r['machines'])} returned, deadline "
-              f"{r['deadline_ms']}{'  OVERDUE' if r['overdue'] else ''}" for r in doc["revocations"]]
+              f"{human_time(r['deadline_ms'])}{'  OVERDUE' if r['overdue'] else ''}" for r in doc["revocations"]]
     if doc["returns"]:
         lines.append(f"  {len(doc['returns'])} machines returned, p99 {doc['returned_p99_ms']} ms (bound "
                      f"{doc['returns'][-1]['bound_ms']} ms)")

@@ -12,8 +12,14 @@ size a job: ``ropewalk intents size JOB --auto --min N --max M --load-per-task L
 """
 from __future__ import annotations
 
-from processors.frontend.console import _front, _print
+from processors.frontend.console import _front, _print, human_time
 from processors.srm import decide as sd
+
+
+def utc(ms: int) -> str:
+    """A moment of the load signal's clock, UTC to the second (not how far from now: its clock may not be this
+    one's)."""
+    return human_time(ms).split(" (")[0]
 
 
 def cmd_show(cfg, args) -> int:
@@ -26,7 +32,7 @@ def cmd_show(cfg, args) -> int:
              f"load {v['load']:.1f} ({v['samples']} samples)  forecast {f.get('forecast', 0):.1f} "
              f"(recent {f.get('recent', 0):.1f}, historical {f.get('historical', 0):.1f})"]
     if v["last_change"]:
-        lines.append(f"last change {v['last_change']['direction']} at {v['last_change']['at_ms']}")
+        lines.append(f"last change {v['last_change']['direction']} at {human_time(v['last_change']['at_ms'])}")
     _print(v, args.json, "\n".join(lines))
     return 0
 
@@ -35,7 +41,7 @@ def cmd_decisions(cfg, args) -> int:
     doc = _front(cfg, args).srm_decisions(args.job)
     rows = doc["decisions"]
     lines = [f"{r['job']:24} {r['direction']:4} {r['current_tasks']:>6} -> {r['tasks']:<6} load {r['load']:.1f} "
-             f"forecast {r['forecast']:.1f} ({r['rule']}, frees {r['machines_freed']} machines)  at {r['at_ms']}"
+             f"forecast {r['forecast']:.1f} ({r['rule']}, frees {r['machines_freed']} machines)  at {human_time(r['at_ms'])}"
              for r in rows]
     flips = sum(len(f) for f in doc["reversals"].values())
     lines.append(f"-- {len(rows)} decisions, {flips} reversals, at most {doc['most_reversals_in_an_hour']} in an "
@@ -51,7 +57,7 @@ def cmd_plan(cfg, args) -> int:
     text = f"job {d['job']}  would {act}  ({d['rule']}: {d['says']})"
     if d.get("forecast") is not None:
         text += (f"\nload {d['load']:.1f}  forecast {d['forecast']:.1f} (recent {d['recent']:.1f}, historical "
-                 f"{d['historical']:.1f}) at the latest sample's time {d['at_ms']}  (dry run: nothing written)")
+                 f"{d['historical']:.1f}) at the latest sample's time {utc(d['at_ms'])}  (dry run: nothing written)")
     _print(d, args.json, text)
     return 0
 

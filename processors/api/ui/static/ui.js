@@ -51,7 +51,7 @@
       text(row, ".status", m.status);
       row.querySelector(".status").className = "status m-" + m.status;
       text(row, ".owner", m.entitlement || "free");
-      text(row, ".maint", (m.maintenance || []).join(", "));
+      if (!(m.maintenance || []).length) text(row, ".maint", "");  // a new one: its reason comes with a reload
       row.classList.add("changed");
     });
   };
@@ -80,15 +80,30 @@
       if (!resp.ok) { note.textContent = "timeline: " + resp.status; return; }
       const data = await resp.json();
       box.dataset.items = String(data.items.length);
-      box.dataset.moves = String(new Set(data.items.filter((i) => i.type === "range" && /^RUNNING on /.test(i.content))
-        .map((i) => i.group + " " + i.content)).size);
+      // a task's runs on distinct machines (a bar "RUNNING v2 on M": a version change on one machine is no move)
+      box.dataset.moves = String(new Set(data.items.filter((i) => i.type === "range" && /^RUNNING (v\d+ )?on /.test(i.content))
+        .map((i) => i.group + " " + i.content.replace(/^RUNNING (v\d+ )?on /, ""))).size);
+      for (const kind of ["failure", "deadline", "maintenance", "intent"])
+        box.dataset[kind] = String(data.items.filter((i) => i.className === "op-" + kind).length);
       note.textContent = data.truncated ? ("the " + data.truncated + " oldest items are not drawn") : "";
       if (typeof vis === "undefined") { note.textContent = "vis-timeline is not installed (infra/bootstrap.sh)"; return; }
       if (!tl) {
         items = new vis.DataSet(data.items);
         groups = new vis.DataSet(data.groups);
-        tl = new vis.Timeline(box, items, groups, { stack: false, groupOrder: "order", maxHeight: 520,
+        // a row's bars on one line; its marks on lines of their own (subgroups, timeline.py), stacked there so
+        // marks close in time (intents, a failure and its commands) do not overlap
+        tl = new vis.Timeline(box, items, groups, { stack: true, stackSubgroups: true, groupOrder: "order",
+                                                    maxHeight: 620, margin: { item: { horizontal: 0, vertical: 3 } },
                                                     tooltip: { followMouse: true }, zoomKey: "" });
+        // the job's life, not vis-timeline's default week: from its first item to now (or its last, a future
+        // deadline), with a margin, so marks a few seconds apart stand apart
+        const starts = data.items.map((i) => i.start), ends = data.items.map((i) => i.end || i.start);
+        if (starts.length) {
+          const soon = Date.now() + 10 * 60000;  // a deadline or window ahead shows if it is near
+          const lo = Math.min(...starts), hi = Math.max(Date.now(), Math.min(soon, Math.max(...ends)));
+          const pad = Math.max(5000, (hi - lo) * 0.05);
+          tl.setWindow(lo - pad, hi + pad, { animation: false });
+        }
       } else {
         groups.update(data.groups);
         items.clear();

@@ -1,0 +1,170 @@
+"""`ropewalk job status|describe|logs`: what a user looks at first when a job does not do what it should.
+
+    ropewalk job status JOB [-o wide|json] [--at TIME]   # tasks: state, machine; wide: version, age, restarts,
+                                                          # moves, previous machine (from the job's events)
+    ropewalk job describe JOB [--events N] [--json]       # the job, its tasks' story, its last refusals and events
+    ropewalk job logs JOB [TASK] [-f] [--tail N]          # its tasks' output, where the process agent keeps it
+
+A job stopped and gone is shown by its last state (``deleted``), not refused as unknown: the scheduler's final
+record of it stays on ``state.jobs`` until the job id is submitted again. Through the region's API
+(``/v1/jobs/{job}``, ``/describe``, ``/logs``) or, ``--direct``, on the log and the run directory as the operator
+(``processors/frontend/describe.py``, ``logs.py``).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from typing import Any, Mapping
+
+from processors.frontend.console import AT_HELP, CliError, _ago, _front, _print, _table, direct, human_time, \
+    task_counts, user_command
+
+EXAMPLES = {
+    "status": "examples:\n  ropewalk job status e1.web\n  ropewalk job status e1.web -o wide    # + version, age, "
+              "restarts, moves, previous machine\n  ropewalk job status e1.web --at now-15m",
+    "describe": "examples:\n  ropewalk job describe e1.web\n  ropewalk job describe e1.web --events 50 --json",
+    "logs": "examples:\n  ropewalk job logs demo.hello            # every task's last 100 lines, [task] before each\n"
+            "  ropewalk job logs demo.hello 0 -f       # task 0's output as it is written (Ctrl-C stops)",
+}
+
+
+def cmd_status(cfg, args) -> int:
+    front = _front(cfg, args)
+    wide = args.output == "wide"
+    if wide and args.at:
+        raise CliError("-o wide tells each task's story up to now: without --at")
+    view = front.job_describe(args.job, 0)["job"] if wide else front.job_status(args.job, at=args.at)
+    as_json = args.json or args.output == "json"
+    again = f" (incarnation {view['incarnation']})" if view["incarnation"] != 1 else ""
+    lines = []
+    if view.get("deleted"):
+        lines.append(f"job {view['job']}{again} was stopped and is gone since {human_time(view['updated_ms'])}; "
+                     f"its last state:")
+    lines.append(f"job {view['job']}{again}  entitlement {view['entitlement']}  state {view['state']}  "
+                 f"spec v{view['spec_version']}  tasks: {task_counts(view)}")
+    if view["last_reason"]:
+        lines.append(f"reason: {view['last_reason']}")
+    if wide:
+        head, rows = task_rows(view["tasks"], int(time.time() * 1000))
+        lines.append(_table(head, rows, "no tasks"))
+    else:
+        lines.append(_table(["TASK", "STATE", "MACHINE", "DC/MSB/RACK", "REASON"],
+                            [[t["id"], t["state"], t["machine"] or "-",
+                              f"{t['dc'] or '-'}/{t['msb'] or '-'}/{t['rack'] or '-'}", t["reason"] or ""]
+                             for t in view["tasks"]], "no tasks"))
+    _print(view, as_json, "\n".join(lines))
+    return 0
+
+
+def cmd_describe(cfg, args) -> int:
+    doc = _front(cfg, args).job_describe(args.job, args.events)
+    _print(doc, args.json, describe_text(doc))
+    return 0
+
+
+def cmd_logs(cfg, args) -> int:
+    from processors.frontend import logs
+
+    if direct(args):
+        srcs = _front(cfg, args).job_log_sources(args.job, args.task)
+        missing = {s["task"]: s["why"] for s in srcs if s["path"] is None}
+        reader = logs.Reader(srcs)
+        several = len(srcs) > 1
+        if not reader.srcs:
+            raise CliError(f"no output: {logs.no_output(missing)}")
+        _say_missing(missing)
+        for t, line in reader.first(args.tail):
+            print(logs.line_of(t, line, several), flush=True)
+        while args.follow:
+            got = reader.new()
+            for t, line in got:
+                print(logs.line_of(t, line, several), flush=True)
+            if not got:
+                time.sleep(logs.FOLLOW_POLL_S)
+        return 0
+    from processors.api.client import ApiClientError
+
+    try:
+        missing, lines = _front(cfg, args).job_logs(args.job, args.task, args.tail, args.follow)
+    except ApiClientError as exc:
+        if exc.reason == "no_output":
+            raise CliError(f"no output: {exc}") from None
+        raise
+    _say_missing(missing)
+    for line in lines:
+        print(line, flush=True)
+    return 0
+
+
+def task_rows(tasks: list[Mapping[str, Any]], now_ms: int) -> tuple[list[str], list[list]]:
+    """`job status -o wide` and `describe`'s task table: placement, version, and the story of each task."""
+    head = ["TASK", "STATE", "VERSION", "MACHINE", "DC/MSB/RACK", "AGE", "RESTARTS", "MOVES", "PREVIOUS-MACHINE",
+            "REASON"]
+    rows = [[t["id"], t["state"], f"v{t['spec_version']}", t["machine"] or "-",
+             f"{t['dc'] or '-'}/{t['msb'] or '-'}/{t['rack'] or '-'}",
+             _ago(t["since_ms"] - now_ms).removesuffix(" ago") if t.get("since_ms") else "-",
+             t.get("restarts", 0), t.get("moves", 0), t.get("previous_machine") or "-", t["reason"] or ""]
+            for t in tasks]
+    return head, rows
+
+
+def describe_text(doc: Mapping[str, Any]) -> str:
+    """`job describe`'s text."""
+    v, now = doc["job"], doc["at_ms"]
+    counts = task_counts(v)
+    lines = [f"Job:          {v['job']}" + (f" (incarnation {v['incarnation']})" if v.get("incarnation", 1) != 1 else ""),
+             f"Entitlement:  {v['entitlement']}",
+             f"State:        {v['state']}" + ("  (stopped and gone: its last state)" if v.get("deleted") else "")
+             + f"  spec v{v['spec_version']}  tasks: {counts}",
+             f"Updated:      {human_time(v.get('updated_ms'), now)}",
+             f"Last reason:  {v['last_reason'] or '-'}", "", "Tasks:"]
+    head, rows = task_rows(v["tasks"], now)
+    lines += ["  " + r for r in _table(head, rows, "no tasks").splitlines()]
+    lines += ["", "Last refusals:"]
+    lines += ["  " + r for r in _table(["TIME", "TYPE", "REASON", "MESSAGE"],
+                                       [[human_time(e["at_ms"], now), e["type"], e["reason"], e["message"]]
+                                        for e in doc["refusals"]], "none").splitlines()]
+    shown = len(doc["events"])
+    lines += ["", f"Events (the last {shown} of {doc['events_total']}; `ropewalk replay --job {v['job']}` has all):"]
+    lines += ["  " + r for r in _table(["TIME", "TYPE", "BY", "WHAT"],
+                                       [[human_time(e["at_ms"], now), e["type"], e.get("principal") or "-",
+                                         e["summary"][:140]] for e in doc["events"]], "none").splitlines()]
+    return "\n".join(lines)
+
+
+def _say_missing(missing: dict[str, str]) -> None:
+    """Tasks without output, on stderr (the output itself alone on stdout): at most 5 named, then how many more."""
+    for t, why in list(missing.items())[:5]:
+        print(f"ropewalk: {t}: {why}", file=sys.stderr)
+    if len(missing) > 5:
+        print(f"ropewalk: and {len(missing) - 5} more tasks without output", file=sys.stderr)
+
+
+def add_commands(job) -> None:
+    """`status`, `describe` and `logs` under `ropewalk job` (``job``: its subparsers)."""
+    import argparse
+
+    def parser(name: str, help_: str):
+        return user_command(job.add_parser(name, help=help_, description=help_, epilog=EXAMPLES[name],
+                                           formatter_class=argparse.RawDescriptionHelpFormatter))
+
+    sp = parser("status", "a job's tasks: state, machine, fault domains (a job stopped and gone: its last state)")
+    sp.set_defaults(fn=cmd_status)
+    sp.add_argument("job")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp.add_argument("-o", "--output", choices=["wide", "json"],
+                    help="wide: also each task's spec version, age in its state, restarts, moves and previous machine "
+                         "(from the job's events); json: as --json")
+    sp.add_argument("--at", metavar="TIME", help=AT_HELP)
+    sp = parser("describe", "a job, its tasks with their placement and story, its last refusals and recent events")
+    sp.set_defaults(fn=cmd_describe)
+    sp.add_argument("job")
+    sp.add_argument("--events", type=int, default=None, metavar="N", help="how many recent events (default 20)")
+    sp.add_argument("--json", action="store_true", help="print one JSON document")
+    sp = parser("logs", "the output of a job's tasks (stdout and stderr, as their agent keeps it)")
+    sp.set_defaults(fn=cmd_logs)
+    sp.add_argument("job")
+    sp.add_argument("task", nargs="?", help="one task: its index (0) or id (e1.web/0); default every task")
+    sp.add_argument("-f", "--follow", action="store_true", help="then print each line as it is written (Ctrl-C stops)")
+    sp.add_argument("--tail", type=int, default=100, metavar="N", help="the last N lines of each task first (100)")
