@@ -161,10 +161,15 @@ def _reports_under(machine, ev):
 
 
 def _hmac_command(identity):
-    rec = commands().to_record(REG.reader("TasksCommanded").version)
+    return _hmac(identity, commands())
+
+
+def _hmac(identity, ev):
+    """``ev`` with a true HMAC proof of component ``identity`` (where the writer would have signed)."""
+    rec = ev.to_record(REG.reader(ev.type).version)
     rec["envelope"]["auth"] = auth.auth_block(identity, auth.HMAC_KEY_ID)
     key = auth.component_key(COMPONENT_SECRET, identity)
-    return auth.seal(REG.encode("TasksCommanded", rec), identity, auth.HMAC_KEY_ID, lambda m: auth.mac(key, m))
+    return auth.seal(REG.encode(ev.type, rec), identity, auth.HMAC_KEY_ID, lambda m: auth.mac(key, m))
 
 
 @pytest.mark.parametrize("what,value,reader,reason", REFUSED, ids=[r[0] for r in REFUSED])
@@ -293,3 +298,38 @@ def test_a_reader_whose_file_names_only_the_new_key_accepts_the_old_one_for_the_
     v = verifier(keys=keys)
     assert check(sealed(component("scheduler", SCHEDULER_KEY), commands(ts=5000)), v) == "scheduler"
     assert refused(sealed(component("scheduler", SCHEDULER_KEY), commands(ts=5001)), v) == auth.KEY_RETIRED
+
+
+def profile_request(machine="m1", ts=1000):
+    return new_event("HostProfileRequested", {"request_id": f"{machine}@v1:web", "machine_id": machine,
+                                              "host_profile": "web", "previous_host_profile": "",
+                                              "settings": {"vm.nr_hugepages": "0"}},
+                     entitlement="e1", entity_id=machine, producer="sidekick", timestamp_ms=ts)
+
+
+SIDEKICK_KEY = auth.new_signing_key("sidekick")
+PROFILE_REQUESTS = [
+    # who seals a HostProfileRequested (what agents apply), and what a reader pinning Sidekick's key makes of it
+    ("sidekick's signature", lambda: sealed(component("sidekick", SIDEKICK_KEY), profile_request()), "sidekick"),
+    ("the operator's signature", lambda: sealed(component("operator", OPERATOR_KEY), profile_request()), "operator"),
+    ("unsigned", lambda: unsigned(profile_request()), auth.UNSIGNED),
+    ("MACed by sidekick, not signed", lambda: _hmac("sidekick", profile_request()), auth.WRONG_IDENTITY),
+    ("sidekick without its key: sealed with nothing", lambda: sealed(component("sidekick"), profile_request()),
+     auth.UNSIGNED),
+    ("signed by the scheduler", lambda: sealed(component("scheduler", SCHEDULER_KEY), profile_request()),
+     auth.WRONG_IDENTITY),
+    ("a machine asking itself", lambda: _sealed_by_machine_as("m1", profile_request("m1")), auth.WRONG_IDENTITY),
+    ("a key the ring does not know", lambda: sealed(component("sidekick", auth.new_signing_key("sidekick")),
+                                                    profile_request()), auth.UNKNOWN_KEY),
+]
+
+
+@pytest.mark.parametrize("what,value,outcome", PROFILE_REQUESTS, ids=[r[0] for r in PROFILE_REQUESTS])
+def test_a_host_profile_request_counts_only_signed_by_sidekick_or_the_operator(what, value, outcome):
+    """Issue 27: agents apply host profiles Sidekick asks for; an agent principal must not make another machine
+    apply one (HostProfileRequested is on `tasks`, which agents may write)."""
+    v = verifier(keys=ring(SCHEDULER_KEY, SIDEKICK_KEY))
+    if outcome in auth.REASONS:
+        assert refused(value(), v) == outcome
+    else:
+        assert check(value(), v) == outcome
