@@ -281,8 +281,8 @@ class EventConsumer:
 
     With `group_id` it joins the consumer group (partitions are shared among members); without, it
     assigns every partition of `topics` itself, starting at `start_offsets` or the beginning. A record without a
-    value (a tombstone of a compacted topic: a key deleted) is no event and no bad record: it is counted in
-    `tombstones` and told to `on_tombstone(topic, key)`.
+    value on a compacted topic (a tombstone: a key deleted) is no event and no bad record: it is counted in
+    `tombstones` and told to `on_tombstone(topic, key)`; on any other topic it is a bad record.
 
     `follows`: this consumer follows the log for a worker (a processor's reader, not a one-shot read such as an API
     request's). Then, and only then, it exports ``ropewalk_consumer_lag_seconds`` (infra/metrics.py), and an
@@ -442,7 +442,8 @@ class EventConsumer:
         return self._decode(msg)
 
     def _decode(self, msg) -> Record | None:
-        if msg.value() is None:  # a tombstone (state.jobs of a job gone: decide.collect), no bad record
+        if msg.value() is None and self.catalogue.compacted(msg.topic()):  # a tombstone (state.jobs of a job gone:
+            # decide.collect), no bad record; a record without a value on any other topic is one (decoded below)
             self.tombstones += 1
             if self.on_tombstone is not None:
                 self.on_tombstone(msg.topic(), msg.key())

@@ -202,6 +202,12 @@ class Topics:
             return physical[len(self.prefix):]
         return None
 
+    def compacted(self, physical: str) -> bool:
+        """Whether ``physical`` is a compacted topic of the catalogue: there, and only there, a record without a
+        value is a tombstone (a key deleted); anywhere else it is a bad record."""
+        logical = self.logical(physical)
+        return logical is not None and BY_NAME[logical].config.get("cleanup.policy") == "compact"
+
     def partitions_of(self, logical: str) -> int:
         spec = BY_NAME[logical]
         return spec.partitions or self.partitions
