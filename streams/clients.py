@@ -296,7 +296,9 @@ class EventConsumer:
     `dead_letters`, routed to the dead-letter topic.
 
     With `group_id` it joins the consumer group (partitions are shared among members); without, it
-    assigns every partition of `topics` itself, starting at `start_offsets` or the beginning.
+    assigns every partition of `topics` itself, starting at `start_offsets` or the beginning. A record without a
+    value on a compacted topic (a tombstone: a key deleted) is no event and no bad record: it is counted in
+    `tombstones` and told to `on_tombstone(topic, key)`; on any other topic it is a bad record.
 
     `follows`: this consumer follows the log for a worker (a processor's reader, not a one-shot read such as an API
     request's). Then, and only then, it exports ``ropewalk_consumer_lag_seconds`` (infra/metrics.py), and an
@@ -313,7 +315,8 @@ class EventConsumer:
                  skipped: "dl.Skipped | None" = None,
                  start_offsets: Mapping[tuple[str, int], int] | None = None,
                  types: Iterable[str] | None = None, follows: bool = False, verify: bool = True,
-                 verifier: "auth.Verifier | None" = _FROM_CONFIG, keep_refused: bool = False, **conf):
+                 verifier: "auth.Verifier | None" = _FROM_CONFIG, keep_refused: bool = False,
+                 on_tombstone: "Callable[[str, bytes | None], None] | None" = None, **conf):
         """``verify``: check the proofs of the records of authenticated topics with ``verifier`` (default: the
         principal's); ``keep_refused``: keep the events refused for their proof in ``refused`` instead of
         dead-lettering them (an agent answers and dead-letters those addressed to its machines: gate.Judge)."""
@@ -351,6 +354,8 @@ class EventConsumer:
         self._missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
         self.types = None if types is None else frozenset(types)  # None: every type is decoded
         self.passed_over = 0  # records whose type header named a type not in ``types`` (not decoded)
+        self.tombstones = 0  # records without a value: a key deleted from a compacted topic (not an event)
+        self.on_tombstone = on_tombstone  # told (physical topic, key) of each
         self.last_offsets: dict[tuple[str, int], int] = {}  # per partition, the last offset read (any record)
         if group_id:
             self._consumer.subscribe(self.physical_topics)
@@ -468,6 +473,12 @@ class EventConsumer:
         return self._decode(msg)
 
     def _decode(self, msg) -> Record | None:
+        if msg.value() is None and self.catalogue.compacted(msg.topic()):  # a tombstone (state.jobs of a job gone:
+            # decide.collect), no bad record; a record without a value on any other topic is one (decoded below)
+            self.tombstones += 1
+            if self.on_tombstone is not None:
+                self.on_tombstone(msg.topic(), msg.key())
+            return None
         if self.types is not None and not passes_type(msg.headers(), self.types):
             self.passed_over += 1
             return None
