@@ -175,6 +175,16 @@ def api_ready(cfg: Config) -> bool:
         return False
 
 
+def local_machine_key(cfg: Config) -> Path | None:
+    """The process agent's own key (``LOCAL_MACHINE_ID``'s, infra/trust.py), written by the operator's ``up`` like any
+    machine's (``ropewalk keys machine``); None in a region without keys."""
+    from infra import trust
+
+    if trust.trust_doc(cfg.secrets) is None:
+        return None
+    return trust.write_machine_key(cfg.secrets, LOCAL_MACHINE_ID)
+
+
 def simulated_state_file(cfg: Config) -> Path:
     """Where the simulated machines keep their state across `down`/`up` (processors/agent/simulated.py)."""
     return Path(cfg.run_dir) / "agents" / "simulated.json"
@@ -230,6 +240,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
     for name in retired:
         metrics.forget(cfg.run_dir, name)
     region = write_region(cfg, machines)
+    local_machine_key(cfg)
     progs = programs(cfg, region, env=env, schedulers=counts["scheduler"], allocators=counts["allocator"])
     before = {n: s.get("restarts", 0) for n, s in supervisor.programs_state(cfg.run_dir).items()}
     first = [p for p in progs if p.name == "resourcebroker"]

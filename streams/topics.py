@@ -123,6 +123,9 @@ CATALOGUE: tuple[TopicSpec, ...] = (
               doc="elastic compute: machines the Resource Broker lends to elastic entitlements and takes back"),
     TopicSpec("metrics", KEY_ENTITLEMENT, ("JobLoadReported",), True, config=_HEARTBEATS,
               doc="load signals per job for the autoscaler, which sizes on recent load; kept a day like heartbeats"),
+    TopicSpec("keys", KEY_ENTITY, ("SigningKeyAnnounced",), partitions=1, config=_KEEP_FOREVER,
+              doc="the public keys agents verify commands with, and their rotations, each signed by the operator's key "
+                  "or the identity's previous one (streams/auth.py); written by the operator, read by every principal"),
     TopicSpec("heartbeats", KEY_MACHINE, ("AgentHeartbeat",), config=_HEARTBEATS,
               doc="agent liveness, high volume, read from its end (the health check): kept a day "
                   "(HEARTBEAT_RETENTION_MS) and at most 1 GiB per partition"),
@@ -201,6 +204,12 @@ class Topics:
         if physical.startswith(self.prefix) and physical[len(self.prefix):] in BY_NAME:
             return physical[len(self.prefix):]
         return None
+
+    def compacted(self, physical: str) -> bool:
+        """Whether ``physical`` is a compacted topic of the catalogue: there, and only there, a record without a
+        value is a tombstone (a key deleted); anywhere else it is a bad record."""
+        logical = self.logical(physical)
+        return logical is not None and BY_NAME[logical].config.get("cleanup.policy") == "compact"
 
     def partitions_of(self, logical: str) -> int:
         spec = BY_NAME[logical]

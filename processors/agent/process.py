@@ -63,7 +63,9 @@ from confluent_kafka import KafkaException
 
 from infra.config import Config
 from infra.private import PASSAGE_MODE, make_dir, open_private, private_umask, secure_work_dir, write_private
+from infra.credentials import CredentialsError
 from infra.process import process_start_time
+from infra.trust import machine_signer
 from streams.deadletter import DeadLetters
 from streams.clients import EventConsumer, EventProducer
 from streams.partitionmap import MapFollower
@@ -134,9 +136,11 @@ class Proc:
 class ProcessAgent(LoopWorker):
     def __init__(self, cfg: Config, machine_id: str, work_dir: Path | str, *, registry: SchemaRegistry | None = None,
                  tick_ms: int = DEFAULT_TICK_MS, policy: d.Policy = d.DEFAULT_POLICY,
-                 stop_grace_ms: int = d.STOP_GRACE_MS, isolation: iso.Isolation | None = None):
+                 stop_grace_ms: int = d.STOP_GRACE_MS, isolation: iso.Isolation | None = None,
+                 machine_key: Path | None = None):
         self.cfg = cfg
         self.machine_id = machine_id
+        self.signer = machine_signer(cfg, machine_id, machine_key)  # what it says, it says as this machine
         self.work_dir = Path(work_dir)
         self.registry = registry or SchemaRegistry.from_dir()
         self.tick_ms = tick_ms
@@ -299,7 +303,7 @@ class ProcessAgent(LoopWorker):
 
     def _new_producer(self) -> EventProducer:
         return EventProducer(self.cfg, self.registry, f"agent/{self.machine_id}", route=self.partition_map,
-                             **PRODUCER_CONF)
+                             signer=self.signer, **PRODUCER_CONF)
 
     def _act(self, act: d.Action) -> None:
         if act.kind == d.SPAWN:
@@ -407,6 +411,7 @@ class ProcessAgent(LoopWorker):
                                           name=f"agent/{self.machine_id}", start_offsets=self.offsets,
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
                                           types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE},
+                                          keep_refused=True,  # forged commands: answered (gate.forged)
                                           follows=True)
             return True
         except Exception as exc:  # noqa: BLE001 - broker away: try again later, tasks go on
@@ -432,9 +437,10 @@ class ProcessAgent(LoopWorker):
                 self._close_consumer()
             time.sleep(timeout_s)
             return 0
+        mine = self.machine_id.__eq__
+        self.judge.take_refused(self.consumer, mine, now_ms(), self.consumer.dead_letters)
         if self._catch_up:
             return self._catch_up_with(records)
-        mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1  # saved with the state the record makes
             if rec.event.type == hp.REQUEST_TYPE:
@@ -605,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"(${iso.SANDBOX_ENV}, default auto)")
     ap.add_argument("--task-uid-leases", default=os.environ.get(iso.LEASES_ENV) or iso.DEFAULT_LEASES,
                     help=f"the directory of this machine's uid leases, shared by its agents (${iso.LEASES_ENV})")
+    ap.add_argument("--machine-key", help="this machine's key file (default: <secrets>/machines/<machine>.json; the "
+                                          "operator writes it: `ropewalk keys machine M`)")
     args = ap.parse_args(argv)
     private_umask()  # its state, logs and task logs are root's alone (infra/private.py)
     try:
@@ -626,9 +634,15 @@ def main(argv: list[str] | None = None) -> int:
                                         scratch=work / "tasks")
     except iso.IsolationError as exc:
         raise SystemExit(f"agent {args.machine_id}: {exc}") from None
-    agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
-                         policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts, backoff_ms=args.backoff_ms),
-                         stop_grace_ms=args.stop_grace_ms, isolation=isolation)
+    try:
+        agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
+                             policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts,
+                                            backoff_ms=args.backoff_ms),
+                             stop_grace_ms=args.stop_grace_ms, isolation=isolation,
+                             machine_key=Path(args.machine_key) if args.machine_key else None)
+    except CredentialsError as exc:
+        print(f"agent: {exc}", file=sys.stderr)
+        return 2
     faulthandler.register(signal.SIGUSR1)
     signal.signal(KEEP_TASKS_SIGNAL, agent.keep_tasks_at_stop)  # kill -USR1 <agent pid>: print every thread's stack to stderr
     agent.stop_on_signals()

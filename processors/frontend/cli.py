@@ -1216,6 +1216,9 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     from processors.frontend.commands import history
 
     history.add_commands(sub, reparse=build_parser)
+    from processors.frontend.commands import keys  # the keys behind the identities on the log (infra/trust.py)
+
+    keys.add_commands(sub)
     experiment = sub.add_parser("experiment", help="reproduce the Twine paper's experiments")  # bench/cli.py's
     add_upper_floors(sub)
     if bench_commands is not None:

@@ -110,6 +110,9 @@ class Agents:
         self.work_dirs: set[Path] = set()
 
     def start(self, cfg, machine, work_dir=None, *extra):
+        from infra.trust import write_machine_key
+
+        write_machine_key(cfg.secrets, machine)  # the machine's own key, as the operator gives it (infra/trust.py)
         work = Path(work_dir or self.tmp / machine)
         self.work_dirs.add(work)
         work.mkdir(parents=True, exist_ok=True)
