@@ -82,9 +82,6 @@ START_DELAY_MS = 200  # a simulated agent: START -> RUNNING (the simulated agent
 WHAT_IF_LATENCY_MS = 5  # what-if: a request to its decision, a command to its report (causes before effects)
 SHADOW_AGENT = "agent/shadow"  # producer of a simulated agent's reports
 WHAT_IF_TOPIC = "what-if"  # where a what-if's hypothetical events are "read" from
-# the inputs that say which machines are down (``decide``'s machines_down): decided in the log's order among them
-MACHINE_INPUTS = frozenset({"MachineStatusChanged", "MachinesStatusChanged", "UnavailabilityStarted",
-                            "UnavailabilityEnded"})
 WAIT_TRIES = 8  # a silent input is tried again after this many decisions of its partition at most, then decided
 PRUNE_AT = 200_000  # remembered decision times beyond which those long past are forgotten
 # The jobs ``decide.retry_unplaced`` acts on (it passes over the others): the only ones the timer is given here.
@@ -440,8 +437,6 @@ class Region:
         Returns whether it was decided."""
         if self.dormant:
             self.wake(sd.named_jobs(event))
-        if retry and event.type in MACHINE_INPUTS and self._waiting.get(partition):
-            self._force_machine_inputs(partition, now)
         state = self.scheduler
         bucket = self.buckets.get(partition)
         if state.shard_bucket is not bucket:
@@ -486,20 +481,6 @@ class Region:
                 left.append((event, since, tries + 1))
         if left:
             self._waiting[partition] = left + self._waiting.get(partition, [])
-
-    def _force_machine_inputs(self, partition: int, now: int) -> None:
-        """Before a machine's news is decided, the older news of machines still waiting on the partition is decided,
-        outputs or not: they say which machines are down, and must not be taken in another order than the log's.
-        A DOWN that waited (the shadow had tasks there, the shard had none) decided after the UP that ended it left
-        the machines down for good, and a job placed there was moved off at once, again and again at one instant:
-        a shadow of a power loss and its end two seconds later spun forever (2026-11-28)."""
-        waiting = self._waiting.get(partition, [])
-        older = [w for w in waiting if w[0].type in MACHINE_INPUTS]
-        if not older:
-            return
-        waiting[:] = [w for w in waiting if w[0].type not in MACHINE_INPUTS]
-        for event, _, _ in older:
-            self._decide(event, partition, now, silent=False, retry=False)
 
     def _force(self, partition: int, event_id: str, now: int) -> None:
         """A waiting input ``lookahead_ms`` after it began to wait: decided now, outputs or not."""
