@@ -232,7 +232,8 @@ def compare(log: ShadowLog, region: Region, at_since: Mapping[str, str], until_m
         "totals": {"recorded": rec_totals, "shadow": mine_totals}, "totals_equal": totals_equal,
         "spread_differs": spread_differ,
         "synthesized_reports": log.synthesized, "dropped_reports": log.dropped_reports,
-        "empty": not differ and not sched_differ and all(totals_equal.values()),
+        "looped_jobs": dict(sorted(log.looped.items())),  # requests deferred: a job asking again at one instant
+        "empty": not log.looped and not differ and not sched_differ and all(totals_equal.values()),
     }
 
 
