@@ -30,8 +30,6 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
-from infra.private import make_dir, write_private
-
 log = logging.getLogger(__name__)
 METRICS_DIR = "metrics"
 TARGETS_FILE = "targets.json"
@@ -238,7 +236,8 @@ def serve(run_dir: Path | str, worker: str, owns: tuple[Metric, ...] = (), **ser
     try:
         server, _thread = start_http_server(int(port or 0), addr=host or "127.0.0.1")
         port = server.server_address[1]
-        d = make_dir(Path(run_dir) / METRICS_DIR)  # 0700 (infra/private.py)
+        d = Path(run_dir) / METRICS_DIR
+        d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".{worker}.port"
         tmp.write_text(f"{port}\n")
         tmp.replace(d / f"{worker}.port")
@@ -274,8 +273,8 @@ def write_file_sd(run_dir: Path | str, extra: dict[str, str] | None = None) -> P
     """A Prometheus ``file_sd_configs`` file of every target (``extra``: the API's), one group per worker."""
     found = {**targets(run_dir), **(extra or {})}
     path = Path(run_dir) / METRICS_DIR / TARGETS_FILE
-    make_dir(path.parent)
-    write_private(path, json.dumps([{"targets": [addr], "labels": {"job": "ropewalk", "worker": w}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([{"targets": [addr], "labels": {"job": "ropewalk", "worker": w}}
                                 for w, addr in sorted(found.items())], indent=2) + "\n")
     return path
 

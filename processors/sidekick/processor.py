@@ -21,7 +21,6 @@ from processors.allocator import fold as region_fold
 from processors.allocator.follow import SOURCES, Follower
 from processors.sidekick import decide as sk
 from processors.worker import LoopWorker, close_clients
-from streams.deadletter import DeadLetters
 from streams.partitionmap import routed_producer
 from streams.serde import SchemaRegistry
 
@@ -43,10 +42,9 @@ class Sidekick(LoopWorker):
         self.cfg, self.max_switching, self.interval_ms = cfg, max_switching, interval_ms
         self.registry = registry or SchemaRegistry.from_dir()
         self.view = sk.SidekickView()
-        self.producer = routed_producer(cfg, self.registry, sk.PRODUCER)
         self.follower = Follower(cfg, self.registry, self.view, topics=(*SOURCES, "tasks"),
-                                 types=region_fold.EVENT_TYPES | sk.EVENT_TYPES, name=sk.PRODUCER,
-                                 dead_letters=DeadLetters(self.producer, sk.PRODUCER))  # forged machine events
+                                 types=region_fold.EVENT_TYPES | sk.EVENT_TYPES, name=sk.PRODUCER)
+        self.producer = routed_producer(cfg, self.registry, sk.PRODUCER)
         self.caught_up = False
         self._next = 0
         self.requested = 0
