@@ -110,6 +110,7 @@ REASK_MS = 30_000  # the timer asks a job's TaskController again after this long
 
 KIND_POWER = UnavailabilityKind.POWER  # UnavailabilityKind: power loss of a fault domain, unavailable now like a failure
 UNAVAILABLE_KINDS = frozenset({KIND_FAILURE, KIND_POWER})  # planned MAINTENANCE notices wait for TaskControl
+UE_DOWN_STATUSES = frozenset({MAINTENANCE, *UNAVAILABLE_KINDS})  # down statuses a UE sets, so its end clears them
 MACHINE_LOST_REASON = MappingProxyType({  # machine status → why its tasks move
     DOWN: REASON_MACHINE_FAILED,
     UNHEALTHY: REASON_MACHINE_UNHEALTHY,
@@ -551,8 +552,12 @@ def _on_unavailability_ended(fold: Fold, ev: Event) -> None:
     whose machine is down meanwhile, e.g. failed, moves), kept ones are ordinary again, the job forgets the
     notice."""
     ue = ev.payload["unavailability_id"]
-    for mid in ev.payload["machine_ids"]:  # over: a machine still in MAINTENANCE here is UP (its status change,
-        if fold.is_down(mid) and fold.down_status(mid) == MAINTENANCE:  # on another topic, may come after this)
+    for mid in ev.payload["machine_ids"]:  # over: a machine still down here for what a UE says (MAINTENANCE, or
+        # FAILURE/POWER: ``_on_unavailability_started``) is UP. Its status change is on another topic, not ordered
+        # with this one: an UP read before the UnavailabilityStarted it ends left the machine down for good, and
+        # each placement the allocator (which had it UP) made there was moved off again at once (a shadow replay
+        # of a power loss then power back spun forever, 2026-11-28)
+        if fold.is_down(mid) and fold.down_status(mid) in UE_DOWN_STATUSES:
             fold.set_down(mid, None)
     for job in _jobs_in_scope(fold, ev):
         if not any(m[0] == ue for m in job.maint) and not any(t.maint_ue == ue for t in job.tasks.values()):
