@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from infra.private import PRIVATE_UMASK, open_private, write_private
+
 
 class InfraError(RuntimeError):
     """A start/stop problem with a one-line reason a user can act on."""
@@ -120,6 +122,41 @@ def process_start_time(pid: int) -> int | None:
     return int(rest[19])
 
 
+def _status_uids(pid: str) -> tuple[set[int], bool] | None:
+    """(real, effective, saved and file-system uids, a zombie) of ``/proc/<pid>``; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    uids: set[int] = set()
+    zombie = False
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            uids = {int(x) for x in line.split()[1:]}
+        elif line.startswith("State:"):
+            zombie = line.split()[1] == "Z"
+    return uids, zombie
+
+
+def uids_in_use() -> set[int]:
+    """Every uid some process of this machine runs as (any of its real, effective, saved, file-system uids)."""
+    out: set[int] = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and (st := _status_uids(pid)) is not None:
+            out |= st[0]
+    return out
+
+
+def processes_of(uid: int) -> list[int]:
+    """The live (not zombie) processes running as ``uid`` (any of their uids)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and (st := _status_uids(pid)) is not None and uid in st[0] and not st[1]:
+            out.append(int(pid))
+    return out
+
+
 def signal_group(pid: int, sig: int) -> None:
     """``sig`` to the process group ``pid`` leads (a process started in its own session: its children too); to the
     process alone if the group cannot be signalled; nothing if it is gone."""
@@ -196,7 +233,7 @@ class ManagedProcess:
         self.check_can_start()
         if self.prepare is not None:
             self.prepare()
-        with open(self.log_file, "ab") as log:
+        with open_private(self.log_file) as log:
             proc = subprocess.Popen(
                 self.argv,
                 stdout=log,
@@ -204,10 +241,11 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # survives the CLI that started it; not killed by its ^C
                 preexec_fn=raise_open_files_limit,
+                umask=PRIVATE_UMASK,  # what it writes under the run directory is its owner's alone (infra/private.py)
                 cwd=self.run_dir,
                 env=self.env,
             )
-        self.pid_file.write_text(str(proc.pid))
+        write_private(self.pid_file, str(proc.pid))
         self._wait_ready(proc.pid, proc)
         return {**self.status(), "started": True}
 

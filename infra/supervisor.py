@@ -57,6 +57,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infra.private import PRIVATE_UMASK, open_private, private_umask, write_private
 from infra.process import (
     InfraError, ManagedProcess, pid_alive, process_start_time, raise_open_files_limit, signal_group,
 )
@@ -201,11 +202,12 @@ class Supervisor:
     def start(self, name: str, st: ProgramState) -> None:
         prog = self.programs[name]
         env = {**os.environ, **prog.env}
-        with open(self.run_dir / f"{name}.log", "ab") as out:
+        with open_private(self.run_dir / f"{name}.log") as out:
             try:
                 proc = subprocess.Popen(list(prog.argv), stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=raise_open_files_limit, cwd=self.run_dir, env=env)
+                                        preexec_fn=raise_open_files_limit, umask=PRIVATE_UMASK, cwd=self.run_dir,
+                                        env=env)
             except OSError as exc:  # no such binary: counted as an exit, retried with the backoff
                 log.error("%s: cannot start %s: %s", name, prog.argv[0], exc)
                 self._exited(name, st, None, {"code": 127, "error": str(exc)})
@@ -339,9 +341,7 @@ class Supervisor:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_private(path, text)
 
 
 def _stop_orphan(pid_file: Path, start_time: int | None, timeout_s: float) -> int | None:
@@ -516,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    private_umask()  # its files, and its programs' (they inherit it), are the region owner's alone (infra/private.py)
     Supervisor(Path(args.run_dir)).run()
     return 0
 

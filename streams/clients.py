@@ -5,6 +5,11 @@
   errors are collected and raised by `flush()` (and by the next `send`), never swallowed. Every event it
   sends carries the record headers `producer` = its name (`PRODUCER_HEADER`) and `type` = the event type
   (`TYPE_HEADER`), readable without decoding.
+* Identities (streams/auth.py): on the topics agents may write (`auth.AUTHENTICATED`), an `EventProducer` seals
+  every record with its signer (by default its principal's, `infra.trust.signer_for`; agents give theirs) and an
+  `EventConsumer` checks every record's proof with its verifier (`infra.trust.verifier_for`): one that does not
+  verify is refused like a record that does not decode (dead-lettered with the reason), and the events it hands out
+  carry the identity it proved (`Event.identity`). A region without keys seals and checks nothing.
 * `EventConsumer`: decodes every record with the reader's schemas; a record that fails to decode or
   validate is skipped and counted by reason (`skipped`, a `streams.deadletter.Skipped`, which a command may
   share among its consumers to report once), routed to `deadletter` with its reason and origin when the
@@ -19,12 +24,13 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from infra.acls import position_group, reader_group
 from infra.config import Config
+from streams import auth
 from streams import deadletter as dl
 from streams import schemalog
 from streams.events import Event
@@ -37,6 +43,7 @@ from streams.topics import BY_NAME, CATALOGUE, KEY_ENTITLEMENT, KEY_JOB, KEY_MAC
 ROUTED = frozenset(t.name for t in CATALOGUE if t.copartitioned and t.key == KEY_ENTITLEMENT and t.name != "handoff")
 # Record headers of a record a scheduler shard forwarded to an entitlement's new partition (on `handoff`): where the
 # original is ("<logical topic>/<partition>@<offset>") and the entitlement's move count when it was forwarded.
+_FROM_CONFIG: Any = object()  # the default signer / verifier: the one of the client's principal (infra/trust.py)
 FORWARDED_HEADER = "forwarded_from"
 EPOCH_HEADER = "epoch"
 PRODUCER_HEADER = "producer"  # record header: the EventProducer's name (the envelope's producer, usually)
@@ -119,10 +126,16 @@ class EventProducer:
     shard that finds it there, so a producer without the map is slower across a move, never wrong)."""
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, *,
-                 route: "Callable[[str], int] | None" = None, owns_route: bool = False, **conf):
+                 route: "Callable[[str], int] | None" = None, owns_route: bool = False,
+                 signer: "auth.Signer | None" = _FROM_CONFIG, **conf):
         """``owns_route``: ``route`` is this producer's own (``partitionmap.routed_producer``'s follower), closed with
-        it."""
+        it. ``signer``: what seals the records on the authenticated topics (default: the principal's; None: none)."""
         self.cfg = cfg
+        if signer is _FROM_CONFIG:
+            from infra.trust import signer_for
+
+            signer = signer_for(cfg)
+        self.signer = signer
         self.route = route
         self._owned_route = route if owns_route else None
         self.registry = registry
@@ -186,7 +199,10 @@ class EventProducer:
         schema = self.registry.reader(event.type)
         if self._publish_schema(schema):
             self._flush_or_raise(10.0)  # the schema is on the log before any record that uses it
-        value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
+        if self.signer is not None and logical in auth.SEALED:
+            value = self.signer.seal(self.registry, event.type, event.to_record(schema.version), validate)
+        else:
+            value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
         key = key_of(logical, event)
         partition = None
         if self.route is not None and logical in ROUTED:
@@ -298,9 +314,24 @@ class EventConsumer:
                  group_id: str | None = None, dead_letters: "dl.DeadLetters | None" = None,
                  skipped: "dl.Skipped | None" = None,
                  start_offsets: Mapping[tuple[str, int], int] | None = None,
-                 types: Iterable[str] | None = None, follows: bool = False,
+                 types: Iterable[str] | None = None, follows: bool = False, verify: bool = True,
+                 verifier: "auth.Verifier | None" = _FROM_CONFIG, keep_refused: bool = False,
                  on_tombstone: "Callable[[str, bytes | None], None] | None" = None, **conf):
+        """``verify``: check the proofs of the records of authenticated topics with ``verifier`` (default: the
+        principal's); ``keep_refused``: keep the events refused for their proof in ``refused`` instead of
+        dead-lettering them (an agent answers and dead-letters those addressed to its machines: gate.Judge)."""
         self.cfg = cfg
+        if not verify:
+            verifier = None
+        elif verifier is _FROM_CONFIG:
+            from infra.trust import verifier_for
+
+            verifier = verifier_for(cfg, registry)
+        self.verifier = verifier
+        self.keep_refused = keep_refused
+        # (event, reason, detail, where) refused for their proof, not dead-lettered (``keep_refused``): ``where`` is what
+        # ``DeadLetters.route`` takes besides the reason and detail
+        self.refused: list[tuple[Event, str, str, dict]] = []
         self.registry = registry
         self.catalogue = Topics(cfg.topic_prefix, cfg.partitions)
         self.name = name
@@ -452,6 +483,7 @@ class EventConsumer:
             self.passed_over += 1
             return None
         value = msg.value()
+        data = None
         try:
             try:
                 type_, data = self.registry.decode(value)
@@ -466,20 +498,34 @@ class EventConsumer:
                     self._missed[fp] = time.monotonic()
                     raise
                 type_, data = self.registry.decode(value)
-            event = Event.from_record(type_, data)
+            if self.types is not None and type_ not in self.types and belongs(self.catalogue, msg.topic(), type_):
+                self.passed_over += 1  # a record without its type header, of a type this reader does not want
+                return None
+            identity = identity_of(self.verifier, self.catalogue, msg.topic(), type_, data, value)
+            event = Event.from_record(type_, data, identity)
             check_placement(self.catalogue, msg.topic(), msg.key(), event)
         except DecodeError as exc:
-            self._dead_letter(msg, exc.reason, exc.detail)
+            if self.keep_refused and isinstance(exc, auth.AuthError) and data is not None:
+                # the caller answers (and dead-letters) the ones that concern it: one forged record is not
+                # dead-lettered by every agent of the region
+                self._dead_letter(msg, exc.reason, exc.detail, route=False)
+                self.refused.append((Event.from_record(type_, data), exc.reason, exc.detail, self._where(msg)))
+            else:
+                self._dead_letter(msg, exc.reason, exc.detail)
             return None
         ts_type, ts = msg.timestamp()
         return Record(event, msg.topic(), msg.partition(), msg.offset(), msg.key(), ts)
 
-    def _dead_letter(self, msg, reason: str, detail: str) -> None:
+    @staticmethod
+    def _where(msg) -> dict:
+        return {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
+                "value": msg.value()}
+
+    def _dead_letter(self, msg, reason: str, detail: str, *, route: bool = True) -> None:
         self.dead_lettered += 1
-        where = {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
-                 "value": msg.value(), "reason": reason, "detail": detail}
+        where = {**self._where(msg), "reason": reason, "detail": detail}
         self.skipped.route(**where)
-        if self.dead_letters is not None:
+        if route and self.dead_letters is not None:
             self.dead_letters.route(**where)
 
     def commit(self) -> None:
@@ -489,6 +535,25 @@ class EventConsumer:
         if self.position_group is not None:
             self.report_position(force=True)
         self._consumer.close()
+
+
+def belongs(catalogue: Topics, physical_topic: str, type_: str) -> bool:
+    """Whether events of ``type_`` belong on the topic (one of the catalogue's: else nothing is said here)."""
+    logical = catalogue.logical(physical_topic)
+    return logical is None or logical == "_schemas" or type_ in BY_NAME[logical].events
+
+
+def identity_of(verifier: "auth.Verifier | None", catalogue: Topics, physical_topic: str, type_: str,
+                record: Mapping[str, Any], value: bytes) -> str | None:
+    """Who wrote a record of an authenticated topic, proven by ``verifier`` (AuthError if not); None elsewhere, or
+    without a verifier (a region without keys). An event that does not belong on the topic is refused for that first
+    (INVALID_EVENT, as ``check_placement`` says)."""
+    logical = catalogue.logical(physical_topic)
+    if verifier is None or logical not in auth.AUTHENTICATED:
+        return None
+    if type_ not in BY_NAME[logical].events:
+        raise DecodeError(INVALID_EVENT, f"{type_} does not belong on topic {logical}")
+    return verifier.check(type_, record, value)
 
 
 def check_placement(catalogue: Topics, physical_topic: str, key: bytes | None, event: Event) -> None:

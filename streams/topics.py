@@ -123,6 +123,9 @@ CATALOGUE: tuple[TopicSpec, ...] = (
               doc="elastic compute: machines the Resource Broker lends to elastic entitlements and takes back"),
     TopicSpec("metrics", KEY_ENTITLEMENT, ("JobLoadReported",), True, config=_HEARTBEATS,
               doc="load signals per job for the autoscaler, which sizes on recent load; kept a day like heartbeats"),
+    TopicSpec("keys", KEY_ENTITY, ("SigningKeyAnnounced",), partitions=1, config=_KEEP_FOREVER,
+              doc="the public keys agents verify commands with, and their rotations, each signed by the operator's key "
+                  "or the identity's previous one (streams/auth.py); written by the operator, read by every principal"),
     TopicSpec("heartbeats", KEY_MACHINE, ("AgentHeartbeat",), config=_HEARTBEATS,
               doc="agent liveness, high volume, read from its end (the health check): kept a day "
                   "(HEARTBEAT_RETENTION_MS) and at most 1 GiB per partition"),

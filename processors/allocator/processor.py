@@ -450,6 +450,8 @@ class Allocator:
             # emptied, lagging the fold, or written in an older layout (without the quota's held sets)
             behind = generation is None or self._redis_behind() or self.index.format() != FORMAT
             projected = self.index.project_all(self.fold) if behind else 0
+            if not behind:
+                self.index.load_functions()  # this version's readers' functions (project_all loads them too)
             self._adopt_index(refence=generation is None or generation != self.index.generation)
             self.caught_up = True
         return {"records": run.stats.read, "applied": self.fold.applied, "failed": failed,

@@ -68,6 +68,7 @@ from starlette.concurrency import run_in_threadpool
 from infra.config import Config
 from processors.api import authz, users as users_mod
 from processors.api.errors import ApiError
+from processors.api.guards import BodyLimit, NoTokenInUrl
 from processors.api.authz import User
 from processors.frontend import service as fe
 from processors.frontend.service import Frontend, FrontendError
@@ -329,6 +330,10 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     async def healthz() -> dict:
         return {"ok": True}
 
+    # The small doors (guards.py): no token in a URL, no body beyond MAX_BODY_BYTES; inside TimedRequests, which
+    # counts their refusals too.
+    app.add_middleware(BodyLimit)
+    app.add_middleware(NoTokenInUrl)
     app.add_middleware(TimedRequests)
 
     @app.get("/metrics", tags=["meta"], response_class=PlainTextResponse)

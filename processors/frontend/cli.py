@@ -1216,6 +1216,9 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     from processors.frontend.commands import history
 
     history.add_commands(sub, reparse=build_parser)
+    from processors.frontend.commands import keys  # the keys behind the identities on the log (infra/trust.py)
+
+    keys.add_commands(sub)
     experiment = sub.add_parser("experiment", help="reproduce the Twine paper's experiments")  # bench/cli.py's
     add_upper_floors(sub)
     if bench_commands is not None:
@@ -1235,6 +1238,9 @@ def add_upper_floors(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from infra.private import private_umask
+
+    private_umask()  # what the CLI writes (the run directory, archives) is its user's alone (infra/private.py)
     if argv[:1] and argv[0] in BENCH_COMMANDS:
         exec_bench(argv)
     return run(build_parser(), argv)

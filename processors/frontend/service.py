@@ -22,6 +22,7 @@ from streams.deadletter import Skipped
 from streams.events import Event, new_event
 from streams.partitionmap import REASON_CREATED, MapEntry, assignment_event, least_loaded
 from streams.serde import SchemaRegistry
+from streams.validate import describe_value
 
 # Reasons (FrontendError.reason) and the HTTP status each answers with.
 UNKNOWN_JOB = "unknown_job"
@@ -30,9 +31,11 @@ UNKNOWN_MACHINE = "unknown_machine"
 UNKNOWN_MAINTENANCE = "unknown_maintenance"
 UNKNOWN_TASK = "unknown_task"  # explain: no event names the task (up to the moment asked)
 INVALID_REQUEST = "invalid_request"  # a field of the request is wrong (the message names it)
+OWNER_NOT_CALLER = "owner_not_caller"  # an intent naming another owner than who declares it (issue 27)
 BROKER_UNREACHABLE = "broker_unreachable"
 NOT_ALLOWED_HERE = "illegal_transition"  # e.g. recover a machine in maintenance
-STATUS = {UNKNOWN_JOB: 404, JOB_GONE: 404, UNKNOWN_MACHINE: 404, UNKNOWN_MAINTENANCE: 404, UNKNOWN_TASK: 404, INVALID_REQUEST: 400,
+STATUS = {OWNER_NOT_CALLER: 403, UNKNOWN_JOB: 404, JOB_GONE: 404, UNKNOWN_MACHINE: 404, UNKNOWN_MAINTENANCE: 404,
+          UNKNOWN_TASK: 404, INVALID_REQUEST: 400,
           BROKER_UNREACHABLE: 503, NOT_ALLOWED_HERE: 409}
 
 # Verdicts of an intent (``verdict`` of an answer).
@@ -546,7 +549,10 @@ class Frontend:
         if not isinstance(payload, Mapping):
             raise FrontendError(INVALID_REQUEST, "body: expected an object")
         ent = entitlement_of_job(job)  # a job the Job Control Plane does not know: its IntentRefused says so
-        payload = {**payload, "job_id": job, "owner": payload.get("owner") or self.principal}
+        if payload.get("owner") not in (None, "", self.principal):  # an intent's owner is who declares it
+            raise FrontendError(OWNER_NOT_CALLER, f"owner: an intent's owner is who declares it ({self.principal!r}), "
+                                                  f"got {describe_value(payload.get('owner'))}")
+        payload = {**payload, "job_id": job, "owner": self.principal}
         if type_ == "SizingIntentDeclared":  # a person's: the autoscaler's own come from the SRM alone
             payload = {"tasks": None, "autoscale": False, "min_tasks": None, "max_tasks": None,
                        "load_per_task": None, **payload, "source": "person", "decision": None}

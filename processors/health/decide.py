@@ -44,7 +44,12 @@ HB_AGENT_RESTARTED = "agent_restarted"  # a sequence not higher, but newer in ti
 HB_DUPLICATE = "duplicate"  # the last sequence again, not newer (at-least-once redelivery)
 HB_STALE = "stale"  # a lower sequence, not newer: delivered out of order
 HB_UNKNOWN_MACHINE = "unknown_machine"  # not (yet) seen on the machines topic
+HB_FROM_THE_FUTURE = "from_the_future"  # dated more than MAX_CLOCK_SKEW_MS after the service's clock: refused
 COUNTED = frozenset({HB_ACCEPTED, HB_AGENT_RESTARTED})
+# How far ahead of the health check's clock a heartbeat may be dated. Silence is judged on the heartbeat's own time,
+# so one dated a day ahead would keep its machine UP for a day after its agent died (issue 27): such a heartbeat is
+# refused (dead-lettered, ``from_the_future``), not recorded. Clocks of a region agree within seconds (NTP).
+MAX_CLOCK_SKEW_MS = 30_000
 
 JUDGED = frozenset({UP, UNHEALTHY})  # statuses this service moves between; the rest are the broker's
 
@@ -189,6 +194,11 @@ def apply_all(state: HealthState, events: Iterable[Event]) -> HealthState:
 def _check_heartbeat(heartbeat: Event) -> None:
     if heartbeat.type != "AgentHeartbeat":
         raise HealthError(f"expected an AgentHeartbeat, got {heartbeat.type}")
+
+
+def from_the_future(heartbeat: Event, now_ms: int, skew_ms: int = MAX_CLOCK_SKEW_MS) -> bool:
+    """Whether ``heartbeat`` is dated further ahead of ``now_ms`` than ``skew_ms`` (refused: HB_FROM_THE_FUTURE)."""
+    return heartbeat.timestamp_ms > now_ms + skew_ms
 
 
 def classify(state: HealthState, heartbeat: Event) -> str:

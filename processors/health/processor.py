@@ -48,7 +48,9 @@ heartbeat is older than that; no machine is judged until it has caught up, and t
 
 Own events are applied to both states at once and skipped when they come back on ``machines`` (an id set),
 so a tick never sees its own verdict undone by the log's slower echo. A bad record goes to ``deadletter``
-(EventConsumer + DeadLetters); a handler that raises is logged to stderr, its record dead-lettered as
+(EventConsumer + DeadLetters), and so does a heartbeat or machine event that does not prove its writer (a machine's
+own key for its heartbeats, a component's for its verdicts: streams/auth.py) or a heartbeat dated more than
+``MAX_CLOCK_SKEW_MS`` ahead of the service's clock (``from_the_future``); a handler that raises is logged to stderr, its record dead-lettered as
 ``processing_failed``, and the loop goes on; a tick that raises is logged and retried at the next tick.
 """
 from __future__ import annotations
@@ -116,6 +118,7 @@ class HealthCheck(LoopWorker):
         self._next_tick_ms = 0
         self.emitted = 0
         self.errors = 0
+        self.refused_future = 0  # heartbeats dated too far ahead (d.from_the_future)
 
     # -- start -----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -143,8 +146,15 @@ class HealthCheck(LoopWorker):
         """A poll's records in order; the heartbeats between two machine events are judged together
         (``on_heartbeats``: one event per owner for the machines they resume)."""
         beats: list[Record] = []
+        now = now_ms()
         for rec in records:
             if rec.event.type == "AgentHeartbeat":
+                if d.from_the_future(rec.event, now):  # it would blind the check to its machine: refused
+                    self.refused_future += 1
+                    self.dead_letters.route_failed(
+                        rec, self.registry, f"dated {rec.event.timestamp_ms - now} ms after the health check's clock "
+                        f"(more than {d.MAX_CLOCK_SKEW_MS} ms)", log, reason=d.HB_FROM_THE_FUTURE)
+                    continue
                 beats.append(rec)
                 continue
             self._heartbeats(beats)

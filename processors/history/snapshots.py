@@ -37,6 +37,7 @@ from typing import Any
 from fastavro import parse_schema, reader as avro_reader, writer as avro_writer
 
 from infra.config import Config
+from infra.private import make_dir
 from processors.allocator.fold import MachineRec, PendingRequest, entitlement_of
 from processors.allocator.placement import Entitlement
 from processors.history.region import Region
@@ -177,6 +178,7 @@ def write(cfg: Config, region: Region, registry: SchemaRegistry, *, full: bool =
         raise SnapshotError("a partial region (some partitions' jobs not decided) has no snapshot")
     delta = not full and region.snapshot_file is not None and region.snapshot_depth + 1 < FULL_EVERY
     d = directory(cfg)
+    make_dir(d.parent)  # <run dir>/history: 0700, the region's alone (infra/private.py)
     d.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, "cut": region.cut, "applied": region.applied, "fold_failed": region.fold_failed,
             "decide_failed": region.decide_failed, "created_ms": int(time.time() * 1000),

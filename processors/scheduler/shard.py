@@ -165,6 +165,7 @@ from processors.scheduler.work import PRODUCER, state_keys
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
 from streams import batches
+from infra.trust import verifier_for
 from streams.clients import EPOCH_HEADER, FORWARDED_HEADER, PRODUCER_HEADER, TYPE_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
@@ -581,6 +582,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     pmap = partition_map if partition_map is not None else MapFollower.start(cfg, registry, name="scheduler-map")
     producer = EventProducer(cfg, registry, PRODUCER, route=lambda e: tables.here_partition(e, pmap))
     dead_letters = DeadLetters(producer, PRODUCER)
+    verifier = verifier_for(cfg, registry)  # agents' reports and the machine events must prove who wrote them
     source_names = [catalogue.name(t) for t in SOURCES]
     handoff_topic = catalogue.name("handoff")
     allocations_topic = catalogue.name("allocations")
@@ -873,7 +875,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 held.setdefault(ent, {})[(where, msg.offset)] = (msg, r.epoch)
                 return
         got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed,
-                                   placement_topic=original_topic(msg, catalogue))
+                                   placement_topic=original_topic(msg, catalogue), verifier=verifier)
         if got is not None:
             items.append((msg, *got))
         else:  # dead-lettered: its offset still moves on
