@@ -346,6 +346,7 @@ class EventConsumer:
         self._handed: dict[tuple[str, int], int] = {}  # the next offset per partition after the last poll's records
         self._at_end: dict[tuple[str, int], int] = {}  # partitions read to their end: the end offset then
         self._committed_at = 0.0
+        self._offsets_client: Consumer | None = None  # ``_queries``
         self._consumer = Consumer(consumer_conf(cfg, group_id or self.position_group,
                                                 **{"client.id": client_id(name), **conf}))
         self.eof: set[tuple[str, int]] = set()
@@ -393,7 +394,8 @@ class EventConsumer:
 
     def high_watermarks(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """The broker's high watermark of each partition now (ListOffsets)."""
-        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p))[1] for t, p in partitions}
+        queries = self._queries()
+        return {(t, p): watermark_offsets(queries, TopicPartition(t, p))[1] for t, p in partitions}
 
     def read_up_to(self, targets: Mapping[tuple[str, int], int], start: Mapping[tuple[str, int], int]) -> bool:
         """Whether this consumer has read every partition of ``targets`` up to (below) its offset: its last record
@@ -402,7 +404,18 @@ class EventConsumer:
 
     def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(low, high) per partition as the broker lists them (ListOffsets)."""
-        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p)) for t, p in self.partitions()}
+        queries = self._queries()
+        return {(t, p): watermark_offsets(queries, TopicPartition(t, p)) for t, p in self.partitions()}
+
+    def _queries(self) -> Consumer:
+        """A client of this reader's own, never assigned, for ListOffsets. A broker answers one connection's requests
+        in order, and the assigned consumer always has a fetch in flight that waits up to ``fetch.wait.max.ms``: on
+        it, each ListOffsets waited for a fetch (100 ms: 4 s for a worker's catch-up over 40 partitions, 20 s for a
+        background reader's 500 ms fetches, 2026-11-28); on this one it takes a millisecond."""
+        if self._offsets_client is None:
+            self._offsets_client = Consumer(consumer_conf(self.cfg, None,
+                                                          **{"client.id": client_id(f"{self.name}-offsets")}))
+        return self._offsets_client
 
     def poll(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list[Record]:
         """Up to ``max_records`` decoded records. ``linger_s`` None: wait until ``max_records`` are there or
@@ -535,6 +548,9 @@ class EventConsumer:
         if self.position_group is not None:
             self.report_position(force=True)
         self._consumer.close()
+        if self._offsets_client is not None:
+            self._offsets_client.close()
+            self._offsets_client = None
 
 
 def belongs(catalogue: Topics, physical_topic: str, type_: str) -> bool:
