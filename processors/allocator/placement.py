@@ -55,7 +55,6 @@ CONFLICT_VERSION = "machine_version_changed"
 # to the entitlement first (two allocators deciding for one entitlement: one moving between partitions).
 CONFLICT_QUOTA = "quota_exceeded_at_commit"
 
-MACHINE_UP = MachineStatus.UP
 SPREAD_LEVELS = ("dc", "msb", "rack")
 REQUIREMENT_KEYS = frozenset({"machine_type", "dc"})
 
@@ -177,7 +176,7 @@ Filter = Callable[[Entitlement, "Request"], Callable[[Machine], bool] | None]
 
 # The hard filters, cheapest first: (reason, predicate builder).
 FILTERS: tuple[tuple[str, Filter], ...] = (
-    (FILTER_STATUS, lambda e, r: lambda m: m.status == MACHINE_UP),
+    (FILTER_STATUS, lambda e, r: lambda m: m.status == MachineStatus.UP),
     (FILTER_MAINTENANCE, lambda e, r: lambda m: not m.maintenance),
     (FILTER_AVOIDED, lambda e, r: (lambda m: m.id not in r.avoid_machine_ids) if r.avoid_machine_ids else None),
     (FILTER_OTHER_ENTITLEMENT, lambda e, r: lambda m: m.entitlement is None or m.entitlement == e.name),
@@ -481,7 +480,7 @@ def commit_check(machine_now: Machine, expected_version: int, cpu: int, mem: int
     The specific causes are checked first (status, owner when ``entitlement`` is given, capacity for
     ``n_tasks`` tasks); a bare version change comes last. Any conflict means: re-plan on a fresh snapshot.
     """
-    if machine_now.status != MACHINE_UP:
+    if machine_now.status != MachineStatus.UP:
         return CONFLICT_STATUS
     if entitlement is not None and machine_now.entitlement not in (None, entitlement):
         return CONFLICT_OWNER

@@ -23,14 +23,17 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from processors.cowmap import CowMap
-from processors.resourcebroker.decide import DOWN, REASON_HEALTH_CHECK, UNHEALTHY, UP
+from processors.resourcebroker.decide import REASON_HEALTH_CHECK
 from streams import batches
 from streams.batches import MACHINES_STATUS_CHANGED
+from streams.enums import MachineStatus
 from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
 
 from . import zones as z
 from .zones import DisruptionPolicy, Zone
+
+UP, UNHEALTHY, DOWN = MachineStatus.UP, MachineStatus.UNHEALTHY, MachineStatus.DOWN
 
 PRODUCER = "health"
 

@@ -69,6 +69,7 @@ from streams.catchup import read_to_end
 from streams.partitionmap import routed_producer
 from streams.clients import BACKGROUND_READER, EventConsumer, Record
 from streams.deadletter import DeadLetters
+from streams.enums import MachineStatus
 from streams.events import Event
 from streams.heap import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
@@ -201,7 +202,7 @@ class HealthCheck(LoopWorker):
             mid = hb.payload["machine_id"]
             rec = self.broker.get(mid)
             held = self.health.machines.get(mid)
-            if (rec is not None and rec.status == broker.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK
+            if (rec is not None and rec.status == MachineStatus.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK
                     and held is not None and hb.timestamp_ms > held.status_ms):
                 back.setdefault(mid, hb)
         if back:
@@ -232,7 +233,7 @@ class HealthCheck(LoopWorker):
         for mid in sorted(self.health.unhealthy):
             held = self.health.machines[mid]
             rec = self.broker.get(mid)
-            if now - held.status_ms < self.grace_ms or rec is None or rec.status != broker.UNHEALTHY:
+            if now - held.status_ms < self.grace_ms or rec is None or rec.status != MachineStatus.UNHEALTHY:
                 continue
             due.append(mid)
         if not due:

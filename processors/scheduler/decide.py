@@ -75,7 +75,6 @@ from infra.config import DEFAULT_JOB_GC_S, DEFAULT_MAX_TASKS_PER_JOB
 from processors import rules
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.allocator.placement import ENTITLEMENT_FIELDS, Entitlement
-from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
 from processors.scheduler import lifecycle as lc
 from processors.scheduler import steps
 from processors.scheduler import versions as vs
@@ -102,9 +101,12 @@ from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Limits
 from processors.taskcontrol.protocol import CHOICE_KEEP, OP_MOVE
 from streams import batches
-from streams.enums import UnavailabilityKind
+from streams.enums import MachineStatus, UnavailabilityKind
 from streams.events import Event
 
+UP, UNHEALTHY, DOWN = MachineStatus.UP, MachineStatus.UNHEALTHY, MachineStatus.DOWN
+MAINTENANCE = MachineStatus.MAINTENANCE
+KIND_FAILURE = UnavailabilityKind.FAILURE
 DEFAULT_JOB_GC_MS = int(DEFAULT_JOB_GC_S * 1000)  # a stopped job's grace (``collect``; ROPEWALK_JOB_GC_S)
 REASK_MS = 30_000  # the timer asks a job's TaskController again after this long without an answer or progress
 
