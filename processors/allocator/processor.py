@@ -87,7 +87,7 @@ from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import make_app
-from streams.heap import GrowthFreezer, folding
+from streams.gc_control import GrowthFreezer, folding
 from streams.partitionmap import MapEntry, MapFollower
 from streams.partitioner import partition_for
 from streams.replay import Replay, ReplayFilter
@@ -407,7 +407,7 @@ class Allocator:
         self._publishing = threading.Lock()
         self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
         self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
-        self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/heap.py
+        self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/gc_control.py
 
     def key(self, name: str) -> str:
         return self.cfg.topic_prefix + name

@@ -885,7 +885,7 @@ def cmd_maintenance(cfg: Config, args) -> int:
 def cmd_rebalance(cfg: Config, args) -> int:
     """`rebalance plan`: the ReBalancer's latest plan per entitlement (or every plan) and each move's progress;
     with --dry-run, the plan the log calls for now, produced nowhere (processors/rebalancer/)."""
-    from processors.rebalancer import cli as rb
+    from processors.rebalancer import queries as rb
     from processors.rebalancer.solver import goals_of
 
     if args.dry_run:  # the solver runs here, on the caller's CPU, over the whole region's log: not the API's work

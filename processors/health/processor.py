@@ -71,7 +71,7 @@ from streams.clients import BACKGROUND_READER, EventConsumer, Record
 from streams.deadletter import DeadLetters
 from streams.enums import MachineStatus
 from streams.events import Event
-from streams.heap import GrowthFreezer, folding
+from streams.gc_control import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -113,7 +113,7 @@ class HealthCheck(LoopWorker):
         self.broker = broker.BrokerState()
         self.consumer: EventConsumer | None = None
         self._own: set[str] = set()
-        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/heap.py
+        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/gc_control.py
         self._next_tick_ms = 0
         self.emitted = 0
         self.errors = 0
@@ -126,7 +126,7 @@ class HealthCheck(LoopWorker):
                                       name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
                                       follows=True, **BACKGROUND_READER)
         t0 = time.monotonic()
-        with folding(freeze=True):  # the machines this process watches from now on (streams/heap.py)
+        with folding(freeze=True):  # the machines this process watches from now on (streams/gc_control.py)
             n = read_to_end(self.consumer, self.handle,
                             partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
         self.restart_clocks(now_ms(), d.CLOCKS_STARTED)  # every live agent gets one timeout to speak
