@@ -27,6 +27,7 @@ from heapq import heapify, heappop, heappush
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Protocol
 
 from streams.enums import MachineStatus
 
@@ -137,8 +138,19 @@ class Plan:
     cache_hit: bool = False  # the job-level allocation cache answered (processors/allocator/cache.py)
 
 
+class Located(Protocol):
+    """What has a place in the region's fault domains: a ``Machine``, the ReBalancer's ``MachineLoad``."""
+
+    @property
+    def dc(self) -> str: ...
+    @property
+    def msb(self) -> str: ...
+    @property
+    def rack(self) -> str: ...
+
+
 # The bin of a machine at each spread level (``fault_domain``), as a function: select() calls it per machine.
-FAULT_DOMAIN_OF: Mapping[str, Callable[[Machine], str]] = MappingProxyType({
+FAULT_DOMAIN_OF: Mapping[str, Callable[[Located], str]] = MappingProxyType({
     "dc": lambda m: m.dc,
     "msb": lambda m: f"{m.dc}/{m.msb}",
     "rack": lambda m: f"{m.dc}/{m.msb}/{m.rack}",

@@ -326,7 +326,7 @@ def reconcile(job: JobIntents) -> tuple[JobIntents, dict | None]:
                          for v, c in sorted(used.items())],
             "stable_version": stable, "push": push, "canary": canary}
     held = [job.base_ref, job.intents.get(RESOURCES), d.sizing, d.push[5] if d.push else None,
-            d.canary[4] if canary else None]
+            d.canary[4] if canary and d.canary is not None else None]
     spec["provenance"] = [h.provenance() for h in held if h is not None]
     spec["rules"] = d.fired
     return dataclasses.replace(job, versions=tuple(versions), top_version=top), spec

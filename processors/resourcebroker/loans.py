@@ -103,8 +103,8 @@ class LoanBook:
 # -- folding the log -------------------------------------------------------------------------------------------
 
 def _with(book: LoanBook, **changes: Any) -> LoanBook:
-    return dataclasses.replace(book, **{k: MappingProxyType(v) if isinstance(v, dict) else v
-                                        for k, v in changes.items()})
+    frozen: dict[str, Any] = {k: MappingProxyType(v) if isinstance(v, dict) else v for k, v in changes.items()}
+    return dataclasses.replace(book, **frozen)
 
 
 def lent(book: LoanBook, borrower: str) -> int:

@@ -172,8 +172,9 @@ def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Map
                 continue
             records = []
             for t in tasks:
-                r = reuse.get(t.id)
-                records.append(r if r is not None and before.tasks.get(t.id) is t else task_record(t))
+                r = reuse.get(t.id)  # (only with ``before``)
+                same = r is not None and before is not None and before.tasks.get(t.id) is t
+                records.append(r if same else task_record(t))
             out_chunks[chunk_key(key, i, version)] = {"entitlement": after.entitlement, "tasks": records}
             new_chunks[i] = version
     head = job_to_record(replace(after, tasks=MappingProxyType({})))

@@ -90,8 +90,8 @@ class SidekickView:
                 held[m.entitlement].append(m)
         busy: dict[str, int] = defaultdict(int)
         for mid, f in self.in_flight.items():
-            m = fold.machines.get(mid)
-            if m is not None and m.entitlement == f.entitlement:
+            cur = fold.machines.get(mid)
+            if cur is not None and cur.entitlement == f.entitlement:
                 busy[f.entitlement] += 1
         out = []
         for ent in sorted(held):
@@ -102,7 +102,7 @@ class SidekickView:
                 if room <= 0:
                     break
                 want = wanted(fold, m)
-                if (m.status != MachineStatus.UP or m.host_profile == want or m.id in self.in_flight
+                if (want is None or m.status != MachineStatus.UP or m.host_profile == want or m.id in self.in_flight
                         or m.profile_failed == (want, ent)):
                     continue
                 ev = self._request(m, want, ent, now_ms)
