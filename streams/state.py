@@ -172,7 +172,7 @@ def job_whole(header: Event, parts: dict[int, list]) -> Event:
 
 
 def machine_view(ev: Event) -> dict:
-    """One machine of `ropewalk machine list --json` (DESIGN.md's contract plus capacity, free resources,
+    """One machine of `ropewalk machine list --json` (docs/architecture.md's contract plus capacity, free resources,
     tasks, the planned maintenances announced on it, its host profile: applied, wanted by its entitlement, and
     the state of the switch), from its MachineStatePublished."""
     p = ev.payload

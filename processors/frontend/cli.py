@@ -1,4 +1,4 @@
-"""`ropewalk`: the command line of Ropewalk (contract in DESIGN.md; outside tools script against it).
+"""`ropewalk`: the command line of Ropewalk (contract in docs/architecture.md; outside tools script against it).
 
 Every read command takes --json and prints one JSON document (replay: one JSON event per line); every
 command exits non-zero with a one-line reason on error. A record a command's readers cannot decode is skipped

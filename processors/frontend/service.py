@@ -56,7 +56,7 @@ class FrontendError(Exception):
 
 
 def job_view(ev: Event) -> dict:
-    """`job status --json`: the contract in DESIGN.md, from a JobStatePublished event."""
+    """`job status --json`: the contract in docs/architecture.md, from a JobStatePublished event."""
     p = ev.payload
     return {"job": p["job_id"], "name": p["name"], "entitlement": ev.entitlement, "state": p["state"],
             "incarnation": p.get("incarnation", 1), "spec_version": p["spec_version"],

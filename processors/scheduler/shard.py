@@ -3,7 +3,7 @@
     python -m processors.scheduler.shard     # one worker = one shard; configuration from ROPEWALK_* (infra.config)
 
 Start several workers and they share the partitions of ``intents``, ``allocations``, ``tasks``, ``machines``,
-``unavailability`` and ``taskcontrol``: **consumer-group partition assignment is the sharding** (DESIGN.md). All are
+``unavailability`` and ``taskcontrol``: **consumer-group partition assignment is the sharding** (docs/architecture.md). All are
 keyed by entitlement and co-partitioned, so the worker that owns partition p of one owns p of all, and sees every
 event of the entitlements hashed to p, in log order. Kill a worker and the group hands its partitions to the
 survivors, which recover the partitions' table data from the changelogs before they read on.
@@ -75,7 +75,7 @@ other writers) are decoded, and ``decide`` drops the scheduler's own by ``is_own
 event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
 once: a job that many events of the batch touched is written once, with only its changed chunks.
 
-**Delivery** (at-least-once; DESIGN.md). For each batch: decide, produce the output and *flush it* while the new
+**Delivery** (at-least-once; docs/architecture.md). For each batch: decide, produce the output and *flush it* while the new
 chunks of step 1 are written (no header names them yet, so they may be durable before the output is), then write
 the rest of the tables in the three steps above, step 2 only once the output is flushed; faust commits the offsets only after the batch is handed back (acked), and
 flushes its producer before committing. A crash before the table writes makes the successor re-decide the
