@@ -216,7 +216,7 @@ def take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float)
     return agen
 
 
-async def _take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float) -> AsyncIterator[list]:
+async def _take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float) -> AsyncIterator[list]:  # noqa: C901
     buffer: list = []
     events: list = []
     full = asyncio.Event()

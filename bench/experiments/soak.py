@@ -450,7 +450,7 @@ class Soak:
         conf = scaled(dict(CHANGELOG_CONFIG), self.opts.time_scale)
         self.alter({n: conf for n in names})
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> dict[str, Any]:  # noqa: C901
         from bench.env import FAUST_ENV, cores
         from bench.killstorm import machine_ids
         from processors import controlplane

@@ -288,7 +288,7 @@ class PlacementIndex:
                          held_machine_count).select(feasible_free)
         return plan_of(selection, entitlement, request, held_machine_count, rejections)
 
-    def _filter(self, keys: set[GroupKey], entitlement: Entitlement,
+    def _filter(self, keys: set[GroupKey], entitlement: Entitlement,  # noqa: C901
                 request: Request) -> tuple[dict[str, int], list[_Group], int]:
         """``filter_machines`` on the snapshot of groups ``keys``: the rejections per reason (in FILTERS' order),
         the groups with feasible machines, and how many feasible machines are in the free pool."""
@@ -408,7 +408,7 @@ class _Run:
                     heappush(heap, (following, cursor))
         return None
 
-    def select(self, feasible_free: int) -> Selection:
+    def select(self, feasible_free: int) -> Selection:  # noqa: C901
         """select()'s loop: the bins' (and pools') heads in a lazily updated heap, each task on the best."""
         request, bins, added = self.request, self.bins, self.added
         cpu, mem, avoid = request.cpu, request.mem, request.avoid_machine_ids

@@ -277,7 +277,7 @@ class Selection:
         return self.state.fits(machine_id)
 
 
-def select(feasible: Iterable[Machine], bins: Mapping[str, int], entitlement: Entitlement, request: Request,
+def select(feasible: Iterable[Machine], bins: Mapping[str, int], entitlement: Entitlement, request: Request,  # noqa: C901
            held_machine_count: int) -> Selection:
     """Place ``request``'s tasks one at a time on the best candidate by ``SCORES`` (see the module doc).
 

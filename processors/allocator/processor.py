@@ -593,7 +593,7 @@ class Allocator:
             return True
         return any(other.partition == source and other.event.entitlement == ent for other in self.pending.values())
 
-    def _decide_batch(self, batch: list[Pending]) -> list[Event]:
+    def _decide_batch(self, batch: list[Pending]) -> list[Event]:  # noqa: C901
         produced: list[Event] = []
         # What the fold applied since the last projection is in Redis before anything is committed against it: a
         # machine changed by a record of this poll would otherwise meet its older version in Redis, and the reload

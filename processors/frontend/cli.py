@@ -645,7 +645,7 @@ def _profile_text(r: dict) -> str:
     return f"{have or 'default'}" + (f" ({st} {want or 'default'})" if st and st != "applied" else "")
 
 
-def cmd_watch(cfg: Config, args) -> int:
+def cmd_watch(cfg: Config, args) -> int:  # noqa: C901
     """Current state of everything first, then each change, until interrupted (or --once). A line starts with the
     time of the state record; a record that changes nothing shown (a job republished with the same states) is not
     printed again."""

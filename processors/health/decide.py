@@ -320,7 +320,7 @@ def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *, policy: Disrupt
     return _zoned_tick(state, now_ms, timeout_ms, policy, producer, ended=False)
 
 
-def _zoned_tick(state: HealthState, now_ms: int, timeout_ms: int, policy: DisruptionPolicy, producer: str, *,
+def _zoned_tick(state: HealthState, now_ms: int, timeout_ms: int, policy: DisruptionPolicy, producer: str, *,  # noqa: C901
                 ended: bool) -> tuple[HealthState, list[Event]]:
     """``on_tick`` with a policy (``ended``: the region was just heard again; every zone is announced)."""
     since = state.clocks_from_ms

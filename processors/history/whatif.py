@@ -74,7 +74,7 @@ def what_if(cfg: Config, registry: SchemaRegistry, events: Sequence[Event], now_
                     stats=stats)
 
 
-def simulate(region: Region, events: Sequence[Event], now_ms: int, until_ms: int, *, retry_ms: int = RETRY_MS,
+def simulate(region: Region, events: Sequence[Event], now_ms: int, until_ms: int, *, retry_ms: int = RETRY_MS,  # noqa: C901
              start_delay_ms: int = START_DELAY_MS, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run the what-if on ``region`` (pure) and report the outcome."""
     region.advance(now_ms)

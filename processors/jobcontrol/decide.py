@@ -398,7 +398,7 @@ def _stable_of(base: Mapping[str, Any]) -> tuple:
     return ("", tuple(base["command"]), tuple(sorted(base["env"].items())))
 
 
-def _intake(job: JobIntents, ev: Event, position, max_tasks: int) -> tuple[JobIntents, list[Event]]:
+def _intake(job: JobIntents, ev: Event, position, max_tasks: int) -> tuple[JobIntents, list[Event]]:  # noqa: C901
     """A per-dimension intent: refused (a rule of processors/rules.py, or a ``refuse`` rule of ``RULES``)
     or held as its dimension's latest."""
     found = rules.intent_problems(ev.type, ev.payload, ev.entitlement, max_tasks)

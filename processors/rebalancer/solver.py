@@ -275,7 +275,7 @@ class _Problem:
                 self.candidates.append(t)
                 taken += t.cpu
 
-    def pick_targets(self) -> None:
+    def pick_targets(self) -> None:  # noqa: C901
         """Per candidate, up to ``targets_per_task`` targets from the source's own fault domain (at the job's spread
         level: a move there never touches the job's spread) when it has at least twice as many cold machines as
         candidates; else half from it and the rest one from each other domain the job may still grow in, in turn
@@ -367,7 +367,7 @@ class _Problem:
         return d == self.domain(t.job, src) or self.domains[t.job][d] < self.fullest[t.job]
 
 
-def _greedy(p: _Problem, cap: int) -> dict[str, str]:
+def _greedy(p: _Problem, cap: int) -> dict[str, str]:  # noqa: C901
     """Stage 4: hottest source first, each candidate to the target where it lowers the CPU above the target load
     (the model's objective) the most, the coldest such on a tie, while its source is above the target. A target
     may end a little above the target load when that still sheds more from the source than it adds (loads come
@@ -414,7 +414,7 @@ def _greedy(p: _Problem, cap: int) -> dict[str, str]:
     return chosen
 
 
-def _model(p: _Problem, cap: int, hint: Mapping[str, str], wall_s: float):
+def _model(p: _Problem, cap: int, hint: Mapping[str, str], wall_s: float):  # noqa: C901
     """Stage 5: the CP-SAT model and its solution: (status, {task: target}, deterministic time, wall limited).
     ``hint`` (the greedy plan) is given complete, every variable's value, so the search starts from it. When the
     hint already brings every machine under the target (no excess: it cannot be lowered), the model is the simpler

@@ -582,7 +582,7 @@ def parse_target(target: str | Target) -> Target:
     return Target(level, path)
 
 
-def resolve_targets(state: BrokerState, targets: Iterable[str | Target]) -> tuple[str, ...]:
+def resolve_targets(state: BrokerState, targets: Iterable[str | Target]) -> tuple[str, ...]:  # noqa: C901
     """The registered machines ``targets`` cover, sorted, each once. Raises BadTarget for a target that does
     not parse or covers no registered machine. Fault-domain targets cost one scan of the registry."""
     parsed = [parse_target(t) for t in targets]

@@ -111,7 +111,7 @@ def lent(book: LoanBook, borrower: str) -> int:
     return sum(x.machines for x in book.loans if x.borrower == borrower)
 
 
-def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[LoanBook, list[Event]]:
+def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[LoanBook, list[Event]]:  # noqa: C901
     """Fold one event of the log. The only events it emits are returns: a machine under a revocation that its
     borrower released (LoanReturned; UnavailabilityEnded once the revocation's machines are all back)."""
     p = ev.payload

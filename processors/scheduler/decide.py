@@ -423,7 +423,7 @@ def _on_task_states_changed(fold: Fold, ev: Event) -> None:
             _apply_report(w, r, r["report_id"])
 
 
-def _apply_report(w: JobWork, p: Mapping[str, Any], rid: str) -> None:
+def _apply_report(w: JobWork, p: Mapping[str, Any], rid: str) -> None:  # noqa: C901
     """One agent report ``p`` (a TaskStateChanged's fields; ``rid`` its id, named in what is ignored)."""
     fold = w.fold
     reported = p["state"]

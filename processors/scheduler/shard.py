@@ -473,7 +473,7 @@ class ShardTables:
             raise StoreTimeout(f"{sum(not f.done() for f in futs)} of {len(futs)} changelog records not "
                                f"acknowledged after {BARRIER_TIMEOUT_S:.0f} s") from None
 
-    async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,
+    async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,  # noqa: C901
                     where: Mapping[str, int], down_partitions: Mapping[str, int] | None = None,
                     buckets: Mapping[int, Bucket | None] = (), homes: Mapping[str, ho.Home] = (),
                     applied: Mapping[str, tuple[int, int]] = (), output: Awaitable[Any] | None = None) -> int:
@@ -570,7 +570,7 @@ class ShardTables:
         return len(garbage)
 
 
-def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S,
+def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S,  # noqa: C901
               partition_map: MapFollower | None = None, **settings: Any):
     """The scheduler's faust app, its agent, its timer and its tables; ``settings`` override faust's;
     ``partition_map``: the follower of the entitlement -> partition map (default: one of its own)."""
@@ -630,7 +630,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     shard_metrics = ShardMetrics()  # this process's metrics (processors/scheduler/metrics.py)
 
-    async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({}),
+    async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({}),  # noqa: C901
                     forwards: list[tuple[Any, ho.Route]] | None = None) -> None:
         """Decide a batch of (message, record, event), in order, on one state; produce (with the records to
         ``forwards`` to an entitlement's new partition); store (with the offsets of the records the batch ``passed``
@@ -1002,7 +1002,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         return len(out)
 
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
-    async def retry() -> None:
+    async def retry() -> None:  # noqa: C901
         """A round of the timer: the jobs with something to retry (``timer_job_keys``), partition by partition,
         ``RETRY_SLICE_JOBS`` at a time, each slice a decision of its own under the lock (the agent decides in
         between), none while the tables are not ready (a rebalance or a recovery: the round ends there)."""

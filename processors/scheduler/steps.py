@@ -69,7 +69,7 @@ def close(w: JobWork) -> Job:
 
 # -- task steps: what each intent does next ------------------------------------------------------------------------
 
-def advance(w: JobWork, t: Task) -> None:
+def advance(w: JobWork, t: Task) -> None:  # noqa: C901
     """Take the next step for ``t`` given its state and intent (after something happened to it)."""
     if t.intent == RETIRE:
         advance_retiring(w, t)
@@ -200,7 +200,7 @@ def machine_lost(w: JobWork, t: Task, reason: str) -> None:
         try_perform(w, w.new_op(replace(t, intent=RUN, restarts=0, reason=reason), OP_MOVE, reason, fence=fence))
 
 
-def progress_update(w: JobWork) -> None:
+def progress_update(w: JobWork) -> None:  # noqa: C901
     """Rolling update: want an UPDATE operation on every task of an older spec version (approved by the job's
     TaskController if it has one); ``drain_ops`` performs them, never making more than ``max_unavailable``
     tasks not RUNNING (counting any task not RUNNING for any reason). With a version mix (``versions.py``), every
@@ -251,7 +251,7 @@ def op_moot(w: JobWork, t: Task) -> bool:
     return t.state not in (FAILED, STOPPED)  # MOVE, RESTART: of a task that went down
 
 
-def try_perform(w: JobWork, t: Task, budget: list[int] | None = None) -> Task:
+def try_perform(w: JobWork, t: Task, budget: list[int] | None = None) -> Task:  # noqa: C901
     """Perform ``t``'s approved operation if it is ready and the limiter allows it; an UPDATE also needs a
     unit of ``budget`` (the job's max_unavailable left; computed here if not given)."""
     if t.op_state != OP_APPROVED:

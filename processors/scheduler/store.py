@@ -131,7 +131,7 @@ def _by_chunk(tasks: Iterable[Task]) -> dict[int, list[Task]]:
     return out
 
 
-def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Mapping[str, Any],
+def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Mapping[str, Any],  # noqa: C901
          after: Job, key: str | None = None) -> Plan:
     """The writes that take the stored job from ``header`` (as read; None: not stored) and ``before`` (the job
     it holds) to ``after``. Only chunks with a task added, removed or replaced are written (a new version);

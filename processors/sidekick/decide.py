@@ -79,7 +79,7 @@ class SidekickView:
                 del self.in_flight[p["machine_id"]]
         return self.fold.apply(event, position)
 
-    def switches(self, now_ms: int, max_switching: float = DEFAULT_MAX_SWITCHING) -> list[Event]:
+    def switches(self, now_ms: int, max_switching: float = DEFAULT_MAX_SWITCHING) -> list[Event]:  # noqa: C901
         """The HostProfileRequested to send now (they are applied to the view at once: in flight)."""
         for mid in [m for m, f in self.in_flight.items() if now_ms - f.at_ms >= SWITCH_TIMEOUT_MS]:
             del self.in_flight[mid]

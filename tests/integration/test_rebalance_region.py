@@ -214,7 +214,7 @@ def machine_states(r, ent):
 
 
 @pytest.mark.timeout(300)
-def test_host_profiles_are_applied_before_any_task_starts(region):
+def test_host_profiles_are_applied_before_any_task_starts(region):  # noqa: C901
     r = region
     r.send("EntitlementCreated", {"name": E2, "quota_machines": 40, "machine_type": None, "dc_pin": "dc2",
                                   "host_profile": "web"}, E2, E2)
