@@ -9,8 +9,8 @@ every machine of the snapshot; this visits a few counters per machine group, a s
 bin, the request's avoided and ``existing`` machines, and the machines selection actually considers.
 
 **Data structures.** A machine's **group** is (owner, machine type, dc), owner being its entitlement or
-``FREE_POOL_ENTITLEMENT`` (None: the free pool). A snapshot is a union of whole groups -- those of the entitlement and of the free
-pool whose dc and type match the narrowing -- so everything is kept per group (``_Group``):
+``FREE_POOL_ENTITLEMENT`` (None: the free pool). A snapshot is a union of whole groups -- those of the entitlement
+and of the free pool whose dc and type match the narrowing -- so everything is kept per group (``_Group``):
 
 * ``ids``: every machine of the group, any status (the snapshot's members); ``down``: how many are not UP;
   ``maint``: how many are UP under a planned maintenance (``Machine.maintenance``);
