@@ -97,7 +97,7 @@ def _ratio(rate: float | None, base: float | None) -> float | None:
     return float(f"{rate / base:.4g}")
 
 
-def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[str, Any]:  # noqa: C901
     """Run every workload on a region of its own; the JSON document (see README: ``ropewalk bench``)."""
     say = progress or (lambda msg: None)
     if opts.machines < 2:

@@ -487,7 +487,7 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
     return doc
 
 
-def replay_checks(cfg, registry) -> dict[str, Any]:
+def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
     """What a replay of the log says (``intents``, ``machines``, ``allocations``, ``tasks``, ``heartbeats``):
     ``conflicting_duplicates`` (one event id with two contents: an event decided twice, differently),
     ``tasks_placed_twice``, ``tasks_started_twice`` (more START commands of a task, by distinct events, than

@@ -380,7 +380,7 @@ def mean_record_bytes(cfg: Config, logical: tuple[str, ...] = ("allocations", "t
         c.close()
 
 
-def raw_rates(cfg: Config, records: int, record_bytes: int, repeat: int = 2) -> dict[str, Any]:
+def raw_rates(cfg: Config, records: int, record_bytes: int, repeat: int = 2) -> dict[str, Any]:  # noqa: C901
     """confluent-kafka produce then consume of ``records`` records of ``record_bytes`` (key included) on a topic of
     the configured partition count, with Ropewalk's producer settings (idempotent, acks=all, murmur2); the best
     of ``repeat`` runs of each (the machine may be shared: noise only slows a run down)."""

@@ -228,7 +228,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
     ``schedulers`` / ``allocators``: how many scheduler shards and allocators (None: as many as run now, else 1);
     the shards and allocators beyond them that run are stopped for good (``retired`` in the result)."""
     from infra import metrics
-    from processors.allocator.placement import MACHINE_UP
+    from streams.enums import MachineStatus
 
     now = running_counts(cfg)
     counts = {kind: given if given is not None else (now[kind] or DEFAULT_COUNTS[kind])
@@ -264,7 +264,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
     for name in exited:  # died after its start: say why (the supervisor starts it again)
         out[name]["running"] = False
     indexed = sum(seen.values())
-    return {"workers": out, "machines_indexed": indexed, "machines_up": seen.get(MACHINE_UP, 0),
+    return {"workers": out, "machines_indexed": indexed, "machines_up": seen.get(MachineStatus.UP, 0),
             "machines_by_status": seen, "api_ready": api_ready(cfg), "schedulers": counts["scheduler"],
             "allocators": counts["allocator"], "retired": retired,
             "ready": indexed >= machines + 1 and not exited and api_ready(cfg)}

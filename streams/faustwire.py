@@ -61,7 +61,7 @@ def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
         # one cluster never share a group, nor the internal topics faust names after the id.
         "id": cfg.topic_prefix + app_id,
         # Tables live in memory and are rebuilt from their changelog topics at start (the log is the
-        # source of truth; DESIGN.md). Memory is also faust's default; stated because it is a choice.
+        # source of truth; docs/architecture.md). Memory is also faust's default; stated because it is a choice.
         "store": "memory://",
         # Keep faust's data directory under the run directory instead of `<id>-data` in the cwd.
         "datadir": str(Path(cfg.run_dir) / "faust" / "{conf.name}-data"),
@@ -221,7 +221,7 @@ def take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float)
     return agen
 
 
-async def _take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float) -> AsyncIterator[list]:
+async def _take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float) -> AsyncIterator[list]:  # noqa: C901
     buffer: list = []
     events: list = []
     full = asyncio.Event()

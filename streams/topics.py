@@ -20,8 +20,21 @@ KEY_FINGERPRINT = "fingerprint"  # schema fingerprint, hex
 KEY_ORIGIN = "origin"  # the failed record's own key
 
 
+# The free pool (the machines no entitlement owns): one concept, written in four fields whose types and readers
+# differ, so each encoding has a name of its own, here and nowhere else.
+FREE_POOL_KEY_PREFIX = "free/"  # the key (envelope.entitlement) of events about a free machine: free/<dc>
+FREE_POOL_LENDER = "free"  # LoanGranted.lender of a loan made from the free pool (on the log: fixed)
+FREE_POOL_OWNER = ""  # the owner of a free machine in the allocator's fold and its Redis index (a string field)
+FREE_POOL_ENTITLEMENT = None  # placement.Machine.entitlement of a free machine (an optional field)
+
+
 def free_pool_key(dc: str) -> str:
-    return f"free/{dc}"
+    return f"{FREE_POOL_KEY_PREFIX}{dc}"
+
+
+def is_free_pool_key(key: str) -> bool:
+    """A key of events about a free machine (``free_pool_key``), not an entitlement's."""
+    return key.startswith(FREE_POOL_KEY_PREFIX)
 
 
 @dataclass(frozen=True)

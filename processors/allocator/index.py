@@ -57,8 +57,9 @@ from typing import Any
 from processors.allocator import lua
 from processors.allocator.fold import CONFLICT_TASK_PLACED, RegionFold, split_maintenance
 from processors.allocator.placement import (
-    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_QUOTA, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Machine,
+    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_QUOTA, CONFLICT_STATUS, CONFLICT_VERSION, Machine,
 )
+from streams.enums import MachineStatus
 
 DEFAULT_CONSUMER = "allocator"
 FIELDS = ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free", "entitlement",
@@ -104,7 +105,7 @@ READ, SUMMARY_OF = "ropewalk_read", "ropewalk_summary"
 _LUA_LIBRARY = lua.library(LIBRARY, {READ: "read", SUMMARY_OF: "summary"},
                            FIELDS=FIELDS, SUMMARY=SUMMARY, MAX_READ=_READ_CHUNK)
 
-_COMMIT_REASONS = json.dumps({"up": MACHINE_UP, "status": CONFLICT_STATUS, "owner": CONFLICT_OWNER,
+_COMMIT_REASONS = json.dumps({"up": MachineStatus.UP, "status": CONFLICT_STATUS, "owner": CONFLICT_OWNER,
                               "capacity": CONFLICT_CAPACITY, "version": CONFLICT_VERSION,
                               "task_placed": CONFLICT_TASK_PLACED, "quota": CONFLICT_QUOTA})
 

@@ -252,7 +252,7 @@ AtQuery = Annotated[str | None, Query(min_length=1, max_length=MAX_MOMENT_CHARS,
 DryRun = Annotated[bool, Query(description="say what would happen; produce nothing (processors/history/whatif.py)")]
 
 
-def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
+def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:  # noqa: C901
     from streams.clients import EventProducer
     from streams.serde import SchemaRegistry
 
@@ -669,7 +669,7 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         run = await call(front(user).replay, replay_filter(user, **flt))
         return await call(lambda: [json.loads(rp.format_json(rec)) for rec in run])
 
-    async def events(request: Request, user: User, kind: str, entitlement: str | None) -> StreamingResponse:
+    async def events(request: Request, user: User, kind: str, entitlement: str | None) -> StreamingResponse:  # noqa: C901
         action = "job.view" if kind == "jobs" else "machine.view"
         if entitlement is not None:
             allow(user, action, entitlement)

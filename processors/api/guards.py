@@ -92,7 +92,7 @@ class BodyLimit:
         self.app = app
         self.limit = limit
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope, receive, send):  # noqa: C901
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         message = f"the request's body is larger than {self.limit:,} bytes"

@@ -61,7 +61,7 @@ class Users:
         return self.by_hash.get(token_hash(token))
 
 
-def parse(doc, source: str = USERS_FILE) -> Users:
+def parse(doc, source: str = USERS_FILE) -> Users:  # noqa: C901
     """The users of a parsed users file, or UsersError naming the wrong entry. Pure."""
     if doc is None:
         doc = {}

@@ -1,4 +1,4 @@
-"""`ropewalk`: the command line of Ropewalk (contract in DESIGN.md; outside tools script against it).
+"""`ropewalk`: the command line of Ropewalk (contract in docs/architecture.md; outside tools script against it).
 
 Every read command takes --json and prints one JSON document (replay: one JSON event per line); every
 command exits non-zero with a one-line reason on error. A record a command's readers cannot decode is skipped
@@ -645,7 +645,7 @@ def _profile_text(r: dict) -> str:
     return f"{have or 'default'}" + (f" ({st} {want or 'default'})" if st and st != "applied" else "")
 
 
-def cmd_watch(cfg: Config, args) -> int:
+def cmd_watch(cfg: Config, args) -> int:  # noqa: C901
     """Current state of everything first, then each change, until interrupted (or --once). A line starts with the
     time of the state record; a record that changes nothing shown (a job republished with the same states) is not
     printed again."""
@@ -885,7 +885,7 @@ def cmd_maintenance(cfg: Config, args) -> int:
 def cmd_rebalance(cfg: Config, args) -> int:
     """`rebalance plan`: the ReBalancer's latest plan per entitlement (or every plan) and each move's progress;
     with --dry-run, the plan the log calls for now, produced nowhere (processors/rebalancer/)."""
-    from processors.rebalancer import cli as rb
+    from processors.rebalancer import queries as rb
     from processors.rebalancer.solver import goals_of
 
     if args.dry_run:  # the solver runs here, on the caller's CPU, over the whole region's log: not the API's work

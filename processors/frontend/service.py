@@ -59,7 +59,7 @@ class FrontendError(Exception):
 
 
 def job_view(ev: Event) -> dict:
-    """`job status --json`: the contract in DESIGN.md, from a JobStatePublished event."""
+    """`job status --json`: the contract in docs/architecture.md, from a JobStatePublished event."""
     p = ev.payload
     return {"job": p["job_id"], "name": p["name"], "entitlement": ev.entitlement, "state": p["state"],
             "incarnation": p.get("incarnation", 1), "spec_version": p["spec_version"],
@@ -417,8 +417,8 @@ class Frontend:
 
     def rebalance_plans(self, entitlement: str | None = None, every: bool = False) -> list[dict]:
         """The ReBalancer's plans on the log (the latest per entitlement, or ``every`` one), each move with its
-        progress (``processors/rebalancer/cli.plans``)."""
-        from processors.rebalancer import cli as rb
+        progress (``processors/rebalancer/queries.plans``)."""
+        from processors.rebalancer import queries as rb
 
         self.require_broker()
         return rb.plans(self.cfg, self.registry, entitlement, every=every, skipped=self.skipped)
@@ -497,7 +497,7 @@ class Frontend:
                          machines: list[str] | None = None, rack: str | None = None, msb: str | None = None,
                          reason: str = "maintenance", dry_run: bool = False) -> dict:
         """Plan a maintenance; ``dry_run``: what it would do (processors/history/whatif.py), nothing produced."""
-        from processors.opsplanner import cli as ops
+        from processors.opsplanner import planner as ops
         from processors.opsplanner.decide import Plan, PlanError
 
         self.require_broker()
@@ -520,7 +520,7 @@ class Frontend:
                 "expected_duration_ms": p["expected_duration_ms"], "event_ids": [e.event_id for e in events]}
 
     def maintenance_end(self, unavailability_id: str) -> dict:
-        from processors.opsplanner import cli as ops
+        from processors.opsplanner import planner as ops
         from processors.opsplanner.decide import PlanError
 
         self.require_broker()

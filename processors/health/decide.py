@@ -23,14 +23,17 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from processors.cowmap import CowMap
-from processors.resourcebroker.decide import DOWN, REASON_HEALTH_CHECK, UNHEALTHY, UP
+from processors.resourcebroker.decide import REASON_HEALTH_CHECK
 from streams import batches
 from streams.batches import MACHINES_STATUS_CHANGED
+from streams.enums import MachineStatus
 from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
 
 from . import zones as z
 from .zones import DisruptionPolicy, Zone
+
+UP, UNHEALTHY, DOWN = MachineStatus.UP, MachineStatus.UNHEALTHY, MachineStatus.DOWN
 
 PRODUCER = "health"
 
@@ -327,7 +330,7 @@ def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *, policy: Disrupt
     return _zoned_tick(state, now_ms, timeout_ms, policy, producer, ended=False)
 
 
-def _zoned_tick(state: HealthState, now_ms: int, timeout_ms: int, policy: DisruptionPolicy, producer: str, *,
+def _zoned_tick(state: HealthState, now_ms: int, timeout_ms: int, policy: DisruptionPolicy, producer: str, *,  # noqa: C901
                 ended: bool) -> tuple[HealthState, list[Event]]:
     """``on_tick`` with a policy (``ended``: the region was just heard again; every zone is announced)."""
     since = state.clocks_from_ms

@@ -71,8 +71,9 @@ from streams.catchup import read_to_end
 from streams.partitionmap import routed_producer
 from streams.clients import BACKGROUND_READER, EventConsumer, Record
 from streams.deadletter import DeadLetters
+from streams.enums import MachineStatus
 from streams.events import Event
-from streams.heap import GrowthFreezer, folding
+from streams.gc_control import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -114,7 +115,7 @@ class HealthCheck(LoopWorker):
         self.broker = broker.BrokerState()
         self.consumer: EventConsumer | None = None
         self._own: set[str] = set()
-        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/heap.py
+        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/gc_control.py
         self._next_tick_ms = 0
         self.emitted = 0
         self.errors = 0
@@ -128,7 +129,7 @@ class HealthCheck(LoopWorker):
                                       name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
                                       follows=True, **BACKGROUND_READER)
         t0 = time.monotonic()
-        with folding(freeze=True):  # the machines this process watches from now on (streams/heap.py)
+        with folding(freeze=True):  # the machines this process watches from now on (streams/gc_control.py)
             n = read_to_end(self.consumer, self.handle,
                             partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
         self.restart_clocks(now_ms(), d.CLOCKS_STARTED)  # every live agent gets one timeout to speak
@@ -211,7 +212,7 @@ class HealthCheck(LoopWorker):
             mid = hb.payload["machine_id"]
             rec = self.broker.get(mid)
             held = self.health.machines.get(mid)
-            if (rec is not None and rec.status == broker.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK
+            if (rec is not None and rec.status == MachineStatus.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK
                     and held is not None and hb.timestamp_ms > held.status_ms):
                 back.setdefault(mid, hb)
         if back:
@@ -242,7 +243,7 @@ class HealthCheck(LoopWorker):
         for mid in sorted(self.health.unhealthy):
             held = self.health.machines[mid]
             rec = self.broker.get(mid)
-            if now - held.status_ms < self.grace_ms or rec is None or rec.status != broker.UNHEALTHY:
+            if now - held.status_ms < self.grace_ms or rec is None or rec.status != MachineStatus.UNHEALTHY:
                 continue
             due.append(mid)
         if not due:

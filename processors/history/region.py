@@ -245,7 +245,7 @@ class Region:
         self._rec_placed_read: dict[str, list[str]] = defaultdict(list)  # as read (ahead): task -> machines
 
     # -- reading -------------------------------------------------------------------------------------------------
-    def read(self, event: Event, position: Position) -> None:
+    def read(self, event: Event, position: Position) -> None:  # noqa: C901
         """The next record in ``fold.merged`` order; applied by a later ``advance``."""
         ts = event.timestamp_ms
         if self.read_to is None or ts > self.read_to:
@@ -331,7 +331,7 @@ class Region:
         self._seq += 1
         heapq.heappush(self._queue, (when, rank, self._seq, kind, data))
 
-    def _apply(self, event: Event, position: Position) -> None:
+    def _apply(self, event: Event, position: Position) -> None:  # noqa: C901
         tp = (position[0], position[1])
         self.positions[tp] = position[2] + 1
         self.last_ids[tp] = event.event_id
@@ -396,7 +396,7 @@ class Region:
             return  # a partial region: this partition's jobs are not asked about
         self._push(key, (_INPUT, ts, topic_rank, tp[1], offset), _INPUT, (event, tp[1], silent))
 
-    def _take(self, item: tuple) -> None:
+    def _take(self, item: tuple) -> None:  # noqa: C901
         when, _, _, kind, data = item
         if kind == _INPUT:
             self._decide(data[0], data[1], when, silent=data[2])
@@ -520,7 +520,7 @@ class Region:
             self.scheduler = replace(state, jobs=state.jobs.updated(changed))
         self._scheduled(out, now)
 
-    def _scheduled(self, events: Sequence[Event], now: int) -> None:
+    def _scheduled(self, events: Sequence[Event], now: int) -> None:  # noqa: C901
         for ev in events:
             if self.on_emit is not None:
                 self.on_emit(ev)

@@ -267,7 +267,7 @@ def compare(log: ShadowLog, region: Region, at_since: Mapping[str, str], until_m
     }
 
 
-def totals(decisions: Iterable[list[Event]], at_since: Mapping[str, str], machines: Mapping[str, Any]
+def totals(decisions: Iterable[list[Event]], at_since: Mapping[str, str], machines: Mapping[str, Any]  # noqa: C901
            ) -> dict[str, Any]:
     """One side's totals over its decisions (applied in time order to the placements at ``since``)."""
     placed = dict(at_since)

@@ -109,7 +109,7 @@ def latest_before(cfg: Config, moment_ms: int) -> list[SnapshotFile]:
 
 
 # -- writing -----------------------------------------------------------------------------------------------------
-def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[dict]:
+def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[dict]:  # noqa: C901
     """A whole snapshot's records, or (``delta``) those of what changed since the region's last snapshot; the small
     parts (requests, entitlements, marks, queues) are always whole."""
     def js(kind: str, key: str, value: Any, ended_ms: int | None = None) -> dict:
@@ -246,7 +246,7 @@ def _chain(snap: SnapshotFile) -> list[Path]:
     return out[::-1]
 
 
-def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[tuple[str, int], str]:
+def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[tuple[str, int], str]:  # noqa: C901
     """Fill the empty ``region`` from ``snap`` (and, for a delta, the snapshots before it); returns the event id the
     log must hold just before each position (``reader.merged``'s ``verify``). Raises SnapshotError if a file of
     the chain is missing or was made under other conditions."""

@@ -348,7 +348,7 @@ class JobWork:
         holds for the moment the allocator has not read the notice yet."""
         job, spec = self.job, self.job.spec
         if place:
-            avoid = set(avoid).union(*(machines for _, machines, *_ in job.maint))
+            avoid = set(avoid).union(*(m.machine_ids for m in job.maint))
         n = job.requests + 1
         rid = request_id(job.id, job.spec_version, n, incarnation_tag(job.submission))
         self.set(quiet=True, requests=n)
@@ -464,7 +464,7 @@ class JobWork:
         if len(place_set) + len(free_set) <= REQUEST_TASKS_AT_ONCE:
             return [(list(place), list(free))]
         tasks = sorted(place_set | free_set, key=index_of)
-        avoid = size_of(sorted(self.avoid.union(*(m for _, m, *_ in self.job.maint))))
+        avoid = size_of(sorted(self.avoid.union(*(m.machine_ids for m in self.job.maint))))
         parts = split(tasks, fixed=ENVELOPE_BYTES + avoid + size_of(self.job.id) * 3 + 200,
                       size=lambda t: size_of(t) * ((t in place_set) + (t in free_set)), max_items=len(tasks))
         return [([t for t in part if t in place_set], [t for t in part if t in free_set]) for part in parts]

@@ -16,7 +16,7 @@ import pytest
 
 from infra import services
 from infra.config import PROJECT_ROOT, Config
-from infra.process import free_ports, pid_alive, port_open
+from infra.process import die_with_parent, free_ports, pid_alive, port_open
 from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
@@ -120,7 +120,8 @@ class Agents:
         p = subprocess.Popen([PY, "-m", "processors.agent.process", "--machine-id", machine, "--work-dir", str(work),
                               "--tick-ms", "200", "--backoff-ms", "100", "--max-restarts", "2",
                               "--stop-grace-ms", "2000", *extra], env=env_of(cfg), cwd=PROJECT_ROOT,
-                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=die_with_parent)
         self.procs.append(p)
         return p
 
