@@ -79,7 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from infra.private import write_private
+from infra.private import write_private, write_private_if_changed
 
 OPERATOR = "operator"
 API = "api"
@@ -241,13 +241,7 @@ def ensure_trust(secrets_dir: Path) -> bool:
     if added or not path.exists():
         write_private(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
     sim = Path(secrets_dir) / MACHINE_SECRET_FILE
-    text = json.dumps({"machine_secret": doc["machine_secret"]}, indent=1) + "\n"
-    try:
-        same = sim.read_text() == text
-    except OSError:
-        same = False
-    if not same:
-        write_private(sim, text)
+    write_private_if_changed(sim, json.dumps({"machine_secret": doc["machine_secret"]}, indent=1) + "\n")
     return added
 
 
@@ -312,13 +306,7 @@ def write_principal_files(secrets_dir: Path) -> list[str]:
     written = []
     for principal in PRINCIPALS:
         text = json.dumps(principal_doc(principal, kafka, redis_users, trust), indent=1, sort_keys=True) + "\n"
-        path = principal_file(secrets_dir, principal)
-        try:
-            same = path.read_text() == text
-        except OSError:
-            same = False
-        if not same:
-            write_private(path, text)
+        if write_private_if_changed(principal_file(secrets_dir, principal), text):
             written.append(principal)
     return written
 

@@ -55,6 +55,18 @@ def write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_private_if_changed(path: Path, text: str) -> bool:
+    """``write_private`` unless ``path`` holds ``text`` already (a secret written again only when it changed).
+    Returns whether it was written."""
+    try:
+        if Path(path).read_text() == text:
+            return False
+    except OSError:
+        pass
+    write_private(path, text)
+    return True
+
+
 def open_private(path: Path, mode: str = "ab"):
     """``open(path, mode)``, the file created 0600 if it is new (whatever the umask)."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)

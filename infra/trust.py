@@ -47,6 +47,7 @@ from infra.credentials import (AGENT, MACHINE_SECRET_FILE, MACHINES_DIR, OPERATO
                                CredentialsError, new_key_doc, principal_file, principal_trust, read_json, signer_doc,
                                write_principal_files, write_private)
 from streams.auth import ComponentSigner, KeyRing, MachineSigner, PublicKey, SigningKey, Verifier, machine_key
+from infra.private import write_private_if_changed
 from streams.events import Event, derived_event_id, new_event
 from streams.serde import DecodeError, SchemaRegistry
 from streams.topics import Topics
@@ -182,13 +183,7 @@ def write_machine_key(secrets_dir: Path, machine_id: str, out: Path | None = Non
         raise CredentialsError(f"{Path(secrets_dir) / TRUST_FILE} holds no machine secret: `ropewalk up` makes it")
     path = Path(out) if out is not None else machine_key_file(secrets_dir, machine_id)
     key = machine_key(unb64(doc["machine_secret"]), machine_id)
-    text = json.dumps({"machine_id": machine_id, "key": b64(key)}, indent=1) + "\n"
-    try:
-        same = path.read_text() == text
-    except OSError:
-        same = False
-    if not same:
-        write_private(path, text)
+    write_private_if_changed(path, json.dumps({"machine_id": machine_id, "key": b64(key)}, indent=1) + "\n")
     return path
 
 
