@@ -46,8 +46,8 @@ from typing import Any, Mapping
 from infra.credentials import (AGENT, MACHINE_SECRET_FILE, MACHINES_DIR, OPERATOR, PRINCIPALS, SIGNERS, TRUST_FILE,
                                CredentialsError, new_key_doc, principal_file, principal_trust, read_json, signer_doc,
                                write_principal_files, write_private)
-from streams.auth import ComponentSigner, KeyRing, MachineSigner, PublicKey, SigningKey, Verifier, machine_key
 from infra.private import write_private_if_changed
+from streams.auth import ComponentSigner, KeyRing, MachineSigner, PublicKey, SigningKey, Verifier, machine_key
 from streams.events import Event, derived_event_id, new_event
 from streams.serde import DecodeError, SchemaRegistry
 from streams.topics import Topics
