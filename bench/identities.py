@@ -93,13 +93,18 @@ def measure(events: int = 20_000, repeat: int = 3) -> dict[str, Any]:
     n_cmd = max(50, events // 100)
     cmd_sealed = sched.seal(reg, "TasksCommanded", cmd.to_record(cv), False)
     cmd_rec = reg.decode(cmd_sealed)[1]
-    out["tasks_commanded_100"] = {
-        "encode_us": round(_best_us(lambda: [reg.encode("TasksCommanded", cmd.to_record(cv), validate=False)
-                                             for _ in range(n_cmd)], n_cmd, repeat), 2),
-        "seal_us": round(_best_us(lambda: [sched.seal(reg, "TasksCommanded", cmd.to_record(cv), False)
-                                           for _ in range(n_cmd)], n_cmd, repeat), 2),
-        "check_us": round(_best_us(lambda: [verifier.check("TasksCommanded", cmd_rec, cmd_sealed)
-                                            for _ in range(n_cmd)], n_cmd, repeat), 2)}
+
+    def costs(type_: str, record, signer, sealed: bytes, decoded) -> dict[str, float]:
+        """Per event of ``type_`` (``record()`` its record): encoded alone, sealed (encoded and signed) by ``signer``,
+        its proof checked."""
+        return {"encode_us": round(_best_us(lambda: [reg.encode(type_, record(), validate=False)
+                                                     for _ in range(n_cmd)], n_cmd, repeat), 2),
+                "seal_us": round(_best_us(lambda: [signer.seal(reg, type_, record(), False)
+                                                   for _ in range(n_cmd)], n_cmd, repeat), 2),
+                "check_us": round(_best_us(lambda: [verifier.check(type_, decoded, sealed)
+                                                    for _ in range(n_cmd)], n_cmd, repeat), 2)}
+
+    out["tasks_commanded_100"] = costs("TasksCommanded", lambda: cmd.to_record(cv), sched, cmd_sealed, cmd_rec)
     # an agents' batch of 100 reports of 100 machines: a proof per report
     reports = [d._report(d.AgentState(f"m{i}"), d.TaskRun(f"e1.web/{i}", d.Spec("e1.web", "e1", 1, ("x",), (), "r"),
                                                            d.P_RUNNING, d.STARTING), d.RUNNING, "up", 5)
@@ -108,13 +113,7 @@ def measure(events: int = 20_000, repeat: int = 3) -> dict[str, Any]:
     rv = reg.reader("TaskStatesChanged").version
     b_sealed = machines.seal(reg, "TaskStatesChanged", batch.to_record(rv), False)
     b_rec = reg.decode(b_sealed)[1]
-    out["task_reports_100"] = {
-        "encode_us": round(_best_us(lambda: [reg.encode("TaskStatesChanged", batch.to_record(rv), validate=False)
-                                             for _ in range(n_cmd)], n_cmd, repeat), 2),
-        "seal_us": round(_best_us(lambda: [machines.seal(reg, "TaskStatesChanged", batch.to_record(rv), False)
-                                           for _ in range(n_cmd)], n_cmd, repeat), 2),
-        "check_us": round(_best_us(lambda: [verifier.check("TaskStatesChanged", b_rec, b_sealed)
-                                            for _ in range(n_cmd)], n_cmd, repeat), 2)}
+    out["task_reports_100"] = costs("TaskStatesChanged", lambda: batch.to_record(rv), machines, b_sealed, b_rec)
     out["load_average"] = [round(x, 2) for x in os.getloadavg()]
     out["cores"] = os.cpu_count()
     return out
