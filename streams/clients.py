@@ -378,13 +378,18 @@ class EventConsumer:
             rec = self.decode(msg)
             if rec is not None:
                 out.append(rec)
+        self.observe_lag(out)
+        return out
+
+    def observe_lag(self, records: list) -> None:
+        """A follower's ``ropewalk_consumer_lag_seconds`` from one poll's records (anything with ``topic`` and
+        ``log_timestamp_ms``): ``poll`` calls it; a reader of ``poll_raw`` calls it with what it read."""
         if self.follows:
             from infra.metrics import observe_lag
 
             # the consumer group, or for an assigned reader its name's kind (``agent/<machine>`` → ``agent``): never
             # an id
-            observe_lag(self.group_id or self.name.split("/", 1)[0], out, self.cfg.topic_prefix)
-        return out
+            observe_lag(self.group_id or self.name.split("/", 1)[0], records, self.cfg.topic_prefix)
 
     def poll_raw(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list:
         """``poll`` without decoding: the records as the broker gave them (end-of-partition and the positions
