@@ -184,20 +184,41 @@ class HealthCheck(LoopWorker):
 
     def handle(self, records: Sequence[Record | Skimmed]) -> None:
         """A poll's records in order; the heartbeats between two machine events are judged together
-        (``on_beats``: one event per owner for the machines they resume)."""
+        (``on_beats``: one event per owner for the machines they resume), and the machine events between two
+        heartbeats are folded together (``_fold``: a registration's thousands in one step, not one copy each)."""
         beats: list[Record | Skimmed] = []
+        folds: list[Record] = []
         for rec in records:
             if isinstance(rec, Skimmed) or rec.event.type == "AgentHeartbeat":
+                self._fold(folds)
+                folds = []
                 beats.append(rec)
-                continue
-            self._heartbeats(beats)
-            beats = []
-            try:
-                self._handle(rec)
-            except Exception as exc:  # noqa: BLE001 - one bad event must not stop the service
-                self._failed([rec], exc)
+            else:
+                self._heartbeats(beats)
+                beats = []
+                folds.append(rec)
+        self._fold(folds)
         self._heartbeats(beats)
         self._freezer.grew(len(self.health.machines))
+
+    def _fold(self, recs: list[Record]) -> None:
+        """Machine events, in order, folded in one step into both states (our own coming back skipped: applied
+        when we took them); if the batch raises, each on its own, the bad ones dead-lettered."""
+        if not recs:
+            return
+        evs = [r.event for r in recs if r.event.type in d.APPLIED and r.event.event_id not in self._own]
+        try:
+            health, brk = d.apply_all(self.health, evs), broker.apply_all(self.broker, evs)
+        except Exception:  # noqa: BLE001 - one bad event must not stop the service
+            log.exception("health: a batch of %d machine events failed; folding them one by one", len(recs))
+            for rec in recs:
+                try:
+                    self._handle(rec)
+                except Exception as exc:  # noqa: BLE001
+                    self._failed([rec], exc)
+            return
+        self.health, self.broker = health, brk
+        self._own.difference_update(r.event.event_id for r in recs if r.event.type in d.APPLIED)
 
     def _failed(self, recs: list[Record], exc: Exception) -> None:
         for rec in recs:
