@@ -73,6 +73,15 @@ LOG4J_CONFIG = PROJECT_ROOT / "infra" / "kafka" / "log4j2.yaml"
 LIBS = PROJECT_ROOT / ".kafka" / "libs"
 MIN_JAVA = 17
 START_TIMEOUT_S = 60.0  # a cold JVM on a loaded 2-core machine; measured ~3 s when idle
+# A cluster's nodes start together and elect their quorum: three cold JVMs on a loaded 2-core machine took more than
+# 60 s to be ready after a whole region's power loss (the kill storm, load average 13), ~30 s each to reach Kafka's
+# start alone.
+CLUSTER_START_TIMEOUT_S = 180.0
+
+
+def start_timeout_s(cfg: Config) -> float:
+    """How long the embedded broker may take to be ready: one node, or a cluster (``CLUSTER_START_TIMEOUT_S``)."""
+    return START_TIMEOUT_S if cfg.brokers == 1 else CLUSTER_START_TIMEOUT_S
 NODE_ID = 1  # the one node's id (a cluster's nodes are 1..N)
 NAME = "broker"  # the one node's process name (pid file, log); node i of a cluster is "broker-<i>"
 # Committed consumer offsets are kept this long after a group's last member left (Kafka's default is 7 days,
@@ -198,6 +207,9 @@ def server_properties(cfg: Config, layout: BrokerLayout, security: dict[str, str
         "message.max.bytes": str(1024 * 1024 + 12 * 1024),
         # Retention: every topic says its own (streams/topics.py); this is only for topics faust creates.
         "log.retention.ms": "-1",
+        # How often the broker deletes what a time-bounded topic no longer keeps (Kafka's default 5 min): a
+        # retention is met within a minute (and a soak's compressed days see it: bench/experiments/soak.py).
+        "log.retention.check.interval.ms": "60000",
     }
 
 
@@ -225,11 +237,28 @@ def check_libs() -> None:
                          f"{KAFKA_VERSION} from Maven Central)")
 
 
-def jvm_argv(cfg: Config, main: str, *args: str, heap_mb: int | None = None) -> list[str]:
+def jvm_argv(cfg: Config, main: str, *args: str, heap_mb: int | None = None, jmx_port: int | None = None) -> list[str]:
     heap = heap_mb or cfg.broker_heap_mb
     return [java_binary(), f"-Xmx{heap}m", f"-Xms{min(heap, 128)}m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
-            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
+            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true", *jmx_flags(jmx_port),
             f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", "-cp", f"{LIBS}/*", main, *args]
+
+
+def jmx_flags(port: int | None) -> list[str]:
+    """The JVM flags of a JMX port on 127.0.0.1 (``ROPEWALK_BROKER_JMX_PORT``: measurements read the broker's own
+    request counts there, bench/brokerstats.py); none without a port. Unauthenticated and unencrypted: anyone on
+    this machine who can reach the port can read and call the broker's MBeans, so it is opt-in, for a benchmark's
+    own broker. Pure."""
+    if port is None:
+        return []
+    return [f"-Dcom.sun.management.jmxremote.port={port}", f"-Dcom.sun.management.jmxremote.rmi.port={port}",
+            "-Dcom.sun.management.jmxremote.host=127.0.0.1", "-Djava.rmi.server.hostname=127.0.0.1",
+            "-Dcom.sun.management.jmxremote.authenticate=false", "-Dcom.sun.management.jmxremote.ssl=false"]
+
+
+def jmx_port_of(cfg: Config, node_id: int) -> int | None:
+    """Node ``node_id``'s JMX port (``ROPEWALK_BROKER_JMX_PORT`` + its index), None without one. Pure."""
+    return None if cfg.broker_jmx_port is None else cfg.broker_jmx_port + node_id - 1
 
 
 def write_config(cfg: Config, layout: BrokerLayout, node: BrokerNode | None = None) -> None:
@@ -433,7 +462,7 @@ def broker(cfg: Config, ready, node: BrokerNode | None = None) -> ManagedProcess
                                                    f"{2 * (node.id - 1)})" if node.id > 1 else "")
     return ManagedProcess(
         name=node_name(cfg, node.id),
-        argv=jvm_argv(cfg, "kafka.Kafka", str(layout.properties)),
+        argv=jvm_argv(cfg, "kafka.Kafka", str(layout.properties), jmx_port=jmx_port_of(cfg, node.id)),
         port=node.port,
         port_var=port_var,
         extra_ports=((node.controller_port, controller_var),),
@@ -449,7 +478,8 @@ def programs(cfg: Config) -> list:
     from infra.supervisor import Program
 
     check_libs()
-    return [Program(node_name(cfg, n.id), tuple(jvm_argv(cfg, "kafka.Kafka", str(BrokerLayout.of(cfg, n.id).properties))),
+    return [Program(node_name(cfg, n.id), tuple(jvm_argv(cfg, "kafka.Kafka", str(BrokerLayout.of(cfg, n.id).properties),
+                                                         jmx_port=jmx_port_of(cfg, n.id))),
                     service=True) for n in cfg.broker_nodes]
 
 

@@ -19,6 +19,7 @@ ACL file is). `down()` stops the supervisor: every worker, then the services.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from urllib.parse import urlparse
 
 import time
@@ -98,14 +99,15 @@ def start_brokers(cfg: Config) -> dict:
     if any(pid is None for pid in was.values()):
         embedded_kafka.prepare(cfg)  # configurations, data formatted: on disk for the supervisor's restarts too
     supervisor.ensure(cfg.run_dir, embedded_kafka.programs(cfg))
-    deadline = time.monotonic() + embedded_kafka.START_TIMEOUT_S
+    timeout_s = embedded_kafka.start_timeout_s(cfg)
+    deadline = time.monotonic() + timeout_s
     while True:
         up = all(p.pid() is not None and port_open(p.port) for p in nodes.values())
         if up and cluster_ready(cfg):
             break
         if time.monotonic() > deadline:
             down = [p for p in nodes.values() if p.pid() is None or not port_open(p.port)]
-            raise InfraError(f"broker: not ready after {embedded_kafka.START_TIMEOUT_S:.0f}s: "
+            raise InfraError(f"broker: not ready after {timeout_s:.0f}s: "
                              + ("; ".join(f"{p.name}: {p._log_tail()}" for p in down) if down
                                 else "a node is not in the cluster, or a partition has no leader"))
         time.sleep(0.1)
@@ -286,6 +288,30 @@ def running(cfg: Config) -> dict[str, dict]:
     """The embedded services' processes (each broker node): running or not, pid, log file (no protocol probe)."""
     names = (embedded_kafka.node_names(cfg) if cfg.embedded_broker else []) + (["redis"] if cfg.embedded_redis else [])
     return {name: _by_pid(name, cfg).status() for name in names}
+
+
+def region_pids(cfg: Config) -> dict[str, int]:
+    """Every process of a local region, by what it is: ``supervisor``, ``program:<name>`` (redis-server, the broker's
+    nodes and every worker under the supervisor), ``service:<name>`` (an embedded service run on its own), and
+    ``task:<task>`` (the process agents' tasks, from their state files): what a power loss of the whole region
+    kills (``bench/killstorm.py``, ``tests/integration/test_cold_start.py``)."""
+    import json
+
+    pids = {f"program:{n}": s["pid"] for n, s in supervisor.programs_state(cfg.run_dir).items() if s.get("pid")}
+    pids.update({f"service:{n}": s["pid"] for n, s in running(cfg).items() if s.get("pid")
+                 and s["pid"] not in pids.values()})
+    sup = supervisor.process(cfg.run_dir).pid()
+    if sup:
+        pids["supervisor"] = sup
+    for state in (Path(cfg.run_dir) / "agents").glob("*/agent-state.json"):
+        try:
+            procs = json.loads(state.read_text()).get("procs", {})
+        except (OSError, ValueError):
+            continue
+        for task, proc in procs.items():
+            if proc.get("pid"):
+                pids[f"task:{task}"] = proc["pid"]
+    return pids
 
 
 def _by_pid(name: str, cfg: Config) -> ManagedProcess:

@@ -280,7 +280,9 @@ class EventConsumer:
     `dead_letters`, routed to the dead-letter topic.
 
     With `group_id` it joins the consumer group (partitions are shared among members); without, it
-    assigns every partition of `topics` itself, starting at `start_offsets` or the beginning.
+    assigns every partition of `topics` itself, starting at `start_offsets` or the beginning. A record without a
+    value (a tombstone of a compacted topic: a key deleted) is no event and no bad record: it is counted in
+    `tombstones` and told to `on_tombstone(topic, key)`.
 
     `follows`: this consumer follows the log for a worker (a processor's reader, not a one-shot read such as an API
     request's). Then, and only then, it exports ``ropewalk_consumer_lag_seconds`` (infra/metrics.py), and an
@@ -296,7 +298,8 @@ class EventConsumer:
                  group_id: str | None = None, dead_letters: "dl.DeadLetters | None" = None,
                  skipped: "dl.Skipped | None" = None,
                  start_offsets: Mapping[tuple[str, int], int] | None = None,
-                 types: Iterable[str] | None = None, follows: bool = False, **conf):
+                 types: Iterable[str] | None = None, follows: bool = False,
+                 on_tombstone: "Callable[[str, bytes | None], None] | None" = None, **conf):
         self.cfg = cfg
         self.registry = registry
         self.catalogue = Topics(cfg.topic_prefix, cfg.partitions)
@@ -320,6 +323,8 @@ class EventConsumer:
         self._missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
         self.types = None if types is None else frozenset(types)  # None: every type is decoded
         self.passed_over = 0  # records whose type header named a type not in ``types`` (not decoded)
+        self.tombstones = 0  # records without a value: a key deleted from a compacted topic (not an event)
+        self.on_tombstone = on_tombstone  # told (physical topic, key) of each
         self.last_offsets: dict[tuple[str, int], int] = {}  # per partition, the last offset read (any record)
         if group_id:
             self._consumer.subscribe(self.physical_topics)
@@ -442,6 +447,11 @@ class EventConsumer:
         return self._decode(msg)
 
     def _decode(self, msg) -> Record | None:
+        if msg.value() is None:  # a tombstone (state.jobs of a job gone: decide.collect), no bad record
+            self.tombstones += 1
+            if self.on_tombstone is not None:
+                self.on_tombstone(msg.topic(), msg.key())
+            return None
         if self.types is not None and not passes_type(msg.headers(), self.types):
             self.passed_over += 1
             return None

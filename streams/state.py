@@ -14,6 +14,8 @@ lag its header for a moment).
 machine is skipped (two allocator processes may publish one machine's states close together). With an
 entitlement filter, a machine whose latest state is outside the entitlement leaves the result.
 
+A tombstone (a record without a value: a job gone from the scheduler's state once its grace passed) removes its key.
+
 A record a reader cannot decode is skipped and counted in ``skipped`` (a ``streams.deadletter.Skipped``, which a
 command may share among its readers and report once); the reader goes on.
 """
@@ -51,8 +53,28 @@ class StateReader:
         self._parts: dict[str, dict[int, list]] = {}  # jobs: job -> part -> its tasks (JobTasksPublished)
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         names = [topics.name(STATE_TOPICS[kind])] + ([topics.name(PART_TOPICS[kind])] if kind in PART_TOPICS else [])
-        self._consumer = EventConsumer(cfg, registry, names, name=f"state-reader/{kind}", skipped=skipped)
+        self._part_topic = topics.name(PART_TOPICS[kind]) if kind in PART_TOPICS else None
+        self._consumer = EventConsumer(cfg, registry, names, name=f"state-reader/{kind}", skipped=skipped,
+                                       on_tombstone=self._deleted)
         self.skipped = self._consumer.skipped
+
+    def _deleted(self, topic: str, key: bytes | None) -> None:
+        """A tombstone: the key left the topic (a job gone from the scheduler's state once its grace passed,
+        processors/scheduler/README.md "Stopped jobs leave"; a part of its tasks)."""
+        if key is None:
+            return
+        name = key.decode("utf-8", "replace")
+        if topic == self._part_topic:
+            job, _, part = name.rpartition("#")
+            parts = self._parts.get(job)
+            if parts is not None and part.isdigit():
+                parts.pop(int(part), None)
+            return
+        self.latest.pop(name, None)
+        self.gone.pop(name, None)  # its last state is no more: the grace passed
+        self._headers.pop(name, None)
+        self._parts.pop(name, None)
+        self._versions.pop(name, None)
 
     def _wanted(self, ev: Event) -> bool:
         if self.entitlement is None:
@@ -174,7 +196,8 @@ def current_and_gone(cfg: Config, registry: SchemaRegistry, entitlement: str | N
                      skipped: Skipped | None = None) -> tuple[dict[str, Event], dict[str, Event]]:
     """The jobs: the latest state of every live job, and the last state (``deleted``) of every job that was stopped
     and is gone. A gone job's record is the scheduler's final JobStatePublished, kept by compaction as its key's
-    latest until the job id is submitted again (Nomad keeps a dead job until its garbage collection)."""
+    latest until the job id is submitted again or its grace passes (``ROPEWALK_JOB_GC_S``: the scheduler's tombstone,
+    processors/scheduler/README.md "Stopped jobs leave"; Nomad keeps a dead job until its garbage collection)."""
     reader = StateReader(cfg, registry, "jobs", entitlement, skipped=skipped)
     try:
         return dict(reader.catch_up()), dict(reader.gone)

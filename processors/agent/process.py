@@ -10,7 +10,9 @@
 * Reports go out batched: the TaskStateChanged transitions of one step as one TaskStatesChanged per entitlement
   (``decide.batch``); heartbeats as they come.
 * Each task runs as ``argv`` with the command's env on top of the agent's, in its own session (its own
-  process group, so a stop takes its children too), stdout+stderr appended to ``<work>/logs/<task>.log``.
+  process group, so a stop takes its children too), stdout+stderr appended to ``<work>/logs/<task>.log``:
+  rotated past ``ROPEWALK_TASK_LOG_MAX_BYTES`` (16 MiB; one older generation ``.log.1`` kept), deleted once no task
+  of it ran for ``ROPEWALK_TASK_LOG_KEEP_S`` (a day): ``logs.py``.
   A kill is SIGTERM to the group, then SIGKILL after ``STOP_GRACE_MS``; after any exit the group is
   SIGKILLed so nothing is left behind.
 * The control plane going away is not the agent's business: when the broker is unreachable the agent keeps
@@ -70,6 +72,7 @@ from streams.topics import Topics, topic_id
 from . import decide as d
 from . import gate as g
 from . import hostprofile as hp
+from . import logs as task_logs
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent")
@@ -185,6 +188,9 @@ class ProcessAgent(LoopWorker):
         self._idle_polls = 0
         self._next_tick = 0
         self.errors = 0  # broker/delivery errors survived
+        self.log_max_bytes = int(os.environ.get(task_logs.MAX_BYTES_ENV) or task_logs.MAX_BYTES)
+        self.log_keep_s = float(os.environ.get(task_logs.KEEP_ENV) or task_logs.KEEP_S)
+        self._next_log_check = 0.0
 
     # -- state file ------------------------------------------------------------------------------------------
     @property
@@ -509,10 +515,26 @@ class ProcessAgent(LoopWorker):
             self._next_tick = now_ms() + self.tick_ms
             self.feed(d.Tick())
         self.flush_reports()
+        if time.monotonic() >= self._next_log_check:
+            self._next_log_check = time.monotonic() + task_logs.CHECK_S
+            self.bound_logs()
         try:
             self.producer._producer.poll(0)  # serve delivery reports (EventProducer polls only every 1000 sends)
         except Exception:  # noqa: BLE001 - delivery reports are served again at the next poll
             pass
+
+    def bound_logs(self) -> None:
+        """Rotate the logs of running tasks past their size, delete those of tasks gone for long (``logs.py``)."""
+        running = {task_log(self.work_dir, t).name[: -len(task_logs.SUFFIX)] for t in self.procs}
+        try:
+            done = task_logs.apply(self.work_dir / "logs", running, time.time(), max_bytes=self.log_max_bytes,
+                                   keep_s=self.log_keep_s)
+        except OSError as exc:  # a disk full or a permission: the tasks go on, the next look tries again
+            log.warning("agent %s: bounding the task logs: %s", self.machine_id, exc)
+            return
+        for action, name in done:
+            log.info("agent %s: task log %s: %s", self.machine_id, name, "rotated" if action == task_logs.ROTATE
+                     else f"deleted (no task of it ran for {self.log_keep_s:.0f} s)")
 
     def run(self, until: float | None = None) -> None:
         self.adopt()

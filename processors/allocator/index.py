@@ -66,6 +66,7 @@ FIELDS = ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free
 OUTBOX = "outbox:machines"
 PROJECT_CHUNK = 500  # machines per projection call (one call holds the server a few milliseconds)
 DONE_TTL_S = 3600  # a committed decision's events are kept this long (it reaches the log within seconds)
+DONE_TTL_ENV = "ROPEWALK_ALLOC_JOURNAL_TTL_S"  # another (the soak's simulated hour: bench/experiments/soak.py)
 # Commit outcomes (beside "ok").
 JOURNALED = "journaled"  # the decision was committed before (a crash before its events were produced)
 FENCED = "fenced"  # the request's partition has a new owner: this allocator must not decide it
@@ -148,10 +149,12 @@ def _to_machine(mid: str, v: Sequence[Any]) -> Machine:
 class MachineIndex:
     """The machine index under ``prefix`` in ``redis_client``; ``consumer`` names its applied marks."""
 
-    def __init__(self, redis_client, prefix: str, consumer: str = DEFAULT_CONSUMER) -> None:
+    def __init__(self, redis_client, prefix: str, consumer: str = DEFAULT_CONSUMER, *,
+                 done_ttl_s: int = DONE_TTL_S) -> None:
         self.r = redis_client
         self.prefix = prefix
         self.consumer = consumer
+        self.done_ttl_s = done_ttl_s  # the journal's: how long a committed decision's events are kept
         self.generation: str | None = None  # commits are refused unless the index is of this one (None: unchecked)
         self._project = redis_client.register_script(_LUA_PROJECT)
         self._commit = redis_client.register_script(_LUA_COMMIT)
@@ -224,7 +227,7 @@ class MachineIndex:
         if not decisions:
             return []
         raw = self._commit(args=[self.prefix, json.dumps([d.to_json() for d in decisions], separators=(",", ":")),
-                                 DONE_TTL_S, _COMMIT_REASONS, self.generation or ""])
+                                 self.done_ttl_s, _COMMIT_REASONS, self.generation or ""])
         if text(raw) == LOST:
             raise IndexLost(f"the index is not generation {self.generation} any more "
                             f"(now {self.read_generation()}): nothing committed")

@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
@@ -78,7 +79,7 @@ from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
 )
 from processors.allocator.index import (
-    DEFAULT_CONSUMER, FENCED, FORMAT, JOURNALED, Decision, IndexLost, MachineIndex, text,
+    DEFAULT_CONSUMER, DONE_TTL_ENV, DONE_TTL_S, FENCED, FORMAT, JOURNALED, Decision, IndexLost, MachineIndex, text,
 )
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
 from streams.batches import ENVELOPE_BYTES, size_of, split
@@ -382,7 +383,8 @@ class Allocator:
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.allocations = self.topics.name("allocations")
         self.fold = RegionFold()
-        self.index = MachineIndex(redis_client, cfg.topic_prefix, consumer)
+        self.index = MachineIndex(redis_client, cfg.topic_prefix, consumer,
+                                  done_ttl_s=max(1, int(float(os.environ.get(DONE_TTL_ENV) or DONE_TTL_S))))
         self.max_attempts = max_attempts
         self.batch = batch
         self.publish_interval_s = publish_interval_s

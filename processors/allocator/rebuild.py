@@ -121,7 +121,7 @@ class RebuildStats:
     errors: list[str] = field(default_factory=list)  # the first MAX_ERRORS_SHOWN of them
     partitions: int = 0
     machines: int = 0
-    keys: int = 0  # keys written (then renamed into place)
+    keys: int = 0  # index-state keys written (then renamed into place; index:format is not counted)
     replaced: int = 0  # live index keys deleted by the swap
     read_s: float = 0.0
     apply_s: float = 0.0
@@ -259,7 +259,8 @@ class Rebuild:
                                   "Stop the allocator and run the rebuild again") from None
         finally:
             pipe.reset()
-        self.stats.keys, self.stats.replaced = len(new), len(live)
+        self.stats.keys = sum(1 for k in new if is_index_state(k[len(self.scratch):]))
+        self.stats.replaced = len(live)
         self.stats.swap_s = time.monotonic() - t0
 
     def discard(self) -> int:

@@ -179,13 +179,16 @@ class ShadowLog:
 
 class Region:
     def __init__(self, topics: Topics, *, limits: Limits = DEFAULT_LIMITS, max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB,
-                 lookahead_ms: int = LOOKAHEAD_MS, scheduler_partitions: frozenset[int] | None = None):
+                 lookahead_ms: int = LOOKAHEAD_MS, scheduler_partitions: frozenset[int] | None = None,
+                 gc_ms: int = sd.DEFAULT_JOB_GC_MS):
         self.topics = topics
         # None: the whole region. A set: only these partitions' jobs are decided (a *partial* region: its other jobs
         # stand as the snapshot left them; never written as a snapshot). The fold is always whole.
         self.scheduler_partitions = scheduler_partitions
         self.limits = limits
         self.max_tasks = max_tasks
+        self.gc_ms = gc_ms  # a stopped job's grace (ROPEWALK_JOB_GC_S): the live shard's, so decisions are alike
+        self._collected_to: int | None = None  # the cut of the last ``collect``
         self.lookahead_ms = lookahead_ms
         self.fold = RegionFold()
         self.scheduler = sm.SchedulerState()
@@ -207,9 +210,9 @@ class Region:
         self.published: dict[str, Event] = {}  # job -> its latest JobStatePublished
         self.parts: dict[str, dict[int, list]] = {}  # job -> part -> tasks (JobTasksPublished)
         self.open_requests: dict[str, tuple[Event, int]] = {}  # request id -> (request, partition) undecided
-        # deleted jobs a snapshot held (``decide.is_dormant``), as their records (JSON): decoded only when an input
-        # names one (``wake``), so a look at a moment does not decode every job the region ever stopped
-        self.dormant: dict[str, str] = {}
+        # deleted jobs a snapshot held (``decide.is_dormant``), as their records (JSON) and when they ended: decoded
+        # only when an input names one (``wake``), so a look at a moment does not decode every job stopped lately
+        self.dormant: dict[str, tuple[str, int | None]] = {}
         self._last_key: dict[tuple[str, int], int] = {}  # per topic-partition: the decision time of its last input
         self._lag: deque[tuple[Event, Position]] = deque()  # read, not applied yet (after ``cut``)
         self._queue: list[tuple] = []  # (time, rank, seq, kind, data): decisions to take
@@ -294,8 +297,21 @@ class Region:
                 self._take(item)
         if self.cut is None or cut > self.cut:
             self.cut = cut
+        if self._collected_to is None or cut - self._collected_to >= max(self.gc_ms, 60_000) // 4:
+            self.collect(cut)
         if len(self._decided_at) > PRUNE_AT or len(self._timers) > PRUNE_AT:
             self._prune(cut)
+
+    def collect(self, now: int) -> None:
+        """The jobs whose grace passed at ``now`` leave the scheduler's state (``decide.collect``, as the live
+        shard's timer takes them; ``decide`` takes them for gone either way, so when does not matter), and the
+        dormant ones with them: a region's memory and its snapshots hold the jobs of the last grace, not every job
+        it ever stopped."""
+        self._collected_to = now
+        self.scheduler, _ = sd.collect(self.scheduler, now, self.gc_ms)
+        gone = [j for j, (_, ended) in self.dormant.items() if sd.ended_before(lc.JOB_DELETED, ended, now, self.gc_ms)]
+        for j in gone:
+            del self.dormant[j]
 
     def _prune(self, cut: int) -> None:
         """Forget decision times whose input was applied long ago (outputs of inputs before a snapshot's cut)."""
@@ -426,7 +442,7 @@ class Region:
         if state.shard_bucket is not bucket:
             state = replace(state, shard_bucket=bucket)
         try:
-            new, out = sd.decide(state, event, now, limits=self.limits, max_tasks=self.max_tasks)
+            new, out = sd.decide(state, event, now, limits=self.limits, max_tasks=self.max_tasks, gc_ms=self.gc_ms)
         except Exception:  # noqa: BLE001 - as the shard: the event is dead-lettered, the state kept
             self.decide_failed += 1
             return True
@@ -449,8 +465,8 @@ class Region:
     def wake(self, job_ids: Iterable[str]) -> None:
         """The dormant jobs among ``job_ids`` decoded into the scheduler's state (an input names them: ``decide``
         reads no other dormant job, ``decide.concerned_jobs``)."""
-        woken = {j: records.job_from_record(json.loads(raw)) for j in job_ids
-                 if (raw := self.dormant.pop(j, None)) is not None}
+        woken = {j: records.job_from_record(json.loads(kept[0])) for j in job_ids
+                 if (kept := self.dormant.pop(j, None)) is not None}
         if woken:
             self.scheduler = replace(self.scheduler, jobs=self.scheduler.jobs.updated(woken))
 

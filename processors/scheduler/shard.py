@@ -104,7 +104,10 @@ partitions, which faust also keeps in the same tables, are left alone) that have
 header says so (``timer``: ``decide.has_timer_work`` of the job when written), so a round reads the headers and
 decodes only those jobs. It works ``RETRY_SLICE_JOBS`` jobs at a time, each slice a decision of its own under the
 lock (load, decide, produce, store), so the agent decides in between; a slice that fails is logged and the others
-go on. Then it deletes chunk records no header names (``store.orphans``: left by a write a crash interrupted). The
+go on. The same slices take the jobs whose grace passed (``store.expired`` of their headers; ``decide.collect``)
+out of the state: a tombstone for each of their state records (``work.state_keys``: ``state.jobs``, its
+``state.tasks`` parts) is produced and flushed, then their header and chunks are deleted (a crash between the two
+collects them again: the same tombstones). Then it deletes chunk records no header names (``store.orphans``: left by a write a crash interrupted). The
 agent and the timer share an ``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
 (It was one decision over every active job, all partitions under the lock at once: at 100,000 machines a round
 held the lock for 152 s while the broker was slow to take its output and state, 2026-11-27.)
@@ -153,10 +156,12 @@ from processors.allocator.placement import Entitlement
 from processors.scheduler import handover as ho
 from processors.scheduler import store as st
 from processors.scheduler.metrics import ShardMetrics
-from processors.scheduler.decide import CONSUMED, MACHINE_EVENTS, decide, machines_of, named_jobs, retry_unplaced
+from processors.scheduler.decide import (
+    CONSUMED, MACHINE_EVENTS, collect, decide, machines_of, named_jobs, retry_unplaced,
+)
 from processors.scheduler.model import Job, SchedulerState, state_of
 from processors.scheduler.reasons import JOB_UNREADABLE
-from processors.scheduler.work import PRODUCER
+from processors.scheduler.work import PRODUCER, state_keys
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
 from streams import batches
@@ -197,6 +202,7 @@ FAUST_ENV = {
     "ROPEWALK_FAUST_COMMIT_INTERVAL": "broker_commit_interval",
 }
 RETRY_ENV = "ROPEWALK_SCHEDULER_RETRY_S"
+TOMBSTONE_HEADERS = [(PRODUCER_HEADER, PRODUCER.encode())]  # a state record deleted by the shard (decide.collect)
 # A test's crash between two durable steps of a move: ``after_freeze`` (a move's freeze stored, its state not sent),
 # ``after_handover`` (sent, its jobs not dropped yet), ``after_adopt`` (adopted, the map not told): the process exits
 # at once there (os._exit: nothing flushed, nothing stored), as a SIGKILL would.
@@ -425,14 +431,17 @@ class ShardTables:
     def with_bucket(self, state: SchedulerState, partition: int) -> SchedulerState:
         return dataclasses.replace(state, shard_bucket=self.bucket(partition))
 
-    def timer_job_keys(self, partitions: set[int]) -> dict[int, list[str]]:
+    def timer_job_keys(self, partitions: set[int], now_ms: int = 0, gc_ms: int | None = None
+                       ) -> dict[int, list[str]]:
         """Partition -> the keys of the jobs of it the retry timer may have work for (``store.wants_timer`` of their
-        headers: ``decide.has_timer_work`` when written), for ``partitions``, read without decoding any job, but
+        headers: ``decide.has_timer_work`` when written; and with ``gc_ms``, those whose grace passed at ``now_ms``:
+        ``store.expired``, for ``decide.collect``), for ``partitions``, read without decoding any job, but
         those of an entitlement frozen there (as ``partition_job_keys``). The timer used to load and decide on every
         job of the shard every round, most of them running untouched."""
         out: dict[int, list[str]] = {p: [] for p in sorted(partitions)}
         for k, r in list(self.jobs.data.items()):
-            if not isinstance(r, dict) or not st.wants_timer(r) or not isinstance(ent := r.get("entitlement"), str):
+            if not isinstance(r, dict) or not isinstance(ent := r.get("entitlement"), str) or not (
+                    st.wants_timer(r) or (gc_ms is not None and st.expired(r, now_ms, gc_ms))):
                 continue  # (a header that is no job's is left to load, which says so when an event names it)
             part = self.partition_of_key(k, ent)
             if part in out and not self.frozen(ent, part):
@@ -579,6 +588,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     lock = asyncio.Lock()
     limits = Limits.from_env(os.environ)
     max_tasks = cfg.max_tasks_per_job
+    gc_ms = int(cfg.job_gc_s * 1000)  # a stopped job's grace (decide.collect)
     # Records of an entitlement whose hand-over is not all here yet (handover.HOLD), in the order they came, per
     # entitlement: (message, the epoch they await). Memory only: their partitions' offsets are stored no further
     # than the first of them (``floors``), so a crash or a rebalance reads them again.
@@ -591,12 +601,15 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 out[key] = min(out.get(key, offset), offset)
         return out
 
-    async def produce(events: list[Event], forwards: list[tuple[Any, ho.Route]] = ()) -> None:
+    async def produce(events: list[Event], forwards: list[tuple[Any, ho.Route]] = (),
+                      tombstones: list[tuple[str, str]] = ()) -> None:
         def send_all() -> None:
             producer.send_all(events, validate=False)  # built by decide from decoded events; fastavro still checks
             for msg, r in forwards:
                 producer.send_raw(handoff_topic, msg.key, msg.value, partition=r.to,
                                   headers=forwarded_headers(msg, catalogue, r.epoch))
+            for topic, key in tombstones:  # (logical topic, key): a job gone from the state (decide.collect)
+                producer.send_raw(catalogue.name(topic), key.encode(), None, headers=TOMBSTONE_HEADERS)
             producer.flush(FLUSH_S)
         try:
             await asyncio.get_running_loop().run_in_executor(None, send_all)
@@ -677,7 +690,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 state = dataclasses.replace(state, shard_bucket=buckets[part])
                 t_ev = time.monotonic()
                 try:
-                    new, emitted = decide(state, ev, now, limits=limits, max_tasks=max_tasks)
+                    new, emitted = decide(state, ev, now, limits=limits, max_tasks=max_tasks, gc_ms=gc_ms)
                 except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
                     log.exception("scheduler: %s %s at %s[%d]@%d failed", ev.type, ev.event_id, rec.topic, part,
                                   rec.offset)
@@ -977,10 +990,13 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         caller holds the lock. Returns the events emitted."""
         state, headers, where = tables.load((), job_keys)  # a job it cannot read is left out (and logged)
         state = tables.with_bucket(state, part)
-        new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
-        if out:
-            log.info("scheduler: retry: %d events for %d jobs of partition %d", len(out), len(state.jobs), part)
-            await produce(coalesce(out))
+        now = int(time.time() * 1000)
+        new, out = retry_unplaced(state, now, limits=limits)
+        new, gone = collect(new, now, gc_ms)
+        if out or gone:
+            log.info("scheduler: retry: %d events for %d jobs of partition %d; %d jobs gone (their grace of %.0f s "
+                     "passed)", len(out), len(state.jobs), part, len(gone), gc_ms / 1000)
+            await produce(coalesce(out), tombstones=[k for j in gone for k in state_keys(state.jobs[j])])
         if new is not state:
             await store(state, new, headers, where=where, buckets={part: new.shard_bucket})
         return len(out)
@@ -999,7 +1015,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             if not tables_ready(app):
                 return
             await reconcile(active)
-        todo = tables.timer_job_keys(active)
+        todo = tables.timer_job_keys(active, int(time.time() * 1000), gc_ms)
         n_jobs = n_out = n_slices = failed = 0
         waited = 0.0
         for part, keys in todo.items():

@@ -41,7 +41,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from processors.scheduler.decide import has_timer_work, machines_of, maint_machines
+from processors.scheduler.decide import ended_before, has_timer_work, machines_of, maint_machines
+from processors.scheduler.lifecycle import JOB_DELETED
 from processors.scheduler.model import Job, Task
 from processors.scheduler.records import job_from_record, job_to_record, terms_of, terms_record
 
@@ -188,6 +189,13 @@ def wants_timer(header: Mapping[str, Any]) -> bool:
     """Whether the job a header stands for may have work for the retry timer (its ``timer``; True if it has none:
     a header written before the flag, or the older whole-job record)."""
     return bool(header.get("timer", True))
+
+
+def expired(header: Mapping[str, Any], now_ms: int, gc_ms: int) -> bool:
+    """``decide.is_expired`` of the job a header (or an older whole-job record) stands for, read without decoding
+    it: the timer loads those to ``collect`` them."""
+    phase = JOB_DELETED if header.get("deleted") else header.get("status", "")
+    return ended_before(phase, header.get("ended_ms"), now_ms, gc_ms)
 
 
 def named_keys(header: Mapping[str, Any]) -> set[str]:

@@ -20,7 +20,8 @@ from processors.scheduler.lifecycle import (
     PENDING, STOPPED,
 )
 from processors.scheduler.model import (
-    RUN, Job, SchedulerState, Task, index_of, job_phase, published_state, replace, request_id,
+    RUN, Job, SchedulerState, Task, incarnation_tag, index_of, job_phase, operation_id, published_state, replace,
+    request_id,
 )
 from processors.taskcontrol import limiter
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Limits
@@ -274,6 +275,8 @@ class JobWork:
         bug), changing ``fields`` with it."""
         phase = lc.JOBS.next_state(job_phase(self.job), trigger)
         deleted = phase == JOB_DELETED
+        if phase in lc.JOB_ENDED:  # its grace runs from now (``decide.collect``)
+            fields = {"ended_ms": self.fold.now, **fields}
         self.set(status=JOB_STOPPED if deleted else phase, deleted=deleted, **fields)
 
     def choice_fields(self, t: Task, trigger: str, ue: str | None = None) -> dict[str, Any]:
@@ -342,7 +345,7 @@ class JobWork:
         if place:
             avoid = set(avoid).union(*(machines for _, machines, *_ in job.maint))
         n = job.requests + 1
-        rid = request_id(job.id, job.spec_version, n)
+        rid = request_id(job.id, job.spec_version, n, incarnation_tag(job.submission))
         self.set(quiet=True, requests=n)
         self.emit("AllocationRequested", rid, {
             "request_id": rid, "job_id": job.id, "spec_version": job.spec_version,
@@ -373,7 +376,7 @@ class JobWork:
         n = self.job.ops + 1
         self.set(quiet=True, ops=n)
         asked = OP_ASKED if kind in CONTROLLED and self.job.spec.controller else OP_WANTED
-        return self.put(replace(t, op=kind, op_id=f"{t.id}:{kind.lower()}:{n}",
+        return self.put(replace(t, op=kind, op_id=operation_id(t.id, kind, n, incarnation_tag(self.job.submission)),
                                 op_state=lc.OPERATIONS.next_state(t.op_state, asked), op_reason=reason, **changes))
 
     def op_step(self, t: Task, trigger: str) -> Task:
@@ -405,6 +408,8 @@ class JobWork:
             job = replace(job, tasks=MappingProxyType(_by_index(self._tasks) if self._added else self._tasks))
         if self.fold.cause_id is not None:
             job = replace(job, seen=(*job.seen, self.fold.cause_id)[-SEEN_LIMIT:])
+        if self.dirty and task_parts(job) > job.parts:
+            job = replace(job, parts=task_parts(job))
         self.job = job
         self.emit_batches()
         if self.dirty:
@@ -485,6 +490,13 @@ def _by_version(commands: list[dict[str, Any]], mix: vs.Mix | None
     for c in commands:
         by.setdefault(c["spec_version"], []).append(c)
     return [(version, mix.code(version), part) for version, part in by.items()]
+
+
+def state_keys(job: Job) -> list[tuple[str, str]]:
+    """(topic, key) of every record of the latest-state topics ``job`` may hold: its JobStatePublished on
+    ``state.jobs``, and on ``state.tasks`` each JobTasksPublished part it ever published (``Job.parts``). The shard
+    writes a tombstone to each when the job leaves the state (``decide.collect``), so compaction forgets them."""
+    return [("state.jobs", job.id), *(("state.tasks", f"{job.id}#{p}") for p in range(job.parts))]
 
 
 def task_parts(job: Job) -> int:

@@ -232,6 +232,7 @@ def test_process_agent_applies_the_host_profile_before_the_start(cfg, registry, 
     """A START naming host profile ``web`` waits while the machine has the default one; Sidekick's request is applied
     by writing ``host-profile.json`` (the visible setting), answered HostProfileApplied on ``machines``, and only then
     is the task started (issue 16)."""
+    from processors.agent.hostprofile import REASON_WAITING_FOR_PROFILE
     from processors.sidekick.catalogue import PROFILES
 
     m = "m-hp"
@@ -255,8 +256,11 @@ def test_process_agent_applies_the_host_profile_before_the_start(cfg, registry, 
         assert (applied.payload["machine_id"], applied.payload["host_profile"]) == (m, "web")
         written = json.loads((agents.tmp / m / "host-profile.json").read_text())
         assert (written["host_profile"], written["settings"]) == ("web", settings)
-        starting = next(e for e in ev if e.type == "TaskStateChanged" and e.payload["task_id"] == "j1/web")
-        assert starting.payload["state"] == "STARTING" and starting.timestamp_ms >= applied.timestamp_ms
+        held, starting = [e for e in ev if e.type == "TaskStateChanged" and e.payload["task_id"] == "j1/web"][:2]
+        assert (held.payload["state"], held.payload["reason"]) == ("STARTING", REASON_WAITING_FOR_PROFILE)
+        assert held.timestamp_ms <= applied.timestamp_ms  # the hold is reported, the start waits
+        assert starting.payload["state"] == "STARTING" and starting.payload["reason"] != REASON_WAITING_FOR_PROFILE
+        assert starting.timestamp_ms >= applied.timestamp_ms
     finally:
         tasks.close()
         machines.close()

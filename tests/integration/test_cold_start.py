@@ -69,7 +69,7 @@ def test_every_process_killed_at_once_then_up_brings_the_region_back_as_it_was(t
         # -- power off: every process at once
         pids = region_pids(cfg)
         assert {"service:broker", "supervisor", "program:redis", "program:health", "program:scheduler-0",
-                "program:allocator", "program:agents", "program:agent-local"} <= set(pids), pids
+                "program:allocator-0", "program:agents", "program:agent-local"} <= set(pids), pids
         assert any(k.startswith("task:") for k in pids), pids  # the demo's process
         killed_ms = int(time.time() * 1000)
         for pid in pids.values():

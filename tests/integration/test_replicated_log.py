@@ -29,7 +29,7 @@ from regioncli import RegionCli
 BROKERS = 3
 JOBS_PER_BURST = 4
 TASKS = 2
-WORKERS = {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
+WORKERS = {"resourcebroker", "allocator-0", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
            "sidekick", "jobcontrol", "srm", "loans"}
 
 

@@ -288,7 +288,7 @@ def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
 class Api:
     """An API process on the test's region, with a users file of its own."""
 
-    def __init__(self, cfg, tmp_path):
+    def __init__(self, cfg, tmp_path, **env: str):
         from processors.api import users
 
         self.users = tmp_path / "users.yaml"
@@ -298,7 +298,7 @@ class Api:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp_path / "api.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "processors.api.server", "--port", str(self.port),
-                                      "--users", str(self.users)], env=worker_env(cfg), cwd=PROJECT_ROOT,
+                                      "--users", str(self.users)], env={**worker_env(cfg), **env}, cwd=PROJECT_ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not port_open(self.port):
@@ -412,6 +412,34 @@ def test_job_events_stream_shows_only_what_the_user_may_see(api, cfg, registry):
     event, data = next(stream)
     assert (event, data["job"], data["state"]) == ("job", "e1.a", "stopping")
     stream.close()
+
+
+@pytest.mark.timeout(120)
+def test_event_streams_are_bounded(cfg, tmp_path):
+    """At most ROPEWALK_API_MAX_STREAMS event streams at once: one more is refused (503, too_many_streams, with
+    Retry-After) and served again once a stream closed."""
+    from processors.api.client import ApiClient, ApiClientError
+
+    api = Api(cfg, tmp_path, ROPEWALK_API_MAX_STREAMS="1")
+    try:
+        stream = ApiClient(api.url, api.alice).events("jobs")
+        assert next(e for e, _ in stream if e == "ready") == "ready"
+        code, doc = api.call("GET", "/v1/events/jobs", api.alice)
+        assert (code, doc.get("error")) == (503, "too_many_streams"), doc
+        stream.close()  # the API sees it gone at its next poll of the state (0.5 s)
+        deadline = time.monotonic() + 30
+        while True:
+            again = ApiClient(api.url, api.alice).events("jobs")
+            try:
+                if next(e for e, _ in again if e == "ready") == "ready":
+                    break
+            except ApiClientError as exc:  # still refused: the first stream is not seen closed yet
+                assert exc.reason == "too_many_streams" and time.monotonic() < deadline, exc
+                time.sleep(0.2)
+            finally:
+                again.close()
+    finally:
+        api.close()
 
 
 @pytest.mark.timeout(240)

@@ -10,6 +10,7 @@ import json
 import pytest
 
 import history_log as hl
+from test_scheduler_decide import untag  # the scheduler tests' helpers (tests/unit is on sys.path)
 from infra.config import Config
 from processors.allocator.placement import LIVE, Policy, SCORE_CHOICES
 from processors.history import explain, moments, shadow, snapshots, whatif
@@ -51,7 +52,8 @@ def test_the_scripted_region_goes_through_what_it_should(rec):
 def state_of(region: Region) -> dict:
     """Everything a region holds; its dormant jobs (a loaded snapshot's deleted ones, undecoded) as the jobs they are."""
     jobs = {j.id: records.job_to_record(j) for j in region.scheduler.jobs.values()}
-    jobs.update({j: records.job_to_record(records.job_from_record(json.loads(raw))) for j, raw in region.dormant.items()})
+    jobs.update({j: records.job_to_record(records.job_from_record(json.loads(raw)))
+                 for j, (raw, _) in region.dormant.items()})
     return {"fold": region.fold.dump(), "jobs": jobs,
             "published": {j: e.payload for j, e in region.job_states().items()}, "buckets": region.buckets,
             "down": dict(region.scheduler.machines_down), "changed": region.changed_ms,
@@ -133,7 +135,7 @@ def test_another_policy_s_shadow_places_elsewhere_and_says_so(rec):
     # packing less, it uses more machines for the same tasks
     assert mine["machines_used"] > rec_t["machines_used"]
     assert mine["tasks_placed"] >= 18
-    first = next(d for d in diff["decisions"] if d["request"] == "e1.web:v1:r1")
+    first = next(d for d in diff["decisions"] if untag(d["request"]) == "e1.web:v1:r1")
     assert len(set(first["shadow"]["placed"].values())) > len(set(first["recorded"]["placed"].values()))
     # tasks the shadow placed where the log's never were got their reports from simulated agents
     assert log.synthesized > 0
