@@ -66,6 +66,7 @@ from pathlib import Path
 
 from infra.config import CLUSTER_FILE, PROJECT_ROOT, BrokerNode, Config, formatted_brokers
 from infra.process import InfraError, ManagedProcess
+from infra.private import PRIVATE_UMASK, make_dir
 
 KAFKA_VERSION = "4.3.1"  # the pin in infra/kafka/pom.xml; checked against the jars present
 POM = PROJECT_ROOT / "infra" / "kafka" / "pom.xml"
@@ -266,6 +267,7 @@ def write_config(cfg: Config, layout: BrokerLayout, node: BrokerNode | None = No
     directory (made if missing)."""
     from infra import credentials
 
+    make_dir(Path(cfg.run_dir) / "kafka")  # 0700: the segments are the region's alone (infra/private.py)
     layout.root.mkdir(parents=True, exist_ok=True)
     credentials.ensure(cfg.secrets, kafka=True, redis=False)
     me = credentials.kafka_credentials(cfg.secrets, credentials.BROKER_USER)
@@ -392,8 +394,7 @@ def prepare_node(cfg: Config) -> None:
 def prepare_cluster(cfg: Config) -> None:
     """N nodes: ``cluster.json`` (written before any node is formatted, so a format cut short is finished with the
     same ids), each node's configuration, and the nodes not formatted yet formatted with every node a voter."""
-    kafka = Path(cfg.run_dir) / "kafka"
-    kafka.mkdir(parents=True, exist_ok=True)
+    kafka = make_dir(Path(cfg.run_dir) / "kafka")
     want = [{"id": n.id, "port": n.port, "controller_port": n.controller_port} for n in cfg.broker_nodes]
     path = kafka / CLUSTER_FILE
     try:
@@ -429,7 +430,7 @@ def format_storage(cfg: Config, nodes: list[tuple[BrokerLayout, tuple[str, ...]]
     runs = [(layout, subprocess.Popen(
         jvm_argv(cfg, "kafka.tools.StorageTool", "format", "--cluster-id", cluster_id, "--config",
                  str(layout.properties), *quorum, heap_mb=256),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for layout, quorum in nodes]
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, umask=PRIVATE_UMASK)) for layout, quorum in nodes]
     failed = []
     for layout, run in runs:
         try:

@@ -27,6 +27,7 @@ import time
 from infra import broker as embedded_kafka
 from infra import supervisor
 from infra.config import BrokerNode, Config
+from infra.private import make_dir, secure_run_dir
 from infra.process import InfraError, ManagedProcess, port_open
 
 
@@ -166,8 +167,7 @@ def cluster_state(cfg: Config) -> dict:
 def redis_server(cfg: Config) -> ManagedProcess:
     from infra import credentials
 
-    data_dir = cfg.run_dir / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = make_dir(cfg.run_dir / "redis")  # 0700: its append-only file is the region's alone (infra/private.py)
     # ACL users per component (infra/credentials.py: REDIS_RULES; redis.json and the ACL file made from it before
     # each start); the default user is off, so a client without a user and password can run nothing (no FLUSHALL).
     # Persistent like the log beside it: `down` then `up` finds the index as the allocator left it. An
@@ -187,6 +187,8 @@ def redis_server(cfg: Config) -> ManagedProcess:
 
 
 def up(cfg: Config) -> dict:
+    # The run directory readable by its owner alone (infra/private.py), before anything writes to it.
+    secure_run_dir(cfg.run_dir)
     # Every embedded service is checked (binary there, ports free, the run directory's cluster the one asked for)
     # before any is started, so a failure leaves nothing half-started behind.
     if cfg.embedded_broker:
@@ -293,9 +295,12 @@ def running(cfg: Config) -> dict[str, dict]:
 def region_pids(cfg: Config) -> dict[str, int]:
     """Every process of a local region, by what it is: ``supervisor``, ``program:<name>`` (redis-server, the broker's
     nodes and every worker under the supervisor), ``service:<name>`` (an embedded service run on its own), and
-    ``task:<task>`` (the process agents' tasks, from their state files): what a power loss of the whole region
-    kills (``bench/killstorm.py``, ``tests/integration/test_cold_start.py``)."""
+    ``task:<task>`` (the process agents' tasks, from their state files: in a sandbox, its monitor, root's) and
+    ``task:<task>:<pid>`` (every process running as a task's own uid: a sandboxed task's processes outlive its
+    monitor; processors/agent/isolation.py): what a power loss of the whole region kills (``power_off``)."""
     import json
+
+    from infra.process import processes_of
 
     pids = {f"program:{n}": s["pid"] for n, s in supervisor.programs_state(cfg.run_dir).items() if s.get("pid")}
     pids.update({f"service:{n}": s["pid"] for n, s in running(cfg).items() if s.get("pid")
@@ -305,12 +310,48 @@ def region_pids(cfg: Config) -> dict[str, int]:
         pids["supervisor"] = sup
     for state in (Path(cfg.run_dir) / "agents").glob("*/agent-state.json"):
         try:
-            procs = json.loads(state.read_text()).get("procs", {})
+            doc = json.loads(state.read_text())
         except (OSError, ValueError):
             continue
-        for task, proc in procs.items():
+        for task, proc in doc.get("procs", {}).items():
             if proc.get("pid"):
                 pids[f"task:{task}"] = proc["pid"]
+        for task, uid in doc.get("uids", {}).items():  # isolation.OWNER_UIDS_KEY: the tasks' own uids
+            pids.update({f"task:{task}:{pid}": pid for pid in processes_of(uid)})
+    return pids
+
+
+def power_off(cfg: Config, timeout_s: float = 30.0) -> dict[str, int]:
+    """A power loss of the whole local region: every process of ``region_pids`` SIGKILLed at once, then every process
+    still running as a task's own uid, again until none is left (a task's shell forks between the listing and the
+    kill; a power loss spares none). Returns the processes listed; the caller waits for them to be gone
+    (``bench/killstorm.py``, ``tests/integration/test_cold_start.py``)."""
+    import json
+    import os
+    import signal
+
+    from infra.process import processes_of
+
+    pids = region_pids(cfg)
+    uids = set()
+    for state in (Path(cfg.run_dir) / "agents").glob("*/agent-state.json"):
+        try:
+            uids |= set(json.loads(state.read_text()).get("uids", {}).values())
+        except (OSError, ValueError):
+            continue
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while (left := [pid for uid in uids for pid in processes_of(uid)]) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
     return pids
 
 

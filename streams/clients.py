@@ -5,6 +5,11 @@
   errors are collected and raised by `flush()` (and by the next `send`), never swallowed. Every event it
   sends carries the record headers `producer` = its name (`PRODUCER_HEADER`) and `type` = the event type
   (`TYPE_HEADER`), readable without decoding.
+* Identities (streams/auth.py): on the topics agents may write (`auth.AUTHENTICATED`), an `EventProducer` seals
+  every record with its signer (by default its principal's, `infra.trust.signer_for`; agents give theirs) and an
+  `EventConsumer` checks every record's proof with its verifier (`infra.trust.verifier_for`): one that does not
+  verify is refused like a record that does not decode (dead-lettered with the reason), and the events it hands out
+  carry the identity it proved (`Event.identity`). A region without keys seals and checks nothing.
 * `EventConsumer`: decodes every record with the reader's schemas; a record that fails to decode or
   validate is skipped and counted by reason (`skipped`, a `streams.deadletter.Skipped`, which a command may
   share among its consumers to report once), routed to `deadletter` with its reason and origin when the
@@ -19,16 +24,18 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from infra.acls import position_group, reader_group
 from infra.config import Config
+from streams import auth
 from streams import deadletter as dl
 from streams import schemalog
 from streams.events import Event
 from streams.retry import watermark_offsets
+from streams.skim import Skimmer
 from streams.serde import INVALID_EVENT, UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
 from streams.topics import BY_NAME, CATALOGUE, KEY_ENTITLEMENT, KEY_JOB, KEY_MACHINE, Topics
 
@@ -37,6 +44,7 @@ from streams.topics import BY_NAME, CATALOGUE, KEY_ENTITLEMENT, KEY_JOB, KEY_MAC
 ROUTED = frozenset(t.name for t in CATALOGUE if t.copartitioned and t.key == KEY_ENTITLEMENT and t.name != "handoff")
 # Record headers of a record a scheduler shard forwarded to an entitlement's new partition (on `handoff`): where the
 # original is ("<logical topic>/<partition>@<offset>") and the entitlement's move count when it was forwarded.
+_FROM_CONFIG: Any = object()  # the default signer / verifier: the one of the client's principal (infra/trust.py)
 FORWARDED_HEADER = "forwarded_from"
 EPOCH_HEADER = "epoch"
 PRODUCER_HEADER = "producer"  # record header: the EventProducer's name (the envelope's producer, usually)
@@ -119,10 +127,16 @@ class EventProducer:
     shard that finds it there, so a producer without the map is slower across a move, never wrong)."""
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, *,
-                 route: "Callable[[str], int] | None" = None, owns_route: bool = False, **conf):
+                 route: "Callable[[str], int] | None" = None, owns_route: bool = False,
+                 signer: "auth.Signer | None" = _FROM_CONFIG, **conf):
         """``owns_route``: ``route`` is this producer's own (``partitionmap.routed_producer``'s follower), closed with
-        it."""
+        it. ``signer``: what seals the records on the authenticated topics (default: the principal's; None: none)."""
         self.cfg = cfg
+        if signer is _FROM_CONFIG:
+            from infra.trust import signer_for
+
+            signer = signer_for(cfg)
+        self.signer = signer
         self.route = route
         self._owned_route = route if owns_route else None
         self.registry = registry
@@ -186,7 +200,10 @@ class EventProducer:
         schema = self.registry.reader(event.type)
         if self._publish_schema(schema):
             self._flush_or_raise(10.0)  # the schema is on the log before any record that uses it
-        value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
+        if self.signer is not None and logical in auth.SEALED:
+            value = self.signer.seal(self.registry, event.type, event.to_record(schema.version), validate)
+        else:
+            value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
         key = key_of(logical, event)
         partition = None
         if self.route is not None and logical in ROUTED:
@@ -281,8 +298,8 @@ class EventConsumer:
 
     With `group_id` it joins the consumer group (partitions are shared among members); without, it
     assigns every partition of `topics` itself, starting at `start_offsets` or the beginning. A record without a
-    value (a tombstone of a compacted topic: a key deleted) is no event and no bad record: it is counted in
-    `tombstones` and told to `on_tombstone(topic, key)`.
+    value on a compacted topic (a tombstone: a key deleted) is no event and no bad record: it is counted in
+    `tombstones` and told to `on_tombstone(topic, key)`; on any other topic it is a bad record.
 
     `follows`: this consumer follows the log for a worker (a processor's reader, not a one-shot read such as an API
     request's). Then, and only then, it exports ``ropewalk_consumer_lag_seconds`` (infra/metrics.py), and an
@@ -298,9 +315,24 @@ class EventConsumer:
                  group_id: str | None = None, dead_letters: "dl.DeadLetters | None" = None,
                  skipped: "dl.Skipped | None" = None,
                  start_offsets: Mapping[tuple[str, int], int] | None = None,
-                 types: Iterable[str] | None = None, follows: bool = False,
+                 types: Iterable[str] | None = None, follows: bool = False, verify: bool = True,
+                 verifier: "auth.Verifier | None" = _FROM_CONFIG, keep_refused: bool = False,
                  on_tombstone: "Callable[[str, bytes | None], None] | None" = None, **conf):
+        """``verify``: check the proofs of the records of authenticated topics with ``verifier`` (default: the
+        principal's); ``keep_refused``: keep the events refused for their proof in ``refused`` instead of
+        dead-lettering them (an agent answers and dead-letters those addressed to its machines: gate.Judge)."""
         self.cfg = cfg
+        if not verify:
+            verifier = None
+        elif verifier is _FROM_CONFIG:
+            from infra.trust import verifier_for
+
+            verifier = verifier_for(cfg, registry)
+        self.verifier = verifier
+        self.keep_refused = keep_refused
+        # (event, reason, detail, where) refused for their proof, not dead-lettered (``keep_refused``): ``where`` is what
+        # ``DeadLetters.route`` takes besides the reason and detail
+        self.refused: list[tuple[Event, str, str, dict]] = []
         self.registry = registry
         self.catalogue = Topics(cfg.topic_prefix, cfg.partitions)
         self.name = name
@@ -315,6 +347,7 @@ class EventConsumer:
         self._handed: dict[tuple[str, int], int] = {}  # the next offset per partition after the last poll's records
         self._at_end: dict[tuple[str, int], int] = {}  # partitions read to their end: the end offset then
         self._committed_at = 0.0
+        self._offsets_client: Consumer | None = None  # ``_queries``
         self._consumer = Consumer(consumer_conf(cfg, group_id or self.position_group,
                                                 **{"client.id": client_id(name), **conf}))
         self.eof: set[tuple[str, int]] = set()
@@ -362,7 +395,8 @@ class EventConsumer:
 
     def high_watermarks(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """The broker's high watermark of each partition now (ListOffsets)."""
-        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p))[1] for t, p in partitions}
+        queries = self._queries()
+        return {(t, p): watermark_offsets(queries, TopicPartition(t, p))[1] for t, p in partitions}
 
     def read_up_to(self, targets: Mapping[tuple[str, int], int], start: Mapping[tuple[str, int], int]) -> bool:
         """Whether this consumer has read every partition of ``targets`` up to (below) its offset: its last record
@@ -371,7 +405,18 @@ class EventConsumer:
 
     def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(low, high) per partition as the broker lists them (ListOffsets)."""
-        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p)) for t, p in self.partitions()}
+        queries = self._queries()
+        return {(t, p): watermark_offsets(queries, TopicPartition(t, p)) for t, p in self.partitions()}
+
+    def _queries(self) -> Consumer:
+        """A client of this reader's own, never assigned, for ListOffsets. A broker answers one connection's requests
+        in order, and the assigned consumer always has a fetch in flight that waits up to ``fetch.wait.max.ms``: on
+        it, each ListOffsets waited for a fetch (100 ms: 4 s for a worker's catch-up over 40 partitions, 20 s for a
+        background reader's 500 ms fetches, 2026-11-28); on this one it takes a millisecond."""
+        if self._offsets_client is None:
+            self._offsets_client = Consumer(consumer_conf(self.cfg, None,
+                                                          **{"client.id": client_id(f"{self.name}-offsets")}))
+        return self._offsets_client
 
     def poll(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list[Record]:
         """Up to ``max_records`` decoded records. ``linger_s`` None: wait until ``max_records`` are there or
@@ -447,7 +492,8 @@ class EventConsumer:
         return self._decode(msg)
 
     def _decode(self, msg) -> Record | None:
-        if msg.value() is None:  # a tombstone (state.jobs of a job gone: decide.collect), no bad record
+        if msg.value() is None and self.catalogue.compacted(msg.topic()):  # a tombstone (state.jobs of a job gone:
+            # decide.collect), no bad record; a record without a value on any other topic is one (decoded below)
             self.tombstones += 1
             if self.on_tombstone is not None:
                 self.on_tombstone(msg.topic(), msg.key())
@@ -456,6 +502,7 @@ class EventConsumer:
             self.passed_over += 1
             return None
         value = msg.value()
+        data = None
         try:
             try:
                 type_, data = self.registry.decode(value)
@@ -470,20 +517,32 @@ class EventConsumer:
                     self._missed[fp] = time.monotonic()
                     raise
                 type_, data = self.registry.decode(value)
-            event = Event.from_record(type_, data)
-            check_placement(self.catalogue, msg.topic(), msg.key(), event)
+            if self.types is not None and type_ not in self.types and belongs(self.catalogue, msg.topic(), type_):
+                self.passed_over += 1  # a record without its type header, of a type this reader does not want
+                return None
+            event = proven_event(self.verifier, self.catalogue, msg.topic(), msg.key(), type_, data, value)
         except DecodeError as exc:
-            self._dead_letter(msg, exc.reason, exc.detail)
+            if self.keep_refused and isinstance(exc, auth.AuthError) and data is not None:
+                # the caller answers (and dead-letters) the ones that concern it: one forged record is not
+                # dead-lettered by every agent of the region
+                self._dead_letter(msg, exc.reason, exc.detail, route=False)
+                self.refused.append((Event.from_record(type_, data), exc.reason, exc.detail, self._where(msg)))
+            else:
+                self._dead_letter(msg, exc.reason, exc.detail)
             return None
         ts_type, ts = msg.timestamp()
         return Record(event, msg.topic(), msg.partition(), msg.offset(), msg.key(), ts)
 
-    def _dead_letter(self, msg, reason: str, detail: str) -> None:
+    @staticmethod
+    def _where(msg) -> dict:
+        return {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
+                "value": msg.value()}
+
+    def _dead_letter(self, msg, reason: str, detail: str, *, route: bool = True) -> None:
         self.dead_lettered += 1
-        where = {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
-                 "value": msg.value(), "reason": reason, "detail": detail}
+        where = {**self._where(msg), "reason": reason, "detail": detail}
         self.skipped.route(**where)
-        if self.dead_letters is not None:
+        if route and self.dead_letters is not None:
             self.dead_letters.route(**where)
 
     def commit(self) -> None:
@@ -493,17 +552,107 @@ class EventConsumer:
         if self.position_group is not None:
             self.report_position(force=True)
         self._consumer.close()
+        if self._offsets_client is not None:
+            self._offsets_client.close()
+            self._offsets_client = None
+
+
+def belongs(catalogue: Topics, physical_topic: str, type_: str) -> bool:
+    """Whether events of ``type_`` belong on the topic (one of the catalogue's: else nothing is said here)."""
+    logical = catalogue.logical(physical_topic)
+    return logical is None or logical == "_schemas" or type_ in BY_NAME[logical].events
+
+
+def identity_of(verifier: "auth.Verifier | None", catalogue: Topics, physical_topic: str, type_: str,
+                record: Mapping[str, Any], value: bytes) -> str | None:
+    """Who wrote a record of an authenticated topic, proven by ``verifier`` (AuthError if not); None elsewhere, or
+    without a verifier (a region without keys). An event that does not belong on the topic is refused for that first
+    (INVALID_EVENT, as ``check_placement`` says)."""
+    logical = catalogue.logical(physical_topic)
+    if verifier is None or logical not in auth.AUTHENTICATED:
+        return None
+    if type_ not in BY_NAME[logical].events:
+        raise DecodeError(INVALID_EVENT, f"{type_} does not belong on topic {logical}")
+    return verifier.check(type_, record, value)
+
+
+def proven_event(verifier: "auth.Verifier | None", catalogue: Topics, physical_topic: str, key: bytes | None,
+                 type_: str, record: Mapping[str, Any], value: bytes) -> Event:
+    """The event of a record decoded from ``value``, its writer proven (``identity_of``) and its placement checked
+    (``check_placement``); DecodeError (AuthError) if refused."""
+    identity = identity_of(verifier, catalogue, physical_topic, type_, record, value)
+    event = Event.from_record(type_, record, identity)
+    check_placement(catalogue, physical_topic, key, event)
+    return event
 
 
 def check_placement(catalogue: Topics, physical_topic: str, key: bytes | None, event: Event) -> None:
     """An event must be on its own topic, keyed as the catalogue says (sharding depends on it)."""
+    check_placed(catalogue, physical_topic, key, event.type, lambda logical: key_of(logical, event))
+
+
+def check_placed(catalogue: Topics, physical_topic: str, key: bytes | None, type_: str,
+                 want: Callable[[str], str | None]) -> None:
+    """``check_placement`` of a record of ``type_`` whose key, as its topic's key kind names it, is ``want(logical
+    topic)`` (a decoded event's ``key_of``, or the field a skimmer read: ``KEY_FIELD``)."""
     logical = catalogue.logical(physical_topic)
     if logical is None or logical == "_schemas":
         return
     spec = BY_NAME[logical]
-    if event.type not in spec.events:
-        raise DecodeError(INVALID_EVENT, f"{event.type} does not belong on topic {logical}")
-    want = key_of(logical, event)
-    got = key.decode("utf-8", "replace") if key is not None else None
-    if spec.key in (KEY_ENTITLEMENT, KEY_MACHINE, KEY_JOB) and got != want:
-        raise DecodeError(INVALID_EVENT, f"record key {got!r} differs from the event's {spec.key} {want!r}")
+    if type_ not in spec.events:
+        raise DecodeError(INVALID_EVENT, f"{type_} does not belong on topic {logical}")
+    if spec.key in (KEY_ENTITLEMENT, KEY_MACHINE, KEY_JOB):
+        wanted = want(logical)
+        got = key.decode("utf-8", "replace") if key is not None else None
+        if got != wanted:
+            raise DecodeError(INVALID_EVENT, f"record key {got!r} differs from the event's {spec.key} {wanted!r}")
+
+
+# The record field that ``key_of`` reads of a decoded event, per key kind a topic is checked on (``check_placed``).
+KEY_FIELD: Mapping[str, str] = {KEY_ENTITLEMENT: "envelope.entitlement", KEY_MACHINE: "machine_id",
+                                KEY_JOB: "job_id"}
+
+
+class SkimReader:
+    """Reads ``fields`` of records of ``event_type`` on ``topic`` (logical) without decoding them (``streams.skim``),
+    each proven and placed as ``EventConsumer.decode`` proves and places a record: the same ``identity_of`` (the
+    consumer's verifier) over the same bytes, with the fields it checks skimmed beside those asked
+    (``auth.checked_fields``), and the record's key checked by the same ``check_placed``. ``read(msg)`` returns the
+    values of ``fields`` in order, or None: the record is to be decoded the ordinary way, which refuses a bad one with
+    its reason and dead-letters it (a skim never decides that a record is bad; it only declines to read it)."""
+
+    def __init__(self, consumer: "EventConsumer", topic: str, event_type: str, fields: Iterable[str]):
+        self.fields = tuple(fields)
+        self.event_type = event_type
+        self.verifier, self.catalogue = consumer.verifier, consumer.catalogue  # the consumer's: it decodes the rest
+        spec = BY_NAME[topic]
+        if event_type not in spec.events:
+            raise ValueError(f"{event_type} does not belong on topic {topic}")
+        checked = auth.checked_fields(event_type) if topic in auth.AUTHENTICATED else ()
+        key_field = KEY_FIELD.get(spec.key)
+        every = list(self.fields)
+        for f in (*checked, *((key_field,) if key_field else ())):
+            if f not in every:
+                every.append(f)
+        self.skimmer = Skimmer(consumer.registry, event_type, every)
+        self._n = len(self.fields)
+        self._checked = [every.index(f) for f in checked]
+        self._key = every.index(key_field) if key_field else None
+        self.declined = 0  # records handed back to the ordinary decode
+
+    def read(self, msg) -> tuple | None:
+        value = msg.value()
+        v = self.skimmer(value)
+        if v is not None:
+            try:
+                if self._checked:
+                    identity_of(self.verifier, self.catalogue, msg.topic(), self.event_type,
+                                auth.checked_record(self.event_type, [v[i] for i in self._checked]), value)
+                key = self._key
+                check_placed(self.catalogue, msg.topic(), msg.key(), self.event_type,
+                             lambda logical: None if key is None else v[key])
+                return v[:self._n]
+            except DecodeError:
+                pass
+        self.declined += 1
+        return None

@@ -1,8 +1,9 @@
 """Readers of the latest-state streams `state.jobs` (with `state.tasks`) and `state.machines`.
 
-They are meant to be compacted (the last record per key is the current state), but the embedded broker
-does not enforce compaction, so readers take the last record per key themselves. `current()` reads the
-topic to its end and returns the latest state per key; `follow()` then yields each change.
+They are compacted (``cleanup.policy=compact``, streams/topics.py: the broker keeps the last record per key), but
+the log cleaner compacts closed segments only, in its own time, so the active segment and a segment not yet
+cleaned still hold older records of a key: readers take the last record per key themselves. `current()` reads
+the topic to its end and returns the latest state per key; `follow()` then yields each change.
 
 A job of more than 500 tasks is published as a JobStatePublished without its tasks (`task_parts` n > 0) and n
 JobTasksPublished records on `state.tasks` (each a part of 500 tasks, keyed `<job>#<part>`, only the changed parts
@@ -171,7 +172,7 @@ def job_whole(header: Event, parts: dict[int, list]) -> Event:
 
 
 def machine_view(ev: Event) -> dict:
-    """One machine of `ropewalk machine list --json` (DESIGN.md's contract plus capacity, free resources,
+    """One machine of `ropewalk machine list --json` (docs/architecture.md's contract plus capacity, free resources,
     tasks, the planned maintenances announced on it, its host profile: applied, wanted by its entitlement, and
     the state of the switch), from its MachineStatePublished."""
     p = ev.payload

@@ -20,8 +20,21 @@ KEY_FINGERPRINT = "fingerprint"  # schema fingerprint, hex
 KEY_ORIGIN = "origin"  # the failed record's own key
 
 
+# The free pool (the machines no entitlement owns): one concept, written in four fields whose types and readers
+# differ, so each encoding has a name of its own, here and nowhere else.
+FREE_POOL_KEY_PREFIX = "free/"  # the key (envelope.entitlement) of events about a free machine: free/<dc>
+FREE_POOL_LENDER = "free"  # LoanGranted.lender of a loan made from the free pool (on the log: fixed)
+FREE_POOL_OWNER = ""  # the owner of a free machine in the allocator's fold and its Redis index (a string field)
+FREE_POOL_ENTITLEMENT = None  # placement.Machine.entitlement of a free machine (an optional field)
+
+
 def free_pool_key(dc: str) -> str:
-    return f"free/{dc}"
+    return f"{FREE_POOL_KEY_PREFIX}{dc}"
+
+
+def is_free_pool_key(key: str) -> bool:
+    """A key of events about a free machine (``free_pool_key``), not an entitlement's."""
+    return key.startswith(FREE_POOL_KEY_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,9 @@ CATALOGUE: tuple[TopicSpec, ...] = (
               doc="elastic compute: machines the Resource Broker lends to elastic entitlements and takes back"),
     TopicSpec("metrics", KEY_ENTITLEMENT, ("JobLoadReported",), True, config=_HEARTBEATS,
               doc="load signals per job for the autoscaler, which sizes on recent load; kept a day like heartbeats"),
+    TopicSpec("keys", KEY_ENTITY, ("SigningKeyAnnounced",), partitions=1, config=_KEEP_FOREVER,
+              doc="the public keys agents verify commands with, and their rotations, each signed by the operator's key "
+                  "or the identity's previous one (streams/auth.py); written by the operator, read by every principal"),
     TopicSpec("heartbeats", KEY_MACHINE, ("AgentHeartbeat",), config=_HEARTBEATS,
               doc="agent liveness, high volume, read from its end (the health check): kept a day "
                   "(HEARTBEAT_RETENTION_MS) and at most 1 GiB per partition"),
@@ -201,6 +217,12 @@ class Topics:
         if physical.startswith(self.prefix) and physical[len(self.prefix):] in BY_NAME:
             return physical[len(self.prefix):]
         return None
+
+    def compacted(self, physical: str) -> bool:
+        """Whether ``physical`` is a compacted topic of the catalogue: there, and only there, a record without a
+        value is a tombstone (a key deleted); anywhere else it is a bad record."""
+        logical = self.logical(physical)
+        return logical is not None and BY_NAME[logical].config.get("cleanup.policy") == "compact"
 
     def partitions_of(self, logical: str) -> int:
         spec = BY_NAME[logical]

@@ -275,7 +275,7 @@ class Soak:
 
     def maintain(self, now: float) -> None:
         """An MSB under maintenance for ``maintenance_s`` (simulated), starting now."""
-        from processors.opsplanner import cli as ops
+        from processors.opsplanner import planner as ops
         from processors.opsplanner.decide import Plan, PlanError
 
         msbs = sorted({"/".join(m.split("-")[:2]) for m in self.machines})
@@ -294,7 +294,7 @@ class Soak:
         self.work.counts["maintenances"] += 1
 
     def end_maintenance_due(self, now: float, *, all_: bool = False) -> None:
-        from processors.opsplanner import cli as ops
+        from processors.opsplanner import planner as ops
         from processors.opsplanner.decide import PlanError
 
         left = []
@@ -450,7 +450,7 @@ class Soak:
         conf = scaled(dict(CHANGELOG_CONFIG), self.opts.time_scale)
         self.alter({n: conf for n in names})
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> dict[str, Any]:  # noqa: C901
         from bench.env import FAUST_ENV, cores
         from bench.killstorm import machine_ids
         from processors import controlplane

@@ -87,7 +87,7 @@ from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import make_app
-from streams.heap import GrowthFreezer, folding
+from streams.gc_control import GrowthFreezer, folding
 from streams.partitionmap import MapEntry, MapFollower
 from streams.partitioner import partition_for
 from streams.replay import Replay, ReplayFilter
@@ -407,7 +407,7 @@ class Allocator:
         self._publishing = threading.Lock()
         self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
         self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
-        self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/heap.py
+        self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/gc_control.py
 
     def key(self, name: str) -> str:
         return self.cfg.topic_prefix + name
@@ -450,6 +450,8 @@ class Allocator:
             # emptied, lagging the fold, or written in an older layout (without the quota's held sets)
             behind = generation is None or self._redis_behind() or self.index.format() != FORMAT
             projected = self.index.project_all(self.fold) if behind else 0
+            if not behind:
+                self.index.load_functions()  # this version's readers' functions (project_all loads them too)
             self._adopt_index(refence=generation is None or generation != self.index.generation)
             self.caught_up = True
         return {"records": run.stats.read, "applied": self.fold.applied, "failed": failed,
@@ -593,7 +595,7 @@ class Allocator:
             return True
         return any(other.partition == source and other.event.entitlement == ent for other in self.pending.values())
 
-    def _decide_batch(self, batch: list[Pending]) -> list[Event]:
+    def _decide_batch(self, batch: list[Pending]) -> list[Event]:  # noqa: C901
         produced: list[Event] = []
         # What the fold applied since the last projection is in Redis before anything is committed against it: a
         # machine changed by a record of this poll would otherwise meet its older version in Redis, and the reload

@@ -67,7 +67,7 @@ from processors.allocator.index import DEFAULT_CONSUMER, FORMAT_KEY, GENERATION,
 from processors.allocator.processor import SOURCES
 from streams.clients import consumer_conf
 from streams.events import Event
-from streams.heap import folding
+from streams.gc_control import folding
 from streams.progress import ProgressFn, silent
 from streams.retry import watermark_offsets
 from streams.replay import Replay, ReplayFilter
@@ -121,7 +121,7 @@ class RebuildStats:
     errors: list[str] = field(default_factory=list)  # the first MAX_ERRORS_SHOWN of them
     partitions: int = 0
     machines: int = 0
-    keys: int = 0  # index-state keys written (then renamed into place; index:format is not counted)
+    keys: int = 0  # keys written (then renamed into place)
     replaced: int = 0  # live index keys deleted by the swap
     read_s: float = 0.0
     apply_s: float = 0.0
@@ -259,8 +259,7 @@ class Rebuild:
                                   "Stop the allocator and run the rebuild again") from None
         finally:
             pipe.reset()
-        self.stats.keys = sum(1 for k in new if is_index_state(k[len(self.scratch):]))
-        self.stats.replaced = len(live)
+        self.stats.keys, self.stats.replaced = len(new), len(live)
         self.stats.swap_s = time.monotonic() - t0
 
     def discard(self) -> int:

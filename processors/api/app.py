@@ -68,6 +68,7 @@ from starlette.concurrency import run_in_threadpool
 from infra.config import Config
 from processors.api import authz, users as users_mod
 from processors.api.errors import ApiError
+from processors.api.guards import BodyLimit, NoTokenInUrl
 from processors.api.authz import User
 from processors.frontend import service as fe
 from processors.frontend.service import Frontend, FrontendError
@@ -251,7 +252,7 @@ AtQuery = Annotated[str | None, Query(min_length=1, max_length=MAX_MOMENT_CHARS,
 DryRun = Annotated[bool, Query(description="say what would happen; produce nothing (processors/history/whatif.py)")]
 
 
-def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
+def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:  # noqa: C901
     from streams.clients import EventProducer
     from streams.serde import SchemaRegistry
 
@@ -329,6 +330,10 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     async def healthz() -> dict:
         return {"ok": True}
 
+    # The small doors (guards.py): no token in a URL, no body beyond MAX_BODY_BYTES; inside TimedRequests, which
+    # counts their refusals too.
+    app.add_middleware(BodyLimit)
+    app.add_middleware(NoTokenInUrl)
     app.add_middleware(TimedRequests)
 
     @app.get("/metrics", tags=["meta"], response_class=PlainTextResponse)
@@ -664,7 +669,7 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         run = await call(front(user).replay, replay_filter(user, **flt))
         return await call(lambda: [json.loads(rp.format_json(rec)) for rec in run])
 
-    async def events(request: Request, user: User, kind: str, entitlement: str | None) -> StreamingResponse:
+    async def events(request: Request, user: User, kind: str, entitlement: str | None) -> StreamingResponse:  # noqa: C901
         action = "job.view" if kind == "jobs" else "machine.view"
         if entitlement is not None:
             allow(user, action, entitlement)

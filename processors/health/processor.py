@@ -40,9 +40,10 @@ passed, so every live agent has had a chance to speak, however long the control 
 
 **A heartbeat costs little** (issue 28): the body of an AgentHeartbeat is not decoded into an ``Event``; the skimmer
 (``streams/skim.py``) walks its bytes as the writer's schema says and keeps its id, time, machine and sequence (a
-``Beat``), and ``on_beats`` changes only when that machine was last heard (``liveness.py``: a few array cells). A
-record the skimmer declines (another writer schema, malformed) or whose key is not its machine is decoded the
-ordinary way, which dead-letters it with its reason if it is bad.
+``Beat``), its writer's proof checked as the ordinary decode checks it (``streams.clients.SkimReader``: the same
+``identity_of`` over the same bytes, the same key check), and ``on_beats`` changes only when that machine was last
+heard (``liveness.py``: a few array cells). A record the skimmer declines (unproven, keyed or proven as another
+machine, another writer schema, malformed) is decoded the ordinary way, which dead-letters it with its reason.
 
 **Protection against mass failure** (``zones.py``, README): ticks pass ``DisruptionPolicy`` (the flags
 ``--unhealthy-zone-threshold``, ``--zone-failure-rate``, ``--secondary-zone-failure-rate``, ``--large-zone-size``):
@@ -54,7 +55,9 @@ heartbeat is older than that; no machine is judged until it has caught up, and t
 
 Own events are applied to both states at once and skipped when they come back on ``machines`` (an id set),
 so a tick never sees its own verdict undone by the log's slower echo. A bad record goes to ``deadletter``
-(EventConsumer + DeadLetters); a handler that raises is logged to stderr, its record dead-lettered as
+(EventConsumer + DeadLetters), and so does a heartbeat or machine event that does not prove its writer (a machine's
+own key for its heartbeats, a component's for its verdicts: streams/auth.py) or a heartbeat dated more than
+``MAX_CLOCK_SKEW_MS`` ahead of the service's clock (``from_the_future``); a handler that raises is logged to stderr, its record dead-lettered as
 ``processing_failed``, and the loop goes on; a tick that raises is logged and retried at the next tick.
 """
 from __future__ import annotations
@@ -75,12 +78,12 @@ from processors.resourcebroker import decide as broker
 from streams import batches
 from streams.catchup import read_to_end
 from streams.partitionmap import routed_producer
-from streams.clients import BACKGROUND_READER, EventConsumer, Record
+from streams.clients import BACKGROUND_READER, EventConsumer, Record, SkimReader
 from streams.deadletter import DeadLetters
+from streams.enums import MachineStatus
 from streams.events import Event
-from streams.heap import GrowthFreezer, folding
+from streams.gc_control import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
-from streams.skim import Skimmer
 from streams.topics import Topics
 
 from . import decide as d
@@ -93,9 +96,6 @@ PRODUCER = d.PRODUCER
 POLL_MAX = 10000
 MAX_POLL_S = 0.2
 OWN_IDS_LIMIT = 100_000  # own event ids awaiting their echo; beyond this (echo lost?) the set starts over
-
-
-BEAT_FIELDS = ("envelope.event_id", "envelope.timestamp_ms", "machine_id", "sequence")  # what a Beat reads
 
 
 def now_ms() -> int:
@@ -133,13 +133,14 @@ class HealthCheck(LoopWorker):
         self.health = d.HealthState()
         self.broker = broker.BrokerState()
         self.consumer: EventConsumer | None = None
-        self.skim = Skimmer(self.registry, "AgentHeartbeat", BEAT_FIELDS)
+        self.skim: SkimReader | None = None  # heartbeats read without decoding them, proven (made with the consumer)
         self.skimmed = 0  # heartbeats read by the skimmer (the others were decoded: another writer schema, ...)
         self._own: set[str] = set()
-        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/heap.py
+        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/gc_control.py
         self._next_tick_ms = 0
         self.emitted = 0
         self.errors = 0
+        self.refused_future = 0  # heartbeats dated too far ahead (d.from_the_future)
 
     # -- start -----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,8 +149,9 @@ class HealthCheck(LoopWorker):
         self.consumer = EventConsumer(self.cfg, self.registry, [self.machines_topic, self.heartbeats_topic],
                                       name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
                                       follows=True, **BACKGROUND_READER)
+        self.skim = SkimReader(self.consumer, "heartbeats", "AgentHeartbeat", d.BEAT_FIELDS)
         t0 = time.monotonic()
-        with folding(freeze=True):  # the machines this process watches from now on (streams/heap.py)
+        with folding(freeze=True):  # the machines this process watches from now on (streams/gc_control.py)
             n = read_to_end(self.consumer, self.handle,
                             partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
         self.restart_clocks(now_ms(), d.CLOCKS_STARTED)  # every live agent gets one timeout to speak
@@ -165,33 +167,42 @@ class HealthCheck(LoopWorker):
     # -- records ---------------------------------------------------------------------------------------------
     def read(self, msgs: list) -> list[Record | Skimmed]:
         """A poll's raw records (``poll_raw``), read: a heartbeat by the skimmer (no decode of its body: its id,
-        time, machine and sequence) when it reads and its key is its machine; any other record, and a heartbeat
-        the skimmer declines, decoded the ordinary way (a bad one dead-lettered with its reason there)."""
+        time, machine and sequence), proven and placed as the ordinary decode proves and places it
+        (``SkimReader``: the same check of its writer's proof over the same bytes); any other record, and a
+        heartbeat the skimmer declines (unproven, keyed as another machine, another writer schema, malformed),
+        decoded the ordinary way (a bad one dead-lettered with its reason there)."""
         out: list[Record | Skimmed] = []
         hb_topic, skim = self.heartbeats_topic, self.skim
+        consumer = self.consumer
+        assert skim is not None and consumer is not None, "read before start"
         for msg in msgs:
             if msg.topic() == hb_topic:
-                v = skim(msg.value())
-                if v is not None and msg.key() == v[2].encode():
-                    out.append(Skimmed(d.Beat(v[2], v[1], v[3], v[0]), msg, hb_topic, msg.timestamp()[1]))
+                v = skim.read(msg)
+                if v is not None:
+                    out.append(Skimmed(d.Beat(*v), msg, hb_topic, msg.timestamp()[1]))
                     continue
-            rec = self.consumer.decode(msg)
+            rec = consumer.decode(msg)
             if rec is not None:
                 out.append(rec)
         self.skimmed += sum(1 for r in out if isinstance(r, Skimmed))
-        self.consumer.observe_lag(out)
+        consumer.observe_lag(out)
         return out
 
     def handle(self, records: Sequence[Record | Skimmed]) -> None:
         """A poll's records in order; the heartbeats between two machine events are judged together
         (``on_beats``: one event per owner for the machines they resume), and the machine events between two
-        heartbeats are folded together (``_fold``: a registration's thousands in one step, not one copy each)."""
+        heartbeats are folded together (``_fold``: a registration's thousands in one step, not one copy each). A
+        heartbeat dated too far ahead is refused (``d.from_the_future``: it would blind the check to its machine)."""
         beats: list[Record | Skimmed] = []
         folds: list[Record] = []
+        now = now_ms()
         for rec in records:
             if isinstance(rec, Skimmed) or rec.event.type == "AgentHeartbeat":
                 self._fold(folds)
                 folds = []
+                if d.from_the_future(self._beat(rec), now):
+                    self._from_the_future(rec, now)
+                    continue
                 beats.append(rec)
             else:
                 self._heartbeats(beats)
@@ -220,6 +231,23 @@ class HealthCheck(LoopWorker):
         self.health, self.broker = health, brk
         self._own.difference_update(r.event.event_id for r in recs if r.event.type in d.APPLIED)
 
+    def _from_the_future(self, rec: Record | Skimmed, now: int) -> None:
+        """Refuse a heartbeat dated more than ``d.MAX_CLOCK_SKEW_MS`` after ``now``: dead-lettered, reason
+        ``from_the_future`` (a skimmed one decoded for it: the dead letter holds the event)."""
+        self.refused_future += 1
+        full = self._decoded(rec)
+        if full is not None:
+            self.dead_letters.route_failed(
+                full, self.registry, f"dated {full.event.timestamp_ms - now} ms after the health check's clock "
+                f"(more than {d.MAX_CLOCK_SKEW_MS} ms)", log, reason=d.HB_FROM_THE_FUTURE)
+
+    def _decoded(self, rec: Record | Skimmed) -> Record | None:
+        """A skimmed heartbeat decoded the ordinary way (to dead-letter it); a decoded one as it is."""
+        if isinstance(rec, Skimmed):
+            assert self.consumer is not None
+            return self.consumer.decode(rec.msg)
+        return rec
+
     def _failed(self, recs: list[Record], exc: Exception) -> None:
         for rec in recs:
             self.errors += 1
@@ -242,7 +270,7 @@ class HealthCheck(LoopWorker):
                 try:
                     self.on_beats([self._beat(rec)])
                 except Exception as one:  # noqa: BLE001
-                    full = self.consumer.decode(rec.msg) if isinstance(rec, Skimmed) else rec  # to dead-letter it
+                    full = self._decoded(rec)
                     if full is not None:
                         self._failed([full], one)
 
@@ -273,7 +301,7 @@ class HealthCheck(LoopWorker):
         back: dict[str, d.Beat] = {}
         for mid, b in d.heard_while_failed(before, beats).items():
             rec = self.broker.get(mid)
-            if rec is not None and rec.status == broker.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK:
+            if rec is not None and rec.status == MachineStatus.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK:
                 back[mid] = b
         if back:
             first = next(iter(back.values()))
@@ -303,7 +331,7 @@ class HealthCheck(LoopWorker):
         for mid in sorted(self.health.unhealthy):
             held = self.health.machines[mid]
             rec = self.broker.get(mid)
-            if now - held.status_ms < self.grace_ms or rec is None or rec.status != broker.UNHEALTHY:
+            if now - held.status_ms < self.grace_ms or rec is None or rec.status != MachineStatus.UNHEALTHY:
                 continue
             due.append(mid)
         if not due:

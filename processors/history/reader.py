@@ -81,7 +81,7 @@ def watermarks(cfg: Config, partitions: list[tuple[str, int]], timeout_s: float 
     return {tp: (lo, hi) for tp, (lo, hi) in out.items()}
 
 
-def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int], int] | None = None, *,
+def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int], int] | None = None, *,  # noqa: C901
            verify: Mapping[tuple[str, int], str] | None = None, skipped: Skipped | None = None,
            stats: dict | None = None, only: Callable[[str, int], bool] | None = None
            ) -> Iterator[tuple[Event, Position]]:

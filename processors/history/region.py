@@ -82,6 +82,7 @@ START_DELAY_MS = 200  # a simulated agent: START -> RUNNING (the simulated agent
 WHAT_IF_LATENCY_MS = 5  # what-if: a request to its decision, a command to its report (causes before effects)
 SHADOW_AGENT = "agent/shadow"  # producer of a simulated agent's reports
 WHAT_IF_TOPIC = "what-if"  # where a what-if's hypothetical events are "read" from
+LOOP_REQUESTS = 100  # a job's allocation requests at one instant beyond which the shadow takes it for a loop
 WAIT_TRIES = 8  # a silent input is tried again after this many decisions of its partition at most, then decided
 PRUNE_AT = 200_000  # remembered decision times beyond which those long past are forgotten
 # The jobs ``decide.retry_unplaced`` acts on (it passes over the others): the only ones the timer is given here.
@@ -175,6 +176,9 @@ class ShadowLog:
     synthesized: int = 0  # reports made by simulated agents
     dropped_reports: int = 0  # recorded reports about a placement the shadow did not make
     controller_requests: list[Event] = field(default_factory=list)  # TaskControlRequested the shadow sent
+    # requests of a job beyond LOOP_REQUESTS at one instant: decided a retry interval later (``Region._requested``)
+    looped: Counter[str] = field(default_factory=Counter)
+    _at_once: dict[tuple[str, int], int] = field(default_factory=dict)  # (job, instant) -> requests made then
 
 
 class Region:
@@ -241,7 +245,7 @@ class Region:
         self._rec_placed_read: dict[str, list[str]] = defaultdict(list)  # as read (ahead): task -> machines
 
     # -- reading -------------------------------------------------------------------------------------------------
-    def read(self, event: Event, position: Position) -> None:
+    def read(self, event: Event, position: Position) -> None:  # noqa: C901
         """The next record in ``fold.merged`` order; applied by a later ``advance``."""
         ts = event.timestamp_ms
         if self.read_to is None or ts > self.read_to:
@@ -327,7 +331,7 @@ class Region:
         self._seq += 1
         heapq.heappush(self._queue, (when, rank, self._seq, kind, data))
 
-    def _apply(self, event: Event, position: Position) -> None:
+    def _apply(self, event: Event, position: Position) -> None:  # noqa: C901
         tp = (position[0], position[1])
         self.positions[tp] = position[2] + 1
         self.last_ids[tp] = event.event_id
@@ -392,7 +396,7 @@ class Region:
             return  # a partial region: this partition's jobs are not asked about
         self._push(key, (_INPUT, ts, topic_rank, tp[1], offset), _INPUT, (event, tp[1], silent))
 
-    def _take(self, item: tuple) -> None:
+    def _take(self, item: tuple) -> None:  # noqa: C901
         when, _, _, kind, data = item
         if kind == _INPUT:
             self._decide(data[0], data[1], when, silent=data[2])
@@ -516,7 +520,7 @@ class Region:
             self.scheduler = replace(state, jobs=state.jobs.updated(changed))
         self._scheduled(out, now)
 
-    def _scheduled(self, events: Sequence[Event], now: int) -> None:
+    def _scheduled(self, events: Sequence[Event], now: int) -> None:  # noqa: C901
         for ev in events:
             if self.on_emit is not None:
                 self.on_emit(ev)
@@ -631,6 +635,19 @@ class Region:
         when = self._alloc_at.get(rid)
         if when is None or when < now or when > request.timestamp_ms + self.lookahead_ms:
             when = now + self.alloc_delay_ms
+        job = request.payload["job_id"]
+        key = (job, now)
+        at_once = self.shadow._at_once[key] = self.shadow._at_once.get(key, 0) + 1
+        if at_once > LOOP_REQUESTS:
+            # A job asking again and again at one instant: the shadow's scheduler and allocator disagree on a machine
+            # (seen: the shadow's scheduler held machines down that its allocator had up again, after a DOWN that
+            # waited as a silent input was decided after its UP: each placement there was moved off at once, 20,000
+            # decisions without time moving, and `ropewalk shadow` hung). Its next request is decided a retry
+            # interval later, as the shard's timer would ask again; the report counts it (``looped``).
+            self.shadow.looped[job] += 1
+            when = max(when, now + self._retry_ms)
+            if len(self.shadow._at_once) > PRUNE_AT:
+                self.shadow._at_once.clear()
         p = self.partition(request.entitlement) if partition is None else partition
         self._push(when, (_ALLOC, request.timestamp_ms, p), _ALLOC, (request, p))
 

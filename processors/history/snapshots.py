@@ -37,6 +37,7 @@ from typing import Any
 from fastavro import parse_schema, reader as avro_reader, writer as avro_writer
 
 from infra.config import Config
+from infra.private import make_dir
 from processors.allocator.fold import MachineRec, PendingRequest, entitlement_of
 from processors.allocator.placement import Entitlement
 from processors.history.region import Region
@@ -108,7 +109,7 @@ def latest_before(cfg: Config, moment_ms: int) -> list[SnapshotFile]:
 
 
 # -- writing -----------------------------------------------------------------------------------------------------
-def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[dict]:
+def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[dict]:  # noqa: C901
     """A whole snapshot's records, or (``delta``) those of what changed since the region's last snapshot; the small
     parts (requests, entitlements, marks, queues) are always whole."""
     def js(kind: str, key: str, value: Any, ended_ms: int | None = None) -> dict:
@@ -177,6 +178,7 @@ def write(cfg: Config, region: Region, registry: SchemaRegistry, *, full: bool =
         raise SnapshotError("a partial region (some partitions' jobs not decided) has no snapshot")
     delta = not full and region.snapshot_file is not None and region.snapshot_depth + 1 < FULL_EVERY
     d = directory(cfg)
+    make_dir(d.parent)  # <run dir>/history: 0700, the region's alone (infra/private.py)
     d.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, "cut": region.cut, "applied": region.applied, "fold_failed": region.fold_failed,
             "decide_failed": region.decide_failed, "created_ms": int(time.time() * 1000),
@@ -244,7 +246,7 @@ def _chain(snap: SnapshotFile) -> list[Path]:
     return out[::-1]
 
 
-def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[tuple[str, int], str]:
+def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[tuple[str, int], str]:  # noqa: C901
     """Fill the empty ``region`` from ``snap`` (and, for a delta, the snapshots before it); returns the event id the
     log must hold just before each position (``reader.merged``'s ``verify``). Raises SnapshotError if a file of
     the chain is missing or was made under other conditions."""

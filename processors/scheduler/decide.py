@@ -75,7 +75,6 @@ from infra.config import DEFAULT_JOB_GC_S, DEFAULT_MAX_TASKS_PER_JOB
 from processors import rules
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.allocator.placement import ENTITLEMENT_FIELDS, Entitlement
-from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
 from processors.scheduler import lifecycle as lc
 from processors.scheduler import steps
 from processors.scheduler import versions as vs
@@ -85,7 +84,7 @@ from processors.scheduler.lifecycle import (
     START_COMMANDED, STOPPED, STOPPED_EV, STOPPING, IllegalTransition,
 )
 from processors.scheduler.model import (
-    HELD, RETIRE, RUN, Job, SchedulerState, Spec, Task, first_sequence, job_phase, replace,
+    HELD, RETIRE, RUN, Job, Maintenance, SchedulerState, Spec, Task, first_sequence, job_phase, replace,
 )
 from processors.scheduler.reasons import (
     REASON_ALLOCATED, REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_ENTITLEMENT_MISMATCH, REASON_EXITED,
@@ -102,14 +101,18 @@ from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Limits
 from processors.taskcontrol.protocol import CHOICE_KEEP, OP_MOVE
 from streams import batches
-from streams.enums import UnavailabilityKind
+from streams.enums import MachineStatus, UnavailabilityKind
 from streams.events import Event
 
+UP, UNHEALTHY, DOWN = MachineStatus.UP, MachineStatus.UNHEALTHY, MachineStatus.DOWN
+MAINTENANCE = MachineStatus.MAINTENANCE
+KIND_FAILURE = UnavailabilityKind.FAILURE
 DEFAULT_JOB_GC_MS = int(DEFAULT_JOB_GC_S * 1000)  # a stopped job's grace (``collect``; ROPEWALK_JOB_GC_S)
 REASK_MS = 30_000  # the timer asks a job's TaskController again after this long without an answer or progress
 
 KIND_POWER = UnavailabilityKind.POWER  # UnavailabilityKind: power loss of a fault domain, unavailable now like a failure
 UNAVAILABLE_KINDS = frozenset({KIND_FAILURE, KIND_POWER})  # planned MAINTENANCE notices wait for TaskControl
+UE_DOWN_STATUSES = frozenset({MAINTENANCE, *UNAVAILABLE_KINDS})  # down statuses a UE sets, so its end clears them
 MACHINE_LOST_REASON = MappingProxyType({  # machine status → why its tasks move
     DOWN: REASON_MACHINE_FAILED,
     UNHEALTHY: REASON_MACHINE_UNHEALTHY,
@@ -420,7 +423,7 @@ def _on_task_states_changed(fold: Fold, ev: Event) -> None:
             _apply_report(w, r, r["report_id"])
 
 
-def _apply_report(w: JobWork, p: Mapping[str, Any], rid: str) -> None:
+def _apply_report(w: JobWork, p: Mapping[str, Any], rid: str) -> None:  # noqa: C901
     """One agent report ``p`` (a TaskStateChanged's fields; ``rid`` its id, named in what is ignored)."""
     fold = w.fold
     reported = p["state"]
@@ -534,13 +537,13 @@ def _record_maintenance(fold: Fold, ev: Event) -> None:
     deadline = p.get("deadline_ms")
     deadline = p["start_ms"] if deadline is None else deadline
     for job in _jobs_in_scope(fold, ev):
-        if any(m[0] == p["unavailability_id"] for m in job.maint) or not any(
+        if any(m.unavailability_id == p["unavailability_id"] for m in job.maint) or not any(
                 t.machine in gone for t in job.tasks.values()):
             continue
         w = fold.work_for(job.id)
         if w is not None:
-            w.set(quiet=True, maint=(*w.job.maint, (p["unavailability_id"], tuple(sorted(gone)), p["start_ms"],
-                                                     deadline, False)))
+            w.set(quiet=True, maint=(*w.job.maint, Maintenance(p["unavailability_id"], tuple(sorted(gone)),
+                                                                p["start_ms"], deadline, enforced=False)))
             if p.get("vacate"):
                 w.set(quiet=True, vacating=(*w.job.vacating, p["unavailability_id"]))
 
@@ -551,16 +554,20 @@ def _on_unavailability_ended(fold: Fold, ev: Event) -> None:
     whose machine is down meanwhile, e.g. failed, moves), kept ones are ordinary again, the job forgets the
     notice."""
     ue = ev.payload["unavailability_id"]
-    for mid in ev.payload["machine_ids"]:  # over: a machine still in MAINTENANCE here is UP (its status change,
-        if fold.is_down(mid) and fold.down_status(mid) == MAINTENANCE:  # on another topic, may come after this)
+    for mid in ev.payload["machine_ids"]:  # over: a machine still down here for what a UE says (MAINTENANCE, or
+        # FAILURE/POWER: ``_on_unavailability_started``) is UP. Its status change is on another topic, not ordered
+        # with this one: an UP read before the UnavailabilityStarted it ends left the machine down for good, and
+        # each placement the allocator (which had it UP) made there was moved off again at once (a shadow replay
+        # of a power loss then power back spun forever, 2026-11-28)
+        if fold.is_down(mid) and fold.down_status(mid) in UE_DOWN_STATUSES:
             fold.set_down(mid, None)
     for job in _jobs_in_scope(fold, ev):
-        if not any(m[0] == ue for m in job.maint) and not any(t.maint_ue == ue for t in job.tasks.values()):
+        if not any(m.unavailability_id == ue for m in job.maint) and not any(t.maint_ue == ue for t in job.tasks.values()):
             continue
         w = fold.work_for(job.id)
         if w is None:
             continue
-        w.set(quiet=True, maint=tuple(m for m in w.job.maint if m[0] != ue),
+        w.set(quiet=True, maint=tuple(m for m in w.job.maint if m.unavailability_id != ue),
               tc_notices=tuple(n for n in w.job.tc_notices if n[0] != ue),
               vacating=tuple(u for u in w.job.vacating if u != ue))
         for t in w.ordered():
@@ -674,7 +681,7 @@ def _move_refusal(w: JobWork, t: Task, move: Mapping[str, Any]) -> str | None:
         return REASON_MOVE_TASK_NOT_RUNNING
     if t.op is not None:
         return REASON_MOVE_TASK_BUSY
-    if t.maint_choice is not None or any(t.machine in machines for _, machines, *_ in job.maint):
+    if t.maint_choice is not None or any(t.machine in m.machine_ids for m in job.maint):
         return REASON_MOVE_UNDER_MAINTENANCE
     return None
 
@@ -747,8 +754,8 @@ def machines_of(job: Job | None) -> set[str]:
 
 
 def maint_machines(maint: Iterable[Sequence]) -> set[str]:
-    """The machines of a job's remembered maintenances (``Job.maint`` or its record's ``maint``)."""
-    return {m for entry in maint for m in entry[1]}
+    """The machines of a job's remembered maintenances (``Job.maint`` or its record's ``maint``: lists)."""
+    return {m for entry in maint for m in Maintenance(*entry).machine_ids}
 
 
 def concerned_jobs(state: SchedulerState, event: Event) -> list[str]:
@@ -857,7 +864,7 @@ def has_timer_work(job: Job) -> bool:
     (``store.plan``), so its timer loads only these jobs."""
     if job.status not in (JOB_ACTIVE, JOB_STOPPING):
         return False
-    return (bool(job.ops_open or job.throttled) or any(not m[4] for m in job.maint)
+    return (bool(job.ops_open or job.throttled) or any(not m.enforced for m in job.maint)
             or (job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values())))
 
 
@@ -874,7 +881,7 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
         job = state.jobs[job_id]
         if not has_timer_work(job):
             continue
-        if any(not m[4] and m[3] <= now_ms for m in job.maint):
+        if any(not m.enforced and m.deadline_ms <= now_ms for m in job.maint):
             steps.enforce_deadlines(fold.work_of(job))
         if job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()):
             fold.work_of(job).retry_parked(paced=True)  # restarts take a shard token (work.retry_parked)

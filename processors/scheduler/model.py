@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from processors.allocator.placement import Entitlement
 from processors.cowmap import CowMap
@@ -151,6 +151,16 @@ def _empty() -> MappingProxyType:
     return MappingProxyType({})
 
 
+class Maintenance(NamedTuple):
+    """A planned maintenance of machines a job's tasks were on (``Job.maint``), from its UnavailabilityStarted."""
+
+    unavailability_id: str
+    machine_ids: tuple[str, ...]  # sorted
+    start_ms: int
+    deadline_ms: int  # the tasks still there are stopped at this time (``steps.enforce_deadlines``)...
+    enforced: bool  # ... once: True after
+
+
 @dataclass(frozen=True)
 class Job:
     """A job with its tasks: one record, so one faust table value (the ring and the tasks change together)."""
@@ -183,7 +193,7 @@ class Job:
     tc_sent_unhealthy: tuple[str, ...] = ()  # the tasks the outstanding request reported down
     tc_notices: tuple = ()  # advance notices: (unavailability id, task ids, start_ms, deadline_ms, duration_ms)
     tc_notice_new: bool = False  # notice news: a new notice, or a task back RUNNING under one (a next choice)
-    maint: tuple = ()  # planned maintenance of its machines: (UE id, machine ids, start_ms, deadline_ms, enforced)
+    maint: tuple[Maintenance, ...] = ()  # planned maintenances of its machines, not ended
     incarnation: int = 1  # which submission of this job id (a stopped or rejected job's id may be submitted again)
     submission: str = ""  # the event id of the JobSubmitted that made this incarnation
     mix: vs.Mix | None = None  # several versions at once (push %, canary: versions.py); None: every task the job's

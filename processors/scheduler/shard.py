@@ -3,7 +3,7 @@
     python -m processors.scheduler.shard     # one worker = one shard; configuration from ROPEWALK_* (infra.config)
 
 Start several workers and they share the partitions of ``intents``, ``allocations``, ``tasks``, ``machines``,
-``unavailability`` and ``taskcontrol``: **consumer-group partition assignment is the sharding** (DESIGN.md). All are
+``unavailability`` and ``taskcontrol``: **consumer-group partition assignment is the sharding** (docs/architecture.md). All are
 keyed by entitlement and co-partitioned, so the worker that owns partition p of one owns p of all, and sees every
 event of the entitlements hashed to p, in log order. Kill a worker and the group hands its partitions to the
 survivors, which recover the partitions' table data from the changelogs before they read on.
@@ -75,7 +75,7 @@ other writers) are decoded, and ``decide`` drops the scheduler's own by ``is_own
 event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
 once: a job that many events of the batch touched is written once, with only its changed chunks.
 
-**Delivery** (at-least-once; DESIGN.md). For each batch: decide, produce the output and *flush it* while the new
+**Delivery** (at-least-once; docs/architecture.md). For each batch: decide, produce the output and *flush it* while the new
 chunks of step 1 are written (no header names them yet, so they may be durable before the output is), then write
 the rest of the tables in the three steps above, step 2 only once the output is flushed; faust commits the offsets only after the batch is handed back (acked), and
 flushes its producer before committing. A crash before the table writes makes the successor re-decide the
@@ -165,6 +165,7 @@ from processors.scheduler.work import PRODUCER, state_keys
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
 from streams import batches
+from infra.trust import verifier_for
 from streams.clients import EPOCH_HEADER, FORWARDED_HEADER, PRODUCER_HEADER, TYPE_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
@@ -473,7 +474,7 @@ class ShardTables:
             raise StoreTimeout(f"{sum(not f.done() for f in futs)} of {len(futs)} changelog records not "
                                f"acknowledged after {BARRIER_TIMEOUT_S:.0f} s") from None
 
-    async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,
+    async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,  # noqa: C901
                     where: Mapping[str, int], down_partitions: Mapping[str, int] | None = None,
                     buckets: Mapping[int, Bucket | None] = (), homes: Mapping[str, ho.Home] = (),
                     applied: Mapping[str, tuple[int, int]] = (), output: Awaitable[Any] | None = None) -> int:
@@ -570,7 +571,7 @@ class ShardTables:
         return len(garbage)
 
 
-def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S,
+def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S,  # noqa: C901
               partition_map: MapFollower | None = None, **settings: Any):
     """The scheduler's faust app, its agent, its timer and its tables; ``settings`` override faust's;
     ``partition_map``: the follower of the entitlement -> partition map (default: one of its own)."""
@@ -581,6 +582,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     pmap = partition_map if partition_map is not None else MapFollower.start(cfg, registry, name="scheduler-map")
     producer = EventProducer(cfg, registry, PRODUCER, route=lambda e: tables.here_partition(e, pmap))
     dead_letters = DeadLetters(producer, PRODUCER)
+    verifier = verifier_for(cfg, registry)  # agents' reports and the machine events must prove who wrote them
     source_names = [catalogue.name(t) for t in SOURCES]
     handoff_topic = catalogue.name("handoff")
     allocations_topic = catalogue.name("allocations")
@@ -630,7 +632,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     shard_metrics = ShardMetrics()  # this process's metrics (processors/scheduler/metrics.py)
 
-    async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({}),
+    async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({}),  # noqa: C901
                     forwards: list[tuple[Any, ho.Route]] | None = None) -> None:
         """Decide a batch of (message, record, event), in order, on one state; produce (with the records to
         ``forwards`` to an entitlement's new partition); store (with the offsets of the records the batch ``passed``
@@ -873,7 +875,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 held.setdefault(ent, {})[(where, msg.offset)] = (msg, r.epoch)
                 return
         got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed,
-                                   placement_topic=original_topic(msg, catalogue))
+                                   placement_topic=original_topic(msg, catalogue), verifier=verifier)
         if got is not None:
             items.append((msg, *got))
         else:  # dead-lettered: its offset still moves on
@@ -1002,7 +1004,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         return len(out)
 
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
-    async def retry() -> None:
+    async def retry() -> None:  # noqa: C901
         """A round of the timer: the jobs with something to retry (``timer_job_keys``), partition by partition,
         ``RETRY_SLICE_JOBS`` at a time, each slice a decision of its own under the lock (the agent decides in
         between), none while the tables are not ready (a rebalance or a recovery: the round ends there)."""

@@ -131,7 +131,7 @@ def _by_chunk(tasks: Iterable[Task]) -> dict[int, list[Task]]:
     return out
 
 
-def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Mapping[str, Any],
+def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Mapping[str, Any],  # noqa: C901
          after: Job, key: str | None = None) -> Plan:
     """The writes that take the stored job from ``header`` (as read; None: not stored) and ``before`` (the job
     it holds) to ``after``. Only chunks with a task added, removed or replaced are written (a new version);
@@ -172,8 +172,9 @@ def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Map
                 continue
             records = []
             for t in tasks:
-                r = reuse.get(t.id)
-                records.append(r if r is not None and before.tasks.get(t.id) is t else task_record(t))
+                r = reuse.get(t.id)  # (only with ``before``)
+                same = r is not None and before is not None and before.tasks.get(t.id) is t
+                records.append(r if same else task_record(t))
             out_chunks[chunk_key(key, i, version)] = {"entitlement": after.entitlement, "tasks": records}
             new_chunks[i] = version
     head = job_to_record(replace(after, tasks=MappingProxyType({})))

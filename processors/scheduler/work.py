@@ -311,7 +311,9 @@ class JobWork:
     def emit_batches(self) -> None:
         """The decision's service-discovery changes as ServiceDiscoveryUpdated, its task transitions as
         TaskStatesChanged and its commands as TasksCommanded, each split so that no record exceeds
-        ``batches.MAX_RECORD_BYTES`` (normally one of each). Discovery first: a task leaves it before it stops."""
+        ``batches.MAX_RECORD_BYTES`` (normally one of each). Discovery first: a task leaves it before it stops.
+        Nothing here is signed: the producer seals the commands with the scheduler's key (streams/auth.py), so the
+        history's replay and shadow (processors/history) decide the same events without it."""
         job = self.job
         if self.discoveries:
             for i, part in enumerate(split(self.discoveries, fixed=ENVELOPE_BYTES + size_of(job.id))):
@@ -325,14 +327,17 @@ class JobWork:
         if self.commands:
             ent = self.fold.entitlements().get(job.entitlement)
             profile = None if ent is None else ent.host_profile or ""  # agents start tasks only where it is applied
+            # what the tasks may use: signed with the rest (the producer's signer, streams/auth.py), like argv and env
+            resources = {"cpu_millicores": job.spec.cpu, "memory_mib": job.spec.mem}
             for version, code, commands in _by_version(self.commands, job.mix):
                 argv, env = (list(code.command), dict(code.env)) if code else (list(job.spec.command), dict(job.spec.env))
-                parts = split(commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env) + 30)
+                parts = split(commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env)
+                              + size_of(resources) + 30)
                 disc = () if version is None else (version,)  # a job with a version mix: a batch per version run
                 for i, part in enumerate(parts):
                     self.emit("TasksCommanded", job.id, {"job_id": job.id, "argv": argv, "env": env, "commands": part,
-                                                         "part": i, "parts": len(parts), "host_profile": profile},
-                              "commands", job.id, *disc, i)
+                                                         "part": i, "parts": len(parts), "host_profile": profile,
+                                                         "resources": resources}, "commands", job.id, *disc, i)
             self.commands = []
 
     def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = (),
@@ -343,7 +348,7 @@ class JobWork:
         holds for the moment the allocator has not read the notice yet."""
         job, spec = self.job, self.job.spec
         if place:
-            avoid = set(avoid).union(*(machines for _, machines, *_ in job.maint))
+            avoid = set(avoid).union(*(m.machine_ids for m in job.maint))
         n = job.requests + 1
         rid = request_id(job.id, job.spec_version, n, incarnation_tag(job.submission))
         self.set(quiet=True, requests=n)
@@ -459,7 +464,7 @@ class JobWork:
         if len(place_set) + len(free_set) <= REQUEST_TASKS_AT_ONCE:
             return [(list(place), list(free))]
         tasks = sorted(place_set | free_set, key=index_of)
-        avoid = size_of(sorted(self.avoid.union(*(m for _, m, *_ in self.job.maint))))
+        avoid = size_of(sorted(self.avoid.union(*(m.machine_ids for m in self.job.maint))))
         parts = split(tasks, fixed=ENVELOPE_BYTES + avoid + size_of(self.job.id) * 3 + 200,
                       size=lambda t: size_of(t) * ((t in place_set) + (t in free_set)), max_items=len(tasks))
         return [([t for t in part if t in place_set], [t for t in part if t in free_set]) for part in parts]

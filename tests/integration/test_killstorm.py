@@ -31,10 +31,10 @@ def test_a_small_scaled_out_kill_storm_with_pauses_and_a_power_loss_loses_and_do
     doc = json.loads(out.stdout)
     failed = {k: doc[k] for k in (*COUNTS, "redis_matches_log", "converged", "not_converged", "running_twice",
                                   "overcommitted", "restarts_by_program", "kills_by_victim")}
+    assert doc["converged"] and not doc["not_converged"], doc["not_converged"]  # which jobs, in full
     assert out.returncode == 0 and doc["passed"], failed
     assert sum(doc["kills_by_victim"].values()) == KILLS
     assert sum(doc["restarts_by_program"].values()) >= KILLS  # each killed process was started again, and recorded
-    assert doc["converged"] and not doc["not_converged"]
     assert all(doc[k] == 0 for k in COUNTS) and doc["redis_matches_log"]
     assert doc["workload"]["jobs_submitted"] > 0 and doc["workload"]["resizes"] > 0 and doc["tasks_placed"] > 0
     assert len(doc["pauses"]) >= 2 and all(5 <= p["seconds"] <= 20 for p in doc["pauses"])

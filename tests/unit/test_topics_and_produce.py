@@ -96,7 +96,7 @@ def test_parse_documents(text, count, error):
 
 # --- retention, chosen per topic (streams/topics.py, README "Retention") ------------------------------------------
 
-KEPT = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans")  # folded from 0
+KEPT = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans", "keys")  # folded from 0
 COMPACTED = ("state.jobs", "state.tasks", "state.machines", "partitionmap", "_schemas")  # the latest per key
 TIME_BOUNDED = {  # read from an offset a reader stores or from the end, or judged on recent samples: -> at most
     "heartbeats": 24 * 3600 * 1000, "metrics": 24 * 3600 * 1000, "handoff": 7 * 24 * 3600 * 1000,
