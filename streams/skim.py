@@ -19,6 +19,7 @@ declines to read it. Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from streams.serde import HEADER_LEN, MARKER, SchemaRegistry
@@ -49,118 +50,170 @@ def _long(b: bytes, pos: int) -> tuple[int, int]:
 
 def _compile(schema: Any, path: str, wanted: Mapping[str, int], named: dict[str, Any]) -> Step:
     """The step reading one value of ``schema`` at ``path`` ("" the top), storing it at ``wanted[path]`` if asked."""
-    slot = wanted.get(path)
     if isinstance(schema, str) and schema in named:
         schema = named[schema]
     if isinstance(schema, list):  # a union
-        branches = [_compile(s, path, wanted, named) for s in schema]
-        nb = len(branches)
-
-        def union(b: bytes, pos: int, out: list) -> int:
-            i, pos = _long(b, pos)
-            if not 0 <= i < nb:
-                raise SkimError(f"union branch {i} of {nb}")
-            return branches[i](b, pos, out)
-        return union
+        return _union(schema, path, wanted, named)
     t = schema["type"] if isinstance(schema, dict) else schema
     if isinstance(t, (dict, list)):  # {"type": {...}}
         return _compile(t, path, wanted, named)
-    if t == "null":
-        def null(b: bytes, pos: int, out: list) -> int:
-            if slot is not None:
-                out[slot] = None
-            return pos
-        return null
-    if t in ("int", "long"):
-        lo, hi = (-(2**31), 2**31 - 1) if t == "int" else (-(2**63), 2**63 - 1)
+    build = _BUILDERS.get(t)
+    if build is None:
+        raise ValueError(f"{path or 'the record'}: type {t!r} is not known to the skimmer")
+    return build(_Site(schema, t, path, wanted.get(path), wanted, named))
 
-        def number(b: bytes, pos: int, out: list) -> int:
-            v, pos = _long(b, pos)
-            if not lo <= v <= hi:
-                raise SkimError(f"{v} out of range of an {t}")
-            if slot is not None:
-                out[slot] = v
-            return pos
-        return number
-    if t in ("string", "bytes"):
-        text = t == "string"
 
-        def blob(b: bytes, pos: int, out: list) -> int:
+class _Site:
+    """Where a step is compiled: the schema, its type name, its path, its slot in the values (None: not asked), and
+    the compilation's wanted paths and named types."""
+
+    __slots__ = ("schema", "t", "path", "slot", "wanted", "named")
+
+    def __init__(self, schema: Any, t: str, path: str, slot: int | None, wanted: Mapping[str, int],
+                 named: dict[str, Any]):
+        self.schema, self.t, self.path, self.slot, self.wanted, self.named = schema, t, path, slot, wanted, named
+
+    def name(self) -> None:
+        """A named type (record, enum, fixed) is known by its name (and full name) for later references."""
+        self.named[self.schema["name"]] = self.schema
+        if "namespace" in self.schema:
+            self.named[f"{self.schema['namespace']}.{self.schema['name']}"] = self.schema
+
+    def leaf_only(self) -> None:
+        if self.slot is not None:
+            raise ValueError(f"{self.path}: a {self.t} cannot be skimmed (only stepped over)")
+
+
+def _union(schema: list, path: str, wanted: Mapping[str, int], named: dict[str, Any]) -> Step:
+    branches = [_compile(s, path, wanted, named) for s in schema]
+    nb = len(branches)
+
+    def union(b: bytes, pos: int, out: list) -> int:
+        i, pos = _long(b, pos)
+        if not 0 <= i < nb:
+            raise SkimError(f"union branch {i} of {nb}")
+        return branches[i](b, pos, out)
+    return union
+
+
+def _null(site: _Site) -> Step:
+    slot = site.slot
+
+    def null(b: bytes, pos: int, out: list) -> int:
+        if slot is not None:
+            out[slot] = None
+        return pos
+    return null
+
+
+def _number(site: _Site) -> Step:
+    slot, t = site.slot, site.t
+    lo, hi = (-(2**31), 2**31 - 1) if t == "int" else (-(2**63), 2**63 - 1)
+
+    def number(b: bytes, pos: int, out: list) -> int:
+        v, pos = _long(b, pos)
+        if not lo <= v <= hi:
+            raise SkimError(f"{v} out of range of an {t}")
+        if slot is not None:
+            out[slot] = v
+        return pos
+    return number
+
+
+def _blob(site: _Site) -> Step:
+    slot, text = site.slot, site.t == "string"
+
+    def blob(b: bytes, pos: int, out: list) -> int:
+        n, pos = _long(b, pos)
+        end = pos + n
+        if n < 0 or end > len(b):
+            raise SkimError("length past the end")
+        raw = b[pos:end]
+        v = raw.decode() if text else raw  # a string that is no UTF-8 is refused, as the full decode does
+        if slot is not None:
+            out[slot] = v
+        return end
+    return blob
+
+
+def _boolean(site: _Site) -> Step:
+    slot = site.slot
+
+    def boolean(b: bytes, pos: int, out: list) -> int:
+        if slot is not None:
+            out[slot] = b[pos] != 0
+        return pos + 1
+    return boolean
+
+
+def _fixed(site: _Site) -> Step:
+    site.leaf_only()
+    size = {"float": 4, "double": 8}.get(site.t) or int(site.schema["size"])
+    if site.t == "fixed":
+        site.name()
+
+    def fixed(b: bytes, pos: int, out: list) -> int:
+        if pos + size > len(b):
+            raise SkimError("past the end")
+        return pos + size
+    return fixed
+
+
+def _enum(site: _Site) -> Step:
+    slot, symbols = site.slot, list(site.schema["symbols"])
+    site.name()
+
+    def enum(b: bytes, pos: int, out: list) -> int:
+        i, pos = _long(b, pos)
+        if not 0 <= i < len(symbols):
+            raise SkimError(f"enum index {i}")
+        if slot is not None:
+            out[slot] = symbols[i]
+        return pos
+    return enum
+
+
+def _blocks(site: _Site) -> Step:
+    site.leaf_only()
+    keyed = site.t == "map"
+    item = _compile(site.schema["values" if keyed else "items"], f"{site.path}[]", {}, site.named)
+    key = _compile("string", "", {}, site.named)
+
+    def blocks(b: bytes, pos: int, out: list) -> int:
+        while True:
             n, pos = _long(b, pos)
-            end = pos + n
-            if n < 0 or end > len(b):
-                raise SkimError("length past the end")
-            raw = b[pos:end]
-            v = raw.decode() if text else raw  # a string that is no UTF-8 is refused, as the full decode does
-            if slot is not None:
-                out[slot] = v
-            return end
-        return blob
-    if t == "boolean":
-        def boolean(b: bytes, pos: int, out: list) -> int:
-            if slot is not None:
-                out[slot] = b[pos] != 0
-            return pos + 1
-        return boolean
-    if t in ("float", "double", "fixed"):
-        size = {"float": 4, "double": 8}.get(t) or int(schema["size"])
-        if slot is not None:
-            raise ValueError(f"{path}: a {t} cannot be skimmed (only stepped over)")
+            if n == 0:
+                return pos
+            if n < 0:
+                n = -n
+                _, pos = _long(b, pos)  # the block's size in bytes
+            for _ in range(n):
+                if keyed:
+                    pos = key(b, pos, out)
+                pos = item(b, pos, out)
+    return blocks
 
-        def fixed(b: bytes, pos: int, out: list) -> int:
-            if pos + size > len(b):
-                raise SkimError("past the end")
-            return pos + size
-        if t == "fixed":
-            named[schema["name"]] = schema
-        return fixed
-    if t == "enum":
-        symbols = list(schema["symbols"])
-        named[schema["name"]] = schema
 
-        def enum(b: bytes, pos: int, out: list) -> int:
-            i, pos = _long(b, pos)
-            if not 0 <= i < len(symbols):
-                raise SkimError(f"enum index {i}")
-            if slot is not None:
-                out[slot] = symbols[i]
-            return pos
-        return enum
-    if t in ("array", "map"):
-        if slot is not None:
-            raise ValueError(f"{path}: an {t} cannot be skimmed (only stepped over)")
-        item = _compile(schema["items" if t == "array" else "values"], f"{path}[]", {}, named)
-        keyed = t == "map"
-        key = _compile("string", "", {}, named)
+def _record(site: _Site) -> Step:
+    site.name()
+    if site.slot is not None:
+        raise ValueError(f"{site.path}: a record cannot be skimmed (name its fields)")
+    path = site.path
+    steps = [_compile(f["type"], f"{path}.{f['name']}" if path else f["name"], site.wanted, site.named)
+             for f in site.schema["fields"]]
 
-        def blocks(b: bytes, pos: int, out: list) -> int:
-            while True:
-                n, pos = _long(b, pos)
-                if n == 0:
-                    return pos
-                if n < 0:
-                    n = -n
-                    _, pos = _long(b, pos)  # the block's size in bytes
-                for _ in range(n):
-                    if keyed:
-                        pos = key(b, pos, out)
-                    pos = item(b, pos, out)
-        return blocks
-    if t in ("record", "error"):
-        named[schema["name"]] = schema
-        if "namespace" in schema:
-            named[f"{schema['namespace']}.{schema['name']}"] = schema
-        if slot is not None:
-            raise ValueError(f"{path}: a record cannot be skimmed (name its fields)")
-        steps = [_compile(f["type"], f"{path}.{f['name']}" if path else f["name"], wanted, named)
-                 for f in schema["fields"]]
+    def record(b: bytes, pos: int, out: list) -> int:
+        for step in steps:
+            pos = step(b, pos, out)
+        return pos
+    return record
 
-        def record(b: bytes, pos: int, out: list) -> int:
-            for step in steps:
-                pos = step(b, pos, out)
-            return pos
-        return record
-    raise ValueError(f"{path or 'the record'}: type {t!r} is not known to the skimmer")
+
+# Each Avro type's step builder.
+_BUILDERS: Mapping[str, Callable[[_Site], Step]] = MappingProxyType({
+    "null": _null, "int": _number, "long": _number, "string": _blob, "bytes": _blob, "boolean": _boolean,
+    "float": _fixed, "double": _fixed, "fixed": _fixed, "enum": _enum, "array": _blocks, "map": _blocks,
+    "record": _record, "error": _record})
 
 
 class Skimmer:
