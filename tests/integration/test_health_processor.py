@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from infra import trust
 from processors.health import decide as hd
 from processors.resourcebroker import decide as bd
 from processors.resourcebroker.region import generate_region, machines
@@ -222,9 +223,10 @@ def test_bad_heartbeat_record_goes_to_deadletter(cfg, registry, region, health_p
     p = EventProducer(cfg, registry, "test")
     t = Topics(cfg.topic_prefix, cfg.partitions)
     ticked(tmp_path, 1)
-    # A silent machine's heartbeat that reads (the skimmer takes it) but is keyed as another machine, and one cut
-    # short: neither counts, both are dead-lettered by the ordinary decode with their reason.
-    silent_beat = registry.encode("AgentHeartbeat", new_event(
+    # A silent machine's heartbeat that reads and is proven by its machine's key (as its agent seals it) but is keyed
+    # as another machine, and one cut short: neither counts, both are dead-lettered by the ordinary decode with their
+    # reason.
+    silent_beat = trust.simulated_signer(cfg).seal(registry, "AgentHeartbeat", new_event(
         "AgentHeartbeat", {"machine_id": region[0], "running_task_ids": ["t1"], "sequence": 10**6},
         entitlement="free/dc1", entity_id=region[0], producer="test-agent", timestamp_ms=2**50).to_record())
     p.send_raw(t.name("heartbeats"), region[0].encode(), b"not avro at all")
