@@ -40,7 +40,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from streams.serde import HEADER_LEN, DecodeError
 
@@ -368,6 +368,34 @@ class MachineSigner(Signer):
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
+
+# What ``Verifier.check`` reads of a record that is no batch of reports, as dotted fields: the envelope's ``auth``
+# (its three fields: all None for the null branch) and time, and the field naming the machine a machine speaks of. A
+# reader that skims records instead of decoding them (``streams.clients.SkimReader``) reads these fields of the
+# record and checks ``checked_record`` of them: the same ``check`` over the same bytes, without decoding the rest.
+PROOF_FIELDS = ("envelope.auth.identity", "envelope.auth.key_id", "envelope.auth.proof", "envelope.timestamp_ms")
+
+
+def checked_fields(type_: str) -> tuple[str, ...]:
+    """The fields ``Verifier.check`` reads of a record of ``type_`` (ValueError for a batch of reports: ``check``
+    reads each report, decode those)."""
+    where = MACHINE_SPEECH.get(type_)
+    if where == ITEMS:
+        raise ValueError(f"{type_} is checked report by report: decode it")
+    return PROOF_FIELDS + ((where,) if where is not None else ())
+
+
+def checked_record(type_: str, values: Sequence[Any]) -> dict:
+    """The part of a record of ``type_`` that ``Verifier.check`` reads, from the values of ``checked_fields(type_)``
+    in that order (as a skimmer reads them)."""
+    identity, key_id, proof, timestamp_ms, *named = values
+    record: dict = {"envelope": {"auth": None if identity is None else
+                                 {"identity": identity, "key_id": key_id, "proof": proof},
+                                 "timestamp_ms": timestamp_ms}}
+    if named:
+        record[MACHINE_SPEECH[type_]] = named[0]
+    return record
+
 
 class Verifier:
     """Checks the proof of every record a reader decodes from an authenticated topic (``check``); what it cannot

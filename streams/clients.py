@@ -35,6 +35,7 @@ from streams import deadletter as dl
 from streams import schemalog
 from streams.events import Event
 from streams.retry import watermark_offsets
+from streams.skim import Skimmer
 from streams.serde import INVALID_EVENT, UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
 from streams.topics import BY_NAME, CATALOGUE, KEY_ENTITLEMENT, KEY_JOB, KEY_MACHINE, Topics
 
@@ -427,13 +428,18 @@ class EventConsumer:
             rec = self.decode(msg)
             if rec is not None:
                 out.append(rec)
+        self.observe_lag(out)
+        return out
+
+    def observe_lag(self, records: list) -> None:
+        """A follower's ``ropewalk_consumer_lag_seconds`` from one poll's records (anything with ``topic`` and
+        ``log_timestamp_ms``): ``poll`` calls it; a reader of ``poll_raw`` calls it with what it read."""
         if self.follows:
             from infra.metrics import observe_lag
 
             # the consumer group, or for an assigned reader its name's kind (``agent/<machine>`` → ``agent``): never
             # an id
-            observe_lag(self.group_id or self.name.split("/", 1)[0], out, self.cfg.topic_prefix)
-        return out
+            observe_lag(self.group_id or self.name.split("/", 1)[0], records, self.cfg.topic_prefix)
 
     def poll_raw(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list:
         """``poll`` without decoding: the records as the broker gave them (end-of-partition and the positions
@@ -514,9 +520,7 @@ class EventConsumer:
             if self.types is not None and type_ not in self.types and belongs(self.catalogue, msg.topic(), type_):
                 self.passed_over += 1  # a record without its type header, of a type this reader does not want
                 return None
-            identity = identity_of(self.verifier, self.catalogue, msg.topic(), type_, data, value)
-            event = Event.from_record(type_, data, identity)
-            check_placement(self.catalogue, msg.topic(), msg.key(), event)
+            event = proven_event(self.verifier, self.catalogue, msg.topic(), msg.key(), type_, data, value)
         except DecodeError as exc:
             if self.keep_refused and isinstance(exc, auth.AuthError) and data is not None:
                 # the caller answers (and dead-letters) the ones that concern it: one forged record is not
@@ -572,15 +576,83 @@ def identity_of(verifier: "auth.Verifier | None", catalogue: Topics, physical_to
     return verifier.check(type_, record, value)
 
 
+def proven_event(verifier: "auth.Verifier | None", catalogue: Topics, physical_topic: str, key: bytes | None,
+                 type_: str, record: Mapping[str, Any], value: bytes) -> Event:
+    """The event of a record decoded from ``value``, its writer proven (``identity_of``) and its placement checked
+    (``check_placement``); DecodeError (AuthError) if refused."""
+    identity = identity_of(verifier, catalogue, physical_topic, type_, record, value)
+    event = Event.from_record(type_, record, identity)
+    check_placement(catalogue, physical_topic, key, event)
+    return event
+
+
 def check_placement(catalogue: Topics, physical_topic: str, key: bytes | None, event: Event) -> None:
     """An event must be on its own topic, keyed as the catalogue says (sharding depends on it)."""
+    check_placed(catalogue, physical_topic, key, event.type, lambda logical: key_of(logical, event))
+
+
+def check_placed(catalogue: Topics, physical_topic: str, key: bytes | None, type_: str,
+                 want: Callable[[str], str | None]) -> None:
+    """``check_placement`` of a record of ``type_`` whose key, as its topic's key kind names it, is ``want(logical
+    topic)`` (a decoded event's ``key_of``, or the field a skimmer read: ``KEY_FIELD``)."""
     logical = catalogue.logical(physical_topic)
     if logical is None or logical == "_schemas":
         return
     spec = BY_NAME[logical]
-    if event.type not in spec.events:
-        raise DecodeError(INVALID_EVENT, f"{event.type} does not belong on topic {logical}")
-    want = key_of(logical, event)
-    got = key.decode("utf-8", "replace") if key is not None else None
-    if spec.key in (KEY_ENTITLEMENT, KEY_MACHINE, KEY_JOB) and got != want:
-        raise DecodeError(INVALID_EVENT, f"record key {got!r} differs from the event's {spec.key} {want!r}")
+    if type_ not in spec.events:
+        raise DecodeError(INVALID_EVENT, f"{type_} does not belong on topic {logical}")
+    if spec.key in (KEY_ENTITLEMENT, KEY_MACHINE, KEY_JOB):
+        wanted = want(logical)
+        got = key.decode("utf-8", "replace") if key is not None else None
+        if got != wanted:
+            raise DecodeError(INVALID_EVENT, f"record key {got!r} differs from the event's {spec.key} {wanted!r}")
+
+
+# The record field that ``key_of`` reads of a decoded event, per key kind a topic is checked on (``check_placed``).
+KEY_FIELD: Mapping[str, str] = {KEY_ENTITLEMENT: "envelope.entitlement", KEY_MACHINE: "machine_id",
+                                KEY_JOB: "job_id"}
+
+
+class SkimReader:
+    """Reads ``fields`` of records of ``event_type`` on ``topic`` (logical) without decoding them (``streams.skim``),
+    each proven and placed as ``EventConsumer.decode`` proves and places a record: the same ``identity_of`` (the
+    consumer's verifier) over the same bytes, with the fields it checks skimmed beside those asked
+    (``auth.checked_fields``), and the record's key checked by the same ``check_placed``. ``read(msg)`` returns the
+    values of ``fields`` in order, or None: the record is to be decoded the ordinary way, which refuses a bad one with
+    its reason and dead-letters it (a skim never decides that a record is bad; it only declines to read it)."""
+
+    def __init__(self, consumer: "EventConsumer", topic: str, event_type: str, fields: Iterable[str]):
+        self.fields = tuple(fields)
+        self.event_type = event_type
+        self.verifier, self.catalogue = consumer.verifier, consumer.catalogue  # the consumer's: it decodes the rest
+        spec = BY_NAME[topic]
+        if event_type not in spec.events:
+            raise ValueError(f"{event_type} does not belong on topic {topic}")
+        checked = auth.checked_fields(event_type) if topic in auth.AUTHENTICATED else ()
+        key_field = KEY_FIELD.get(spec.key)
+        every = list(self.fields)
+        for f in (*checked, *((key_field,) if key_field else ())):
+            if f not in every:
+                every.append(f)
+        self.skimmer = Skimmer(consumer.registry, event_type, every)
+        self._n = len(self.fields)
+        self._checked = [every.index(f) for f in checked]
+        self._key = every.index(key_field) if key_field else None
+        self.declined = 0  # records handed back to the ordinary decode
+
+    def read(self, msg) -> tuple | None:
+        value = msg.value()
+        v = self.skimmer(value)
+        if v is not None:
+            try:
+                if self._checked:
+                    identity_of(self.verifier, self.catalogue, msg.topic(), self.event_type,
+                                auth.checked_record(self.event_type, [v[i] for i in self._checked]), value)
+                key = self._key
+                check_placed(self.catalogue, msg.topic(), msg.key(), self.event_type,
+                             lambda logical: None if key is None else v[key])
+                return v[:self._n]
+            except DecodeError:
+                pass
+        self.declined += 1
+        return None

@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import NamedTuple
 
-from processors.cowmap import CowMap
+from processors.cowmap import MACHINE_SHARDS, CowMap
 from processors.resourcebroker.decide import REASON_HEALTH_CHECK
 from streams import batches
 from streams.batches import MACHINES_STATUS_CHANGED
@@ -31,6 +32,7 @@ from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
 
 from . import zones as z
+from .liveness import Liveness
 from .zones import DisruptionPolicy, Zone
 
 UP, UNHEALTHY, DOWN = MachineStatus.UP, MachineStatus.UNHEALTHY, MachineStatus.DOWN
@@ -75,41 +77,77 @@ class HealthError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class MachineHealth:
-    """What the service knows of one machine (times in ms since epoch)."""
+    """What the service knows of one machine besides when it was last heard (``HealthState.heard``; times in ms
+    since epoch)."""
 
     machine_id: str
     owner_key: str  # key of the machine's events: its entitlement or free/<dc>
     status: str = UP
     status_ms: int = 0  # time of the event that set ``status``
-    last_seen_ms: int = 0  # last heartbeat, or since when the machine is watched (registration, back UP)
-    last_sequence: int = -1  # -1: no heartbeat yet
     owner_ms: int = 0  # time of the event that set ``owner_key``: an older one changes it no more
     dc: str = ""  # its zone (from its registration or an ownership event; "" until one is read)
     status_reason: str = ""  # the reason of the event that set ``status`` (DOWN by health_check: still silent)
 
-    def silent_since_ms(self, clocks_from_ms: int) -> int:
-        """Since when its silence counts: its last heartbeat (or return UP), or the last restart of the clocks."""
-        return max(self.last_seen_ms, clocks_from_ms)
+
+class Beat(NamedTuple):
+    """What the service reads of an AgentHeartbeat: whose, when (its own time), its sequence and id."""
+
+    machine_id: str
+    timestamp_ms: int
+    sequence: int
+    event_id: str
+
+
+# The AgentHeartbeat fields a Beat is read from, in its fields' order (a reader that skims them: ``Beat(*values)``).
+BEAT_FIELDS = ("machine_id", "envelope.timestamp_ms", "sequence", "envelope.event_id")
+
+
+_NO_ZONES: Mapping[str, tuple[int, int]] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
 class HealthState:
-    """machine id → MachineHealth, and the protection's zones (immutable; decisions return a new state)."""
+    """machine id → MachineHealth; when each was last heard (``heard``: liveness.py); the protection's zones; and
+    what a tick needs without a scan of the machines: the UNHEALTHY ones, those this service failed, and per zone
+    how many machines it counts and how many of those are not UP. Immutable; decisions return a new state."""
 
-    machines: CowMap[MachineHealth] = field(default_factory=CowMap)
+    machines: CowMap[MachineHealth] = field(default_factory=lambda: CowMap(shards=MACHINE_SHARDS))
+    heard: Liveness = field(default_factory=Liveness)
+    unhealthy: frozenset[str] = frozenset()  # the machines marked UNHEALTHY
+    failed: frozenset[str] = frozenset()  # the machines this service failed (DOWN, health_check): still silent
+    zone_sizes: Mapping[str, tuple[int, int]] = field(default_factory=lambda: _NO_ZONES)  # dc -> (its ``_member``s, those of them not UP)
     zones: Mapping[str, Zone] = field(default_factory=lambda: MappingProxyType({}))  # dc → its zone, last tick
     region_disrupted: bool = False  # every zone was in full disruption at the last tick
     last_tick_ms: int = 0  # the last tick's time (0: none yet)
     clocks_from_ms: int = 0  # silence counts from no earlier than this (``restart_clocks``)
     clocks_reason: str = ""  # why the clocks last restarted (CLOCKS_*)
 
-    @property
-    def unhealthy(self) -> frozenset[str]:
-        """The machines marked UNHEALTHY."""
-        return frozenset(h.machine_id for h in self.machines.values() if h.status == UNHEALTHY)
+    def last_heard(self, machine_id: str) -> tuple[int, int] | None:
+        """(its last heartbeat's time — or since when it is watched, or back UP —, its last sequence, -1: none)."""
+        return self.heard.get(machine_id)
 
-    def _with(self, changes: dict[str, MachineHealth]) -> "HealthState":
-        return replace(self, machines=self.machines.updated(changes)) if changes else self
+    def silent_since_ms(self, machine_id: str) -> int:
+        """Since when its silence counts: its last heartbeat (or return UP), or the last restart of the clocks."""
+        seen = self.heard.get(machine_id)
+        return max(seen[0] if seen else 0, self.clocks_from_ms)
+
+    def _with(self, changes: Mapping[str, MachineHealth], heard: Liveness | None = None) -> "HealthState":
+        """With ``changes`` (and ``heard``), the derived sets and counts kept in step."""
+        if not changes:
+            return self if heard is None or heard is self.heard else replace(self, heard=heard)
+        unhealthy, failed = set(self.unhealthy), set(self.failed)
+        sizes = dict(self.zone_sizes)
+        for mid, new in changes.items():
+            old = self.machines.get(mid)
+            for rec, sign in ((old, -1), (new, 1)):
+                if rec is not None and _member(rec):
+                    n, away = sizes.get(rec.dc, (0, 0))
+                    sizes[rec.dc] = (n + sign, away + sign * (rec.status != UP))
+            (unhealthy.add if new.status == UNHEALTHY else unhealthy.discard)(mid)
+            (failed.add if _failed_here(new) else failed.discard)(mid)
+        return replace(self, machines=self.machines.updated(changes), heard=self.heard if heard is None else heard,
+                       unhealthy=frozenset(unhealthy), failed=frozenset(failed),
+                       zone_sizes=MappingProxyType({dc: c for dc, c in sorted(sizes.items()) if c[0]}))
 
 
 # -- folding the machines topic --------------------------------------------------------------------------------
@@ -127,14 +165,14 @@ def _dc(ev: Event) -> str:
     return ev.payload.get("dc") or ""
 
 
-def _apply(cur: MachineHealth | None, ev: Event) -> MachineHealth:
-    """``cur`` (None: not watched yet) after ``ev``, one machine's event of ``APPLIED`` (``apply_all`` filters)."""
+def _apply(cur: MachineHealth | None, ev: Event) -> tuple[MachineHealth, int | None]:
+    """``cur`` (None: not watched yet) after ``ev``, one machine's event of ``APPLIED`` (``apply_all`` filters), and
+    the time it came back UP if it did (its silence counts from then at the latest)."""
     ts = ev.timestamp_ms
-    if cur is None:  # watched from the first event about it, whichever partition brings it first
-        cur = MachineHealth(machine_id=ev.payload["machine_id"], owner_key=_owner_key(ev), last_seen_ms=ts,
-                            owner_ms=ts)
     dc = _dc(ev)
-    if dc and dc != cur.dc:
+    if cur is None:  # watched from the first event about it, whichever partition brings it first
+        cur = MachineHealth(machine_id=ev.payload["machine_id"], owner_key=_owner_key(ev), owner_ms=ts, dc=dc)
+    elif dc and dc != cur.dc:
         cur = replace(cur, dc=dc)
     # A machine's events change partitions with its owner, so they may be read out of their order (a restart
     # reads every partition at once): an owner or status older than the one held changes nothing (newest wins).
@@ -143,18 +181,18 @@ def _apply(cur: MachineHealth | None, ev: Event) -> MachineHealth:
     if ev.type == "MachineStatusChanged":
         status = ev.payload["status"]
         if ts < cur.status_ms:
-            return cur  # older than the status held (e.g. our own verdict, overtaken by a heartbeat)
-        seen = max(cur.last_seen_ms, ts) if status == UP and cur.status != UP else cur.last_seen_ms
+            return cur, None  # older than the status held (e.g. our own verdict, overtaken by a heartbeat)
+        back_up = ts if status == UP and cur.status != UP else None
         moved = ev.entitlement != cur.owner_key and ts >= cur.owner_ms  # a status event carries its owner's key
         owner = (ev.entitlement, ts) if moved else (cur.owner_key, cur.owner_ms)
-        return replace(cur, status=status, status_ms=ts, owner_key=owner[0], owner_ms=owner[1], last_seen_ms=seen,
-                       status_reason=ev.payload.get("reason", ""))
+        return replace(cur, status=status, status_ms=ts, owner_key=owner[0], owner_ms=owner[1],
+                       status_reason=ev.payload.get("reason", "")), back_up
     if ev.type == "MachineAssignedToEntitlement":
-        return replace(cur, owner_key=ev.entitlement, owner_ms=ts) if ts >= cur.owner_ms else cur
+        return (replace(cur, owner_key=ev.entitlement, owner_ms=ts) if ts >= cur.owner_ms else cur), None
     if ev.type == "MachineReleasedToFreePool":
         ok = cur.owner_key == ev.entitlement and ts >= cur.owner_ms
-        return replace(cur, owner_key=_owner_key(ev), owner_ms=ts) if ok else cur
-    return cur  # MachineRegistered: watched from its registration; a re-registration changes nothing here
+        return (replace(cur, owner_key=_owner_key(ev), owner_ms=ts) if ok else cur), None
+    return cur, None  # MachineRegistered: watched from its registration; a re-registration changes nothing here
 
 
 APPLIED = frozenset({"MachineRegistered", "MachineStatusChanged", "MachineAssignedToEntitlement",
@@ -179,46 +217,64 @@ def _per_machine(events: Iterable[Event]) -> Iterable[Event]:
 
 
 def apply_all(state: HealthState, events: Iterable[Event]) -> HealthState:
-    """Fold many machine events in one step (one copy of the touched shards)."""
+    """Fold many machine events in one step (one copy of the touched shards). A machine is watched from its first
+    event (its silence counts from that event's time), and its silence counts anew from its return to UP."""
     changes: dict[str, MachineHealth] = {}
+    watch: dict[str, int] = {}  # machine -> since when it is watched (its first event)
+    back_up: dict[str, int] = {}  # machine -> when it came back UP
     for ev in _per_machine(events):
         if ev.type not in APPLIED:
             continue
         mid = ev.payload["machine_id"]
         cur = changes[mid] if mid in changes else state.machines.get(mid)
-        new = _apply(cur, ev)
+        if cur is None and mid not in watch:
+            watch[mid] = ev.timestamp_ms
+        new, up_at = _apply(cur, ev)
+        if up_at is not None:
+            back_up[mid] = max(back_up.get(mid, up_at), up_at)
         if new != cur:
             changes[mid] = new
-    return state._with(changes)
+    heard = state.heard.watched(watch)
+    if back_up:
+        seen = {}
+        for mid, ts in back_up.items():
+            i = heard.slot(mid)
+            if i is not None and ts > heard.seen[i]:
+                seen[i] = ts
+        heard = heard.heard(seen, {})
+    return state._with(changes, heard)
 
 
 # -- heartbeats ------------------------------------------------------------------------------------------------
 
-def _check_heartbeat(heartbeat: Event) -> None:
+def beat_of(heartbeat: Event) -> Beat:
+    """The ``Beat`` of an AgentHeartbeat (HealthError for any other event)."""
     if heartbeat.type != "AgentHeartbeat":
         raise HealthError(f"expected an AgentHeartbeat, got {heartbeat.type}")
+    p = heartbeat.payload
+    return Beat(p["machine_id"], heartbeat.timestamp_ms, p.get("sequence", 0), heartbeat.event_id)
 
 
-def from_the_future(heartbeat: Event, now_ms: int, skew_ms: int = MAX_CLOCK_SKEW_MS) -> bool:
-    """Whether ``heartbeat`` is dated further ahead of ``now_ms`` than ``skew_ms`` (refused: HB_FROM_THE_FUTURE)."""
+def from_the_future(heartbeat: Event | Beat, now_ms: int, skew_ms: int = MAX_CLOCK_SKEW_MS) -> bool:
+    """Whether ``heartbeat`` (decoded or skimmed) is dated further ahead of ``now_ms`` than ``skew_ms`` (refused:
+    HB_FROM_THE_FUTURE)."""
     return heartbeat.timestamp_ms > now_ms + skew_ms
 
 
 def classify(state: HealthState, heartbeat: Event) -> str:
     """The verdict on ``heartbeat`` (HB_*): whether it counts, and why not."""
-    _check_heartbeat(heartbeat)
-    return _verdict(state.machines.get(heartbeat.payload["machine_id"]), heartbeat)
+    b = beat_of(heartbeat)
+    held = state.heard.get(b.machine_id)
+    return HB_UNKNOWN_MACHINE if held is None else verdict(held[1], held[0], b.sequence, b.timestamp_ms)
 
 
-def _verdict(rec: MachineHealth | None, heartbeat: Event) -> str:
-    if rec is None:
-        return HB_UNKNOWN_MACHINE
-    seq = heartbeat.payload.get("sequence", 0)
-    if seq > rec.last_sequence:
+def verdict(last_sequence: int, last_seen_ms: int, sequence: int, timestamp_ms: int) -> str:
+    """A heartbeat's verdict against the last one counted of its machine (HB_*; the machine is watched)."""
+    if sequence > last_sequence:
         return HB_ACCEPTED
-    if heartbeat.timestamp_ms > rec.last_seen_ms:
+    if timestamp_ms > last_seen_ms:
         return HB_AGENT_RESTARTED
-    return HB_DUPLICATE if seq == rec.last_sequence else HB_STALE
+    return HB_DUPLICATE if sequence == last_sequence else HB_STALE
 
 
 def _statuses(recs: Iterable[MachineHealth], status: str, reason: str, now_ms: int, id_parts,
@@ -249,37 +305,70 @@ def on_heartbeat(state: HealthState, heartbeat: Event, *,
 
 def on_heartbeats(state: HealthState, heartbeats: Iterable[Event], *,
                   producer: str = PRODUCER) -> tuple[HealthState, list[Event]]:
-    """Record heartbeats, in order (``classify``: only HB_ACCEPTED and HB_AGENT_RESTARTED count). The machines
-    marked UNHEALTHY that a counted heartbeat newer than that verdict resumes are UP again, announced as one
-    MachinesStatusChanged(UNHEALTHY→UP, HEARTBEAT_RESUMED) per owner key, at the newest of those heartbeats'
-    times, caused by the first of them; its id derives from the machines and their resuming heartbeats."""
-    changes: dict[str, MachineHealth] = {}
-    resumed: dict[str, tuple[MachineHealth, Event]] = {}  # machine -> (its record before, the heartbeat)
-    for heartbeat in heartbeats:
-        _check_heartbeat(heartbeat)
-        mid = heartbeat.payload["machine_id"]
-        rec = changes.get(mid) or state.machines.get(mid)
-        if rec is None:  # not (yet) seen on the machines topic: HB_UNKNOWN_MACHINE, not counted
+    """``on_beats`` of AgentHeartbeat events."""
+    return on_beats(state, [beat_of(hb) for hb in heartbeats], producer=producer)
+
+
+def on_beats(state: HealthState, beats: Iterable[Beat], *, producer: str = PRODUCER) -> tuple[HealthState, list[Event]]:
+    """Record heartbeats, in order (``verdict``: only HB_ACCEPTED and HB_AGENT_RESTARTED count; a machine not
+    watched yet, HB_UNKNOWN_MACHINE, is not counted). The machines marked UNHEALTHY that a counted heartbeat newer
+    than that verdict resumes are UP again, announced as one MachinesStatusChanged(UNHEALTHY→UP, HEARTBEAT_RESUMED)
+    per owner key, at the newest of those heartbeats' times, caused by the first of them; its id derives from the
+    machines and their resuming heartbeats. A heartbeat of an UP machine changes only when it was last heard
+    (``HealthState.heard``): a few array cells, not its record."""
+    heard = state.heard
+    slots, seen_of, seq_of = heard.slots, heard.seen, heard.seq
+    seen: dict[int, int] = {}  # slot -> last heard, as this poll leaves it
+    seq: dict[int, int] = {}
+    unhealthy = state.unhealthy
+    resumed: dict[str, tuple[MachineHealth, Beat]] = {}  # machine -> (its record before, the heartbeat)
+    for b in beats:
+        mid, ts, n = b.machine_id, b.timestamp_ms, b.sequence
+        i = slots.get(mid)
+        if i is None:  # not (yet) seen on the machines topic: HB_UNKNOWN_MACHINE, not counted
             continue
-        if _verdict(rec, heartbeat) not in COUNTED:
+        last_seen = seen[i] if i in seen else seen_of[i]
+        last_seq = seq[i] if i in seq else seq_of[i]
+        if not (n > last_seq or ts > last_seen):  # HB_DUPLICATE or HB_STALE (``verdict``)
             continue
-        seq, ts = heartbeat.payload.get("sequence", 0), heartbeat.timestamp_ms
-        new = replace(rec, last_sequence=seq, last_seen_ms=max(rec.last_seen_ms, ts))
-        if rec.status == UNHEALTHY and ts > rec.status_ms:
-            resumed[mid] = (rec, heartbeat)
-            new = replace(new, status=UP, status_ms=ts, status_reason=HEARTBEAT_RESUMED)
-        changes[mid] = new
+        seq[i] = n
+        if ts > last_seen:
+            seen[i] = ts
+        if mid in unhealthy and mid not in resumed:
+            rec = state.machines[mid]
+            if ts > rec.status_ms:
+                resumed[mid] = (rec, b)
+    heard = heard.heard({i: ts for i, ts in seen.items() if ts != seen_of[i]}, {i: n for i, n in seq.items()
+                                                                                 if n != seq_of[i]})
     if not resumed:
-        return state._with(changes), []
-    now = max(hb.timestamp_ms for _, hb in resumed.values())
+        return state._with({}, heard), []
+    now = max(b.timestamp_ms for _, b in resumed.values())
     first = next(iter(resumed.values()))[1]
-    by_mid = {mid: hb for mid, (_, hb) in resumed.items()}
     events = _statuses((rec for rec, _ in resumed.values()), UP, HEARTBEAT_RESUMED, now,
-                       lambda h: f"{h.machine_id}@{by_mid[h.machine_id].event_id or by_mid[h.machine_id].timestamp_ms}",
+                       lambda h: f"{h.machine_id}@{resumed[h.machine_id][1].event_id or resumed[h.machine_id][1].timestamp_ms}",
                        first.event_id or None, producer)
-    for mid in resumed:
-        changes[mid] = replace(changes[mid], status_ms=now)
-    return state._with(changes), events
+    changes = {mid: replace(rec, status=UP, status_ms=now, status_reason=HEARTBEAT_RESUMED)
+               for mid, (rec, _) in resumed.items()}
+    return state._with(changes, heard), events
+
+
+def heard_while_failed(state: HealthState, beats: Iterable[Beat]) -> dict[str, Beat]:
+    """The machines this service failed (DOWN, health_check) that a heartbeat speaks for: one counted against
+    ``state`` (``verdict``) and newer than the failure; the first such heartbeat of each (the service recovers them:
+    ``resourcebroker.machines_recovered``)."""
+    failed = state.failed
+    out: dict[str, Beat] = {}
+    if not failed:
+        return out
+    for b in beats:
+        if b.machine_id not in failed or b.machine_id in out:
+            continue
+        held = state.heard.get(b.machine_id)
+        rec = state.machines[b.machine_id]
+        if (held is not None and verdict(held[1], held[0], b.sequence, b.timestamp_ms) in COUNTED
+                and b.timestamp_ms > rec.status_ms):
+            out[b.machine_id] = b
+    return out
 
 
 def restart_clocks(state: HealthState, now_ms: int, reason: str) -> HealthState:
@@ -296,10 +385,31 @@ def _member(h: MachineHealth) -> bool:
     return h.status in JUDGED or (h.status == DOWN and h.status_reason == REASON_HEALTH_CHECK)
 
 
+def _failed_here(h: MachineHealth) -> bool:
+    """DOWN because this service failed it (still silent)."""
+    return h.status == DOWN and h.status_reason == REASON_HEALTH_CHECK
+
+
+def _silent(state: HealthState, now_ms: int, timeout_ms: int) -> tuple[HealthState, list[MachineHealth]]:
+    """The UP machines silent for longer than ``timeout_ms`` at ``now_ms`` (silence counted from their last heartbeat
+    or the last ``restart_clocks``, whichever is later), from the silence index (``Liveness.sweep``: what went silent
+    since the last tick, not a scan of every machine); the state with the index swept."""
+    cut = now_ms - timeout_ms
+    heard = state.heard.sweep(cut)
+    state = state._with({}, heard)
+    if state.clocks_from_ms >= cut:  # the clocks restarted less than a timeout ago: nobody is silent yet
+        return state, []
+    machines = state.machines
+    return state, [h for mid in heard.silent_ids() if (h := machines[mid]).status == UP]
+
+
 def _missed(state: HealthState, judged: list[MachineHealth], now_ms: int,
             producer: str) -> tuple[HealthState, list[Event]]:
-    events = _statuses(judged, UNHEALTHY, HEARTBEAT_MISSED, now_ms,
-                       lambda h: f"{h.machine_id}@{h.last_seen_ms}:{h.last_sequence}", None, producer)
+    def silence(h: MachineHealth) -> str:
+        seen, seq = state.heard.get(h.machine_id) or (0, -1)
+        return f"{h.machine_id}@{seen}:{seq}"
+
+    events = _statuses(judged, UNHEALTHY, HEARTBEAT_MISSED, now_ms, silence, None, producer)
     return state._with({h.machine_id: replace(h, status=UNHEALTHY, status_ms=now_ms, status_reason=HEARTBEAT_MISSED)
                         for h in judged}), events
 
@@ -309,8 +419,9 @@ def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *, policy: Disrupt
     """Mark UP machines silent for longer than ``timeout_ms`` at ``now_ms`` UNHEALTHY, announced as one
     MachinesStatusChanged(UP→UNHEALTHY, HEARTBEAT_MISSED) per owner key. A machine is reported once per
     silence; an event's id derives from its machines' silences (each one's last heartbeat), so a replayed tick
-    that finds the same silences emits the same ids. One scan of the watched machines. Silence counts from a
-    machine's last heartbeat or from the last ``restart_clocks``, whichever is later.
+    that finds the same silences emits the same ids. No scan of the watched machines: the silence index gives the
+    ones that went silent (``_silent``). Silence counts from a machine's last heartbeat or from the last
+    ``restart_clocks``, whichever is later.
 
     Without ``policy`` every silent machine is marked. With one (the service's), the protection against mass
     failure (``zones.py``): a tick more than ``timeout_ms`` after the previous one restarts the clocks instead
@@ -320,9 +431,8 @@ def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *, policy: Disrupt
     whose state changes is announced in a ZoneDisruptionChanged keyed free/<dc>."""
     if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms <= 0:
         raise HealthError(f"timeout_ms must be a positive number of ms, got {timeout_ms!r}")
-    since = state.clocks_from_ms
     if policy is None:
-        silent = [h for h in state.machines.values() if h.status == UP and now_ms - h.silent_since_ms(since) > timeout_ms]
+        state, silent = _silent(state, now_ms, timeout_ms)
         state, missed = _missed(state, silent, now_ms, producer)
         return replace(state, last_tick_ms=now_ms), missed
     if state.last_tick_ms and now_ms - state.last_tick_ms > timeout_ms:
@@ -333,19 +443,13 @@ def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *, policy: Disrupt
 def _zoned_tick(state: HealthState, now_ms: int, timeout_ms: int, policy: DisruptionPolicy, producer: str, *,  # noqa: C901
                 ended: bool) -> tuple[HealthState, list[Event]]:
     """``on_tick`` with a policy (``ended``: the region was just heard again; every zone is announced)."""
-    since = state.clocks_from_ms
-    counts: dict[str, list[int]] = {}  # dc -> [machines, silent]
+    # per zone: its machines and those not UP (``zone_sizes``, kept by every change), plus its UP machines silent
+    counts: dict[str, list[int]] = {dc: [n, away] for dc, (n, away) in state.zone_sizes.items()}
     candidates: dict[str, list[MachineHealth]] = {}  # dc -> UP machines silent past the timeout
-    for h in state.machines.values():
-        if not _member(h):
-            continue
-        c = counts.setdefault(h.dc, [0, 0])
-        c[0] += 1
-        if h.status != UP:
-            c[1] += 1
-        elif now_ms - h.silent_since_ms(since) > timeout_ms:
-            c[1] += 1
-            candidates.setdefault(h.dc, []).append(h)
+    state, silent = _silent(state, now_ms, timeout_ms)
+    for h in silent:
+        counts[h.dc][1] += 1
+        candidates.setdefault(h.dc, []).append(h)
     states = {dc: z.zone_state(n, s, policy) for dc, (n, s) in counts.items()}
     if states and all(st == z.ZONE_FULL for st in states.values()):
         return _region_disrupted(state, counts, candidates, now_ms, policy, producer)
@@ -361,7 +465,7 @@ def _zoned_tick(state: HealthState, now_ms: int, timeout_ms: int, policy: Disrup
         old = state.zones.get(dc)
         rate = policy.rate(st, n)
         zone, allowed = z.allowance(old, st, rate, now_ms, policy)
-        cand = sorted(candidates.get(dc, ()), key=lambda h: (h.silent_since_ms(since), h.machine_id))
+        cand = sorted(candidates.get(dc, ()), key=lambda h: (state.silent_since_ms(h.machine_id), h.machine_id))
         take = cand if allowed is None else cand[:allowed]
         judged += take
         if allowed is not None:

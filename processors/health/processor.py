@@ -9,7 +9,7 @@ high volume and a faust agent reads only ~12k records/s.
 ```
  machines (from the beginning) ──► on_machine_event ─► HealthState   (which machines, status, owner key)
                                └─► resourcebroker.apply ─► BrokerState (status reason, failure UE ids)
- heartbeats (from the end) ──────► on_heartbeats (a poll's) ─► UNHEALTHY→UP heartbeat_resumed (in the grace)
+ heartbeats (from the end) ──────► skimmed (Beat) ─► on_beats (a poll's) ─► UNHEALTHY→UP heartbeat_resumed
                                └─ DOWN by health_check, newer heartbeat
                                    ─► machines_recovered(reason heartbeat_resumed)
                                    ─► MachinesStatusChanged DOWN→UP + UnavailabilityEnded
@@ -38,6 +38,13 @@ the biggest. Because the process does not know the last heartbeat of each machin
 silence clock once caught up (``restart_clocks``, CLOCKS_STARTED): nobody is judged before one timeout (``T``) has
 passed, so every live agent has had a chance to speak, however long the control plane was away.
 
+**A heartbeat costs little** (issue 28): the body of an AgentHeartbeat is not decoded into an ``Event``; the skimmer
+(``streams/skim.py``) walks its bytes as the writer's schema says and keeps its id, time, machine and sequence (a
+``Beat``), its writer's proof checked as the ordinary decode checks it (``streams.clients.SkimReader``: the same
+``identity_of`` over the same bytes, the same key check), and ``on_beats`` changes only when that machine was last
+heard (``liveness.py``: a few array cells). A record the skimmer declines (unproven, keyed or proven as another
+machine, another writer schema, malformed) is decoded the ordinary way, which dead-letters it with its reason.
+
 **Protection against mass failure** (``zones.py``, README): ticks pass ``DisruptionPolicy`` (the flags
 ``--unhealthy-zone-threshold``, ``--zone-failure-rate``, ``--secondary-zone-failure-rate``, ``--large-zone-size``):
 a zone (DC) with many machines silent at once has them failed at a pace, a region silent everywhere none, each
@@ -60,6 +67,8 @@ import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from confluent_kafka import OFFSET_END
 
@@ -69,7 +78,7 @@ from processors.resourcebroker import decide as broker
 from streams import batches
 from streams.catchup import read_to_end
 from streams.partitionmap import routed_producer
-from streams.clients import BACKGROUND_READER, EventConsumer, Record
+from streams.clients import BACKGROUND_READER, EventConsumer, Record, SkimReader
 from streams.deadletter import DeadLetters
 from streams.enums import MachineStatus
 from streams.events import Event
@@ -93,6 +102,16 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+class Skimmed(NamedTuple):
+    """A heartbeat read without decoding its body (``streams.skim``): its ``Beat``, and the raw record (decoded
+    only if its processing fails, to dead-letter it). ``topic`` and ``log_timestamp_ms`` feed the lag metric."""
+
+    beat: d.Beat
+    msg: Any
+    topic: str
+    log_timestamp_ms: int
+
+
 ZONE_STATE_VALUE = {zones.ZONE_NORMAL: 0, zones.ZONE_PARTIAL: 1, zones.ZONE_FULL: 2}  # the zone-state gauge's values
 
 
@@ -114,6 +133,8 @@ class HealthCheck(LoopWorker):
         self.health = d.HealthState()
         self.broker = broker.BrokerState()
         self.consumer: EventConsumer | None = None
+        self.skim: SkimReader | None = None  # heartbeats read without decoding them, proven (made with the consumer)
+        self.skimmed = 0  # heartbeats read by the skimmer (the others were decoded: another writer schema, ...)
         self._own: set[str] = set()
         self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/gc_control.py
         self._next_tick_ms = 0
@@ -128,6 +149,7 @@ class HealthCheck(LoopWorker):
         self.consumer = EventConsumer(self.cfg, self.registry, [self.machines_topic, self.heartbeats_topic],
                                       name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
                                       follows=True, **BACKGROUND_READER)
+        self.skim = SkimReader(self.consumer, "heartbeats", "AgentHeartbeat", d.BEAT_FIELDS)
         t0 = time.monotonic()
         with folding(freeze=True):  # the machines this process watches from now on (streams/gc_control.py)
             n = read_to_end(self.consumer, self.handle,
@@ -143,29 +165,88 @@ class HealthCheck(LoopWorker):
         metrics.HEALTH_CLOCK_RESTARTS.labels(reason=reason).inc()
 
     # -- records ---------------------------------------------------------------------------------------------
-    def handle(self, records: list[Record]) -> None:
+    def read(self, msgs: list) -> list[Record | Skimmed]:
+        """A poll's raw records (``poll_raw``), read: a heartbeat by the skimmer (no decode of its body: its id,
+        time, machine and sequence), proven and placed as the ordinary decode proves and places it
+        (``SkimReader``: the same check of its writer's proof over the same bytes); any other record, and a
+        heartbeat the skimmer declines (unproven, keyed as another machine, another writer schema, malformed),
+        decoded the ordinary way (a bad one dead-lettered with its reason there)."""
+        out: list[Record | Skimmed] = []
+        hb_topic, skim = self.heartbeats_topic, self.skim
+        consumer = self.consumer
+        assert skim is not None and consumer is not None, "read before start"
+        for msg in msgs:
+            if msg.topic() == hb_topic:
+                v = skim.read(msg)
+                if v is not None:
+                    out.append(Skimmed(d.Beat(*v), msg, hb_topic, msg.timestamp()[1]))
+                    continue
+            rec = consumer.decode(msg)
+            if rec is not None:
+                out.append(rec)
+        self.skimmed += sum(1 for r in out if isinstance(r, Skimmed))
+        consumer.observe_lag(out)
+        return out
+
+    def handle(self, records: Sequence[Record | Skimmed]) -> None:
         """A poll's records in order; the heartbeats between two machine events are judged together
-        (``on_heartbeats``: one event per owner for the machines they resume)."""
-        beats: list[Record] = []
+        (``on_beats``: one event per owner for the machines they resume), and the machine events between two
+        heartbeats are folded together (``_fold``: a registration's thousands in one step, not one copy each). A
+        heartbeat dated too far ahead is refused (``d.from_the_future``: it would blind the check to its machine)."""
+        beats: list[Record | Skimmed] = []
+        folds: list[Record] = []
         now = now_ms()
         for rec in records:
-            if rec.event.type == "AgentHeartbeat":
-                if d.from_the_future(rec.event, now):  # it would blind the check to its machine: refused
-                    self.refused_future += 1
-                    self.dead_letters.route_failed(
-                        rec, self.registry, f"dated {rec.event.timestamp_ms - now} ms after the health check's clock "
-                        f"(more than {d.MAX_CLOCK_SKEW_MS} ms)", log, reason=d.HB_FROM_THE_FUTURE)
+            if isinstance(rec, Skimmed) or rec.event.type == "AgentHeartbeat":
+                self._fold(folds)
+                folds = []
+                if d.from_the_future(self._beat(rec), now):
+                    self._from_the_future(rec, now)
                     continue
                 beats.append(rec)
-                continue
-            self._heartbeats(beats)
-            beats = []
-            try:
-                self._handle(rec)
-            except Exception as exc:  # noqa: BLE001 - one bad event must not stop the service
-                self._failed([rec], exc)
+            else:
+                self._heartbeats(beats)
+                beats = []
+                folds.append(rec)
+        self._fold(folds)
         self._heartbeats(beats)
         self._freezer.grew(len(self.health.machines))
+
+    def _fold(self, recs: list[Record]) -> None:
+        """Machine events, in order, folded in one step into both states (our own coming back skipped: applied
+        when we took them); if the batch raises, each on its own, the bad ones dead-lettered."""
+        if not recs:
+            return
+        evs = [r.event for r in recs if r.event.type in d.APPLIED and r.event.event_id not in self._own]
+        try:
+            health, brk = d.apply_all(self.health, evs), broker.apply_all(self.broker, evs)
+        except Exception:  # noqa: BLE001 - one bad event must not stop the service
+            log.exception("health: a batch of %d machine events failed; folding them one by one", len(recs))
+            for rec in recs:
+                try:
+                    self._handle(rec)
+                except Exception as exc:  # noqa: BLE001
+                    self._failed([rec], exc)
+            return
+        self.health, self.broker = health, brk
+        self._own.difference_update(r.event.event_id for r in recs if r.event.type in d.APPLIED)
+
+    def _from_the_future(self, rec: Record | Skimmed, now: int) -> None:
+        """Refuse a heartbeat dated more than ``d.MAX_CLOCK_SKEW_MS`` after ``now``: dead-lettered, reason
+        ``from_the_future`` (a skimmed one decoded for it: the dead letter holds the event)."""
+        self.refused_future += 1
+        full = self._decoded(rec)
+        if full is not None:
+            self.dead_letters.route_failed(
+                full, self.registry, f"dated {full.event.timestamp_ms - now} ms after the health check's clock "
+                f"(more than {d.MAX_CLOCK_SKEW_MS} ms)", log, reason=d.HB_FROM_THE_FUTURE)
+
+    def _decoded(self, rec: Record | Skimmed) -> Record | None:
+        """A skimmed heartbeat decoded the ordinary way (to dead-letter it); a decoded one as it is."""
+        if isinstance(rec, Skimmed):
+            assert self.consumer is not None
+            return self.consumer.decode(rec.msg)
+        return rec
 
     def _failed(self, recs: list[Record], exc: Exception) -> None:
         for rec in recs:
@@ -174,18 +255,24 @@ class HealthCheck(LoopWorker):
                       exc)
             self.dead_letters.route_failed(rec, self.registry, exc, log)
 
-    def _heartbeats(self, beats: list[Record]) -> None:
+    @staticmethod
+    def _beat(rec: Record | Skimmed) -> d.Beat:
+        return rec.beat if isinstance(rec, Skimmed) else d.beat_of(rec.event)
+
+    def _heartbeats(self, beats: list[Record | Skimmed]) -> None:
         if not beats:
             return
         try:
-            self.on_heartbeats([r.event for r in beats])
+            self.on_beats([self._beat(r) for r in beats])
         except Exception:  # noqa: BLE001 - a bad batch: each heartbeat on its own, the bad ones dead-lettered
             log.exception("health: a batch of %d heartbeats failed; judging them one by one", len(beats))
             for rec in beats:
                 try:
-                    self.on_heartbeats([rec.event])
+                    self.on_beats([self._beat(rec)])
                 except Exception as one:  # noqa: BLE001
-                    self._failed([rec], one)
+                    full = self._decoded(rec)
+                    if full is not None:
+                        self._failed([full], one)
 
     def _handle(self, rec: Record) -> None:
         ev = rec.event
@@ -199,26 +286,27 @@ class HealthCheck(LoopWorker):
     def on_heartbeat(self, hb: Event) -> None:
         self.on_heartbeats([hb])
 
-    def on_heartbeats(self, beats: list[Event]) -> None:
-        """Judge a poll's heartbeats: UNHEALTHY machines they resume are UP (``d.on_heartbeats``, one event per
-        owner); machines this service failed (DOWN, ``health_check``) that a counted heartbeat newer than the
-        failure speaks for are recovered together (``broker.machines_recovered``)."""
+    def on_heartbeats(self, heartbeats: list[Event]) -> None:
+        """``on_beats`` of decoded AgentHeartbeat events."""
+        self.on_beats([d.beat_of(hb) for hb in heartbeats])
+
+    def on_beats(self, beats: list[d.Beat]) -> None:
+        """Judge a poll's heartbeats: UNHEALTHY machines they resume are UP (``d.on_beats``, one event per owner);
+        machines this service failed (DOWN, ``health_check``) that a counted heartbeat newer than the failure
+        speaks for (``d.heard_while_failed``), and that the broker's fold holds so, are recovered together
+        (``broker.machines_recovered``)."""
         before = self.health
-        counted = [hb for hb in beats if d.classify(before, hb) in d.COUNTED]
-        self.health, events = d.on_heartbeats(self.health, beats)
+        self.health, events = d.on_beats(self.health, beats)
         self.emit(events)
-        back: dict[str, Event] = {}
-        for hb in counted:
-            mid = hb.payload["machine_id"]
+        back: dict[str, d.Beat] = {}
+        for mid, b in d.heard_while_failed(before, beats).items():
             rec = self.broker.get(mid)
-            held = self.health.machines.get(mid)
-            if (rec is not None and rec.status == MachineStatus.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK
-                    and held is not None and hb.timestamp_ms > held.status_ms):
-                back.setdefault(mid, hb)
+            if rec is not None and rec.status == MachineStatus.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK:
+                back[mid] = b
         if back:
             first = next(iter(back.values()))
             _, events = broker.machines_recovered(self.broker, back, d.HEARTBEAT_RESUMED,
-                                                  max(hb.timestamp_ms for hb in back.values()),
+                                                  max(b.timestamp_ms for b in back.values()),
                                                   causation_id=first.event_id or None, producer=PRODUCER)
             self.emit(events)
 
@@ -295,7 +383,7 @@ class HealthCheck(LoopWorker):
     # -- loop ------------------------------------------------------------------------------------------------
     def step(self) -> None:
         try:
-            records = self.consumer.poll(POLL_MAX, min(MAX_POLL_S, self.tick_ms / 1000))
+            records = self.read(self.consumer.poll_raw(POLL_MAX, min(MAX_POLL_S, self.tick_ms / 1000)))
         except Exception as exc:  # noqa: BLE001 - broker hiccup: log, go on
             self.errors += 1
             log.warning("health: poll failed: %s", exc)
@@ -306,7 +394,7 @@ class HealthCheck(LoopWorker):
         now = now_ms()
         # Behind: a full poll (a backlog waits) whose newest heartbeat is old. A poll that is not full has read up to
         # the end; on a quiet log, the fetch's wait alone makes the newest heartbeat a little old.
-        beats = [r.event.timestamp_ms for r in records if r.event.type == "AgentHeartbeat"]
+        beats = [self._beat(r).timestamp_ms for r in records if isinstance(r, Skimmed) or r.event.type == "AgentHeartbeat"]
         self.behind_ms = max(0, now - max(beats)) if len(records) >= POLL_MAX and beats else 0
         if now >= self._next_tick_ms:
             self._next_tick_ms = now + self.tick_ms

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from processors.cowmap import CowMap
+from processors.cowmap import MACHINE_SHARDS, CowMap
 from streams import batches
 from streams.enums import MachineStatus, UnavailabilityKind
 from streams.events import Event, derived_event_id, new_event
@@ -176,7 +176,7 @@ class MachineRecord:
 class BrokerState:
     """The broker's registry: machine id → MachineRecord (immutable; decisions return a new state)."""
 
-    machines: CowMap[MachineRecord] = field(default_factory=CowMap)
+    machines: CowMap[MachineRecord] = field(default_factory=lambda: CowMap(shards=MACHINE_SHARDS))
 
     def __len__(self) -> int:
         return len(self.machines)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from infra import trust
 from processors.health import decide as hd
 from processors.resourcebroker import decide as bd
 from processors.resourcebroker.region import generate_region, machines
@@ -222,13 +223,24 @@ def test_bad_heartbeat_record_goes_to_deadletter(cfg, registry, region, health_p
     p = EventProducer(cfg, registry, "test")
     t = Topics(cfg.topic_prefix, cfg.partitions)
     ticked(tmp_path, 1)
+    # A silent machine's heartbeat that reads and is proven by its machine's key (as its agent seals it) but is keyed
+    # as another machine, and one cut short: neither counts, both are dead-lettered by the ordinary decode with their
+    # reason.
+    silent_beat = trust.simulated_signer(cfg).seal(registry, "AgentHeartbeat", new_event(
+        "AgentHeartbeat", {"machine_id": region[0], "running_task_ids": ["t1"], "sequence": 10**6},
+        entitlement="free/dc1", entity_id=region[0], producer="test-agent", timestamp_ms=2**50).to_record())
     p.send_raw(t.name("heartbeats"), region[0].encode(), b"not avro at all")
+    p.send_raw(t.name("heartbeats"), region[2].encode(), silent_beat)
+    p.send_raw(t.name("heartbeats"), region[0].encode(), silent_beat[:-3])
     p.flush()
     follow = Follow(cfg, registry, "deadletter", "machines")
     try:
-        evs = follow.until(lambda evs: any(e.type == "DeadLetterRecorded" for e in evs), 15, "a dead letter")
-        dl = [e for e in evs if e.type == "DeadLetterRecorded"][0]
-        assert dl.payload["consumer"] == hd.PRODUCER and dl.payload["origin_topic"] == t.name("heartbeats")
+        evs = follow.until(lambda evs: sum(e.type == "DeadLetterRecorded" for e in evs) >= 3, 15, "3 dead letters")
+        dls = [e for e in evs if e.type == "DeadLetterRecorded"]
+        assert {(dl.payload["consumer"], dl.payload["origin_topic"]) for dl in dls} == {
+            (hd.PRODUCER, t.name("heartbeats"))}
+        assert len({(dl.payload["origin_partition"], dl.payload["origin_offset"]) for dl in dls}) == 3
+        assert "differs from the event's" in " ".join(dl.payload["detail"] for dl in dls)  # the mis-keyed one
         # Still alive: the two that never heartbeat go UNHEALTHY after the timeout.
         evs = follow.until(lambda evs: len(status_changes(evs, bd.UNHEALTHY)) == 2, (2 * TIMEOUT_MS) / 1000 + 8,
                            "two UNHEALTHY")
@@ -277,8 +289,10 @@ def test_a_dc_gone_silent_at_once_is_failed_at_a_pace_and_announced(cfg, registr
         ticked(tmp_path, 3)
         beats.silent.update(two_dcs[dc2])
         n = len(two_dcs[dc2])
-        evs = follow.until(lambda evs: len(status_changes(evs, bd.UNHEALTHY)) == n,
-                           (ZONE_TIMEOUT_MS + 1000 * n / ZONE_RATE) / 1000 + 30, f"all {n} machines of {dc2} UNHEALTHY")
+        # the last verdict and its failure are two records on two topics: wait for both, not for the first
+        evs = follow.until(lambda evs: len(status_changes(evs, bd.UNHEALTHY)) == n and sum(
+            len(e.payload["machine_ids"]) for e in evs if e.type == "UnavailabilityStarted") >= n,
+                           (ZONE_TIMEOUT_MS + 1000 * n / ZONE_RATE) / 1000 + 30, f"all {n} machines of {dc2} failed")
         zone = zone_events(evs)[0]
         assert zone.entitlement == f"free/{dc2}" and zone.payload["state"] == "FULL_DISRUPTION"
         assert (zone.payload["previous_state"], zone.payload["region_disrupted"]) == ("NORMAL", False)

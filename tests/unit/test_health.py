@@ -170,15 +170,16 @@ VERDICTS = [
 
 @pytest.mark.parametrize("last_seq, last_seen, seq, ts, verdict", VERDICTS)
 def test_classify(last_seq, last_seen, seq, ts, verdict):
-    state = HealthState(watched().machines.updated({X: MachineHealth(X, "free/dc1", last_seen_ms=last_seen,
-                                                                     last_sequence=last_seq)}))
+    state = watched()  # registered at t=0: last heard 0, no sequence yet
+    if last_seq >= 0:
+        state, _ = on_heartbeat(state, hb(X, last_seq, last_seen))
+    assert state.last_heard(X) == (last_seen, last_seq)
     assert classify(state, hb(X, seq, ts)) == verdict
     new_state, _ = on_heartbeat(state, hb(X, seq, ts))
-    rec = new_state.machines[X]
     if verdict in (HB_DUPLICATE, HB_STALE):
         assert new_state is state
     else:
-        assert (rec.last_sequence, rec.last_seen_ms) == (seq, max(last_seen, ts))
+        assert new_state.last_heard(X) == (max(last_seen, ts), seq)
 
 
 def test_classify_unknown_machine():
@@ -250,8 +251,9 @@ def test_folding_machine_events_twice_changes_nothing():
         assert on_machine_event(once, ev) == once, ev.type
         state = once
     assert apply_all(HealthState(), events + events) == state
-    assert state.machines[X] == MachineHealth(X, "free/dc1", status=UP, status_ms=9, last_seen_ms=9, owner_ms=10,
-                                              dc="dc1", status_reason="operator")
+    assert state.machines[X] == MachineHealth(X, "free/dc1", status=UP, status_ms=9, owner_ms=10, dc="dc1",
+                                              status_reason="operator")
+    assert state.last_heard(X) == (9, -1)  # back UP at 9: its silence counts from then
 
 
 def test_other_events_are_ignored():

@@ -9,6 +9,7 @@ from processors.resourcebroker.decide import (
     failure_unavailability_id, machine_failed, machine_recovered, maintenance_ended, maintenance_started,
     next_status, parse_target, plan_maintenance, register, register_all, resolve_targets,
 )
+from processors.cowmap import MACHINE_SHARDS
 from processors.resourcebroker.region import MachineSpec, machines, parse_region
 from streams.events import new_event
 from streams.serde import SchemaRegistry
@@ -478,3 +479,16 @@ def test_cowmap():
     assert shared >= 254  # only the touched shards were copied
     with pytest.raises(TypeError):
         hash(base)
+
+
+def test_a_cowmap_of_machines_grows_its_shards_so_a_big_update_copies_little():
+    small = CowMap({f"m{i}": i for i in range(100)}, shards=MACHINE_SHARDS)
+    assert len(small._shards) == 256
+    grown = small.updated({f"m{i}": i for i in range(100, 5000)})  # past 16 a shard: laid out over 4,096
+    assert len(grown._shards) == 4096 and grown == {f"m{i}": i for i in range(5000)} and len(small) == 100
+    again = grown.updated({f"m{i}": -i for i in range(0, 5000, 50)})  # 100 keys: ~100 small shards copied
+    assert sum(a is not b for a, b in zip(grown._shards, again._shards)) <= 100
+    assert again["m50"] == -50 and grown["m50"] == 50
+    assert len(CowMap({}, shards=MACHINE_SHARDS).updated({f"m{i}": i for i in range(70_000)})._shards) == 65_536
+    with pytest.raises(ValueError, match="power of two"):
+        CowMap(shards=100)
