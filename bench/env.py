@@ -106,9 +106,10 @@ class BenchEnv:
             env = json.loads(earlier.read_text())
         else:
             broker = free_port_block(2 * brokers)  # node i on broker + 2i, its controller on broker + 2i + 1
+            jmx = free_port_block(brokers)  # node i's JMX port: jmx + i (bench/brokerstats.py reads it)
             redis_port, api_port = free_ports(2)
             env = {"ROPEWALK_BROKER_PORT": str(broker), "ROPEWALK_CONTROLLER_PORT": str(broker + 1),
-                   "ROPEWALK_BROKERS": str(brokers),
+                   "ROPEWALK_BROKERS": str(brokers), "ROPEWALK_BROKER_JMX_PORT": str(jmx),
                    "ROPEWALK_REDIS_PORT": str(redis_port), "ROPEWALK_API_PORT": str(api_port),  # a region of its own
                    "ROPEWALK_RUN_DIR": str(self.run_dir), "ROPEWALK_PARTITIONS": str(partitions),
                    "ROPEWALK_TOPIC_PREFIX": f"bench{uuid.uuid4().hex[:6]}."}

@@ -152,6 +152,18 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
             doc["cpu_ms_per_job"] = (burst["cpu"]["ms_per_job"] or {})
             doc["cpu_ms_per_job_total"] = round(sum(doc["cpu_ms_per_job"].values()), 3) if burst["cpu"]["ms_per_job"] \
                 else None
+            # ... and over the burst jobs' whole life (to every task RUNNING), with the broker's requests and the
+            # records written per job (bench/brokerstats.py, bench/logcount.py) and the region's cost with nothing in
+            # flight (a phase's figure per job holds that much per second of the phase)
+            cost = burst["cost"]
+            life = cost["to_running"]
+            doc["cpu_ms_per_job_to_running"] = life["cpu_ms_per_job"] or {}
+            doc["cpu_ms_per_job_to_running_total"] = round(sum(doc["cpu_ms_per_job_to_running"].values()), 3) \
+                if life["cpu_ms_per_job"] else None
+            doc["broker_requests_per_job"] = (cost["to_allocated"]["broker_per_job"] or {}).get("requests_total")
+            doc["broker_requests_per_job_to_running"] = (life["broker_per_job"] or {}).get("requests_total")
+            doc["records_per_job"] = life["records_per_job"]["total"]
+            doc["background_cpu_ms_per_s"] = cost["background"]["cpu_ms_per_s"]
             doc["cache_hit_ratio"] = alloc["repeat"]["cache_hit_ratio"]
             doc["cache_hit_ratio_whole_workload"] = alloc["whole_workload_cache"]["cache_hit_ratio"]
             notes["cache_hit_ratio"] = ("no job-level cache: every decision runs on the allocator's in-memory fold "
@@ -186,6 +198,8 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
                             seed=opts.seed + 4, timeout_s=opts.phase_timeout_s)
             for i, n in enumerate(fo.pop("notes")):
                 notes[f"failover.{i}"] = n
+            doc["failover_broker_requests"] = (fo["cost"]["broker"] or {}).get("requests_total")
+            doc["failover_records"] = fo["cost"]["records"]["total"]
             doc["failover_p50_ms"] = fo["p50_ms"]
             doc["failover_p99_ms"] = fo["p99_ms"]
             if fo["p50_ms"] is None:
@@ -314,6 +328,13 @@ ROWS = (
     ("alloc_p99_ms", "ms", "one job in flight"),
     ("alloc_burst_p50_ms", "ms", "burst (queueing included)"),
     ("alloc_burst_p99_ms", "ms", "burst"),
+    ("cpu_ms_per_job_total", "ms", "burst: CPU of every process per job, to all allocated"),
+    ("cpu_ms_per_job_to_running_total", "ms", "burst: the same to every task RUNNING (the job's whole life)"),
+    ("broker_requests_per_job", "requests", "burst: broker requests per job, to all allocated (JMX)"),
+    ("broker_requests_per_job_to_running", "requests", "burst: the same to every task RUNNING"),
+    ("records_per_job", "records", "burst: records written per job to RUNNING (heartbeats aside)"),
+    ("failover_broker_requests", "requests", "failover: broker requests, failure to every task moved"),
+    ("failover_records", "records", "failover: records written (heartbeats aside)"),
     ("cache_hit_ratio", "", "allocator cache (none: see notes)"),
     ("cache_hit_ratio_whole_workload", "", "allocator cache (none)"),
     ("failover_p50_ms", "ms", "failure event -> task RUNNING elsewhere"),
@@ -354,10 +375,27 @@ def format_table(doc: dict) -> str:
     for phase, st in prof.get("pipeline_stages", {}).items():
         lines.append(f"  {phase:8} scheduler p50 {_fmt(st.get('scheduler_p50_ms'))} p99 {_fmt(st.get('scheduler_p99_ms'))}"
                      f" | allocator p50 {_fmt(st.get('allocator_p50_ms'))} p99 {_fmt(st.get('allocator_p99_ms'))}")
-    cpu = doc["details"].get("allocation", {}).get("burst", {}).get("cpu")
+    burst = doc["details"].get("allocation", {}).get("burst", {})
+    cpu = burst.get("cpu")
     if cpu and cpu.get("ms_per_job"):
         lines += ["", f"CPU per job of the burst, ms (user + system, from /proc; {cpu['total_s']:.1f} s in all): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu["ms_per_job"].items(), key=lambda kv: -kv[1]))]
+    cost = burst.get("cost")
+    if cost:
+        life = cost["to_running"]
+        if life["cpu_ms_per_job"]:
+            lines.append("... to every task RUNNING: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in sorted(life["cpu_ms_per_job"].items(), key=lambda kv: -kv[1])))
+        lines.append("with nothing in flight, CPU ms per s: " + ", ".join(
+            f"{k} {v:.0f}" for k, v in sorted(cost["background"]["cpu_ms_per_s"].items(), key=lambda kv: -kv[1])))
+        for label, b in (("broker requests per job, to allocated", cost["to_allocated"]["broker_per_job"]),
+                         ("broker requests per job, to RUNNING", life["broker_per_job"]),
+                         ("broker requests per s, nothing in flight", cost["background"]["broker_per_s"])):
+            if b:
+                lines.append(f"{label}: {b['requests_total']} (" + ", ".join(
+                    f"{k} {v}" for k, v in b["requests"].items()) + ")")
+        lines.append("records per job to RUNNING, by producer and type: " + ", ".join(
+            f"{k} {v}" for k, v in life["records_per_job"]["by_type"].items()))
     each = ", ".join(f"{q['ms']:.1f}" for q in prof["per_request"])
     lines += ["", f"where the allocator's time goes ({prof['target']}; {prof['requests']} requests after a fold of "
                   f"the log in {prof.get('fold_s')} s; ms each: {each}):"]

@@ -24,6 +24,7 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
+from bench import brokerstats, logcount
 from bench.observe import LogObserver
 from infra.config import Config
 from processors.frontend.jobspec import validate_spec
@@ -132,6 +133,21 @@ def stages(obs: LogObserver, submitted: Mapping[str, int]) -> dict[str, Any]:
             "allocator_p50_ms": _ms(percentile(alloc, 50)), "allocator_p99_ms": _ms(percentile(alloc, 99))}
 
 
+BACKGROUND_S = 5.0  # how long the region's cost with no job in flight is measured before the burst
+
+
+def background_cost(env, seconds: float) -> dict[str, Any]:
+    """CPU (ms per second, per process) and broker requests (per second) of the region with nothing in flight: the
+    heartbeats, the health check, idle fetches. A phase's cost per job holds this much per second of the phase."""
+    req0 = brokerstats.read(env.cfg)
+    cpu0 = env.cpu_seconds()
+    time.sleep(seconds)
+    cpu1 = env.cpu_seconds()
+    return {"seconds": seconds, "cpu_ms_per_s": {k: round(1000 * (cpu1[k] - cpu0[k]) / seconds, 1)
+                                                 for k in cpu1 if k in cpu0},
+            "broker_per_s": brokerstats.per_job(req0, brokerstats.read(env.cfg), max(1, round(seconds)))}
+
+
 def cpu_used(before: Mapping[str, float], after: Mapping[str, float], jobs: int) -> dict[str, Any]:
     """CPU seconds each process used between two ``BenchEnv.cpu_seconds`` readings, and per job (ms)."""
     used = {name: round(after[name] - before[name], 3) for name in after if name in before}
@@ -178,6 +194,9 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     if not wait_running(obs, max(1.0, deadline - time.monotonic())):
         notes.append("burst phase: started before every task of the latency phase ran")
     c0 = allocator_counters(r, cfg.topic_prefix)
+    background = background_cost(env, BACKGROUND_S)  # what the region costs with no job in flight, per second
+    ends0 = logcount.topic_ends(cfg)
+    req0 = brokerstats.read(cfg)
     cpu0 = env.cpu_seconds()
     specs = job_specs(burst_jobs, ents, dcs, rng, "job")
     submitted: dict[str, int] = {}
@@ -199,6 +218,7 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     burst_lat = [obs.done_ms[j] - submitted[j] for j in done]
     c1 = allocator_counters(r, cfg.topic_prefix)
     cpu = cpu_used(cpu0, env.cpu_seconds(), len(done))
+    req1 = brokerstats.read(cfg)
     burst_t_first = t_first
     out["burst"] = {"jobs": len(done), "tasks": tasks, "seconds": round(secs, 3), "t_first_ms": t_first,
                     "t_last_ms": t_last,
@@ -209,6 +229,17 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     # phase 3: repeated allocations for known jobs, on a quiet pipeline again
     if not wait_running(obs, max(1.0, deadline - time.monotonic())):
         notes.append("repeat phase: started before every task of the burst ran")
+    # the burst's jobs' whole life (submit, request, decision, commands, agents' reports, running): what it cost
+    cpu_life = cpu_used(cpu0, env.cpu_seconds(), len(done))
+    req2 = brokerstats.read(cfg)
+    ends2 = logcount.topic_ends(cfg)
+    out["burst"]["cost"] = {
+        "to_allocated": {"cpu_ms_per_job": cpu["ms_per_job"], "broker_per_job": brokerstats.per_job(req0, req1,
+                                                                                                    len(done))},
+        "to_running": {"cpu_ms_per_job": cpu_life["ms_per_job"], "cpu_s": cpu_life["total_s"],
+                       "broker_per_job": brokerstats.per_job(req0, req2, len(done)),
+                       "records_per_job": logcount.records_between(cfg, ends0, ends2, len(done))},
+        "background": background}
     # the burst's tasks all RUNNING and read so by the scheduler: the whole pipeline, submit to running
     burst_tasks = [t for j in done for t in obs.allocated[j]]
     if burst_tasks and all(t in obs.discovered for t in burst_tasks):
@@ -294,6 +325,8 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     # MachinesStatusChanged and one UnavailabilityStarted per owner, not two events per machine.
     state, events = broker.machines_failed(state, victims, broker.REASON_OPERATOR, now)
     fail_ts = min((e.timestamp_ms for e in events), default=now)
+    ends0 = logcount.topic_ends(env.cfg)
+    req0 = brokerstats.read(env.cfg)
     cpu0 = env.cpu_seconds()
     produce(producer, events)
 
@@ -303,13 +336,16 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
 
     ok = obs.wait(lambda: all(moved(t) for t in affected), timeout_s)
     cpu = cpu_used(cpu0, env.cpu_seconds(), 1)
+    cost = {"broker": brokerstats.per_job(req0, brokerstats.read(env.cfg), 1),
+            "records": logcount.records_between(env.cfg, ends0, logcount.topic_ends(env.cfg))}
     lat = [obs.running[t][1] - fail_ts for t in affected if moved(t)]
     if not ok:
         notes.append(f"{len(affected) - len(lat)} of {len(affected)} affected tasks not running elsewhere within "
                      f"{timeout_s:.0f} s")
     return {"machines_failed": len(victims), "tasks_affected": len(affected), "tasks_moved": len(lat),
             "p50_ms": _ms(percentile(lat, 50)), "p99_ms": _ms(percentile(lat, 99)),
-            "all_moved_ms": _ms(max(lat) if lat and ok else None), "cpu_s": cpu["seconds"], "notes": notes}
+            "all_moved_ms": _ms(max(lat) if lat and ok else None), "cpu_s": cpu["seconds"], "cost": cost,
+            "notes": notes}
 
 
 # -- raw broker rates --------------------------------------------------------------------------------------------

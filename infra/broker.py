@@ -225,11 +225,28 @@ def check_libs() -> None:
                          f"{KAFKA_VERSION} from Maven Central)")
 
 
-def jvm_argv(cfg: Config, main: str, *args: str, heap_mb: int | None = None) -> list[str]:
+def jvm_argv(cfg: Config, main: str, *args: str, heap_mb: int | None = None, jmx_port: int | None = None) -> list[str]:
     heap = heap_mb or cfg.broker_heap_mb
     return [java_binary(), f"-Xmx{heap}m", f"-Xms{min(heap, 128)}m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
-            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
+            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true", *jmx_flags(jmx_port),
             f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", "-cp", f"{LIBS}/*", main, *args]
+
+
+def jmx_flags(port: int | None) -> list[str]:
+    """The JVM flags of a JMX port on 127.0.0.1 (``ROPEWALK_BROKER_JMX_PORT``: measurements read the broker's own
+    request counts there, bench/brokerstats.py); none without a port. Unauthenticated and unencrypted: anyone on
+    this machine who can reach the port can read and call the broker's MBeans, so it is opt-in, for a benchmark's
+    own broker. Pure."""
+    if port is None:
+        return []
+    return [f"-Dcom.sun.management.jmxremote.port={port}", f"-Dcom.sun.management.jmxremote.rmi.port={port}",
+            "-Dcom.sun.management.jmxremote.host=127.0.0.1", "-Djava.rmi.server.hostname=127.0.0.1",
+            "-Dcom.sun.management.jmxremote.authenticate=false", "-Dcom.sun.management.jmxremote.ssl=false"]
+
+
+def jmx_port_of(cfg: Config, node_id: int) -> int | None:
+    """Node ``node_id``'s JMX port (``ROPEWALK_BROKER_JMX_PORT`` + its index), None without one. Pure."""
+    return None if cfg.broker_jmx_port is None else cfg.broker_jmx_port + node_id - 1
 
 
 def write_config(cfg: Config, layout: BrokerLayout, node: BrokerNode | None = None) -> None:
@@ -433,7 +450,7 @@ def broker(cfg: Config, ready, node: BrokerNode | None = None) -> ManagedProcess
                                                    f"{2 * (node.id - 1)})" if node.id > 1 else "")
     return ManagedProcess(
         name=node_name(cfg, node.id),
-        argv=jvm_argv(cfg, "kafka.Kafka", str(layout.properties)),
+        argv=jvm_argv(cfg, "kafka.Kafka", str(layout.properties), jmx_port=jmx_port_of(cfg, node.id)),
         port=node.port,
         port_var=port_var,
         extra_ports=((node.controller_port, controller_var),),
@@ -449,7 +466,8 @@ def programs(cfg: Config) -> list:
     from infra.supervisor import Program
 
     check_libs()
-    return [Program(node_name(cfg, n.id), tuple(jvm_argv(cfg, "kafka.Kafka", str(BrokerLayout.of(cfg, n.id).properties))),
+    return [Program(node_name(cfg, n.id), tuple(jvm_argv(cfg, "kafka.Kafka", str(BrokerLayout.of(cfg, n.id).properties),
+                                                         jmx_port=jmx_port_of(cfg, n.id))),
                     service=True) for n in cfg.broker_nodes]
 
 

@@ -10,6 +10,7 @@ real Redis needs no code change.
 | ROPEWALK_BROKERS            | the run dir's cluster, else 1        | nodes of the embedded Kafka cluster (1, or 3 and more: `ropewalk up --brokers N`); node i (0-based) listens on $ROPEWALK_BROKER_PORT + 2i and its controller on $ROPEWALK_CONTROLLER_PORT + 2i |
 | ROPEWALK_REPLICATION_FACTOR | embedded: 1, or 3 with 3+ nodes; external: the cluster's brokers, at most 3 | replicas of every topic Ropewalk creates (its catalogue, faust's changelogs); `min.insync.replicas` follows (streams/topics.py, ``min_insync_replicas``) |
 | ROPEWALK_BROKER_HEAP_MB     | 512                                  | the embedded broker's Java heap (-Xmx), of each node |
+| ROPEWALK_BROKER_JMX_PORT    | unset                                | the embedded broker's JMX port on 127.0.0.1 (node i on it + i), unauthenticated: for measurements (the bench reads the broker's request counts there, bench/brokerstats.py); unset, no JMX port |
 | ROPEWALK_REDIS_PORT         | 16379                                | port of the private redis-server          |
 | ROPEWALK_RUN_DIR            | <project>/.run                       | pids, logs, redis dir, archives           |
 | ROPEWALK_PARTITIONS         | 8                                    | partitions of every entitlement-keyed topic |
@@ -155,6 +156,7 @@ class Config:
     principal: str = DEFAULT_PRINCIPAL  # who this process is on the broker and in Redis
     api_port: int = DEFAULT_API_PORT
     api_url: str = ""  # where the CLI finds the API; "": http://127.0.0.1:<api_port>
+    broker_jmx_port: int | None = None  # the embedded broker's JMX port (ROPEWALK_BROKER_JMX_PORT; None: none)
     kafka_log_level: int = 3  # librdkafka's own log lines (syslog levels: 3 errors) of producers and consumers; the
     #                           CLI sets 0: its one error line says what failed (a reader closed mid-handshake logs
     #                           a SASL error that means nothing)
@@ -208,6 +210,7 @@ class Config:
             max_tasks_per_job=max_tasks,
             secrets_dir=Path(env["ROPEWALK_SECRETS_DIR"]) if env.get("ROPEWALK_SECRETS_DIR") else None,
             api_port=api_port,
+            broker_jmx_port=_int(env, "ROPEWALK_BROKER_JMX_PORT", 0) or None,
             api_url=env.get("ROPEWALK_API_URL", "").strip().rstrip("/") or f"http://127.0.0.1:{api_port}",
         )
 

@@ -135,3 +135,29 @@ def test_table_shows_every_required_figure(bench_doc):
     missing = [k for k in REQUIRED if k not in ("machines", "cores") and k not in table]
     assert not missing
     assert f"{MACHINES:,} machines" in table
+
+
+@pytest.mark.timeout(240)
+def test_what_a_job_costs_per_hop(bench_doc):
+    """Records written per job by producer and type, and the broker's requests (its JMX counts) per job, over the
+    burst (to allocated and to RUNNING) and the failover: counted, not invented (issue 28)."""
+    doc = bench_doc
+    cost = doc["details"]["allocation"]["burst"]["cost"]
+    records = cost["to_running"]["records_per_job"]
+    assert records["complete"]
+    by_type = records["by_type"]
+    # every burst job was submitted once, asked for once and answered: one of each per job, at least
+    assert by_type["bench: JobSubmitted"] == pytest.approx(1.0, abs=0.01)
+    assert by_type["scheduler: AllocationRequested"] >= 1.0 and by_type["allocator: TasksAllocated"] >= 1.0
+    assert by_type.get("scheduler: TasksCommanded", 0) >= 1.0  # the starts
+    assert doc["records_per_job"] == records["total"] > 0
+    for phase in ("to_allocated", "to_running"):
+        b = cost[phase]["broker_per_job"]
+        assert b["requests"]["Produce"] > 0 and b["requests"]["Fetch"] > 0, b
+        assert b["requests_total"] == pytest.approx(sum(b["requests"].values()), abs=0.01)
+    assert doc["broker_requests_per_job"] <= doc["broker_requests_per_job_to_running"]
+    assert doc["cpu_ms_per_job_to_running_total"] >= doc["cpu_ms_per_job_total"] - 0.01
+    assert _number(cost["background"]["cpu_ms_per_s"]["broker"])
+    fo = doc["details"]["failover"]["cost"]
+    assert fo["records"]["by_type"]["scheduler: AllocationRequested"] >= 1  # the moves were asked for
+    assert doc["failover_broker_requests"] > 0
