@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "cpu_s")}
             out["failover"]["requests"] = (fo["cost"]["broker"] or {}).get("requests")
             out["failover"]["records"] = fo["cost"]["records"]["by_type"]
+            out["failover"]["timeline_ms"] = fo["cost"]["records"].get("timeline")
         obs.close()
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))

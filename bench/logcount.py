@@ -34,10 +34,11 @@ def topic_ends(cfg: Config) -> dict[tuple[str, int], int]:
 
 
 def records_between(cfg: Config, before: dict[tuple[str, int], int], after: dict[tuple[str, int], int],
-                    per: int = 1) -> dict[str, Any]:
+                    per: int = 1, since_ms: int | None = None) -> dict[str, Any]:
     """The records written between two ``topic_ends`` readings, divided by ``per`` (the phase's jobs): by topic and
     producer (``"<topic> <- <producer>"``), by producer and type, in all (``total``, heartbeats left out) and the
-    heartbeats (``background``). Read back from the log."""
+    heartbeats (``background``). Read back from the log. With ``since_ms`` (a phase's start, epoch ms), also the
+    ``timeline``: per producer and type, the log times of its first and last record, in ms after it."""
     from confluent_kafka import Consumer, TopicPartition
 
     from streams.clients import PRODUCER_HEADER, TYPE_HEADER, consumer_conf, header
@@ -45,6 +46,7 @@ def records_between(cfg: Config, before: dict[tuple[str, int], int], after: dict
     todo = {tp: (before.get(tp, 0), end) for tp, end in after.items() if end > before.get(tp, 0)}
     by_topic: Counter[tuple[str, str]] = Counter()
     by_type: Counter[tuple[str, str]] = Counter()
+    times: dict[tuple[str, str], list[int]] = {}
     c = Consumer(consumer_conf(cfg, None, **{"enable.partition.eof": False}))
     try:
         if todo:
@@ -66,7 +68,12 @@ def records_between(cfg: Config, before: dict[tuple[str, int], int], after: dict
                 type_ = header(m.headers(), TYPE_HEADER)
                 who = producer.decode() if producer else ("changelog" if topic.endswith("-changelog") else "?")
                 by_topic[(topic, who)] += 1
-                by_type[(who, type_.decode() if type_ else topic)] += 1
+                what = (who, type_.decode() if type_ else topic)
+                by_type[what] += 1
+                if since_ms is not None:
+                    t = m.timestamp()[1] - since_ms
+                    first_last = times.setdefault(what, [t, t])
+                    first_last[0], first_last[1] = min(first_last[0], t), max(first_last[1], t)
     finally:
         c.close()
     jobs = max(1, per)
@@ -74,4 +81,6 @@ def records_between(cfg: Config, before: dict[tuple[str, int], int], after: dict
             "by_type": {f"{p}: {t}": round(n / jobs, 3) for (p, t), n in sorted(by_type.items())},
             "total": round(sum(n for (t, _), n in by_topic.items() if t not in BACKGROUND) / jobs, 3),
             "background": round(sum(n for (t, _), n in by_topic.items() if t in BACKGROUND) / jobs, 3),
-            "complete": not left}
+            "complete": not left,
+            **({"timeline": {f"{p}: {t}": fl for (p, t), fl in sorted(times.items(), key=lambda kv: kv[1][0])}}
+               if since_ms is not None else {})}

@@ -320,13 +320,13 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     # (a first send's connection and schema publication took ~0.5 s, counted as failover before).
     producer = EventProducer(env.cfg, registry, broker.PRODUCER)
     producer.prepare("MachinesStatusChanged", "UnavailabilityStarted")
+    ends0 = logcount.topic_ends(env.cfg)  # the counters read before the clock starts (a JMX reading takes seconds)
+    req0 = brokerstats.read(env.cfg)
     now = int(time.time() * 1000)
     # One decision for all of them, as the health check takes for the machines gone silent in one tick: one
     # MachinesStatusChanged and one UnavailabilityStarted per owner, not two events per machine.
     state, events = broker.machines_failed(state, victims, broker.REASON_OPERATOR, now)
     fail_ts = min((e.timestamp_ms for e in events), default=now)
-    ends0 = logcount.topic_ends(env.cfg)
-    req0 = brokerstats.read(env.cfg)
     cpu0 = env.cpu_seconds()
     produce(producer, events)
 
@@ -337,7 +337,7 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     ok = obs.wait(lambda: all(moved(t) for t in affected), timeout_s)
     cpu = cpu_used(cpu0, env.cpu_seconds(), 1)
     cost = {"broker": brokerstats.per_job(req0, brokerstats.read(env.cfg), 1),
-            "records": logcount.records_between(env.cfg, ends0, logcount.topic_ends(env.cfg))}
+            "records": logcount.records_between(env.cfg, ends0, logcount.topic_ends(env.cfg), since_ms=fail_ts)}
     lat = [obs.running[t][1] - fail_ts for t in affected if moved(t)]
     if not ok:
         notes.append(f"{len(affected) - len(lat)} of {len(affected)} affected tasks not running elsewhere within "
