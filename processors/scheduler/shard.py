@@ -9,7 +9,7 @@ event of the entitlements hashed to p, in log order. Kill a worker and the group
 survivors, which recover the partitions' table data from the changelogs before they read on.
 
 ```
- intents, allocations, tasks,     take_batches: what queued, until a 1 ms gap
+ intents, allocations, tasks,     FetchBatches: whole fetches, what queued until a 1 ms gap
  machines, unavailability,  ────► gate: offset guard; record header producer=scheduler ──► passed over, undecoded
  taskcontrol (one faust topic)    decode (bad bytes ──► deadletter)
                                      │
@@ -67,11 +67,13 @@ whose type ``decide`` does nothing with (``CONSUMED``: no MachineRegistered, no 
 in the gate, before decoding (after the offset guard has counted it). Records without the headers (older logs,
 other writers) are decoded, and ``decide`` drops the scheduler's own by ``is_own`` and ignores the other types.
 
-**Batches.** ``faustwire.take_batches`` hands the agent what has queued: a batch ends when no new record came for
-``BATCH_GAP_S`` (1 ms), or at 500 records, or 20 ms after its first record. An idle shard decides a lone record
-1 ms after it came; a busy one decides everything that queued while it was busy in one batch (faust's
-``take_events`` waits a fixed window instead: 10 ms made every lone record wait, 2 ms cut a burst into batches of
-~15 records, each some six produce requests of output and changelog). The batch is decided on one state, event after event in log order (each
+**Batches.** The consumer hands the sources' records over as whole fetches (``faustwire.FetchBatches``: faust keeps
+the group, the assignment, the tables and their recovery; its per-record delivery to a stream, several asyncio tasks
+per record, ~90 µs against ~3 µs for aiokafka's ``getmany`` under it in ``bench/faust_overhead.py``, is skipped for
+them), and a batch is what has queued: it ends when no new fetch came for ``BATCH_GAP_S`` (1 ms), or at 500
+records, or 20 ms after its first record. An idle shard decides a lone record 1 ms after it came; a busy one decides
+everything that queued while it was busy in one batch. The agent acks each record once its batch is handled (what
+faust's commits go by). The batch is decided on one state, event after event in log order (each
 event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
 once: a job that many events of the batch touched is written once, with only its changed chunks.
 
@@ -163,8 +165,8 @@ from streams import batches
 from streams.clients import EPOCH_HEADER, FORWARDED_HEADER, PRODUCER_HEADER, TYPE_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import (FlowWatch, decode_message, header_of, make_app, route_dead_letter, tables_ready,
-                               take_batches)
+from streams.faustwire import (FetchBatches, FlowWatch, decode_message, header_of, make_app, route_dead_letter,
+                               tables_ready)
 from streams.partitionmap import REASON_HELD, REASON_MOVED, REASON_MOVING, MapFollower, assignment_event
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
@@ -177,7 +179,7 @@ SOURCES = ("intents", "allocations", "tasks", "machines", "unavailability", "tas
 RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
 FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
 BATCH_MAX = 500  # records handed to one decision batch at most
-BATCH_GAP_S = 0.001  # a batch is decided once no new record came for this long (faustwire.take_batches)...
+BATCH_GAP_S = 0.001  # a batch is decided once no new fetch came for this long (faustwire.FetchBatches.take)...
 BATCH_MAX_WAIT_S = 0.02  # ...or its first record waited this long
 BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
 FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
@@ -576,6 +578,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     handoff_topic = catalogue.name("handoff")
     allocations_topic = catalogue.name("allocations")
     source = app.topic(*source_names, key_serializer="raw", value_serializer="raw", partitions=cfg.partitions)
+    fetches = app.fetch_batches = FetchBatches(source_names)  # whole fetches, not faust's per-record delivery
     lock = asyncio.Lock()
     limits = Limits.from_env(os.environ)
     max_tasks = cfg.max_tasks_per_job
@@ -888,13 +891,14 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await apply_or_retry(items, passed, forwards)
 
     @app.agent(source, name=f"{APP_ID}.schedule")
-    async def schedule(stream):
-        async for batch in take_batches(stream, BATCH_MAX, BATCH_GAP_S, BATCH_MAX_WAIT_S):
+    async def schedule(stream):  # noqa: ARG001 - the consumer hands the sources' records over as whole fetches
+        ack = app.consumer.ack
+        while True:
+            batch = await fetches.take(BATCH_MAX, BATCH_GAP_S, BATCH_MAX_WAIT_S)
             items: list = []
             passed: dict[str, tuple[int, int]] = {}  # records passed over (no decision): key -> (partition, next)
             forwards: list = []
-            for fev in batch:
-                msg = fev.message
+            for msg in batch:
                 if await gate(msg):
                     await triage(msg, items, passed, forwards)
             # A batch of only passed-over records (a region's registration: a million MachineRegistered) stores
@@ -903,6 +907,8 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await apply_or_retry(items, passed, forwards)
             if held:
                 await release_held()
+            for msg in batch:  # handled: faust may commit them (the shard's own offsets are its tables')
+                ack(msg)
 
     async def apply_or_retry(items: list, passed: Mapping[str, tuple[int, int]], forwards: list = ()) -> None:
         """Apply a batch. If the broker does not take its output (nothing is stored then), apply its records one
