@@ -1,5 +1,5 @@
 # The two set-up commands of the README. Both start from a fresh clone: infra/bootstrap.sh makes .venv.
-.PHONY: up test down status
+.PHONY: up test test-long down status
 up:
 	bash infra/bootstrap.sh
 	.venv/bin/ropewalk up
@@ -9,6 +9,10 @@ test:
 	.venv/bin/ruff check .  # the rules in pyproject.toml ([tool.ruff])
 	.venv/bin/mypy  # the pure decision modules ([tool.mypy] in pyproject.toml)
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile  # two workers, each with its own broker and Redis
+
+test-long:  # the long runs CI leaves out (pytest -m long): each has a brief version in `make test`
+	bash infra/bootstrap.sh --for-tests
+	.venv/bin/python -m pytest -q -m long
 
 down:
 	.venv/bin/ropewalk down

@@ -1,4 +1,5 @@
-"""`ropewalk bench` and `ropewalk experiment figure14|killstorm|powerloss`: the bench package's commands of the CLI.
+"""`ropewalk bench` and `ropewalk experiment figure14|killstorm|powerloss|soak`: the bench package's commands of the
+CLI.
 
 The front end (processors/frontend/cli.py) names these commands in its parser (so `ropewalk --help` lists them) and
 hands them over whole: it replaces itself with this program, ``python -P -m bench.cli COMMAND ...`` (the same
@@ -42,6 +43,7 @@ def add_commands(bench, experiment) -> None:
     sp.set_defaults(fn=cmd_killstorm)
     killstorm.add_arguments(sp)
     add_powerloss(exp)
+    add_soak(exp)
 
 
 def add_powerloss(exp) -> None:
@@ -56,6 +58,20 @@ def add_powerloss(exp) -> None:
                                     "(bench/experiments/powerloss.py)")
     sp.set_defaults(fn=cmd_powerloss)
     powerloss.add_arguments(sp)
+
+
+def add_soak(exp) -> None:
+    from bench.experiments import soak
+
+    sp = exp.add_parser("soak", help="simulated days of churn on a region; what stays bounded (RSS, disk, Redis)",
+                        description="A soak on a region of its own (own broker, Redis, ports, run dir): D simulated "
+                                    "days of churn (jobs submitted, resized, updated and stopped; machines failing "
+                                    "and recovering; maintenance) at S simulated seconds per second, sampling every "
+                                    "process's RSS, the broker's disk per topic, Redis's memory, the changelogs, a "
+                                    "shard's recovery time after kill -9 and the latencies of `at` and `replay`; a "
+                                    "table and a plot (PNG) over simulated time (bench/experiments/soak.py)")
+    sp.set_defaults(fn=cmd_soak)
+    soak.add_arguments(sp)
 
 
 def cmd_bench(cfg, args) -> int:  # noqa: ARG001 - a region of its own (own ports and run dir): not the user's
@@ -82,6 +98,12 @@ def cmd_powerloss(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the 
     from bench.experiments import powerloss
 
     return powerloss.run_cli(args)
+
+
+def cmd_soak(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
+    from bench.experiments import soak
+
+    return soak.run_cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 from infra import services
 from infra.config import Config
-from infra.process import ManagedProcess, free_port_block, free_ports, pid_alive
+from infra.process import ManagedProcess, free_port_block, free_ports, pid_alive, tie_regions_to_this_process
 from processors import controlplane
 
 # Heartbeats of the simulated agents and the health check's silence timeout. `ropewalk up` beats every 2 s;
@@ -122,6 +122,7 @@ class BenchEnv:
 
     # -- infrastructure ------------------------------------------------------------------------------------
     def __enter__(self) -> "BenchEnv":
+        tie_regions_to_this_process()  # the region stops when this process ends, even by SIGKILL (infra/supervisor.py)
         try:
             st = services.up(self.cfg)
             for name in ("broker", "redis"):

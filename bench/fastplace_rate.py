@@ -37,6 +37,7 @@ from processors.allocator import placement  # noqa: E402
 from processors.allocator.fastplace import PlacementIndex  # noqa: E402
 from processors.allocator.placement import Entitlement, Machine, Plan, Request  # noqa: E402
 from processors.resourcebroker import region  # noqa: E402
+from streams.enums import MachineStatus  # noqa: E402
 
 ENTITLEMENTS = ("e1", "e2", "e3", "e4")
 HELD_PER_ENTITLEMENT = 1000
@@ -50,7 +51,7 @@ UPDATES = 20_000
 def region_machines(n: int) -> list[Machine]:
     return [Machine(id=s.id, dc=s.dc, msb=s.msb, rack=s.rack, machine_type=s.machine_type,
                     cpu_free=s.cpu_millicores, mem_free=s.memory_mib, cpu_capacity=s.cpu_millicores,
-                    mem_capacity=s.memory_mib, entitlement=None, status=placement.MACHINE_UP, version=1)
+                    mem_capacity=s.memory_mib, entitlement=None, status=MachineStatus.UP, version=1)
             for s in region.iter_machines(region.generate_region(n))]
 
 

@@ -23,6 +23,7 @@ Order of the run (what runs beside what matters on a small machine):
     3 rebuild of the Redis index from the log; log padded to the replay size; audit replay of one job
     5 faust agent vs raw aiokafka
     profile: cProfile of the allocator's request handling, in-process on the region's index
+    identities: what sealing and checking a record's proof costs per event, in-process (bench/identities.py)
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ class Options:
     raw_records: int = 200_000
     faust_records: int = 100_000
     profile_requests: int = 10
+    identity_events: int = 20_000  # heartbeats sealed and checked (bench/identities.py)
     failover_fraction: float = 0.01
     phase_timeout_s: float = 300.0  # cap of each waiting phase; a capped phase reports what finished, with a note
     seed: int = 7
@@ -77,7 +79,8 @@ class Options:
 
 
 QUICK = MappingProxyType(dict(machines=1000, latency_jobs=3, burst_jobs=20, repeat_jobs=10, replay_events=50_000,
-             raw_records=50_000, faust_records=20_000, profile_requests=3, phase_timeout_s=60.0, quick=True))
+             raw_records=50_000, faust_records=20_000, profile_requests=3, phase_timeout_s=60.0, quick=True,
+             identity_events=5_000))
 
 
 def options_for(machines: int | None = None, quick: bool = False, **overrides: Any) -> Options:
@@ -94,7 +97,7 @@ def _ratio(rate: float | None, base: float | None) -> float | None:
     return float(f"{rate / base:.4g}")
 
 
-def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[str, Any]:  # noqa: C901
     """Run every workload on a region of its own; the JSON document (see README: ``ropewalk bench``)."""
     say = progress or (lambda msg: None)
     if opts.machines < 2:
@@ -242,6 +245,15 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
 
         say(f"profile: the allocator handling {opts.profile_requests} requests, in-process")
         details["profile"] = w.profile_allocator(env, registry, opts.profile_requests)
+        say("identities: sealing and checking proofs, per event, in-process")
+        from bench import identities
+
+        ids = identities.measure(opts.identity_events)
+        details["identities"] = ids
+        doc["heartbeat_sign_us"] = ids["heartbeat"]["sign_cost_us"]
+        doc["heartbeat_verify_us"] = ids["heartbeat"]["verify_cost_us"]
+        doc["heartbeat_decode_us"] = ids["heartbeat"]["decode_us"]
+        doc["health_verify_core_share_5000_per_s"] = ids["health_check_at_5000_per_s"]["hmac_core_share"]
         r.close()
         pids = env.pids
         workers = [p.name.rpartition("-")[0] if p.name.rpartition("-")[2].isdigit() else p.name.split("-")[0]
@@ -348,6 +360,10 @@ ROWS = (
     ("faust_events_per_s", "events/s", "trivial faust agent"),
     ("aiokafka_events_per_s", "events/s", "raw aiokafka getmany"),
     ("faust_overhead_us_per_event", "us", "faust minus aiokafka"),
+    ("heartbeat_decode_us", "us", "a heartbeat decoded: the baseline every reader pays"),
+    ("heartbeat_sign_us", "us", "a heartbeat sealed by its machine (HMAC-SHA256), beyond encoding"),
+    ("heartbeat_verify_us", "us", "a heartbeat's proof checked by the health check, beyond decoding"),
+    ("health_verify_core_share_5000_per_s", "cores", "checking 5,000 heartbeats/s (1,000,000 machines)"),
     ("redis_bytes_per_machine", "bytes", "used_memory of the region / machines"),
     ("redis_bytes_per_machine_loaded", "bytes", "after the allocation workload"),
 )

@@ -61,7 +61,7 @@ SPAN_MS = 72 * 3600_000  # the log's time span at most (it ends a minute before 
 KEPT = "history-bench.json"  # in a --keep directory: the log's figures, for --again
 
 
-def generate(cfg: Config, registry: SchemaRegistry, n_events: int, n_machines: int, seed: int = 14,
+def generate(cfg: Config, registry: SchemaRegistry, n_events: int, n_machines: int, seed: int = 14,  # noqa: C901
              job_every_ms: int = JOB_EVERY_MS) -> dict:
     """Produce a region's life until the history's topics hold ``n_events`` records; returns what was made."""
     rng = random.Random(seed)
@@ -173,7 +173,7 @@ def raw_rate(cfg: Config) -> dict:
     return {"records": n, "bytes": size, "seconds": round(seconds, 2), "records_per_s": round(n / seconds)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--machines", type=int, default=10_000)

@@ -19,8 +19,11 @@ What is checked once every job converged (``check``), from a replay of the log a
   stopped that is not gone;
 * **tasks placed twice**: a TasksAllocated that places a task still placed on another machine (the allocations
   topic replayed in order; a move frees first); at the end, a task in two machines' task sets in Redis;
-* **tasks started twice**: more START commands of a task (distinct events) than placements of it: a decision made
-  twice under two ids (a scheduler that decided an event again on another state);
+* **tasks started twice**: a START command of a task while its previous START still holds — no STOP command, and no
+  report of it STOPPED, FAILED or PENDING, between them on its partition of ``tasks``: a decision made twice under two
+  ids (a scheduler that decided an event again on another state). (Counting STARTs against placements, as it did
+  first, took a task stopped by a shrink and started again in place by a grow before it was freed for two: the
+  scaled-out storm's first CI run.)
 * **tasks running twice**: a task in the latest heartbeat of two machines;
 * **machines over-committed**: a machine whose placed tasks need more cpu or memory than it has, at any point of
   the replay (per entitlement, whose events are in order) or in Redis at the end (free below zero, or free not
@@ -52,15 +55,18 @@ if __package__ in (None, ""):  # run as a script: bench/killstorm.py
 
 
 VICTIMS = ("allocator-0", "scheduler-0", "health", "resourcebroker", "agents", "agent-local", "redis")  # 1 and 1
+PAUSED = ("scheduler", "allocator", "health", "resourcebroker", "broker")  # kinds a pause picks from: stale owners
+POWER_OFF_S = 12.0  # a region-wide power loss: dark this long (longer than the health check's timeout, 10 s)
 
 
-def victims(schedulers: int = 1, allocators: int = 1) -> tuple[str, ...]:
-    """What a storm kills: every allocator and scheduler shard of the region, and its other workers of ``VICTIMS``."""
+def victims(schedulers: int = 1, allocators: int = 1, broker_nodes: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """What a storm kills: every allocator and scheduler shard of the region, its other workers of ``VICTIMS``, and
+    the embedded broker's nodes when it has several (``broker_nodes``: a cluster of 3 survives any one)."""
     from processors.controlplane import scaled_name
 
     return (*(scaled_name("allocator", i) for i in range(allocators)),
             *(scaled_name("scheduler", i) for i in range(schedulers)),
-            *(v for v in VICTIMS if not v.startswith(("allocator-", "scheduler-"))))
+            *(v for v in VICTIMS if not v.startswith(("allocator-", "scheduler-"))), *broker_nodes)
 PRODUCER = "killstorm"
 SPEC = {"command": ["sleep", "3600"], "resources": {"cpu_millicores": 500, "memory_mib": 512}, "spread": "msb"}
 
@@ -76,6 +82,10 @@ class Options:
     quota: int = 8  # machines per entitlement
     schedulers: int = 1  # scheduler shards (scheduler-0..N-1)
     allocators: int = 1  # allocators (allocator-0..M-1)
+    brokers: int = 1  # nodes of the embedded Kafka (3: each a victim too)
+    pause_every: int = 0  # every n-th action a SIGSTOP of pause_s (then SIGCONT) instead of a kill; 0: none
+    pause_s: tuple[float, float] = (5.0, 20.0)  # a pause lasts between these (seeded)
+    power_loss_after: int = 0  # after this many kills, every process of the region at once, dark, then up; 0: none
     max_live_jobs: int = 24  # beyond, the oldest live jobs are stopped
     max_tasks: int = 5  # a job has 1..max_tasks tasks, and is resized within that
     submit_every_s: float = 1.0
@@ -111,16 +121,34 @@ class Storm:
         self.rng = random.Random(opts.seed)
         self.work = Workload(random.Random(opts.seed + 1), opts, [f"ks-e{i}" for i in range(opts.entitlements)])
         self.kills: list[dict] = []
+        self.pauses: list[dict] = []
+        self.paused: dict[int, tuple[float, str]] = {}  # pid -> (when to SIGCONT it, its program)
+        self.power_losses: list[dict] = []
         self.order: list[str] = []  # victims left in this round
         self.machine_ids: list[str] = []
-        self.victims = victims(opts.schedulers, opts.allocators)
+        from infra import broker as embedded_kafka
+
+        nodes = tuple(embedded_kafka.node_names(self.cfg)) if opts.brokers > 1 else ()
+        self.victims = victims(opts.schedulers, opts.allocators, nodes)
 
     # -- the workload ------------------------------------------------------------------------------------------
     def send(self, type_: str, payload: dict, entitlement: str, entity: str) -> None:
+        """Produce one event of the workload, sent again (the same event: readers take it once) while the log does
+        not take it (a broker away, a leader moving): a user would retry, and the workload must not be lost."""
+        from streams.clients import DeliveryError
         from streams.events import new_event
 
-        self.producer.send(new_event(type_, payload, entitlement=entitlement, entity_id=entity, producer=PRODUCER))
-        self.producer.flush(30)
+        ev = new_event(type_, payload, entitlement=entitlement, entity_id=entity, producer=PRODUCER)
+        for attempt in range(10):
+            try:
+                self.producer.send(ev)
+                self.producer.flush(30)
+                return
+            except DeliveryError as exc:
+                self.work.counts["sends_retried"] += 1
+                self.say(f"{type_} not taken ({exc}); sending it again")
+                time.sleep(min(2.0 * (attempt + 1), 10.0))
+        raise RuntimeError(f"killstorm: the log did not take {type_} {ev.event_id} in 10 attempts")
 
     def create_entitlements(self) -> None:
         for e in self.work.entitlements:
@@ -191,7 +219,7 @@ class Storm:
         from infra import supervisor
 
         running = {n: s["pid"] for n, s in supervisor.programs_state(self.cfg.run_dir).items()
-                   if n in self.victims and s["running"] and s["pid"]}
+                   if n in self.victims and s["running"] and s["pid"] and self.may_hit(n)}
         if not running:
             return None
         if not self.order:  # each round kills every victim once, in a seeded shuffled order
@@ -208,6 +236,80 @@ class Storm:
         kill = {"at_s": round(time.monotonic() - t0, 2), "victim": victim, "pid": running[victim]}
         self.kills.append(kill)
         return kill
+
+    def may_hit(self, victim: str) -> bool:
+        """Whether ``victim`` may be killed or paused now: anything but a broker node, and a broker node only while
+        every other node runs, none is paused and no partition is short of a replica (a cluster of 3 with
+        ``min.insync.replicas`` 2 survives the loss of one node, not of two at once)."""
+        from infra import broker as embedded_kafka
+        from infra import services, supervisor
+
+        nodes = embedded_kafka.node_names(self.cfg) if self.opts.brokers > 1 else []
+        if victim not in nodes:
+            return True
+        programs = supervisor.programs_state(self.cfg.run_dir)
+        others = [programs.get(n) or {} for n in nodes if n != victim]
+        if any(not st.get("running") or st.get("pid") in self.paused for st in others):
+            return False
+        cluster = services.cluster_state(self.cfg)
+        return cluster["error"] is None and not cluster["under_replicated"] and len(cluster["nodes"]) == len(nodes)
+
+    def pause_one(self, t0: float) -> dict | None:
+        """SIGSTOP a control-plane process (a shard, an allocator, the health check, the Resource Broker, a broker
+        node) for ``pause_s``: it wakes up stale (its partitions another's, its fence raised, its leadership moved),
+        which is what the fences are for. SIGCONT comes from ``wake_due``."""
+        from infra import supervisor
+
+        running = {n: s["pid"] for n, s in supervisor.programs_state(self.cfg.run_dir).items()
+                   if n in self.victims and n.startswith(PAUSED) and s["running"] and s["pid"]
+                   and s["pid"] not in self.paused and self.may_hit(n)}
+        if not running:
+            return None
+        victim = self.rng.choice(sorted(running))
+        lasts = self.rng.uniform(*self.opts.pause_s)
+        try:
+            os.kill(running[victim], signal.SIGSTOP)
+        except ProcessLookupError:
+            return None
+        self.paused[running[victim]] = (time.monotonic() + lasts, victim)
+        pause = {"at_s": round(time.monotonic() - t0, 2), "victim": victim, "pid": running[victim],
+                 "seconds": round(lasts, 1)}
+        self.pauses.append(pause)
+        return pause
+
+    def wake_due(self, now: float, *, all_: bool = False) -> None:
+        for pid, (at, _) in list(self.paused.items()):
+            if all_ or at <= now:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass  # killed while paused (a kill, or the power loss)
+                del self.paused[pid]
+
+    def power_loss(self, t0: float) -> dict:
+        """Every process of the region SIGKILLed at once — the brokers, Redis, the supervisor, every worker, the
+        agents and the process agent's tasks — dark for ``POWER_OFF_S``, then up again as `ropewalk up` brings it up
+        (the services, then the control plane with the same counts)."""
+        from bench.env import FAUST_ENV
+        from infra import services
+        from infra.process import pid_alive
+        from processors import controlplane
+
+        self.wake_due(0.0, all_=True)
+        at = time.monotonic()
+        pids = services.power_off(self.cfg)
+        deadline = time.monotonic() + 30
+        while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(POWER_OFF_S)
+        services.up(self.cfg)
+        region = controlplane.up(self.cfg, self.opts.machines, ready_timeout_s=300.0, env=dict(FAUST_ENV),
+                                 schedulers=self.opts.schedulers, allocators=self.opts.allocators)
+        event = {"at_s": round(at - t0, 2), "processes": len(pids), "dark_s": POWER_OFF_S,
+                 "back_s": round(time.monotonic() - at, 1), "ready": region["ready"]}
+        self.power_losses.append(event)
+        self.order = []  # a new round after the power is back
+        return event
 
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -239,13 +341,23 @@ class Storm:
                 self.fail_machine(now)
                 due["fail"] = now + opts.fail_every_s
             self.recover_due(now)
+            self.wake_due(now)
             if now >= due["kill"]:
-                kill = self.kill_one(t0)
-                due["kill"] = now + opts.interval_s
-                if kill and len(self.kills) % 10 == 0:
-                    say(f"{len(self.kills)} kills ({kill['victim']} at {kill['at_s']} s)")
+                actions = len(self.kills) + len(self.pauses)
+                if opts.power_loss_after and not self.power_losses and len(self.kills) >= opts.power_loss_after:
+                    loss = self.power_loss(t0)
+                    say(f"power loss of the whole region at {loss['at_s']} s ({loss['processes']} processes): back "
+                        f"after {loss['back_s']} s")
+                elif opts.pause_every and (actions + 1) % opts.pause_every == 0 and self.pause_one(t0):
+                    say(f"paused {self.pauses[-1]['victim']} for {self.pauses[-1]['seconds']} s")
+                else:
+                    kill = self.kill_one(t0)
+                    if kill and len(self.kills) % 10 == 0:
+                        say(f"{len(self.kills)} kills ({kill['victim']} at {kill['at_s']} s)")
+                due["kill"] = time.monotonic() + opts.interval_s
             time.sleep(0.05)
         storm_s = time.monotonic() - t0
+        self.wake_due(0.0, all_=True)
         self.recover_due(0.0, all_=True)
         say(f"storm over after {storm_s:.0f} s; waiting for every job to converge")
         t1 = time.monotonic()
@@ -260,16 +372,20 @@ class Storm:
                            "entitlements": opts.entitlements, "quota": opts.quota,
                            "submit_every_s": opts.submit_every_s, "resize_every_s": opts.resize_every_s,
                            "fail_every_s": opts.fail_every_s, "max_live_jobs": opts.max_live_jobs,
-                           "schedulers": opts.schedulers, "allocators": opts.allocators,
-                           "victims": list(self.victims)},
+                           "schedulers": opts.schedulers, "allocators": opts.allocators, "brokers": opts.brokers,
+                           "pause_every": opts.pause_every, "pause_s": list(opts.pause_s),
+                           "power_loss_after": opts.power_loss_after, "victims": list(self.victims)},
             "storm_s": round(storm_s, 1), "converge_s": round(converge_s, 1), "converged": converged["ok"],
             "kills_by_victim": dict(sorted(Counter(k["victim"] for k in self.kills).items())),
+            "pauses": [{k: p[k] for k in ("victim", "seconds")} for p in self.pauses],
+            "power_losses": self.power_losses,
             "restarts_by_program": restarts, "workload": dict(self.work.counts),
             "jobs_live": len(self.work.live), "jobs_stopped": len(self.work.stopped),
             "not_converged": converged["not"][:10], **checks,
         }
         doc["passed"] = bool(converged["ok"] and all(doc[k] == 0 for k in COUNTS) and doc["redis_matches_log"]
-                             and sum(restarts.values()) >= len(self.kills))
+                             and sum(restarts.values()) >= len(self.kills)
+                             and all(p["ready"] for p in self.power_losses))
         return doc
 
     def wait_converged(self, timeout_s: float) -> dict[str, Any]:
@@ -296,7 +412,7 @@ COUNTS = ("tasks_lost", "tasks_placed_twice", "tasks_started_twice", "tasks_runn
 def machine_ids(cfg) -> list[str]:
     from processors.allocator.index import MachineIndex
 
-    r = cfg.redis_client(read_only=True)
+    r = cfg.redis_client()  # a scan: the operator's (a read-only user may not: infra/credentials.py)
     try:
         return MachineIndex(r, cfg.topic_prefix).machine_ids()
     finally:
@@ -371,7 +487,7 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
     return doc
 
 
-def replay_checks(cfg, registry) -> dict[str, Any]:
+def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
     """What a replay of the log says (``intents``, ``machines``, ``allocations``, ``tasks``, ``heartbeats``):
     ``conflicting_duplicates`` (one event id with two contents: an event decided twice, differently),
     ``tasks_placed_twice``, ``tasks_started_twice`` (more START commands of a task, by distinct events, than
@@ -390,7 +506,8 @@ def replay_checks(cfg, registry) -> dict[str, Any]:
     quota: dict[str, int] = {}
     beats: dict[str, list[str]] = {}
     placements: Counter = Counter()  # task -> times a TasksAllocated placed it somewhere new
-    starts: Counter = Counter()  # task -> START commands (distinct events)
+    live: dict[str, str] = {}  # task -> the START command it runs under, until a stop or an end ends it
+    started_twice_at: list[str] = []
     twice = over = breaches = 0
     over_at: list[str] = []
     log = []
@@ -450,7 +567,18 @@ def replay_checks(cfg, registry) -> dict[str, Any]:
                     over += 1
                     over_at.append(f"{m} ({ev.entitlement}: {sums} of {cap})")
         elif ev.type == "TasksCommanded":
-            starts.update(c["task_id"] for c in p["commands"] if c["command"] == "START")
+            for c in p["commands"]:
+                if c["command"] == "START":
+                    if c["task_id"] in live:  # started again while its last start still holds: decided twice
+                        started_twice_at.append(f"{c['task_id']} on {c['machine_id']} ({live[c['task_id']]}, then "
+                                                f"{ev.event_id[:8]})")
+                    live[c["task_id"]] = ev.event_id[:8]
+                elif c["command"] == "STOP":
+                    live.pop(c["task_id"], None)
+        elif ev.type == "TaskStatesChanged":  # a stop, a crash or a move ends the task's start (agent or scheduler)
+            for r in p["reports"]:
+                if r["state"] in ("STOPPED", "FAILED", "PENDING"):
+                    live.pop(r["task_id"], None)
         elif ev.type == "AgentHeartbeat":
             beats[p["machine_id"]] = list(p["running_task_ids"])
     running_on: dict[str, set[str]] = defaultdict(set)
@@ -458,10 +586,10 @@ def replay_checks(cfg, registry) -> dict[str, Any]:
         for t in tasks:
             running_on[t].add(m)
     running_twice = sorted(t for t, ms in running_on.items() if len(ms) > 1)
-    started_twice = sorted(t for t, n in starts.items() if n > placements[t])
+    started_twice = sorted({t.split(" ", 1)[0] for t in started_twice_at})
     return {"records_replayed": records, "duplicate_records": duplicates, "conflicting_duplicates": conflicting,
             "tasks_placed_twice": twice, "tasks_started_twice": len(started_twice),
-            "started_twice": started_twice[:10], "tasks_running_twice": len(running_twice),
+            "started_twice": started_twice_at[:10], "tasks_running_twice": len(running_twice),
             "running_twice": running_twice[:10], "machines_overcommitted": over, "overcommitted": over_at[:10],
             "quota_breaches": breaches, "tasks_placed": len(placed), "placed": {t: m for t, (m, _, _) in placed.items()},
             "peak_machines_held": dict(sorted(peak.items())), "quota": quota}
@@ -519,7 +647,7 @@ def run(opts: Options, say: Callable[[str], None] = lambda s: None) -> dict[str,
     from bench.env import BenchEnv, sigterm_as_interrupt
 
     t0 = time.monotonic()
-    with sigterm_as_interrupt(), BenchEnv(opts.partitions, keep=opts.keep) as env:
+    with sigterm_as_interrupt(), BenchEnv(opts.partitions, keep=opts.keep, brokers=opts.brokers) as env:
         doc = Storm(env, opts, say).run()
         doc["run_dir"] = str(env.run_dir) if opts.keep else None
     doc["seconds"] = round(time.monotonic() - t0, 1)
@@ -532,6 +660,8 @@ def format_text(doc: dict) -> str:
              f"{c['machines']} machines, {c['partitions']} partitions, {c['cores']} cores, seed {c['seed']}",
              f"  storm {doc['storm_s']} s; converged {'yes' if doc['converged'] else 'NO'} {doc['converge_s']} s after",
              f"  kills      {doc['kills_by_victim']}",
+             f"  pauses     {[(p['victim'], p['seconds']) for p in doc['pauses']]} (SIGSTOP, then SIGCONT)",
+             f"  power      {doc['power_losses']} (every process at once, then up)",
              f"  restarts   {doc['restarts_by_program']} (recorded by the supervisor)",
              f"  workload   {doc['workload']}; {doc['jobs_live']} jobs left running, {doc['jobs_stopped']} stopped",
              f"  log        {doc['records_replayed']} records replayed, {doc['duplicate_records']} duplicate records "
@@ -553,6 +683,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--machines", type=int, default=d.machines)
     ap.add_argument("--schedulers", type=int, default=d.schedulers, help="scheduler shards (each one a victim)")
     ap.add_argument("--allocators", type=int, default=d.allocators, help="allocators (each one a victim)")
+    ap.add_argument("--brokers", type=int, default=d.brokers, help="nodes of the embedded Kafka (3: each a victim)")
+    ap.add_argument("--pause-every", type=int, default=d.pause_every, metavar="N",
+                    help="every N-th action SIGSTOPs a shard, allocator, health check, Resource Broker or broker for "
+                         "5-20 s instead of a kill (default: none)")
+    ap.add_argument("--power-loss-after", type=int, default=d.power_loss_after, metavar="K",
+                    help="after K kills, every process of the region SIGKILLed at once, dark 12 s, then up "
+                         "(default: none)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--keep", action="store_true", help="keep the run directory (every process's log)")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
@@ -560,8 +697,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run_cli(args) -> int:
     opts = Options(kills=args.kills, interval_s=args.interval_s, machines=args.machines, seed=args.seed,
-                   schedulers=args.schedulers, allocators=args.allocators,
-                   keep=args.keep)
+                   schedulers=args.schedulers, allocators=args.allocators, brokers=args.brokers,
+                   pause_every=args.pause_every, power_loss_after=args.power_loss_after, keep=args.keep)
     doc = run(opts, say=lambda s: print(f"killstorm: {s}", file=sys.stderr, flush=True))
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else format_text(doc))
     return 0 if doc["passed"] else 1

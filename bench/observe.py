@@ -53,7 +53,7 @@ class LogObserver:
         if want is not None and job not in self.done_ms and len(self.allocated[job]) >= want and ts is not None:
             self.done_ms[job] = ts
 
-    def poll(self, timeout_s: float = 0.2) -> int:
+    def poll(self, timeout_s: float = 0.2) -> int:  # noqa: C901
         recs = self.consumer.poll(10_000, timeout_s)
         for rec in recs:
             ev = rec.event

@@ -24,7 +24,7 @@ from bench.rebalance_solve import hot_spot_scope  # noqa: E402
 from processors.rebalancer import solver as s  # noqa: E402
 
 
-def highs_solve(scope: s.Scope, goals: s.Goals) -> dict:
+def highs_solve(scope: s.Scope, goals: s.Goals) -> dict:  # noqa: C901
     try:
         import highspy
         import numpy as np

@@ -186,7 +186,7 @@ def raw_consume(cfg: Config, topic: str, n: int) -> float:
 
 # -- the loops, each run in a fresh process --------------------------------------------------------------------
 
-def ctp_confluent(report, stop, cfg: Config, src: str, dst: str, group: str, batch: int, limit: int | None,
+def ctp_confluent(report, stop, cfg: Config, src: str, dst: str, group: str, batch: int, limit: int | None,  # noqa: C901
                   transactional: bool, producer_extra: dict | None = None) -> None:
     """The confluent consume-transform-produce loop. Stops after `limit` records (None: when told to).
     `producer_extra` is added to the producer's configuration."""
@@ -432,7 +432,7 @@ class Reader:
         self.consumer.close()
 
 
-def run_loop(cfg: Config, name: str, fn, args: tuple, dst: str, expect: int, timeout_s: float) -> dict:
+def run_loop(cfg: Config, name: str, fn, args: tuple, dst: str, expect: int, timeout_s: float) -> dict:  # noqa: C901
     """Run one loop in a child and watch its output topic until `expect` distinct outputs are visible."""
     print(f"  {name} ...", file=sys.stderr, flush=True)
     reader = Reader(cfg, dst)
@@ -684,7 +684,7 @@ LATENCY_LOOPS = [("lat-alo", "confluent at-least-once B=1", False, {}),
 TAGS = [v[0] for v in CONFLUENT_LOOPS + FAUST_LOOPS + LATENCY_LOOPS]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=20_000, help="input records (default 20,000)")
     ap.add_argument("--records-b1", type=int, default=500,
@@ -775,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_report(doc: dict) -> None:
+def print_report(doc: dict) -> None:  # noqa: C901
     c, base = doc["conditions"], doc["baseline"]
     v = c["versions"]
     print(f"conditions: {c['records']:,} input records ({c['key_bytes']}-byte keys, {c['value_bytes']}-byte values), "

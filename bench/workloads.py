@@ -380,7 +380,7 @@ def mean_record_bytes(cfg: Config, logical: tuple[str, ...] = ("allocations", "t
         c.close()
 
 
-def raw_rates(cfg: Config, records: int, record_bytes: int, repeat: int = 2) -> dict[str, Any]:
+def raw_rates(cfg: Config, records: int, record_bytes: int, repeat: int = 2) -> dict[str, Any]:  # noqa: C901
     """confluent-kafka produce then consume of ``records`` records of ``record_bytes`` (key included) on a topic of
     the configured partition count, with Ropewalk's producer settings (idempotent, acks=all, murmur2); the best
     of ``repeat`` runs of each (the machine may be shared: noise only slows a run down)."""
@@ -476,7 +476,12 @@ def log_size(cfg: Config) -> int:
 
 def pad_log(cfg: Config, registry: SchemaRegistry, n: int, templates: int = 1000) -> float:
     """Append ``n`` TaskStateChanged events of 100 other entitlements to ``tasks`` (``templates`` distinct events
-    encoded once and produced raw, keyed as the catalogue says); seconds taken."""
+    encoded once, each sealed as its machine's report, and produced raw, keyed as the catalogue says); seconds
+    taken. Sealed as the agents seal theirs (streams/auth.py): the replay checks every one, as it would a real log's."""
+    from infra.trust import simulated_signer
+
+    signer = simulated_signer(cfg)
+    version = registry.reader("TaskStateChanged").version
     events = []
     for i in range(templates):
         ent = f"pad-e{i % 100:03d}"
@@ -485,7 +490,9 @@ def pad_log(cfg: Config, registry: SchemaRegistry, n: int, templates: int = 1000
             "task_id": f"{job}/{i}", "job_id": job, "machine_id": f"dc1-msb1-r01-m{i % 997:03d}", "state": "RUNNING",
             "previous_state": "STARTING", "exit_code": None, "spec_version": 1, "reason": "started"},
             entitlement=ent, entity_id=f"{job}/{i}", producer=PRODUCER)
-        events.append((ent.encode(), registry.encode("TaskStateChanged", ev.to_record(registry.reader("TaskStateChanged").version))))
+        value = (signer.seal(registry, "TaskStateChanged", ev.to_record(version)) if signer is not None
+                 else registry.encode("TaskStateChanged", ev.to_record(version)))
+        events.append((ent.encode(), value))
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("tasks")
     p = Producer(producer_conf(cfg, **{"linger.ms": 20}))
     t0 = time.perf_counter()

@@ -13,20 +13,21 @@ Writers per topic, and where a topic-level ACL cannot tell writers apart:
 | topic            | written by (besides operator)        | gap the ACL leaves, and who closes it |
 |------------------|--------------------------------------|---------------------------------------|
 | intents          | api (users' intents), scheduler (IntentRefused), rebalancer (RebalancePlanned), jobcontrol (JobSpecReconciled, its IntentRefused), srm (sizing intents, owner srm), lender (an elastic borrower's quota: EntitlementUpdated of a loan) | the scheduler could forge an intent; it is trusted with every task command anyway. The rebalancer could too; its plans only move tasks the scheduler checks (a move the entitlement's job does not hold is not made). jobcontrol, srm and lender could write any intent type: the topic-level ACL cannot tell types apart |
-| machines         | resourcebroker, health, allocator, api (admins' machine fail/recover, maintenance end), agent (HostProfileApplied/Failed) | an agent principal could forge any machine event (a registration, a status, an owner): readers of `machines` do not check the writer. Closing it needs the agents' profile answers on a topic of their own, relayed by Sidekick (not done) |
+| machines         | resourcebroker, health, allocator, api (admins' machine fail/recover, maintenance end), agent (HostProfileApplied/Failed) | closed by identities (streams/auth.py): every record proves its writer, a component (HMAC under a secret agents do not hold) or a machine speaking of itself (its own key); readers dead-letter the rest. A control-plane principal could pass for another (they share the component secret) |
 | unavailability   | resourcebroker, health, api (admins' maintenance, machine fail, power loss and restore), lender (a revocation's notice, vacate) | agents read it: the simulated machines go dark on a power UE (processors/agent/power.py) |
 | allocations      | scheduler (AllocationRequested), allocator (TasksAllocated, AllocationRejected, TasksDeallocated) | the scheduler could forge a placement: agents trust the allocations topic, written only by these two |
-| tasks            | scheduler (commands, its own task transitions), agent (reports), sidekick (HostProfileRequested) | an agent principal could forge a command: agents start only what ``allocations`` placed on their machine for that entitlement and job (processors/agent/gate.py); a forged STOP from an agent principal is not caught (all agents share one principal) |
-| partitionmap     | api (a new entitlement's partition), scheduler (moves) | |
-| handoff          | scheduler (hand-overs, forwarded records) | |
+| tasks            | scheduler (commands, its own task transitions), agent (reports), sidekick (HostProfileRequested) | closed by identities: commands are signed with the scheduler's Ed25519 key (Sidekick's requests with its own), which agents check, and no older than the last one applied (processors/agent/gate.py); each report is proven by its machine's key and the scheduler checks it. A genuine record copied again (a machine's old report) still verifies: README, "What is still open" |
+| partitionmap     | api (a new entitlement's partition), scheduler (moves) | not sealed (streams/auth.py): no agent may write it; the API could move an entitlement, the scheduler is trusted with every command anyway |
+| handoff          | scheduler (hand-overs, forwarded records) | not sealed: the scheduler's alone |
 | loans            | lender (LoanGranted, LoanRevoked, LoanReturned) | |
 | metrics          | agent (JobLoadReported: the load signals) | an agent could report another job's load: the SRM sizes within the job's min/max only |
 | taskcontrol      | scheduler (requests, throttling), controller (acks) | a controller could ack another job's request: the scheduler ignores acks of a stale or unknown sequence |
-| heartbeats       | agent | |
+| heartbeats       | agent | closed by identities: each heartbeat is proven by its machine's key, and one dated ahead of the health check's clock is refused |
 | state.jobs, state.tasks | scheduler | |
 | state.machines   | allocator | |
-| deadletter       | every processor | |
-| _schemas         | every principal (each producer publishes its writer schemas) | |
+| deadletter       | every processor | an agent could write a dead letter that no reader refused: an audit nuisance, nothing acts on them |
+| _schemas         | every principal (each producer publishes its writer schemas) | a schema published under a fingerprint already known is ignored (streams/serde.py) |
+| keys             | (operator only) | announcements count only when signed by the operator's key or the identity's previous one |
 """
 from __future__ import annotations
 
@@ -58,8 +59,10 @@ WRITES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     SRM: ("intents", DEADLETTER, SCHEMAS),
     LENDER: ("loans", "intents", "unavailability", DEADLETTER, SCHEMAS),  # intents: a borrower's quota
 })
-# Every principal that produces entitlement-keyed records reads the partition map (streams/partitionmap.py).
-READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+# Every principal that produces entitlement-keyed records reads the partition map (streams/partitionmap.py), and every
+# one reads ``keys``: the public keys records are checked with (streams/auth.py), written by the operator alone.
+KEYS = "keys"
+READS: Mapping[str, tuple[str, ...]] = MappingProxyType({p: tuple(dict.fromkeys((*topics, KEYS))) for p, topics in {
     API: (*DATA, SCHEMAS),  # state, replay, the verdict of a submission, server-sent events
     SCHEDULER: ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "handoff", MAP,
                 SCHEMAS),
@@ -73,7 +76,7 @@ READS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     JOBCONTROL: ("intents", MAP, SCHEMAS),
     SRM: ("intents", "metrics", MAP, SCHEMAS),
     LENDER: ("machines", "intents", "unavailability", "allocations", "loans", MAP, SCHEMAS),
-})
+}.items()})
 # faust apps: principal -> app id (its consumer group `<prefix><app>` and internal topics `<prefix><app>-...`).
 FAUST_APPS: Mapping[str, str] = MappingProxyType({SCHEDULER: "scheduler", ALLOCATOR: "allocator"})
 FAUST_TOPIC_OPERATIONS = ("READ", "WRITE", "CREATE", "DESCRIBE", "DESCRIBE_CONFIGS")

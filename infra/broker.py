@@ -66,6 +66,7 @@ from pathlib import Path
 
 from infra.config import CLUSTER_FILE, PROJECT_ROOT, BrokerNode, Config, formatted_brokers
 from infra.process import InfraError, ManagedProcess
+from infra.private import PRIVATE_UMASK, make_dir
 
 KAFKA_VERSION = "4.3.1"  # the pin in infra/kafka/pom.xml; checked against the jars present
 POM = PROJECT_ROOT / "infra" / "kafka" / "pom.xml"
@@ -73,6 +74,15 @@ LOG4J_CONFIG = PROJECT_ROOT / "infra" / "kafka" / "log4j2.yaml"
 LIBS = PROJECT_ROOT / ".kafka" / "libs"
 MIN_JAVA = 17
 START_TIMEOUT_S = 60.0  # a cold JVM on a loaded 2-core machine; measured ~3 s when idle
+# A cluster's nodes start together and elect their quorum: three cold JVMs on a loaded 2-core machine took more than
+# 60 s to be ready after a whole region's power loss (the kill storm, load average 13), ~30 s each to reach Kafka's
+# start alone.
+CLUSTER_START_TIMEOUT_S = 180.0
+
+
+def start_timeout_s(cfg: Config) -> float:
+    """How long the embedded broker may take to be ready: one node, or a cluster (``CLUSTER_START_TIMEOUT_S``)."""
+    return START_TIMEOUT_S if cfg.brokers == 1 else CLUSTER_START_TIMEOUT_S
 NODE_ID = 1  # the one node's id (a cluster's nodes are 1..N)
 NAME = "broker"  # the one node's process name (pid file, log); node i of a cluster is "broker-<i>"
 # Committed consumer offsets are kept this long after a group's last member left (Kafka's default is 7 days,
@@ -198,6 +208,9 @@ def server_properties(cfg: Config, layout: BrokerLayout, security: dict[str, str
         "message.max.bytes": str(1024 * 1024 + 12 * 1024),
         # Retention: every topic says its own (streams/topics.py); this is only for topics faust creates.
         "log.retention.ms": "-1",
+        # How often the broker deletes what a time-bounded topic no longer keeps (Kafka's default 5 min): a
+        # retention is met within a minute (and a soak's compressed days see it: bench/experiments/soak.py).
+        "log.retention.check.interval.ms": "60000",
     }
 
 
@@ -254,6 +267,7 @@ def write_config(cfg: Config, layout: BrokerLayout, node: BrokerNode | None = No
     directory (made if missing)."""
     from infra import credentials
 
+    make_dir(Path(cfg.run_dir) / "kafka")  # 0700: the segments are the region's alone (infra/private.py)
     layout.root.mkdir(parents=True, exist_ok=True)
     credentials.ensure(cfg.secrets, kafka=True, redis=False)
     me = credentials.kafka_credentials(cfg.secrets, credentials.BROKER_USER)
@@ -380,8 +394,7 @@ def prepare_node(cfg: Config) -> None:
 def prepare_cluster(cfg: Config) -> None:
     """N nodes: ``cluster.json`` (written before any node is formatted, so a format cut short is finished with the
     same ids), each node's configuration, and the nodes not formatted yet formatted with every node a voter."""
-    kafka = Path(cfg.run_dir) / "kafka"
-    kafka.mkdir(parents=True, exist_ok=True)
+    kafka = make_dir(Path(cfg.run_dir) / "kafka")
     want = [{"id": n.id, "port": n.port, "controller_port": n.controller_port} for n in cfg.broker_nodes]
     path = kafka / CLUSTER_FILE
     try:
@@ -417,7 +430,7 @@ def format_storage(cfg: Config, nodes: list[tuple[BrokerLayout, tuple[str, ...]]
     runs = [(layout, subprocess.Popen(
         jvm_argv(cfg, "kafka.tools.StorageTool", "format", "--cluster-id", cluster_id, "--config",
                  str(layout.properties), *quorum, heap_mb=256),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for layout, quorum in nodes]
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, umask=PRIVATE_UMASK)) for layout, quorum in nodes]
     failed = []
     for layout, run in runs:
         try:

@@ -16,6 +16,7 @@ real Redis needs no code change.
 | ROPEWALK_PARTITIONS         | 8                                    | partitions of every entitlement-keyed topic |
 | ROPEWALK_TOPIC_PREFIX       | ""                                   | prefix of every topic name (isolates tests, or several regions on one cluster) |
 | ROPEWALK_MAX_TASKS_PER_JOB  | 25000                                | the most tasks a job may have: `job submit` refuses more, the scheduler rejects more with a reason (Twine's largest jobs have ~15K tasks) |
+| ROPEWALK_JOB_GC_S           | 3600                                 | how long a job stopped and gone (or a refused submission) stays in the scheduler's state and `state.jobs` before it leaves them (`job status` shows it until then; processors/scheduler/README.md "Stopped jobs leave") |
 | ROPEWALK_SECRETS_DIR        | $ROPEWALK_RUN_DIR/secrets            | credentials of the principals (Kafka SASL, Redis users), the API's users file and the admin token (infra/credentials.py) |
 | ROPEWALK_API_PORT           | 19080                                | port of the HTTP API `up` starts (processors/api) |
 | ROPEWALK_API_URL            | http://127.0.0.1:$ROPEWALK_API_PORT  | where the CLI finds the API |
@@ -51,6 +52,10 @@ CLUSTER_FILE = "cluster.json"  # <run dir>/kafka/cluster.json: an embedded clust
 DEFAULT_PRINCIPAL = "operator"  # the CLI's direct path, `up`, tests (infra/credentials.py)
 # Twine (OSDI 2020, §5 "the largest job has ≈15K tasks"): 25,000 serves every job the paper reports, with room.
 DEFAULT_MAX_TASKS_PER_JOB = 25_000
+# A job stopped and freed (or refused) leaves the scheduler's state this long after (Nomad keeps a dead job until its
+# garbage collection: a user still sees a recently stopped job). Far above the producer's delivery timeout and the
+# allocator's journal (DONE_TTL_S, an hour): processors/scheduler/README.md, "Stopped jobs leave".
+DEFAULT_JOB_GC_S = 3600
 ENDPOINT_VARS = ("ROPEWALK_BOOTSTRAP_SERVERS", "ROPEWALK_REDIS_URL", "ROPEWALK_BROKER_PORT", "ROPEWALK_REDIS_PORT",
                  "ROPEWALK_CONTROLLER_PORT", "ROPEWALK_BROKERS", "ROPEWALK_REPLICATION_FACTOR", "ROPEWALK_PARTITIONS", "ROPEWALK_TOPIC_PREFIX", "ROPEWALK_SECRETS_DIR",
                  "ROPEWALK_API_PORT", "ROPEWALK_API_URL")
@@ -152,6 +157,7 @@ class Config:
     # REPLICATED_FROM, asked where a topic is created (streams/topics.replication_factor)
     replication_factor: int | None = 1
     max_tasks_per_job: int = DEFAULT_MAX_TASKS_PER_JOB  # job submit and the scheduler refuse bigger jobs
+    job_gc_s: float = DEFAULT_JOB_GC_S  # a stopped job's grace in the scheduler's state (and the history's)
     secrets_dir: Path | None = None  # credentials (infra/credentials.py); None: <run_dir>/secrets
     principal: str = DEFAULT_PRINCIPAL  # who this process is on the broker and in Redis
     api_port: int = DEFAULT_API_PORT
@@ -180,6 +186,7 @@ class Config:
         max_tasks = _int(env, "ROPEWALK_MAX_TASKS_PER_JOB", DEFAULT_MAX_TASKS_PER_JOB)
         if max_tasks < 1:
             raise ValueError(f"ROPEWALK_MAX_TASKS_PER_JOB must be >= 1, got {max_tasks}")
+        job_gc_s = _seconds(env, "ROPEWALK_JOB_GC_S", DEFAULT_JOB_GC_S)
         run_dir = _run_dir(env)
         api_port = _int(env, "ROPEWALK_API_PORT", DEFAULT_API_PORT)
         sentinel_of(redis_url)  # a sentinel URL that cannot be used is refused here, naming what is wrong
@@ -208,6 +215,7 @@ class Config:
             brokers=brokers,
             replication_factor=rf or (None if bootstrap else embedded_replication_factor(brokers)),
             max_tasks_per_job=max_tasks,
+            job_gc_s=job_gc_s,
             secrets_dir=Path(env["ROPEWALK_SECRETS_DIR"]) if env.get("ROPEWALK_SECRETS_DIR") else None,
             api_port=api_port,
             broker_jmx_port=_int(env, "ROPEWALK_BROKER_JMX_PORT", 0) or None,
@@ -343,6 +351,19 @@ def embedded_replication_factor(brokers: int) -> int:
     """Replicas of every topic on an embedded cluster of ``brokers`` nodes: 1 on one node, else REPLICATED_FROM.
     Pure."""
     return 1 if brokers < REPLICATED_FROM else REPLICATED_FROM
+
+
+def _seconds(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {raw!r}")
+    return value
 
 
 def _int(env: dict[str, str], name: str, default: int) -> int:

@@ -79,6 +79,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from infra.private import write_private, write_private_if_changed
+
 OPERATOR = "operator"
 API = "api"
 SCHEDULER = "scheduler"
@@ -111,6 +113,17 @@ KCAT_FILE = "kcat.conf"
 JAVA_TOOLS_FILE = "kafka-tools.properties"
 REDIS_FILE = "redis.json"
 REDIS_ACL_FILE = "redis.acl"
+TRUST_FILE = "trust.json"  # the keys behind the identities on the log (below, and infra/trust.py)
+MACHINES_DIR = "machines"  # one file per machine: its own key (infra/trust.write_machine_key)
+MACHINE_SECRET_FILE = "machine-secret.json"  # the machine secret alone: the simulated agents'
+
+# Identities on the log (streams/auth.py). Who signs (Ed25519) what agents run, and who else holds a private key:
+COMMANDERS = (SCHEDULER, SIDEKICK)  # task commands; host-profile requests (streams/auth.COMMANDED)
+SIGNERS = (OPERATOR, *COMMANDERS)
+# Who holds the two HMAC secrets (the components' identities, and any machine's key to check its records): the
+# control plane's principals that read or write a topic agents may write (streams/auth.AUTHENTICATED: tasks,
+# machines, heartbeats; infra/acls.py's table, which tests/unit/test_trust_keys.py checks this against).
+VERIFIERS = (OPERATOR, API, SCHEDULER, ALLOCATOR, RESOURCEBROKER, HEALTH, REBALANCER, SIDEKICK, LENDER)
 
 
 class CredentialsError(RuntimeError):
@@ -131,19 +144,6 @@ def new_password() -> str:
 
 
 # -- files -----------------------------------------------------------------------------------------------------
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600 (a temp file created 0600, renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
 
 def read_json(path: Path) -> dict | None:
     try:
@@ -198,8 +198,75 @@ def ensure(secrets_dir: Path, *, kafka: bool = True, redis: bool = True) -> dict
             write_private(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
         write_private(secrets_dir / REDIS_ACL_FILE, redis_acl_file(users))
         added[REDIS_FILE] = new
+    if ensure_trust(secrets_dir):  # the keys behind the identities on the log
+        added[TRUST_FILE] = ["keys"]
     write_principal_files(secrets_dir)
     return added
+
+
+# -- the keys of the identities on the log (streams/auth.py; what each process does with them: infra/trust.py) ------
+#
+#   trust.json  the operator's: {"operator": KEY, "signers": {"scheduler": KEY, "sidekick": KEY},
+#               "component_secret": B64, "machine_secret": B64}      KEY = {"key_id", "private", "public"} (Ed25519)
+
+def new_key_doc(identity: str) -> dict:
+    """A fresh Ed25519 key of ``identity`` as ``trust.json`` keeps it."""
+    from streams.auth import new_signing_key
+
+    sk = new_signing_key(identity)
+    return {"key_id": sk.key_id, "private": _b64(sk.raw), "public": _b64(sk.public())}
+
+
+def _b64(raw: bytes) -> str:
+    import base64
+
+    return base64.b64encode(raw).decode()
+
+
+def ensure_trust(secrets_dir: Path) -> bool:
+    """``trust.json`` with whatever it lacks (a key per signer, the two secrets) and the simulated agents' file
+    (``MACHINE_SECRET_FILE``); existing keys are kept. True if something was added."""
+    path = Path(secrets_dir) / TRUST_FILE
+    doc = read_json(path) or {}
+    added = False
+    if "operator" not in doc:
+        doc["operator"], added = new_key_doc(OPERATOR), True
+    signers = doc.setdefault("signers", {})
+    for who in COMMANDERS:
+        if who not in signers:
+            signers[who], added = new_key_doc(who), True
+    for name in ("component_secret", "machine_secret"):
+        if name not in doc:
+            doc[name], added = _b64(secrets.token_bytes(32)), True
+    if added or not path.exists():
+        write_private(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    sim = Path(secrets_dir) / MACHINE_SECRET_FILE
+    write_private_if_changed(sim, json.dumps({"machine_secret": doc["machine_secret"]}, indent=1) + "\n")
+    return added
+
+
+def signer_doc(doc: Mapping[str, Any], identity: str) -> Mapping[str, Any] | None:
+    """``identity``'s KEY in a ``trust.json`` document (None: it has none)."""
+    return doc.get("operator") if identity == OPERATOR else (doc.get("signers") or {}).get(identity)
+
+
+def principal_trust(doc: Mapping[str, Any] | None, principal: str) -> dict | None:
+    """The "trust" section of ``principal``'s own file from the operator's ``trust.json`` document (None: none):
+    the operator's public key (``anchor``) and the commanders' (``pinned``) for every principal; the two HMAC
+    secrets for ``VERIFIERS``; its own private key for ``SIGNERS``. Pure."""
+    if not doc or "operator" not in doc:
+        return None
+    op = doc["operator"]
+    out: dict[str, Any] = {"anchor": {"key_id": op["key_id"], "public": op["public"]},
+                           "pinned": {who: {"key_id": k["key_id"], "public": k["public"]}
+                                      for who, k in sorted((doc.get("signers") or {}).items())}}
+    if principal in VERIFIERS:
+        out["component_secret"] = doc["component_secret"]
+        out["machine_secret"] = doc["machine_secret"]
+    own = signer_doc(doc, principal) if principal in SIGNERS else None
+    if own is not None:
+        out["signing_key"] = {"key_id": own["key_id"], "private": own["private"]}
+    return out
 
 
 # -- one principal's file --------------------------------------------------------------------------------------
@@ -209,9 +276,10 @@ def principal_file(secrets_dir: Path, principal: str) -> Path:
     return Path(secrets_dir) / PRINCIPAL_FILE.format(principal=principal)
 
 
-def principal_doc(principal: str, kafka: Mapping[str, Any] | None, redis_users: Mapping[str, Any] | None) -> dict:
-    """The content of ``principal``'s own file from the operator's ``kafka.json`` and ``redis.json`` documents
-    (None: no such file). Pure."""
+def principal_doc(principal: str, kafka: Mapping[str, Any] | None, redis_users: Mapping[str, Any] | None,
+                  trust: Mapping[str, Any] | None = None) -> dict:
+    """The content of ``principal``'s own file from the operator's ``kafka.json``, ``redis.json`` and ``trust.json``
+    documents (None: no such file; its "trust" section: ``infra.trust.principal_trust``). Pure."""
     who = (kafka.get("principals") or {}).get(principal) if kafka is not None else None
     kafka_part = None if who is None else {
         "security_protocol": kafka.get("security_protocol") or DEFAULT_PROTOCOL,
@@ -220,7 +288,11 @@ def principal_doc(principal: str, kafka: Mapping[str, Any] | None, redis_users: 
     user = (redis_users.get("users") or {}).get(redis_user(principal)) if redis_users is not None else None
     redis_part = None if user is None else {"username": user.get("username") or redis_user(principal),
                                             "password": user["password"]}
-    return {"principal": principal, "kafka": kafka_part, "redis": redis_part}
+    out = {"principal": principal, "kafka": kafka_part, "redis": redis_part}
+    section = principal_trust(trust, principal)
+    if section is not None:
+        out["trust"] = section
+    return out
 
 
 def write_principal_files(secrets_dir: Path) -> list[str]:
@@ -228,18 +300,13 @@ def write_principal_files(secrets_dir: Path) -> list[str]:
     differs (a password changed by hand); nothing when neither exists. Returns the principals written."""
     secrets_dir = Path(secrets_dir)
     kafka, redis_users = read_json(secrets_dir / KAFKA_FILE), read_json(secrets_dir / REDIS_FILE)
-    if kafka is None and redis_users is None:
+    trust = read_json(secrets_dir / TRUST_FILE)
+    if kafka is None and redis_users is None and trust is None:
         return []
     written = []
     for principal in PRINCIPALS:
-        text = json.dumps(principal_doc(principal, kafka, redis_users), indent=1, sort_keys=True) + "\n"
-        path = principal_file(secrets_dir, principal)
-        try:
-            same = path.read_text() == text
-        except OSError:
-            same = False
-        if not same:
-            write_private(path, text)
+        text = json.dumps(principal_doc(principal, kafka, redis_users, trust), indent=1, sort_keys=True) + "\n"
+        if write_private_if_changed(principal_file(secrets_dir, principal), text):
             written.append(principal)
     return written
 
@@ -371,12 +438,16 @@ def redis_auth(secrets_dir: Path, principal: str, *, read_only: bool = False) ->
 
 
 # What each Redis user may run (Redis ACL rules). The allocator owns the index: any key, any command but the
-# dangerous ones (FLUSHALL, FLUSHDB, KEYS, CONFIG, DEBUG, SHUTDOWN, ...) except INFO, which it reads for its
-# memory figures. The API and the readers read; they may run the index's Lua readers (MachineIndex), since Redis
-# checks every command a script calls against the user's rules (a script that writes fails for them). The default
-# (unauthenticated) user is switched off.
-_READS = ("~* resetchannels -@all +@read +@connection -@dangerous "
-          "+evalsha +eval +evalsha_ro +eval_ro +script|load +script|exists")
+# dangerous ones (FLUSHALL, FLUSHDB, KEYS, CONFIG, DEBUG, SHUTDOWN, CLIENT KILL, ...) except INFO, which it reads for
+# its memory figures; it loads the index's function library (FUNCTION LOAD) and may FUNCTION KILL / SCRIPT KILL. The
+# API and the readers run the index's registered read functions (FCALL_RO of processors/allocator/index.py's
+# LIBRARY: each bounded work whatever its arguments) — no EVAL, no SCRIPT, no FUNCTION LOAD, no KILL of any kind,
+# no SCAN, KEYS or other read of the whole keyspace. Redis checks every command a function calls against the
+# caller's rules too, so they keep the two reads the functions make, and only on the keys those read, read-only:
+# HMGET of a machine's hash (``m:<id>``, 14 fields) and HGETALL of the summary (a count per status) — never of
+# ``taskres`` or ``placement``, a field per task (an HGETALL of a million fields would hold Redis, and the allocator,
+# for as long as it takes). What they can do cannot stall the allocator. The default (unauthenticated) user is off.
+_READS = "resetkeys %R~*m:* %R~*index:summary resetchannels -@all +@connection -@dangerous +fcall_ro +hmget +hgetall"
 REDIS_RULES: Mapping[str, str] = {
     REDIS_OPERATOR: "~* &* +@all",
     REDIS_ALLOCATOR: "~* resetchannels -@all +@all -@dangerous +info",

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
+from infra.private import make_dir, write_private
+
 log = logging.getLogger(__name__)
 METRICS_DIR = "metrics"
 TARGETS_FILE = "targets.json"
@@ -236,8 +238,7 @@ def serve(run_dir: Path | str, worker: str, owns: tuple[Metric, ...] = (), **ser
     try:
         server, _thread = start_http_server(int(port or 0), addr=host or "127.0.0.1")
         port = server.server_address[1]
-        d = Path(run_dir) / METRICS_DIR
-        d.mkdir(parents=True, exist_ok=True)
+        d = make_dir(Path(run_dir) / METRICS_DIR)  # 0700 (infra/private.py)
         tmp = d / f".{worker}.port"
         tmp.write_text(f"{port}\n")
         tmp.replace(d / f"{worker}.port")
@@ -273,8 +274,8 @@ def write_file_sd(run_dir: Path | str, extra: dict[str, str] | None = None) -> P
     """A Prometheus ``file_sd_configs`` file of every target (``extra``: the API's), one group per worker."""
     found = {**targets(run_dir), **(extra or {})}
     path = Path(run_dir) / METRICS_DIR / TARGETS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([{"targets": [addr], "labels": {"job": "ropewalk", "worker": w}}
+    make_dir(path.parent)
+    write_private(path, json.dumps([{"targets": [addr], "labels": {"job": "ropewalk", "worker": w}}
                                 for w, addr in sorted(found.items())], indent=2) + "\n")
     return path
 

@@ -8,10 +8,13 @@ import resource
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
+
+from infra.private import PRIVATE_UMASK, open_private, write_private
 
 
 class InfraError(RuntimeError):
@@ -120,6 +123,99 @@ def process_start_time(pid: int) -> int | None:
     return int(rest[19])
 
 
+def _status_uids(pid: str) -> tuple[set[int], bool] | None:
+    """(real, effective, saved and file-system uids, a zombie) of ``/proc/<pid>``; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    uids: set[int] = set()
+    zombie = False
+    for line in text.splitlines():
+        if line.startswith("Uid:"):
+            uids = {int(x) for x in line.split()[1:]}
+        elif line.startswith("State:"):
+            zombie = line.split()[1] == "Z"
+    return uids, zombie
+
+
+def uids_in_use() -> set[int]:
+    """Every uid some process of this machine runs as (any of its real, effective, saved, file-system uids)."""
+    out: set[int] = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and (st := _status_uids(pid)) is not None:
+            out |= st[0]
+    return out
+
+
+def processes_of(uid: int) -> list[int]:
+    """The live (not zombie) processes running as ``uid`` (any of their uids)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and (st := _status_uids(pid)) is not None and uid in st[0] and not st[1]:
+            out.append(int(pid))
+    return out
+
+
+# A region that must not outlive the process that started it (a test, an experiment): this variable names that
+# process, and any before it, as "<pid>:<start time>" separated by commas. The supervisor watches them and takes its
+# region down once one is gone, however it ended (SIGKILL included); a ManagedProcess started by one of them directly
+# dies with it (``die_with_parent``). Unset (a user's `ropewalk up`): the region outlives the shell, as it should.
+STOP_WITH_VAR = "ROPEWALK_STOP_WITH"
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def stop_with(env: Mapping[str, str] | None = None) -> list[tuple[int, int]]:
+    """The processes a region started with ``env`` (default: this process's environment) dies with: (pid, start
+    time). A malformed entry is ignored (a region with nothing to watch lives on, as a user's does)."""
+    out = []
+    for item in (os.environ if env is None else env).get(STOP_WITH_VAR, "").split(","):
+        pid, _, start = item.strip().partition(":")
+        if pid.isdigit() and start.isdigit():
+            out.append((int(pid), int(start)))
+    return out
+
+
+def tie_regions_to_this_process() -> None:
+    """From now on, a region this process (or any process it starts) starts stops when this process ends: this
+    process is added to ``STOP_WITH_VAR`` in its environment (children inherit it)."""
+    me = (os.getpid(), process_start_time(os.getpid()) or 0)
+    if me in stop_with():
+        return
+    os.environ[STOP_WITH_VAR] = ",".join([*(f"{p}:{t}" for p, t in stop_with()), f"{me[0]}:{me[1]}"])
+
+
+def gone(owners: list[tuple[int, int]]) -> list[int]:
+    """The pids of ``owners`` that no longer run (a pid now another process's, by its start time, counts as gone)."""
+    return [pid for pid, start in owners if process_start_time(pid) != start]
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL when the thread that started it ends (Linux ``PR_SET_PDEATHSIG``; ``Popen``
+    from the main thread: when the process ends, however). If the parent is already gone, exit at once."""
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the prctl: no signal will come
+        os._exit(1)
+
+
+def _tied_preexec() -> Callable[[], None]:
+    """The ``preexec_fn`` of a ManagedProcess: the open-files limit raised, and ``die_with_parent`` if this process
+    is one its region is to stop with (and starts it from its main thread: a death signal follows the thread)."""
+    if (os.getpid() not in {pid for pid, _ in stop_with()}
+            or threading.current_thread() is not threading.main_thread()):
+        return raise_open_files_limit
+
+    def preexec() -> None:
+        raise_open_files_limit()
+        die_with_parent()
+
+    return preexec
+
+
 def signal_group(pid: int, sig: int) -> None:
     """``sig`` to the process group ``pid`` leads (a process started in its own session: its children too); to the
     process alone if the group cannot be signalled; nothing if it is gone."""
@@ -146,6 +242,9 @@ class ManagedProcess:
     extra_ports: tuple[tuple[int, str], ...] = ()  # other (port, variable that sets it) it listens on
     prepare: Callable[[], None] | None = None  # run before each start (e.g. write config, format data)
     port_var: str | None = None  # the variable that sets ``port`` (default ROPEWALK_<NAME>_PORT)
+    # it watches the processes of STOP_WITH_VAR itself (the supervisor: its children stop with it) rather than die
+    # with the process that started it
+    watches_owner: bool = False
 
     @property
     def pid_file(self) -> Path:
@@ -196,18 +295,20 @@ class ManagedProcess:
         self.check_can_start()
         if self.prepare is not None:
             self.prepare()
-        with open(self.log_file, "ab") as log:
+        with open_private(self.log_file) as log:
             proc = subprocess.Popen(
                 self.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # survives the CLI that started it; not killed by its ^C
-                preexec_fn=raise_open_files_limit,
+                # ... unless a test or an experiment started it (STOP_WITH_VAR): then not that process's death
+                preexec_fn=raise_open_files_limit if self.watches_owner else _tied_preexec(),
+                umask=PRIVATE_UMASK,  # what it writes under the run directory is its owner's alone (infra/private.py)
                 cwd=self.run_dir,
                 env=self.env,
             )
-        self.pid_file.write_text(str(proc.pid))
+        write_private(self.pid_file, str(proc.pid))
         self._wait_ready(proc.pid, proc)
         return {**self.status(), "started": True}
 

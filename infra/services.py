@@ -19,6 +19,7 @@ ACL file is). `down()` stops the supervisor: every worker, then the services.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from urllib.parse import urlparse
 
 import time
@@ -26,6 +27,7 @@ import time
 from infra import broker as embedded_kafka
 from infra import supervisor
 from infra.config import BrokerNode, Config
+from infra.private import make_dir, secure_run_dir
 from infra.process import InfraError, ManagedProcess, port_open
 
 
@@ -98,14 +100,15 @@ def start_brokers(cfg: Config) -> dict:
     if any(pid is None for pid in was.values()):
         embedded_kafka.prepare(cfg)  # configurations, data formatted: on disk for the supervisor's restarts too
     supervisor.ensure(cfg.run_dir, embedded_kafka.programs(cfg))
-    deadline = time.monotonic() + embedded_kafka.START_TIMEOUT_S
+    timeout_s = embedded_kafka.start_timeout_s(cfg)
+    deadline = time.monotonic() + timeout_s
     while True:
         up = all(p.pid() is not None and port_open(p.port) for p in nodes.values())
         if up and cluster_ready(cfg):
             break
         if time.monotonic() > deadline:
             down = [p for p in nodes.values() if p.pid() is None or not port_open(p.port)]
-            raise InfraError(f"broker: not ready after {embedded_kafka.START_TIMEOUT_S:.0f}s: "
+            raise InfraError(f"broker: not ready after {timeout_s:.0f}s: "
                              + ("; ".join(f"{p.name}: {p._log_tail()}" for p in down) if down
                                 else "a node is not in the cluster, or a partition has no leader"))
         time.sleep(0.1)
@@ -164,8 +167,7 @@ def cluster_state(cfg: Config) -> dict:
 def redis_server(cfg: Config) -> ManagedProcess:
     from infra import credentials
 
-    data_dir = cfg.run_dir / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = make_dir(cfg.run_dir / "redis")  # 0700: its append-only file is the region's alone (infra/private.py)
     # ACL users per component (infra/credentials.py: REDIS_RULES; redis.json and the ACL file made from it before
     # each start); the default user is off, so a client without a user and password can run nothing (no FLUSHALL).
     # Persistent like the log beside it: `down` then `up` finds the index as the allocator left it. An
@@ -185,6 +187,8 @@ def redis_server(cfg: Config) -> ManagedProcess:
 
 
 def up(cfg: Config) -> dict:
+    # The run directory readable by its owner alone (infra/private.py), before anything writes to it.
+    secure_run_dir(cfg.run_dir)
     # Every embedded service is checked (binary there, ports free, the run directory's cluster the one asked for)
     # before any is started, so a failure leaves nothing half-started behind.
     if cfg.embedded_broker:
@@ -286,6 +290,69 @@ def running(cfg: Config) -> dict[str, dict]:
     """The embedded services' processes (each broker node): running or not, pid, log file (no protocol probe)."""
     names = (embedded_kafka.node_names(cfg) if cfg.embedded_broker else []) + (["redis"] if cfg.embedded_redis else [])
     return {name: _by_pid(name, cfg).status() for name in names}
+
+
+def region_pids(cfg: Config) -> dict[str, int]:
+    """Every process of a local region, by what it is: ``supervisor``, ``program:<name>`` (redis-server, the broker's
+    nodes and every worker under the supervisor), ``service:<name>`` (an embedded service run on its own), and
+    ``task:<task>`` (the process agents' tasks, from their state files: in a sandbox, its monitor, root's) and
+    ``task:<task>:<pid>`` (every process running as a task's own uid: a sandboxed task's processes outlive its
+    monitor; processors/agent/isolation.py): what a power loss of the whole region kills (``power_off``)."""
+    import json
+
+    from infra.process import processes_of
+
+    pids = {f"program:{n}": s["pid"] for n, s in supervisor.programs_state(cfg.run_dir).items() if s.get("pid")}
+    pids.update({f"service:{n}": s["pid"] for n, s in running(cfg).items() if s.get("pid")
+                 and s["pid"] not in pids.values()})
+    sup = supervisor.process(cfg.run_dir).pid()
+    if sup:
+        pids["supervisor"] = sup
+    for state in (Path(cfg.run_dir) / "agents").glob("*/agent-state.json"):
+        try:
+            doc = json.loads(state.read_text())
+        except (OSError, ValueError):
+            continue
+        for task, proc in doc.get("procs", {}).items():
+            if proc.get("pid"):
+                pids[f"task:{task}"] = proc["pid"]
+        for task, uid in doc.get("uids", {}).items():  # isolation.OWNER_UIDS_KEY: the tasks' own uids
+            pids.update({f"task:{task}:{pid}": pid for pid in processes_of(uid)})
+    return pids
+
+
+def power_off(cfg: Config, timeout_s: float = 30.0) -> dict[str, int]:
+    """A power loss of the whole local region: every process of ``region_pids`` SIGKILLed at once, then every process
+    still running as a task's own uid, again until none is left (a task's shell forks between the listing and the
+    kill; a power loss spares none). Returns the processes listed; the caller waits for them to be gone
+    (``bench/killstorm.py``, ``tests/integration/test_cold_start.py``)."""
+    import json
+    import os
+    import signal
+
+    from infra.process import processes_of
+
+    pids = region_pids(cfg)
+    uids = set()
+    for state in (Path(cfg.run_dir) / "agents").glob("*/agent-state.json"):
+        try:
+            uids |= set(json.loads(state.read_text()).get("uids", {}).values())
+        except (OSError, ValueError):
+            continue
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while (left := [pid for uid in uids for pid in processes_of(uid)]) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    return pids
 
 
 def _by_pid(name: str, cfg: Config) -> ManagedProcess:

@@ -28,6 +28,12 @@ parsed), circus needs ZeroMQ and its own daemon protocol; (3) the conventions th
 process group), the hard open-files limit (``raise_open_files_limit``). That is the loop below: fork/exec,
 ``waitpid``, a pure backoff rule (``Backoff``, table-tested) and an atomically written state file, about 200 lines.
 
+**Its starter's death.** A region a test or an experiment starts must not outlive it (a killed `make test` once
+left a supervisor, twelve workers and three brokers running for an hour). Such a starter names itself in
+``ROPEWALK_STOP_WITH`` (``infra.process.tie_regions_to_this_process``); the supervisor inherits the variable,
+watches those processes (pid and start time, once a second) and, once one is gone, however it ended, stops its
+programs as `down` would and exits. A user's `ropewalk up` sets nothing: its region outlives the shell.
+
 **Its own death.** The children live in their own sessions, so a supervisor killed by ``kill -9`` leaves them
 running; the next supervisor stops those orphans (only a process whose pid *and* start time match what was
 recorded: never a reused pid) before it starts its programs, and ``down`` stops them by their pid files even
@@ -57,8 +63,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infra.private import PRIVATE_UMASK, open_private, private_umask, write_private
 from infra.process import (
-    InfraError, ManagedProcess, pid_alive, process_start_time, raise_open_files_limit, signal_group,
+    STOP_WITH_VAR, InfraError, ManagedProcess, gone, pid_alive, process_start_time, raise_open_files_limit,
+    signal_group, stop_with,
 )
 
 log = logging.getLogger("ropewalk.supervisor")
@@ -68,6 +76,7 @@ STATE_FILE = "supervisor.state.json"
 RESTARTS_FILE = "supervisor.restarts.jsonl"
 NAME = "supervisor"
 TICK_S = 0.1  # how often exits are reaped and due restarts started
+OWNER_CHECK_TICKS = 10  # every so many ticks: are the processes the region stops with (STOP_WITH_VAR) still there?
 STOP_TIMEOUT_S = 20.0  # TERM, then KILL after this (the process agent stops its own tasks first: 5 s grace)
 START_TIMEOUT_S = 15.0  # `ensure` waits this long for every program to run
 
@@ -158,6 +167,7 @@ class Supervisor:
         self._reload = True
         self._previous = read_state(self.run_dir) or {}  # a former supervisor's record: its programs' start times
         self.retiring: dict[str, float] = {}  # program no longer listed -> when it is killed (monotonic) if still up
+        self.owners = stop_with()  # the processes this region stops with (none: it runs until `down`)
 
     # -- files ---------------------------------------------------------------------------------------------
     def load_programs(self) -> list[Program]:
@@ -201,11 +211,12 @@ class Supervisor:
     def start(self, name: str, st: ProgramState) -> None:
         prog = self.programs[name]
         env = {**os.environ, **prog.env}
-        with open(self.run_dir / f"{name}.log", "ab") as out:
+        with open_private(self.run_dir / f"{name}.log") as out:
             try:
                 proc = subprocess.Popen(list(prog.argv), stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=raise_open_files_limit, cwd=self.run_dir, env=env)
+                                        preexec_fn=raise_open_files_limit, umask=PRIVATE_UMASK, cwd=self.run_dir,
+                                        env=env)
             except OSError as exc:  # no such binary: counted as an exit, retried with the backoff
                 log.error("%s: cannot start %s: %s", name, prog.argv[0], exc)
                 self._exited(name, st, None, {"code": 127, "error": str(exc)})
@@ -295,7 +306,16 @@ class Supervisor:
         from infra import metrics
 
         metrics.serve(self.run_dir, NAME, (metrics.WORKER_RESTARTS,))  # ropewalk_worker_restarts_total
+        if self.owners:
+            log.info("stops with pid %s (%s)", ", ".join(str(p) for p, _ in self.owners), STOP_WITH_VAR)
+        ticks = 0
         while not self._stopping:
+            ticks += 1
+            if self.owners and ticks % OWNER_CHECK_TICKS == 0 and (ended := gone(self.owners)):
+                log.warning("pid %s, which this region stops with, is gone: stopping every program",
+                            ", ".join(map(str, ended)))
+                self._stopping = True  # as `down`: its exits are not restarts
+                break
             changed = False
             if self._reload:
                 self.reload()
@@ -339,9 +359,7 @@ class Supervisor:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_private(path, text)
 
 
 def _stop_orphan(pid_file: Path, start_time: int | None, timeout_s: float) -> int | None:
@@ -373,11 +391,14 @@ def _stop_orphan(pid_file: Path, start_time: int | None, timeout_s: float) -> in
 # The client side: what `ropewalk up`, `status` and `down` do with the supervisor.
 
 def process(run_dir: Path, env: Mapping[str, str] | None = None) -> ManagedProcess:
-    """The supervisor as a ManagedProcess (its pid file and log under ``run_dir``)."""
+    """The supervisor as a ManagedProcess (its pid file and log under ``run_dir``). It watches the processes its
+    region stops with itself (``STOP_WITH_VAR``, from ``env`` or else this process's environment)."""
     run_dir = Path(run_dir)
+    if env is not None and STOP_WITH_VAR not in env and STOP_WITH_VAR in os.environ:
+        env = {**env, STOP_WITH_VAR: os.environ[STOP_WITH_VAR]}
     return ManagedProcess(name=NAME, argv=[sys.executable, "-m", "infra.supervisor", "--run-dir", str(run_dir)],
                           port=None, run_dir=run_dir, ready=lambda: _state_pid(run_dir) is not None,
-                          start_timeout_s=10.0, env=dict(env) if env is not None else None)
+                          start_timeout_s=10.0, env=dict(env) if env is not None else None, watches_owner=True)
 
 
 def _state_pid(run_dir: Path) -> int | None:
@@ -516,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    private_umask()  # its files, and its programs' (they inherit it), are the region owner's alone (infra/private.py)
     Supervisor(Path(args.run_dir)).run()
     return 0
 

@@ -175,6 +175,16 @@ def api_ready(cfg: Config) -> bool:
         return False
 
 
+def local_machine_key(cfg: Config) -> Path | None:
+    """The process agent's own key (``LOCAL_MACHINE_ID``'s, infra/trust.py), written by the operator's ``up`` like any
+    machine's (``ropewalk keys machine``); None in a region without keys."""
+    from infra import trust
+
+    if trust.trust_doc(cfg.secrets) is None:
+        return None
+    return trust.write_machine_key(cfg.secrets, LOCAL_MACHINE_ID)
+
+
 def simulated_state_file(cfg: Config) -> Path:
     """Where the simulated machines keep their state across `down`/`up` (processors/agent/simulated.py)."""
     return Path(cfg.run_dir) / "agents" / "simulated.json"
@@ -185,7 +195,7 @@ def machines_indexed(cfg: Config) -> dict[str, int]:
     none while Redis does not answer (a redis-server being started again by the supervisor)."""
     import redis
 
-    from processors.allocator.index import MachineIndex
+    from processors.allocator.index import FunctionsMissing, MachineIndex
 
     client = cfg.redis_client(read_only=True)
     try:
@@ -193,9 +203,14 @@ def machines_indexed(cfg: Config) -> dict[str, int]:
         summary = index.summary()  # one small read; an index written before the summary existed is counted
         if summary is not None:
             return summary
-        return dict(Counter(m.status for m in index.machines(index.machine_ids()).values()))
-    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-        return {}
+        operator = cfg.redis_client()  # a scan: the operator's (a read-only user may not)
+        try:
+            ids = MachineIndex(operator, cfg.topic_prefix).machine_ids()
+        finally:
+            operator.close()
+        return dict(Counter(m.status for m in index.machines(ids).values()))
+    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, FunctionsMissing):
+        return {}  # (the read functions missing: no allocator has loaded them yet)
     finally:
         client.close()
 
@@ -213,7 +228,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
     ``schedulers`` / ``allocators``: how many scheduler shards and allocators (None: as many as run now, else 1);
     the shards and allocators beyond them that run are stopped for good (``retired`` in the result)."""
     from infra import metrics
-    from processors.allocator.placement import MACHINE_UP
+    from streams.enums import MachineStatus
 
     now = running_counts(cfg)
     counts = {kind: given if given is not None else (now[kind] or DEFAULT_COUNTS[kind])
@@ -225,6 +240,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
     for name in retired:
         metrics.forget(cfg.run_dir, name)
     region = write_region(cfg, machines)
+    local_machine_key(cfg)
     progs = programs(cfg, region, env=env, schedulers=counts["scheduler"], allocators=counts["allocator"])
     before = {n: s.get("restarts", 0) for n, s in supervisor.programs_state(cfg.run_dir).items()}
     first = [p for p in progs if p.name == "resourcebroker"]
@@ -248,7 +264,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
     for name in exited:  # died after its start: say why (the supervisor starts it again)
         out[name]["running"] = False
     indexed = sum(seen.values())
-    return {"workers": out, "machines_indexed": indexed, "machines_up": seen.get(MACHINE_UP, 0),
+    return {"workers": out, "machines_indexed": indexed, "machines_up": seen.get(MachineStatus.UP, 0),
             "machines_by_status": seen, "api_ready": api_ready(cfg), "schedulers": counts["scheduler"],
             "allocators": counts["allocator"], "retired": retired,
             "ready": indexed >= machines + 1 and not exited and api_ready(cfg)}

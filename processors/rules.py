@@ -41,6 +41,10 @@ MAX_QUOTA_MACHINES = 1_000_000  # machines one entitlement may hold: more than a
 MAX_SPEC_BYTES = 256 * 1024  # a job's argv and env together at most (they travel in every TasksCommanded record)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}\Z")  # entitlement, job and controller names
 NAME_RULE = "expected a name of letters, digits, '_' or '-' (at most 63)"
+# An environment variable's name, as POSIX names them (letters, digits, '_'; not a digit first): no '=' (exec would
+# cut the name there) and no NUL (exec refuses it: the task would fail at its spawn, on the machine).
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+ENV_NAME_RULE = "expected an environment variable name (letters, digits, '_'; not a digit first)"
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,28 @@ def name_problem(value: Any, field: str, reason: str) -> Problem | None:
     return Problem(field, f"{NAME_RULE}, got {describe_value(value)}", reason)
 
 
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped (a NUL shows as ``\\x00``): fit for a field's name. Pure."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def code_problems(command: Any, env: Any, reason: str, prefix: str = "") -> list[Problem]:
+    """A version's argv and env that no machine could run: a NUL in an argument, an env name that is not one
+    (``ENV_NAME``), a NUL in an env value. ``prefix``: the fields' (``versions[0].``). Types are checked before."""
+    found = []
+    for i, arg in enumerate(command if isinstance(command, (list, tuple)) else ()):
+        if isinstance(arg, str) and "\x00" in arg:
+            found.append(Problem(f"{prefix}command[{i}]", "contains a NUL character (no program can be given one)",
+                                 reason))
+    for k, v in sorted((env if isinstance(env, Mapping) else {}).items(), key=lambda kv: str(kv[0])):
+        field = f"{prefix}env.{printable(str(k))}"
+        if not isinstance(k, str) or not ENV_NAME.match(k):
+            found.append(Problem(field, f"{ENV_NAME_RULE}, got {describe_value(printable(str(k)))}", reason))
+        elif isinstance(v, str) and "\x00" in v:
+            found.append(Problem(field, "the value contains a NUL character (no environment can hold one)", reason))
+    return found
+
+
 def spec_problems(p: Mapping[str, Any], max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> list[Problem]:
     """What is wrong with a job spec (a JobSubmitted / JobSpecChanged payload, or the front end's payload)."""
     found = [
@@ -101,6 +127,7 @@ def spec_problems(p: Mapping[str, Any], max_tasks: int = DEFAULT_MAX_TASKS_PER_J
     if size > MAX_SPEC_BYTES:
         found.append(Problem("command", f"command and env take {size:,} bytes, at most {MAX_SPEC_BYTES:,}",
                              INVALID_SPEC))
+    found += code_problems(p.get("command"), p.get("env"), INVALID_SPEC)
     spread = p.get("spread", "msb")
     if spread not in SPREAD_LEVELS:
         found.append(Problem("spread", f"expected one of {', '.join(SPREAD_LEVELS)}, got {describe_value(spread)}",
@@ -169,7 +196,7 @@ def _code(p: Mapping[str, Any], required: bool = True) -> list[Problem | None]:
     size = size_of(list(p.get("command") or ())) + size_of(dict(p.get("env") or {}))
     if size > MAX_SPEC_BYTES:
         return [Problem("command", f"command and env take {size:,} bytes, at most {MAX_SPEC_BYTES:,}", INVALID_INTENT)]
-    return []
+    return list(code_problems(p.get("command"), p.get("env"), INVALID_INTENT))
 
 
 def _owner(p: Mapping[str, Any]) -> Problem | None:

@@ -148,7 +148,7 @@ class RestoreStats:
 
 
 # -- archive -------------------------------------------------------------------------------------------
-def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None, max_records: int | None = None,
+def archive(cfg: Config, out_dir: Path | str, *, topics: list[str] | None = None, max_records: int | None = None,  # noqa: C901
             codec: str = "null", timeout_s: float = 30.0, progress: ProgressFn | None = None) -> ArchiveStats:
     """Archive every record of `topics` (logical names; default: the whole catalogue and the changelogs under the
     prefix) not yet in `out_dir`, and the committed offsets of the consumer groups under the prefix. ``progress``:
@@ -370,7 +370,7 @@ def _clean_partition_dir(pdir: Path, segments: list) -> None:
 
 
 # -- restore -------------------------------------------------------------------------------------------
-def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: float = 30.0,
+def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: float = 30.0,  # noqa: C901
             progress: ProgressFn | None = None) -> RestoreStats:
     """Republish the archive in `in_dir` into `cfg`'s broker under `cfg.topic_prefix`, then commit the archived
     consumer groups' offsets (translated where offsets moved; see the module doc). ``progress``: records

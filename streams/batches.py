@@ -143,7 +143,7 @@ def task_commands(ev: Event, machines: Callable[[str], bool] | None = None) -> l
 
 def command_events(ev: Event, machines: Callable[[str], bool] | None = None) -> list[Event]:
     """``task_commands`` as TaskCommanded events (the form an agent's decisions take), each with the command's id
-    as its event id and the batch's envelope otherwise."""
+    as its event id and the batch's envelope (and proven identity) otherwise."""
     if ev.type == "TaskCommanded":
         return [ev] if machines is None or machines(ev.payload["machine_id"]) else []
     out = []
@@ -151,7 +151,7 @@ def command_events(ev: Event, machines: Callable[[str], bool] | None = None) -> 
         cid = c.pop("command_id")
         out.append(Event(type="TaskCommanded", entitlement=ev.entitlement, entity_id=c["task_id"], payload=c,
                          producer=ev.producer, causation_id=ev.causation_id, timestamp_ms=ev.timestamp_ms,
-                         event_id=cid, schema_version=ev.schema_version))
+                         event_id=cid, schema_version=ev.schema_version, identity=ev.identity))
     return out
 
 

@@ -17,7 +17,7 @@ class CatchUpTimeout(RuntimeError):
     """Catching up stalled: some partition made no progress towards its end for the timeout (broker away)."""
 
 
-def read_to_end(consumer: EventConsumer, on_records: Callable[[list[Record]], None], *,
+def read_to_end(consumer: EventConsumer, on_records: Callable[[list[Record]], None], *,  # noqa: C901
                 partitions: Iterable[tuple[str, int]] | None = None,
                 timeout_s: float = CATCH_UP_TIMEOUT_S) -> int:
     """Poll ``consumer`` until every one of ``partitions`` (default: all it reads) has been read up to where it

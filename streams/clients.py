@@ -5,6 +5,11 @@
   errors are collected and raised by `flush()` (and by the next `send`), never swallowed. Every event it
   sends carries the record headers `producer` = its name (`PRODUCER_HEADER`) and `type` = the event type
   (`TYPE_HEADER`), readable without decoding.
+* Identities (streams/auth.py): on the topics agents may write (`auth.AUTHENTICATED`), an `EventProducer` seals
+  every record with its signer (by default its principal's, `infra.trust.signer_for`; agents give theirs) and an
+  `EventConsumer` checks every record's proof with its verifier (`infra.trust.verifier_for`): one that does not
+  verify is refused like a record that does not decode (dead-lettered with the reason), and the events it hands out
+  carry the identity it proved (`Event.identity`). A region without keys seals and checks nothing.
 * `EventConsumer`: decodes every record with the reader's schemas; a record that fails to decode or
   validate is skipped and counted by reason (`skipped`, a `streams.deadletter.Skipped`, which a command may
   share among its consumers to report once), routed to `deadletter` with its reason and origin when the
@@ -19,12 +24,13 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from infra.acls import position_group, reader_group
 from infra.config import Config
+from streams import auth
 from streams import deadletter as dl
 from streams import schemalog
 from streams.events import Event
@@ -37,6 +43,7 @@ from streams.topics import BY_NAME, CATALOGUE, KEY_ENTITLEMENT, KEY_JOB, KEY_MAC
 ROUTED = frozenset(t.name for t in CATALOGUE if t.copartitioned and t.key == KEY_ENTITLEMENT and t.name != "handoff")
 # Record headers of a record a scheduler shard forwarded to an entitlement's new partition (on `handoff`): where the
 # original is ("<logical topic>/<partition>@<offset>") and the entitlement's move count when it was forwarded.
+_FROM_CONFIG: Any = object()  # the default signer / verifier: the one of the client's principal (infra/trust.py)
 FORWARDED_HEADER = "forwarded_from"
 EPOCH_HEADER = "epoch"
 PRODUCER_HEADER = "producer"  # record header: the EventProducer's name (the envelope's producer, usually)
@@ -119,10 +126,16 @@ class EventProducer:
     shard that finds it there, so a producer without the map is slower across a move, never wrong)."""
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, name: str, *,
-                 route: "Callable[[str], int] | None" = None, owns_route: bool = False, **conf):
+                 route: "Callable[[str], int] | None" = None, owns_route: bool = False,
+                 signer: "auth.Signer | None" = _FROM_CONFIG, **conf):
         """``owns_route``: ``route`` is this producer's own (``partitionmap.routed_producer``'s follower), closed with
-        it."""
+        it. ``signer``: what seals the records on the authenticated topics (default: the principal's; None: none)."""
         self.cfg = cfg
+        if signer is _FROM_CONFIG:
+            from infra.trust import signer_for
+
+            signer = signer_for(cfg)
+        self.signer = signer
         self.route = route
         self._owned_route = route if owns_route else None
         self.registry = registry
@@ -186,7 +199,10 @@ class EventProducer:
         schema = self.registry.reader(event.type)
         if self._publish_schema(schema):
             self._flush_or_raise(10.0)  # the schema is on the log before any record that uses it
-        value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
+        if self.signer is not None and logical in auth.SEALED:
+            value = self.signer.seal(self.registry, event.type, event.to_record(schema.version), validate)
+        else:
+            value = self.registry.encode(event.type, event.to_record(schema.version), validate=validate)
         key = key_of(logical, event)
         partition = None
         if self.route is not None and logical in ROUTED:
@@ -280,7 +296,9 @@ class EventConsumer:
     `dead_letters`, routed to the dead-letter topic.
 
     With `group_id` it joins the consumer group (partitions are shared among members); without, it
-    assigns every partition of `topics` itself, starting at `start_offsets` or the beginning.
+    assigns every partition of `topics` itself, starting at `start_offsets` or the beginning. A record without a
+    value on a compacted topic (a tombstone: a key deleted) is no event and no bad record: it is counted in
+    `tombstones` and told to `on_tombstone(topic, key)`; on any other topic it is a bad record.
 
     `follows`: this consumer follows the log for a worker (a processor's reader, not a one-shot read such as an API
     request's). Then, and only then, it exports ``ropewalk_consumer_lag_seconds`` (infra/metrics.py), and an
@@ -296,8 +314,24 @@ class EventConsumer:
                  group_id: str | None = None, dead_letters: "dl.DeadLetters | None" = None,
                  skipped: "dl.Skipped | None" = None,
                  start_offsets: Mapping[tuple[str, int], int] | None = None,
-                 types: Iterable[str] | None = None, follows: bool = False, **conf):
+                 types: Iterable[str] | None = None, follows: bool = False, verify: bool = True,
+                 verifier: "auth.Verifier | None" = _FROM_CONFIG, keep_refused: bool = False,
+                 on_tombstone: "Callable[[str, bytes | None], None] | None" = None, **conf):
+        """``verify``: check the proofs of the records of authenticated topics with ``verifier`` (default: the
+        principal's); ``keep_refused``: keep the events refused for their proof in ``refused`` instead of
+        dead-lettering them (an agent answers and dead-letters those addressed to its machines: gate.Judge)."""
         self.cfg = cfg
+        if not verify:
+            verifier = None
+        elif verifier is _FROM_CONFIG:
+            from infra.trust import verifier_for
+
+            verifier = verifier_for(cfg, registry)
+        self.verifier = verifier
+        self.keep_refused = keep_refused
+        # (event, reason, detail, where) refused for their proof, not dead-lettered (``keep_refused``): ``where`` is what
+        # ``DeadLetters.route`` takes besides the reason and detail
+        self.refused: list[tuple[Event, str, str, dict]] = []
         self.registry = registry
         self.catalogue = Topics(cfg.topic_prefix, cfg.partitions)
         self.name = name
@@ -312,6 +346,7 @@ class EventConsumer:
         self._handed: dict[tuple[str, int], int] = {}  # the next offset per partition after the last poll's records
         self._at_end: dict[tuple[str, int], int] = {}  # partitions read to their end: the end offset then
         self._committed_at = 0.0
+        self._offsets_client: Consumer | None = None  # ``_queries``
         self._consumer = Consumer(consumer_conf(cfg, group_id or self.position_group,
                                                 **{"client.id": client_id(name), **conf}))
         self.eof: set[tuple[str, int]] = set()
@@ -320,6 +355,8 @@ class EventConsumer:
         self._missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
         self.types = None if types is None else frozenset(types)  # None: every type is decoded
         self.passed_over = 0  # records whose type header named a type not in ``types`` (not decoded)
+        self.tombstones = 0  # records without a value: a key deleted from a compacted topic (not an event)
+        self.on_tombstone = on_tombstone  # told (physical topic, key) of each
         self.last_offsets: dict[tuple[str, int], int] = {}  # per partition, the last offset read (any record)
         if group_id:
             self._consumer.subscribe(self.physical_topics)
@@ -357,7 +394,8 @@ class EventConsumer:
 
     def high_watermarks(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """The broker's high watermark of each partition now (ListOffsets)."""
-        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p))[1] for t, p in partitions}
+        queries = self._queries()
+        return {(t, p): watermark_offsets(queries, TopicPartition(t, p))[1] for t, p in partitions}
 
     def read_up_to(self, targets: Mapping[tuple[str, int], int], start: Mapping[tuple[str, int], int]) -> bool:
         """Whether this consumer has read every partition of ``targets`` up to (below) its offset: its last record
@@ -366,7 +404,18 @@ class EventConsumer:
 
     def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(low, high) per partition as the broker lists them (ListOffsets)."""
-        return {(t, p): watermark_offsets(self._consumer, TopicPartition(t, p)) for t, p in self.partitions()}
+        queries = self._queries()
+        return {(t, p): watermark_offsets(queries, TopicPartition(t, p)) for t, p in self.partitions()}
+
+    def _queries(self) -> Consumer:
+        """A client of this reader's own, never assigned, for ListOffsets. A broker answers one connection's requests
+        in order, and the assigned consumer always has a fetch in flight that waits up to ``fetch.wait.max.ms``: on
+        it, each ListOffsets waited for a fetch (100 ms: 4 s for a worker's catch-up over 40 partitions, 20 s for a
+        background reader's 500 ms fetches, 2026-11-28); on this one it takes a millisecond."""
+        if self._offsets_client is None:
+            self._offsets_client = Consumer(consumer_conf(self.cfg, None,
+                                                          **{"client.id": client_id(f"{self.name}-offsets")}))
+        return self._offsets_client
 
     def poll(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list[Record]:
         """Up to ``max_records`` decoded records. ``linger_s`` None: wait until ``max_records`` are there or
@@ -437,10 +486,17 @@ class EventConsumer:
         return self._decode(msg)
 
     def _decode(self, msg) -> Record | None:
+        if msg.value() is None and self.catalogue.compacted(msg.topic()):  # a tombstone (state.jobs of a job gone:
+            # decide.collect), no bad record; a record without a value on any other topic is one (decoded below)
+            self.tombstones += 1
+            if self.on_tombstone is not None:
+                self.on_tombstone(msg.topic(), msg.key())
+            return None
         if self.types is not None and not passes_type(msg.headers(), self.types):
             self.passed_over += 1
             return None
         value = msg.value()
+        data = None
         try:
             try:
                 type_, data = self.registry.decode(value)
@@ -455,20 +511,34 @@ class EventConsumer:
                     self._missed[fp] = time.monotonic()
                     raise
                 type_, data = self.registry.decode(value)
-            event = Event.from_record(type_, data)
+            if self.types is not None and type_ not in self.types and belongs(self.catalogue, msg.topic(), type_):
+                self.passed_over += 1  # a record without its type header, of a type this reader does not want
+                return None
+            identity = identity_of(self.verifier, self.catalogue, msg.topic(), type_, data, value)
+            event = Event.from_record(type_, data, identity)
             check_placement(self.catalogue, msg.topic(), msg.key(), event)
         except DecodeError as exc:
-            self._dead_letter(msg, exc.reason, exc.detail)
+            if self.keep_refused and isinstance(exc, auth.AuthError) and data is not None:
+                # the caller answers (and dead-letters) the ones that concern it: one forged record is not
+                # dead-lettered by every agent of the region
+                self._dead_letter(msg, exc.reason, exc.detail, route=False)
+                self.refused.append((Event.from_record(type_, data), exc.reason, exc.detail, self._where(msg)))
+            else:
+                self._dead_letter(msg, exc.reason, exc.detail)
             return None
         ts_type, ts = msg.timestamp()
         return Record(event, msg.topic(), msg.partition(), msg.offset(), msg.key(), ts)
 
-    def _dead_letter(self, msg, reason: str, detail: str) -> None:
+    @staticmethod
+    def _where(msg) -> dict:
+        return {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
+                "value": msg.value()}
+
+    def _dead_letter(self, msg, reason: str, detail: str, *, route: bool = True) -> None:
         self.dead_lettered += 1
-        where = {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "key": msg.key(),
-                 "value": msg.value(), "reason": reason, "detail": detail}
+        where = {**self._where(msg), "reason": reason, "detail": detail}
         self.skipped.route(**where)
-        if self.dead_letters is not None:
+        if route and self.dead_letters is not None:
             self.dead_letters.route(**where)
 
     def commit(self) -> None:
@@ -478,6 +548,28 @@ class EventConsumer:
         if self.position_group is not None:
             self.report_position(force=True)
         self._consumer.close()
+        if self._offsets_client is not None:
+            self._offsets_client.close()
+            self._offsets_client = None
+
+
+def belongs(catalogue: Topics, physical_topic: str, type_: str) -> bool:
+    """Whether events of ``type_`` belong on the topic (one of the catalogue's: else nothing is said here)."""
+    logical = catalogue.logical(physical_topic)
+    return logical is None or logical == "_schemas" or type_ in BY_NAME[logical].events
+
+
+def identity_of(verifier: "auth.Verifier | None", catalogue: Topics, physical_topic: str, type_: str,
+                record: Mapping[str, Any], value: bytes) -> str | None:
+    """Who wrote a record of an authenticated topic, proven by ``verifier`` (AuthError if not); None elsewhere, or
+    without a verifier (a region without keys). An event that does not belong on the topic is refused for that first
+    (INVALID_EVENT, as ``check_placement`` says)."""
+    logical = catalogue.logical(physical_topic)
+    if verifier is None or logical not in auth.AUTHENTICATED:
+        return None
+    if type_ not in BY_NAME[logical].events:
+        raise DecodeError(INVALID_EVENT, f"{type_} does not belong on topic {logical}")
+    return verifier.check(type_, record, value)
 
 
 def check_placement(catalogue: Topics, physical_topic: str, key: bytes | None, event: Event) -> None:

@@ -62,7 +62,7 @@ class Incompatibility:
 
 # ---- normalisation: raw JSON -> tree with full names, references as name strings ----
 
-def _normalize(schema, ns: str, names: dict):
+def _normalize(schema, ns: str, names: dict):  # noqa: C901
     """Return `schema` with logical types dropped, named definitions registered in `names`
     under their full name, and every named type (definition or reference) as its full name."""
     if isinstance(schema, list):
@@ -136,7 +136,7 @@ class _Resolver:
             return [names.get(b, b) if isinstance(b, str) else b for b in schema]
         return names.get(schema, schema) if isinstance(schema, str) else schema
 
-    def check(self, reader, writer, path: str) -> None:
+    def check(self, reader, writer, path: str) -> None:  # noqa: C901
         reader, writer = self.deref(reader, self.reader_names), self.deref(writer, self.writer_names)
         if isinstance(writer, list):
             for branch in writer:

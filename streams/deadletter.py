@@ -42,15 +42,15 @@ class DeadLetters:
         DEAD_LETTERS.labels(topic=topic, reason=reason).inc()
 
 
-    def route_failed(self, rec, registry, exc: Exception | str, log=None) -> bool:
-        """A decoded record (a ``streams.clients.Record``) whose processing raised ``exc``: routed as
-        PROCESSING_FAILED with its event re-encoded. Never raises (the processor goes on either way): a failure to
-        route is logged on ``log`` and returns False."""
+    def route_failed(self, rec, registry, exc: Exception | str, log=None, reason: str = PROCESSING_FAILED) -> bool:
+        """A decoded record (a ``streams.clients.Record``) whose processing raised ``exc`` (or that the processor
+        refuses for ``reason``): routed with its event re-encoded. Never raises (the processor goes on either way): a
+        failure to route is logged on ``log`` and returns False."""
         try:
             detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
             self.route(topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key,
                        value=registry.encode(rec.event.type, rec.event.to_record(), validate=False),
-                       reason=PROCESSING_FAILED, detail=detail)
+                       reason=reason, detail=detail)
             return True
         except Exception:  # noqa: BLE001 - the broker away: the record is logged where it failed already
             if log is not None:

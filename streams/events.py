@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 MAX_TIME_MS = 253402300799999  # 9999-12-31T23:59:59.999Z: later times are no times (Kafka's timestamps are int64)
-ENVELOPE_FIELDS = ("event_id", "entitlement", "entity_id", "timestamp_ms", "producer", "causation_id",
+ENVELOPE_FIELDS = ("auth", "event_id", "entitlement", "entity_id", "timestamp_ms", "producer", "causation_id",
                    "schema_version", "principal")
 
 
@@ -28,10 +28,15 @@ class Event:
     event_id: str = ""
     schema_version: int = 0  # filled by the producer / by decoding
     principal: str | None = None  # who asked (an API user, `operator`); None: a component's own decision
+    # Who wrote it, as a reader proved it (streams/auth.py: the envelope's ``auth``); None where nothing was proven (a
+    # topic without proofs, a region without keys, an event not read from the log). Never written by ``to_record``:
+    # the producer seals the record itself.
+    identity: str | None = field(default=None, compare=False)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def to_record(self, schema_version: int | None = None) -> dict:
         env = {
+            "auth": None,
             "event_id": self.event_id,
             "entitlement": self.entitlement,
             "entity_id": self.entity_id,
@@ -44,20 +49,20 @@ class Event:
         return {"envelope": env, **self.payload}
 
     @classmethod
-    def from_record(cls, type_: str, record: Mapping[str, Any]) -> "Event":
+    def from_record(cls, type_: str, record: Mapping[str, Any], identity: str | None = None) -> "Event":
         env = record["envelope"]
         payload = {k: v for k, v in record.items() if k != "envelope"}
         return cls(type=type_, entitlement=env["entitlement"], entity_id=env["entity_id"], payload=payload,
                    producer=env["producer"], causation_id=env.get("causation_id"),
                    timestamp_ms=env["timestamp_ms"], event_id=env["event_id"],
-                   schema_version=env["schema_version"], principal=env.get("principal"))
+                   schema_version=env["schema_version"], principal=env.get("principal"), identity=identity)
 
     def to_json(self) -> dict:
         """JSON-friendly dict: envelope fields flat, payload under `payload`, bytes as hex."""
         return {"type": self.type, "event_id": self.event_id, "entitlement": self.entitlement,
                 "entity_id": self.entity_id, "timestamp_ms": self.timestamp_ms, "producer": self.producer,
                 "causation_id": self.causation_id, "schema_version": self.schema_version,
-                "principal": self.principal, "payload": _jsonable(self.payload)}
+                "principal": self.principal, "identity": self.identity, "payload": _jsonable(self.payload)}
 
 
 def new_event(type_: str, payload: Mapping[str, Any], *, entitlement: str, entity_id: str, producer: str,

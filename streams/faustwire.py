@@ -35,8 +35,9 @@ from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_kafka
 
 from infra.config import Config
+from infra.private import make_dir
 from streams import schemalog
-from streams.clients import Record, check_placement, header
+from streams.clients import Record, check_placement, header, identity_of
 from streams.deadletter import DeadLetters
 from streams.events import Event
 from streams.serde import UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
@@ -61,7 +62,7 @@ def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
         # one cluster never share a group, nor the internal topics faust names after the id.
         "id": cfg.topic_prefix + app_id,
         # Tables live in memory and are rebuilt from their changelog topics at start (the log is the
-        # source of truth; DESIGN.md). Memory is also faust's default; stated because it is a choice.
+        # source of truth; docs/architecture.md). Memory is also faust's default; stated because it is a choice.
         "store": "memory://",
         # Keep faust's data directory under the run directory instead of `<id>-data` in the cwd.
         "datadir": str(Path(cfg.run_dir) / "faust" / "{conf.name}-data"),
@@ -144,7 +145,7 @@ def make_app(cfg: Config, app_id: str, **settings: Any) -> faust.App:
     conf = app_settings(cfg, app_id)
     conf.update(settings)
     app_name = conf.pop("id")
-    Path(cfg.run_dir, "faust").mkdir(parents=True, exist_ok=True)
+    make_dir(Path(cfg.run_dir, "faust"))  # 0700: its tables are the region's alone (infra/private.py)
     return App(app_name, **conf)
 
 
@@ -160,29 +161,32 @@ def source_topic(app: faust.App, cfg: Config, logical: str, **options: Any) -> f
 
 async def decoded(stream: faust.StreamT, registry: SchemaRegistry, dead_letters: DeadLetters,
                   catalogue: Topics, *, cfg: Config | None = None,
-                  gate: Callable[[Any], Awaitable[bool]] | None = None) -> AsyncIterator[tuple[Record, Event]]:
+                  gate: Callable[[Any], Awaitable[bool]] | None = None,
+                  verifier: Any = None) -> AsyncIterator[tuple[Record, Event]]:
     """Decode a raw faust stream: yields `(record, event)` for every good record (`record.event is event`),
     routes every bad one to `deadletter` and goes on. With `cfg`, a fingerprint this process does not know
     is looked up in `_schemas` (in a thread: it is a blocking read) before the record is given up on.
     With `gate`, every message (good or bad) is first shown to it; one it returns False for is passed over
-    without decoding (the scheduler's offset guard: a duplicate, or a record after a gap it seeks back for)."""
+    without decoding (the scheduler's offset guard: a duplicate, or a record after a gap it seeks back for).
+    With `verifier` (streams/auth.py), the records of authenticated topics must prove who wrote them."""
     missed: dict[bytes, float] = {}  # fingerprint -> when _schemas last did not have it
     async for ev in stream.events():
         msg = ev.message
         if gate is not None and not await gate(msg):
             continue
-        got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed)
+        got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed, verifier=verifier)
         if got is not None:
             yield got
 
 
 async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadLetters, catalogue: Topics, *,
                          cfg: Config | None = None, missed: dict[bytes, float] | None = None,
-                         placement_topic: str | None = None) -> tuple[Record, Event] | None:
+                         placement_topic: str | None = None, verifier: Any = None) -> tuple[Record, Event] | None:
     """One faust message as `(record, event)`, or None once a bad one is routed to `deadletter` (see `decoded`;
     `missed` is the caller's memory of fingerprints `_schemas` did not have, kept across its messages;
     `placement_topic`: the physical topic whose rules the record must follow, when it is not the one it is on: a
-    record a scheduler shard forwarded, on `handoff`, follows its original topic's)."""
+    record a scheduler shard forwarded, on `handoff`, follows its original topic's; `verifier`: the proofs of records of
+    authenticated topics are checked, streams/auth.py)."""
     missed = {} if missed is None else missed
     value = msg.value
     try:
@@ -199,7 +203,8 @@ async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadL
                 missed[fp] = time.monotonic()
                 raise
             type_, data = registry.decode(value)
-        event = Event.from_record(type_, data)
+        event = Event.from_record(type_, data, identity_of(verifier, catalogue, placement_topic or msg.topic, type_,
+                                                           data, value))
         check_placement(catalogue, placement_topic or msg.topic, msg.key, event)
     except DecodeError as exc:
         await route_dead_letter(dead_letters, msg, exc.reason, exc.detail)

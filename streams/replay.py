@@ -29,6 +29,11 @@ Guarantees and choices
   `dead_letters` (anything with `route(**kw)`, e.g. `streams.deadletter.DeadLetters`), forwarded there too.
   Only records examined are counted: a record that the entitlement narrowing (below) skips without decoding
   is not.
+* Identities: on the topics agents may write (tasks, machines, heartbeats), every record's proof of who wrote it is
+  checked as every reader checks it (streams/auth.py, with the reading principal's keys); a record that does not
+  verify (a forgery) is skipped like an undecodable one, by its reason (`bad_proof`, `unsigned`, ...), and every
+  event shown carries the identity proven (`identity` in `format_json`, `by=` in `format_text`): a forgery cannot
+  pass for `health` or `scheduler`. The forgeries themselves are in `deadletter`, where the readers put them.
 * Entitlement narrowing: when `entitlement` is set, each co-partitioned (entitlement-keyed) topic is read on
   the partitions the entitlement ever lived on: the one murmur2 sends its key to (see streams/partitioner.py) and
   those the partition map names (streams/partitionmap.py: where it was placed, moved from and to), and records
@@ -379,15 +384,17 @@ def iso_time(ms: int) -> str:
 
 
 def format_text(rec: Record) -> str:
-    """One human line: time, topic, partition@offset, type, entity id, payload summary."""
+    """One human line: time, topic, partition@offset, type, entity id, who wrote it (``by=``: the identity the reader
+    proved, streams/auth.py; none where nothing is proven), payload summary."""
     ev = rec.event
-    return _text_line(ev.timestamp_ms, logical_topic(rec), rec.partition, rec.offset, ev.type, ev.entity_id, ev.payload)
+    return _text_line(ev.timestamp_ms, logical_topic(rec), rec.partition, rec.offset, ev.type, ev.entity_id, ev.payload,
+                      ev.identity)
 
 
 def format_text_doc(doc: Mapping[str, Any]) -> str:
     """``format_text`` of an event as ``format_json`` wrote it (the API's replay lines)."""
     return _text_line(doc["timestamp_ms"], doc["topic"], doc["partition"], doc["offset"], doc["type"],
-                      doc["entity_id"], doc["payload"])
+                      doc["entity_id"], doc["payload"], doc.get("identity"))
 
 
 def summary(type_: str, payload: Mapping[str, Any]) -> str:
@@ -395,9 +402,11 @@ def summary(type_: str, payload: Mapping[str, Any]) -> str:
     return _SUMMARIES.get(type_, _summary_generic)(payload)
 
 
-def _text_line(ts: int, topic: str, partition: int, offset: int, type_: str, entity: str, payload) -> str:
+def _text_line(ts: int, topic: str, partition: int, offset: int, type_: str, entity: str, payload,
+               identity: str | None = None) -> str:
     summary = _SUMMARIES.get(type_, _summary_generic)(payload)
-    return f"{iso_time(ts)} {topic:<14} {partition}@{offset:<7} {type_:<28} {entity}  {summary}".rstrip()
+    by = f" by={identity}" if identity else ""
+    return f"{iso_time(ts)} {topic:<14} {partition}@{offset:<7} {type_:<28} {entity}{by}  {summary}".rstrip()
 
 
 def format_json(rec: Record) -> str:

@@ -27,7 +27,7 @@ def publish(producer, topics: Topics, schema: EventSchema) -> None:
     producer.produce(topics.name("_schemas"), key=schema.fingerprint_hex.encode(), value=schema.to_json().encode())
 
 
-def load(cfg: Config, registry: SchemaRegistry, only: bytes | None = None, timeout_s: float = 10.0) -> int:
+def load(cfg: Config, registry: SchemaRegistry, only: bytes | None = None, timeout_s: float = 10.0) -> int:  # noqa: C901
     """Read _schemas up to its end and learn every schema. Returns how many were read."""
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("_schemas")
     c = Consumer({**cfg.kafka_conf(), "group.id": reader_group(cfg, "schemalog"),

@@ -1,8 +1,9 @@
 """Readers of the latest-state streams `state.jobs` (with `state.tasks`) and `state.machines`.
 
-They are meant to be compacted (the last record per key is the current state), but the embedded broker
-does not enforce compaction, so readers take the last record per key themselves. `current()` reads the
-topic to its end and returns the latest state per key; `follow()` then yields each change.
+They are compacted (``cleanup.policy=compact``, streams/topics.py: the broker keeps the last record per key), but
+the log cleaner compacts closed segments only, in its own time, so the active segment and a segment not yet
+cleaned still hold older records of a key: readers take the last record per key themselves. `current()` reads
+the topic to its end and returns the latest state per key; `follow()` then yields each change.
 
 A job of more than 500 tasks is published as a JobStatePublished without its tasks (`task_parts` n > 0) and n
 JobTasksPublished records on `state.tasks` (each a part of 500 tasks, keyed `<job>#<part>`, only the changed parts
@@ -13,6 +14,8 @@ lag its header for a moment).
 `state.machines` records carry the machine's index version: a record older than the one held for its
 machine is skipped (two allocator processes may publish one machine's states close together). With an
 entitlement filter, a machine whose latest state is outside the entitlement leaves the result.
+
+A tombstone (a record without a value: a job gone from the scheduler's state once its grace passed) removes its key.
 
 A record a reader cannot decode is skipped and counted in ``skipped`` (a ``streams.deadletter.Skipped``, which a
 command may share among its readers and report once); the reader goes on.
@@ -51,8 +54,28 @@ class StateReader:
         self._parts: dict[str, dict[int, list]] = {}  # jobs: job -> part -> its tasks (JobTasksPublished)
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         names = [topics.name(STATE_TOPICS[kind])] + ([topics.name(PART_TOPICS[kind])] if kind in PART_TOPICS else [])
-        self._consumer = EventConsumer(cfg, registry, names, name=f"state-reader/{kind}", skipped=skipped)
+        self._part_topic = topics.name(PART_TOPICS[kind]) if kind in PART_TOPICS else None
+        self._consumer = EventConsumer(cfg, registry, names, name=f"state-reader/{kind}", skipped=skipped,
+                                       on_tombstone=self._deleted)
         self.skipped = self._consumer.skipped
+
+    def _deleted(self, topic: str, key: bytes | None) -> None:
+        """A tombstone: the key left the topic (a job gone from the scheduler's state once its grace passed,
+        processors/scheduler/README.md "Stopped jobs leave"; a part of its tasks)."""
+        if key is None:
+            return
+        name = key.decode("utf-8", "replace")
+        if topic == self._part_topic:
+            job, _, part = name.rpartition("#")
+            parts = self._parts.get(job)
+            if parts is not None and part.isdigit():
+                parts.pop(int(part), None)
+            return
+        self.latest.pop(name, None)
+        self.gone.pop(name, None)  # its last state is no more: the grace passed
+        self._headers.pop(name, None)
+        self._parts.pop(name, None)
+        self._versions.pop(name, None)
 
     def _wanted(self, ev: Event) -> bool:
         if self.entitlement is None:
@@ -149,7 +172,7 @@ def job_whole(header: Event, parts: dict[int, list]) -> Event:
 
 
 def machine_view(ev: Event) -> dict:
-    """One machine of `ropewalk machine list --json` (DESIGN.md's contract plus capacity, free resources,
+    """One machine of `ropewalk machine list --json` (docs/architecture.md's contract plus capacity, free resources,
     tasks, the planned maintenances announced on it, its host profile: applied, wanted by its entitlement, and
     the state of the switch), from its MachineStatePublished."""
     p = ev.payload
@@ -174,7 +197,8 @@ def current_and_gone(cfg: Config, registry: SchemaRegistry, entitlement: str | N
                      skipped: Skipped | None = None) -> tuple[dict[str, Event], dict[str, Event]]:
     """The jobs: the latest state of every live job, and the last state (``deleted``) of every job that was stopped
     and is gone. A gone job's record is the scheduler's final JobStatePublished, kept by compaction as its key's
-    latest until the job id is submitted again (Nomad keeps a dead job until its garbage collection)."""
+    latest until the job id is submitted again or its grace passes (``ROPEWALK_JOB_GC_S``: the scheduler's tombstone,
+    processors/scheduler/README.md "Stopped jobs leave"; Nomad keeps a dead job until its garbage collection)."""
     reader = StateReader(cfg, registry, "jobs", entitlement, skipped=skipped)
     try:
         return dict(reader.catch_up()), dict(reader.gone)

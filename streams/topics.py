@@ -20,8 +20,21 @@ KEY_FINGERPRINT = "fingerprint"  # schema fingerprint, hex
 KEY_ORIGIN = "origin"  # the failed record's own key
 
 
+# The free pool (the machines no entitlement owns): one concept, written in four fields whose types and readers
+# differ, so each encoding has a name of its own, here and nowhere else.
+FREE_POOL_KEY_PREFIX = "free/"  # the key (envelope.entitlement) of events about a free machine: free/<dc>
+FREE_POOL_LENDER = "free"  # LoanGranted.lender of a loan made from the free pool (on the log: fixed)
+FREE_POOL_OWNER = ""  # the owner of a free machine in the allocator's fold and its Redis index (a string field)
+FREE_POOL_ENTITLEMENT = None  # placement.Machine.entitlement of a free machine (an optional field)
+
+
 def free_pool_key(dc: str) -> str:
-    return f"free/{dc}"
+    return f"{FREE_POOL_KEY_PREFIX}{dc}"
+
+
+def is_free_pool_key(key: str) -> bool:
+    """A key of events about a free machine (``free_pool_key``), not an entitlement's."""
+    return key.startswith(FREE_POOL_KEY_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -35,29 +48,58 @@ class TopicSpec:
     doc: str = ""
 
 
-# Retention. The log is the system of record: a topic that state is rebuilt from (the allocator's index, a
-# scheduler shard, the broker's registry, replay/audit) keeps every record. Kafka's default retention.ms is 7
-# days, after which it would delete the history a rebuild needs (rebuild.py refuses a partition that no longer
-# starts at offset 0), so every such topic is created with retention.ms=-1 (never delete by age; retention.bytes
-# is unbounded by default). state.* and _schemas are also compacted: only the last record per key is needed
-# (compaction never deletes a key's latest record; with cleanup.policy=compact retention.ms does not apply, it
-# is set anyway so that a later switch to compact,delete would not start deleting). Heartbeats and metrics are
-# the only topics with a bounded retention: liveness and load are judged on recent samples and nothing is rebuilt
-# from them (the autoscaler's decisions carry their inputs on `intents`, kept forever).
-# The config applies when provisioning creates a topic; an existing topic keeps the config it was created with.
+# Retention, chosen per topic (the table is README.md "Retention"; each TopicSpec's doc says why):
 #
-# Compaction. The log cleaner only compacts closed segments, so a compacted topic rolls its active segment
-# after COMPACT_SEGMENT_MS (or 64 MiB): a key overwritten many times keeps at most that window of old
-# records plus the cleaned ones, and a reader (faust recovering a changelog, `watch` reading state.jobs) reads
-# little more than the latest value per key. The cleaner compacts a segment once half of the log is
-# overwritten (min.cleanable.dirty.ratio, Kafka's default 0.5); tombstones stay a day (delete.retention.ms) so
-# a slow reader still sees a delete. Faust's changelog topics get the same (CHANGELOG_CONFIG).
-COMPACT_SEGMENT_MS = 3600 * 1000
+# * KEPT: the topics that state is folded from at every start from offset 0 (the allocator's fold and `rebuild`,
+#   the Resource Broker's, the health check's machines, the upper floors' intents, an agent without its state file
+#   reads `tasks` and `allocations` from the beginning to learn what it runs, a TaskController rebuilds its books)
+#   and that time travel (`ropewalk at`, shadow, explain) folds: retention.ms=-1, never deleted by age or size.
+#   Deleting their old segments needs every one of those readers to start from a snapshot or a compacted state
+#   first; until then they keep everything, and their growth per simulated day is measured by
+#   `ropewalk experiment soak` (RELIABILITY.md). `rebuild.py` refuses a partition that no longer starts at 0.
+# * TIME-BOUNDED: read only from an offset a reader stores or from the end, or judged on recent samples; nothing
+#   is folded from them: heartbeats and metrics (a day), handoff (a week: a hand-over is adopted in seconds; a
+#   shard's stored offset of it older than that is a shard down for a week), deadletter (30 days and 1 GiB: the
+#   operator's to read, `ropewalk replay --topic deadletter`). Kafka deletes whole closed segments only, so each
+#   rolls its segment often enough (segment.ms) for the retention to be what it says.
+# * COMPACTED: the latest value per key (state.*, partitionmap, _schemas, faust's changelogs): bounded by the keys
+#   alive (a stopped job's keys get tombstones once its grace passed: processors/scheduler/README.md "Stopped jobs
+#   leave"). The log cleaner compacts closed segments only, so such a topic rolls its active segment after
+#   COMPACT_SEGMENT_MS (or 64 MiB): a key overwritten many times keeps at most that window of old records plus the
+#   cleaned ones. It compacts a segment once half of the log is overwritten (min.cleanable.dirty.ratio, Kafka's
+#   default 0.5); tombstones stay a day (delete.retention.ms) so a slow reader still sees a delete. retention.ms
+#   does not apply to cleanup.policy=compact; it is set to -1 anyway so a switch to compact,delete would not start
+#   deleting.
+#
+# What time travel, replay and shadow reach: time travel and shadow read only KEPT topics, so every moment since
+# the region began (or since the archive it was restored from began) stays reachable; a KEPT partition that no
+# longer starts at offset 0 (deleted by hand) makes a look that needs its beginning say the moment is gone
+# (`processors.history.reader.MomentGone`). `replay` of a TIME-BOUNDED topic reaches its retention; `ropewalk
+# archive` copies the whole log (the cold tier) and `ropewalk restore` brings an archive back to be read.
+# The config applies when provisioning creates a topic; an existing topic keeps the config it was created with.
+HOUR_MS = 3600 * 1000
+DAY_MS = 24 * HOUR_MS
+COMPACT_SEGMENT_MS = HOUR_MS
+TOMBSTONE_RETENTION_MS = DAY_MS
 _KEEP_FOREVER = MappingProxyType({"retention.ms": "-1"})
-CHANGELOG_CONFIG = MappingProxyType({"segment.ms": str(COMPACT_SEGMENT_MS), "segment.bytes": str(64 * 1024 * 1024)})
+CHANGELOG_CONFIG = MappingProxyType({"segment.ms": str(COMPACT_SEGMENT_MS), "segment.bytes": str(64 * 1024 * 1024),
+                                     "delete.retention.ms": str(TOMBSTONE_RETENTION_MS)})
 _COMPACT = MappingProxyType({"cleanup.policy": "compact", "retention.ms": "-1", **CHANGELOG_CONFIG})
-HEARTBEAT_RETENTION_MS = 7 * 24 * 3600 * 1000  # Kafka's default, made explicit
-_HEARTBEATS = MappingProxyType({"retention.ms": str(HEARTBEAT_RETENTION_MS)})
+
+
+def _bounded(retention_ms: int, segment_ms: int, retention_bytes: int | None = None) -> Mapping[str, str]:
+    """A time-bounded topic: records older than ``retention_ms`` deleted (and, per partition, beyond
+    ``retention_bytes``), segments rolled every ``segment_ms`` so that deletion happens on time."""
+    conf = {"retention.ms": str(retention_ms), "segment.ms": str(segment_ms)}
+    if retention_bytes is not None:
+        conf["retention.bytes"] = str(retention_bytes)
+    return MappingProxyType(conf)
+
+
+HEARTBEAT_RETENTION_MS = DAY_MS  # liveness is judged on the last seconds; a day to look back at with replay
+_HEARTBEATS = _bounded(HEARTBEAT_RETENTION_MS, HOUR_MS, 1024 * 1024 * 1024)
+HANDOFF_RETENTION_MS = 7 * DAY_MS
+DEADLETTER_RETENTION_MS = 30 * DAY_MS
 
 CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("intents", KEY_ENTITLEMENT, ("EntitlementCreated", "EntitlementUpdated", "JobSubmitted",
@@ -82,20 +124,28 @@ CATALOGUE: tuple[TopicSpec, ...] = (
     TopicSpec("taskcontrol", KEY_ENTITLEMENT, ("TaskControlRequested", "TaskControlAcked", "OperationsThrottled"),
               True, config=_KEEP_FOREVER,
               doc="TaskControl requests to application controllers and their acks"),
-    TopicSpec("handoff", KEY_ENTITLEMENT, ("EntitlementHandedOver",), True, config=_KEEP_FOREVER,
+    TopicSpec("handoff", KEY_ENTITLEMENT, ("EntitlementHandedOver",), True,
+              config=_bounded(HANDOFF_RETENTION_MS, DAY_MS),
               doc="an entitlement moving to this partition: its state handed over by the shard it leaves, then the "
-                  "records that shard forwards (header forwarded_from); read by the scheduler alone"),
+                  "records that shard forwards (header forwarded_from); read by the scheduler alone, from its stored "
+                  "offsets, and adopted in seconds: kept a week"),
     TopicSpec("partitionmap", KEY_ENTITLEMENT, ("EntitlementPartitionAssigned",), partitions=1, config=_COMPACT,
               doc="where each entitlement lives: the partition producers send its events to (compacted; none: its "
                   "key's hash partition)"),
     TopicSpec("loans", KEY_ENTITLEMENT, ("LoanGranted", "LoanRevoked", "LoanReturned"), True, config=_KEEP_FOREVER,
               doc="elastic compute: machines the Resource Broker lends to elastic entitlements and takes back"),
     TopicSpec("metrics", KEY_ENTITLEMENT, ("JobLoadReported",), True, config=_HEARTBEATS,
-              doc="load signals per job for the autoscaler; bounded retention like heartbeats"),
+              doc="load signals per job for the autoscaler, which sizes on recent load; kept a day like heartbeats"),
+    TopicSpec("keys", KEY_ENTITY, ("SigningKeyAnnounced",), partitions=1, config=_KEEP_FOREVER,
+              doc="the public keys agents verify commands with, and their rotations, each signed by the operator's key "
+                  "or the identity's previous one (streams/auth.py); written by the operator, read by every principal"),
     TopicSpec("heartbeats", KEY_MACHINE, ("AgentHeartbeat",), config=_HEARTBEATS,
-              doc="agent liveness, high volume; bounded retention (HEARTBEAT_RETENTION_MS)"),
-    TopicSpec("deadletter", KEY_ORIGIN, ("DeadLetterRecorded",), partitions=1, config=_KEEP_FOREVER,
-              doc="records that failed to decode or validate, with reason and origin"),
+              doc="agent liveness, high volume, read from its end (the health check): kept a day "
+                  "(HEARTBEAT_RETENTION_MS) and at most 1 GiB per partition"),
+    TopicSpec("deadletter", KEY_ORIGIN, ("DeadLetterRecorded",), partitions=1,
+              config=_bounded(DEADLETTER_RETENTION_MS, DAY_MS, 1024 * 1024 * 1024),
+              doc="records that failed to decode or validate, with reason and origin; the operator's to read: kept 30 "
+                  "days and at most 1 GiB"),
     TopicSpec("state.jobs", KEY_JOB, ("JobStatePublished",), config=_COMPACT,
               doc="latest state per job (compacted: the latest record per key)"),
     TopicSpec("state.tasks", KEY_ENTITY, ("JobTasksPublished",), config=_COMPACT,
@@ -167,6 +217,12 @@ class Topics:
         if physical.startswith(self.prefix) and physical[len(self.prefix):] in BY_NAME:
             return physical[len(self.prefix):]
         return None
+
+    def compacted(self, physical: str) -> bool:
+        """Whether ``physical`` is a compacted topic of the catalogue: there, and only there, a record without a
+        value is a tombstone (a key deleted); anywhere else it is a bad record."""
+        logical = self.logical(physical)
+        return logical is not None and BY_NAME[logical].config.get("cleanup.policy") == "compact"
 
     def partitions_of(self, logical: str) -> int:
         spec = BY_NAME[logical]

@@ -55,7 +55,7 @@ def _join(path: str, part: str) -> str:
     return f"{path}.{part}" if path else part
 
 
-def _check(schema: Any, value: Any, path: str, named: dict, ns: str) -> Any:
+def _check(schema: Any, value: Any, path: str, named: dict, ns: str) -> Any:  # noqa: C901
     if isinstance(schema, list):
         return _check_union(schema, value, path, named, ns)
     if isinstance(schema, str):

@@ -11,11 +11,18 @@ import pytest
 
 from infra import services
 from infra.config import Config
-from infra.process import free_ports
+from infra.process import free_ports, tie_regions_to_this_process
 
 # Ports of the session's broker, its controller and redis-server; by default free ones picked at random (below
 # the ephemeral range: infra.process.SERVICE_PORTS).
 TEST_PORTS = {var: os.environ.get(f"ROPEWALK_TEST_{var}") for var in ("BROKER_PORT", "CONTROLLER_PORT", "REDIS_PORT")}
+
+
+def pytest_configure(config):
+    """Every region and process the tests start stops when this test process ends, however it ends (a SIGKILL by a
+    CI timeout included): the supervisors watch it, and processes it starts directly get a death signal with it
+    (infra/process.py, STOP_WITH_VAR)."""
+    tie_regions_to_this_process()
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 ``record()`` runs a scripted region on the processors' own decisions in memory (processors/history's what-if engine
 from an empty region: the scheduler's ``decide`` and timer, the allocator's decisions, simulated agents) and keeps
 every event it makes and every event the script injects, each at the position the broker would give it (topic of its
-type, partition of its key, next offset). ``Recorded.merged()`` is that log in ``fold.merged`` order, as
+type, partition of its key, next offset) and as a reader of the broker gets it (written with its type's schema and
+read back: a field the schema gives a default and the decision left out holds that default, as on a real log). ``Recorded.merged()`` is that log in ``fold.merged`` order, as
 ``reader.merged`` reads a real one; ``views`` are what ``machine list`` / ``job status`` would have printed at
 chosen moments (the simulation's own state then).
 """
@@ -22,6 +23,7 @@ from streams import state as states
 from streams.clients import Record
 from streams.events import Event, new_event
 from streams.partitioner import partition_for
+from streams.serde import SchemaRegistry
 from streams.topics import TOPIC_OF_EVENT, Topics
 
 PARTITIONS = 4
@@ -61,11 +63,14 @@ class Recorded:
     records: list[tuple[Event, tuple[str, int, int]]] = field(default_factory=list)
     views: dict[int, dict] = field(default_factory=dict)  # moment -> {"machines": [...], "jobs": {...}}
     broker: rb.BrokerState = field(default_factory=rb.BrokerState)
+    registry: SchemaRegistry = field(default_factory=SchemaRegistry.from_dir)
     _next: dict = field(default_factory=lambda: defaultdict(count))
 
     def add(self, event: Event) -> None:
         if event.type in STATE_TYPES:
             return
+        record = event.to_record(self.registry.reader(event.type).version)
+        event = Event.from_record(*self.registry.decode(self.registry.encode(event.type, record)))  # as read back
         topic = TOPIC_OF_EVENT[event.type]
         key = event.entitlement if topic != "heartbeats" else event.entity_id
         partition = partition_for(key, PARTITIONS)

@@ -314,8 +314,9 @@ class _Run:
         c = self.c
         self.feed(self.ev("EntitlementCreated", {"name": ENT, "quota_machines": c.tasks, "machine_type": None,
                                                  "dc_pin": None, "host_profile": None}, "cli", ENT))
-        self.feed(self.ev("JobSubmitted", self.spec(1), "cli", JOB))
-        rid = sm.request_id(JOB, 1, 1)
+        submitted = self.ev("JobSubmitted", self.spec(1), "cli", JOB)
+        self.feed(submitted)
+        rid = sm.request_id(JOB, 1, 1, sm.incarnation_tag(submitted.event_id))
         placements = [self.placement(task_id(i), machine_of(i)) for i in range(c.tasks)]
         self.placed = {task_id(i): machine_of(i) for i in range(c.tasks)}
         self.feed(self.ev("TasksAllocated", {"request_id": rid, "job_id": JOB, "placements": placements},

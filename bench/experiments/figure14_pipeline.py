@@ -151,7 +151,7 @@ class Ledger:
             self.scheduler_saw_failure_ms is None or now < self.scheduler_saw_failure_ms)
 
     # -- events ----------------------------------------------------------------------------------------------
-    def apply(self, ev: Event) -> None:
+    def apply(self, ev: Event) -> None:  # noqa: C901
         p, now = ev.payload, ev.timestamp_ms
         if ev.producer == "scheduler":
             self.scheduler_events += 1
@@ -319,7 +319,7 @@ class _Follower:
         self.consumer.close()
 
 
-def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | None = None
+def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | None = None  # noqa: C901
         ) -> tuple[Result, dict[str, Any]]:
     """Run the experiment on a region of its own; the Result (curves, totals) and details of the run. With
     ``events_out``, the replayed events the counting read are written there, one JSON line each, in the order

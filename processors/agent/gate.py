@@ -1,10 +1,27 @@
-"""An agent runs only what was allocated: its own fold of ``allocations`` judges every START and RESTART.
+"""An agent runs only what the scheduler signed and the allocator placed: every command is judged here.
 
 The ``tasks`` topic is written by the scheduler (commands) and by the agents (reports), so the broker's ACL cannot
-tell a scheduler's command from one an agent principal forged; ``allocations`` is written only by the scheduler
-and the allocator (``infra/acls.py``). So an agent starts a task only if its fold of ``allocations`` says the
-allocator placed that task on its machine, for the command's entitlement and job, and the command says it comes
-from the scheduler. Anything else is refused with a ``TaskCommandRefused`` event on ``tasks`` naming the reason.
+tell a scheduler's command from one an agent principal forged. Three checks, in this order:
+
+* **Signed by the scheduler** (issue 27). Every command batch is signed with the scheduler's Ed25519 key over all it
+  says (tasks, machines, spec versions, argv, env, resources, host profile: ``streams/auth.py``); the agent's
+  consumer checks the signature against the scheduler's public key (pinned in the agent's file, rotations from the
+  ``keys`` topic) and hands over only what verifies, with its proven ``identity``. A command that does not verify
+  (forged, altered, unsigned, signed with a retired key) never reaches the gate: the wiring answers it with a
+  ``TaskCommandRefused`` naming why (``forged``: unsigned, bad_proof, ...) and the record is dead-lettered. The gate then checks the proven
+  identity is the scheduler's (or the operator's) — for STOP too: a forged STOP is refused like a forged START.
+* **Placed here.** ``allocations`` is written only by the scheduler and the allocator (``infra/acls.py``); a START or
+  RESTART runs only if the agent's fold of it says the allocator placed that task on its machine, for the command's
+  entitlement and job.
+* **Not older than the last command applied** to the task (``stale_command``). A signature proves who wrote a
+  command, not that it is the latest: a copy of an old, genuinely signed STOP (or START of an older spec version)
+  written again by an agent principal verifies. The agent keeps, per task placed on it, the time (the scheduler's
+  own, signed) of the last command it applied, and refuses an older one. (Not the spec version: a canary rolled
+  back runs an older version on purpose, ``processors/scheduler/versions.py``.) Commands of one task come on one
+  partition, in order; across partitions (an entitlement moving) an older one read late is refused, not applied.
+
+Anything else is refused with a ``TaskCommandRefused`` event on ``tasks`` naming the reason. In a region without keys
+(``infra/trust.py``: nothing is signed) the first check falls back to the command's envelope producer.
 
 Commands and placements travel on two topics, read by one consumer: a START may be read before the TasksAllocated
 that placed it (written before it, but on another partition of another topic). So a START whose placement is
@@ -12,9 +29,8 @@ not (yet) in the fold WAITS; once the agent has read ``allocations`` up to the h
 command arrived (``Gate.expire``, driven by the wiring), every placement written before the command is in the
 fold and the verdict is final: still not placed, it is refused.
 
-A STOP is not judged: stopping is what a fenced or forgotten task needs, and a forged STOP can only come from a
-principal allowed to write ``tasks`` (the scheduler, an agent). That an agent principal could stop another
-machine's task is the gap the shared topic leaves (``infra/acls.py``).
+A STOP is not judged by the placement (stopping is what a fenced or forgotten task needs); its origin and its
+freshness are.
 
 Pure but for the state the ``Gate`` object holds: no I/O, no clock (the caller passes marks and times).
 
@@ -28,10 +44,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from streams import auth, batches
 from streams.events import Event, derived_event_id, new_event
 
 ALLOCATION_TYPES = frozenset({"TasksAllocated", "TasksDeallocated"})  # what an agent reads of ``allocations``
 SCHEDULER_PRODUCERS = ("scheduler",)  # a command's envelope producer: ``scheduler`` or ``scheduler/<n>``
+COMMANDERS = frozenset({"scheduler", auth.OPERATOR})  # who may command an agent (the proven identity)
 
 ADMIT = "admit"
 WAIT = "wait"
@@ -40,9 +58,11 @@ WAIT = "wait"
 REFUSED_NOT_ALLOCATED = "not_allocated"  # no placement of the task on this machine in the allocations log
 REFUSED_OTHER_ENTITLEMENT = "allocated_to_other_entitlement"  # placed here, but for another entitlement
 REFUSED_OTHER_JOB = "allocated_to_other_job"  # placed here, but for another job
-REFUSED_NOT_SCHEDULER = "not_from_scheduler"  # the command does not say it comes from the scheduler
+REFUSED_NOT_SCHEDULER = "not_from_scheduler"  # not proven to come from the scheduler (or the operator)
+REFUSED_STALE = "stale_command"  # older than the last command applied to the task: a copy of an old one
+# (and, for a command whose proof failed, the reason of streams/auth.py: unsigned, bad_proof, unknown_key, ...)
 
-JUDGED = frozenset({"START", "RESTART"})  # commands that run something
+JUDGED = frozenset({"START", "RESTART"})  # commands that run something, judged by the placement
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,24 +85,30 @@ def changes(ev: Event, machine_ok: Callable[[str], bool]) -> list[tuple[str, str
     return []
 
 
-def from_scheduler(producer: str) -> bool:
-    return producer in SCHEDULER_PRODUCERS or producer.startswith("scheduler/")
+def from_scheduler(cmd: Event) -> bool:
+    """Whether the command comes from the scheduler (or the operator): its proven identity; in a region without keys
+    (no identity proven) what its envelope producer says."""
+    if cmd.identity is not None:
+        return cmd.identity in COMMANDERS
+    return cmd.producer in SCHEDULER_PRODUCERS or cmd.producer.startswith("scheduler/")
 
 
-def verdict(cmd: Event, held: Placement | None) -> str | None:
+def verdict(cmd: Event, held: Placement | None, last_ms: int | None = None) -> str | None:
     """None if the command (a TaskCommanded for one of our machines) may act on the placement ``held`` for its task,
-    else why not. STOP is never judged. Pure."""
+    given the time of the last command applied to it (``last_ms``), else why not. A STOP is judged by its origin
+    and time only. Pure."""
     p = cmd.payload
-    if p["command"] not in JUDGED:
-        return None
-    if not from_scheduler(cmd.producer):
+    if not from_scheduler(cmd):
         return REFUSED_NOT_SCHEDULER
-    if held is None or held.machine_id != p["machine_id"]:
-        return REFUSED_NOT_ALLOCATED
-    if held.entitlement != cmd.entitlement:
-        return REFUSED_OTHER_ENTITLEMENT
-    if held.job_id != p["job_id"]:
-        return REFUSED_OTHER_JOB
+    if p["command"] in JUDGED:
+        if held is None or held.machine_id != p["machine_id"]:
+            return REFUSED_NOT_ALLOCATED
+        if held.entitlement != cmd.entitlement:
+            return REFUSED_OTHER_ENTITLEMENT
+        if held.job_id != p["job_id"]:
+            return REFUSED_OTHER_JOB
+    if last_ms is not None and cmd.timestamp_ms < last_ms:
+        return REFUSED_STALE
     return None
 
 
@@ -90,18 +116,24 @@ MESSAGES = {
     REFUSED_NOT_ALLOCATED: "the allocations log places task {task} on no machine of this agent as {machine}",
     REFUSED_OTHER_ENTITLEMENT: "task {task} is placed on {machine} for entitlement {held}, not {entitlement}",
     REFUSED_OTHER_JOB: "task {task} is placed on {machine} for job {held}, not {job}",
-    REFUSED_NOT_SCHEDULER: "commands come from the scheduler; this one says it comes from {producer!r}",
+    REFUSED_NOT_SCHEDULER: "commands come from the scheduler; this one is proven to come from {identity}",
+    REFUSED_STALE: "task {task} was last commanded by a newer command than this one (a copy of an old one?)",
 }
+FORGED_MESSAGE = "the command's proof does not verify against the scheduler's key: {detail}"
 
 
-def refusal(cmd: Event, reason: str, held: Placement | None, now_ms: int) -> Event:
+def refusal(cmd: Event, reason: str, held: Placement | None, now_ms: int, detail: str = "") -> Event:
     """The TaskCommandRefused answering ``cmd`` (its id derived from the command's: refusing it again is the same
-    event). Pure."""
+    event); ``reason`` one of ours or, with its ``detail``, why its proof failed (``streams.auth.REASONS``). Pure."""
     p = cmd.payload
-    message = MESSAGES[reason].format(
-        task=p["task_id"], machine=p["machine_id"], entitlement=cmd.entitlement, job=p["job_id"],
-        producer=cmd.producer, held=(held.entitlement if reason == REFUSED_OTHER_ENTITLEMENT else
-                                     held.job_id if held is not None else None))
+    if reason in auth.REASONS:
+        message = FORGED_MESSAGE.format(detail=detail or reason)
+    else:
+        message = MESSAGES[reason].format(
+            task=p["task_id"], machine=p["machine_id"], entitlement=cmd.entitlement, job=p["job_id"],
+            identity=cmd.identity or f"nobody (its producer says {cmd.producer!r})",
+            held=(held.entitlement if reason == REFUSED_OTHER_ENTITLEMENT else
+                  held.job_id if held is not None else None))
     return new_event("TaskCommandRefused", {
         "task_id": p["task_id"], "job_id": p["job_id"], "machine_id": p["machine_id"], "command": p["command"],
         "command_id": cmd.event_id, "command_producer": cmd.producer, "reason": reason, "message": message},
@@ -110,12 +142,22 @@ def refusal(cmd: Event, reason: str, held: Placement | None, now_ms: int) -> Eve
         event_id=derived_event_id("agent", "refused", p["machine_id"], cmd.event_id, reason))
 
 
+def forged(ev: Event, reason: str, detail: str, machine_ok: Callable[[str], bool], now_ms: int) -> list[Event]:
+    """The TaskCommandRefused answering each command of ``ev`` (a TaskCommanded or TasksCommanded whose proof a reader
+    refused for ``reason``) addressed to a machine ``machine_ok`` accepts. Pure."""
+    from processors.agent.decide import commands
+
+    return [refusal(cmd, reason, None, now_ms, detail) for cmd in commands(ev, machine_ok)]
+
+
 class Gate:
-    """The placements of one agent process's machines, and the commands waiting for the fold to catch up."""
+    """The placements of one agent process's machines, the time of the last command applied to each task placed on
+    them, and the commands waiting for the fold to catch up."""
 
     def __init__(self, machine_ok: Callable[[str], bool]):
         self.machine_ok = machine_ok
         self.held: dict[str, Placement] = {}  # task -> its placement on one of our machines
+        self.last: dict[str, int] = {}  # task placed here -> time of the last command applied to it
         self.waiting: list[tuple[int, Event]] = []  # (mark when it arrived, command), in arrival order
 
     def fold(self, ev: Event) -> list[Event]:
@@ -128,24 +170,36 @@ class Gate:
             elif (cur := self.held.get(task)) is not None and (ev.type == "TasksAllocated"
                                                                or cur.machine_id == machine):
                 del self.held[task]
+                self.last.pop(task, None)
         if not touched or not self.waiting:
             return []
         admitted, still = [], []
         for mark, cmd in self.waiting:
-            if cmd.payload["task_id"] in touched and verdict(cmd, self.held.get(cmd.payload["task_id"])) is None:
+            if cmd.payload["task_id"] in touched and self._verdict(cmd) is None:
                 admitted.append(cmd)
+                self._applied(cmd)
             else:
                 still.append((mark, cmd))
         self.waiting = still
         return admitted
 
+    def _verdict(self, cmd: Event) -> str | None:
+        task = cmd.payload["task_id"]
+        return verdict(cmd, self.held.get(task), self.last.get(task))
+
+    def _applied(self, cmd: Event) -> None:
+        task = cmd.payload["task_id"]
+        if task in self.held:  # forgotten with the placement (a task placed here again starts afresh)
+            self.last[task] = max(self.last.get(task, cmd.timestamp_ms), cmd.timestamp_ms)
+
     def admit(self, cmd: Event, mark: int) -> str:
         """ADMIT (act on it now), WAIT (held until the fold catches up: ``fold`` or ``expire`` decides), or the
         reason it is refused now (a reason the fold cannot change)."""
-        why = verdict(cmd, self.held.get(cmd.payload["task_id"]))
+        why = self._verdict(cmd)
         if why is None:
+            self._applied(cmd)
             return ADMIT
-        if why == REFUSED_NOT_SCHEDULER:
+        if why in (REFUSED_NOT_SCHEDULER, REFUSED_STALE):
             return why
         self.waiting.append((mark, cmd))
         return WAIT
@@ -153,25 +207,27 @@ class Gate:
     def expire(self, mark: int) -> list[tuple[Event, str, Placement | None]]:
         """The waiting commands that arrived at or before ``mark`` (the fold has read every placement written
         before them): each with why it is refused and the placement held for its task."""
-        done = [(cmd, verdict(cmd, self.held.get(cmd.payload["task_id"]))) for m, cmd in self.waiting if m <= mark]
+        done = [(cmd, self._verdict(cmd)) for m, cmd in self.waiting if m <= mark]
         self.waiting = [(m, cmd) for m, cmd in self.waiting if m > mark]
         return [(cmd, why or REFUSED_NOT_ALLOCATED, self.held.get(cmd.payload["task_id"])) for cmd, why in done]
 
     # -- persistence (the agents' state files) ----------------------------------------------------------------
     def to_json(self) -> dict:
         return {"held": {t: [p.machine_id, p.entitlement, p.job_id] for t, p in sorted(self.held.items())},
+                "last": dict(sorted(self.last.items())),
                 "waiting": [[m, _event_json(cmd)] for m, cmd in self.waiting]}
 
     def load_json(self, doc: dict | None) -> None:
         doc = doc or {}
         self.held = {t: Placement(*v) for t, v in (doc.get("held") or {}).items()}
+        self.last = {t: int(ms) for t, ms in (doc.get("last") or {}).items() if t in self.held}
         self.waiting = [(0, _event_of(e)) for _, e in doc.get("waiting") or ()]  # judged by the first expire
 
 
 def _event_json(ev: Event) -> dict:
     return {"type": ev.type, "entitlement": ev.entitlement, "entity_id": ev.entity_id, "payload": dict(ev.payload),
             "producer": ev.producer, "causation_id": ev.causation_id, "timestamp_ms": ev.timestamp_ms,
-            "event_id": ev.event_id}
+            "event_id": ev.event_id, "identity": ev.identity}
 
 
 def _event_of(d: dict) -> Event:
@@ -190,7 +246,7 @@ class Judge:
         self.mark = 0  # one per ``take``: when a command arrived
         self.target: dict[tuple[str, int], int] | None = None  # high watermarks measured at ``target_mark``
         self.target_mark = 0
-        self.refused: list[Event] = []  # refused at once (not from the scheduler), handed out by ``refusals``
+        self.refused: list[Event] = []  # refused at once (forged, not from the scheduler, stale): ``refusals``
         self.admitted = 0
         self.waited = 0
 
@@ -209,6 +265,23 @@ class Judge:
                 continue
             act += self._judge(commands(ev, machine_ok), now_ms)
         return act
+
+    def take_refused(self, consumer, machine_ok: Callable[[str], bool], now_ms: int, dead_letters=None) -> int:
+        """The records ``consumer`` refused for their proof (its ``refused``, emptied) that concern a machine
+        ``machine_ok`` accepts: each command of them answered (``forged``), each record dead-lettered with its reason
+        (on ``dead_letters``); the others are left to the agents and readers they concern. Returns how many concerned
+        these machines."""
+        taken, consumer.refused = consumer.refused, []
+        mine = 0
+        for ev, reason, detail, where in taken:
+            answers = forged(ev, reason, detail, machine_ok, now_ms)
+            if not answers and not any(machine_ok(m) for m in batches.machine_ids(ev)):
+                continue
+            mine += 1
+            self.refused += answers
+            if dead_letters is not None:
+                dead_letters.route(**where, reason=reason, detail=detail)
+        return mine
 
     def take_commands(self, cmds: Iterable[Event], now_ms: int) -> list[Event]:
         """``take`` for commands already taken out of their batches (TaskCommanded events for our machines)."""

@@ -9,10 +9,12 @@
   else is answered by a TaskCommandRefused.
 * Reports go out batched: the TaskStateChanged transitions of one step as one TaskStatesChanged per entitlement
   (``decide.batch``); heartbeats as they come.
-* Each task runs as ``argv`` with the command's env on top of the agent's, in its own session (its own
-  process group, so a stop takes its children too), stdout+stderr appended to ``<work>/logs/<task>.log``.
-  A kill is SIGTERM to the group, then SIGKILL after ``STOP_GRACE_MS``; after any exit the group is
-  SIGKILLed so nothing is left behind.
+* Each task runs as ``argv`` with a clean environment (``isolation.task_env``: a few of the agent's variables,
+  ``HOME``, the command's env on top), in its own session (its own process group, so a stop takes its children
+  too), stdout+stderr appended to ``<work>/logs/<task>.log``: rotated past ``ROPEWALK_TASK_LOG_MAX_BYTES`` (16 MiB;
+  one older generation ``.log.1`` kept), deleted once no task of it ran for ``ROPEWALK_TASK_LOG_KEEP_S`` (a day):
+  ``logs.py``. A kill is SIGTERM to the task (the processes of its uid, or its group without one), then SIGKILL
+  after ``STOP_GRACE_MS``; after any exit its group and its uid's processes are SIGKILLed so nothing is left behind.
 * The control plane going away is not the agent's business: when the broker is unreachable the agent keeps
   its tasks running (and restarting), the producer buffers the reports (no delivery timeout), and the
   consumer resumes from the agent's own offsets when the broker is back.
@@ -30,9 +32,11 @@
   mean nothing there: the agent reads that log's backlog from its beginning, applies the last command per task
   (a START for a task it still runs adopts it and reports it RUNNING), and stops the tasks it runs that this
   log does not command (``decide.Orphaned``).
-* **Tasks run unprivileged.** An agent running as root runs its tasks as ``--task-user`` (``ROPEWALK_TASK_USER``,
-  default ``nobody``), with no supplementary groups; their stdout/stderr go to files the agent opens, and each
-  task's working directory ``<work>/tasks/<task>/`` is given to that user. A non-root agent runs them as itself.
+* **Tasks isolated from one another** (``isolation.py``). An agent running as root runs each task as a uid of its
+  own, leased from ``--task-uids`` (``ROPEWALK_TASK_UIDS``) and kept in the state file, in a working directory
+  ``<work>/tasks/<task>/`` only that uid can open, in a bubblewrap sandbox where it runs (``--task-sandbox``,
+  ``ROPEWALK_TASK_SANDBOX``: ``auto``, ``bwrap``, ``none``); their stdout/stderr go to files the agent opens. The uid
+  is handed back (its processes killed) when the task is stopped or failed. A non-root agent runs them as itself.
 * Host profiles (``hostprofile.py``): a ``HostProfileRequested`` for this machine is applied by writing the
   profile and its settings to ``<work>/host-profile.json`` (the harmless, visible setting this agent stands for:
   a real one would write sysctls) and answered ``HostProfileApplied`` (``HostProfileFailed`` if the file cannot be
@@ -46,7 +50,6 @@ import faulthandler
 import json
 import logging
 import os
-import pwd
 import signal
 import subprocess
 import sys
@@ -59,7 +62,10 @@ from types import MappingProxyType
 from confluent_kafka import KafkaException
 
 from infra.config import Config
-from infra.process import process_start_time, signal_group
+from infra.private import PASSAGE_MODE, make_dir, open_private, private_umask, secure_work_dir, write_private
+from infra.credentials import CredentialsError
+from infra.process import process_start_time
+from infra.trust import machine_signer
 from streams.deadletter import DeadLetters
 from streams.clients import EventConsumer, EventProducer
 from streams.partitionmap import MapFollower
@@ -70,6 +76,8 @@ from streams.topics import Topics, topic_id
 from . import decide as d
 from . import gate as g
 from . import hostprofile as hp
+from . import isolation as iso
+from . import logs as task_logs
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent")
@@ -77,8 +85,6 @@ log = logging.getLogger("ropewalk.agent")
 STATE_FILE = "agent-state.json"
 PROFILE_FILE = "host-profile.json"  # the host profile applied: its name and settings
 KEEP_TASKS_SIGNAL = signal.SIGUSR2  # `ropewalk down --keep-tasks`: the agent leaves its tasks running when it stops
-TASK_USER_ENV = "ROPEWALK_TASK_USER"
-DEFAULT_TASK_USER = "nobody"  # on every Debian-like system; unprivileged, owns nothing
 
 
 def task_log(work_dir: Path, task_id: str) -> Path:
@@ -95,28 +101,6 @@ def task_dir(work_dir: Path, task_id: str) -> Path:
     return Path(work_dir) / "tasks" / task_id.replace("/", "_")
 
 
-@dataclass(frozen=True)
-class TaskUser:
-    """Who a task runs as: ``uid``/``gid`` to switch to (None: as the agent itself)."""
-
-    name: str
-    uid: int | None
-    gid: int | None
-
-    @classmethod
-    def resolve(cls, name: str | None) -> "TaskUser":
-        """As root: the named user (default ``DEFAULT_TASK_USER``); else the agent's own user (it cannot switch)."""
-        if os.geteuid() != 0:
-            return cls(pwd.getpwuid(os.geteuid()).pw_name, None, None)
-        name = name or os.environ.get(TASK_USER_ENV) or DEFAULT_TASK_USER
-        try:
-            pw = pwd.getpwnam(name)
-        except KeyError:
-            raise SystemExit(f"task user {name!r} does not exist: create it, or pass --task-user / set "
-                             f"{TASK_USER_ENV}") from None
-        if pw.pw_uid == 0:
-            raise SystemExit(f"task user {name!r} is root: tasks must run unprivileged")
-        return cls(name, pw.pw_uid, pw.pw_gid)
 STATE_FORMAT = 1
 DEFAULT_TICK_MS = 1000
 POLL_S = 0.1
@@ -152,22 +136,26 @@ class Proc:
 class ProcessAgent(LoopWorker):
     def __init__(self, cfg: Config, machine_id: str, work_dir: Path | str, *, registry: SchemaRegistry | None = None,
                  tick_ms: int = DEFAULT_TICK_MS, policy: d.Policy = d.DEFAULT_POLICY,
-                 stop_grace_ms: int = d.STOP_GRACE_MS, task_user: TaskUser | None = None):
+                 stop_grace_ms: int = d.STOP_GRACE_MS, isolation: iso.Isolation | None = None,
+                 machine_key: Path | None = None):
         self.cfg = cfg
         self.machine_id = machine_id
+        self.signer = machine_signer(cfg, machine_id, machine_key)  # what it says, it says as this machine
         self.work_dir = Path(work_dir)
         self.registry = registry or SchemaRegistry.from_dir()
         self.tick_ms = tick_ms
         self.policy = policy
         self.stop_grace_ms = stop_grace_ms
-        self.task_user = task_user or TaskUser.resolve(None)
+        self.isolation = isolation or iso.Isolation(None, why_not="tasks run as the agent's own user")
+        self.uids: dict[str, int] = {}  # task -> the uid leased to it (isolation.py), saved with the state
         self.keep_tasks = False  # at stop: leave the tasks running (KEEP_TASKS_SIGNAL) instead of stopping them
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.topic, self.partitions = topics.name("tasks"), topics.partitions_of("tasks")
         self.allocations = topics.name("allocations")
         self.judge = g.Judge(g.Gate(machine_id.__eq__),
                              [(self.allocations, i) for i in range(topics.partitions_of("allocations"))])
-        (self.work_dir / "logs").mkdir(parents=True, exist_ok=True)
+        secure_work_dir(self.work_dir)  # passages to the task directories; the rest the agent's alone
+        make_dir(self.work_dir / "logs")
         self.procs: dict[str, Proc] = {}
         self.offsets: dict[tuple[str, int], int] = {}
         self.log_id: str | None = None  # the id of the `tasks` topic ``offsets`` are offsets of
@@ -185,6 +173,9 @@ class ProcessAgent(LoopWorker):
         self._idle_polls = 0
         self._next_tick = 0
         self.errors = 0  # broker/delivery errors survived
+        self.log_max_bytes = int(os.environ.get(task_logs.MAX_BYTES_ENV) or task_logs.MAX_BYTES)
+        self.log_keep_s = float(os.environ.get(task_logs.KEEP_ENV) or task_logs.KEEP_S)
+        self._next_log_check = 0.0
 
     # -- state file ------------------------------------------------------------------------------------------
     @property
@@ -205,6 +196,7 @@ class ProcessAgent(LoopWorker):
                              tasks=MappingProxyType(runs))
         self.offsets = {(t, int(p)): o for t, p, o in doc.get("offsets", [])}
         self.log_id = doc.get("log_id")
+        self.uids = {t: int(u) for t, u in (doc.get(iso.OWNER_UIDS_KEY) or {}).items()}
         for task_id, pr in doc.get("procs", {}).items():
             self.procs[task_id] = Proc(pid=pr["pid"], start_time=pr["start_time"],
                                        kill_deadline_ms=pr.get("kill_deadline_ms"))
@@ -220,10 +212,9 @@ class ProcessAgent(LoopWorker):
                "tasks": [d.run_to_json(r) for r in self.state.tasks.values()],
                "procs": {t: {"pid": p.pid, "start_time": p.start_time, "kill_deadline_ms": p.kill_deadline_ms}
                          for t, p in self.procs.items()},
-               "gate": self.judge.gate.to_json(), "host": hp.to_json(self.host)}
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-        os.replace(tmp, self.state_path)
+               "gate": self.judge.gate.to_json(), "host": hp.to_json(self.host),
+               iso.OWNER_UIDS_KEY: dict(sorted(self.uids.items())), "sandbox": self.isolation.sandbox}
+        write_private(self.state_path, json.dumps(doc, indent=1, sort_keys=True))
 
     # -- deciding and acting ---------------------------------------------------------------------------------
     def feed(self, inp: d.Input) -> None:
@@ -312,7 +303,7 @@ class ProcessAgent(LoopWorker):
 
     def _new_producer(self) -> EventProducer:
         return EventProducer(self.cfg, self.registry, f"agent/{self.machine_id}", route=self.partition_map,
-                             **PRODUCER_CONF)
+                             signer=self.signer, **PRODUCER_CONF)
 
     def _act(self, act: d.Action) -> None:
         if act.kind == d.SPAWN:
@@ -321,22 +312,25 @@ class ProcessAgent(LoopWorker):
             self._kill(act.task_id)
 
     def _spawn(self, act: d.Action) -> None:
+        """Run the action's argv as the task's own uid, in its own directory (and sandbox): ``isolation.py``."""
         logfile = task_log(self.work_dir, act.task_id)
-        user = self.task_user
+        cwd = task_dir(self.work_dir, act.task_id)
         try:
-            cwd = task_dir(self.work_dir, act.task_id)
-            cwd.mkdir(parents=True, exist_ok=True)
-            if user.uid is not None:
-                os.chown(cwd, user.uid, user.gid)
-            switch = {} if user.uid is None else {"user": user.uid, "group": user.gid, "extra_groups": []}
-            with open(logfile, "ab") as out:  # opened by the agent: written by the task through the descriptor
+            uid = self.isolation.prepare(act.task_id, cwd, self.uids.get(act.task_id))
+            if uid is not None and self.uids.get(act.task_id) != uid:
+                self.uids[act.task_id] = uid
+                self.save()  # the lease is in the state before anything runs as it: a restarted agent knows it
+            argv, switch = self.isolation.command(act.argv, cwd, uid)
+            who = f"uid {uid}" + (" in a sandbox" if self.isolation.sandbox == iso.BWRAP else "") if uid is not None \
+                else "the agent's user"
+            with open_private(logfile) as out:  # opened by the agent: written by the task through the descriptor
                 out.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} spawn {list(act.argv)} spec "
-                          f"{act.spec_version} as {user.name} ({act.reason})\n".encode())
+                          f"{act.spec_version} as {who} ({act.reason})\n".encode())
                 out.flush()
-                popen = subprocess.Popen(list(act.argv), env={**os.environ, **act.env}, stdout=out,
+                popen = subprocess.Popen(argv, env=iso.task_env(dict(act.env), cwd, os.environ), stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, cwd=cwd, **switch)
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        except (OSError, ValueError, subprocess.SubprocessError, iso.IsolationError) as exc:
             self.feed(d.SpawnFailed(act.task_id, str(exc)))
             return
         self.procs[act.task_id] = Proc(popen.pid, process_start_time(popen.pid), popen)
@@ -348,19 +342,32 @@ class ProcessAgent(LoopWorker):
         if proc is None:  # no process (it vanished): the exit is all there is to report
             self.feed(d.Exited(task_id, None))
             return
-        signal_group(proc.pid, signal.SIGTERM)
+        self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGTERM)
         proc.kill_deadline_ms = now_ms() + self.stop_grace_ms
 
     def check_processes(self) -> None:
         for task_id, proc in list(self.procs.items()):
             exited, code = proc.poll()
             if exited:
-                signal_group(proc.pid, signal.SIGKILL)  # whatever the task left in its group
+                self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGKILL)  # whatever it left behind
                 del self.procs[task_id]
                 self.feed(d.Exited(task_id, code))
             elif proc.kill_deadline_ms is not None and now_ms() >= proc.kill_deadline_ms:
-                signal_group(proc.pid, signal.SIGKILL)
+                self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGKILL)
                 proc.kill_deadline_ms = None
+        self.release_uids()
+
+    def release_uids(self) -> None:
+        """Hand back the uid of every task that no longer runs nor will run again here (stopped, failed, forgotten):
+        its processes killed, its directory given to root (``isolation.Isolation.release``)."""
+        done = [t for t in self.uids if t not in self.procs
+                and (self.state.tasks.get(t) is None or self.state.tasks[t].phase not in d.LIVE)]
+        for task_id in done:
+            left = self.isolation.release(self.uids.pop(task_id), task_dir(self.work_dir, task_id))
+            if left:
+                log.info("agent %s: %s left %s: removed", self.machine_id, task_id, left)
+        if done:
+            self.save()
 
     def adopt(self) -> None:
         """After a restart: processes of the state file that are gone become exits (or are dropped)."""
@@ -370,11 +377,15 @@ class ProcessAgent(LoopWorker):
                 del self.procs[task_id]  # not the agent's any more; leave it be
             elif proc.start_time is None or process_start_time(proc.pid) != proc.start_time:
                 del self.procs[task_id]
+                if task_id in self.uids:  # what outlived it (a sandbox whose monitor alone was killed) goes too
+                    self.isolation.signal(proc.pid, self.uids[task_id], signal.SIGKILL)
                 self.feed(d.Exited(task_id, None))
             else:
                 log.info("agent %s: adopted %s pid %d", self.machine_id, task_id, proc.pid)
         for task_id, run in self.state.tasks.items():  # SPAWNING with no process on disk: spawn never happened
             if run.phase == d.P_SPAWNING and task_id not in self.procs:
+                if task_id in self.uids:  # (or happened, and the agent died before it saved the pid)
+                    iso.kill_uid(self.uids[task_id])
                 self.feed(d.SpawnFailed(task_id, "agent stopped while spawning"))
         self.save()
 
@@ -400,6 +411,7 @@ class ProcessAgent(LoopWorker):
                                           name=f"agent/{self.machine_id}", start_offsets=self.offsets,
                                           dead_letters=DeadLetters(self.producer, f"agent/{self.machine_id}"),
                                           types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE},
+                                          keep_refused=True,  # forged commands: answered (gate.forged)
                                           follows=True)
             return True
         except Exception as exc:  # noqa: BLE001 - broker away: try again later, tasks go on
@@ -425,9 +437,10 @@ class ProcessAgent(LoopWorker):
                 self._close_consumer()
             time.sleep(timeout_s)
             return 0
+        mine = self.machine_id.__eq__
+        self.judge.take_refused(self.consumer, mine, now_ms(), self.consumer.dead_letters)
         if self._catch_up:
             return self._catch_up_with(records)
-        mine = self.machine_id.__eq__
         for rec in records:
             self.offsets[(rec.topic, rec.partition)] = rec.offset + 1  # saved with the state the record makes
             if rec.event.type == hp.REQUEST_TYPE:
@@ -509,13 +522,38 @@ class ProcessAgent(LoopWorker):
             self._next_tick = now_ms() + self.tick_ms
             self.feed(d.Tick())
         self.flush_reports()
+        if time.monotonic() >= self._next_log_check:
+            self._next_log_check = time.monotonic() + task_logs.CHECK_S
+            self.bound_logs()
         try:
             self.producer._producer.poll(0)  # serve delivery reports (EventProducer polls only every 1000 sends)
         except Exception:  # noqa: BLE001 - delivery reports are served again at the next poll
             pass
 
+    def bound_logs(self) -> None:
+        """Rotate the logs of running tasks past their size, delete those of tasks gone for long (``logs.py``)."""
+        running = {task_log(self.work_dir, t).name[: -len(task_logs.SUFFIX)] for t in self.procs}
+        try:
+            done = task_logs.apply(self.work_dir / "logs", running, time.time(), max_bytes=self.log_max_bytes,
+                                   keep_s=self.log_keep_s)
+        except OSError as exc:  # a disk full or a permission: the tasks go on, the next look tries again
+            log.warning("agent %s: bounding the task logs: %s", self.machine_id, exc)
+            return
+        for action, name in done:
+            log.info("agent %s: task log %s: %s", self.machine_id, name, "rotated" if action == task_logs.ROTATE
+                     else f"deleted (no task of it ran for {self.log_keep_s:.0f} s)")
+
     def run(self, until: float | None = None) -> None:
+        gone = self.isolation.reconcile(self.uids)
+        if gone:
+            log.warning("agent %s: uids %s were leased to it but not in its state: handed back", self.machine_id, gone)
+        if self.isolation.leases is not None:  # a directory no uid holds is root's (one an older agent gave nobody)
+            held = {task_dir(self.work_dir, t) for t in self.uids}
+            for d in (self.work_dir / "tasks").iterdir():
+                if d.is_dir() and not d.is_symlink() and d not in held:
+                    iso.disown(d)
         self.adopt()
+        self.release_uids()
         self.flush_reports()
         self.loop(until)
 
@@ -539,13 +577,13 @@ class ProcessAgent(LoopWorker):
     def suspend_tasks(self) -> None:
         """Stop every task's process group (SIGTERM, SIGKILL after the grace) and tell ``decide`` (``Suspended``)."""
         procs = dict(self.procs)
-        for proc in procs.values():
-            signal_group(proc.pid, signal.SIGTERM)
+        for task_id, proc in procs.items():
+            self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace_ms / 1000
         while time.monotonic() < deadline and any(not p.poll()[0] for p in procs.values()):
             time.sleep(0.05)
         for task_id, proc in procs.items():
-            signal_group(proc.pid, signal.SIGKILL)
+            self.isolation.signal(proc.pid, self.uids.get(task_id), signal.SIGKILL)
             if proc.popen is not None:
                 proc.popen.wait()
             self.procs.pop(task_id, None)
@@ -565,23 +603,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-restarts", type=int, default=d.MAX_RESTARTS)
     ap.add_argument("--backoff-ms", type=int, default=d.BACKOFF_MS)
     ap.add_argument("--stop-grace-ms", type=int, default=d.STOP_GRACE_MS)
-    ap.add_argument("--task-user", help=f"as root: the user tasks run as (default ${TASK_USER_ENV} or "
-                                        f"{DEFAULT_TASK_USER})")
+    ap.add_argument("--task-uids", default=os.environ.get(iso.UIDS_ENV) or iso.DEFAULT_UIDS,
+                    help=f"as root: the uids leased to tasks, one each, FIRST-LAST (${iso.UIDS_ENV}, default "
+                         f"{iso.DEFAULT_UIDS})")
+    ap.add_argument("--task-sandbox", choices=iso.SANDBOXES, default=os.environ.get(iso.SANDBOX_ENV) or iso.AUTO,
+                    help=f"as root: run tasks in a bubblewrap sandbox: auto (if it runs here), bwrap (required), none "
+                         f"(${iso.SANDBOX_ENV}, default auto)")
+    ap.add_argument("--task-uid-leases", default=os.environ.get(iso.LEASES_ENV) or iso.DEFAULT_LEASES,
+                    help=f"the directory of this machine's uid leases, shared by its agents (${iso.LEASES_ENV})")
+    ap.add_argument("--machine-key", help="this machine's key file (default: <secrets>/machines/<machine>.json; the "
+                                          "operator writes it: `ropewalk keys machine M`)")
     args = ap.parse_args(argv)
+    private_umask()  # its state, logs and task logs are root's alone (infra/private.py)
+    try:
+        uids = iso.UidRange.parse(args.task_uids)
+    except ValueError as exc:
+        ap.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from infra import metrics
 
     metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     cfg = Config.from_env().as_principal("agent")
     work = Path(args.work_dir) if args.work_dir else default_work_dir(cfg.run_dir, args.machine_id)
-    agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
-                         policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts, backoff_ms=args.backoff_ms),
-                         stop_grace_ms=args.stop_grace_ms, task_user=TaskUser.resolve(args.task_user))
+    if not args.work_dir:  # the passages to its task directories: <run dir> and <run dir>/agents (infra/private.py)
+        make_dir(cfg.run_dir, PASSAGE_MODE)
+        make_dir(work.parent, PASSAGE_MODE)
+    try:
+        isolation = iso.Isolation.start(want=args.task_sandbox, uids=uids, leases_dir=Path(args.task_uid_leases),
+                                        owner=work / STATE_FILE, hidden=[cfg.run_dir, cfg.secrets, work],
+                                        scratch=work / "tasks")
+    except iso.IsolationError as exc:
+        raise SystemExit(f"agent {args.machine_id}: {exc}") from None
+    try:
+        agent = ProcessAgent(cfg, args.machine_id, work, tick_ms=args.tick_ms,
+                             policy=replace(d.DEFAULT_POLICY, max_restarts=args.max_restarts,
+                                            backoff_ms=args.backoff_ms),
+                             stop_grace_ms=args.stop_grace_ms, isolation=isolation,
+                             machine_key=Path(args.machine_key) if args.machine_key else None)
+    except CredentialsError as exc:
+        print(f"agent: {exc}", file=sys.stderr)
+        return 2
     faulthandler.register(signal.SIGUSR1)
     signal.signal(KEEP_TASKS_SIGNAL, agent.keep_tasks_at_stop)  # kill -USR1 <agent pid>: print every thread's stack to stderr
     agent.stop_on_signals()
-    log.info("agent %s: work dir %s, reading %s, tasks run as %s", args.machine_id, work, agent.topic,
-             agent.task_user.name)
+    log.info("agent %s: work dir %s, reading %s; tasks run %s", args.machine_id, work, agent.topic,
+             isolation.describe())
     agent.run()
     return 0
 

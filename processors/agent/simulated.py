@@ -54,6 +54,7 @@ from types import MappingProxyType
 from typing import Iterable, Sequence
 
 from infra.config import Config
+from infra.trust import simulated_signer
 from streams.partitionmap import routed_producer
 from streams.clients import EventConsumer, EventProducer
 from streams.deadletter import DeadLetters
@@ -118,8 +119,11 @@ class SimulatedAgents(LoopWorker):
         self.profile_switch_scale = (float(os.environ.get("ROPEWALK_PROFILE_SWITCH_SCALE", "1"))
                                      if profile_switch_scale is None else profile_switch_scale)
         self.profile_failures = frozenset(profile_failures)
-        self.producer = routed_producer(cfg, self.registry, name, **PRODUCER_CONF)  # task reports, dead letters
-        self.beats = EventProducer(cfg, self.registry, name, **HEARTBEAT_PRODUCER_CONF)
+        # Every machine's reports and heartbeats under its own key (the machine secret: these agents stand for every
+        # machine they simulate, infra/trust.simulated_signer)
+        self.signer = simulated_signer(cfg)
+        self.producer = routed_producer(cfg, self.registry, name, signer=self.signer, **PRODUCER_CONF)
+        self.beats = EventProducer(cfg, self.registry, name, signer=self.signer, **HEARTBEAT_PRODUCER_CONF)
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.topic = topics.name("tasks")
         self.allocations = topics.name("allocations")
@@ -426,7 +430,9 @@ class SimulatedAgents(LoopWorker):
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topic, self.allocations, self.unavailability],
                                       name=self.name, start_offsets=start,
                                       dead_letters=DeadLetters(self.producer, self.name),
-                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE} | pw.TYPES, follows=True)
+                                      types=d.COMMAND_TYPES | g.ALLOCATION_TYPES | {hp.REQUEST_TYPE} | pw.TYPES,
+                                      keep_refused=True,  # forged commands: answered (gate.forged)
+                                      follows=True)
 
     def catch_up_power(self) -> dict[tuple[str, int], int]:
         """Fold the power events of ``unavailability`` up to its end (a fresh agent: the machines of a DC whose
@@ -451,6 +457,7 @@ class SimulatedAgents(LoopWorker):
     def step(self, poll_s: float = 0.05) -> None:
         if self.consumer is not None:
             records = self.consumer.poll(10_000, poll_s, linger_s=0.0)
+            self.judge.take_refused(self.consumer, self.known.__contains__, now_ms(), self.consumer.dead_letters)
             self.on_commands((r.event for r in records), now_ms())
             for r in records:
                 self.offsets[(r.topic, r.partition)] = r.offset + 1

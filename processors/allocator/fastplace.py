@@ -9,8 +9,8 @@ every machine of the snapshot; this visits a few counters per machine group, a s
 bin, the request's avoided and ``existing`` machines, and the machines selection actually considers.
 
 **Data structures.** A machine's **group** is (owner, machine type, dc), owner being its entitlement or
-``FREE`` (the free pool). A snapshot is a union of whole groups -- those of the entitlement and of the free
-pool whose dc and type match the narrowing -- so everything is kept per group (``_Group``):
+``FREE_POOL_ENTITLEMENT`` (None: the free pool). A snapshot is a union of whole groups -- those of the entitlement
+and of the free pool whose dc and type match the narrowing -- so everything is kept per group (``_Group``):
 
 * ``ids``: every machine of the group, any status (the snapshot's members); ``down``: how many are not UP;
   ``maint``: how many are UP under a planned maintenance (``Machine.maintenance``);
@@ -86,11 +86,11 @@ from types import MappingProxyType
 from processors.allocator import placement
 from processors.allocator.placement import (
     FAULT_DOMAIN_OF, FILTER_AVOIDED, FILTER_CPU, FILTER_MAINTENANCE, FILTER_MEMORY, FILTER_STATUS, FILTERS,
-    MACHINE_UP, SPREAD_LEVELS,
+    SPREAD_LEVELS,
     Entitlement, Machine, Plan, Request, Selection, existing_bins, plan_of, rank,
 )
-
-FREE = None  # the owner of a free-pool machine (Machine.entitlement None)
+from streams.enums import MachineStatus
+from streams.topics import FREE_POOL_ENTITLEMENT
 
 GroupKey = tuple[str | None, str, str]  # (owner, machine type, dc)
 Entry = tuple[int, str, int]  # (cpu_free, machine id, mem_free) of an open machine, ordered by cpu then id
@@ -205,9 +205,9 @@ class PlacementIndex:
             g = self._groups[key] = _Group(example=m)
             self._group_keys.setdefault(m.entitlement, set()).add(key)
         g.ids.add(m.id)
-        if m.entitlement is not FREE:
+        if m.entitlement is not FREE_POOL_ENTITLEMENT:
             self._held[m.entitlement] += 1
-        if m.status != MACHINE_UP:
+        if m.status != MachineStatus.UP:
             g.down += 1
             return
         if m.maintenance:
@@ -222,11 +222,11 @@ class PlacementIndex:
         key = (m.entitlement, m.machine_type, m.dc)
         g = self._groups[key]
         g.ids.remove(m.id)
-        if m.entitlement is not FREE:
+        if m.entitlement is not FREE_POOL_ENTITLEMENT:
             self._held[m.entitlement] -= 1
             if not self._held[m.entitlement]:
                 del self._held[m.entitlement]
-        if m.status != MACHINE_UP:
+        if m.status != MachineStatus.UP:
             g.down -= 1
         elif m.maintenance:
             g.maint -= 1
@@ -263,7 +263,7 @@ class PlacementIndex:
 
     def _snapshot_groups(self, entitlement: str, dc: str | None, machine_type: str | None) -> list[GroupKey]:
         """The groups a snapshot consists of: the entitlement's and the free pool's, narrowed."""
-        return [key for owner in (entitlement, FREE) for key in self._group_keys.get(owner, ())
+        return [key for owner in (entitlement, FREE_POOL_ENTITLEMENT) for key in self._group_keys.get(owner, ())
                 if dc in (None, key[2]) and machine_type in (None, key[1])]
 
     def snapshot(self, entitlement: str, dc: str | None = None,
@@ -288,7 +288,7 @@ class PlacementIndex:
                          held_machine_count).select(feasible_free)
         return plan_of(selection, entitlement, request, held_machine_count, rejections)
 
-    def _filter(self, keys: set[GroupKey], entitlement: Entitlement,
+    def _filter(self, keys: set[GroupKey], entitlement: Entitlement,  # noqa: C901
                 request: Request) -> tuple[dict[str, int], list[_Group], int]:
         """``filter_machines`` on the snapshot of groups ``keys``: the rejections per reason (in FILTERS' order),
         the groups with feasible machines, and how many feasible machines are in the free pool."""
@@ -317,7 +317,7 @@ class PlacementIndex:
             rejected[FILTER_MEMORY] += short_mem
             if feasible:
                 feasible_groups.append(g)
-                if key[0] is FREE:
+                if key[0] is FREE_POOL_ENTITLEMENT:
                     feasible_free += feasible
         if request.avoid_machine_ids:
             unavoided = [(reason, passes) for reason, passes in predicates if reason != FILTER_AVOIDED]
@@ -331,7 +331,7 @@ class PlacementIndex:
                 assert after is not None  # it fails the avoid-list: a machine that passes both has before == after
                 if before is not None:
                     rejected[before] -= 1
-                elif m.entitlement is FREE:
+                elif m.entitlement is FREE_POOL_ENTITLEMENT:
                     feasible_free -= 1
                 rejected[after] += 1
         return {reason: rejected[reason] for reason in REASONS if rejected[reason] > 0}, feasible_groups, feasible_free
@@ -354,7 +354,8 @@ class _Run:
                 self.open(b)
             for g in feasible_groups:
                 for parent, entries in g.lists[POOLED_UNDER[spread]].items():
-                    self.pools.setdefault(parent, _Bin()).add(entries, g.example.entitlement is FREE, request)
+                    in_free_pool = g.example.entitlement is FREE_POOL_ENTITLEMENT
+                    self.pools.setdefault(parent, _Bin()).add(entries, in_free_pool, request)
         else:
             for g in feasible_groups:
                 lists: Iterable[tuple[str, list[Entry]]]
@@ -367,14 +368,14 @@ class _Run:
                     q = self.queues.get(domain)
                     if q is None:
                         q = self.queues[domain] = _Bin()
-                    q.add(entries, g.example.entitlement is FREE, request)
+                    q.add(entries, g.example.entitlement is FREE_POOL_ENTITLEMENT, request)
 
     def open(self, b: str) -> _Bin:
         """Bin ``b`` of a pooled level, from its lists: when it gets its first task (or had one already)."""
         q = self.queues[b] = _Bin()
         for g in self.groups:
             if (entries := g.lists[self.request.spread].get(b)) is not None:
-                q.add(entries, g.example.entitlement is FREE, self.request)
+                q.add(entries, g.example.entitlement is FREE_POOL_ENTITLEMENT, self.request)
         return q
 
     def head(self, b: str) -> tuple | None:
@@ -407,7 +408,7 @@ class _Run:
                     heappush(heap, (following, cursor))
         return None
 
-    def select(self, feasible_free: int) -> Selection:
+    def select(self, feasible_free: int) -> Selection:  # noqa: C901
         """select()'s loop: the bins' (and pools') heads in a lazily updated heap, each task on the best."""
         request, bins, added = self.request, self.bins, self.added
         cpu, mem, avoid = request.cpu, request.mem, request.avoid_machine_ids

@@ -70,18 +70,18 @@ from typing import Any
 from processors.allocator import placement
 from processors.allocator.fastplace import PlacementIndex
 from processors.allocator.placement import (
-    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, ENTITLEMENT_FIELDS, MACHINE_UP, Entitlement,
+    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, ENTITLEMENT_FIELDS, Entitlement,
     Machine, Plan, Request,
 )
 from processors import rules
-from processors.resourcebroker.decide import KIND_MAINTENANCE
+from streams.enums import MachineStatus, UnavailabilityKind
 from streams.events import Event
+from streams.topics import FREE_POOL_OWNER
 
 # Commit-time conflict: a task of the plan is already placed (a duplicate or replayed request).
 CONFLICT_TASK_PLACED = "task_already_placed"
-REGISTERED_STATUS = MACHINE_UP  # status of a newly registered machine until a status change says otherwise
+REGISTERED_STATUS = MachineStatus.UP  # status of a newly registered machine until a status change says otherwise
 ALLOCATOR_PRODUCER = "allocator"  # processor.PRODUCER (not imported: processor.py imports this module)
-FREE = ""  # the owner of a machine in the free pool
 DECISION_TYPES = frozenset({"TasksAllocated", "AllocationRejected", "TasksDeallocated"})
 MAX_DECISIONS_REMEMBERED = 200_000  # request ids whose decision the fold has seen (oldest forgotten first)
 
@@ -115,7 +115,7 @@ class MachineRec:
     mem_cap: int
     cpu_free: int
     mem_free: int
-    entitlement: str  # FREE: in the free pool
+    entitlement: str  # FREE_POOL_OWNER: in the free pool
     status: str
     host_profile: str  # "" = default
     version: int
@@ -282,7 +282,7 @@ class RegionFold:
             out[f"entitlement:{name}"] = {k: "" if v is None else str(v) for k, v in fields.items()}
         held: dict[str, list[str]] = defaultdict(list)
         for mid, m in self.machines.items():
-            if m.entitlement != FREE:
+            if m.entitlement != FREE_POOL_OWNER:
                 held[m.entitlement].append(mid)
         for name, mids in held.items():  # index.HELD: what the commit checks quotas against
             out[f"held:{name}"] = sorted(mids)
@@ -313,10 +313,10 @@ class RegionFold:
         conflicts = {}
         for mid in sorted(set(tasks) | added):
             m = self.machines.get(mid)
-            if m is None or m.status != MACHINE_UP:
+            if m is None or m.status != MachineStatus.UP:
                 conflicts[mid] = CONFLICT_STATUS
                 continue
-            if m.entitlement != (FREE if mid in added else entitlement):
+            if m.entitlement != (FREE_POOL_OWNER if mid in added else entitlement):
                 conflicts[mid] = CONFLICT_OWNER
             elif m.cpu_free < cpu * len(tasks[mid]) or m.mem_free < mem * len(tasks[mid]):
                 conflicts[mid] = CONFLICT_CAPACITY
@@ -462,7 +462,7 @@ def _registered(f: RegionFold, e: Event) -> None:
     m = f.machines.get(mid)
     if m is None:
         m = f.machines[mid] = MachineRec(id=mid, cpu_cap=cpu, mem_cap=mem, cpu_free=cpu, mem_free=mem,
-                                         entitlement=FREE, status=REGISTERED_STATUS, version=1, **attrs)
+                                         entitlement=FREE_POOL_OWNER, status=REGISTERED_STATUS, version=1, **attrs)
         f.statuses[REGISTERED_STATUS] += 1
         f.changed[mid] = e.event_id
         f.reindex(m)
@@ -491,7 +491,7 @@ def _maintenance(f: RegionFold, e: Event) -> None:
     """A planned maintenance announced (UnavailabilityStarted of kind MAINTENANCE) or ended (UnavailabilityEnded):
     its machines are under it, or no longer."""
     p = e.payload
-    if e.type == "UnavailabilityStarted" and p["kind"] != KIND_MAINTENANCE:
+    if e.type == "UnavailabilityStarted" and p["kind"] != UnavailabilityKind.MAINTENANCE:
         return
     ms = [f._get(mid) for mid in p["machine_ids"]]  # every machine known, or nothing changes
     ue = p["unavailability_id"]
@@ -517,14 +517,14 @@ def _assigned(f: RegionFold, e: Event) -> None:
     m = f._get(e.payload["machine_id"])
     if e.producer == ALLOCATOR_PRODUCER:
         return  # an echo of TasksAllocated.machines_added: that event (or the commit) carries the fact
-    if m.entitlement == FREE:
+    if m.entitlement == FREE_POOL_OWNER:
         f._touch(m, int(f._set(m, "entitlement", e.entitlement)), e.event_id)
 
 
 def _released(f: RegionFold, e: Event) -> None:
     m = f._get(e.payload["machine_id"])
     if f._releasable(m, e.entitlement):
-        f._touch(m, int(f._set(m, "entitlement", FREE)), e.event_id)
+        f._touch(m, int(f._set(m, "entitlement", FREE_POOL_OWNER)), e.event_id)
 
 
 def _requested(f: RegionFold, e: Event) -> None:
@@ -557,7 +557,7 @@ def _allocated(f: RegionFold, e: Event) -> None:
         raise MissingResources(f"MISSING_RESOURCES {p['request_id']}")
     step = _Step()
     for m in added:
-        if m.entitlement == FREE and f._set(m, "entitlement", e.entitlement):
+        if m.entitlement == FREE_POOL_OWNER and f._set(m, "entitlement", e.entitlement):
             step.add(m.id, "owner")
     for t, mid in moving:
         cur = f.placement.get(t)
@@ -581,7 +581,7 @@ def _deallocated(f: RegionFold, e: Event) -> None:
             f._unplace(f.machines[mid], t)
             step.add(mid, "removed")
     for m in released:
-        if f._releasable(m, e.entitlement) and f._set(m, "entitlement", FREE):
+        if f._releasable(m, e.entitlement) and f._set(m, "entitlement", FREE_POOL_OWNER):
             step.add(m.id, "owner")
     f._bump(step, e.event_id)
 
@@ -678,7 +678,7 @@ PROFILE_APPLIED, PROFILE_PENDING, PROFILE_FAILED = "applied", "pending", "failed
 def profile_state(fold: RegionFold, m: MachineRec) -> dict[str, Any]:
     """The host profile the machine's entitlement wants ("" = the default; None in the free pool) and where the
     machine stands: applied, pending (a switch wanted, not done) or failed (the switch to it failed)."""
-    if m.entitlement == FREE:
+    if m.entitlement == FREE_POOL_OWNER:
         return {"host_profile_wanted": None, "host_profile_state": PROFILE_APPLIED}
     want = fold.entitlement_fields.get(m.entitlement, {}).get("host_profile") or ""
     if m.host_profile == want:

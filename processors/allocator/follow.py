@@ -7,7 +7,8 @@ view without being the allocator (the ReBalancer, Sidekick).
 
 ``target`` is anything with ``apply(event, (topic, partition, offset))`` (a ``RegionFold``, or a view around one).
 A record the target cannot apply (``FoldError``) is counted and logged, not dead-lettered: the allocator, which
-reads the same records, dead-letters them once.
+reads the same records, dead-letters them once. A record that does not prove its writer (streams/auth.py) is refused
+by the reading itself, and dead-lettered with ``dead_letters`` (Sidekick's: the host-profile answers it acts on).
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ class Target(Protocol):
 
 class Follower:
     def __init__(self, cfg: Config, registry: SchemaRegistry, target: Target, *, topics: Iterable[str] = SOURCES,
-                 types: Iterable[str] | None = None, name: str = "follower"):
+                 types: Iterable[str] | None = None, name: str = "follower", dead_letters=None):
         self.cfg, self.registry, self.target, self.name = cfg, registry, target, name
+        self.dead_letters = dead_letters
         self.topics = tuple(topics)
         self.types = None if types is None else frozenset(types)
         self.failed = 0  # records the target could not apply
@@ -53,7 +55,7 @@ class Follower:
     def catch_up(self, stall_timeout_s: float = 60.0) -> dict[str, int]:
         """Fold the log as it is now, in ``merged`` order; the live reading starts where this ended."""
         run = Replay(self.cfg, self.registry, ReplayFilter(topics=self.topics, types=self.types),
-                     stall_timeout_s=stall_timeout_s)
+                     stall_timeout_s=stall_timeout_s, dead_letters=self.dead_letters)
         parts: dict[tuple[str, int], list] = defaultdict(list)
         for rec in run:
             parts[(rec.topic, rec.partition)].append((rec.event, (rec.topic, rec.partition, rec.offset)))
@@ -69,7 +71,8 @@ class Follower:
         if self.consumer is None:
             names = Topics(self.cfg.topic_prefix, self.cfg.partitions)
             self.consumer = EventConsumer(self.cfg, self.registry, [names.name(t) for t in self.topics],
-                                          name=self.name, start_offsets=self.ends, types=self.types, follows=True)
+                                          name=self.name, start_offsets=self.ends, types=self.types,
+                                          dead_letters=self.dead_letters, follows=True)
         records = self.consumer.poll(max_records, timeout_s, linger_s=0.0)
         for rec in records:
             self._apply(rec.event, (rec.topic, rec.partition, rec.offset))

@@ -57,8 +57,9 @@ from typing import Any
 from processors.allocator import lua
 from processors.allocator.fold import CONFLICT_TASK_PLACED, RegionFold, split_maintenance
 from processors.allocator.placement import (
-    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_QUOTA, CONFLICT_STATUS, CONFLICT_VERSION, MACHINE_UP, Machine,
+    CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_QUOTA, CONFLICT_STATUS, CONFLICT_VERSION, Machine,
 )
+from streams.enums import MachineStatus
 
 DEFAULT_CONSUMER = "allocator"
 FIELDS = ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free", "entitlement",
@@ -66,6 +67,7 @@ FIELDS = ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free
 OUTBOX = "outbox:machines"
 PROJECT_CHUNK = 500  # machines per projection call (one call holds the server a few milliseconds)
 DONE_TTL_S = 3600  # a committed decision's events are kept this long (it reaches the log within seconds)
+DONE_TTL_ENV = "ROPEWALK_ALLOC_JOURNAL_TTL_S"  # another (the soak's simulated hour: bench/experiments/soak.py)
 # Commit outcomes (beside "ok").
 JOURNALED = "journaled"  # the decision was committed before (a crash before its events were produced)
 FENCED = "fenced"  # the request's partition has a new owner: this allocator must not decide it
@@ -76,6 +78,11 @@ HELD = "held:"  # + entitlement: set of the machines it holds (the commit's quot
 FORMAT_KEY = "index:format"
 FORMAT = "2"  # 2: with HELD sets. An index of another format is written whole by the next allocator to start
 LOST = "lost"  # the commit's reply when the index is not the generation the allocator projected into
+
+
+class FunctionsMissing(RuntimeError):
+    """Redis does not hold the index's read functions and this client may not load them (a reader): the allocator
+    loads them at its start and whenever it writes the index whole (``MachineIndex.load_functions``)."""
 
 
 class IndexLost(RuntimeError):
@@ -89,11 +96,16 @@ _CONSTANTS = {"FIELDS": FIELDS, "GENERATION": GENERATION, "LOST": LOST, "HELD": 
 
 _LUA_PROJECT = lua.script("project", **_CONSTANTS)
 _LUA_COMMIT = lua.script("commit", **_CONSTANTS)
-_LUA_READ = lua.script("read", **_CONSTANTS)
 _LUA_OUTBOX_DONE = lua.script("outbox_done")
-_READ_CHUNK = 1000
+_READ_CHUNK = 1000  # machines a read call takes at most (the library's MAX_READ)
+# The readers' functions (FCALL_RO): the one thing a Redis user of the readers may run against the index
+# (infra/credentials.py, REDIS_RULES), each bounded work whatever its arguments (processors/allocator/lua).
+LIBRARY = "ropewalk_index"
+READ, SUMMARY_OF = "ropewalk_read", "ropewalk_summary"
+_LUA_LIBRARY = lua.library(LIBRARY, {READ: "read", SUMMARY_OF: "summary"},
+                           FIELDS=FIELDS, SUMMARY=SUMMARY, MAX_READ=_READ_CHUNK)
 
-_COMMIT_REASONS = json.dumps({"up": MACHINE_UP, "status": CONFLICT_STATUS, "owner": CONFLICT_OWNER,
+_COMMIT_REASONS = json.dumps({"up": MachineStatus.UP, "status": CONFLICT_STATUS, "owner": CONFLICT_OWNER,
                               "capacity": CONFLICT_CAPACITY, "version": CONFLICT_VERSION,
                               "task_placed": CONFLICT_TASK_PLACED, "quota": CONFLICT_QUOTA})
 
@@ -148,18 +160,45 @@ def _to_machine(mid: str, v: Sequence[Any]) -> Machine:
 class MachineIndex:
     """The machine index under ``prefix`` in ``redis_client``; ``consumer`` names its applied marks."""
 
-    def __init__(self, redis_client, prefix: str, consumer: str = DEFAULT_CONSUMER) -> None:
+    def __init__(self, redis_client, prefix: str, consumer: str = DEFAULT_CONSUMER, *,
+                 done_ttl_s: int = DONE_TTL_S) -> None:
         self.r = redis_client
         self.prefix = prefix
         self.consumer = consumer
+        self.done_ttl_s = done_ttl_s  # the journal's: how long a committed decision's events are kept
         self.generation: str | None = None  # commits are refused unless the index is of this one (None: unchecked)
         self._project = redis_client.register_script(_LUA_PROJECT)
         self._commit = redis_client.register_script(_LUA_COMMIT)
-        self._read = redis_client.register_script(_LUA_READ)
         self._outbox_done = redis_client.register_script(_LUA_OUTBOX_DONE)
 
     def key(self, name: str) -> str:
         return self.prefix + name
+
+    # --- the readers' functions ---------------------------------------------------------------------------
+    def load_functions(self) -> None:
+        """Load (or replace) the index's function library: the allocator and the operator may; a reader may not."""
+        self.r.function_load(_LUA_LIBRARY, replace=True)
+
+    def _fcall(self, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Run ``calls`` ((function, args)) as FCALL_RO in one pipeline; the library loaded first if Redis lacks it
+        (``FunctionsMissing`` when this client may not load it)."""
+        import redis
+
+        for attempt in (1, 2):
+            pipe = self.r.pipeline(transaction=False)
+            for fn, args in calls:
+                pipe.fcall_ro(fn, 0, *args)
+            try:
+                return pipe.execute() if calls else []
+            except redis.ResponseError as exc:
+                if "function not found" not in str(exc).lower() or attempt == 2:
+                    raise
+            try:
+                self.load_functions()
+            except redis.exceptions.NoPermissionError:
+                raise FunctionsMissing(f"Redis holds no {LIBRARY} functions, and this client may not load them: the "
+                                       f"allocator loads them at its start") from None
+        raise AssertionError("unreachable")
 
     # --- writing the fold ---------------------------------------------------------------------------------
     def project(self, fold: RegionFold, changed: Mapping[str, str], *, marks: bool = True,
@@ -193,7 +232,8 @@ class MachineIndex:
         """How many machines the index holds, by status (``UP``, ``DOWN``, ...), as the last projection left them:
         one small read, where counting the machines' hashes reads them all (seconds at 1,000,000 machines).
         None when no projection wrote it (an index written before it existed)."""
-        raw = {text(k): int(v) for k, v in self.r.hgetall(self.key(SUMMARY)).items()}
+        flat = self._fcall([(SUMMARY_OF, [self.prefix])])[0]
+        raw = {text(k): int(v) for k, v in zip(flat[::2], flat[1::2])}
         if not raw:
             return None
         raw.pop("machines", None)
@@ -202,6 +242,7 @@ class MachineIndex:
     def project_all(self, fold: RegionFold) -> int:
         """The whole fold: every machine, mark and entitlement (a Redis that lost or lags the index), in this
         layout (``FORMAT``)."""
+        self.load_functions()  # a Redis that lost the index may have lost its functions too (readers need them)
         n = self.project(fold, {mid: "" for mid in fold.machines}, entitlements=fold.entitlement_fields)
         if fold.machines or fold.entitlement_fields:  # (an empty index has no layout to name)
             self.r.set(self.key(FORMAT_KEY), FORMAT)
@@ -224,7 +265,7 @@ class MachineIndex:
         if not decisions:
             return []
         raw = self._commit(args=[self.prefix, json.dumps([d.to_json() for d in decisions], separators=(",", ":")),
-                                 DONE_TTL_S, _COMMIT_REASONS, self.generation or ""])
+                                 self.done_ttl_s, _COMMIT_REASONS, self.generation or ""])
         if text(raw) == LOST:
             raise IndexLost(f"the index is not generation {self.generation} any more "
                             f"(now {self.read_generation()}): nothing committed")
@@ -322,13 +363,11 @@ class MachineIndex:
 
     # --- reading ------------------------------------------------------------------------------------------
     def machines(self, ids: Iterable[str]) -> dict[str, Machine]:
-        """The machines of ``ids`` that exist, read in pipelined chunks."""
+        """The machines of ``ids`` that exist, read in pipelined chunks (``READ``, FCALL_RO)."""
         ids = list(ids)
-        pipe = self.r.pipeline(transaction=False)
-        for i in range(0, len(ids), _READ_CHUNK):
-            self._read(args=[self.prefix, *ids[i:i + _READ_CHUNK]], client=pipe)
         out = {}
-        for blob in pipe.execute():
+        for blob in self._fcall([(READ, [self.prefix, *ids[i:i + _READ_CHUNK]])
+                                 for i in range(0, len(ids), _READ_CHUNK)]):
             for record in filter(None, text(blob).split("\x1e")):
                 mid, *values = record.split("\x1f")
                 out[mid] = _to_machine(mid, values)
@@ -338,6 +377,7 @@ class MachineIndex:
         return self.machines([machine_id]).get(machine_id)
 
     def machine_ids(self) -> list[str]:
+        """Every machine of the index (a SCAN: the allocator's and the operator's; a reader may not scan)."""
         start = len(self.key("m:"))
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "m:*"
         return [text(k)[start:] for k in self.r.scan_iter(match=pattern, count=1000)]

@@ -27,6 +27,7 @@ from heapq import heapify, heappop, heappush
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Protocol
 
 from streams.enums import MachineStatus
 
@@ -55,7 +56,6 @@ CONFLICT_VERSION = "machine_version_changed"
 # to the entitlement first (two allocators deciding for one entitlement: one moving between partitions).
 CONFLICT_QUOTA = "quota_exceeded_at_commit"
 
-MACHINE_UP = MachineStatus.UP
 SPREAD_LEVELS = ("dc", "msb", "rack")
 REQUIREMENT_KEYS = frozenset({"machine_type", "dc"})
 
@@ -138,8 +138,19 @@ class Plan:
     cache_hit: bool = False  # the job-level allocation cache answered (processors/allocator/cache.py)
 
 
+class Located(Protocol):
+    """What has a place in the region's fault domains: a ``Machine``, the ReBalancer's ``MachineLoad``."""
+
+    @property
+    def dc(self) -> str: ...
+    @property
+    def msb(self) -> str: ...
+    @property
+    def rack(self) -> str: ...
+
+
 # The bin of a machine at each spread level (``fault_domain``), as a function: select() calls it per machine.
-FAULT_DOMAIN_OF: Mapping[str, Callable[[Machine], str]] = MappingProxyType({
+FAULT_DOMAIN_OF: Mapping[str, Callable[[Located], str]] = MappingProxyType({
     "dc": lambda m: m.dc,
     "msb": lambda m: f"{m.dc}/{m.msb}",
     "rack": lambda m: f"{m.dc}/{m.msb}/{m.rack}",
@@ -177,7 +188,7 @@ Filter = Callable[[Entitlement, "Request"], Callable[[Machine], bool] | None]
 
 # The hard filters, cheapest first: (reason, predicate builder).
 FILTERS: tuple[tuple[str, Filter], ...] = (
-    (FILTER_STATUS, lambda e, r: lambda m: m.status == MACHINE_UP),
+    (FILTER_STATUS, lambda e, r: lambda m: m.status == MachineStatus.UP),
     (FILTER_MAINTENANCE, lambda e, r: lambda m: not m.maintenance),
     (FILTER_AVOIDED, lambda e, r: (lambda m: m.id not in r.avoid_machine_ids) if r.avoid_machine_ids else None),
     (FILTER_OTHER_ENTITLEMENT, lambda e, r: lambda m: m.entitlement is None or m.entitlement == e.name),
@@ -266,7 +277,7 @@ class Selection:
         return self.state.fits(machine_id)
 
 
-def select(feasible: Iterable[Machine], bins: Mapping[str, int], entitlement: Entitlement, request: Request,
+def select(feasible: Iterable[Machine], bins: Mapping[str, int], entitlement: Entitlement, request: Request,  # noqa: C901
            held_machine_count: int) -> Selection:
     """Place ``request``'s tasks one at a time on the best candidate by ``SCORES`` (see the module doc).
 
@@ -481,7 +492,7 @@ def commit_check(machine_now: Machine, expected_version: int, cpu: int, mem: int
     The specific causes are checked first (status, owner when ``entitlement`` is given, capacity for
     ``n_tasks`` tasks); a bare version change comes last. Any conflict means: re-plan on a fresh snapshot.
     """
-    if machine_now.status != MACHINE_UP:
+    if machine_now.status != MachineStatus.UP:
         return CONFLICT_STATUS
     if entitlement is not None and machine_now.entitlement not in (None, entitlement):
         return CONFLICT_OWNER

@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
@@ -78,7 +79,7 @@ from processors.allocator.fold import (
     EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
 )
 from processors.allocator.index import (
-    DEFAULT_CONSUMER, FENCED, FORMAT, JOURNALED, Decision, IndexLost, MachineIndex, text,
+    DEFAULT_CONSUMER, DONE_TTL_ENV, DONE_TTL_S, FENCED, FORMAT, JOURNALED, Decision, IndexLost, MachineIndex, text,
 )
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
 from streams.batches import ENVELOPE_BYTES, size_of, split
@@ -86,7 +87,7 @@ from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters
 from streams.events import Event, derived_event_id, new_event
 from streams.faustwire import make_app
-from streams.heap import GrowthFreezer, folding
+from streams.gc_control import GrowthFreezer, folding
 from streams.partitionmap import MapEntry, MapFollower
 from streams.partitioner import partition_for
 from streams.replay import Replay, ReplayFilter
@@ -382,7 +383,8 @@ class Allocator:
         self.topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.allocations = self.topics.name("allocations")
         self.fold = RegionFold()
-        self.index = MachineIndex(redis_client, cfg.topic_prefix, consumer)
+        self.index = MachineIndex(redis_client, cfg.topic_prefix, consumer,
+                                  done_ttl_s=max(1, int(float(os.environ.get(DONE_TTL_ENV) or DONE_TTL_S))))
         self.max_attempts = max_attempts
         self.batch = batch
         self.publish_interval_s = publish_interval_s
@@ -405,7 +407,7 @@ class Allocator:
         self._publishing = threading.Lock()
         self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
         self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
-        self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/heap.py
+        self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/gc_control.py
 
     def key(self, name: str) -> str:
         return self.cfg.topic_prefix + name
@@ -448,6 +450,8 @@ class Allocator:
             # emptied, lagging the fold, or written in an older layout (without the quota's held sets)
             behind = generation is None or self._redis_behind() or self.index.format() != FORMAT
             projected = self.index.project_all(self.fold) if behind else 0
+            if not behind:
+                self.index.load_functions()  # this version's readers' functions (project_all loads them too)
             self._adopt_index(refence=generation is None or generation != self.index.generation)
             self.caught_up = True
         return {"records": run.stats.read, "applied": self.fold.applied, "failed": failed,
@@ -591,7 +595,7 @@ class Allocator:
             return True
         return any(other.partition == source and other.event.entitlement == ent for other in self.pending.values())
 
-    def _decide_batch(self, batch: list[Pending]) -> list[Event]:
+    def _decide_batch(self, batch: list[Pending]) -> list[Event]:  # noqa: C901
         produced: list[Event] = []
         # What the fold applied since the last projection is in Redis before anything is committed against it: a
         # machine changed by a record of this poll would otherwise meet its older version in Redis, and the reload

@@ -67,7 +67,7 @@ from processors.allocator.index import DEFAULT_CONSUMER, FORMAT_KEY, GENERATION,
 from processors.allocator.processor import SOURCES
 from streams.clients import consumer_conf
 from streams.events import Event
-from streams.heap import folding
+from streams.gc_control import folding
 from streams.progress import ProgressFn, silent
 from streams.retry import watermark_offsets
 from streams.replay import Replay, ReplayFilter

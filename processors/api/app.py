@@ -44,10 +44,14 @@ in the envelope's ``principal``. Errors are ``{"error": <reason constant>, "mess
 
 Server-sent events: each state record as ``event: job`` (or ``machine``) with its view as ``data``, first the
 current state of everything the user may see, then ``event: ready``, then each change as it is published (a
-comment every ``KEEPALIVE_S`` while nothing changes). A web UI subscribes with ``EventSource``.
+comment every ``KEEPALIVE_S`` while nothing changes). A web UI subscribes with ``EventSource``. At most
+``MAX_STREAMS`` streams are open at once (``ROPEWALK_API_MAX_STREAMS``): one more is refused with 503
+``too_many_streams`` and ``Retry-After``; a client that stops reading holds its stream's reader still (nothing is
+queued for it: the reader is polled only as the client takes what was sent), and one gone is closed at the next poll.
 """
 import asyncio
 import json
+import os
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -64,14 +68,22 @@ from starlette.concurrency import run_in_threadpool
 from infra.config import Config
 from processors.api import authz, users as users_mod
 from processors.api.errors import ApiError
+from processors.api.guards import BodyLimit, NoTokenInUrl
 from processors.api.authz import User
 from processors.frontend import service as fe
 from processors.frontend.service import Frontend, FrontendError
+from processors.history.reader import MomentGone
 from processors.times import MAX_MOMENT_CHARS
 from streams.events import MAX_TIME_MS
 
 PRODUCER = "api"
 KEEPALIVE_S = 15.0
+# Event streams open at once, at most (each holds a reader of the state topics: a consumer and the latest state of
+# what it shows); one more is refused (503, too_many_streams) until one closes. ROPEWALK_API_MAX_STREAMS.
+MAX_STREAMS = 64
+MAX_STREAMS_ENV = "ROPEWALK_API_MAX_STREAMS"
+TOO_MANY_STREAMS = "too_many_streams"
+MOMENT_GONE = "moment_gone"  # a look needs records the broker deleted (processors/history/reader.MomentGone): 410
 UNAUTHENTICATED = "unauthenticated"
 BROKER_UNAVAILABLE = "broker_unavailable"
 USERS_UNREADABLE = "users_file_unreadable"
@@ -240,7 +252,7 @@ AtQuery = Annotated[str | None, Query(min_length=1, max_length=MAX_MOMENT_CHARS,
 DryRun = Annotated[bool, Query(description="say what would happen; produce nothing (processors/history/whatif.py)")]
 
 
-def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
+def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:  # noqa: C901
     from streams.clients import EventProducer
     from streams.serde import SchemaRegistry
 
@@ -267,6 +279,8 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
                               "machines, maintenance, the audit log and live state. Bearer tokens: `ropewalk user "
                               "add`.")
     app.state.users = users_file
+    app.state.streams = 0  # event streams open now (``events``)
+    max_streams = int(os.environ.get(MAX_STREAMS_ENV) or MAX_STREAMS)
 
     def allow(user: User, action: str, entitlement: str | None) -> None:
         d = authz.decide(user, action, entitlement)
@@ -284,6 +298,10 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     @app.exception_handler(FrontendError)
     async def _frontend_error(request: Request, exc: FrontendError):
         return JSONResponse({"error": exc.reason, "message": exc.message}, exc.status)
+
+    @app.exception_handler(MomentGone)
+    async def _moment_gone(request: Request, exc: MomentGone):  # a look before what the broker still holds
+        return JSONResponse({"error": MOMENT_GONE, "message": str(exc)}, 410)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -312,6 +330,10 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
     async def healthz() -> dict:
         return {"ok": True}
 
+    # The small doors (guards.py): no token in a URL, no body beyond MAX_BODY_BYTES; inside TimedRequests, which
+    # counts their refusals too.
+    app.add_middleware(BodyLimit)
+    app.add_middleware(NoTokenInUrl)
     app.add_middleware(TimedRequests)
 
     @app.get("/metrics", tags=["meta"], response_class=PlainTextResponse)
@@ -647,10 +669,14 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
         run = await call(front(user).replay, replay_filter(user, **flt))
         return await call(lambda: [json.loads(rp.format_json(rec)) for rec in run])
 
-    async def events(request: Request, user: User, kind: str, entitlement: str | None) -> StreamingResponse:
+    async def events(request: Request, user: User, kind: str, entitlement: str | None) -> StreamingResponse:  # noqa: C901
         action = "job.view" if kind == "jobs" else "machine.view"
         if entitlement is not None:
             allow(user, action, entitlement)
+        if app.state.streams >= max_streams:
+            raise ApiError(503, TOO_MANY_STREAMS, f"{app.state.streams} event streams are open, the most this API "
+                           f"serves at once ({MAX_STREAMS_ENV}={max_streams}): try again later",
+                           headers={"Retry-After": "5"})
         reader = await call(front(user).state_reader, kind, entitlement)
         name = "job" if kind == "jobs" else "machine"
 
@@ -661,6 +687,7 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
             return authz.visible(user, view["entitlement"])
 
         async def stream():
+            app.state.streams += 1  # counted while the stream runs (a response never started counts nothing)
             try:
                 current = await run_in_threadpool(reader.catch_up)
                 for ev in sorted(current.values(), key=lambda e: e.entity_id):
@@ -682,6 +709,7 @@ def create_app(cfg: Config, *, users_path: Path | None = None) -> FastAPI:
             except asyncio.CancelledError:
                 raise
             finally:
+                app.state.streams -= 1
                 reader.close()
 
         return StreamingResponse(stream(), media_type="text/event-stream",

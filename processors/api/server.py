@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from processors.api.app import create_app
+    from processors.api.guards import redact_logs
 
     cfg = Config.from_env().as_principal(PRINCIPAL)
     ap = argparse.ArgumentParser(prog="python -m processors.api.server", description=__doc__.split("\n")[0])
@@ -29,8 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # One worker process; blocking log reads run in the thread pool. Graceful shutdown on SIGTERM (`ropewalk down`).
     app = create_app(cfg, users_path=Path(args.users) if args.users else None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=True,
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=True,
+                            timeout_graceful_shutdown=5)  # (its logging configured here)
+    redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # no token in .run/api.log (guards.py)
+    uvicorn.Server(config).run()
     return 0
 
 

@@ -61,7 +61,7 @@ class Users:
         return self.by_hash.get(token_hash(token))
 
 
-def parse(doc, source: str = USERS_FILE) -> Users:
+def parse(doc, source: str = USERS_FILE) -> Users:  # noqa: C901
     """The users of a parsed users file, or UsersError naming the wrong entry. Pure."""
     if doc is None:
         doc = {}
@@ -116,7 +116,7 @@ def _read_doc(path: Path) -> dict:
 
 
 def _write_doc(path: Path, doc: dict) -> None:
-    from infra.credentials import write_private
+    from infra.private import write_private
 
     parse(doc, str(path))
     write_private(Path(path), HEADER + yaml.safe_dump(doc, sort_keys=True))
@@ -166,7 +166,7 @@ def ensure_admin(secrets_dir: Path) -> bool:
     users = load(path)
     if ADMIN_USER in users.by_name and token_file.exists():
         return False
-    from infra.credentials import write_private
+    from infra.private import write_private
 
     token = new_token()
     doc = _read_doc(path)

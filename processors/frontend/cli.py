@@ -1,4 +1,4 @@
-"""`ropewalk`: the command line of Ropewalk (contract in DESIGN.md; outside tools script against it).
+"""`ropewalk`: the command line of Ropewalk (contract in docs/architecture.md; outside tools script against it).
 
 Every read command takes --json and prints one JSON document (replay: one JSON event per line); every
 command exits non-zero with a one-line reason on error. A record a command's readers cannot decode is skipped
@@ -645,7 +645,7 @@ def _profile_text(r: dict) -> str:
     return f"{have or 'default'}" + (f" ({st} {want or 'default'})" if st and st != "applied" else "")
 
 
-def cmd_watch(cfg: Config, args) -> int:
+def cmd_watch(cfg: Config, args) -> int:  # noqa: C901
     """Current state of everything first, then each change, until interrupted (or --once). A line starts with the
     time of the state record; a record that changes nothing shown (a job republished with the same states) is not
     printed again."""
@@ -885,7 +885,7 @@ def cmd_maintenance(cfg: Config, args) -> int:
 def cmd_rebalance(cfg: Config, args) -> int:
     """`rebalance plan`: the ReBalancer's latest plan per entitlement (or every plan) and each move's progress;
     with --dry-run, the plan the log calls for now, produced nowhere (processors/rebalancer/)."""
-    from processors.rebalancer import cli as rb
+    from processors.rebalancer import queries as rb
     from processors.rebalancer.solver import goals_of
 
     if args.dry_run:  # the solver runs here, on the caller's CPU, over the whole region's log: not the API's work
@@ -1216,6 +1216,9 @@ def build_parser(bench_commands=None) -> argparse.ArgumentParser:
     from processors.frontend.commands import history
 
     history.add_commands(sub, reparse=build_parser)
+    from processors.frontend.commands import keys  # the keys behind the identities on the log (infra/trust.py)
+
+    keys.add_commands(sub)
     experiment = sub.add_parser("experiment", help="reproduce the Twine paper's experiments")  # bench/cli.py's
     add_upper_floors(sub)
     if bench_commands is not None:
@@ -1235,6 +1238,9 @@ def add_upper_floors(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from infra.private import private_umask
+
+    private_umask()  # what the CLI writes (the run directory, archives) is its user's alone (infra/private.py)
     if argv[:1] and argv[0] in BENCH_COMMANDS:
         exec_bench(argv)
     return run(build_parser(), argv)

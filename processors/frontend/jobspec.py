@@ -69,7 +69,7 @@ def _name(value: Any, field: str) -> str:
     return value
 
 
-def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks: int = MAX_TASKS) -> dict:
+def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks: int = MAX_TASKS) -> dict:  # noqa: C901
     """The JobSubmitted payload (without spec_version) for a user's spec, or JobSpecError naming the field;
     ``max_tasks``: the region's limit of tasks per job (``Config.max_tasks_per_job``)."""
     if not isinstance(data, Mapping):

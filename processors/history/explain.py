@@ -70,7 +70,7 @@ def _about_task(rec: Record, task_id: str, job: str) -> bool:
     return task_id in names
 
 
-def story(records: Sequence[Record], task_id: str, at_ms: int | None = None) -> dict[str, Any]:
+def story(records: Sequence[Record], task_id: str, at_ms: int | None = None) -> dict[str, Any]:  # noqa: C901
     """The explanation from the entitlement's records up to ``at_ms`` (pure)."""
     job = job_of(task_id)
     if at_ms is not None:

@@ -37,7 +37,8 @@ def new_region(cfg: Config, scheduler_partitions: frozenset[int] | None = None) 
     reads them); ``scheduler_partitions``: see ``Region``."""
     lookahead = int(os.environ.get(LOOKAHEAD_ENV) or LOOKAHEAD_MS)
     return Region(Topics(cfg.topic_prefix, cfg.partitions), limits=Limits.from_env(os.environ),
-                  max_tasks=cfg.max_tasks_per_job, lookahead_ms=lookahead, scheduler_partitions=scheduler_partitions)
+                  max_tasks=cfg.max_tasks_per_job, lookahead_ms=lookahead, scheduler_partitions=scheduler_partitions,
+                  gc_ms=int(cfg.job_gc_s * 1000))
 
 
 def partitions_of(cfg: Config, entitlements) -> frozenset[int]:

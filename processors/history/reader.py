@@ -38,6 +38,12 @@ class LogChanged(RuntimeError):
     """The record a snapshot ended at is not on the log any more: the log is not the one the snapshot was made of."""
 
 
+class MomentGone(RuntimeError):
+    """The log a look needs begins later than the look must read from: its older records were deleted (a topic's
+    retention, processors/README's "Retention"; ``kafka-delete-records``). Nothing equal to the region then can be
+    folded from the broker: an archive that holds them (``ropewalk archive``, ``restore``) can."""
+
+
 class ReadStalled(RuntimeError):
     pass
 
@@ -75,7 +81,7 @@ def watermarks(cfg: Config, partitions: list[tuple[str, int]], timeout_s: float 
     return {tp: (lo, hi) for tp, (lo, hi) in out.items()}
 
 
-def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int], int] | None = None, *,
+def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int], int] | None = None, *,  # noqa: C901
            verify: Mapping[tuple[str, int], str] | None = None, skipped: Skipped | None = None,
            stats: dict | None = None, only: Callable[[str, int], bool] | None = None
            ) -> Iterator[tuple[Event, Position]]:
@@ -91,6 +97,14 @@ def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int]
         marks = watermarks(cfg, wanted)
         first: dict[tuple[str, int], int] = {}
         ends: dict[tuple[str, int], int] = {}
+        read = 0
+        gone = sorted((tp, low) for tp, (low, high) in marks.items() if tp not in start and low > 0)
+        if gone:  # from the beginning, where there is no beginning any more
+            (topic, partition), low = gone[0]
+            raise MomentGone(f"the log of {topic}[{partition}] begins at offset {low}: its older records were deleted "
+                             f"({len(gone)} partitions so; retention, README \"Retention\"), so the region cannot be "
+                             "folded from its beginning and no snapshot from before holds it; `ropewalk restore` an "
+                             "archive (`ropewalk archive`) that holds them to look")
         for tp, (low, high) in marks.items():
             at = max(low, start.get(tp, low))
             if tp in verify:

@@ -82,6 +82,7 @@ START_DELAY_MS = 200  # a simulated agent: START -> RUNNING (the simulated agent
 WHAT_IF_LATENCY_MS = 5  # what-if: a request to its decision, a command to its report (causes before effects)
 SHADOW_AGENT = "agent/shadow"  # producer of a simulated agent's reports
 WHAT_IF_TOPIC = "what-if"  # where a what-if's hypothetical events are "read" from
+LOOP_REQUESTS = 100  # a job's allocation requests at one instant beyond which the shadow takes it for a loop
 WAIT_TRIES = 8  # a silent input is tried again after this many decisions of its partition at most, then decided
 PRUNE_AT = 200_000  # remembered decision times beyond which those long past are forgotten
 # The jobs ``decide.retry_unplaced`` acts on (it passes over the others): the only ones the timer is given here.
@@ -175,17 +176,23 @@ class ShadowLog:
     synthesized: int = 0  # reports made by simulated agents
     dropped_reports: int = 0  # recorded reports about a placement the shadow did not make
     controller_requests: list[Event] = field(default_factory=list)  # TaskControlRequested the shadow sent
+    # requests of a job beyond LOOP_REQUESTS at one instant: decided a retry interval later (``Region._requested``)
+    looped: Counter[str] = field(default_factory=Counter)
+    _at_once: dict[tuple[str, int], int] = field(default_factory=dict)  # (job, instant) -> requests made then
 
 
 class Region:
     def __init__(self, topics: Topics, *, limits: Limits = DEFAULT_LIMITS, max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB,
-                 lookahead_ms: int = LOOKAHEAD_MS, scheduler_partitions: frozenset[int] | None = None):
+                 lookahead_ms: int = LOOKAHEAD_MS, scheduler_partitions: frozenset[int] | None = None,
+                 gc_ms: int = sd.DEFAULT_JOB_GC_MS):
         self.topics = topics
         # None: the whole region. A set: only these partitions' jobs are decided (a *partial* region: its other jobs
         # stand as the snapshot left them; never written as a snapshot). The fold is always whole.
         self.scheduler_partitions = scheduler_partitions
         self.limits = limits
         self.max_tasks = max_tasks
+        self.gc_ms = gc_ms  # a stopped job's grace (ROPEWALK_JOB_GC_S): the live shard's, so decisions are alike
+        self._collected_to: int | None = None  # the cut of the last ``collect``
         self.lookahead_ms = lookahead_ms
         self.fold = RegionFold()
         self.scheduler = sm.SchedulerState()
@@ -207,9 +214,9 @@ class Region:
         self.published: dict[str, Event] = {}  # job -> its latest JobStatePublished
         self.parts: dict[str, dict[int, list]] = {}  # job -> part -> tasks (JobTasksPublished)
         self.open_requests: dict[str, tuple[Event, int]] = {}  # request id -> (request, partition) undecided
-        # deleted jobs a snapshot held (``decide.is_dormant``), as their records (JSON): decoded only when an input
-        # names one (``wake``), so a look at a moment does not decode every job the region ever stopped
-        self.dormant: dict[str, str] = {}
+        # deleted jobs a snapshot held (``decide.is_dormant``), as their records (JSON) and when they ended: decoded
+        # only when an input names one (``wake``), so a look at a moment does not decode every job stopped lately
+        self.dormant: dict[str, tuple[str, int | None]] = {}
         self._last_key: dict[tuple[str, int], int] = {}  # per topic-partition: the decision time of its last input
         self._lag: deque[tuple[Event, Position]] = deque()  # read, not applied yet (after ``cut``)
         self._queue: list[tuple] = []  # (time, rank, seq, kind, data): decisions to take
@@ -238,7 +245,7 @@ class Region:
         self._rec_placed_read: dict[str, list[str]] = defaultdict(list)  # as read (ahead): task -> machines
 
     # -- reading -------------------------------------------------------------------------------------------------
-    def read(self, event: Event, position: Position) -> None:
+    def read(self, event: Event, position: Position) -> None:  # noqa: C901
         """The next record in ``fold.merged`` order; applied by a later ``advance``."""
         ts = event.timestamp_ms
         if self.read_to is None or ts > self.read_to:
@@ -294,8 +301,21 @@ class Region:
                 self._take(item)
         if self.cut is None or cut > self.cut:
             self.cut = cut
+        if self._collected_to is None or cut - self._collected_to >= max(self.gc_ms, 60_000) // 4:
+            self.collect(cut)
         if len(self._decided_at) > PRUNE_AT or len(self._timers) > PRUNE_AT:
             self._prune(cut)
+
+    def collect(self, now: int) -> None:
+        """The jobs whose grace passed at ``now`` leave the scheduler's state (``decide.collect``, as the live
+        shard's timer takes them; ``decide`` takes them for gone either way, so when does not matter), and the
+        dormant ones with them: a region's memory and its snapshots hold the jobs of the last grace, not every job
+        it ever stopped."""
+        self._collected_to = now
+        self.scheduler, _ = sd.collect(self.scheduler, now, self.gc_ms)
+        gone = [j for j, (_, ended) in self.dormant.items() if sd.ended_before(lc.JOB_DELETED, ended, now, self.gc_ms)]
+        for j in gone:
+            del self.dormant[j]
 
     def _prune(self, cut: int) -> None:
         """Forget decision times whose input was applied long ago (outputs of inputs before a snapshot's cut)."""
@@ -311,7 +331,7 @@ class Region:
         self._seq += 1
         heapq.heappush(self._queue, (when, rank, self._seq, kind, data))
 
-    def _apply(self, event: Event, position: Position) -> None:
+    def _apply(self, event: Event, position: Position) -> None:  # noqa: C901
         tp = (position[0], position[1])
         self.positions[tp] = position[2] + 1
         self.last_ids[tp] = event.event_id
@@ -376,7 +396,7 @@ class Region:
             return  # a partial region: this partition's jobs are not asked about
         self._push(key, (_INPUT, ts, topic_rank, tp[1], offset), _INPUT, (event, tp[1], silent))
 
-    def _take(self, item: tuple) -> None:
+    def _take(self, item: tuple) -> None:  # noqa: C901
         when, _, _, kind, data = item
         if kind == _INPUT:
             self._decide(data[0], data[1], when, silent=data[2])
@@ -426,7 +446,7 @@ class Region:
         if state.shard_bucket is not bucket:
             state = replace(state, shard_bucket=bucket)
         try:
-            new, out = sd.decide(state, event, now, limits=self.limits, max_tasks=self.max_tasks)
+            new, out = sd.decide(state, event, now, limits=self.limits, max_tasks=self.max_tasks, gc_ms=self.gc_ms)
         except Exception:  # noqa: BLE001 - as the shard: the event is dead-lettered, the state kept
             self.decide_failed += 1
             return True
@@ -449,8 +469,8 @@ class Region:
     def wake(self, job_ids: Iterable[str]) -> None:
         """The dormant jobs among ``job_ids`` decoded into the scheduler's state (an input names them: ``decide``
         reads no other dormant job, ``decide.concerned_jobs``)."""
-        woken = {j: records.job_from_record(json.loads(raw)) for j in job_ids
-                 if (raw := self.dormant.pop(j, None)) is not None}
+        woken = {j: records.job_from_record(json.loads(kept[0])) for j in job_ids
+                 if (kept := self.dormant.pop(j, None)) is not None}
         if woken:
             self.scheduler = replace(self.scheduler, jobs=self.scheduler.jobs.updated(woken))
 
@@ -500,7 +520,7 @@ class Region:
             self.scheduler = replace(state, jobs=state.jobs.updated(changed))
         self._scheduled(out, now)
 
-    def _scheduled(self, events: Sequence[Event], now: int) -> None:
+    def _scheduled(self, events: Sequence[Event], now: int) -> None:  # noqa: C901
         for ev in events:
             if self.on_emit is not None:
                 self.on_emit(ev)
@@ -615,6 +635,19 @@ class Region:
         when = self._alloc_at.get(rid)
         if when is None or when < now or when > request.timestamp_ms + self.lookahead_ms:
             when = now + self.alloc_delay_ms
+        job = request.payload["job_id"]
+        key = (job, now)
+        at_once = self.shadow._at_once[key] = self.shadow._at_once.get(key, 0) + 1
+        if at_once > LOOP_REQUESTS:
+            # A job asking again and again at one instant: the shadow's scheduler and allocator disagree on a machine
+            # (seen: the shadow's scheduler held machines down that its allocator had up again, after a DOWN that
+            # waited as a silent input was decided after its UP: each placement there was moved off at once, 20,000
+            # decisions without time moving, and `ropewalk shadow` hung). Its next request is decided a retry
+            # interval later, as the shard's timer would ask again; the report counts it (``looped``).
+            self.shadow.looped[job] += 1
+            when = max(when, now + self._retry_ms)
+            if len(self.shadow._at_once) > PRUNE_AT:
+                self.shadow._at_once.clear()
         p = self.partition(request.entitlement) if partition is None else partition
         self._push(when, (_ALLOC, request.timestamp_ms, p), _ALLOC, (request, p))
 

@@ -11,6 +11,10 @@ kept, what is decided again), the log read on to ``until``. Nothing is produced 
 * ``decisions``: each allocator decision whose events differ from the recorded ones (event ids and payloads;
   ``commit_attempts`` is left out: it counts Redis conflicts between allocators, which a shadow has none of), and
   requests only one side decided;
+* both sides' events are compared **as the log holds them** (``same``): the recorded ones were written with their
+  type's schema and read back, so the shadow's are too (``as_logged``) before a difference is called one. A field
+  the schema gives a default and a decision leaves out (the ``proof`` of a report in a scheduler's TaskStatesChanged:
+  null, only agents prove theirs) is that default on the log; compared in memory, every such event would differ;
 * ``scheduler``: the scheduler's outputs (commands, requests, task transitions, discovery, TaskControl requests,
   refusals; not its state records, which the live shard coalesces per batch) that differ, by event id;
 * ``totals`` of each side: requests decided, tasks placed, moves (a task placed again on another machine),
@@ -131,14 +135,14 @@ def shadow(cfg: Config, registry: SchemaRegistry, since_ms: int, until_ms: int, 
     than the live one) how far the live policy's run reproduces the log."""
     skipped = reader.Once(skipped)  # both runs read the window: each undecodable record is said once
     base_region, base, at_since, base_stats = run(cfg, registry, since_ms, until_ms, LIVE, skipped=skipped)
-    baseline = compare(base, base_region, at_since, until_ms)
+    baseline = compare(base, base_region, at_since, until_ms, registry)
     doc: dict[str, Any] = {"since_ms": since_ms, "until_ms": until_ms, "policy": policy.describe(),
                            "baseline": {"policy": LIVE.describe(), **_headline(baseline), "seconds": base_stats["seconds"]}}
     if policy.live:
         doc.update(baseline)
         return doc
     region, log, at_since, stats = run(cfg, registry, since_ms, until_ms, policy, skipped=skipped)
-    doc.update(compare(log, region, at_since, until_ms))
+    doc.update(compare(log, region, at_since, until_ms, registry))
     doc["seconds"] = stats["seconds"]
     return doc
 
@@ -150,6 +154,30 @@ def _headline(diff: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # -- the diff ---------------------------------------------------------------------------------------------------
+def as_logged(event: Event, registry: SchemaRegistry) -> Event | None:
+    """``event`` as a reader of the log gets it: written with its type's schema, read back (the fields the decision
+    left out hold the schema's defaults); None if it cannot be written (the live producer would have refused it)."""
+    try:
+        type_, data = registry.decode(registry.encode(event.type, event.to_record(registry.reader(event.type).version)))
+    except (KeyError, ValueError, TypeError):  # an unknown type, an invalid record (InvalidEvent, DecodeError)
+        return None
+    return Event.from_record(type_, data)
+
+
+def same(recorded: list[Event], decided: list[Event], registry: SchemaRegistry) -> bool:
+    """Whether the shadow decided what the log recorded: ``_normal`` of both as the log holds them (``as_logged``).
+    Events equal in memory are equal on the log (the round trip is a function): only others are written and read."""
+    if _normal(recorded) == _normal(decided):
+        return True
+    sides = []
+    for events in (recorded, decided):
+        logged = [as_logged(e, registry) for e in events]
+        if any(e is None for e in logged):
+            return False  # one side holds what no producer could write: no decision the log could hold
+        sides.append(_normal(e for e in logged if e is not None))
+    return sides[0] == sides[1]
+
+
 def _normal(events: Iterable[Event]) -> list[tuple]:
     """A decision's events as compared: id, type and payload without ``commit_attempts``."""
     out = []
@@ -187,7 +215,9 @@ def summary(events: Iterable[Event]) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v}
 
 
-def compare(log: ShadowLog, region: Region, at_since: Mapping[str, str], until_ms: int) -> dict[str, Any]:
+def compare(log: ShadowLog, region: Region, at_since: Mapping[str, str], until_ms: int,
+            registry: SchemaRegistry) -> dict[str, Any]:
+    """The diff of a shadow run (the module doc); ``registry``: the schemas both sides are compared under (``same``)."""
     since = log.since
 
     def in_window(events: list[Event]) -> bool:
@@ -198,7 +228,7 @@ def compare(log: ShadowLog, region: Region, at_since: Mapping[str, str], until_m
     differ = []
     for rid in sorted(set(recorded) | set(decided), key=lambda r: min(e.timestamp_ms for e in (recorded.get(r) or decided[r]))):
         a, b = recorded.get(rid), decided.get(rid)
-        if a is not None and b is not None and _normal(a) == _normal(b):
+        if a is not None and b is not None and same(a, b, registry):
             continue
         req = log.requests.get(rid)
         first = (a or b)[0]
@@ -213,7 +243,7 @@ def compare(log: ShadowLog, region: Region, at_since: Mapping[str, str], until_m
     sched_differ = []
     for i in sorted(set(rec_sched) | set(mine_sched)):
         a, b = rec_sched.get(i), mine_sched.get(i)
-        if a is not None and b is not None and _normal([a]) == _normal([b]) and a.timestamp_ms == b.timestamp_ms:
+        if a is not None and b is not None and a.timestamp_ms == b.timestamp_ms and same([a], [b], registry):
             continue
         e = a or b
         sched_differ.append({"event_id": i, "type": e.type, "entity": e.entity_id, "time_ms": e.timestamp_ms,
@@ -232,11 +262,12 @@ def compare(log: ShadowLog, region: Region, at_since: Mapping[str, str], until_m
         "totals": {"recorded": rec_totals, "shadow": mine_totals}, "totals_equal": totals_equal,
         "spread_differs": spread_differ,
         "synthesized_reports": log.synthesized, "dropped_reports": log.dropped_reports,
-        "empty": not differ and not sched_differ and all(totals_equal.values()),
+        "looped_jobs": dict(sorted(log.looped.items())),  # requests deferred: a job asking again at one instant
+        "empty": not log.looped and not differ and not sched_differ and all(totals_equal.values()),
     }
 
 
-def totals(decisions: Iterable[list[Event]], at_since: Mapping[str, str], machines: Mapping[str, Any]
+def totals(decisions: Iterable[list[Event]], at_since: Mapping[str, str], machines: Mapping[str, Any]  # noqa: C901
            ) -> dict[str, Any]:
     """One side's totals over its decisions (applied in time order to the placements at ``since``)."""
     placed = dict(at_since)

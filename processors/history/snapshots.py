@@ -37,6 +37,7 @@ from typing import Any
 from fastavro import parse_schema, reader as avro_reader, writer as avro_writer
 
 from infra.config import Config
+from infra.private import make_dir
 from processors.allocator.fold import MachineRec, PendingRequest, entitlement_of
 from processors.allocator.placement import Entitlement
 from processors.history.region import Region
@@ -47,7 +48,10 @@ from processors.taskcontrol.limiter import bucket_of, bucket_record
 from streams.events import Event
 from streams.serde import SchemaRegistry
 
-FORMAT = 2  # 2: deleted jobs (``decide.is_dormant``) as ``job-deleted`` records, loaded undecoded (``Region.dormant``)
+# 2: deleted jobs (``decide.is_dormant``) as ``job-deleted`` records, loaded undecoded (``Region.dormant``);
+# 3: requests and operations named by their incarnation (``model.incarnation_tag``), jobs gone once their grace
+#    passed (``job-gone`` in a delta; a ``job-deleted`` carries ``ended_ms``)
+FORMAT = 3
 META_KEY = "ropewalk.history"
 SNAPSHOT_EVERY = 3_000  # records read between two snapshots a fold of the log writes (at most)
 SNAPSHOT_WORK_S = 2.0  # ... or this much folding time, whichever comes first (bounds a later look's tail)
@@ -60,6 +64,7 @@ ITEM_SCHEMA = parse_schema({
         {"name": "key", "type": "string"},
         {"name": "json", "type": ["null", "string"], "default": None},
         {"name": "event", "type": ["null", "bytes"], "default": None},
+        {"name": "ended_ms", "type": ["null", "long"], "default": None},
     ]})
 _NAME = re.compile(r"(\d{15})-(\d{12})(\.d)?\.avro\Z")
 
@@ -83,7 +88,8 @@ def directory(cfg: Config) -> Path:
 def conditions(region: Region) -> dict[str, Any]:
     """What a snapshot's decisions depend on besides the log: a snapshot is used only under the same."""
     return {"prefix": region.topics.prefix, "partitions": region.topics.partitions,
-            "limits": repr(region.limits), "max_tasks": region.max_tasks, "lookahead_ms": region.lookahead_ms}
+            "limits": repr(region.limits), "max_tasks": region.max_tasks, "lookahead_ms": region.lookahead_ms,
+            "gc_ms": region.gc_ms}
 
 
 def listing(cfg: Config) -> list[SnapshotFile]:
@@ -103,11 +109,12 @@ def latest_before(cfg: Config, moment_ms: int) -> list[SnapshotFile]:
 
 
 # -- writing -----------------------------------------------------------------------------------------------------
-def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[dict]:
+def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[dict]:  # noqa: C901
     """A whole snapshot's records, or (``delta``) those of what changed since the region's last snapshot; the small
     parts (requests, entitlements, marks, queues) are always whole."""
-    def js(kind: str, key: str, value: Any) -> dict:
-        return {"kind": kind, "key": key, "json": json.dumps(value, separators=(",", ":")), "event": None}
+    def js(kind: str, key: str, value: Any, ended_ms: int | None = None) -> dict:
+        return {"kind": kind, "key": key, "json": json.dumps(value, separators=(",", ":")), "event": None,
+                "ended_ms": ended_ms}
 
     def ev(kind: str, key: str, event: Event, extra: Any = None) -> dict:
         return {"kind": kind, "key": key, "json": None if extra is None else json.dumps(extra),
@@ -130,10 +137,13 @@ def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[di
     before = region.snapshot_jobs if delta else {}
     for job in st.jobs.values():
         if before.get(job.id) is not job:
-            yield js("job-deleted" if is_dormant(job) else "job", job.id, records.job_to_record(job))
+            yield js("job-deleted" if is_dormant(job) else "job", job.id, records.job_to_record(job), job.ended_ms)
+    for job_id in before:  # collected since (``Region.collect``): gone from the chain too
+        if job_id not in st.jobs:
+            yield js("job-gone", job_id, None)
     if not delta:  # the dormant ones never change while dormant: in the whole snapshots only
-        for job_id, raw in region.dormant.items():
-            yield {"kind": "job-deleted", "key": job_id, "json": raw, "event": None}
+        for job_id, (raw, ended) in region.dormant.items():
+            yield {"kind": "job-deleted", "key": job_id, "json": raw, "event": None, "ended_ms": ended}
     yield js("scheduler-entitlements", "", [asdict(e) for e in st.entitlements.values()])
     yield js("machines-down", "", dict(st.machines_down))
     yield js("buckets", "", {str(p): bucket_record(b) for p, b in region.buckets.items()})
@@ -168,6 +178,7 @@ def write(cfg: Config, region: Region, registry: SchemaRegistry, *, full: bool =
         raise SnapshotError("a partial region (some partitions' jobs not decided) has no snapshot")
     delta = not full and region.snapshot_file is not None and region.snapshot_depth + 1 < FULL_EVERY
     d = directory(cfg)
+    make_dir(d.parent)  # <run dir>/history: 0700, the region's alone (infra/private.py)
     d.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT, "cut": region.cut, "applied": region.applied, "fold_failed": region.fold_failed,
             "decide_failed": region.decide_failed, "created_ms": int(time.time() * 1000),
@@ -235,13 +246,13 @@ def _chain(snap: SnapshotFile) -> list[Path]:
     return out[::-1]
 
 
-def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[tuple[str, int], str]:
+def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[tuple[str, int], str]:  # noqa: C901
     """Fill the empty ``region`` from ``snap`` (and, for a delta, the snapshots before it); returns the event id the
     log must hold just before each position (``reader.merged``'s ``verify``). Raises SnapshotError if a file of
     the chain is missing or was made under other conditions."""
     machines: dict[str, str] = {}
     jobs: dict[str, str] = {}
-    deleted: dict[str, str] = {}  # dormant jobs (``decide.is_dormant``): left undecoded, in ``region.dormant``
+    deleted: dict[str, tuple[str, int | None]] = {}  # dormant jobs (``decide.is_dormant``): left undecoded
     published: dict[str, bytes | None] = {}
     parts: dict[str, str] = {}
     small: dict[str, str] = {}
@@ -268,7 +279,10 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
                     jobs[key] = item["json"]
                     deleted.pop(key, None)
                 elif kind == "job-deleted":
-                    deleted[key] = item["json"]
+                    deleted[key] = (item["json"], item.get("ended_ms"))
+                    jobs.pop(key, None)
+                elif kind == "job-gone":
+                    deleted.pop(key, None)
                     jobs.pop(key, None)
                 elif kind == "published":
                     published[key] = item["event"]

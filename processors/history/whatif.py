@@ -27,16 +27,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from infra.config import Config
-from processors.allocator.fold import FREE, job_of
-from processors.allocator.placement import MACHINE_UP
+from processors.allocator.fold import job_of
 from processors.history import moments
 from processors.history.region import RETRY_MS, START_DELAY_MS, Region
 from processors.scheduler import lifecycle as lc
 from processors.scheduler import model as sm
 from streams import batches
 from streams.deadletter import Skipped
+from streams.enums import MachineStatus
 from streams.events import Event
 from streams.serde import SchemaRegistry
+from streams.topics import FREE_POOL_OWNER
 
 SETTLE_MS = 2 * RETRY_MS + 5_000  # simulated after the deadline (or the failure): a timer tick, a stop, a start
 
@@ -73,7 +74,7 @@ def what_if(cfg: Config, registry: SchemaRegistry, events: Sequence[Event], now_
                     stats=stats)
 
 
-def simulate(region: Region, events: Sequence[Event], now_ms: int, until_ms: int, *, retry_ms: int = RETRY_MS,
+def simulate(region: Region, events: Sequence[Event], now_ms: int, until_ms: int, *, retry_ms: int = RETRY_MS,  # noqa: C901
              start_delay_ms: int = START_DELAY_MS, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run the what-if on ``region`` (pure) and report the outcome."""
     region.advance(now_ms)
@@ -180,8 +181,8 @@ def capacity(region: Region) -> dict[str, Any]:
         ents[name] = {"quota": ent.quota_machines, "held": 0, "usable": 0, "free_cpu_millicores": 0,
                       "free_memory_mib": 0}
     for m in fold.machines.values():
-        usable = m.status == MACHINE_UP and not m.maintenance
-        if m.entitlement == FREE:
+        usable = m.status == MachineStatus.UP and not m.maintenance
+        if m.entitlement == FREE_POOL_OWNER:
             if usable:
                 p = pool[m.dc]
                 p["machines"] += 1

@@ -326,7 +326,7 @@ def reconcile(job: JobIntents) -> tuple[JobIntents, dict | None]:
                          for v, c in sorted(used.items())],
             "stable_version": stable, "push": push, "canary": canary}
     held = [job.base_ref, job.intents.get(RESOURCES), d.sizing, d.push[5] if d.push else None,
-            d.canary[4] if canary else None]
+            d.canary[4] if canary and d.canary is not None else None]
     spec["provenance"] = [h.provenance() for h in held if h is not None]
     spec["rules"] = d.fired
     return dataclasses.replace(job, versions=tuple(versions), top_version=top), spec
@@ -398,7 +398,7 @@ def _stable_of(base: Mapping[str, Any]) -> tuple:
     return ("", tuple(base["command"]), tuple(sorted(base["env"].items())))
 
 
-def _intake(job: JobIntents, ev: Event, position, max_tasks: int) -> tuple[JobIntents, list[Event]]:
+def _intake(job: JobIntents, ev: Event, position, max_tasks: int) -> tuple[JobIntents, list[Event]]:  # noqa: C901
     """A per-dimension intent: refused (a rule of processors/rules.py, or a ``refuse`` rule of ``RULES``)
     or held as its dimension's latest."""
     found = rules.intent_problems(ev.type, ev.payload, ev.entitlement, max_tasks)

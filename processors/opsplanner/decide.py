@@ -43,7 +43,10 @@ class Plan:
             raise PlanError("give exactly one of --machines, --rack, --msb")
         if self.machines:
             return [rb.Target(rb.TARGET_MACHINE, m) for m in self.machines]
-        return [rb.Target(rb.TARGET_RACK, self.rack)] if self.rack else [rb.Target(rb.TARGET_MSB, self.msb)]
+        if self.rack:
+            return [rb.Target(rb.TARGET_RACK, self.rack)]
+        assert self.msb  # the one given
+        return [rb.Target(rb.TARGET_MSB, self.msb)]
 
 
 def plan(state: rb.BrokerState, p: Plan, now_ms: int) -> list[Event]:

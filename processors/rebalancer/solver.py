@@ -275,7 +275,7 @@ class _Problem:
                 self.candidates.append(t)
                 taken += t.cpu
 
-    def pick_targets(self) -> None:
+    def pick_targets(self) -> None:  # noqa: C901
         """Per candidate, up to ``targets_per_task`` targets from the source's own fault domain (at the job's spread
         level: a move there never touches the job's spread) when it has at least twice as many cold machines as
         candidates; else half from it and the rest one from each other domain the job may still grow in, in turn
@@ -367,7 +367,7 @@ class _Problem:
         return d == self.domain(t.job, src) or self.domains[t.job][d] < self.fullest[t.job]
 
 
-def _greedy(p: _Problem, cap: int) -> dict[str, str]:
+def _greedy(p: _Problem, cap: int) -> dict[str, str]:  # noqa: C901
     """Stage 4: hottest source first, each candidate to the target where it lowers the CPU above the target load
     (the model's objective) the most, the coldest such on a tie, while its source is above the target. A target
     may end a little above the target load when that still sheds more from the source than it adds (loads come
@@ -414,7 +414,7 @@ def _greedy(p: _Problem, cap: int) -> dict[str, str]:
     return chosen
 
 
-def _model(p: _Problem, cap: int, hint: Mapping[str, str], wall_s: float):
+def _model(p: _Problem, cap: int, hint: Mapping[str, str], wall_s: float):  # noqa: C901
     """Stage 5: the CP-SAT model and its solution: (status, {task: target}, deterministic time, wall limited).
     ``hint`` (the greedy plan) is given complete, every variable's value, so the search starts from it. When the
     hint already brings every machine under the target (no excess: it cannot be lowered), the model is the simpler
@@ -423,18 +423,18 @@ def _model(p: _Problem, cap: int, hint: Mapping[str, str], wall_s: float):
 
     model = cp_model.CpModel()
     tasks = {t.id: t for t in p.candidates if t.id in p.arcs}
-    x: dict[tuple[str, str], object] = {}
+    x: dict[tuple[str, str], cp_model.IntVar] = {}
     for tid in sorted(tasks):
         for mid in p.arcs[tid]:
-            x[(tid, mid)] = model.NewBoolVar(f"x[{tid},{mid}]")
-    moved: dict[str, list] = defaultdict(list)
-    into: dict[str, list[tuple[TaskLoad, object]]] = defaultdict(list)
+            x[(tid, mid)] = model.new_bool_var(f"x[{tid},{mid}]")
+    moved: dict[str, list[cp_model.IntVar]] = defaultdict(list)
+    into: dict[str, list[tuple[TaskLoad, cp_model.IntVar]]] = defaultdict(list)
     for (tid, mid), v in x.items():
         moved[tid].append(v)
         into[mid].append((tasks[tid], v))
     for tid in sorted(moved):
-        model.AddAtMostOne(moved[tid])
-    out_of: dict[str, list[tuple[TaskLoad, object]]] = defaultdict(list)
+        model.add_at_most_one(moved[tid])
+    out_of: dict[str, list[tuple[TaskLoad, cp_model.IntVar]]] = defaultdict(list)
     for tid in sorted(moved):
         t = tasks[tid]
         for v in moved[tid]:
@@ -448,23 +448,23 @@ def _model(p: _Problem, cap: int, hint: Mapping[str, str], wall_s: float):
         ins, outs = into.get(mid, ()), out_of.get(mid, ())
         cpu = m.cpu_used + sum(t.cpu * v for t, v in ins) - sum(t.cpu * v for t, v in outs)
         mem = m.mem_used + sum(t.mem * v for t, v in ins) - sum(t.mem * v for t, v in outs)
-        model.Add(cpu <= m.cpu_capacity)
-        model.Add(mem <= m.mem_capacity)
+        model.add(cpu <= m.cpu_capacity)
+        model.add(mem <= m.mem_capacity)
         allowed = math.floor(p.target_load * m.cpu_capacity)
         if exact:
-            model.Add(cpu <= allowed)
+            model.add(cpu <= allowed)
             continue
-        over = model.NewIntVar(0, max(0, m.cpu_capacity - allowed), f"over[{mid}]")
-        model.Add(over >= cpu - allowed)
-        model.AddHint(over, max(0, hinted[mid] - allowed))
+        over = model.new_int_var(0, max(0, m.cpu_capacity - allowed), f"over[{mid}]")
+        model.add(over >= cpu - allowed)
+        model.add_hint(over, max(0, hinted[mid] - allowed))
         excess.append(over)
-    for job, d, ins, outs in p.spread_rows((tid, mid, v) for (tid, mid), v in x.items()):
-        model.Add(p.domains[job][d] + sum(ins) - sum(outs) <= p.fullest[job])
+    for job, d, coming, leaving in p.spread_rows((tid, mid, v) for (tid, mid), v in x.items()):
+        model.add(p.domains[job][d] + sum(coming) - sum(leaving) <= p.fullest[job])
     total = sum(x.values())
-    model.Add(total <= cap)
-    model.Minimize(total if exact else sum(excess) * (cap + 1) + total)
+    model.add(total <= cap)
+    model.minimize(total if exact else sum(excess) * (cap + 1) + total)
     for (tid, mid), v in x.items():
-        model.AddHint(v, hint.get(tid) == mid)
+        model.add_hint(v, hint.get(tid) == mid)
     solver = cp_model.CpSolver()
     prm = solver.parameters
     prm.num_workers = 1

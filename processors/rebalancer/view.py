@@ -94,9 +94,13 @@ class RebalanceView:
 
     # -- planning ------------------------------------------------------------------------------------------
     def due(self, now_ms: int) -> list[str]:
-        """Entitlements that hold machines and have no plan in flight (one older than PLAN_TTL_MS is dropped)."""
+        """Entitlements that hold machines and have no plan in flight (one older than PLAN_TTL_MS is dropped).
+        Departures out of the no-bounce window are forgotten here, whether their task is still placed or not (a
+        stopped job's tasks left for good: they stayed for ever, one per task freed)."""
         for ent in [e for e, p in self.in_flight.items() if now_ms - p.at_ms >= PLAN_TTL_MS]:
             del self.in_flight[ent]
+        for task in [t for t, left in self.left.items() if all(now_ms - at >= self.no_bounce_ms for at in left.values())]:
+            del self.left[task]
         owners = {m.entitlement for m in self.fold.machines.values() if m.entitlement}
         return sorted(e for e in owners if e not in self.in_flight)
 
@@ -120,10 +124,10 @@ class RebalanceView:
     def _why_not(self, task: str, job: str, is_open: bool) -> str | None:
         if not is_open:
             return solver.TASK_NOT_OPEN
+        if self.job_state.get(job) != JOB_RUNNING:  # (a deleted job's rule is forgotten: not running comes first)
+            return solver.TASK_JOB_NOT_RUNNING
         if job not in self.rules:
             return solver.TASK_JOB_UNKNOWN
-        if self.job_state.get(job) != JOB_RUNNING:
-            return solver.TASK_JOB_NOT_RUNNING
         if any(task in p.waiting for p in self.in_flight.values()):
             return solver.TASK_IN_PLAN
         return None
@@ -192,8 +196,9 @@ def _deallocated(v: RebalanceView, e: Event) -> None:
 
 def _job_state(v: RebalanceView, e: Event) -> None:
     p = e.payload
-    if p.get("deleted"):
+    if p.get("deleted"):  # stopped and freed: nothing of it is planned again (a new incarnation asks anew)
         v.job_state.pop(p["job_id"], None)
+        v.rules.pop(p["job_id"], None)
     else:
         v.job_state[p["job_id"]] = p["state"]
 

@@ -37,7 +37,8 @@ from processors.cowmap import CowMap
 from streams import batches
 from streams.enums import MachineStatus, UnavailabilityKind
 from streams.events import Event, derived_event_id, new_event
-from streams.topics import free_pool_key
+from streams.batches import MACHINES_STATUS_CHANGED  # one status change of many machines of one owner
+from streams.topics import free_pool_key, is_free_pool_key
 
 from .region import MachineSpec
 
@@ -97,7 +98,6 @@ NO_CHANGE = frozenset({
     (UNHEALTHY, MAINTENANCE_ENDED),
 })
 
-MACHINES_STATUS_CHANGED = "MachinesStatusChanged"  # one status change of many machines of one owner
 MACHINE_EVENTS = ("MachineRegistered", "MachineStatusChanged", "MachineAssignedToEntitlement",
                   "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED)
 
@@ -190,7 +190,7 @@ class BrokerState:
 # -- folding the log -------------------------------------------------------------------------------------------
 
 def _owner_of_key(key: str) -> str | None:
-    return None if key.startswith("free/") else key
+    return None if is_free_pool_key(key) else key
 
 
 def _stub(machine_id: str, dc: str = "") -> MachineRecord:
@@ -582,7 +582,7 @@ def parse_target(target: str | Target) -> Target:
     return Target(level, path)
 
 
-def resolve_targets(state: BrokerState, targets: Iterable[str | Target]) -> tuple[str, ...]:
+def resolve_targets(state: BrokerState, targets: Iterable[str | Target]) -> tuple[str, ...]:  # noqa: C901
     """The registered machines ``targets`` cover, sorted, each once. Raises BadTarget for a target that does
     not parse or covers no registered machine. Fault-domain targets cost one scan of the registry."""
     parsed = [parse_target(t) for t in targets]

@@ -38,10 +38,11 @@ from typing import Any, Callable
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED
 from processors.resourcebroker import decide as rb
 from streams import batches
+from streams.enums import UnavailabilityKind
 from streams.events import Event, derived_event_id, new_event
+from streams.topics import FREE_POOL_LENDER
 
 PRODUCER = "resourcebroker/loans"
-FREE = "free"  # LoanGranted.lender: the free pool
 REVOKE_REASON = "loan_revoked"  # UnavailabilityStarted.reason of a revocation's notice
 MACHINE_TYPES = frozenset(rb.MACHINE_EVENTS)
 TOPICS = ("machines", "intents", "unavailability", "allocations", "loans")  # what the lender folds
@@ -102,15 +103,15 @@ class LoanBook:
 # -- folding the log -------------------------------------------------------------------------------------------
 
 def _with(book: LoanBook, **changes: Any) -> LoanBook:
-    return dataclasses.replace(book, **{k: MappingProxyType(v) if isinstance(v, dict) else v
-                                        for k, v in changes.items()})
+    frozen: dict[str, Any] = {k: MappingProxyType(v) if isinstance(v, dict) else v for k, v in changes.items()}
+    return dataclasses.replace(book, **frozen)
 
 
 def lent(book: LoanBook, borrower: str) -> int:
     return sum(x.machines for x in book.loans if x.borrower == borrower)
 
 
-def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[LoanBook, list[Event]]:
+def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[LoanBook, list[Event]]:  # noqa: C901
     """Fold one event of the log. The only events it emits are returns: a machine under a revocation that its
     borrower released (LoanReturned; UnavailabilityEnded once the revocation's machines are all back)."""
     p = ev.payload
@@ -127,7 +128,7 @@ def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[Lo
         e = Elasticity(p["elastic"], p.get("max_borrowed_machines", 0), p.get("revoke_notice_ms", 30_000),
                        p.get("lend_idle", True))
         return _with(book, elasticity={**book.elasticity, ev.entitlement: e}), []
-    if t == "UnavailabilityStarted" and p["kind"] == rb.KIND_MAINTENANCE:
+    if t == "UnavailabilityStarted" and p["kind"] == UnavailabilityKind.MAINTENANCE:
         m = dict(book.maintenance)
         for mid in p["machine_ids"]:
             m[mid] = tuple(sorted({*m.get(mid, ()), p["unavailability_id"]}))
@@ -150,7 +151,7 @@ def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[Lo
 
 
 def _machines_of(ev: Event) -> list[str]:
-    if ev.type in ("MachineStatusChanged", rb.MACHINES_STATUS_CHANGED):
+    if ev.type in ("MachineStatusChanged", batches.MACHINES_STATUS_CHANGED):
         return [m["machine_id"] for m in batches.machine_statuses(ev)]
     return [ev.payload["machine_id"]]
 
@@ -330,7 +331,7 @@ def _revoke(book: LoanBook, pic: Picture, tuning: Tuning) -> tuple[LoanBook, lis
         out.append(_quota(b, after, pic.now, rid))
         if machines:
             out.append(_event("UnavailabilityStarted", b, rid, {
-                "unavailability_id": rid, "kind": rb.KIND_MAINTENANCE, "machine_ids": list(machines),
+                "unavailability_id": rid, "kind": UnavailabilityKind.MAINTENANCE, "machine_ids": list(machines),
                 "start_ms": deadline, "deadline_ms": deadline, "expected_duration_ms": tuning.revocation_duration_ms,
                 "reason": REVOKE_REASON, "vacate": True}, None, rid, now=pic.now))
         book = apply_own(book, revoked)
@@ -353,7 +354,7 @@ def _lend(book: LoanBook, pic: Picture, tuning: Tuning) -> tuple[LoanBook, list[
         idle = sorted(((max(0, q - len(pic.held.get(e, ()))), e) for e, q in book.quota.items()
                        if e != b and book.elasticity.get(e, Elasticity()).lend_idle
                        and not book.elasticity.get(e, Elasticity()).elastic), reverse=True)
-        lender = idle[0][1] if idle and idle[0][0] >= give else FREE
+        lender = idle[0][1] if idle and idle[0][0] >= give else FREE_POOL_LENDER
         own = book.quota.get(b, 0)
         before = own + lent(book, b)
         seq = book.seq + 1

@@ -38,7 +38,7 @@ from streams.partitionmap import routed_producer
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters, Skipped
 from streams.events import Event
-from streams.heap import GrowthFreezer, folding
+from streams.gc_control import GrowthFreezer, folding
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -167,7 +167,7 @@ class ResourceBroker(LoopWorker):
         self.registered = 0  # MachineRegistered produced by this process
         self.unavailability_seen = 0
         self.errors = 0
-        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/heap.py
+        self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/gc_control.py
 
     def start(self) -> None:
         """Catch up with the log, then register what is missing. After this, ``step`` follows the topics."""
@@ -175,7 +175,7 @@ class ResourceBroker(LoopWorker):
         self.consumer = EventConsumer(self.cfg, self.registry, [machines, self.topics.name("unavailability")],
                                       name=PRODUCER, dead_letters=self.dead_letters, follows=True, **BACKGROUND_READER)
         t0 = time.monotonic()
-        with folding(freeze=True):  # the registry this process holds from now on (streams/heap.py)
+        with folding(freeze=True):  # the registry this process holds from now on (streams/gc_control.py)
             n = read_to_end(self.consumer, self.handle,
                             partitions=[tp for tp in self.consumer.partitions() if tp[0] == machines])
             log.info("resourcebroker: caught up with %d records (%d machines known) in %.1fs", n, len(self.state),

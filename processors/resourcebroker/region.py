@@ -181,7 +181,7 @@ def parse_region(data: Any) -> RegionSpec:
     return RegionSpec(name=name, dcs=tuple(out), seed=seed)
 
 
-def _parse_dc(raw: Any, path: str, defaults: Mapping[str, Any]) -> DCSpec:
+def _parse_dc(raw: Any, path: str, defaults: Mapping[str, Any]) -> DCSpec:  # noqa: C901
     if not isinstance(raw, Mapping):
         raise RegionSpecError(path, f"expected a mapping with {', '.join(DC_FIELDS)}, got {_describe(raw)}")
     _no_unknown(raw, DC_FIELDS, path)

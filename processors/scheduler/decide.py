@@ -43,7 +43,8 @@ allocator's commit refuses to place a task that is still placed, so it must free
 Retired tasks (shrink, stop) are freed with a request holding only ``free_task_ids``. Each decision sends one
 request per job for all its tasks (all of a tick's failed machines at once), or a few when a huge job's task ids
 would not fit one record (``JobWork._request_parts``: a task in one of them, free and place together). Request ids are
-``<job>:v<spec_version>:r<n>`` with ``n`` a per-job counter in the state, so a replay names them alike. A newer
+``<job>:<tag>:v<spec_version>:r<n>`` with ``tag`` the incarnation's (``model.incarnation_tag``) and ``n`` a
+per-incarnation counter in the state, so a replay names them alike. A newer
 request for a task supersedes the older one: the task remembers only its outstanding request, and a result for
 another request is stale.
 
@@ -64,16 +65,16 @@ The latest ignored report is kept in the job's ``last_ignored`` (also in ``model
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from infra.config import DEFAULT_MAX_TASKS_PER_JOB
+from infra.config import DEFAULT_JOB_GC_S, DEFAULT_MAX_TASKS_PER_JOB
 from processors import rules
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.allocator.placement import ENTITLEMENT_FIELDS, Entitlement
-from processors.resourcebroker.decide import DOWN, KIND_FAILURE, MAINTENANCE, UNHEALTHY, UP
 from processors.scheduler import lifecycle as lc
 from processors.scheduler import steps
 from processors.scheduler import versions as vs
@@ -83,7 +84,7 @@ from processors.scheduler.lifecycle import (
     START_COMMANDED, STOPPED, STOPPED_EV, STOPPING, IllegalTransition,
 )
 from processors.scheduler.model import (
-    HELD, RETIRE, RUN, Job, SchedulerState, Spec, Task, job_phase, replace,
+    HELD, RETIRE, RUN, Job, Maintenance, SchedulerState, Spec, Task, first_sequence, job_phase, replace,
 )
 from processors.scheduler.reasons import (
     REASON_ALLOCATED, REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_ENTITLEMENT_MISMATCH, REASON_EXITED,
@@ -100,13 +101,18 @@ from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Limits
 from processors.taskcontrol.protocol import CHOICE_KEEP, OP_MOVE
 from streams import batches
-from streams.enums import UnavailabilityKind
+from streams.enums import MachineStatus, UnavailabilityKind
 from streams.events import Event
 
+UP, UNHEALTHY, DOWN = MachineStatus.UP, MachineStatus.UNHEALTHY, MachineStatus.DOWN
+MAINTENANCE = MachineStatus.MAINTENANCE
+KIND_FAILURE = UnavailabilityKind.FAILURE
+DEFAULT_JOB_GC_MS = int(DEFAULT_JOB_GC_S * 1000)  # a stopped job's grace (``collect``; ROPEWALK_JOB_GC_S)
 REASK_MS = 30_000  # the timer asks a job's TaskController again after this long without an answer or progress
 
 KIND_POWER = UnavailabilityKind.POWER  # UnavailabilityKind: power loss of a fault domain, unavailable now like a failure
 UNAVAILABLE_KINDS = frozenset({KIND_FAILURE, KIND_POWER})  # planned MAINTENANCE notices wait for TaskControl
+UE_DOWN_STATUSES = frozenset({MAINTENANCE, *UNAVAILABLE_KINDS})  # down statuses a UE sets, so its end clears them
 MACHINE_LOST_REASON = MappingProxyType({  # machine status → why its tasks move
     DOWN: REASON_MACHINE_FAILED,
     UNHEALTHY: REASON_MACHINE_UNHEALTHY,
@@ -168,15 +174,17 @@ def _on_entitlement_updated(fold: Fold, ev: Event) -> None:
 
 
 def _successor(existing: Job | None) -> dict[str, Any]:
-    """What a new incarnation of a job id takes over from the previous one (a stopped and freed job, or a rejected
-    submission): its number + 1, and the counters that name its requests, operations and TaskControl requests, so
-    that none repeats the previous incarnation's (a late result or ack for one of those stays stale), and the
-    duplicate ring. Task ids stay ``<job>/<index>``: the previous incarnation's were freed before it was gone."""
+    """What a new incarnation of a job id takes over from the previous one, while that one is still in the state
+    (a stopped and freed job, or a rejected submission, within its grace: ``collect``): its number + 1 and the
+    duplicate ring. Nothing names the new incarnation's requests, operations or TaskControl requests after the
+    previous one's: they carry its own tag (``model.incarnation_tag`` of its submission) and its sequence counts
+    from its submission's time (``model.first_sequence``), so a late result or ack for the previous incarnation
+    stays stale whether or not that one is still held. Task ids stay ``<job>/<index>``: the previous incarnation's
+    were freed before it was gone."""
     if existing is None:
         return {}
     return {"status": lc.JOBS.next_state(job_phase(existing), JOB_RESUBMITTED),
-            "incarnation": existing.incarnation + 1, "requests": existing.requests, "ops": existing.ops,
-            "tc_seq": existing.tc_seq, "seen": existing.seen, "generation": existing.generation}
+            "incarnation": existing.incarnation + 1, "seen": existing.seen}
 
 
 def _on_job_submitted(fold: Fold, ev: Event) -> None:
@@ -205,7 +213,8 @@ def _on_job_submitted(fold: Fold, ev: Event) -> None:
     if ev.entitlement not in fold.entitlements():
         refused = (REASON_UNKNOWN_ENTITLEMENT, f"entitlement {ev.entitlement!r} was never created")
     w = fold.new_job(Job(id=job_id, entitlement=ev.entitlement, spec=spec, spec_version=p["spec_version"],
-                         desired=0, origin=origin, submission=ev.event_id, **_successor(existing)))
+                         desired=0, origin=origin, submission=ev.event_id, tc_seq=first_sequence(fold.now),
+                         **_successor(existing)))
     if refused is not None:
         w.job_step(JOB_REFUSED)
         refuse(fold, ev, *refused, w)
@@ -390,7 +399,8 @@ def _on_tasks_deallocated(fold: Fold, ev: Event) -> None:
         return
     for tid in list(w.tasks):
         w.drop(tid)
-    w.job_step(JOB_FREED, free_request_id=None)
+    # and it forgets its maintenances: a deleted job is tied to no machine (only an event naming it concerns it)
+    w.job_step(JOB_FREED, free_request_id=None, maint=(), tc_notices=(), vacating=())
 
 
 def _report_trigger(t: Task, reported: str) -> str | None:
@@ -413,7 +423,7 @@ def _on_task_states_changed(fold: Fold, ev: Event) -> None:
             _apply_report(w, r, r["report_id"])
 
 
-def _apply_report(w: JobWork, p: Mapping[str, Any], rid: str) -> None:
+def _apply_report(w: JobWork, p: Mapping[str, Any], rid: str) -> None:  # noqa: C901
     """One agent report ``p`` (a TaskStateChanged's fields; ``rid`` its id, named in what is ignored)."""
     fold = w.fold
     reported = p["state"]
@@ -527,13 +537,13 @@ def _record_maintenance(fold: Fold, ev: Event) -> None:
     deadline = p.get("deadline_ms")
     deadline = p["start_ms"] if deadline is None else deadline
     for job in _jobs_in_scope(fold, ev):
-        if any(m[0] == p["unavailability_id"] for m in job.maint) or not any(
+        if any(m.unavailability_id == p["unavailability_id"] for m in job.maint) or not any(
                 t.machine in gone for t in job.tasks.values()):
             continue
         w = fold.work_for(job.id)
         if w is not None:
-            w.set(quiet=True, maint=(*w.job.maint, (p["unavailability_id"], tuple(sorted(gone)), p["start_ms"],
-                                                     deadline, False)))
+            w.set(quiet=True, maint=(*w.job.maint, Maintenance(p["unavailability_id"], tuple(sorted(gone)),
+                                                                p["start_ms"], deadline, enforced=False)))
             if p.get("vacate"):
                 w.set(quiet=True, vacating=(*w.job.vacating, p["unavailability_id"]))
 
@@ -544,16 +554,20 @@ def _on_unavailability_ended(fold: Fold, ev: Event) -> None:
     whose machine is down meanwhile, e.g. failed, moves), kept ones are ordinary again, the job forgets the
     notice."""
     ue = ev.payload["unavailability_id"]
-    for mid in ev.payload["machine_ids"]:  # over: a machine still in MAINTENANCE here is UP (its status change,
-        if fold.is_down(mid) and fold.down_status(mid) == MAINTENANCE:  # on another topic, may come after this)
+    for mid in ev.payload["machine_ids"]:  # over: a machine still down here for what a UE says (MAINTENANCE, or
+        # FAILURE/POWER: ``_on_unavailability_started``) is UP. Its status change is on another topic, not ordered
+        # with this one: an UP read before the UnavailabilityStarted it ends left the machine down for good, and
+        # each placement the allocator (which had it UP) made there was moved off again at once (a shadow replay
+        # of a power loss then power back spun forever, 2026-11-28)
+        if fold.is_down(mid) and fold.down_status(mid) in UE_DOWN_STATUSES:
             fold.set_down(mid, None)
     for job in _jobs_in_scope(fold, ev):
-        if not any(m[0] == ue for m in job.maint) and not any(t.maint_ue == ue for t in job.tasks.values()):
+        if not any(m.unavailability_id == ue for m in job.maint) and not any(t.maint_ue == ue for t in job.tasks.values()):
             continue
         w = fold.work_for(job.id)
         if w is None:
             continue
-        w.set(quiet=True, maint=tuple(m for m in w.job.maint if m[0] != ue),
+        w.set(quiet=True, maint=tuple(m for m in w.job.maint if m.unavailability_id != ue),
               tc_notices=tuple(n for n in w.job.tc_notices if n[0] != ue),
               vacating=tuple(u for u in w.job.vacating if u != ue))
         for t in w.ordered():
@@ -667,7 +681,7 @@ def _move_refusal(w: JobWork, t: Task, move: Mapping[str, Any]) -> str | None:
         return REASON_MOVE_TASK_NOT_RUNNING
     if t.op is not None:
         return REASON_MOVE_TASK_BUSY
-    if t.maint_choice is not None or any(t.machine in machines for _, machines, *_ in job.maint):
+    if t.maint_choice is not None or any(t.machine in m.machine_ids for m in job.maint):
         return REASON_MOVE_UNDER_MAINTENANCE
     return None
 
@@ -740,8 +754,8 @@ def machines_of(job: Job | None) -> set[str]:
 
 
 def maint_machines(maint: Iterable[Sequence]) -> set[str]:
-    """The machines of a job's remembered maintenances (``Job.maint`` or its record's ``maint``)."""
-    return {m for entry in maint for m in entry[1]}
+    """The machines of a job's remembered maintenances (``Job.maint`` or its record's ``maint``: lists)."""
+    return {m for entry in maint for m in Maintenance(*entry).machine_ids}
 
 
 def concerned_jobs(state: SchedulerState, event: Event) -> list[str]:
@@ -759,10 +773,39 @@ def concerned_jobs(state: SchedulerState, event: Event) -> list[str]:
 
 def is_dormant(job: Job) -> bool:
     """A deleted job with no task and no maintenance remembered: ``concerned_jobs`` names it only for an event that
-    names it (it is on no machine), and the timer never acts on it. A region that holds many (each stopped job stays,
-    for its id's next incarnation and its duplicate ring) may keep them undecoded until an event names one
-    (``processors/history``: a snapshot's deleted jobs)."""
+    names it (it is on no machine), and the timer never acts on it (but ``collect``, once its grace passed). A region
+    that holds many (a stopped job stays for its grace, for ``job status`` and its duplicate ring) may keep them
+    undecoded until an event names one (``processors/history``: a snapshot's deleted jobs)."""
     return job.deleted and not job.tasks and not job.maint
+
+
+# -- stopped jobs leave: the grace ------------------------------------------------------------------------------
+
+def is_expired(job: Job, now_ms: int, gc_ms: int) -> bool:
+    """Whether ``job`` ended (stopped and freed, or rejected: ``lifecycle.JOB_ENDED``) ``gc_ms`` or more before
+    ``now_ms``: it is gone, whether ``collect`` took it out of the state yet or not."""
+    return ended_before(job_phase(job), job.ended_ms, now_ms, gc_ms)
+
+
+def ended_before(phase: str, ended_ms: int | None, now_ms: int, gc_ms: int) -> bool:
+    """``is_expired`` of a job in ``phase`` that ended at ``ended_ms`` (a stored header is asked without decoding
+    it: ``store.expired``). A job ended before ``ended_ms`` was kept (a record without it) counts as ended at 0:
+    gone at the first look (a region upgraded in place drops the deleted jobs it kept for ever)."""
+    return phase in lc.JOB_ENDED and now_ms - (ended_ms or 0) >= gc_ms
+
+
+def collect(state: SchedulerState, now_ms: int, gc_ms: int = DEFAULT_JOB_GC_MS,
+            job_ids: Iterable[str] | None = None) -> tuple[SchedulerState, list[str]]:
+    """The timer's garbage collection: the jobs (of ``job_ids``; default every job) whose grace passed
+    (``is_expired``) leave the state (``lifecycle``: ended --collected--> gone); returns the new state and their ids,
+    sorted (the shard deletes their stored form and writes tombstones for them to ``state.jobs``/``state.tasks``).
+    Nothing of a decision depends on whether it ran: ``decide`` takes an expired job for gone anyway."""
+    gone = sorted(j for j in (state.jobs if job_ids is None else job_ids)
+                  if (job := state.jobs.get(j)) is not None and is_expired(job, now_ms, gc_ms)
+                  and lc.JOBS.next_state(job_phase(job), lc.JOB_COLLECTED) == lc.JOB_GONE)
+    if not gone:
+        return state, []
+    return dataclasses.replace(state, jobs=state.jobs.without(gone)), gone
 
 
 def is_own(event: Event) -> bool:
@@ -773,27 +816,42 @@ def is_own(event: Event) -> bool:
 # -- decisions -----------------------------------------------------------------------------------------------------
 
 def decide(state: SchedulerState, event: Event, now_ms: int, *, limits: Limits = DEFAULT_LIMITS,
-           max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> tuple[SchedulerState, list[Event]]:
+           max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB, gc_ms: int = DEFAULT_JOB_GC_MS
+           ) -> tuple[SchedulerState, list[Event]]:
     """Apply one decoded input event: the new state and the events to produce (in order).
 
     Event types outside ``CONSUMED`` and the scheduler's own events change nothing. An event id already in the
     job's duplicate ring changes nothing and emits nothing. Emitted ids are ``derived_event_id`` of the input's
     id and a discriminator; ``causation_id`` is the input's id; ``timestamp_ms`` is ``now_ms``.
+
+    A job the event names whose grace passed (``is_expired``) is decided as gone, held or not: the decision is the
+    same whenever ``collect`` takes it out (the shard's timer, the history never). It is left in the state as it was
+    unless the decision made a new job of its id (a new incarnation).
     """
     handler = HANDLERS.get(event.type)
     if handler is None or is_own(event):
         return state, []
-    fold = Fold(state, now_ms, event, limits=limits, max_tasks=max_tasks)
+    hidden = {j: job for j in named_jobs(event) if (job := state.jobs.get(j)) is not None
+              and is_expired(job, now_ms, gc_ms)}
+    seen = dataclasses.replace(state, jobs=state.jobs.without(hidden)) if hidden else state
+    fold = Fold(seen, now_ms, event, limits=limits, max_tasks=max_tasks)
     handler(fold, event)
-    return fold.result(steps.close)
+    new, out = fold.result(steps.close)
+    if new is seen:
+        return state, out  # nothing changed (the state as it came, hidden jobs and all)
+    if hidden:
+        new = dataclasses.replace(new, jobs=new.jobs.updated({j: job for j, job in hidden.items()
+                                                              if j not in new.jobs}))
+    return new, out
 
 
 def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int, *, limits: Limits = DEFAULT_LIMITS,
-               max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB) -> tuple[SchedulerState, list[Event]]:
+               max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB, gc_ms: int = DEFAULT_JOB_GC_MS
+               ) -> tuple[SchedulerState, list[Event]]:
     """``decide`` over many events in order (replaying a log): the final state and everything emitted."""
     out: list[Event] = []
     for ev in events:
-        state, emitted = decide(state, ev, now_ms, limits=limits, max_tasks=max_tasks)
+        state, emitted = decide(state, ev, now_ms, limits=limits, max_tasks=max_tasks, gc_ms=gc_ms)
         out.extend(emitted)
     return state, out
 
@@ -806,7 +864,7 @@ def has_timer_work(job: Job) -> bool:
     (``store.plan``), so its timer loads only these jobs."""
     if job.status not in (JOB_ACTIVE, JOB_STOPPING):
         return False
-    return (bool(job.ops_open or job.throttled) or any(not m[4] for m in job.maint)
+    return (bool(job.ops_open or job.throttled) or any(not m.enforced for m in job.maint)
             or (job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values())))
 
 
@@ -823,7 +881,7 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
         job = state.jobs[job_id]
         if not has_timer_work(job):
             continue
-        if any(not m[4] and m[3] <= now_ms for m in job.maint):
+        if any(not m.enforced and m.deadline_ms <= now_ms for m in job.maint):
             steps.enforce_deadlines(fold.work_of(job))
         if job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()):
             fold.work_of(job).retry_parked(paced=True)  # restarts take a shard token (work.retry_parked)

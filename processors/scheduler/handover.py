@@ -160,6 +160,7 @@ def begin(state: SchedulerState, home: Home | None, ev: Event, partition: int, p
         fold = Fold(state, now_ms, ev)
         refuse(fold, ev, *problem)
         return given, fold.events
+    assert home is not None  # without one, ``problem`` says the entitlement does not live here
     return Home(partition, home.epoch + 1, moving_to=to, handover_id=ev.event_id,
                 history=home.history, drain_offset=home.drain_offset), []
 

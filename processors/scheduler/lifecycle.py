@@ -19,6 +19,7 @@ The main paths (the table below is the authority):
     active --stop--> stopping --all_stopped--> stopped --freed--> deleted
     active --refused--> rejected          (its submission broke a rule: the incarnation never ran)
     rejected|deleted --resubmitted--> active (a new incarnation of the job id)
+    rejected|deleted --collected--> gone     (its grace, ROPEWALK_JOB_GC_S, passed: it leaves the state)
 
 The state JobStatePublished shows (pending, running, updating) is derived from an active job's tasks
 (``model.published_state``), not a phase of its own.
@@ -106,14 +107,16 @@ JOB_DELETED = "deleted"  # a phase, not a status: stopped and freed (Job.deleted
 JOB_PENDING = "pending"  # published: active, some task not RUNNING
 JOB_RUNNING = "running"  # published: active, every task RUNNING
 JOB_UPDATING = "updating"  # published: active, a rolling update in progress
-JOB_PHASES = (JOB_ACTIVE, JOB_STOPPING, JOB_STOPPED, JOB_DELETED, JOB_REJECTED)
+JOB_GONE = "gone"  # a phase with no job: its grace passed, it left the state (a submission of its id starts afresh)
+JOB_PHASES = (JOB_ACTIVE, JOB_STOPPING, JOB_STOPPED, JOB_DELETED, JOB_REJECTED, JOB_GONE)
 
 JOB_STOP = "stop"  # JobStopped: every task is to stop
 JOB_ALL_STOPPED = "all_stopped"  # its last task stopped: the placements are asked to be freed
 JOB_FREED = "freed"  # the allocator answered the final free request (TasksDeallocated)
 JOB_REFUSED = "refused"  # the submission that made it broke a rule
 JOB_RESUBMITTED = "resubmitted"  # a JobSubmitted of the job id: a new incarnation
-JOB_TRIGGERS = (JOB_STOP, JOB_ALL_STOPPED, JOB_FREED, JOB_REFUSED, JOB_RESUBMITTED)
+JOB_COLLECTED = "collected"  # its grace passed since it ended (``decide.collect``): it leaves the state
+JOB_TRIGGERS = (JOB_STOP, JOB_ALL_STOPPED, JOB_FREED, JOB_REFUSED, JOB_RESUBMITTED, JOB_COLLECTED)
 
 JOB_TRANSITIONS = MappingProxyType({
     (JOB_ACTIVE, JOB_STOP): JOB_STOPPING,
@@ -122,7 +125,10 @@ JOB_TRANSITIONS = MappingProxyType({
     (JOB_STOPPED, JOB_FREED): JOB_DELETED,
     (JOB_REJECTED, JOB_RESUBMITTED): JOB_ACTIVE,
     (JOB_DELETED, JOB_RESUBMITTED): JOB_ACTIVE,
+    (JOB_REJECTED, JOB_COLLECTED): JOB_GONE,
+    (JOB_DELETED, JOB_COLLECTED): JOB_GONE,
 })
+JOB_ENDED = frozenset(phase for (phase, trigger) in JOB_TRANSITIONS if trigger == JOB_COLLECTED)  # phases with a grace
 
 # -- operations ----------------------------------------------------------------------------------------------------
 # Where a task's operation (Task.op_state: UPDATE, MOVE, RESTART, STOP; see processors/taskcontrol) stands.

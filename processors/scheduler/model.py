@@ -10,10 +10,11 @@ operation state or maintenance choice may follow which is ``lifecycle.py``'s tab
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from processors.allocator.placement import Entitlement
 from processors.cowmap import CowMap
@@ -150,6 +151,16 @@ def _empty() -> MappingProxyType:
     return MappingProxyType({})
 
 
+class Maintenance(NamedTuple):
+    """A planned maintenance of machines a job's tasks were on (``Job.maint``), from its UnavailabilityStarted."""
+
+    unavailability_id: str
+    machine_ids: tuple[str, ...]  # sorted
+    start_ms: int
+    deadline_ms: int  # the tasks still there are stopped at this time (``steps.enforce_deadlines``)...
+    enforced: bool  # ... once: True after
+
+
 @dataclass(frozen=True)
 class Job:
     """A job with its tasks: one record, so one faust table value (the ring and the tasks change together)."""
@@ -182,12 +193,15 @@ class Job:
     tc_sent_unhealthy: tuple[str, ...] = ()  # the tasks the outstanding request reported down
     tc_notices: tuple = ()  # advance notices: (unavailability id, task ids, start_ms, deadline_ms, duration_ms)
     tc_notice_new: bool = False  # notice news: a new notice, or a task back RUNNING under one (a next choice)
-    maint: tuple = ()  # planned maintenance of its machines: (UE id, machine ids, start_ms, deadline_ms, enforced)
+    maint: tuple[Maintenance, ...] = ()  # planned maintenances of its machines, not ended
     incarnation: int = 1  # which submission of this job id (a stopped or rejected job's id may be submitted again)
     submission: str = ""  # the event id of the JobSubmitted that made this incarnation
     mix: vs.Mix | None = None  # several versions at once (push %, canary: versions.py); None: every task the job's
     generation: int = 0  # the latest JobSpecReconciled applied (processors/jobcontrol)
     vacating: tuple[str, ...] = ()  # planned unavailabilities (ids) whose machines its tasks must leave (loans)
+    parts: int = 0  # the most JobTasksPublished parts it published (``work.state_keys``: tombstoned when it leaves)
+    ended_ms: int | None = None  # when this incarnation ended (stopped and freed, or rejected): it leaves the state
+    #                              ``job_gc_ms`` later (``decide.collect``); None while it lives
 
 
 @dataclass(frozen=True)
@@ -209,9 +223,35 @@ def state_of(jobs: Iterable[Job] = (), entitlements: Iterable[Entitlement] = (),
                           machines_down=MappingProxyType(dict(machines_down or {})), shard_bucket=shard_bucket)
 
 
-def request_id(job_id: str, spec_version: int, n: int) -> str:
-    """The id of a job's ``n``-th allocation request (1-based), sent under ``spec_version``."""
-    return f"{job_id}:v{spec_version}:r{n}"
+def incarnation_tag(submission: str) -> str:
+    """A short name of an incarnation, from its submission (the JobSubmitted event id, ``Job.submission``): its
+    requests and operations carry it, so that a late answer to another incarnation of the job id never names one of
+    this incarnation's, though the counters start again at 1 once the job id left the state (``decide.collect``).
+    8 hex digits of a hash: two incarnations of one job id share a tag with odds of 1 in 4.3 billion. "" for a job
+    held from before tags (its counters went on from its predecessor's)."""
+    return hashlib.blake2b(submission.encode(), digest_size=4).hexdigest() if submission else ""
+
+
+def request_id(job_id: str, spec_version: int, n: int, tag: str = "") -> str:
+    """The id of a job's ``n``-th allocation request (1-based) of the incarnation ``tag``, sent under
+    ``spec_version``: ``<job>:<tag>:v<version>:r<n>`` (``<job>:v<version>:r<n>`` without a tag)."""
+    return f"{job_id}:{tag}:v{spec_version}:r{n}" if tag else f"{job_id}:v{spec_version}:r{n}"
+
+
+def operation_id(tid: str, kind: str, n: int, tag: str = "") -> str:
+    """The id of the job's ``n``-th operation, of kind ``kind`` on task ``tid``, in the incarnation ``tag``:
+    ``<task>:<kind>:<tag>.<n>`` (``<task>:<kind>:<n>`` without a tag; ``taskcontrol.protocol`` reads the task and the
+    kind from its first two parts)."""
+    return f"{tid}:{kind.lower()}:{tag}.{n}" if tag else f"{tid}:{kind.lower()}:{n}"
+
+
+def first_sequence(now_ms: int) -> int:
+    """The TaskControl sequence a new incarnation's requests count on from (``Job.tc_seq`` at its submission): a
+    job's controllers keep its latest answered sequence by job id (``taskcontrol.protocol.JobBook``) and answer only
+    a newer one, so a new incarnation must count above every earlier one's, though it no longer knows them. From
+    the submission's decision time: 1,000 per millisecond, more than a job can send in its lifetime's
+    milliseconds (one request per decision at most; a decision takes more than a microsecond)."""
+    return now_ms * 1000
 
 
 def task_id(job_id: str, index: int) -> str:

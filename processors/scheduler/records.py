@@ -10,7 +10,7 @@ from types import MappingProxyType
 from typing import Any
 
 from processors.scheduler import versions as vs
-from processors.scheduler.model import Job, Pairs, Spec, Task, Terms
+from processors.scheduler.model import Job, Maintenance, Pairs, Spec, Task, Terms
 from processors.taskcontrol import limiter
 
 _TASK_FIELDS = tuple(f.name for f in fields(Task) if f.init)
@@ -72,7 +72,7 @@ def job_to_record(job: Job, previous: tuple[Job, Mapping[str, Any]] | None = Non
             "tc_notice_new": job.tc_notice_new,
             "maint": [[u, list(ms), s, d, e] for u, ms, s, d, e in job.maint], "incarnation": job.incarnation,
             "submission": job.submission, "mix": vs.mix_record(job.mix), "generation": job.generation,
-            "vacating": list(job.vacating)}
+            "vacating": list(job.vacating), "ended_ms": job.ended_ms, "parts": job.parts}
 
 
 def job_from_record(r: Mapping[str, Any]) -> Job:
@@ -95,8 +95,8 @@ def job_from_record(r: Mapping[str, Any]) -> Job:
                tc_notices=tuple((n[0], tuple(n[1]), n[2], n[3], n[4] if len(n) > 4 else None)
                                 for n in r.get("tc_notices", ())),
                tc_notice_new=r.get("tc_notice_new", False),
-               maint=tuple((u, tuple(ms), s, d, e) for u, ms, s, d, e in r.get("maint", ())),
+               maint=tuple(Maintenance(u, tuple(ms), s, d, e) for u, ms, s, d, e in r.get("maint", ())),
                incarnation=r.get("incarnation", 1), submission=r.get("submission", ""),
                mix=vs.mix_from_record(r.get("mix")), generation=r.get("generation", 0),
-               vacating=tuple(r.get("vacating", ())))
+               vacating=tuple(r.get("vacating", ())), ended_ms=r.get("ended_ms"), parts=r.get("parts", 0))
 

@@ -3,7 +3,7 @@
     python -m processors.scheduler.shard     # one worker = one shard; configuration from ROPEWALK_* (infra.config)
 
 Start several workers and they share the partitions of ``intents``, ``allocations``, ``tasks``, ``machines``,
-``unavailability`` and ``taskcontrol``: **consumer-group partition assignment is the sharding** (DESIGN.md). All are
+``unavailability`` and ``taskcontrol``: **consumer-group partition assignment is the sharding** (docs/architecture.md). All are
 keyed by entitlement and co-partitioned, so the worker that owns partition p of one owns p of all, and sees every
 event of the entitlements hashed to p, in log order. Kill a worker and the group hands its partitions to the
 survivors, which recover the partitions' table data from the changelogs before they read on.
@@ -77,7 +77,7 @@ faust's commits go by). The batch is decided on one state, event after event in 
 event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
 once: a job that many events of the batch touched is written once, with only its changed chunks.
 
-**Delivery** (at-least-once; DESIGN.md). For each batch: decide, produce the output and *flush it* while the new
+**Delivery** (at-least-once; docs/architecture.md). For each batch: decide, produce the output and *flush it* while the new
 chunks of step 1 are written (no header names them yet, so they may be durable before the output is), then write
 the rest of the tables in the three steps above, step 2 only once the output is flushed; faust commits the offsets only after the batch is handed back (acked), and
 flushes its producer before committing. A crash before the table writes makes the successor re-decide the
@@ -106,7 +106,10 @@ partitions, which faust also keeps in the same tables, are left alone) that have
 header says so (``timer``: ``decide.has_timer_work`` of the job when written), so a round reads the headers and
 decodes only those jobs. It works ``RETRY_SLICE_JOBS`` jobs at a time, each slice a decision of its own under the
 lock (load, decide, produce, store), so the agent decides in between; a slice that fails is logged and the others
-go on. Then it deletes chunk records no header names (``store.orphans``: left by a write a crash interrupted). The
+go on. The same slices take the jobs whose grace passed (``store.expired`` of their headers; ``decide.collect``)
+out of the state: a tombstone for each of their state records (``work.state_keys``: ``state.jobs``, its
+``state.tasks`` parts) is produced and flushed, then their header and chunks are deleted (a crash between the two
+collects them again: the same tombstones). Then it deletes chunk records no header names (``store.orphans``: left by a write a crash interrupted). The
 agent and the timer share an ``asyncio.Lock``: a decision reads and writes its jobs without the other interleaving.
 (It was one decision over every active job, all partitions under the lock at once: at 100,000 machines a round
 held the lock for 152 s while the broker was slow to take its output and state, 2026-11-27.)
@@ -155,13 +158,16 @@ from processors.allocator.placement import Entitlement
 from processors.scheduler import handover as ho
 from processors.scheduler import store as st
 from processors.scheduler.metrics import ShardMetrics
-from processors.scheduler.decide import CONSUMED, MACHINE_EVENTS, decide, machines_of, named_jobs, retry_unplaced
+from processors.scheduler.decide import (
+    CONSUMED, MACHINE_EVENTS, collect, decide, machines_of, named_jobs, retry_unplaced,
+)
 from processors.scheduler.model import Job, SchedulerState, state_of
 from processors.scheduler.reasons import JOB_UNREADABLE
-from processors.scheduler.work import PRODUCER
+from processors.scheduler.work import PRODUCER, state_keys
 from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
 from streams import batches
+from infra.trust import verifier_for
 from streams.clients import EPOCH_HEADER, FORWARDED_HEADER, PRODUCER_HEADER, TYPE_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
@@ -199,6 +205,7 @@ FAUST_ENV = {
     "ROPEWALK_FAUST_COMMIT_INTERVAL": "broker_commit_interval",
 }
 RETRY_ENV = "ROPEWALK_SCHEDULER_RETRY_S"
+TOMBSTONE_HEADERS = [(PRODUCER_HEADER, PRODUCER.encode())]  # a state record deleted by the shard (decide.collect)
 # A test's crash between two durable steps of a move: ``after_freeze`` (a move's freeze stored, its state not sent),
 # ``after_handover`` (sent, its jobs not dropped yet), ``after_adopt`` (adopted, the map not told): the process exits
 # at once there (os._exit: nothing flushed, nothing stored), as a SIGKILL would.
@@ -427,14 +434,17 @@ class ShardTables:
     def with_bucket(self, state: SchedulerState, partition: int) -> SchedulerState:
         return dataclasses.replace(state, shard_bucket=self.bucket(partition))
 
-    def timer_job_keys(self, partitions: set[int]) -> dict[int, list[str]]:
+    def timer_job_keys(self, partitions: set[int], now_ms: int = 0, gc_ms: int | None = None
+                       ) -> dict[int, list[str]]:
         """Partition -> the keys of the jobs of it the retry timer may have work for (``store.wants_timer`` of their
-        headers: ``decide.has_timer_work`` when written), for ``partitions``, read without decoding any job, but
+        headers: ``decide.has_timer_work`` when written; and with ``gc_ms``, those whose grace passed at ``now_ms``:
+        ``store.expired``, for ``decide.collect``), for ``partitions``, read without decoding any job, but
         those of an entitlement frozen there (as ``partition_job_keys``). The timer used to load and decide on every
         job of the shard every round, most of them running untouched."""
         out: dict[int, list[str]] = {p: [] for p in sorted(partitions)}
         for k, r in list(self.jobs.data.items()):
-            if not isinstance(r, dict) or not st.wants_timer(r) or not isinstance(ent := r.get("entitlement"), str):
+            if not isinstance(r, dict) or not isinstance(ent := r.get("entitlement"), str) or not (
+                    st.wants_timer(r) or (gc_ms is not None and st.expired(r, now_ms, gc_ms))):
                 continue  # (a header that is no job's is left to load, which says so when an event names it)
             part = self.partition_of_key(k, ent)
             if part in out and not self.frozen(ent, part):
@@ -466,7 +476,7 @@ class ShardTables:
             raise StoreTimeout(f"{sum(not f.done() for f in futs)} of {len(futs)} changelog records not "
                                f"acknowledged after {BARRIER_TIMEOUT_S:.0f} s") from None
 
-    async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,
+    async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,  # noqa: C901
                     where: Mapping[str, int], down_partitions: Mapping[str, int] | None = None,
                     buckets: Mapping[int, Bucket | None] = (), homes: Mapping[str, ho.Home] = (),
                     applied: Mapping[str, tuple[int, int]] = (), output: Awaitable[Any] | None = None) -> int:
@@ -563,7 +573,7 @@ class ShardTables:
         return len(garbage)
 
 
-def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S,
+def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: float = RETRY_S,  # noqa: C901
               partition_map: MapFollower | None = None, **settings: Any):
     """The scheduler's faust app, its agent, its timer and its tables; ``settings`` override faust's;
     ``partition_map``: the follower of the entitlement -> partition map (default: one of its own)."""
@@ -574,6 +584,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     pmap = partition_map if partition_map is not None else MapFollower.start(cfg, registry, name="scheduler-map")
     producer = EventProducer(cfg, registry, PRODUCER, route=lambda e: tables.here_partition(e, pmap))
     dead_letters = DeadLetters(producer, PRODUCER)
+    verifier = verifier_for(cfg, registry)  # agents' reports and the machine events must prove who wrote them
     source_names = [catalogue.name(t) for t in SOURCES]
     handoff_topic = catalogue.name("handoff")
     allocations_topic = catalogue.name("allocations")
@@ -582,6 +593,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     lock = asyncio.Lock()
     limits = Limits.from_env(os.environ)
     max_tasks = cfg.max_tasks_per_job
+    gc_ms = int(cfg.job_gc_s * 1000)  # a stopped job's grace (decide.collect)
     # Records of an entitlement whose hand-over is not all here yet (handover.HOLD), in the order they came, per
     # entitlement: (message, the epoch they await). Memory only: their partitions' offsets are stored no further
     # than the first of them (``floors``), so a crash or a rebalance reads them again.
@@ -594,12 +606,15 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 out[key] = min(out.get(key, offset), offset)
         return out
 
-    async def produce(events: list[Event], forwards: list[tuple[Any, ho.Route]] = ()) -> None:
+    async def produce(events: list[Event], forwards: list[tuple[Any, ho.Route]] = (),
+                      tombstones: list[tuple[str, str]] = ()) -> None:
         def send_all() -> None:
             producer.send_all(events, validate=False)  # built by decide from decoded events; fastavro still checks
             for msg, r in forwards:
                 producer.send_raw(handoff_topic, msg.key, msg.value, partition=r.to,
                                   headers=forwarded_headers(msg, catalogue, r.epoch))
+            for topic, key in tombstones:  # (logical topic, key): a job gone from the state (decide.collect)
+                producer.send_raw(catalogue.name(topic), key.encode(), None, headers=TOMBSTONE_HEADERS)
             producer.flush(FLUSH_S)
         try:
             await asyncio.get_running_loop().run_in_executor(None, send_all)
@@ -620,7 +635,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     shard_metrics = ShardMetrics()  # this process's metrics (processors/scheduler/metrics.py)
 
-    async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({}),
+    async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({}),  # noqa: C901
                     forwards: list[tuple[Any, ho.Route]] | None = None) -> None:
         """Decide a batch of (message, record, event), in order, on one state; produce (with the records to
         ``forwards`` to an entitlement's new partition); store (with the offsets of the records the batch ``passed``
@@ -680,7 +695,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 state = dataclasses.replace(state, shard_bucket=buckets[part])
                 t_ev = time.monotonic()
                 try:
-                    new, emitted = decide(state, ev, now, limits=limits, max_tasks=max_tasks)
+                    new, emitted = decide(state, ev, now, limits=limits, max_tasks=max_tasks, gc_ms=gc_ms)
                 except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
                     log.exception("scheduler: %s %s at %s[%d]@%d failed", ev.type, ev.event_id, rec.topic, part,
                                   rec.offset)
@@ -863,7 +878,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 held.setdefault(ent, {})[(where, msg.offset)] = (msg, r.epoch)
                 return
         got = await decode_message(msg, registry, dead_letters, catalogue, cfg=cfg, missed=missed,
-                                   placement_topic=original_topic(msg, catalogue))
+                                   placement_topic=original_topic(msg, catalogue), verifier=verifier)
         if got is not None:
             items.append((msg, *got))
         else:  # dead-lettered: its offset still moves on
@@ -983,16 +998,19 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         caller holds the lock. Returns the events emitted."""
         state, headers, where = tables.load((), job_keys)  # a job it cannot read is left out (and logged)
         state = tables.with_bucket(state, part)
-        new, out = retry_unplaced(state, int(time.time() * 1000), limits=limits)
-        if out:
-            log.info("scheduler: retry: %d events for %d jobs of partition %d", len(out), len(state.jobs), part)
-            await produce(coalesce(out))
+        now = int(time.time() * 1000)
+        new, out = retry_unplaced(state, now, limits=limits)
+        new, gone = collect(new, now, gc_ms)
+        if out or gone:
+            log.info("scheduler: retry: %d events for %d jobs of partition %d; %d jobs gone (their grace of %.0f s "
+                     "passed)", len(out), len(state.jobs), part, len(gone), gc_ms / 1000)
+            await produce(coalesce(out), tombstones=[k for j in gone for k in state_keys(state.jobs[j])])
         if new is not state:
             await store(state, new, headers, where=where, buckets={part: new.shard_bucket})
         return len(out)
 
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
-    async def retry() -> None:
+    async def retry() -> None:  # noqa: C901
         """A round of the timer: the jobs with something to retry (``timer_job_keys``), partition by partition,
         ``RETRY_SLICE_JOBS`` at a time, each slice a decision of its own under the lock (the agent decides in
         between), none while the tables are not ready (a rebalance or a recovery: the round ends there)."""
@@ -1005,7 +1023,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             if not tables_ready(app):
                 return
             await reconcile(active)
-        todo = tables.timer_job_keys(active)
+        todo = tables.timer_job_keys(active, int(time.time() * 1000), gc_ms)
         n_jobs = n_out = n_slices = failed = 0
         waited = 0.0
         for part, keys in todo.items():

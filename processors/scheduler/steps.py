@@ -69,7 +69,7 @@ def close(w: JobWork) -> Job:
 
 # -- task steps: what each intent does next ------------------------------------------------------------------------
 
-def advance(w: JobWork, t: Task) -> None:
+def advance(w: JobWork, t: Task) -> None:  # noqa: C901
     """Take the next step for ``t`` given its state and intent (after something happened to it)."""
     if t.intent == RETIRE:
         advance_retiring(w, t)
@@ -200,7 +200,7 @@ def machine_lost(w: JobWork, t: Task, reason: str) -> None:
         try_perform(w, w.new_op(replace(t, intent=RUN, restarts=0, reason=reason), OP_MOVE, reason, fence=fence))
 
 
-def progress_update(w: JobWork) -> None:
+def progress_update(w: JobWork) -> None:  # noqa: C901
     """Rolling update: want an UPDATE operation on every task of an older spec version (approved by the job's
     TaskController if it has one); ``drain_ops`` performs them, never making more than ``max_unavailable``
     tasks not RUNNING (counting any task not RUNNING for any reason). With a version mix (``versions.py``), every
@@ -251,7 +251,7 @@ def op_moot(w: JobWork, t: Task) -> bool:
     return t.state not in (FAILED, STOPPED)  # MOVE, RESTART: of a task that went down
 
 
-def try_perform(w: JobWork, t: Task, budget: list[int] | None = None) -> Task:
+def try_perform(w: JobWork, t: Task, budget: list[int] | None = None) -> Task:  # noqa: C901
     """Perform ``t``'s approved operation if it is ready and the limiter allows it; an UPDATE also needs a
     unit of ``budget`` (the job's max_unavailable left; computed here if not given)."""
     if t.op_state != OP_APPROVED:
@@ -378,7 +378,7 @@ def open_notices(w: JobWork) -> tuple[tc.AdvanceNotice, ...]:
     """The job's open advance notices as its controller is told them: each names the tasks still on the
     maintenance's machines that await a choice (none made yet for it, not retiring), so that a task moved off,
     being stopped or kept is not asked about again."""
-    machines = {m[0]: frozenset(m[1]) for m in w.job.maint}
+    machines = {m.unavailability_id: frozenset(m.machine_ids) for m in w.job.maint}
     out = []
     for ue, task_ids, start, deadline, duration in w.job.tc_notices:
         gone = machines.get(ue)
@@ -426,14 +426,15 @@ def enforce_deadlines(w: JobWork) -> None:
     whose stop still waits for a token (its controller chose MOVE or STOP, or it is retiring) is stopped now;
     it keeps its choice (held, or moved once stopped) or its retirement."""
     now = w.fold.now
-    due = [m for m in w.job.maint if not m[4] and m[3] <= now]
+    due = [m for m in w.job.maint if not m.enforced and m.deadline_ms <= now]
     if not due:
         return
-    w.set(quiet=True, maint=tuple((*m[:4], True) if m in due else m for m in w.job.maint))
-    for ue, machines, _start, _deadline, _ in due:
+    w.set(quiet=True, maint=tuple(m._replace(enforced=True) if m in due else m for m in w.job.maint))
+    for m in due:
+        ue = m.unavailability_id
         # moved off when it has no controller or must leave (a loan revoked); else held until the end
         held = DEADLINE_HELD if w.job.spec.controller and ue not in w.job.vacating else DEADLINE_MOVED
-        gone = set(machines)
+        gone = set(m.machine_ids)
         for t in w.ordered():
             if t.machine not in gone or t.maint_choice == CHOICE_KEEP or t.state not in (STARTING, RUNNING):
                 continue  # elsewhere, kept running through it, down already or stopping
@@ -452,7 +453,7 @@ def enforce_deadlines(w: JobWork) -> None:
 def apply_choices(w: JobWork, ev: Event, choices: Iterable[tc.Choice]) -> None:
     """A controller's answers to advance notices: MOVE (stop, then placed elsewhere), STOP (stopped until the
     maintenance ends), KEEP (left running through it). Choices for tasks no open notice names are ignored."""
-    open_ = {m[0]: (set(m[1]), m[4]) for m in w.job.maint}
+    open_ = {m.unavailability_id: (set(m.machine_ids), m.enforced) for m in w.job.maint}
     for c in choices:
         t = w.tasks.get(c.task_id)
         machines, enforced = open_.get(c.unavailability_id, (set(), False))

@@ -41,7 +41,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from processors.scheduler.decide import has_timer_work, machines_of, maint_machines
+from processors.scheduler.decide import ended_before, has_timer_work, machines_of, maint_machines
+from processors.scheduler.lifecycle import JOB_DELETED
 from processors.scheduler.model import Job, Task
 from processors.scheduler.records import job_from_record, job_to_record, terms_of, terms_record
 
@@ -130,7 +131,7 @@ def _by_chunk(tasks: Iterable[Task]) -> dict[int, list[Task]]:
     return out
 
 
-def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Mapping[str, Any],
+def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Mapping[str, Any],  # noqa: C901
          after: Job, key: str | None = None) -> Plan:
     """The writes that take the stored job from ``header`` (as read; None: not stored) and ``before`` (the job
     it holds) to ``after``. Only chunks with a task added, removed or replaced are written (a new version);
@@ -171,8 +172,9 @@ def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Map
                 continue
             records = []
             for t in tasks:
-                r = reuse.get(t.id)
-                records.append(r if r is not None and before.tasks.get(t.id) is t else task_record(t))
+                r = reuse.get(t.id)  # (only with ``before``)
+                same = r is not None and before is not None and before.tasks.get(t.id) is t
+                records.append(r if same else task_record(t))
             out_chunks[chunk_key(key, i, version)] = {"entitlement": after.entitlement, "tasks": records}
             new_chunks[i] = version
     head = job_to_record(replace(after, tasks=MappingProxyType({})))
@@ -188,6 +190,13 @@ def wants_timer(header: Mapping[str, Any]) -> bool:
     """Whether the job a header stands for may have work for the retry timer (its ``timer``; True if it has none:
     a header written before the flag, or the older whole-job record)."""
     return bool(header.get("timer", True))
+
+
+def expired(header: Mapping[str, Any], now_ms: int, gc_ms: int) -> bool:
+    """``decide.is_expired`` of the job a header (or an older whole-job record) stands for, read without decoding
+    it: the timer loads those to ``collect`` them."""
+    phase = JOB_DELETED if header.get("deleted") else header.get("status", "")
+    return ended_before(phase, header.get("ended_ms"), now_ms, gc_ms)
 
 
 def named_keys(header: Mapping[str, Any]) -> set[str]:

@@ -20,7 +20,8 @@ from processors.scheduler.lifecycle import (
     PENDING, STOPPED,
 )
 from processors.scheduler.model import (
-    RUN, Job, SchedulerState, Task, index_of, job_phase, published_state, replace, request_id,
+    RUN, Job, SchedulerState, Task, incarnation_tag, index_of, job_phase, operation_id, published_state, replace,
+    request_id,
 )
 from processors.taskcontrol import limiter
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Limits
@@ -274,6 +275,8 @@ class JobWork:
         bug), changing ``fields`` with it."""
         phase = lc.JOBS.next_state(job_phase(self.job), trigger)
         deleted = phase == JOB_DELETED
+        if phase in lc.JOB_ENDED:  # its grace runs from now (``decide.collect``)
+            fields = {"ended_ms": self.fold.now, **fields}
         self.set(status=JOB_STOPPED if deleted else phase, deleted=deleted, **fields)
 
     def choice_fields(self, t: Task, trigger: str, ue: str | None = None) -> dict[str, Any]:
@@ -308,7 +311,9 @@ class JobWork:
     def emit_batches(self) -> None:
         """The decision's service-discovery changes as ServiceDiscoveryUpdated, its task transitions as
         TaskStatesChanged and its commands as TasksCommanded, each split so that no record exceeds
-        ``batches.MAX_RECORD_BYTES`` (normally one of each). Discovery first: a task leaves it before it stops."""
+        ``batches.MAX_RECORD_BYTES`` (normally one of each). Discovery first: a task leaves it before it stops.
+        Nothing here is signed: the producer seals the commands with the scheduler's key (streams/auth.py), so the
+        history's replay and shadow (processors/history) decide the same events without it."""
         job = self.job
         if self.discoveries:
             for i, part in enumerate(split(self.discoveries, fixed=ENVELOPE_BYTES + size_of(job.id))):
@@ -322,14 +327,17 @@ class JobWork:
         if self.commands:
             ent = self.fold.entitlements().get(job.entitlement)
             profile = None if ent is None else ent.host_profile or ""  # agents start tasks only where it is applied
+            # what the tasks may use: signed with the rest (the producer's signer, streams/auth.py), like argv and env
+            resources = {"cpu_millicores": job.spec.cpu, "memory_mib": job.spec.mem}
             for version, code, commands in _by_version(self.commands, job.mix):
                 argv, env = (list(code.command), dict(code.env)) if code else (list(job.spec.command), dict(job.spec.env))
-                parts = split(commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env) + 30)
+                parts = split(commands, fixed=ENVELOPE_BYTES + size_of(job.id) + size_of(argv) + size_of(env)
+                              + size_of(resources) + 30)
                 disc = () if version is None else (version,)  # a job with a version mix: a batch per version run
                 for i, part in enumerate(parts):
                     self.emit("TasksCommanded", job.id, {"job_id": job.id, "argv": argv, "env": env, "commands": part,
-                                                         "part": i, "parts": len(parts), "host_profile": profile},
-                              "commands", job.id, *disc, i)
+                                                         "part": i, "parts": len(parts), "host_profile": profile,
+                                                         "resources": resources}, "commands", job.id, *disc, i)
             self.commands = []
 
     def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = (),
@@ -340,9 +348,9 @@ class JobWork:
         holds for the moment the allocator has not read the notice yet."""
         job, spec = self.job, self.job.spec
         if place:
-            avoid = set(avoid).union(*(machines for _, machines, *_ in job.maint))
+            avoid = set(avoid).union(*(m.machine_ids for m in job.maint))
         n = job.requests + 1
-        rid = request_id(job.id, job.spec_version, n)
+        rid = request_id(job.id, job.spec_version, n, incarnation_tag(job.submission))
         self.set(quiet=True, requests=n)
         self.emit("AllocationRequested", rid, {
             "request_id": rid, "job_id": job.id, "spec_version": job.spec_version,
@@ -373,7 +381,7 @@ class JobWork:
         n = self.job.ops + 1
         self.set(quiet=True, ops=n)
         asked = OP_ASKED if kind in CONTROLLED and self.job.spec.controller else OP_WANTED
-        return self.put(replace(t, op=kind, op_id=f"{t.id}:{kind.lower()}:{n}",
+        return self.put(replace(t, op=kind, op_id=operation_id(t.id, kind, n, incarnation_tag(self.job.submission)),
                                 op_state=lc.OPERATIONS.next_state(t.op_state, asked), op_reason=reason, **changes))
 
     def op_step(self, t: Task, trigger: str) -> Task:
@@ -405,6 +413,8 @@ class JobWork:
             job = replace(job, tasks=MappingProxyType(_by_index(self._tasks) if self._added else self._tasks))
         if self.fold.cause_id is not None:
             job = replace(job, seen=(*job.seen, self.fold.cause_id)[-SEEN_LIMIT:])
+        if self.dirty and task_parts(job) > job.parts:
+            job = replace(job, parts=task_parts(job))
         self.job = job
         self.emit_batches()
         if self.dirty:
@@ -454,7 +464,7 @@ class JobWork:
         if len(place_set) + len(free_set) <= REQUEST_TASKS_AT_ONCE:
             return [(list(place), list(free))]
         tasks = sorted(place_set | free_set, key=index_of)
-        avoid = size_of(sorted(self.avoid.union(*(m for _, m, *_ in self.job.maint))))
+        avoid = size_of(sorted(self.avoid.union(*(m.machine_ids for m in self.job.maint))))
         parts = split(tasks, fixed=ENVELOPE_BYTES + avoid + size_of(self.job.id) * 3 + 200,
                       size=lambda t: size_of(t) * ((t in place_set) + (t in free_set)), max_items=len(tasks))
         return [([t for t in part if t in place_set], [t for t in part if t in free_set]) for part in parts]
@@ -485,6 +495,13 @@ def _by_version(commands: list[dict[str, Any]], mix: vs.Mix | None
     for c in commands:
         by.setdefault(c["spec_version"], []).append(c)
     return [(version, mix.code(version), part) for version, part in by.items()]
+
+
+def state_keys(job: Job) -> list[tuple[str, str]]:
+    """(topic, key) of every record of the latest-state topics ``job`` may hold: its JobStatePublished on
+    ``state.jobs``, and on ``state.tasks`` each JobTasksPublished part it ever published (``Job.parts``). The shard
+    writes a tombstone to each when the job leaves the state (``decide.collect``), so compaction forgets them."""
+    return [("state.jobs", job.id), *(("state.tasks", f"{job.id}#{p}") for p in range(job.parts))]
 
 
 def task_parts(job: Job) -> int:

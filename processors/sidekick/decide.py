@@ -27,10 +27,11 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from processors.allocator.fold import FREE, MachineRec, RegionFold
-from processors.allocator.placement import MACHINE_UP
+from processors.allocator.fold import MachineRec, RegionFold
 from processors.sidekick import catalogue
+from streams.enums import MachineStatus
 from streams.events import Event, derived_event_id, new_event
+from streams.topics import FREE_POOL_OWNER
 
 PRODUCER = "sidekick"
 SWITCH_TIMEOUT_MS = 15 * 60_000  # longer than any profile's switch (HugePages: 244 s P90)
@@ -48,7 +49,7 @@ class InFlight:
 
 def wanted(fold: RegionFold, m: MachineRec) -> str | None:
     """The profile machine ``m`` should have: its entitlement's (``""`` when it declares none); None when free."""
-    if m.entitlement == FREE:
+    if m.entitlement == FREE_POOL_OWNER:
         return None
     return fold.entitlement_fields.get(m.entitlement, {}).get("host_profile") or catalogue.DEFAULT
 
@@ -78,19 +79,19 @@ class SidekickView:
                 del self.in_flight[p["machine_id"]]
         return self.fold.apply(event, position)
 
-    def switches(self, now_ms: int, max_switching: float = DEFAULT_MAX_SWITCHING) -> list[Event]:
+    def switches(self, now_ms: int, max_switching: float = DEFAULT_MAX_SWITCHING) -> list[Event]:  # noqa: C901
         """The HostProfileRequested to send now (they are applied to the view at once: in flight)."""
         for mid in [m for m, f in self.in_flight.items() if now_ms - f.at_ms >= SWITCH_TIMEOUT_MS]:
             del self.in_flight[mid]
         fold = self.fold
         held: dict[str, list[MachineRec]] = defaultdict(list)
         for m in fold.machines.values():
-            if m.entitlement != FREE:
+            if m.entitlement != FREE_POOL_OWNER:
                 held[m.entitlement].append(m)
         busy: dict[str, int] = defaultdict(int)
         for mid, f in self.in_flight.items():
-            m = fold.machines.get(mid)
-            if m is not None and m.entitlement == f.entitlement:
+            cur = fold.machines.get(mid)
+            if cur is not None and cur.entitlement == f.entitlement:
                 busy[f.entitlement] += 1
         out = []
         for ent in sorted(held):
@@ -101,7 +102,7 @@ class SidekickView:
                 if room <= 0:
                     break
                 want = wanted(fold, m)
-                if (m.status != MACHINE_UP or m.host_profile == want or m.id in self.in_flight
+                if (want is None or m.status != MachineStatus.UP or m.host_profile == want or m.id in self.in_flight
                         or m.profile_failed == (want, ent)):
                     continue
                 ev = self._request(m, want, ent, now_ms)

@@ -21,6 +21,7 @@ from processors.allocator import fold as region_fold
 from processors.allocator.follow import SOURCES, Follower
 from processors.sidekick import decide as sk
 from processors.worker import LoopWorker, close_clients
+from streams.deadletter import DeadLetters
 from streams.partitionmap import routed_producer
 from streams.serde import SchemaRegistry
 
@@ -42,9 +43,10 @@ class Sidekick(LoopWorker):
         self.cfg, self.max_switching, self.interval_ms = cfg, max_switching, interval_ms
         self.registry = registry or SchemaRegistry.from_dir()
         self.view = sk.SidekickView()
-        self.follower = Follower(cfg, self.registry, self.view, topics=(*SOURCES, "tasks"),
-                                 types=region_fold.EVENT_TYPES | sk.EVENT_TYPES, name=sk.PRODUCER)
         self.producer = routed_producer(cfg, self.registry, sk.PRODUCER)
+        self.follower = Follower(cfg, self.registry, self.view, topics=(*SOURCES, "tasks"),
+                                 types=region_fold.EVENT_TYPES | sk.EVENT_TYPES, name=sk.PRODUCER,
+                                 dead_letters=DeadLetters(self.producer, sk.PRODUCER))  # forged machine events
         self.caught_up = False
         self._next = 0
         self.requested = 0

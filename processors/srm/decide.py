@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -134,6 +134,13 @@ class Case:
     want: int
     tuning: Tuning
 
+    @property
+    def current(self) -> int:
+        """The job's current size, for the rules after ``unknown_size`` (which holds while it is not known)."""
+        if self.job.current is None:
+            raise AssertionError("unknown_size decides a job of unknown size")
+        return self.job.current
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -155,10 +162,10 @@ RULES: tuple[Rule, ...] = (
          else None),
     Rule("unknown_size", "the job's size is not known yet", lambda c: HOLD if c.job.current is None else None),
     Rule("scale_up", "the size is above the current one: up at once",
-         lambda c: UP if c.want > c.job.current else None),
-    Rule("hold_same", "the size is the current one", lambda c: HOLD if c.want == c.job.current else None),
+         lambda c: UP if c.want > c.current else None),
+    Rule("hold_same", "the size is the current one", lambda c: HOLD if c.want == c.current else None),
     Rule("hysteresis", "within down_band below the current size: hold",
-         lambda c: HOLD if c.want >= c.job.current * (1 - c.tuning.down_band) else None),
+         lambda c: HOLD if c.want >= c.current * (1 - c.tuning.down_band) else None),
     Rule("down_cooldown", "the last change was less than down_cooldown_ms ago: hold",
          lambda c: HOLD if _since(c.job.changed_at, c.at_ms) < c.tuning.down_cooldown_ms else None),
     Rule("no_reversal_in_hour", "a scale-up or a reversal less than reversal_ms ago: hold",
@@ -236,10 +243,11 @@ def plan(job: JobScaling, at: int, tuning: Tuning = Tuning()) -> dict[str, Any]:
     raw = math.ceil(f["forecast"] / pol.load_per_task - 1e-9) if pol is not None else 0
     want = min(max(raw, pol.min_tasks), pol.max_tasks) if pol is not None else 0
     rule, verdict = _rule(Case(job, at, want, tuning))
-    if verdict == UP:  # with headroom: the next step up waits until the load has grown that much
+    if verdict == UP and pol is not None:  # with headroom: the next step up waits until the load grew that much
+        #                                     (UP has a policy: ``no_policy`` holds without one)
         want = min(max(math.ceil(f["forecast"] * (1 + tuning.up_headroom) / pol.load_per_task - 1e-9), want),
                    pol.max_tasks)
-    freed = (job.current - want) // tuning.tasks_per_machine if verdict == DOWN else 0
+    freed = (job.current - want) // tuning.tasks_per_machine if verdict == DOWN and job.current is not None else 0
     return {"at_ms": at, "load": job.last_load, "recent": f["recent"], "historical": f["historical"],
             "forecast": f["forecast"], "load_per_task": pol.load_per_task if pol is not None else None,
             "raw_tasks": raw, "current_tasks": job.current, "direction": verdict, "rule": rule,
@@ -287,7 +295,7 @@ def scaling_view(job: JobScaling, tuning: Tuning = Tuning()) -> dict[str, Any]:
                 "at_ms": job.changed_at, "direction": job.direction, "reversal_at_ms": job.reversal_at}}
 
 
-def reversals(decisions: list[Mapping[str, Any]]) -> list[int]:
+def reversals(decisions: Sequence[Mapping[str, Any]]) -> list[int]:
     """The sample times at which a list of decisions (SizingIntentDeclared.decision, in order) changed direction:
     what 'at most one reversal an hour' counts."""
     out, last = [], None

@@ -10,6 +10,7 @@ import threading
 import time
 
 from infra.config import PROJECT_ROOT
+from infra.process import die_with_parent
 
 
 def scrape(addr: str) -> dict[str, list]:
@@ -54,7 +55,7 @@ def start(cfg, tmp_path, module: str, *args: str, name: str, worker: str | None 
     env = {**env_of(cfg, tmp_path), **({"ROPEWALK_WORKER_NAME": worker} if worker else {})}
     with open(log_path, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=PROJECT_ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, text=True)
+                                stdout=out, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
     proc.log_path = log_path
     return proc
 
@@ -108,11 +109,13 @@ def run_stopped_on_timeout(argv: list[str], timeout_s: float, terminal: bool = F
                 shown.append(chunk)
 
         reader = threading.Thread(target=drain, daemon=True)
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave, text=True, **kwargs)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave, text=True, preexec_fn=die_with_parent,
+                                **kwargs)
         os.close(slave)
         reader.start()
     else:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=die_with_parent, **kwargs)
 
     def stderr(err: str | None) -> str:
         if not terminal:

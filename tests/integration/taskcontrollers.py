@@ -20,6 +20,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, TopicPartition
 from infra.config import PROJECT_ROOT
+from infra.process import die_with_parent
 from processes import worker_metrics
 from processors.scheduler.shard import APP_ID, SOURCES
 from streams import groups
@@ -40,7 +41,8 @@ class Controller:
         with open(log_path, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "processors.taskcontrol.controllers", kind,
                                           "--name", name, *args], cwd=PROJECT_ROOT, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -16,7 +16,7 @@ import pytest
 
 from infra import services
 from infra.config import PROJECT_ROOT, Config
-from infra.process import free_ports, pid_alive, port_open
+from infra.process import die_with_parent, free_ports, pid_alive, port_open
 from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
@@ -110,6 +110,9 @@ class Agents:
         self.work_dirs: set[Path] = set()
 
     def start(self, cfg, machine, work_dir=None, *extra):
+        from infra.trust import write_machine_key
+
+        write_machine_key(cfg.secrets, machine)  # the machine's own key, as the operator gives it (infra/trust.py)
         work = Path(work_dir or self.tmp / machine)
         self.work_dirs.add(work)
         work.mkdir(parents=True, exist_ok=True)
@@ -117,7 +120,8 @@ class Agents:
         p = subprocess.Popen([PY, "-m", "processors.agent.process", "--machine-id", machine, "--work-dir", str(work),
                               "--tick-ms", "200", "--backoff-ms", "100", "--max-restarts", "2",
                               "--stop-grace-ms", "2000", *extra], env=env_of(cfg), cwd=PROJECT_ROOT,
-                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=die_with_parent)
         self.procs.append(p)
         return p
 
@@ -155,6 +159,18 @@ class Agents:
                     os.killpg(pr["pid"], signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+            release_uids(doc)
+
+
+def release_uids(doc: dict) -> None:
+    """The uids a (killed) agent's state holds, handed back as the agent would: their processes killed, their
+    host-wide leases removed (processors/agent/isolation.py)."""
+    from processors.agent import isolation as iso
+
+    leases = Path(os.environ.get(iso.LEASES_ENV) or iso.DEFAULT_LEASES)
+    for uid in (doc.get(iso.OWNER_UIDS_KEY) or {}).values():
+        iso.kill_uid(uid)
+        (leases / str(uid)).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -218,7 +234,7 @@ def test_process_agent_runs_restarts_fails_and_stops(cfg, registry, agents):
 
         send(cfg, registry, command("j1/sleep", "STOP", m))
         tasks.until(lambda evs: any(s == "STOPPED" for s, _ in reports(evs, "j1/sleep")), 20, "STOPPED")
-        assert reports(tasks.events, "j1/sleep")[-1] == ("STOPPED", -signal.SIGTERM)
+        assert reports(tasks.events, "j1/sleep")[-1] == ("STOPPED", killed_code(agents.tmp / m, signal.SIGTERM))
         wait_for(lambda: not pid_alive(pid), 5, f"pid {pid} gone")
         assert agent.poll() is None
     finally:
@@ -228,10 +244,17 @@ def test_process_agent_runs_restarts_fails_and_stops(cfg, registry, agents):
 FAILED_3 = ("FAILED", 3)
 
 
+def killed_code(work_dir: Path, sig: int) -> int:
+    """The exit code a task killed by ``sig`` is reported with: -sig, or 128 + sig in the sandbox (bwrap's init
+    reports it as a shell does: processors/agent/isolation.py)."""
+    return 128 + sig if agent_state(work_dir).get("sandbox") == "bwrap" else -sig
+
+
 def test_process_agent_applies_the_host_profile_before_the_start(cfg, registry, agents):
     """A START naming host profile ``web`` waits while the machine has the default one; Sidekick's request is applied
     by writing ``host-profile.json`` (the visible setting), answered HostProfileApplied on ``machines``, and only then
     is the task started (issue 16)."""
+    from processors.agent.hostprofile import REASON_WAITING_FOR_PROFILE
     from processors.sidekick.catalogue import PROFILES
 
     m = "m-hp"
@@ -255,8 +278,11 @@ def test_process_agent_applies_the_host_profile_before_the_start(cfg, registry, 
         assert (applied.payload["machine_id"], applied.payload["host_profile"]) == (m, "web")
         written = json.loads((agents.tmp / m / "host-profile.json").read_text())
         assert (written["host_profile"], written["settings"]) == ("web", settings)
-        starting = next(e for e in ev if e.type == "TaskStateChanged" and e.payload["task_id"] == "j1/web")
-        assert starting.payload["state"] == "STARTING" and starting.timestamp_ms >= applied.timestamp_ms
+        held, starting = [e for e in ev if e.type == "TaskStateChanged" and e.payload["task_id"] == "j1/web"][:2]
+        assert (held.payload["state"], held.payload["reason"]) == ("STARTING", REASON_WAITING_FOR_PROFILE)
+        assert held.timestamp_ms <= applied.timestamp_ms  # the hold is reported, the start waits
+        assert starting.payload["state"] == "STARTING" and starting.payload["reason"] != REASON_WAITING_FOR_PROFILE
+        assert starting.timestamp_ms >= applied.timestamp_ms
     finally:
         tasks.close()
         machines.close()
@@ -325,9 +351,9 @@ def test_restarted_agent_adopts_its_running_task(cfg, registry, agents):
         agent_settled(cfg, registry, tasks, agents.tmp / m)  # it read the log again from its offsets and ticked
         assert second.poll() is None
         assert agents.task_pid(agents.tmp / m, "j1/adopt") == pid and pid_alive(pid)
-        procs = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True).stdout.split()
+        procs = subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True, text=True).stdout.split()
         mine = [p for p in procs if os.getpgid(int(p)) == pid] if procs else []
-        assert mine == [str(pid)]  # one process, no duplicate
+        assert len(mine) == 1  # one task process (in the group of its sandbox, if it has one), no duplicate
         assert (agents.tmp / m / "logs" / "j1_adopt.log").read_text().count("spawn") == 1
         # the adopted task is still controlled: STOP kills it
         send(cfg, registry, command("j1/adopt", "STOP", m))

@@ -53,7 +53,7 @@ def test_compacted_topics_are_configured_to_compact(cfg):
     admin = AdminClient({**cfg.kafka_conf()})
     topics = Topics(cfg.topic_prefix, cfg.partitions)
     compacted = [s.name for s in CATALOGUE if s.config.get("cleanup.policy") == "compact"]
-    assert set(compacted) == {"state.jobs", "state.tasks", "state.machines", "_schemas"}
+    assert set(compacted) == {"state.jobs", "state.tasks", "state.machines", "partitionmap", "_schemas"}
     for name in compacted:
         conf = topic_config(admin, topics.name(name))
         assert conf["cleanup.policy"] == "compact" and conf["segment.ms"] == str(COMPACT_SEGMENT_MS), name

@@ -88,7 +88,7 @@ def read_dead_letters(cfg, registry, n: int, timeout_s: float = 20.0):
 # -- (a) a faust agent survives bad records and dead-letters them ------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_agent_processes_valid_events_and_dead_letters_bad_ones(cfg, registry):
+def test_agent_processes_valid_events_and_dead_letters_bad_ones(cfg, registry):  # noqa: C901
     catalogue = Topics(cfg.topic_prefix, cfg.partitions)
     intents = catalogue.name("intents")
     raw = RawProducer(cfg)

@@ -52,7 +52,7 @@ def task(view, tid):
 
 
 @pytest.mark.timeout(420)
-def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):
+def test_time_travel_shadow_what_if_and_explain_on_a_recorded_region(tmp_path):  # noqa: C901
     cli = RegionCli(tmp_path / "run", ROPEWALK_HISTORY_LOOKAHEAD_MS="15000", ROPEWALK_SCHEDULER_RETRY_S="2")
     start = int(time.time() * 1000)
     up = cli("up", "--machines", "24", "--no-demo", "--json")

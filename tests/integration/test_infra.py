@@ -158,7 +158,7 @@ def test_cli_up_status_down(own_cfg):
     assert up.returncode == 0, up.stderr
     import json
     doc = json.loads(up.stdout)
-    assert len(doc["topics"]) == len(CATALOGUE) == 14 and all(n for n in doc["topics"].values())
+    assert len(doc["topics"]) == len(CATALOGUE) == 17 and all(n for n in doc["topics"].values())
     st = run("status", "--json")
     assert st.returncode == 0 and json.loads(st.stdout)["components"]["broker"]["ready"]
     bad = run("produce", "intents", "JobResized", "-", "--entitlement", "e1")

@@ -1,6 +1,6 @@
 """Planned maintenance on the real broker (Twine §2.5): a real scheduler shard worker (``python -m
 processors.scheduler.shard``, its timer every second), two real reference TaskController processes (``python -m
-processors.taskcontrol.controllers``), the Ops Planner's own functions (``processors/opsplanner/cli.py``: what
+processors.taskcontrol.controllers``), the Ops Planner's own functions (``processors/opsplanner/planner.py``: what
 ``ropewalk maintenance plan|end`` call) against machines registered on the ``machines`` topic; the test plays the
 allocator and the agents (``Hands``).
 
@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from processors.opsplanner import cli as ops
+from processors.opsplanner import planner as ops
 from processors.opsplanner.decide import Plan
 from processors.resourcebroker import decide as rb
 from processors.resourcebroker.processor import fold_machines, produce

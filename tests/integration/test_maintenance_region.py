@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.process import die_with_parent
 from processes import scrape, value
 from regioncli import ROOT, RegionCli
 
@@ -76,7 +77,7 @@ def test_a_maintenance_never_places_into_itself_and_machine_list_shows_it(tmp_pa
             controller = subprocess.Popen(
                 [sys.executable, "-m", "processors.taskcontrol.controllers", "pacing", "--name", "web", "--load-file",
                  str(tmp_path / "load"), "--keep-below-s", "60"], cwd=ROOT, env=cli.env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
+                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         (tmp_path / "web.yaml").write_text(SPEC.format(name="web", tasks=2, extra="controller: web\n"))
         time.sleep(1)
         assert cli.ok("job", "submit", str(tmp_path / "web.yaml")).strip() == "e1.web"

@@ -64,7 +64,8 @@ def test_long_steps_show_progress_on_a_terminal_and_print_the_same_stdout(cfg, r
 
     piped, shown = both(env, "rebuild", "--json")
     first, second = json.loads(piped.stdout), json.loads(shown.stdout)
-    assert second.pop("replaced") == first.pop("keys") == second.pop("keys")  # the second replaced the first's keys
+    # the second replaced the first's keys: every one it wrote but index:format, which a swap overwrites, not deletes
+    assert second.pop("replaced") == first.pop("keys") - 1 == second.pop("keys") - 1
     first.pop("replaced")
     assert untimed(first) == untimed(second)
     steps = ["reading the log", "folding the log", "writing the index to Redis", "swapping it in"]

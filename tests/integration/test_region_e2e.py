@@ -101,11 +101,12 @@ def forged_commands_fail(cli, tmp_path, victim_job):
     with pytest.raises((DeliveryError, KafkaException), match="Topic authorization failed"):
         forge("api", task_command("STOP", f"{victim_job}/0"))
     # A START for a job and an allocation that do not exist, written with the agents' credentials (the one
-    # principal besides the scheduler allowed on tasks): the process agent refuses it and runs nothing.
+    # principal besides the scheduler allowed on tasks): it bears no scheduler's signature (issue 27), so the process
+    # agent refuses it and runs nothing.
     forge("agent", task_command("START", "e9.ghost/0", ["sh", "-c", "id > pwned.txt"]))
     refusal = cli.wait_for(lambda: [e for e in cli.replay() if e["type"] == "TaskCommandRefused"],
                            "the agent's TaskCommandRefused")
-    assert [(e["payload"]["task_id"], e["payload"]["reason"]) for e in refusal] == [("e9.ghost/0", "not_allocated")]
+    assert [(e["payload"]["task_id"], e["payload"]["reason"]) for e in refusal] == [("e9.ghost/0", "unsigned")]
     assert not list(cli.run_dir.glob("agents/*/pwned.txt"))
     # Redis: nobody without a user, not even FLUSHALL; the index is intact.
     with pytest.raises(redis.AuthenticationError):

@@ -26,10 +26,12 @@ from infra.config import Config
 from infra.process import free_port_block, pid_alive
 from regioncli import RegionCli
 
+pytestmark = pytest.mark.long  # `make test-long`: CI's kill storm kills broker nodes in brief
+
 BROKERS = 3
 JOBS_PER_BURST = 4
 TASKS = 2
-WORKERS = {"resourcebroker", "allocator", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
+WORKERS = {"resourcebroker", "allocator-0", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
            "sidekick", "jobcontrol", "srm", "loans"}
 
 

@@ -35,7 +35,7 @@ import pytest
 
 from infra import credentials
 from infra.config import Config
-from infra.process import pid_alive
+from infra.process import die_with_parent, pid_alive
 from processes import scrape, value
 from regioncli import ROOT, RegionCli, wait_for
 
@@ -234,7 +234,7 @@ def remote_worker(region: Region, checkout: Path, home: Path, principal: str, mo
                 "PYTHONUNBUFFERED": "1", **FAUST})
     log = open(home / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", module], cwd=checkout, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
     proc.log_path = home / f"{name}.log"
     return proc
 

@@ -61,7 +61,7 @@ def _states(log) -> str:
 
 
 @pytest.mark.timeout(150)
-def test_survivor_moves_every_task_off_failed_machines(cfg, registry, workers):
+def test_survivor_moves_every_task_off_failed_machines(cfg, registry, workers):  # noqa: C901
     m = shard_tests
     w1, w2 = workers("w1"), workers("w2")
     everyone = [w1, w2]

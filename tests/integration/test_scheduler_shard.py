@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.process import die_with_parent
 from processors.scheduler.decide import PRODUCER
 from processors.scheduler.shard import APP_ID, SOURCES
 from streams import batches, groups
@@ -49,7 +50,8 @@ class Worker:
                "ROPEWALK_PARTITIONS": str(cfg.partitions), "ROPEWALK_RUN_DIR": str(run_dir / name), **env_overrides}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "processors.scheduler.shard"], cwd=ROOT, env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
 
     def partitions(self) -> set[int] | None:
         """The partitions of the latest assignment this worker logged."""

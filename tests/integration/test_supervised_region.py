@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import pwd
 import shutil
 import signal
 import time
@@ -24,6 +23,7 @@ import pytest
 
 from infra.config import Config
 from infra.process import pid_alive
+from processors.agent import isolation as iso
 from regioncli import RegionCli
 
 WORKERS = {"resourcebroker", "allocator-0", "scheduler-0", "agents", "agent-local", "health", "api", "rebalancer",
@@ -129,8 +129,13 @@ def test_the_process_agent_stops_its_tasks_at_down_or_keeps_them_for_the_next_lo
         assert up and up["ready"] and up["demo"]["running"], up
         first = demo_pid(run)
         seen.append(first)
-        # unprivileged: as root, the task runs as nobody and writes to its own working directory
-        assert uid_of(first) == (pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else os.geteuid())
+        # unprivileged: as root, the task runs as a uid of its own (processors/agent/isolation.py), else as the agent
+        if os.geteuid() == 0:
+            state = json.loads((run / "agents" / "local-msb1-r01-m001" / "agent-state.json").read_text())
+            own = state["uids"]["demo.hello/0"]
+            assert own in iso.UidRange.parse(iso.DEFAULT_UIDS) and iso.processes_of(own), state
+        else:
+            assert uid_of(first) == os.geteuid()
         made = commands(region)
 
         # -- down stops the task; up starts it again (the agent: no new command on the log) ---------------------

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from infra import supervisor
-from infra.process import pid_alive
+from infra.config import PROJECT_ROOT
+from infra.process import STOP_WITH_VAR, ManagedProcess, die_with_parent, pid_alive
 from regioncli import wait_for
 
 
@@ -106,3 +109,50 @@ def test_a_retired_program_is_stopped_for_good_and_can_come_back(run_dir):
     back = supervisor.ensure(run_dir, programs[1:2])
     assert back["stubborn"]["pid"] not in (None, stubborn) and back["stubborn"]["restarts"] == 0
     assert state(run_dir, "keeper")["pid"] == keeper
+
+
+STARTER = """
+import json, sys, time
+from pathlib import Path
+from infra import supervisor
+from infra.process import ManagedProcess, tie_regions_to_this_process
+
+run_dir = Path(sys.argv[1])
+if sys.argv[2] == "tied":
+    tie_regions_to_this_process()
+st = supervisor.ensure(run_dir, [supervisor.Program("sleeper", ("sleep", "600")),
+                                 supervisor.Program("svc", ("sleep", "600"), service=True)])
+direct = ManagedProcess("direct", ["/bin/sleep", "600"], None, run_dir, ready=lambda: True).start()
+print(json.dumps({"supervisor": supervisor.process(run_dir).pid(), "direct": direct["pid"],
+                  **{n: s["pid"] for n, s in st.items()}}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_region_stops_when_the_process_that_started_it_is_killed(tmp_path):
+    """A test's or an experiment's region (``ROPEWALK_STOP_WITH``: tied) stops when its starter dies by SIGKILL: the
+    supervisor's programs (it notices), the process the starter ran directly (its death signal), the supervisor.
+    A user's region (untied, as `ropewalk up` starts it) outlives its starter."""
+    env = {k: v for k, v in os.environ.items() if k != STOP_WITH_VAR}
+    starters, pids = {}, {}
+    for kind in ("tied", "untied"):
+        (tmp_path / kind).mkdir()
+        starters[kind] = subprocess.Popen([sys.executable, "-c", STARTER, str(tmp_path / kind), kind], env=env,
+                                          cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True,
+                                          preexec_fn=die_with_parent)
+    try:
+        for kind, starter in starters.items():
+            pids[kind] = json.loads(starter.stdout.readline())
+            assert set(pids[kind]) == {"supervisor", "direct", "sleeper", "svc"}
+            assert all(map(pid_alive, pids[kind].values()))
+            starter.kill()
+            starter.wait()
+        wait_for(lambda: not any(map(pid_alive, pids["tied"].values())), "no process of the tied region left", 60)
+        # The untied region is checked after the tied one went: its supervisor had as long to notice anything.
+        assert pid_alive(pids["untied"]["supervisor"]) and pid_alive(pids["untied"]["sleeper"])
+        assert "is gone: stopping every program" in (tmp_path / "tied" / "supervisor.log").read_text()
+    finally:
+        for kind, starter in starters.items():
+            starter.kill()
+            supervisor.stop(tmp_path / kind)
+            ManagedProcess("direct", ["/bin/sleep"], None, tmp_path / kind, ready=lambda: True).stop()

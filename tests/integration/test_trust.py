@@ -5,6 +5,7 @@ The tables below are written out by hand (not derived from infra/acls.py), so a 
 issue's rules fails here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,23 +29,24 @@ OPS = ("READ", "WRITE")
 W, R = "W", "R"
 # principal -> topic -> what it may do (R read, W write; "" nothing). operator (a super user) may do everything.
 TABLE = {
-    #                intents  machines unavail  allocs  tasks taskctl heartb deadl  st.jobs st.tasks st.mach _schemas loans metrics handoff partitionmap
-    "api":          ("RW",    "RW",    "RW",    "R",    "R",  "R",    "R",   "R",   "R",    "R",     "R",    "RW",   "R",  "R", "R", "RW"),
-    "scheduler":    ("RW",    "R",     "R",     "RW",   "RW", "RW",   "",    "W",   "W",    "W",     "",     "RW",   "",   "", "RW", "RW"),
-    "allocator":    ("R",     "RW",    "R",     "RW",   "",   "",     "",    "W",   "",     "",      "RW",   "RW",   "",   "", "", "R"),
-    "resourcebroker": ("",    "RW",    "RW",    "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "health":       ("",      "RW",    "W",     "",     "",   "",     "R",   "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "agent":        ("",      "W",     "R",     "R",    "RW", "",     "W",   "W",   "",     "",      "",     "RW",   "",   "W", "", "R"),
-    "controller":   ("",      "",      "",      "",     "",   "RW",   "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "rebalancer":   ("RW",    "R",     "R",     "R",    "",   "",     "",    "W",   "R",    "",      "",     "RW",   "",   "", "", "R"),
-    "sidekick":     ("R",     "R",     "R",     "R",    "RW", "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "jobcontrol":   ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R"),
-    "srm":          ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "R", "", "R"),
-    "lender":       ("RW",    "R",     "RW",    "R",    "",   "",     "",    "W",   "",     "",      "",     "RW",   "RW", "", "", "R"),
-    "operator":     ("RW",) * 16,
+    #                intents  machines unavail  allocs  tasks taskctl heartb deadl  st.jobs st.tasks st.mach _schemas loans metrics handoff partitionmap keys
+    "api":          ("RW",    "RW",    "RW",    "R",    "R",  "R",    "R",   "R",   "R",    "R",     "R",    "RW",   "R",  "R", "R", "RW", "R"),
+    "scheduler":    ("RW",    "R",     "R",     "RW",   "RW", "RW",   "",    "W",   "W",    "W",     "",     "RW",   "",   "", "RW", "RW", "R"),
+    "allocator":    ("R",     "RW",    "R",     "RW",   "",   "",     "",    "W",   "",     "",      "RW",   "RW",   "",   "", "", "R", "R"),
+    "resourcebroker": ("",    "RW",    "RW",    "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "health":       ("",      "RW",    "W",     "",     "",   "",     "R",   "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "agent":        ("",      "W",     "R",     "R",    "RW", "",     "W",   "W",   "",     "",      "",     "RW",   "",   "W", "", "R", "R"),
+    "controller":   ("",      "",      "",      "",     "",   "RW",   "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "rebalancer":   ("RW",    "R",     "R",     "R",    "",   "",     "",    "W",   "R",    "",      "",     "RW",   "",   "", "", "R", "R"),
+    "sidekick":     ("R",     "R",     "R",     "R",    "RW", "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "jobcontrol":   ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "", "", "R", "R"),
+    "srm":          ("RW",    "",      "",      "",     "",   "",     "",    "W",   "",     "",      "",     "RW",   "",   "R", "", "R", "R"),
+    "lender":       ("RW",    "R",     "RW",    "R",    "",   "",     "",    "W",   "",     "",      "",     "RW",   "RW", "", "", "R", "R"),
+    "operator":     ("RW",) * 17,
 }
 TOPICS = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "heartbeats", "deadletter",
-          "state.jobs", "state.tasks", "state.machines", "_schemas", "loans", "metrics", "handoff", "partitionmap")
+          "state.jobs", "state.tasks", "state.machines", "_schemas", "loans", "metrics", "handoff", "partitionmap",
+          "keys")
 AUTHZ = KafkaError.TOPIC_AUTHORIZATION_FAILED
 
 
@@ -156,14 +158,39 @@ REDIS_TABLE = [
     ("allocator", ["FLUSHALL"], False),
     ("allocator", ["KEYS", "*"], False),
     ("allocator", ["CONFIG", "SET", "appendonly", "no"], False),
-    ("api", ["HGETALL", "k"], True),
+    ("allocator", ["FUNCTION", "LOAD", "REPLACE", "x"], True),  # the index's read functions (MachineIndex)
+    ("allocator", ["FUNCTION", "KILL"], True),  # a long read-only script or function, if ever
+    ("allocator", ["SCRIPT", "KILL"], True),
+    ("allocator", ["CLIENT", "KILL", "ID", "1"], False),
+    # the readers run the index's registered read functions, and nothing else (issue 27)
+    ("api", ["FCALL_RO", "ropewalk_read", "0", "p", "m1"], True),
+    ("api", ["HGETALL", "k"], False),
+    ("api", ["KEYS", "*"], False),
     ("api", ["SET", "k", "v"], False),
     ("api", ["DEL", "k"], False),
     ("api", ["FLUSHALL"], False),
-    ("reader", ["GET", "k"], True),
+    ("reader", ["FCALL_RO", "ropewalk_summary", "0", "p"], True),
+    ("reader", ["HMGET", "pm:m1", "cpu_free"], True),  # what the read function reads, on the keys it reads
+    ("reader", ["HGETALL", "pindex:summary"], True),
+    ("reader", ["HGETALL", "ptaskres"], False),  # a field per task: not for readers
+    ("reader", ["HMGET", "pplacement", "t1"], False),
+    ("reader", ["SCAN", "0", "COUNT", "100000000"], False),
+    ("reader", ["PING"], True),
+    ("reader", ["GET", "k"], False),
     ("reader", ["HSET", "k", "f", "v"], False),
-    ("reader", ["EVAL", "return redis.call('GET', KEYS[1])", "1", "k"], True),  # the index's Lua readers
+    ("reader", ["EVAL", "while true do end", "0"], False),
+    ("reader", ["EVAL_RO", "return 1", "0"], False),
+    ("reader", ["EVALSHA", "0" * 40, "0"], False),
+    ("reader", ["EVALSHA_RO", "0" * 40, "0"], False),
+    ("reader", ["SCRIPT", "LOAD", "return 1"], False),
     ("reader", ["SCRIPT", "FLUSH"], False),
+    ("reader", ["SCRIPT", "KILL"], False),
+    ("reader", ["FUNCTION", "LOAD", "x"], False),
+    ("reader", ["FUNCTION", "KILL"], False),
+    ("reader", ["FUNCTION", "DUMP"], False),
+    ("reader", ["FCALL", "ropewalk_read", "0", "p"], False),
+    ("reader", ["CLIENT", "KILL", "ID", "1"], False),
+    ("reader", ["CLIENT", "PAUSE", "1000"], False),
     ("default", ["GET", "k"], False),  # the user of a client without credentials: off
 ]
 
@@ -195,7 +222,7 @@ def test_redis_refuses_flushall_and_writes_for_real(infra_cfg):
         redis.Redis.from_url(cfg.redis_url).execute_command("FLUSHALL")
     with pytest.raises(redis.exceptions.NoPermissionError):
         cfg.as_principal("api").redis_client().set("trust-test-x", "1")
-    with pytest.raises(redis.ResponseError, match="can't run this command"):  # a script obeys the user's rules
+    with pytest.raises(redis.exceptions.NoPermissionError, match="'eval' command"):  # no script of its own at all
         cfg.redis_client(read_only=True).eval("return redis.call('SET', KEYS[1], '1')", 1, "trust-test-x")
     with pytest.raises(redis.exceptions.NoPermissionError):
         cfg.as_principal("allocator").redis_client().flushall()
@@ -241,10 +268,11 @@ def test_forged_task_commands_are_refused_by_the_broker(cfg, registry, principal
 
 @pytest.mark.timeout(120)
 def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
-    """The one principal besides the scheduler that may write `tasks` is the agents'. A START it forges for a job
-    and an allocation that do not exist, or for a task placed on the machine for another entitlement, is refused
-    by the process agent with a TaskCommandRefused naming the reason, and nothing runs; a START the allocator
-    placed runs."""
+    """The one principal besides the scheduler that may write `tasks` is the agents'. A START it forges (unsigned: it
+    has no scheduler's key) is refused by the process agent with a TaskCommandRefused naming why (issue 27); a START
+    the scheduler signed for a job and an allocation that do not exist, or for a task placed on the machine for
+    another entitlement, is refused for that (the allocation gate, issue 12), and nothing runs; a START the
+    scheduler signed and the allocator placed runs."""
     from test_agent_process import Agents, allocated
 
     m = "local-msb1-r01-m001"
@@ -255,7 +283,10 @@ def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
         with refused_by_the_broker():  # an agent cannot place a task
             _produce_as(cfg, registry, "agent", allocated("e1.web", {"e1.web/0": m}, "e1"))
         _produce_as(cfg, registry, "allocator", allocated("e1.web", {"e1.web/0": m}, "e1"))  # placed here for e1
-        _produce_as(cfg, registry, "agent",
+        _produce_as(cfg, registry, "agent",  # the agents' credentials, a START for the placed task: not signed
+                    forged_task("START", m, ["sh", "-c", f"id > {pwned}"], task="e1.web/0", job="e1.web",
+                                entitlement="e1"))
+        _produce_as(cfg, registry, "scheduler",  # signed, but not what the allocations log placed here
                     forged_task("START", m, ["sh", "-c", f"id > {pwned}"]),  # no allocation at all
                     forged_task("START", m, ["sh", "-c", f"id > {pwned}"], task="e1.web/0", job="e1.web",
                                 entitlement="e2"))  # placed for e1, commanded as e2's
@@ -270,15 +301,17 @@ def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
                 running = any(e.type == "TaskStatesChanged" and any(r["state"] == "RUNNING" and r["task_id"] ==
                                                                      "e1.web/0" for r in e.payload["reports"])
                               for e in seen)
-                if len(refused) == 2 and running:
+                if len(refused) == 3 and running:
                     break
         finally:
             tasks.close()
-        assert refused == {("e2.victim/0", "not_allocated"), ("e1.web/0", "allocated_to_other_entitlement")}, seen
+        assert refused == {("e1.web/0", "unsigned"), ("e2.victim/0", "not_allocated"),
+                           ("e1.web/0", "allocated_to_other_entitlement")}, seen
         assert running
         assert not pwned.exists()
         refusal = next(e for e in seen if e.type == "TaskCommandRefused")
         assert refusal.producer == f"agent/{m}" and refusal.payload["command_producer"] == "scheduler"
+        assert refusal.identity == f"machine/{m}"  # the refusal itself is proven to come from that machine
     finally:
         agents.cleanup()
 
@@ -288,7 +321,7 @@ def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
 class Api:
     """An API process on the test's region, with a users file of its own."""
 
-    def __init__(self, cfg, tmp_path):
+    def __init__(self, cfg, tmp_path, **env: str):
         from processors.api import users
 
         self.users = tmp_path / "users.yaml"
@@ -298,7 +331,7 @@ class Api:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp_path / "api.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "processors.api.server", "--port", str(self.port),
-                                      "--users", str(self.users)], env=worker_env(cfg), cwd=PROJECT_ROOT,
+                                      "--users", str(self.users)], env={**worker_env(cfg), **env}, cwd=PROJECT_ROOT,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not port_open(self.port):
@@ -414,6 +447,34 @@ def test_job_events_stream_shows_only_what_the_user_may_see(api, cfg, registry):
     stream.close()
 
 
+@pytest.mark.timeout(120)
+def test_event_streams_are_bounded(cfg, tmp_path):
+    """At most ROPEWALK_API_MAX_STREAMS event streams at once: one more is refused (503, too_many_streams, with
+    Retry-After) and served again once a stream closed."""
+    from processors.api.client import ApiClient, ApiClientError
+
+    api = Api(cfg, tmp_path, ROPEWALK_API_MAX_STREAMS="1")
+    try:
+        stream = ApiClient(api.url, api.alice).events("jobs")
+        assert next(e for e, _ in stream if e == "ready") == "ready"
+        code, doc = api.call("GET", "/v1/events/jobs", api.alice)
+        assert (code, doc.get("error")) == (503, "too_many_streams"), doc
+        stream.close()  # the API sees it gone at its next poll of the state (0.5 s)
+        deadline = time.monotonic() + 30
+        while True:
+            again = ApiClient(api.url, api.alice).events("jobs")
+            try:
+                if next(e for e, _ in again if e == "ready") == "ready":
+                    break
+            except ApiClientError as exc:  # still refused: the first stream is not seen closed yet
+                assert exc.reason == "too_many_streams" and time.monotonic() < deadline, exc
+                time.sleep(0.2)
+            finally:
+                again.close()
+    finally:
+        api.close()
+
+
 @pytest.mark.timeout(240)
 def test_openapi_property_based_no_server_errors(api, cfg):
     """schemathesis generates requests from the published OpenAPI spec (4 examples per operation in CI;
@@ -445,3 +506,110 @@ def test_openapi_property_based_no_server_errors(api, cfg):
 
         run()
     assert not failures, failures[:5]
+
+
+@pytest.mark.timeout(150)
+def test_a_rotated_scheduler_key_is_learnt_from_the_log_and_the_old_one_refused_after_the_overlap(cfg, registry,
+                                                                                               tmp_path):
+    """Issue 27: the process agent's file pins the scheduler's key of its day. A rotation announced on the `keys`
+    topic (signed by the operator's key) teaches it the new key: a START signed with it runs; a command signed with
+    the old key after the overlap ended is refused (`key_retired`), as is one signed with a key announced by nobody
+    the agent trusts."""
+    from test_agent_process import Agents, allocated
+
+    from infra import trust
+    from streams import auth
+
+    m = "local-msb1-r01-m001"
+    now = int(time.time() * 1000)
+    doc = trust.trust_doc(cfg.secrets)
+    rot = trust.rotation(doc, "scheduler", now, overlap_ms=0)  # the old key revoked from now on
+    old = trust.signing_key("scheduler", doc["signers"]["scheduler"])
+    new = trust.signing_key("scheduler", rot.doc["signers"]["scheduler"])
+    rogue = auth.new_signing_key("operator")  # a key that claims to be the operator's: announces its own scheduler key
+    rogue_sched = auth.new_signing_key("scheduler")
+    keys = EventProducer(cfg, registry, "keys", signer=rot.signer)
+    keys.send(rot.announcement)  # on this test's region's `keys` topic only: the session's files are not rewritten
+    keys.flush()
+    forged = trust.rotation({**doc, "operator": {"key_id": rogue.key_id, "private": trust.b64(rogue.raw),
+                                                 "public": trust.b64(rogue.public())},
+                             "signers": {"scheduler": {"key_id": old.key_id, "private": "", "public": ""}}},
+                            "scheduler", now)
+    rogue_ann = dataclasses.replace(forged.announcement, payload={
+        **forged.announcement.payload, "key_id": rogue_sched.key_id, "public_key": rogue_sched.public()})
+    rogue_keys = EventProducer(cfg, registry, "keys", signer=forged.signer)
+    rogue_keys.send(rogue_ann)
+    rogue_keys.flush()
+
+    def signed_by(key, *events):
+        p = EventProducer(cfg.as_principal("scheduler"), registry, "scheduler", signer=auth.ComponentSigner(
+            "scheduler", None, key))
+        for ev in events:
+            p.send(ev)
+        p.flush(20)
+
+    agents = Agents(tmp_path)
+    try:
+        agents.start(cfg, m)
+        _produce_as(cfg, registry, "allocator", allocated("e1.web", {"e1.web/0": m}, "e1"))
+        signed_by(new, forged_task("START", m, ["sleep", "60"], task="e1.web/0", job="e1.web", entitlement="e1"))
+        stop_old = forged_task("STOP", m, task="e1.web/0", job="e1.web", entitlement="e1")
+        stop_rogue = forged_task("STOP", m, task="e1.web/0", job="e1.web", entitlement="e1")
+        tasks = EventConsumer(cfg, registry, [Topics(cfg.topic_prefix, cfg.partitions).name("tasks")], name="t")
+        seen, deadline = [], time.monotonic() + 90
+        sent_stops = False
+        try:
+            while time.monotonic() < deadline:
+                seen += [r.event for r in tasks.poll(1000, 0.5)]
+                running = any(e.type == "TaskStatesChanged" and any(r["state"] == "RUNNING" for r in
+                                                                     e.payload["reports"]) for e in seen)
+                if running and not sent_stops:  # the new key was learnt: now the old one and the rogue's
+                    signed_by(old, stop_old)
+                    signed_by(rogue_sched, stop_rogue)
+                    sent_stops = True
+                refused = {e.causation_id: e.payload["reason"] for e in seen if e.type == "TaskCommandRefused"}
+                if len(refused) == 2:
+                    break
+        finally:
+            tasks.close()
+        assert running, [(e.type, e.payload.get("reason"), e.payload.get("message")) for e in seen]
+        assert refused == {stop_old.event_id: "key_retired", stop_rogue.event_id: "unknown_key"}, refused
+        assert not any(e.type == "TaskStatesChanged" and any(r["state"] == "STOPPED" for r in e.payload["reports"])
+                       for e in seen)
+    finally:
+        agents.cleanup()
+
+
+@pytest.mark.timeout(120)
+def test_keys_rotate_and_list_through_the_cli(cfg, tmp_path):
+    """`ropewalk keys rotate scheduler --overlap-s 0` writes a new key where the scheduler reads its own, announces it
+    (signed by the operator's key) and revokes the old; `ropewalk keys list` shows both, the old one with its end;
+    `ropewalk keys machine M` writes that machine's key file."""
+    import shutil
+
+    secrets = tmp_path / "secrets"
+    shutil.copytree(cfg.secrets, secrets)  # a copy: the test session's keys stay as they are
+    env = {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,
+           "ROPEWALK_TOPIC_PREFIX": cfg.topic_prefix, "ROPEWALK_PARTITIONS": str(cfg.partitions),
+           "ROPEWALK_SECRETS_DIR": str(secrets), "ROPEWALK_RUN_DIR": str(tmp_path / "run")}
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", *args], env=env, cwd=PROJECT_ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    old = json.loads((secrets / "scheduler.json").read_text())["trust"]["signing_key"]["key_id"]
+    rotated = cli("keys", "rotate", "scheduler", "--overlap-s", "0", "--json")
+    assert rotated["previous_key_id"] == old and rotated["key_id"] != old
+    assert json.loads((secrets / "scheduler.json").read_text())["trust"]["signing_key"]["key_id"] == rotated["key_id"]
+    assert json.loads((secrets / "agent.json").read_text())["trust"]["pinned"]["scheduler"]["key_id"] == \
+        rotated["key_id"]
+    listed = {k["key_id"]: k for k in cli("keys", "list", "--json")}
+    assert listed[old]["until_ms"] == rotated["previous_until_ms"] and listed[rotated["key_id"]]["until_ms"] is None
+    assert [k["identity"] for k in listed.values() if k["anchor"]] == ["operator"]
+    out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", "keys", "rotate", "health"], env=env,
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "'health' has no signing key" in out.stderr
+    written = cli("keys", "machine", "m7", "--json")
+    assert json.loads(open(written["key_file"]).read())["machine_id"] == "m7"

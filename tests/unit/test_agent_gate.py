@@ -1,5 +1,8 @@
-"""An agent runs only what was allocated (processors/agent/gate.py): the verdict table, the fold of allocations, the
-wait for the fold to catch up, and the refusal event."""
+"""An agent runs only what the scheduler signed and the allocator placed (processors/agent/gate.py): the verdict
+table, the fold of allocations, the wait for the fold to catch up, the freshness of commands, the answers to forged
+ones, and the refusal event."""
+import dataclasses
+
 import pytest
 
 from processors.agent import gate as g
@@ -27,6 +30,11 @@ def deallocated(placements, job="e1.web", entitlement="e1"):
         entitlement=entitlement, entity_id=job, producer="allocator")
 
 
+def proven(ev, identity):
+    """``ev`` as a reader hands it over once its proof verified as ``identity``'s (streams/auth.py)."""
+    return dataclasses.replace(ev, identity=identity)
+
+
 HERE = g.Placement("m1", "e1", "e1.web")
 VERDICTS = [
     # command, placement held for its task, verdict
@@ -39,7 +47,14 @@ VERDICTS = [
     (cmd(job="e1.other"), HERE, g.REFUSED_OTHER_JOB),
     (cmd(producer="cli"), HERE, g.REFUSED_NOT_SCHEDULER),
     (cmd(producer="schedulerx"), HERE, g.REFUSED_NOT_SCHEDULER),
-    (cmd("STOP"), None, None),  # STOP is not judged (infra/acls.py: the broker's ACL is its guard)
+    (cmd("STOP"), None, None),  # STOP is not judged by the placement
+    # issue 27: who wrote it is what its proof says, not what its envelope claims
+    (proven(cmd(), "scheduler"), HERE, None),
+    (proven(cmd(producer="cli"), "operator"), HERE, None),  # the operator's direct path (a super user)
+    (proven(cmd(), "machine/m7"), HERE, g.REFUSED_NOT_SCHEDULER),  # says scheduler, proven to be a machine's
+    (proven(cmd("STOP"), "machine/m7"), None, g.REFUSED_NOT_SCHEDULER),  # a forged STOP
+    (proven(cmd("STOP"), "health"), HERE, g.REFUSED_NOT_SCHEDULER),
+    (cmd("STOP", producer="agent/m7"), None, g.REFUSED_NOT_SCHEDULER),  # a region without keys: the producer
 ]
 
 
@@ -132,3 +147,84 @@ def test_judge_refuses_only_after_reading_up_to_the_watermark_measured_after_the
     consumer.read[("a", 0)] = 5
     [refused] = judge.refusals(consumer, 0)
     assert refused.payload["reason"] == g.REFUSED_NOT_ALLOCATED and judge.gate.waiting == []
+
+
+def at(ev, ms):
+    return dataclasses.replace(ev, timestamp_ms=ms)
+
+
+def test_a_command_older_than_the_last_applied_is_refused_as_stale():
+    """A copy of an old, genuinely signed command (its proof verifies) written again: refused, for STOP too."""
+    gate = g.Gate("m1".__eq__)
+    gate.fold(allocated({"e1.web/0": "m1"}))
+    assert gate.admit(proven(at(cmd(event_id="start"), 2000), "scheduler"), mark=1) == g.ADMIT
+    assert gate.admit(proven(at(cmd("STOP", event_id="old-stop"), 1000), "scheduler"), mark=2) == g.REFUSED_STALE
+    assert gate.admit(proven(at(cmd("STOP", event_id="stop"), 3000), "scheduler"), mark=3) == g.ADMIT
+    assert gate.admit(proven(at(cmd(event_id="start"), 2000), "scheduler"), mark=4) == g.REFUSED_STALE
+    assert gate.waiting == []
+    gate.fold(deallocated({"e1.web/0": "m1"}))  # freed from here: its commands' times are forgotten with it
+    assert gate.last == {}
+    gate.fold(allocated({"e1.web/0": "m1"}))
+    assert gate.admit(proven(at(cmd(event_id="again"), 1500), "scheduler"), mark=5) == g.ADMIT
+
+
+def test_a_start_released_by_its_placement_counts_as_applied():
+    gate = g.Gate("m1".__eq__)
+    assert gate.admit(proven(at(cmd(), 2000), "scheduler"), mark=1) == g.WAIT
+    assert [c.event_id for c in gate.fold(allocated({"e1.web/0": "m1"}))] == ["c1"]
+    assert gate.last == {"e1.web/0": 2000}
+    assert gate.admit(proven(at(cmd("STOP", event_id="s"), 1999), "scheduler"), mark=2) == g.REFUSED_STALE
+
+
+def batch(lines, event_id="b1"):
+    return new_event("TasksCommanded", {"job_id": "e1.web", "argv": ["x"], "env": {}, "part": 0, "parts": 1,
+                                        "host_profile": None, "resources": None,
+                                        "commands": [{"task_id": t, "machine_id": m, "command": "START",
+                                                      "spec_version": 1, "reason": ""} for t, m in lines]},
+                     entitlement="e1", entity_id="e1.web", producer="scheduler", event_id=event_id)
+
+
+def test_a_forged_batch_is_answered_for_our_machines_only():
+    out = g.forged(batch([("e1.web/0", "m1"), ("e1.web/1", "m2")]), "bad_proof", "the proof of scheduler does not "
+                   "verify", "m1".__eq__, 1000)
+    assert [(e.payload["task_id"], e.payload["reason"], e.producer) for e in out] == [("e1.web/0", "bad_proof",
+                                                                                       "agent/m1")]
+    assert "does not verify" in out[0].payload["message"]
+
+
+class Refusing:
+    """A consumer that refused records for their proof (``EventConsumer(keep_refused=True).refused``)."""
+
+    def __init__(self, *refused):
+        self.refused = list(refused)
+
+
+class Letters:
+    def __init__(self):
+        self.routed = []
+
+    def route(self, **kw):
+        self.routed.append(kw)
+
+
+def test_the_judge_answers_and_dead_letters_only_what_concerns_its_machines():
+    judge = g.Judge(g.Gate("m1".__eq__), [])
+    where = {"topic": "tasks", "partition": 0, "offset": 7, "key": b"e1", "value": b"..."}
+    ours, theirs = batch([("e1.web/0", "m1")]), batch([("e1.web/1", "m2")], event_id="b2")
+    consumer, letters = Refusing((ours, "unsigned", "no proof", where),
+                                 (theirs, "unsigned", "no proof", {**where, "offset": 8})), Letters()
+    assert judge.take_refused(consumer, "m1".__eq__, 1000, letters) == 1
+    assert consumer.refused == []
+    assert [(e.payload["task_id"], e.payload["reason"]) for e in judge.refused] == [("e1.web/0", "unsigned")]
+    assert [(d["offset"], d["reason"]) for d in letters.routed] == [(7, "unsigned")]
+
+
+def test_the_gate_keeps_the_times_and_the_proven_identities_across_a_restart():
+    gate = g.Gate("m1".__eq__)
+    gate.fold(allocated({"e1.web/0": "m1"}))
+    gate.admit(proven(at(cmd(), 2000), "scheduler"), mark=1)
+    gate.admit(proven(cmd(task="e1.web/9", event_id="w"), "scheduler"), mark=2)
+    again = g.Gate("m1".__eq__)
+    again.load_json(gate.to_json())
+    assert again.last == {"e1.web/0": 2000}
+    assert [c.identity for _, c in again.waiting] == ["scheduler"]

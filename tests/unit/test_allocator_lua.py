@@ -6,7 +6,7 @@ from processors.allocator import lua
 from processors.allocator.index import FIELDS, GENERATION, LOST
 
 
-@pytest.mark.parametrize("name", ["project", "commit", "read", "outbox_done", "rename"])
+@pytest.mark.parametrize("name", ["project", "commit", "read", "outbox_done", "rename", "summary"])
 def test_every_script_is_a_file_with_its_contract_at_the_top(name):
     first = lua.script(name).splitlines()[0]
     assert first.startswith("-- ") and ("ARGV" in first or "KEYS" in first)
@@ -23,3 +23,14 @@ def test_the_prelude_defines_the_constants_the_scripts_name():
 def test_a_constant_the_prelude_cannot_quote_is_refused(value):
     with pytest.raises(ValueError, match="quoting"):
         lua.script("read", X=value)
+
+
+def test_the_readers_library_registers_each_function_read_only_with_its_bounds():
+    from processors.allocator.index import _LUA_LIBRARY, LIBRARY, READ, SUMMARY_OF, _READ_CHUNK
+
+    assert _LUA_LIBRARY.startswith(f"#!lua name={LIBRARY}\n")
+    for fn in (READ, SUMMARY_OF):
+        assert (f"redis.register_function{{function_name='{fn}', callback={fn}, flags={{'no-writes'}}}}"
+                in _LUA_LIBRARY)
+    assert f"local MAX_READ = {_READ_CHUNK}" in _LUA_LIBRARY and f"local MAX_NAME = {lua.MAX_NAME}" in _LUA_LIBRARY
+    assert _LUA_LIBRARY.count("if #P > MAX_NAME") == 2  # every function bounds the prefix it is given

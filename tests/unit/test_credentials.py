@@ -54,7 +54,10 @@ def test_redis_acl_file_holds_hashes_and_switches_the_default_user_off():
     text = c.redis_acl_file(users)
     assert text.splitlines()[0].startswith("user default off")
     assert "pw-" not in text
-    assert "user api on #" in text and "+@read" in text.split("user api ")[1].splitlines()[0]
+    for reader in (c.REDIS_API, c.REDIS_READER):  # the index's read functions alone (issue 27)
+        rules = text.split(f"user {reader} ")[1].splitlines()[0]
+        assert rules.endswith("-@all +@connection -@dangerous +fcall_ro +hmget +hgetall") and "~* " not in rules
+        assert "eval" not in rules and "@read" not in rules and "scan" not in rules
     assert "-@dangerous" in text.split("user allocator ")[1].splitlines()[0]
 
 

@@ -3,8 +3,8 @@ import pytest
 
 from processors.health.decide import (
     HB_ACCEPTED, HB_AGENT_RESTARTED, HB_DUPLICATE, HB_STALE, HB_UNKNOWN_MACHINE, HEARTBEAT_MISSED, HEARTBEAT_RESUMED,
-    HealthError, HealthState, MachineHealth, apply_all, classify, on_heartbeat, on_heartbeats, on_machine_event,
-    on_tick,
+    MAX_CLOCK_SKEW_MS, HealthError, HealthState, MachineHealth, apply_all, classify, from_the_future, on_heartbeat,
+    on_heartbeats, on_machine_event, on_tick,
 )
 from processors.resourcebroker.decide import DOWN, MAINTENANCE, UNHEALTHY, UP, BrokerState, register_all
 from processors.resourcebroker.region import MachineSpec
@@ -309,3 +309,12 @@ def test_heartbeats_of_a_step_resume_their_machines_in_one_event_per_owner():
     assert on_heartbeats(new, beats)[1] == []  # already up
     # folding the service's own batch (its echo) changes nothing more
     assert apply_all(new, events).machines == new.machines
+
+
+@pytest.mark.parametrize("ahead_ms,refused", [(-60_000, False), (0, False), (MAX_CLOCK_SKEW_MS, False),
+                                              (MAX_CLOCK_SKEW_MS + 1, True), (24 * 3600 * 1000, True)])
+def test_a_heartbeat_dated_beyond_the_skew_is_from_the_future(ahead_ms, refused):
+    """Issue 27: a heartbeat dated a day ahead blinded the health check to its machine (silence is judged on the
+    heartbeat's own time); one dated more than MAX_CLOCK_SKEW_MS ahead is refused (the wiring dead-letters it)."""
+    now = 1_800_000_000_000
+    assert from_the_future(hb(X, 1, now + ahead_ms), now) is refused

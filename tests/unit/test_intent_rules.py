@@ -55,6 +55,21 @@ CASES = {  # (event type, payload) -> (field, reason) of the first problem, or N
                                                                              rules.INVALID_ENTITLEMENT)),
     "keyed to another entitlement": (("EntitlementCreated", ent(name="e2")), ("name", rules.INVALID_ENTITLEMENT)),
     "a stop has no quantities": (("JobStopped", {"job_id": "e1.web", "reason": ""}), None),
+    # env names as POSIX has them; no NUL anywhere exec would meet it (issue 27)
+    "env names": (("JobSubmitted", spec(env={"A": "1", "_B2": "x=y", "lower_ok": ""})), None),
+    "env name with =": (("JobSubmitted", spec(env={"A=B": "1"})), ("env.A=B", rules.INVALID_SPEC)),
+    "env name with a NUL": (("JobSubmitted", spec(env={"A\x00B": "1"})), ("env.A\\x00B", rules.INVALID_SPEC)),
+    "env name starting with a digit": (("JobSubmitted", spec(env={"1A": "1"})), ("env.1A", rules.INVALID_SPEC)),
+    "empty env name": (("JobSpecChanged", spec(env={"": "1"})), ("env.", rules.INVALID_SPEC)),
+    "env name with a dash": (("JobSpecChanged", spec(env={"MY-VAR": "1"})), ("env.MY-VAR", rules.INVALID_SPEC)),
+    "env value with a NUL": (("JobSubmitted", spec(env={"A": "x\x00y"})), ("env.A", rules.INVALID_SPEC)),
+    "argument with a NUL": (("JobSubmitted", spec(command=["sh", "a\x00b"])), ("command[1]", rules.INVALID_SPEC)),
+    "push env name with =": (("PushIntentDeclared", {"job_id": "e1.web", "owner": "alice", "percent": 10,
+                                                     "command": ["x"], "env": {"A=B": "1"}, "steps": []}),
+                             ("env.A=B", rules.INVALID_INTENT)),
+    "canary env with a NUL": (("CanaryIntentDeclared", {"job_id": "e1.web", "owner": "alice", "action": "start",
+                                                        "count": 1, "command": ["x"], "env": {"K\x00": "1"}}),
+                              ("env.K\\x00", rules.INVALID_INTENT)),
 }
 
 

@@ -76,7 +76,7 @@ def import_graph(root: Path = ROOT, packages=PACKAGES) -> dict[str, set[Arrow]]:
     return {m: arrows_of(m, p.read_text(), modules, p.name == "__init__.py") for m, p in modules.items()}
 
 
-def cycles(graph: dict[str, set[Arrow]]) -> list[list[Arrow]]:
+def cycles(graph: dict[str, set[Arrow]]) -> list[list[Arrow]]:  # noqa: C901
     """One cycle (its arrows, in order) per strongly connected component of more than one module (Tarjan's
     algorithm, iterative), each a shortest cycle through the component's first module by name."""
     succ = {m: sorted({a.imported for a in arrows}) for m, arrows in graph.items()}

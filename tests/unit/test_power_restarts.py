@@ -2,6 +2,8 @@
 (FAILED, out of discovery) and move as the shard's limiter allows; while the power is off their placements are
 refused; when it is back they restart at the shard's rate (a parked restart takes a shard token,
 ``work.retry_parked(paced=True)``), not all at once. The harness is the scheduler tests' (``Sim``, ``big_job``)."""
+import pytest
+
 from processors.scheduler.decide import retry_unplaced
 from processors.taskcontrol.limiter import Limits, Rate
 from test_scheduler_decide import ENT, batched_reactions, commands, ev, of_type, rejected, unavailability
@@ -92,3 +94,28 @@ def test_parked_tasks_that_never_ran_are_retried_without_tokens():
     sim.state, out = retry_unplaced(sim.state, sim.now + 10_000, limits=LIMITS)
     assert len([t for t in asked(out) if t.startswith("k/")]) == 250
     assert [t for t in asked(out) if t.startswith("j/")] == ["j/0"]  # the restart, with a token
+
+
+def ended(machines, ue="ue1"):
+    return ev("UnavailabilityEnded", {"unavailability_id": ue, "machine_ids": list(machines)},
+              producer="resourcebroker", entity=ue)
+
+
+def machines_up(machines):
+    return ev("MachinesStatusChanged", {"status": "UP", "reason": "power_restored", "machines": [
+        {"machine_id": m, "previous_status": "DOWN"} for m in machines]}, producer="resourcebroker", entity=ENT)
+
+
+@pytest.mark.parametrize("order", [
+    ("started", "up", "ended"),  # the Resource Broker's order
+    ("up", "started", "ended"),  # machines and unavailability are two topics: the UP may be read first
+    ("started", "ended", "up"),
+])
+@pytest.mark.parametrize("kind", ["POWER", "FAILURE"])
+def test_a_machine_is_up_once_its_ue_ended_and_its_up_read_whatever_their_order(order, kind):
+    sim = big_job(3, LIMITS)
+    dark = ["m1", "m2"]
+    feeds = {"started": unavailability(dark, kind), "up": machines_up(dark), "ended": ended(dark)}
+    for step in order:
+        sim.feed(feeds[step], sim.now)
+    assert not (set(dark) & set(sim.state.machines_down)), dict(sim.state.machines_down)

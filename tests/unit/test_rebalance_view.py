@@ -109,3 +109,16 @@ def test_what_rebalance_plan_shows():
     assert set(progress.values()) <= {rv.MOVE_DONE, rv.MOVE_WAITING, rv.MOVE_GONE}
     text = rv.format_plan(shown)
     assert "e1:p1" in text and first["task_id"] in text
+
+
+def test_what_a_stopped_job_left_is_forgotten():
+    """The view stays bounded under churn: a deleted job's rule goes with it, and departures out of the no-bounce
+    window go at the next look for due entitlements, placed again or not."""
+    moved = [at(requested("r2", "e1", ["j/0"], free=["j/0"]), T0),
+             at(deallocated("e1", [("j/0", "m1")], rid="r2"), T0)]
+    view, _ = view_of([*hot_region(), *moved, job_state("j", "stopped", deleted=True)])
+    assert "j" not in view.rules and "j" not in view.job_state and view.left
+    view.due(T0 + HOUR - 1)
+    assert view.left  # within the window: kept
+    view.due(T0 + HOUR)
+    assert not view.left

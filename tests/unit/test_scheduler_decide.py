@@ -7,6 +7,7 @@ every emitted event encodes with the real schemas and carries the envelope the s
 """
 import dataclasses
 import json
+import re
 from collections import deque
 
 import pytest
@@ -188,17 +189,21 @@ class Allocator:
 # -- the harness ------------------------------------------------------------------------------------------------
 
 class Sim:
-    def __init__(self, state=None, max_tasks=DEFAULT_MAX_TASKS_PER_JOB):
+    def __init__(self, state=None, max_tasks=DEFAULT_MAX_TASKS_PER_JOB, gc_ms=sd.DEFAULT_JOB_GC_MS):
         self.state = state or SchedulerState()
         self.now = T0
         self.max_tasks = max_tasks
+        self.gc_ms = gc_ms
+
+    def decide(self, state, event, now):
+        return decide(state, event, now, max_tasks=self.max_tasks, gc_ms=self.gc_ms)
 
     def feed(self, event, now=None):
         now = self.now if now is None else now
-        new, out = decide(self.state, event, now, max_tasks=self.max_tasks)
-        again, out_again = decide(self.state, event, now, max_tasks=self.max_tasks)
+        new, out = self.decide(self.state, event, now)
+        again, out_again = self.decide(self.state, event, now)
         assert (again, out_again) == (new, out), "same input, same state: same output"
-        dup_state, dup_out = decide(new, event, now, max_tasks=self.max_tasks)
+        dup_state, dup_out = self.decide(new, event, now)
         refused_again = dup_out == out and all(e.type == "IntentRefused" for e in out)
         assert (dup_out == [] or refused_again) and dup_state == new, \
             f"{event.type} delivered twice must change nothing"
@@ -208,8 +213,20 @@ class Sim:
             assert e.event_id and e.event_id != event.event_id
         assert len({e.event_id for e in out}) == len(out)
         self._check_slice(event, now, new, out)
+        self._check_collected(event, now, new, out)
         self.state = new
         return out
+
+    def _check_collected(self, event, now, new, out):
+        """Deciding after the timer took the jobs whose grace passed out of the state (``collect``) gives the same
+        events and jobs: no decision depends on when (or whether) the timer ran."""
+        collected, gone = sd.collect(self.state, now, self.gc_ms)
+        if not gone:
+            return
+        s3, out3 = self.decide(collected, event, now)
+        assert out3 == out, f"{event.type}: decided after {gone} were collected, it must emit the same"
+        kept = {j: job for j, job in new.jobs.items() if not (j in gone and job is self.state.jobs[j])}
+        assert {j: s3.jobs[j] for j in s3.jobs} == kept, f"{event.type}: the jobs differ once {gone} were collected"
 
     def _check_slice(self, event, now, new, out):
         """Deciding on only the jobs ``concerned_jobs`` names (what a shard loads) gives the same events and jobs;
@@ -220,7 +237,7 @@ class Sim:
             f"{event.type} concerns a dormant job it does not name (processors/history keeps those undecoded)"
         held = [j for j in concerned if j in self.state.jobs]
         sliced = dataclasses.replace(self.state, jobs=CowMap((j, self.state.jobs[j]) for j in held))
-        s2, out2 = decide(sliced, event, now, max_tasks=self.max_tasks)
+        s2, out2 = self.decide(sliced, event, now)
         assert out2 == out, f"{event.type}: decided on its jobs {concerned} only, it must emit the same"
         for j in set(self.state.jobs) | set(new.jobs):
             if j in concerned or j not in self.state.jobs:
@@ -240,6 +257,12 @@ class Sim:
 
     def tasks(self, job="j"):
         return {t["id"]: (t["state"], t["machine"]) for t in self.view(job)["tasks"]}
+
+
+def untag(name):
+    """A request or operation id without its incarnation's tag (``model.incarnation_tag``): ``j:v1:r1``,
+    ``j/0:move:1``, as the tables here name them."""
+    return re.sub(r":([0-9a-f]{8})(?=:v)|(?<=:)[0-9a-f]{8}\.", "", name)
 
 
 def kinds(out):
@@ -300,7 +323,9 @@ def test_deploy_step_by_step():
     out = sim.feed(submit("j", 3))
     assert kinds(out) == [("request", ("j/0", "j/1", "j/2"), (), ()), ("published", JOB_PENDING, False)]
     req = out[0]
-    assert req.payload["request_id"] == "j:v1:r1" and req.entity_id == "j:v1:r1" and req.entitlement == ENT
+    assert untag(req.payload["request_id"]) == "j:v1:r1" and req.entity_id == req.payload["request_id"]
+    assert req.payload["request_id"] == f"j:{sm.incarnation_tag(sim.state.jobs['j'].submission)}:v1:r1"
+    assert req.entitlement == ENT
     assert req.payload["resources"] == {"cpu_millicores": 1000, "memory_mib": 2048}
     assert sim.tasks() == {"j/0": ("PENDING", None), "j/1": ("PENDING", None), "j/2": ("PENDING", None)}
 
@@ -787,19 +812,22 @@ def test_a_placement_read_before_its_request_applies_when_it_comes_again():
 
 def test_a_stopped_job_id_is_used_again_by_a_new_incarnation():
     """A job stopped and freed (deleted): its id may be submitted again. The new incarnation (2) keeps the id
-    ``<job>`` and its task ids; its request numbers go on from the old one's (r1 placed it, r2 freed it), so a late
-    result for an old request is stale; the old incarnation's events stay no-ops."""
+    ``<job>`` and its task ids; its requests are named by its own submission (``model.incarnation_tag``): its r1 is
+    not the old incarnation's r1, so a late result for an old request is stale; the old incarnation's events stay
+    no-ops."""
     sim = running_job(2, ("m1", "m2"))
     sim.feed(stopped("j"))
     sim.feed(report("j/0", "STOPPED", "m1", exit_code=0))
     free = of_type(sim.feed(report("j/1", "STOPPED", "m2", exit_code=0)), "AllocationRequested")[0]
-    assert free.payload["request_id"] == "j:v1:r2"
+    assert untag(free.payload["request_id"]) == "j:v1:r2"
     sim.feed(deallocated(free))
     assert sim.view()["state"] == JOB_STOPPED and sim.state.jobs["j"].deleted
+    first = sim.state.jobs["j"].submission
     out = sim.feed(submit("j", 3, command=("v2",)))  # the name again, another spec
     assert refusals(out) == []
     req = of_type(out, "AllocationRequested")[0]
-    assert req.payload["request_id"] == "j:v1:r3" and req.payload["place_task_ids"] == ["j/0", "j/1", "j/2"]
+    assert untag(req.payload["request_id"]) == "j:v1:r1" and req.payload["place_task_ids"] == ["j/0", "j/1", "j/2"]
+    assert req.payload["request_id"] != sm.request_id("j", 1, 1, sm.incarnation_tag(first))
     published = of_type(out, "JobStatePublished")[-1].payload
     assert (published["incarnation"], published["state"], published["deleted"]) == (2, JOB_PENDING, False)
     view = sim.view()

@@ -11,7 +11,7 @@ from processors.scheduler import records
 from processors.scheduler import work
 from processors.scheduler import store as st
 from processors.scheduler.decide import machines_of
-from processors.scheduler.model import Job, Spec, Task, Terms
+from processors.scheduler.model import Job, Maintenance, Spec, Task, Terms
 from test_scheduler_decide import report, resized, running_job  # the scheduler tests' harness
 
 SPEC = Spec(name="big", command=("sleep", "3600"), cpu=100, mem=64)
@@ -199,7 +199,7 @@ def test_the_machine_index_built_from_the_tables_equals_the_one_kept_in_step_by_
     assert index_of(built, keys) == index_of(fresh, keys)
     assert built.jobs("e1", "m1") == set() and built.jobs("e1", "m9") == {"b"}
     # a remembers a maintenance of m1 and m7 its tasks left: its end still concerns a (decide.machines_of)
-    noticed = replace(shrunk, maint=(("ue1", ("m1", "m7"), 0, 10, True),))
+    noticed = replace(shrunk, maint=(Maintenance("ue1", ("m1", "m7"), 0, 10, True),))
     built.update(noticed.id, noticed.entitlement, machines_of(shrunk), machines_of(noticed))
     fresh = st.MachineJobs()
     fresh.build(*stored(noticed, moved, other))

@@ -139,7 +139,7 @@ def test_newer_writer_read_by_older_reader_and_back():
         {"name": "stopped_by", "type": "string", "default": "cli", "doc": "who"}), r.update({"ropewalk.version": 2})))
     new_reader = SchemaRegistry({**{n: REG.reader(n) for n in REG.event_names}, "JobStopped": v2})
     old_reader = SchemaRegistry.from_dir()
-    rec_v2 = {"envelope": {**_job()["envelope"], "causation_id": None, "principal": None}, "job_id": "j1",
+    rec_v2 = {"envelope": {"auth": None, **_job()["envelope"], "causation_id": None, "principal": None}, "job_id": "j1",
               "reason": "done", "stopped_by": "ops"}
     data_v2 = new_reader.encode("JobStopped", rec_v2)
     with pytest.raises(DecodeError) as exc:  # the old reader has not seen v2 yet

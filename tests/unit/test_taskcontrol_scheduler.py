@@ -12,6 +12,7 @@ from processors.scheduler import decide as sd
 from processors.scheduler import steps
 from processors.scheduler.decide import REASK_MS, retry_unplaced
 from processors.scheduler.lifecycle import JOB_RUNNING, JOB_UPDATING
+from processors.scheduler.model import first_sequence
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import (
     REASON_RATE_LIMITED_JOB, REASON_RATE_LIMITED_SHARD, Limits, Rate,
@@ -24,9 +25,13 @@ from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit 
 CTL = "ctl"
 
 
-def ack(job, seq, ops, controller=CTL):
-    return ev("TaskControlAcked", tc.ack_payload(job, seq, ops, controller), producer=f"taskcontroller/{controller}",
-              entity=job)
+FIRST = first_sequence(T0)  # the jobs here are submitted at T0: their requests count on from this
+
+
+def ack(job, n, ops, controller=CTL):
+    """The controller's ack of the job's ``n``-th request (1-based), or of the request of sequence ``n``."""
+    return ev("TaskControlAcked", tc.ack_payload(job, n if n > FIRST else FIRST + n, ops, controller),
+              producer=f"taskcontroller/{controller}", entity=job)
 
 
 def requests(out):
@@ -77,7 +82,7 @@ def test_figure_8b_calling_sequence_from_the_log():
     assert ("STOP", "j/0", "m1", 1) in kinds(out)
     log.extend(settle(sim, out))
     feed(ack("j", 3, []))
-    sequence = [(e.type, e.payload["sequence"],
+    sequence = [(e.type, e.payload["sequence"] - FIRST,
                  [o["task_id"] for o in e.payload["pending_operations"]] if e.type == "TaskControlRequested"
                  else [op.split(":")[0] for op in e.payload["approved_operation_ids"]],
                  [c.split(":")[0] for c in e.payload.get("completed_operation_ids", [])])
@@ -243,7 +248,7 @@ def test_an_unanswered_request_is_asked_again_and_its_ack_goes_stale():
     assert retry_unplaced(sim.state, T0 + REASK_MS - 1)[1] == []
     state, out = retry_unplaced(sim.state, T0 + REASK_MS)
     (s2,) = requests(out)
-    assert s2.sequence == 2 and s2.pending == s1.pending
+    assert s2.sequence == FIRST + 2 and s2.pending == s1.pending
     sim.state = state
     assert sim.feed(ack("j", 1, [op_of(s1, "j/0")])) == []
     assert sim.view()["last_ignored"].startswith(tc.REASON_STALE_ACK)

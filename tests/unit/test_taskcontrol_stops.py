@@ -23,7 +23,7 @@ from processors.taskcontrol.limiter import REASON_RATE_LIMITED_JOB, Limits, Rate
 from test_maintenance import DEADLINE, ack_with, ended, maintenance, settle
 from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit is on sys.path)
     REG, T0, Allocator, Sim, allocated, entitlement, ev, of_type, report, resized, spec_changed,
-    stopped, submit,
+    stopped, submit, untag,
 )
 from test_taskcontrol_scheduler import CTL, requests
 
@@ -107,7 +107,7 @@ def test_retire_stops_take_tokens_and_wait_running(intent, reason, at_once, wait
     assert {t["id"]: t["reason"] for t in view["tasks"] if t["id"] in waiting} == {t: reason for t in waiting}, \
         "job status shows why a running task waits"
     assert view["state"] == (JOB_STOPPING if final == JOB_STOPPED else final)
-    assert set(view["throttled"]) == {f"{t}:stop:{n}" for t, n in zip(waiting, _op_numbers(sim, waiting))}
+    assert set(map(untag, view["throttled"])) == {f"{t}:stop:{n}" for t, n in zip(waiting, _op_numbers(sim, waiting))}
     done, now, log = len(at_once), T0, list(out)
     while sim.view()["throttled"]:
         now += 250
@@ -126,7 +126,7 @@ def test_retire_stops_take_tokens_and_wait_running(intent, reason, at_once, wait
 
 def _op_numbers(sim, tasks):
     ops = {o["task"]: o["id"] for o in sim.view()["operations"]}
-    return [int(ops[t].rsplit(":", 1)[1]) for t in tasks]
+    return [int(untag(ops[t]).rsplit(":", 1)[1]) for t in tasks]
 
 def test_a_job_stop_of_ten_thousand_tasks_is_paced():
     """10,000 tasks stopped at once: the job's bucket sets the pace (here 100 a second after a burst of 500), the
@@ -173,7 +173,7 @@ def _update_throttled():
     out = sim.feed(spec_changed("j", 3, version=2, max_unavailable=3))
     assert [t for t, _ in throttled(out)[0]] == ["j/1", "j/2"]
     settle(sim, out)  # j/0 updated; j/1 and j/2 wait for tokens
-    assert [t for t in sim.view()["throttled"]] == ["j/1:update:2", "j/2:update:3"]
+    assert [untag(t) for t in sim.view()["throttled"]] == ["j/1:update:2", "j/2:update:3"]
     return sim, None
 
 

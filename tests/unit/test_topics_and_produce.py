@@ -94,23 +94,28 @@ def test_parse_documents(text, count, error):
         assert len(parse_documents(text)) == count
 
 
-# --- retention: the log is the system of record ---------------------------------------------------------------
+# --- retention, chosen per topic (streams/topics.py, README "Retention") ------------------------------------------
 
-SYSTEM_OF_RECORD = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans",
-                    "handoff", "deadletter", "state.jobs", "state.tasks", "state.machines", "partitionmap", "_schemas")
-BOUNDED = ("heartbeats", "metrics")  # liveness and load samples: judged on recent ones, nothing rebuilt from them
+KEPT = ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans", "keys")  # folded from 0
+COMPACTED = ("state.jobs", "state.tasks", "state.machines", "partitionmap", "_schemas")  # the latest per key
+TIME_BOUNDED = {  # read from an offset a reader stores or from the end, or judged on recent samples: -> at most
+    "heartbeats": 24 * 3600 * 1000, "metrics": 24 * 3600 * 1000, "handoff": 7 * 24 * 3600 * 1000,
+    "deadletter": 30 * 24 * 3600 * 1000}
 
 
-def test_every_topic_but_heartbeats_and_metrics_keeps_its_records_forever():
+def test_every_topic_has_its_retention_chosen():
     by_name = {t.name: t for t in CATALOGUE}
-    assert set(by_name) == set(SYSTEM_OF_RECORD) | set(BOUNDED)  # a new topic must choose its retention here
-    for name in SYSTEM_OF_RECORD:
+    assert set(by_name) == set(KEPT) | set(COMPACTED) | set(TIME_BOUNDED)  # a new topic must choose here
+    for name in KEPT:
         assert by_name[name].config.get("retention.ms") == "-1", name
-    for name in ("state.jobs", "state.tasks", "state.machines", "partitionmap", "_schemas"):
-        assert by_name[name].config.get("cleanup.policy") == "compact", name
-    for name in ("intents", "machines", "unavailability", "allocations", "tasks", "taskcontrol", "loans", "handoff",
-                 "deadletter"):
         assert by_name[name].config.get("cleanup.policy", "delete") == "delete", name  # a log, never compacted
-    for name in BOUNDED:
-        hb = int(by_name[name].config["retention.ms"])
-        assert 0 < hb < 2**63 - 1, name
+    for name in COMPACTED:
+        conf = by_name[name].config
+        assert conf.get("cleanup.policy") == "compact" and conf.get("retention.ms") == "-1", name
+        assert int(conf["segment.ms"]) <= 3600 * 1000 and int(conf["delete.retention.ms"]) > 0, name
+    for name, most in TIME_BOUNDED.items():
+        conf = by_name[name].config
+        assert conf.get("cleanup.policy", "delete") == "delete", name
+        assert 0 < int(conf["retention.ms"]) <= most, name
+        # Kafka deletes closed segments only: one rolls well within the retention, or nothing would go on time
+        assert 0 < int(conf["segment.ms"]) <= int(conf["retention.ms"]) // 6, name

@@ -61,7 +61,7 @@ def moment_of(at: str, span: str, now_ms: int) -> dict[str, Any]:
             "spans": AT_SPANS}
 
 
-def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs) -> None:
+def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs) -> None:  # noqa: C901
     """Add the UI's routes to the API ``app``. ``api``: the API's own route functions (same authorization);
     ``events(request, user, kind, entitlement)``: its event streams; ``replay_docs(user, **filter)``: the replay
     documents a user may see."""

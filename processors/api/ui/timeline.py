@@ -22,7 +22,7 @@ BRIEF_MS = 2000  # a state a task left within this is not a bar of its own (its 
 SUBGROUPS = ("state", "ops", "intent", "wait", "ack", "throttled", "maintenance", "deadline")  # lines of a row
 
 
-def timeline(events: Iterable[Mapping[str, Any]], now_ms: int, job: str,
+def timeline(events: Iterable[Mapping[str, Any]], now_ms: int, job: str,  # noqa: C901
              unavailability: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """``unavailability``: UnavailabilityStarted/Ended documents of the job's entitlement (its machines' are kept)."""
     events = list(events)

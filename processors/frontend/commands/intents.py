@@ -25,8 +25,7 @@ from processors.jobcontrol import decide as jd
 
 
 def _declare(cfg, args, dimension: str, payload: dict) -> int:
-    # the owner, unless --owner names another: who the front end serves (the API's user; --direct: the operator),
-    # never the Unix user running the CLI ("root" said nothing of who asked)
+    # the owner is who declares it (the API's user; --direct: operator): --owner naming another is refused
     doc = _front(cfg, args).intent_declare(args.job, dimension, {"owner": args.owner, **payload})
     _print(doc, args.json, f"{args.job}: {doc['intent']} {doc['event_id']} (ropewalk intents show {args.job})")
     return 0
@@ -144,7 +143,7 @@ def add_commands(sub) -> None:
         return sp
 
     def declared(sp):
-        sp.add_argument("--owner", help="who wants it (default: you, the API's user; --direct: operator)")
+        sp.add_argument("--owner", help="who wants it: you (the API's user; --direct: operator); another is refused")
         return sp
 
     sp = declared(cmd("push", cmd_push, "code push: run a version on a percentage of the job's non-canary tasks"))

@@ -6,7 +6,8 @@
     ropewalk job logs JOB [TASK] [-f] [--tail N]          # its tasks' output, where the process agent keeps it
 
 A job stopped and gone is shown by its last state (``deleted``), not refused as unknown: the scheduler's final
-record of it stays on ``state.jobs`` until the job id is submitted again. Through the region's API
+record of it stays on ``state.jobs`` until the job id is submitted again or its grace passes (``ROPEWALK_JOB_GC_S``,
+an hour: then it is unknown; processors/scheduler/README.md "Stopped jobs leave"). Through the region's API
 (``/v1/jobs/{job}``, ``/describe``, ``/logs``) or, ``--direct``, on the log and the run directory as the operator
 (``processors/frontend/describe.py``, ``logs.py``).
 """

@@ -1,4 +1,4 @@
-"""The Ops Planner's command line entry (``ropewalk maintenance plan|end``): thin IO around ``decide.py``.
+"""The Ops Planner's actions on the log (``ropewalk maintenance plan|end`` calls them): thin IO around ``decide.py``.
 
 ``plan`` folds the ``machines`` topic (the Resource Broker's registry: where every machine is) to resolve the
 targets, and produces the UnavailabilityStarted events on ``unavailability``. ``end`` reads ``unavailability``

@@ -1,9 +1,9 @@
-"""streams/heap.py: the collector paused around a fold, restored after, the fold's objects frozen on request."""
+"""streams/gc_control.py: the collector paused around a fold, restored after, the fold's objects frozen on request."""
 import gc
 
 import pytest
 
-from streams.heap import GrowthFreezer, folding
+from streams.gc_control import GrowthFreezer, folding
 
 
 @pytest.mark.parametrize("enabled", [True, False])

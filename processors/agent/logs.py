@@ -1,0 +1,92 @@
+"""The process agent's task logs, bounded: a running task's log is rotated once it passes ``max_bytes`` (one older
+generation kept, ``<task>.log.1``), and the logs of tasks that no longer run are deleted once untouched for
+``keep_s``. ``plan`` decides (pure: a table test, ``tests/unit/test_agent_logs.py``); ``apply`` does it.
+
+**Rotation without the task's help** (logrotate's ``copytruncate``): a task writes its stdout and stderr to a
+descriptor the agent opened in append mode (``process._spawn``), which it keeps for its life, so the file cannot be
+renamed under it (it would go on writing to the renamed one). The agent copies the log to ``<task>.log.1`` (over the
+older one) and truncates it to 0; the task's next write lands at the new end (append mode). What the task writes
+between the copy and the truncation is lost (a few lines at most: the copy of ``max_bytes`` takes milliseconds).
+So a task's logs take at most about 2 x ``max_bytes`` on disk, and a machine's, that times the tasks it runs plus
+those stopped within ``keep_s``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_BYTES = 16 * 1024 * 1024  # a running task's log is rotated past this (ROPEWALK_TASK_LOG_MAX_BYTES)
+KEEP_S = 24 * 3600.0  # the logs of a task that no longer runs are deleted this long after their last write
+CHECK_S = 10.0  # how often the agent looks
+MAX_BYTES_ENV = "ROPEWALK_TASK_LOG_MAX_BYTES"
+KEEP_ENV = "ROPEWALK_TASK_LOG_KEEP_S"
+SUFFIX = ".log"
+ROTATED = ".log.1"
+
+ROTATE = "rotate"
+DELETE = "delete"
+
+
+@dataclass(frozen=True)
+class LogFile:
+    name: str  # the file's name in the logs directory (``<task>.log`` or ``<task>.log.1``)
+    size: int
+    mtime: float
+
+
+def stem(name: str) -> str | None:
+    """The task part of a log file's name (None: not a task log)."""
+    for suffix in (ROTATED, SUFFIX):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
+
+
+def plan(files: list[LogFile], running: set[str], now: float, *, max_bytes: int = MAX_BYTES,
+         keep_s: float = KEEP_S) -> list[tuple[str, str]]:
+    """(ROTATE or DELETE, file name), in name order: a running task's log (``running``: the stems of the tasks
+    running, ``process.task_log``'s names without ``.log``) past ``max_bytes`` is rotated; a file of a task not
+    running, untouched for ``keep_s``, is deleted. Anything else in the directory is left alone."""
+    out = []
+    for f in sorted(files, key=lambda f: f.name):
+        task = stem(f.name)
+        if task is None:
+            continue
+        if task in running:
+            if f.name.endswith(SUFFIX) and not f.name.endswith(ROTATED) and f.size > max_bytes:
+                out.append((ROTATE, f.name))
+        elif now - f.mtime >= keep_s:
+            out.append((DELETE, f.name))
+    return out
+
+
+def apply(logs_dir: Path, running: set[str], now: float, *, max_bytes: int = MAX_BYTES,
+          keep_s: float = KEEP_S) -> list[tuple[str, str]]:
+    """``plan`` on the directory as it is, done; returns what was done (a file gone meanwhile is passed over)."""
+    files = []
+    try:
+        entries = list(os.scandir(logs_dir))
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        try:
+            st = e.stat()
+        except FileNotFoundError:
+            continue
+        if e.is_file():
+            files.append(LogFile(e.name, st.st_size, st.st_mtime))
+    done = []
+    for action, name in plan(files, running, now, max_bytes=max_bytes, keep_s=keep_s):
+        path = logs_dir / name
+        try:
+            if action == ROTATE:
+                shutil.copyfile(path, logs_dir / (name[: -len(SUFFIX)] + ROTATED))
+                os.truncate(path, 0)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            continue
+        done.append((action, name))
+    return done
