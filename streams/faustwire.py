@@ -125,6 +125,15 @@ class App(faust.App):
     def _new_producer(self) -> Any:
         return IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
 
+    async def _on_partitions_revoked(self, revoked: Any) -> None:
+        # Before faust's own steps (no await in between until the partitions are paused): the fetches waiting are of
+        # the assignment being revoked (FetchBatches, "Rebalances").
+        if self.fetch_batches is not None:
+            dropped = self.fetch_batches.revoke()
+            if dropped:
+                self.log.info("partitions revoked: %d records of fetches not handed out yet dropped", dropped)
+        await super()._on_partitions_revoked(revoked)
+
     def _new_consumer(self) -> Any:
         consumer = BatchingConsumer(self.transport, callback=self.topics.on_message,
                                     on_partitions_revoked=self._on_partitions_revoked,
@@ -216,6 +225,14 @@ async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadL
 
 
 # -- whole fetches, not faust's per-record delivery ------------------------------------------------------------------
+class Batch(list):
+    """A batch of ``FetchBatches``: its messages, and the ``generation`` of the assignment they were fetched under."""
+
+    def __init__(self, messages: Iterable[Any], generation: int) -> None:
+        super().__init__(messages)
+        self.generation = generation
+
+
 class FetchBatches:
     """The records of some topics as whole fetches: lists of faust ``Message``s, in fetch order, handed over by the
     consumer's fetch loop (``BatchingConsumer``) in one queue operation per fetch instead of faust's delivery to a
@@ -225,34 +242,74 @@ class FetchBatches:
     The reader acks each message it is done with (``consumer.ack``: what faust's commits go by, as a stream's acks
     are). At most ``max_fetches`` fetches wait here: beyond, the fetch loop waits (faust's flow control still ends the
     wait at a rebalance, and the fetch is then dropped, as faust drops a record it was delivering: the consumer seeks
-    to the committed offsets after the rebalance)."""
+    to the committed offsets after the rebalance).
+
+    **Rebalances.** Every fetch is tagged with the ``generation`` of the assignment it was fetched under (read before
+    the fetch). A revocation (``revoke``, called by ``App`` as faust's revocation begins, before the partitions are
+    handed to anyone else) starts a new generation and drops the fetches waiting; a fetch of an older generation that
+    still comes (one the fetch loop was putting) is dropped by ``take``. A batch already handed out is the reader's
+    to check: ``current(batch)`` is False once a revocation came after it was fetched, and then nothing may be decided
+    of it (its partitions may be another worker's now) nor acked; faust seeks every partition it is assigned to its
+    committed offset, so a partition kept reads those records again."""
 
     def __init__(self, topics: Iterable[str], max_fetches: int = 64) -> None:
         self.topics = frozenset(topics)
-        self.queue: asyncio.Queue[list] = asyncio.Queue(maxsize=max_fetches)
+        self.generation = 0  # revocations so far
+        self.dropped = 0  # records of fetches dropped at revocations (or as they came, of an older generation)
+        self.queue: asyncio.Queue[Batch] = asyncio.Queue(maxsize=max_fetches)
 
-    async def take(self, max_records: int, gap_s: float, max_wait_s: float) -> list:
+    def revoke(self) -> int:
+        """A rebalance revokes the assignment: a new generation, and the fetches waiting are dropped. Returns how many
+        records were dropped."""
+        self.generation += 1
+        n = 0
+        while True:
+            try:
+                n += len(self.queue.get_nowait())
+            except asyncio.QueueEmpty:
+                break
+        self.dropped += n
+        return n
+
+    def current(self, batch: Batch) -> bool:
+        """Whether no revocation came since ``batch`` was fetched (the reader may still decide and ack it)."""
+        return batch.generation == self.generation
+
+    async def _get(self, timeout: float | None = None) -> Batch:
+        """The next fetch of the current generation (older ones are dropped)."""
+        while True:
+            fetch = await (self.queue.get() if timeout is None else asyncio.wait_for(self.queue.get(), timeout))
+            if fetch.generation == self.generation:
+                return fetch
+            self.dropped += len(fetch)
+
+    async def take(self, max_records: int, gap_s: float, max_wait_s: float) -> Batch:
         """The next batch: every fetch waiting, then what comes until no fetch came for ``gap_s`` (or the batch holds
         ``max_records``, or its first record waited ``max_wait_s``). An idle reader decides a lone record ``gap_s`` after it
         came, a busy one everything that queued while it was busy in one batch; faust's ``take_events(max, within)``
         waits a fixed window instead, which either makes every lone record wait or cuts a burst into many small
         batches (at 2 ms, ~15 records per batch of the scheduler in a 400-job burst, each batch some six produce
-        requests of output and changelog)."""
-        batch = list(await self.queue.get())
+        requests of output and changelog). Only fetches of the current generation."""
+        batch = await self._get()
         deadline = time.monotonic() + max_wait_s
         while len(batch) < max_records:
             try:
-                batch += self.queue.get_nowait()
-                continue
+                fetch = self.queue.get_nowait()
             except asyncio.QueueEmpty:
-                pass
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                batch += await asyncio.wait_for(self.queue.get(), min(gap_s, left))
-            except asyncio.TimeoutError:
-                break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    fetch = await self._get(min(gap_s, left))
+                except asyncio.TimeoutError:
+                    break
+            if fetch.generation != self.generation:
+                self.dropped += len(fetch)
+            elif batch.generation != self.generation:  # a revocation came while this batch waited: start anew
+                self.dropped += len(batch)
+                batch = fetch
+            else:
+                batch += fetch
         return batch
 
 
@@ -266,7 +323,7 @@ class BatchingConsumer(faust_kafka.Consumer):
 
     fetch_batches: "FetchBatches | None" = None
 
-    async def _drain_messages(self, fetcher: Any) -> None:  # pragma: no cover - the fetch loop, run by faust
+    async def _drain_messages(self, fetcher: Any) -> None:  # noqa: C901  # pragma: no cover - faust's fetch loop
         batches = self.fetch_batches or getattr(self.app, "fetch_batches", None)
         if batches is None:
             await super()._drain_messages(fetcher)
@@ -289,6 +346,7 @@ class BatchingConsumer(faust_kafka.Consumer):
         try:
             while not (consumer_should_stop() or fetcher_should_stop()):
                 set_flag(CONSUMER_FETCHING)
+                generation = batches.generation  # read before the fetch: a revocation after it makes the fetch stale
                 ait = getmany(timeout=1.0)
                 await self.sleep(0)
                 if not self.should_stop:
@@ -316,10 +374,11 @@ class BatchingConsumer(faust_kafka.Consumer):
                         if commit_every is not None and self._n_acked >= commit_every:
                             self._n_acked = 0
                             await self.commit()
+                        fetch = Batch(held, generation)
                         if not queue.full():
-                            queue.put_nowait(held)
+                            queue.put_nowait(fetch)
                         else:
-                            await self.wait_first(queue.put(held), self.suspend_flow.wait())
+                            await self.wait_first(queue.put(fetch), self.suspend_flow.wait())
                     unset_flag(CONSUMER_FETCHING)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:
@@ -448,4 +507,4 @@ class FlowWatch:
 
 
 __all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter",
-           "tables_ready", "FlowWatch", "FetchBatches", "BatchingConsumer"]
+           "tables_ready", "FlowWatch", "FetchBatches", "Batch", "BatchingConsumer"]

@@ -197,7 +197,7 @@ async def _at_least(fetch, n):
 # -- FetchBatches: whole fetches; a batch is what queued; a lone record comes alone -----------------------------
 
 @pytest.mark.timeout(120)
-def test_fetch_batches_hand_over_what_queued_while_busy_and_a_lone_record_alone(cfg, registry):
+def test_fetch_batches_hand_over_what_queued_while_busy_and_a_lone_record_alone(cfg, registry):  # noqa: C901
     """The consumer hands a batched topic's records over as whole fetches (``faustwire.FetchBatches``), not through
     faust's per-record delivery: a shard busy with its first batch finds the 300 records that arrived meanwhile in a
     few large batches, a lone record later is handed over on its own, every record is handed over once, in log order
@@ -280,6 +280,77 @@ def test_fetch_batches_hand_over_what_queued_while_busy_and_a_lone_record_alone(
         time.sleep(0.2)
     group.close()
     assert got == ends  # acked once handled
+
+
+@pytest.mark.timeout(150)
+def test_fetch_batches_a_revocation_drops_what_was_fetched_before_it(cfg, registry):
+    """A rebalance while whole fetches wait on ``FetchBatches`` and a batch is in the reader's hands (#28): the waiting
+    fetches are dropped at the revocation, not handed out after it, and the batch in hand is no longer ``current``
+    (the shard decides and acks none of it: its partitions may be another shard's now). The partitions kept read the
+    records again from the committed offsets, so after the rebalance every record is handed over exactly once: none
+    lost, none twice (before the fix the waiting fetches came after the rebalance and again after faust's seek)."""
+    catalogue = Topics(cfg.topic_prefix, cfg.partitions)
+    intents = catalogue.name("intents")
+    raw = RawProducer(cfg)
+
+    def send(label: str, ent: str) -> None:
+        ev = job_stopped(ent, label)
+        raw.send(label, intents, ent.encode(), registry.encode(ev.type, ev.to_record(1)))
+
+    async def scenario():
+        from streams.faustwire import FetchBatches
+
+        app = make_app(cfg, "fetch-batches-revoke-test", **FAST)
+        fetches = app.fetch_batches = FetchBatches([intents])
+        taken: list[tuple[int, list[tuple[int, int]]]] = []  # (rebalances before it was taken, its positions)
+        in_hand: dict[str, bool] = {}
+        busy, release = asyncio.Event(), asyncio.Event()
+
+        @app.agent(source_topic(app, cfg, "intents"))
+        async def shard(stream):  # noqa: ARG001 - its records come as whole fetches
+            while True:
+                batch = await fetches.take(500, 0.001, 0.02)
+                taken.append((app.rebalancing_count, [(m.partition, m.offset) for m in batch]))
+                if len(taken) == 1:  # in the reader's hands while the rest queues and the rebalance comes
+                    busy.set()
+                    await release.wait()
+                    in_hand["current"] = fetches.current(batch)
+                if fetches.current(batch):
+                    for m in batch:
+                        app.consumer.ack(m)
+
+        def queued() -> int:
+            return sum(len(f) for f in list(fetches.queue._queue))
+
+        await app.start()
+        try:
+            send("first", "e1")
+            raw.flush()
+            await wait_until(lambda: _true(busy.is_set()), 60, "the first batch")
+            for i in range(200):
+                send(f"burst/{i}", f"e{i % 7}")
+            raw.flush()
+            await wait_until(lambda: _true(queued() >= 200), 30, "the burst queued as whole fetches")
+            rebalances = app.rebalancing_count
+            thread = app.consumer._thread
+            coordinator = thread._ensure_consumer()._coordinator
+            thread.thread_loop.call_soon_threadsafe(coordinator.request_rejoin)  # a real rebalance of the group
+            await wait_until(lambda: _true(app.rebalancing_count > rebalances and not app.rebalancing), 60,
+                             "the rebalance")
+            dropped_at_revocation = fetches.dropped
+            release.set()
+            await wait_until(lambda: _true(sum(len(b) for n, b in taken if n > rebalances) >= 201), 60,
+                             "every record again after the rebalance")
+            await asyncio.sleep(1.0)  # nothing more may come: a record handed over twice would come now
+            return taken, rebalances, in_hand, dropped_at_revocation, queued()
+        finally:
+            await app.stop()
+
+    taken, rebalances, in_hand, dropped, left = asyncio.run(asyncio.wait_for(scenario(), 130))
+    assert in_hand == {"current": False}  # the batch in hand at the revocation: not to be decided nor acked
+    assert dropped >= 200 and left == 0  # the burst's fetches were dropped, not handed out after the rebalance
+    after = sorted(pos for n, b in taken if n > rebalances for pos in b)
+    assert after == sorted(pos[1:] for pos in raw.landed.values())  # each record once after the rebalance
 
 
 async def _true(value: bool):
