@@ -148,7 +148,20 @@ async def body_decoded(stream, tick, ctx):
         tick(1)
 
 
-BODIES = {"iterate": body_iterate, "take": body_take, "noack": body_noack, "decoded": body_decoded}
+async def body_fetches(stream, tick, ctx):
+    """Ropewalk's ``faustwire.FetchBatches``: the consumer's fetch loop hands whole fetches over (no per-record
+    delivery through faust's conductor and stream); each message acked as the scheduler shard acks them."""
+    app, batches = ctx["app"], ctx["fetch_batches"]
+    while True:
+        batch = await batches.take(500, 0.001, 0.02)
+        ack = app.consumer.ack
+        for message in batch:
+            ack(message)
+        tick(len(batch))
+
+
+BODIES = {"iterate": body_iterate, "take": body_take, "noack": body_noack, "decoded": body_decoded,
+          "fetches": body_fetches}
 
 
 def read_faust(report, cfg: Config, n: int, body: str, settings: dict, topic_options: dict) -> None:
@@ -166,7 +179,12 @@ def read_faust(report, cfg: Config, n: int, body: str, settings: dict, topic_opt
            "dead_letters": DeadLetters(EventProducer(cfg, registry, "bench"), "bench")}
 
     async def run() -> None:
+        from streams.faustwire import FetchBatches
+
         app = make_app(cfg, f"bench-{uuid.uuid4().hex[:8]}", **{**FAST_GROUP, **settings})
+        if body == "fetches":
+            ctx["app"] = app
+            ctx["fetch_batches"] = app.fetch_batches = FetchBatches([ctx["catalogue"].name("intents")])
         done = asyncio.Event()
         state = {"count": 0, "first": None, "end": None}
 
@@ -207,6 +225,7 @@ MB = 1024 * 1024
 FAUST_VARIANTS = [
     # name, agent body, app settings (on top of make_app's), topic options
     ("faust: trivial agent (make_app settings)", "iterate", {}, {}),
+    ("faust: whole fetches (faustwire.FetchBatches)", "fetches", {}, {}),
     ("faust: stream.take(1000, within=0.05)", "take", {}, {}),
     # noack: faust stops tracking acks, so nothing is committed; and with stream_wait_empty=True (the
     # default) stopping the worker waits forever for those acks. Measured only to price acking.

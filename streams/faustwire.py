@@ -27,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, AsyncIterator
 
 import faust
+from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_kafka
 
 from infra.config import Config
@@ -116,10 +117,30 @@ class IdempotentProducer(faust_kafka.Producer):
 
 
 class App(faust.App):
-    """A faust app whose producer is ``IdempotentProducer``."""
+    """A faust app whose producer is ``IdempotentProducer`` and whose consumer is a ``BatchingConsumer`` (which hands
+    the topics of ``fetch_batches``, if set before the app starts, over as whole fetches)."""
+
+    fetch_batches: "FetchBatches | None" = None
 
     def _new_producer(self) -> Any:
         return IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+    async def _on_partitions_revoked(self, revoked: Any) -> None:
+        # Before faust's own steps (no await in between until the partitions are paused): the fetches waiting are of
+        # the assignment being revoked (FetchBatches, "Rebalances").
+        if self.fetch_batches is not None:
+            dropped = self.fetch_batches.revoke()
+            if dropped:
+                self.log.info("partitions revoked: %d records of fetches not handed out yet dropped", dropped)
+        await super()._on_partitions_revoked(revoked)
+
+    def _new_consumer(self) -> Any:
+        consumer = BatchingConsumer(self.transport, callback=self.topics.on_message,
+                                    on_partitions_revoked=self._on_partitions_revoked,
+                                    on_partitions_assigned=self._on_partitions_assigned, beacon=self.beacon,
+                                    loop=self.loop)
+        consumer.fetch_batches = self.fetch_batches
+        return consumer
 
 
 def make_app(cfg: Config, app_id: str, **settings: Any) -> faust.App:
@@ -203,87 +224,177 @@ async def decode_message(msg: Any, registry: SchemaRegistry, dead_letters: DeadL
     return record, event
 
 
-def take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float) -> AsyncIterator[list]:
-    """Batches of a faust stream's events, sized by how fast they come: a batch is handed over once no new
-    event came for ``gap_s`` (or it holds ``max_records``, or its first event waited ``max_wait_s``), and its
-    events are acked only after the caller's loop body returns for it, as with ``stream.take_events``.
+# -- whole fetches, not faust's per-record delivery ------------------------------------------------------------------
+class Batch(list):
+    """A batch of ``FetchBatches``: its messages, and the ``generation`` of the assignment they were fetched under."""
 
-    ``take_events(max, within)`` waits ``within`` from when it starts waiting, whatever arrives: a short window
-    hands over a lone event soon but cuts a burst into many small batches (at 2 ms, ~15 records per batch of the
-    scheduler in a 400-job burst, each batch some six produce requests of output and changelog: the broker's
-    largest cost per job); a long one makes every lone event wait. Waiting for a gap does both: an idle shard
-    decides a lone event ``gap_s`` after it came, a busy one decides everything that queued while it was busy.
-
-    The same faust machinery as ``take_events`` (faust-streaming 0.15.3, pinned): a processor fills the buffer
-    while the stream is drained passively; acks are off for the stream while the generator runs."""
-    agen = _take_batches(stream, max_records, gap_s, max_wait_s)
-    stream._active_agens.add(agen)  # closed with the stream, as faust's own take_events generators are
-    return agen
+    def __init__(self, messages: Iterable[Any], generation: int) -> None:
+        super().__init__(messages)
+        self.generation = generation
 
 
-async def _take_batches(stream: Any, max_records: int, gap_s: float, max_wait_s: float) -> AsyncIterator[list]:  # noqa: C901
-    buffer: list = []
-    events: list = []
-    full = asyncio.Event()
-    consumed = asyncio.Event()
-    arrived = asyncio.Event()
-    consuming: asyncio.Future | None = None
-    enable_acks = stream.enable_acks
-    channel_it = aiter(stream.channel)
+class FetchBatches:
+    """The records of some topics as whole fetches: lists of faust ``Message``s, in fetch order, handed over by the
+    consumer's fetch loop (``BatchingConsumer``) in one queue operation per fetch instead of faust's delivery to a
+    stream, which costs several asyncio tasks and event-loop turns per record (``bench/faust_overhead.py``: ~90 µs a
+    record for a trivial agent, against ~3 µs for aiokafka's ``getmany`` under it).
 
-    async def add_to_buffer(value: Any) -> Any:
-        nonlocal consuming
-        if consuming is not None:  # the caller holds a batch: wait until it is done with it
+    The reader acks each message it is done with (``consumer.ack``: what faust's commits go by, as a stream's acks
+    are). At most ``max_fetches`` fetches wait here: beyond, the fetch loop waits (faust's flow control still ends the
+    wait at a rebalance, and the fetch is then dropped, as faust drops a record it was delivering: the consumer seeks
+    to the committed offsets after the rebalance).
+
+    **Rebalances.** Every fetch is tagged with the ``generation`` of the assignment it was fetched under (read before
+    the fetch). A revocation (``revoke``, called by ``App`` as faust's revocation begins, before the partitions are
+    handed to anyone else) starts a new generation and drops the fetches waiting; a fetch of an older generation that
+    still comes (one the fetch loop was putting) is dropped by ``take``. A batch already handed out is the reader's
+    to check: ``current(batch)`` is False once a revocation came after it was fetched, and then nothing may be decided
+    of it (its partitions may be another worker's now) nor acked; faust seeks every partition it is assigned to its
+    committed offset, so a partition kept reads those records again."""
+
+    def __init__(self, topics: Iterable[str], max_fetches: int = 64) -> None:
+        self.topics = frozenset(topics)
+        self.generation = 0  # revocations so far
+        self.dropped = 0  # records of fetches dropped at revocations (or as they came, of an older generation)
+        self.queue: asyncio.Queue[Batch] = asyncio.Queue(maxsize=max_fetches)
+
+    def revoke(self) -> int:
+        """A rebalance revokes the assignment: a new generation, and the fetches waiting are dropped. Returns how many
+        records were dropped."""
+        self.generation += 1
+        n = 0
+        while True:
             try:
-                await consuming
-            finally:
-                consuming = None
-        event = stream.current_event
-        if event is None:
-            raise RuntimeError("take_batches: no current event")
-        buffer.append(value)
-        events.append(event)
-        arrived.set()
-        if len(buffer) >= max_records:
-            full.set()
-            consumed.clear()
-            await stream.wait(consumed)
-        return value
+                n += len(self.queue.get_nowait())
+            except asyncio.QueueEmpty:
+                break
+        self.dropped += n
+        return n
 
-    stream.enable_acks = False
-    stream.add_processor(add_to_buffer)
-    stream._enable_passive(channel_it)
-    try:
-        while not stream.should_stop:
-            if not buffer:
-                arrived.clear()
-                await stream.wait_for_stopped(arrived, timeout=max_wait_s)
-                continue
-            first = time.monotonic()
-            while not full.is_set() and not stream.should_stop:
-                left = max_wait_s - (time.monotonic() - first)
+    def current(self, batch: Batch) -> bool:
+        """Whether no revocation came since ``batch`` was fetched (the reader may still decide and ack it)."""
+        return batch.generation == self.generation
+
+    async def _get(self, timeout: float | None = None) -> Batch:
+        """The next fetch of the current generation (older ones are dropped)."""
+        while True:
+            fetch = await (self.queue.get() if timeout is None else asyncio.wait_for(self.queue.get(), timeout))
+            if fetch.generation == self.generation:
+                return fetch
+            self.dropped += len(fetch)
+
+    async def take(self, max_records: int, gap_s: float, max_wait_s: float) -> Batch:
+        """The next batch: every fetch waiting, then what comes until no fetch came for ``gap_s`` (or the batch holds
+        ``max_records``, or its first record waited ``max_wait_s``). An idle reader decides a lone record ``gap_s`` after it
+        came, a busy one everything that queued while it was busy in one batch; faust's ``take_events(max, within)``
+        waits a fixed window instead, which either makes every lone record wait or cuts a burst into many small
+        batches (at 2 ms, ~15 records per batch of the scheduler in a 400-job burst, each batch some six produce
+        requests of output and changelog). Only fetches of the current generation."""
+        batch = await self._get()
+        deadline = time.monotonic() + max_wait_s
+        while len(batch) < max_records:
+            try:
+                fetch = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                arrived.clear()
-                await stream.wait_for_stopped(arrived, timeout=min(gap_s, left))
-                if not arrived.is_set():
-                    break  # a gap: nothing new came for gap_s
-            if buffer:
-                consuming = asyncio.get_running_loop().create_future()
                 try:
-                    yield list(events)
-                finally:
-                    buffer.clear()
-                    for event in events:
-                        await stream.ack(event)
-                    events.clear()
-                    if not consuming.done():
-                        consuming.set_result(None)
-                    full.clear()
-                    consumed.set()
-    finally:
-        stream.enable_acks = enable_acks
-        stream._processors.remove(add_to_buffer)
+                    fetch = await self._get(min(gap_s, left))
+                except asyncio.TimeoutError:
+                    break
+            if fetch.generation != self.generation:
+                self.dropped += len(fetch)
+            elif batch.generation != self.generation:  # a revocation came while this batch waited: start anew
+                self.dropped += len(batch)
+                batch = fetch
+            else:
+                batch += fetch
+        return batch
+
+
+class BatchingConsumer(faust_kafka.Consumer):
+    """faust's aiokafka consumer whose fetch loop hands the records of the topics of ``fetch_batches`` over as whole
+    fetches (``FetchBatches``); every other topic's records (the tables' changelogs in a recovery, other agents'
+    topics) go through faust's delivery as before.
+
+    ``_drain_messages`` is faust-streaming 0.15.3's (pinned), with the records of batched topics set aside per fetch
+    (their read offsets and gaps kept as faust keeps them) and put on their queue once the fetch is gone through."""
+
+    fetch_batches: "FetchBatches | None" = None
+
+    async def _drain_messages(self, fetcher: Any) -> None:  # noqa: C901  # pragma: no cover - faust's fetch loop
+        batches = self.fetch_batches or getattr(self.app, "fetch_batches", None)
+        if batches is None:
+            await super()._drain_messages(fetcher)
+            return
+        batched = batches.topics
+        callback = self.callback
+        getmany = self.getmany
+        consumer_should_stop = self._stopped.is_set
+        fetcher_should_stop = fetcher._stopped.is_set
+        get_read_offset = self._read_offset.__getitem__
+        set_read_offset = self._read_offset.__setitem__
+        set_flag = self.diag.set_flag
+        unset_flag = self.diag.unset_flag
+        commit_every = self._commit_every
+        acks_enabled_for = self.app.topics.acks_enabled_for
+        queue = batches.queue
+        yield_every = 100
+        num_since_yield = 0
+        sleep = asyncio.sleep
+        try:
+            while not (consumer_should_stop() or fetcher_should_stop()):
+                set_flag(CONSUMER_FETCHING)
+                generation = batches.generation  # read before the fetch: a revocation after it makes the fetch stale
+                ait = getmany(timeout=1.0)
+                await self.sleep(0)
+                if not self.should_stop:
+                    held: list = []
+                    async for tp, message in ait:
+                        num_since_yield += 1
+                        if num_since_yield > yield_every:
+                            await sleep(0)
+                            num_since_yield = 0
+                        offset = message.offset
+                        r_offset = get_read_offset(tp)
+                        if r_offset is None or offset >= r_offset:
+                            gap = offset - (r_offset or 0)
+                            if gap > 1 and r_offset and acks_enabled_for(message.topic):
+                                await self._add_gap(tp, r_offset + 1, offset)
+                            if message.topic in batched:
+                                held.append(message)
+                            else:
+                                if commit_every is not None and self._n_acked >= commit_every:
+                                    self._n_acked = 0
+                                    await self.commit()
+                                await self.wait_first(callback(message), self.suspend_flow.wait())
+                            set_read_offset(tp, offset)
+                    if held:
+                        if commit_every is not None and self._n_acked >= commit_every:
+                            self._n_acked = 0
+                            await self.commit()
+                        fetch = Batch(held, generation)
+                        if not queue.full():
+                            queue.put_nowait(fetch)
+                        else:
+                            await self.wait_first(queue.put(fetch), self.suspend_flow.wait())
+                    unset_flag(CONSUMER_FETCHING)
+        except self.consumer_stopped_errors:
+            if self.transport.app.should_stop:
+                self.log.info("Broker stopped consumer, shutting down...")
+                return
+            raise
+        except asyncio.CancelledError:
+            if self.transport.app.should_stop:
+                self.log.info("Consumer shutting down for user cancel.")
+                return
+            raise
+        except Exception as exc:
+            self.log.exception("Drain messages raised: %r", exc)
+            raise
+        finally:
+            unset_flag(CONSUMER_FETCHING)
 
 
 def header_of(msg: Any, name: str) -> bytes | None:
@@ -396,4 +507,4 @@ class FlowWatch:
 
 
 __all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter",
-           "take_batches", "tables_ready", "FlowWatch"]
+           "tables_ready", "FlowWatch", "FetchBatches", "Batch", "BatchingConsumer"]

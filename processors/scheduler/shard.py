@@ -9,7 +9,7 @@ event of the entitlements hashed to p, in log order. Kill a worker and the group
 survivors, which recover the partitions' table data from the changelogs before they read on.
 
 ```
- intents, allocations, tasks,     take_batches: what queued, until a 1 ms gap
+ intents, allocations, tasks,     FetchBatches: whole fetches, what queued until a 1 ms gap
  machines, unavailability,  ────► gate: offset guard; record header producer=scheduler ──► passed over, undecoded
  taskcontrol (one faust topic)    decode (bad bytes ──► deadletter)
                                      │
@@ -67,11 +67,17 @@ whose type ``decide`` does nothing with (``CONSUMED``: no MachineRegistered, no 
 in the gate, before decoding (after the offset guard has counted it). Records without the headers (older logs,
 other writers) are decoded, and ``decide`` drops the scheduler's own by ``is_own`` and ignores the other types.
 
-**Batches.** ``faustwire.take_batches`` hands the agent what has queued: a batch ends when no new record came for
-``BATCH_GAP_S`` (1 ms), or at 500 records, or 20 ms after its first record. An idle shard decides a lone record
-1 ms after it came; a busy one decides everything that queued while it was busy in one batch (faust's
-``take_events`` waits a fixed window instead: 10 ms made every lone record wait, 2 ms cut a burst into batches of
-~15 records, each some six produce requests of output and changelog). The batch is decided on one state, event after event in log order (each
+**Batches.** The consumer hands the sources' records over as whole fetches (``faustwire.FetchBatches``: faust keeps
+the group, the assignment, the tables and their recovery; its per-record delivery to a stream, several asyncio tasks
+per record, ~90 µs against ~3 µs for aiokafka's ``getmany`` under it in ``bench/faust_overhead.py``, is skipped for
+them), and a batch is what has queued: it ends when no new fetch came for ``BATCH_GAP_S`` (1 ms), or at 500
+records, or 20 ms after its first record. An idle shard decides a lone record 1 ms after it came; a busy one decides
+everything that queued while it was busy in one batch. The agent acks each record once its batch is handled (what
+faust's commits go by). A rebalance's revocation drops the fetches not handed out yet and starts a new generation:
+a batch fetched before it (being triaged, or waiting for the lock) is dropped or set aside, neither decided nor
+acked, so no record of a partition now another shard's is decided here (``FetchBatches``, "Rebalances"); a
+decision already under the lock ends before the revocation returns (``settle``), while the partitions are still
+this shard's. The batch is decided on one state, event after event in log order (each
 event with the shard bucket of its own partition), its output produced and flushed once, and the tables written
 once: a job that many events of the batch touched is written once, with only its changed chunks.
 
@@ -169,8 +175,8 @@ from infra.trust import verifier_for
 from streams.clients import EPOCH_HEADER, FORWARDED_HEADER, PRODUCER_HEADER, TYPE_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import (FlowWatch, decode_message, header_of, make_app, route_dead_letter, tables_ready,
-                               take_batches)
+from streams.faustwire import (FetchBatches, FlowWatch, decode_message, header_of, make_app, route_dead_letter,
+                               tables_ready)
 from streams.partitionmap import REASON_HELD, REASON_MOVED, REASON_MOVING, MapFollower, assignment_event
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
@@ -183,7 +189,7 @@ SOURCES = ("intents", "allocations", "tasks", "machines", "unavailability", "tas
 RETRY_S = 10.0  # default interval of the retry_unplaced timer (also releases throttled operations, re-asks controllers)
 FLUSH_S = 30.0  # how long producing one batch's output may wait for the broker's acks
 BATCH_MAX = 500  # records handed to one decision batch at most
-BATCH_GAP_S = 0.001  # a batch is decided once no new record came for this long (faustwire.take_batches)...
+BATCH_GAP_S = 0.001  # a batch is decided once no new fetch came for this long (faustwire.FetchBatches.take)...
 BATCH_MAX_WAIT_S = 0.02  # ...or its first record waited this long
 BARRIER_TIMEOUT_S = 15.0  # how long the tables' writes may wait for the broker's acks before the batch is retried
 FAILED_BATCH_PAUSE_S = 1.0  # after an output the broker did not take, before trying again
@@ -587,6 +593,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     handoff_topic = catalogue.name("handoff")
     allocations_topic = catalogue.name("allocations")
     source = app.topic(*source_names, key_serializer="raw", value_serializer="raw", partitions=cfg.partitions)
+    fetches = app.fetch_batches = FetchBatches(source_names)  # whole fetches, not faust's per-record delivery
     lock = asyncio.Lock()
     limits = Limits.from_env(os.environ)
     max_tasks = cfg.max_tasks_per_job
@@ -633,15 +640,20 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     shard_metrics = ShardMetrics()  # this process's metrics (processors/scheduler/metrics.py)
 
     async def apply(items: list[tuple[Any, Any, Event]], passed: Mapping[str, tuple[int, int]] = MappingProxyType({}),  # noqa: C901
-                    forwards: list[tuple[Any, ho.Route]] | None = None) -> None:
+                    forwards: list[tuple[Any, ho.Route]] | None = None, *, generation: int) -> None:
         """Decide a batch of (message, record, event), in order, on one state; produce (with the records to
         ``forwards`` to an entitlement's new partition); store (with the offsets of the records the batch ``passed``
         over: key -> (partition, next offset)). Then the steps of a move that follow a durable decision: the state of
-        an entitlement frozen here sent to its new partition, the map told of one adopted here."""
+        an entitlement frozen here sent to its new partition, the map told of one adopted here. ``generation``: the
+        assignment its records were fetched under (``FetchBatches``); none of it is decided once a revocation came
+        since (its partitions may be another worker's now)."""
         forwards = list(forwards or ())
         async with lock:
             if not tables_ready(app):  # a rebalance or a recovery under way: decide nothing on the tables now
-                set_aside(items, passed, forwards)
+                set_aside(items, passed, forwards, "the tables are being recovered")
+                return
+            if generation != fetches.generation:  # a rebalance came and went since its records were fetched
+                set_aside(items, passed, forwards, "its partitions were revoked since it was fetched")
                 return
             t0 = time.monotonic()
             now = int(time.time() * 1000)
@@ -882,7 +894,9 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             passed[where] = (msg.partition, msg.offset + 1)
 
     async def release_held() -> None:
-        """Decide (or forward) the held records of the entitlements whose hand-over is now adopted here."""
+        """Decide (or forward) the held records of the entitlements whose hand-over is now adopted here. They are of
+        the current assignment (``held`` is cleared at an assignment, and of a batch dropped as stale)."""
+        generation = fetches.generation
         for ent in list(held):
             waiting = held[ent]
             ready = []
@@ -900,33 +914,58 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 for msg in ready:
                     await triage(msg, items, passed, forwards)
                 log.info("scheduler: %d records of entitlement %s held for its hand-over: released", len(ready), ent)
-                await apply_or_retry(items, passed, forwards)
+                await apply_or_retry(items, passed, forwards, generation=generation)
+
+    def drop_stale(batch: Any) -> None:
+        """A batch a revocation came after (``FetchBatches.current``): not decided, held or acked. faust seeks every
+        partition it assigns to its committed offset, and the guard (forgotten at the assignment) to the stored one,
+        so the partitions kept read its records again."""
+        mine = {id(msg) for msg in batch}
+        for ent in list(held):  # what it held meanwhile (held was cleared at the assignment)
+            waiting = held[ent]
+            for key in [k for k, (msg, _) in waiting.items() if id(msg) in mine]:
+                del waiting[key]
+            if not waiting:
+                del held[ent]
+        log.info("scheduler: a batch of %d records dropped: its partitions were revoked since it was fetched",
+                 len(batch))
 
     @app.agent(source, name=f"{APP_ID}.schedule")
-    async def schedule(stream):
-        async for batch in take_batches(stream, BATCH_MAX, BATCH_GAP_S, BATCH_MAX_WAIT_S):
+    async def schedule(stream):  # noqa: ARG001 - the consumer hands the sources' records over as whole fetches
+        ack = app.consumer.ack
+        while True:
+            batch = await fetches.take(BATCH_MAX, BATCH_GAP_S, BATCH_MAX_WAIT_S)
+            if not fetches.current(batch):  # fetched before a revocation: its partitions may be another's now
+                drop_stale(batch)
+                continue
             items: list = []
             passed: dict[str, tuple[int, int]] = {}  # records passed over (no decision): key -> (partition, next)
             forwards: list = []
-            for fev in batch:
-                msg = fev.message
+            for msg in batch:
                 if await gate(msg):
                     await triage(msg, items, passed, forwards)
+            if not fetches.current(batch):  # a revocation came while it was triaged (decoding awaits)
+                drop_stale(batch)
+                continue
             # A batch of only passed-over records (a region's registration: a million MachineRegistered) stores
             # its offsets once they run PERSIST_AFTER ahead of the table's, or a rebalance reads them all again.
             if items or forwards or guard.persist_due(passed):
-                await apply_or_retry(items, passed, forwards)
+                await apply_or_retry(items, passed, forwards, generation=batch.generation)
             if held:
                 await release_held()
+            if fetches.current(batch):  # handled: faust may commit them (the shard's own offsets are its tables')
+                for msg in batch:
+                    ack(msg)
 
-    async def apply_or_retry(items: list, passed: Mapping[str, tuple[int, int]], forwards: list = ()) -> None:
+    async def apply_or_retry(items: list, passed: Mapping[str, tuple[int, int]], forwards: list = (), *,
+                             generation: int) -> None:
         """Apply a batch. If the broker does not take its output (nothing is stored then), apply its records one
         at a time, each once more after a pause if refused, and send one still refused to ``deadletter``
         (processing_failed): a record the broker refuses for ever does not stop the shard for everyone else. (A
         batch is not read again: answers to what part of its output did reach the log may already follow it.)
         Anything else that fails (a bug) makes the shard read the batch again from the stored offsets."""
         try:
-            await apply(items, passed, list(forwards))
+            await apply(items, passed, list(forwards), generation=generation)
             return
         except OutputRefused:
             log.exception("scheduler: the output of a batch of %d records was not taken by the broker; deciding "
@@ -937,7 +976,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             return
         if forwards:
             try:
-                await apply([], {}, list(forwards))
+                await apply([], {}, list(forwards), generation=generation)
             except Exception:  # noqa: BLE001 - the broker away: read them again
                 log.exception("scheduler: %d records to forward were not taken; reading them again", len(forwards))
                 await read_again([(msg, None, None) for msg, _ in forwards])
@@ -947,7 +986,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             try:
                 for attempt in (1, 2):
                     try:
-                        await apply([item])
+                        await apply([item], generation=generation)
                         break
                     except OutputRefused as exc:
                         if attempt == 2:
@@ -963,16 +1002,16 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 await read_again(items[n:])
                 return
 
-    def set_aside(items: list, passed: Mapping[str, tuple[int, int]], forwards: list = ()) -> None:
-        """A batch that came while the tables are not ready: not decided (nor forwarded), and the guard's next
+    def set_aside(items: list, passed: Mapping[str, tuple[int, int]], forwards: list, why: str) -> None:
+        """A batch that may not be decided now (the tables not ready, or its partitions revoked since it was
+        fetched): not decided (nor forwarded), and the guard's next
         offsets of its partitions go back to the stored ones, so its records apply when they come again (faust seeks
         to the committed offsets after the recovery; a gap before them makes the guard seek back to the stored
         ones)."""
         msgs = [msg for msg, _, _ in items] + [msg for msg, _ in forwards]
         for key in {partition_key(msg.topic, msg.partition) for msg in msgs} | set(passed):
             guard.rewind(key)
-        log.info("scheduler: a batch of %d records set aside: the tables are being recovered (read again after)",
-                 len(msgs) + len(passed))
+        log.info("scheduler: a batch of %d records set aside: %s (read again after)", len(msgs) + len(passed), why)
 
     async def read_again(items: list) -> None:
         """Seek back to the stored offsets of these records' partitions (the offset guard falls back to them)."""
@@ -1088,8 +1127,9 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     @app.on_partitions_revoked.connect
     async def settle(app, revoked, **kwargs) -> None:  # noqa: ARG001 - faust's signal signature
-        """A rebalance begins (``tables_ready`` is False from now on): wait for a decision under way (a slice of the
-        timer: faust has waited for the agent's batch already) to end before the recovery that follows reads the
+        """A rebalance begins (``tables_ready`` is False from now on, and ``FetchBatches`` is at a new generation: no
+        batch fetched before decides anything after): wait for a decision under way (the agent's batch, past its
+        checks under the lock, or a slice of the timer) to end before the recovery that follows reads the
         changelogs. Its writes must be on the log by then: one written after the recovery took the changelogs' ends
         would be overwritten in memory by an older value the recovery reads, and the worker would go on from a
         state its log no longer holds (then deleting the newer chunks as orphans). As faust waits for the agent, not

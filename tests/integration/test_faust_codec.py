@@ -27,7 +27,7 @@ from streams.clients import EventConsumer, EventProducer, producer_conf
 from streams.codec import EventCodec, register_codec
 from streams.deadletter import DeadLetters
 from streams.events import new_event
-from streams.faustwire import decoded, make_app, source_topic, take_batches
+from streams.faustwire import decoded, make_app, source_topic
 from streams.serde import (INVALID_EVENT, MALFORMED, MARKER, NO_MARKER, UNKNOWN_FINGERPRINT, DecodeError,
                            SchemaRegistry, build_schema)
 from streams.topics import Topics
@@ -194,14 +194,101 @@ async def _at_least(fetch, n):
     return rows if len(rows) >= n else None
 
 
-# -- take_batches: a batch is what queued; a lone record comes alone ------------------------------------------
+# -- FetchBatches: whole fetches; a batch is what queued; a lone record comes alone -----------------------------
 
 @pytest.mark.timeout(120)
-def test_take_batches_hands_over_what_queued_while_busy_and_a_lone_record_alone(cfg, registry):
-    """A shard busy with its first batch finds the 300 records that arrived meanwhile in a few large batches
-    (faust's take_events with a fixed 2 ms window cut them into ~15 here, as faust hands a record to the buffer
-    every ~100 µs), a lone record later is handed over on its own, and every record is handed over once, in log
-    order per partition, and acked (committed) only after its batch was handled.""" 
+def test_fetch_batches_hand_over_what_queued_while_busy_and_a_lone_record_alone(cfg, registry):  # noqa: C901
+    """The consumer hands a batched topic's records over as whole fetches (``faustwire.FetchBatches``), not through
+    faust's per-record delivery: a shard busy with its first batch finds the 300 records that arrived meanwhile in a
+    few large batches, a lone record later is handed over on its own, every record is handed over once, in log order
+    per partition, and committed only once acked after its batch was handled; a topic of the same app that is not
+    batched (``other``) still reaches its agent's stream record by record."""
+    catalogue = Topics(cfg.topic_prefix, cfg.partitions)
+    intents = catalogue.name("intents")
+    other = catalogue.name("taskcontrol")
+    raw = RawProducer(cfg)
+
+    def send(label: str, ent: str, topic: str = intents) -> None:
+        ev = job_stopped(ent, label)
+        raw.send(label, topic, ent.encode(), registry.encode(ev.type, ev.to_record(1)))
+
+    async def scenario():
+        from streams.faustwire import FetchBatches
+
+        app = make_app(cfg, "fetch-batches-test", **FAST)
+        fetches = app.fetch_batches = FetchBatches([intents])
+        batches: list[list[tuple[int, int]]] = []
+        others: list[int] = []
+        busy, release = asyncio.Event(), asyncio.Event()
+
+        @app.agent(source_topic(app, cfg, "intents"))
+        async def shard(stream):  # noqa: ARG001 - its records come as whole fetches
+            while True:
+                batch = await fetches.take(500, 0.001, 0.02)
+                batches.append([(m.partition, m.offset) for m in batch])
+                if len(batches) == 1:  # busy with the first batch while the burst arrives
+                    busy.set()
+                    await release.wait()
+                for m in batch:
+                    app.consumer.ack(m)
+
+        @app.agent(source_topic(app, cfg, "taskcontrol"))
+        async def plain(stream):
+            async for event in stream.events():
+                others.append(event.message.offset)
+
+        await app.start()
+        try:
+            send("first", "e1")
+            send("other", "e1", other)
+            raw.flush()
+            await wait_until(lambda: _true(busy.is_set()), 60, "the first batch")
+            for i in range(300):
+                send(f"burst/{i}", f"e{i % 7}")
+            raw.flush()
+            # The shard stays busy until the whole burst is on the broker, and 1 s more for faust to fetch it.
+            await asyncio.sleep(1.0)
+            release.set()
+            await wait_until(lambda: _true(sum(map(len, batches)) >= 301), 30, "the burst")
+            burst_batches = len(batches) - 1
+            await asyncio.sleep(0.5)
+            send("lone", "e3")
+            raw.flush()
+            await wait_until(lambda: _true(sum(map(len, batches)) >= 302), 30, "the lone record")
+            await wait_until(lambda: _true(bool(others)), 30, "the record of the topic not batched")
+            return batches, burst_batches
+        finally:
+            await app.stop()
+
+    batches, burst_batches = asyncio.run(asyncio.wait_for(scenario(), 100))
+    assert burst_batches <= 5, [len(b) for b in batches]  # what queued while the shard was busy: few batches
+    assert batches[-1] == [raw.landed["lone"][1:]]  # the lone record, on its own
+    seen = [pos for b in batches for pos in b]
+    assert sorted(seen) == sorted(pos[1:] for label, pos in raw.landed.items() if label != "other")  # each once
+    for part in {p for p, _ in seen}:
+        offsets = [o for p, o in seen if p == part]
+        assert offsets == sorted(offsets)
+    from confluent_kafka import Consumer, TopicPartition
+    group = Consumer({**cfg.kafka_conf(), "group.id": f"{cfg.topic_prefix}fetch-batches-test"})
+    deadline = time.monotonic() + 10  # faust commits every broker_commit_interval (0.5 s here)
+    ends = {p: max(o for q, o in seen if q == p) + 1 for p, _ in seen}
+    while True:
+        committed = group.committed([TopicPartition(intents, p) for p in range(cfg.partitions)], timeout=10)
+        got = {tp.partition: tp.offset for tp in committed if tp.partition in ends}
+        if got == ends or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    group.close()
+    assert got == ends  # acked once handled
+
+
+@pytest.mark.timeout(150)
+def test_fetch_batches_a_revocation_drops_what_was_fetched_before_it(cfg, registry):
+    """A rebalance while whole fetches wait on ``FetchBatches`` and a batch is in the reader's hands (#28): the waiting
+    fetches are dropped at the revocation, not handed out after it, and the batch in hand is no longer ``current``
+    (the shard decides and acks none of it: its partitions may be another shard's now). The partitions kept read the
+    records again from the committed offsets, so after the rebalance every record is handed over exactly once: none
+    lost, none twice (before the fix the waiting fetches came after the rebalance and again after faust's seek)."""
     catalogue = Topics(cfg.topic_prefix, cfg.partitions)
     intents = catalogue.name("intents")
     raw = RawProducer(cfg)
@@ -211,59 +298,59 @@ def test_take_batches_hands_over_what_queued_while_busy_and_a_lone_record_alone(
         raw.send(label, intents, ent.encode(), registry.encode(ev.type, ev.to_record(1)))
 
     async def scenario():
-        app = make_app(cfg, "take-batches-test", **FAST)
-        batches: list[list[tuple[int, int]]] = []
+        from streams.faustwire import FetchBatches
+
+        app = make_app(cfg, "fetch-batches-revoke-test", **FAST)
+        fetches = app.fetch_batches = FetchBatches([intents])
+        taken: list[tuple[int, list[tuple[int, int]]]] = []  # (rebalances before it was taken, its positions)
+        in_hand: dict[str, bool] = {}
         busy, release = asyncio.Event(), asyncio.Event()
 
-        def cost(value):  # what faust's stream machinery costs per record on a loaded 2-core machine (~100 µs)
-            time.sleep(0.0001)
-            return value
-
         @app.agent(source_topic(app, cfg, "intents"))
-        async def shard(stream):
-            stream.add_processor(cost)
-            async for batch in take_batches(stream, 500, 0.001, 0.02):
-                batches.append([(e.message.partition, e.message.offset) for e in batch])
-                if len(batches) == 1:  # busy with the first batch while the burst arrives
+        async def shard(stream):  # noqa: ARG001 - its records come as whole fetches
+            while True:
+                batch = await fetches.take(500, 0.001, 0.02)
+                taken.append((app.rebalancing_count, [(m.partition, m.offset) for m in batch]))
+                if len(taken) == 1:  # in the reader's hands while the rest queues and the rebalance comes
                     busy.set()
                     await release.wait()
+                    in_hand["current"] = fetches.current(batch)
+                if fetches.current(batch):
+                    for m in batch:
+                        app.consumer.ack(m)
+
+        def queued() -> int:
+            return sum(len(f) for f in list(fetches.queue._queue))
 
         await app.start()
         try:
             send("first", "e1")
             raw.flush()
             await wait_until(lambda: _true(busy.is_set()), 60, "the first batch")
-            for i in range(300):
+            for i in range(200):
                 send(f"burst/{i}", f"e{i % 7}")
             raw.flush()
-            # The shard stays busy until the whole burst is on the broker, and 1 s more for faust to fetch it (it
-            # was busy 1 s from the first batch: on a loaded machine producing the burst took part of that second).
-            await asyncio.sleep(1.0)
+            await wait_until(lambda: _true(queued() >= 200), 30, "the burst queued as whole fetches")
+            rebalances = app.rebalancing_count
+            thread = app.consumer._thread
+            coordinator = thread._ensure_consumer()._coordinator
+            thread.thread_loop.call_soon_threadsafe(coordinator.request_rejoin)  # a real rebalance of the group
+            await wait_until(lambda: _true(app.rebalancing_count > rebalances and not app.rebalancing), 60,
+                             "the rebalance")
+            dropped_at_revocation = fetches.dropped
             release.set()
-            await wait_until(lambda: _true(sum(map(len, batches)) >= 301), 30, "the burst")
-            burst_batches = len(batches) - 1
-            await asyncio.sleep(0.5)
-            send("lone", "e3")
-            raw.flush()
-            await wait_until(lambda: _true(sum(map(len, batches)) >= 302), 30, "the lone record")
-            return batches, burst_batches
+            await wait_until(lambda: _true(sum(len(b) for n, b in taken if n > rebalances) >= 201), 60,
+                             "every record again after the rebalance")
+            await asyncio.sleep(1.0)  # nothing more may come: a record handed over twice would come now
+            return taken, rebalances, in_hand, dropped_at_revocation, queued()
         finally:
             await app.stop()
 
-    batches, burst_batches = asyncio.run(asyncio.wait_for(scenario(), 100))
-    assert burst_batches <= 5, [len(b) for b in batches]  # what queued while the shard was busy: few batches
-    assert batches[-1] == [raw.landed["lone"][1:]]  # the lone record, on its own
-    seen = [pos for b in batches for pos in b]
-    assert sorted(seen) == sorted(pos[1:] for pos in raw.landed.values())  # each record once
-    for part in {p for p, _ in seen}:
-        offsets = [o for p, o in seen if p == part]
-        assert offsets == sorted(offsets)
-    from confluent_kafka import Consumer, TopicPartition
-    group = Consumer({**cfg.kafka_conf(), "group.id": f"{cfg.topic_prefix}take-batches-test"})
-    committed = group.committed([TopicPartition(intents, p) for p in range(cfg.partitions)], timeout=10)
-    group.close()
-    ends = {p: max(o for q, o in seen if q == p) + 1 for p, _ in seen}
-    assert {tp.partition: tp.offset for tp in committed if tp.partition in ends} == ends  # acked once handled
+    taken, rebalances, in_hand, dropped, left = asyncio.run(asyncio.wait_for(scenario(), 130))
+    assert in_hand == {"current": False}  # the batch in hand at the revocation: not to be decided nor acked
+    assert dropped >= 200 and left == 0  # the burst's fetches were dropped, not handed out after the rebalance
+    after = sorted(pos for n, b in taken if n > rebalances for pos in b)
+    assert after == sorted(pos[1:] for pos in raw.landed.values())  # each record once after the rebalance
 
 
 async def _true(value: bool):
