@@ -104,9 +104,14 @@ def test_leader_last_rolling_update_from_the_log(cfg, registry, workers, control
 
 def update_stops(log, op_task) -> list[str]:
     """The tasks the rolling update stopped, in log order; asserts each was acked first and that each stop
-    waited until the task stopped before was RUNNING at version 2 again (one at a time)."""
+    waited until the task stopped before was RUNNING at version 2 again (one at a time).
+
+    In causal order, not read order: acks (``taskcontrol``), commands and reports (``tasks``) are two topics, and a
+    reader may read a STOP before the ack it answers (it did once, at load ~60). Every writer stamps its events with
+    the clock of this one machine, and a STOP is written after its ack and the report before it were read: so by
+    time, and at an equal millisecond what is not a command first."""
     stops, acked_tasks, running_v2 = [], set(), set()
-    for e in log:
+    for e in sorted(log, key=lambda e: (e.timestamp_ms, bool(batches.task_commands(e)))):
         if e.type == "TaskControlAcked":
             acked_tasks |= {op_task[o] for o in e.payload["approved_operation_ids"]}
         for c in batches.task_commands(e):  # the scheduler's TasksCommanded
