@@ -24,7 +24,10 @@ What is checked once every job converged (``check``), from a replay of the log a
   ids (a scheduler that decided an event again on another state). (Counting STARTs against placements, as it did
   first, took a task stopped by a shrink and started again in place by a grow before it was freed for two: the
   scaled-out storm's first CI run.)
-* **tasks running twice**: a task in the latest heartbeat of two machines;
+* **tasks running twice**: a task in the latest heartbeat of two machines (at the end, not at any moment: a task
+  listed by two machines' last heartbeats); each is told (``running_twice_told``): the machines and the time of
+  each one's last heartbeat, where the log places the task, and its last events (placements, commands and who
+  wrote them, reports, refusals) with their times;
 * **machines over-committed**: a machine whose placed tasks need more cpu or memory than it has, at any point of
   the replay (per entitlement, whose events are in order) or in Redis at the end (free below zero, or free not
   capacity minus its tasks);
@@ -45,7 +48,7 @@ import random
 import signal
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -405,6 +408,8 @@ class Storm:
         return {"ok": False, "not": bad}
 
 
+STORY_EVENTS = 12  # a task's last events told beside it when it is found running twice
+
 COUNTS = ("tasks_lost", "tasks_placed_twice", "tasks_started_twice", "tasks_running_twice", "machines_overcommitted",
           "quota_breaches", "conflicting_duplicates")
 
@@ -504,7 +509,8 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
     held: dict[str, set[str]] = defaultdict(set)
     peak: Counter = Counter()  # the most machines each entitlement held at once
     quota: dict[str, int] = {}
-    beats: dict[str, list[str]] = {}
+    beats: dict[str, tuple[list[str], int]] = {}  # machine -> (its latest heartbeat's tasks, that beat's time)
+    story: dict[str, deque] = defaultdict(lambda: deque(maxlen=STORY_EVENTS))  # task -> its last events, told
     placements: Counter = Counter()  # task -> times a TasksAllocated placed it somewhere new
     live: dict[str, str] = {}  # task -> the START command it runs under, until a stop or an end ends it
     started_twice_at: list[str] = []
@@ -542,6 +548,7 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
             resources[p["request_id"]] = (p["resources"]["cpu_millicores"], p["resources"]["memory_mib"])
         elif ev.type == "TasksDeallocated":
             for row in p["placements"]:
+                story[row["task_id"]].append(f"{ev.timestamp_ms} freed from {row['machine_id']} ({ev.event_id[:8]})")
                 cur = placed.get(row["task_id"])
                 if cur is not None and cur[0] == row["machine_id"]:
                     del placed[row["task_id"]]
@@ -552,6 +559,7 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
             cpu, mem = resources.get(p["request_id"], (0, 0))
             for row in p["placements"]:
                 t, m = row["task_id"], row["machine_id"]
+                story[t].append(f"{ev.timestamp_ms} placed on {m} ({ev.event_id[:8]})")
                 cur = placed.get(t)
                 if cur is not None and cur[0] == m:
                     continue  # placed there already: a no-op
@@ -568,6 +576,8 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
                     over_at.append(f"{m} ({ev.entitlement}: {sums} of {cap})")
         elif ev.type == "TasksCommanded":
             for c in p["commands"]:
+                story[c["task_id"]].append(f"{ev.timestamp_ms} {c['command']} to {c['machine_id']} by {ev.producer} "
+                                           f"({ev.event_id[:8]})")
                 if c["command"] == "START":
                     if c["task_id"] in live:  # started again while its last start still holds: decided twice
                         started_twice_at.append(f"{c['task_id']} on {c['machine_id']} ({live[c['task_id']]}, then "
@@ -577,20 +587,31 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
                     live.pop(c["task_id"], None)
         elif ev.type == "TaskStatesChanged":  # a stop, a crash or a move ends the task's start (agent or scheduler)
             for r in p["reports"]:
+                story[r["task_id"]].append(f"{ev.timestamp_ms} {r['state']} on {r.get('machine_id')} "
+                                           f"({r.get('reason', '')}) by {ev.producer}")
                 if r["state"] in ("STOPPED", "FAILED", "PENDING"):
                     live.pop(r["task_id"], None)
+        elif ev.type == "TaskCommandRefused":
+            story[p["task_id"]].append(f"{ev.timestamp_ms} {p['command']} to {p['machine_id']} refused "
+                                       f"({p['reason']})")
         elif ev.type == "AgentHeartbeat":
-            beats[p["machine_id"]] = list(p["running_task_ids"])
+            beats[p["machine_id"]] = (list(p["running_task_ids"]), ev.timestamp_ms)
     running_on: dict[str, set[str]] = defaultdict(set)
-    for m, tasks in beats.items():
+    for m, (tasks, _) in beats.items():
         for t in tasks:
             running_on[t].add(m)
     running_twice = sorted(t for t, ms in running_on.items() if len(ms) > 1)
+    # Each task in the latest heartbeat of two machines, told: the machines and when each beat last, where the log
+    # places it, and its last events (placements, commands and by whom, reports, refusals) with their times.
+    running_twice_told = [{"task": t, "last_beats": {m: beats[m][1] for m in sorted(running_on[t])},
+                           "placed_on": placed[t][0] if t in placed else None, "events": list(story[t])}
+                          for t in running_twice[:10]]
     started_twice = sorted({t.split(" ", 1)[0] for t in started_twice_at})
     return {"records_replayed": records, "duplicate_records": duplicates, "conflicting_duplicates": conflicting,
             "tasks_placed_twice": twice, "tasks_started_twice": len(started_twice),
             "started_twice": started_twice_at[:10], "tasks_running_twice": len(running_twice),
-            "running_twice": running_twice[:10], "machines_overcommitted": over, "overcommitted": over_at[:10],
+            "running_twice": running_twice[:10], "running_twice_told": running_twice_told,
+            "machines_overcommitted": over, "overcommitted": over_at[:10],
             "quota_breaches": breaches, "tasks_placed": len(placed), "placed": {t: m for t, (m, _, _) in placed.items()},
             "peak_machines_held": dict(sorted(peak.items())), "quota": quota}
 
@@ -673,6 +694,10 @@ def format_text(doc: dict) -> str:
               f"  {'passed':24} {doc['passed']}  ({doc['seconds']} s in all)"]
     if doc["not_converged"]:
         lines.append(f"  not converged: {doc['not_converged']}")
+    for told in doc.get("running_twice_told", ()):
+        lines.append(f"  running twice: {told['task']} in the latest heartbeats of {told['last_beats']} (ms), "
+                     f"placed on {told['placed_on']}; its last events:")
+        lines += [f"    {line}" for line in told["events"]]
     return "\n".join(lines)
 
 

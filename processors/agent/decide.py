@@ -23,6 +23,11 @@ Inputs:
   still says it runs); a stop under way completes (STOPPED); a kill for a new spec starts the new one then.
 * ``Orphaned``: the log the agent reads commands the task no more (it was replaced: its offsets belong to another
   log): the task is stopped as if a STOP came (``not_in_log``).
+* ``Unplaced``: the agent's fold of ``allocations`` (``gate.py``) placed the task on another machine or freed it from
+  this one, while the agent runs it: the task is stopped as if a STOP came (``not_placed``). The allocation gate
+  admits a START its fold places here, and a fold behind the log (a move not read yet) still places it here: a
+  START from a scheduler shard that woke up stale after the move runs until the fold reads the move, and no later
+  (the new owner's STOP may have come before it; the scheduler ignores a report from a machine the task left).
 
 Per task the agent keeps a ``TaskRun`` whose ``phase`` is the agent's own view (SPAWNING, RUNNING, BACKOFF,
 KILLING, STOPPED, FAILED) and ``reported`` the last TaskState it announced (``previous_state`` of the next).
@@ -130,12 +135,14 @@ REASON_RESTART_LIMIT = "restart_limit"  # FAILED: crashed again after Policy.max
 REASON_SPAWN_FAILED = "spawn_failed"  # FAILED: the process could not be started (no such file, ...)
 REASON_ALREADY_RUNNING = "already_running"  # RUNNING: a START (another command) for a task whose process runs
 REASON_NOT_IN_LOG = "not_in_log"  # STOPPED: the task was stopped because the log commands it no more
+REASON_NOT_PLACED = "not_placed"  # STOPPED: the allocations log placed the task elsewhere (or freed it) meanwhile
 
 # Why an action is asked (Action.reason).
 WHY_COMMANDED = "commanded"  # a START/RESTART/STOP command
 WHY_RESTART_POLICY = "restart_policy"  # a local restart after a crash
 WHY_NEW_SPEC = "new_spec"  # killed to run another spec version / a RESTART
 WHY_NOT_IN_LOG = "not_in_log"  # killed: the log the agent reads does not command it (``Orphaned``)
+WHY_NOT_PLACED = "not_placed"  # killed: the allocations log placed it on another machine, or freed it (``Unplaced``)
 
 # Action kinds.
 SPAWN = "spawn"
@@ -198,6 +205,7 @@ class TaskRun:
     exit_code: int | None = None  # of the last exit
     then: Spec | None = None  # when KILLING: the spec to run after the exit (None: it is a stop)
     commands: tuple[str, ...] = ()  # event ids of the last commands applied (duplicates are no-ops)
+    stop_reason: str = ""  # when KILLING to stop: the STOPPED report's reason ("": REASON_STOP_COMMANDED)
 
 
 @dataclass(frozen=True)
@@ -257,7 +265,12 @@ class Orphaned:
     task_id: str  # the log the agent reads does not command it
 
 
-Input = Union[Command, Spawned, SpawnFailed, Exited, Tick, Suspended, Orphaned]
+@dataclass(frozen=True)
+class Unplaced:
+    task_id: str  # the allocations log placed it on another machine, or freed it from this one (``gate.Gate``)
+
+
+Input = Union[Command, Spawned, SpawnFailed, Exited, Tick, Suspended, Orphaned, Unplaced]
 
 
 @dataclass(frozen=True)
@@ -295,7 +308,9 @@ def decide(state: AgentState, inp: Input, now_ms: int, policy: Policy = DEFAULT_
     if isinstance(inp, Suspended):
         return _on_suspended(state, inp.task_id, now_ms)
     if isinstance(inp, Orphaned):
-        return _on_orphaned(state, inp.task_id, now_ms)
+        return _on_orphaned(state, inp.task_id, now_ms, REASON_NOT_IN_LOG, WHY_NOT_IN_LOG)
+    if isinstance(inp, Unplaced):
+        return _on_orphaned(state, inp.task_id, now_ms, REASON_NOT_PLACED, WHY_NOT_PLACED)
     raise AgentError(f"unknown agent input {inp!r}")
 
 
@@ -407,9 +422,9 @@ def _on_exited(state: AgentState, task_id: str, code: int | None, now_ms: int, p
     if run.phase == P_KILLING:
         if run.then is not None:  # killed to run another spec
             return _start(state, task_id, run.then, run.reported, run.commands, now_ms, P_KILLING, T_KILLED_FOR_SPEC)
-        out = _report(state, run, STOPPED, REASON_STOP_COMMANDED, now_ms, code)
+        out = _report(state, run, STOPPED, run.stop_reason or REASON_STOP_COMMANDED, now_ms, code)
         return state._with(replace(run, phase=phase_after(run.phase, T_KILLED), reported=STOPPED,
-                                   exit_code=code)), [out], []
+                                   exit_code=code, stop_reason="")), [out], []
     if code == 0:
         out = _report(state, run, STOPPED, REASON_EXITED, now_ms, 0)
         return state._with(replace(run, phase=phase_after(run.phase, T_EXITED_OK), reported=STOPPED,
@@ -438,18 +453,19 @@ def _on_suspended(state: AgentState, task_id: str, now_ms: int):
     return state._with(replace(run, phase=phase_after(run.phase, T_SUSPENDED), restart_at_ms=now_ms)), [], []
 
 
-def _on_orphaned(state: AgentState, task_id: str, now_ms: int):
+def _on_orphaned(state: AgentState, task_id: str, now_ms: int, reason: str, why: str):
+    """A task the agent must not run any more though no STOP came (``Orphaned``, ``Unplaced``): stopped."""
     run = state.tasks.get(task_id)
     if run is None or run.phase in (P_STOPPED, P_FAILED):
         return state, [], []
     if run.phase == P_BACKOFF:  # nothing to kill
-        out = _report(state, run, STOPPED, REASON_NOT_IN_LOG, now_ms, run.exit_code)
+        out = _report(state, run, STOPPED, reason, now_ms, run.exit_code)
         return state._with(replace(run, phase=phase_after(run.phase, T_RELEASE), reported=STOPPED,
                                    restart_at_ms=None)), [out], []
     if run.phase == P_KILLING:
-        return state._with(replace(run, then=None)), [], []
-    return state._with(replace(run, phase=phase_after(run.phase, T_KILL), then=None)), [], [
-        _kill(task_id, WHY_NOT_IN_LOG)]
+        return state._with(replace(run, then=None, stop_reason=run.stop_reason or reason)), [], []
+    return state._with(replace(run, phase=phase_after(run.phase, T_KILL), then=None, stop_reason=reason)), [], [
+        _kill(task_id, why)]
 
 
 def _on_tick(state: AgentState, now_ms: int):
@@ -524,7 +540,7 @@ def run_to_json(run: TaskRun) -> dict:
                                        "env": dict(s.env), "run_id": s.run_id}
     return {"task_id": run.task_id, "spec": spec(run.spec), "phase": run.phase, "reported": run.reported,
             "restarts": run.restarts, "restart_at_ms": run.restart_at_ms, "exit_code": run.exit_code,
-            "then": spec(run.then), "commands": list(run.commands)}
+            "then": spec(run.then), "commands": list(run.commands), "stop_reason": run.stop_reason}
 
 
 def run_from_json(d: Mapping) -> TaskRun:
@@ -534,4 +550,4 @@ def run_from_json(d: Mapping) -> TaskRun:
                                            env=tuple(sorted(s["env"].items())), run_id=s["run_id"])
     return TaskRun(task_id=d["task_id"], spec=spec(d["spec"]), phase=d["phase"], reported=d["reported"],
                    restarts=d["restarts"], restart_at_ms=d["restart_at_ms"], exit_code=d["exit_code"],
-                   then=spec(d["then"]), commands=tuple(d["commands"]))
+                   then=spec(d["then"]), commands=tuple(d["commands"]), stop_reason=d.get("stop_reason", ""))

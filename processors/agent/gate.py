@@ -32,6 +32,18 @@ fold and the verdict is final: still not placed, it is refused.
 A STOP is not judged by the placement (stopping is what a fenced or forgotten task needs); its origin and its
 freshness are.
 
+**A fold behind the log admits a stale START** (issue 26). The fold places a task here until it reads the event that
+moves it: a START read before that event (a scheduler shard that woke up stale after the move — SIGSTOPped past its
+group's session timeout — and commands the task where it was) is admitted, and runs beside the task's new machine.
+The new owner's STOP to the old machine (the move's fence) may have come before it, and the scheduler ignores a
+report from a machine its task left, so nothing else would ever stop that run. So the fold also says which of our
+machines a task left (``Gate.take_unplaced``: placed on another machine, or freed) and, once the agent has read
+``allocations`` up to the high watermarks measured after that (``Judge.refusals``, as for a waiting command: a task
+moved away and back here is not stopped for the move it already undid), the wiring stops the task there if it runs
+it and the fold still does not place it there (``Judge.take_stops`` -> ``decide.Unplaced``, reported STOPPED
+``not_placed``): the double run lasts as long as the agent's fold lags, not for good. (Refusing such a START outright needs a version of the placement in the command
+to compare with the fold's, or every START to wait for the fold to reach the high watermarks: not done.)
+
 Pure but for the state the ``Gate`` object holds: no I/O, no clock (the caller passes marks and times).
 
     gate = Gate(machine_ok)
@@ -159,18 +171,22 @@ class Gate:
         self.held: dict[str, Placement] = {}  # task -> its placement on one of our machines
         self.last: dict[str, int] = {}  # task placed here -> time of the last command applied to it
         self.waiting: list[tuple[int, Event]] = []  # (mark when it arrived, command), in arrival order
+        self.unplaced: list[tuple[str, str]] = []  # (task, machine of ours it left) since ``take_unplaced``
 
     def fold(self, ev: Event) -> list[Event]:
         """Apply an ``allocations`` event; return the waiting commands it admits (removed from the wait)."""
         touched = set()
         for task, machine, placement in changes(ev, self.machine_ok):
+            cur = self.held.get(task)
             if placement is not None:
+                if cur is not None and cur.machine_id != placement.machine_id:  # moved between two of ours
+                    self.unplaced.append((task, cur.machine_id))
                 self.held[task] = placement
                 touched.add(task)
-            elif (cur := self.held.get(task)) is not None and (ev.type == "TasksAllocated"
-                                                               or cur.machine_id == machine):
+            elif cur is not None and (ev.type == "TasksAllocated" or cur.machine_id == machine):
                 del self.held[task]
                 self.last.pop(task, None)
+                self.unplaced.append((task, cur.machine_id))
         if not touched or not self.waiting:
             return []
         admitted, still = [], []
@@ -182,6 +198,17 @@ class Gate:
                 still.append((mark, cmd))
         self.waiting = still
         return admitted
+
+    def take_unplaced(self) -> list[tuple[str, str]]:
+        """The (task, machine) pairs whose placement on one of our machines the fold ended (another machine, or
+        freed) since the last call, in fold order (``placed_on`` tells whether it is there again since)."""
+        out, self.unplaced = self.unplaced, []
+        return out
+
+    def placed_on(self, task: str, machine: str) -> bool:
+        """Whether the fold places ``task`` on ``machine`` now."""
+        cur = self.held.get(task)
+        return cur is not None and cur.machine_id == machine
 
     def _verdict(self, cmd: Event) -> str | None:
         task = cmd.payload["task_id"]
@@ -247,6 +274,8 @@ class Judge:
         self.target: dict[tuple[str, int], int] | None = None  # high watermarks measured at ``target_mark``
         self.target_mark = 0
         self.refused: list[Event] = []  # refused at once (forged, not from the scheduler, stale): ``refusals``
+        self.unplacing: list[tuple[int, str, str]] = []  # (mark, task, machine it left), until the fold is final
+        self.stops: list[tuple[str, str]] = []  # (task, machine): the fold is final and places it elsewhere
         self.admitted = 0
         self.waited = 0
 
@@ -264,7 +293,15 @@ class Judge:
                 act += released
                 continue
             act += self._judge(commands(ev, machine_ok), now_ms)
+        self.unplacing += [(self.mark, t, m) for t, m in self.gate.take_unplaced()]
         return act
+
+    def take_stops(self) -> list[tuple[str, str]]:
+        """The (task, machine) pairs to stop if that machine runs the task (``decide.Unplaced``): the fold placed the
+        task elsewhere (or freed it), has read ``allocations`` up to the high watermarks measured after, and still
+        does not place it there. Filled by ``refusals``; emptied here."""
+        out, self.stops = self.stops, []
+        return out
 
     def take_refused(self, consumer, machine_ok: Callable[[str], bool], now_ms: int, dead_letters=None) -> int:
         """The records ``consumer`` refused for their proof (its ``refused``, emptied) that concern a machine
@@ -303,12 +340,15 @@ class Judge:
 
     def refusals(self, consumer, now_ms: int, start: Mapping[tuple[str, int], int] | None = None) -> list[Event]:
         out, self.refused = self.refused, []
-        if not self.gate.waiting:
+        if not self.gate.waiting and not self.unplacing:
             self.target = None
             return out
         if self.target is None:  # every placement written before the waiting commands is below these
             self.target, self.target_mark = consumer.high_watermarks(self.partitions), self.mark
         elif consumer.read_up_to(self.target, start or {}):
             out += [refusal(cmd, why, held, now_ms) for cmd, why, held in self.gate.expire(self.target_mark)]
+            final = [(t, m) for mark, t, m in self.unplacing if mark <= self.target_mark]
+            self.unplacing = [u for u in self.unplacing if u[0] > self.target_mark]
+            self.stops += [(t, m) for t, m in dict.fromkeys(final) if not self.gate.placed_on(t, m)]
             self.target = None
         return out

@@ -467,6 +467,10 @@ class ProcessAgent(LoopWorker):
             log.warning("agent %s: refused %s of %s: %s", self.machine_id, ev.payload["command"],
                         ev.payload["task_id"], ev.payload["message"])
             self._send(ev)
+        for task_id, _ in self.judge.take_stops():  # placed elsewhere since: a START read before the move
+            if task_id in self.state.live_task_ids():
+                log.warning("agent %s: stops %s: the allocations log placed it elsewhere", self.machine_id, task_id)
+                self.feed(d.Unplaced(task_id))
         if refused:
             self.save()
 

@@ -300,6 +300,10 @@ class SimulatedAgents(LoopWorker):
         for ev in refused:
             if ev.payload["machine_id"] not in self.failed:
                 self.producer.send(ev, validate=False)
+        for task, machine in self.judge.take_stops():  # placed elsewhere since: a START read before the move
+            state = self.states.get(machine)
+            if state is not None and task in state.tasks:
+                self.feed(machine, d.Unplaced(task), now)
         if refused:
             self._dirty = True
         return len(refused)

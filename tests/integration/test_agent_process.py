@@ -363,6 +363,35 @@ def test_restarted_agent_adopts_its_running_task(cfg, registry, agents):
         tasks.close()
 
 
+def test_a_start_admitted_before_the_move_it_is_stale_for_is_stopped_when_the_fold_reads_the_move(cfg, registry,
+                                                                                                  agents):
+    """Issue 26: a scheduler shard paused past its group's session timeout wakes up stale and STARTs a task on the
+    machine it was moved off, after the new owner's fence STOP; the agent, whose fold of ``allocations`` has not read
+    the move yet, runs it (its fold still places the task here). Made here in that order, each step waiting on the
+    agent's report: RUNNING, the fence STOP, the stale START run again, then the move read: the agent stops the task
+    itself (STOPPED ``not_placed``) and its process is gone."""
+    from processors.agent.decide import REASON_NOT_PLACED
+
+    m, task = "m-s", "j1/stale"
+    tasks = Reader(cfg, registry, "tasks")
+    try:
+        agent, pid = agents.start_running(cfg, registry, tasks, m, task)
+        send(cfg, registry, command(task, "STOP", m))  # the new owner's fence, before the move is placed
+        tasks.until(lambda evs: reports(evs, task)[-1][0] == "STOPPED", 20, "STOPPED by the fence")
+        send(cfg, registry, command(task, "START", m, ["sleep", "600"]))  # the stale shard's START, read first
+        tasks.until(lambda evs: reports(evs, task).count(("RUNNING", None)) == 2, 30, "the stale START running")
+        stale = agents.task_pid(agents.tmp / m, task)
+        assert stale and pid_alive(stale) and stale != pid
+        send(cfg, registry, allocated("j1", {task: "m-elsewhere"}))  # the move, read late
+        tasks.until(lambda evs: reports(evs, task)[-1][0] == "STOPPED", 30, "the task stopped by the agent itself")
+        last = [e for e in tasks.events if e.type == "TaskStateChanged" and e.payload["task_id"] == task][-1]
+        assert last.payload["reason"] == REASON_NOT_PLACED and last.payload["machine_id"] == m
+        wait_for(lambda: not pid_alive(stale), 10, f"pid {stale} gone")
+        assert agent.poll() is None
+    finally:
+        tasks.close()
+
+
 # -- (d) simulated agents ----------------------------------------------------------------------------------------
 
 def test_simulated_agents_run_10000_machines(cfg, registry):

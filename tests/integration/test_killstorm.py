@@ -29,7 +29,7 @@ def test_a_small_scaled_out_kill_storm_with_pauses_and_a_power_loss_loses_and_do
                                   "--allocators", "2", "--brokers", "3", "--pause-every", "4",
                                   "--power-loss-after", str(KILLS // 2), "--json"], 680, cwd=tmp_path, env=env)
     doc = json.loads(out.stdout)
-    failed = {k: doc[k] for k in (*COUNTS, "redis_matches_log", "converged", "not_converged", "running_twice",
+    failed = {k: doc[k] for k in (*COUNTS, "redis_matches_log", "converged", "not_converged", "running_twice_told",
                                   "overcommitted", "restarts_by_program", "kills_by_victim")}
     assert doc["converged"] and not doc["not_converged"], doc["not_converged"]  # which jobs, in full
     assert out.returncode == 0 and doc["passed"], failed

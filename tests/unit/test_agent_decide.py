@@ -2,10 +2,11 @@
 import pytest
 
 from processors.agent.decide import (
-    FAILED, KILL, REASON_ALREADY_RUNNING, REASON_EXITED, REASON_NOT_IN_LOG, REASON_NOT_RUNNING, REASON_PROCESS_UP,
-    REASON_RESTART_LIMIT, REASON_SPAWN_FAILED, REASON_SPAWNING, REASON_STOP_COMMANDED, RUNNING, SPAWN, STARTING,
-    STOPPED, UNKNOWN, WHY_NEW_SPEC, WHY_NOT_IN_LOG, WHY_RESTART_POLICY, AgentError, Command, Exited, Orphaned, Policy,
-    SpawnFailed, Spawned, Suspended, Tick, decide, forget_finished, initial_state, run_from_json, run_to_json,
+    FAILED, KILL, REASON_ALREADY_RUNNING, REASON_EXITED, REASON_NOT_IN_LOG, REASON_NOT_PLACED, REASON_NOT_RUNNING,
+    REASON_PROCESS_UP, REASON_RESTART_LIMIT, REASON_SPAWN_FAILED, REASON_SPAWNING, REASON_STOP_COMMANDED, RUNNING,
+    SPAWN, STARTING, STOPPED, UNKNOWN, WHY_NEW_SPEC, WHY_NOT_IN_LOG, WHY_NOT_PLACED, WHY_RESTART_POLICY, AgentError,
+    Command, Exited, Orphaned, Policy, SpawnFailed, Spawned, Suspended, Tick, Unplaced, decide, forget_finished,
+    initial_state, run_from_json, run_to_json,
 )
 from streams.events import new_event
 from streams.serde import SchemaRegistry
@@ -72,9 +73,27 @@ CASES = {
         UP_ + [(Exited("j/0", 3), 2), (Suspended("j/0"), 3), (Suspended("zz"), 4)],
         UP_OUT + [([], []), ([], []), ([], [])]),
     # A log that does not command the task (the agent's offsets belonged to another one): stopped.
-    "orphaned: killed, STOPPED on exit": (
+    "orphaned: killed, STOPPED (not_in_log) on exit": (
         UP_ + [(Orphaned("j/0"), 2), (Exited("j/0", -15), 3)],
-        UP_OUT + [([], [(KILL, "j/0", WHY_NOT_IN_LOG)]), ([(STOPPED, RUNNING, REASON_STOP_COMMANDED, -15)], [])]),
+        UP_OUT + [([], [(KILL, "j/0", WHY_NOT_IN_LOG)]), ([(STOPPED, RUNNING, REASON_NOT_IN_LOG, -15)], [])]),
+    # Issue 26: the allocations log placed the task elsewhere (or freed it) after a START the agent ran (a stale
+    # shard's, read before the move): stopped, the report naming why; a STOP that comes meanwhile changes nothing.
+    "unplaced: killed, STOPPED (not_placed) on exit": (
+        UP_ + [(Unplaced("j/0"), 2), (cmd("STOP"), 3), (Exited("j/0", -15), 4)],
+        UP_OUT + [([], [(KILL, "j/0", WHY_NOT_PLACED)]), ([], []), ([(STOPPED, RUNNING, REASON_NOT_PLACED, -15)], [])]),
+    "unplaced in backoff: STOPPED at once; unknown, stopped or unplaced again: nothing": (
+        UP_ + [(Exited("j/0", 3), 2), (Unplaced("j/0"), 3), (Unplaced("j/0"), 4), (Unplaced("zz"), 5)],
+        UP_OUT + [([], []), ([(STOPPED, RUNNING, REASON_NOT_PLACED, 3)], []), ([], []), ([], [])]),
+    "unplaced while killed for a new spec: the new spec is not run": (
+        UP_ + [(cmd("START", spec=2), 2), (Unplaced("j/0"), 3), (Exited("j/0", -15), 4)],
+        UP_OUT + [([], [(KILL, "j/0", WHY_NEW_SPEC)]), ([], []), ([(STOPPED, RUNNING, REASON_NOT_PLACED, -15)], [])]),
+    "unplaced, then placed here again and started: runs, a later STOP reports stop_commanded": (
+        UP_ + [(Unplaced("j/0"), 2), (Exited("j/0", -15), 3), (cmd("START", eid="back"), 4), (Spawned("j/0"), 5),
+               (cmd("STOP"), 6), (Exited("j/0", -15), 7)],
+        UP_OUT + [([], [(KILL, "j/0", WHY_NOT_PLACED)]), ([(STOPPED, RUNNING, REASON_NOT_PLACED, -15)], []),
+                  ([(STARTING, STOPPED, REASON_SPAWNING, None)], [(SPAWN, "j/0", "commanded")]),
+                  ([(RUNNING, STARTING, REASON_PROCESS_UP, None)], []), ([], [(KILL, "j/0", "commanded")]),
+                  ([(STOPPED, RUNNING, REASON_STOP_COMMANDED, -15)], [])]),
     "orphaned in backoff: STOPPED at once; unknown or stopped: nothing": (
         UP_ + [(Exited("j/0", 3), 2), (Orphaned("j/0"), 3), (Orphaned("j/0"), 4), (Orphaned("zz"), 5)],
         UP_OUT + [([], []), ([(STOPPED, RUNNING, REASON_NOT_IN_LOG, 3)], []), ([], []), ([], [])]),

@@ -228,3 +228,71 @@ def test_the_gate_keeps_the_times_and_the_proven_identities_across_a_restart():
     again.load_json(gate.to_json())
     assert again.last == {"e1.web/0": 2000}
     assert [c.identity for _, c in again.waiting] == ["scheduler"]
+
+
+# -- issue 26: a START read before the move it is stale for ------------------------------------------------------
+# A scheduler shard paused past its group's session timeout wakes up stale and commands a task where it was; an agent
+# whose fold of ``allocations`` has not read the move yet admits it (its fold places the task here). Once the fold
+# has read the move and caught up with the high watermarks measured after it, the Judge names the task to stop
+# there (``take_stops``; the wiring stops it if it runs it: ``decide.Unplaced``). Steps: ("fold", allocations
+# event), ("cmd", command), ("final",): the consumer reads up to the watermarks and the verdicts become final.
+# Expected: the commands admitted, the refusals' reasons, the stops, in order.
+T = "e1.web/0"
+
+
+def start(event_id, ms, machine="m1"):
+    return at(cmd(task=T, machine=machine, event_id=event_id), ms)
+
+
+STALE_START_CASES = {
+    "fresh START: placed here, admitted, nothing stopped": (
+        [("fold", allocated({T: "m1"})), ("cmd", start("s1", 10)), ("final",)],
+        ["s1"], [], []),
+    "START racing ahead of its placement: waits, admitted when the fold reads it": (
+        [("cmd", start("s1", 10)), ("fold", allocated({T: "m1"})), ("final",)],
+        ["s1"], [], []),
+    "stale START, fold behind the move: admitted, then stopped once the fold is final": (
+        [("fold", allocated({T: "m1"})), ("cmd", start("s1", 10)), ("fold", allocated({T: "m9"})), ("final",)],
+        ["s1"], [], [(T, "m1")]),
+    "stale START, fold behind a free: admitted, then stopped": (
+        [("fold", allocated({T: "m1"})), ("cmd", start("s1", 10)), ("fold", deallocated({T: "m1"})), ("final",)],
+        ["s1"], [], [(T, "m1")]),
+    "stale START read after the fold saw the move: waits, refused (nothing runs)": (
+        [("fold", allocated({T: "m1"})), ("fold", allocated({T: "m9"})), ("cmd", start("s1", 10)), ("final",)],
+        [], [g.REFUSED_NOT_ALLOCATED], [(T, "m1")]),  # the stop finds no run: the wiring does nothing
+    "moved away and back before the fold is final: not stopped": (
+        [("fold", allocated({T: "m1"})), ("cmd", start("s1", 10)), ("fold", allocated({T: "m9"})),
+         ("fold", allocated({T: "m1"})), ("final",)],
+        ["s1"], [], []),
+    "moved back after a stop: the new START runs": (
+        [("fold", allocated({T: "m1"})), ("cmd", start("s1", 10)), ("fold", allocated({T: "m9"})), ("final",),
+         ("fold", allocated({T: "m1"})), ("cmd", start("s2", 20)), ("final",)],
+        ["s1", "s2"], [], [(T, "m1")]),
+    "moved between two machines of this agent (simulated): stopped on the one it left": (
+        [("fold", allocated({T: "m1"})), ("cmd", start("s1", 10)), ("fold", allocated({T: "m2"})),
+         ("cmd", start("s2", 20, machine="m2")), ("final",)],
+        ["s1", "s2"], [], [(T, "m1")]),
+    "placed on another agent's machine, never here: nothing to stop": (
+        [("fold", allocated({T: "m9"})), ("fold", allocated({T: "m8"})), ("final",)],
+        [], [], []),
+}
+
+
+@pytest.mark.parametrize("name", list(STALE_START_CASES))
+def test_a_start_the_fold_later_finds_stale_is_stopped_once_the_fold_is_final(name):
+    steps, admitted, refused, stops = STALE_START_CASES[name]
+    judge = g.Judge(g.Gate({"m1", "m2"}.__contains__), [("a", 0)])
+    consumer = FakeConsumer()
+    got_admitted, got_refused, got_stops = [], [], []
+    for step in steps:
+        if step[0] == "final":
+            consumer.high[("a", 0)] += 1
+            for _ in range(2):  # measures the watermarks, then (read up to them) the verdicts are final
+                consumer.read[("a", 0)] = consumer.high[("a", 0)]
+                got_refused += [ev.payload["reason"] for ev in judge.refusals(consumer, 0)]
+            got_stops += judge.take_stops()
+        else:
+            got_admitted += [c.event_id for c in judge.take([step[1]], {"m1", "m2"}.__contains__, 0)]
+            assert judge.take_stops() == []  # never before the fold is final
+    assert (got_admitted, got_refused, got_stops) == (admitted, refused, stops)
+    assert judge.unplacing == [] and judge.gate.unplaced == []
