@@ -295,15 +295,11 @@ class Storm:
         (the services, then the control plane with the same counts)."""
         from bench.env import FAUST_ENV
         from infra import services
-        from infra.process import pid_alive
         from processors import controlplane
 
         self.wake_due(0.0, all_=True)
         at = time.monotonic()
-        pids = services.power_off(self.cfg)
-        deadline = time.monotonic() + 30
-        while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        pids = services.power_off(self.cfg)  # kills every process and waits until they are gone
         time.sleep(POWER_OFF_S)
         services.up(self.cfg)
         region = controlplane.up(self.cfg, self.opts.machines, ready_timeout_s=300.0, env=dict(FAUST_ENV),

@@ -324,13 +324,14 @@ def region_pids(cfg: Config) -> dict[str, int]:
 def power_off(cfg: Config, timeout_s: float = 30.0) -> dict[str, int]:
     """A power loss of the whole local region: every process of ``region_pids`` SIGKILLed at once, then every process
     still running as a task's own uid, again until none is left (a task's shell forks between the listing and the
-    kill; a power loss spares none). Returns the processes listed; the caller waits for them to be gone
-    (``bench/killstorm.py``, ``tests/integration/test_cold_start.py``)."""
+    kill; a power loss spares none); then waits, up to ``timeout_s`` in all, until every process listed is gone.
+    Returns the processes listed (name -> pid); those still alive after the wait are ``power_off_survivors``. The one
+    power loss of ``bench/killstorm.py`` and ``tests/integration/test_cold_start.py``."""
     import json
     import os
     import signal
 
-    from infra.process import processes_of
+    from infra.process import pid_alive, processes_of
 
     pids = region_pids(cfg)
     uids = set()
@@ -352,7 +353,16 @@ def power_off(cfg: Config, timeout_s: float = 30.0) -> dict[str, int]:
             except ProcessLookupError:
                 pass
         time.sleep(0.01)
+    while any(pid_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return pids
+
+
+def power_off_survivors(pids: dict[str, int]) -> dict[str, int]:
+    """The processes of a ``power_off`` still alive (none, when the power loss did its work)."""
+    from infra.process import pid_alive
+
+    return {name: pid for name, pid in pids.items() if pid_alive(pid)}
 
 
 def _by_pid(name: str, cfg: Config) -> ManagedProcess:

@@ -79,7 +79,7 @@ class Follower(LoopWorker):
                                       name=self.NAME, dead_letters=self.dead_letters, types=self.TYPES, follows=True,
                                       **conf)
         t0 = time.monotonic()
-        n = read_to_end(self.consumer, lambda recs: self._handle(recs, live=False))
+        n = read_to_end(self.consumer, lambda recs: self._handle(recs, live=False), stop=self.stopping)
         missing = self.caught_up()
         self.produce(missing)
         self.live = True
@@ -130,7 +130,8 @@ class Follower(LoopWorker):
             return out
 
     def run(self) -> None:
-        self.start()
+        if not self.begin(self.start):  # stopped while catching up
+            return
         print(f"{self.NAME} ready", flush=True)
         self.loop()
 

@@ -7,6 +7,11 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
+
+from streams.catchup import CatchUpStopped
+
+log = logging.getLogger(__name__)
 
 
 class LoopWorker:
@@ -26,6 +31,21 @@ class LoopWorker:
 
     def stop(self, *_) -> None:
         self._stopping = True
+
+    def stopping(self) -> bool:
+        """Whether a stop was asked (``read_to_end``'s ``stop``: a catch-up honours it too)."""
+        return self._stopping
+
+    def begin(self, start: Callable[[], object]) -> bool:
+        """Run ``start`` (the worker's catch-up): True when it caught up; False when a stop came during it
+        (``CatchUpStopped``): then nothing is decided from the partial fold and the worker is closed."""
+        try:
+            start()
+        except CatchUpStopped as exc:
+            log.info("%s; closing", exc)
+            self.close()
+            return False
+        return True
 
     def stop_on_signals(self) -> None:
         """SIGTERM (`ropewalk down`) and SIGINT end the loop after the current step."""

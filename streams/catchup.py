@@ -17,9 +17,14 @@ class CatchUpTimeout(RuntimeError):
     """Catching up stalled: some partition made no progress towards its end for the timeout (broker away)."""
 
 
+class CatchUpStopped(RuntimeError):
+    """The reader was told to stop (SIGTERM: ``ropewalk down``) before it caught up: what it folded is partial, so
+    nothing may be decided from it (``processors.worker.LoopWorker.begin`` closes the worker instead)."""
+
+
 def read_to_end(consumer: EventConsumer, on_records: Callable[[list[Record]], None], *,  # noqa: C901
                 partitions: Iterable[tuple[str, int]] | None = None,
-                timeout_s: float = CATCH_UP_TIMEOUT_S) -> int:
+                timeout_s: float = CATCH_UP_TIMEOUT_S, stop: Callable[[], bool] | None = None) -> int:
     """Poll ``consumer`` until every one of ``partitions`` (default: all it reads) has been read up to where it
     ended when the call started; hand each batch to ``on_records`` (records beyond that end, and records of
     other partitions, included: the consumer goes on following from there). Returns the records handed over.
@@ -33,7 +38,11 @@ def read_to_end(consumer: EventConsumer, on_records: Callable[[list[Record]], No
 
     ``timeout_s`` bounds a stall, not the whole read: ``CatchUpTimeout`` is raised when no unfinished
     partition has advanced (no record read or dead-lettered on it, none finished) for ``timeout_s``. A big
-    topic that takes longer to fold but keeps moving does not time out."""
+    topic that takes longer to fold but keeps moving does not time out.
+
+    ``stop`` (a worker's stop flag: ``LoopWorker.stopping``) is asked before every poll: when it says so,
+    ``CatchUpStopped`` is raised, one poll (``POLL_S``) and one batch's fold at most after the request, however long
+    the log is."""
     want = list(partitions if partitions is not None else consumer.partitions())
     listed = consumer.watermarks()
     floor: dict[tuple[str, int], int] = {}  # ListOffsets high watermark: a lower bound of the end
@@ -63,6 +72,8 @@ def read_to_end(consumer: EventConsumer, on_records: Callable[[list[Record]], No
     dead_lettered = consumer.dead_lettered
     last_progress = time.monotonic()
     while pending:
+        if stop is not None and stop():
+            raise CatchUpStopped(f"{consumer.name}: stopped while catching up, after {n} records")
         records = consumer.poll(POLL_MAX, POLL_S)
         progressed = consumer.dead_lettered != dead_lettered
         dead_lettered = consumer.dead_lettered

@@ -292,6 +292,36 @@ BACKGROUND_READER = {"fetch.wait.max.ms": 500, "fetch.min.bytes": 64 * 1024}
 POSITION_COMMIT_S = 1.0  # how often a follower reports its position to its group (EventConsumer)
 
 
+class OffsetQueries:
+    """A client of its own, never assigned, for ListOffsets (the watermarks of partitions): made at the first
+    question, closed by ``close``; safe to ask from several threads. A broker answers one connection's requests in
+    order, and an assigned consumer always has a fetch in flight that waits up to ``fetch.wait.max.ms``: on it, each
+    ListOffsets waited for a fetch (100 ms: 4 s for a worker's catch-up over 40 partitions, 20 s for a background
+    reader's 500 ms fetches, 2026-11-28); on this one it takes a millisecond. And librdkafka's consumer blocks one
+    call while another thread consumes with it. The one place EventConsumer and the partition map ask."""
+
+    def __init__(self, cfg: Config, name: str):
+        self.cfg, self.name = cfg, name
+        self._client: Consumer | None = None
+        self._lock = threading.Lock()
+
+    def watermarks(self, topic: str, partition: int, timeout_s: float = 10.0) -> tuple[int, int]:
+        """(low, high) of ``topic``'s ``partition`` as the broker lists them now (``retry.watermark_offsets``)."""
+        with self._lock:
+            if self._client is None:
+                self._client = Consumer(consumer_conf(self.cfg, None, **{"client.id": client_id(self.name)}))
+            return watermark_offsets(self._client, TopicPartition(topic, partition), timeout_s)
+
+    def high_watermark(self, topic: str, partition: int, timeout_s: float = 10.0) -> int:
+        return self.watermarks(topic, partition, timeout_s)[1]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
 class EventConsumer:
     """Reads topics and yields decoded `Record`s; a bad record is skipped, counted in `skipped` and, with
     `dead_letters`, routed to the dead-letter topic.
@@ -347,7 +377,7 @@ class EventConsumer:
         self._handed: dict[tuple[str, int], int] = {}  # the next offset per partition after the last poll's records
         self._at_end: dict[tuple[str, int], int] = {}  # partitions read to their end: the end offset then
         self._committed_at = 0.0
-        self._offsets_client: Consumer | None = None  # ``_queries``
+        self._offsets = OffsetQueries(cfg, f"{name}-offsets")  # ListOffsets, not on the assigned consumer
         self._consumer = Consumer(consumer_conf(cfg, group_id or self.position_group,
                                                 **{"client.id": client_id(name), **conf}))
         self.eof: set[tuple[str, int]] = set()
@@ -395,8 +425,7 @@ class EventConsumer:
 
     def high_watermarks(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """The broker's high watermark of each partition now (ListOffsets)."""
-        queries = self._queries()
-        return {(t, p): watermark_offsets(queries, TopicPartition(t, p))[1] for t, p in partitions}
+        return {(t, p): self._offsets.high_watermark(t, p) for t, p in partitions}
 
     def read_up_to(self, targets: Mapping[tuple[str, int], int], start: Mapping[tuple[str, int], int]) -> bool:
         """Whether this consumer has read every partition of ``targets`` up to (below) its offset: its last record
@@ -405,18 +434,7 @@ class EventConsumer:
 
     def watermarks(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(low, high) per partition as the broker lists them (ListOffsets)."""
-        queries = self._queries()
-        return {(t, p): watermark_offsets(queries, TopicPartition(t, p)) for t, p in self.partitions()}
-
-    def _queries(self) -> Consumer:
-        """A client of this reader's own, never assigned, for ListOffsets. A broker answers one connection's requests
-        in order, and the assigned consumer always has a fetch in flight that waits up to ``fetch.wait.max.ms``: on
-        it, each ListOffsets waited for a fetch (100 ms: 4 s for a worker's catch-up over 40 partitions, 20 s for a
-        background reader's 500 ms fetches, 2026-11-28); on this one it takes a millisecond."""
-        if self._offsets_client is None:
-            self._offsets_client = Consumer(consumer_conf(self.cfg, None,
-                                                          **{"client.id": client_id(f"{self.name}-offsets")}))
-        return self._offsets_client
+        return {(t, p): self._offsets.watermarks(t, p) for t, p in self.partitions()}
 
     def poll(self, max_records: int = 1000, timeout_s: float = 1.0, *, linger_s: float | None = None) -> list[Record]:
         """Up to ``max_records`` decoded records. ``linger_s`` None: wait until ``max_records`` are there or
@@ -552,9 +570,7 @@ class EventConsumer:
         if self.position_group is not None:
             self.report_position(force=True)
         self._consumer.close()
-        if self._offsets_client is not None:
-            self._offsets_client.close()
-            self._offsets_client = None
+        self._offsets.close()
 
 
 def belongs(catalogue: Topics, physical_topic: str, type_: str) -> bool:

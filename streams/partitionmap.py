@@ -138,7 +138,7 @@ class MapFollower:
     POLL_S = 0.2
 
     def __init__(self, cfg, registry=None, *, name: str = "partitionmap"):
-        from streams.clients import EventConsumer
+        from streams.clients import EventConsumer, OffsetQueries
         from streams.serde import SchemaRegistry
         from streams.topics import Topics
 
@@ -148,8 +148,7 @@ class MapFollower:
         self.map = PartitionMap(cfg.partitions)
         self._consumer = EventConsumer(cfg, registry or SchemaRegistry.from_dir(), [self.topic], name=name,
                                        types=(EVENT,))
-        self._queries = None  # a client of its own for the ends of partitions (librdkafka's consumer blocks one call
-        self._queries_lock = threading.Lock()  # while another thread consumes with it)
+        self._offsets = OffsetQueries(cfg, "partitionmap")  # a client of its own for the ends of partitions
         self._position = 0  # the next offset to read
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -208,15 +207,7 @@ class MapFollower:
 
     def high_watermark(self, topic: str, partition: int, timeout_s: float = 10.0) -> int:
         """The broker's end of ``topic``'s ``partition`` now (ListOffsets): a scheduler's drain offset."""
-        from confluent_kafka import Consumer, TopicPartition
-
-        from streams.clients import client_id, consumer_conf
-        from streams.retry import watermark_offsets
-
-        with self._queries_lock:
-            if self._queries is None:
-                self._queries = Consumer(consumer_conf(self.cfg, None, **{"client.id": client_id("partitionmap")}))
-            return watermark_offsets(self._queries, TopicPartition(topic, partition), timeout_s)[1]
+        return self._offsets.high_watermark(topic, partition, timeout_s)
 
     def partition_of(self, entitlement: str) -> int:
         with self._cond:
@@ -238,10 +229,7 @@ class MapFollower:
         if self._thread.is_alive():
             self._thread.join(5.0)
         self._consumer.close()
-        with self._queries_lock:
-            if self._queries is not None:
-                self._queries.close()
-                self._queries = None
+        self._offsets.close()
 
 
 def read_map(cfg, registry=None, timeout_s: float = 10.0) -> PartitionMap:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+from streams.topics import is_free_pool_key
+
 VIEWER = "viewer"
 OPERATOR = "operator"
 OWNER = "owner"
@@ -143,8 +145,8 @@ def decide(user: User, action: str, entitlement: str | None) -> Decision:
 
 
 def visible(user: User, entitlement: str | None) -> bool:
-    """Whether ``user`` may see things of ``entitlement`` (None or a free pool ``free/<dc>``: free machines, which
-    every user may see). Pure."""
-    if user.region_admin or entitlement is None or entitlement.startswith("free/"):
+    """Whether ``user`` may see things of ``entitlement`` (None or a free pool's key, ``streams.topics.free_pool_key``:
+    free machines, which every user may see). Pure."""
+    if user.region_admin or entitlement is None or is_free_pool_key(entitlement):
         return True
     return entitlement in user.roles

@@ -11,7 +11,8 @@ also where it learns the key of a machine's events — its entitlement or ``free
   together: one MachinesStatusChanged(UP→UNHEALTHY, ``heartbeat_missed``) per owner key (1% of a region
   failing is one event per owner, not one per machine; Twine §2.1 has the HCS update the Resource Broker).
 
-Only UP and UNHEALTHY are the service's to judge. DOWN and MAINTENANCE belong to the Resource Broker: a
+Only UP and UNHEALTHY are the service's to judge, by the triggers SILENT and HEARD of the machines' one status
+table (``resourcebroker/status.py``, the Resource Broker's too). DOWN and MAINTENANCE belong to the Resource Broker: a
 machine there is not judged (its heartbeats are still recorded), and when it comes back UP its silence is
 counted from then. A status event older than the status held is ignored (the service's own decisions come
 back on the log after it has moved on). Heartbeat time is the heartbeat's own timestamp.
@@ -25,17 +26,15 @@ from typing import NamedTuple
 
 from processors.cowmap import MACHINE_SHARDS, CowMap
 from processors.resourcebroker.decide import REASON_HEALTH_CHECK
+from processors.resourcebroker.status import DOWN, HEALTH_JUDGED, HEARD, SILENT, UP, moves, next_status
 from streams import batches
 from streams.batches import MACHINES_STATUS_CHANGED
-from streams.enums import MachineStatus
 from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
 
 from . import zones as z
 from .liveness import Liveness
 from .zones import DisruptionPolicy, Zone
-
-UP, UNHEALTHY, DOWN = MachineStatus.UP, MachineStatus.UNHEALTHY, MachineStatus.DOWN
 
 PRODUCER = "health"
 
@@ -56,7 +55,7 @@ COUNTED = frozenset({HB_ACCEPTED, HB_AGENT_RESTARTED})
 # refused (dead-lettered, ``from_the_future``), not recorded. Clocks of a region agree within seconds (NTP).
 MAX_CLOCK_SKEW_MS = 30_000
 
-JUDGED = frozenset({UP, UNHEALTHY})  # statuses this service moves between; the rest are the broker's
+JUDGED = HEALTH_JUDGED  # statuses this service moves between (UP, UNHEALTHY); the rest are the broker's
 
 ZONE_DISRUPTION_CHANGED = "ZoneDisruptionChanged"
 # ZoneDisruptionChanged.reason
@@ -143,7 +142,7 @@ class HealthState:
                 if rec is not None and _member(rec):
                     n, away = sizes.get(rec.dc, (0, 0))
                     sizes[rec.dc] = (n + sign, away + sign * (rec.status != UP))
-            (unhealthy.add if new.status == UNHEALTHY else unhealthy.discard)(mid)
+            (unhealthy.add if moves(new.status, HEARD) else unhealthy.discard)(mid)  # those a heartbeat resumes
             (failed.add if _failed_here(new) else failed.discard)(mid)
         return replace(self, machines=self.machines.updated(changes), heard=self.heard if heard is None else heard,
                        unhealthy=frozenset(unhealthy), failed=frozenset(failed),
@@ -277,16 +276,16 @@ def verdict(last_sequence: int, last_seen_ms: int, sequence: int, timestamp_ms: 
     return HB_DUPLICATE if sequence == last_sequence else HB_STALE
 
 
-def _statuses(recs: Iterable[MachineHealth], status: str, reason: str, now_ms: int, id_parts,
+def _statuses(changes: Iterable[tuple[MachineHealth, str]], reason: str, now_ms: int, id_parts,
               causation_id: str | None, producer: str) -> list[Event]:
-    """One MachinesStatusChanged(→``status``) per owner key for ``recs`` (keys and machines sorted; split to at
-    most ``batches.MAX_ITEMS`` machines). An event's id derives from ``reason``, its key and ``id_parts(rec)`` of
-    its machines: what it says, not when it is said."""
-    groups: dict[str, list[MachineHealth]] = {}
-    for rec in recs:
-        groups.setdefault(rec.owner_key, []).append(rec)
+    """One MachinesStatusChanged(→ new status) per owner key and new status for ``changes`` (record before, its new
+    status; keys and machines sorted; split to at most ``batches.MAX_ITEMS`` machines). An event's id derives from
+    ``reason``, its key and ``id_parts(rec)`` of its machines: what it says, not when it is said."""
+    groups: dict[tuple[str, str], list[MachineHealth]] = {}
+    for rec, status in changes:
+        groups.setdefault((rec.owner_key, status), []).append(rec)
     out = []
-    for key, group in sorted(groups.items()):
+    for (key, status), group in sorted(groups.items()):
         for part in batches.split(sorted(group, key=lambda h: h.machine_id)):
             out.append(new_event(
                 MACHINES_STATUS_CHANGED,
@@ -295,6 +294,15 @@ def _statuses(recs: Iterable[MachineHealth], status: str, reason: str, now_ms: i
                 entitlement=key, entity_id=key, producer=producer, causation_id=causation_id, timestamp_ms=now_ms,
                 event_id=derived_event_id(PRODUCER, reason, key, *(id_parts(h) for h in part))))
     return out
+
+
+def _to(h: MachineHealth, trigger: str) -> str:
+    """The status ``trigger`` moves ``h`` to (the machines' one table: ``resourcebroker.status``); only called where
+    it moves it (raises otherwise: a decision here that the table does not allow)."""
+    to = next_status(h.machine_id, h.status, trigger)
+    if to is None:
+        raise HealthError(f"machine {h.machine_id}: {trigger!r} changes nothing in status {h.status}")
+    return to
 
 
 def on_heartbeat(state: HealthState, heartbeat: Event, *,
@@ -344,11 +352,12 @@ def on_beats(state: HealthState, beats: Iterable[Beat], *, producer: str = PRODU
         return state._with({}, heard), []
     now = max(b.timestamp_ms for _, b in resumed.values())
     first = next(iter(resumed.values()))[1]
-    events = _statuses((rec for rec, _ in resumed.values()), UP, HEARTBEAT_RESUMED, now,
+    moved = [(rec, _to(rec, HEARD)) for rec, _ in resumed.values()]
+    events = _statuses(moved, HEARTBEAT_RESUMED, now,
                        lambda h: f"{h.machine_id}@{resumed[h.machine_id][1].event_id or resumed[h.machine_id][1].timestamp_ms}",
                        first.event_id or None, producer)
-    changes = {mid: replace(rec, status=UP, status_ms=now, status_reason=HEARTBEAT_RESUMED)
-               for mid, (rec, _) in resumed.items()}
+    changes = {rec.machine_id: replace(rec, status=to, status_ms=now, status_reason=HEARTBEAT_RESUMED)
+               for rec, to in moved}
     return state._with(changes, heard), events
 
 
@@ -400,7 +409,7 @@ def _silent(state: HealthState, now_ms: int, timeout_ms: int) -> tuple[HealthSta
     if state.clocks_from_ms >= cut:  # the clocks restarted less than a timeout ago: nobody is silent yet
         return state, []
     machines = state.machines
-    return state, [h for mid in heard.silent_ids() if (h := machines[mid]).status == UP]
+    return state, [h for mid in heard.silent_ids() if moves((h := machines[mid]).status, SILENT)]
 
 
 def _missed(state: HealthState, judged: list[MachineHealth], now_ms: int,
@@ -409,9 +418,10 @@ def _missed(state: HealthState, judged: list[MachineHealth], now_ms: int,
         seen, seq = state.heard.get(h.machine_id) or (0, -1)
         return f"{h.machine_id}@{seen}:{seq}"
 
-    events = _statuses(judged, UNHEALTHY, HEARTBEAT_MISSED, now_ms, silence, None, producer)
-    return state._with({h.machine_id: replace(h, status=UNHEALTHY, status_ms=now_ms, status_reason=HEARTBEAT_MISSED)
-                        for h in judged}), events
+    moved = [(h, _to(h, SILENT)) for h in judged]
+    events = _statuses(moved, HEARTBEAT_MISSED, now_ms, silence, None, producer)
+    return state._with({h.machine_id: replace(h, status=to, status_ms=now_ms, status_reason=HEARTBEAT_MISSED)
+                        for h, to in moved}), events
 
 
 def on_tick(state: HealthState, now_ms: int, timeout_ms: int, *, policy: DisruptionPolicy | None = None,

@@ -153,7 +153,8 @@ class HealthCheck(LoopWorker):
         t0 = time.monotonic()
         with folding(freeze=True):  # the machines this process watches from now on (streams/gc_control.py)
             n = read_to_end(self.consumer, self.handle,
-                            partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic])
+                            partitions=[tp for tp in self.consumer.partitions() if tp[0] == self.machines_topic],
+                            stop=self.stopping)
         self.restart_clocks(now_ms(), d.CLOCKS_STARTED)  # every live agent gets one timeout to speak
         log.info("health: caught up with %d records (%d machines watched) in %.1fs; nobody judged for %d ms", n,
                  len(self.health.machines), time.monotonic() - t0, self.timeout_ms)
@@ -406,7 +407,8 @@ class HealthCheck(LoopWorker):
                 log.exception("health: tick at %d failed", now)
 
     def run(self) -> None:
-        self.start()
+        if not self.begin(self.start):  # stopped while catching up
+            return
         p = self.policy
         print(f"health ready: {len(self.health.machines)} machines watched, timeout {self.timeout_ms} ms, "
               f"tick {self.tick_ms} ms, grace {self.grace_ms} ms; zones: threshold {p.unhealthy_zone_threshold:g}, "

@@ -124,7 +124,7 @@ def story(records: Sequence[Record], task_id: str, at_ms: int | None = None) -> 
         cause_id = last_rejection.event.causation_id
     else:
         cause_id = None
-    chain = []
+    chain: list[dict[str, Any]] = []
     seen = set()
     while cause_id is not None and cause_id not in seen and len(chain) < 4:
         seen.add(cause_id)
@@ -186,7 +186,7 @@ def why_not_there(cfg: Config, registry: SchemaRegistry, doc: Mapping[str, Any],
                               "cpu_free": m.cpu_free, "mem_free": m.mem_free, "maintenance": list(m.maintenance)}}
     chosen = fold.machine(doc["machine"]) if doc.get("machine") else None
     machines = {x.id: x for x in (m, chosen) if x is not None}
-    snapshot = {mid: fold.machine(mid) for mid in req.existing.values() if fold.machine(mid) is not None}
+    snapshot = {mid: x for mid in req.existing.values() if (x := fold.machine(mid)) is not None}
     w = _Round(request=req, cpu_free={x.id: x.cpu_free for x in machines.values()},
                mem_free={x.id: x.mem_free for x in machines.values()},
                members={x.id for x in machines.values() if x.entitlement == ent.name},

@@ -21,7 +21,7 @@ Decisions (all keyed to the machine's current owner: its entitlement, or ``free/
 * ``maintenance_started``/``maintenance_ended``: per owner ONE MachinesStatusChanged(→MAINTENANCE / →UP), and on
   the end UnavailabilityEnded, one per owner.
 
-Status transitions live in ``STATUS_TRANSITIONS``; a trigger that finds the machine already where it leads
+Status transitions live in ``status.STATUS_TRANSITIONS`` (the one table, the health check's too); a trigger that finds the machine already where it leads
 (``NO_CHANGE``) emits nothing, anything else raises IllegalStatusTransition. Event ids come from
 ``derived_event_id`` over what caused them, so replaying a decision emits the same ids (at-least-once
 delivery: consumers drop an id they have seen). A failure's unavailability id is derived from the id of the
@@ -35,27 +35,17 @@ from types import MappingProxyType
 
 from processors.cowmap import MACHINE_SHARDS, CowMap
 from streams import batches
-from streams.enums import MachineStatus, UnavailabilityKind
+from streams.enums import UnavailabilityKind
 from streams.events import Event, derived_event_id, new_event
 from streams.batches import MACHINES_STATUS_CHANGED  # one status change of many machines of one owner
 from streams.topics import free_pool_key, is_free_pool_key
 
 from .region import MachineSpec
+from .status import (  # noqa: F401  (the table's names, as the broker's callers know them)
+    DOWN, FAILED, MAINTENANCE, MAINTENANCE_ENDED, MAINTENANCE_STARTED, NO_CHANGE, RECOVERED, STATUS_TRANSITIONS,
+    UNHEALTHY, UNKNOWN, UP, BrokerError, IllegalStatusTransition, next_status)
 
 PRODUCER = "resourcebroker"
-
-# Machine statuses: the MachineStatus symbols of schemas/MachineStatusChanged.avsc.
-UP = MachineStatus.UP
-UNHEALTHY = MachineStatus.UNHEALTHY
-DOWN = MachineStatus.DOWN
-MAINTENANCE = MachineStatus.MAINTENANCE
-UNKNOWN = MachineStatus.UNKNOWN  # a reader's fallback for a newer symbol; no transition leaves it
-
-# Triggers of status transitions.
-FAILED = "failed"
-RECOVERED = "recovered"
-MAINTENANCE_STARTED = "maintenance_started"
-MAINTENANCE_ENDED = "maintenance_ended"
 
 # Reasons: MachineStatusChanged.reason and UnavailabilityStarted.reason (callers may pass their own words).
 REASON_OPERATOR = "operator"  # an operator said so: ropewalk machine fail / recover
@@ -77,27 +67,6 @@ TARGET_MSB = "msb"
 TARGET_DC = "dc"
 DOMAIN_DEPTH = MappingProxyType({TARGET_DC: 1, TARGET_MSB: 2, TARGET_RACK: 3})  # path parts of a fault domain
 
-STATUS_TRANSITIONS = MappingProxyType({
-    (UP, FAILED): DOWN,
-    (UNHEALTHY, FAILED): DOWN,
-    (MAINTENANCE, FAILED): DOWN,  # broke during maintenance: its failure outlasts the window
-    (DOWN, RECOVERED): UP,
-    (UP, MAINTENANCE_STARTED): MAINTENANCE,
-    (UNHEALTHY, MAINTENANCE_STARTED): MAINTENANCE,
-    (MAINTENANCE, MAINTENANCE_ENDED): UP,
-})
-
-# (status, trigger) that change nothing and emit nothing: a repeated decision, or one already overtaken.
-NO_CHANGE = frozenset({
-    (DOWN, FAILED),
-    (UP, RECOVERED),
-    (MAINTENANCE, MAINTENANCE_STARTED),
-    (DOWN, MAINTENANCE_STARTED),  # already unavailable; stays DOWN until recovered
-    (UP, MAINTENANCE_ENDED),
-    (DOWN, MAINTENANCE_ENDED),  # failed during the window; stays DOWN until recovered
-    (UNHEALTHY, MAINTENANCE_ENDED),
-})
-
 MACHINE_EVENTS = ("MachineRegistered", "MachineStatusChanged", "MachineAssignedToEntitlement",
                   "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED)
 
@@ -109,22 +78,10 @@ def is_free(owner: str | None, status: str, under_maintenance: bool) -> bool:
     return owner is None and status == UP and not under_maintenance
 
 
-class BrokerError(ValueError):
-    """A decision cannot be taken on this input; the message says why."""
-
-
 class UnknownMachine(BrokerError):
     def __init__(self, machine_id: str):
         self.machine_id = machine_id
         super().__init__(f"unknown machine {machine_id!r}: not registered with the resource broker")
-
-
-class IllegalStatusTransition(BrokerError):
-    def __init__(self, machine_id: str, status: str, trigger: str):
-        self.machine_id, self.status, self.trigger = machine_id, status, trigger
-        legal = sorted(t for s, t in STATUS_TRANSITIONS if s == status)
-        super().__init__(f"machine {machine_id}: {trigger!r} is illegal in status {status}; "
-                         f"legal there: {', '.join(legal) or 'none'}")
 
 
 class RegistrationConflict(BrokerError):
@@ -321,15 +278,6 @@ def apply_all(state: BrokerState, events: Iterable[Event]) -> BrokerState:
 
 
 # -- status transitions ----------------------------------------------------------------------------------------
-
-def next_status(machine_id: str, status: str, trigger: str) -> str | None:
-    """The status ``trigger`` leads to; None when it changes nothing (``NO_CHANGE``); raises if illegal."""
-    if (status, trigger) in STATUS_TRANSITIONS:
-        return STATUS_TRANSITIONS[status, trigger]
-    if (status, trigger) in NO_CHANGE:
-        return None
-    raise IllegalStatusTransition(machine_id, status, trigger)
-
 
 def _status_event(rec: MachineRecord, status: str, reason: str, now_ms: int, event_id: str,
                   causation_id: str | None, producer: str) -> Event:

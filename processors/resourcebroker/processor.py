@@ -177,7 +177,8 @@ class ResourceBroker(LoopWorker):
         t0 = time.monotonic()
         with folding(freeze=True):  # the registry this process holds from now on (streams/gc_control.py)
             n = read_to_end(self.consumer, self.handle,
-                            partitions=[tp for tp in self.consumer.partitions() if tp[0] == machines])
+                            partitions=[tp for tp in self.consumer.partitions() if tp[0] == machines],
+                            stop=self.stopping)
             log.info("resourcebroker: caught up with %d records (%d machines known) in %.1fs", n, len(self.state),
                      time.monotonic() - t0)
             self.register_region()
@@ -243,7 +244,8 @@ class ResourceBroker(LoopWorker):
             self._freezer.grew(len(self.state))
 
     def run(self) -> None:
-        self.start()
+        if not self.begin(self.start):  # stopped while catching up: no registration from a partial registry
+            return
         print(f"resourcebroker ready: {len(self.state)} machines, {self.registered} registered", flush=True)
         self.loop()
 

@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
-from streams.clients import EventConsumer, EventProducer, producer_conf
+from streams.clients import EventConsumer, EventProducer, OffsetQueries, producer_conf
 from streams.events import new_event
 from streams.partitioner import partition_for
 from streams.state import current
@@ -149,3 +149,28 @@ def test_aborted_transactions_stay_invisible_to_ropewalks_readers(cfg, registry)
     # it is on the log: only the isolation level hides it
     keys = [m.key() for m in records_of_all(cfg, topics.name("state.jobs"), "read_uncommitted")]
     assert sorted(keys) == [b"e1.aborted", b"e1.kept"]
+
+
+def test_offset_queries_list_the_ends_the_readers_see(cfg, registry):
+    """``OffsetQueries`` is the one ListOffsets client: what it lists is what an EventConsumer's watermarks say, and a
+    closed one asks again with a new client."""
+    topic = Topics(cfg.topic_prefix, cfg.partitions).name("state.jobs")
+    producer = EventProducer(cfg, registry, "test")
+    for i in range(3):
+        producer.send(job_state("e1.ends", i + 1))
+    producer.flush()
+    partition = partition_for("e1.ends", cfg.partitions)
+    queries = OffsetQueries(cfg, "test-offsets")
+    reader = EventConsumer(cfg, registry, [topic], name="test-ends")
+    try:
+        assert queries.watermarks(topic, partition) == (0, 3)
+        assert queries.high_watermark(topic, (partition + 1) % cfg.partitions) == 0
+        assert reader.high_watermarks([(topic, partition)]) == {(topic, partition): 3}
+        assert reader.watermarks()[topic, partition] == (0, 3)
+        queries.close()
+        producer.send(job_state("e1.ends", 4))
+        producer.flush()
+        assert queries.high_watermark(topic, partition) == 4  # a new client after close
+    finally:
+        queries.close()
+        reader.close()

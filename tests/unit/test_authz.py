@@ -5,6 +5,7 @@ import pytest
 
 from processors.api import authz as a
 from processors.api.authz import User, decide, visible
+from streams.topics import free_pool_key
 
 ADMIN = User("root", region_admin=True)
 ALICE = User("alice", MappingProxyType({"e1": a.OWNER, "e2": a.VIEWER}))
@@ -65,6 +66,7 @@ def test_each_role_includes_those_below_it(role):
 
 @pytest.mark.parametrize("user,entitlement,seen", [
     (ALICE, "e1", True), (ALICE, "e2", True), (ALICE, "e3", False), (EVE, "e1", False),
-    (EVE, None, True), (EVE, "free/dc1", True), (ADMIN, "e3", True)])
+    (EVE, None, True), (EVE, "free/dc1", True), (EVE, free_pool_key("dc2"), True), (ADMIN, "e3", True),
+    (EVE, "free", False), (EVE, "freeloaders", False)])  # named like the pool, not a pool's key
 def test_visible(user, entitlement, seen):
     assert visible(user, entitlement) is seen

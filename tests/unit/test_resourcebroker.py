@@ -2,12 +2,11 @@
 import pytest
 
 from processors.resourcebroker.decide import (
-    DOWN, FAILED, KIND_FAILURE, KIND_MAINTENANCE, MAINTENANCE, MAINTENANCE_ENDED, MAINTENANCE_STARTED, NO_CHANGE,
-    REASON_HEALTH_CHECK, REASON_MAINTENANCE, REASON_MAINTENANCE_ENDED, REASON_OPERATOR, RECOVERED,
-    STATUS_TRANSITIONS, UNHEALTHY, UNKNOWN, UP, BadMaintenance, BadTarget, BrokerError, BrokerState, CowMap,
-    IllegalStatusTransition, RegistrationConflict, Target, UnknownMachine, apply, apply_all,
+    DOWN, KIND_FAILURE, KIND_MAINTENANCE, MAINTENANCE, REASON_HEALTH_CHECK, REASON_MAINTENANCE,
+    REASON_MAINTENANCE_ENDED, REASON_OPERATOR, UNHEALTHY, UP, BadMaintenance, BadTarget, BrokerError, BrokerState,
+    CowMap, IllegalStatusTransition, RegistrationConflict, Target, UnknownMachine, apply, apply_all,
     failure_unavailability_id, machine_failed, machine_recovered, maintenance_ended, maintenance_started,
-    next_status, parse_target, plan_maintenance, register, register_all, resolve_targets,
+    parse_target, plan_maintenance, register, register_all, resolve_targets,
 )
 from processors.cowmap import MACHINE_SHARDS
 from processors.resourcebroker.region import MachineSpec, machines, parse_region
@@ -81,36 +80,7 @@ def summary(events):
     return out
 
 
-# -- status transitions ----------------------------------------------------------------------------------------
-
-LEGAL = [(UP, FAILED, DOWN), (UNHEALTHY, FAILED, DOWN), (MAINTENANCE, FAILED, DOWN), (DOWN, RECOVERED, UP),
-         (UP, MAINTENANCE_STARTED, MAINTENANCE), (UNHEALTHY, MAINTENANCE_STARTED, MAINTENANCE),
-         (MAINTENANCE, MAINTENANCE_ENDED, UP)]
-UNCHANGED = [(DOWN, FAILED), (UP, RECOVERED), (MAINTENANCE, MAINTENANCE_STARTED), (DOWN, MAINTENANCE_STARTED),
-             (UP, MAINTENANCE_ENDED), (DOWN, MAINTENANCE_ENDED), (UNHEALTHY, MAINTENANCE_ENDED)]
-ILLEGAL = [(UNHEALTHY, RECOVERED), (MAINTENANCE, RECOVERED), (UNKNOWN, FAILED), (UNKNOWN, RECOVERED)]
-
-
-@pytest.mark.parametrize("status, trigger, target", LEGAL)
-def test_legal_transitions(status, trigger, target):
-    assert next_status("m", status, trigger) == target
-
-
-@pytest.mark.parametrize("status, trigger", UNCHANGED)
-def test_no_change_transitions(status, trigger):
-    assert next_status("m", status, trigger) is None
-
-
-@pytest.mark.parametrize("status, trigger", ILLEGAL)
-def test_illegal_transitions_raise(status, trigger):
-    with pytest.raises(IllegalStatusTransition, match=f"machine m: '{trigger}' is illegal in status {status}"):
-        next_status("m", status, trigger)
-
-
-def test_tables_are_complete_and_disjoint():
-    assert set(STATUS_TRANSITIONS) == {(s, t) for s, t, _ in LEGAL}
-    assert NO_CHANGE == set(UNCHANGED)
-    assert not set(STATUS_TRANSITIONS) & NO_CHANGE
+# Status transitions (the machines' one table, the health check's too): tests/unit/test_machine_status.py
 
 
 # -- registration ----------------------------------------------------------------------------------------------
