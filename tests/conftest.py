@@ -36,7 +36,11 @@ def infra_cfg(tmp_path_factory) -> Config:
         "ROPEWALK_RUN_DIR": str(run_dir),
         "ROPEWALK_PARTITIONS": "4",
     })
-    services.up(cfg)
+    try:
+        services.up(cfg)
+    except BaseException:
+        services.down(cfg)  # what it started (the supervisor, a node not yet ready) goes with the failed session
+        raise
     # Processes the tests start (processors, the CLI) find the session's credentials here, whatever run directory
     # their environment names (most pass only ROPEWALK_BOOTSTRAP_SERVERS / ROPEWALK_REDIS_URL); and the CLI they
     # run writes to the log itself (there is no API in these regions; RegionCli, which runs `ropewalk up`, uses
