@@ -30,6 +30,7 @@ from infra.config import Config
 from processors.frontend.jobspec import validate_spec
 from streams.clients import EventProducer, consumer_conf, producer_conf
 from streams.events import new_event
+from streams.partitionmap import routed_producer
 from streams.serde import SchemaRegistry
 from streams.topics import Topics, provision
 
@@ -61,13 +62,22 @@ def entitlement_names(n: int) -> list[str]:
     return [f"bench-e{i}" for i in range(n)]
 
 
-def create_entitlements(cfg: Config, registry: SchemaRegistry, names: list[str], quota: int) -> None:
+def create_entitlements(cfg: Config, registry: SchemaRegistry, names: list[str], quota: int,
+                        wait_s: float = 30.0) -> dict[str, int]:
+    """Create the entitlements as ``ropewalk entitlement create`` does (the front end: each on the least-loaded
+    scheduler shard's least-loaded partition, its map entry before it), once the scheduler group owns every partition
+    (at most ``wait_s``; then by partition alone). Returns where each went: name -> partition."""
+    from processors.frontend.service import Frontend
+
     producer = EventProducer(cfg, registry, PRODUCER)
-    for name in names:
-        producer.send(new_event("EntitlementCreated", {"name": name, "quota_machines": quota, "machine_type": None,
-                                                       "dc_pin": None, "host_profile": None},
-                                entitlement=name, entity_id=name, producer=PRODUCER))
-    producer.flush(30)
+    try:
+        front = Frontend(cfg, registry, producer=PRODUCER, events=producer)
+        deadline = time.monotonic() + wait_s
+        while len(front.shard_owners() or {}) < cfg.partitions and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return {name: front.entitlement_create(name, quota)["partition"] for name in names}
+    finally:
+        producer.close()
 
 
 def job_specs(n: int, entitlements: list[str], dcs: list[str], rng: random.Random, tag: str) -> list[dict]:
@@ -162,14 +172,14 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
     cfg = env.cfg
     rng = random.Random(seed)
     ents = entitlement_names(entitlements)
-    create_entitlements(cfg, registry, ents, quota=machines)
+    placed = create_entitlements(cfg, registry, ents, quota=machines)
     dcs = sorted({m.split("-")[0] for m in _region_machines(env)})
-    producer = EventProducer(cfg, registry, PRODUCER, **{"linger.ms": 0})
+    producer = routed_producer(cfg, registry, PRODUCER, **{"linger.ms": 0})  # to where the map says they live
     producer.prepare("JobSubmitted", "JobResized")  # connected, schemas on the log: not in the first job's time
     r = env.redis()
     jobs: dict[str, tuple[str, int]] = {}
     notes: list[str] = []
-    out: dict[str, Any] = {"entitlements": entitlements, "seed": seed}
+    out: dict[str, Any] = {"entitlements": entitlements, "seed": seed, "entitlement_partitions": placed}
     deadline = time.monotonic() + timeout_s
 
     # phase 1: latency, one job in flight
@@ -318,7 +328,7 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     state = fold_machines(env.cfg, registry)
     # The health check's producer is connected long before a failure: this one is too, before the clock starts
     # (a first send's connection and schema publication took ~0.5 s, counted as failover before).
-    producer = EventProducer(env.cfg, registry, broker.PRODUCER)
+    producer = routed_producer(env.cfg, registry, broker.PRODUCER)  # by the partition map, as the health check's
     producer.prepare("MachinesStatusChanged", "UnavailabilityStarted")
     ends0 = logcount.topic_ends(env.cfg)  # the counters read before the clock starts (a JMX reading takes seconds)
     req0 = brokerstats.read(env.cfg)
