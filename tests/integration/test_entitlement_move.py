@@ -90,10 +90,12 @@ def test_an_entitlement_moves_shards_during_a_rolling_update_and_a_machine_failu
 
 
 def check_new_entitlements_spread_over_the_shards(cli, mine0, mine1):
-    """Four entitlements of one quota, created through the API (e1 first), land two on each shard, one per partition,
-    and never two on one shard before the other has one (streams/partitionmap.py, ``least_loaded``): the front end
-    asks the scheduler group who owns which partition. Waits first for the group's coordinator to say what the
-    shards' logs say (the assignment stable)."""
+    """Four entitlements created through the API (e1 first, quotas 20, 12, 12, 4) land on the least-loaded shard each
+    (streams/partitionmap.py, ``least_loaded``: the front end asks the scheduler group who owns which partition):
+    e1 on one shard, e2 and e3 on the other, e4 back on the first, 24 machines of quota on each, two entitlements each
+    on partitions of their own. Placed by partition alone they would go to 0, 1, 2, 3, which pairs them 32 against 16
+    however the assignor splits the partitions (in blocks or interleaved). Waits first for the group's coordinator to
+    say what the shards' logs say (the assignment stable)."""
     from confluent_kafka import KafkaException
 
     from infra.acls import FAUST_APPS
@@ -113,13 +115,14 @@ def check_new_entitlements_spread_over_the_shards(cli, mine0, mine1):
         held = {frozenset(p for p, m in owners.items() if m == member) for member in set(owners.values())}
         return held == {frozenset(mine0), frozenset(mine1)}
     wait_for(agreed, "the scheduler group's assignment to be the shards' logs' (stable)", 60, 0.5)
-    counts = [0, 0]
+    counts, quotas = [0, 0], [0, 0]
     placed = {}
-    for ent in ("e1", "e2", "e3", "e4"):
-        placed[ent] = json.loads(cli.ok("entitlement", "create", ent, "--quota", "20", "--json"))["partition"]
-        counts[0 if placed[ent] in mine0 else 1] += 1
-        assert abs(counts[0] - counts[1]) <= 1, (placed, mine0, mine1)
-    assert counts == [2, 2] and sorted(placed.values()) == [0, 1, 2, 3], (placed, mine0, mine1)
+    for ent, quota in (("e1", 20), ("e2", 12), ("e3", 12), ("e4", 4)):
+        placed[ent] = json.loads(cli.ok("entitlement", "create", ent, "--quota", str(quota), "--json"))["partition"]
+        shard = 0 if placed[ent] in mine0 else 1
+        counts[shard] += 1
+        quotas[shard] += quota
+    assert (counts, quotas, sorted(placed.values())) == ([2, 2], [24, 24], [0, 1, 2, 3]), (placed, mine0, mine1)
     print(f"\nshards {sorted(mine0)} {sorted(mine1)}, new entitlements on {placed}")
     return placed
 
