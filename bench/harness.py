@@ -138,7 +138,7 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
                 f"{opts.repeat_jobs} repeated")
             alloc = w.allocation(env, registry, obs, machines=opts.machines, latency_jobs=opts.latency_jobs,
                                  burst_jobs=opts.burst_jobs, repeat_jobs=opts.repeat_jobs, seed=opts.seed,
-                                 timeout_s=opts.phase_timeout_s * 2)
+                                 shards=opts.schedulers, timeout_s=opts.phase_timeout_s * 2)
             jobs = alloc.pop("jobs")
             check_workers("the allocation workload")
             redis_loaded = w.redis_used_memory(r)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args(argv)
-    from streams.clients import EventProducer
+    from streams.partitionmap import routed_producer
     from streams.serde import SchemaRegistry
 
     registry = SchemaRegistry.from_dir()
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         ents = w.entitlement_names(4)
         w.create_entitlements(cfg, registry, ents, quota=args.machines)
         dcs = sorted({m.split("-")[0] for m in w._region_machines(env)})
-        producer = EventProducer(cfg, registry, w.PRODUCER, **{"linger.ms": 0})
+        producer = routed_producer(cfg, registry, w.PRODUCER, **{"linger.ms": 0})  # by the partition map
         producer.prepare("JobSubmitted")
         lat = []
         for spec in w.job_specs(5, ents, dcs, rng, "lat"):

@@ -67,7 +67,7 @@ def _cpu(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
 
 
 def run(machines: int, steady_s: float, keep: bool, partitions: int, say) -> dict[str, Any]:
-    from streams.clients import EventProducer
+    from streams.partitionmap import routed_producer
     from streams.serde import SchemaRegistry
 
     registry = SchemaRegistry.from_dir()
@@ -84,7 +84,7 @@ def run(machines: int, steady_s: float, keep: bool, partitions: int, say) -> dic
                         "caught_up": region["caught_up"],
                         "cpu_s_to_ready": {k: round(v, 2) for k, v in sorted(cpu_ready.items()) if k != "harness"}}
         w.create_entitlements(env.cfg, registry, [PROBE_ENTITLEMENT], quota=machines)
-        producer = EventProducer(env.cfg, registry, "bench", **{"linger.ms": 0})
+        producer = routed_producer(env.cfg, registry, "bench", **{"linger.ms": 0})  # by the partition map
         producer.prepare("JobSubmitted")
         obs = LogObserver(env.cfg, registry)
         try:

@@ -30,6 +30,7 @@ from infra.config import Config
 from processors.frontend.jobspec import validate_spec
 from streams.clients import EventProducer, consumer_conf, producer_conf
 from streams.events import new_event
+from streams.partitionmap import routed_producer
 from streams.serde import SchemaRegistry
 from streams.topics import Topics, provision
 
@@ -61,13 +62,28 @@ def entitlement_names(n: int) -> list[str]:
     return [f"bench-e{i}" for i in range(n)]
 
 
-def create_entitlements(cfg: Config, registry: SchemaRegistry, names: list[str], quota: int) -> None:
+def create_entitlements(cfg: Config, registry: SchemaRegistry, names: list[str], quota: int, shards: int = 1,
+                        wait_s: float = 30.0) -> dict[str, Any]:
+    """Create the entitlements as ``ropewalk entitlement create`` does (the front end: each on the least-loaded
+    scheduler shard's least-loaded partition, its map entry before it), once the scheduler group's ``shards``
+    members own every partition (at most ``wait_s``: a shard that joins late would otherwise find the entitlements
+    placed on the others). Returns where each went (``partitions``: name -> partition) and the shards' partitions
+    the front end saw before (``shards``; empty: it placed by partition alone)."""
+    from processors.frontend.service import Frontend
+
     producer = EventProducer(cfg, registry, PRODUCER)
-    for name in names:
-        producer.send(new_event("EntitlementCreated", {"name": name, "quota_machines": quota, "machine_type": None,
-                                                       "dc_pin": None, "host_profile": None},
-                                entitlement=name, entity_id=name, producer=PRODUCER))
-    producer.flush(30)
+    try:
+        front = Frontend(cfg, registry, producer=PRODUCER, events=producer)
+        deadline = time.monotonic() + wait_s
+        while (len(owners := front.shard_owners() or {}) < cfg.partitions or len(set(owners.values())) < shards) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        shards = sorted(sorted(p for p, m in owners.items() if m == member) for member in set(owners.values())) \
+            if len(owners) == cfg.partitions else []
+        return {"partitions": {name: front.entitlement_create(name, quota)["partition"] for name in names},
+                "shards": shards}
+    finally:
+        producer.close()
 
 
 def job_specs(n: int, entitlements: list[str], dcs: list[str], rng: random.Random, tag: str) -> list[dict]:
@@ -156,20 +172,20 @@ def cpu_used(before: Mapping[str, float], after: Mapping[str, float], jobs: int)
 
 
 def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, latency_jobs: int,
-               burst_jobs: int, repeat_jobs: int, seed: int = 7, entitlements: int = 4,
+               burst_jobs: int, repeat_jobs: int, seed: int = 7, entitlements: int = 4, shards: int = 1,
                timeout_s: float = 600.0) -> dict[str, Any]:
     """Workload 1. Returns the figures and the jobs submitted (``jobs``: job id -> (entitlement, tasks))."""
     cfg = env.cfg
     rng = random.Random(seed)
     ents = entitlement_names(entitlements)
-    create_entitlements(cfg, registry, ents, quota=machines)
+    placed = create_entitlements(cfg, registry, ents, quota=machines, shards=shards)
     dcs = sorted({m.split("-")[0] for m in _region_machines(env)})
-    producer = EventProducer(cfg, registry, PRODUCER, **{"linger.ms": 0})
+    producer = routed_producer(cfg, registry, PRODUCER, **{"linger.ms": 0})  # to where the map says they live
     producer.prepare("JobSubmitted", "JobResized")  # connected, schemas on the log: not in the first job's time
     r = env.redis()
     jobs: dict[str, tuple[str, int]] = {}
     notes: list[str] = []
-    out: dict[str, Any] = {"entitlements": entitlements, "seed": seed}
+    out: dict[str, Any] = {"entitlements": entitlements, "seed": seed, "placement": placed}
     deadline = time.monotonic() + timeout_s
 
     # phase 1: latency, one job in flight
@@ -318,7 +334,7 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     state = fold_machines(env.cfg, registry)
     # The health check's producer is connected long before a failure: this one is too, before the clock starts
     # (a first send's connection and schema publication took ~0.5 s, counted as failover before).
-    producer = EventProducer(env.cfg, registry, broker.PRODUCER)
+    producer = routed_producer(env.cfg, registry, broker.PRODUCER)  # by the partition map, as the health check's
     producer.prepare("MachinesStatusChanged", "UnavailabilityStarted")
     ends0 = logcount.topic_ends(env.cfg)  # the counters read before the clock starts (a JMX reading takes seconds)
     req0 = brokerstats.read(env.cfg)

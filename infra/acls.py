@@ -131,6 +131,9 @@ def grants(prefix: str) -> list[Grant]:
     for principal, app in FAUST_APPS.items():
         out.append(Grant(principal, "group", prefix + app, True, READ))
         out += [Grant(principal, "topic", f"{prefix}{app}-", True, op) for op in FAUST_TOPIC_OPERATIONS]
+    # the API places a new entitlement on the least-loaded scheduler shard: it asks the scheduler group who owns
+    # which partition (DescribeGroups: processors/frontend/service.py, shard_owners)
+    out.append(Grant(API, "group", prefix + FAUST_APPS[SCHEDULER], False, "DESCRIBE"))
     return out
 
 

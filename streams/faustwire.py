@@ -50,6 +50,7 @@ DEAD_LETTER_FLUSH_S = 15.0
 def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
     """The non-default faust settings Ropewalk runs with, each with its reason (faust-streaming 0.15.3)."""
     from infra import credentials
+    from streams.groups import app_group
 
     servers = [s.strip() for s in cfg.bootstrap_servers.split(",") if s.strip()]
     return {
@@ -60,7 +61,7 @@ def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
             credentials.kafka_credentials(cfg.secrets, cfg.principal)),
         # The consumer group id is the app id. Prefixed like the topics, so two regions (or two tests) on
         # one cluster never share a group, nor the internal topics faust names after the id.
-        "id": cfg.topic_prefix + app_id,
+        "id": app_group(cfg, app_id),
         # Tables live in memory and are rebuilt from their changelog topics at start (the log is the
         # source of truth; docs/architecture.md). Memory is also faust's default; stated because it is a choice.
         "store": "memory://",

@@ -3,6 +3,7 @@
     committed(cfg, group)                 -> {(topic, partition): next offset to read}
     lag(cfg, group, topics)               -> records on ``topics`` the group has not committed yet
     groups(cfg)                           -> the group ids under the configured topic prefix
+    owners(cfg, group, topic)             -> {partition of topic: the member of the group it is assigned to}
     set_committed(cfg, group, offsets)    -> commit offsets for a group that has no live member
 
 The faust processors (scheduler shards, allocator) keep their position in the log as the committed offsets of
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupState, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from infra.config import Config
@@ -37,6 +38,30 @@ def groups(cfg: Config, admin: AdminClient | None = None) -> list[str]:
     admin = admin or _admin(cfg)
     listed = admin.list_consumer_groups(request_timeout=TIMEOUT_S).result()
     return sorted(g.group_id for g in listed.valid if g.group_id.startswith(cfg.topic_prefix))
+
+
+def app_group(cfg: Config, app_id: str) -> str:
+    """The consumer group of the faust app ``app_id`` (its id, prefixed like the topics: streams/faustwire.py)."""
+    return cfg.topic_prefix + app_id
+
+
+def owners(cfg: Config, group: str, topic: str, timeout_s: float = 2.0,
+           admin: AdminClient | None = None) -> dict[int, str]:
+    """Which member of ``group`` each partition of ``topic`` is assigned to now: partition -> member id, as the
+    group's coordinator answers DescribeGroups. Empty unless the group is STABLE (during a rebalance the members'
+    assignments are being replaced; an empty group has none). Raises (KafkaException, a timeout) when the broker
+    does not answer within ``timeout_s``.
+
+    The scheduler shards' group (faust's assignor, protocol type ``consumer``) sends each member a standard
+    ConsumerProtocolMemberAssignment, faust's own data in its user data, which librdkafka parses: a shard's
+    entitlement partitions are its partitions of a source topic (``intents``); its changelog topics list every
+    partition (faust's standbys), so they tell nothing."""
+    admin = admin or _admin(cfg)
+    found = admin.describe_consumer_groups([group], request_timeout=timeout_s)[group].result(timeout=timeout_s + 1)
+    if found.state != ConsumerGroupState.STABLE:
+        return {}
+    return {tp.partition: m.member_id for m in found.members if m.assignment is not None
+            for tp in m.assignment.topic_partitions if tp.topic == topic}
 
 
 # The offsets are read and written through a Consumer carrying the group id, which never joins the group

@@ -7,10 +7,11 @@ a fact on the log: the compacted topic ``partitionmap`` holds, per entitlement, 
 ``EntitlementPartitionAssigned`` (``MapEntry``); an entitlement without one lives on its key's hash partition (what
 every producer did before the map, and still does for the free pool's ``free/<dc>`` keys).
 
-Who writes it: the front end when it creates an entitlement (``least_loaded``: the partition whose entitlements'
-quotas sum least), the scheduler shard an entitlement leaves (``moving_to`` set: producers still send to the old
-partition, whose shard forwards) and the shard that adopts it (``partition`` the new one). The hand-over itself is
-the scheduler's (``processors/scheduler/handover.py`` and its README, "Moving an entitlement").
+Who writes it: the front end when it creates an entitlement (``least_loaded``: on the scheduler shard whose
+entitlements' quotas sum least, its partition whose quotas sum least), the scheduler shard an entitlement leaves
+(``moving_to`` set: producers still send to the old partition, whose shard forwards) and the shard that adopts it
+(``partition`` the new one). The hand-over itself is the scheduler's (``processors/scheduler/handover.py`` and its
+README, "Moving an entitlement").
 
 Who reads it: every producer of entitlement-keyed records routes by it (``EventProducer(route=...)`` with a
 ``MapFollower``, a thread that follows the topic); a producer that has not seen the latest record sends to the old
@@ -114,12 +115,19 @@ class PartitionMap:
         return tuple(dict.fromkeys((home, *e.partitions_ever)))
 
 
-def least_loaded(entries: Iterable[MapEntry], partitions: int, weight: int = 0) -> int:
-    """The partition a new entitlement goes to: the one whose entitlements' quotas (``weight``, machines) sum least,
-    then the one with fewest entitlements, then the lowest. A move under way counts at its destination. Pure.
+def least_loaded(entries: Iterable[MapEntry], partitions: int, weight: int = 0,
+                 owners: Mapping[int, str] | None = None) -> int:
+    """The partition a new entitlement goes to. With ``owners`` (partition -> the scheduler shard that owns it: the
+    group's assignment, ``streams.groups.owners``): the least-loaded shard first — the one whose entitlements'
+    quotas (``weight``, machines) sum least, then the one with fewest entitlements, then the one with the lowest
+    partition — and on it, its least-loaded partition by the same order. Without owners, or when one partition has
+    none (no shard running, a rebalance under way, the group not asked), the least-loaded partition by that order.
+    A move under way counts at its destination. Pure.
 
     Machines, because a shard's work grows with the machines its entitlements hold (Twine sizes shards by machines:
-    ~50K per shard, 20 shards for a million); the quota is what an entitlement may hold, known when it is created."""
+    ~50K per shard, 20 shards for a million); the quota is what an entitlement may hold, known when it is created.
+    Shards before partitions, because the assignor decides which partitions a shard gets: the least-loaded
+    partitions may all be one shard's (the lowest, when several are empty), and Twine places by shard."""
     load = [0] * partitions
     count = [0] * partitions
     for e in entries:
@@ -127,7 +135,13 @@ def least_loaded(entries: Iterable[MapEntry], partitions: int, weight: int = 0) 
         if 0 <= p < partitions:
             load[p] += max(e.weight, 0)
             count[p] += 1
-    return min(range(partitions), key=lambda p: (load[p], count[p], p))
+    candidates = range(partitions)
+    if owners is not None and all(owners.get(p) is not None for p in candidates):
+        shards: dict[str, list[int]] = {}
+        for p in candidates:
+            shards.setdefault(owners[p], []).append(p)
+        candidates = min(shards.values(), key=lambda ps: (sum(load[p] for p in ps), sum(count[p] for p in ps), ps[0]))
+    return min(candidates, key=lambda p: (load[p], count[p], p))
 
 
 class MapFollower:

@@ -112,10 +112,10 @@ class Experiment:
 
     def submit(self, n_tasks: int) -> dict[str, int]:
         from bench import workloads
-        from streams.clients import EventProducer
+        from streams.partitionmap import routed_producer
 
         workloads.create_entitlements(self.cfg, self.registry, [ENTITLEMENT], n_tasks)
-        producer = EventProducer(self.cfg, self.registry, workloads.PRODUCER)
+        producer = routed_producer(self.cfg, self.registry, workloads.PRODUCER)  # by the partition map
         jobs: dict[str, int] = {}
         left, i = n_tasks, 0
         while left > 0:

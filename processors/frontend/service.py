@@ -14,6 +14,7 @@ is the API's business (``processors/api/authz.py``); the CLI's direct path is th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Iterator, Mapping
 
@@ -45,6 +46,9 @@ PENDING = "pending"  # no verdict within the wait (an identical resubmission of 
 SENT = "sent"  # on the log; not waited for
 UNCHANGED = "unchanged"  # a submission identical to the live job's spec: the scheduler changes nothing (no refusal)
 
+log = logging.getLogger(__name__)
+
+OWNERS_TIMEOUT_S = 2.0  # how long a new entitlement's placement asks the scheduler group who owns which partition
 DEFAULT_WAIT_S = 30.0  # how long a submission waits for the scheduler's verdict at most
 EXISTING_WAIT_S = 3.0  # ... when the job exists (the scheduler answers only a refusal; it is as quick as any answer)
 MAX_WAIT_S = 120.0
@@ -169,6 +173,28 @@ class Frontend:
             self._map = read_map(self.cfg, self.registry)
         return self._map
 
+    def shard_owners(self) -> dict[int, str] | None:
+        """Which scheduler shard owns each partition now (partition -> member of the scheduler group, from its
+        assignment of ``intents``: ``streams.groups.owners``); None when the group could not be asked within
+        ``OWNERS_TIMEOUT_S``. A new entitlement is then placed by partition alone, never refused for it."""
+        from infra.acls import FAUST_APPS
+        from infra.credentials import SCHEDULER
+        from streams import groups
+        from streams.topics import Topics
+
+        group = groups.app_group(self.cfg, FAUST_APPS[SCHEDULER])
+        try:
+            owners = groups.owners(self.cfg, group, Topics(self.cfg.topic_prefix, self.cfg.partitions).name("intents"),
+                                   OWNERS_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the placement falls back to partitions: the creation goes on
+            log.warning("a new entitlement placed by partition alone: cannot ask group %s who owns which partition: "
+                        "%s", group, exc)
+            return None
+        if len(owners) < self.cfg.partitions:
+            log.info("a new entitlement placed by partition alone: group %s owns %d of %d partitions (no shard "
+                     "running, or a rebalance under way)", group, len(owners), self.cfg.partitions)
+        return owners
+
     def send(self, events: list[Event], *, partition: int | None = None) -> None:
         """Produce ``events``, each to the partition its entitlement lives on (or ``partition``), and flush."""
         from streams.clients import EventProducer
@@ -202,9 +228,10 @@ class Frontend:
         ev = self.event("EntitlementCreated", payload, name, name)
         pmap = self.partition_map(fresh=True)
         placed = pmap.entry(name)
-        if placed is None:  # a new entitlement goes to the least-loaded partition, on the map before it exists
-            placed = MapEntry(name, least_loaded(pmap.entries.values(), self.cfg.partitions, quota), weight=quota,
-                              reason=REASON_CREATED)
+        if placed is None:  # a new entitlement goes to the least-loaded shard's least-loaded partition, on the map
+            # before it exists
+            where = least_loaded(pmap.entries.values(), self.cfg.partitions, quota, self.shard_owners())
+            placed = MapEntry(name, where, weight=quota, reason=REASON_CREATED)
             pmap.entries[name] = placed
             self.send([assignment_event(placed, producer=self.producer_name, cause=ev.event_id,
                                         principal=self.principal)])

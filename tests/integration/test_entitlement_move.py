@@ -3,6 +3,7 @@ fails (issue 25): on a real region of two scheduler shards and two allocators (`
 --allocators 2`), through the CLI. The job ends as the update and the
 failure want it (every task RUNNING at the new version, none on the failed machine), no task restarted because of
 the move, and the replayed log shows every input decided once: no scheduler decision twice, none on both shards.
+First, on the same region, new entitlements are placed on the least-loaded shard (two on each of the two shards).
 """
 import json
 import re
@@ -41,9 +42,7 @@ def test_an_entitlement_moves_shards_during_a_rolling_update_and_a_machine_failu
             a, b = assignment(log0), assignment(log1)
             return (a, b) if a and b and not a & b and len(a | b) == 4 else None
         mine0, mine1 = wait_for(split, "the two shards to split the partitions", 90)
-
-        created = json.loads(cli.ok("entitlement", "create", "e1", "--quota", "20", "--json"))
-        home = created["partition"]
+        home = check_new_entitlements_spread_over_the_shards(cli, mine0, mine1)["e1"]
         target = min(mine1 if home in mine0 else mine0)  # a partition the other shard owns
         (tmp_path / "v1.yaml").write_text(spec("1"))
         (tmp_path / "v2.yaml").write_text(spec("2"))
@@ -88,6 +87,44 @@ def test_an_entitlement_moves_shards_during_a_rolling_update_and_a_machine_failu
         assert "entitlement e1 adopted on partition" in (log0 if target in mine0 else log1).read_text()
     finally:
         cli("down")
+
+
+def check_new_entitlements_spread_over_the_shards(cli, mine0, mine1):
+    """Four entitlements created through the API (e1 first, quotas 20, 12, 12, 4) land on the least-loaded shard each
+    (streams/partitionmap.py, ``least_loaded``: the front end asks the scheduler group who owns which partition):
+    e1 on one shard, e2 and e3 on the other, e4 back on the first, 24 machines of quota on each, two entitlements each
+    on partitions of their own. Placed by partition alone they would go to 0, 1, 2, 3, which pairs them 32 against 16
+    however the assignor splits the partitions (in blocks or interleaved). Waits first for the group's coordinator to
+    say what the shards' logs say (the assignment stable)."""
+    from confluent_kafka import KafkaException
+
+    from infra.acls import FAUST_APPS
+    from infra.config import Config
+    from infra.credentials import SCHEDULER
+    from streams import groups
+    from streams.topics import Topics
+
+    cfg = Config.from_env(cli.env)  # the operator's
+
+    def agreed():
+        try:
+            owners = groups.owners(cfg, groups.app_group(cfg, FAUST_APPS[SCHEDULER]),
+                                   Topics(cfg.topic_prefix, cfg.partitions).name("intents"), 5.0)
+        except KafkaException:  # the coordinator slow to answer: ask again
+            return False
+        held = {frozenset(p for p, m in owners.items() if m == member) for member in set(owners.values())}
+        return held == {frozenset(mine0), frozenset(mine1)}
+    wait_for(agreed, "the scheduler group's assignment to be the shards' logs' (stable)", 60, 0.5)
+    counts, quotas = [0, 0], [0, 0]
+    placed = {}
+    for ent, quota in (("e1", 20), ("e2", 12), ("e3", 12), ("e4", 4)):
+        placed[ent] = json.loads(cli.ok("entitlement", "create", ent, "--quota", str(quota), "--json"))["partition"]
+        shard = 0 if placed[ent] in mine0 else 1
+        counts[shard] += 1
+        quotas[shard] += quota
+    assert (counts, quotas, sorted(placed.values())) == ([2, 2], [24, 24], [0, 1, 2, 3]), (placed, mine0, mine1)
+    print(f"\nshards {sorted(mine0)} {sorted(mine1)}, new entitlements on {placed}")
+    return placed
 
 
 def check_decided_once(events):

@@ -224,21 +224,58 @@ def test_storage_keys_differ_per_partition_off_the_hash_partition():
 
 # -- the map -----------------------------------------------------------------------------------------------------------
 
+A, B = "shard-a", "shard-b"
+BLOCKS = {0: A, 1: A, 2: B, 3: B}  # the scheduler group's assignment: partition -> shard (member)
 LEAST = {
-    # name: (entries, weight) -> partition
-    "empty: the first": ([], 0, 0),
+    # name: (entries, weight, owners) -> partition
+    "empty: the first": ([], 0, None, 0),
     "the lightest by quota": ([MapEntry("a", 0, weight=10), MapEntry("b", 1, weight=3), MapEntry("c", 2, weight=5),
-                               MapEntry("d", 3, weight=3)], 4, 1),
+                               MapEntry("d", 3, weight=3)], 4, None, 1),
     "ties: the fewest entitlements": ([MapEntry("a", 0, weight=0), MapEntry("b", 0, weight=0),
-                                       MapEntry("c", 1, weight=0)], 0, 2),
+                                       MapEntry("c", 1, weight=0)], 0, None, 2),
     "a move counts where it goes": ([MapEntry("a", 0, weight=9, moving_to=1), MapEntry("b", 2, weight=1),
-                                     MapEntry("c", 3, weight=1)], 1, 0),
+                                     MapEntry("c", 3, weight=1)], 1, None, 0),
+    # with the shards' assignment: the least-loaded shard, then its least-loaded partition
+    "shards: an empty partition of a loaded shard loses to the other shard": (
+        [MapEntry("a", 0, weight=5)], 5, BLOCKS, 2),
+    "shards interleaved: the other shard's lowest": ([MapEntry("a", 0, weight=5)], 5, {0: A, 1: B, 2: A, 3: B}, 1),
+    "shards: the lightest shard, though a lighter partition is another shard's": (
+        [MapEntry("a", 0, weight=10), MapEntry("c", 2, weight=3), MapEntry("d", 3, weight=3)], 1, BLOCKS, 2),
+    "shards: on the lightest shard, its lightest partition": (
+        [MapEntry("a", 0, weight=1), MapEntry("b", 1, weight=2), MapEntry("c", 2, weight=4)], 1, BLOCKS, 0),
+    "shards tie on quota: the fewest entitlements": ([MapEntry("a", 0), MapEntry("b", 0), MapEntry("c", 2)], 0,
+                                                     BLOCKS, 3),
+    "shards tie on both: the one with the lowest partition": ([], 0, {0: B, 1: A, 2: A, 3: B}, 0),
+    "shards of unequal sizes: by their sum, not their mean": ([MapEntry("a", 3, weight=1)], 1,
+                                                              {0: A, 1: A, 2: A, 3: B}, 0),
+    "shards: a move counts where it goes": ([MapEntry("a", 2, weight=9, moving_to=0)], 1, BLOCKS, 2),
+    "a partition without an owner: by partition, as without owners": (
+        [MapEntry("a", 0, weight=5)], 5, {0: A, 1: A, 2: B}, 1),
+    "no owners (no shard, a rebalance under way): by partition": ([MapEntry("a", 0, weight=5)], 5, {}, 1),
 }
 
 
-@pytest.mark.parametrize("entries, weight, want", LEAST.values(), ids=LEAST.keys())
-def test_least_loaded(entries, weight, want):
-    assert least_loaded(entries, PARTS, weight) == want
+@pytest.mark.parametrize("entries, weight, owners, want", LEAST.values(), ids=LEAST.keys())
+def test_least_loaded(entries, weight, owners, want):
+    assert least_loaded(entries, PARTS, weight, owners) == want
+
+
+@pytest.mark.parametrize("owners", [
+    {p: f"s{p // 2}" for p in range(8)},  # 4 shards of 2 partitions, in blocks
+    {p: f"s{p % 4}" for p in range(8)},  # ... interleaved
+    {p: f"s{min(p // 3, 2)}" for p in range(8)},  # 3 shards: 3, 3 and 2 partitions
+])
+def test_new_entitlements_of_one_quota_spread_over_the_shards(owners):
+    """The scaled-out bench's case (BENCHMARKS.md): entitlements of one quota created one after the other land one
+    per shard before any shard gets a second, each on a partition of its own while its shard has an empty one."""
+    entries: list[MapEntry] = []
+    shards = sorted(set(owners.values()))
+    for i in range(2 * len(shards)):
+        p = least_loaded(entries, 8, 10, owners)
+        entries.append(MapEntry(f"e{i}", p, weight=10))
+        held = [sum(owners[e.partition] == s for e in entries) for s in shards]
+        assert max(held) - min(held) <= 1, (i, held)
+    assert len({e.partition for e in entries}) == len(entries)
 
 
 def test_the_map_routes_by_its_entry_else_by_hash():
