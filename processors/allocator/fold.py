@@ -81,7 +81,7 @@ from streams.topics import FREE_POOL_OWNER
 # Commit-time conflict: a task of the plan is already placed (a duplicate or replayed request).
 CONFLICT_TASK_PLACED = "task_already_placed"
 REGISTERED_STATUS = MachineStatus.UP  # status of a newly registered machine until a status change says otherwise
-ALLOCATOR_PRODUCER = "allocator"  # processor.PRODUCER (not imported: processor.py imports this module)
+ALLOCATOR_PRODUCER = "allocator"  # the allocator's producer name (decide.PRODUCER is this one)
 DECISION_TYPES = frozenset({"TasksAllocated", "AllocationRejected", "TasksDeallocated"})
 MAX_DECISIONS_REMEMBERED = 200_000  # request ids whose decision the fold has seen (oldest forgotten first)
 
