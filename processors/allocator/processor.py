@@ -231,9 +231,8 @@ class Allocator:
                 if event.type == "AllocationRequested":
                     self._arrived(event, position)
             self.ends = dict(run.ends)
-            for tp, end in self.ends.items():  # records up to the end were seen, even those not applied
-                if end > 0:
-                    self.fold.marks[tp] = max(self.fold.marks.get(tp, -1), end - 1)
+            for (topic, partition), end in self.ends.items():  # records up to the end were seen, even those not
+                self.fold.read_to(topic, partition, end - 1)  # applied
             for rid in [rid for rid in self.pending if self.fold.is_decided(rid)]:
                 del self.pending[rid]  # decided later in the log than it was requested
             self.fold.drain_changes()
@@ -305,10 +304,8 @@ class Allocator:
         """Every record up to these offsets was read (those the consumer passed over by type too): the marks say
         so, as they do for any record the fold applies as a no-op."""
         with self.lock:
-            marks = self.fold.marks
-            for tp, offset in last_offsets.items():
-                if offset > marks.get(tp, -1):
-                    marks[tp] = offset
+            for (topic, partition), offset in last_offsets.items():
+                self.fold.read_to(topic, partition, offset)
 
     def _arrived(self, event: Event, position: tuple[str, int, int]) -> None:
         if position[0] != self.allocations:
@@ -515,25 +512,8 @@ class Allocator:
     def _reload(self, machine_ids: Iterable[str]) -> None:
         """Take these machines back from Redis into the fold (Redis was ahead: another allocator, or a journaled
         decision)."""
-        fold = self.fold
-        for mid, f in self.index.reload(machine_ids).items():
-            m = fold.machines.get(mid)
-            if m is None:
-                continue
-            for t in list(m.tasks):
-                if t not in f["tasks"]:
-                    fold._unplace(m, t)
-            for t, (cpu, mem) in f["tasks"].items():
-                cur = fold.placement.get(t)
-                if cur != mid:
-                    if cur is not None:
-                        fold._unplace(fold.machines[cur], t)
-                    fold._place(m, t, cpu, mem)
-            fold._set(m, "status", f["status"])  # keeps the fold's status counts
-            for name in ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free",
-                         "entitlement", "host_profile", "version", "maintenance"):
-                setattr(m, name, f[name])
-            fold.reindex(m)
+        for mid, fields in self.index.reload(machine_ids).items():
+            self.fold.adopt(mid, fields)
 
     def _produce(self, events: Sequence[Event]) -> None:
         self.producer.send_all(events, validate=False)  # built from decoded events; fastavro still checks types

@@ -573,7 +573,7 @@ class Region:
         assert self.cut is not None, "advance to the shadow's start first"
         self.shadow = ShadowLog(policy, self.cut)
         self.agents = Agents(start_delay_ms)
-        self.fold._index = PolicyIndex.under(policy, (m.view() for m in self.fold.machines.values()))
+        self.fold.place_with(PolicyIndex.under(policy, (m.view() for m in self.fold.machines.values())))
         for task, mid in self.fold.placement.items():
             self._rec_machines[task] = [mid]
             self._shadow_machines[task] = [mid]
