@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from heapq import heapify, heappop, heappush
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Protocol
 
@@ -546,8 +546,6 @@ class Policy:
         """``request`` as this policy places it (its spread level replaced when the policy sets one)."""
         if self.spread is None or self.spread == request.spread:
             return request
-        from dataclasses import replace
-
         return replace(request, spread=self.spread)
 
     def describe(self) -> str:
