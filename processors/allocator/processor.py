@@ -384,7 +384,7 @@ class Allocator:
             return True
         return any(other.partition == source and other.event.entitlement == ent for other in self.pending.values())
 
-    def _decide_batch(self, batch: list[Pending]) -> list[Event]:  # noqa: C901
+    def _decide_batch(self, batch: list[Pending]) -> list[Event]:
         produced: list[Event] = []
         # What the fold applied since the last projection is in Redis before anything is committed against it: a
         # machine changed by a record of this poll would otherwise meet its older version in Redis, and the reload
@@ -394,59 +394,12 @@ class Allocator:
         while todo:
             ts = self._last_ts = max(int(time.time() * 1000), self._last_ts + 1)  # one batch, one decision time
             todo = in_decision_order(todo, lambda pd: pd.partition, ts, self.topics.partitions_of("allocations"))
-            planned = []
-            for pd in todo:
-                try:
-                    planned.append(self._plan(pd, ts))
-                except TRANSIENT:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - a bug must not stop the allocator: reject, fold again
-                    log.exception("allocator: deciding %s failed", pd.event.payload.get("request_id"))
-                    self.stale = True  # the fold may be half-changed: folded again after this batch
-                    planned.append(_Planned(pd, decide.failed(pd.event, exc, ts), None, frozenset()))
+            planned = [self._plan_or_reject(pd, ts) for pd in todo]
             results = self.index.commit([p.decision for p in planned if p.decision is not None])
-            by_request = iter(results)
-            retry: list[Pending] = []
-            reload: set[str] = set()
-            finished: list[tuple[Pending, list[Event]]] = []
-            counts: Counter[str] = Counter()
-            for p in planned:
-                res = next(by_request) if p.decision is not None else None
-                if res is None or res.outcome == "ok":
-                    finished.append((p.pending, p.events))
-                    if res is not None:
-                        self._committed.update(res.versions)
-                elif res.outcome == JOURNALED:
-                    journaled = load_events(res.events)
-                    reload |= p.touched | machines_of(journaled)
-                    finished.append((p.pending, journaled))
-                elif res.outcome == FENCED:
-                    reload |= p.touched
-                    self.pending.pop(p.pending.event.event_id, None)  # another process owns its partition now
-                else:  # CONFLICT: the fold was behind Redis for these machines (or the entitlement's quota)
-                    metrics.ALLOCATION_ATTEMPTS.labels(result="conflict").inc(
-                        len(p.pending.event.payload["place_task_ids"]))
-                    reload |= p.touched | set(res.conflicts) | self._unknown_held(p.pending.event.entitlement, res.held)
-                    if p.pending.attempts >= self.max_attempts:
-                        finished.append((p.pending, decide.exhausted(
-                            p.pending.event, p.pending.attempts, res.conflicts, ts)))
-                    else:
-                        retry.append(p.pending)
+            finished, todo, reload = self._settle(planned, results, ts)
             if reload:
                 self._reload(reload)
-            done: list[Event] = []
-            for pd, events in finished:
-                done += events
-                self.fold.remember_decided(pd.event.event_id)
-                self.fold.remember_made(events)
-                self.pending.pop(pd.event.event_id, None)
-                counts.update(metric_increments(events))
-                observe_attempts(events)
-                self.decided += 1
-            self._produce(done)
-            produced += done
-            self.index.add_metrics(counts)
-            todo = retry
+            produced += self._finish(finished)
         # Not flushed here: a decision the broker has not acknowledged is journaled in Redis (index.py), so a
         # crash now loses nothing (the next attempt gets it back JOURNALED); a failed delivery is raised by the
         # next send or flush, which folds the log again. Waiting here for each batch's acks held every batch
@@ -454,6 +407,67 @@ class Allocator:
         self.producer.poll()
         self.project_changes()
         return produced
+
+    def _plan_or_reject(self, pd: Pending, ts: int) -> _Planned:
+        """``_plan``; a request whose deciding raised (a bug) is rejected (``ALLOCATOR_ERROR``), the fold folded
+        again after the batch."""
+        try:
+            return self._plan(pd, ts)
+        except TRANSIENT:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug must not stop the allocator: reject, fold again
+            log.exception("allocator: deciding %s failed", pd.event.payload.get("request_id"))
+            self.stale = True  # the fold may be half-changed: folded again after this batch
+            return _Planned(pd, decide.failed(pd.event, exc, ts), None, frozenset())
+
+    def _settle(self, planned: Sequence[_Planned], results: Sequence[Any], ts: int
+                ) -> tuple[list[tuple[Pending, list[Event]]], list[Pending], set[str]]:
+        """What Redis said of each planned decision (``results``: one per decision committed, in order): the
+        requests answered (committed, journaled before, or out of attempts) with their events, those to decide
+        again (a conflict), and the machines the fold takes back from Redis."""
+        by_request = iter(results)
+        retry: list[Pending] = []
+        reload: set[str] = set()
+        finished: list[tuple[Pending, list[Event]]] = []
+        for p in planned:
+            res = next(by_request) if p.decision is not None else None
+            if res is None or res.outcome == "ok":
+                finished.append((p.pending, p.events))
+                if res is not None:
+                    self._committed.update(res.versions)
+            elif res.outcome == JOURNALED:
+                journaled = load_events(res.events)
+                reload |= p.touched | machines_of(journaled)
+                finished.append((p.pending, journaled))
+            elif res.outcome == FENCED:
+                reload |= p.touched
+                self.pending.pop(p.pending.event.event_id, None)  # another process owns its partition now
+            else:  # CONFLICT: the fold was behind Redis for these machines (or the entitlement's quota)
+                metrics.ALLOCATION_ATTEMPTS.labels(result="conflict").inc(
+                    len(p.pending.event.payload["place_task_ids"]))
+                reload |= p.touched | set(res.conflicts) | self._unknown_held(p.pending.event.entitlement, res.held)
+                if p.pending.attempts >= self.max_attempts:
+                    finished.append((p.pending, decide.exhausted(
+                        p.pending.event, p.pending.attempts, res.conflicts, ts)))
+                else:
+                    retry.append(p.pending)
+        return finished, retry, reload
+
+    def _finish(self, finished: Sequence[tuple[Pending, list[Event]]]) -> list[Event]:
+        """The answered requests: remembered by the fold as decided, counted, their events produced."""
+        done: list[Event] = []
+        counts: Counter[str] = Counter()
+        for pd, events in finished:
+            done += events
+            self.fold.remember_decided(pd.event.event_id)
+            self.fold.remember_made(events)
+            self.pending.pop(pd.event.event_id, None)
+            counts.update(metric_increments(events))
+            observe_attempts(events)
+            self.decided += 1
+        self._produce(done)
+        self.index.add_metrics(counts)
+        return done
 
     def _plan(self, pd: Pending, ts: int) -> _Planned:
         """One request's decision on the fold (committed to the fold at once; Redis re-checks it)."""
@@ -604,6 +618,7 @@ class Allocator:
                     if consumer is None or self.stale:
                         if consumer is not None:
                             consumer.close()
+                            consumer = None  # closed: not closed again if the fold below fails
                         self.refold()
                         consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in SOURCES],
                                                  name=PRODUCER, start_offsets=self.ends, dead_letters=dead_letters,
