@@ -81,8 +81,11 @@ from streams.topics import FREE_POOL_OWNER
 # Commit-time conflict: a task of the plan is already placed (a duplicate or replayed request).
 CONFLICT_TASK_PLACED = "task_already_placed"
 REGISTERED_STATUS = MachineStatus.UP  # status of a newly registered machine until a status change says otherwise
-ALLOCATOR_PRODUCER = "allocator"  # processor.PRODUCER (not imported: processor.py imports this module)
+ALLOCATOR_PRODUCER = "allocator"  # the allocator's producer name (decide.PRODUCER is this one)
 DECISION_TYPES = frozenset({"TasksAllocated", "AllocationRejected", "TasksDeallocated"})
+# What ``adopt`` takes of a machine besides its tasks and status (``MachineIndex.reload``'s fields).
+ADOPTED_FIELDS = ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free", "entitlement",
+                  "host_profile", "version", "maintenance")
 MAX_DECISIONS_REMEMBERED = 200_000  # request ids whose decision the fold has seen (oldest forgotten first)
 
 Position = tuple[str, int, int]  # (physical topic, partition, offset)
@@ -204,10 +207,46 @@ class RegionFold:
             self._index = PlacementIndex.of(m.view() for m in self.machines.values())
         return self._index
 
+    def place_with(self, index: PlacementIndex) -> None:
+        """Place from now on with ``index`` (over this fold's machines, kept in step as the built-in one is): a
+        shadow's index that ranks by another policy (processors/history)."""
+        self._index = index
+
     def reindex(self, m: MachineRec) -> None:
         """After any change to ``m``: the placement index follows (when it is built)."""
         if self._index is not None:
             self._index.upsert(m.view())
+
+    def read_to(self, topic: str, partition: int, offset: int) -> None:
+        """Every record of (topic, partition) up to ``offset`` was read, even those not applied (skipped by type,
+        or refused): the mark says so, never moving back."""
+        if offset > self.marks.get((topic, partition), -1):
+            self.marks[(topic, partition)] = offset
+
+    def adopt(self, machine_id: str, fields: Mapping[str, Any]) -> bool:
+        """Take a machine as the shared index holds it (``MachineIndex.reload``: another allocator committed to it
+        first, or a journaled decision did): its tasks (``fields["tasks"]``: task -> (cpu, mem)) moved onto it from
+        wherever the fold had them, those it no longer holds taken off, its status (the status counts kept) and
+        ``ADOPTED_FIELDS``. Not a change read on the log: nothing is marked changed (the index holds it already).
+        False when the fold does not know the machine (nothing done)."""
+        m = self.machines.get(machine_id)
+        if m is None:
+            return False
+        tasks = fields["tasks"]
+        for t in list(m.tasks):
+            if t not in tasks:
+                self._unplace(m, t)
+        for t, (cpu, mem) in tasks.items():
+            cur = self.placement.get(t)
+            if cur != machine_id:
+                if cur is not None:
+                    self._unplace(self.machines[cur], t)
+                self._place(m, t, cpu, mem)
+        self._set(m, "status", fields["status"])
+        for name in ADOPTED_FIELDS:
+            setattr(m, name, fields[name])
+        self.reindex(m)
+        return True
 
     # -- reading -------------------------------------------------------------------------------------------
     def machine(self, machine_id: str) -> Machine | None:

@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import redis
+
 from processors.allocator import lua
 from processors.allocator.fold import CONFLICT_TASK_PLACED, RegionFold, split_maintenance
 from processors.allocator.placement import (
@@ -182,8 +184,6 @@ class MachineIndex:
     def _fcall(self, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
         """Run ``calls`` ((function, args)) as FCALL_RO in one pipeline; the library loaded first if Redis lacks it
         (``FunctionsMissing`` when this client may not load it)."""
-        import redis
-
         for attempt in (1, 2):
             pipe = self.r.pipeline(transaction=False)
             for fn, args in calls:

@@ -19,13 +19,21 @@ The pipeline (Nomad ``feasible/stack.go``, the Kubernetes scheduler framework), 
    candidates (tests/unit/test_placement.py compares both on seeded random regions).
 
 Every reason is a plain string constant that travels in TasksAllocated / AllocationRejected.
+
+**Where each runs.** The live allocator places with one path only: ``fastplace.PlacementIndex.run`` (through
+``RegionFold.place``; ``pin()`` first for targeted tasks), whose plans are ``run()``'s field for field
+(tests/unit/test_fastplace.py on seeded random regions; bench/fastplace_rate.py checks every plan it times). ``run()``
+and ``select()`` here are the reference: the stages written plainly over a whole snapshot, run by the tests and the
+benchmark, never by the live allocator. ``select_scored`` is ``SCORES`` itself (per task, the minimum over every
+fitting candidate): the shadow replay's selection for a policy other than the live one (processors/history), and
+what tests/unit/test_placement.py checks ``select()`` against.
 """
 from __future__ import annotations
 
 from collections import Counter
 from heapq import heapify, heappop, heappush
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Protocol
 
@@ -546,8 +554,6 @@ class Policy:
         """``request`` as this policy places it (its spread level replaced when the policy sets one)."""
         if self.spread is None or self.spread == request.spread:
             return request
-        from dataclasses import replace
-
         return replace(request, spread=self.spread)
 
     def describe(self) -> str:

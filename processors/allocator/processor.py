@@ -60,53 +60,44 @@ answered from the emptied index meanwhile.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import faust
 import redis
 
 from infra import metrics
 from infra.config import Config
-from processors.allocator.fold import (
-    EVENT_TYPES, FoldError, RegionFold, merged, profile_state, releases, split_maintenance,
+from processors.allocator import decide
+from processors.allocator.decide import (
+    PRODUCER, decision_result, dump_events, expected_partitions, drain_of, in_decision_order, load_events,
+    machine_state_event, machines_of, metric_increments, nothing_freed,
 )
+from processors.allocator.fold import EVENT_TYPES, FoldError, RegionFold, merged, profile_state
 from processors.allocator.index import (
     DEFAULT_CONSUMER, DONE_TTL_ENV, DONE_TTL_S, FENCED, FORMAT, JOURNALED, Decision, IndexLost, MachineIndex, text,
 )
-from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
-from streams.batches import ENVELOPE_BYTES, size_of, split
 from streams.clients import DeliveryError, EventConsumer, EventProducer, Record
 from streams.deadletter import DeadLetters
-from streams.events import Event, derived_event_id, new_event
+from streams.events import Event
 from streams.faustwire import make_app
 from streams.gc_control import GrowthFreezer, folding
-from streams.partitionmap import MapEntry, MapFollower
+from streams.partitionmap import MapFollower
 from streams.partitioner import partition_for
 from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
-from streams.topics import Topics, free_pool_key
+from streams.topics import Topics
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-PRODUCER = "allocator"
 APP_ID = "allocator"
 SOURCES = ("intents", "machines", "unavailability", "allocations")
-
-# Rejection reasons of the processor (beside placement's NO_FEASIBLE_MACHINE / QUOTA_EXCEEDED).
-UNKNOWN_ENTITLEMENT = "unknown_entitlement"  # no EntitlementCreated for the request's entitlement in the fold
-INVALID_REQUEST = "invalid_request"  # e.g. an unknown spread level or an unsupported requirement
-COMMIT_RETRIES_EXHAUSTED = "commit_retries_exhausted"  # every attempt met a conflict in Redis
-ALLOCATOR_ERROR = "allocator_error"  # deciding raised (a bug): the request is answered, the fold folded again
-RELEASED_EMPTY = "entitlement_empty"  # MachineReleasedToFreePool.reason: no task of the entitlement left
 
 # Errors that a moment cures (Redis or the broker away briefly, Redis emptied): the loop folds the log again, projects
 # it, and goes on.
@@ -123,129 +114,6 @@ PUBLISH_ROUND = 500  # machine states published per loop turn at most: a backlog
 OUTBOX_LOCK = "outbox:lock"  # string: the process draining the outbox to state.machines now
 LOCK_TTL_S = 30.0
 METRICS_KEY = "metrics:allocator"  # hash: requests, placed, rejected (HINCRBY; allocator_metrics)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Pure: an AllocationRequested and a plan -> the decision events. No faust, Kafka or Redis here.
-
-def request_of(event: Event, existing: Mapping[str, str]) -> Request:
-    """The placement Request of an AllocationRequested; raises ValueError if the request is invalid."""
-    p = event.payload
-    return Request(request_id=p["request_id"], job_id=p["job_id"], entitlement=event.entitlement,
-                   task_ids=tuple(p["place_task_ids"]), cpu=p["resources"]["cpu_millicores"],
-                   mem=p["resources"]["memory_mib"], requirements=dict(p.get("requirements") or {}),
-                   spread=p.get("spread") or "msb", avoid_machine_ids=frozenset(p.get("avoid_machine_ids") or ()),
-                   existing=dict(existing), targets={t: m for t, m in (p.get("target_machine_ids") or {}).items()
-                                                     if t in p["place_task_ids"]})
-
-
-def _derived(request: Event, type_: str, payload: Mapping[str, Any], entity_id: str, ts: int,
-             *id_parts: Any) -> Event:
-    return new_event(type_, payload, entitlement=request.entitlement, entity_id=entity_id, producer=PRODUCER,
-                     causation_id=request.event_id, timestamp_ms=ts,
-                     event_id=derived_event_id(PRODUCER, request.event_id, type_, *id_parts))
-
-
-def _placement_rows(pairs: Sequence[tuple[str, str]], machines: Mapping[str, Machine]) -> list[dict]:
-    return [{"task_id": t, "machine_id": m, "dc": machines[m].dc, "msb": machines[m].msb, "rack": machines[m].rack}
-            for t, m in pairs]
-
-
-def _fixed(payload: Mapping[str, Any]) -> int:
-    """The estimated bytes of a decision event besides its split list (envelope and other fields)."""
-    return ENVELOPE_BYTES + size_of(payload)
-
-
-def rejection_events(request: Event, task_ids: Sequence[str], reason: str, message: str,
-                     filter_rejections: Mapping[str, int], ts: int) -> list[Event]:
-    """AllocationRejected; beyond what one record holds (``streams.batches``), several, the unplaced task ids cut
-    into parts (the first keeps the undivided event's id and the filter counts)."""
-    p = request.payload
-    head = {"request_id": p["request_id"], "job_id": p["job_id"], "reason": reason, "message": message}
-    parts = split(list(task_ids), fixed=_fixed({**head, "filter_rejections": dict(filter_rejections)}))
-    return [_derived(request, "AllocationRejected", {
-        **head, "unplaced_task_ids": part, "filter_rejections": dict(filter_rejections) if i == 0 else {}},
-        p["request_id"], ts, *(("part", i) if i else ())) for i, part in enumerate(parts)]
-
-
-def plan_events(request: Event, plan: Plan, attempts: int, machines: Mapping[str, Machine], ts: int) -> list[Event]:
-    """TasksAllocated (when something is placed), MachineAssignedToEntitlement per machine added,
-    AllocationRejected (when tasks stay unplaced). ``machines`` holds at least every machine of the plan.
-
-    However many tasks, no record exceeds what one holds (``streams.batches.split``): the placements are cut into
-    parts, each a TasksAllocated of its own (the first keeps the undivided event's id, the filter counts and the
-    fault-domain bins), each naming among ``machines_added`` the machines its placements are the first to use."""
-    p = request.payload
-    out = []
-    if plan.placements:
-        head = {"request_id": p["request_id"], "job_id": p["job_id"]}
-        first = {"filter_rejections": dict(plan.filter_rejections), "fault_domain_bins": dict(plan.fault_domain_bins)}
-        rows = _placement_rows(plan.placements, machines)
-        parts = split(rows, fixed=_fixed({**head, **first, "machines_added": list(plan.machines_added)}))
-        added, named = set(plan.machines_added), set()
-        for i, part in enumerate(parts):
-            new = [r["machine_id"] for r in part if r["machine_id"] in added and r["machine_id"] not in named]
-            named.update(new)
-            if i == len(parts) - 1:  # an added machine no placement uses (none should be) goes with the last part
-                new += [m for m in plan.machines_added if m not in named]
-            out.append(_derived(request, "TasksAllocated", {
-                **head, "placements": part, **(first if i == 0 else {"filter_rejections": {}, "fault_domain_bins": {}}),
-                "machines_added": list(dict.fromkeys(new)), "cache_hit": False, "commit_attempts": attempts},
-                p["request_id"], ts, *(("part", i) if i else ())))
-        out += [_derived(request, "MachineAssignedToEntitlement", {
-            "machine_id": mid, "dc": machines[mid].dc, "reason": f"allocation {p['request_id']}"},
-            mid, ts, mid) for mid in plan.machines_added]
-    if plan.unplaced:
-        out += rejection_events(request, plan.unplaced, plan.reason or NO_FEASIBLE_MACHINE, plan.message or "",
-                                plan.filter_rejections, ts)
-    return out
-
-
-def free_events(request: Event, to_free: Mapping[str, str], released: Sequence[str],
-                machines: Mapping[str, Machine], ts: int) -> list[Event]:
-    """TasksDeallocated for ``to_free`` (task -> machine; in parts beyond what one record holds, the released
-    machines named by the last) and MachineReleasedToFreePool per released machine."""
-    if not to_free:
-        return []
-    p = request.payload
-    head = {"request_id": p["request_id"], "job_id": p["job_id"]}
-    parts = split(_placement_rows(sorted(to_free.items()), machines),
-                  fixed=_fixed({**head, "machines_released": list(released)}))
-    out = [_derived(request, "TasksDeallocated", {
-        **head, "placements": part, "machines_released": list(released) if i == len(parts) - 1 else []},
-        p["request_id"], ts, *(("part", i) if i else ())) for i, part in enumerate(parts)]
-    out += [_derived(request, "MachineReleasedToFreePool", {"machine_id": mid, "dc": machines[mid].dc,
-                                                            "reason": RELEASED_EMPTY}, mid, ts, mid)
-            for mid in released]
-    return out
-
-
-def nothing_freed(request: Event, ts: int) -> list[Event]:
-    """The answer to a request with nothing to place whose tasks hold no placement (a stopped job's tasks that never
-    ran): a TasksDeallocated freeing nothing. Every request is answered: before, such a request got no answer, and
-    its stopped job waited for it for good."""
-    p = request.payload
-    return [_derived(request, "TasksDeallocated", {"request_id": p["request_id"], "job_id": p["job_id"],
-                                                   "placements": [], "machines_released": []},
-                     p["request_id"], ts)]
-
-
-def metric_increments(decision: Sequence[Event]) -> dict[str, int]:
-    """The counters one decided request adds (METRICS_KEY), read from the decision itself so they can be
-    recomputed from the log: ``requests`` always, ``placed`` / ``rejected`` when it placed / rejected tasks."""
-    out = {"requests": 1}
-    if any(e.type == "TasksAllocated" for e in decision):
-        out["placed"] = 1
-    if any(e.type == "AllocationRejected" for e in decision):
-        out["rejected"] = 1
-    return out
-
-
-def decision_result(placing: Sequence[Event]) -> str:
-    """``ropewalk_allocation_decision_duration_seconds``'s result of one request's placing events."""
-    if not placing:
-        return "freed"
-    return "placed" if any(e.type == "TasksAllocated" for e in placing) else "unplaceable"
 
 
 def observe_attempts(decision: Sequence[Event]) -> None:
@@ -271,84 +139,8 @@ def observe_machines(machines: Iterable[Any]) -> None:
         metrics.MACHINES.labels(status=status, entitlement=ent).set(n)
 
 
-MACHINE_STATUSES = frozenset({"UP", "UNHEALTHY", "DOWN", "MAINTENANCE"})  # MachineStatePublished's enum
-
-
-def machine_state_event(fields: Mapping[str, Any], cause: str | None, ts: int) -> Event:
-    """The MachineStatePublished of a machine as the index holds it (``MachineIndex.states``). Its id is derived
-    from (machine, version): a state published again is the same event, and readers dedupe by id."""
-    mid, version = fields["id"], int(fields["version"])
-    ent = fields["entitlement"] or None
-    return new_event("MachineStatePublished", {
-        "machine_id": mid,
-        "topology": {f: fields[f] for f in ("region", "dc", "msb", "rack")},
-        "machine_type": fields["type"],
-        "status": fields["status"] if fields["status"] in MACHINE_STATUSES else "UNKNOWN",
-        "assigned_entitlement": ent,
-        "capacity": {"cpu_millicores": int(fields["cpu_cap"]), "memory_mib": int(fields["mem_cap"])},
-        "free": {"cpu_millicores": int(fields["cpu_free"]), "memory_mib": int(fields["mem_free"])},
-        "host_profile": fields["host_profile"] or None,
-        "task_ids": list(fields["task_ids"]),
-        "version": version,
-        "maintenance_ids": list(split_maintenance(fields.get("maintenance"))),
-        "host_profile_wanted": fields.get("host_profile_wanted"),
-        "host_profile_state": fields.get("host_profile_state") or "",  # "" read back from Redis: not known
-    }, entitlement=ent or free_pool_key(fields["dc"]), entity_id=mid, producer=PRODUCER, causation_id=cause or None,
-        timestamp_ms=ts, event_id=derived_event_id(PRODUCER, "MachineStatePublished", mid, version))
-
-
-def event_to_json(e: Event) -> dict:
-    return {"type": e.type, "entitlement": e.entitlement, "entity_id": e.entity_id, "payload": dict(e.payload),
-            "producer": e.producer, "causation_id": e.causation_id, "timestamp_ms": e.timestamp_ms,
-            "event_id": e.event_id}
-
-
-def event_from_json(d: Mapping[str, Any]) -> Event:
-    return Event(type=d["type"], entitlement=d["entitlement"], entity_id=d["entity_id"], payload=d["payload"],
-                 producer=d["producer"], causation_id=d["causation_id"], timestamp_ms=d["timestamp_ms"],
-                 event_id=d["event_id"])
-
-
-def dump_events(events: Sequence[Event]) -> str:
-    return json.dumps([event_to_json(e) for e in events], separators=(",", ":"), sort_keys=True)
-
-
-def load_events(blob: str | bytes) -> list[Event]:
-    return [event_from_json(d) for d in json.loads(blob)]
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The processor.
-
-def in_decision_order(batch: Sequence[T], partition: Callable[[T], int], when_ms: int, partitions: int) -> list[T]:
-    """The order in which one batch's requests are decided: by partition, from the one the batch's decision time
-    names (``when_ms`` modulo ``partitions``: no entitlement's partition always goes first where decisions meet in
-    the free pool), each partition's in log order (the order they arrive in). The order of arrival across
-    partitions is the consumer's and is not on the log; this one is a function of the log (each batch's decision
-    time is its own, later than the one before), so a replay (processors/history/region.py) decides the batch in
-    the same order and takes the same decisions."""
-    return sorted(batch, key=lambda item: (partition(item) - when_ms) % partitions)
-
-
-def drain_of(entry: "MapEntry | None", partition: int) -> tuple[int, int] | None:
-    """The requests a request of an entitlement on ``partition`` must wait for, by the partition map's ``entry`` of
-    the entitlement: (the partition it moved from, the end of that partition of allocations when it left), when
-    ``partition`` is where it moved to; None when it never moved, or ``partition`` is one it left (its requests there
-    precede the move). Pure. (The scheduler's README, "Moving an entitlement": a job's requests are decided in the
-    order they were asked, across the move.)"""
-    if entry is None or entry.epoch == 0 or entry.drain_offset is None:
-        return None
-    target = entry.moving_to if entry.moving_to is not None else entry.partition
-    if partition != target:
-        return None
-    source = entry.partition if entry.moving_to is not None else (entry.history[-1] if entry.history else None)
-    return None if source is None or source == target else (source, entry.drain_offset)
-
-
-def expected_partitions(entry: "MapEntry | None", hash_partition: int) -> set[int]:
-    """The partitions an entitlement's requests may be on, by what the map says (else: the map is behind). Pure."""
-    return {hash_partition} if entry is None else {hash_partition, *entry.partitions_ever}
-
 
 @dataclass
 class Pending:
@@ -439,9 +231,8 @@ class Allocator:
                 if event.type == "AllocationRequested":
                     self._arrived(event, position)
             self.ends = dict(run.ends)
-            for tp, end in self.ends.items():  # records up to the end were seen, even those not applied
-                if end > 0:
-                    self.fold.marks[tp] = max(self.fold.marks.get(tp, -1), end - 1)
+            for (topic, partition), end in self.ends.items():  # records up to the end were seen, even those not
+                self.fold.read_to(topic, partition, end - 1)  # applied
             for rid in [rid for rid in self.pending if self.fold.is_decided(rid)]:
                 del self.pending[rid]  # decided later in the log than it was requested
             self.fold.drain_changes()
@@ -513,10 +304,8 @@ class Allocator:
         """Every record up to these offsets was read (those the consumer passed over by type too): the marks say
         so, as they do for any record the fold applies as a no-op."""
         with self.lock:
-            marks = self.fold.marks
-            for tp, offset in last_offsets.items():
-                if offset > marks.get(tp, -1):
-                    marks[tp] = offset
+            for (topic, partition), offset in last_offsets.items():
+                self.fold.read_to(topic, partition, offset)
 
     def _arrived(self, event: Event, position: tuple[str, int, int]) -> None:
         if position[0] != self.allocations:
@@ -595,7 +384,7 @@ class Allocator:
             return True
         return any(other.partition == source and other.event.entitlement == ent for other in self.pending.values())
 
-    def _decide_batch(self, batch: list[Pending]) -> list[Event]:  # noqa: C901
+    def _decide_batch(self, batch: list[Pending]) -> list[Event]:
         produced: list[Event] = []
         # What the fold applied since the last projection is in Redis before anything is committed against it: a
         # machine changed by a record of this poll would otherwise meet its older version in Redis, and the reload
@@ -605,61 +394,12 @@ class Allocator:
         while todo:
             ts = self._last_ts = max(int(time.time() * 1000), self._last_ts + 1)  # one batch, one decision time
             todo = in_decision_order(todo, lambda pd: pd.partition, ts, self.topics.partitions_of("allocations"))
-            planned = []
-            for pd in todo:
-                try:
-                    planned.append(self._plan(pd, ts))
-                except TRANSIENT:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - a bug must not stop the allocator: reject, fold again
-                    log.exception("allocator: deciding %s failed", pd.event.payload.get("request_id"))
-                    self.stale = True  # the fold may be half-changed: folded again after this batch
-                    planned.append(_Planned(pd, rejection_events(
-                        pd.event, pd.event.payload["place_task_ids"], ALLOCATOR_ERROR,
-                        f"the allocator failed deciding this request ({type(exc).__name__}: {exc}); "
-                        f"it was left unplaced", {}, ts), None, frozenset()))
+            planned = [self._plan_or_reject(pd, ts) for pd in todo]
             results = self.index.commit([p.decision for p in planned if p.decision is not None])
-            by_request = iter(results)
-            retry: list[Pending] = []
-            reload: set[str] = set()
-            finished: list[tuple[Pending, list[Event]]] = []
-            counts: Counter[str] = Counter()
-            for p in planned:
-                res = next(by_request) if p.decision is not None else None
-                if res is None or res.outcome == "ok":
-                    finished.append((p.pending, p.events))
-                    if res is not None:
-                        self._committed.update(res.versions)
-                elif res.outcome == JOURNALED:
-                    journaled = load_events(res.events)
-                    reload |= p.touched | machines_of(journaled)
-                    finished.append((p.pending, journaled))
-                elif res.outcome == FENCED:
-                    reload |= p.touched
-                    self.pending.pop(p.pending.event.event_id, None)  # another process owns its partition now
-                else:  # CONFLICT: the fold was behind Redis for these machines (or the entitlement's quota)
-                    metrics.ALLOCATION_ATTEMPTS.labels(result="conflict").inc(
-                        len(p.pending.event.payload["place_task_ids"]))
-                    reload |= p.touched | set(res.conflicts) | self._unknown_held(p.pending.event.entitlement, res.held)
-                    if p.pending.attempts >= self.max_attempts:
-                        finished.append((p.pending, self._exhausted(p.pending, res.conflicts, ts)))
-                    else:
-                        retry.append(p.pending)
+            finished, todo, reload = self._settle(planned, results, ts)
             if reload:
                 self._reload(reload)
-            done: list[Event] = []
-            for pd, events in finished:
-                done += events
-                self.fold.remember_decided(pd.event.event_id)
-                self.fold.remember_made(events)
-                self.pending.pop(pd.event.event_id, None)
-                counts.update(metric_increments(events))
-                observe_attempts(events)
-                self.decided += 1
-            self._produce(done)
-            produced += done
-            self.index.add_metrics(counts)
-            todo = retry
+            produced += self._finish(finished)
         # Not flushed here: a decision the broker has not acknowledged is journaled in Redis (index.py), so a
         # crash now loses nothing (the next attempt gets it back JOURNALED); a failed delivery is raised by the
         # next send or flush, which folds the log again. Waiting here for each batch's acks held every batch
@@ -667,6 +407,67 @@ class Allocator:
         self.producer.poll()
         self.project_changes()
         return produced
+
+    def _plan_or_reject(self, pd: Pending, ts: int) -> _Planned:
+        """``_plan``; a request whose deciding raised (a bug) is rejected (``ALLOCATOR_ERROR``), the fold folded
+        again after the batch."""
+        try:
+            return self._plan(pd, ts)
+        except TRANSIENT:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug must not stop the allocator: reject, fold again
+            log.exception("allocator: deciding %s failed", pd.event.payload.get("request_id"))
+            self.stale = True  # the fold may be half-changed: folded again after this batch
+            return _Planned(pd, decide.failed(pd.event, exc, ts), None, frozenset())
+
+    def _settle(self, planned: Sequence[_Planned], results: Sequence[Any], ts: int
+                ) -> tuple[list[tuple[Pending, list[Event]]], list[Pending], set[str]]:
+        """What Redis said of each planned decision (``results``: one per decision committed, in order): the
+        requests answered (committed, journaled before, or out of attempts) with their events, those to decide
+        again (a conflict), and the machines the fold takes back from Redis."""
+        by_request = iter(results)
+        retry: list[Pending] = []
+        reload: set[str] = set()
+        finished: list[tuple[Pending, list[Event]]] = []
+        for p in planned:
+            res = next(by_request) if p.decision is not None else None
+            if res is None or res.outcome == "ok":
+                finished.append((p.pending, p.events))
+                if res is not None:
+                    self._committed.update(res.versions)
+            elif res.outcome == JOURNALED:
+                journaled = load_events(res.events)
+                reload |= p.touched | machines_of(journaled)
+                finished.append((p.pending, journaled))
+            elif res.outcome == FENCED:
+                reload |= p.touched
+                self.pending.pop(p.pending.event.event_id, None)  # another process owns its partition now
+            else:  # CONFLICT: the fold was behind Redis for these machines (or the entitlement's quota)
+                metrics.ALLOCATION_ATTEMPTS.labels(result="conflict").inc(
+                    len(p.pending.event.payload["place_task_ids"]))
+                reload |= p.touched | set(res.conflicts) | self._unknown_held(p.pending.event.entitlement, res.held)
+                if p.pending.attempts >= self.max_attempts:
+                    finished.append((p.pending, decide.exhausted(
+                        p.pending.event, p.pending.attempts, res.conflicts, ts)))
+                else:
+                    retry.append(p.pending)
+        return finished, retry, reload
+
+    def _finish(self, finished: Sequence[tuple[Pending, list[Event]]]) -> list[Event]:
+        """The answered requests: remembered by the fold as decided, counted, their events produced."""
+        done: list[Event] = []
+        counts: Counter[str] = Counter()
+        for pd, events in finished:
+            done += events
+            self.fold.remember_decided(pd.event.event_id)
+            self.fold.remember_made(events)
+            self.pending.pop(pd.event.event_id, None)
+            counts.update(metric_increments(events))
+            observe_attempts(events)
+            self.decided += 1
+        self._produce(done)
+        self.index.add_metrics(counts)
+        return done
 
     def _plan(self, pd: Pending, ts: int) -> _Planned:
         """One request's decision on the fold (committed to the fold at once; Redis re-checks it)."""
@@ -683,7 +484,7 @@ class Allocator:
                       for r in e.payload["placements"])
         released = tuple(mid for e in freeing if e.type == "TasksDeallocated" for mid in e.payload["machines_released"])
         t0 = time.perf_counter()
-        placing, plan_rows, _ = self._place(request, pd.attempts, ts)
+        placing, plan_rows = self._place(request, pd.attempts, ts)
         metrics.ALLOCATION_DECISION.labels(result=decision_result(placing)).observe(time.perf_counter() - t0)
         events = (freeing + placing) or nothing_freed(request, ts)
         touched = machines_of(events)
@@ -695,69 +496,26 @@ class Allocator:
         return _Planned(pd, events, decision, touched)
 
     def _free(self, request: Event, ts: int) -> list[Event]:
-        task_ids = request.payload.get("free_task_ids") or ()
-        fold = self.fold
-        # Only placements on machines the request's entitlement holds: a task id already freed, or one on
-        # another entitlement's machine, is not this request's to free.
-        to_free = {t: mid for t in task_ids if (mid := fold.placement.get(t)) is not None
-                   and fold.machines[mid].entitlement == request.entitlement}
-        if not to_free:
-            return []
-        released = releases(fold, request.entitlement, to_free)
-        views = {mid: fold.machines[mid].view() for mid in set(to_free.values())}
-        events = free_events(request, to_free, released, views, ts)
+        """``decide.frees``, applied to the fold."""
+        events = decide.frees(self.fold, request, ts)
         for e in events:
             if e.type == "TasksDeallocated":
-                fold.free(e)
+                self.fold.free(e)
         return events
 
-    def _place(self, request: Event, attempt: int, ts: int
-               ) -> tuple[list[Event], tuple[tuple[str, int, bool, tuple[str, ...]], ...], dict[str, Machine]]:
-        p = request.payload
-        tasks = list(p["place_task_ids"])
-        if not tasks:
-            return [], (), {}
-        fold = self.fold
-        ent = fold.entitlement(request.entitlement)
-        if ent is None:
-            # Not "create it": the scheduler asks only for entitlements it knows, so this fold has not read the
-            # EntitlementCreated yet, and creating it again would overwrite its quota. The scheduler asks again.
-            return rejection_events(request, tasks, UNKNOWN_ENTITLEMENT,
-                                    f"entitlement {request.entitlement} is not in the allocator's fold of the log yet "
-                                    f"(no EntitlementCreated read); the scheduler asks again", {}, ts), (), {}
-        try:
-            req = request_of(request, fold.existing(p["job_id"]))
-        except ValueError as exc:
-            return rejection_events(request, tasks, INVALID_REQUEST, f"job {p['job_id']}: {exc}", {}, ts), (), {}
-        plan = fold.place(ent, req)
-        if not plan.placements and plan.reason == NO_FEASIBLE_MACHINE and (
-                req.requirements.get("dc") or ent.dc_pin or req.requirements.get("machine_type") or ent.machine_type):
-            # The narrowed snapshot hides why the other machines did not fit: explain over all of them
-            # (only the explanation is taken).
-            wide = fold.place(ent, req, wide=True)
-            if not wide.placements and wide.reason == NO_FEASIBLE_MACHINE:
-                plan = placement_with(plan, filter_rejections=wide.filter_rejections, message=wide.message)
-        machines = {mid: fold.machines[mid].view() for mid in {m for _, m in plan.placements} | set(plan.machines_added)}
-        rows: tuple = ()
-        if plan.placements:
-            by_machine: dict[str, list[str]] = defaultdict(list)
-            for t, mid in plan.placements:
-                by_machine[mid].append(t)
-            added = set(plan.machines_added)
-            rows = tuple((mid, machines[mid].version, mid in added, tuple(by_machine.get(mid, ())))
-                         for mid in sorted(set(by_machine) | added))
-            result = fold.commit(plan.placements, plan.machines_added, ent.name, req.cpu, req.mem,
-                                 {mid: machines[mid].version for mid in machines}, request.event_id)
-            if not result.ok:  # the fold placed on itself: a conflict here is a bug in placement or the fold
-                raise RuntimeError(f"request {p['request_id']}: the fold refused its own plan: {result.conflicts}")
-        return plan_events(request, plan, attempt, machines, ts), rows, machines
-
-    def _exhausted(self, pd: Pending, conflicts: Mapping[str, str], ts: int) -> list[Event]:
-        p = pd.event.payload
-        reasons = ", ".join(sorted(set(conflicts.values())))
-        return rejection_events(pd.event, p["place_task_ids"], COMMIT_RETRIES_EXHAUSTED,
-                                f"{len(p['place_task_ids'])} tasks of job {p['job_id']} unplaced: {pd.attempts} commit "
-                                f"attempts met conflicts ({reasons})", {}, ts)
+    def _place(self, request: Event, attempt: int, ts: int) -> tuple[list[Event], tuple[decide.CommitRow, ...]]:
+        """``decide.placing``, its plan committed to the fold (Redis re-checks it). Returns the events and the
+        plan's rows for the Redis commit."""
+        d = decide.placing(self.fold, request, attempt, ts)
+        if d.plan is None or not d.plan.placements:
+            return d.events, ()
+        assert d.request is not None and d.machines is not None  # a plan has both
+        result = self.fold.commit(d.plan.placements, d.plan.machines_added, request.entitlement, d.request.cpu,
+                                  d.request.mem, {mid: m.version for mid, m in d.machines.items()}, request.event_id)
+        if not result.ok:  # the fold placed on itself: a conflict here is a bug in placement or the fold
+            raise RuntimeError(f"request {request.payload['request_id']}: the fold refused its own plan: "
+                               f"{result.conflicts}")
+        return d.events, d.rows
 
     def _unknown_held(self, entitlement: str, held: Iterable[str]) -> set[str]:
         """Of the machines Redis says ``entitlement`` holds (a CONFLICT_QUOTA's ``held``), those the fold does not
@@ -768,25 +526,8 @@ class Allocator:
     def _reload(self, machine_ids: Iterable[str]) -> None:
         """Take these machines back from Redis into the fold (Redis was ahead: another allocator, or a journaled
         decision)."""
-        fold = self.fold
-        for mid, f in self.index.reload(machine_ids).items():
-            m = fold.machines.get(mid)
-            if m is None:
-                continue
-            for t in list(m.tasks):
-                if t not in f["tasks"]:
-                    fold._unplace(m, t)
-            for t, (cpu, mem) in f["tasks"].items():
-                cur = fold.placement.get(t)
-                if cur != mid:
-                    if cur is not None:
-                        fold._unplace(fold.machines[cur], t)
-                    fold._place(m, t, cpu, mem)
-            fold._set(m, "status", f["status"])  # keeps the fold's status counts
-            for name in ("region", "dc", "msb", "rack", "type", "cpu_cap", "mem_cap", "cpu_free", "mem_free",
-                         "entitlement", "host_profile", "version", "maintenance"):
-                setattr(m, name, f[name])
-            fold.reindex(m)
+        for mid, fields in self.index.reload(machine_ids).items():
+            self.fold.adopt(mid, fields)
 
     def _produce(self, events: Sequence[Event]) -> None:
         self.producer.send_all(events, validate=False)  # built from decoded events; fastavro still checks types
@@ -877,6 +618,7 @@ class Allocator:
                     if consumer is None or self.stale:
                         if consumer is not None:
                             consumer.close()
+                            consumer = None  # closed: not closed again if the fold below fails
                         self.refold()
                         consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in SOURCES],
                                                  name=PRODUCER, start_offsets=self.ends, dead_letters=dead_letters,
@@ -934,23 +676,6 @@ class Allocator:
         stats = self.catch_up()
         log.info("allocator: folded the log: %s", stats)
         return stats
-
-
-def machines_of(events: Iterable[Event]) -> frozenset[str]:
-    """The machines a decision's events change: placements, machines added and released."""
-    out: set[str] = set()
-    for e in events:
-        p = e.payload
-        out.update(r["machine_id"] for r in p.get("placements") or ())
-        out.update(p.get("machines_added") or ())
-        out.update(p.get("machines_released") or ())
-    return frozenset(out)
-
-
-def placement_with(plan: Plan, **changes: Any) -> Plan:
-    from dataclasses import replace
-
-    return replace(plan, **changes)
 
 
 def allocator_metrics(redis_client: redis.Redis, prefix: str) -> dict[str, Any]:
@@ -1017,8 +742,6 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, redis_clie
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from infra import metrics
-
     metrics.serve_worker(Config.from_env().run_dir, OWNED_METRICS)  # infra/metrics.py; `up` lists the targets
     for result in ("placed", "unplaceable", "conflict"):
         metrics.ALLOCATION_ATTEMPTS.labels(result=result)  # every result's series from the start, at 0

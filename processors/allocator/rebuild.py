@@ -215,9 +215,8 @@ class Rebuild:
                 if len(self.stats.errors) < MAX_ERRORS_SHOWN:
                     topic, partition, offset = position
                     self.stats.errors.append(f"{topic}[{partition}]@{offset} {event.type}: {exc}")
-        for tp, end in getattr(self, "_ends", {}).items():  # every record up to the end was seen
-            if end > 0:
-                self.fold.marks[tp] = max(self.fold.marks.get(tp, -1), end - 1)
+        for (topic, partition), end in getattr(self, "_ends", {}).items():  # every record up to the end was seen
+            self.fold.read_to(topic, partition, end - 1)
         self.stats.machines = len(self.fold.machines)
         self.stats.apply_s = time.monotonic() - t0
 

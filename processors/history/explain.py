@@ -160,7 +160,7 @@ def _link(rec: Record) -> dict[str, Any]:
 def why_not_there(cfg: Config, registry: SchemaRegistry, doc: Mapping[str, Any], machine_id: str,
                   records: Sequence[Record], *, skipped: Skipped | None = None) -> dict[str, Any]:
     """``machine_id`` against the request of the decision, on the region just before the decision."""
-    from processors.allocator.processor import request_of
+    from processors.allocator.decide import request_of
     from processors.history import moments
 
     decision = doc.get("decision")

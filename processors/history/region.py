@@ -42,7 +42,7 @@ live shard read that decision (same event ids: same lookups). Agents' reports ar
 k-th placement of a task is moved to the machine of the k-th placement the shadow made (and dropped if it made
 none), and a command the recorded scheduler never gave (a task placed only in the shadow) is answered by a
 simulated agent (the agent's own ``decide``, ``start_delay_ms``). The requests one live allocator batch decided
-(its decision time names it) are decided in the live allocator's order (``processor.in_decision_order``: by
+(its decision time names it) are decided in the live allocator's order (``decide.in_decision_order``: by
 partition from the one the decision time names, each in log order), so the live policy's shadow takes the recorded decisions. **What-if** (``start_what_if``): no log ahead at all;
 events given are injected, every agent is simulated, the timer runs every ``retry_ms``.
 """
@@ -62,7 +62,8 @@ from processors.allocator.fold import (
     ALLOCATOR_PRODUCER, DECISION_TYPES, EVENT_TYPES as FOLD_TYPES, FoldError, RegionFold, job_of, profile_state,
 )
 from processors.allocator.placement import LIVE, Entitlement, Plan, Policy, Request, run_policy
-from processors.allocator.processor import Allocator, in_decision_order, machine_state_event
+from processors.allocator.decide import in_decision_order, machine_state_event
+from processors.allocator.processor import Allocator
 from processors.cowmap import CowMap
 from processors.scheduler import decide as sd
 from processors.scheduler import lifecycle as lc
@@ -129,7 +130,7 @@ class _Deciding:
 
     def decide(self, request: Event, ts: int) -> list[Event]:
         freeing = self._free(request, ts)
-        placing, _, _ = self._place(request, 1, ts)
+        placing, _ = self._place(request, 1, ts)
         return freeing + placing
 
 
@@ -572,7 +573,7 @@ class Region:
         assert self.cut is not None, "advance to the shadow's start first"
         self.shadow = ShadowLog(policy, self.cut)
         self.agents = Agents(start_delay_ms)
-        self.fold._index = PolicyIndex.under(policy, (m.view() for m in self.fold.machines.values()))
+        self.fold.place_with(PolicyIndex.under(policy, (m.view() for m in self.fold.machines.values())))
         for task, mid in self.fold.placement.items():
             self._rec_machines[task] = [mid]
             self._shadow_machines[task] = [mid]

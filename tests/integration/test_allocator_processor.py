@@ -16,10 +16,10 @@ import redis
 
 from processors.allocator.index import Committed, MachineIndex
 from processors.allocator.placement import FILTER_MACHINE_TYPE, NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED
-from processors.allocator.processor import (
-    COMMIT_RETRIES_EXHAUSTED, INVALID_REQUEST, PRODUCER, RELEASED_EMPTY, UNKNOWN_ENTITLEMENT, Allocator,
-    allocator_metrics, build_app, in_decision_order,
+from processors.allocator.decide import (
+    COMMIT_RETRIES_EXHAUSTED, INVALID_REQUEST, PRODUCER, RELEASED_EMPTY, UNKNOWN_ENTITLEMENT, in_decision_order,
 )
+from processors.allocator.processor import Allocator, allocator_metrics, build_app
 from streams.clients import EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED
 from streams.events import Event, new_event

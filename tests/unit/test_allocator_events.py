@@ -1,4 +1,4 @@
-"""The allocator's decision events (processors/allocator/processor.py, pure part): what a plan becomes on the log,
+"""The allocator's decision events (processors/allocator/decide.py): what a plan becomes on the log,
 and that no record exceeds the broker's limit whatever the job size."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from processors.allocator.fold import RegionFold
 from processors.allocator.placement import QUOTA_EXCEEDED, Machine, Plan
-from processors.allocator.processor import free_events, plan_events, rejection_events
+from processors.allocator.decide import free_events, plan_events, rejection_events
 from streams.batches import MAX_RECORD_BYTES
 from streams.events import new_event
 from streams.serde import SchemaRegistry

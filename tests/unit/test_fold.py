@@ -266,3 +266,54 @@ def test_the_fold_counts_its_machines_by_status_as_they_change():
     fold.apply(status("dc1-msb1-r01-m001", "MAINTENANCE"), ("machines", 0, 12))
     assert +fold.statuses == Counter({"UP": 2, "DOWN": 1, "MAINTENANCE": 1})
     assert +fold.statuses == Counter(m.status for m in fold.machines.values())
+
+
+def held(fold: RegionFold, mid: str, tasks: dict, **changes) -> dict:
+    """``MachineIndex.reload``'s fields of ``mid``: the fold's own, with ``tasks`` and ``changes``."""
+    m = fold.machines[mid]
+    return {**m.fields(), "maintenance": m.maintenance, "tasks": tasks, **changes}
+
+
+# name: (machine adopted, its tasks as the index holds them, field changes, expected placement, expected status
+#        counts, expected cpu_free per machine)
+ADOPTIONS = {
+    "a-task-moved-here-from-another-machine": (
+        "m2", {"j/1": (1000, 1024)}, {"cpu_free": 3000, "entitlement": "e1", "version": 9},
+        {"j/0": "m1", "j/1": "m2"}, {"UP": 2}, {"m1": 3000, "m2": 3000}),
+    "a-task-gone-from-the-machine": (
+        "m1", {"j/0": (1000, 1024)}, {"cpu_free": 3000, "version": 9}, {"j/0": "m1"}, {"UP": 2}, {"m1": 3000, "m2": 4000}),
+    "another-status-keeps-the-counts": (
+        "m2", {}, {"status": "DOWN", "version": 9}, {"j/0": "m1", "j/1": "m1"}, {"UP": 1, "DOWN": 1},
+        {"m1": 2000, "m2": 4000}),
+}
+
+
+@pytest.mark.parametrize("mid,tasks,changes,placement_,statuses,cpu_free", ADOPTIONS.values(), ids=ADOPTIONS.keys())
+def test_adopt_takes_a_machine_as_the_index_holds_it(mid, tasks, changes, placement_, statuses, cpu_free):
+    fold = RegionFold()
+    apply_all(fold, ALLOC_J01)
+    fold.index  # noqa: B018 - built: adopt keeps it in step
+    fold.drain_changes()
+    assert fold.adopt(mid, held(fold, mid, tasks, **changes))
+    assert fold.placement == placement_
+    assert {s: n for s, n in fold.statuses.items() if n} == statuses
+    assert {m: fold.machines[m].cpu_free for m in cpu_free} == cpu_free
+    assert all(getattr(fold.machines[mid], k) == v for k, v in changes.items())
+    assert set(fold.taskres) == set(placement_) and fold.job_tasks["j"] == set(placement_)
+    assert fold.index.snapshot("e1")[mid] == fold.machines[mid].view()  # the placement index follows
+    assert fold.drain_changes() == {}  # not a change read on the log: nothing to project
+
+
+def test_adopting_an_unknown_machine_changes_nothing():
+    fold = RegionFold()
+    apply_all(fold, ALLOC_J01)
+    before = state(fold)
+    assert not fold.adopt("m9", {"tasks": {"j/0": (1, 1)}, "status": "DOWN"})
+    assert state(fold) == before
+
+
+def test_read_to_moves_a_mark_forward_only():
+    fold = RegionFold()
+    for offset, expected in [(-1, None), (4, 4), (2, 4), (7, 7)]:
+        fold.read_to("allocations", 0, offset)
+        assert fold.marks.get(("allocations", 0)) == expected

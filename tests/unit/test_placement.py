@@ -358,7 +358,7 @@ def test_a_policy_ranks_by_its_own_scores_and_spread():
     (4 + 2, ["d3", "a0", "b0", "c1"]),  # modulo the partitions: from 2, the first there is 3
 ])
 def test_a_batch_is_decided_by_partition_from_the_one_its_time_names(when_ms, expected):
-    from processors.allocator.processor import in_decision_order
+    from processors.allocator.decide import in_decision_order
 
     arrived = [("d3", 3), ("a0", 0), ("c1", 1), ("b0", 0)]
     assert [r for r, _ in in_decision_order(arrived, lambda x: x[1], when_ms, 4)] == expected
