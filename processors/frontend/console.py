@@ -1,20 +1,25 @@
 """What the CLI's commands share (processors/frontend/cli.py and processors/frontend/commands/): the one-line error
 (``CliError``), the front end a command talks to (``_front``: the API, or the log with ``--direct``), waiting for
-and reporting the scheduler's verdict, printing a document (``--json``) or its text, tables, times, and the parser's
-shared pieces (``command``, ``user_command``, ``AT_HELP``).
+and reporting the scheduler's verdict, reading a file, parsing times, the parser's shared pieces (``command``,
+``user_command``, ``AT_HELP``, ``DRY_RUN_HELP``) and the progress of long steps. How things are shown is
+``processors/frontend/render.py``.
 
-The names are the ones the CLI's commands always called them by (``cli._front``, ``cli._print``, ...); ``cli.py``
-imports them from here, so a command module imports this one and never ``cli.py`` (which imports the command
-modules to register their parsers).
+A command module imports this one and never ``cli.py`` (which imports the command modules to register their
+parsers). The imports inside functions here are start-up cost: ``ropewalk --help`` does not load the API client,
+the broker's credentials or rich.
 """
 from __future__ import annotations
 
-import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from infra.config import Config
 from processors import times
+from processors.frontend.render import _print
+from processors.frontend.service import DEFAULT_WAIT_S, PENDING, REFUSED, UNCHANGED, Frontend, require_broker
+from streams.serde import SchemaRegistry
 
 
 class CliError(Exception):
@@ -22,36 +27,26 @@ class CliError(Exception):
 
 
 def _registry():
-    from streams.serde import SchemaRegistry
-
     return SchemaRegistry.from_dir()
 
 
 def _require_broker(cfg: Config) -> None:
-    from processors.frontend.service import require_broker
-
     require_broker(cfg)
 
 
 def direct(args) -> bool:
     """Whether this command acts on the log itself (``--direct`` or ROPEWALK_DIRECT=1) rather than through the API."""
-    import os
-
     return bool(getattr(args, "direct", False)) or os.environ.get("ROPEWALK_DIRECT", "") not in ("", "0")
 
 
 def _front(cfg: Config, args):
     """The front end this command talks to: the API (``processors.api.client.ApiClient``) or, ``--direct``, the log
     (``processors.frontend.service.Frontend`` as the operator). Both have the same operations and documents."""
-    import os
-
-    from infra.credentials import OPERATOR
+    from infra.credentials import OPERATOR  # start-up: loads the broker's credentials
 
     if direct(args):
-        from processors.frontend.service import Frontend
-
         return Frontend(cfg, _registry(), principal=OPERATOR, producer="cli", skipped=args.skipped)
-    from processors.api.client import ApiClient
+    from processors.api.client import ApiClient  # start-up: urllib.request (http, ssl) and yaml
     from processors.api.users import read_token
 
     return ApiClient(cfg.api_url, os.environ.get("ROPEWALK_TOKEN") or read_token(cfg.secrets))
@@ -60,8 +55,6 @@ def _front(cfg: Config, args):
 def _wait_s(args) -> float | None:
     """How long an intent waits for the scheduler's verdict: through the API by default (``--no-wait``: not at all);
     on the log directly only with ``--wait``."""
-    from processors.frontend.service import DEFAULT_WAIT_S
-
     if args.no_wait:
         return None
     return DEFAULT_WAIT_S if args.wait or not direct(args) else None
@@ -69,8 +62,6 @@ def _wait_s(args) -> float | None:
 
 def _verdict(doc: dict, args) -> None:
     """A refused intent is a failed command: its reason and message are the one error line."""
-    from processors.frontend.service import PENDING, REFUSED, UNCHANGED
-
     if doc.get("verdict") == REFUSED:
         if args.json:
             _print(doc, True, "")
@@ -79,47 +70,6 @@ def _verdict(doc: dict, args) -> None:
         print(f"ropewalk: {doc.get('message')}; `ropewalk job status` shows what happened", file=sys.stderr)
     if doc.get("verdict") == UNCHANGED and not args.json:  # not an error: said as what it is
         print(f"unchanged: {doc.get('message')}", file=sys.stderr)
-
-
-def _print(doc, as_json: bool, text: str) -> None:
-    print(json.dumps(doc, indent=2, sort_keys=True) if as_json else text)
-
-
-def _table(headers: list[str], rows: list[list], empty: str) -> str:
-    """Rows under a header row, columns padded to their widest cell (kubectl's tables); ``empty`` when no rows."""
-    if not rows:
-        return empty
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *cells])
-
-
-def task_counts(v: dict) -> str:
-    """``4 running, 2 pending of 6 desired``: how many of a job view's tasks are in each state, not just how many
-    exist."""
-    from collections import Counter
-
-    by_state = Counter(t["state"] for t in v["tasks"])
-    parts = [f"{n} {s.lower()}" for s, n in sorted(by_state.items(), key=lambda x: (x[0] != "RUNNING", x[0]))]
-    return f"{', '.join(parts) or 'none'} of {v['desired_tasks']} desired"
-
-
-def human_time(ms: int | None, now_ms: int | None = None) -> str:
-    """ms since epoch as a person reads it: UTC time to the second and how far from now (``2026-11-25 23:40:00Z
-    (in 10m)``); ``-`` for none. ``--json`` keeps the ms."""
-    if ms is None:
-        return "-"
-    from datetime import datetime, timezone
-
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    at = datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-    return f"{at} ({_ago(ms - now_ms)})"
-
-
-def _ago(delta_ms: int) -> str:
-    s = abs(delta_ms) // 1000
-    span = f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h" if s < 172800 else f"{s // 86400}d"
-    return "now" if s == 0 else f"in {span}" if delta_ms > 0 else f"{span} ago"
 
 
 def _parse_time(value: str | None) -> int | None:
@@ -140,9 +90,19 @@ def _duration_ms(value: str) -> int:
         raise CliError(str(exc)) from None
 
 
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+
+
 # -- the parser's pieces every command module uses -------------------------------------------------------------------
 AT_HELP = ("a moment: ms since epoch, ISO-8601, now-DURATION (now-15m), or TOPIC/PARTITION@OFFSET (when that "
            "record was written)")
+
+
+DRY_RUN_HELP = "say what would happen (tasks moved, stopped, waiting; controllers asked; capacity left); produce nothing"
 
 
 def command(sub, name: str, fn, help_: str, json_flag: bool = True, json_help: str = "print one JSON document"):
@@ -182,7 +142,7 @@ class Progress:
     stops before the command prints its result or its error line."""
 
     def __init__(self, lines: bool = True, name: str = "ropewalk", console=None):
-        from rich.console import Console
+        from rich.console import Console  # start-up: rich is loaded when a long step shows its progress
 
         self.console = console or Console(stderr=True)
         self.live, self.lines, self.name = self.console.is_terminal, lines, name

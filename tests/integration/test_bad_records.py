@@ -238,7 +238,7 @@ def test_replay_skips_what_it_cannot_decode(cfg, registry, jobs_log):
 
 def test_up_demo_step_skips_what_it_cannot_decode(cfg, registry):
     """``up``'s demo step (``_start_demo``) reads state.jobs for demo.hello: bad records before its state."""
-    from processors.frontend import cli as frontend
+    from processors.frontend import demo as frontend
 
     put_bad(cfg, registry, "state.jobs", "demo.hello")
     p = EventProducer(cfg, registry, "test")

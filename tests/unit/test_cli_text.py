@@ -5,7 +5,7 @@ import os
 import pytest
 
 from infra import config
-from processors.frontend import cli
+from processors.frontend import console, render
 
 NOW = 1_795_440_810_008
 
@@ -18,21 +18,21 @@ NOW = 1_795_440_810_008
     (None, "-"),
 ])
 def test_human_time(ms, text):
-    assert cli.human_time(ms, NOW) == text
+    assert render.human_time(ms, NOW) == text
 
 
 def test_table_pads_columns_under_a_header_row():
-    assert cli._table(["A", "LONGER"], [["xyz", 1], ["q", 22]], "none") == "A    LONGER\nxyz  1\nq    22"
-    assert cli._table(["A"], [], "nothing here") == "nothing here"
+    assert render._table(["A", "LONGER"], [["xyz", 1], ["q", 22]], "none") == "A    LONGER\nxyz  1\nq    22"
+    assert render._table(["A"], [], "nothing here") == "nothing here"
 
 
 @pytest.mark.parametrize("value, ago_ms", [("10m", 600_000), ("1h", 3_600_000), ("2d", 172_800_000), ("90s", 90_000)])
 def test_since_takes_a_duration_ago(value, ago_ms, monkeypatch):
-    monkeypatch.setattr(cli.time, "time", lambda: NOW / 1000)
-    assert cli._parse_time(value) == NOW - ago_ms
-    assert cli._parse_time("1795440810008") == NOW
-    with pytest.raises(cli.CliError, match="10m"):
-        cli._parse_time("yesterday")
+    monkeypatch.setattr(render.time, "time", lambda: NOW / 1000)
+    assert console._parse_time(value) == NOW - ago_ms
+    assert console._parse_time("1795440810008") == NOW
+    with pytest.raises(console.CliError, match="10m"):
+        console._parse_time("yesterday")
 
 
 def test_endpoints_are_remembered_for_a_shell_without_the_variables(tmp_path, monkeypatch):
@@ -74,7 +74,7 @@ def job(job_id, tasks, **kw):
     ("wide, none", [], True, ["no jobs"]),
 ])
 def test_job_list_table(name, rows, wide, want):
-    got = cli.job_table(rows, wide, NOW).splitlines()
+    got = render.job_table(rows, wide, NOW).splitlines()
     assert [line.split() for line in got] == [line.split() for line in want], name
 
 
@@ -98,7 +98,7 @@ MAINT = {"unavailability_id": "ue-1", "machines": ["dc1-m1", "dc1-m2", "dc1-m3",
     ("none", [], True, [["no", "maintenance", "planned", "or", "under", "way"]]),
 ])
 def test_maintenance_list_table(name, rows, wide, want):
-    assert [line.split() for line in cli.maintenance_table(rows, wide, NOW).splitlines()] == want, name
+    assert [line.split() for line in render.maintenance_table(rows, wide, NOW).splitlines()] == want, name
 
 
 def test_maintenance_windows_are_those_started_and_not_ended():

@@ -277,7 +277,7 @@ def test_moments(value, expected):
 
 @pytest.mark.parametrize("value", ["yesterday", "now-5x", "tasks/x@1", "@3"])
 def test_a_bad_moment_is_refused(value):
-    from processors.frontend.cli import CliError
+    from processors.frontend.console import CliError
 
     with pytest.raises((moments.MomentError, CliError)):
         moments.parse_moment(value, 0, lambda *a: 0)

@@ -90,3 +90,24 @@ def test_the_default_limit_is_the_configured_one():
     assert Config.from_env({"ROPEWALK_MAX_TASKS_PER_JOB": "1000"}).max_tasks_per_job == 1000
     with pytest.raises(ValueError, match="ROPEWALK_MAX_TASKS_PER_JOB must be >= 1"):
         Config.from_env({"ROPEWALK_MAX_TASKS_PER_JOB": "0"})
+
+
+def test_the_three_shapes_of_a_job_spec_agree():
+    """A job spec's shape is written three times (issue 31): ``jobspec.FIELDS`` (what ``validate_spec``, the one
+    check both doors run, takes), the API's request body (``processors/api/models.JobSpec``: its types, for the
+    OpenAPI document and pydantic's strict parse) and the Avro schemas of JobSubmitted and JobSpecChanged (what the
+    log holds). A field added to one of them and not the others fails here."""
+    from processors.api.models import JobSpec, Resources
+    from processors.frontend.jobspec import FIELDS
+    from streams.serde import SchemaRegistry
+
+    assert tuple(JobSpec.model_fields) == FIELDS
+    payload = validate_spec(GOOD)
+    assert tuple(Resources.model_fields) == tuple(payload["resources"])
+    registry = SchemaRegistry.from_dir()
+    for event in ("JobSubmitted", "JobSpecChanged"):
+        schema = registry.reader(event)
+        resources = next(f for f in schema.raw["fields"] if f["name"] == "resources")["type"]
+        # on the log: the payload without the entitlement (the envelope's), with the spec's version
+        assert schema.field_names - {"envelope"} == set(payload) - {"entitlement"} | {"spec_version"}, event
+        assert [f["name"] for f in resources["fields"]] == list(payload["resources"]), event

@@ -352,7 +352,7 @@ def _job_summary(v: dict) -> dict:
 
 def _since_ms(since: str) -> int | None:
     """The CLI's ``--since`` forms (10m, 1h, ISO-8601, ms); None for none or a form it refuses."""
-    from processors.frontend.cli import CliError, _parse_time
+    from processors.frontend.console import CliError, _parse_time
 
     try:
         return _parse_time(since or None)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import shlex
 
-from processors.frontend.console import CliError, _front, _print, user_command
+from processors.frontend.console import CliError, _front, user_command
+from processors.frontend.render import _print
 from processors.jobcontrol import decide as jd
 
 

@@ -1,5 +1,6 @@
-"""`ropewalk job status|describe|logs`: what a user looks at first when a job does not do what it should.
+"""`ropewalk job ...`: submit, inspect and change jobs; their parser beside their handlers.
 
+    ropewalk job submit FILE | update JOB FILE | stop JOB | resize JOB N | list   # the intents and the list
     ropewalk job status JOB [-o wide|json] [--at TIME]   # tasks: state, machine; wide: version, age, restarts,
                                                           # moves, previous machine (from the job's events)
     ropewalk job describe JOB [--events N] [--json]       # the job, its tasks' story, its last refusals and events
@@ -13,13 +14,99 @@ an hour: then it is unknown; processors/scheduler/README.md "Stopped jobs leave"
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
-
 from typing import Any, Mapping
 
-from processors.frontend.console import AT_HELP, CliError, _ago, _front, _print, _table, direct, human_time, \
-    task_counts, user_command
+from infra.config import Config
+from processors import rules
+from processors.frontend import logs
+from processors.frontend.console import AT_HELP, CliError, _front, _read, _verdict, _wait_s, direct, user_command
+from processors.frontend.jobspec import JobSpecError, parse_text
+from processors.frontend.render import _ago, _print, _table, human_time, job_table, task_counts
+from processors.frontend.service import entitlement_of_job, spec_payload
+
+def add_commands(sub) -> None:
+    """``job`` and its actions under the CLI's subcommands ``sub``."""
+    job = sub.add_parser("job", help="submit, inspect and change jobs").add_subparsers(dest="action", required=True)
+    for name, fn, help_, extra in (
+        ("submit", cmd_job_submit, "submit a job spec (YAML or JSON); prints the job id once the scheduler accepted "
+                                   "it (through the API: a refusal fails with its reason)", ("file",)),
+        ("update", cmd_job_update, "replace a job's spec (rolling update)", ("job", "file")),
+        ("stop", cmd_job_stop, "stop a job and free its tasks", ("job",)),
+    ):
+        sp = user_command(job.add_parser(name, help=help_, description=help_), intent=True)
+        sp.set_defaults(fn=fn)
+        for a in extra:
+            sp.add_argument(a)
+        sp.add_argument("--json", action="store_true")
+        if name == "stop":
+            sp.add_argument("--reason", default="")
+    _add_looks(job)  # status, describe, logs
+    sp = user_command(job.add_parser("list", help="the jobs you may see: state, tasks running"))
+    sp.set_defaults(fn=cmd_job_list)
+    sp.add_argument("--entitlement")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("-o", "--output", choices=["wide", "json"],
+                    help="wide: also entitlement, spec version, machines, DCs, when updated; json: as --json")
+    sp = user_command(job.add_parser("resize", help="change a job's task count"), intent=True)
+    sp.set_defaults(fn=cmd_job_resize)
+    sp.add_argument("job")
+    sp.add_argument("tasks", type=int, metavar="N")
+    sp.add_argument("--json", action="store_true")
+
+
+def _spec_data(path: str, entitlement: str | None, max_tasks: int):
+    """The spec file, parsed and checked at the door (the error names the file and the field)."""
+    try:
+        data = parse_text(_read(path), path)
+    except JobSpecError as exc:
+        raise CliError(f"{path}: {exc}") from None
+    payload = spec_payload(data, entitlement, max_tasks, f"{path}: ")
+    return data, payload
+
+
+def cmd_job_submit(cfg: Config, args) -> int:
+    data, payload = _spec_data(args.file, None, cfg.max_tasks_per_job)
+    doc = _front(cfg, args).job_submit(data, wait_s=_wait_s(args), where=f"{args.file}: ")
+    _verdict(doc, args)
+    _print(doc, args.json, doc["job"])
+    return 0
+
+
+def cmd_job_list(cfg: Config, args) -> int:
+    rows = _front(cfg, args).jobs(args.entitlement)
+    _print(rows, args.json or args.output == "json", job_table(rows, args.output == "wide"))
+    return 0
+
+
+def cmd_job_update(cfg: Config, args) -> int:
+    front = _front(cfg, args)
+    data, payload = _spec_data(args.file, entitlement_of_job(args.job), cfg.max_tasks_per_job)
+    if payload["job_id"] != args.job:
+        raise CliError(f"{args.file}: name: the spec names job {payload['job_id']!r}, not {args.job!r}")
+    doc = front.job_update(args.job, data, wait_s=_wait_s(args) if args.wait else None, where=f"{args.file}: ")
+    _verdict(doc, args)
+    _print(doc, args.json, f"{args.job} v{doc['spec_version']}")
+    return 0
+
+
+def cmd_job_resize(cfg: Config, args) -> int:
+    if (problem := rules.task_count(args.tasks, cfg.max_tasks_per_job, "N", low=0)) is not None:
+        raise CliError(str(problem))
+    doc = _front(cfg, args).job_resize(args.job, args.tasks, wait_s=_wait_s(args) if args.wait else None, field="N")
+    _verdict(doc, args)
+    _print(doc, args.json, f"{args.job} -> {args.tasks} tasks")
+    return 0
+
+
+def cmd_job_stop(cfg: Config, args) -> int:
+    doc = _front(cfg, args).job_stop(args.job, args.reason, wait_s=_wait_s(args) if args.wait else None)
+    _verdict(doc, args)
+    _print(doc, args.json, f"{args.job} stopping")
+    return 0
+
 
 EXAMPLES = {
     "status": "examples:\n  ropewalk job status e1.web\n  ropewalk job status e1.web -o wide    # + version, age, "
@@ -65,8 +152,6 @@ def cmd_describe(cfg, args) -> int:
 
 
 def cmd_logs(cfg, args) -> int:
-    from processors.frontend import logs
-
     if direct(args):
         srcs = _front(cfg, args).job_log_sources(args.job, args.task)
         missing = {s["task"]: s["why"] for s in srcs if s["path"] is None}
@@ -84,7 +169,7 @@ def cmd_logs(cfg, args) -> int:
             if not got:
                 time.sleep(logs.FOLLOW_POLL_S)
         return 0
-    from processors.api.client import ApiClientError
+    from processors.api.client import ApiClientError  # start-up: urllib.request (http, ssl), as console._front
 
     try:
         missing, lines = _front(cfg, args).job_logs(args.job, args.task, args.tail, args.follow)
@@ -142,10 +227,8 @@ def _say_missing(missing: dict[str, str]) -> None:
         print(f"ropewalk: and {len(missing) - 5} more tasks without output", file=sys.stderr)
 
 
-def add_commands(job) -> None:
+def _add_looks(job) -> None:
     """`status`, `describe` and `logs` under `ropewalk job` (``job``: its subparsers)."""
-    import argparse
-
     def parser(name: str, help_: str):
         return user_command(job.add_parser(name, help=help_, description=help_, epilog=EXAMPLES[name],
                                            formatter_class=argparse.RawDescriptionHelpFormatter))

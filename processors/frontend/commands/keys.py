@@ -10,11 +10,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from processors.frontend.console import CliError, _print
+from processors.frontend.console import CliError
+from processors.frontend.render import _print
+from streams.serde import SchemaRegistry
 
 
 def cmd_list(cfg, args) -> int:
-    from infra import trust
+    from infra import trust  # start-up: the key ring (streams/auth.py), loaded when used
 
     verifier = trust.verifier_for(cfg.as_principal("operator"))
     if verifier is None:
@@ -31,9 +33,8 @@ def cmd_list(cfg, args) -> int:
 
 
 def cmd_rotate(cfg, args) -> int:
-    from infra import trust
+    from infra import trust  # start-up: the key ring (streams/auth.py), loaded when used
     from streams.clients import EventProducer
-    from streams.serde import SchemaRegistry
 
     doc = trust.trust_doc(cfg.secrets)
     if doc is None:
@@ -58,7 +59,7 @@ def cmd_rotate(cfg, args) -> int:
 
 
 def cmd_machine(cfg, args) -> int:
-    from infra import trust
+    from infra import trust  # start-up: the key ring (streams/auth.py), loaded when used
 
     path = trust.write_machine_key(cfg.secrets, args.machine, Path(args.out) if args.out else None)
     _print({"machine": args.machine, "key_file": str(path)}, args.json,

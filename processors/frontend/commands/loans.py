@@ -10,7 +10,8 @@ the operator; both run the front end's operations (``processors/frontend/service
 """
 from __future__ import annotations
 
-from processors.frontend.console import CliError, _front, _print, user_command, human_time
+from processors.frontend.console import CliError, _front, user_command
+from processors.frontend.render import _print, human_time
 from processors.resourcebroker import loans as ln
 
 

@@ -12,7 +12,8 @@ size a job: ``ropewalk intents size JOB --auto --min N --max M --load-per-task L
 """
 from __future__ import annotations
 
-from processors.frontend.console import _front, _print, human_time
+from processors.frontend.console import _front
+from processors.frontend.render import _print, human_time
 from processors.srm import decide as sd
 
 
