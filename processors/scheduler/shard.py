@@ -1011,6 +1011,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         msgs = [msg for msg, _, _ in items] + [msg for msg, _ in forwards]
         for key in {partition_key(msg.topic, msg.partition) for msg in msgs} | set(passed):
             guard.rewind(key)
+            set_aside_keys.add(key)  # find_stalls seeks back there once the tables are ready
         log.info("scheduler: a batch of %d records set aside: %s (read again after)", len(msgs) + len(passed), why)
 
     async def read_again(items: list) -> None:
@@ -1095,6 +1096,32 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
     flow = FlowWatch()
     behind: dict[str, float] = {}  # partition key -> since when it is below its high watermark (logged once)
+    # Partitions whose batch was set aside: faust's seek to the committed offsets may already have run when the
+    # batch was set aside (it comes before faust marks the recovery done), and then nothing brings its records
+    # again (a quiet partition shows no gap to the guard); so once the tables are ready they are sought back.
+    set_aside_keys: set[str] = set()
+
+    async def resume_set_aside(sources: list) -> None:
+        """Seek the partitions whose batch was set aside back to their next offset (the guard skips what was
+        applied already), those still this shard's and behind; the others (revoked) are forgotten."""
+        if not set_aside_keys:
+            return
+        keys, targets = set(set_aside_keys), {}
+        set_aside_keys.clear()
+        for tp in sources:
+            key = partition_key(tp.topic, tp.partition)
+            if key not in keys:
+                continue
+            try:
+                high = app.consumer.highwater(tp)
+            except Exception:  # noqa: BLE001 - moving away in a rebalance: the next owner reads it from its offsets
+                continue
+            if high is None or high > guard.next_offset(key):
+                targets[tp] = guard.next_offset(key)
+        if targets:
+            log.info("scheduler: reading again from their next offsets the set-aside records of %s",
+                     ", ".join(f"{tp.topic}[{tp.partition}]@{off}" for tp, off in targets.items()))
+            await app.consumer.seek_wait(targets)
 
     @app.timer(STALL_S, name=f"{APP_ID}.stalls")
     async def find_stalls() -> None:
@@ -1102,6 +1129,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             return
         now = time.monotonic()
         sources = [tp for tp in app.assignor.assigned_actives() if tp.topic in source_names]
+        await resume_set_aside(sources)
         for tp, why in flow.check(app.consumer, sources, now):
             log.warning("scheduler: %s[%d] was out of the consumer's fetch for %.0f s (%s): fetching it again",
                         tp.topic, tp.partition, flow.after_s, why)
