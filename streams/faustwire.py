@@ -37,6 +37,7 @@ from faust.transport.drivers import aiokafka as faust_kafka
 from infra.config import Config
 from infra.private import make_dir
 from streams import schemalog
+from streams.freeze import FreezeWatch
 from streams.clients import Record, check_placement, header, identity_of
 from streams.deadletter import DeadLetters
 from streams.events import Event
@@ -117,11 +118,35 @@ class IdempotentProducer(faust_kafka.Producer):
         return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
 
 
+FREEZE_MIN_S = 1.0  # the shortest gap between the freeze watch's ticks counted as a freeze (a loaded machine's jitter is less)
+
+
 class App(faust.App):
     """A faust app whose producer is ``IdempotentProducer`` and whose consumer is a ``BatchingConsumer`` (which hands
     the topics of ``fetch_batches``, if set before the app starts, over as whole fetches)."""
 
     fetch_batches: "FetchBatches | None" = None
+    freeze_watch: FreezeWatch
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A freeze that may have cost it two heartbeats makes it suspect until its group assigns it again, or for
+        # two session timeouts (streams/freeze.py); tables_ready says no meanwhile.
+        hb, session = float(self.conf.broker_heartbeat_interval), float(self.conf.broker_session_timeout)
+        self.freeze_watch = FreezeWatch(threshold_s=max(FREEZE_MIN_S, 2 * hb), suspect_s=2 * session,
+                                        on_freeze=self._frozen)
+
+    def _frozen(self, gap_s: float) -> None:
+        self.log.warning("this process was frozen for %.1f s: deciding nothing until its group assigns it its "
+                         "partitions again, or for %.0f s (streams/freeze.py)", gap_s, self.freeze_watch.rule.suspect_s)
+
+    async def on_start(self) -> None:
+        self.freeze_watch.start()
+        await super().on_start()
+
+    async def _on_partitions_assigned(self, assigned: Any, generation_id: int = 0) -> None:
+        self.freeze_watch.assigned()  # what the group gives it now is current, whatever froze before
+        await super()._on_partitions_assigned(assigned, generation_id)
 
     def _new_producer(self) -> Any:
         return IdempotentProducer(self.transport, loop=self.loop, beacon=self.beacon)
@@ -436,8 +461,11 @@ def tables_ready(app: Any) -> bool:
     is set only once the recovery starts reading (after ``stream_recovery_delay``), not from the rebalance's start;
     ``Recovery.completed`` is set once and never cleared. Timers start only after the first recovery
     (``App.on_started``), but keep running through later ones; agents get no records of a partition while it is
-    paused for its recovery, but a batch in hand is not taken back."""
-    return bool(app.tables.actives_ready) and not app.rebalancing
+    paused for its recovery, but a batch in hand is not taken back. And the process not suspect of a freeze
+    (``App.freeze_watch``, streams/freeze.py): one woken from a SIGSTOP longer than its session may own nothing
+    of what it is about to decide, and its consumer does not know it yet."""
+    watch = getattr(app, "freeze_watch", None)  # a process frozen past its heartbeats may own nothing any more
+    return bool(app.tables.actives_ready) and not app.rebalancing and not (watch is not None and watch.suspect())
 
 
 # -- partitions faust stopped fetching ---------------------------------------------------------------------------

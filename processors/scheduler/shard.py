@@ -221,6 +221,10 @@ class StoreTimeout(RuntimeError):
     """The broker did not acknowledge a batch's changelog records in time (transient: the batch is read again)."""
 
 
+class Frozen(RuntimeError):
+    """This process was frozen during a decision (streams/freeze.py): the rest of it is not written."""
+
+
 class OutputRefused(RuntimeError):
     """The broker did not take a batch's output (``DeliveryError``): transient, or a record it refuses for ever."""
 
@@ -466,6 +470,17 @@ class ShardTables:
             fut = table.send_changelog(partition, key, value)
         self._unacked.append(fut)
 
+    def frozen_since(self, since: float) -> bool:
+        """Whether this process was frozen since ``since`` (``App.freeze_watch``)."""
+        watch = getattr(self.app, "freeze_watch", None)
+        return watch is not None and watch.frozen_since(since)
+
+    def check_not_frozen(self, since: float | None) -> None:
+        """Raise ``Frozen`` if this process was frozen since ``since``."""
+        if since is not None and self.frozen_since(since):
+            raise Frozen("this process was frozen during the decision: its partitions may be another's now; "
+                         "nothing more of it is written (the batch is read again)")
+
     async def _barrier(self) -> None:
         """Wait until the broker has acknowledged every changelog record sent since the last barrier (each
         record's own future: faust's ``producer.flush()`` may return with records still in its buffer). Raises
@@ -483,7 +498,8 @@ class ShardTables:
     async def store(self, before: SchedulerState, after: SchedulerState, headers: Mapping[str, dict], *,  # noqa: C901
                     where: Mapping[str, int], down_partitions: Mapping[str, int] | None = None,
                     buckets: Mapping[int, Bucket | None] = (), homes: Mapping[str, ho.Home] = (),
-                    applied: Mapping[str, tuple[int, int]] = (), output: Awaitable[Any] | None = None) -> int:
+                    applied: Mapping[str, tuple[int, int]] = (), output: Awaitable[Any] | None = None,
+                    since: float | None = None) -> int:
         """Write back what a batch's decisions changed, in the three steps of store.py's delivery argument;
         returns the number of jobs written. ``where``: entitlement -> the partition its values are kept for (the
         partition of the events decided for it); ``down_partitions``: machine -> the partition of the event that
@@ -492,7 +508,9 @@ class ShardTables:
         offset to apply), written last; ``output``: the batch's output being produced, awaited once the new chunks
         are sent and before any header is (the two round trips overlap; a header is still never written before the
         output it stands for is flushed). A job or an entitlement in ``before`` and not in ``after`` (handed over to
-        another partition) is deleted: its header and entitlement in step 2, its chunks in step 3."""
+        another partition) is deleted: its header and entitlement in step 2, its chunks in step 3. ``since``: when
+        the decision began (monotonic): if the process was frozen since (streams/freeze.py), steps 2 and 3 are not
+        written (``Frozen``; its partitions may be another's now, and the batch is read again)."""
         plans: list[tuple[Job, int, str, st.Plan]] = []
         for job_id, job in after.jobs.items():
             old = before.jobs.get(job_id)
@@ -513,6 +531,7 @@ class ShardTables:
         if output is not None:
             await output  # raises OutputRefused: nothing but orphan chunks was written (drop_orphans)
         t1 = time.monotonic()
+        self.check_not_frozen(since)
         # 2. the headers, and the other tables' values
         wrote = False
         for job, part, key, p in plans:
@@ -556,6 +575,7 @@ class ShardTables:
         if wrote and (applied or obsolete):
             await self._barrier()
         self.store_ms = (round((t1 - t0) * 1e3), round((time.monotonic() - t1) * 1e3))
+        self.check_not_frozen(since)
         # 3. the offsets, and the chunks no durable header names any more
         for key, (part, nxt) in dict(applied).items():
             self._put(self.offsets, part, key, nxt)
@@ -649,13 +669,13 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         since (its partitions may be another worker's now)."""
         forwards = list(forwards or ())
         async with lock:
-            if not tables_ready(app):  # a rebalance or a recovery under way: decide nothing on the tables now
-                set_aside(items, passed, forwards, "the tables are being recovered")
+            t0 = time.monotonic()
+            if not tables_ready(app):  # a rebalance, a recovery or a freeze: decide nothing on the tables now
+                set_aside(items, passed, forwards, "the tables are being recovered, or this process was frozen")
                 return
             if generation != fetches.generation:  # a rebalance came and went since its records were fetched
                 set_aside(items, passed, forwards, "its partitions were revoked since it was fetched")
                 return
-            t0 = time.monotonic()
             now = int(time.time() * 1000)
             job_keys: set[str] = set()
             for _, rec, ev in items:
@@ -729,6 +749,9 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             t1 = time.monotonic()
             # The output is flushed before any table value that stands for it (see "Delivery" in the module
             # docstring); it is produced while the new chunks are sent, which need not wait for it.
+            if tables.frozen_since(t0):  # its partitions may be another's: neither its output nor its state
+                set_aside(items, passed, forwards, "this process was frozen while deciding it")
+                return
             output = asyncio.ensure_future(produce(coalesce(out), forwards)) if out or forwards else None
             applied = dict(passed)  # the offset after the last record of this batch, per partition
             for msg, _ in forwards:
@@ -746,7 +769,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 if (state is not start or homes or any(b != tables.bucket(p) for p, b in buckets.items())
                         or guard.persist_due(applied) or forwards):
                     await store(start, state, headers, where=where, down_partitions=down_partitions,
-                                buckets=buckets, homes=homes, applied=applied, output=output)
+                                buckets=buckets, homes=homes, applied=applied, output=output, since=t0)
             finally:
                 if output is not None:
                     await output  # also when storing failed: its outcome is what apply_or_retry acts on
@@ -1030,6 +1053,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     async def retry_slice(part: int, job_keys: list[str]) -> int:
         """``retry_unplaced`` on these jobs of partition ``part``, its output produced and its state stored; the
         caller holds the lock. Returns the events emitted."""
+        t0 = time.monotonic()
         state, headers, where = tables.load((), job_keys)  # a job it cannot read is left out (and logged)
         state = tables.with_bucket(state, part)
         now = int(time.time() * 1000)
@@ -1038,9 +1062,10 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         if out or gone:
             log.info("scheduler: retry: %d events for %d jobs of partition %d; %d jobs gone (their grace of %.0f s "
                      "passed)", len(out), len(state.jobs), part, len(gone), gc_ms / 1000)
+            tables.check_not_frozen(t0)
             await produce(coalesce(out), tombstones=[k for j in gone for k in state_keys(state.jobs[j])])
         if new is not state:
-            await store(state, new, headers, where=where, buckets={part: new.shard_bucket})
+            await store(state, new, headers, where=where, buckets={part: new.shard_bucket}, since=t0)
         return len(out)
 
     @app.timer(retry_s, name=f"{APP_ID}.retry_unplaced")
