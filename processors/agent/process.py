@@ -191,7 +191,7 @@ class ProcessAgent(LoopWorker):
             raise SystemExit(f"{self.state_path} belongs to machine {doc.get('machine_id')!r}, not "
                              f"{self.machine_id!r}; use another --work-dir")
         runs = {r["task_id"]: d.run_from_json(r) for r in doc["tasks"]}
-        self.judge.gate.load_json(doc.get("gate"))
+        self.judge.load_json(doc.get("gate"))
         state = d.AgentState(self.machine_id, incarnation=now_ms(), sequence=doc.get("sequence", 0),
                              tasks=MappingProxyType(runs))
         self.offsets = {(t, int(p)): o for t, p, o in doc.get("offsets", [])}
@@ -212,7 +212,7 @@ class ProcessAgent(LoopWorker):
                "tasks": [d.run_to_json(r) for r in self.state.tasks.values()],
                "procs": {t: {"pid": p.pid, "start_time": p.start_time, "kill_deadline_ms": p.kill_deadline_ms}
                          for t, p in self.procs.items()},
-               "gate": self.judge.gate.to_json(), "host": hp.to_json(self.host),
+               "gate": self.judge.to_json(), "host": hp.to_json(self.host),
                iso.OWNER_UIDS_KEY: dict(sorted(self.uids.items())), "sandbox": self.isolation.sandbox}
         write_private(self.state_path, json.dumps(doc, indent=1, sort_keys=True))
 
