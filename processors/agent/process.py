@@ -64,7 +64,7 @@ from confluent_kafka import KafkaException
 from infra.config import Config
 from infra.private import PASSAGE_MODE, make_dir, open_private, private_umask, secure_work_dir, write_private
 from infra.credentials import CredentialsError
-from infra.process import process_start_time
+from infra.process import failpoint, process_start_time
 from infra.trust import machine_signer
 from streams.deadletter import DeadLetters
 from streams.clients import EventConsumer, EventProducer
@@ -104,6 +104,7 @@ def task_dir(work_dir: Path, task_id: str) -> Path:
 STATE_FORMAT = 1
 DEFAULT_TICK_MS = 1000
 POLL_S = 0.1
+FAILPOINT_ENV = "ROPEWALK_AGENT_FAILPOINT"  # tests: exit at once at this point (``infra.process.failpoint``)
 CATCH_UP_IDLE_POLLS = 20  # a fresh agent's backlog ends at end-of-partition everywhere, or this many empty polls
 # Reports are buffered, never dropped, while the broker is away (librdkafka: 0 = no delivery timeout), and
 # kept in order by one request in flight. Not idempotent: measured against the embedded broker, an idempotent
@@ -452,6 +453,8 @@ class ProcessAgent(LoopWorker):
         self._refuse()
         if records:
             self.save()
+            if self.judge.unplacing:  # a move read, the stop it may need not made yet (its test kills the agent here)
+                failpoint(FAILPOINT_ENV, "stop_pending", log)
         return len(records)
 
     def _refuse(self) -> None:

@@ -160,6 +160,7 @@ import faust
 
 from infra import metrics
 from infra.config import Config
+from infra.process import failpoint as process_failpoint
 from processors.allocator.placement import Entitlement
 from processors.scheduler import handover as ho
 from processors.scheduler import store as st
@@ -1206,9 +1207,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
 def failpoint(name: str) -> None:
     """Exit at once if ``FAILPOINT_ENV`` names this point (tests of a crash between the steps of a move)."""
-    if os.environ.get(FAILPOINT_ENV) == name:
-        log.warning("scheduler: failpoint %s: exiting", name)
-        os._exit(70)
+    process_failpoint(FAILPOINT_ENV, name, log)
 
 
 def ent_weight(state: SchedulerState, entitlement: str) -> int:
