@@ -2,6 +2,7 @@
 idempotent start that waits until the process accepts connections, and stop that leaves nothing behind."""
 from __future__ import annotations
 
+import logging
 import os
 import random
 import resource
@@ -93,6 +94,17 @@ def raise_open_files_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     except (ValueError, OSError):
         pass
+
+
+FAILPOINT_EXIT = 70  # the exit code of a process that stopped at a failpoint
+
+
+def failpoint(env: str, name: str, log: logging.Logger) -> None:
+    """Exit at once (``os._exit``: nothing flushed or closed, as a SIGKILL would leave it) if the environment variable
+    ``env`` names this point: tests of a crash between two steps (the scheduler's moves, the agent's pending stops)."""
+    if os.environ.get(env) == name:
+        log.warning("failpoint %s: exiting", name)
+        os._exit(FAILPOINT_EXIT)
 
 
 def pid_alive(pid: int) -> bool:

@@ -43,6 +43,10 @@ moved away and back here is not stopped for the move it already undid), the wiri
 it and the fold still does not place it there (``Judge.take_stops`` -> ``decide.Unplaced``, reported STOPPED
 ``not_placed``): the double run lasts as long as the agent's fold lags, not for good. (Refusing such a START outright needs a version of the placement in the command
 to compare with the fold's, or every START to wait for the fold to reach the high watermarks: not done.)
+**These pending stops are saved in the agent's state file** with the gate (``Judge.to_json``), atomically with the
+offsets past the move: an agent killed between reading the move and stopping the task resumes from those offsets,
+so its fold never reads the move again and could not find the stop again by itself. Reloaded, they are judged
+again like a move just read (``Judge.load_json``).
 
 Pure but for the state the ``Gate`` object holds: no I/O, no clock (the caller passes marks and times).
 
@@ -54,7 +58,7 @@ Pure but for the state the ``Gate`` object holds: no I/O, no clock (the caller p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 from streams import auth, batches
 from streams.events import Event, derived_event_id, new_event
@@ -276,6 +280,8 @@ class Judge:
         self.refused: list[Event] = []  # refused at once (forged, not from the scheduler, stale): ``refusals``
         self.unplacing: list[tuple[int, str, str]] = []  # (mark, task, machine it left), until the fold is final
         self.stops: list[tuple[str, str]] = []  # (task, machine): the fold is final and places it elsewhere
+        # ``unplacing`` and ``stops`` are saved with the gate (``to_json``): the fold that found them is not read
+        # again after a restart (the agent resumes from its saved offsets, past the move).
         self.admitted = 0
         self.waited = 0
 
@@ -296,12 +302,28 @@ class Judge:
         self.unplacing += [(self.mark, t, m) for t, m in self.gate.take_unplaced()]
         return act
 
-    def take_stops(self) -> list[tuple[str, str]]:
+    def take_stops(self) -> Iterator[tuple[str, str]]:
         """The (task, machine) pairs to stop if that machine runs the task (``decide.Unplaced``): the fold placed the
         task elsewhere (or freed it), has read ``allocations`` up to the high watermarks measured after, and still
-        does not place it there. Filled by ``refusals``; emptied here."""
-        out, self.stops = self.stops, []
-        return out
+        does not place it there. Filled by ``refusals``; each taken out as the caller comes to it, so a state saved
+        while the caller stops one (``to_json``) still holds the others."""
+        while self.stops:
+            yield self.stops.pop(0)
+
+    # -- persistence (the agents' state files: the gate's, with the stops still pending) ---------------------------
+    def to_json(self) -> dict:
+        """The gate's state and the stops not yet made (``unplacing`` and ``stops``, as ``[task, machine]`` pairs)."""
+        pending = [[t, m] for _, t, m in self.unplacing] + [[t, m] for t, m in self.stops]
+        return {**self.gate.to_json(), "unplacing": pending}
+
+    def load_json(self, doc: dict | None) -> None:
+        """The state ``to_json`` saved. The pending stops are judged again, as those of a move folded just now: once
+        the fold has read ``allocations`` up to the high watermarks measured after the restart, each is stopped if
+        the fold still does not place its task there (a task moved back meanwhile is not stopped). A file without
+        them (an older agent's) has none."""
+        self.gate.load_json(doc)
+        self.unplacing = [(0, t, m) for t, m in dict.fromkeys(tuple(u) for u in (doc or {}).get("unplacing") or ())]
+        self.stops = []
 
     def take_refused(self, consumer, machine_ok: Callable[[str], bool], now_ms: int, dead_letters=None) -> int:
         """The records ``consumer`` refused for their proof (its ``refused``, emptied) that concern a machine

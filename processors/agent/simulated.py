@@ -173,7 +173,7 @@ class SimulatedAgents(LoopWorker):
         heapq.heapify(self._switches)
         self._round = doc["round"] + 1  # a new round: its heartbeats are new events, every machine beats at once
         self.offsets = {(t, int(p)): o for t, p, o in doc["offsets"]}
-        self.judge.gate.load_json(doc.get("gate"))
+        self.judge.load_json(doc.get("gate"))
         self.power = pw.from_json(doc.get("power"), self.known.__contains__)
         log.info("%s: resumed %d machines with tasks, %d failed, from %s", self.name, len(self.states),
                  len(self.failed), self.state_file)
@@ -190,7 +190,7 @@ class SimulatedAgents(LoopWorker):
                "spawns": sorted(self._spawns),
                "hosts": {m: hp.to_json(h) for m, h in self.hosts.items()}, "switches": sorted(self._switches),
                "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
-               "gate": self.judge.gate.to_json(), "power": pw.to_json(self.power)}
+               "gate": self.judge.to_json(), "power": pw.to_json(self.power)}
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, separators=(",", ":")))

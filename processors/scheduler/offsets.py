@@ -34,10 +34,17 @@ partition is stalled when
   this one (a seek lost to faust's own seek at the end of a recovery, 2026-11-28: the other partitions kept the
   shard busy, the idle rule never fired, and the partition waited for ever).
 
-It is not stalled while a decision is under way (the agent's batch, a slice of the retry timer: nothing reaches
-the guard then), nor while it is merely behind on a backlog its records are coming from (they wait in faust's
-buffers behind others'; seeking back would only fetch them twice). A stall starts an *episode*: the first look
-that finds it seeks back at once; while the next offset stays where the episode began, a seek again waits
+"A decision ended" is a batch of the shard's agent (``worked``), not a slice of the retry timer (``TIMER``): records
+wait behind the agent's batch (the agent takes no more until it is decided), not behind a timer slice (the agent
+goes on taking them and the guard checks them before the agent waits for the lock; one it waits with is a decision
+under way, and the batch's end counts). A timer slice counted as work (until 2026-11-28) kept the shard from ever
+being idle while its slices ended less than ``STALL_S`` apart (a retry timer of 1 s, or rounds back to back in a
+large region): a shard whose fetch stalled was never found stalled.
+
+It is not stalled while a decision is under way (the agent's batch, waiting for the lock or deciding; a slice of
+the retry timer, holding the lock), nor while it is merely behind on a backlog its records are coming from (they
+wait in faust's buffers behind others'; seeking back would only fetch them twice). A stall starts an *episode*:
+the first look that finds it seeks back at once; while the next offset stays where the episode began, a seek again waits
 ``STALL_BACKOFF_S``, doubled each time up to ``STALL_BACKOFF_MAX_S``; the episode ends when the partition moves
 past that offset or catches up, and at a rebalance (``forget``). The rule was a seek every ``STALL_S`` once the
 shard had been idle for it: in a 100,000-machine bench (2026-11-27) a timer round held the shard's lock for 152 s,
@@ -55,6 +62,8 @@ STARVED_S = 30.0  # other partitions' records kept coming this long since this o
 STALL_BACKOFF_S = 10.0  # a stall's episode seeks again no sooner than this after its first seek...
 STALL_BACKOFF_MAX_S = 120.0  # ...doubling after each seek, up to this
 SEEK_AGAIN_S = 1.0  # a seek to the same offset (after a gap) is not repeated sooner (buffered records keep arriving)
+BATCH = "batch"  # what ended (``OffsetGuard.worked``): a batch of the agent's records, which records wait behind...
+TIMER = "timer"  # ...or a slice of the retry timer, which they do not: it does not end the shard's idle time
 PERSIST_AFTER = 10_000  # records applied that changed nothing, beyond the table's offset: write the offset alone
 
 
@@ -104,7 +113,7 @@ class OffsetGuard:
 
     persisted: dict
     in_memory: dict[str, int] = field(default_factory=dict)
-    last_record_at: float = float("-inf")  # when any record last reached the guard, or a decision last ended
+    last_record_at: float = float("-inf")  # when any record last reached the guard, or a batch last ended
     sought: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (offset, when) of the last seek
     stalls: dict[str, Episode] = field(default_factory=dict)  # key -> its stall episode (stall_step)
     last_seen: dict[str, float] = field(default_factory=dict)  # key -> when a record of it last reached the guard
@@ -139,9 +148,13 @@ class OffsetGuard:
         partition, next offset)): one of them is ``PERSIST_AFTER`` records or more beyond the table's value."""
         return any(nxt - int(self.persisted.get(key) or 0) >= PERSIST_AFTER for key, (_, nxt) in applied.items())
 
-    def worked(self, now: float) -> None:
-        """A decision ended at ``now``: the shard was busy until then (the idle time of a stall counts from here)."""
-        self.last_record_at = max(self.last_record_at, now)
+    def worked(self, now: float, what: str = BATCH) -> None:
+        """A decision ended at ``now``: after a ``BATCH`` of the agent's records (held back while it was decided) the
+        idle time of a stall counts from here; after a ``TIMER`` slice it does not (see the module doc)."""
+        if what == BATCH:
+            self.last_record_at = max(self.last_record_at, now)
+        elif what != TIMER:
+            raise ValueError(f"a decision is a {BATCH!r} or a {TIMER!r}, not {what!r}")
 
     def stall_seek(self, key: str, high_watermark: int | None, now: float, busy: bool = False) -> int | None:
         """The offset to seek ``key`` back to now because it is stalled (``stall_step``), or None."""

@@ -136,20 +136,22 @@ and, if it names other jobs too, decided for those (``unreadable_named``); the s
 (The 2026-11-27 bench's shard died of ``MissingChunk`` in its retry timer during such a recovery.)
 
 **Stalls.** A second timer (every ``offsets.STALL_S``) seeks back a partition the offset guard finds stalled (the
-shard idle while records wait, or the partition starved while others' records come; never while a decision is
-under way; once per episode, then with a doubling backoff: ``offsets.stall_step``), gives back a source partition
-faust left out of its fetch for 30 s (``faustwire.FlowWatch``: a buffer-pressure pause whose release never ran),
-and logs once a partition that has been below its high watermark for 30 s with what faust and aiokafka say of it.
+shard idle while records wait: no record came and no batch of the agent ended, a timer slice ending is no end of
+idleness; or the partition starved while others' records come; never while a decision is under way, a batch
+waiting for the lock included; once per episode, then with a doubling backoff: ``offsets.stall_step``), gives back
+a source partition faust left out of its fetch for 30 s (``faustwire.FlowWatch``: a buffer-pressure pause whose
+release never ran), and logs once a partition that has been below its high watermark for 30 s with what faust and aiokafka say of it.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections import Counter
 import logging
 import os
 import time
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -158,6 +160,7 @@ import faust
 
 from infra import metrics
 from infra.config import Config
+from infra.process import failpoint as process_failpoint
 from processors.allocator.placement import Entitlement
 from processors.scheduler import handover as ho
 from processors.scheduler import store as st
@@ -168,7 +171,7 @@ from processors.scheduler.decide import (
 from processors.scheduler.model import Job, SchedulerState, state_of
 from processors.scheduler.reasons import JOB_UNREADABLE
 from processors.scheduler.work import PRODUCER, state_keys
-from processors.scheduler.offsets import APPLY, GAP, STALL_S, OffsetGuard, partition_key
+from processors.scheduler.offsets import APPLY, GAP, STALL_S, TIMER, OffsetGuard, partition_key
 from processors.taskcontrol.limiter import Bucket, Limits, bucket_of, bucket_record
 from streams import batches
 from infra.trust import verifier_for
@@ -615,6 +618,23 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
     source = app.topic(*source_names, key_serializer="raw", value_serializer="raw", partitions=cfg.partitions)
     fetches = app.fetch_batches = FetchBatches(source_names)  # whole fetches, not faust's per-record delivery
     lock = asyncio.Lock()
+    batches_waiting = 0  # the agent's batches waiting for the lock: a decision under way for find_stalls
+
+    @contextlib.asynccontextmanager
+    async def batch_lock() -> AsyncIterator[None]:
+        """The lock, for a batch of the agent's records: while it waits (behind a timer slice), records wait behind
+        it (the agent takes no more), so ``find_stalls`` counts it as a decision under way (offsets.py)."""
+        nonlocal batches_waiting
+        batches_waiting += 1
+        try:
+            await lock.acquire()
+        finally:
+            batches_waiting -= 1
+        try:
+            yield
+        finally:
+            lock.release()
+
     limits = Limits.from_env(os.environ)
     max_tasks = cfg.max_tasks_per_job
     gc_ms = int(cfg.job_gc_s * 1000)  # a stopped job's grace (decide.collect)
@@ -668,7 +688,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         assignment its records were fetched under (``FetchBatches``); none of it is decided once a revocation came
         since (its partitions may be another worker's now)."""
         forwards = list(forwards or ())
-        async with lock:
+        async with batch_lock():
             t0 = time.monotonic()
             if not tables_ready(app):  # a rebalance, a recovery or a freeze: decide nothing on the tables now
                 set_aside(items, passed, forwards, "the tables are being recovered, or this process was frozen")
@@ -1100,7 +1120,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                         log.exception("scheduler: a retry slice of %d jobs of partition %d failed (nothing of it "
                                       "stored; the next round tries again)", len(keys[i:i + RETRY_SLICE_JOBS]), part)
                     finally:
-                        guard.worked(time.monotonic())
+                        guard.worked(time.monotonic(), TIMER)  # not an end of idleness: offsets.py
                 n_jobs += len(keys[i:i + RETRY_SLICE_JOBS])
                 n_slices += 1
         async with lock:  # never while recovering: a header read back at an older version leaves its job's newest
@@ -1170,7 +1190,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 behind[key] = float("inf")  # one line an episode (a backlog, or a stall)
                 log.warning("scheduler: %s has been below its high watermark for %.0f s (next offset %d, high %d; "
                             "%s)", key, flow.after_s, guard.next_offset(key), high, flow.describe(app.consumer, tp))
-            target = guard.stall_seek(key, high, now, busy=lock.locked())
+            target = guard.stall_seek(key, high, now, busy=lock.locked() or batches_waiting > 0)
             if target is not None:
                 episode = guard.stalls[key]
                 log.warning("scheduler: %s stalled below its high watermark %d: seeking back to offset %d (seek %d of "
@@ -1212,9 +1232,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
 
 def failpoint(name: str) -> None:
     """Exit at once if ``FAILPOINT_ENV`` names this point (tests of a crash between the steps of a move)."""
-    if os.environ.get(FAILPOINT_ENV) == name:
-        log.warning("scheduler: failpoint %s: exiting", name)
-        os._exit(70)
+    process_failpoint(FAILPOINT_ENV, name, log)
 
 
 def ent_weight(state: SchedulerState, entitlement: str) -> int:

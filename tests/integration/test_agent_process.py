@@ -109,7 +109,7 @@ class Agents:
         self.procs: list[subprocess.Popen] = []
         self.work_dirs: set[Path] = set()
 
-    def start(self, cfg, machine, work_dir=None, *extra):
+    def start(self, cfg, machine, work_dir=None, *extra, env=None):
         from infra.trust import write_machine_key
 
         write_machine_key(cfg.secrets, machine)  # the machine's own key, as the operator gives it (infra/trust.py)
@@ -119,15 +119,16 @@ class Agents:
         out = open(work / "agent.out", "ab")
         p = subprocess.Popen([PY, "-m", "processors.agent.process", "--machine-id", machine, "--work-dir", str(work),
                               "--tick-ms", "200", "--backoff-ms", "100", "--max-restarts", "2",
-                              "--stop-grace-ms", "2000", *extra], env=env_of(cfg), cwd=PROJECT_ROOT,
+                              "--stop-grace-ms", "2000", *extra], env={**env_of(cfg), **(env or {})},
+                             cwd=PROJECT_ROOT,
                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                              preexec_fn=die_with_parent)
         self.procs.append(p)
         return p
 
-    def start_running(self, cfg, registry, tasks: "Reader", machine: str, task_id: str):
+    def start_running(self, cfg, registry, tasks: "Reader", machine: str, task_id: str, env=None):
         """An agent for ``machine`` running ``task_id`` (``sleep 600``), RUNNING as ``tasks`` reads it: (agent, pid)."""
-        agent = self.start(cfg, machine)
+        agent = self.start(cfg, machine, env=env)
         send(cfg, registry, allocated(task_id.split("/")[0], {task_id: machine}),
              command(task_id, "START", machine, ["sleep", "600"]))
         tasks.until(lambda evs: ("RUNNING", None) in reports(evs, task_id), 30, "RUNNING")
@@ -388,6 +389,32 @@ def test_a_start_admitted_before_the_move_it_is_stale_for_is_stopped_when_the_fo
         assert last.payload["reason"] == REASON_NOT_PLACED and last.payload["machine_id"] == m
         wait_for(lambda: not pid_alive(stale), 10, f"pid {stale} gone")
         assert agent.poll() is None
+    finally:
+        tasks.close()
+
+
+def test_an_agent_killed_before_the_stop_a_move_needs_makes_it_after_its_restart(cfg, registry, agents):
+    """The agent reads the move of a task it runs and saves its state (offsets past the move, the stop pending), then
+    dies before the fold is final (a failpoint: ``os._exit`` there, as a SIGKILL). Restarted, it resumes past the
+    move, which it never reads again: the pending stop from its state file stops the task (STOPPED ``not_placed``)."""
+    from processors.agent.decide import REASON_NOT_PLACED
+    from processors.agent.process import FAILPOINT_ENV
+    from infra.process import FAILPOINT_EXIT
+
+    m, task = "m-k", "j1/pending"
+    tasks = Reader(cfg, registry, "tasks")
+    try:
+        agent, pid = agents.start_running(cfg, registry, tasks, m, task, env={FAILPOINT_ENV: "stop_pending"})
+        send(cfg, registry, allocated("j1", {task: "m-elsewhere"}))  # the move (its new owner's fence aside)
+        assert agent.wait(30) == FAILPOINT_EXIT
+        assert agent_state(agents.tmp / m)["gate"]["unplacing"] == [[task, m]] and pid_alive(pid)
+        again = agents.start(cfg, m)
+        tasks.until(lambda evs: reports(evs, task)[-1][0] == "STOPPED", 30, "the task stopped after the restart")
+        last = [e for e in tasks.events if e.type == "TaskStateChanged" and e.payload["task_id"] == task][-1]
+        assert last.payload["reason"] == REASON_NOT_PLACED and last.payload["machine_id"] == m
+        wait_for(lambda: not pid_alive(pid), 10, f"pid {pid} gone")
+        wait_for(lambda: agent_state(agents.tmp / m)["gate"]["unplacing"] == [], 10, "no stop pending")
+        assert again.poll() is None
     finally:
         tasks.close()
 

@@ -2,6 +2,7 @@
 table, the fold of allocations, the wait for the fold to catch up, the freshness of commands, the answers to forged
 ones, and the refusal event."""
 import dataclasses
+import json
 
 import pytest
 
@@ -278,21 +279,100 @@ STALE_START_CASES = {
 }
 
 
+MACHINES = {"m1", "m2"}.__contains__
+
+
+def restarted(judge):
+    """The agent killed and started again: a new Judge from the state file ``judge`` last wrote (a JSON round trip).
+    The wiring saves it with the offsets past every record it folded; what it read after its last save it reads
+    again (the records' offsets were not saved), so a kill at any moment is a restart just after a save."""
+    again = g.Judge(g.Gate(MACHINES), judge.partitions)
+    again.load_json(json.loads(json.dumps(judge.to_json())))
+    return again
+
+
+def run(steps, restart_at=None):
+    """The case's steps through a Judge; at the ``restart_at``-th moment (a step, a look of ``refusals``, a stop
+    made), the agent restarts (``restarted``). Returns (admitted, refused, stops) and the number of moments."""
+    judge = g.Judge(g.Gate(MACHINES), [("a", 0)])
+    consumer = FakeConsumer()
+    got_admitted, got_refused, got_stops = [], [], []
+    moments = 0
+
+    def moment(j):
+        nonlocal moments
+        moments += 1
+        return restarted(j) if moments == restart_at else j
+
+    for step in steps:
+        judge = moment(judge)
+        if step[0] == "final":
+            consumer.high[("a", 0)] += 1
+            consumer.read[("a", 0)] = consumer.high[("a", 0)]
+            for _ in range(4):  # measures the watermarks, then (read up to them) the verdicts are final
+                got_refused += [ev.payload["reason"] for ev in judge.refusals(consumer, 0)]
+                if not judge.gate.waiting and not judge.unplacing:
+                    break
+                judge = moment(judge)
+            while judge.stops:  # each stop made (and saved) before the next is taken
+                got_stops.append(next(judge.take_stops()))
+                judge = moment(judge)
+        else:
+            got_admitted += [c.event_id for c in judge.take([step[1]], MACHINES, 0)]
+            assert list(judge.take_stops()) == []  # never before the fold is final
+    assert judge.unplacing == [] and judge.gate.unplaced == [] and judge.stops == []
+    return (got_admitted, got_refused, got_stops), moments
+
+
 @pytest.mark.parametrize("name", list(STALE_START_CASES))
 def test_a_start_the_fold_later_finds_stale_is_stopped_once_the_fold_is_final(name):
     steps, admitted, refused, stops = STALE_START_CASES[name]
-    judge = g.Judge(g.Gate({"m1", "m2"}.__contains__), [("a", 0)])
+    assert run(steps)[0] == (admitted, refused, stops)
+
+
+@pytest.mark.parametrize("name", list(STALE_START_CASES))
+def test_an_agent_killed_at_any_moment_makes_the_same_stops(name):
+    """Killed between reading a move and stopping the task it runs there (or at any other moment of the case), the
+    agent makes the same stops after its restart: the pending ones are in its state file (``Judge.to_json``)."""
+    steps, admitted, refused, stops = STALE_START_CASES[name]
+    _, moments = run(steps)
+    for restart_at in range(1, moments + 1):
+        got, _ = run(steps, restart_at)
+        assert got == (admitted, refused, stops), f"restarted at moment {restart_at}"
+
+
+def test_the_fold_alone_would_not_find_a_pending_stop_again():
+    """Why the pending stops are saved: the fold's own state (``Gate.to_json``) is saved with the offsets past the
+    move, so a restarted agent never reads the move again; without them (an older agent's file) nothing is stopped."""
+    judge = g.Judge(g.Gate(MACHINES), [("a", 0)])
+    judge.take([allocated({T: "m1"})], MACHINES, 0)
+    assert [c.event_id for c in judge.take([start("s1", 10)], MACHINES, 0)] == ["s1"]
+    judge.take([allocated({T: "m9"})], MACHINES, 0)  # the move: the START above runs stale on m1
+    saved = json.loads(json.dumps(judge.to_json()))
+    assert saved["unplacing"] == [[T, "m1"]]
     consumer = FakeConsumer()
-    got_admitted, got_refused, got_stops = [], [], []
-    for step in steps:
-        if step[0] == "final":
-            consumer.high[("a", 0)] += 1
-            for _ in range(2):  # measures the watermarks, then (read up to them) the verdicts are final
-                consumer.read[("a", 0)] = consumer.high[("a", 0)]
-                got_refused += [ev.payload["reason"] for ev in judge.refusals(consumer, 0)]
-            got_stops += judge.take_stops()
-        else:
-            got_admitted += [c.event_id for c in judge.take([step[1]], {"m1", "m2"}.__contains__, 0)]
-            assert judge.take_stops() == []  # never before the fold is final
-    assert (got_admitted, got_refused, got_stops) == (admitted, refused, stops)
-    assert judge.unplacing == [] and judge.gate.unplaced == []
+    consumer.read[("a", 0)] = consumer.high[("a", 0)]
+    for doc, expected in ((saved, [(T, "m1")]), ({k: v for k, v in saved.items() if k != "unplacing"}, [])):
+        again = g.Judge(g.Gate(MACHINES), [("a", 0)])
+        again.load_json(doc)
+        assert again.refusals(consumer, 0) == [] and list(again.take_stops()) == []  # not before the fold is final
+        again.refusals(consumer, 0)
+        assert list(again.take_stops()) == expected
+
+
+def test_stops_not_yet_made_stay_in_the_state_file_while_one_is_made():
+    """Two tasks moved off m1: the wiring stops the first (saving its state as it does); a kill then loses nothing."""
+    judge = g.Judge(g.Gate(MACHINES), [("a", 0)])
+    judge.take([allocated({T: "m1", "e1.web/1": "m1"})], MACHINES, 0)
+    judge.take([allocated({T: "m9", "e1.web/1": "m8"})], MACHINES, 0)
+    consumer = FakeConsumer()
+    consumer.read[("a", 0)] = consumer.high[("a", 0)]
+    judge.refusals(consumer, 0)
+    judge.refusals(consumer, 0)
+    stops = judge.take_stops()
+    assert next(stops) == (T, "m1")
+    again = restarted(judge)  # killed once the first stop was made and saved
+    assert again.to_json()["unplacing"] == [["e1.web/1", "m1"]]
+    again.refusals(consumer, 0)
+    again.refusals(consumer, 0)
+    assert list(again.take_stops()) == [("e1.web/1", "m1")]

@@ -1,9 +1,9 @@
 """The scheduler's offset guard (processors/scheduler/offsets.py): pure, table-driven."""
 import pytest
 
-from processors.scheduler.offsets import (APPLY, DUPLICATE, GAP, PERSIST_AFTER, SEEK_AGAIN_S, STALL_BACKOFF_MAX_S,
-                                         STALL_BACKOFF_S, STALL_S, STARVED_S, Episode, OffsetGuard, stall_step,
-                                         verdict)
+from processors.scheduler.offsets import (APPLY, BATCH, DUPLICATE, GAP, PERSIST_AFTER, SEEK_AGAIN_S,
+                                         STALL_BACKOFF_MAX_S, STALL_BACKOFF_S, STALL_S, STARVED_S, TIMER, Episode,
+                                         OffsetGuard, stall_step, verdict)
 
 
 @pytest.mark.parametrize("next_offset, offset, expected", [
@@ -127,6 +127,51 @@ def test_a_quiet_partition_behind_by_a_new_record_is_not_starved():
             assert g.stall_seek("t/0", 6, float(t)) is None  # behind since 598: not for STARVED_S yet
     assert g.check("t/0", 5, 601.5) == APPLY and g.stall_seek("t/0", 6, 602.0) is None
     assert g.behind_since == {} and g.stalls == {}
+
+
+# -- the idle rule and the retry timer ----------------------------------------------------------------------------
+# What reaches the guard of one shard whose partition t/0 waits at offset 5 below its high watermark, second by
+# second: "record" (t/0's next record), BATCH (the agent's batch of it decided: ``worked``), TIMER (a slice of the
+# retry timer ended), "look" / "look busy" (find_stalls, a decision under way or not). Expected: when it seeks back.
+# A timer slice ending used to count as work: with slices ending every second, a stalled fetch was never found.
+ORDER = {"record": 0, BATCH: 1, TIMER: 2, "look": 3, "look busy": 3}
+
+
+def every(what, start, stop, step=1):
+    return [(float(t), what) for t in range(start, stop + 1, step)]
+
+
+IDLE_RULE = {
+    "fetch stalled, a timer slice ending every second: stalled all the same": (
+        100, [(0.0, "record"), (0.0, BATCH)] + every(TIMER, 1, 40) + every("look", 2, 40, 2), [2, 12, 32]),
+    "fetch stalled, no timer: the same": (
+        100, [(0.0, "record"), (0.0, BATCH)] + every("look", 2, 40, 2), [2, 12, 32]),
+    "records keep coming (a backlog), timer slices too: never stalled": (
+        100, every("record", 0, 40) + every(BATCH, 0, 40) + every(TIMER, 0, 40) + every("look", 2, 40, 2), []),
+    "a batch waits for the lock behind timer slices for 30 s: busy; stalled STALL_S after it is decided": (
+        100, [(0.0, "record")] + every("look busy", 2, 30, 2) + [(30.0, BATCH)] + every(TIMER, 31, 40)
+        + every("look", 32, 40, 2), [32]),
+    "caught up, timer slices ending: nothing waits, no stall": (
+        5, [(0.0, BATCH)] + every(TIMER, 1, 40) + every("look", 2, 40, 2), []),
+}
+
+
+@pytest.mark.parametrize("name", list(IDLE_RULE))
+def test_the_idle_rule_counts_the_agents_batches_not_the_timers_slices(name):
+    high, events, expected = IDLE_RULE[name]
+    g = OffsetGuard({"t/0": 5})
+    g.check("t/0", 4, -1.0)  # t/0 applied up to 5
+    seeks = []
+    for t, what in sorted(events, key=lambda e: (e[0], ORDER[e[1]])):
+        if what == "record":
+            assert g.check("t/0", g.next_offset("t/0"), t) == APPLY
+        elif what in (BATCH, TIMER):
+            g.worked(t, what)
+        elif g.stall_seek("t/0", high, t, busy=what == "look busy") is not None:
+            seeks.append(int(t))
+    assert seeks == expected
+    with pytest.raises(ValueError, match="a decision is a 'batch' or a 'timer'"):
+        g.worked(50.0, "slice")
 
 
 def test_progress_ends_an_episode_and_a_rebalance_forgets_it():
