@@ -23,6 +23,8 @@ not be checked for uniqueness across shards).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
@@ -123,6 +125,31 @@ def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks:
     }
     refuse(rules.spec_problems(payload, max_tasks))  # the rules the scheduler applies too
     return {**payload, "entitlement": entitlement}
+
+
+@dataclass(frozen=True)
+class ValidSpec:
+    """A job spec that passed ``validate_spec`` at a door (the CLI's file, the API's body): what is past the door
+    takes it as it is and checks nothing again. Only ``check`` makes one."""
+
+    entitlement: str
+    payload: Mapping[str, Any]  # the JobSubmitted / JobSpecChanged payload, without spec_version and entitlement
+
+    @property
+    def job_id(self) -> str:
+        return str(self.payload["job_id"])
+
+    def spec(self) -> dict[str, Any]:
+        """The spec as a user writes it (``FIELDS``, defaults filled in): what a client sends the API."""
+        p = {k: v for k, v in self.payload.items() if k != "job_id" and v is not None}
+        return {**p, "entitlement": self.entitlement}
+
+
+def check(data: Any, entitlement_override: str | None = None, max_tasks: int = MAX_TASKS) -> ValidSpec:
+    """``validate_spec``, as the value the rest of the front end trusts; JobSpecError naming the field."""
+    payload = validate_spec(data, entitlement_override, max_tasks)
+    entitlement = payload.pop("entitlement")
+    return ValidSpec(entitlement, MappingProxyType(payload))
 
 
 def spec_json(payload: Mapping[str, Any]) -> str:
