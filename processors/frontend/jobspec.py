@@ -31,8 +31,15 @@ from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from processors import rules
 from streams.validate import describe_value
 
-FIELDS = ("name", "entitlement", "tasks", "command", "resources", "requirements", "spread", "max_unavailable", "env",
-          "controller")
+# The shape of a job spec, written once: each field and its type as a user writes it (``validate_spec`` checks these
+# types, naming the field; the API's request body, processors/api/models.JobSpec, is made from this table; the Avro
+# schemas of JobSubmitted and JobSpecChanged are checked against it in tests/unit/test_jobspec.py).
+RESOURCES: Mapping[str, type] = MappingProxyType({"cpu_millicores": int, "memory_mib": int})
+SHAPE: Mapping[str, Any] = MappingProxyType({
+    "name": str, "entitlement": str, "tasks": int, "command": list[str], "resources": RESOURCES,
+    "requirements": dict[str, str], "spread": str, "max_unavailable": int, "env": dict[str, str], "controller": str,
+})
+FIELDS = tuple(SHAPE)
 REQUIRED = ("name", "entitlement", "tasks", "command", "resources")
 MAX_TASKS = DEFAULT_MAX_TASKS_PER_JOB  # the default limit (Config.max_tasks_per_job, ROPEWALK_MAX_TASKS_PER_JOB)
 
@@ -98,11 +105,11 @@ def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks:
             raise JobSpecError(f"command[{i}]", f"expected a string, got {describe_value(arg)}")
     res = spec["resources"]
     if not isinstance(res, Mapping):
-        raise JobSpecError("resources", f"expected a mapping with cpu_millicores and memory_mib, got {describe_value(res)}")
-    extra = sorted(set(res) - {"cpu_millicores", "memory_mib"})
+        raise JobSpecError("resources", f"expected a mapping with {' and '.join(RESOURCES)}, got {describe_value(res)}")
+    extra = sorted(set(res) - set(RESOURCES))
     if extra:
-        raise JobSpecError(f"resources.{extra[0]}", "unknown field (known: cpu_millicores, memory_mib)")
-    for f in ("cpu_millicores", "memory_mib"):
+        raise JobSpecError(f"resources.{extra[0]}", f"unknown field (known: {', '.join(RESOURCES)})")
+    for f in RESOURCES:
         if f not in res:
             raise JobSpecError(f"resources.{f}", "missing required field")
     reqs = spec.get("requirements") or {}
@@ -119,7 +126,7 @@ def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks:
         controller = _name(controller, "controller")
     payload = {
         "job_id": job_id(entitlement, name), "name": name, "tasks": spec["tasks"], "command": list(command),
-        "resources": {"cpu_millicores": res["cpu_millicores"], "memory_mib": res["memory_mib"]},
+        "resources": {f: res[f] for f in RESOURCES},
         "requirements": dict(reqs), "spread": spec.get("spread", "msb"),
         "max_unavailable": spec.get("max_unavailable", 1), "env": dict(env), "controller": controller,
     }

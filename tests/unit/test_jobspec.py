@@ -93,10 +93,10 @@ def test_the_default_limit_is_the_configured_one():
 
 
 def test_the_three_shapes_of_a_job_spec_agree():
-    """A job spec's shape is written three times (issue 31): ``jobspec.FIELDS`` (what ``validate_spec``, the one
-    check both doors run, takes), the API's request body (``processors/api/models.JobSpec``: its types, for the
-    OpenAPI document and pydantic's strict parse) and the Avro schemas of JobSubmitted and JobSpecChanged (what the
-    log holds). A field added to one of them and not the others fails here."""
+    """A job spec's shape is written twice (issue 31): ``jobspec.SHAPE`` (what ``validate_spec``, the one check both
+    doors run, takes; the API's request body, ``processors/api/models.JobSpec``, is made from it, for the OpenAPI
+    document and pydantic's strict parse) and the Avro schemas of JobSubmitted and JobSpecChanged (what the log
+    holds). A field added to one of them and not the other fails here."""
     from processors.api.models import JobSpec, Resources
     from processors.frontend.jobspec import FIELDS
     from streams.serde import SchemaRegistry

@@ -27,10 +27,10 @@ async def jobs(door: Caller, entitlement: EntitlementQuery = None) -> list[dict]
     return [r for r in rows if authz.visible(door.user, r["entitlement"])]
 
 
-def _checked(door: Door, spec: JobSpec, entitlement: str | None) -> ValidSpec:
-    """The API's door for a job spec: the body parsed to its types (``JobSpec``), then the spec's rules, once
-    (``jobspec.validate_spec``, the CLI's too); the front end trusts what it returns."""
-    return fe.spec_payload(spec.model_dump(exclude_none=True), entitlement, door.front.cfg.max_tasks_per_job)
+def _checked(door: Door, body: dict, entitlement: str | None) -> ValidSpec:
+    """The API's door for a job spec: the body parsed to its types (``JobSpec``, made from ``jobspec.SHAPE``), then
+    the spec's rules, once (``jobspec.validate_spec``, the CLI's too); the front end trusts what it returns."""
+    return fe.spec_payload(body, entitlement, door.front.cfg.max_tasks_per_job)
 
 
 def verdict_response(doc: dict, created: bool = False) -> JSONResponse:
@@ -46,8 +46,9 @@ def verdict_response(doc: dict, created: bool = False) -> JSONResponse:
                         409: {"description": "refused by the scheduler, with the reason"}})
 async def job_submit(spec: JobSpec, door: Caller, wait: Wait = None,
                      timeout_s: WaitS = fe.DEFAULT_WAIT_S) -> JSONResponse:
-    door.allow("job.submit", spec.entitlement if isinstance(spec.entitlement, str) else None)
-    valid = _checked(door, spec, None)
+    body = spec.model_dump(exclude_none=True)
+    door.allow("job.submit", body.get("entitlement"))
+    valid = _checked(door, body, None)
     doc = await call(door.front.job_submit, valid, wait_s=timeout_s if wait is not False else None)
     return verdict_response(doc, created=True)
 
@@ -104,7 +105,7 @@ async def job_logs(request: Request, job: JobId, door: Caller,
 async def job_update(job: JobId, spec: JobSpec, door: Caller, wait: Wait = None,
                      timeout_s: WaitS = fe.DEFAULT_WAIT_S) -> JSONResponse:
     door.allow("job.update", fe.entitlement_of_job(job))
-    valid = _checked(door, spec, fe.entitlement_of_job(job))
+    valid = _checked(door, spec.model_dump(exclude_none=True), fe.entitlement_of_job(job))
     return verdict_response(await call(door.front.job_update, job, valid, wait_s=timeout_s if wait else None))
 
 
