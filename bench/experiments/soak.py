@@ -368,12 +368,13 @@ class Soak:
 
     def probe(self, wait_s: float = 300.0) -> float | None:
         """Seconds until the scheduler answers a new job (its JobStatePublished), or None."""
-        from processors.frontend.service import Frontend
+        from processors.frontend.service import Frontend, spec_payload
 
         self.probes += 1
         t = time.monotonic()
-        doc = Frontend(self.cfg, self.registry).job_submit(
-            {**SPEC, "name": f"probe{self.probes:04d}", "entitlement": PROBE_ENT, "tasks": 1}, wait_s=wait_s)
+        spec = spec_payload({**SPEC, "name": f"probe{self.probes:04d}", "entitlement": PROBE_ENT, "tasks": 1}, None,
+                            self.cfg.max_tasks_per_job)
+        doc = Frontend(self.cfg, self.registry).job_submit(spec, wait_s=wait_s)
         took = time.monotonic() - t
         self.send("JobStopped", {"job_id": f"{PROBE_ENT}.probe{self.probes:04d}", "reason": "probe"}, PROBE_ENT,
                   f"{PROBE_ENT}.probe{self.probes:04d}")

@@ -148,8 +148,8 @@ def refusal(cmd: Event, reason: str, held: Placement | None, now_ms: int, detail
         message = MESSAGES[reason].format(
             task=p["task_id"], machine=p["machine_id"], entitlement=cmd.entitlement, job=p["job_id"],
             identity=cmd.identity or f"nobody (its producer says {cmd.producer!r})",
-            held=(held.entitlement if reason == REFUSED_OTHER_ENTITLEMENT else
-                  held.job_id if held is not None else None))
+            held=(None if held is None else
+                  held.entitlement if reason == REFUSED_OTHER_ENTITLEMENT else held.job_id))
     return new_event("TaskCommandRefused", {
         "task_id": p["task_id"], "job_id": p["job_id"], "machine_id": p["machine_id"], "command": p["command"],
         "command_id": cmd.event_id, "command_producer": cmd.producer, "reason": reason, "message": message},

@@ -82,6 +82,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
 from types import MappingProxyType
+from typing import Self
 
 from processors.allocator import placement
 from processors.allocator.placement import (
@@ -169,7 +170,7 @@ class PlacementIndex:
         self._held: Counter[str] = Counter()
 
     @classmethod
-    def of(cls, machines: Iterable[Machine]) -> "PlacementIndex":
+    def of(cls, machines: Iterable[Machine]) -> Self:
         """An index of these machines (ids distinct), built in bulk: entries appended, then each list sorted once
         (the same lists ``upsert`` one by one gives, without an insertion per machine)."""
         index = cls()

@@ -160,6 +160,31 @@ class _Planned:
     touched: frozenset[str]  # machines the decision changed in the fold
 
 
+def free_on_fold(fold: RegionFold, request: Event, ts: int) -> list[Event]:
+    """``decide.frees``, applied to the fold."""
+    events = decide.frees(fold, request, ts)
+    for e in events:
+        if e.type == "TasksDeallocated":
+            fold.free(e)
+    return events
+
+
+def place_on_fold(fold: RegionFold, request: Event, attempt: int, ts: int
+                  ) -> tuple[list[Event], tuple[decide.CommitRow, ...]]:
+    """``decide.placing``, its plan committed to the fold (Redis re-checks it). Returns the events and the plan's
+    rows for the Redis commit. The shadow region (``history.region``) decides with these too."""
+    d = decide.placing(fold, request, attempt, ts)
+    if d.plan is None or not d.plan.placements:
+        return d.events, ()
+    assert d.request is not None and d.machines is not None  # a plan has both
+    result = fold.commit(d.plan.placements, d.plan.machines_added, request.entitlement, d.request.cpu,
+                         d.request.mem, {mid: m.version for mid, m in d.machines.items()}, request.event_id)
+    if not result.ok:  # the fold placed on itself: a conflict here is a bug in placement or the fold
+        raise RuntimeError(f"request {request.payload['request_id']}: the fold refused its own plan: "
+                           f"{result.conflicts}")
+    return d.events, d.rows
+
+
 class Allocator:
     """The fold, the decisions and the Redis view of one allocator process; blocking (one thread drives it)."""
 
@@ -496,26 +521,10 @@ class Allocator:
         return _Planned(pd, events, decision, touched)
 
     def _free(self, request: Event, ts: int) -> list[Event]:
-        """``decide.frees``, applied to the fold."""
-        events = decide.frees(self.fold, request, ts)
-        for e in events:
-            if e.type == "TasksDeallocated":
-                self.fold.free(e)
-        return events
+        return free_on_fold(self.fold, request, ts)
 
     def _place(self, request: Event, attempt: int, ts: int) -> tuple[list[Event], tuple[decide.CommitRow, ...]]:
-        """``decide.placing``, its plan committed to the fold (Redis re-checks it). Returns the events and the
-        plan's rows for the Redis commit."""
-        d = decide.placing(self.fold, request, attempt, ts)
-        if d.plan is None or not d.plan.placements:
-            return d.events, ()
-        assert d.request is not None and d.machines is not None  # a plan has both
-        result = self.fold.commit(d.plan.placements, d.plan.machines_added, request.entitlement, d.request.cpu,
-                                  d.request.mem, {mid: m.version for mid, m in d.machines.items()}, request.event_id)
-        if not result.ok:  # the fold placed on itself: a conflict here is a bug in placement or the fold
-            raise RuntimeError(f"request {request.payload['request_id']}: the fold refused its own plan: "
-                               f"{result.conflicts}")
-        return d.events, d.rows
+        return place_on_fold(self.fold, request, attempt, ts)
 
     def _unknown_held(self, entitlement: str, held: Iterable[str]) -> set[str]:
         """Of the machines Redis says ``entitlement`` holds (a CONFLICT_QUOTA's ``held``), those the fold does not

@@ -15,6 +15,8 @@ import urllib.parse
 import urllib.request
 from typing import Any, Iterator
 
+from processors.frontend.jobspec import ValidSpec
+
 DEFAULT_TIMEOUT_S = 180.0
 
 
@@ -114,11 +116,13 @@ class ApiClient:
     def _wait(wait_s: float | None) -> dict:
         return {"wait": "true", "timeout_s": wait_s} if wait_s else {"wait": "false"}
 
-    def job_submit(self, spec, *, wait_s: float | None = None, where: str = "") -> dict:
-        return self._json("POST", "/v1/jobs", spec, self._wait(wait_s), ok=(409,))
+    def job_submit(self, spec: ValidSpec, *, wait_s: float | None = None, where: str = "") -> dict:
+        """The spec the CLI checked (its file named in its refusals); the API checks it again at its own door: it
+        trusts no client."""
+        return self._json("POST", "/v1/jobs", spec.spec(), self._wait(wait_s), ok=(409,))
 
-    def job_update(self, job: str, spec, *, wait_s: float | None = None, where: str = "") -> dict:
-        return self._json("PUT", f"/v1/jobs/{_q(job)}/spec", spec, self._wait(wait_s), ok=(409,))
+    def job_update(self, job: str, spec: ValidSpec, *, wait_s: float | None = None, where: str = "") -> dict:
+        return self._json("PUT", f"/v1/jobs/{_q(job)}/spec", spec.spec(), self._wait(wait_s), ok=(409,))
 
     def job_resize(self, job: str, tasks, *, wait_s: float | None = None, field: str = "tasks") -> dict:
         return self._json("POST", f"/v1/jobs/{_q(job)}/resize", {"tasks": tasks}, self._wait(wait_s), ok=(409,))

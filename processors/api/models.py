@@ -1,29 +1,37 @@
-"""The API's request bodies (strict: a string is not a number, an unknown field is refused). A job spec's shape is
-also processors/frontend/jobspec.py's (what `ropewalk job submit FILE` takes) and the Avro schema of JobSubmitted."""
-from pydantic import BaseModel, ConfigDict, Field
+"""The API's request bodies (strict: a string is not a number, an unknown field is refused). A job spec's is made
+from processors/frontend/jobspec.py's ``SHAPE`` (what `ropewalk job submit FILE` takes), the one place its fields and
+types are written; the route then checks it with ``jobspec``'s rules (``routes/jobs.py``)."""
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from processors.frontend import jobspec
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class Resources(Strict):
-    cpu_millicores: int
-    memory_mib: int
+def _spec_model() -> tuple[type[Strict], type[Strict]]:
+    """``Resources`` and ``JobSpec`` from ``jobspec.SHAPE``: the fields ``jobspec.REQUIRED`` names are required,
+    except ``entitlement`` (required to submit; an update keeps the job's); the others may be left out or null."""
+    amounts: dict[str, Any] = {f: (t, ...) for f, t in jobspec.RESOURCES.items()}
+    resources = create_model("Resources", __base__=Strict, **amounts)
+    required = set(jobspec.REQUIRED) - {"entitlement"}
+    fields: dict[str, Any] = {}
+    for f, t in jobspec.SHAPE.items():
+        t = resources if t is jobspec.RESOURCES else t
+        fields[f] = (t, ...) if f in required else (t | None, None)
+    spec = create_model("JobSpec", __base__=Strict, __doc__="A job spec, as `ropewalk job submit FILE` takes it "
+                        "(processors/frontend/jobspec.py).", **fields)
+    return resources, spec
 
 
-class JobSpec(Strict):
-    """A job spec, as `ropewalk job submit FILE` takes it (processors/frontend/jobspec.py)."""
-    name: str
-    entitlement: str | None = None  # required to submit; an update keeps the job's
-    tasks: int
-    command: list[str]
-    resources: Resources
-    requirements: dict[str, str] | None = None
-    spread: str | None = None
-    max_unavailable: int | None = None
-    env: dict[str, str] | None = None
-    controller: str | None = None
+if TYPE_CHECKING:  # a model made at run time is no type to a checker: to it, both are Strict models (fields: SHAPE's)
+    Resources: TypeAlias = Strict
+    JobSpec: TypeAlias = Strict
+else:
+    Resources, JobSpec = _spec_model()
 
 
 class EntitlementCreate(Strict):

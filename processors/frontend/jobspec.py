@@ -23,14 +23,23 @@ not be checked for uniqueness across shards).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
 from processors import rules
 from streams.validate import describe_value
 
-FIELDS = ("name", "entitlement", "tasks", "command", "resources", "requirements", "spread", "max_unavailable", "env",
-          "controller")
+# The shape of a job spec, written once: each field and its type as a user writes it (``validate_spec`` checks these
+# types, naming the field; the API's request body, processors/api/models.JobSpec, is made from this table; the Avro
+# schemas of JobSubmitted and JobSpecChanged are checked against it in tests/unit/test_jobspec.py).
+RESOURCES: Mapping[str, type] = MappingProxyType({"cpu_millicores": int, "memory_mib": int})
+SHAPE: Mapping[str, Any] = MappingProxyType({
+    "name": str, "entitlement": str, "tasks": int, "command": list[str], "resources": RESOURCES,
+    "requirements": dict[str, str], "spread": str, "max_unavailable": int, "env": dict[str, str], "controller": str,
+})
+FIELDS = tuple(SHAPE)
 REQUIRED = ("name", "entitlement", "tasks", "command", "resources")
 MAX_TASKS = DEFAULT_MAX_TASKS_PER_JOB  # the default limit (Config.max_tasks_per_job, ROPEWALK_MAX_TASKS_PER_JOB)
 
@@ -96,11 +105,11 @@ def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks:
             raise JobSpecError(f"command[{i}]", f"expected a string, got {describe_value(arg)}")
     res = spec["resources"]
     if not isinstance(res, Mapping):
-        raise JobSpecError("resources", f"expected a mapping with cpu_millicores and memory_mib, got {describe_value(res)}")
-    extra = sorted(set(res) - {"cpu_millicores", "memory_mib"})
+        raise JobSpecError("resources", f"expected a mapping with {' and '.join(RESOURCES)}, got {describe_value(res)}")
+    extra = sorted(set(res) - set(RESOURCES))
     if extra:
-        raise JobSpecError(f"resources.{extra[0]}", "unknown field (known: cpu_millicores, memory_mib)")
-    for f in ("cpu_millicores", "memory_mib"):
+        raise JobSpecError(f"resources.{extra[0]}", f"unknown field (known: {', '.join(RESOURCES)})")
+    for f in RESOURCES:
         if f not in res:
             raise JobSpecError(f"resources.{f}", "missing required field")
     reqs = spec.get("requirements") or {}
@@ -117,12 +126,37 @@ def validate_spec(data: Any, entitlement_override: str | None = None, max_tasks:
         controller = _name(controller, "controller")
     payload = {
         "job_id": job_id(entitlement, name), "name": name, "tasks": spec["tasks"], "command": list(command),
-        "resources": {"cpu_millicores": res["cpu_millicores"], "memory_mib": res["memory_mib"]},
+        "resources": {f: res[f] for f in RESOURCES},
         "requirements": dict(reqs), "spread": spec.get("spread", "msb"),
         "max_unavailable": spec.get("max_unavailable", 1), "env": dict(env), "controller": controller,
     }
     refuse(rules.spec_problems(payload, max_tasks))  # the rules the scheduler applies too
     return {**payload, "entitlement": entitlement}
+
+
+@dataclass(frozen=True)
+class ValidSpec:
+    """A job spec that passed ``validate_spec`` at a door (the CLI's file, the API's body): what is past the door
+    takes it as it is and checks nothing again. Only ``check`` makes one."""
+
+    entitlement: str
+    payload: Mapping[str, Any]  # the JobSubmitted / JobSpecChanged payload, without spec_version and entitlement
+
+    @property
+    def job_id(self) -> str:
+        return str(self.payload["job_id"])
+
+    def spec(self) -> dict[str, Any]:
+        """The spec as a user writes it (``FIELDS``, defaults filled in): what a client sends the API."""
+        p = {k: v for k, v in self.payload.items() if k != "job_id" and v is not None}
+        return {**p, "entitlement": self.entitlement}
+
+
+def check(data: Any, entitlement_override: str | None = None, max_tasks: int = MAX_TASKS) -> ValidSpec:
+    """``validate_spec``, as the value the rest of the front end trusts; JobSpecError naming the field."""
+    payload = validate_spec(data, entitlement_override, max_tasks)
+    entitlement = payload.pop("entitlement")
+    return ValidSpec(entitlement, MappingProxyType(payload))
 
 
 def spec_json(payload: Mapping[str, Any]) -> str:

@@ -1,10 +1,12 @@
 """The front end's operations, once: what `ropewalk` does on the log directly and what the HTTP API does for its
-users. Each validates with the rules of ``processors/rules.py`` / ``jobspec.py``, produces intents with
+users. Each validates with the rules of ``processors/rules.py`` / ``jobspec.py`` (a job spec is checked once, at
+the door that read it, by ``spec_payload``; the operations take the ``ValidSpec`` it returns), produces intents with
 ``EventProducer`` and reads state with the readers of ``streams/state.py`` and ``streams/replay.py``; each returns
 the JSON document the CLI prints with ``--json`` and the API answers.
 
     front = Frontend(cfg, registry, principal="alice", producer="api")
-    front.job_submit(spec_dict)            # {"job": "e1.web", "entitlement": "e1", "event_id": ..., "verdict": ...}
+    front.job_submit(spec_payload(data, None, cfg.max_tasks_per_job))  # checked at the door: a ValidSpec
+                                           # {"job": "e1.web", "entitlement": "e1", "event_id": ..., "verdict": ...}
     front.job_status("e1.web")             # job_view
 
 A request that cannot be served raises ``FrontendError(status, reason, message)``: the CLI prints the message as
@@ -19,6 +21,7 @@ import time
 from typing import Any, Iterator, Mapping
 
 from infra.config import Config
+from processors.frontend.jobspec import JobSpecError, ValidSpec, check as check_spec
 from streams.deadletter import Skipped
 from streams.events import Event, new_event
 from streams.partitionmap import REASON_CREATED, MapEntry, assignment_event, least_loaded
@@ -89,12 +92,11 @@ def entitlement_of_job(job_id: str) -> str:
     return job_id.split(".", 1)[0]
 
 
-def spec_payload(data: Any, entitlement: str | None, max_tasks: int, where: str = "") -> dict:
-    """The JobSubmitted payload of a user's spec (parsed YAML/JSON), or FrontendError naming the field."""
-    from processors.frontend.jobspec import JobSpecError, validate_spec
-
+def spec_payload(data: Any, entitlement: str | None, max_tasks: int, where: str = "") -> ValidSpec:
+    """A user's spec (parsed YAML/JSON) checked at a door, once: the ``ValidSpec`` that ``Frontend.job_submit`` and
+    ``job_update`` take, or FrontendError naming the field (``where``: the file it came from)."""
     try:
-        return validate_spec(data, entitlement, max_tasks)
+        return check_spec(data, entitlement, max_tasks)
     except JobSpecError as exc:
         raise FrontendError(INVALID_REQUEST, f"{where}{exc}") from None
 
@@ -216,7 +218,7 @@ class Frontend:
     def entitlement_create(self, name: Any, quota: Any, *, machine_type=None, dc=None, host_profile=None,
                            fields: Mapping[str, str] | None = None) -> dict:
         from processors import rules
-        from processors.frontend.jobspec import JobSpecError, _name, refuse
+        from processors.frontend.jobspec import _name, refuse
 
         payload = {"name": name, "quota_machines": quota, "machine_type": machine_type, "dc_pin": dc,
                    "host_profile": host_profile}
@@ -243,7 +245,7 @@ class Frontend:
         jobs running on (``EntitlementMoveRequested``; processors/scheduler/README.md, "Moving an entitlement").
         With ``wait_s``, wait that long for the map to place it there (``state``: moved, or moving when it did not
         in time), or for the scheduler's refusal."""
-        from processors.frontend.jobspec import JobSpecError, _name
+        from processors.frontend.jobspec import _name
 
         try:
             name = _name(name, "name")
@@ -270,7 +272,7 @@ class Frontend:
     def entitlement_update(self, name: str, changes: Mapping[str, Any]) -> dict:
         """EntitlementUpdated with the fields ``changes`` sets (quota_machines, machine_type, dc_pin, host_profile)."""
         from processors import rules
-        from processors.frontend.jobspec import JobSpecError, refuse
+        from processors.frontend.jobspec import refuse
 
         payload = {k: changes.get(k) for k in ("quota_machines", "machine_type", "dc_pin", "host_profile")}
         try:
@@ -369,14 +371,13 @@ class Frontend:
         latest = state.current(self.cfg, self.registry, "jobs", entitlement, skipped=self.skipped)
         return [job_view(ev) for _, ev in sorted(latest.items())]
 
-    def job_submit(self, spec: Any, *, wait_s: float | None = None, where: str = "") -> dict:
-        """JobSubmitted for ``spec``; with ``wait_s``, wait that long at most for the scheduler's verdict. The job
+    def job_submit(self, spec: ValidSpec, *, wait_s: float | None = None, where: str = "") -> dict:
+        """JobSubmitted for ``spec`` (checked at the door: ``spec_payload``); with ``wait_s``, wait that long at most for the scheduler's verdict. The job
         existing already, the scheduler answers only a refusal (a spec that differs, a job still stopping) and
         says nothing to an identical submission: then the wait is ``EXISTING_WAIT_S`` at most."""
         from streams import state
 
-        payload = spec_payload(spec, None, self.cfg.max_tasks_per_job, where)
-        ent = payload.pop("entitlement")
+        payload, ent = spec.payload, spec.entitlement
         ev = self.event("JobSubmitted", {**payload, "spec_version": 1}, ent, payload["job_id"])
         existing = None
         if wait_s:
@@ -389,12 +390,13 @@ class Frontend:
                               f"changed (a spec that differs is refused: `ropewalk job update` changes it)")
         return {"job": payload["job_id"], "entitlement": ent, "event_id": ev.event_id, **doc}
 
-    def job_update(self, job: str, spec: Any, *, wait_s: float | None = None, where: str = "") -> dict:
+    def job_update(self, job: str, spec: ValidSpec, *, wait_s: float | None = None, where: str = "") -> dict:
+        """JobSpecChanged for ``spec`` (checked at the door with the job's entitlement: ``spec_payload(data,
+        entitlement_of_job(job), ...)``)."""
         current = self.job_state(job)
-        payload = spec_payload(spec, current.entitlement, self.cfg.max_tasks_per_job, where)
-        if payload["job_id"] != job:
-            raise FrontendError(INVALID_REQUEST, f"{where}name: the spec names job {payload['job_id']!r}, not {job!r}")
-        payload.pop("entitlement")
+        if spec.job_id != job:
+            raise FrontendError(INVALID_REQUEST, f"{where}name: the spec names job {spec.job_id!r}, not {job!r}")
+        payload = spec.payload
         version = current.payload["spec_version"] + 1
         ev = self.event("JobSpecChanged", {**payload, "spec_version": version}, current.entitlement, job)
         return {"job": job, "spec_version": version, "event_id": ev.event_id, **self._sent(ev, job, wait_s)}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 
 from infra.config import Config
 from processors.allocator.fold import order_key
@@ -48,22 +48,29 @@ class ReadStalled(RuntimeError):
     pass
 
 
-class Once:
+class Once(Skipped):
     """A ``Skipped`` that counts each undecodable record once however many reads of one command meet it (a shadow
-    reads the log up to its start and again from there)."""
+    reads the log up to its start and again from there): it passes each record's first meeting on to ``skipped``,
+    which holds the counts (its own are not used)."""
 
     def __init__(self, skipped: Skipped | None):
+        super().__init__()
         self.skipped = skipped if skipped is not None else Skipped()
         self.seen: set[tuple[str, int, int]] = set()
 
-    def route(self, *, topic: str, partition: int, offset: int, **kw) -> None:
+    def route(self, *, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+              reason: str, detail: str) -> None:
         if (topic, partition, offset) not in self.seen:
             self.seen.add((topic, partition, offset))
-            self.skipped.route(topic=topic, partition=partition, offset=offset, **kw)
+            self.skipped.route(topic=topic, partition=partition, offset=offset, key=key, value=value,
+                               reason=reason, detail=detail)
 
     @property
     def count(self) -> int:
         return self.skipped.count
+
+    def report(self) -> str | None:
+        return self.skipped.report()
 
 
 def watermarks(cfg: Config, partitions: list[tuple[str, int]], timeout_s: float = 10.0
@@ -84,7 +91,7 @@ def watermarks(cfg: Config, partitions: list[tuple[str, int]], timeout_s: float 
 def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int], int] | None = None, *,  # noqa: C901
            verify: Mapping[tuple[str, int], str] | None = None, skipped: Skipped | None = None,
            stats: dict | None = None, only: Callable[[str, int], bool] | None = None
-           ) -> Iterator[tuple[Event, Position]]:
+           ) -> Generator[tuple[Event, Position], None, None]:
     """See the module doc. ``only(logical topic, partition)``: read just the partitions it accepts."""
     topics = Topics(cfg.topic_prefix, cfg.partitions)
     names = [topics.name(t) for t in SOURCES]

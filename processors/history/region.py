@@ -63,7 +63,7 @@ from processors.allocator.fold import (
 )
 from processors.allocator.placement import LIVE, Entitlement, Plan, Policy, Request, run_policy
 from processors.allocator.decide import in_decision_order, machine_state_event
-from processors.allocator.processor import Allocator
+from processors.allocator.processor import free_on_fold, place_on_fold
 from processors.cowmap import CowMap
 from processors.scheduler import decide as sd
 from processors.scheduler import lifecycle as lc
@@ -118,20 +118,12 @@ class PolicyIndex(PlacementIndex):
                           held_machine_count, self.policy)
 
 
-class _Deciding:
-    """The allocator's own decision of one request (``Allocator._free`` then ``Allocator._place``: frees, then
-    placement on the fold, committed to it) on a fold of ours; the processor's Redis commit is not part of it."""
-
-    _free = Allocator._free
-    _place = Allocator._place
-
-    def __init__(self, fold: RegionFold):
-        self.fold = fold
-
-    def decide(self, request: Event, ts: int) -> list[Event]:
-        freeing = self._free(request, ts)
-        placing, _ = self._place(request, 1, ts)
-        return freeing + placing
+def _decide(fold: RegionFold, request: Event, ts: int) -> list[Event]:
+    """The allocator's own decision of one request (``free_on_fold`` then ``place_on_fold``: frees, then placement
+    on the fold, committed to it) on a fold of ours; the processor's Redis commit is not part of it."""
+    freeing = free_on_fold(fold, request, ts)
+    placing, _ = place_on_fold(fold, request, 1, ts)
+    return freeing + placing
 
 
 @dataclass
@@ -297,7 +289,7 @@ class Region:
             if rec is not None and (item is None or rec[0].timestamp_ms <= item[0]):
                 lag.popleft()
                 self._apply(*rec)
-            else:
+            elif item is not None:
                 heapq.heappop(queue)
                 self._take(item)
         if self.cut is None or cut > self.cut:
@@ -357,9 +349,10 @@ class Region:
             self._partition_of.pop(event.entitlement, None)
         if event.type in sd.CONSUMED and not own:
             if self.shadow is not None and event.type in ("TaskStatesChanged", "TaskStateChanged"):
-                event = self._translate(event)
-                if event is None:
+                translated = self._translate(event)
+                if translated is None:
                     return
+                event = translated
             self._enqueue_input(event, tp, self._topic_rank.get(position[0], len(SOURCES)), position[2])
 
     def _moved(self, event: Event) -> None:
@@ -609,6 +602,20 @@ class Region:
             self._push(now + retry_ms, (_TIMER, p), _TIMER, p)
         return self.shadow
 
+    @property
+    def _log(self) -> ShadowLog:
+        """The shadow's log: the shadow's paths run only once ``start_shadow`` or ``start_what_if`` made it."""
+        if self.shadow is None:
+            raise RuntimeError("not a shadow region: start_shadow() or start_what_if() first")
+        return self.shadow
+
+    @property
+    def _agents(self) -> Agents:
+        """The shadow's simulated agents (made with its log)."""
+        if self.agents is None:
+            raise RuntimeError("not a shadow region: start_shadow() or start_what_if() first")
+        return self.agents
+
     def inject(self, events: Sequence[Event]) -> None:
         """What-if: hypothetical events, in time order (none before the last one injected), as records of their
         own: applied when the region advances to their time."""
@@ -619,48 +626,51 @@ class Region:
     def _adopt(self, task: str) -> None:
         """A task placed before the what-if: its simulated agent runs it (at the job's spec version)."""
         job = self.scheduler.jobs.get(job_of(task))
-        t = job.tasks.get(task) if job is not None else None
+        if job is None:
+            return
+        t = job.tasks.get(task)
         if t is None or t.machine is None or t.state not in (lc.STARTING, lc.RUNNING):
             return
         run = agent.TaskRun(task_id=task, spec=agent.Spec(job.id, job.entitlement, t.spec_version, (), (), "adopted"),
                             phase=agent.P_RUNNING, reported=agent.RUNNING)
-        st = self.agents.states.get(t.machine) or agent.initial_state(t.machine)
-        self.agents.states[t.machine] = st._with(run)
+        agents = self._agents
+        st = agents.states.get(t.machine) or agent.initial_state(t.machine)
+        agents.states[t.machine] = st._with(run)
 
     def _requested(self, request: Event, now: int, partition: int | None = None) -> None:
         """A request of the shadow scheduler: its resources go into the fold at once (as the allocator folds a
         request it reads); it is decided when the live allocator decided the same request, else at once."""
         rid = request.event_id
-        self.shadow.requests[rid] = request
+        log = self._log
+        log.requests[rid] = request
         self._fold(request, None)
         when = self._alloc_at.get(rid)
         if when is None or when < now or when > request.timestamp_ms + self.lookahead_ms:
             when = now + self.alloc_delay_ms
         job = request.payload["job_id"]
         key = (job, now)
-        at_once = self.shadow._at_once[key] = self.shadow._at_once.get(key, 0) + 1
+        at_once = log._at_once[key] = log._at_once.get(key, 0) + 1
         if at_once > LOOP_REQUESTS:
             # A job asking again and again at one instant: the shadow's scheduler and allocator disagree on a machine
             # (seen: the shadow's scheduler held machines down that its allocator had up again, after a DOWN that
             # waited as a silent input was decided after its UP: each placement there was moved off at once, 20,000
             # decisions without time moving, and `ropewalk shadow` hung). Its next request is decided a retry
             # interval later, as the shard's timer would ask again; the report counts it (``looped``).
-            self.shadow.looped[job] += 1
+            log.looped[job] += 1
             when = max(when, now + self._retry_ms)
-            if len(self.shadow._at_once) > PRUNE_AT:
-                self.shadow._at_once.clear()
+            if len(log._at_once) > PRUNE_AT:
+                log._at_once.clear()
         p = self.partition(request.entitlement) if partition is None else partition
         self._push(when, (_ALLOC, request.timestamp_ms, p), _ALLOC, (request, p))
 
     def _allocate(self, batch: list[tuple[Event, int]], when: int) -> None:
-        decider = _Deciding(self.fold)
         for request, partition in in_decision_order(batch, lambda b: b[1], when,
                                                     self.topics.partitions_of("allocations")):
-            events = decider.decide(request, when)
+            events = _decide(self.fold, request, when)
             for mid in self.fold.drain_changes():
                 self.changed_ms[mid] = when
                 self.dirty_machines.add(mid)
-            self.shadow.decided[request.event_id] = events
+            self._log.decided[request.event_id] = events
             for ev in events:
                 if self.on_emit is not None:
                     self.on_emit(ev)
@@ -682,7 +692,7 @@ class Region:
                 continue
             mine = self._shadow_machines.get(r["task_id"], [])
             if k >= len(mine):
-                self.shadow.dropped_reports += 1
+                self._log.dropped_reports += 1
                 changed = True
                 continue
             if mine[k] != r.get("machine_id"):
@@ -701,7 +711,8 @@ class Region:
     def _commanded(self, event: Event, now: int) -> None:
         """The shadow scheduler's commands: the recorded reports answer those the recorded scheduler gave too; a
         simulated agent answers the others."""
-        reports, spawns = [], []
+        reports: list[Event] = []
+        spawns: list[tuple[int, str, str]] = []
         for cmd in batches.command_events(event):
             task, machine = cmd.payload["task_id"], cmd.payload["machine_id"]
             k = _last_index(self._shadow_machines.get(task, ()), machine)
@@ -711,7 +722,7 @@ class Region:
                 continue
             if not self._alive(machine):
                 continue
-            more, later = self.agents.feed(machine, agent.Command(cmd), now)
+            more, later = self._agents.feed(machine, agent.Command(cmd), now)
             reports += more
             spawns += later
         self._agent_reports(reports, spawns, now)
@@ -721,8 +732,8 @@ class Region:
             self._push(due, (_SPAWN, due, machine, task), _SPAWN, (machine, task))
         if not reports:
             return
-        self.shadow.synthesized += len(reports)
-        now += self.agents.report_delay_ms
+        self._log.synthesized += len(reports)
+        now += self._agents.report_delay_ms
         for ev in agent.batch(reports, SHADOW_AGENT, now):
             if self.on_emit is not None:
                 self.on_emit(ev)

@@ -84,10 +84,10 @@ def policy_of(spec: str) -> Policy:
         mod = importlib.import_module(module)
     except ImportError as exc:
         raise PolicyError(f"--policy {spec}: cannot import module {module!r} ({exc})") from None
-    value = getattr(mod, name or "POLICY", None)
-    if not isinstance(value, Policy):
+    found = getattr(mod, name or "POLICY", None)
+    if not isinstance(found, Policy):
         raise PolicyError(f"--policy {spec}: {module}.{name or 'POLICY'} is not a placement.Policy")
-    return value
+    return found
 
 
 # -- running --------------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def replay(region: Region, records: Iterable[tuple[Event, tuple[str, int, int]]]
         if ev.timestamp_ms > until_ms + region.lookahead_ms:
             break
         step = min(ev.timestamp_ms - region.lookahead_ms, until_ms)
-        if step > region.cut + STEP_MS:
+        if region.cut is None or step > region.cut + STEP_MS:
             region.advance(step)
     region.advance(until_ms)
     return region
@@ -231,9 +231,10 @@ def compare(log: ShadowLog, region: Region, at_since: Mapping[str, str], until_m
         if a is not None and b is not None and same(a, b, registry):
             continue
         req = log.requests.get(rid)
-        first = (a or b)[0]
+        evs = a or decided[rid]  # in one of them at least, and not empty there (``in_window``)
+        first = evs[0]
         differ.append({"request": first.payload.get("request_id"), "job": first.payload.get("job_id"),
-                       "time_ms": min(e.timestamp_ms for e in (a or b)),
+                       "time_ms": min(e.timestamp_ms for e in evs),
                        "recorded": None if a is None else summary(a), "shadow": None if b is None else summary(b),
                        **({"request_event_id": rid} if req is None else {})})
     rec_sched = {i: e for i, e in log.scheduler_recorded.items()
@@ -242,12 +243,12 @@ def compare(log: ShadowLog, region: Region, at_since: Mapping[str, str], until_m
                   if e.type not in STATE_TYPES and since < e.timestamp_ms <= until_ms}
     sched_differ = []
     for i in sorted(set(rec_sched) | set(mine_sched)):
-        a, b = rec_sched.get(i), mine_sched.get(i)
-        if a is not None and b is not None and a.timestamp_ms == b.timestamp_ms and same([a], [b], registry):
+        ra, rb = rec_sched.get(i), mine_sched.get(i)
+        if ra is not None and rb is not None and ra.timestamp_ms == rb.timestamp_ms and same([ra], [rb], registry):
             continue
-        e = a or b
+        e = ra if ra is not None else mine_sched[i]
         sched_differ.append({"event_id": i, "type": e.type, "entity": e.entity_id, "time_ms": e.timestamp_ms,
-                             "in": "both" if a is not None and b is not None else ("log" if a is not None else "shadow")})
+                             "in": "both" if ra is not None and rb is not None else ("log" if ra is not None else "shadow")})
     topology = {mid: m for mid, m in region.fold.machines.items()}
     rec_totals = totals(recorded.values(), at_since, topology)
     mine_totals = totals(decided.values(), at_since, topology)

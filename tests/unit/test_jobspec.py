@@ -93,10 +93,10 @@ def test_the_default_limit_is_the_configured_one():
 
 
 def test_the_three_shapes_of_a_job_spec_agree():
-    """A job spec's shape is written three times (issue 31): ``jobspec.FIELDS`` (what ``validate_spec``, the one
-    check both doors run, takes), the API's request body (``processors/api/models.JobSpec``: its types, for the
-    OpenAPI document and pydantic's strict parse) and the Avro schemas of JobSubmitted and JobSpecChanged (what the
-    log holds). A field added to one of them and not the others fails here."""
+    """A job spec's shape is written twice (issue 31): ``jobspec.SHAPE`` (what ``validate_spec``, the one check both
+    doors run, takes; the API's request body, ``processors/api/models.JobSpec``, is made from it, for the OpenAPI
+    document and pydantic's strict parse) and the Avro schemas of JobSubmitted and JobSpecChanged (what the log
+    holds). A field added to one of them and not the other fails here."""
     from processors.api.models import JobSpec, Resources
     from processors.frontend.jobspec import FIELDS
     from streams.serde import SchemaRegistry
@@ -111,3 +111,32 @@ def test_the_three_shapes_of_a_job_spec_agree():
         # on the log: the payload without the entitlement (the envelope's), with the spec's version
         assert schema.field_names - {"envelope"} == set(payload) - {"entitlement"} | {"spec_version"}, event
         assert [f["name"] for f in resources["fields"]] == list(payload["resources"]), event
+
+
+# -- checked once, at the door: what is past it trusts a ValidSpec -------------------------------------------------
+
+ROUND_TRIPS = {  # a spec as a user writes it -> what the CLI sends the API (ValidSpec.spec) checks the same again
+    "the minimal spec": spec(),
+    "every field": spec(requirements={"machine_type": "skylake", "dc": "dc1"}, spread="rack", max_unavailable=2,
+                        env={"PORT": "80"}, controller="zk-leader-last"),
+    "defaults written out": spec(spread="msb", max_unavailable=1, env={}, requirements={}),
+}
+
+
+@pytest.mark.parametrize("data", ROUND_TRIPS.values(), ids=ROUND_TRIPS)
+def test_a_checked_spec_sent_on_is_the_same_spec(data):
+    from processors.frontend.jobspec import check
+
+    valid = check(data)
+    assert valid.entitlement == "e1" and valid.job_id == "e1.web" and "entitlement" not in valid.payload
+    assert {**valid.payload, "entitlement": valid.entitlement} == validate_spec(data)
+    assert check(valid.spec()) == valid  # the API's door, given what the CLI's door let through
+    assert check(valid.spec(), entitlement_override="e2").job_id == "e2.web"
+
+
+def test_a_refusal_at_the_door_names_the_file_and_the_field():
+    from processors.frontend.service import FrontendError, spec_payload
+
+    with pytest.raises(FrontendError) as exc:
+        spec_payload(spec(tasks="6"), None, 100, "web.yaml: ")
+    assert exc.value.message.startswith("web.yaml: tasks: ") and "got string '6'" in exc.value.message

@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from processors.api import authz
-from processors.api.door import AtQuery, Caller, EntitlementQuery, JobId, Wait, WaitS, call
+from processors.api.door import AtQuery, Caller, Door, EntitlementQuery, JobId, Wait, WaitS, call
 from processors.api.errors import ApiError
 from processors.api.models import JobSpec, Resize, Stop
+from processors.frontend.jobspec import ValidSpec
 from processors.frontend import logs, service as fe
 
 router = APIRouter(tags=["jobs"])
@@ -24,6 +25,12 @@ async def jobs(door: Caller, entitlement: EntitlementQuery = None) -> list[dict]
         door.allow("job.view", entitlement)
     rows = await call(door.front.jobs, entitlement)
     return [r for r in rows if authz.visible(door.user, r["entitlement"])]
+
+
+def _checked(door: Door, body: dict, entitlement: str | None) -> ValidSpec:
+    """The API's door for a job spec: the body parsed to its types (``JobSpec``, made from ``jobspec.SHAPE``), then
+    the spec's rules, once (``jobspec.validate_spec``, the CLI's too); the front end trusts what it returns."""
+    return fe.spec_payload(body, entitlement, door.front.cfg.max_tasks_per_job)
 
 
 def verdict_response(doc: dict, created: bool = False) -> JSONResponse:
@@ -39,9 +46,10 @@ def verdict_response(doc: dict, created: bool = False) -> JSONResponse:
                         409: {"description": "refused by the scheduler, with the reason"}})
 async def job_submit(spec: JobSpec, door: Caller, wait: Wait = None,
                      timeout_s: WaitS = fe.DEFAULT_WAIT_S) -> JSONResponse:
-    door.allow("job.submit", spec.entitlement if isinstance(spec.entitlement, str) else None)
-    doc = await call(door.front.job_submit, spec.model_dump(exclude_none=True),
-                     wait_s=timeout_s if wait is not False else None)
+    body = spec.model_dump(exclude_none=True)
+    door.allow("job.submit", body.get("entitlement"))
+    valid = _checked(door, body, None)
+    doc = await call(door.front.job_submit, valid, wait_s=timeout_s if wait is not False else None)
     return verdict_response(doc, created=True)
 
 
@@ -97,8 +105,8 @@ async def job_logs(request: Request, job: JobId, door: Caller,
 async def job_update(job: JobId, spec: JobSpec, door: Caller, wait: Wait = None,
                      timeout_s: WaitS = fe.DEFAULT_WAIT_S) -> JSONResponse:
     door.allow("job.update", fe.entitlement_of_job(job))
-    return verdict_response(await call(door.front.job_update, job, spec.model_dump(exclude_none=True),
-                                       wait_s=timeout_s if wait else None))
+    valid = _checked(door, spec.model_dump(exclude_none=True), fe.entitlement_of_job(job))
+    return verdict_response(await call(door.front.job_update, job, valid, wait_s=timeout_s if wait else None))
 
 
 @router.post("/v1/jobs/{job}/resize")

@@ -23,7 +23,7 @@ from infra.config import Config
 from processors import rules
 from processors.frontend import logs
 from processors.frontend.console import AT_HELP, CliError, _front, _read, _verdict, _wait_s, direct, user_command
-from processors.frontend.jobspec import JobSpecError, parse_text
+from processors.frontend.jobspec import JobSpecError, ValidSpec, parse_text
 from processors.frontend.render import _ago, _print, _table, human_time, job_table, task_counts
 from processors.frontend.service import entitlement_of_job, spec_payload
 
@@ -57,19 +57,18 @@ def add_commands(sub) -> None:
     sp.add_argument("--json", action="store_true")
 
 
-def _spec_data(path: str, entitlement: str | None, max_tasks: int):
-    """The spec file, parsed and checked at the door (the error names the file and the field)."""
+def _spec_data(path: str, entitlement: str | None, max_tasks: int) -> ValidSpec:
+    """The spec file, parsed and checked at the door, once (the error names the file and the field)."""
     try:
         data = parse_text(_read(path), path)
     except JobSpecError as exc:
         raise CliError(f"{path}: {exc}") from None
-    payload = spec_payload(data, entitlement, max_tasks, f"{path}: ")
-    return data, payload
+    return spec_payload(data, entitlement, max_tasks, f"{path}: ")
 
 
 def cmd_job_submit(cfg: Config, args) -> int:
-    data, payload = _spec_data(args.file, None, cfg.max_tasks_per_job)
-    doc = _front(cfg, args).job_submit(data, wait_s=_wait_s(args), where=f"{args.file}: ")
+    spec = _spec_data(args.file, None, cfg.max_tasks_per_job)
+    doc = _front(cfg, args).job_submit(spec, wait_s=_wait_s(args), where=f"{args.file}: ")
     _verdict(doc, args)
     _print(doc, args.json, doc["job"])
     return 0
@@ -83,10 +82,10 @@ def cmd_job_list(cfg: Config, args) -> int:
 
 def cmd_job_update(cfg: Config, args) -> int:
     front = _front(cfg, args)
-    data, payload = _spec_data(args.file, entitlement_of_job(args.job), cfg.max_tasks_per_job)
-    if payload["job_id"] != args.job:
-        raise CliError(f"{args.file}: name: the spec names job {payload['job_id']!r}, not {args.job!r}")
-    doc = front.job_update(args.job, data, wait_s=_wait_s(args) if args.wait else None, where=f"{args.file}: ")
+    spec = _spec_data(args.file, entitlement_of_job(args.job), cfg.max_tasks_per_job)
+    if spec.job_id != args.job:
+        raise CliError(f"{args.file}: name: the spec names job {spec.job_id!r}, not {args.job!r}")
+    doc = front.job_update(args.job, spec, wait_s=_wait_s(args) if args.wait else None, where=f"{args.file}: ")
     _verdict(doc, args)
     _print(doc, args.json, f"{args.job} v{doc['spec_version']}")
     return 0
