@@ -468,6 +468,13 @@ def tables_ready(app: Any) -> bool:
     return bool(app.tables.actives_ready) and not app.rebalancing and not (watch is not None and watch.suspect())
 
 
+def frozen_since(app: Any, since: float) -> bool:
+    """Whether ``app``'s process was frozen since ``since`` (monotonic; ``App.freeze_watch``): a decision begun then
+    writes nothing more."""
+    watch = getattr(app, "freeze_watch", None)
+    return watch is not None and watch.frozen_since(since)
+
+
 # -- partitions faust stopped fetching ---------------------------------------------------------------------------
 UNFETCHED_AFTER_S = 30.0  # a partition out of the fetch this long, without a pause of ours: taken back (FlowWatch)
 
@@ -536,4 +543,4 @@ class FlowWatch:
 
 
 __all__ = ["make_app", "app_settings", "source_topic", "decoded", "decode_message", "header_of", "route_dead_letter",
-           "tables_ready", "FlowWatch", "FetchBatches", "Batch", "BatchingConsumer"]
+           "tables_ready", "frozen_since", "FlowWatch", "FetchBatches", "Batch", "BatchingConsumer"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -38,8 +38,6 @@ class FreezeRule:
     woke_at: float | None = None  # the end of the last freeze not yet cleared by an assignment
     last_wake: float | None = None  # the end of the last freeze, assigned or not
     freezes: int = 0
-    longest_s: float = 0.0
-    history: list[tuple[float, float]] = field(default_factory=list)  # (woke at, frozen for), the last few
 
     def tick(self, now: float) -> float | None:
         """A tick at ``now``; the length of the freeze it ends, if it ends one."""
@@ -49,8 +47,6 @@ class FreezeRule:
             return None
         self.woke_at = self.last_wake = now
         self.freezes += 1
-        self.longest_s = max(self.longest_s, gap)
-        self.history = [*self.history[-4:], (now, gap)]
         return gap
 
     def assigned(self) -> None:

@@ -178,8 +178,8 @@ from infra.trust import verifier_for
 from streams.clients import EPOCH_HEADER, FORWARDED_HEADER, PRODUCER_HEADER, TYPE_HEADER, EventProducer, passes_type
 from streams.deadletter import PROCESSING_FAILED, DeadLetters
 from streams.events import Event
-from streams.faustwire import (FetchBatches, FlowWatch, decode_message, header_of, make_app, route_dead_letter,
-                               tables_ready)
+from streams.faustwire import (FetchBatches, FlowWatch, decode_message, frozen_since, header_of, make_app,
+                               route_dead_letter, tables_ready)
 from streams.partitionmap import REASON_HELD, REASON_MOVED, REASON_MOVING, MapFollower, assignment_event
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
@@ -473,14 +473,9 @@ class ShardTables:
             fut = table.send_changelog(partition, key, value)
         self._unacked.append(fut)
 
-    def frozen_since(self, since: float) -> bool:
-        """Whether this process was frozen since ``since`` (``App.freeze_watch``)."""
-        watch = getattr(self.app, "freeze_watch", None)
-        return watch is not None and watch.frozen_since(since)
-
     def check_not_frozen(self, since: float | None) -> None:
-        """Raise ``Frozen`` if this process was frozen since ``since``."""
-        if since is not None and self.frozen_since(since):
+        """Raise ``Frozen`` if this process was frozen since ``since`` (``faustwire.frozen_since``)."""
+        if since is not None and frozen_since(self.app, since):
             raise Frozen("this process was frozen during the decision: its partitions may be another's now; "
                          "nothing more of it is written (the batch is read again)")
 
@@ -769,7 +764,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
             t1 = time.monotonic()
             # The output is flushed before any table value that stands for it (see "Delivery" in the module
             # docstring); it is produced while the new chunks are sent, which need not wait for it.
-            if tables.frozen_since(t0):  # its partitions may be another's: neither its output nor its state
+            if frozen_since(app, t0):  # its partitions may be another's: neither its output nor its state
                 set_aside(items, passed, forwards, "this process was frozen while deciding it")
                 return
             output = asyncio.ensure_future(produce(coalesce(out), forwards)) if out or forwards else None
@@ -1094,7 +1089,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
         ``RETRY_SLICE_JOBS`` at a time, each slice a decision of its own under the lock (the agent decides in
         between), none while the tables are not ready (a rebalance or a recovery: the round ends there)."""
         if not tables_ready(app):
-            log.info("scheduler: retry round skipped: the tables are being recovered (a rebalance)")
+            log.info("scheduler: retry round skipped: the tables are being recovered (a rebalance), or a freeze")
             return
         t0 = time.monotonic()
         active = active_partitions()
