@@ -382,9 +382,8 @@ class Storm:
             "jobs_live": len(self.work.live), "jobs_stopped": len(self.work.stopped),
             "not_converged": converged["not"][:10], **checks,
         }
-        doc["passed"] = bool(converged["ok"] and all(doc[k] == 0 for k in COUNTS) and doc["redis_matches_log"]
-                             and sum(restarts.values()) >= len(self.kills)
-                             and all(p["ready"] for p in self.power_losses))
+        doc["why_not"] = why_not(doc, len(self.kills))
+        doc["passed"] = not doc["why_not"]
         return doc
 
     def wait_converged(self, timeout_s: float) -> dict[str, Any]:
@@ -408,6 +407,21 @@ STORY_EVENTS = 12  # a task's last events told beside it when it is found runnin
 
 COUNTS = ("tasks_lost", "tasks_placed_twice", "tasks_started_twice", "tasks_running_twice", "machines_overcommitted",
           "quota_breaches", "conflicting_duplicates")
+
+
+def why_not(doc: dict[str, Any], kills: int) -> list[str]:
+    """Every reason a storm did not pass, each naming its figure (empty when it passed)."""
+    reasons = [f"{k}={doc[k]}" for k in COUNTS if doc[k] != 0]
+    if not doc["converged"]:
+        reasons.append(f"not converged: {doc['not_converged']}")
+    if not doc["redis_matches_log"]:
+        reasons.append(f"redis does not match a rebuild from the log: {doc['redis_differences']}")
+    if sum(doc["restarts_by_program"].values()) < kills:
+        reasons.append(f"{sum(doc['restarts_by_program'].values())} restarts recorded for {kills} kills: "
+                       f"{doc['restarts_by_program']}")
+    reasons += [f"power loss at {p.get('at_s')} s: region not ready after it" for p in doc["power_losses"]
+                if not p["ready"]]
+    return reasons
 
 
 def machine_ids(cfg) -> list[str]:
