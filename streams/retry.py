@@ -22,6 +22,10 @@ TRANSIENT = frozenset({
     KafkaError._DESTROY_BROKER, KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError.NOT_LEADER_FOR_PARTITION,
     KafkaError.LEADER_NOT_AVAILABLE, KafkaError.REQUEST_TIMED_OUT, KafkaError.FENCED_LEADER_EPOCH,
     KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.OFFSET_NOT_AVAILABLE,
+    # the client's own metadata lost the partition while its leader's node was stopped (a storm's SIGSTOPped broker:
+    # "Failed to get watermark offsets: Local: Unknown partition"); a partition that does not exist answers
+    # UNKNOWN_TOPIC_OR_PART from the broker, which is a refusal
+    KafkaError._UNKNOWN_PARTITION,
 })
 
 

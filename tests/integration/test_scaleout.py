@@ -109,13 +109,13 @@ class Region:
 
     def checks(self) -> dict:
         """The replayed log's and Redis's checks (bench/killstorm.py), once the allocators are idle."""
-        from bench.killstorm import redis_differences, replay_checks, settle
+        from bench.killstorm import redis_caught_up, replay_checks, settle
 
         settle(self.cfg, quiet_s=2.0)
         doc = replay_checks(self.cfg, self.registry)
         r = self.cfg.redis_client()
         try:
-            doc["redis_differences"] = redis_differences(self.cfg, self.registry, r)
+            doc["redis_differences"] = redis_caught_up(self.cfg, self.registry, r)[0]
         finally:
             r.close()
         return doc

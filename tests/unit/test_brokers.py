@@ -149,6 +149,7 @@ def test_the_quorum_leader_is_the_leader_of_the_highest_epoch_a_node_recorded(tm
     (KafkaError._TRANSPORT, True),
     (KafkaError.NOT_LEADER_FOR_PARTITION, True),
     (KafkaError.LEADER_NOT_AVAILABLE, True),
+    (KafkaError._UNKNOWN_PARTITION, True),  # the client's metadata, while the leader's node is stopped
     (KafkaError.TOPIC_AUTHORIZATION_FAILED, False),  # a refusal is not a leader's move
     (KafkaError.UNKNOWN_TOPIC_OR_PART, False),
     (KafkaError._ALL_BROKERS_DOWN, False),
