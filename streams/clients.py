@@ -237,6 +237,13 @@ class EventProducer:
     def flush(self, timeout_s: float = 30.0) -> None:
         self._flush_or_raise(timeout_s)
 
+    def delivered(self, timeout_s: float) -> bool:
+        """Whether every record sent so far is on the log, waiting ``timeout_s`` at most: what a process writes
+        down as done (a state file) only once what it told of it is delivered. A failed delivery is raised."""
+        remaining = self._producer.flush(timeout_s)
+        self._raise_errors()
+        return remaining == 0
+
     def _flush_or_raise(self, timeout_s: float) -> None:
         remaining = self._producer.flush(timeout_s)
         if remaining:

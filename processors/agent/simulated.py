@@ -83,6 +83,7 @@ PRODUCER_CONF = {"linger.ms": 5, "batch.num.messages": 10000, "queue.buffering.m
 HEARTBEAT_PRODUCER_CONF = {**PRODUCER_CONF, "linger.ms": 500}
 STATE_FORMAT = 1
 SAVE_INTERVAL_S = 5.0  # the state file is rewritten at most this often while something changed
+DELIVERED_WAIT_S = 1.0  # how long a save waits for the reports sent before it (then it is left for a later step)
 
 
 def now_ms() -> int:
@@ -179,8 +180,14 @@ class SimulatedAgents(LoopWorker):
                  len(self.failed), self.state_file)
 
     def save(self) -> None:
-        """Write the state file (atomically: a temp file renamed over it)."""
+        """Write the state file (atomically: a temp file renamed over it), once the reports already sent are on the
+        log: a state that says a task was stopped, and the command read, must not outlive the STOPPED report that
+        tells of it (a crash between the two would leave the scheduler waiting for good). Not yet delivered within
+        ``DELIVERED_WAIT_S`` (a leader's node stopped): left dirty, saved at a later step."""
         if self.state_file is None:
+            return
+        if not self.producer.delivered(DELIVERED_WAIT_S):
+            self._saved_at = time.monotonic()  # asked again after SAVE_INTERVAL_S, not at every step
             return
         doc = {"format": STATE_FORMAT, "incarnation": self.incarnation, "incarnations": self.incarnations,
                "failed": sorted(self.failed), "round": self._round,

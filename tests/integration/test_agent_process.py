@@ -541,3 +541,35 @@ def test_a_restarted_simulated_agents_process_beats_under_new_ids(cfg, registry,
         second.close()
     ids = [e.event_id for e in beats.events]
     assert len(set(ids)) == len(ids), [i for i, n in Counter(ids).items() if n > 1]  # every heartbeat its own event
+
+
+def test_the_simulated_agents_save_their_state_only_once_what_they_sent_is_delivered(cfg, registry, tmp_path):
+    """The kill storm found a job stopping for good: the agents process stopped four tasks, saved a state file that
+    said so (and that the STOP commands were read), then died before the STOPPED reports it had sent reached the
+    broker; restarted from that file it neither ran the tasks nor read the commands again, and nobody told the
+    scheduler. A save now waits until what was sent before it is on the log; what cannot be delivered (here a producer
+    whose broker does not answer: a leader's node stopped) leaves the file as it was, for a later save."""
+    from processors.agent.simulated import SimulatedAgents
+
+    state_file = tmp_path / "simulated.json"
+    sim = SimulatedAgents(cfg, ["sim-0"], registry=registry, interval_ms=200, state_file=state_file)
+    sim.connect()
+    try:
+        sim.save()
+        saved = state_file.read_text()
+        live, away = sim.producer, EventProducer(cfg.with_(bootstrap_servers=f"127.0.0.1:{free_ports(1)[0]}"),
+                                                 registry, "agent-away", signer=None)
+        try:
+            sim.producer = away
+            away.send_raw(Topics(cfg.topic_prefix, cfg.partitions).name("tasks"), b"k", b"a report in flight")
+            sim.offsets[("elsewhere", 0)] = 7  # what the state would say: the command that report answers was read
+            sim._dirty = True
+            sim.save()
+            assert state_file.read_text() == saved  # not written: the report it depends on is not on the log
+        finally:
+            sim.producer = live
+            away._producer.purge()  # the record that cannot be delivered (its broker is not there) is dropped
+        sim.save()
+        assert json.loads(state_file.read_text())["offsets"] != json.loads(saved)["offsets"]  # delivered: written
+    finally:
+        sim.close()
