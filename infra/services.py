@@ -326,7 +326,7 @@ def power_off(cfg: Config, timeout_s: float = 30.0) -> dict[str, int]:
     still running as a task's own uid, again until none is left (a task's shell forks between the listing and the
     kill; a power loss spares none); then waits, up to ``timeout_s`` in all, until every process listed is gone.
     Returns the processes listed (name -> pid); those still alive after the wait are ``power_off_survivors``. The one
-    power loss of ``bench/killstorm.py`` and ``tests/integration/test_cold_start.py``."""
+    power loss of ``bench/killstorm.py`` and ``tests/integration/test_durable.py``."""
     import json
     import os
     import signal

@@ -200,7 +200,7 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 # collection order (``--dist loadfile``), and one of these started last would leave the other workers idle for its
 # length at the end. The rest follow in their usual order.
 LONG_FIRST = ("test_killstorm.py", "test_durable.py", "test_history_region.py", "test_supervised_region.py",
-              "test_ui_browser.py", "test_trust.py", "test_cold_start.py", "test_operator_view.py",
+              "test_ui_browser.py", "test_trust.py", "test_operator_view.py",
               "test_readme_examples.py", "test_bad_records.py", "test_history_bench.py", "test_bench_smoke.py",
               "test_archive.py", "test_soak.py", "test_figure14_pipeline_cli.py", "test_health_processor.py",
               "test_power.py", "test_rebalance_region.py")

@@ -1,6 +1,10 @@
 """The log is the source of truth in fact (issue #9): a region survives `ropewalk down` / `up` with nothing
-executed twice, and a disaster (the broker's data and Redis gone) is recovered from an archive with
-`ropewalk restore` without re-executing history.
+executed twice; it loses power everywhere at once and comes back as it was (issue #26, item 2a: every process of
+it — the broker, Redis, the supervisor, every worker, the agents and the tasks the process agent runs — SIGKILLed in
+one go, left dark for longer than the health check's timeout, then `ropewalk up`: the same tasks on the same
+machines, nothing moved or judged because the control plane itself was away: the health check restarts its silence
+clocks when it starts, processors/health/README.md); and a disaster (the broker's data and Redis gone) is recovered
+from an archive with `ropewalk restore` without re-executing history.
 
 The region holds each kind of history that went wrong before: a running job, a stopped job, a job whose task
 moved off a failed machine, and that machine still DOWN. After each restart the region must read exactly as
@@ -11,12 +15,18 @@ is DOWN, and no TasksCommanded, AllocationRequested or TasksAllocated may be add
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 
 from processes import value, worker_metrics
 from regioncli import RegionCli
+
+from infra.config import Config
+from infra.process import processes_of
+from infra.services import power_off, power_off_survivors
+from processors import controlplane
 
 from processors.scheduler.shard import APP_ID
 
@@ -45,16 +55,16 @@ def snapshot(region: RegionCli) -> dict:
 
 
 def decisions(region: RegionCli) -> dict[str, list[str]]:
-    """The decision records on the log, per type: their event ids in log order. Records, not distinct ids: a
-    decision produced again (same derived id, which readers would dedupe) counts as executed twice."""
+    """The decision records of the test's jobs on the log, per type: their event ids in log order. Records, not
+    distinct ids: a decision produced again (same derived id, which readers would dedupe) counts as executed twice.
+    (The demo's task runs on the process agent, whose tasks end with `down`: starting it again is a new decision.)"""
     out: dict[str, list[str]] = {t: [] for t in DECISIONS}
     for e in region.replay():
-        if e["type"] in out:
+        if e["type"] in out and e["payload"]["job_id"].startswith("e1."):
             out[e["type"]].append(e["event_id"])
     return {t: sorted(ids) for t, ids in out.items()}
 
 
-@pytest.mark.timeout(420)
 def quiet(region: RegionCli, rounds: int = QUIET_ROUNDS) -> None:
     """Wait until the scheduler's retry timer (the one that decides again what is unplaced or overdue) has run
     ``rounds`` more rounds, counted by its metric: however slow the machine, the region had its chances to
@@ -68,10 +78,34 @@ def quiet(region: RegionCli, rounds: int = QUIET_ROUNDS) -> None:
     region.wait_for(lambda: (ticks() or 0) >= first + rounds, f"{rounds} rounds of the scheduler's retry timer")
 
 
-def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
+def health_ticks(region: RegionCli) -> float:
+    return value(worker_metrics(region.run_dir, "health"), "ropewalk_timer_ticks_total", worker="health")
+
+
+def power_loss(region: RegionCli) -> int:
+    """Every process of the region SIGKILLed at once (and whatever a task's uid forks meanwhile), left dark for longer
+    than the health check's timeout; the time it went dark (ms)."""
+    cfg = Config.from_env(region.env)
+    task_uids = {uid for state in (cfg.run_dir / "agents").glob("*/agent-state.json")
+                 for uid in json.loads(state.read_text()).get("uids", {}).values()}
+    killed_ms = int(time.time() * 1000)
+    pids = power_off(cfg)
+    assert {"program:broker", "supervisor", "program:redis", "program:health", "program:scheduler-0",
+            "program:allocator-0", "program:agents", "program:agent-local"} <= set(pids), pids
+    assert any(k.startswith("task:") for k in pids), pids  # the demo's process
+    if os.geteuid() == 0:  # the demo runs as a uid of its own (in a sandbox if bwrap is here): its processes too
+        assert task_uids and any(k.startswith("task:") and k.count(":") == 2 for k in pids), pids
+    assert not power_off_survivors(pids)  # power_off waited until every process it killed was gone
+    assert not {uid: processes_of(uid) for uid in task_uids if processes_of(uid)}  # nothing of a task outlived
+    time.sleep(controlplane.HEALTH_TIMEOUT_MS / 1000 + 2)  # dark: every silence it could count is past the timeout
+    return killed_ms
+
+
+@pytest.mark.timeout(900)
+def test_down_up_power_loss_and_disaster_restore_re_execute_nothing(tmp_path):
     region = RegionCli(tmp_path / "run", ROPEWALK_SCHEDULER_RETRY_S="1")
     try:
-        up = region.json("up", "--machines", "24", "--no-demo")
+        up = region.json("up", "--machines", "24")
         assert up and up["ready"], up
         region.ok("entitlement", "create", "e1", "--quota", "8")
         time.sleep(1)
@@ -86,6 +120,7 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
         region.ok("machine", "fail", victim)
         region.wait_for(lambda: (v := region.running("e1.moved", 3)) and victim not in {t["machine"] for t in v["tasks"]},
                         "e1.moved's task moved off the failed machine")
+        demo = region.wait_for(lambda: region.running("demo.hello", 1), "the demo running")["tasks"][0]["machine"]
         quiet(region)
         before, made = snapshot(region), decisions(region)
         assert made["TasksCommanded"] and made["TasksAllocated"], made  # the test sees the decisions it compares
@@ -94,12 +129,32 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
 
         # -- down, then up: the same region, nothing executed twice ------------------------------------------
         region.ok("down")
-        again = region.json("up", "--machines", "24", "--no-demo")
+        again = region.json("up", "--machines", "24")
         assert again and again["ready"], again  # ready although a machine is DOWN
         assert again["machines_indexed"] == 25 and again["machines_up"] == 24
         quiet(region)
         assert snapshot(region) == before
         assert decisions(region) == made
+
+        # -- a power loss of the whole region, then `ropewalk up`: the same region, nothing moved or judged ----
+        region.wait_for(lambda: region.running("demo.hello", 1), "the demo running again")
+        killed_ms = power_loss(region)
+        back = region.json("up", "--machines", "24")
+        assert back and back["ready"], back
+        assert region.wait_for(lambda: region.running("demo.hello", 1), "the demo again")["tasks"][0]["machine"] == demo
+        start = health_ticks(region)  # the health check judged for well over a timeout since it started again
+        region.wait_for(lambda: health_ticks(region) >= start + 2 * controlplane.HEALTH_TIMEOUT_MS / 1000,
+                        "two timeouts of health ticks")
+        quiet(region)
+        assert snapshot(region) == before, "a task moved, or a machine changed"
+        assert decisions(region) == made
+        events = [e for e in region.replay() if e["timestamp_ms"] >= killed_ms]
+        judged = [e for e in events if e["type"] in ("MachinesStatusChanged", "MachineStatusChanged")
+                  and e["payload"]["status"] in ("UNHEALTHY", "DOWN")]
+        assert judged == [], judged[:3]
+        assert not [e for e in events if e["type"] in ("UnavailabilityStarted", "TasksAllocated")]
+        assert not [e for e in events if e["type"] == "AllocationRequested" and e["payload"]["place_task_ids"]]
+        assert "every silence counts anew from now (started)" in (region.run_dir / "health.log").read_text()
 
         # -- a disaster: the broker's data and Redis are gone; restore from an archive ----------------------
         archived = region.json("archive", str(tmp_path / "arc"))
@@ -123,8 +178,8 @@ def test_down_up_and_disaster_restore_re_execute_nothing(tmp_path):
         assert st["restored"]["archive"] == str((tmp_path / "arc").resolve())
         assert st["restored"]["offsets_moved"] == sorted(restored["offsets_moved"])
         assert st["topics"] == {t: archived["per_topic"].get(t, 0) for t in st["topics"]}
-        back = region.json("up", "--machines", "24", "--no-demo")
-        assert back and back["ready"], back
+        restored_up = region.json("up", "--machines", "24")
+        assert restored_up and restored_up["ready"], restored_up
         quiet(region)
         assert snapshot(region) == before
         assert decisions(region) == made
