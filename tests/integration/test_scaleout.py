@@ -322,6 +322,14 @@ def test_fewer_shards_then_a_shard_and_an_allocator_on_another_machine_keep_the_
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait(5)
-    # -- an `up` with the counts of before starts the shard and the allocator again --------------------------------
+    # -- an `up` with the counts of before starts the shard and the allocator again: each joins its group ----------
+    def joined() -> dict[str, int]:
+        return {n: len(pattern.findall(log.read_text(errors="replace"))) if log.exists() else 0
+                for n, pattern in (("scheduler-1", ASSIGNED), ("allocator-1", OWNS))
+                for log in [region.run_dir / f"{n}.log"]}
+
+    before = joined()
     region.scale(2, 2)
     assert {"scheduler-1", "allocator-1"} <= set(region.status()["control_plane"])
+    region.cli.wait_for(lambda: all(n > before[k] for k, n in joined().items()),
+                        "scheduler-1 and allocator-1 assigned partitions again", 120)
