@@ -296,12 +296,6 @@ def consumer_conf(cfg: Config, group_id: str | None, **extra) -> dict:
 # returns as soon as one record arrives, so a reader of busy topics fetched once per produce request of every
 # writer (~3 fetch requests per job in a burst, the broker's second largest cost).
 BACKGROUND_READER = {"fetch.wait.max.ms": 500, "fetch.min.bytes": 64 * 1024}
-# A worker's follower (``follows``) waits up to 500 ms (librdkafka's default) for a record before its fetch comes
-# back empty: a record that arrives ends the wait at once, so what it follows reaches it as soon as before; only an
-# idle log is asked less often. The 100 ms of ``consumer_conf`` stay for one-shot reads, which wait for the end of a
-# partition. Measured on an idle `ropewalk up --machines 24` (30-90 s after ready): the region 0.213 -> 0.145 of a
-# core, its broker 0.130 -> 0.072 (answering fewer empty fetches).
-FOLLOWER_FETCH = {"fetch.wait.max.ms": 500}
 POSITION_COMMIT_S = 1.0  # how often a follower reports its position to its group (EventConsumer)
 
 
@@ -392,8 +386,7 @@ class EventConsumer:
         self._committed_at = 0.0
         self._offsets = OffsetQueries(cfg, f"{name}-offsets")  # ListOffsets, not on the assigned consumer
         self._consumer = Consumer(consumer_conf(cfg, group_id or self.position_group,
-                                                **{"client.id": client_id(name), **(FOLLOWER_FETCH if follows else {}),
-                                                   **conf}))
+                                                **{"client.id": client_id(name), **conf}))
         self.eof: set[tuple[str, int]] = set()
         self.eof_offsets: dict[tuple[str, int], int] = {}  # per partition, the offset of its last end reached
         self.dead_lettered = 0  # records this consumer skipped (and dead-lettered, with dead_letters)
