@@ -412,6 +412,7 @@ COUNTS = ("tasks_lost", "tasks_placed_twice", "tasks_started_twice", "tasks_runn
 def why_not(doc: dict[str, Any], kills: int) -> list[str]:
     """Every reason a storm did not pass, each naming its figure (empty when it passed)."""
     reasons = [f"{k}={doc[k]}" for k in COUNTS if doc[k] != 0]
+    reasons += [f"conflicting duplicate: {c}" for c in doc.get("conflicting_at", [])]
     if not doc["converged"]:
         reasons.append(f"not converged: {doc['not_converged']}")
     if not doc["redis_matches_log"]:
@@ -513,6 +514,7 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
 
     seen: dict[str, str] = {}  # event id -> its payload, as JSON
     conflicting = duplicates = 0
+    conflicting_at: list[str] = []
     capacity: dict[str, tuple[int, int]] = {}
     resources: dict[str, tuple[int, int]] = {}  # request id -> per-task (cpu, mem)
     placed: dict[str, tuple[str, int, int]] = {}  # task -> (machine, cpu, mem)
@@ -534,7 +536,11 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
         body = json.dumps(ev.payload, sort_keys=True, default=str)
         if ev.event_id in seen:
             duplicates += 1
-            conflicting += seen[ev.event_id] != body
+            if seen[ev.event_id] != body:
+                conflicting += 1
+                if len(conflicting_at) < 5:  # which event, and both contents: what decided it twice, differently
+                    conflicting_at.append(f"{ev.type} {ev.event_id} at {rec.topic}/{rec.partition}@{rec.offset}: "
+                                          f"{seen[ev.event_id][:300]} then {body[:300]}")
             continue
         seen[ev.event_id] = body
         log.append(ev)
@@ -618,7 +624,7 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
                            "placed_on": placed[t][0] if t in placed else None, "events": list(story[t])}
                           for t in running_twice[:10]]
     started_twice = sorted({t.split(" ", 1)[0] for t in started_twice_at})
-    return {"records_replayed": records, "duplicate_records": duplicates, "conflicting_duplicates": conflicting,
+    return {"records_replayed": records, "duplicate_records": duplicates, "conflicting_duplicates": conflicting, "conflicting_at": conflicting_at,
             "tasks_placed_twice": twice, "tasks_started_twice": len(started_twice),
             "started_twice": started_twice_at[:10], "tasks_running_twice": len(running_twice),
             "running_twice": running_twice[:10], "running_twice_told": running_twice_told,
