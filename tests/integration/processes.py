@@ -28,6 +28,13 @@ def value(families: dict, name: str, **labels) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def timer_ticks(run_dir, program: str, worker: str) -> float | None:
+    """The rounds a worker's timers completed (``ropewalk_timer_ticks_total{worker=...}``) from the metrics of the
+    program ``program`` under ``run_dir``; None while it serves none."""
+    fams = worker_metrics(run_dir, program)
+    return value(fams, "ropewalk_timer_ticks_total", worker=worker) if fams else None
+
+
 def worker_metrics(run_dir, worker: str) -> dict[str, list]:
     """``scrape`` of the worker named ``worker`` (``ROPEWALK_WORKER_NAME``) under ``run_dir``; {} while it serves
     none (not started yet, or gone)."""

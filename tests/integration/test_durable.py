@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from processes import value, worker_metrics
+from processes import timer_ticks
 from regioncli import RegionCli
 
 from infra.config import Config
@@ -70,8 +70,7 @@ def quiet(region: RegionCli, rounds: int = QUIET_ROUNDS) -> None:
     ``rounds`` more rounds, counted by its metric: however slow the machine, the region had its chances to
     re-execute something."""
     def ticks() -> float | None:
-        fams = worker_metrics(region.run_dir, "scheduler-0")
-        return value(fams, "ropewalk_timer_ticks_total", worker=APP_ID) if fams else None
+        return timer_ticks(region.run_dir, "scheduler-0", APP_ID)
 
     region.wait_for(lambda: ticks() is not None, "the scheduler serves its metrics")
     first = ticks()
@@ -79,7 +78,7 @@ def quiet(region: RegionCli, rounds: int = QUIET_ROUNDS) -> None:
 
 
 def health_ticks(region: RegionCli) -> float:
-    return value(worker_metrics(region.run_dir, "health"), "ropewalk_timer_ticks_total", worker="health")
+    return timer_ticks(region.run_dir, "health", "health") or 0.0
 
 
 def power_loss(region: RegionCli) -> int:

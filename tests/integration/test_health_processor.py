@@ -17,7 +17,7 @@ from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
 from streams.topics import Topics
-from processes import start, stop, value, wait_ready, worker_metrics
+from processes import start, stop, timer_ticks, value, wait_ready, worker_metrics
 
 
 WORKER = "health"  # the worker name it serves its metrics under (its timer's ticks among them)
@@ -92,7 +92,7 @@ class Follow:
 
 def ticks(run_dir) -> float:
     """The health check's timer rounds completed (their verdicts flushed), from its metrics."""
-    return value(worker_metrics(run_dir, WORKER), "ropewalk_timer_ticks_total", worker=hd.PRODUCER)
+    return timer_ticks(run_dir, WORKER, hd.PRODUCER) or 0.0
 
 
 def ticked(run_dir, n: int, timeout_s: float = 60.0) -> None:
