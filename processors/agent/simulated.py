@@ -231,6 +231,7 @@ class SimulatedAgents(LoopWorker):
             return
         state = self.states.get(machine_id) or d.initial_state(
             machine_id, incarnation=self.incarnations.get(machine_id, self.incarnation))
+        state = self._spawned_first(state, inp, now)
         state, events, actions = d.decide(state, inp, now)
         self._outbox += events
         for act in actions:
@@ -245,6 +246,27 @@ class SimulatedAgents(LoopWorker):
         else:
             self.states.pop(machine_id, None)
         self._dirty = True
+
+    def _spawned_first(self, state: d.AgentState, inp: d.Input, now: int) -> d.AgentState:
+        """A command, an ``Unplaced`` or an ``Orphaned`` for a task whose simulated start is still under way finds
+        it started: its start ends first (RUNNING reported). Else what the agent reports would hang on how the
+        start's delay and the input's arrival interleave (STOPPED after STARTING, or after RUNNING), and a process
+        restarted from a state file older than its reports would report the same transition, under the same
+        event id, with another ``previous_state`` (the kill storm's conflicting duplicate)."""
+        if isinstance(inp, d.Command):
+            task_id = inp.event.payload["task_id"]
+        elif isinstance(inp, (d.Unplaced, d.Orphaned)):
+            task_id = inp.task_id
+        else:
+            return state
+        run = state.tasks.get(task_id)
+        if run is None or run.phase != d.P_SPAWNING:
+            return state
+        self._spawns = [s for s in self._spawns if s[1:] != (state.machine_id, task_id)]
+        heapq.heapify(self._spawns)
+        state, events, _ = d.decide(state, d.Spawned(task_id), now)
+        self._outbox += events
+        return state
 
     def start_delay(self) -> int:
         """START → RUNNING of one task, ms: ``start_delay_ms``, jittered if a jitter is set."""

@@ -573,3 +573,32 @@ def test_the_simulated_agents_save_their_state_only_once_what_they_sent_is_deliv
         assert json.loads(state_file.read_text())["offsets"] != json.loads(saved)["offsets"]  # delivered: written
     finally:
         sim.close()
+
+
+@pytest.mark.parametrize("killer", ["STOP", "RESTART", "unplaced"])
+def test_what_the_simulated_agents_report_does_not_hang_on_when_a_start_ends(cfg, registry, killer):
+    """A stop (or a restart, or the allocations log taking the task away) that comes while a task's simulated start
+    is under way, and one that comes after it ended, are reported alike. The kill storm found one event id with two
+    contents: a process restarted from a state file older than its reports re-read a STOP before its task's start
+    ended, where the process before it had read it after (STOPPED after STARTING, then after RUNNING)."""
+    from processors.agent import decide as d
+    from processors.agent.simulated import SimulatedAgents
+
+    start = command("j1/0", "START", "sim-0", ["sleep", "1"])
+    second = d.Unplaced("j1/0") if killer == "unplaced" else d.Command(command("j1/0", killer, "sim-0", ["sleep", "1"]))
+
+    def reports(start_ended_first: bool) -> dict[str, dict]:
+        sim = SimulatedAgents(cfg, ["sim-0"], registry=registry, start_delay_ms=1_000)
+        try:
+            sim.feed("sim-0", d.Command(start), 0)
+            if start_ended_first:
+                assert sim.due_spawns(1_000) == 1
+            sim.feed("sim-0", second, 1_500 if start_ended_first else 500)
+            sim.due_spawns(10_000)  # what is still to start (a restart's new run) starts
+            return {ev.event_id: ev.payload for ev in sim._outbox}
+        finally:
+            sim.close()
+
+    late, early = reports(True), reports(False)
+    assert early == late
+    assert [p["state"] for p in late.values()][:2] == ["STARTING", "RUNNING"]
