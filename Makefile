@@ -8,7 +8,7 @@ test:
 	bash infra/bootstrap.sh --for-tests
 	.venv/bin/ruff check .  # the rules in pyproject.toml ([tool.ruff])
 	.venv/bin/mypy  # the pure decision modules ([tool.mypy] in pyproject.toml)
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile  # two workers, each with its own broker and Redis
+	.venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder  # 3 workers, each with its own broker and Redis; files in tests/conftest.py's order
 
 test-long:  # the long runs CI leaves out (pytest -m long): each has a brief version in `make test`
 	bash infra/bootstrap.sh --for-tests

@@ -59,6 +59,7 @@ if __package__ in (None, ""):  # run as a script: bench/killstorm.py
 
 VICTIMS = ("allocator-0", "scheduler-0", "health", "resourcebroker", "agents", "agent-local", "redis")  # 1 and 1
 PAUSED = ("scheduler", "allocator", "health", "resourcebroker", "broker")  # kinds a pause picks from: stale owners
+SEND_WAIT_S = 10.0  # a workload event not on the log by then is sent again (a leader paused: the storm goes on)
 POWER_OFF_S = 12.0  # a region-wide power loss: dark this long (longer than the health check's timeout, 10 s)
 
 
@@ -145,7 +146,7 @@ class Storm:
         for attempt in range(10):
             try:
                 self.producer.send(ev)
-                self.producer.flush(30)
+                self.producer.flush(SEND_WAIT_S)
                 return
             except DeliveryError as exc:
                 self.work.counts["sends_retried"] += 1

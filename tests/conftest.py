@@ -204,14 +204,17 @@ def make_sample():
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
-# The longest files (60-240 s each on a quiet machine), run first: `make test` hands files to its workers in
-# collection order (``--dist loadfile``), and one of these started last would leave the other workers idle for its
-# length at the end. The rest follow in their usual order.
-LONG_FIRST = ("test_killstorm.py", "test_durable.py", "test_history_region.py", "test_supervised_region.py",
-              "test_ui_browser.py", "test_trust.py", "test_operator_view.py",
-              "test_readme_examples.py", "test_bad_records.py", "test_history_bench.py", "test_bench_smoke.py",
-              "test_archive.py", "test_soak.py", "test_figure14_pipeline_cli.py", "test_health_processor.py",
-              "test_power.py", "test_rebalance_region.py")
+# The longest files (45-240 s each under `make test`), longest first: `make test` hands files to its workers in
+# collection order (``--dist loadfile --no-loadscope-reorder``: pytest-xdist's default reorders files by their
+# number of tests, which put these one-test files last, three of them side by side at the very end), and one of
+# these started last would leave the other workers idle for its length. Measured in a fresh-clone run (3 workers,
+# 2026-11-28); the rest follow in their usual order.
+LONG_FIRST = ("test_durable.py", "test_history_region.py", "test_killstorm.py", "test_trust.py", "test_ui_browser.py",
+              "test_supervised_region.py", "test_bad_records.py", "test_operator_view.py", "test_readme_examples.py",
+              "test_health_processor.py", "test_history_bench.py", "test_archive.py", "test_bench_smoke.py",
+              "test_soak.py", "test_figure14_pipeline_cli.py", "test_scaleout.py", "test_rebalance_region.py",
+              "test_agent_process.py", "test_scheduler_shard.py", "test_power.py", "test_powerloss_experiment.py",
+              "test_shadow_bench.py", "test_scheduler_recovery.py", "test_supervisor.py")
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature

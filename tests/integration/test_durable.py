@@ -34,7 +34,7 @@ from processors.scheduler.shard import APP_ID
 # logs), allocation requests, and the allocator's answers.
 DECISIONS = ("TaskCommanded", "TasksCommanded", "AllocationRequested", "TasksAllocated", "AllocationRejected",
              "TasksDeallocated")
-QUIET_ROUNDS = 5  # rounds of the scheduler's retry timer the restarted region runs before it is compared
+QUIET_ROUNDS = 3  # rounds of the scheduler's retry timer the restarted region runs before it is compared
 
 
 def job_spec(path, name: str, tasks: int) -> str:

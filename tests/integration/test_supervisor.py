@@ -109,6 +109,8 @@ def test_a_retired_program_is_stopped_for_good_and_can_come_back(run_dir):
     back = supervisor.ensure(run_dir, programs[1:2])
     assert back["stubborn"]["pid"] not in (None, stubborn) and back["stubborn"]["restarts"] == 0
     assert state(run_dir, "keeper")["pid"] == keeper
+    os.killpg(back["stubborn"]["pid"], signal.SIGKILL)  # it ignores TERM: the fixture's stop would wait its timeout
+    supervisor.retire(run_dir, ["stubborn"])  # waiting for its restart: goes at once
 
 
 STARTER = """
