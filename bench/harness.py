@@ -1,6 +1,6 @@
 """``ropewalk bench``: the whole-pipeline benchmark of issue #5, one command.
 
-    ropewalk bench [--machines N] [--schedulers N] [--allocators M] [--quick] [--json]
+    ropewalk bench [--machines N] [--schedulers N] [--allocators M] [--brokers B] [--quick] [--json]
 
 It starts an embedded broker, a private Redis and the control plane on free ports, a temporary run directory and
 a topic prefix of its own (a running ``ropewalk up`` is left alone), registers a simulated region of N machines
@@ -74,6 +74,7 @@ class Options:
     seed: int = 7
     schedulers: int = 1  # scheduler shards, each its own process (scheduler-0..N-1)
     allocators: int = 1  # allocators, each its own process (allocator-0..M-1)
+    brokers: int = 1  # nodes of the embedded Kafka cluster (3: replication factor 3, min.insync.replicas 2)
     keep: bool = False  # keep the run directory (logs) after the run
     quick: bool = False
 
@@ -106,6 +107,12 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
         if not 1 <= n <= opts.partitions:
             raise ValueError(f"{flag}: expected from 1 to {opts.partitions} (the partitions: each owns one at least), "
                              f"got {n}")
+    from infra.config import check_brokers
+
+    try:
+        check_brokers(opts.brokers)
+    except ValueError as exc:
+        raise ValueError(f"--brokers: {exc}") from None
     from streams.serde import SchemaRegistry
 
     t_start = time.monotonic()
@@ -113,13 +120,13 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
     notes: dict[str, str] = {}
     details: dict[str, Any] = {}
     doc: dict[str, Any] = {"machines": opts.machines, "cores": cores(), "partitions": opts.partitions,
-                           "schedulers": opts.schedulers, "allocators": opts.allocators}
-    with BenchEnv(partitions=opts.partitions, keep=opts.keep) as env:
+                           "schedulers": opts.schedulers, "allocators": opts.allocators, "brokers": opts.brokers}
+    with BenchEnv(partitions=opts.partitions, keep=opts.keep, brokers=opts.brokers) as env:
         say(f"infrastructure up on {env.cfg.bootstrap_servers} / {env.cfg.redis_url} (run dir {env.run_dir})")
         r = env.redis()
         redis_empty = w.redis_used_memory(r)
         say(f"registering a simulated region of {opts.machines} machines")
-        say(f"{opts.schedulers} scheduler shards, {opts.allocators} allocators")
+        say(f"{opts.schedulers} scheduler shards, {opts.allocators} allocators, {opts.brokers} broker nodes")
         region = env.start_region(opts.machines, timeout_s=max(120.0, opts.machines / 50),
                                   schedulers=opts.schedulers, allocators=opts.allocators)
         redis_region = w.redis_used_memory(r)
@@ -314,7 +321,13 @@ def _conditions(opts: Options, doc: dict, details: dict) -> dict:
             "heartbeat_interval_ms": heartbeat_interval_ms(opts.machines),
             "health_timeout_ms": health_timeout_ms(opts.machines), "record_bytes": doc.get("record_bytes"),
             "options": asdict(opts), "versions": versions, "platform": platform.platform(),
-            "broker": "embedded Apache Kafka (KRaft, one node, data on disk)", "clock": "log timestamps (CreateTime) of one machine"}
+            "broker": f"embedded Apache Kafka (KRaft, {_nodes(opts.brokers)}, data on disk)", "clock": "log timestamps (CreateTime) of one machine"}
+
+
+def _nodes(brokers: int) -> str:
+    from infra.config import embedded_replication_factor
+
+    return "one node" if brokers == 1 else f"{brokers} nodes, replication factor {embedded_replication_factor(brokers)}"
 
 
 # -- output ----------------------------------------------------------------------------------------------------------
@@ -437,6 +450,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--partitions", type=int, help="partitions of each entitlement-keyed topic (default 8)")
     ap.add_argument("--schedulers", type=int, help="scheduler shards, each its own process (default 1)")
     ap.add_argument("--allocators", type=int, help="allocators, each its own process (default 1)")
+    ap.add_argument("--brokers", type=int, help="nodes of the embedded Kafka cluster (default 1; 3: every topic "
+                    "replicated 3 times, min.insync.replicas 2, as `ropewalk up --brokers 3`)")
     ap.add_argument("--replay-events", type=int, help="log size of the audit replay (default 1,000,000)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory (worker logs) after the run")
 
@@ -444,7 +459,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run_cli(args) -> int:
     opts = options_for(args.machines, args.quick, burst_jobs=args.jobs, partitions=args.partitions,
                        replay_events=args.replay_events, keep=args.keep or None, schedulers=args.schedulers,
-                       allocators=args.allocators)
+                       allocators=args.allocators, brokers=args.brokers)
     from processors.frontend.console import Progress
 
     with sigterm_as_interrupt(), Progress(name="bench") as progress:  # each phase on stderr (console.Progress)
