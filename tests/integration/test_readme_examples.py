@@ -50,6 +50,9 @@ NOT_RUN = {
     "ropewalk bench --quick --json": "a minute; test_bench_smoke.py runs it at 300 machines",
     "ropewalk bench --machines 100000": "4-5 minutes",
     "ropewalk bench --machines 1000000 --keep": "an hour and more; BENCHMARKS.md",
+    "ropewalk bench --schedulers 2 --allocators 2 --brokers 3": "about 4 minutes of a 10,000-machine region on 3 "
+        "broker nodes (BENCHMARKS.md, 'On three broker nodes'); test_bench_smoke.py runs the harness scaled out on "
+        "one node, test_killstorm.py a region on 3 nodes, tests/unit/test_bench_options.py the flag's refusals",
     "ropewalk job submit web.yaml": "processors/api/README.md's diagram: web.yaml stands for a user's spec (the "
                                     "README's is examples/web.yaml, submitted above)",
 }
