@@ -234,12 +234,14 @@ class SimulatedAgents(LoopWorker):
         state = self._spawned_first(state, inp, now)
         state, events, actions = d.decide(state, inp, now)
         self._outbox += events
-        for act in actions:
+        while actions:  # a kill's exit may start the next spec (a RESTART, another version): its spawn is an action too
+            act, actions = actions[0], actions[1:]
             if act.kind == d.SPAWN:
                 heapq.heappush(self._spawns, (now + self.start_delay(), machine_id, act.task_id))
             elif act.kind == d.KILL:
-                state, events, _ = d.decide(state, d.Exited(act.task_id, KILLED_EXIT_CODE), now)
+                state, events, more = d.decide(state, d.Exited(act.task_id, KILLED_EXIT_CODE), now)
                 self._outbox += events
+                actions = [*actions, *more]
         state = d.forget_finished(state)
         if state.tasks:
             self.states[machine_id] = state
