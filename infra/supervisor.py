@@ -39,6 +39,12 @@ running; the next supervisor stops those orphans (only a process whose pid *and*
 recorded: never a reused pid) before it starts its programs, and ``down`` stops them by their pid files even
 with no supervisor left.
 
+**A cold start** (a power loss: every process gone, the programs file still listing the workers, since only `down`
+empties it). ``ensure`` starting the supervisor marks the workers it was not given as held (``Program.held``): the
+supervisor starts the services (the broker's nodes, redis-server) alone, and a held worker waits until `up` lists it
+again (``controlplane.up``, once the broker and Redis answer). Started with them, every worker would fail against a
+broker still starting and come back only after its backoff. `ropewalk status` shows a held worker as held.
+
 Files under the run directory::
 
     supervisor.pid / supervisor.log     the supervisor itself (a ManagedProcess: ``ensure`` starts it)
@@ -60,7 +66,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from infra.private import PRIVATE_UMASK, open_private, private_umask, write_private
@@ -84,6 +90,7 @@ START_TIMEOUT_S = 15.0  # `ensure` waits this long for every program to run
 RUNNING = "RUNNING"
 BACKOFF = "BACKOFF"  # exited; started again at ``next_start_ms``
 STOPPED = "STOPPED"  # stopped by `down` (or never started)
+HELD = "HELD"  # (status only) listed as held: a cold start's worker, waiting until `up` starts it
 EXITED = "EXITED"  # (status only) its process is gone and the supervisor has not taken note (yet, or cannot: gone)
 
 
@@ -113,13 +120,16 @@ class Program:
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)  # on top of the supervisor's own environment
     service: bool = False  # stopped after the workers (redis-server), started before them
+    held: bool = False  # listed, not started: a cold start's worker, until `up` lists it again (``ensure``)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "argv": list(self.argv), "env": dict(self.env), "service": self.service}
+        return {"name": self.name, "argv": list(self.argv), "env": dict(self.env), "service": self.service,
+                "held": self.held}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "Program":
-        return cls(d["name"], tuple(d["argv"]), dict(d.get("env") or {}), bool(d.get("service")))
+        return cls(d["name"], tuple(d["argv"]), dict(d.get("env") or {}), bool(d.get("service")),
+                   bool(d.get("held")))
 
 
 @dataclass
@@ -165,6 +175,7 @@ class Supervisor:
         self.children: dict[int, tuple[str, subprocess.Popen]] = {}  # pid -> (program, its process)
         self._stopping = False
         self._reload = True
+        self.held: set[str] = set()  # programs listed as held (``Program.held``) at the last reload
         self._previous = read_state(self.run_dir) or {}  # a former supervisor's record: its programs' start times
         self.retiring: dict[str, float] = {}  # program no longer listed -> when it is killed (monotonic) if still up
         self.owners = stop_with()  # the processes this region stops with (none: it runs until `down`)
@@ -190,8 +201,15 @@ class Supervisor:
         are (a second `up` changes nothing that runs); programs no longer in it are retired (``retire``: `up` with
         fewer scheduler shards or allocators)."""
         self._reload = False
-        listed = self.load_programs()
-        for name in [n for n in self.programs if n not in {p.name for p in listed} and n not in self.retiring]:
+        programs = self.load_programs()
+        listed = [p for p in programs if not p.held]  # a held one is neither started nor retired
+        held = {p.name for p in programs if p.held}
+        if held - self.held:
+            log.info("held until `up` lists them again (a cold start: the broker and Redis first): %s",
+                     ", ".join(sorted(held - self.held)))
+        self.held = held
+        for name in [n for n in self.programs
+                     if n not in {p.name for p in listed} and n not in held and n not in self.retiring]:
             self.retire(name)
         for prog in listed:
             if prog.name in self.programs:  # running (or retiring: listed again, it starts anew once it stopped)
@@ -415,13 +433,16 @@ def read_state(run_dir: Path) -> dict | None:
         return None
 
 
-def write_programs(run_dir: Path, programs: Sequence[Program]) -> None:
-    """Add ``programs`` to the programs file (a program of the same name is replaced), keeping its order."""
+def write_programs(run_dir: Path, programs: Sequence[Program], *, hold_others: bool = False) -> None:
+    """Add ``programs`` to the programs file (a program of the same name is replaced), keeping its order.
+    ``hold_others``: the workers listed besides them are held (``Program.held``; a cold start, ``ensure``)."""
     path = Path(run_dir) / PROGRAMS_FILE
     try:
         current = [Program.from_json(d) for d in json.loads(path.read_text())]
     except (OSError, ValueError):
         current = []
+    if hold_others:
+        current = [replace(p, held=True) if not p.service else p for p in current]
     new = {p.name: p for p in programs}
     merged = [new.pop(p.name, p) for p in current] + list(new.values())
     merged.sort(key=lambda p: not p.service)  # services first: started before the workers
@@ -440,11 +461,14 @@ def expected(run_dir: Path) -> list[str]:
 def ensure(run_dir: Path, programs: Sequence[Program], env: Mapping[str, str] | None = None,
            timeout_s: float = START_TIMEOUT_S) -> dict[str, dict]:
     """Make the supervisor run ``programs`` (besides what it runs already): write them to the programs file, start
-    the supervisor or tell the running one (SIGHUP), and wait until each has been started. Returns ``programs()``."""
+    the supervisor or tell the running one (SIGHUP), and wait until each has been started. Returns ``programs()``.
+
+    Starting the supervisor (none runs), the other workers its programs file lists are held (a cold start: the
+    module's docstring) until a later ``ensure`` names them."""
     run_dir = Path(run_dir)
-    write_programs(run_dir, programs)
     sup = process(run_dir, env)
     pid = sup.pid()
+    write_programs(run_dir, programs, hold_others=pid is None)
     if pid is None:
         sup.start()
     else:
@@ -499,8 +523,14 @@ def programs_state(run_dir: Path) -> dict[str, dict]:
     doc = read_state(run_dir) or {}
     alive = doc.get("pid") is not None and pid_alive(doc["pid"])
     out = {}
+    try:
+        held = {d["name"] for d in json.loads((run_dir / PROGRAMS_FILE).read_text()) if d.get("held")}
+    except (OSError, ValueError):
+        held = set()
     for name in expected(run_dir):
         st = dict(doc.get("programs", {}).get(name) or asdict(ProgramState()))
+        if name in held:
+            st = {**asdict(ProgramState()), "state": HELD}
         pid = st.get("pid")
         running = pid is not None and pid_alive(pid) and process_start_time(pid) == st.get("start_time")
         if st.get("state") == RUNNING and not running:

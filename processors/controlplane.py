@@ -36,6 +36,7 @@ from infra.process import ManagedProcess
 HEARTBEAT_INTERVAL_MS = 2000
 HEALTH_TIMEOUT_MS = 10000
 READY_TIMEOUT_S = 90.0
+DEFAULT_MACHINES = 200  # simulated machines of a new local region (`up --machines`)
 # Workers run N times, each named ``<kind>-<i>`` (i from 0): kind -> its module. Every other worker runs once.
 SCALED = {"allocator": "processors.allocator.processor", "scheduler": "processors.scheduler.shard"}
 DEFAULT_COUNTS = {"scheduler": 1, "allocator": 1}
@@ -112,6 +113,22 @@ def write_region(cfg: Config, machines: int, *, local: bool = True) -> Path:
     path = cfg.run_dir / "region.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+def held_machines(cfg: Config) -> int | None:
+    """The simulated machines of the region the run directory holds (its ``region.yaml`` less the local DC), or None
+    when it holds none (or one that cannot be read): what `up` without ``--machines`` runs again, so a region
+    started after `down` or a power loss is the one that ran (not one of ``DEFAULT_MACHINES``)."""
+    from processors.resourcebroker.region import RegionSpecError, load_region
+
+    path = cfg.run_dir / "region.yaml"
+    if not path.exists():
+        return None
+    try:
+        spec = load_region(path)
+    except (OSError, RegionSpecError, yaml.YAMLError):
+        return None
+    return sum(dc.machines for dc in spec.dcs if dc.name != LOCAL_DC)
 
 
 def local_dc() -> dict:

@@ -20,10 +20,12 @@ DEMO_COMMAND = ["sh", "-c", "while true; do echo \"hello from Ropewalk at $(date
 DEMO_WAIT_S = 60.0
 
 
-def _start_demo(cfg: Config, skipped) -> dict:
+def _start_demo(cfg: Config, skipped, *, create: bool = True) -> dict | None:
     """The demo of `up`: entitlement ``demo`` (1 machine of the process type) and job ``demo.hello``, one task
     filling the local machine, so it runs as an OS process under the process agent. Waits (bounded) until it
-    runs; its state is reported either way. Submitting it again (a second `up`) changes nothing."""
+    runs; its state is reported either way. Submitting it again (a second `up`) changes nothing. ``create`` False
+    (a region that ran before: `up` brings it back as it was): no demo is made, the one there is waited for; None
+    when there is none."""
     from infra.credentials import OPERATOR  # start-up (the module's docstring), as the imports below
     from processors import controlplane
     from streams import state
@@ -31,6 +33,8 @@ def _start_demo(cfg: Config, skipped) -> dict:
     registry = _registry()
     job_id = f"{DEMO_ENTITLEMENT}.{DEMO_JOB}"
     if state.current(cfg, registry, "jobs", skipped=skipped).get(job_id) is None:
+        if not create:
+            return None
         ent = new_event("EntitlementCreated", {"name": DEMO_ENTITLEMENT, "quota_machines": 1,
                                                "machine_type": controlplane.LOCAL_MACHINE_TYPE, "dc_pin": None,
                                                "host_profile": None},

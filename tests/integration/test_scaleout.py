@@ -253,11 +253,15 @@ def test_fewer_shards_then_a_shard_and_an_allocator_on_another_machine_keep_the_
     everyone = set(range(region.cfg.partitions))
     region.cli.wait_for(lambda: partitions_in(region.run_dir / "scheduler-0.log", ASSIGNED) == everyone,
                         "scheduler-0 owning every partition")
-    # an `up` without the flags keeps the counts that run; a bad count is refused before anything starts
-    again = region.cli.json("up", "--machines", "16", "--no-demo")
+    # an `up` without the flags keeps the counts that run and the machines the region holds, and makes no demo
+    # (the region was started with --no-demo); a bad count is refused before anything starts
+    again = region.cli.json("up")
     assert again and (again["schedulers"], again["allocators"]) == (1, 1) and again["retired"] == []
+    assert again["machines"] == 16 and again["machines_indexed"] == 17 and again["demo"] is None, again
     refused = region.cli("up", "--machines", "16", "--schedulers", "0")
     assert refused.returncode == 1 and "--schedulers: expected from 1 to 4" in refused.stderr, refused.stderr
+    refused = region.cli("up", "--machines", "-1")
+    assert refused.returncode == 1 and "--machines: expected 0 or more, got -1" in refused.stderr, refused.stderr
 
     # -- a shard and an allocator from another checkout and run directory join ------------------------------------
     checkout = remote_checkout(tmp_path / "checkout")

@@ -86,6 +86,28 @@ def test_the_programs_of_a_killed_supervisor_are_stopped_and_never_doubled(run_d
     assert not list(run_dir.glob("*.pid"))
 
 
+def test_after_a_power_loss_the_workers_wait_until_up_lists_them_again(run_dir):
+    """A cold start: the supervisor and every program SIGKILLed at once (the programs file still lists them: only
+    `stop` empties it). The supervisor `ensure` starts again for the services runs them alone; the workers are held
+    (shown HELD, not started, however often the supervisor is told to reload) until an ``ensure`` names them."""
+    st = supervisor.ensure(run_dir, PROGRAMS[:1] + PROGRAMS[2:])
+    pids = [supervisor.process(run_dir).pid(), st["sleeper"]["pid"], st["svc"]["pid"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not any(pid_alive(p) for p in pids), "the supervisor and its programs gone")
+
+    back = supervisor.ensure(run_dir, PROGRAMS[2:])  # the services (the broker's nodes, redis-server) first
+    assert back["svc"]["running"] and back["sleeper"]["state"] == supervisor.HELD and not back["sleeper"]["running"]
+    assert supervisor.expected(run_dir) == ["svc", "sleeper"]  # still listed: `up` keeps the region's counts
+    supervisor.ensure(run_dir, PROGRAMS[2:])  # a second service's ensure (a reload): still held
+    assert state(run_dir, "sleeper")["state"] == supervisor.HELD
+    assert "held until `up` lists them again" in (run_dir / "supervisor.log").read_text()
+
+    again = supervisor.ensure(run_dir, PROGRAMS[:1])  # `up` starts the control plane
+    assert again["sleeper"]["running"] and again["sleeper"]["restarts"] == 0
+    assert again["svc"]["pid"] == back["svc"]["pid"]
+
+
 def test_a_retired_program_is_stopped_for_good_and_can_come_back(run_dir):
     """`up` with fewer shards: ``retire`` takes programs out of the programs file; the supervisor stops them (TERM, then
     KILL after its timeout: here a program that ignores TERM) and does not start them again; one waiting for its

@@ -23,10 +23,12 @@ def add_commands(sub) -> None:
     """``up``, ``down`` and ``status`` under the CLI's subcommands ``sub``."""
     cmd = functools.partial(command, sub)
     sp = cmd("up", cmd_up, "start the broker and Redis (unless external ones are configured) and provision topics")
-    sp.add_argument("--machines", type=int, default=200,
-                    help="simulated machines of the local region (0: infrastructure and topics only)")
+    sp.add_argument("--machines", type=int, metavar="N",
+                    help="simulated machines of the local region (0: infrastructure and topics only; default: as "
+                         "many as the run directory's region holds, else 200)")
     sp.add_argument("--no-demo", action="store_true",
-                    help="do not create the demo entitlement and job (demo.hello on the process agent)")
+                    help="do not create the demo entitlement and job (demo.hello on the process agent); only a new "
+                         "region's `up` creates them, a later one waits for the demo if it exists")
     sp.add_argument("--brokers", type=int, default=None,
                     help="nodes of the embedded Kafka cluster: 1, or 3 and more (each topic replicated 3 times, "
                          "min.insync.replicas 2); default: the cluster the run directory holds, else 1 "
@@ -59,6 +61,8 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     from processors import controlplane
 
     cfg = _with_brokers(cfg, args.brokers)
+    held = controlplane.held_machines(cfg)  # None: a new region (the run directory holds none)
+    args.machines = _machines(held, args.machines)
     running = controlplane.running_counts(cfg)
     try:  # refused before anything starts
         controlplane.check_counts(cfg, args.schedulers if args.schedulers is not None else running["scheduler"] or 1,
@@ -88,9 +92,11 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     region = (controlplane.up(cfg, args.machines, schedulers=args.schedulers, allocators=args.allocators)
               if args.machines > 0 else {"workers": {}, "ready": True})
     cp = region["workers"]
+    demo = None
     if args.machines > 0 and region["ready"] and not args.no_demo:
-        step(f"starting the demo job {DEMO_ENTITLEMENT}.{DEMO_JOB} (at most {DEMO_WAIT_S:.0f} s)")
-    demo = _start_demo(cfg, args.skipped) if args.machines > 0 and region["ready"] and not args.no_demo else None
+        step(f"{'starting' if held is None else 'waiting for'} the demo job {DEMO_ENTITLEMENT}.{DEMO_JOB} "
+             f"(at most {DEMO_WAIT_S:.0f} s)")
+        demo = _start_demo(cfg, args.skipped, create=held is None)
     dead = [n for n, s in cp.items() if not s.get("running")]
     scrape = _scrape_targets(cfg) if cp else {}
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
@@ -137,6 +143,18 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
         raise CliError(f"control plane: only {region['machines_indexed']} of {args.machines + 1} machines reached the "
                        f"allocator's index in {controlplane.READY_TIMEOUT_S:.0f} s; see {cfg.run_dir}/allocator-0.log")
     return 0
+
+
+def _machines(held: int | None, asked: int | None) -> int:
+    """`up --machines N`; without it, ``held``: the simulated machines of the region the run directory holds (after
+    `down` or a power loss: the region that ran, not a new one of another size), else ``DEFAULT_MACHINES``."""
+    from processors import controlplane
+
+    if asked is None:
+        return controlplane.DEFAULT_MACHINES if held is None else held
+    if asked < 0:
+        raise CliError(f"--machines: expected 0 or more, got {asked}")
+    return asked
 
 
 def _with_brokers(cfg: Config, brokers: int | None) -> Config:
