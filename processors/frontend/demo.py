@@ -20,20 +20,23 @@ DEMO_COMMAND = ["sh", "-c", "while true; do echo \"hello from Ropewalk at $(date
 DEMO_WAIT_S = 60.0
 
 
-def _start_demo(cfg: Config, skipped, *, create: bool = True) -> dict | None:
+def _start_demo(cfg: Config, skipped, *, say=lambda made: None) -> dict | None:
     """The demo of `up`: entitlement ``demo`` (1 machine of the process type) and job ``demo.hello``, one task
     filling the local machine, so it runs as an OS process under the process agent. Waits (bounded) until it
-    runs; its state is reported either way. Submitting it again (a second `up`) changes nothing. ``create`` False
-    (a region that ran before: `up` brings it back as it was): no demo is made, the one there is waited for; None
-    when there is none."""
+    runs; its state is reported either way. Submitting it again (a second `up`) changes nothing. It is made only in
+    a region whose log holds no job yet (a new region, or a new log): a region in use gets no job it did not ask for
+    (one started with ``--no-demo``, brought back after a power loss); None then. ``say(made)`` before the wait:
+    whether the demo was made now."""
     from infra.credentials import OPERATOR  # start-up (the module's docstring), as the imports below
     from processors import controlplane
     from streams import state
 
     registry = _registry()
     job_id = f"{DEMO_ENTITLEMENT}.{DEMO_JOB}"
-    if state.current(cfg, registry, "jobs", skipped=skipped).get(job_id) is None:
-        if not create:
+    jobs = state.current(cfg, registry, "jobs", skipped=skipped)
+    made = jobs.get(job_id) is None
+    if made:
+        if jobs:  # a region in use, without the demo
             return None
         ent = new_event("EntitlementCreated", {"name": DEMO_ENTITLEMENT, "quota_machines": 1,
                                                "machine_type": controlplane.LOCAL_MACHINE_TYPE, "dc_pin": None,
@@ -48,6 +51,7 @@ def _start_demo(cfg: Config, skipped, *, create: bool = True) -> dict | None:
         job = new_event("JobSubmitted", {**payload, "spec_version": 1}, entitlement=DEMO_ENTITLEMENT,
                         entity_id=job_id, producer="cli", principal=OPERATOR)
         _send(cfg, registry, [ent, job])
+    say(made)
     deadline = time.monotonic() + DEMO_WAIT_S
     view = None
     while time.monotonic() < deadline:

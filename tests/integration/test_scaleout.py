@@ -253,8 +253,12 @@ def test_fewer_shards_then_a_shard_and_an_allocator_on_another_machine_keep_the_
     everyone = set(range(region.cfg.partitions))
     region.cli.wait_for(lambda: partitions_in(region.run_dir / "scheduler-0.log", ASSIGNED) == everyone,
                         "scheduler-0 owning every partition")
-    # an `up` without the flags keeps the counts that run and the machines the region holds, and makes no demo
-    # (the region was started with --no-demo); a bad count is refused before anything starts
+    # an `up` without the flags keeps the counts that run and the machines the region holds, and makes no demo in
+    # a region in use that has none (started with --no-demo; its jobs: the first test's, or this one, run alone);
+    # a bad count is refused before anything starts
+    if not region.jobs:
+        job = region.submit(ENTITLEMENTS[0])
+        region.cli.wait_for(lambda: region.cli.status(job), f"{job} in the log's state")
     again = region.cli.json("up")
     assert again and (again["schedulers"], again["allocators"]) == (1, 1) and again["retired"] == []
     assert again["machines"] == 16 and again["machines_indexed"] == 17 and again["demo"] is None, again

@@ -27,8 +27,8 @@ def add_commands(sub) -> None:
                     help="simulated machines of the local region (0: infrastructure and topics only; default: as "
                          "many as the run directory's region holds, else 200)")
     sp.add_argument("--no-demo", action="store_true",
-                    help="do not create the demo entitlement and job (demo.hello on the process agent); only a new "
-                         "region's `up` creates them, a later one waits for the demo if it exists")
+                    help="do not create the demo entitlement and job (demo.hello on the process agent); they are made "
+                         "only in a region whose log holds no job yet, and waited for where they are")
     sp.add_argument("--brokers", type=int, default=None,
                     help="nodes of the embedded Kafka cluster: 1, or 3 and more (each topic replicated 3 times, "
                          "min.insync.replicas 2); default: the cluster the run directory holds, else 1 "
@@ -61,8 +61,7 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     from processors import controlplane
 
     cfg = _with_brokers(cfg, args.brokers)
-    held = controlplane.held_machines(cfg)  # None: a new region (the run directory holds none)
-    args.machines = _machines(held, args.machines)
+    args.machines = _machines(controlplane.held_machines(cfg), args.machines)
     running = controlplane.running_counts(cfg)
     try:  # refused before anything starts
         controlplane.check_counts(cfg, args.schedulers if args.schedulers is not None else running["scheduler"] or 1,
@@ -94,9 +93,9 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     cp = region["workers"]
     demo = None
     if args.machines > 0 and region["ready"] and not args.no_demo:
-        step(f"{'starting' if held is None else 'waiting for'} the demo job {DEMO_ENTITLEMENT}.{DEMO_JOB} "
-             f"(at most {DEMO_WAIT_S:.0f} s)")
-        demo = _start_demo(cfg, args.skipped, create=held is None)
+        demo = _start_demo(cfg, args.skipped,
+                           say=lambda made: step(f"{'starting' if made else 'waiting for'} the demo job "
+                                                 f"{DEMO_ENTITLEMENT}.{DEMO_JOB} (at most {DEMO_WAIT_S:.0f} s)"))
     dead = [n for n, s in cp.items() if not s.get("running")]
     scrape = _scrape_targets(cfg) if cp else {}
     doc = {"broker": st["broker"], "redis": st["redis"], "topics_created": prov["created"],
@@ -249,7 +248,9 @@ def cmd_status(cfg: Config, args) -> int:
     _print(doc, args.json, "\n".join(lines))
     down = [n for n, w in programs.items() if not w["running"]] + ([supervisor.NAME] if programs and not sup_pid else [])
     if down and not args.json:
-        print(f"ropewalk: not running: {', '.join(down)}", file=sys.stderr)
+        held = [n for n, w in programs.items() if w["state"] == supervisor.HELD]
+        print(f"ropewalk: not running: {', '.join(down)}"
+              + ("; held since a cold start: `ropewalk up` starts them" if held else ""), file=sys.stderr)
     return 0 if all(s["ready"] for s in st.values()) and not down else 1
 
 
