@@ -16,7 +16,7 @@ real Redis needs no code change.
 | ROPEWALK_PARTITIONS         | 8                                    | partitions of every entitlement-keyed topic |
 | ROPEWALK_TOPIC_PREFIX       | ""                                   | prefix of every topic name (isolates tests, or several regions on one cluster) |
 | ROPEWALK_MAX_TASKS_PER_JOB  | 25000                                | the most tasks a job may have: `job submit` refuses more, the scheduler rejects more with a reason (Twine's largest jobs have ~15K tasks) |
-| ROPEWALK_JOB_GC_S           | 3600                                 | how long a job stopped and gone (or a refused submission) stays in the scheduler's state and `state.jobs` before it leaves them (`job status` shows it until then; processors/scheduler/README.md "Stopped jobs leave") |
+| ROPEWALK_JOB_GC_S           | 3600                                 | how long a job stopped and gone (or a refused submission) stays in the scheduler's state, `state.jobs` and the Job Control Plane's state before it leaves them (`job status` shows it until then; processors/scheduler/README.md "Stopped jobs leave") |
 | ROPEWALK_SECRETS_DIR        | $ROPEWALK_RUN_DIR/secrets            | credentials of the principals (Kafka SASL, Redis users), the API's users file and the admin token (infra/credentials.py) |
 | ROPEWALK_API_PORT           | 19080                                | port of the HTTP API `up` starts (processors/api) |
 | ROPEWALK_API_URL            | http://127.0.0.1:$ROPEWALK_API_PORT  | where the CLI finds the API |
@@ -56,6 +56,7 @@ DEFAULT_MAX_TASKS_PER_JOB = 25_000
 # garbage collection: a user still sees a recently stopped job). Far above the producer's delivery timeout and the
 # allocator's journal (DONE_TTL_S, an hour): processors/scheduler/README.md, "Stopped jobs leave".
 DEFAULT_JOB_GC_S = 3600
+DEFAULT_JOB_GC_MS = DEFAULT_JOB_GC_S * 1000  # the same, as the decisions take it (log times in ms)
 ENDPOINT_VARS = ("ROPEWALK_BOOTSTRAP_SERVERS", "ROPEWALK_REDIS_URL", "ROPEWALK_BROKER_PORT", "ROPEWALK_REDIS_PORT",
                  "ROPEWALK_CONTROLLER_PORT", "ROPEWALK_BROKERS", "ROPEWALK_REPLICATION_FACTOR", "ROPEWALK_PARTITIONS", "ROPEWALK_TOPIC_PREFIX", "ROPEWALK_SECRETS_DIR",
                  "ROPEWALK_API_PORT", "ROPEWALK_API_URL")

@@ -7,7 +7,8 @@ JobSpecReconciled and IntentRefused it decides goes back on ``intents``, keyed b
 scheduler shard of that entitlement reads it after the intents that caused it. Its decisions are a function of
 the log alone: at a restart the fold re-decides everything without producing it, and produces only the decisions
 whose events are not on the log (a crash between deciding and producing); the ids derive from the inputs', so a
-reader that got one twice drops it.
+reader that got one twice drops it. A stopped job leaves its state after ``ROPEWALK_JOB_GC_S`` (``decide.collect``,
+run as the log's time passes a tenth of that grace; no decision depends on when).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 
 from infra.credentials import JOBCONTROL
 from processors.follower import Follower, main_of
-from processors.jobcontrol.decide import CONSUMED, PRODUCER, JcpState, decide
+from processors.jobcontrol.decide import CONSUMED, PRODUCER, JcpState, collect, decide
 from streams.clients import Record
 from streams.events import Event
 
@@ -29,6 +30,8 @@ class JobControlPlane(Follower):
     def __init__(self, cfg, **kw):
         super().__init__(cfg, **kw)
         self.state = JcpState()
+        self.gc_ms = int(self.cfg.job_gc_s * 1000)  # a stopped job's grace
+        self._collected_at = 0  # the log time of the last ``collect``
         self._pending: dict[str, Event] = {}  # catching up: decided, not (yet) seen on the log
         self._on_log: set[str] = set()  # catching up: its own events seen on the log
 
@@ -42,11 +45,15 @@ class JobControlPlane(Follower):
                     self._pending.pop(ev.event_id, None)
                 continue
             self.state, emitted = decide(self.state, ev, (self.logical(r), r.partition, r.offset),
-                                         max_tasks=self.cfg.max_tasks_per_job)
+                                         max_tasks=self.cfg.max_tasks_per_job, gc_ms=self.gc_ms)
             if live:
                 out += emitted
             else:
                 self._pending.update((e.event_id, e) for e in emitted if e.event_id not in self._on_log)
+        now = max((r.event.timestamp_ms for r in records), default=0)
+        if now - self._collected_at >= self.gc_ms // 10:  # a scan of the jobs held, now and then
+            self.state, _ = collect(self.state, now, self.gc_ms)
+            self._collected_at = now
         return out
 
     def caught_up(self) -> list[Event]:

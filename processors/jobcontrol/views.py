@@ -12,7 +12,8 @@ def fold_intents(cfg, registry, *, skipped=None) -> jd.JcpState:
 
     return fold_log(cfg, registry, ("intents",), "jobcontrol-view", jd.CONSUMED,
                     lambda st, r: jd.decide(st, r.event, ("intents", r.partition, r.offset),
-                                            max_tasks=cfg.max_tasks_per_job)[0], jd.JcpState(), skipped=skipped)
+                                            max_tasks=cfg.max_tasks_per_job, gc_ms=int(cfg.job_gc_s * 1000))[0],
+                    jd.JcpState(), skipped=skipped)
 
 
 def history(cfg, registry, job: str, *, skipped=None) -> list[dict]:

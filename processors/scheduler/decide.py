@@ -71,7 +71,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from infra.config import DEFAULT_JOB_GC_S, DEFAULT_MAX_TASKS_PER_JOB
+from infra.config import DEFAULT_JOB_GC_MS, DEFAULT_MAX_TASKS_PER_JOB
 from processors import rules
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.allocator.placement import ENTITLEMENT_FIELDS, Entitlement
@@ -107,7 +107,6 @@ from streams.events import Event
 UP, UNHEALTHY, DOWN = MachineStatus.UP, MachineStatus.UNHEALTHY, MachineStatus.DOWN
 MAINTENANCE = MachineStatus.MAINTENANCE
 KIND_FAILURE = UnavailabilityKind.FAILURE
-DEFAULT_JOB_GC_MS = int(DEFAULT_JOB_GC_S * 1000)  # a stopped job's grace (``collect``; ROPEWALK_JOB_GC_S)
 REASK_MS = 30_000  # the timer asks a job's TaskController again after this long without an answer or progress
 
 KIND_POWER = UnavailabilityKind.POWER  # UnavailabilityKind: power loss of a fault domain, unavailable now like a failure

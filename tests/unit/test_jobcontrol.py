@@ -5,6 +5,8 @@ Every input goes through ``Jcp.feed``, which also checks: the same input on the 
 (ids included); delivering it again changes nothing and emits nothing (an intent refused for a job the JCP does not
 know is refused again under the same id); every emitted event encodes with the real schemas.
 """
+import dataclasses
+
 import pytest
 
 from processors.jobcontrol import decide as jd
@@ -20,16 +22,19 @@ V1, V2, V3 = ["serve", "--v1"], ["serve", "--v2"], ["serve", "--canary"]
 
 
 class Jcp:
-    def __init__(self):
+    def __init__(self, gc_ms=jd.DEFAULT_JOB_GC_MS):
         self.state = JcpState()
         self.offset = 0
+        self.gc_ms = gc_ms
 
     def feed(self, ev):
         self.offset += 1
         pos = ("intents", 0, self.offset)
-        new, out = decide(self.state, ev, pos)
-        assert decide(self.state, ev, pos) == (new, out), "same input, same state: same output"
-        dup_state, dup_out = decide(new, ev, pos)
+        new, out = decide(self.state, ev, pos, gc_ms=self.gc_ms)
+        assert decide(self.state, ev, pos, gc_ms=self.gc_ms) == (new, out), "same input, same state: same output"
+        collected, _ = jd.collect(self.state, ev.timestamp_ms, self.gc_ms)
+        assert decide(collected, ev, pos, gc_ms=self.gc_ms)[1] == out, "no decision depends on when collect ran"
+        dup_state, dup_out = decide(new, ev, pos, gc_ms=self.gc_ms)
         assert dup_state == new and (dup_out == [] or all(e.type == "IntentRefused" for e in out)), \
             f"{ev.type} twice must change nothing"
         for e in out:
@@ -50,7 +55,7 @@ _n = iter(range(10**9))
 
 def ev(type_, payload, producer="cli", ent=ENT):
     return new_event(type_, payload, entitlement=ent, entity_id=payload.get("job_id", ent), producer=producer,
-                     timestamp_ms=1_700_000_000_000, event_id=f"in-{type_}-{next(_n)}")
+                     timestamp_ms=T0, event_id=f"in-{type_}-{next(_n)}")
 
 
 def submitted(tasks=100, command=V1, cpu=1000):
@@ -205,6 +210,61 @@ def test_a_stopped_job_takes_no_intents_and_a_new_incarnation_counts_generations
     jcp.feed(again)
     spec = jcp.spec(jcp.feed(push(20)))
     assert spec["generation"] == 2 and spec["submission_id"] == again.event_id and spec["spec_version"] == 2
+
+
+T0 = 1_700_000_000_000  # every input's time (``ev``), unless ``at`` says otherwise
+GC = 60_000  # a stopped job's grace in the tests below
+
+
+def at(event, after_ms):
+    """``event`` at ``after_ms`` past T0."""
+    return dataclasses.replace(event, timestamp_ms=T0 + after_ms)
+
+
+def test_a_stopped_job_leaves_after_its_grace_and_its_id_starts_anew():
+    """Within the grace a stopped job is held (an intent is refused naming it stopped; a new incarnation counts its
+    generations on); once its grace passed, by the time of the event naming it, it is gone whether collected or not:
+    an intent is refused as for a job never seen, a submission is a new job (generation 1). ``Jcp.feed`` checks that
+    deciding after ``collect`` gives the same events at every step."""
+    jcp = Jcp(gc_ms=GC)
+    jcp.feed(submitted())
+    jcp.spec(jcp.feed(push(50)))
+    jcp.feed(at(ev("JobStopped", {"job_id": JOB, "reason": ""}), 1_000))
+    held = jcp.feed(at(push(60), 1_000 + GC - 1))
+    assert refused(held) == [("PushIntentDeclared", jd.REASON_UNKNOWN_JOB)] and "(stopped)" in held[0].payload["message"]
+    assert jd.collect(jcp.state, T0 + 1_000 + GC - 1, GC)[1] == []  # not yet
+    gone = jcp.feed(at(push(60), 1_000 + GC))
+    assert refused(gone) == [("PushIntentDeclared", jd.REASON_UNKNOWN_JOB)] and "(stopped)" not in gone[0].payload["message"]
+    state, ids = jd.collect(jcp.state, T0 + 1_000 + GC, GC)
+    assert ids == [JOB] and JOB not in state.jobs
+    assert jd.collect(state, T0 + 10 * GC, GC) == (state, [])
+    jcp.feed(at(submitted(), 2 * GC))
+    spec = jcp.spec(jcp.feed(at(push(20), 2 * GC)))
+    assert spec["generation"] == 1 and spec["spec_version"] == 2  # a new job: its own count
+
+
+@pytest.mark.parametrize("live, ended_after_ms, now_after_ms, gone", [
+    (True, None, 10 * GC, False),  # running: never
+    (False, 0, GC - 1, False),  # stopped, within its grace
+    (False, 0, GC, True),  # its grace passed
+    (False, None, 10 * GC, False),  # not live, no end: a refused incarnation the JCP never took (kept as it was)
+])
+def test_which_jobs_collect_takes(live, ended_after_ms, now_after_ms, gone):
+    job = jd.JobIntents(job_id=JOB, entitlement=ENT, live=live,
+                        ended_ms=None if ended_after_ms is None else T0 + ended_after_ms)
+    state = JcpState(jobs=JcpState().jobs.updated({JOB: job}))
+    assert jd.is_expired(job, T0 + now_after_ms, GC) is gone
+    assert jd.collect(state, T0 + now_after_ms, GC)[1] == ([JOB] if gone else [])
+
+
+def test_a_refused_submission_ends_its_job_for_the_grace():
+    jcp = Jcp(gc_ms=GC)
+    sub = submitted()
+    jcp.feed(sub)
+    jcp.feed(at(ev("IntentRefused", {"intent_type": "JobSubmitted", "intent_event_id": sub.event_id, "job_id": JOB,
+                                     "reason": "unknown_entitlement", "message": ""}, producer="scheduler"), 500))
+    assert jcp.state.jobs[JOB].ended_ms == T0 + 500 and not jcp.state.jobs[JOB].live
+    assert jd.collect(jcp.state, T0 + 500 + GC, GC)[1] == [JOB]
 
 
 def test_a_submission_the_scheduler_refused_is_no_incarnation():
