@@ -6,6 +6,8 @@ the wall), so a day compressed into a minute decides as the day would.
 **Inputs.** A person's autoscaling policy for a job (a SizingIntentDeclared from a person with ``autoscale``: min,
 max, the load one task serves), the job's reconciled size (JobSpecReconciled.tasks, the Job Control Plane's), the
 SRM's own past decisions (its SizingIntentDeclared, read back: facts), a JobStopped, and the job's load samples.
+A stopped job keeps only its learned load by time of day (for its next incarnation); one that never reported load
+leaves the state at its stop (before, every job ever stopped stayed: issue #29).
 
 **Forecast** (``forecast``): "historical data and real-time measurements" (§2.7):
 
@@ -204,17 +206,26 @@ def _stale_echo(job: JobScaling, p: Mapping[str, Any]) -> bool:
     return job.decided is not None and bool(srm) and srm[0].get("intent_event_id") != job.decided
 
 
+def _on_stopped(state: SrmState, ev: Event) -> SrmState:
+    """A stopped job keeps only its learned load by time of day, for its next incarnation; one that learned nothing
+    leaves (its next incarnation starts as a new job would, either way)."""
+    job = state.jobs.get(ev.payload["job_id"])
+    if job is None or all(h is None for h in job.history):
+        return SrmState(jobs=state.jobs.without([ev.payload["job_id"]]))
+    return SrmState(jobs=state.jobs.updated({job.job_id: JobScaling(job.job_id, ev.entitlement, history=job.history)}))
+
+
 def decide(state: SrmState, ev: Event, *, live: bool = True, tuning: Tuning = Tuning()
            ) -> tuple[SrmState, list[Event]]:
     """Fold one event; with ``live``, decide on a load sample (a catching-up worker folds without deciding)."""
     if ev.type not in CONSUMED:
         return state, []
+    if ev.type == "JobStopped":
+        return _on_stopped(state, ev), []
     p = ev.payload
     job = state.jobs.get(p["job_id"]) or JobScaling(p["job_id"], ev.entitlement)
     out: list[Event] = []
-    if ev.type == "JobStopped":
-        job = JobScaling(p["job_id"], ev.entitlement, history=job.history)
-    elif ev.type == "JobSpecReconciled":
+    if ev.type == "JobSpecReconciled":
         if not _stale_echo(job, p):
             job = dataclasses.replace(job, current=p["tasks"])
     elif ev.type == "SizingIntentDeclared":

@@ -1,5 +1,7 @@
 """The autoscaler's pure decisions (processors/srm/decide.py) and the load trace the simulated agents emit
 (processors/agent/load.py): the forecast, the rules of its table one by one, and a whole compressed day."""
+import dataclasses
+
 import pytest
 
 from processors.agent.load import DailyTrace, LoadSpecError, TraceClock, parse_job_load
@@ -112,6 +114,20 @@ def test_no_policy_no_decision_and_a_stopped_job_starts_over():
         assert s.feed(sample(m * MIN, 300)) == []
     s.feed(ev("JobStopped", {"reason": ""}))
     assert s.job.policy is None and s.job.samples == 0
+    assert any(h is not None for h in s.job.history)  # its day's shape kept, for its next incarnation
+
+
+def test_a_stopped_job_that_learned_nothing_leaves_the_state():
+    """Issue #29: the SRM kept every job it ever saw stop. One that never reported load leaves at its stop; its next
+    incarnation starts as a job never seen would (the same decisions: nothing of it was kept either way)."""
+    s = Srm()
+    s.feed(ev("JobStopped", {"reason": ""}))
+    assert JOB not in s.state.jobs
+    s.feed(policy())
+    s.feed(reconciled(100))
+    fresh = Srm()
+    same = lambda job: dataclasses.replace(job, policy=dataclasses.replace(job.policy, event_id=""))  # noqa: E731
+    assert same(s.job) == same(fresh.job) and list(s.state.jobs) == [JOB]
 
 
 def test_a_compressed_day_goes_100_to_60_to_140_with_at_most_one_reversal_an_hour():
