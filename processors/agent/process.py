@@ -22,7 +22,12 @@
   next offset of every partition and the id of the topic they are offsets of, the heartbeat sequence — written
   atomically after every change. A restarted agent re-adopts the processes still alive (same pid *and* start
   time) instead of starting duplicates; a task whose process vanished meanwhile counts as a crash (exit code
-  unknown).
+  unknown). **What it told of that state goes with it**: every event it sent that the broker has not yet
+  confirmed (and those it could not send yet) is in the file too, and a restarted agent sends them again (the
+  same ids: a reader that got one already drops it). Before, a save came before the delivery of the reports of
+  the same step: an agent killed between the two restarted from a state that said "stopped, reported", and the
+  scheduler never heard it (the simulated agents' fix, stop 37, waits for the delivery instead; this agent saves
+  its pids before anything runs, so it cannot wait).
 * **Stopping.** On SIGTERM (``ropewalk down``) the agent stops its tasks (SIGTERM to each group, SIGKILL after
   the grace) and exits; at its next start it starts them again (``decide.Suspended``: nothing reported, the log
   still says they run). After ``KEEP_TASKS_SIGNAL`` (``ropewalk down --keep-tasks``) it leaves them running and
@@ -67,7 +72,7 @@ from infra.credentials import CredentialsError
 from infra.process import failpoint, process_start_time
 from infra.trust import machine_signer
 from streams.deadletter import DeadLetters
-from streams.clients import EventConsumer, EventProducer
+from streams.clients import DeliveryError, EventConsumer, EventProducer
 from streams.partitionmap import MapFollower
 from streams.events import Event
 from streams.serde import SchemaRegistry
@@ -161,11 +166,12 @@ class ProcessAgent(LoopWorker):
         self.offsets: dict[tuple[str, int], int] = {}
         self.log_id: str | None = None  # the id of the `tasks` topic ``offsets`` are offsets of
         self.host = hp.HostState(machine_id, applied=self.profile_on_disk())
-        self.state, fresh = self._load()
+        self._unsent: deque[Event] = deque()  # events not yet handed to the producer, in order
+        self._in_flight: list[Event] = []  # handed to the producer, not yet confirmed on the log
+        self._reports: list[Event] = []  # this step's TaskStateChanged reports, batched into _unsent at its end
+        self.state, fresh = self._load()  # (and what the last agent had not seen delivered, in _unsent)
         self.partition_map = MapFollower.start(cfg, self.registry, name=f"agent-{machine_id}-map")
         self.producer = self._new_producer()
-        self._unsent: deque[Event] = deque()
-        self._reports: list[Event] = []  # this step's TaskStateChanged reports, batched into _unsent at its end
         self.consumer: EventConsumer | None = None
         self._catch_up = fresh  # a fresh agent applies only the latest command per task of the backlog
         self._reconcile = False  # at the end of the catch-up: stop the tasks the backlog does not command
@@ -196,6 +202,8 @@ class ProcessAgent(LoopWorker):
         state = d.AgentState(self.machine_id, incarnation=now_ms(), sequence=doc.get("sequence", 0),
                              tasks=MappingProxyType(runs))
         self.offsets = {(t, int(p)): o for t, p, o in doc.get("offsets", [])}
+        self._unsent.extend(Event.from_record(*self.registry.decode(bytes.fromhex(h))) for h in doc.get("unsent", ()))
+        self._reports.extend(Event.from_record(*self.registry.decode(bytes.fromhex(h))) for h in doc.get("reports", ()))
         self.log_id = doc.get("log_id")
         self.uids = {t: int(u) for t, u in (doc.get(iso.OWNER_UIDS_KEY) or {}).items()}
         for task_id, pr in doc.get("procs", {}).items():
@@ -208,14 +216,36 @@ class ProcessAgent(LoopWorker):
         return state, False
 
     def save(self) -> None:
+        """The state file (atomically), with every event told of it that is not yet confirmed on the log."""
+        self._settle_in_flight()
         doc = {"format": STATE_FORMAT, "machine_id": self.machine_id, "sequence": self.state.sequence,
                "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())], "log_id": self.log_id,
                "tasks": [d.run_to_json(r) for r in self.state.tasks.values()],
                "procs": {t: {"pid": p.pid, "start_time": p.start_time, "kill_deadline_ms": p.kill_deadline_ms}
                          for t, p in self.procs.items()},
                "gate": self.judge.to_json(), "host": hp.to_json(self.host),
-               iso.OWNER_UIDS_KEY: dict(sorted(self.uids.items())), "sandbox": self.isolation.sandbox}
+               iso.OWNER_UIDS_KEY: dict(sorted(self.uids.items())), "sandbox": self.isolation.sandbox,
+               "unsent": [self._encoded(e) for e in (*self._in_flight, *self._unsent)],
+               "reports": [self._encoded(e) for e in self._reports]}
         write_private(self.state_path, json.dumps(doc, indent=1, sort_keys=True))
+
+    def _encoded(self, ev: Event) -> str:
+        """An event as the state file keeps it: its Avro record, in hex (as it goes on the log)."""
+        return self.registry.encode(ev.type, ev.to_record(), validate=False).hex()
+
+    def _settle_in_flight(self) -> None:
+        """Forget the events the broker confirmed; those it failed go back in front of ``_unsent``, to be sent again
+        (a failed delivery raises at the producer's next call, for any record of its batch)."""
+        if not self._in_flight:
+            return
+        try:
+            if self.producer.delivered(0):
+                self._in_flight.clear()
+        except (DeliveryError, KafkaException) as exc:  # some record of what is in flight did not make it
+            self.errors += 1
+            log.warning("agent %s: %s: sending %d events again", self.machine_id, exc, len(self._in_flight))
+            self._unsent.extendleft(reversed(self._in_flight))
+            self._in_flight.clear()
 
     # -- deciding and acting ---------------------------------------------------------------------------------
     def feed(self, inp: d.Input) -> None:
@@ -299,8 +329,11 @@ class ProcessAgent(LoopWorker):
                 log.warning("agent %s: cannot send %s: %s", self.machine_id, self._unsent[0].type, exc)
                 if isinstance(exc, KafkaException) and exc.args and exc.args[0].fatal():
                     self.producer = self._new_producer()  # e.g. the broker lost the idempotent producer's id
+                if isinstance(exc, DeliveryError):  # an earlier record did not make it: what is in flight again
+                    self._unsent.extendleft(reversed(self._in_flight))
+                    self._in_flight.clear()
                 return
-            self._unsent.popleft()
+            self._in_flight.append(self._unsent.popleft())
 
     def _new_producer(self) -> EventProducer:
         return EventProducer(self.cfg, self.registry, f"agent/{self.machine_id}", route=self.partition_map,

@@ -575,6 +575,48 @@ def test_the_simulated_agents_save_their_state_only_once_what_they_sent_is_deliv
         sim.close()
 
 
+def test_the_process_agent_keeps_what_it_told_until_the_broker_has_it(cfg, registry, tmp_path):
+    """The process agent saves its state at every step, before the reports of that step are delivered (its pids must
+    be on disk before anything runs). Killed between the two, it restarted from a state that said "reported", and
+    nobody told the scheduler. Now the state file carries every event sent and not yet confirmed (here: a producer
+    whose broker does not answer), and the agent started from it sends them again, under the same ids."""
+    from infra.trust import write_machine_key
+    from processors.agent import decide as d
+    from processors.agent.process import ProcessAgent
+
+    machine = "m-flight"
+    write_machine_key(cfg.secrets, machine)
+    work = tmp_path / machine
+    report = d.refused_start(machine, command("j7/0", "START", machine, ["true"]), "flight_test", int(time.time() * 1000))
+    first = ProcessAgent(cfg, machine, work, registry=registry)
+    live = first.producer
+    away = EventProducer(cfg.with_(bootstrap_servers=f"127.0.0.1:{free_ports(1)[0]}"), registry, "agent-away",
+                         signer=None)
+    try:
+        first.producer = away
+        first._send(report)
+        first.flush_reports()  # batched, handed to the producer: in flight, not on the log
+        first.save()
+        saved = agent_state(work)
+        assert len(saved["unsent"]) == 1 and saved["reports"] == []
+    finally:
+        first.producer = live
+        away._producer.purge()  # dropped, as a killed agent's buffer is
+        first.partition_map.close()
+        live.flush(5)
+    second = ProcessAgent(cfg, machine, work, registry=registry)  # the agent restarted from that file
+    tasks = Reader(cfg, registry, "tasks")
+    try:
+        second.flush_reports()
+        tasks.until(lambda evs: any(e.event_id == report.event_id for e in evs), 30, "the report sent again")
+        second.save()
+        assert agent_state(work)["unsent"] == []  # delivered: no longer carried
+    finally:
+        tasks.close()
+        second.partition_map.close()
+        second.producer.flush(5)
+
+
 @pytest.mark.parametrize("killer", ["STOP", "RESTART", "unplaced"])
 def test_what_the_simulated_agents_report_does_not_hang_on_when_a_start_ends(cfg, registry, killer):
     """A stop (or a restart, or the allocations log taking the task away) that comes while a task's simulated start
