@@ -114,7 +114,8 @@ class SimulatedAgents(LoopWorker):
         self.states: dict[str, d.AgentState] = {}  # only machines with tasks
         self.failed: set[str] = set()
         self.incarnations: dict[str, int] = {}  # machines recovered from a failure: their new incarnation
-        self._spawns: list[tuple[int, str, str]] = []  # heap of (due ms, machine, task)
+        self._spawns: list[tuple[int, str, str]] = []  # heap of (due ms, machine, task); stale ones skipped
+        self._spawn_due: dict[tuple[str, str], int] = {}  # (machine, task) -> the due time of its live entry
         self.hosts: dict[str, hp.HostState] = {}  # machines whose host profile is not the default, or switching
         self._switches: list[tuple[int, str, str]] = []  # heap of (due ms, machine, request id)
         self.profile_switch_scale = (float(os.environ.get("ROPEWALK_PROFILE_SWITCH_SCALE", "1"))
@@ -169,6 +170,7 @@ class SimulatedAgents(LoopWorker):
                        for m, st in doc["states"].items() if m in self.known}
         self._spawns = [(due, m, t) for due, m, t in doc["spawns"] if m in self.states]
         heapq.heapify(self._spawns)
+        self._spawn_due = {(m, t): due for due, m, t in sorted(self._spawns)}
         self.hosts = {m: hp.from_json(m, h) for m, h in doc.get("hosts", {}).items() if m in self.known}
         self._switches = [(due, m, r) for due, m, r in doc.get("switches", ()) if m in self.hosts]
         heapq.heapify(self._switches)
@@ -194,7 +196,7 @@ class SimulatedAgents(LoopWorker):
                "states": {m: {"incarnation": st.incarnation, "sequence": st.sequence,
                               "tasks": [d.run_to_json(r) for r in st.tasks.values()]}
                           for m, st in self.states.items()},
-               "spawns": sorted(self._spawns),
+               "spawns": sorted(s for s in self._spawns if self._spawn_due.get(s[1:]) == s[0]),
                "hosts": {m: hp.to_json(h) for m, h in self.hosts.items()}, "switches": sorted(self._switches),
                "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
                "gate": self.judge.to_json(), "power": pw.to_json(self.power)}
@@ -237,7 +239,9 @@ class SimulatedAgents(LoopWorker):
         while actions:  # a kill's exit may start the next spec (a RESTART, another version): its spawn is an action too
             act, actions = actions[0], actions[1:]
             if act.kind == d.SPAWN:
-                heapq.heappush(self._spawns, (now + self.start_delay(), machine_id, act.task_id))
+                due = now + self.start_delay()
+                heapq.heappush(self._spawns, (due, machine_id, act.task_id))
+                self._spawn_due[(machine_id, act.task_id)] = due
             elif act.kind == d.KILL:
                 state, events, more = d.decide(state, d.Exited(act.task_id, KILLED_EXIT_CODE), now)
                 self._outbox += events
@@ -264,8 +268,7 @@ class SimulatedAgents(LoopWorker):
         run = state.tasks.get(task_id)
         if run is None or run.phase != d.P_SPAWNING:
             return state
-        self._spawns = [s for s in self._spawns if s[1:] != (state.machine_id, task_id)]
-        heapq.heapify(self._spawns)
+        self._spawn_due.pop((state.machine_id, task_id), None)  # its heap entry is stale now: skipped when due
         state, events, _ = d.decide(state, d.Spawned(task_id), now)
         self._outbox += events
         return state
@@ -403,7 +406,10 @@ class SimulatedAgents(LoopWorker):
     def due_spawns(self, now: int) -> int:
         n = 0
         while self._spawns and self._spawns[0][0] <= now:
-            _, machine_id, task_id = heapq.heappop(self._spawns)
+            due, machine_id, task_id = heapq.heappop(self._spawns)
+            if self._spawn_due.get((machine_id, task_id)) != due:
+                continue  # stale: its start ended early (``_spawned_first``), or a later start replaced it
+            del self._spawn_due[(machine_id, task_id)]
             if machine_id in self.states:
                 self.feed(machine_id, d.Spawned(task_id), now)
                 n += 1
