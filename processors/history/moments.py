@@ -70,7 +70,7 @@ def fold(cfg: Config, registry: SchemaRegistry, region: Region, moment_ms: int |
             since_snapshot += 1
             if moment_ms is not None and ev.timestamp_ms > moment_ms + lookahead:
                 break
-            if write_every and (since_snapshot >= write_every or (
+            if write_every and region.read_to is not None and (since_snapshot >= write_every or (
                     since_snapshot % 500 == 0 and time.monotonic() - last >= snapshots.SNAPSHOT_WORK_S)):
                 if _snapshot(cfg, registry, region, region.read_to - lookahead, moment_ms, stats):
                     since_snapshot, last = 0, time.monotonic()
@@ -127,6 +127,8 @@ def region_at(cfg: Config, registry: SchemaRegistry, moment_ms: int, *, skipped:
             fold(cfg, registry, region, moment_ms, verify=verify, skipped=skipped, write_every=write_every,
                  stats=stats)
         except reader.LogChanged as exc:
+            if snap is None:  # (only a snapshot's positions are verified: from the beginning nothing is)
+                raise
             stats["set_aside"].append(f"{snap.path.name}: {exc}")
             snapshots.discard(snap)
             continue
@@ -142,8 +144,11 @@ def fold_log(cfg: Config, registry: SchemaRegistry, *, skipped: Skipped | None =
     """Fold the whole log from the newest snapshot to its end, writing snapshots on the way and one at the end."""
     t0 = time.monotonic()
     newest = snapshots.listing(cfg)
-    region, stats = (region_at(cfg, registry, newest[-1].cut, skipped=skipped, write_every=None) if newest
-                     else (new_region(cfg), {"snapshot": None}))
+    stats: dict[str, Any] = {"snapshot": None}
+    if newest:
+        region, stats = region_at(cfg, registry, newest[-1].cut, skipped=skipped, write_every=None)
+    else:
+        region = new_region(cfg)
     fold(cfg, registry, region, None, skipped=skipped, write_every=write_every, stats=stats)
     stats.update(applied=region.applied, seconds=round(time.monotonic() - t0, 3))
     return region, stats
@@ -186,10 +191,12 @@ def _moment(value: str, now_ms: int, record_time=None) -> int:
             raise MomentError("a position needs the log")
         return record_time(topic, int(partition), int(offset))
     try:
-        return parse_time(v)
+        ms = parse_time(v)
     except ValueError:  # the times' own error, said again with every form a moment takes
         raise MomentError(f"bad moment {value!r}: use ms since epoch, ISO-8601 (2026-11-22T10:00:00Z), now, "
                           f"now-DURATION (now-15m) or TOPIC/PARTITION@OFFSET (tasks/3@120)") from None
+    assert ms is not None  # (None only for None)
+    return ms
 
 
 def record_time(cfg: Config, registry: SchemaRegistry, topic: str, partition: int, offset: int) -> int:

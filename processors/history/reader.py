@@ -100,7 +100,7 @@ def merged(cfg: Config, registry: SchemaRegistry, start: Mapping[tuple[str, int]
     verify = dict(verify or {})
     consumer = EventConsumer(cfg, registry, names, name="history", skipped=skipped)
     try:
-        wanted = [tp for tp in consumer.partitions() if only is None or only(topics.logical(tp[0]), tp[1])]
+        wanted = [tp for tp in consumer.partitions() if only is None or only(topics.logical(tp[0]) or tp[0], tp[1])]
         marks = watermarks(cfg, wanted)
         first: dict[tuple[str, int], int] = {}
         ends: dict[tuple[str, int], int] = {}
