@@ -166,6 +166,7 @@ class ProcessAgent(LoopWorker):
         self.offsets: dict[tuple[str, int], int] = {}
         self.log_id: str | None = None  # the id of the `tasks` topic ``offsets`` are offsets of
         self.host = hp.HostState(machine_id, applied=self.profile_on_disk())
+        self.errors = 0  # broker/delivery errors survived (and events of the state file that could not be read)
         self._unsent: deque[Event] = deque()  # events not yet handed to the producer, in order
         self._in_flight: list[Event] = []  # handed to the producer, not yet confirmed on the log
         self._reports: list[Event] = []  # this step's TaskStateChanged reports, batched into _unsent at its end
@@ -179,7 +180,6 @@ class ProcessAgent(LoopWorker):
         self._backlog_profile: Event | None = None  # and the latest host profile request
         self._idle_polls = 0
         self._next_tick = 0
-        self.errors = 0  # broker/delivery errors survived
         self.log_max_bytes = int(os.environ.get(task_logs.MAX_BYTES_ENV) or task_logs.MAX_BYTES)
         self.log_keep_s = float(os.environ.get(task_logs.KEEP_ENV) or task_logs.KEEP_S)
         self._next_log_check = 0.0
@@ -202,8 +202,8 @@ class ProcessAgent(LoopWorker):
         state = d.AgentState(self.machine_id, incarnation=now_ms(), sequence=doc.get("sequence", 0),
                              tasks=MappingProxyType(runs))
         self.offsets = {(t, int(p)): o for t, p, o in doc.get("offsets", [])}
-        self._unsent.extend(Event.from_record(*self.registry.decode(bytes.fromhex(h))) for h in doc.get("unsent", ()))
-        self._reports.extend(Event.from_record(*self.registry.decode(bytes.fromhex(h))) for h in doc.get("reports", ()))
+        self._unsent.extend(self._decoded(doc.get("unsent", ())))
+        self._reports.extend(self._decoded(doc.get("reports", ())))
         self.log_id = doc.get("log_id")
         self.uids = {t: int(u) for t, u in (doc.get(iso.OWNER_UIDS_KEY) or {}).items()}
         for task_id, pr in doc.get("procs", {}).items():
@@ -228,6 +228,17 @@ class ProcessAgent(LoopWorker):
                "unsent": [self._encoded(e) for e in (*self._in_flight, *self._unsent)],
                "reports": [self._encoded(e) for e in self._reports]}
         write_private(self.state_path, json.dumps(doc, indent=1, sort_keys=True))
+
+    def _decoded(self, kept: list[str]):
+        """The events the state file kept (``_encoded``); one that cannot be read (a file of another version whose
+        schema this one does not know, or damaged) is passed over, said in the log."""
+        for h in kept:
+            try:
+                yield Event.from_record(*self.registry.decode(bytes.fromhex(h)))
+            except (ValueError, KeyError, TypeError) as exc:  # DecodeError is a ValueError
+                self.errors += 1
+                log.warning("agent %s: an event the state file kept cannot be read, not sent again: %s",
+                            self.machine_id, exc)
 
     def _encoded(self, ev: Event) -> str:
         """An event as the state file keeps it: its Avro record, in hex (as it goes on the log)."""

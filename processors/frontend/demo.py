@@ -24,8 +24,9 @@ def _start_demo(cfg: Config, skipped, *, say=lambda made: None) -> dict | None:
     """The demo of `up`: entitlement ``demo`` (1 machine of the process type) and job ``demo.hello``, one task
     filling the local machine, so it runs as an OS process under the process agent. Waits (bounded) until it
     runs; its state is reported either way. Submitting it again (a second `up`) changes nothing. It is made only in
-    a region whose log holds no job yet (a new region, or a new log): a region in use gets no job it did not ask for
-    (one started with ``--no-demo``, brought back after a power loss); None then. ``say(made)`` before the wait:
+    a region that holds no job (a new region, a new log, or one whose every job ended and left: ``state.jobs``): a
+    region in use gets no job it did not ask for (one started with ``--no-demo``, brought back after a power loss);
+    None then. ``say(made)`` before the wait:
     whether the demo was made now."""
     from infra.credentials import OPERATOR  # start-up (the module's docstring), as the imports below
     from processors import controlplane

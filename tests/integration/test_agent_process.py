@@ -598,7 +598,11 @@ def test_the_process_agent_keeps_what_it_told_until_the_broker_has_it(cfg, regis
         first.flush_reports()  # batched, handed to the producer: in flight, not on the log
         first.save()
         saved = agent_state(work)
-        assert len(saved["unsent"]) == 1 and saved["reports"] == []
+        told = [e.event_id for e in (*first._in_flight, *first._unsent)]  # in flight (or not even handed over)
+        assert len(saved["unsent"]) == len(told) == 1 and saved["reports"] == []
+        # and two entries no agent could read (a damaged file, a schema this version does not know): passed over
+        (work / "agent-state.json").write_text(json.dumps({**saved, "unsent": [*saved["unsent"], "zz",
+                                                                              "c301" + "00" * 8]}))
     finally:
         first.producer = live
         away._producer.purge()  # dropped, as a killed agent's buffer is
@@ -607,6 +611,7 @@ def test_the_process_agent_keeps_what_it_told_until_the_broker_has_it(cfg, regis
     second = ProcessAgent(cfg, machine, work, registry=registry)  # the agent restarted from that file
     tasks = Reader(cfg, registry, "tasks")
     try:
+        assert second.errors == 2 and [e.event_id for e in second._unsent] == told
         second.flush_reports()
         tasks.until(lambda evs: any(e.event_id == report.event_id for e in evs), 30, "the report sent again")
         second.save()

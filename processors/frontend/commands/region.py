@@ -28,7 +28,7 @@ def add_commands(sub) -> None:
                          "many as the run directory's region holds, else 200)")
     sp.add_argument("--no-demo", action="store_true",
                     help="do not create the demo entitlement and job (demo.hello on the process agent); they are made "
-                         "only in a region whose log holds no job yet, and waited for where they are")
+                         "only in a region that holds no job, and waited for where they are")
     sp.add_argument("--brokers", type=int, default=None,
                     help="nodes of the embedded Kafka cluster: 1, or 3 and more (each topic replicated 3 times, "
                          "min.insync.replicas 2); default: the cluster the run directory holds, else 1 "
