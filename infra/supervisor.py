@@ -452,8 +452,13 @@ def write_programs(run_dir: Path, programs: Sequence[Program], *, hold_others: b
 
 def expected(run_dir: Path) -> list[str]:
     """The programs the supervisor is to run (the programs file), in start order."""
+    return [d["name"] for d in _listed(run_dir)]
+
+
+def _listed(run_dir: Path) -> list[dict]:
+    """The programs file's entries, in start order ([] when there is none, or it cannot be read)."""
     try:
-        return [d["name"] for d in json.loads((Path(run_dir) / PROGRAMS_FILE).read_text())]
+        return json.loads((Path(run_dir) / PROGRAMS_FILE).read_text())
     except (OSError, ValueError):
         return []
 
@@ -523,13 +528,10 @@ def programs_state(run_dir: Path) -> dict[str, dict]:
     doc = read_state(run_dir) or {}
     alive = doc.get("pid") is not None and pid_alive(doc["pid"])
     out = {}
-    try:
-        held = {d["name"] for d in json.loads((run_dir / PROGRAMS_FILE).read_text()) if d.get("held")}
-    except (OSError, ValueError):
-        held = set()
-    for name in expected(run_dir):
+    for entry in _listed(run_dir):  # one read of the programs file (``ensure`` asks this every 50 ms)
+        name = entry["name"]
         st = dict(doc.get("programs", {}).get(name) or asdict(ProgramState()))
-        if name in held:
+        if entry.get("held"):
             st = {**asdict(ProgramState()), "state": HELD}
         pid = st.get("pid")
         running = pid is not None and pid_alive(pid) and process_start_time(pid) == st.get("start_time")

@@ -255,8 +255,12 @@ class ProcessAgent(LoopWorker):
         except (DeliveryError, KafkaException) as exc:  # some record of what is in flight did not make it
             self.errors += 1
             log.warning("agent %s: %s: sending %d events again", self.machine_id, exc, len(self._in_flight))
-            self._unsent.extendleft(reversed(self._in_flight))
-            self._in_flight.clear()
+            self._send_again()
+
+    def _send_again(self) -> None:
+        """What is in flight goes back in front of ``_unsent``, in order: a delivery of it failed."""
+        self._unsent.extendleft(reversed(self._in_flight))
+        self._in_flight.clear()
 
     # -- deciding and acting ---------------------------------------------------------------------------------
     def feed(self, inp: d.Input) -> None:
@@ -341,8 +345,7 @@ class ProcessAgent(LoopWorker):
                 if isinstance(exc, KafkaException) and exc.args and exc.args[0].fatal():
                     self.producer = self._new_producer()  # e.g. the broker lost the idempotent producer's id
                 if isinstance(exc, DeliveryError):  # an earlier record did not make it: what is in flight again
-                    self._unsent.extendleft(reversed(self._in_flight))
-                    self._in_flight.clear()
+                    self._send_again()
                 return
             self._in_flight.append(self._unsent.popleft())
 
