@@ -382,6 +382,15 @@ ROWS = (
 )
 
 
+def _failover_lines(doc: dict) -> list[str]:
+    hops = (doc["details"].get("failover") or {}).get("hops")
+    if not hops:
+        return []
+    return ["", "where a failover's time goes (from the log, per moved task; the agents' start delay is in the last "
+                "hop), ms:"] + [f"  {hop:24} p50 {_fmt(hops[hop]['p50_ms'])} p99 {_fmt(hops[hop]['p99_ms'])}"
+                               for hop in w.HOPS if hop in hops]
+
+
 def format_table(doc: dict) -> str:
     c = doc["conditions"]
     lines = [f"ropewalk bench: {doc['machines']:,} machines ({c['region']['dcs']} DCs, {c['region']['msbs']} MSBs, "
@@ -404,6 +413,7 @@ def format_table(doc: dict) -> str:
     for phase, st in prof.get("pipeline_stages", {}).items():
         lines.append(f"  {phase:8} scheduler p50 {_fmt(st.get('scheduler_p50_ms'))} p99 {_fmt(st.get('scheduler_p99_ms'))}"
                      f" | allocator p50 {_fmt(st.get('allocator_p50_ms'))} p99 {_fmt(st.get('allocator_p99_ms'))}")
+    lines += _failover_lines(doc)
     burst = doc["details"].get("allocation", {}).get("burst", {})
     cpu = burst.get("cpu")
     if cpu and cpu.get("ms_per_job"):

@@ -13,7 +13,9 @@ from collections import Counter, defaultdict
 from typing import Callable
 
 from infra.config import Config
-from streams.batches import SERVICE_DISCOVERY_UPDATED, TASK_STATES_CHANGED, discovery_changes, task_reports
+from streams.batches import (
+    SERVICE_DISCOVERY_UPDATED, TASK_STATES_CHANGED, TASKS_COMMANDED, discovery_changes, task_commands, task_reports,
+)
 from streams.clients import EventConsumer
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
@@ -23,6 +25,7 @@ TOPICS = ("allocations", "tasks")
 
 TASK_REPORTS = frozenset({"TaskStateChanged", TASK_STATES_CHANGED})  # one report, or an agent's batch of them
 DISCOVERY = frozenset({"ServiceDiscoveryChanged", SERVICE_DISCOVERY_UPDATED})  # one task's change, or a job's
+COMMANDS = frozenset({"TaskCommanded", TASKS_COMMANDED})  # one task's command, or a job's
 
 
 class LogObserver:
@@ -35,6 +38,11 @@ class LogObserver:
         self.done_ms: dict[str, int] = {}  # job -> log time its wanted tasks were all allocated
         self.requested_ms: dict[str, int] = {}  # job -> log time of its first AllocationRequested since expect()
         self.running: dict[str, tuple[str, int]] = {}  # task -> (machine, log time) of its latest RUNNING
+        # the hops of a task's latest move (the failover's timeline): log times of the job's latest AllocationRequested
+        # naming it, of the TasksAllocated that placed it, of the START command to that machine
+        self.asked_ms: dict[str, int] = {}
+        self.allocated_ms: dict[str, tuple[str, int]] = {}  # task -> (machine, log time)
+        self.started_ms: dict[str, tuple[str, int]] = {}  # task -> (machine, log time)
         self.discovered: dict[str, tuple[str, int]] = {}  # task -> (machine, log time) the scheduler enabled it on
         self.undiscovered_ms: dict[str, int] = {}  # task -> log time the scheduler last took it out of discovery
         self.rejected: Counter[str] = Counter()  # AllocationRejected reasons
@@ -67,10 +75,13 @@ class LogObserver:
                 for pl in p["placements"]:
                     self.placement[pl["task_id"]] = pl["machine_id"]
                     self.allocated[job].add(pl["task_id"])
+                    self.allocated_ms[pl["task_id"]] = (pl["machine_id"], ts)
                 self._check(job, ts)
             elif ev.type == "AllocationRequested":
                 if p["place_task_ids"] and p["job_id"] in self.wanted:
                     self.requested_ms.setdefault(p["job_id"], ts)
+                for t in p["place_task_ids"]:
+                    self.asked_ms[t] = ts
             elif ev.type == "TasksDeallocated":
                 for pl in p["placements"]:
                     if self.placement.get(pl["task_id"]) == pl["machine_id"]:
@@ -81,6 +92,10 @@ class LogObserver:
                 for r in task_reports(ev):
                     if r["state"] == "RUNNING":
                         self.running[r["task_id"]] = (r["machine_id"], ts)
+            elif ev.type in COMMANDS:
+                for c in task_commands(ev):
+                    if c["command"] != "STOP":
+                        self.started_ms[c["task_id"]] = (c["machine_id"], ts)
             elif ev.type in DISCOVERY:
                 for c in discovery_changes(ev):
                     if c["enabled"]:

@@ -355,13 +355,33 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
     cost = {"broker": brokerstats.per_job(req0, brokerstats.read(env.cfg), 1),
             "records": logcount.records_between(env.cfg, ends0, logcount.topic_ends(env.cfg), since_ms=fail_ts)}
     lat = [obs.running[t][1] - fail_ts for t in affected if moved(t)]
+    hops = failover_hops(obs, [t for t in affected if moved(t)], fail_ts)
     if not ok:
         notes.append(f"{len(affected) - len(lat)} of {len(affected)} affected tasks not running elsewhere within "
                      f"{timeout_s:.0f} s")
     return {"machines_failed": len(victims), "tasks_affected": len(affected), "tasks_moved": len(lat),
             "p50_ms": _ms(percentile(lat, 50)), "p99_ms": _ms(percentile(lat, 99)),
-            "all_moved_ms": _ms(max(lat) if lat and ok else None), "cpu_s": cpu["seconds"], "cost": cost,
-            "notes": notes}
+            "all_moved_ms": _ms(max(lat) if lat and ok else None), "hops": hops, "cpu_s": cpu["seconds"],
+            "cost": cost, "notes": notes}
+
+
+HOPS = ("failed -> requested", "requested -> allocated", "allocated -> commanded", "commanded -> running")
+
+
+def failover_hops(obs: LogObserver, moved: list[str], fail_ts: int) -> dict[str, dict[str, float | None]]:
+    """Where a moved task's time went, hop by hop (log times; p50/p99 over the moved tasks): the failure to its job's
+    AllocationRequested naming it (the scheduler), to the TasksAllocated placing it (the allocator), to the START on
+    its new machine (the scheduler), to its RUNNING (the agent)."""
+    spans: dict[str, list[float]] = {h: [] for h in HOPS}
+    for t in moved:
+        asked, (m, placed), (m2, started), (_, running) = (obs.asked_ms.get(t), obs.allocated_ms.get(t, ("", None)),
+                                                            obs.started_ms.get(t, ("", None)), obs.running[t])
+        if asked is None or placed is None or started is None or m2 != m:
+            continue
+        for hop, (a, b) in zip(HOPS, ((fail_ts, asked), (asked, placed), (placed, started), (started, running))):
+            spans[hop].append(b - a)
+    return {h: {"p50_ms": _ms(percentile(v, 50)), "p99_ms": _ms(percentile(v, 99)), "n": len(v)}
+            for h, v in spans.items()}
 
 
 # -- raw broker rates --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 
 from processes import phase_drawn, run_stopped_on_timeout
 
+from bench.workloads import HOPS
 from infra.process import pid_alive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,6 +95,12 @@ def test_conditions_and_consistency(bench_doc):
     fo = doc["details"]["failover"]
     assert fo["machines_failed"] == max(1, round(MACHINES * 0.01))
     assert fo["tasks_affected"] >= 1 and fo["tasks_moved"] <= fo["tasks_affected"]
+    # each moved task's time, hop by hop, from the log: every moved task was asked for, placed, started, RUNNING
+    assert list(fo["hops"]) == list(HOPS)
+    for hop in fo["hops"].values():
+        assert hop["n"] == fo["tasks_moved"], fo["hops"]
+        if hop["n"]:
+            assert 0 <= hop["p50_ms"] <= hop["p99_ms"], fo["hops"]
     rp = doc["details"]["replay"]
     assert rp["job"]["matched"] >= 1 and rp["job"]["examined"] >= rp["job"]["matched"]
     assert doc["redis_bytes_per_machine"] > 0
@@ -135,6 +142,7 @@ def test_table_shows_every_required_figure(bench_doc):
     missing = [k for k in REQUIRED if k not in ("machines", "cores") and k not in table]
     assert not missing
     assert f"{MACHINES:,} machines" in table
+    assert all(hop in table for hop in HOPS)
 
 
 @pytest.mark.timeout(240)
