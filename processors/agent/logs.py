@@ -9,6 +9,13 @@ older one) and truncates it to 0; the task's next write lands at the new end (ap
 between the copy and the truncation is lost (a few lines at most: the copy of ``max_bytes`` takes milliseconds).
 So a task's logs take at most about 2 x ``max_bytes`` on disk, and a machine's, that times the tasks it runs plus
 those stopped within ``keep_s``.
+
+**Working directories** (``process.task_dir``: what a task wrote where it ran) follow the same rule: the directory of
+a task no longer live here (no process, no restart pending, no uid leased: ``plan_dirs``'s ``live``) is deleted
+once untouched for ``keep_s`` (its mtime, or its ctime: the agent gives an ended task's directory to root, which is
+the last touch of a task that wrote nothing at its end). A task started again within ``keep_s`` on the same machine
+finds its files, as on a machine's own disk; after that it starts in an empty directory. The agent deletes it with
+``shutil.rmtree`` (on Linux by file descriptors, never following a symbolic link a task left in it).
 """
 from __future__ import annotations
 
@@ -18,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_BYTES = 16 * 1024 * 1024  # a running task's log is rotated past this (ROPEWALK_TASK_LOG_MAX_BYTES)
-KEEP_S = 24 * 3600.0  # the logs of a task that no longer runs are deleted this long after their last write
+KEEP_S = 24 * 3600.0  # the logs and working directory of a task that no longer runs are deleted this long after
+# their last change
 CHECK_S = 10.0  # how often the agent looks
 MAX_BYTES_ENV = "ROPEWALK_TASK_LOG_MAX_BYTES"
 KEEP_ENV = "ROPEWALK_TASK_LOG_KEEP_S"
@@ -34,6 +42,17 @@ class LogFile:
     name: str  # the file's name in the logs directory (``<task>.log`` or ``<task>.log.1``)
     size: int
     mtime: float
+
+
+@dataclass(frozen=True)
+class TaskDir:
+    name: str  # the directory's name under ``tasks/`` (``process.task_dir``: the task id, "/" as "_")
+    touched: float  # its last change: the later of its mtime and its ctime
+
+
+def gone_for(touched: float, now: float, keep_s: float) -> bool:
+    """Whether what a task left, last changed at ``touched``, is kept no longer."""
+    return now - touched >= keep_s
 
 
 def stem(name: str) -> str | None:
@@ -57,9 +76,41 @@ def plan(files: list[LogFile], running: set[str], now: float, *, max_bytes: int 
         if task in running:
             if f.name.endswith(SUFFIX) and not f.name.endswith(ROTATED) and f.size > max_bytes:
                 out.append((ROTATE, f.name))
-        elif now - f.mtime >= keep_s:
+        elif gone_for(f.mtime, now, keep_s):
             out.append((DELETE, f.name))
     return out
+
+
+def plan_dirs(dirs: list[TaskDir], live: set[str], now: float, *, keep_s: float = KEEP_S) -> list[str]:
+    """The names of the working directories to delete, in name order: those of tasks not ``live`` here (the names of
+    the tasks with a process, a restart pending or a uid leased), untouched for ``keep_s``."""
+    return [d.name for d in sorted(dirs, key=lambda d: d.name) if d.name not in live and gone_for(d.touched, now, keep_s)]
+
+
+def apply_dirs(tasks_dir: Path, live: set[str], now: float, *, keep_s: float = KEEP_S) -> list[str]:
+    """``plan_dirs`` on ``tasks_dir`` as it is, done (a symbolic link or a file there is left alone); returns the
+    names deleted."""
+    dirs = []
+    try:
+        entries = list(os.scandir(tasks_dir))
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        try:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        dirs.append(TaskDir(e.name, max(st.st_mtime, st.st_ctime)))
+    done = []
+    for name in plan_dirs(dirs, live, now, keep_s=keep_s):
+        try:
+            shutil.rmtree(tasks_dir / name)
+        except FileNotFoundError:
+            continue
+        done.append(name)
+    return done
 
 
 def apply(logs_dir: Path, running: set[str], now: float, *, max_bytes: int = MAX_BYTES,

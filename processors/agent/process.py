@@ -585,17 +585,29 @@ class ProcessAgent(LoopWorker):
             pass
 
     def bound_logs(self) -> None:
-        """Rotate the logs of running tasks past their size, delete those of tasks gone for long (``logs.py``)."""
+        """Rotate the logs of running tasks past their size, delete those of tasks gone for long, and their working
+        directories (``logs.py``)."""
         running = {task_log(self.work_dir, t).name[: -len(task_logs.SUFFIX)] for t in self.procs}
+        now = time.time()
         try:
-            done = task_logs.apply(self.work_dir / "logs", running, time.time(), max_bytes=self.log_max_bytes,
+            done = task_logs.apply(self.work_dir / "logs", running, now, max_bytes=self.log_max_bytes,
                                    keep_s=self.log_keep_s)
         except OSError as exc:  # a disk full or a permission: the tasks go on, the next look tries again
             log.warning("agent %s: bounding the task logs: %s", self.machine_id, exc)
-            return
+            done = []
         for action, name in done:
             log.info("agent %s: task log %s: %s", self.machine_id, name, "rotated" if action == task_logs.ROTATE
                      else f"deleted (no task of it ran for {self.log_keep_s:.0f} s)")
+        live = {task_dir(self.work_dir, t).name for t in
+                {*self.procs, *self.uids, *(t for t, run in self.state.tasks.items() if run.phase in d.LIVE)}}
+        try:
+            gone = task_logs.apply_dirs(self.work_dir / "tasks", live, now, keep_s=self.log_keep_s)
+        except OSError as exc:
+            log.warning("agent %s: deleting the working directories of tasks gone: %s", self.machine_id, exc)
+            return
+        for name in gone:
+            log.info("agent %s: task directory %s deleted (no task of it ran for %.0f s)", self.machine_id, name,
+                     self.log_keep_s)
 
     def run(self, until: float | None = None) -> None:
         gone = self.isolation.reconcile(self.uids)

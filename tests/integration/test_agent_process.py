@@ -652,3 +652,36 @@ def test_what_the_simulated_agents_report_does_not_hang_on_when_a_start_ends(cfg
     assert states[:2] == ["STARTING", "RUNNING"]
     # a restart's new run starts (the kill's exit starts it: CI's storm once left such tasks STARTING for good)
     assert states[-1] == ("RUNNING" if killer == "RESTART" else "STOPPED"), states
+
+
+def test_the_process_agent_deletes_the_working_directory_of_a_task_gone_for_long(cfg, registry, tmp_path):
+    """#29: a task's working directory was kept for ever (its logs already were not). A task that ran and exited
+    leaves its directory to the rule of its logs (``ROPEWALK_TASK_LOG_KEEP_S``, here 0); a running task's directory,
+    however old, stays."""
+    from infra.trust import write_machine_key
+    from processors.agent import decide as d
+    from processors.agent.process import ProcessAgent, task_dir
+
+    machine = "m-dirs"
+    write_machine_key(cfg.secrets, machine)
+    work = tmp_path / machine
+    agent = ProcessAgent(cfg, machine, work, registry=registry)
+    try:
+        agent.feed(d.Command(command("j8/0", "START", machine, ["sh", "-c", "echo done > out.txt"])))
+        agent.feed(d.Command(command("j8/1", "START", machine, ["sleep", "60"])))
+        deadline = time.monotonic() + 30
+        while "j8/0" in agent.procs or "j8/0" in agent.uids:  # exited, its uid (if any) handed back
+            assert time.monotonic() < deadline, agent.procs
+            agent.check_processes()
+            time.sleep(0.05)
+        ended, running = task_dir(work, "j8/0"), task_dir(work, "j8/1")
+        assert (ended / "out.txt").read_text() == "done\n" and running.is_dir()
+        agent.bound_logs()  # the default keeps them a day
+        assert ended.is_dir()
+        agent.log_keep_s = 0.0
+        agent.bound_logs()
+        assert not ended.exists() and running.is_dir()
+    finally:
+        agent.suspend_tasks()
+        agent.partition_map.close()
+        agent.producer.flush(5)
