@@ -6,8 +6,13 @@ the wall), so a day compressed into a minute decides as the day would.
 **Inputs.** A person's autoscaling policy for a job (a SizingIntentDeclared from a person with ``autoscale``: min,
 max, the load one task serves), the job's reconciled size (JobSpecReconciled.tasks, the Job Control Plane's), the
 SRM's own past decisions (its SizingIntentDeclared, read back: facts), a JobStopped, and the job's load samples.
-A stopped job keeps only its learned load by time of day (for its next incarnation); one that never reported load
-leaves the state at its stop (before, every job ever stopped stayed: issue #29).
+A stopped job keeps only its learned load by time of day (for its next incarnation) for ``Tuning.shape_keep_ms`` (a
+week) of log time after its stop; one that never reported load leaves the state at its stop (before, every job ever
+stopped stayed: issue #29). As the Job Control Plane's grace (processors/jobcontrol/decide.py), the week is judged by
+the log time of the event that names the job (``is_expired``): a shape past it is taken as gone whether or not
+``collect`` dropped it yet, so no decision depends on when ``collect`` ran, and a job's events all sit on its
+entitlement's partition, so a re-fold decides alike. A new incarnation (its reconciled spec, or a person's policy)
+keeps the shape and is live again; a late load sample of the stopped one is learned but does not make it live.
 
 **Forecast** (``forecast``): "historical data and real-time measurements" (§2.7):
 
@@ -66,6 +71,8 @@ class Tuning:
     reversal_ms: int = 3600_000  # no scale-down sooner than this after a scale-up (at most one reversal an hour)
     min_samples: int = 3
     tasks_per_machine: int = 1  # tasks of the job a machine holds (whole machines freed per task retired)
+    shape_keep_ms: int = 7 * 24 * 3600_000  # a stopped job's learned day is kept this long (log time) for its next
+    # incarnation
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,7 @@ class JobScaling:
     direction: str | None = None  # ... its direction
     reversal_at: int | None = None  # the latest change against the one before
     decided: str | None = None  # the event id of the SRM's latest decision (SizingIntentDeclared)
+    ended_ms: int | None = None  # the log time of its JobStopped, until an incarnation is live again
 
 
 @dataclass(frozen=True)
@@ -206,13 +214,41 @@ def _stale_echo(job: JobScaling, p: Mapping[str, Any]) -> bool:
     return job.decided is not None and bool(srm) and srm[0].get("intent_event_id") != job.decided
 
 
-def _on_stopped(state: SrmState, ev: Event) -> SrmState:
+def _on_stopped(state: SrmState, job: JobScaling | None, ev: Event) -> SrmState:
     """A stopped job keeps only its learned load by time of day, for its next incarnation; one that learned nothing
     leaves (its next incarnation starts as a new job would, either way)."""
-    job = state.jobs.get(ev.payload["job_id"])
     if job is None or all(h is None for h in job.history):
         return SrmState(jobs=state.jobs.without([ev.payload["job_id"]]))
-    return SrmState(jobs=state.jobs.updated({job.job_id: JobScaling(job.job_id, ev.entitlement, history=job.history)}))
+    ended = job.ended_ms if job.ended_ms is not None else ev.timestamp_ms  # (a JobStopped read twice: the first)
+    return SrmState(jobs=state.jobs.updated({job.job_id: JobScaling(job.job_id, ev.entitlement, history=job.history,
+                                                                    ended_ms=ended)}))
+
+
+def _on_intent(job: JobScaling, ev: Event) -> JobScaling:
+    """A reconciled size, a person's policy, or the SRM's own decision read back."""
+    p = ev.payload
+    if ev.type == "JobSpecReconciled":
+        if not _stale_echo(job, p):
+            job = dataclasses.replace(job, current=p["tasks"], ended_ms=None)  # (an incarnation: live again)
+    elif p.get("source") == "autoscaler" and ev.producer == PRODUCER:  # its own decision, read back
+        d = p.get("decision") or {}
+        job = _changed(job, d.get("at_ms", 0), p["tasks"], d.get("direction", UP), ev.event_id)
+    elif p.get("source") == "person":
+        policy = (Policy(p["min_tasks"], p["max_tasks"], p["load_per_task"], ev.event_id)
+                  if p.get("autoscale") else None)
+        job = dataclasses.replace(job, policy=policy, ended_ms=None)
+    return job
+
+
+def is_expired(job: JobScaling, now_ms: int, tuning: Tuning) -> bool:
+    """Whether ``job`` stopped ``shape_keep_ms`` or more before ``now_ms``: gone, whether or not ``collect`` ran."""
+    return job.ended_ms is not None and now_ms - job.ended_ms >= tuning.shape_keep_ms
+
+
+def collect(state: SrmState, now_ms: int, tuning: Tuning = Tuning()) -> tuple[SrmState, list[str]]:
+    """The state without the stopped jobs whose shape is kept no longer (``is_expired``), and their ids."""
+    gone = sorted(j for j, job in state.jobs.items() if is_expired(job, now_ms, tuning))
+    return (SrmState(jobs=state.jobs.without(gone)) if gone else state), gone
 
 
 def decide(state: SrmState, ev: Event, *, live: bool = True, tuning: Tuning = Tuning()
@@ -220,23 +256,17 @@ def decide(state: SrmState, ev: Event, *, live: bool = True, tuning: Tuning = Tu
     """Fold one event; with ``live``, decide on a load sample (a catching-up worker folds without deciding)."""
     if ev.type not in CONSUMED:
         return state, []
-    if ev.type == "JobStopped":
-        return _on_stopped(state, ev), []
     p = ev.payload
-    job = state.jobs.get(p["job_id"]) or JobScaling(p["job_id"], ev.entitlement)
+    job = state.jobs.get(p["job_id"])
+    if job is not None and is_expired(job, ev.timestamp_ms, tuning):
+        job = None  # its shape's week is over: as if ``collect`` had dropped it
+    if ev.type == "JobStopped":
+        return _on_stopped(state, job, ev), []
+    job = job or JobScaling(p["job_id"], ev.entitlement)
     out: list[Event] = []
-    if ev.type == "JobSpecReconciled":
-        if not _stale_echo(job, p):
-            job = dataclasses.replace(job, current=p["tasks"])
-    elif ev.type == "SizingIntentDeclared":
-        if p.get("source") == "autoscaler" and ev.producer == PRODUCER:  # its own decision, read back
-            d = p.get("decision") or {}
-            job = _changed(job, d.get("at_ms", 0), p["tasks"], d.get("direction", UP), ev.event_id)
-        elif p.get("source") == "person":
-            policy = (Policy(p["min_tasks"], p["max_tasks"], p["load_per_task"], ev.event_id)
-                      if p.get("autoscale") else None)
-            job = dataclasses.replace(job, policy=policy)
-    else:  # JobLoadReported
+    if ev.type != "JobLoadReported":
+        job = _on_intent(job, ev)
+    else:
         job = learn(job, p["at_ms"], p["load"], tuning)
         if job.current is None and p.get("running_tasks"):
             job = dataclasses.replace(job, current=p["running_tasks"])

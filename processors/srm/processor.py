@@ -5,7 +5,8 @@
 It folds ``intents`` (autoscaling policies, reconciled sizes, its own past decisions) and ``metrics`` (load
 samples) from their beginning without deciding, then follows both: each new load sample may make a
 SizingIntentDeclared (owner srm) on ``intents``, keyed by the job's entitlement, which the Job Control Plane
-reconciles. A decision lost in a crash is simply made again by the next sample.
+reconciles. A decision lost in a crash is simply made again by the next sample. A stopped job's learned day is
+dropped a week (``Tuning.shape_keep_ms``) of log time after its stop (``decide.collect``, now and then).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 
 from infra.credentials import SRM
 from processors.follower import Follower, main_of
-from processors.srm.decide import CONSUMED, PRODUCER, SrmState, Tuning, decide
+from processors.srm.decide import CONSUMED, PRODUCER, SrmState, Tuning, collect, decide
 from streams.clients import Record
 from streams.events import Event
 
@@ -28,6 +29,7 @@ class Autoscaler(Follower):
         super().__init__(cfg, **kw)
         self.state = SrmState()
         self.tuning = tuning
+        self._collected_at = 0  # the log time of the last ``collect``
 
     def handle(self, records: list[Record], live: bool) -> list[Event]:
         out: list[Event] = []
@@ -36,6 +38,10 @@ class Autoscaler(Follower):
             for e in emitted:  # its own decision is a fact at once (read back later, it changes nothing)
                 self.state, _ = decide(self.state, e, live=False, tuning=self.tuning)
             out += emitted
+        now = max((r.event.timestamp_ms for r in records), default=0)
+        if now - self._collected_at >= self.tuning.shape_keep_ms // 10:  # a scan of the jobs held, now and then
+            self.state, _ = collect(self.state, now, self.tuning)
+            self._collected_at = now
         return out
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from processors.agent.load import DailyTrace, LoadSpecError, TraceClock, parse_job_load
 from processors.srm import decide as srm
-from processors.srm.decide import DOWN, UP, SrmState, Tuning, decide
+from processors.srm.decide import DOWN, UP, JobScaling, SrmState, Tuning, decide
 from streams.events import new_event
 from streams.serde import SchemaRegistry
 
@@ -45,6 +45,11 @@ class Srm:
     def feed(self, e, live=True):
         new, out = decide(self.state, e, live=live, tuning=self.tuning)
         assert decide(self.state, e, live=live, tuning=self.tuning) == (new, out)
+        collected, gone = srm.collect(self.state, e.timestamp_ms, self.tuning)
+        if gone:  # no decision depends on when ``collect`` ran
+            after, out_after = decide(collected, e, live=live, tuning=self.tuning)
+            assert out_after == out and {j: v for j, v in new.jobs.items() if j not in gone or v is not
+                                         self.state.jobs.get(j)} == dict(after.jobs.items())
         for o in out:
             REG.encode(o.type, o.to_record(schema_version=1))
             assert o.producer == srm.PRODUCER and o.causation_id == e.event_id
@@ -191,3 +196,45 @@ def test_a_dry_run_of_a_job_without_samples_names_the_first_rule_that_holds():
     assert srm.dry_run(srm.JobScaling(JOB, ENT))["rule"] == "no_policy"
     s = Srm()
     assert (srm.dry_run(s.job)["rule"], srm.dry_run(s.job)["tasks"]) == ("warming_up", 100)
+
+
+DAY = 24 * 3600_000
+
+
+def at(e, ms):
+    return dataclasses.replace(e, timestamp_ms=ms)
+
+
+def test_a_stopped_jobs_learned_day_is_kept_a_week_then_gone_whether_or_not_collected():
+    """Issue #29: a stopped job that reported load kept its day's shape for ever (a job id each). Now for
+    ``shape_keep_ms`` of log time after its stop, judged by the time of the event that names it: an incarnation within
+    the week finds its shape; one after it starts as a job never seen would, and ``collect`` running before it or not
+    changes nothing."""
+    t0 = 1_700_000_000_000
+    s = Srm()
+    for m in range(5):
+        s.feed(at(sample(m * MIN, 300), t0))
+    s.feed(at(ev("JobStopped", {"reason": ""}), t0 + MIN))
+    shape = s.job.history
+    assert s.job.ended_ms == t0 + MIN and any(h is not None for h in shape)
+    s.feed(at(ev("JobStopped", {"reason": ""}), t0 + 2 * MIN))  # read twice: the week counts from the first
+    assert s.job.ended_ms == t0 + MIN
+    s.feed(at(sample(6 * MIN, 300), t0 + 3 * MIN))  # a late sample of the stopped job: learned, still stopped
+    assert s.job.ended_ms == t0 + MIN
+    week = s.tuning.shape_keep_ms
+    assert srm.collect(s.state, t0 + MIN + week - 1, s.tuning)[1] == []
+    expired = t0 + MIN + week
+    collected, gone = srm.collect(s.state, expired, s.tuning)
+    assert gone == [JOB] and JOB not in collected.jobs
+    for state in (s.state, collected):  # the next incarnation, after the week: as a job never seen
+        new, _ = decide(state, at(reconciled(100), expired), tuning=s.tuning)
+        assert new.jobs[JOB] == JobScaling(JOB, ENT, current=100)
+    s.feed(at(reconciled(100), expired))  # through the harness: collected first or not, the same
+    assert s.job == JobScaling(JOB, ENT, current=100)
+    s = Srm()
+    for m in range(5):
+        s.feed(at(sample(m * MIN, 300), t0))
+    s.feed(at(ev("JobStopped", {"reason": ""}), t0 + MIN))
+    within, _ = decide(s.state, at(reconciled(100), expired - 1), tuning=s.tuning)  # within it: the shape, live
+    assert within.jobs[JOB].history == s.job.history and within.jobs[JOB].ended_ms is None
+    assert srm.collect(within, expired + 10 * week, s.tuning)[1] == []  # a live job is never collected
