@@ -16,17 +16,33 @@ is the API's business (``processors/api/authz.py``); the CLI's direct path is th
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import Any, Iterator, Mapping
 
 from infra.config import Config
-from processors.frontend.jobspec import JobSpecError, ValidSpec, check as check_spec
+from infra.credentials import SCHEDULER
+from processors import rules
+from processors.frontend import describe as dsc
+from processors.frontend import logs
+from processors.frontend.jobspec import JobSpecError, ValidSpec, _name, check as check_spec, refuse
+from processors.frontend.verdict import VerdictWatch
 from streams.deadletter import Skipped
 from streams.events import Event, new_event
-from streams.partitionmap import REASON_CREATED, MapEntry, assignment_event, least_loaded
+from streams.partitionmap import (
+    REASON_CREATED, MapEntry, MapFollower, PartitionMap, assignment_event, least_loaded, read_map,
+)
 from streams.serde import SchemaRegistry
+from streams.topics import Topics
 from streams.validate import describe_value
+
+# The imports inside functions below are on purpose, for start-up cost: what reads or writes the log
+# (``streams.clients``, ``streams.replay``, ``streams.state``) loads confluent-kafka, ~60 ms that ``ropewalk --help``
+# and the commands that never touch the log would pay (the CLI imports this module for all of them); each of the
+# others is one command family's (time travel and what-if: ``processors.history.moments`` alone ~0.8 s, with OR-Tools;
+# the ReBalancer's and the ops planner's queries; the Resource Broker's, Job Control Plane's and SRM's folds; the group
+# and ACL admin clients). Measured 2026-11-29 with ``python -X importtime``.
 
 # Reasons (FrontendError.reason) and the HTTP status each answers with.
 UNKNOWN_JOB = "unknown_job"
@@ -107,8 +123,6 @@ class MoveWatch:
 
     def __init__(self, cfg: Config, registry, entitlement: str, partition: int, request_id: str):
         from streams.clients import EventConsumer
-        from streams.partitionmap import MapFollower
-        from streams.topics import Topics
 
         self.entitlement, self.request_id = entitlement, request_id
         self.follower = MapFollower.start(cfg, registry, name="move-watch")
@@ -164,8 +178,6 @@ class Frontend:
     def partition_map(self, fresh: bool = False):
         """The entitlement -> partition map (``streams.partitionmap.PartitionMap``): the shared follower's (caught up
         first when ``fresh``), else read from the log once per front end."""
-        from streams.partitionmap import PartitionMap, read_map
-
         if self._follower is not None:
             if fresh:
                 self._follower.catch_up(5.0)
@@ -180,9 +192,7 @@ class Frontend:
         assignment of ``intents``: ``streams.groups.owners``); None when the group could not be asked within
         ``OWNERS_TIMEOUT_S``. A new entitlement is then placed by partition alone, never refused for it."""
         from infra.acls import FAUST_APPS
-        from infra.credentials import SCHEDULER
         from streams import groups
-        from streams.topics import Topics
 
         group = groups.app_group(self.cfg, FAUST_APPS[SCHEDULER])
         try:
@@ -217,9 +227,6 @@ class Frontend:
     # -- entitlements ----------------------------------------------------------------------------------------
     def entitlement_create(self, name: Any, quota: Any, *, machine_type=None, dc=None, host_profile=None,
                            fields: Mapping[str, str] | None = None) -> dict:
-        from processors import rules
-        from processors.frontend.jobspec import _name, refuse
-
         payload = {"name": name, "quota_machines": quota, "machine_type": machine_type, "dc_pin": dc,
                    "host_profile": host_profile}
         try:
@@ -245,8 +252,6 @@ class Frontend:
         jobs running on (``EntitlementMoveRequested``; processors/scheduler/README.md, "Moving an entitlement").
         With ``wait_s``, wait that long for the map to place it there (``state``: moved, or moving when it did not
         in time), or for the scheduler's refusal."""
-        from processors.frontend.jobspec import _name
-
         try:
             name = _name(name, "name")
         except JobSpecError as exc:
@@ -271,9 +276,6 @@ class Frontend:
 
     def entitlement_update(self, name: str, changes: Mapping[str, Any]) -> dict:
         """EntitlementUpdated with the fields ``changes`` sets (quota_machines, machine_type, dc_pin, host_profile)."""
-        from processors import rules
-        from processors.frontend.jobspec import refuse
-
         payload = {k: changes.get(k) for k in ("quota_machines", "machine_type", "dc_pin", "host_profile")}
         try:
             refuse(rules.intent_problems("EntitlementUpdated", payload, name))
@@ -343,9 +345,6 @@ class Frontend:
     def job_describe(self, job: str, events: int | None = None) -> dict:
         """`job describe`: the job (a gone job's last state too), its tasks with their story, its recent events and
         its last refusals, from its events on the log (``processors/frontend/describe.py``)."""
-        import json
-
-        from processors.frontend import describe as dsc
         from streams import replay as rp
 
         view = job_view(self.job_state(job, gone_too=True))
@@ -356,8 +355,6 @@ class Frontend:
 
     def job_log_sources(self, job: str, task: str | None = None) -> list[dict]:
         """`job logs`: where each task's output is, or why it has none (``processors/frontend/logs.py``)."""
-        from processors.frontend import logs
-
         view = job_view(self.job_state(job, gone_too=True))
         try:
             return logs.sources(view, self.cfg.run_dir, task)
@@ -402,8 +399,6 @@ class Frontend:
         return {"job": job, "spec_version": version, "event_id": ev.event_id, **self._sent(ev, job, wait_s)}
 
     def job_resize(self, job: str, tasks: Any, *, wait_s: float | None = None, field: str = "tasks") -> dict:
-        from processors import rules
-
         if (problem := rules.task_count(tasks, self.cfg.max_tasks_per_job, field, low=0)) is not None:
             raise FrontendError(INVALID_REQUEST, str(problem))
         current = self.job_state(job)
@@ -420,7 +415,6 @@ class Frontend:
         if not wait_s:
             self.send([ev])
             return {"verdict": SENT}
-        from processors.frontend.verdict import VerdictWatch
 
         self.require_broker()
         with VerdictWatch(self.cfg, self.registry, ev, job,  # positioned before the intent is sent, where it goes
@@ -569,8 +563,6 @@ class Frontend:
     def intent_declare(self, job: str, dimension: str, payload: Mapping[str, Any]) -> dict:
         """One per-dimension intent for ``job`` (push, canary, size, resources), checked by the intent rules
         (``processors/rules.py``) and keyed by the job's entitlement; the Job Control Plane reconciles it."""
-        from processors import rules
-
         type_ = self.INTENT_TYPES.get(dimension)
         if type_ is None:
             raise FrontendError(INVALID_REQUEST, f"dimension: expected one of {', '.join(self.INTENT_TYPES)}, "
@@ -672,8 +664,6 @@ class Frontend:
                        lend_idle: Any = True) -> dict:
         """EntitlementElasticityChanged: whether ``entitlement`` may borrow idle machines (up to ``max_borrowed``,
         given back with ``notice_ms`` of notice) and whether its own idle quota may be lent."""
-        from processors import rules
-
         payload = {"elastic": elastic, "max_borrowed_machines": max_borrowed, "revoke_notice_ms": notice_ms,
                    "lend_idle": lend_idle}
         found = rules.intent_problems("EntitlementElasticityChanged", payload, entitlement)
