@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,7 +135,7 @@ def least_loaded(entries: Iterable[MapEntry], partitions: int, weight: int = 0,
         if 0 <= p < partitions:
             load[p] += max(e.weight, 0)
             count[p] += 1
-    candidates = range(partitions)
+    candidates: Sequence[int] = range(partitions)
     if owners is not None and all(owners.get(p) is not None for p in candidates):
         shards: dict[str, list[int]] = {}
         for p in candidates:

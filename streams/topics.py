@@ -289,7 +289,7 @@ def provision(admin, topics: Topics, timeout_s: float = 15.0, *, replication: in
                 created.append(name)
             except Exception as exc:  # noqa: BLE001 - a concurrent provision created it first: fine
                 err = exc.args[0] if exc.args else None
-                if not (hasattr(err, "code") and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
+                if not (err is not None and hasattr(err, "code") and err.code() == KafkaError.TOPIC_ALREADY_EXISTS):
                     raise TopicError(f"cannot create topic {name}: {exc}") from None
         # Served first, then listed: right after creation the metadata may not list every new topic yet (seen
         # under load: the counts of some came back missing).

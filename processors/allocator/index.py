@@ -295,8 +295,10 @@ class MachineIndex:
         """Name the index as now written whole: a new generation unless it has one (another allocator, or a rebuild,
         wrote it whole first); commits are checked against it from now on. Returns it."""
         self.r.set(self.key(GENERATION), uuid.uuid4().hex, nx=True)
-        self.generation = self.read_generation()
-        return self.generation
+        self.generation = generation = self.read_generation()
+        if generation is None:  # deleted between the two calls (a FLUSHALL): claimed by nobody
+            raise IndexLost("the index's generation was deleted while it was named")
+        return generation
 
     def lost(self, projected_marks: Mapping[tuple[str, int], int]) -> str | None:
         """Why Redis no longer holds what was projected into it (its generation is another, or none; its applied
@@ -431,7 +433,7 @@ class MachineIndex:
                 "zset": lambda k: pipe.zrange(k, 0, -1, withscores=True)}
         for k, t in zip(keys, types):
             read[t](k)
-        out = {}
+        out: dict[str, Any] = {}
         for k, t, v in zip(keys, types, pipe.execute()):
             name = k[len(self.prefix):]
             if t == "hash":

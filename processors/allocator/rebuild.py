@@ -181,13 +181,13 @@ class Rebuild:
         self.scratch = f"{SCRATCH}{uuid.uuid4().hex[:12]}:{self.prefix}"
         self.stats = RebuildStats()
         self.fold = RegionFold()
-        self._guard = None
+        self._guard: redis.client.Pipeline | None = None
         self._rename = redis_client.register_script(_LUA_RENAME)
 
     def guard(self) -> None:
         """WATCH the live keys every allocator write touches; the swap is refused if any of them changes."""
-        self._guard = self.r.pipeline(transaction=True)
-        self._guard.watch(*(self.prefix + k for k in (f"applied:{self.consumer}", "placement")))
+        self._guard = guard = self.r.pipeline(transaction=True)
+        guard.watch(*(self.prefix + k for k in (f"applied:{self.consumer}", "placement")))
 
     def read(self) -> dict[tuple[str, int], list[tuple[Event, Position]]]:
         """The allocator's source topics up to where they end now: the records the fold applies, per partition.

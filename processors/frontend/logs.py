@@ -40,7 +40,7 @@ def sources(view: Mapping[str, Any], run_dir: Path, task: str | None = None) -> 
     for t in tasks:
         machine = t["machine"]
         path = None if machine is None else task_log(default_work_dir(run_dir, machine), t["id"])
-        if machine is None:
+        if machine is None or path is None:
             why = f"not placed ({t['state']}{': ' + t['reason'] if t['reason'] else ''}): no output yet"
         elif not path.parent.parent.is_dir():
             why = (f"runs on {machine}, a simulated machine: its agent starts no process, so there is no output "
