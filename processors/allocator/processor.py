@@ -217,6 +217,7 @@ class Allocator:
         self._published_at = 0.0
         self._machines_observed_at = 0.0
         self._outbox_backlog = False  # the last round of publish_machine_states left machines in the outbox
+        self._outbox_cursor = 0  # where the drain's HSCAN of the outbox goes on from (``MachineIndex.outbox_from``)
         self._projected_at = 0.0
         self._projected_marks: dict[tuple[str, int], int] = {}
         self._committed: dict[str, int] = {}  # machine -> the version a commit of this batch wrote to Redis
@@ -573,7 +574,11 @@ class Allocator:
                 return 0  # another allocator is draining; what it misses stays for the next drain
             try:
                 total, turn = 0, 0
-                while (rounds is None or turn < rounds) and (queued := self.index.outbox(limit)):
+                queued: Mapping[str, tuple[int, str]] = {}
+                while rounds is None or turn < rounds:
+                    queued, self._outbox_cursor = self.index.outbox_from(self._outbox_cursor, limit)
+                    if not queued:
+                        break
                     turn += 1
                     states = self._states(queued)
                     ts = int(time.time() * 1000)
@@ -583,9 +588,8 @@ class Allocator:
                     gone = {mid: 2**62 for mid in queued if mid not in states}  # cleared from the index
                     self.index.outbox_done({**{mid: int(f["version"]) for mid, f in states.items()}, **gone})
                     total += len(states)
-                    if len(queued) < limit:
-                        break
-                self._outbox_backlog = bool(queued) and len(queued) >= limit
+                # more of the pass to read, or a whole round read: the next turn publishes again at once
+                self._outbox_backlog = bool(queued) and (len(queued) >= limit or self._outbox_cursor != 0)
                 return total
             finally:
                 try:
