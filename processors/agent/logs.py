@@ -81,6 +81,23 @@ def plan(files: list[LogFile], running: set[str], now: float, *, max_bytes: int 
     return out
 
 
+def _entries(directory: Path, *, directories: bool) -> list[tuple[str, os.stat_result]]:
+    """The files (or the directories) in ``directory`` with their status, symbolic links left out (none if the
+    directory is not there; an entry gone meanwhile is passed over)."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        try:
+            if (e.is_dir(follow_symlinks=False) if directories else e.is_file(follow_symlinks=False)):
+                out.append((e.name, e.stat(follow_symlinks=False)))
+        except FileNotFoundError:
+            continue
+    return out
+
+
 def plan_dirs(dirs: list[TaskDir], live: set[str], now: float, *, keep_s: float = KEEP_S) -> list[str]:
     """The names of the working directories to delete, in name order: those of tasks not ``live`` here (the names of
     the tasks with a process, a restart pending or a uid leased), untouched for ``keep_s``."""
@@ -90,19 +107,7 @@ def plan_dirs(dirs: list[TaskDir], live: set[str], now: float, *, keep_s: float 
 def apply_dirs(tasks_dir: Path, live: set[str], now: float, *, keep_s: float = KEEP_S) -> list[str]:
     """``plan_dirs`` on ``tasks_dir`` as it is, done (a symbolic link or a file there is left alone); returns the
     names deleted."""
-    dirs = []
-    try:
-        entries = list(os.scandir(tasks_dir))
-    except FileNotFoundError:
-        return []
-    for e in entries:
-        try:
-            if not e.is_dir(follow_symlinks=False):
-                continue
-            st = e.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        dirs.append(TaskDir(e.name, max(st.st_mtime, st.st_ctime)))
+    dirs = [TaskDir(name, max(st.st_mtime, st.st_ctime)) for name, st in _entries(tasks_dir, directories=True)]
     done = []
     for name in plan_dirs(dirs, live, now, keep_s=keep_s):
         try:
@@ -115,19 +120,9 @@ def apply_dirs(tasks_dir: Path, live: set[str], now: float, *, keep_s: float = K
 
 def apply(logs_dir: Path, running: set[str], now: float, *, max_bytes: int = MAX_BYTES,
           keep_s: float = KEEP_S) -> list[tuple[str, str]]:
-    """``plan`` on the directory as it is, done; returns what was done (a file gone meanwhile is passed over)."""
-    files = []
-    try:
-        entries = list(os.scandir(logs_dir))
-    except FileNotFoundError:
-        return []
-    for e in entries:
-        try:
-            st = e.stat()
-        except FileNotFoundError:
-            continue
-        if e.is_file():
-            files.append(LogFile(e.name, st.st_size, st.st_mtime))
+    """``plan`` on the directory as it is, done; returns what was done (a file gone meanwhile is passed over, a
+    symbolic link left alone)."""
+    files = [LogFile(name, st.st_size, st.st_mtime) for name, st in _entries(logs_dir, directories=False)]
     done = []
     for action, name in plan(files, running, now, max_bytes=max_bytes, keep_s=keep_s):
         path = logs_dir / name
