@@ -30,8 +30,12 @@ class ShardMetrics:
     def __init__(self) -> None:
         self.submitted_ms: dict[str, int] = {}  # job -> its JobSubmitted time, until it first runs whole
         self.pending: dict[str, Counter] = {}  # job -> its tasks not RUNNING by reason
+        # ... summed over the jobs, kept as each job's count changes: summing every job's at each published state
+        # made a burst quadratic (3.5 % of a shard's CPU in a burst of 800 jobs at 10,000 machines, 2026-11-29)
+        self.pending_total: Counter = Counter()
         self.requested_ms: dict[tuple[str, int], int] = {}  # (job, sequence) -> when its TaskControl request went
         self.awaiting: dict[str, int] = {}  # job -> operations its latest request awaits
+        self.awaiting_total = 0  # ... summed over the jobs
 
     def decided(self, ev: Event, emitted: Sequence[Event], seconds: float, now_ms: int) -> None:
         result = ("refused" if any(e.type == "IntentRefused" for e in emitted) else "events" if emitted
@@ -54,8 +58,7 @@ class ShardMetrics:
             elif out.type == "TaskControlRequested":
                 job = out.payload["job_id"]
                 self.requested_ms[(job, out.payload["sequence"])] = now_ms
-                self.awaiting[job] = len(out.payload["pending_operations"])
-                metrics.TASKCONTROL_PENDING.set(sum(self.awaiting.values()))
+                self._awaits(job, len(out.payload["pending_operations"]))
 
     def _job_state(self, ev: Event, now_ms: int) -> None:
         p = ev.payload
@@ -65,11 +68,24 @@ class ShardMetrics:
         if job in self.submitted_ms and tasks and running >= p["desired_tasks"]:
             metrics.SUBMIT_TO_RUNNING.observe(max(0.0, (now_ms - self.submitted_ms.pop(job)) / 1000))
         before = self.pending.pop(job, Counter())
+        after: Counter = Counter()
         if not p.get("deleted"):
-            self.pending[job] = Counter(t["reason"] or NO_REASON for t in tasks if t["state"] != "RUNNING")
-        for reason in set(before) | set(self.pending.get(job, ())):
-            metrics.PENDING_TASKS.labels(reason=reason).set(sum(c[reason] for c in self.pending.values()))
+            after = self.pending[job] = Counter(t["reason"] or NO_REASON for t in tasks if t["state"] != "RUNNING")
+        for reason in set(before) | set(after):
+            total = self.pending_total[reason] - before[reason] + after[reason]
+            if total:
+                self.pending_total[reason] = total
+            else:
+                del self.pending_total[reason]
+            metrics.PENDING_TASKS.labels(reason=reason).set(total)
         if p.get("deleted"):
-            self.awaiting.pop(job, None)
+            self._awaits(job, None)
             self.submitted_ms.pop(job, None)
-            metrics.TASKCONTROL_PENDING.set(sum(self.awaiting.values()))
+
+    def _awaits(self, job: str, operations: int | None) -> None:
+        """The operations ``job``'s latest TaskControl request awaits (None: the job is gone)."""
+        self.awaiting_total -= self.awaiting.pop(job, 0)
+        if operations is not None:
+            self.awaiting[job] = operations
+            self.awaiting_total += operations
+        metrics.TASKCONTROL_PENDING.set(self.awaiting_total)
