@@ -82,6 +82,7 @@ def run(machines: int, steady_s: float, keep: bool, partitions: int, say) -> dic
         doc["run_dir"] = str(env.run_dir)
         say(f"fresh start: registering {machines:,} machines")
         region = env.start_region(machines, timeout_s=max(300.0, machines / 20))
+        t_ready = time.monotonic()
         cpu_ready = env.cpu_seconds()
         doc["fresh"] = {"ready_s": round(region["seconds"], 2), "indexed_s": round(region["indexed_s"], 2),
                         "caught_up": region["caught_up"],
@@ -94,10 +95,9 @@ def run(machines: int, steady_s: float, keep: bool, partitions: int, say) -> dic
             doc["fresh"]["probe_s"] = _probe(env, registry, obs, producer, "0", 120.0)
 
             say(f"steady: heartbeats only, {steady_s:.0f} s, once the health check has read the registrations")
-            t_wait = time.monotonic()
             if not env.wait_health_caught_up(time.monotonic() + max(120.0, machines / 5000)):
                 doc["notes"]["steady"] = "the health check had not read the machines topic to its end when measured"
-            doc["fresh"]["health_caught_up_s"] = round(region["seconds"] + time.monotonic() - t_wait, 2)
+            doc["fresh"]["health_caught_up_s"] = round(region["seconds"] + time.monotonic() - t_ready, 2)
             time.sleep(min(10.0, steady_s / 4))  # the probe's tasks start; then nothing but heartbeats
             hb0, cpu0, t0 = _heartbeats_on_log(env.cfg), env.cpu_seconds(), time.monotonic()
             time.sleep(steady_s)
