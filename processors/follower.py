@@ -57,6 +57,7 @@ class Follower(LoopWorker):
         self.errors = 0
         self.produced = 0
         self._next_tick = 0.0
+        self._due_at: dict[str, int] = {}  # what ``log_time_due`` counts: the log time it last said so, by name
         self.live = False  # caught up: following, deciding
 
     # -- to override ---------------------------------------------------------------------------------------------
@@ -68,6 +69,16 @@ class Follower(LoopWorker):
 
     def caught_up(self) -> list[Event]:
         return []
+
+    def log_time_due(self, name: str, records: list[Record], every_ms: int) -> int | None:
+        """The log time of ``records`` (their latest envelope time) when ``every_ms`` or more of it passed since this
+        last said so for ``name``, else None: a chore run as the log's time passes (a fold's ``collect``), the same
+        at a catch-up as when following, whatever the wall clock says."""
+        now = max((r.event.timestamp_ms for r in records), default=0)
+        if now - self._due_at.get(name, 0) < every_ms:
+            return None
+        self._due_at[name] = now
+        return now
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def start(self) -> int:

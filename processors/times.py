@@ -2,6 +2,7 @@
 
     parse_time("10m")                   # ten minutes ago, ms since epoch; also now-10m, now, ISO-8601 or ms
     duration_ms("90s")                  # 90000; also 500ms, 15m, 2h, 1d, or bare seconds
+    expired(ended_ms, now_ms, keep_ms)  # whether what ended then is kept no longer (a grace, a retention)
 
 A malformed value raises ``ValueError`` with a one-line reason naming the forms a value may take (the CLI prints it
 as its error line; ``processors/history/moments.parse_moment`` adds its own forms on top of these).
@@ -13,6 +14,13 @@ from datetime import datetime, timezone
 
 UNITS = (("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000))
 MAX_MOMENT_CHARS = 200  # the longest moment taken (`at`, `--at`): a topic, a partition and an offset fit many times
+
+
+def expired(since: float | None, now: float, keep: float) -> bool:
+    """Whether something that ended (or was last touched) at ``since`` is kept no longer at ``now``, kept ``keep``
+    (any one unit: ms of log time, or seconds); never when it has not ended (``since`` None). The one rule of every
+    grace: a stopped job's (the Job Control Plane's, the SRM's learned day), a task's logs and working directory."""
+    return since is not None and now - since >= keep
 
 
 def duration_ms(value: str) -> int:

@@ -24,6 +24,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from processors.times import expired
+
 MAX_BYTES = 16 * 1024 * 1024  # a running task's log is rotated past this (ROPEWALK_TASK_LOG_MAX_BYTES)
 KEEP_S = 24 * 3600.0  # the logs and working directory of a task that no longer runs are deleted this long after
 # their last change
@@ -50,11 +52,6 @@ class TaskDir:
     touched: float  # its last change: the later of its mtime and its ctime
 
 
-def gone_for(touched: float, now: float, keep_s: float) -> bool:
-    """Whether what a task left, last changed at ``touched``, is kept no longer."""
-    return now - touched >= keep_s
-
-
 def stem(name: str) -> str | None:
     """The task part of a log file's name (None: not a task log)."""
     for suffix in (ROTATED, SUFFIX):
@@ -76,7 +73,7 @@ def plan(files: list[LogFile], running: set[str], now: float, *, max_bytes: int 
         if task in running:
             if f.name.endswith(SUFFIX) and not f.name.endswith(ROTATED) and f.size > max_bytes:
                 out.append((ROTATE, f.name))
-        elif gone_for(f.mtime, now, keep_s):
+        elif expired(f.mtime, now, keep_s):
             out.append((DELETE, f.name))
     return out
 
@@ -101,7 +98,7 @@ def _entries(directory: Path, *, directories: bool) -> list[tuple[str, os.stat_r
 def plan_dirs(dirs: list[TaskDir], live: set[str], now: float, *, keep_s: float = KEEP_S) -> list[str]:
     """The names of the working directories to delete, in name order: those of tasks not ``live`` here (the names of
     the tasks with a process, a restart pending or a uid leased), untouched for ``keep_s``."""
-    return [d.name for d in sorted(dirs, key=lambda d: d.name) if d.name not in live and gone_for(d.touched, now, keep_s)]
+    return [d.name for d in sorted(dirs, key=lambda d: d.name) if d.name not in live and expired(d.touched, now, keep_s)]
 
 
 def apply_dirs(tasks_dir: Path, live: set[str], now: float, *, keep_s: float = KEEP_S) -> list[str]:

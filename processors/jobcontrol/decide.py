@@ -48,6 +48,7 @@ from infra.config import DEFAULT_JOB_GC_MS, DEFAULT_MAX_TASKS_PER_JOB
 from processors.cowmap import CowMap
 from processors import rules
 from processors.scheduler.versions import round_half_up
+from processors.times import expired
 from streams.events import Event, derived_event_id, new_event
 
 PRODUCER = "jobcontrol"
@@ -462,7 +463,7 @@ def _promote_done_push(job: JobIntents, ev: Event) -> JobIntents:
 def is_expired(job: JobIntents, now_ms: int, gc_ms: int) -> bool:
     """Whether ``job`` ended (stopped, or its submission refused) ``gc_ms`` or more before ``now_ms``: gone, whether
     ``collect`` took it out of the state yet or not."""
-    return not job.live and job.ended_ms is not None and now_ms - job.ended_ms >= gc_ms
+    return not job.live and expired(job.ended_ms, now_ms, gc_ms)
 
 
 def collect(state: JcpState, now_ms: int, gc_ms: int = DEFAULT_JOB_GC_MS) -> tuple[JcpState, list[str]]:

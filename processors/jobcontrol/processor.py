@@ -31,7 +31,6 @@ class JobControlPlane(Follower):
         super().__init__(cfg, **kw)
         self.state = JcpState()
         self.gc_ms = int(self.cfg.job_gc_s * 1000)  # a stopped job's grace
-        self._collected_at = 0  # the log time of the last ``collect``
         self._pending: dict[str, Event] = {}  # catching up: decided, not (yet) seen on the log
         self._on_log: set[str] = set()  # catching up: its own events seen on the log
 
@@ -50,10 +49,8 @@ class JobControlPlane(Follower):
                 out += emitted
             else:
                 self._pending.update((e.event_id, e) for e in emitted if e.event_id not in self._on_log)
-        now = max((r.event.timestamp_ms for r in records), default=0)
-        if now - self._collected_at >= self.gc_ms // 10:  # a scan of the jobs held, now and then
+        if (now := self.log_time_due("collect", records, self.gc_ms // 10)) is not None:  # the jobs held, now and then
             self.state, _ = collect(self.state, now, self.gc_ms)
-            self._collected_at = now
         return out
 
     def caught_up(self) -> list[Event]:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from processors.cowmap import CowMap
+from processors.times import expired
 from streams.events import Event, derived_event_id, new_event
 
 PRODUCER = "srm"
@@ -242,7 +243,7 @@ def _on_intent(job: JobScaling, ev: Event) -> JobScaling:
 
 def is_expired(job: JobScaling, now_ms: int, tuning: Tuning) -> bool:
     """Whether ``job`` stopped ``shape_keep_ms`` or more before ``now_ms``: gone, whether or not ``collect`` ran."""
-    return job.ended_ms is not None and now_ms - job.ended_ms >= tuning.shape_keep_ms
+    return expired(job.ended_ms, now_ms, tuning.shape_keep_ms)
 
 
 def collect(state: SrmState, now_ms: int, tuning: Tuning = Tuning()) -> tuple[SrmState, list[str]]:

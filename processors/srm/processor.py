@@ -29,7 +29,6 @@ class Autoscaler(Follower):
         super().__init__(cfg, **kw)
         self.state = SrmState()
         self.tuning = tuning
-        self._collected_at = 0  # the log time of the last ``collect``
 
     def handle(self, records: list[Record], live: bool) -> list[Event]:
         out: list[Event] = []
@@ -38,10 +37,8 @@ class Autoscaler(Follower):
             for e in emitted:  # its own decision is a fact at once (read back later, it changes nothing)
                 self.state, _ = decide(self.state, e, live=False, tuning=self.tuning)
             out += emitted
-        now = max((r.event.timestamp_ms for r in records), default=0)
-        if now - self._collected_at >= self.tuning.shape_keep_ms // 10:  # a scan of the jobs held, now and then
-            self.state, _ = collect(self.state, now, self.tuning)
-            self._collected_at = now
+        if (now := self.log_time_due("collect", records, self.tuning.shape_keep_ms // 10)) is not None:
+            self.state, _ = collect(self.state, now, self.tuning)  # the stopped jobs' shapes, now and then
         return out
 
 
