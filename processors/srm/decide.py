@@ -12,7 +12,9 @@ stopped stayed: issue #29). As the Job Control Plane's grace (processors/jobcont
 the log time of the event that names the job (``is_expired``): a shape past it is taken as gone whether or not
 ``collect`` dropped it yet, so no decision depends on when ``collect`` ran, and a job's events all sit on its
 entitlement's partition, so a re-fold decides alike. A new incarnation (its reconciled spec, or a person's policy)
-keeps the shape and is live again; a late load sample of the stopped one is learned but does not make it live.
+keeps the shape and is live again; a late load sample of the stopped one is learned but does not make it live. A
+job no person's policy holds leaves once nothing named it for the same week of log time: a load sample of a job
+stopped and collected would otherwise make an entry for ever.
 
 **Forecast** (``forecast``): "historical data and real-time measurements" (§2.7):
 
@@ -101,6 +103,7 @@ class JobScaling:
     reversal_at: int | None = None  # the latest change against the one before
     decided: str | None = None  # the event id of the SRM's latest decision (SizingIntentDeclared)
     ended_ms: int | None = None  # the log time of its JobStopped, until an incarnation is live again
+    heard_ms: int | None = None  # the log time of the latest event that named it (not its JobStopped)
 
 
 @dataclass(frozen=True)
@@ -242,8 +245,13 @@ def _on_intent(job: JobScaling, ev: Event) -> JobScaling:
 
 
 def is_expired(job: JobScaling, now_ms: int, tuning: Tuning) -> bool:
-    """Whether ``job`` stopped ``shape_keep_ms`` or more before ``now_ms``: gone, whether or not ``collect`` ran."""
-    return expired(job.ended_ms, now_ms, tuning.shape_keep_ms)
+    """Whether ``job`` is gone at ``now_ms``, whether or not ``collect`` ran: it stopped ``shape_keep_ms`` or more
+    before, or no person's policy holds it and nothing named it for as long (a load sample of a job stopped and
+    collected, or stopped before it learned anything, made a new entry that nothing else would ever end: the SRM
+    cannot tell it from a job whose reconciled spec is still to come, as ``metrics`` and ``intents`` are not
+    ordered)."""
+    return (expired(job.ended_ms, now_ms, tuning.shape_keep_ms)
+            or (job.policy is None and expired(job.heard_ms, now_ms, tuning.shape_keep_ms)))
 
 
 def collect(state: SrmState, now_ms: int, tuning: Tuning = Tuning()) -> tuple[SrmState, list[str]]:
@@ -273,6 +281,8 @@ def decide(state: SrmState, ev: Event, *, live: bool = True, tuning: Tuning = Tu
             job = dataclasses.replace(job, current=p["running_tasks"])
         if live:
             job, out = _size(job, ev, tuning)
+    if job.heard_ms is None or ev.timestamp_ms > job.heard_ms:
+        job = dataclasses.replace(job, heard_ms=ev.timestamp_ms)
     return SrmState(jobs=state.jobs.updated({job.job_id: job})), out
 
 

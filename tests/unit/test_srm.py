@@ -228,13 +228,51 @@ def test_a_stopped_jobs_learned_day_is_kept_a_week_then_gone_whether_or_not_coll
     assert gone == [JOB] and JOB not in collected.jobs
     for state in (s.state, collected):  # the next incarnation, after the week: as a job never seen
         new, _ = decide(state, at(reconciled(100), expired), tuning=s.tuning)
-        assert new.jobs[JOB] == JobScaling(JOB, ENT, current=100)
+        assert new.jobs[JOB] == JobScaling(JOB, ENT, current=100, heard_ms=expired)
     s.feed(at(reconciled(100), expired))  # through the harness: collected first or not, the same
-    assert s.job == JobScaling(JOB, ENT, current=100)
+    assert s.job == JobScaling(JOB, ENT, current=100, heard_ms=expired)
     s = Srm()
     for m in range(5):
         s.feed(at(sample(m * MIN, 300), t0))
     s.feed(at(ev("JobStopped", {"reason": ""}), t0 + MIN))
     within, _ = decide(s.state, at(reconciled(100), expired - 1), tuning=s.tuning)  # within it: the shape, live
     assert within.jobs[JOB].history == s.job.history and within.jobs[JOB].ended_ms is None
-    assert srm.collect(within, expired + 10 * week, s.tuning)[1] == []  # a live job is never collected
+    held, _ = decide(within, at(policy(), expired), tuning=s.tuning)
+    assert srm.collect(held, expired + 10 * week, s.tuning)[1] == []  # a job a policy holds is never collected
+
+
+def test_a_sample_of_a_job_gone_makes_an_entry_that_leaves_after_a_week_of_silence():
+    """Issue #29's last SRM door: a load sample of a job the SRM no longer holds (stopped and collected, or stopped
+    before it learned anything) made a live entry that never ended, one per such job. No person's policy holds it,
+    so it leaves once nothing named it for ``shape_keep_ms`` of log time (collected or not: the same), as does any
+    job no policy holds; each new event that names it counts the week again."""
+    t0 = 1_700_000_000_000
+    week = Tuning().shape_keep_ms
+    s = Srm()
+    s.feed(at(ev("JobStopped", {"reason": ""}), t0))  # it learned nothing: it leaves at its stop
+    assert JOB not in s.state.jobs
+    s.feed(at(sample(MIN, 300, running=3), t0 + MIN))  # late: a new entry, no policy, no stop
+    assert s.job.policy is None and s.job.ended_ms is None and s.job.heard_ms == t0 + MIN
+    s.feed(at(sample(2 * MIN, 300, running=3), t0 + MIN + week - 1))  # heard within the week: kept, counted anew
+    assert srm.collect(s.state, t0 + MIN + week, s.tuning)[1] == []
+    last = t0 + MIN + week - 1
+    collected, gone = srm.collect(s.state, last + week, s.tuning)
+    assert gone == [JOB] and JOB not in collected.jobs
+    s.feed(at(reconciled(50), last + week))  # through the harness: decided as a job never seen, collected or not
+    assert s.job == JobScaling(JOB, ENT, current=50, heard_ms=last + week)
+
+
+@pytest.mark.parametrize("held, heard, ended, gone", [
+    (True, None, None, False),  # a policy, nothing heard yet
+    (True, -10 * DAY, None, False),  # a policy holds it however long it is silent
+    (False, -7 * DAY + 1, None, False),  # no policy, heard within the week
+    (False, -7 * DAY, None, True),  # no policy, a week of silence
+    (False, None, None, False),  # never named (a state from before this rule): kept
+    (True, 0, -7 * DAY, True),  # stopped a week ago: gone, policy or not (a stop drops the policy anyway)
+    (False, 0, -7 * DAY + 1, False),  # stopped within the week, heard since
+])
+def test_when_an_entry_of_the_srm_is_gone(held, heard, ended, gone):
+    now = 1_700_000_000_000
+    job = JobScaling(JOB, ENT, policy=srm.Policy(1, 2, 1.0, "p") if held else None,
+                     heard_ms=None if heard is None else now + heard, ended_ms=None if ended is None else now + ended)
+    assert srm.is_expired(job, now, Tuning()) is gone
