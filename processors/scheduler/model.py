@@ -140,10 +140,14 @@ _task_with = evolver(Task)
 
 
 def replace(obj: Any, /, **changes: Any) -> Any:
-    """``dataclasses.replace``; a ``Task`` (the hot one: replaced several times per task and decision) through a
-    compiled ``processors.evolve.evolver``, the same result in half the time."""
-    if type(obj) is Task:
+    """``dataclasses.replace``; a ``Task`` (the hot one: replaced several times per task and decision) and a ``Job``
+    (replaced each time a decision sets a field) through ``processors.evolve.evolver``: the same result in half the
+    time, and a ninth for a ``Job``."""
+    kind = type(obj)
+    if kind is Task:
         return _task_with(obj, changes)
+    if kind is Job:
+        return _job_with(obj, changes)
     return dataclasses.replace(obj, **changes)
 
 
@@ -202,6 +206,9 @@ class Job:
     parts: int = 0  # the most JobTasksPublished parts it published (``work.state_keys``: tombstoned when it leaves)
     ended_ms: int | None = None  # when this incarnation ended (stopped and freed, or rejected): it leaves the state
     #                              ``job_gc_ms`` later (``decide.collect``); None while it lives
+
+
+_job_with = evolver(Job)
 
 
 @dataclass(frozen=True)

@@ -34,3 +34,47 @@ def test_an_unknown_field_is_refused_as_by_dataclasses_replace():
 
 def test_other_dataclasses_go_through_dataclasses_replace():
     assert replace(Terms(1, 2), cpu=5) == Terms(5, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    a: int
+    b: tuple = ()
+    c: list = dataclasses.field(default_factory=list)
+    cache: dict | None = dataclasses.field(default=None, init=False, compare=False)
+    made: list = dataclasses.field(default_factory=lambda: ["fresh"], init=False, compare=False)
+
+
+@pytest.mark.parametrize("changes", [{}, {"a": 2}, {"b": (1,), "c": [3]}])
+def test_a_copying_replace_equals_dataclasses_replace(changes):
+    """A class with a ``__dict__`` and no ``__post_init__`` is copied, not built again: the same value, a new object,
+    ``init=False`` fields at their defaults (a cache is not carried over), the old object unchanged."""
+    old = Plain(1, (0,), [1])
+    object.__setattr__(old, "cache", {"x": 1})
+    new = evolver(Plain)(old, changes)
+    want = dataclasses.replace(old, **changes)
+    assert new == want and new is not old and type(new) is Plain
+    assert (new.cache, new.made) == (want.cache, want.made) == (None, ["fresh"])
+    assert old == Plain(1, (0,), [1]) and old.cache == {"x": 1}
+    assert vars(new) == vars(want)
+
+
+def test_a_job_is_copied_and_equals_dataclasses_replace():
+    from processors.scheduler.model import Job
+    job = Job(id="e1.j", entitlement="e1", spec=None, spec_version=1, desired=3, seen=("a",))
+    assert replace(job, desired=4, seen=("a", "b")) == dataclasses.replace(job, desired=4, seen=("a", "b"))
+    with pytest.raises(TypeError, match="unknown fields"):
+        replace(job, nope=1)
+
+
+def test_a_class_with_post_init_is_built_again():
+    @dataclasses.dataclass(frozen=True)
+    class Checked:
+        a: int
+
+        def __post_init__(self):
+            if self.a < 0:
+                raise ValueError("negative")
+
+    with pytest.raises(ValueError):
+        evolver(Checked)(Checked(1), {"a": -1})
