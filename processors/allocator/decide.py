@@ -14,11 +14,12 @@ Each rejection carries one of the reasons below (or placement's ``NO_FEASIBLE_MA
 """
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
+
+import orjson
 
 from processors.allocator.fold import ALLOCATOR_PRODUCER, RegionFold, releases, split_maintenance
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, Machine, Plan, Request
@@ -221,11 +222,13 @@ def event_from_json(d: Mapping[str, Any]) -> Event:
 
 
 def dump_events(events: Sequence[Event]) -> str:
-    return json.dumps([event_to_json(e) for e in events], separators=(",", ":"), sort_keys=True)
+    """The events as JSON (journaled in Redis with their decision: ``index.Decision.events``); orjson, as the
+    standard library's encoder was a quarter of the allocator's CPU in a burst (py-spy, stop 41)."""
+    return orjson.dumps([event_to_json(e) for e in events], option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 def load_events(blob: str | bytes) -> list[Event]:
-    return [event_from_json(d) for d in json.loads(blob)]
+    return [event_from_json(d) for d in orjson.loads(blob)]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import orjson
 import redis
 
 from processors.allocator import lua
@@ -217,12 +218,12 @@ class MachineIndex:
         pipe = self.r.pipeline(transaction=False)
         calls = 0
         for i in range(0, len(rows), PROJECT_CHUNK):
-            self._project(args=[self.prefix, json.dumps(rows[i:i + PROJECT_CHUNK], separators=(",", ":")), "{}",
+            self._project(args=[self.prefix, orjson.dumps(rows[i:i + PROJECT_CHUNK]), "{}",
                                 "{}", self.consumer], client=pipe)
             calls += 1
         if mark_rows or ents or not calls:
-            self._project(args=[self.prefix, "[]", json.dumps(mark_rows) if mark_rows else "{}",
-                                json.dumps(ents) if ents else "{}", self.consumer], client=pipe)
+            self._project(args=[self.prefix, "[]", orjson.dumps(mark_rows) if mark_rows else "{}",
+                                orjson.dumps(ents) if ents else "{}", self.consumer], client=pipe)
         if rows:  # what the fold holds, by status, after this projection (``summary``)
             pipe.delete(self.key(SUMMARY))
             pipe.hset(self.key(SUMMARY), mapping=fold.summary())
@@ -264,7 +265,7 @@ class MachineIndex:
         """Commit a batch of decisions in one call (see the module doc); one result per decision, in order."""
         if not decisions:
             return []
-        raw = self._commit(args=[self.prefix, json.dumps([d.to_json() for d in decisions], separators=(",", ":")),
+        raw = self._commit(args=[self.prefix, orjson.dumps([d.to_json() for d in decisions]),
                                  self.done_ttl_s, _COMMIT_REASONS, self.generation or ""])
         if text(raw) == LOST:
             raise IndexLost(f"the index is not generation {self.generation} any more "
