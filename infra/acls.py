@@ -31,13 +31,15 @@ Writers per topic, and where a topic-level ACL cannot tell writers apart:
 """
 from __future__ import annotations
 
+import re
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
 from infra.config import Config
 from infra.credentials import (AGENT, ALLOCATOR, API, CONTROLLER, HEALTH, JOBCONTROL, LENDER, OPERATOR, REBALANCER,
-                               RESOURCEBROKER, SCHEDULER, SIDEKICK, SRM)
+                               RESOURCEBROKER, SCHEDULER, SIDEKICK, SRM, kafka_usernames)
 from streams.topics import CATALOGUE, Topics
 
 READ, WRITE = "READ", "WRITE"
@@ -95,8 +97,6 @@ def position_group(cfg: Config, name: str) -> str:
     """The group a worker's assigning reader named ``name`` commits its position to, for Kafka's lag tools
     (``streams.clients.EventConsumer``'s ``follows``): ``<prefix>ropewalk-position-<name>``, the name's characters
     outside ``[A-Za-z0-9._-]`` as ``-`` (``agent/local-msb1-r01-m001`` → ``agent-local-msb1-r01-m001``)."""
-    import re
-
     return f"{cfg.topic_prefix}{POSITION_GROUPS}{re.sub(r'[^A-Za-z0-9._-]', '-', name)}"
 
 
@@ -140,7 +140,7 @@ def grants(prefix: str) -> list[Grant]:
 def bindings(prefix: str, usernames: Mapping[str, str]) -> list:
     """confluent-kafka ``AclBinding``s of ``grants(prefix)`` for the principals' Kafka users (``usernames``:
     principal -> user; a principal without a user gets none)."""
-    from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType
+    from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType  # noqa: PLC0415 - start-up cost: confluent_kafka.admin (~5 ms over confluent_kafka); streams.clients imports this module in every process, only `up` and the bench manage ACLs
 
     out = []
     for g in grants(prefix):
@@ -166,7 +166,7 @@ def provision(admin, prefix: str, usernames: Mapping[str, str], timeout_s: float
 
 def drop(admin, prefix: str, usernames: Mapping[str, str], timeout_s: float = 30.0, *, wait: bool = True):
     """Delete the region's ACLs (those ``provision`` made for ``prefix``); ``wait=False``: the futures."""
-    from confluent_kafka.admin import AclBindingFilter
+    from confluent_kafka.admin import AclBindingFilter  # noqa: PLC0415 - start-up cost: confluent_kafka.admin (~5 ms over confluent_kafka); streams.clients imports this module in every process, only `up` and the bench manage ACLs
 
     filters = [AclBindingFilter(b.restype, b.name, b.resource_pattern_type, b.principal, b.host, b.operation,
                                 b.permission_type) for b in bindings(prefix, usernames)]
@@ -199,9 +199,7 @@ def wait_until_known(conf: Mapping, brokers: Mapping, wanted: list, timeout_s: f
     broker's authorizer learns new bindings from the controller's metadata log on its own time (seconds under load):
     until then it refuses what they allow (a worker started at once died of TOPIC_AUTHORIZATION_FAILED). Each broker
     is asked by a client that knows it alone (``conf`` with it as the bootstrap server)."""
-    import time
-
-    from confluent_kafka.admin import (AclBindingFilter, AclOperation, AclPermissionType, AdminClient,
+    from confluent_kafka.admin import (AclBindingFilter, AclOperation, AclPermissionType, AdminClient,  # noqa: PLC0415 - start-up cost: confluent_kafka.admin (~5 ms over confluent_kafka); streams.clients imports this module in every process, only `up` and the bench manage ACLs
                                        ResourcePatternType, ResourceType)
 
     def key(b) -> tuple:
@@ -231,12 +229,10 @@ def drop_region(cfg, admin=None, *, wait: bool = True):
 
 
 def _users(cfg) -> dict[str, str]:
-    from infra.credentials import kafka_usernames
-
     return {p: u for p, u in kafka_usernames(cfg.secrets).items() if p != OPERATOR}
 
 
 def _admin(cfg):
-    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - start-up cost: confluent_kafka.admin (~5 ms over confluent_kafka); streams.clients imports this module in every process, only `up` and the bench manage ACLs
 
     return AdminClient({**cfg.kafka_conf(), "log_level": 0})

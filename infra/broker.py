@@ -60,13 +60,18 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra import credentials
 from infra.config import CLUSTER_FILE, PROJECT_ROOT, BrokerNode, Config, formatted_brokers
-from infra.process import InfraError, ManagedProcess
 from infra.private import PRIVATE_UMASK, make_dir
+from infra.process import InfraError, ManagedProcess
+from infra.supervisor import Program
+from streams.topics import min_insync_replicas
 
 KAFKA_VERSION = "4.3.1"  # the pin in infra/kafka/pom.xml; checked against the jars present
 POM = PROJECT_ROOT / "infra" / "kafka" / "pom.xml"
@@ -154,8 +159,6 @@ def server_properties(cfg: Config, layout: BrokerLayout, security: dict[str, str
                       node: BrokerNode | None = None) -> dict[str, str]:
     """The configuration of node ``node`` (default: the first) of ``cfg``'s embedded cluster, with ``security``
     (``security_properties``). Pure."""
-    from streams.topics import min_insync_replicas
-
     host = "127.0.0.1"
     nodes = cfg.broker_nodes
     me = node or nodes[0]
@@ -267,8 +270,6 @@ def jmx_port_of(cfg: Config, node_id: int) -> int | None:
 def write_config(cfg: Config, layout: BrokerLayout, node: BrokerNode | None = None) -> None:
     """server.properties of ``node`` (0600: it holds the broker's password), with the credentials of the secrets
     directory (made if missing)."""
-    from infra import credentials
-
     make_dir(Path(cfg.run_dir) / "kafka")  # 0700: the segments are the region's alone (infra/private.py)
     layout.root.mkdir(parents=True, exist_ok=True)
     credentials.ensure(cfg.secrets, kafka=True, redis=False)
@@ -282,8 +283,6 @@ def write_config(cfg: Config, layout: BrokerLayout, node: BrokerNode | None = No
 def admin_conf(cfg: Config, node: BrokerNode | None = None) -> dict[str, str]:
     """confluent-kafka settings of the broker's own user (PLAIN): what ``ensure_users`` connects with; to ``node``
     alone if given."""
-    from infra import credentials
-
     me = credentials.kafka_credentials(cfg.secrets, credentials.BROKER_USER)
     servers = f"127.0.0.1:{node.port}" if node is not None else cfg.bootstrap_servers
     return {"bootstrap.servers": servers, "security.protocol": "SASL_PLAINTEXT",
@@ -294,12 +293,8 @@ def ensure_users(cfg: Config, timeout_s: float = 30.0) -> list[str]:
     """Create (or refresh) the SCRAM credential of every principal of ``<secrets>/kafka.json``, as the broker's own
     user, and wait until the cluster knows them all: on one node, until it describes them; on several, until every
     node authenticates each of them. Idempotent; returns the users."""
-    import time
-
-    from confluent_kafka.admin import (AdminClient, ScramCredentialInfo, ScramMechanism,
+    from confluent_kafka.admin import (AdminClient, ScramCredentialInfo, ScramMechanism,  # noqa: PLC0415 - start-up cost: confluent_kafka (~40 ms); `ropewalk down` imports this module (through infra.services) without using the broker
                                        UserScramCredentialUpsertion)
-
-    from infra import credentials
 
     users = sorted(set(credentials.kafka_usernames(cfg.secrets).values()))
     admin = AdminClient({**admin_conf(cfg), "log_level": 0})
@@ -322,7 +317,6 @@ def ensure_users(cfg: Config, timeout_s: float = 30.0) -> list[str]:
                              f"they were created")
         time.sleep(0.1)
     if cfg.brokers > 1:  # every node applies the metadata log on its own: each must authenticate every user
-        from concurrent.futures import ThreadPoolExecutor
 
         pending = [(node, u) for node in cfg.broker_nodes for u in users]
         with ThreadPoolExecutor(8) as pool:
@@ -340,7 +334,7 @@ def ensure_users(cfg: Config, timeout_s: float = 30.0) -> list[str]:
 
 def authenticates(node: BrokerNode, username: str, password: str, timeout_s: float = 5.0) -> bool:
     """Whether ``node`` lets ``username`` in with SCRAM (a metadata request on a connection to it alone)."""
-    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - start-up cost: confluent_kafka (~40 ms); `ropewalk down` imports this module (through infra.services) without using the broker
 
     admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{node.port}", "security.protocol": "SASL_PLAINTEXT",
                          "sasl.mechanism": CLIENT_MECHANISM, "sasl.username": username, "sasl.password": password,
@@ -478,8 +472,6 @@ def broker(cfg: Config, ready, node: BrokerNode | None = None) -> ManagedProcess
 
 def programs(cfg: Config) -> list:
     """The nodes as the region supervisor's programs (services: started before the workers, stopped after them)."""
-    from infra.supervisor import Program
-
     check_libs()
     return [Program(node_name(cfg, n.id), tuple(jvm_argv(cfg, "kafka.Kafka", str(BrokerLayout.of(cfg, n.id).properties),
                                                          jmx_port=jmx_port_of(cfg, n.id))),

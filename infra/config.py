@@ -35,9 +35,14 @@ Which principal a process authenticates as is ``Config.principal``: ``operator``
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import unquote
+
+from infra import credentials
+from infra.credentials import PRINCIPALS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,8 +75,6 @@ def _run_dir(env: dict[str, str]) -> Path:
 def remember_endpoints(env: dict[str, str] | None = None) -> Path:
     """Write the endpoint variables of ``env`` (default: this process's) to ``<run dir>/endpoints.json``, for the
     processes started later without them (``Config.from_env``)."""
-    import json
-
     env = dict(os.environ if env is None else env)
     path = _run_dir(env) / ENDPOINTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,8 +87,6 @@ def remember_endpoints(env: dict[str, str] | None = None) -> Path:
 def remembered_endpoints(env: dict[str, str]) -> dict[str, str]:
     """What the last `up` of ``env``'s run dir remembered (empty when nothing, or when ``env`` sets an endpoint
     variable itself: then it names its region and nothing is mixed in)."""
-    import json
-
     if any(env.get(k) for k in ENDPOINT_VARS):
         return {}
     try:
@@ -249,8 +250,6 @@ class Config:
 
     def as_principal(self, principal: str) -> "Config":
         """This configuration for a process that authenticates as ``principal`` (infra/credentials.PRINCIPALS)."""
-        from infra.credentials import PRINCIPALS
-
         if principal not in PRINCIPALS:
             raise ValueError(f"unknown principal {principal!r}; known: {', '.join(PRINCIPALS)}")
         return replace(self, principal=principal)
@@ -258,15 +257,11 @@ class Config:
     def kafka_conf(self, **extra) -> dict:
         """confluent-kafka settings to reach the broker as this principal: ``bootstrap.servers`` and, with
         credentials in the secrets directory, SASL (infra/credentials.py); ``extra`` on top."""
-        from infra import credentials
-
         return {"bootstrap.servers": self.bootstrap_servers,
                 **credentials.librdkafka_conf(credentials.kafka_credentials(self.secrets, self.principal)), **extra}
 
     def redis_auth(self) -> dict:
         """redis-py ``username``/``password`` of this principal's Redis user (empty: no ACL users)."""
-        from infra import credentials
-
         return credentials.redis_auth(self.secrets, self.principal)
 
     def redis_client(self, *, read_only: bool = False, **kwargs):
@@ -274,15 +269,13 @@ class Config:
         what a reader that must not write uses whoever it runs as). A ``redis+sentinel://`` URL gives a client of
         the primary the sentinels name (``sentinel_of``): after a failover its next connection goes to the new
         primary."""
-        import redis
-
-        from infra import credentials
+        import redis  # noqa: PLC0415 - start-up cost: redis (~45 ms over this module, measured) only for the commands that read Redis; every command imports this module
 
         auth = credentials.redis_auth(self.secrets, self.principal, read_only=read_only)
         sentinel = sentinel_of(self.redis_url)
         if sentinel is None:
             return redis.Redis.from_url(self.redis_url, **auth, **kwargs)
-        from redis.sentinel import Sentinel
+        from redis.sentinel import Sentinel  # noqa: PLC0415 - start-up cost: redis.sentinel, only for a redis+sentinel:// URL
 
         timeouts = {k: v for k, v in kwargs.items() if k in ("socket_timeout", "socket_connect_timeout")}
         sentinels = Sentinel(sentinel.hosts, sentinel_kwargs={**sentinel.auth, **timeouts})
@@ -303,8 +296,6 @@ class SentinelUrl:
 def sentinel_of(url: str) -> SentinelUrl | None:
     """``redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`` parsed (None: another URL);
     ValueError naming what is wrong. Pure."""
-    from urllib.parse import unquote
-
     scheme, sep, rest = url.partition("://")
     if scheme != SENTINEL_SCHEME or not sep:
         return None
@@ -331,8 +322,6 @@ def formatted_brokers(run_dir: Path) -> int | None:
     """How many nodes the embedded cluster of ``run_dir`` was formatted with (None: not formatted yet): one node's data
     is ``<run dir>/kafka/data``, a cluster's nodes are listed in ``<run dir>/kafka/cluster.json`` (infra/broker.py,
     ``BrokerLayout``; here because configuration reads it too)."""
-    import json
-
     kafka = Path(run_dir) / "kafka"
     if (kafka / "data" / "meta.properties").exists():
         return 1

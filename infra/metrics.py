@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import platform
 import threading
 import time
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
+from infra.config import PROJECT_ROOT
 from infra.private import make_dir, write_private
 
 log = logging.getLogger(__name__)
@@ -181,15 +185,11 @@ def own(*owned: Metric, **series: list[dict[str, str]]) -> None:
 
 def build_info(worker: str) -> None:
     """``ropewalk_build_info{version, revision, python, worker} 1``."""
-    import platform
-
     BUILD_INFO.labels(version=_version(), revision=_revision(), python=platform.python_version(),
                       worker=worker).set(1)
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("ropewalk")
     except PackageNotFoundError:
@@ -198,8 +198,6 @@ def _version() -> str:
 
 def _revision() -> str:
     """The checkout's git commit (12 hex digits), read from .git without running git; ``unknown`` elsewhere."""
-    from infra.config import PROJECT_ROOT
-
     try:
         git = PROJECT_ROOT / ".git"
         if git.is_file():  # a worktree: "gitdir: <path>"
@@ -228,10 +226,6 @@ def serve(run_dir: Path | str, worker: str, owns: tuple[Metric, ...] = (), **ser
     """Serve this process's metrics on an ephemeral port of 127.0.0.1 and write the port to
     ``<run dir>/metrics/<worker>.port``; the port, or None when it could not (logged; the worker goes on).
     ``owns``/``series``: the metrics it exports from the start (``own``)."""
-    import os
-
-    from prometheus_client import start_http_server
-
     own(*owns, **series)
     build_info(worker)
     host, _, port = (os.environ.get(METRICS_ADDR_ENV) or "127.0.0.1:0").rpartition(":")
@@ -252,8 +246,6 @@ def serve(run_dir: Path | str, worker: str, owns: tuple[Metric, ...] = (), **ser
 def serve_worker(run_dir: Path | str, owns: tuple[Metric, ...] = ()) -> int | None:
     """``serve`` under the name the supervisor gave this worker (``ROPEWALK_WORKER_NAME``); nothing without one (a
     processor started by hand or by a test). ``owns``: the metrics the worker exports from its start."""
-    import os
-
     name = os.environ.get("ROPEWALK_WORKER_NAME")
     return serve(run_dir, name, owns) if name else None
 

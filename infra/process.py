@@ -2,6 +2,7 @@
 idempotent start that waits until the process accepts connections, and stop that leaves nothing behind."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import random
@@ -206,7 +207,6 @@ def gone(owners: list[tuple[int, int]]) -> list[int]:
 def die_with_parent() -> None:
     """In a child before exec: SIGKILL when the thread that started it ends (Linux ``PR_SET_PDEATHSIG``; ``Popen``
     from the main thread: when the process ends, however). If the parent is already gone, exit at once."""
-    import ctypes
 
     parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

@@ -18,17 +18,19 @@ ACL file is). `down()` stops the supervisor: every worker, then the services.
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-import time
-
 from infra import broker as embedded_kafka
-from infra import supervisor
+from infra import credentials, supervisor
 from infra.config import BrokerNode, Config
 from infra.private import make_dir, secure_run_dir
-from infra.process import InfraError, ManagedProcess, port_open
+from infra.process import InfraError, ManagedProcess, pid_alive, port_open, processes_of
 
 
 def redis_binary() -> str:
@@ -45,7 +47,7 @@ def broker_ready(cfg: Config, conf: dict | None = None) -> bool:
     """The broker answers ``cfg``'s principal (or a client of ``conf``), and every partition it holds has a leader
     (a broker restarted on its data elects its partitions' leaders a moment after it answers; clients asking
     meanwhile get NOT_LEADER_FOR_PARTITION)."""
-    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - start-up cost: confluent_kafka (~40 ms); `ropewalk down` imports this module without using the broker
 
     try:
         md = AdminClient({**(conf or cfg.kafka_conf()), "log_level": 0}).list_topics(timeout=2)
@@ -80,7 +82,7 @@ def start_broker(cfg: Config) -> dict:
 def cluster_ready(cfg: Config) -> bool:
     """Every node of the embedded cluster is in the cluster's metadata (registered, not fenced) and every partition
     has a leader, as the broker's own user sees it."""
-    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - start-up cost: confluent_kafka (~40 ms); `ropewalk down` imports this module without using the broker
 
     try:
         md = AdminClient({**embedded_kafka.admin_conf(cfg), "log_level": 0}).list_topics(timeout=2)
@@ -141,7 +143,7 @@ def cluster_state(cfg: Config) -> dict:
     leader, ``under_replicated`` ("topic[partition]" whose in-sync replicas are fewer than its replicas) and, per
     node, the partitions it holds a replica of that it is not in sync for (``out_of_sync``); the quorum's leader
     (``controller``, ``broker.quorum_leader``). ``error`` when the cluster does not answer."""
-    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - start-up cost: confluent_kafka (~40 ms); `ropewalk down` imports this module without using the broker
 
     out: dict = {"controller": embedded_kafka.quorum_leader(cfg), "nodes": [], "partitions": 0, "leaderless": [],
                  "under_replicated": [], "out_of_sync": {n.id: [] for n in cfg.broker_nodes}, "error": None}
@@ -165,8 +167,6 @@ def cluster_state(cfg: Config) -> dict:
 
 
 def redis_server(cfg: Config) -> ManagedProcess:
-    from infra import credentials
-
     data_dir = make_dir(cfg.run_dir / "redis")  # 0700: its append-only file is the region's alone (infra/private.py)
     # ACL users per component (infra/credentials.py: REDIS_RULES; redis.json and the ACL file made from it before
     # each start); the default user is off, so a client without a user and password can run nothing (no FLUSHALL).
@@ -298,10 +298,6 @@ def region_pids(cfg: Config) -> dict[str, int]:
     ``task:<task>`` (the process agents' tasks, from their state files: in a sandbox, its monitor, root's) and
     ``task:<task>:<pid>`` (every process running as a task's own uid: a sandboxed task's processes outlive its
     monitor; processors/agent/isolation.py): what a power loss of the whole region kills (``power_off``)."""
-    import json
-
-    from infra.process import processes_of
-
     pids = {f"program:{n}": s["pid"] for n, s in supervisor.programs_state(cfg.run_dir).items() if s.get("pid")}
     pids.update({f"service:{n}": s["pid"] for n, s in running(cfg).items() if s.get("pid")
                  and s["pid"] not in pids.values()})
@@ -327,12 +323,6 @@ def power_off(cfg: Config, timeout_s: float = 30.0) -> dict[str, int]:
     kill; a power loss spares none); then waits, up to ``timeout_s`` in all, until every process listed is gone.
     Returns the processes listed (name -> pid); those still alive after the wait are ``power_off_survivors``. The one
     power loss of ``bench/killstorm.py`` and ``tests/integration/test_durable.py``."""
-    import json
-    import os
-    import signal
-
-    from infra.process import pid_alive, processes_of
-
     pids = region_pids(cfg)
     uids = set()
     for state in (Path(cfg.run_dir) / "agents").glob("*/agent-state.json"):
@@ -360,8 +350,6 @@ def power_off(cfg: Config, timeout_s: float = 30.0) -> dict[str, int]:
 
 def power_off_survivors(pids: dict[str, int]) -> dict[str, int]:
     """The processes of a ``power_off`` still alive (none, when the power loss did its work)."""
-    from infra.process import pid_alive
-
     return {name: pid for name, pid in pids.items() if pid_alive(pid)}
 
 

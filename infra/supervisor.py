@@ -215,7 +215,7 @@ class Supervisor:
             if prog.name in self.programs:  # running (or retiring: listed again, it starts anew once it stopped)
                 continue
             self.programs[prog.name] = prog
-            from infra.metrics import WORKER_RESTARTS
+            from infra.metrics import WORKER_RESTARTS  # noqa: PLC0415 - start-up cost: prometheus_client (~30 ms), only the supervisor's own process serves metrics; `ropewalk down`/`status` import this module
 
             WORKER_RESTARTS.labels(worker=prog.name)  # a zero series: increase() sees the first restart
             st = self.states[prog.name] = ProgramState()
@@ -286,7 +286,7 @@ class Supervisor:
             return
         delay = self.backoff.delay(st.delay_s, uptime)
         st.restarts += 1
-        from infra.metrics import WORKER_RESTARTS
+        from infra.metrics import WORKER_RESTARTS  # noqa: PLC0415 - start-up cost: prometheus_client (~30 ms), only the supervisor's own process serves metrics; `ropewalk down`/`status` import this module
 
         WORKER_RESTARTS.labels(worker=name).inc()
         st.state, st.delay_s, st.next_start_ms = BACKOFF, delay, now_ms() + int(delay * 1000)
@@ -321,7 +321,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
-        from infra import metrics
+        from infra import metrics  # noqa: PLC0415 - start-up cost: prometheus_client (~30 ms), only the supervisor's own process serves metrics; `ropewalk down`/`status` import this module
 
         metrics.serve(self.run_dir, NAME, (metrics.WORKER_RESTARTS,))  # ropewalk_worker_restarts_total
         if self.owners:

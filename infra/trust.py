@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from infra.acls import reader_group
 from infra.credentials import (AGENT, MACHINE_SECRET_FILE, MACHINES_DIR, OPERATOR, PRINCIPALS, SIGNERS, TRUST_FILE,
                                CredentialsError, new_key_doc, principal_file, principal_trust, read_json, signer_doc,
                                write_principal_files, write_private)
@@ -130,9 +131,7 @@ class LogKeys:
         self.errors = 0
 
     def __call__(self) -> list[tuple[dict, bytes]]:
-        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-        from infra.acls import reader_group
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition  # noqa: PLC0415 - start-up cost: confluent_kafka (~40 ms), only to read the key ring from the log; `ropewalk keys machine` imports this module without it
 
         if self.registry is None:
             self.registry = SchemaRegistry.from_dir()
