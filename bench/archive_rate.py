@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import confluent_kafka
+import fastavro
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -141,8 +143,6 @@ def main() -> None:
 
     cores = len(os.sched_getaffinity(0))
     total_parts = sum(Topics("", args.partitions).partitions_of(t.name) for t in CATALOGUE)
-    import confluent_kafka
-    import fastavro
     print(f"\nconditions: {n} records ({args.records} events + {n - args.records} _schemas), avg key+value "
           f"{size / n:.0f} B, {args.partitions} partitions per topic ({total_parts} in all), {cores} cores, "
           f"confluent-kafka {confluent_kafka.__version__} / librdkafka {confluent_kafka.libversion()[0]}, "

@@ -20,6 +20,7 @@ import subprocess
 from collections import Counter
 from typing import Any
 
+from infra.broker import LIBS, java_binary, jmx_port_of
 from infra.config import Config
 
 TIMEOUT_S = 60.0
@@ -55,8 +56,6 @@ def parse(text: str, prefix: str = "") -> dict[str, Any]:
 
 def read(cfg: Config) -> dict[str, Any] | None:
     """The broker's counts now (``parse``), summed over the nodes of an embedded cluster; None without a JMX port."""
-    from infra.broker import LIBS, java_binary, jmx_port_of
-
     if cfg.broker_jmx_port is None or not cfg.embedded_broker:
         return None
     total: dict[str, Counter[str]] = {"requests": Counter(), "produce_appends": Counter(), "fetch_reads": Counter()}

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import sys
 
+from bench import harness, killstorm
+from bench.experiments import figure14, figure14_pipeline, powerloss, soak
 from processors.frontend import cli
 
 
 def add_commands(bench, experiment) -> None:
     """The flags and handlers of the front end's ``bench`` and ``experiment`` parsers."""
-    from bench import harness, killstorm
-    from bench.experiments import figure14, figure14_pipeline
-
     harness.add_arguments(bench)
     bench.set_defaults(fn=cmd_bench)
     exp = experiment.add_subparsers(dest="experiment", required=True)
@@ -47,8 +46,6 @@ def add_commands(bench, experiment) -> None:
 
 
 def add_powerloss(exp) -> None:
-    from bench.experiments import powerloss
-
     sp = exp.add_parser("powerloss", help="a DC loses its power and gets it back: tasks stopped, then all running",
                         description="On a region of its own: every machine of dc1 loses its power (the Resource "
                                     "Broker's UnavailabilityStarted POWER, as `ropewalk machine power-loss` "
@@ -61,8 +58,6 @@ def add_powerloss(exp) -> None:
 
 
 def add_soak(exp) -> None:
-    from bench.experiments import soak
-
     sp = exp.add_parser("soak", help="simulated days of churn on a region; what stays bounded (RSS, disk, Redis)",
                         description="A soak on a region of its own (own broker, Redis, ports, run dir): D simulated "
                                     "days of churn (jobs submitted, resized, updated and stopped; machines failing "
@@ -76,32 +71,26 @@ def add_soak(exp) -> None:
 
 def cmd_bench(cfg, args) -> int:  # noqa: ARG001 - a region of its own (own ports and run dir): not the user's
     """The benchmark harness (bench/harness.py)."""
-    from bench import harness
-
     return harness.run_cli(args)
 
 
 def cmd_figure14(cfg, args) -> int:  # noqa: ARG001 - its own region (--pipeline) or none: not the user's
-    from bench.experiments import figure14, figure14_pipeline
 
     c = figure14.conditions(args)
     return figure14_pipeline.main(args, c) if args.pipeline else figure14.main(args, c)
 
 
 def cmd_killstorm(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
-    from bench import killstorm
 
     return killstorm.run_cli(args)
 
 
 def cmd_powerloss(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
-    from bench.experiments import powerloss
 
     return powerloss.run_cli(args)
 
 
 def cmd_soak(cfg, args) -> int:  # noqa: ARG001 - a region of its own: the user's is not touched
-    from bench.experiments import soak
 
     return soak.run_cli(args)
 

@@ -13,8 +13,9 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
+import resource
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -24,10 +25,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from infra import services
+from infra import acls, services
+from infra.acls import position_group
 from infra.config import Config
 from infra.process import ManagedProcess, free_port_block, free_ports, pid_alive, tie_regions_to_this_process
 from processors import controlplane
+from processors.resourcebroker.region import load_region
+from streams.topics import Topics, provision
 
 # Heartbeats of the simulated agents and the health check's silence timeout. `ropewalk up` beats every 2 s;
 # at 10,000+ machines on 2 cores that is 5,000+ records/s of background load that would starve the pipeline being
@@ -53,8 +57,6 @@ def heartbeat_interval_ms(machines: int) -> int:
 
 
 def region_dcs(region: Path) -> list[str]:
-    from processors.resourcebroker.region import load_region
-
     return [dc.name for dc in load_region(region).dcs]
 
 
@@ -131,10 +133,7 @@ class BenchEnv:
             for name, node in st["broker"].get("nodes", {}).items():  # a cluster: each node
                 if node.get("pid") and name not in self.pids:
                     self.pids[name] = node["pid"]
-            from confluent_kafka.admin import AdminClient
-
-            from infra import acls
-            from streams.topics import Topics, provision
+            from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - start-up cost: confluent_kafka.admin (~6 ms over what `ropewalk bench|experiment` load), only for a run
 
             admin = AdminClient({**self.cfg.kafka_conf(), "log_level": 0})
             provision(admin, Topics(self.cfg.topic_prefix, self.cfg.partitions),
@@ -221,9 +220,8 @@ class BenchEnv:
         registration's backlog): a job measured right after registration must not queue behind it. (The allocator
         folds the log without committing offsets; its index holding every machine is its catch-up.) False if
         ``deadline`` (monotonic) came first."""
-        from processors.scheduler.shard import APP_ID as SCHEDULER_APP
-        from streams import groups
-        from streams.topics import Topics
+        from processors.scheduler.shard import APP_ID as SCHEDULER_APP  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
+        from streams import groups  # noqa: PLC0415 - start-up cost: streams.groups (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
         catalogue = Topics(self.cfg.topic_prefix, self.cfg.partitions)
         topics = [catalogue.name(t) for t in ("machines", "unavailability")]
@@ -237,10 +235,8 @@ class BenchEnv:
         """Wait until the health check has read the ``machines`` topic to its end (the registration's backlog, which
         it folds after the allocator and the scheduler are ready: ~40 s of a core at 1,000,000 machines); its reader
         reports its position every ``POSITION_COMMIT_S``. False if ``deadline`` (monotonic) came first."""
-        from infra.acls import position_group
-        from processors.health.decide import PRODUCER as HEALTH
-        from streams import groups
-        from streams.topics import Topics
+        from processors.health.decide import PRODUCER as HEALTH  # noqa: PLC0415 - start-up cost: processors.health.decide (~13 ms over what `ropewalk bench|experiment` load), only for a run
+        from streams import groups  # noqa: PLC0415 - start-up cost: streams.groups (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
         topic = Topics(self.cfg.topic_prefix, self.cfg.partitions).name("machines")
         while time.monotonic() < deadline:
@@ -266,7 +262,6 @@ class BenchEnv:
         for name, pid in self.pids.items():
             if pid_alive(pid):
                 out[name] = peak_rss_kib(pid)
-        import resource
 
         out["harness"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         return out

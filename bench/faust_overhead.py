@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import multiprocessing
 import queue
 import sys
@@ -29,9 +30,18 @@ import time
 import uuid
 from pathlib import Path
 
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.env import BenchEnv  # noqa: E402
 from infra.config import Config  # noqa: E402
+from infra.credentials import aiokafka_kwargs  # noqa: E402
+from streams.clients import EventConsumer, EventProducer, consumer_conf  # noqa: E402
+from streams.deadletter import DeadLetters  # noqa: E402
+from streams.events import new_event  # noqa: E402
+from streams.serde import SchemaRegistry  # noqa: E402
+from streams.topics import Topics  # noqa: E402
 
 # Group timing for a quick first join (see streams/faustwire.py); equal for every faust variant.
 FAST_GROUP = {"broker_session_timeout": 2.0, "broker_heartbeat_interval": 0.5, "broker_rebalance_timeout": 2.0}
@@ -41,10 +51,6 @@ RECORD_BYTES = 200
 # -- the data ----------------------------------------------------------------------------------------------
 
 def produce(cfg: Config, n: int) -> dict:
-    from streams.clients import EventProducer
-    from streams.events import new_event
-    from streams.serde import SchemaRegistry
-
     registry = SchemaRegistry.from_dir()
     producer = EventProducer(cfg, registry, "bench")
 
@@ -68,12 +74,6 @@ def produce(cfg: Config, n: int) -> dict:
 # -- readers, each run in a fresh process -----------------------------------------------------------------
 
 def read_confluent(report, cfg: Config, n: int, decode: bool) -> None:
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-    from streams.clients import EventConsumer, consumer_conf
-    from streams.serde import SchemaRegistry
-    from streams.topics import Topics
-
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("intents")
     t_start = time.perf_counter()
     if decode:
@@ -95,11 +95,7 @@ def read_confluent(report, cfg: Config, n: int, decode: bool) -> None:
 
 
 def read_aiokafka(report, cfg: Config, n: int) -> None:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    from infra.credentials import aiokafka_kwargs
-
-    from streams.topics import Topics
+    from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load aiokafka (~100 ms)
 
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("intents")
 
@@ -141,7 +137,7 @@ async def body_noack(stream, tick, ctx):
 
 
 async def body_decoded(stream, tick, ctx):
-    from streams.faustwire import decoded
+    from streams.faustwire import decoded  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load faust (~400 ms)
 
     async for _record, _event in decoded(stream, ctx["registry"], ctx["dead_letters"], ctx["catalogue"],
                                          cfg=ctx["cfg"]):
@@ -165,21 +161,15 @@ BODIES = {"iterate": body_iterate, "take": body_take, "noack": body_noack, "deco
 
 
 def read_faust(report, cfg: Config, n: int, body: str, settings: dict, topic_options: dict) -> None:
-    import logging
-
     logging.basicConfig(level=logging.ERROR)
-    from streams.clients import EventProducer
-    from streams.deadletter import DeadLetters
-    from streams.faustwire import make_app, source_topic
-    from streams.serde import SchemaRegistry
-    from streams.topics import Topics
+    from streams.faustwire import make_app, source_topic  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load faust (~400 ms)
 
     registry = SchemaRegistry.from_dir()
     ctx = {"cfg": cfg, "registry": registry, "catalogue": Topics(cfg.topic_prefix, cfg.partitions),
            "dead_letters": DeadLetters(EventProducer(cfg, registry, "bench"), "bench")}
 
     async def run() -> None:
-        from streams.faustwire import FetchBatches
+        from streams.faustwire import FetchBatches  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load faust (~400 ms)
 
         app = make_app(cfg, f"bench-{uuid.uuid4().hex[:8]}", **{**FAST_GROUP, **settings})
         if body == "fetches":
@@ -286,8 +276,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--only", nargs="*", help="substrings of run names to run (default: all)")
     args = ap.parse_args(argv)
-
-    from bench.env import BenchEnv
 
     results = []
     with BenchEnv(partitions=args.partitions) as env:

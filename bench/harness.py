@@ -36,8 +36,16 @@ from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any, Callable
 
+import confluent_kafka
+
+from bench import identities
 from bench import workloads as w
 from bench.env import BenchEnv, cores, health_timeout_ms, heartbeat_interval_ms, sigterm_as_interrupt
+from infra.broker import KAFKA_VERSION
+from infra.config import check_brokers, embedded_replication_factor
+from processors.frontend.console import Progress
+from processors.resourcebroker.region import load_region
+from streams.serde import SchemaRegistry
 
 REQUIRED = ("machines", "cores", "raw_produce_per_s", "raw_consume_per_s", "alloc_jobs_per_s", "alloc_tasks_per_s",
             "alloc_p50_ms", "alloc_p99_ms", "cache_hit_ratio", "failover_p50_ms", "failover_p99_ms",
@@ -107,13 +115,11 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
         if not 1 <= n <= opts.partitions:
             raise ValueError(f"{flag}: expected from 1 to {opts.partitions} (the partitions: each owns one at least), "
                              f"got {n}")
-    from infra.config import check_brokers
 
     try:
         check_brokers(opts.brokers)
     except ValueError as exc:
         raise ValueError(f"--brokers: {exc}") from None
-    from streams.serde import SchemaRegistry
 
     t_start = time.monotonic()
     registry = SchemaRegistry.from_dir()
@@ -253,7 +259,6 @@ def run(opts: Options, progress: Callable[[str], None] | None = None) -> dict[st
         say(f"profile: the allocator handling {opts.profile_requests} requests, in-process")
         details["profile"] = w.profile_allocator(env, registry, opts.profile_requests)
         say("identities: sealing and checking proofs, per event, in-process")
-        from bench import identities
 
         ids = identities.measure(opts.identity_events)
         details["identities"] = ids
@@ -292,16 +297,13 @@ def _events_rate(obs, burst: dict) -> float | None:
 
 
 def _region_shape(env) -> dict:
-    from processors.resourcebroker.region import load_region
-
     spec = load_region(env.cfg.run_dir / "region.yaml")
     return {"dcs": len(spec.dcs), "msbs": sum(len(dc.msbs) for dc in spec.dcs),
             "racks": sum(dc.racks for dc in spec.dcs)}
 
 
 def _conditions(opts: Options, doc: dict, details: dict) -> dict:
-    import confluent_kafka
-    import redis as redis_py
+    import redis as redis_py  # noqa: PLC0415 - start-up cost: redis (~45 ms over what `ropewalk bench|experiment` load), only for a run's report
 
     versions = {"python": platform.python_version(), "confluent_kafka": confluent_kafka.__version__,
                 "librdkafka": confluent_kafka.libversion()[0], "redis_py": redis_py.__version__}
@@ -310,7 +312,6 @@ def _conditions(opts: Options, doc: dict, details: dict) -> dict:
             versions[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             versions[mod] = None
-    from infra.broker import KAFKA_VERSION
 
     versions["kafka (embedded broker)"] = KAFKA_VERSION
     return {"machines": opts.machines, "region": details.get("region"), "jobs": doc.get("jobs"),
@@ -325,8 +326,6 @@ def _conditions(opts: Options, doc: dict, details: dict) -> dict:
 
 
 def _nodes(brokers: int) -> str:
-    from infra.config import embedded_replication_factor
-
     return "one node" if brokers == 1 else f"{brokers} nodes, replication factor {embedded_replication_factor(brokers)}"
 
 
@@ -470,7 +469,6 @@ def run_cli(args) -> int:
     opts = options_for(args.machines, args.quick, burst_jobs=args.jobs, partitions=args.partitions,
                        replay_events=args.replay_events, keep=args.keep or None, schedulers=args.schedulers,
                        allocators=args.allocators, brokers=args.brokers)
-    from processors.frontend.console import Progress
 
     with sigterm_as_interrupt(), Progress(name="bench") as progress:  # each phase on stderr (console.Progress)
         doc = run(opts, progress)

@@ -18,6 +18,11 @@ import sys
 import time
 from typing import Any, Callable
 
+from processors.agent import decide as d
+from streams import auth
+from streams.events import new_event
+from streams.serde import SchemaRegistry
+
 HEARTBEATS_PER_S = 5_000  # 1,000,000 machines, one heartbeat each every 200 s (bench/env.py's setting at that size)
 
 
@@ -32,11 +37,6 @@ def _best_us(fn: Callable[[], Any], items: int, repeat: int) -> float:
 
 
 def measure(events: int = 20_000, repeat: int = 3) -> dict[str, Any]:
-    from processors.agent import decide as d
-    from streams import auth
-    from streams.events import new_event
-    from streams.serde import SchemaRegistry
-
     reg = SchemaRegistry.from_dir()
     msecret, csecret = os.urandom(32), os.urandom(32)
     machines = auth.MachineSigner(lambda m: auth.machine_key(msecret, m))

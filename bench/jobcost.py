@@ -25,11 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import workloads as w  # noqa: E402
 from bench import brokerstats  # noqa: E402
+from bench import workloads as w  # noqa: E402
 from bench.env import BenchEnv  # noqa: E402
 from bench.logcount import records_between, topic_ends  # noqa: E402
 from bench.observe import LogObserver  # noqa: E402
+from streams.partitionmap import routed_producer  # noqa: E402
+from streams.serde import SchemaRegistry  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args(argv)
-    from streams.partitionmap import routed_producer
-    from streams.serde import SchemaRegistry
 
     registry = SchemaRegistry.from_dir()
     out: dict = {"machines": args.machines, "jobs": args.jobs}

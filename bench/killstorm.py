@@ -53,8 +53,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from confluent_kafka import Consumer, TopicPartition
+
 if __package__ in (None, ""):  # run as a script: bench/killstorm.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.env import FAUST_ENV, BenchEnv, cores, sigterm_as_interrupt  # noqa: E402
+from infra import broker as embedded_kafka  # noqa: E402
+from infra import services, supervisor  # noqa: E402
+from processors import controlplane  # noqa: E402
+from processors.controlplane import scaled_name  # noqa: E402
+from processors.frontend.jobspec import validate_spec  # noqa: E402
+from processors.resourcebroker.decide import IllegalStatusTransition  # noqa: E402
+from streams import state  # noqa: E402
+from streams.clients import DeliveryError, EventProducer  # noqa: E402
+from streams.events import new_event  # noqa: E402
+from streams.retry import watermark_offsets  # noqa: E402
+from streams.serde import SchemaRegistry  # noqa: E402
+from streams.topics import Topics  # noqa: E402
 
 
 VICTIMS = ("allocator-0", "scheduler-0", "health", "resourcebroker", "agents", "agent-local", "redis")  # 1 and 1
@@ -66,8 +82,6 @@ POWER_OFF_S = 12.0  # a region-wide power loss: dark this long (longer than the 
 def victims(schedulers: int = 1, allocators: int = 1, broker_nodes: tuple[str, ...] = ()) -> tuple[str, ...]:
     """What a storm kills: every allocator and scheduler shard of the region, its other workers of ``VICTIMS``, and
     the embedded broker's nodes when it has several (``broker_nodes``: a cluster of 3 survives any one)."""
-    from processors.controlplane import scaled_name
-
     return (*(scaled_name("allocator", i) for i in range(allocators)),
             *(scaled_name("scheduler", i) for i in range(schedulers)),
             *(v for v in VICTIMS if not v.startswith(("allocator-", "scheduler-"))), *broker_nodes)
@@ -116,9 +130,6 @@ class Workload:
 
 class Storm:
     def __init__(self, env, opts: Options, say: Callable[[str], None]):
-        from streams.clients import EventProducer
-        from streams.serde import SchemaRegistry
-
         self.env, self.cfg, self.opts, self.say = env, env.cfg, opts, say
         self.registry = SchemaRegistry.from_dir()
         self.producer = EventProducer(self.cfg, self.registry, PRODUCER)
@@ -130,7 +141,6 @@ class Storm:
         self.power_losses: list[dict] = []
         self.order: list[str] = []  # victims left in this round
         self.machine_ids: list[str] = []
-        from infra import broker as embedded_kafka
 
         nodes = tuple(embedded_kafka.node_names(self.cfg)) if opts.brokers > 1 else ()
         self.victims = victims(opts.schedulers, opts.allocators, nodes)
@@ -139,9 +149,6 @@ class Storm:
     def send(self, type_: str, payload: dict, entitlement: str, entity: str) -> None:
         """Produce one event of the workload, sent again (the same event: readers take it once) while the log does
         not take it (a broker away, a leader moving): a user would retry, and the workload must not be lost."""
-        from streams.clients import DeliveryError
-        from streams.events import new_event
-
         ev = new_event(type_, payload, entitlement=entitlement, entity_id=entity, producer=PRODUCER)
         for attempt in range(10):
             try:
@@ -160,8 +167,6 @@ class Storm:
                                              "dc_pin": None, "host_profile": None}, e, e)
 
     def submit(self) -> None:
-        from processors.frontend.jobspec import validate_spec
-
         w = self.work
         w.serial += 1
         ent = w.rng.choice(w.entitlements)
@@ -193,7 +198,7 @@ class Storm:
         w.counts["resizes"] += 1
 
     def fail_machine(self, now: float) -> None:
-        from processors.resourcebroker.processor import fail_machine
+        from processors.resourcebroker.processor import fail_machine  # noqa: PLC0415 - start-up cost: processors.resourcebroker.processor (~16 ms over what `ropewalk bench|experiment` load), only for a run
 
         w = self.work
         up = [m for m in self.machine_ids if m not in w.failed]
@@ -205,9 +210,7 @@ class Storm:
             w.counts["machine_failures"] += 1
 
     def recover_due(self, now: float, *, all_: bool = False) -> None:
-        from processors.resourcebroker.processor import recover_machine
-
-        from processors.resourcebroker.decide import IllegalStatusTransition
+        from processors.resourcebroker.processor import recover_machine  # noqa: PLC0415 - start-up cost: processors.resourcebroker.processor (~16 ms over what `ropewalk bench|experiment` load), only for a run
 
         for m, at in list(self.work.failed.items()):
             if all_ or at <= now:
@@ -220,8 +223,6 @@ class Storm:
 
     # -- the kills ---------------------------------------------------------------------------------------------
     def kill_one(self, t0: float) -> dict | None:
-        from infra import supervisor
-
         running = {n: s["pid"] for n, s in supervisor.programs_state(self.cfg.run_dir).items()
                    if n in self.victims and s["running"] and s["pid"] and self.may_hit(n)}
         if not running:
@@ -245,9 +246,6 @@ class Storm:
         """Whether ``victim`` may be killed or paused now: anything but a broker node, and a broker node only while
         every other node runs, none is paused and no partition is short of a replica (a cluster of 3 with
         ``min.insync.replicas`` 2 survives the loss of one node, not of two at once)."""
-        from infra import broker as embedded_kafka
-        from infra import services, supervisor
-
         nodes = embedded_kafka.node_names(self.cfg) if self.opts.brokers > 1 else []
         if victim not in nodes:
             return True
@@ -262,8 +260,6 @@ class Storm:
         """SIGSTOP a control-plane process (a shard, an allocator, the health check, the Resource Broker, a broker
         node) for ``pause_s``: it wakes up stale (its partitions another's, its fence raised, its leadership moved),
         which is what the fences are for. SIGCONT comes from ``wake_due``."""
-        from infra import supervisor
-
         running = {n: s["pid"] for n, s in supervisor.programs_state(self.cfg.run_dir).items()
                    if n in self.victims and n.startswith(PAUSED) and s["running"] and s["pid"]
                    and s["pid"] not in self.paused and self.may_hit(n)}
@@ -294,10 +290,6 @@ class Storm:
         """Every process of the region SIGKILLed at once — the brokers, Redis, the supervisor, every worker, the
         agents and the process agent's tasks — dark for ``POWER_OFF_S``, then up again as `ropewalk up` brings it up
         (the services, then the control plane with the same counts)."""
-        from bench.env import FAUST_ENV
-        from infra import services
-        from processors import controlplane
-
         self.wake_due(0.0, all_=True)
         at = time.monotonic()
         pids = services.power_off(self.cfg)  # kills every process and waits until they are gone
@@ -313,9 +305,6 @@ class Storm:
 
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        from bench.env import FAUST_ENV, cores
-        from processors import controlplane
-
         opts, say = self.opts, self.say
         t_start = time.monotonic()
         region = controlplane.up(self.cfg, opts.machines, ready_timeout_s=180.0, env=dict(FAUST_ENV),
@@ -388,9 +377,6 @@ class Storm:
         return doc
 
     def wait_converged(self, timeout_s: float) -> dict[str, Any]:
-        from infra import supervisor
-        from streams import state
-
         deadline = time.monotonic() + timeout_s
         bad: list[str] = []
         while time.monotonic() < deadline:
@@ -427,7 +413,7 @@ def why_not(doc: dict[str, Any], kills: int) -> list[str]:
 
 
 def machine_ids(cfg) -> list[str]:
-    from processors.allocator.index import MachineIndex
+    from processors.allocator.index import MachineIndex  # noqa: PLC0415 - start-up cost: processors.allocator.index loads redis (~180 ms over what `ropewalk bench|experiment` load), only for a run
 
     r = cfg.redis_client()  # a scan: the operator's (a read-only user may not: infra/credentials.py)
     try:
@@ -453,11 +439,6 @@ def not_converged(jobs: dict, work: Workload) -> list[str]:
 
 def settle(cfg, quiet_s: float = 3.0, timeout_s: float = 60.0) -> None:
     """Until the allocations topic has not grown for ``quiet_s`` (the allocator is idle), at most ``timeout_s``."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    from streams.retry import watermark_offsets
-    from streams.topics import Topics
-
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("allocations")
     c = Consumer({**cfg.kafka_conf(), "group.id": "killstorm-settle", "log_level": 0})
     try:
@@ -474,8 +455,6 @@ def settle(cfg, quiet_s: float = 3.0, timeout_s: float = 60.0) -> None:
 
 
 def restarts_by_program(run_dir: Path) -> dict[str, int]:
-    from infra import supervisor
-
     try:
         lines = (Path(run_dir) / supervisor.RESTARTS_FILE).read_text().splitlines()
     except OSError:
@@ -487,8 +466,6 @@ def restarts_by_program(run_dir: Path) -> dict[str, int]:
 
 def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
     """The counts of ``COUNTS`` (and what they were counted from), from a replay of the log and from Redis."""
-    from streams import state
-
     jobs = state.current(cfg, registry, "jobs")
     lost = not_converged(jobs, work)
     doc = replay_checks(cfg, registry)
@@ -511,7 +488,7 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
     ``tasks_placed_twice``, ``tasks_started_twice`` (more START commands of a task, by distinct events, than
     placements of it: a decision made twice under two ids), ``tasks_running_twice``, ``machines_overcommitted``,
     ``quota_breaches``, and the counts they come from. Shared by the kill storm and the scale-out tests."""
-    from streams.replay import Replay, ReplayFilter
+    from streams.replay import Replay, ReplayFilter  # noqa: PLC0415 - start-up cost: streams.replay (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
     seen: dict[str, str] = {}  # event id -> its payload, as JSON
     conflicting = duplicates = 0
@@ -635,7 +612,7 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
 
 
 def check_redis(cfg, r, quota: dict[str, int]) -> dict[str, Any]:
-    from processors.allocator.index import MachineIndex, text
+    from processors.allocator.index import MachineIndex, text  # noqa: PLC0415 - start-up cost: processors.allocator.index loads redis (~180 ms over what `ropewalk bench|experiment` load), only for a run
 
     index = MachineIndex(r, cfg.topic_prefix)
     machines = index.machines(index.machine_ids())
@@ -675,8 +652,8 @@ def redis_caught_up(cfg, registry, r, timeout_s: float = 90.0) -> tuple[list[str
 def redis_differences(cfg, registry, r) -> list[str]:
     """The keys where the live index and a rebuild of it from the log (scratch keys, not swapped in) differ: none
     when Redis holds exactly the projection of the log."""
-    from processors.allocator.index import MachineIndex
-    from processors.allocator.rebuild import Rebuild, index_state
+    from processors.allocator.index import MachineIndex  # noqa: PLC0415 - start-up cost: processors.allocator.index loads redis (~180 ms over what `ropewalk bench|experiment` load), only for a run
+    from processors.allocator.rebuild import Rebuild, index_state  # noqa: PLC0415 - start-up cost: processors.allocator.rebuild (~480 ms over what `ropewalk bench|experiment` load), only for a run
 
     rb = Rebuild(cfg, registry, r)
     try:
@@ -693,8 +670,6 @@ def redis_differences(cfg, registry, r) -> list[str]:
 # -- the command -------------------------------------------------------------------------------------------------
 
 def run(opts: Options, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    from bench.env import BenchEnv, sigterm_as_interrupt
-
     t0 = time.monotonic()
     with sigterm_as_interrupt(), BenchEnv(opts.partitions, keep=opts.keep, brokers=opts.brokers) as env:
         doc = Storm(env, opts, say).run()

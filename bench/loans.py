@@ -22,8 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from processors.resourcebroker.loans_view import p99
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
+
+from regioncli import RegionCli  # noqa: E402 - tests/integration/regioncli.py, on the path just above
 
 SPEC = """name: {name}
 entitlement: {ent}
@@ -35,8 +39,6 @@ spread: rack
 
 
 def one_round(run: Path, machines: int, notice_ms: int) -> dict:
-    from regioncli import RegionCli
-
     cli = RegionCli(run, ROPEWALK_LOANS_COOLDOWN_MS="5000")
     t0 = time.monotonic()
     up = cli("up", "--machines", str(machines), "--no-demo", "--json")
@@ -71,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notice-ms", type=int, default=5000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    from processors.resourcebroker.loans_view import p99
 
     rounds = []
     for i in range(args.rounds):

@@ -27,7 +27,7 @@ from infra.config import Config
 from streams.clients import EventConsumer, EventProducer, producer_conf
 from streams.events import new_event
 from streams.serde import SchemaRegistry
-from streams.topics import Topics, provision
+from streams.topics import Topics, min_insync_replicas, provision
 
 
 def events(n: int, entitlements: int = 100):
@@ -111,7 +111,6 @@ def measure(n: int, brokers: int) -> dict[str, float]:
         rows.append(("consume EventConsumer (decode+checks)", n / (time.perf_counter() - t0)))
         ec.close()
         raw_p = rows[0][1]
-        from streams.topics import min_insync_replicas
 
         rf = cfg.replication_factor or 1
         load_after = os.getloadavg()

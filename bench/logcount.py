@@ -12,7 +12,10 @@ import time
 from collections import Counter
 from typing import Any
 
+from confluent_kafka import Consumer, TopicPartition
+
 from infra.config import Config
+from streams.clients import PRODUCER_HEADER, TYPE_HEADER, consumer_conf, header
 
 BACKGROUND = frozenset({"heartbeats"})  # topics written at a fixed rate, not per job
 READ_TIMEOUT_S = 120.0
@@ -20,10 +23,6 @@ READ_TIMEOUT_S = 120.0
 
 def topic_ends(cfg: Config) -> dict[tuple[str, int], int]:
     """The end offset of every partition of every topic of the region (its prefix: faust's changelogs included)."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    from streams.clients import consumer_conf
-
     c = Consumer(consumer_conf(cfg, None))
     try:
         md = c.list_topics(timeout=10)
@@ -39,10 +38,6 @@ def records_between(cfg: Config, before: dict[tuple[str, int], int], after: dict
     producer (``"<topic> <- <producer>"``), by producer and type, in all (``total``, heartbeats left out) and the
     heartbeats (``background``). Read back from the log. With ``since_ms`` (a phase's start, epoch ms), also the
     ``timeline``: per producer and type, the log times of its first and last record, in ms after it."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    from streams.clients import PRODUCER_HEADER, TYPE_HEADER, consumer_conf, header
-
     todo = {tp: (before.get(tp, 0), end) for tp, end in after.items() if end > before.get(tp, 0)}
     by_topic: Counter[tuple[str, str]] = Counter()
     by_type: Counter[tuple[str, str]] = Counter()

@@ -26,8 +26,8 @@ from processors.rebalancer import solver as s  # noqa: E402
 
 def highs_solve(scope: s.Scope, goals: s.Goals) -> dict:  # noqa: C901
     try:
-        import highspy
-        import numpy as np
+        import highspy  # noqa: PLC0415 - optional dependency: highspy (not a dependency of the project; the script says how to install it)
+        import numpy as np  # noqa: PLC0415 - optional dependency: numpy, with highspy
     except ImportError:
         raise SystemExit("bench/rebalance_highs.py needs highspy: .venv/bin/python -m pip install highspy==1.16.0")
     t0 = time.monotonic()

@@ -29,9 +29,15 @@ import sys
 import time
 from typing import Any
 
+from confluent_kafka import Consumer, TopicPartition
+
 from bench import workloads as w
 from bench.env import BenchEnv, cores, health_timeout_ms, heartbeat_interval_ms, sigterm_as_interrupt
 from bench.observe import LogObserver
+from streams.clients import consumer_conf
+from streams.partitionmap import routed_producer
+from streams.serde import SchemaRegistry
+from streams.topics import Topics
 
 PROBE_TASKS = 10
 PROBE_ENTITLEMENT = "startup-e0"
@@ -39,11 +45,6 @@ PROBE_ENTITLEMENT = "startup-e0"
 
 def _heartbeats_on_log(cfg) -> int:
     """Records on ``heartbeats`` (end offsets summed): what the agents produced so far."""
-    from confluent_kafka import Consumer, TopicPartition
-
-    from streams.clients import consumer_conf
-    from streams.topics import Topics
-
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("heartbeats")
     c = Consumer(consumer_conf(cfg, None))
     try:
@@ -70,9 +71,6 @@ def _cpu(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
 
 
 def run(machines: int, steady_s: float, keep: bool, partitions: int, say) -> dict[str, Any]:
-    from streams.partitionmap import routed_producer
-    from streams.serde import SchemaRegistry
-
     registry = SchemaRegistry.from_dir()
     doc: dict[str, Any] = {"machines": machines, "cores": cores(), "partitions": partitions,
                            "heartbeat_interval_ms": heartbeat_interval_ms(machines),

@@ -72,9 +72,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
+
+import confluent_kafka
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
@@ -84,6 +89,7 @@ from infra.broker import KAFKA_VERSION  # noqa: E402
 from infra.config import Config  # noqa: E402
 from infra.credentials import aiokafka_kwargs  # noqa: E402
 from infra.process import free_ports  # noqa: E402
+from streams.clients import producer_conf  # noqa: E402
 
 PARTITIONS = 8
 KEY_BYTES = 8  # f"{i:08d}": every input record's key is distinct, so duplicates can be counted
@@ -120,8 +126,6 @@ def produce_one(producer, topic: str, key: bytes, value: bytes, **kwargs) -> Non
 
 
 def create_topics(cfg: Config, names: list[str], partitions: int = PARTITIONS) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
     admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
     for fut in admin.create_topics([NewTopic(n, partitions, 1) for n in names]).values():
         fut.result(30)
@@ -129,8 +133,6 @@ def create_topics(cfg: Config, names: list[str], partitions: int = PARTITIONS) -
 
 def end_offsets(cfg: Config, topic: str, partitions: int = PARTITIONS) -> int:
     """Sum of the high watermarks of `topic`: records plus control records (transaction markers)."""
-    from confluent_kafka import Consumer, TopicPartition
-
     c = Consumer(consumer_conf(cfg, "bench-watermarks"))
     try:
         return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions))
@@ -142,10 +144,6 @@ def end_offsets(cfg: Config, topic: str, partitions: int = PARTITIONS) -> int:
 
 def raw_produce(cfg: Config, topic: str, n: int) -> float:
     """Produce the N input records with the project's producer settings; records/s up to the last ack."""
-    from confluent_kafka import Producer
-
-    from streams.clients import producer_conf
-
     p = Producer(producer_conf(cfg))
     # Warm-up outside the clock, to another topic: metadata, connection, the idempotent producer id, and the
     # broker's JIT (a JVM started seconds ago is measurably slower on its first tens of thousands of records).
@@ -168,8 +166,6 @@ def raw_produce(cfg: Config, topic: str, n: int) -> float:
 def raw_consume(cfg: Config, topic: str, n: int) -> float:
     """Read the N input records in assign mode, bytes only; records/s from the moment the first records were
     in hand, as the loops are timed (connection and offset look-up are left out)."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
     c = Consumer(consumer_conf(cfg, "bench-raw"))
     c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
     got = 0
@@ -190,10 +186,6 @@ def ctp_confluent(report, stop, cfg: Config, src: str, dst: str, group: str, bat
                   transactional: bool, producer_extra: dict | None = None) -> None:
     """The confluent consume-transform-produce loop. Stops after `limit` records (None: when told to).
     `producer_extra` is added to the producer's configuration."""
-    from confluent_kafka import Consumer, KafkaException, Producer
-
-    from streams.clients import producer_conf
-
     consumer = Consumer(consumer_conf(cfg, group, **({"isolation.level": "read_committed"} if transactional else {})))
     consumer.subscribe([src], on_assign=lambda _c, parts: report({"kind": "assigned", "t": now(),
                                                                     "partitions": len(parts)}))
@@ -276,7 +268,7 @@ def ctp_faust(report, stop, cfg: Config, src: str, dst: str, app_id: str, guaran
     logging.getLogger().addHandler(logs)
     logging.getLogger().setLevel(logging.WARNING)
 
-    from streams.faustwire import make_app
+    from streams.faustwire import make_app  # noqa: PLC0415 - each variant runs in a spawned interpreter that imports this module: a confluent loop does not load faust (~400 ms, counted in its join_s)
 
     async def run() -> None:
         app = make_app(cfg, app_id, processing_guarantee=guarantee, **FAST_GROUP)
@@ -319,7 +311,6 @@ def ctp_faust(report, stop, cfg: Config, src: str, dst: str, app_id: str, guaran
     asyncio.run(run())
     # Past the event loop's own shutdown (its tasks cancelled, its executor joined): what could still keep
     # the process from exiting are other threads.
-    import threading
 
     report({"kind": "loop_closed", "t": now(),
             "threads": sorted(f"{t.name} ({type(t).__module__}.{type(t).__qualname__}"
@@ -400,8 +391,6 @@ class Reader:
     from its beginning. Counts outputs by key (distinct and total)."""
 
     def __init__(self, cfg: Config, topic: str):
-        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
         self.consumer = Consumer(consumer_conf(cfg, "bench-reader", **{"isolation.level": "read_committed",
                                                                        "fetch.wait.max.ms": 10}))
         self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
@@ -490,10 +479,6 @@ def run_loop(cfg: Config, name: str, fn, args: tuple, dst: str, expect: int, tim
 def run_latency(cfg: Config, name: str, prefix: str, transactional: bool, samples: int,
                 producer_extra: dict | None = None) -> dict:
     """One record at a time through a B=1 confluent loop: produced here -> output visible here."""
-    from confluent_kafka import Producer
-
-    from streams.clients import producer_conf
-
     print(f"  {name} ...", file=sys.stderr, flush=True)
     src, dst = f"{prefix}lat-in", f"{prefix}lat-out"
     create_topics(cfg, [src, dst])
@@ -546,8 +531,6 @@ def pct(sorted_values: list[float], q: float) -> float:
 
 def read_partition_confluent(cfg: Config, topic: str, isolation: str) -> list[str]:
     """Every record of partition 0 up to its end (read_committed: up to the last stable offset)."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
-
     c = Consumer(consumer_conf(cfg, "bench-check", **{"isolation.level": isolation,
                                                       "enable.partition.eof": True}))
     c.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
@@ -569,7 +552,7 @@ def read_partition_confluent(cfg: Config, topic: str, isolation: str) -> list[st
 
 
 def read_partition_aiokafka(cfg: Config, topic: str, isolation: str) -> list[str]:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: PLC0415 - each variant runs in a spawned interpreter that imports this module: a confluent loop does not load aiokafka (~100 ms)
 
     async def run() -> list[str]:
         c = AIOKafkaConsumer(bootstrap_servers=cfg.bootstrap_servers, isolation_level=isolation, **aiokafka_kwargs(cfg),
@@ -597,10 +580,6 @@ def read_partition_aiokafka(cfg: Config, topic: str, isolation: str) -> list[str
 def check_transactions(cfg: Config, prefix: str) -> dict:
     """(a) aborted records: invisible to read_committed, visible to read_uncommitted, for both clients;
     (b) the offsets one committed transaction of 10 records to one partition occupies."""
-    from confluent_kafka import Consumer, Producer, TopicPartition
-
-    from streams.clients import producer_conf
-
     print("  correctness checks ...", file=sys.stderr, flush=True)
     aborted_topic, offsets_topic = f"{prefix}check-abort", f"{prefix}check-offsets"
     create_topics(cfg, [aborted_topic, offsets_topic], partitions=1)
@@ -648,9 +627,8 @@ def check_transactions(cfg: Config, prefix: str) -> dict:
 # -- the run ----------------------------------------------------------------------------------------------------
 
 def versions() -> dict:
-    import aiokafka
-    import confluent_kafka
-    import faust
+    import aiokafka  # noqa: PLC0415 - each variant runs in a spawned interpreter that imports this module: a confluent loop does not load aiokafka (~100 ms)
+    import faust  # noqa: PLC0415 - each variant runs in a spawned interpreter that imports this module: a confluent loop does not load faust (~400 ms)
 
     try:
         java = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=30).stderr

@@ -16,6 +16,8 @@ every pipeline rate is reported against.
 """
 from __future__ import annotations
 
+import cProfile
+import pstats
 import random
 import statistics
 import time
@@ -26,13 +28,17 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 
 from bench import brokerstats, logcount
 from bench.observe import LogObserver
-from infra.config import Config
+from infra.config import PROJECT_ROOT, Config
+from infra.trust import simulated_signer
 from processors.frontend.jobspec import validate_spec
-from streams.clients import EventProducer, consumer_conf, producer_conf
+from processors.frontend.service import Frontend
+from processors.resourcebroker import decide as broker
+from processors.resourcebroker.region import iter_machines, load_region
+from streams.clients import EventProducer, Record, consumer_conf, producer_conf
 from streams.events import new_event
 from streams.partitionmap import routed_producer
 from streams.serde import SchemaRegistry
-from streams.topics import Topics, provision
+from streams.topics import CATALOGUE, Topics, provision
 
 PRODUCER = "bench"
 TASKS_MIN, TASKS_MAX = 12, 60  # tasks per job, uniform: 36 on average
@@ -69,8 +75,6 @@ def create_entitlements(cfg: Config, registry: SchemaRegistry, names: list[str],
     members own every partition (at most ``wait_s``: a shard that joins late would otherwise find the entitlements
     placed on the others). Returns where each went (``partitions``: name -> partition) and the shards' partitions
     the front end saw before (``shards``; empty: it placed by partition alone)."""
-    from processors.frontend.service import Frontend
-
     producer = EventProducer(cfg, registry, PRODUCER)
     try:
         front = Frontend(cfg, registry, producer=PRODUCER, events=producer)
@@ -125,7 +129,7 @@ def allocator_counters(redis_client, prefix: str) -> dict[str, int] | None:
     published none."""
     if not redis_client.exists(f"{prefix}metrics:allocator"):
         return None
-    from processors.allocator.processor import allocator_metrics
+    from processors.allocator.processor import allocator_metrics  # noqa: PLC0415 - start-up cost: processors.allocator.processor (~350 ms over what `ropewalk bench|experiment` load), only for a run
 
     got = allocator_metrics(redis_client, prefix)
     return {k: int(got.get(k) or 0) for k in COUNTERS}
@@ -295,8 +299,6 @@ def allocation(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int
 
 
 def _region_machines(env) -> list[str]:
-    from processors.resourcebroker.region import iter_machines, load_region
-
     return [m.id for m in iter_machines(load_region(env.cfg.run_dir / "region.yaml"))]
 
 
@@ -318,8 +320,7 @@ def failover(env, registry: SchemaRegistry, obs: LogObserver, *, machines: int, 
              seed: int = 11, timeout_s: float = 300.0) -> dict[str, Any]:
     """Workload 2: fail ``fraction`` of the machines at once, drawn uniformly at random over the region (seeded);
     if none of them runs a task, one drawn machine is swapped for a machine that does."""
-    from processors.resourcebroker import decide as broker
-    from processors.resourcebroker.processor import fold_machines, produce
+    from processors.resourcebroker.processor import fold_machines, produce  # noqa: PLC0415 - start-up cost: processors.resourcebroker.processor (~16 ms over what `ropewalk bench|experiment` load), only for a run
 
     rng = random.Random(seed)
     n_fail = max(1, round(machines * fraction))
@@ -420,7 +421,7 @@ def raw_rates(cfg: Config, records: int, record_bytes: int, repeat: int = 2) -> 
     """confluent-kafka produce then consume of ``records`` records of ``record_bytes`` (key included) on a topic of
     the configured partition count, with Ropewalk's producer settings (idempotent, acks=all, murmur2); the best
     of ``repeat`` runs of each (the machine may be shared: noise only slows a run down)."""
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient, NewTopic  # noqa: PLC0415 - start-up cost: confluent_kafka.admin (~6 ms over what `ropewalk bench|experiment` load), only for a run
 
     admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
     keys = [f"bench-e{i}".encode() for i in range(100)]
@@ -476,7 +477,7 @@ def redis_used_memory(redis_client) -> int:
 
 def rebuild(env, registry: SchemaRegistry) -> dict[str, Any]:
     """Workload 3a: every Redis index rebuilt from the log (the allocator must be stopped)."""
-    from processors.allocator.rebuild import rebuild_index
+    from processors.allocator.rebuild import rebuild_index  # noqa: PLC0415 - start-up cost: processors.allocator.rebuild (~480 ms over what `ropewalk bench|experiment` load), only for a run
 
     t0 = time.monotonic()
     st = rebuild_index(env.cfg, registry)
@@ -489,8 +490,6 @@ def rebuild(env, registry: SchemaRegistry) -> dict[str, Any]:
 
 def log_size(cfg: Config) -> int:
     """Records in every data topic (listed end offsets)."""
-    from streams.topics import CATALOGUE
-
     names = Topics(cfg.topic_prefix, cfg.partitions)
     c = Consumer(consumer_conf(cfg, None))
     try:
@@ -514,8 +513,6 @@ def pad_log(cfg: Config, registry: SchemaRegistry, n: int, templates: int = 1000
     """Append ``n`` TaskStateChanged events of 100 other entitlements to ``tasks`` (``templates`` distinct events
     encoded once, each sealed as its machine's report, and produced raw, keyed as the catalogue says); seconds
     taken. Sealed as the agents seal theirs (streams/auth.py): the replay checks every one, as it would a real log's."""
-    from infra.trust import simulated_signer
-
     signer = simulated_signer(cfg)
     version = registry.reader("TaskStateChanged").version
     events = []
@@ -550,7 +547,7 @@ def pad_log(cfg: Config, registry: SchemaRegistry, n: int, templates: int = 1000
 def replay_audit(env, registry: SchemaRegistry, job: str, entitlement: str, target_events: int) -> dict[str, Any]:
     """Workload 3b: the log padded to ``target_events``, then ``ropewalk replay --job JOB`` (every record examined)
     and the same narrowed by ``--entitlement`` (one partition per co-partitioned topic)."""
-    from streams.replay import ReplayFilter, replay
+    from streams.replay import ReplayFilter, replay  # noqa: PLC0415 - start-up cost: streams.replay (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
     before = log_size(env.cfg)
     pad = max(0, target_events - before)
@@ -570,9 +567,9 @@ def replay_audit(env, registry: SchemaRegistry, job: str, entitlement: str, targ
 def faust_overhead(env, records: int) -> dict[str, Any]:
     """Workload 5: ``bench/faust_overhead.py``'s trivial faust agent and raw aiokafka ``getmany`` reading the same
     ``records`` records (~200 bytes) of one topic, each in a fresh process."""
-    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - start-up cost: confluent_kafka.admin (~6 ms over what `ropewalk bench|experiment` load), only for a run
 
-    from bench import faust_overhead as fo
+    from bench import faust_overhead as fo  # noqa: PLC0415 - start-up cost: bench.faust_overhead (~9 ms over what `ropewalk bench|experiment` load: multiprocessing), only for workload 5
 
     cfg = env.cfg.with_(topic_prefix=env.cfg.topic_prefix + "faust.")
     provision(AdminClient({**cfg.kafka_conf(), "log_level": 0}),
@@ -595,11 +592,7 @@ def profile_allocator(env, registry: SchemaRegistry, requests: int, seed: int = 
     one: placement on the fold, the Redis commit, producing the decision), in this process, on a fold of the
     region's log made first (``Allocator.catch_up``, timed: ``fold_s``). The requests are drawn like the allocation
     workload's jobs (same entitlements, shapes and DC requirements)."""
-    import cProfile
-    import pstats
-
-    from processors.allocator.processor import Allocator
-    from streams.clients import Record
+    from processors.allocator.processor import Allocator  # noqa: PLC0415 - start-up cost: processors.allocator.processor (~350 ms over what `ropewalk bench|experiment` load), only for --profile
 
     r = env.redis()
     producer = EventProducer(env.cfg, registry, "allocator")
@@ -662,8 +655,6 @@ def profile_allocator(env, registry: SchemaRegistry, requests: int, seed: int = 
 
 
 def _short(filename: str) -> str:
-    from infra.config import PROJECT_ROOT
-
     root = str(PROJECT_ROOT) + "/"
     if filename.startswith(root):
         return filename[len(root):]

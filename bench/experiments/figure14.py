@@ -27,7 +27,9 @@ from __future__ import annotations
 import heapq
 import json
 import random
+import sys
 import textwrap
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -456,11 +458,11 @@ def table(result: Result) -> Iterator[str]:
 def write_png(result: Result, path: str) -> None:
     """The two panels of Figure 14 with matplotlib (an optional dependency: ``pip install .[plot]``)."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional dependency: matplotlib (the plot extra) only for the PNG; the rest works without it
     except ImportError:
         raise RuntimeError("--png needs matplotlib (pip install 'ropewalk[plot]'); not installed") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency: matplotlib (the plot extra) only for the PNG; the rest works without it
 
     rows, c, totals = result.rows, result.conditions, result.totals()
     t = [r["t_s"] for r in rows]
@@ -521,9 +523,6 @@ def conditions(args) -> Conditions:
 
 def main(args, c: Conditions) -> int:
     """``ropewalk experiment figure14`` without ``--pipeline``: the simulation under ``c``, printed."""
-    import sys
-    import time
-
     t0 = time.monotonic()
     result = run(c)
     wall = time.monotonic() - t0

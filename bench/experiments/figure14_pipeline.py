@@ -53,12 +53,19 @@ from typing import Any
 
 import yaml
 
+from bench.env import BenchEnv, sigterm_as_interrupt
 from bench.experiments import figure14 as sim
 from bench.experiments.figure14 import CONTROLLER, ENT, JOB, Conditions, Result
 from processors import controlplane
+from processors.frontend.jobspec import validate_spec
+from processors.resourcebroker import decide as broker
+from processors.resourcebroker.region import iter_machines, parse_region
 from streams import batches
+from streams.clients import EventConsumer, EventProducer
 from streams.enums import TaskCommand
-from streams.events import Event
+from streams.events import Event, new_event
+from streams.serde import SchemaRegistry
+from streams.topics import Topics
 
 MODE = ("real pipeline: broker, Redis, Resource Broker, allocator, scheduler shard, health and the ReplicaAware "
         "TaskController as processes; simulated agents; counted from the replayed log")
@@ -291,9 +298,6 @@ class _Follower:
     which tasks the scheduler has read running (its ServiceDiscoveryChanged enabling them)."""
 
     def __init__(self, cfg, registry):
-        from streams.clients import EventConsumer
-        from streams.topics import Topics
-
         self.consumer = EventConsumer(cfg, registry, [Topics(cfg.topic_prefix, cfg.partitions).name("tasks")],
                                       name="figure14-follower")
         self.running: dict[str, int] = {}
@@ -324,15 +328,8 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
     """Run the experiment on a region of its own; the Result (curves, totals) and details of the run. With
     ``events_out``, the replayed events the counting read are written there, one JSON line each, in the order
     counted (so the curves can be recomputed, and audited, after the embedded broker is gone)."""
-    from bench.env import BenchEnv
-    from processors.agent.simulated import SimulatedAgents
-    from processors.frontend.jobspec import validate_spec
-    from processors.resourcebroker import decide as broker
-    from processors.resourcebroker.processor import fold_machines
-    from processors.resourcebroker.region import iter_machines, parse_region
-    from streams.clients import EventProducer
-    from streams.events import new_event
-    from streams.serde import SchemaRegistry
+    from processors.agent.simulated import SimulatedAgents  # noqa: PLC0415 - start-up cost: processors.agent.simulated (~27 ms over what `ropewalk bench|experiment` load), only for --pipeline
+    from processors.resourcebroker.processor import fold_machines  # noqa: PLC0415 - start-up cost: processors.resourcebroker.processor (~16 ms over what `ropewalk bench|experiment` load), only for a run
 
     c = pc.base
     registry = SchemaRegistry.from_dir()
@@ -461,7 +458,7 @@ def run(pc: PipelineConditions, progress=lambda msg: None, events_out: Path | No
 
 def read_log(cfg, registry) -> list[Event]:
     """The experiment's events of ``LOG_TOPICS`` replayed from the log, merged in time order."""
-    from streams.replay import ReplayFilter, replay
+    from streams.replay import ReplayFilter, replay  # noqa: PLC0415 - start-up cost: streams.replay (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
     by_partition: dict[tuple[str, int], list[Event]] = {}
     for rec in replay(cfg, registry, ReplayFilter(entitlement=ENT, topics=LOG_TOPICS)):
@@ -505,7 +502,6 @@ def main(args, c: Conditions) -> int:
     """``ropewalk experiment figure14 --pipeline``: the experiment under ``c`` on the pipeline, printed."""
     pc = PipelineConditions(base=c, time_scale=args.time_scale)
     say = (lambda msg: print(f"figure14: {msg}", file=sys.stderr, flush=True)) if not args.json else (lambda m: None)
-    from bench.env import sigterm_as_interrupt
 
     t0 = time.monotonic()
     with sigterm_as_interrupt():  # `kill` stops the region's processes too

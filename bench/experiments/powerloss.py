@@ -39,6 +39,16 @@ from typing import Any, Callable
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench import workloads  # noqa: E402
+from bench.env import BenchEnv, cores, sigterm_as_interrupt  # noqa: E402
+from bench.observe import LogObserver  # noqa: E402
+from bench.workloads import percentile  # noqa: E402
+from processors.resourcebroker.region import iter_machines, load_region  # noqa: E402
+from processors.taskcontrol.limiter import Limits  # noqa: E402
+from streams.batches import machine_statuses  # noqa: E402
+from streams.partitionmap import routed_producer  # noqa: E402
+from streams.serde import SchemaRegistry  # noqa: E402
+
 DC = "dc1"
 ENTITLEMENT = "power-e1"
 RESOURCES = {"cpu_millicores": 1000, "memory_mib": 1024}
@@ -60,8 +70,6 @@ class Options:
 
 
 def limits(opts: Options):
-    from processors.taskcontrol.limiter import Limits
-
     return Limits.from_env(scheduler_env(opts))
 
 
@@ -72,10 +80,6 @@ def scheduler_env(opts: Options) -> dict[str, str]:
 
 
 def run(opts: Options, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    from bench.env import BenchEnv, cores, sigterm_as_interrupt
-    from bench.observe import LogObserver
-    from streams.serde import SchemaRegistry
-
     t0 = time.monotonic()
     with sigterm_as_interrupt(), BenchEnv(opts.partitions, keep=opts.keep) as env:
         registry = SchemaRegistry.from_dir()
@@ -91,7 +95,6 @@ def run(opts: Options, say: Callable[[str], None] = lambda s: None) -> dict[str,
                              "region_up_s": round(region["seconds"], 1),
                              "shard_limit": limits(opts).shard.describe(), "job_limit": limits(opts).job.describe()}
         say("measuring the broker's raw rate (the baseline)")
-        from bench import workloads
 
         raw = workloads.raw_rates(env.cfg, 20_000, 300, repeat=1)
         doc["raw_produce_per_s"] = raw["produce_per_s"]
@@ -106,14 +109,9 @@ class Experiment:
         self.env, self.cfg, self.registry, self.obs, self.opts, self.say = env, env.cfg, registry, obs, opts, say
 
     def dc_machines(self) -> list[str]:
-        from processors.resourcebroker.region import iter_machines, load_region
-
         return [m.id for m in iter_machines(load_region(self.cfg.run_dir / "region.yaml")) if m.dc == DC]
 
     def submit(self, n_tasks: int) -> dict[str, int]:
-        from bench import workloads
-        from streams.partitionmap import routed_producer
-
         workloads.create_entitlements(self.cfg, self.registry, [ENTITLEMENT], n_tasks)
         producer = routed_producer(self.cfg, self.registry, workloads.PRODUCER)  # by the partition map
         jobs: dict[str, int] = {}
@@ -131,7 +129,7 @@ class Experiment:
 
     def power(self, action: str) -> int:
         """The power event as `ropewalk machine power-loss|power-restore --dc dc1` produces it; its log time."""
-        from processors.resourcebroker.processor import power_event
+        from processors.resourcebroker.processor import power_event  # noqa: PLC0415 - start-up cost: processors.resourcebroker.processor (~16 ms over what `ropewalk bench|experiment` load), only for a run
 
         events = power_event(self.cfg, action, [f"dc:{DC}"], registry=self.registry)
         if not events:
@@ -139,8 +137,6 @@ class Experiment:
         return min(e.timestamp_ms for e in events)
 
     def run(self) -> dict[str, Any]:
-        from bench.workloads import percentile
-
         obs, opts, say = self.obs, self.opts, self.say
         dc = set(self.dc_machines())
         jobs = self.submit(len(dc))
@@ -188,8 +184,7 @@ class Experiment:
     def checks(self, dc: set[str], since_ms: int) -> dict[str, Any]:
         """The health check's verdicts on the dark machines since the power loss (there should be none) and where
         the tasks run at the end."""
-        from streams.batches import machine_statuses
-        from streams.replay import Replay, ReplayFilter
+        from streams.replay import Replay, ReplayFilter  # noqa: PLC0415 - start-up cost: streams.replay (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
         judged, zones = set(), 0
         for rec in Replay(self.cfg, self.registry, ReplayFilter(topics=("machines",), since_ms=since_ms)):
@@ -207,7 +202,7 @@ def pacing_floor_s(lim, tasks: int, job_sizes) -> float:
     """The least time the limiter lets ``tasks`` restart in: a restart re-asked by the scheduler's timer (every
     ``RETRY_S``) takes a shard token, and the bucket holds at most ``burst``, so restarts come at most at
     min(rate, burst / RETRY_S) after the first burst; a move still waiting takes a job token too."""
-    from processors.scheduler.shard import RETRY_S
+    from processors.scheduler.shard import RETRY_S  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
 
     def floor(rate, n: int) -> float:
         per_s = min(rate.per_minute / 60, rate.burst / RETRY_S)

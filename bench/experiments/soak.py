@@ -45,8 +45,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from confluent_kafka import Consumer, TopicPartition
+
 if __package__ in (None, ""):  # run as a script: bench/experiments/soak.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.env import FAUST_ENV, BenchEnv, cores, sigterm_as_interrupt  # noqa: E402
+from bench.killstorm import machine_ids  # noqa: E402
+from infra import supervisor  # noqa: E402
+from infra.broker import BrokerLayout  # noqa: E402
+from infra.config import DEFAULT_JOB_GC_S  # noqa: E402
+from processors import controlplane  # noqa: E402
+from processors.agent import logs  # noqa: E402
+from processors.frontend.jobspec import validate_spec  # noqa: E402
+from processors.frontend.service import Frontend, spec_payload  # noqa: E402
+from processors.opsplanner import planner as ops  # noqa: E402
+from processors.opsplanner.decide import Plan, PlanError  # noqa: E402
+from processors.resourcebroker.decide import IllegalStatusTransition  # noqa: E402
+from streams.clients import EventProducer  # noqa: E402
+from streams.events import new_event  # noqa: E402
+from streams.serde import SchemaRegistry  # noqa: E402
+from streams.topics import CATALOGUE, CHANGELOG_CONFIG, Topics  # noqa: E402
 
 DAY_S = 86_400
 WEEK_S = 7 * DAY_S
@@ -97,11 +116,8 @@ MIN_RETRY_S = 1.0  # the scaled retry timer's fastest round
 
 def scaled_env(time_scale: float) -> dict[str, str]:
     """What the region measures in time that the soak must see pass: in simulated time."""
-    from infra.config import DEFAULT_JOB_GC_S
-    from processors.agent import logs
-
-    from processors.allocator.index import DONE_TTL_ENV, DONE_TTL_S
-    from processors.scheduler.shard import RETRY_ENV, RETRY_S
+    from processors.allocator.index import DONE_TTL_ENV, DONE_TTL_S  # noqa: PLC0415 - start-up cost: processors.allocator.index loads redis (~180 ms over what `ropewalk bench|experiment` load), only for a run
+    from processors.scheduler.shard import RETRY_ENV, RETRY_S  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
 
     # The scheduler's timer collects the jobs whose grace passed: at its real 10 s a scaled grace of seconds is
     # collected once a round at best, and a shard killed every few seconds of wall time (the recoveries) ran no
@@ -125,8 +141,6 @@ def scaled(conf: dict[str, str], time_scale: float) -> dict[str, str]:
 def scaled_topic_configs(time_scale: float) -> dict[str, dict[str, str]]:
     """The catalogue's topics' retention, segments and tombstones' stay in simulated time (logical topic ->
     config; faust's changelogs are scaled once faust made them: ``Soak.scale_changelogs``)."""
-    from streams.topics import CATALOGUE
-
     return {spec.name: conf for spec in CATALOGUE if (conf := scaled(dict(spec.config), time_scale))}
 
 
@@ -177,9 +191,6 @@ def rss_kib(pid: int | None) -> int | None:
 
 class Soak:
     def __init__(self, env, opts: Options, say: Callable[[str], None]):
-        from streams.clients import EventProducer
-        from streams.serde import SchemaRegistry
-
         self.env, self.cfg, self.opts, self.say = env, env.cfg, opts, say
         self.registry = SchemaRegistry.from_dir()
         self.producer = EventProducer(self.cfg, self.registry, PRODUCER)
@@ -199,13 +210,9 @@ class Soak:
 
     # -- the workload ----------------------------------------------------------------------------------------
     def send(self, type_: str, payload: dict, entitlement: str, entity: str) -> None:
-        from streams.events import new_event
-
         self.producer.send(new_event(type_, payload, entitlement=entitlement, entity_id=entity, producer=PRODUCER))
 
     def spec(self, name: str, ent: str, tasks: int, version: int) -> dict:
-        from processors.frontend.jobspec import validate_spec
-
         payload = validate_spec({**SPEC, "env": {"VERSION": str(version)}, "name": name, "entitlement": ent,
                                  "tasks": tasks})
         payload.pop("entitlement")
@@ -249,7 +256,7 @@ class Soak:
         w.counts["updated"] += 1
 
     def fail_machine(self, now: float) -> None:
-        from processors.resourcebroker.processor import fail_machine
+        from processors.resourcebroker.processor import fail_machine  # noqa: PLC0415 - start-up cost: processors.resourcebroker.processor (~16 ms over what `ropewalk bench|experiment` load), only for a run
 
         w = self.work
         up = [m for m in self.machines if m not in w.failed]
@@ -261,8 +268,7 @@ class Soak:
             w.counts["machines_failed"] += 1
 
     def recover_due(self, now: float, *, all_: bool = False) -> None:
-        from processors.resourcebroker.decide import IllegalStatusTransition
-        from processors.resourcebroker.processor import recover_machine
+        from processors.resourcebroker.processor import recover_machine  # noqa: PLC0415 - start-up cost: processors.resourcebroker.processor (~16 ms over what `ropewalk bench|experiment` load), only for a run
 
         for m, at in list(self.work.failed.items()):
             if all_ or at <= now:
@@ -275,9 +281,6 @@ class Soak:
 
     def maintain(self, now: float) -> None:
         """An MSB under maintenance for ``maintenance_s`` (simulated), starting now."""
-        from processors.opsplanner import planner as ops
-        from processors.opsplanner.decide import Plan, PlanError
-
         msbs = sorted({"/".join(m.split("-")[:2]) for m in self.machines})
         if not msbs:
             return
@@ -294,9 +297,6 @@ class Soak:
         self.work.counts["maintenances"] += 1
 
     def end_maintenance_due(self, now: float, *, all_: bool = False) -> None:
-        from processors.opsplanner import planner as ops
-        from processors.opsplanner.decide import PlanError
-
         left = []
         for ue, end in self.work.maintenance:
             if all_ or end <= now:
@@ -310,18 +310,14 @@ class Soak:
 
     # -- what is measured ------------------------------------------------------------------------------------
     def processes(self) -> dict[str, int | None]:
-        from infra import supervisor
-
         pids = {n: s["pid"] for n, s in supervisor.programs_state(self.cfg.run_dir).items()}
         pids["broker"] = self.env.pids.get("broker")
         return pids
 
     def sample(self) -> dict[str, Any]:
-        from infra.broker import BrokerLayout
-        from processors.scheduler.shard import APP_ID as SCHEDULER_APP
-        from processors.scheduler.shard import SOURCES as SCHEDULER_SOURCES
-        from streams import groups
-        from streams.topics import Topics
+        from processors.scheduler.shard import APP_ID as SCHEDULER_APP  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
+        from processors.scheduler.shard import SOURCES as SCHEDULER_SOURCES  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
+        from streams import groups  # noqa: PLC0415 - start-up cost: streams.groups (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
         t = Topics(self.cfg.topic_prefix, self.cfg.partitions)
         sizes = dir_sizes(BrokerLayout.of(self.cfg).data)
@@ -348,9 +344,7 @@ class Soak:
     def jobs_held(self) -> int | None:
         """The jobs the scheduler's table holds now (its changelog read on: the latest record per key not a
         tombstone): what a shard's recovery reads."""
-        from confluent_kafka import Consumer, TopicPartition
-
-        from processors.scheduler.shard import APP_ID
+        from processors.scheduler.shard import APP_ID  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
 
         if self._changelog is None:
             topic = f"{self.cfg.topic_prefix}{APP_ID}-scheduler-jobs-changelog"
@@ -368,8 +362,6 @@ class Soak:
 
     def probe(self, wait_s: float = 300.0) -> float | None:
         """Seconds until the scheduler answers a new job (its JobStatePublished), or None."""
-        from processors.frontend.service import Frontend, spec_payload
-
         self.probes += 1
         t = time.monotonic()
         spec = spec_payload({**SPEC, "name": f"probe{self.probes:04d}", "entitlement": PROBE_ENT, "tasks": 1}, None,
@@ -383,8 +375,6 @@ class Soak:
     def recovery(self) -> dict[str, Any]:
         """kill -9 the scheduler shard (the supervisor starts it again); how long until it answers a new job; and
         the latencies of ``at`` and ``replay``."""
-        from infra import supervisor
-
         out: dict[str, Any] = {"sim_s": round(self.sim()), "day": round(self.sim() / DAY_S, 3),
                                "jobs_ever": self.work.counts["submitted"]}
         pid = supervisor.programs_state(self.cfg.run_dir).get(KILLED, {}).get("pid")
@@ -401,8 +391,8 @@ class Soak:
                  f"replay {rec['replay_s']} s")
 
     def look_latencies(self) -> dict[str, Any]:
-        from processors.history import moments
-        from streams import replay as rp
+        from processors.history import moments  # noqa: PLC0415 - start-up cost: processors.history.moments (~390 ms over what `ropewalk bench|experiment` load), only for a run
+        from streams import replay as rp  # noqa: PLC0415 - start-up cost: streams.replay (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
         now = int(time.time() * 1000)
         t = time.monotonic()
@@ -421,7 +411,7 @@ class Soak:
     # -- the run ---------------------------------------------------------------------------------------------
     def alter(self, configs: dict[str, dict[str, str]]) -> None:
         """Set these configs (physical topic -> config) on the broker."""
-        from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+        from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource  # noqa: PLC0415 - start-up cost: confluent_kafka.admin (~6 ms over what `ropewalk bench|experiment` load), only for a run
 
         if not configs:
             return
@@ -433,17 +423,13 @@ class Soak:
             fut.result(timeout=30)
 
     def scale_topics(self) -> None:
-        from streams.topics import Topics
-
         t = Topics(self.cfg.topic_prefix, self.cfg.partitions)
         self.alter({t.name(n): conf for n, conf in scaled_topic_configs(self.opts.time_scale).items()})
 
     def scale_changelogs(self) -> None:
         """faust's changelogs (made by the scheduler at its start, streams/topics.py CHANGELOG_CONFIG) in simulated
         time: segments and tombstones."""
-        from confluent_kafka.admin import AdminClient
-
-        from streams.topics import CHANGELOG_CONFIG
+        from confluent_kafka.admin import AdminClient  # noqa: PLC0415 - start-up cost: confluent_kafka.admin (~6 ms over what `ropewalk bench|experiment` load), only for a run
 
         admin = AdminClient({**self.cfg.kafka_conf(), "log_level": 0})
         names = [n for n in admin.list_topics(timeout=30).topics
@@ -452,10 +438,6 @@ class Soak:
         self.alter({n: conf for n in names})
 
     def run(self) -> dict[str, Any]:  # noqa: C901
-        from bench.env import FAUST_ENV, cores
-        from bench.killstorm import machine_ids
-        from processors import controlplane
-        from streams.topics import CHANGELOG_CONFIG
 
         opts, say, w = self.opts, self.say, self.work
         t_start = time.monotonic()
@@ -594,10 +576,10 @@ def format_text(doc: dict) -> str:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - optional dependency: matplotlib (the plot extra) only for the PNG; the rest works without it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency: matplotlib (the plot extra) only for the PNG; the rest works without it
 
     s = doc["samples"]
     days = [x["day"] for x in s]
@@ -638,8 +620,6 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def run(opts: Options, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    from bench.env import BenchEnv, sigterm_as_interrupt
-
     t0 = time.monotonic()
     with sigterm_as_interrupt(), BenchEnv(opts.partitions, keep=opts.keep) as env:
         doc = Soak(env, opts, say).run()
