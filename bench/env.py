@@ -220,7 +220,7 @@ class BenchEnv:
         registration's backlog): a job measured right after registration must not queue behind it. (The allocator
         folds the log without committing offsets; its index holding every machine is its catch-up.) False if
         ``deadline`` (monotonic) came first."""
-        from processors.scheduler.shard import APP_ID as SCHEDULER_APP  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
+        from processors.scheduler.shard import APP_ID as SCHEDULER_APP  # noqa: PLC0415 - start-up cost: processors.scheduler.shard (~420 ms: faust's app); `ropewalk bench|experiment` import this module for every command
         from streams import groups  # noqa: PLC0415 - start-up cost: streams.groups (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
         catalogue = Topics(self.cfg.topic_prefix, self.cfg.partitions)

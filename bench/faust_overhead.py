@@ -137,7 +137,7 @@ async def body_noack(stream, tick, ctx):
 
 
 async def body_decoded(stream, tick, ctx):
-    from streams.faustwire import decoded  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load faust (~400 ms)
+    from streams.faustwire import decoded  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load streams.faustwire (~500 ms with faust's app)
 
     async for _record, _event in decoded(stream, ctx["registry"], ctx["dead_letters"], ctx["catalogue"],
                                          cfg=ctx["cfg"]):
@@ -162,14 +162,14 @@ BODIES = {"iterate": body_iterate, "take": body_take, "noack": body_noack, "deco
 
 def read_faust(report, cfg: Config, n: int, body: str, settings: dict, topic_options: dict) -> None:
     logging.basicConfig(level=logging.ERROR)
-    from streams.faustwire import make_app, source_topic  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load faust (~400 ms)
+    from streams.faustwire import make_app, source_topic  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load streams.faustwire (~500 ms with faust's app)
 
     registry = SchemaRegistry.from_dir()
     ctx = {"cfg": cfg, "registry": registry, "catalogue": Topics(cfg.topic_prefix, cfg.partitions),
            "dead_letters": DeadLetters(EventProducer(cfg, registry, "bench"), "bench")}
 
     async def run() -> None:
-        from streams.faustwire import FetchBatches  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load faust (~400 ms)
+        from streams.faustwire import FetchBatches  # noqa: PLC0415 - each reader runs in a spawned interpreter of its own (isolated) that imports this module: the others do not load streams.faustwire (~500 ms with faust's app)
 
         app = make_app(cfg, f"bench-{uuid.uuid4().hex[:8]}", **{**FAST_GROUP, **settings})
         if body == "fetches":

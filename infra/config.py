@@ -269,7 +269,7 @@ class Config:
         what a reader that must not write uses whoever it runs as). A ``redis+sentinel://`` URL gives a client of
         the primary the sentinels name (``sentinel_of``): after a failover its next connection goes to the new
         primary."""
-        import redis  # noqa: PLC0415 - start-up cost: redis (~45 ms over this module, measured) only for the commands that read Redis; every command imports this module
+        import redis  # noqa: PLC0415 - start-up cost: redis (~80 ms over this module) only for the commands that read Redis; every command imports this module
 
         auth = credentials.redis_auth(self.secrets, self.principal, read_only=read_only)
         sentinel = sentinel_of(self.redis_url)

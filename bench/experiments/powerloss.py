@@ -202,7 +202,7 @@ def pacing_floor_s(lim, tasks: int, job_sizes) -> float:
     """The least time the limiter lets ``tasks`` restart in: a restart re-asked by the scheduler's timer (every
     ``RETRY_S``) takes a shard token, and the bucket holds at most ``burst``, so restarts come at most at
     min(rate, burst / RETRY_S) after the first burst; a move still waiting takes a job token too."""
-    from processors.scheduler.shard import RETRY_S  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
+    from processors.scheduler.shard import RETRY_S  # noqa: PLC0415 - start-up cost: processors.scheduler.shard (~420 ms: faust's app); `ropewalk bench|experiment` import this module for every command
 
     def floor(rate, n: int) -> float:
         per_s = min(rate.per_minute / 60, rate.burst / RETRY_S)

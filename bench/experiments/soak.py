@@ -117,7 +117,7 @@ MIN_RETRY_S = 1.0  # the scaled retry timer's fastest round
 def scaled_env(time_scale: float) -> dict[str, str]:
     """What the region measures in time that the soak must see pass: in simulated time."""
     from processors.allocator.index import DONE_TTL_ENV, DONE_TTL_S  # noqa: PLC0415 - start-up cost: processors.allocator.index loads redis (~180 ms over what `ropewalk bench|experiment` load), only for a run
-    from processors.scheduler.shard import RETRY_ENV, RETRY_S  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
+    from processors.scheduler.shard import RETRY_ENV, RETRY_S  # noqa: PLC0415 - start-up cost: processors.scheduler.shard (~420 ms: faust's app); `ropewalk bench|experiment` import this module for every command
 
     # The scheduler's timer collects the jobs whose grace passed: at its real 10 s a scaled grace of seconds is
     # collected once a round at best, and a shard killed every few seconds of wall time (the recoveries) ran no
@@ -315,8 +315,8 @@ class Soak:
         return pids
 
     def sample(self) -> dict[str, Any]:
-        from processors.scheduler.shard import APP_ID as SCHEDULER_APP  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
-        from processors.scheduler.shard import SOURCES as SCHEDULER_SOURCES  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
+        from processors.scheduler.shard import APP_ID as SCHEDULER_APP  # noqa: PLC0415 - start-up cost: processors.scheduler.shard (~420 ms: faust's app); `ropewalk bench|experiment` import this module for every command
+        from processors.scheduler.shard import SOURCES as SCHEDULER_SOURCES  # noqa: PLC0415 - start-up cost: processors.scheduler.shard (~420 ms: faust's app); `ropewalk bench|experiment` import this module for every command
         from streams import groups  # noqa: PLC0415 - start-up cost: streams.groups (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
         t = Topics(self.cfg.topic_prefix, self.cfg.partitions)
@@ -344,7 +344,7 @@ class Soak:
     def jobs_held(self) -> int | None:
         """The jobs the scheduler's table holds now (its changelog read on: the latest record per key not a
         tombstone): what a shard's recovery reads."""
-        from processors.scheduler.shard import APP_ID  # noqa: PLC0415 - start-up cost: processors.scheduler.shard loads faust (~400 ms); `ropewalk bench|experiment` import this module for every command
+        from processors.scheduler.shard import APP_ID  # noqa: PLC0415 - start-up cost: processors.scheduler.shard (~420 ms: faust's app); `ropewalk bench|experiment` import this module for every command
 
         if self._changelog is None:
             topic = f"{self.cfg.topic_prefix}{APP_ID}-scheduler-jobs-changelog"
