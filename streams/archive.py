@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Iterator
 
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 from fastavro import parse_schema, reader
 from fastavro.write import Writer
 
@@ -379,8 +380,6 @@ def restore(cfg: Config, in_dir: Path | str, *, force: bool = False, timeout_s: 
     Refuses (ArchiveError) when a target topic already holds records, unless `force`; the group offsets are
     refused by the broker while a group has live members (stop the control plane first).
     """
-    from confluent_kafka.admin import AdminClient
-
     in_dir = Path(in_dir)
     manifest = _read_manifest(in_dir)
     if manifest is None:
@@ -528,9 +527,6 @@ def restore_note(cfg: Config) -> dict | None:
 def _create_changelogs(admin, cat: Topics, counts: dict[str, int], timeout_s: float, replication: int = 1) -> None:
     """Create the changelog topics as faust would (compacted, ``replication`` replicas), with Ropewalk's compaction
     settings."""
-    from confluent_kafka import KafkaError
-    from confluent_kafka.admin import NewTopic
-
     if not counts:
         return
     config = {"cleanup.policy": "compact", **CHANGELOG_CONFIG, **replication_config(replication)}

@@ -26,10 +26,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from infra.acls import position_group, reader_group
 from infra.config import Config
+from infra.trust import signer_for, verifier_for
 from streams import auth
 from streams import deadletter as dl
 from streams import schemalog
@@ -133,8 +134,6 @@ class EventProducer:
         it. ``signer``: what seals the records on the authenticated topics (default: the principal's; None: none)."""
         self.cfg = cfg
         if signer is _FROM_CONFIG:
-            from infra.trust import signer_for
-
             signer = signer_for(cfg)
         self.signer = signer
         self.route = route
@@ -362,8 +361,6 @@ class EventConsumer:
         if not verify:
             verifier = None
         elif verifier is _FROM_CONFIG:
-            from infra.trust import verifier_for
-
             verifier = verifier_for(cfg, registry)
         self.verifier = verifier
         self.keep_refused = keep_refused
@@ -460,7 +457,7 @@ class EventConsumer:
         """A follower's ``ropewalk_consumer_lag_seconds`` from one poll's records (anything with ``topic`` and
         ``log_timestamp_ms``): ``poll`` calls it; a reader of ``poll_raw`` calls it with what it read."""
         if self.follows:
-            from infra.metrics import observe_lag
+            from infra.metrics import observe_lag  # noqa: PLC0415 - start-up: prometheus_client ~20 ms; followers
 
             # the consumer group, or for an assigned reader its name's kind (``agent/<machine>`` → ``agent``): never
             # an id
@@ -496,8 +493,6 @@ class EventConsumer:
         """Commit (asynchronously) the positions after the records the previous poll handed out to the follower's
         position group (the class's docstring), at most every POSITION_COMMIT_S unless ``force``; then remember
         where this poll starts. A commit the broker refuses is logged by librdkafka and tried again next time."""
-        from confluent_kafka import KafkaException
-
         now = time.monotonic()
         if self._handed and (force or now - self._committed_at >= POSITION_COMMIT_S):
             try:

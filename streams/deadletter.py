@@ -37,7 +37,7 @@ class DeadLetters:
         )
         self.producer.send(event)
         self.routed += 1
-        from infra.metrics import DEAD_LETTERS
+        from infra.metrics import DEAD_LETTERS  # noqa: PLC0415 - start-up cost: prometheus_client (~20 ms); CLI path
 
         DEAD_LETTERS.labels(topic=topic, reason=reason).inc()
 

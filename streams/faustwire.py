@@ -34,6 +34,7 @@ import faust
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_kafka
 
+from infra import credentials
 from infra.config import Config
 from infra.private import make_dir
 from streams import schemalog
@@ -41,6 +42,7 @@ from streams.freeze import FreezeWatch
 from streams.clients import Record, check_placement, header, identity_of
 from streams.deadletter import DeadLetters
 from streams.events import Event
+from streams.groups import app_group
 from streams.serde import UNKNOWN_FINGERPRINT, DecodeError, SchemaRegistry, fingerprint_of
 from streams.topics import Topics, replication_factor
 
@@ -50,9 +52,6 @@ DEAD_LETTER_FLUSH_S = 15.0
 
 def app_settings(cfg: Config, app_id: str) -> dict[str, Any]:
     """The non-default faust settings Ropewalk runs with, each with its reason (faust-streaming 0.15.3)."""
-    from infra import credentials
-    from streams.groups import app_group
-
     servers = [s.strip() for s in cfg.bootstrap_servers.split(",") if s.strip()]
     return {
         # faust wants URLs; several bootstrap servers are a list of them.

@@ -61,12 +61,15 @@ from datetime import datetime, timedelta, timezone
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from confluent_kafka import TopicPartition
+
 
 from infra.config import Config
 from streams.clients import EventConsumer, Record
 from streams.deadletter import Skipped
 from streams.events import Event
 from streams.partitioner import partition_for
+from streams.partitionmap import read_map
 from streams.progress import ProgressFn, silent
 from streams.serde import SchemaRegistry
 from streams.topics import BY_NAME, CATALOGUE, TOPIC_OF_EVENT, TopicError, Topics
@@ -226,8 +229,6 @@ class _BoundedConsumer(EventConsumer):
         watermark when there is none); empty when ``ts`` is None."""
         if ts is None:
             return {}
-        from confluent_kafka import TopicPartition
-
         asked = [TopicPartition(t, p, max(0, ts + slack_ms)) for t, p in marks]
         found = self._consumer.offsets_for_times(asked, timeout=10)
         return {(tp.topic, tp.partition): tp.offset if tp.offset >= 0 else marks[(tp.topic, tp.partition)][1]
@@ -307,8 +308,6 @@ class Replay:
         topics, narrow = self.physical_topics()
         places = None
         if narrow:  # every partition the entitlement lived on (a move leaves its past on the old one)
-            from streams.partitionmap import read_map
-
             places = read_map(self.cfg, self.registry).partitions_ever(self.filter.entitlement or "")
         consumer = _BoundedConsumer(self.cfg, self.registry, topics, narrow=narrow, skipped=self.skipped,
                                     dead_letters=self.dead_letters, narrow_partitions=places,

@@ -7,6 +7,7 @@ filled in, or raises InvalidEvent(path, message).
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping
 
 _INT_RANGE = (-(2**31), 2**31 - 1)
@@ -117,7 +118,6 @@ def _check_record(schema: Mapping, value: Any, path: str, named: dict, ns: str) 
 def _default(schema: Any, default: Any) -> Any:
     # Avro: a union's default belongs to its first branch; JSON defaults of records/maps are copied.
     if isinstance(default, (dict, list)):
-        import copy
         return copy.deepcopy(default)
     return default
 
