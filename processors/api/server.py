@@ -10,17 +10,16 @@ import logging
 import sys
 from pathlib import Path
 
+import uvicorn
+
 from infra.config import Config
+from processors.api.app import create_app
+from processors.api.guards import redact_logs
 
 PRINCIPAL = "api"
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
-    from processors.api.app import create_app
-    from processors.api.guards import redact_logs
-
     cfg = Config.from_env().as_principal(PRINCIPAL)
     ap = argparse.ArgumentParser(prog="python -m processors.api.server", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")

@@ -29,6 +29,7 @@ from typing import Mapping
 
 import yaml
 
+from infra.private import write_private
 from processors.api.authz import ROLES, User
 from processors import rules
 
@@ -116,8 +117,6 @@ def _read_doc(path: Path) -> dict:
 
 
 def _write_doc(path: Path, doc: dict) -> None:
-    from infra.private import write_private
-
     parse(doc, str(path))
     write_private(Path(path), HEADER + yaml.safe_dump(doc, sort_keys=True))
 
@@ -166,8 +165,6 @@ def ensure_admin(secrets_dir: Path) -> bool:
     users = load(path)
     if ADMIN_USER in users.by_name and token_file.exists():
         return False
-    from infra.private import write_private
-
     token = new_token()
     doc = _read_doc(path)
     doc["users"][ADMIN_USER] = {"token_sha256": token_hash(token), "roles": {}, "region_admin": True}

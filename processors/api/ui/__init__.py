@@ -27,12 +27,22 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
+from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from infra.config import PROJECT_ROOT
+from processors.api.errors import ApiError
+from processors.api.ui.timeline import timeline
+from processors.frontend.console import CliError, _parse_time
+from processors.frontend.service import INVALID_REQUEST, FrontendError, entitlement_of_job
+from processors.resourcebroker.decide import is_free
+from processors.times import duration_ms
+from streams.replay import DATA_TOPICS, format_text_doc, iso_time, time_order_key
+from streams.topics import BY_NAME
 
 HERE = Path(__file__).resolve().parent
 VENDOR = PROJECT_ROOT / ".ui-vendor"  # vis-timeline's standalone build, copied from npm by infra/bootstrap.sh
@@ -48,8 +58,7 @@ AT_DEFAULT_SPAN = "1h"
 def moment_of(at: str, span: str, now_ms: int) -> dict[str, Any]:
     """The time slider's state (``_at.html``): the moment shown (None: now; ms, ISO-8601 or ``now-15m``: the slider
     sends ms) and the span it covers back from now. Raises ``MomentError`` naming the field for a bad one."""
-    from processors.history.moments import MomentError, parse_moment
-    from processors.times import duration_ms
+    from processors.history.moments import MomentError, parse_moment  # noqa: PLC0415 - start-up: moments ~20 ms
 
     if span not in AT_SPANS:
         raise MomentError(f"span: one of {', '.join(AT_SPANS)}, got {span!r}")
@@ -65,11 +74,6 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
     """Add the UI's routes to the API ``app``. ``api``: the API's own route functions (same authorization);
     ``events(request, user, kind, entitlement)``: its event streams; ``replay_docs(user, **filter)``: the replay
     documents a user may see."""
-    from jinja2 import Environment, FileSystemLoader, select_autoescape
-
-    from processors.api.ui.timeline import timeline
-    from streams.replay import iso_time
-
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
     env.filters["time"] = lambda ms: iso_time(ms).replace("T", " ")[:19] if ms else "-"
     app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
@@ -93,9 +97,6 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
 
     async def answered(request: Request, user, fn, *args):
         """``fn(*args)`` of the API, or the refusal page for its error (the API's own ApiError, FrontendError)."""
-        from processors.api.errors import ApiError
-        from processors.frontend.service import FrontendError
-
         try:
             return await fn(*args), None
         except (ApiError, FrontendError) as exc:
@@ -107,8 +108,6 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
 
     @app.post("/ui/login", include_in_schema=False)
     async def login(request: Request) -> Response:
-        from urllib.parse import parse_qs
-
         token = parse_qs((await request.body()).decode("utf-8", "replace")).get("token", [""])[0]
         if users.current().authenticate(token.strip()) is None:
             return page("login.html", request, error="unknown token")
@@ -129,9 +128,7 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
 
     def moment(request: Request, user, at: str, span: str) -> tuple[dict | None, HTMLResponse | None]:
         """The slider's state, or the refusal page for a bad ``at`` or ``span`` (400, the field named)."""
-        from processors.api.errors import ApiError
-        from processors.frontend.service import INVALID_REQUEST
-        from processors.history.moments import MomentError
+        from processors.history.moments import MomentError  # noqa: PLC0415 - start-up, as moment_of
 
         try:
             return moment_of(at, span, int(time.time() * 1000)), None
@@ -158,8 +155,6 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
     async def job_timeline(request: Request, job: str) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        from processors.frontend.service import entitlement_of_job
-
         ent = entitlement_of_job(job)
         docs = await replay_docs(user, entitlement=ent, job=job)
         # the maintenance of its machines: keyed to their owner, the job's entitlement (they name machines, not jobs)
@@ -215,8 +210,6 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
     async def entitlements_page(request: Request) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        from processors.resourcebroker.decide import is_free
-
         ents = await api["entitlements"](user)
         rows = await api["machines"](user, None, False)
         held = Counter(m["entitlement"] for m in rows if m["entitlement"])
@@ -233,9 +226,6 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
                           exclude: str = FEED_DEFAULT_EXCLUDE, since: str = FEED_DEFAULT_SINCE) -> Response:
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        from processors.frontend.service import entitlement_of_job
-        from streams.replay import format_text_doc, time_order_key
-
         since_ms = _since_ms(since)
         error = None
         docs: list[dict] = []
@@ -277,8 +267,6 @@ def mount(app: FastAPI, *, users, api: dict[str, Callable], events, replay_docs)
         those in force with their owner; the reconciled spec; the entitlement's elasticity."""
         if (user := user_of(request)) is None:
             return RedirectResponse("/ui/login", 303)
-        from processors.frontend.service import entitlement_of_job
-
         ledger, err = await answered(request, user, api["intents_ledger"], job, user)
         if err is not None:
             return err
@@ -336,9 +324,6 @@ def feed_topics(types: frozenset[str] | None, excluded: frozenset[str] | None) -
     """The topics the event feed reads: those that carry an event type it may show (the catalogue's ``events``).
     Leaving out AgentHeartbeat (its default) skips the heartbeats topic instead of reading it record by record:
     the feed took 12 s for 500 rows on a 200-machine region. None: every topic."""
-    from streams.replay import DATA_TOPICS
-    from streams.topics import BY_NAME
-
     if types is None and excluded is None:
         return None
     return tuple(t for t in DATA_TOPICS if not BY_NAME[t].events or any(  # a topic naming no types: read it
@@ -352,8 +337,6 @@ def _job_summary(v: dict) -> dict:
 
 def _since_ms(since: str) -> int | None:
     """The CLI's ``--since`` forms (10m, 1h, ISO-8601, ms); None for none or a form it refuses."""
-    from processors.frontend.console import CliError, _parse_time
-
     try:
         return _parse_time(since or None)
     except CliError:
