@@ -32,6 +32,8 @@ import yaml
 from infra import supervisor
 from infra.config import Config
 from infra.process import ManagedProcess
+from processors.resourcebroker.region import RegionSpecError, generate_region, load_region, spec_to_dict
+from streams.enums import MachineStatus
 
 HEARTBEAT_INTERVAL_MS = 2000
 HEALTH_TIMEOUT_MS = 10000
@@ -105,8 +107,6 @@ def worker_env(cfg: Config) -> dict[str, str]:
 
 def write_region(cfg: Config, machines: int, *, local: bool = True) -> Path:
     """The generated region as a spec file, so the broker and the simulated agents agree on machine ids."""
-    from processors.resourcebroker.region import generate_region, spec_to_dict
-
     spec = spec_to_dict(generate_region(machines))
     if local:  # the process agent's machine
         spec["dcs"].append(local_dc())
@@ -119,8 +119,6 @@ def held_machines(cfg: Config) -> int | None:
     """The simulated machines of the region the run directory holds (its ``region.yaml`` less the local DC), or None
     when it holds none (or one that cannot be read): what `up` without ``--machines`` runs again, so a region
     started after `down` or a power loss is the one that ran (not one of ``DEFAULT_MACHINES``)."""
-    from processors.resourcebroker.region import RegionSpecError, load_region
-
     path = cfg.run_dir / "region.yaml"
     if not path.exists():
         return None
@@ -183,7 +181,7 @@ def programs(cfg: Config, region: Path | None = None, *, local: bool = True, env
 
 
 def api_ready(cfg: Config) -> bool:
-    import urllib.request
+    import urllib.request  # noqa: PLC0415 - start-up: urllib.request, ssl (~12 ms); `up` only
 
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{cfg.api_port}/healthz", timeout=1) as resp:
@@ -195,7 +193,7 @@ def api_ready(cfg: Config) -> bool:
 def local_machine_key(cfg: Config) -> Path | None:
     """The process agent's own key (``LOCAL_MACHINE_ID``'s, infra/trust.py), written by the operator's ``up`` like any
     machine's (``ropewalk keys machine``); None in a region without keys."""
-    from infra import trust
+    from infra import trust  # noqa: PLC0415 - start-up: the key ring (~8 ms); `up` only
 
     if trust.trust_doc(cfg.secrets) is None:
         return None
@@ -210,9 +208,9 @@ def simulated_state_file(cfg: Config) -> Path:
 def machines_indexed(cfg: Config) -> dict[str, int]:
     """How many machines the allocator's Redis index holds, by status (UP, DOWN, ...), read as the read-only user;
     none while Redis does not answer (a redis-server being started again by the supervisor)."""
-    import redis
+    import redis  # noqa: PLC0415 - start-up: redis (~70 ms); up and status only
 
-    from processors.allocator.index import FunctionsMissing, MachineIndex
+    from processors.allocator.index import FunctionsMissing, MachineIndex  # noqa: PLC0415 - start-up: redis, as above
 
     client = cfg.redis_client(read_only=True)
     try:
@@ -244,9 +242,7 @@ def up(cfg: Config, machines: int, ready_timeout_s: float = READY_TIMEOUT_S, *,
 
     ``schedulers`` / ``allocators``: how many scheduler shards and allocators (None: as many as run now, else 1);
     the shards and allocators beyond them that run are stopped for good (``retired`` in the result)."""
-    from infra import metrics
-    from streams.enums import MachineStatus
-
+    from infra import metrics  # noqa: PLC0415 - start-up: prometheus_client (~20 ms); `up` only
     now = running_counts(cfg)
     counts = {kind: given if given is not None else (now[kind] or DEFAULT_COUNTS[kind])
               for kind, given in (("scheduler", schedulers), ("allocator", allocators))}
@@ -313,7 +309,7 @@ def allocator_names(cfg: Config) -> list[str]:
 def keep_tasks(cfg: Config) -> bool:
     """Tell the process agent to leave its tasks running when it is stopped (`ropewalk down --keep-tasks`); True
     if it runs and was told."""
-    from processors.agent.process import KEEP_TASKS_SIGNAL
+    from processors.agent.process import KEEP_TASKS_SIGNAL  # noqa: PLC0415 - start-up: the agent (~110 ms) for a signal
 
     pid = worker_pid(cfg, "agent-local")
     if pid is None:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from infra import metrics
 from infra.config import Config
 from processors.worker import LoopWorker, close_clients
+from streams.catchup import read_to_end
 from streams.partitionmap import routed_producer
 from streams.clients import BACKGROUND_READER, EventConsumer, Record
 from streams.deadletter import DeadLetters
@@ -83,8 +84,6 @@ class Follower(LoopWorker):
     # -- the loop ------------------------------------------------------------------------------------------------
     def start(self) -> int:
         """Catch up; produce what ``caught_up`` says is missing. Returns the records folded."""
-        from streams.catchup import read_to_end
-
         conf = BACKGROUND_READER if self.background else {}
         self.consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in self.TOPICS],
                                       name=self.NAME, dead_letters=self.dead_letters, types=self.TYPES, follows=True,
@@ -157,8 +156,6 @@ def fold_log(cfg: Config, registry: SchemaRegistry, topics: Iterable[str], name:
              skipped=None):
     """``state`` folded by ``step(state, record) -> state`` over the logical ``topics`` read to their end (every
     partition, from the beginning): what the views show of a worker's picture (its own pure fold, no deciding)."""
-    from streams.catchup import read_to_end
-
     t = Topics(cfg.topic_prefix, cfg.partitions)
     consumer = EventConsumer(cfg, registry, [t.name(x) for x in topics], name=name, skipped=skipped, types=types)
     try:

@@ -60,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping
 
+from processors.agent.decide import commands
 from streams import auth, batches
 from streams.events import Event, derived_event_id, new_event
 
@@ -161,8 +162,6 @@ def refusal(cmd: Event, reason: str, held: Placement | None, now_ms: int, detail
 def forged(ev: Event, reason: str, detail: str, machine_ok: Callable[[str], bool], now_ms: int) -> list[Event]:
     """The TaskCommandRefused answering each command of ``ev`` (a TaskCommanded or TasksCommanded whose proof a reader
     refused for ``reason``) addressed to a machine ``machine_ok`` accepts. Pure."""
-    from processors.agent.decide import commands
-
     return [refusal(cmd, reason, None, now_ms, detail) for cmd in commands(ev, machine_ok)]
 
 
@@ -288,8 +287,6 @@ class Judge:
     def take(self, events: Iterable[Event], machine_ok: Callable[[str], bool], now_ms: int) -> list[Event]:
         """The commands (TaskCommanded, one per line of a TasksCommanded) to act on now, from ``events`` in order:
         allocation events are folded (and release the commands that waited for them)."""
-        from processors.agent.decide import commands
-
         self.mark += 1
         act: list[Event] = []
         for ev in events:

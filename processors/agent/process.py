@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from infra import metrics
+    from infra import metrics  # noqa: PLC0415 - start-up: prometheus_client (~20 ms); main only
 
     metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     cfg = Config.from_env().as_principal("agent")

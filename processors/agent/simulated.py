@@ -55,8 +55,10 @@ from typing import Iterable, Sequence
 
 from infra.config import Config
 from infra.trust import simulated_signer
-from streams.partitionmap import routed_producer
+from processors.resourcebroker.region import iter_machines, load_region
+from streams.catchup import read_to_end
 from streams.clients import EventConsumer, EventProducer
+from streams.partitionmap import routed_producer
 from streams.deadletter import DeadLetters
 from streams.events import Event
 from streams.serde import SchemaRegistry
@@ -67,7 +69,7 @@ from . import gate as g
 from . import hostprofile as hp
 from . import power as pw
 from processors.sidekick import catalogue
-from .load import JobLoad
+from .load import JobLoad, LoadSpecError, parse_job_load
 from processors.worker import LoopWorker
 
 log = logging.getLogger("ropewalk.agent.simulated")
@@ -478,8 +480,6 @@ class SimulatedAgents(LoopWorker):
     def catch_up_power(self) -> dict[tuple[str, int], int]:
         """Fold the power events of ``unavailability`` up to its end (a fresh agent: the machines of a DC whose
         power is still off stay dark); returns where to read on from, per partition."""
-        from streams.catchup import read_to_end
-
         consumer = EventConsumer(self.cfg, self.registry, [self.unavailability], name=f"{self.name}-power",
                                  types=pw.TYPES)
         try:
@@ -573,16 +573,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-s", type=float, help="only measure heartbeat throughput for this long, print JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from infra import metrics
+    from infra import metrics  # noqa: PLC0415 - start-up: prometheus_client (~20 ms); main only
 
     metrics.serve_worker(Config.from_env().run_dir)  # infra/metrics.py; `ropewalk up` lists the targets
     cfg = Config.from_env().as_principal("agent")
     if args.measure_s:
-        import json
         print(json.dumps(measure_heartbeats(cfg, args.machines or 0, args.interval_ms, args.measure_s)))
         return 0
     if args.region:
-        from processors.resourcebroker.region import iter_machines, load_region
         spec = load_region(Path(args.region))
         unknown = set(args.dc) - {dc.name for dc in spec.dcs}
         if unknown:
@@ -591,7 +589,6 @@ def main(argv: list[str] | None = None) -> int:
         ids = [m.id for m in iter_machines(spec) if m.id not in set(args.exclude) and (not args.dc or m.dc in args.dc)]
     else:
         ids = [f"sim-{i:06d}" for i in range(args.machines)]
-    from .load import LoadSpecError, parse_job_load
     try:
         loads = [parse_job_load(spec, now_ms()) for spec in args.load]
     except LoadSpecError as exc:

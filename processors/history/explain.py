@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from infra.config import Config
+from processors.allocator.decide import request_of
 from processors.allocator.fold import job_of
 from processors.allocator.placement import FILTERS, SCORES, existing_bins, fault_domain, _Round
 from streams import batches
@@ -160,8 +161,7 @@ def _link(rec: Record) -> dict[str, Any]:
 def why_not_there(cfg: Config, registry: SchemaRegistry, doc: Mapping[str, Any], machine_id: str,
                   records: Sequence[Record], *, skipped: Skipped | None = None) -> dict[str, Any]:
     """``machine_id`` against the request of the decision, on the region just before the decision."""
-    from processors.allocator.decide import request_of
-    from processors.history import moments
+    from processors.history import moments  # noqa: PLC0415 - start-up: moments loads faust (~0.5 s); --why-not only
 
     decision = doc.get("decision")
     if decision is None or not doc.get("caused_by") or doc["caused_by"][0].get("type") != "AllocationRequested":

@@ -17,9 +17,13 @@ from infra.config import Config
 from processors.history import reader, snapshots
 from processors.history.region import LOOKAHEAD_MS, Region
 from processors.taskcontrol.limiter import Limits
+from processors.times import MAX_MOMENT_CHARS, duration_ms, parse_time
+from streams.clients import EventConsumer
 from streams.deadletter import Skipped
+from streams.events import MAX_TIME_MS
+from streams.partitionmap import read_map
 from streams.serde import SchemaRegistry
-from streams.topics import Topics
+from streams.topics import TopicError, Topics
 
 
 class MomentError(ValueError):
@@ -44,8 +48,6 @@ def new_region(cfg: Config, scheduler_partitions: frozenset[int] | None = None) 
 def partitions_of(cfg: Config, entitlements) -> frozenset[int]:
     """The partitions of these entitlements' jobs (the scheduler's for ``job status --at``): every one each lived on
     (its hash partition, and where the partition map placed and moved it)."""
-    from streams.partitionmap import read_map
-
     pmap = read_map(cfg)
     return frozenset(p for e in entitlements for p in pmap.partitions_ever(e))
 
@@ -159,10 +161,6 @@ def parse_moment(value: str, now_ms: int, record_time=None) -> int:
     """ms since epoch, ISO-8601 (UTC unless it says), ``now[-DURATION]``, or ``TOPIC/PARTITION@OFFSET``
     (``record_time(topic, partition, offset)`` gives that record's envelope time); between the epoch and
     ``events.MAX_TIME_MS``."""
-    from streams.events import MAX_TIME_MS
-
-    from processors.times import MAX_MOMENT_CHARS
-
     if len(value) > MAX_MOMENT_CHARS:
         raise MomentError(f"bad moment: at most {MAX_MOMENT_CHARS} characters, got {len(value)}")
     ms = _moment(value, now_ms, record_time)
@@ -172,8 +170,6 @@ def parse_moment(value: str, now_ms: int, record_time=None) -> int:
 
 
 def _moment(value: str, now_ms: int, record_time=None) -> int:
-    from processors.times import duration_ms, parse_time
-
     v = value.strip()
     if v == "now":
         return now_ms
@@ -201,10 +197,6 @@ def _moment(value: str, now_ms: int, record_time=None) -> int:
 
 def record_time(cfg: Config, registry: SchemaRegistry, topic: str, partition: int, offset: int) -> int:
     """The envelope time of the record at ``topic``/``partition``@``offset`` (a logical topic name)."""
-    from streams.clients import EventConsumer
-
-    from streams.topics import TopicError
-
     topics = Topics(cfg.topic_prefix, cfg.partitions)
     try:
         physical = topics.name(topic)

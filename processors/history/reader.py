@@ -20,6 +20,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Mapping
 
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+
 from infra.config import Config
 from processors.allocator.fold import order_key
 from processors.history.region import SOURCES, Position
@@ -76,9 +79,6 @@ class Once(Skipped):
 def watermarks(cfg: Config, partitions: list[tuple[str, int]], timeout_s: float = 10.0
                ) -> dict[tuple[str, int], tuple[int, int]]:
     """(low, high) of every partition, two ListOffsets requests for all (a consumer asks per partition)."""
-    from confluent_kafka import TopicPartition
-    from confluent_kafka.admin import AdminClient, OffsetSpec
-
     admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
     out: dict[tuple[str, int], list[int]] = {tp: [0, 0] for tp in partitions}
     for i, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):

@@ -24,12 +24,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from infra.config import Config
 from processors.allocator.fold import job_of
 from processors.history import moments
 from processors.history.region import RETRY_MS, START_DELAY_MS, Region
+from processors.opsplanner import decide as opd
+from processors.resourcebroker import decide as rb
+from processors.resourcebroker.processor import fold_machines
 from processors.scheduler import lifecycle as lc
 from processors.scheduler import model as sm
 from streams import batches
@@ -45,10 +49,7 @@ SETTLE_MS = 2 * RETRY_MS + 5_000  # simulated after the deadline (or the failure
 def maintenance(cfg: Config, registry: SchemaRegistry, plan, now_ms: int, *, skipped: Skipped | None = None
                 ) -> dict[str, Any]:
     """``ropewalk maintenance plan ... --dry-run``: ``plan`` an ``opsplanner.decide.Plan``."""
-    from processors.opsplanner import decide as op
-    from processors.resourcebroker.processor import fold_machines
-
-    events = op.plan(fold_machines(cfg, registry, skipped=skipped), plan, now_ms)
+    events = opd.plan(fold_machines(cfg, registry, skipped=skipped), plan, now_ms)
     deadline = max((e.payload["deadline_ms"] or e.payload["start_ms"]) for e in events)
     return what_if(cfg, registry, events, now_ms, max(deadline, now_ms) + SETTLE_MS, skipped=skipped)
 
@@ -56,9 +57,6 @@ def maintenance(cfg: Config, registry: SchemaRegistry, plan, now_ms: int, *, ski
 def machine_failure(cfg: Config, registry: SchemaRegistry, machine_id: str, now_ms: int, *,
                     skipped: Skipped | None = None) -> dict[str, Any]:
     """``ropewalk machine fail M --dry-run``."""
-    from processors.resourcebroker import decide as rb
-    from processors.resourcebroker.processor import fold_machines
-
     _, events = rb.machine_failed(fold_machines(cfg, registry, skipped=skipped), machine_id, rb.REASON_OPERATOR,
                                   now_ms)
     if not events:
@@ -201,8 +199,6 @@ def capacity(region: Region) -> dict[str, Any]:
 
 def _when(ms: int) -> str:
     """A moment as the dry runs' text says it (UTC to the second, as the CLI's tables do; --json keeps the ms)."""
-    from datetime import datetime, timezone
-
     return datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
 

@@ -3,13 +3,15 @@
 dropped; one full read of the topic per call), and its reconciliations replayed."""
 from __future__ import annotations
 
+import re
+
+from processors.follower import fold_log
 from processors.jobcontrol import decide as jd
+from streams import replay as rp
 
 
 def fold_intents(cfg, registry, *, skipped=None) -> jd.JcpState:
     """The Job Control Plane's state: ``intents`` read to its end and folded by ``decide`` (outputs dropped)."""
-    from processors.follower import fold_log
-
     return fold_log(cfg, registry, ("intents",), "jobcontrol-view", jd.CONSUMED,
                     lambda st, r: jd.decide(st, r.event, ("intents", r.partition, r.offset),
                                             max_tasks=cfg.max_tasks_per_job, gc_ms=int(cfg.job_gc_s * 1000))[0],
@@ -18,8 +20,6 @@ def fold_intents(cfg, registry, *, skipped=None) -> jd.JcpState:
 
 def history(cfg, registry, job: str, *, skipped=None) -> list[dict]:
     """Every JobSpecReconciled of ``job`` on the log (provenance, rules), and the Job Control Plane's refusals."""
-    from streams import replay as rp
-
     rows = []
     for rec in rp.replay(cfg, registry, rp.ReplayFilter(job=job, topics=("intents",)), skipped=skipped):
         e = rec.event
@@ -41,8 +41,6 @@ DECLARED = "declared"  # neither (yet): not reconciled, or it changed nothing in
 
 def ledger(cfg, registry, job: str, *, skipped=None) -> list[dict]:
     """Every per-dimension intent declared for ``job`` on the log, with what became of it (``ledger_rows``)."""
-    from streams import replay as rp
-
     run = rp.replay(cfg, registry, rp.ReplayFilter(job=job, topics=("intents",)), skipped=skipped)
     return ledger_rows((rec.offset, rec.event) for rec in run)
 
@@ -50,8 +48,6 @@ def ledger(cfg, registry, job: str, *, skipped=None) -> list[dict]:
 def refused_field(message: str) -> str | None:
     """The field a refusal's message names (``tasks: ...``, ``resources.cpu_millicores: ...``; the schema's
     IntentRefused.message form), or None. Pure."""
-    import re
-
     m = re.match(r"(?:[A-Z][A-Za-z]+: )?([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*|\[\d+\])*): ", message)
     return m.group(1) if m else None
 

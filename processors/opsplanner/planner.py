@@ -14,8 +14,12 @@ import time
 from infra.config import Config
 from processors.opsplanner import decide as op
 from processors.opsplanner.decide import Plan, PlanError
+from processors.resourcebroker.processor import fold_machines, produce
+from streams.catchup import read_to_end
+from streams.clients import EventConsumer, EventProducer
 from streams.deadletter import Skipped
 from streams.events import Event
+from streams.topics import Topics
 
 
 def _now_ms() -> int:
@@ -24,9 +28,6 @@ def _now_ms() -> int:
 
 def _produce(cfg: Config, registry, events: list[Event], principal: str | None = None) -> list[str]:
     """Produce ``events``, recording who asked (``principal``) in their envelopes."""
-    from processors.resourcebroker.processor import produce
-    from streams.clients import EventProducer
-
     return produce(EventProducer(cfg, registry, op.PRODUCER),
                    [dataclasses.replace(ev, principal=principal) for ev in events])
 
@@ -34,8 +35,6 @@ def _produce(cfg: Config, registry, events: list[Event], principal: str | None =
 def plan_maintenance(cfg: Config, registry, plan: Plan, now_ms: int | None = None, *,
                      skipped: Skipped | None = None, principal: str | None = None) -> list[Event]:
     """Resolve ``plan`` against the region and produce its UnavailabilityStarted events; returns them."""
-    from processors.resourcebroker.processor import fold_machines
-
     events = op.plan(fold_machines(cfg, registry, skipped=skipped), plan, _now_ms() if now_ms is None else now_ms)
     _produce(cfg, registry, events, principal)
     return events
@@ -43,10 +42,6 @@ def plan_maintenance(cfg: Config, registry, plan: Plan, now_ms: int | None = Non
 
 def planned_machines(cfg: Config, registry, unavailability_id: str, *, skipped: Skipped | None = None) -> list[str]:
     """The machines of maintenance ``unavailability_id``, from its UnavailabilityStarted events on the log."""
-    from streams.catchup import read_to_end
-    from streams.clients import EventConsumer
-    from streams.topics import Topics
-
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("unavailability")
     consumer = EventConsumer(cfg, registry, [topic], name=f"{op.PRODUCER}-read", skipped=skipped)
     found: set[str] = set()
@@ -65,8 +60,6 @@ def planned_machines(cfg: Config, registry, unavailability_id: str, *, skipped: 
 
 def end_maintenance(cfg: Config, registry, unavailability_id: str, now_ms: int | None = None, *,
                     skipped: Skipped | None = None, principal: str | None = None) -> list[Event]:
-    from processors.resourcebroker.processor import fold_machines
-
     machines = planned_machines(cfg, registry, unavailability_id, skipped=skipped)
     if not machines:
         raise PlanError(f"no maintenance {unavailability_id!r} on the log")

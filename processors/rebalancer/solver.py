@@ -419,7 +419,7 @@ def _model(p: _Problem, cap: int, hint: Mapping[str, str], wall_s: float):  # no
     ``hint`` (the greedy plan) is given complete, every variable's value, so the search starts from it. When the
     hint already brings every machine under the target (no excess: it cannot be lowered), the model is the simpler
     one of that case: every touched machine under the target, as few moves as possible."""
-    from ortools.sat.python import cp_model  # imported here: half a second, paid only by a solve
+    from ortools.sat.python import cp_model  # noqa: PLC0415 - start-up: OR-Tools (~0.5 s), paid only by a solve
 
     model = cp_model.CpModel()
     tasks = {t.id: t for t in p.candidates if t.id in p.arcs}

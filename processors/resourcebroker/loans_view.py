@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
+from processors.follower import fold_log
 from processors.resourcebroker import loans as ln
+from streams import replay as rp
 
 
 def fold_loans(cfg, registry, *, skipped=None) -> ln.LoanBook:
-    from processors.follower import fold_log
-
     return fold_log(cfg, registry, ln.TOPICS, "loans-view", ln.CONSUMED, lambda b, r: ln.apply(b, r.event)[0],
                     ln.LoanBook(), skipped=skipped)
 
@@ -20,8 +20,6 @@ def loans(cfg, registry, entitlement: str | None = None, *, skipped=None, now_ms
     """``loans.view`` of the log as it is: what is lent, what is being taken back, the picture of the next tick;
     and every return on the log with how long it took against its bound. With ``entitlement``: only what concerns
     it (loans it borrows or backs, its revocations, returns, elasticity and demand)."""
-    from streams import replay as rp
-
     doc = ln.view(fold_loans(cfg, registry, skipped=skipped), now_ms or int(time.time() * 1000))
     events = [r.event for r in rp.replay(cfg, registry, rp.ReplayFilter(topics=("loans",)), skipped=skipped)]
     doc["returns"] = [dict(e.payload, borrower=e.entitlement) for e in events if e.type == "LoanReturned"]

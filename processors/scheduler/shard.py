@@ -145,7 +145,9 @@ release never ran), and logs once a partition that has been below its high water
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import cProfile
 import dataclasses
 from collections import Counter
 import logging
@@ -1260,9 +1262,6 @@ def forwarded_headers(msg: Any, catalogue: Topics, epoch: int) -> list[tuple[str
 def _profile_to(directory: str) -> None:
     """``ROPEWALK_PROFILE_DIR``: profile this worker (cProfile, every thread's calls on the event loop's thread)
     and write ``scheduler-<pid>.prof`` there at exit (``python -m pstats FILE`` reads it). For measurements only."""
-    import atexit
-    import cProfile
-
     prof = cProfile.Profile()
     path = Path(directory) / f"scheduler-{os.getpid()}.prof"
 

@@ -3,12 +3,12 @@ and ``/v1/srm/decisions``): ``intents`` and ``metrics`` folded with the SRM's ow
 and its decisions replayed with their inputs and forecast."""
 from __future__ import annotations
 
+from processors.follower import fold_log
 from processors.srm import decide as sd
+from streams import replay as rp
 
 
 def fold_srm(cfg, registry, *, skipped=None) -> sd.SrmState:
-    from processors.follower import fold_log
-
     return fold_log(cfg, registry, ("intents", "metrics"), "srm-view", sd.CONSUMED,
                     lambda st, r: sd.decide(st, r.event, live=False)[0], sd.SrmState(), skipped=skipped)
 
@@ -16,8 +16,6 @@ def fold_srm(cfg, registry, *, skipped=None) -> sd.SrmState:
 def decisions(cfg, registry, job: str | None = None, entitlement: str | None = None, *, skipped=None) -> dict:
     """Every sizing decision of the SRM on the log (of ``job``, or of ``entitlement``'s jobs), and how often it
     reversed direction in an hour of the load signal's clock."""
-    from streams import replay as rp
-
     run = rp.replay(cfg, registry, rp.ReplayFilter(job=job, entitlement=entitlement, topics=("intents",)),
                     skipped=skipped)
     rows = [{"job": r.event.payload["job_id"], "tasks": r.event.payload["tasks"], "event_id": r.event.event_id,

@@ -35,7 +35,11 @@ from infra import metrics
 from infra.config import Config
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.protocol import JobBook, Request, View
+from streams.deadletter import DeadLetters
 from streams.events import Event, derived_event_id, new_event
+from streams.partitionmap import routed_producer
+from streams.serde import SchemaRegistry
+from streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +105,7 @@ class TaskControllerProcess:
     """A TaskController on the real log: consume ``taskcontrol``, ``decide``, produce acks."""
 
     def __init__(self, cfg: Config, name: str, decide: Decide, *, registry=None):
-        from streams.clients import EventConsumer
-        from streams.partitionmap import routed_producer
-        from streams.deadletter import DeadLetters
-        from streams.serde import SchemaRegistry
-        from streams.topics import Topics
+        from streams.clients import EventConsumer  # noqa: PLC0415 - start-up: confluent-kafka (~55 ms), process only
 
         self.name, self.decide = name, decide
         self.prefix = cfg.topic_prefix
