@@ -5,8 +5,8 @@ and reporting the scheduler's verdict, reading a file, parsing times, the parser
 ``processors/frontend/render.py``.
 
 A command module imports this one and never ``cli.py`` (which imports the command modules to register their
-parsers). The imports inside functions here are start-up cost: ``ropewalk --help`` does not load the API client,
-the broker's credentials or rich.
+parsers). The imports inside functions here are start-up cost: ``ropewalk --help`` does not load the API client
+or rich.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from infra.config import Config
+from infra.credentials import OPERATOR
 from processors import times
 from processors.frontend.render import _print
 from processors.frontend.service import DEFAULT_WAIT_S, PENDING, REFUSED, UNCHANGED, Frontend, require_broker
@@ -42,12 +43,10 @@ def direct(args) -> bool:
 def _front(cfg: Config, args):
     """The front end this command talks to: the API (``processors.api.client.ApiClient``) or, ``--direct``, the log
     (``processors.frontend.service.Frontend`` as the operator). Both have the same operations and documents."""
-    from infra.credentials import OPERATOR  # start-up: loads the broker's credentials
-
     if direct(args):
         return Frontend(cfg, _registry(), principal=OPERATOR, producer="cli", skipped=args.skipped)
-    from processors.api.client import ApiClient  # start-up: urllib.request (http, ssl) and yaml
-    from processors.api.users import read_token
+    from processors.api.client import ApiClient  # noqa: PLC0415 - start-up: urllib.request, ssl (~12 ms)
+    from processors.api.users import read_token  # noqa: PLC0415 - start-up: yaml (~20 ms)
 
     return ApiClient(cfg.api_url, os.environ.get("ROPEWALK_TOKEN") or read_token(cfg.secrets))
 
@@ -142,7 +141,7 @@ class Progress:
     stops before the command prints its result or its error line."""
 
     def __init__(self, lines: bool = True, name: str = "ropewalk", console=None):
-        from rich.console import Console  # start-up: rich is loaded when a long step shows its progress
+        from rich.console import Console  # noqa: PLC0415 - start-up: rich (~24 ms), for a long step's display
 
         self.console = console or Console(stderr=True)
         self.live, self.lines, self.name = self.console.is_terminal, lines, name
@@ -162,10 +161,10 @@ class Progress:
             if self.lines:
                 print(f"{self.name}: [{time.monotonic() - self.t0:5.1f}s] {what} ...", file=sys.stderr, flush=True)
             return
-        from rich import progress as rp
+        from rich import progress as rp  # noqa: PLC0415 - start-up: rich, as Progress
 
         if self._bar is None:
-            from rich.table import Column
+            from rich.table import Column  # noqa: PLC0415 - start-up: rich, as Progress
 
             # the phase's description last: a long one is cut (…) at the width of the terminal, not the figures
             self._bar = rp.Progress(rp.SpinnerColumn(finished_text="[green]✓"), rp.TimeElapsedColumn(),
@@ -202,8 +201,8 @@ class Progress:
 def _Count():  # named for the class it makes: rich is imported only when a display is drawn
     """rich's column of a phase's count: ``done/total``, ``done`` when the total is not known, nothing for a phase
     that counts nothing (a step of `up`)."""
-    from rich.progress import ProgressColumn
-    from rich.text import Text
+    from rich.progress import ProgressColumn  # noqa: PLC0415 - start-up: rich, as Progress
+    from rich.text import Text  # noqa: PLC0415 - start-up: rich, as Progress
 
     class Count(ProgressColumn):
         def render(self, task) -> Text:

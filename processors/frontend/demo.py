@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from infra.config import Config
+from infra.credentials import OPERATOR
 from processors.frontend.console import _registry, _require_broker
 from processors.frontend.jobspec import validate_spec
 from processors.frontend.service import job_view
@@ -28,9 +29,8 @@ def _start_demo(cfg: Config, skipped, *, say=lambda made: None) -> dict | None:
     region in use gets no job it did not ask for (one started with ``--no-demo``, brought back after a power loss);
     None then. ``say(made)`` before the wait:
     whether the demo was made now."""
-    from infra.credentials import OPERATOR  # start-up (the module's docstring), as the imports below
-    from processors import controlplane
-    from streams import state
+    from processors import controlplane  # noqa: PLC0415 - start-up: the control plane (~40 ms)
+    from streams import state  # noqa: PLC0415 - start-up: confluent-kafka (~40 ms)
 
     registry = _registry()
     job_id = f"{DEMO_ENTITLEMENT}.{DEMO_JOB}"
@@ -62,7 +62,7 @@ def _start_demo(cfg: Config, skipped, *, say=lambda made: None) -> dict | None:
             break
         time.sleep(0.5)
     task = view["tasks"][0]["id"] if view and view["tasks"] else None
-    from processors.agent.process import default_work_dir, task_log
+    from processors.agent.process import default_work_dir, task_log  # noqa: PLC0415 - start-up: the agent (~0.18 s)
 
     logs = task_log(default_work_dir(cfg.run_dir, controlplane.LOCAL_MACHINE_ID), task or "<task>")
     return {"job": job_id, "state": view["state"] if view else "SUBMITTED", "command": DEMO_COMMAND,
@@ -71,7 +71,7 @@ def _start_demo(cfg: Config, skipped, *, say=lambda made: None) -> dict | None:
 
 
 def _send(cfg: Config, registry, events: list) -> None:
-    from streams.clients import EventProducer
+    from streams.clients import EventProducer  # noqa: PLC0415 - start-up: confluent-kafka (~35 ms)
 
     _require_broker(cfg)
     producer = EventProducer(cfg, registry, "cli", **{"message.timeout.ms": 15000})

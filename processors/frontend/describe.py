@@ -55,7 +55,7 @@ def describe(view: Mapping[str, Any], docs: list[Mapping[str, Any]], now_ms: int
                       "moves": s.get("moves", 0), "previous_machine": s.get("previous_machine")})
     story = [d for d in docs if d["type"] not in QUIET]
     refusals = [d for d in story if d["type"] in REFUSALS]
-    from streams.replay import summary
+    from streams.replay import summary  # noqa: PLC0415 - start-up: confluent-kafka (~40 ms); CLI path
 
     def line(d: Mapping[str, Any]) -> dict[str, Any]:
         p = d["payload"]

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import Counter
 from typing import Any, Iterator, Mapping
 
 from infra.config import Config
@@ -28,6 +29,9 @@ from processors.frontend import describe as dsc
 from processors.frontend import logs
 from processors.frontend.jobspec import JobSpecError, ValidSpec, _name, check as check_spec, refuse
 from processors.frontend.verdict import VerdictWatch
+from processors.jobcontrol import decide as jd
+from processors.resourcebroker import decide as rbd
+from processors.srm import decide as sd
 from streams.deadletter import Skipped
 from streams.events import Event, new_event
 from streams.partitionmap import (
@@ -460,7 +464,6 @@ class Frontend:
     def machine_action(self, machine: str, action: str, *, dry_run: bool = False) -> dict:
         """``fail`` (→ DOWN, its tasks move) or ``recover`` (→ UP) a machine; ``dry_run`` (fail only): what would
         happen (processors/history/whatif.py), nothing produced."""
-        from processors.resourcebroker import decide as rb
         from processors.resourcebroker.processor import fail_machine, recover_machine
 
         if action not in ("fail", "recover"):
@@ -476,9 +479,9 @@ class Frontend:
                 return whatif.machine_failure(self.cfg, self.registry, machine, int(time.time() * 1000),
                                               skipped=self.skipped)
             ids = fn(self.cfg, machine, registry=self.registry, skipped=self.skipped, principal=self.principal)
-        except rb.UnknownMachine as exc:
+        except rbd.UnknownMachine as exc:
             raise FrontendError(UNKNOWN_MACHINE, str(exc)) from None
-        except rb.IllegalStatusTransition as exc:
+        except rbd.IllegalStatusTransition as exc:
             raise FrontendError(NOT_ALLOWED_HERE, str(exc)) from None
         return {"machine": machine, "event_ids": ids}
 
@@ -487,27 +490,26 @@ class Frontend:
         """A power loss (``loss``) or power back (``restore``) of one fault domain (exactly one of ``dc``, ``msb``
         ``<dc>/<msb>``, ``rack`` ``<dc>/<msb>/<rack>``): the Resource Broker's ``power_lost`` / ``power_restored``
         (processors/resourcebroker/processor.power_event). The document lists the machines changed and the UEs."""
-        from processors.resourcebroker import decide as rb
         from processors.resourcebroker.processor import POWER_LOSS, POWER_RESTORE, power_event
 
         if action not in (POWER_LOSS, POWER_RESTORE):
             raise FrontendError(INVALID_REQUEST, f"action: expected {POWER_LOSS} or {POWER_RESTORE}, got {action!r}")
-        given = [(level, v) for level, v in ((rb.TARGET_DC, dc), (rb.TARGET_MSB, msb), (rb.TARGET_RACK, rack))
+        given = [(level, v) for level, v in ((rbd.TARGET_DC, dc), (rbd.TARGET_MSB, msb), (rbd.TARGET_RACK, rack))
                  if v is not None]
         if len(given) != 1:
             raise FrontendError(INVALID_REQUEST, "give exactly one of dc, msb, rack"
                                 + (f" (got {', '.join(level for level, _ in given)})" if given else ""))
         level, value = given[0]
-        form = {rb.TARGET_DC: "<dc>", rb.TARGET_MSB: "<dc>/<msb>", rb.TARGET_RACK: "<dc>/<msb>/<rack>"}[level]
+        form = {rbd.TARGET_DC: "<dc>", rbd.TARGET_MSB: "<dc>/<msb>", rbd.TARGET_RACK: "<dc>/<msb>/<rack>"}[level]
         try:
-            target = str(rb.parse_target(f"{level}:{value}"))
-        except rb.BadTarget:
+            target = str(rbd.parse_target(f"{level}:{value}"))
+        except rbd.BadTarget:
             raise FrontendError(INVALID_REQUEST, f"{level}: expected {form}, got {value!r}") from None
         self.require_broker()
         try:
             events = power_event(self.cfg, action, [target], registry=self.registry, skipped=self.skipped,
                                  principal=self.principal)
-        except rb.BadTarget:
+        except rbd.BadTarget:
             raise FrontendError(INVALID_REQUEST, f"{level}: no registered machine in {value!r}") from None
         statuses = [e for e in events if e.type == "MachinesStatusChanged"]
         return {"action": action, "target": target,
@@ -591,7 +593,6 @@ class Frontend:
     def intents(self, job: str | None = None) -> Any:
         """Who wants what of ``job`` and its reconciled spec (``job_intents_view``); without a job, every job that
         has intents."""
-        from processors.jobcontrol import decide as jd
         from processors.jobcontrol.views import fold_intents
 
         self.require_broker()
@@ -619,7 +620,6 @@ class Frontend:
 
     def srm(self, job: str) -> dict:
         """The job as the SRM sees it: policy, load, forecast, size, last change."""
-        from processors.srm import decide as sd
         from processors.srm.views import fold_srm
 
         self.require_broker()
@@ -789,8 +789,6 @@ def explain_doc(cfg: Config, registry: SchemaRegistry, task: str, at: str | None
 def overview(region, at_ms: int) -> dict[str, Any]:
     """The whole region at a moment: its machines (each as ``machine list --json`` shows it, and counted),
     entitlements, jobs with their tasks and where they ran (each as ``job status --json`` shows it)."""
-    from collections import Counter
-
     from streams import state
 
     machines = list(region.fold.machines.values())

@@ -21,16 +21,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from processors.scheduler import reasons as s
 from processors.scheduler.lifecycle import JOB_REJECTED
 from streams.events import Event
+from streams.partitioner import partition_for
+from streams.topics import Topics
 
 ACCEPTED, REFUSED = "accepted", "refused"  # service.ACCEPTED / REFUSED
 GRACE_S = 3.0
 
 
 def _intent_refusals() -> frozenset[str]:
-    from processors.scheduler import reasons as s
-
     return frozenset({s.REASON_DUPLICATE_JOB_ID, s.REASON_UNKNOWN_ENTITLEMENT, s.REASON_UNKNOWN_JOB,
                       s.REASON_INVALID_SPEC, s.REASON_TOO_MANY_TASKS, s.REASON_INVALID_ENTITLEMENT,
                       s.REASON_JOB_NOT_ACTIVE, s.REASON_STALE_SPEC_VERSION, s.REASON_ENTITLEMENT_MISMATCH})
@@ -65,9 +66,7 @@ class VerdictWatch:
     def __init__(self, cfg, registry, intent: Event, job_id: str, *, intents_partition: int | None = None):
         """``intents_partition``: where the intent goes, and the scheduler's refusal with it (the partition map's
         partition of its entitlement; default: its key's hash partition)."""
-        from streams.clients import EventConsumer, key_of
-        from streams.partitioner import partition_for
-        from streams.topics import Topics
+        from streams.clients import EventConsumer, key_of  # noqa: PLC0415 - start-up: confluent-kafka (~35 ms)
 
         topics = Topics(cfg.topic_prefix, cfg.partitions)
         self.intent = intent

@@ -13,6 +13,7 @@ import time
 
 from infra.config import Config, check_brokers, forget_endpoints, held_brokers, remember_endpoints, \
     remembered_endpoints, remembered_from
+from infra.credentials import write_principal_files
 from processors.frontend.console import CliError, Progress, command
 from processors.frontend.demo import DEMO_ENTITLEMENT, DEMO_JOB, DEMO_WAIT_S, _start_demo
 from processors.frontend.render import _print, _table
@@ -74,8 +75,6 @@ def _up(cfg: Config, args, t0: float, step: Progress) -> int:
     except services.InfraError as exc:
         raise CliError(_remembered_hint(str(exc))) from None
     remember_endpoints()  # a new shell without the variables finds this region (infra/config.py)
-    from infra.credentials import write_principal_files
-
     write_principal_files(cfg.secrets)  # one file per principal: what a worker on another machine is given
     admin = _admin(cfg)
     step("provisioning topics and ACLs")
