@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import count
 
+from processors.allocator.placement import Entitlement, Machine, Request
 from streams.events import Event, derived_event_id
 from streams.partitioner import partition_for
 from streams.topics import TOPIC_OF_EVENT
@@ -215,21 +216,15 @@ CPU, MEM = 1000, 2048  # one default task
 
 def m(id, *, dc="dc1", msb="msb1", rack="r1", type="skylake", cpu=4000, mem=8192, used_cpu=0, used_mem=0,
       ent=None, status="UP", version=1, maintenance=()):
-    from processors.allocator.placement import Machine
-
     return Machine(id=id, dc=dc, msb=msb, rack=rack, machine_type=type, cpu_free=cpu - used_cpu,
                    mem_free=mem - used_mem, cpu_capacity=cpu, mem_capacity=mem, entitlement=ent, status=status,
                    version=version, maintenance=tuple(maintenance))
 
 
 def req(n, *, job="j", cpu=CPU, mem=MEM, **kw):
-    from processors.allocator.placement import Request
-
     return Request(request_id="r1", job_id=job, entitlement="e1", task_ids=tuple(f"{job}/{i}" for i in range(n)),
                    cpu=cpu, mem=mem, **kw)
 
 
 def e1(quota=10, **kw):
-    from processors.allocator.placement import Entitlement
-
     return Entitlement(name="e1", quota_machines=quota, **kw)

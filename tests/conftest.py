@@ -3,15 +3,20 @@ and run directory (so a developer's `ropewalk up` region is left alone); a fresh
 """
 from __future__ import annotations
 
+import atexit
 import os
 import uuid
+from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import AdminClient
 
-from infra import services
+from infra import acls, services
 from infra.config import Config
 from infra.process import free_ports, tie_regions_to_this_process
+from streams.serde import SchemaRegistry
+from streams.topics import Topics, provision
 
 # Ports of the session's broker, its controller and redis-server; by default free ones picked at random (below
 # the ephemeral range: infra.process.SERVICE_PORTS).
@@ -85,16 +90,12 @@ class Janitor(list):
     admin client that outlives them; waited for when the session ends."""
 
     def __init__(self, cfg: Config):
-        from confluent_kafka.admin import AdminClient
-
         super().__init__()
         self.admin = AdminClient({**cfg.kafka_conf(), "log_level": 0})
 
     def finish(self, timeout_s: float = 60.0) -> None:
         """Wait for them all, ``timeout_s`` in all (not each: CI once waited 30 s for each of many requests a
         broker never answered, past the teardown's 300 s)."""
-        from concurrent.futures import wait
-
         wait([fut for futures in self for fut in futures], timeout=timeout_s)
 
 
@@ -108,10 +109,6 @@ def janitor(infra_cfg):
 def drop_topics(cfg: Config, janitor: Janitor | None = None) -> None:
     """Delete every topic of ``cfg``'s prefix (the catalogue's and faust's changelogs): the session's broker holds
     one open file per partition, and a suite that kept every test's topics reached ~5,000 of them."""
-    from confluent_kafka.admin import AdminClient
-
-    from infra import acls
-
     admin = AdminClient({**cfg.kafka_conf()})
     names = [t for t in admin.list_topics(timeout=15).topics if t.startswith(cfg.topic_prefix)]
     for fut in admin.delete_topics(names, operation_timeout=15).values() if names else ():
@@ -126,12 +123,6 @@ def drop_topics(cfg: Config, janitor: Janitor | None = None) -> None:
 @pytest.fixture
 def cfg(infra_cfg: Config, janitor: Janitor) -> Config:
     """The session's infrastructure with a topic prefix of this test's own, topics provisioned."""
-    from confluent_kafka.admin import AdminClient
-
-    from streams.topics import Topics, provision
-
-    from infra import acls
-
     c = infra_cfg.with_(topic_prefix=f"t{uuid.uuid4().hex[:8]}.")
     admin = AdminClient({**c.kafka_conf()})
     provision(admin, Topics(c.topic_prefix, c.partitions))
@@ -144,8 +135,6 @@ def pytest_unconfigure(config):
     """After the summary: librdkafka clients a test left open keep printing "Connection refused" once the
     session's broker is stopped, until the process ends; they would bury the summary at the end of CI's log.
     (At exit: pytest restores its own stderr after this hook.)"""
-    import atexit
-
     def quiet() -> None:
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
@@ -157,8 +146,6 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def registry():
-    from streams.serde import SchemaRegistry
-
     return SchemaRegistry.from_dir()
 
 
