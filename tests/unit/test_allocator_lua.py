@@ -3,7 +3,7 @@ generated prelude, so each is defined once."""
 import pytest
 
 from processors.allocator import lua
-from processors.allocator.index import FIELDS, GENERATION, LOST
+from processors.allocator.index import _LUA_LIBRARY, _READ_CHUNK, FIELDS, GENERATION, LIBRARY, LOST, READ, SUMMARY_OF
 
 
 @pytest.mark.parametrize("name", ["project", "commit", "read", "outbox_done", "rename", "summary"])
@@ -26,8 +26,6 @@ def test_a_constant_the_prelude_cannot_quote_is_refused(value):
 
 
 def test_the_readers_library_registers_each_function_read_only_with_its_bounds():
-    from processors.allocator.index import _LUA_LIBRARY, LIBRARY, READ, SUMMARY_OF, _READ_CHUNK
-
     assert _LUA_LIBRARY.startswith(f"#!lua name={LIBRARY}\n")
     for fn in (READ, SUMMARY_OF):
         assert (f"redis.register_function{{function_name='{fn}', callback={fn}, flags={{'no-writes'}}}}"

@@ -1,10 +1,14 @@
 """streams/batches.py: items cut into records below the broker's limit, and read back from either form."""
+import io
+
 import pytest
+from fastavro import parse_schema, schemaless_writer
 
 from streams import batches
 from streams.batches import MAX_RECORD_BYTES, RecordTooLarge, json_bound, size_of, split
 from streams.events import new_event
 from streams.serde import SchemaRegistry
+from streams.state import job_whole
 
 REG = SchemaRegistry.from_dir()
 
@@ -36,9 +40,6 @@ SIZES = {  # value -> its Avro encoding must not exceed size_of
 
 @pytest.mark.parametrize("value", SIZES.values(), ids=SIZES)
 def test_size_of_bounds_the_avro_encoding_from_above(value):
-    import io
-
-    from fastavro import parse_schema, schemaless_writer
     schema = {"string": "string", "int": "long"}
     kinds = {str: "string", int: "long"}
     if isinstance(value, (str, int)):
@@ -66,9 +67,6 @@ BOUNDS = {  # the worst cases of JSON text against Avro bytes: short numbers, do
 
 @pytest.mark.parametrize("value, schema", BOUNDS.values(), ids=BOUNDS)
 def test_json_bound_bounds_the_avro_encoding_from_above(value, schema):
-    import io
-
-    from fastavro import parse_schema, schemaless_writer
     buf = io.BytesIO()
     schemaless_writer(buf, parse_schema(schema), value)
     assert len(buf.getvalue()) <= json_bound(value)
@@ -114,8 +112,6 @@ def test_the_bound_is_below_the_brokers_default_limit():
 # -- a job published in parts, read back whole (streams/state.py) ---------------------------------------------------
 
 def test_a_job_published_in_parts_is_read_back_whole():
-    from streams.state import job_whole
-
     def head(parts, tasks=()):
         return new_event("JobStatePublished", {"job_id": "j", "name": "j", "state": "pending", "spec_version": 1,
                                                "desired_tasks": 1200, "tasks": list(tasks), "last_reason": "",

@@ -11,6 +11,7 @@ from confluent_kafka import KafkaError
 
 from infra import broker
 from infra.config import BrokerNode, Config, broker_nodes, check_brokers
+from streams.faustwire import IdempotentProducer, make_app
 from streams.retry import transient
 from streams.topics import cluster_replication_factor, min_insync_replicas, replication_config
 
@@ -160,8 +161,6 @@ def test_a_reader_asks_again_through_a_leaders_move_only(code, asked_again):
 
 
 def test_faust_produces_idempotently_and_replicates_its_changelogs(tmp_path):
-    from streams.faustwire import IdempotentProducer, make_app
-
     for brokers, rf in ((1, 1), (3, 3)):
         cfg = Config.from_env({"ROPEWALK_RUN_DIR": str(tmp_path), "ROPEWALK_BROKERS": str(brokers)})
         app = make_app(cfg, "unit")

@@ -6,6 +6,8 @@ import pytest
 
 from infra import config
 from processors.frontend import console, render
+from processors.frontend.service import maintenance_windows
+from streams.events import new_event
 
 NOW = 1_795_440_810_008
 
@@ -102,9 +104,6 @@ def test_maintenance_list_table(name, rows, wide, want):
 
 
 def test_maintenance_windows_are_those_started_and_not_ended():
-    from processors.frontend.service import maintenance_windows
-    from streams.events import new_event
-
     def ue(type_, uid, kind="MAINTENANCE", **kw):
         payload = {"unavailability_id": uid, "machine_ids": ["m2", "m1"]}
         if type_ == "UnavailabilityStarted":

@@ -3,6 +3,8 @@ import json
 import os
 import stat
 
+import pytest
+
 from infra import credentials as c
 from infra.config import Config
 
@@ -95,7 +97,6 @@ def test_a_principal_file_follows_a_password_changed_by_hand_and_a_wrong_one_is_
     assert c.write_principal_files(d) == [c.AGENT]
     assert c.kafka_credentials(d, c.AGENT).password == "changed-by-hand"
     c.write_private(c.principal_file(d, c.HEALTH), json.dumps({"principal": c.AGENT, "kafka": None, "redis": None}))
-    import pytest
 
     with pytest.raises(c.CredentialsError, match="health.json is not the credentials file of principal 'health'"):
         c.kafka_credentials(d, c.HEALTH)

@@ -9,6 +9,7 @@ import pytest
 
 from bench.experiments.figure14_pipeline import Ledger, curves, failed_msb_machines, merged, region_spec
 from bench.experiments.figure14 import Conditions
+from processors.resourcebroker.region import iter_machines, parse_region
 from streams.events import new_event
 
 JOB = "figure14.cache"
@@ -166,8 +167,6 @@ def test_merged_keeps_each_partitions_order_and_interleaves_by_time():
 
 
 def test_region_one_machine_per_task_and_the_failed_msb():
-    from processors.resourcebroker.region import iter_machines, parse_region
-
     c = Conditions(tasks=100, shards=10, msbs=10, failed_msb=3)
     machines = [m.id for m in iter_machines(parse_region(region_spec(c)))]
     assert len(machines) == 100 and len(set(machines)) == 100

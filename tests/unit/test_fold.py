@@ -6,12 +6,13 @@ The event-sequence table is the one the Redis index's Lua scripts were tested wi
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
 from allocator_log import (
-    ALLOC_J01, SEQUENCES, Log, allocated, assign, check, deallocated, ev, profile, reg, rejected,
-    requested, state, status, unavailability,
+    ALLOC_J01, SEQUENCES, Log, allocated, assign, check, deallocated, ev, profile, reg, rejected, requested, state,
+    status, unavailability, unavailability_ended,
 )
 from processors.allocator import placement
 from processors.allocator.fold import (
@@ -236,8 +237,6 @@ def test_placement_on_the_fold_equals_placement_run_on_a_seeded_region():
 def test_a_maintenance_on_the_log_keeps_every_placement_off_its_machines_until_it_ends():
     """The reproduction of issue 11: a task moved off an MSB under maintenance went to a free machine of that very
     MSB (its bin was the emptiest). The fold filters the maintenance's machines, held or free, for any request."""
-    from allocator_log import unavailability_ended
-
     fold = RegionFold()
     log = apply_all(fold, [reg("a1", msb="msb1"), reg("b2", msb="msb2"), reg("c2", msb="msb2"),
                            unavailability("ue1", ["b2", "c2"])])
@@ -254,8 +253,6 @@ def test_a_maintenance_on_the_log_keeps_every_placement_off_its_machines_until_i
 def test_the_fold_counts_its_machines_by_status_as_they_change():
     """RegionFold.statuses (what the index summary says and `ropewalk up` waits on) follows registrations and every
     status change, whichever event carries it."""
-    from collections import Counter
-
     fold = RegionFold()
     ms = [reg(f"dc1-msb1-r01-m00{i}") for i in range(4)]
     for i, e in enumerate(ms):

@@ -13,8 +13,10 @@ import history_log as hl
 from test_scheduler_decide import untag  # the scheduler tests' helpers (tests/unit is on sys.path)
 from infra.config import Config
 from processors.allocator.placement import LIVE, Policy, SCORE_CHOICES
+from processors.frontend.console import CliError
 from processors.history import explain, moments, shadow, snapshots, whatif
 from processors.history.region import Region
+from processors.resourcebroker import decide as rb
 from processors.scheduler import records
 from streams.events import Event, new_event
 from streams.serde import SchemaRegistry
@@ -229,7 +231,6 @@ def test_a_machine_failure_what_if_moves_its_tasks(rec):
     busy = sorted(m.id for m in region.fold.machines.values()  # tasks of jobs without a controller, running
                   if m.tasks and m.status == "UP" and not any(t.startswith("e1.cache/") for t in m.tasks))[0]
     tasks = set(region.fold.machines[busy].tasks)
-    from processors.resourcebroker import decide as rb
 
     broker = rec.broker
     _, events = rb.machine_failed(broker, busy, rb.REASON_OPERATOR, at(121))
@@ -277,8 +278,6 @@ def test_moments(value, expected):
 
 @pytest.mark.parametrize("value", ["yesterday", "now-5x", "tasks/x@1", "@3"])
 def test_a_bad_moment_is_refused(value):
-    from processors.frontend.console import CliError
-
     with pytest.raises((moments.MomentError, CliError)):
         moments.parse_moment(value, 0, lambda *a: 0)
 
@@ -336,8 +335,6 @@ def test_a_broken_snapshot_file_is_passed_over(rec, registry, tmp_path):
 def test_a_snapshot_keeps_a_machine_s_failed_profile_switch(rec, registry, tmp_path):
     """The profile a machine failed to switch to (and its owner then) is kept: a region loaded from a snapshot shows
     the switch failed, as the allocator published it, not pending."""
-    import dataclasses
-
     cfg = Config.from_env({"ROPEWALK_RUN_DIR": str(tmp_path), "ROPEWALK_PARTITIONS": str(hl.PARTITIONS)})
     region = hl.fold(rec, at(45))
     mid = sorted(region.fold.machines)[0]

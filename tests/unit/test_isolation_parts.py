@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,6 @@ def test_a_uid_a_user_has_is_never_leased(tmp_path):
 def test_a_uid_some_process_runs_as_is_never_leased(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("a process of another uid needs root")
-    import subprocess
 
     p = subprocess.Popen(["sleep", "30"], user=71050, group=71050, extra_groups=[])
     try:

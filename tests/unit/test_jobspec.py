@@ -1,7 +1,11 @@
 """Job specs: a bad spec is refused naming the wrong field."""
 import pytest
 
-from processors.frontend.jobspec import JobSpecError, parse_text, validate_spec
+from infra.config import DEFAULT_MAX_TASKS_PER_JOB, Config
+from processors.api.models import JobSpec, Resources
+from processors.frontend.jobspec import FIELDS, JobSpecError, check, parse_text, validate_spec
+from processors.frontend.service import FrontendError, spec_payload
+from streams.serde import SchemaRegistry
 
 GOOD = {"name": "web", "entitlement": "e1", "tasks": 6, "command": ["sleep", "3600"],
         "resources": {"cpu_millicores": 1000, "memory_mib": 2048}}
@@ -83,8 +87,6 @@ def test_a_job_over_the_limit_is_refused_naming_the_field_and_the_limit(tasks, m
 
 
 def test_the_default_limit_is_the_configured_one():
-    from infra.config import DEFAULT_MAX_TASKS_PER_JOB, Config
-
     assert DEFAULT_MAX_TASKS_PER_JOB == 25_000
     assert Config.from_env({}).max_tasks_per_job == 25_000
     assert Config.from_env({"ROPEWALK_MAX_TASKS_PER_JOB": "1000"}).max_tasks_per_job == 1000
@@ -97,10 +99,6 @@ def test_the_three_shapes_of_a_job_spec_agree():
     doors run, takes; the API's request body, ``processors/api/models.JobSpec``, is made from it, for the OpenAPI
     document and pydantic's strict parse) and the Avro schemas of JobSubmitted and JobSpecChanged (what the log
     holds). A field added to one of them and not the other fails here."""
-    from processors.api.models import JobSpec, Resources
-    from processors.frontend.jobspec import FIELDS
-    from streams.serde import SchemaRegistry
-
     assert tuple(JobSpec.model_fields) == FIELDS
     payload = validate_spec(GOOD)
     assert tuple(Resources.model_fields) == tuple(payload["resources"])
@@ -125,8 +123,6 @@ ROUND_TRIPS = {  # a spec as a user writes it -> what the CLI sends the API (Val
 
 @pytest.mark.parametrize("data", ROUND_TRIPS.values(), ids=ROUND_TRIPS)
 def test_a_checked_spec_sent_on_is_the_same_spec(data):
-    from processors.frontend.jobspec import check
-
     valid = check(data)
     assert valid.entitlement == "e1" and valid.job_id == "e1.web" and "entitlement" not in valid.payload
     assert {**valid.payload, "entitlement": valid.entitlement} == validate_spec(data)
@@ -135,8 +131,6 @@ def test_a_checked_spec_sent_on_is_the_same_spec(data):
 
 
 def test_a_refusal_at_the_door_names_the_file_and_the_field():
-    from processors.frontend.service import FrontendError, spec_payload
-
     with pytest.raises(FrontendError) as exc:
         spec_payload(spec(tasks="6"), None, 100, "web.yaml: ")
     assert exc.value.message.startswith("web.yaml: tasks: ") and "got string '6'" in exc.value.message

@@ -15,7 +15,7 @@ from processors.scheduler.reasons import (
 from processors.scheduler.records import job_from_record, job_to_record
 from processors.taskcontrol import protocol as tc
 from test_scheduler_decide import (  # the scheduler tests' harness (tests/unit is on sys.path)
-    ENT, REG, T0, Allocator, agent_reactions, ev, machine_status, of_type, running_job,
+    ENT, REG, T0, Allocator, agent_reactions, ev, machine_status, of_type, running_job, spec_changed,
 )
 from test_taskcontrol_scheduler import CTL, requests
 
@@ -158,7 +158,6 @@ def test_a_choice_after_the_deadline_stopped_the_task_is_too_late():
 
 
 def test_a_task_held_for_maintenance_is_not_restarted_by_a_rolling_update():
-    from test_scheduler_decide import spec_changed
     sim2 = running_job(2, ("m1", "m2"), controller=CTL, max_unavailable=2)
     (req,) = requests(sim2.feed(maintenance(["m1"])))
     settle(sim2, sim2.feed(ack_with(req.sequence, [("j/0", tc.CHOICE_STOP)])))

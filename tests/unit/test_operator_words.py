@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from infra import metrics
 from processors import times
+from processors.agent.process import default_work_dir, task_log
 from processors.api import authz
+from processors.api.ui import feed_topics, fleet_filter
 from processors.frontend import describe, logs
+from processors.resourcebroker.decide import is_free
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "infra" / "grafana" / "ropewalk.json"
@@ -34,8 +38,10 @@ def _missing(ours, theirs, path="") -> list[str]:
 def test_the_grafana_dashboard_is_grafanas_model_with_nothing_lost():
     """Decoded by Grafana's foundation SDK (its dashboard model, generated from Grafana's schema) and encoded again,
     the dashboard keeps every key and value: nothing it says is unknown to Grafana or of the wrong type."""
-    from grafana_foundation_sdk.cog.encoder import JSONEncoder
-    from grafana_foundation_sdk.models.dashboard import Dashboard, Panel, RowPanel
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: PLC0415 - start-up cost: Grafana's SDK, ~10 ms
+    from grafana_foundation_sdk.models.dashboard import (  # noqa: PLC0415 - start-up cost: Grafana's SDK, ~10 ms
+        Dashboard, Panel, RowPanel,
+    )
 
     doc = json.loads(DASHBOARD.read_text())
     model = Dashboard.from_json(doc)
@@ -46,7 +52,6 @@ def test_the_grafana_dashboard_is_grafanas_model_with_nothing_lost():
     exprs = [t["expr"] for p in doc["panels"] for t in p.get("targets", ())]
     assert all(e.count("(") == e.count(")") for e in exprs)
     named = {m for e in exprs for m in re.findall(r"\bropewalk_[a-z_]+", e)}
-    from infra import metrics
 
     exported = {m.name for m in vars(metrics).values() if isinstance(m, metrics.Metric)}
     base = {re.sub(r"_(bucket|count|sum)$", "", n) for n in named}
@@ -126,8 +131,6 @@ def test_describe_keeps_the_last_events_and_refusals():
 
 
 def test_where_a_tasks_output_is_or_why_not(tmp_path):
-    from processors.agent.process import default_work_dir, task_log
-
     log = task_log(default_work_dir(tmp_path, "local-m1"), "e1.web/0")
     log.parent.mkdir(parents=True)
     log.write_text("one\ntwo\nthree\n")
@@ -158,8 +161,6 @@ def test_where_a_tasks_output_is_or_why_not(tmp_path):
 
 
 def test_the_event_feed_reads_only_the_topics_that_carry_what_it_shows():
-    from processors.api.ui import feed_topics
-
     assert feed_topics(None, None) is None  # nothing filtered: every topic
     assert "heartbeats" not in feed_topics(None, frozenset({"AgentHeartbeat"}))  # the feed's default
     assert feed_topics(frozenset({"JobSubmitted", "TasksCommanded"}), None) == ("intents", "tasks")
@@ -177,8 +178,6 @@ FLEET = [{"id": f"dc{d}-msb1-r0{r}-m00{m}", "dc": f"dc{d}", "msb": "msb1", "rack
     ({"owner": "e1", "status": "UP"}, ["dc1-msb1-r01-m002"]),
 ])
 def test_the_fleet_filters(f, ids):
-    from processors.api.ui import fleet_filter
-
     assert [m["id"] for m in fleet_filter(FLEET, {"status": "", "owner": "", "dc": "", "q": "", **f})] == ids
 
 
@@ -186,6 +185,4 @@ def test_the_fleet_filters(f, ids):
     (None, "UP", False, True), (None, "DOWN", False, False), (None, "UP", True, False), ("e1", "UP", False, False),
     (None, "UNHEALTHY", False, False)])
 def test_one_rule_for_a_free_machine(owner, status, maintenance, free):
-    from processors.resourcebroker.decide import is_free
-
     assert is_free(owner, status, maintenance) is free

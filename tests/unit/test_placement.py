@@ -1,14 +1,18 @@
 """Table-driven tests of the allocator's pure placement pipeline."""
 import random
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
 from processors.allocator.placement import (
     CONFLICT_CAPACITY, CONFLICT_OWNER, CONFLICT_STATUS, CONFLICT_VERSION, FILTER_AVOIDED, FILTER_CPU, FILTER_DC,
-    FILTER_MACHINE_TYPE, FILTER_MEMORY, FILTER_OTHER_ENTITLEMENT, FILTER_STATUS, NO_FEASIBLE_MACHINE,
-    QUOTA_EXCEEDED, commit_check, place, release,
+    FILTER_MACHINE_TYPE, FILTER_MEMORY, FILTER_OTHER_ENTITLEMENT, FILTER_STATUS, LIVE, NO_FEASIBLE_MACHINE,
+    QUOTA_EXCEEDED, SCORE_CHOICES, SCORES, Policy, commit_check, existing_bins, fault_domain, filter_machines, place,
+    plan_of, release, run_policy, select, select_scored,
 )
 from allocator_log import CPU, MEM, e1, m, req
+from processors.allocator.decide import in_decision_order
 
 
 def six_over_three_msbs(ent=None, used=()):
@@ -197,11 +201,6 @@ def test_request_rejects_what_placement_cannot_honour(kw):
 def reference_place(snapshot, entitlement, request, held):
     """place() as first written: every filter on every machine, then per task min() over SCORES of every
     candidate. O(tasks x machines); the decisions place() must keep."""
-    from collections import Counter
-    from types import SimpleNamespace
-
-    from processors.allocator.placement import SCORES, fault_domain
-
     def meets(value, *wanted):
         return all(w in (None, value) for w in wanted)
 
@@ -317,8 +316,6 @@ def test_the_random_regions_exercise_what_they_should():
 def test_select_scored_with_the_live_scores_decides_as_select(seed):
     """``run_policy`` places any table of scores by min() per task; with SCORES' own table it must decide exactly as
     the live select() (so a shadow run under a policy that changes only, say, the spread level is comparable)."""
-    from processors.allocator.placement import SCORES, existing_bins, filter_machines, plan_of, select, select_scored
-
     rnd = random.Random(seed)
     machines = random_region(rnd, rnd.choice((5, 30, 120)))
     for _ in range(8):
@@ -334,8 +331,6 @@ def test_select_scored_with_the_live_scores_decides_as_select(seed):
 
 
 def test_a_policy_ranks_by_its_own_scores_and_spread():
-    from processors.allocator.placement import LIVE, SCORE_CHOICES, Policy, run_policy
-
     machines = [m(f"m{i}", msb="a" if i < 2 else "b", rack=f"r{i}") for i in range(4)]
     request_ = req(2)
     packed = run_policy(machines, e1(), request_, 0, LIVE)
@@ -358,7 +353,5 @@ def test_a_policy_ranks_by_its_own_scores_and_spread():
     (4 + 2, ["d3", "a0", "b0", "c1"]),  # modulo the partitions: from 2, the first there is 3
 ])
 def test_a_batch_is_decided_by_partition_from_the_one_its_time_names(when_ms, expected):
-    from processors.allocator.decide import in_decision_order
-
     arrived = [("d3", 3), ("a0", 0), ("c1", 1), ("b0", 0)]
     assert [r for r, _ in in_decision_order(arrived, lambda x: x[1], when_ms, 4)] == expected

@@ -6,7 +6,7 @@ import pytest
 
 from processors.scheduler.decide import retry_unplaced
 from processors.taskcontrol.limiter import Limits, Rate
-from test_scheduler_decide import ENT, batched_reactions, commands, ev, of_type, rejected, unavailability
+from test_scheduler_decide import ENT, batched_reactions, commands, ev, of_type, rejected, submit, unavailability
 from test_taskcontrol_scheduler import big_job
 
 N = 120
@@ -87,7 +87,6 @@ def test_parked_tasks_that_never_ran_are_retried_without_tokens():
     sim = big_job(1, LIMITS)
     out = sim.feed(unavailability(["m1"], "POWER"))
     answer(sim, out, sim.now, {"j/0": "m1"}, power_on=False)
-    from test_scheduler_decide import submit
 
     (req,) = of_type(sim.feed(submit("k", 250)), "AllocationRequested")
     sim.feed(rejected(req, req.payload["place_task_ids"], "quota_exceeded", "e1 holds 3 of 3 machines"))

@@ -35,7 +35,7 @@ from processors.scheduler.reasons import (
 from processors.scheduler.steps import MAX_RESTARTS, RESTART_RESET_MS
 from processors.scheduler.work import PRODUCER
 from processors.taskcontrol import limiter
-from streams.batches import command_events, discovery_changes, task_commands, task_reports
+from streams.batches import MAX_RECORD_BYTES, command_events, discovery_changes, task_commands, task_reports
 from streams.events import new_event
 from streams.serde import SchemaRegistry
 
@@ -1115,8 +1115,6 @@ def test_a_spec_too_big_to_travel_is_refused():
 
 
 def test_a_20000_task_job_is_commanded_and_published_in_records_below_the_limit():
-    from streams.batches import MAX_RECORD_BYTES
-
     n = 20_000
     sim = Sim()
     sim.feed(entitlement())

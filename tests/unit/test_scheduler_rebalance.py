@@ -6,7 +6,7 @@ validity); the allocator, the agents and the TaskController are played by hand.
 import pytest
 
 from processors.scheduler import reasons as rb  # the moves' reasons: rb.REASON_REBALANCE, rb.REASON_MOVE_*
-from processors.scheduler.decide import retry_unplaced
+from processors.scheduler.decide import decide, retry_unplaced
 from processors.scheduler.lifecycle import JOB_UPDATING
 from processors.scheduler.reasons import REASON_UNKNOWN_TASK
 from processors.taskcontrol.protocol import OP_MOVE
@@ -120,7 +120,6 @@ def test_moves_wait_for_the_controller_and_go_max_unavailable_at_a_time():
 def test_the_limiter_paces_planned_moves():
     sim = running_job(3, max_unavailable=3)
     tight = Limits(job=Rate(per_minute=1, burst=1), shard=Rate(per_minute=100, burst=100))
-    from processors.scheduler.decide import decide
     state, out = decide(sim.state, plan([("j/0", "m1", "m7"), ("j/1", "m2", "m8")]), T0, limits=tight)
     assert [k for k in kinds(out) if k[0] == "STOP"] == [("STOP", "j/0", "m1", 1)]
     throttled = of_type(out, "OperationsThrottled")

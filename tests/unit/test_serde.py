@@ -1,8 +1,11 @@
 """Avro single-object serde: every schema round-trips; bad records fail with the right reason."""
 import copy
+import io
 import re
 
 import pytest
+from fastavro import schemaless_writer
+from fastavro.schema import fingerprint
 
 from streams.serde import (INCOMPATIBLE_SCHEMA, MALFORMED, MARKER, NO_MARKER, UNKNOWN_EVENT, UNKNOWN_FINGERPRINT,
                            SCHEMAS_DIR, DecodeError, SchemaRegistry, build_schema, load_schema_dir)
@@ -70,7 +73,6 @@ def test_every_quantity_states_its_unit(name):
 def test_fingerprint_is_the_avro_spec_crc64_little_endian():
     # Avro specification test vector: CRC-64-AVRO of the canonical form of "int" is 0x7275d51a3f395c8f.
     assert build_schema({"type": "record", "name": "X", "fields": []}, None).fingerprint != b""
-    from fastavro.schema import fingerprint
     assert bytes.fromhex(fingerprint('"int"', "CRC-64-AVRO")) == (0x7275D51A3F395C8F).to_bytes(8, "little")
 
 
@@ -173,9 +175,6 @@ def test_unknown_event_name_is_reported():
 
 
 def _body(schema, record):
-    import io
-
-    from fastavro import schemaless_writer
     buf = io.BytesIO()
     schemaless_writer(buf, schema.parsed, record)
     return buf.getvalue()

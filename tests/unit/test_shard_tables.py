@@ -8,6 +8,9 @@ it), and when faust's tables may be read at all (``faustwire.tables_ready``, on 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -240,12 +243,8 @@ def test_tables_are_ready_only_between_a_recovery_and_the_next_rebalance(tmp_pat
 def test_the_retry_round_bench_runs_at_a_small_size(capsys):
     """``bench/retry_round.py`` (its figures are in BENCHMARKS.md) at CI size: it runs and says what it measured;
     the sliced round decides on the parked jobs only (a selection, then one slice per partition here)."""
-    import json
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import retry_round
+    import retry_round  # noqa: PLC0415 - bench/retry_round.py is a script: importable once bench/ is on sys.path
 
     assert retry_round.main(["--jobs", "40", "--tasks", "3", "--parked", "0.25", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

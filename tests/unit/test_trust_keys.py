@@ -10,6 +10,7 @@ from infra import credentials as c
 from infra import trust
 from infra.acls import READS, WRITES
 from infra.config import Config
+from processors.agent.decide import heartbeat
 from streams import auth
 from streams.serde import SchemaRegistry
 
@@ -65,7 +66,6 @@ def test_a_machines_key_file_is_its_own_and_the_process_agent_signs_only_as_it(c
     path = trust.write_machine_key(cfg.secrets, "m1")
     assert path == cfg.secrets / "machines" / "m1.json" and stat.S_IMODE(os.stat(path).st_mode) == 0o600
     signer = trust.machine_signer(cfg.as_principal(c.AGENT), "m1")
-    from processors.agent.decide import heartbeat
 
     value = signer.seal(REG, "AgentHeartbeat", heartbeat("m1", 1, 1, [], 5).to_record(1))
     verifier = trust.verifier_for(cfg.as_principal(c.HEALTH), REG)

@@ -1,6 +1,9 @@
 """The UI's time slider (processors/api/ui: ``moment_of``): the moment shown and the span the slider covers."""
 import pytest
 
+from processors.api.ui import moment_of
+from processors.history.moments import MomentError
+
 
 NOW = 1_800_000_000_000
 
@@ -12,8 +15,6 @@ NOW = 1_800_000_000_000
     ("2027-01-15T06:00:00Z", "7d", {"ms": NOW - 7_200_000, "min_ms": NOW - 7 * 86_400_000}),
 ])
 def test_the_time_slider_s_moment_and_span(at, span, expected):
-    from processors.api.ui import moment_of
-
     got = moment_of(at, span, NOW)
     assert {k: got[k] for k in expected} == expected and got["now_ms"] == NOW and got["span"] == span
 
@@ -23,8 +24,5 @@ def test_the_time_slider_s_moment_and_span(at, span, expected):
     ("1" * 201, "1h", "at: "),  # longer than any moment: refused before it is parsed
 ])
 def test_a_bad_moment_or_span_is_refused_naming_the_field(at, span, field):
-    from processors.api.ui import moment_of
-    from processors.history.moments import MomentError
-
     with pytest.raises(MomentError, match=f"^{field}"):
         moment_of(at, span, NOW)
