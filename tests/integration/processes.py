@@ -8,17 +8,17 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from infra import metrics
 from infra.config import PROJECT_ROOT
 from infra.process import die_with_parent
 
 
 def scrape(addr: str) -> dict[str, list]:
     """``{metric family: [samples]}`` of one target's Prometheus text."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
     with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as resp:
         return {f.name: f.samples for f in text_string_to_metric_families(resp.read().decode())}
 
@@ -38,8 +38,6 @@ def timer_ticks(run_dir, program: str, worker: str) -> float | None:
 def worker_metrics(run_dir, worker: str) -> dict[str, list]:
     """``scrape`` of the worker named ``worker`` (``ROPEWALK_WORKER_NAME``) under ``run_dir``; {} while it serves
     none (not started yet, or gone)."""
-    from infra import metrics
-
     addr = metrics.targets(run_dir).get(worker)
     if addr is None:
         return {}

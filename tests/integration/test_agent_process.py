@@ -13,14 +13,23 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import AdminClient
 
-from infra import services
+from infra import acls, services
 from infra.config import PROJECT_ROOT, Config
-from infra.process import die_with_parent, free_ports, pid_alive, port_open
+from infra.process import FAILPOINT_EXIT, die_with_parent, free_ports, pid_alive, port_open
+from infra.trust import write_machine_key
+from processors.agent import decide as d
+from processors.agent import isolation as iso
+from processors.agent.decide import REASON_NOT_PLACED
+from processors.agent.hostprofile import REASON_WAITING_FOR_PROFILE
+from processors.agent.process import FAILPOINT_ENV, ProcessAgent, task_dir
+from processors.agent.simulated import SimulatedAgents
+from processors.sidekick.catalogue import PROFILES
 from streams import batches
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
-from streams.topics import Topics
+from streams.topics import Topics, provision
 
 PY = sys.executable
 
@@ -110,8 +119,6 @@ class Agents:
         self.work_dirs: set[Path] = set()
 
     def start(self, cfg, machine, work_dir=None, *extra, env=None):
-        from infra.trust import write_machine_key
-
         write_machine_key(cfg.secrets, machine)  # the machine's own key, as the operator gives it (infra/trust.py)
         work = Path(work_dir or self.tmp / machine)
         self.work_dirs.add(work)
@@ -166,8 +173,6 @@ class Agents:
 def release_uids(doc: dict) -> None:
     """The uids a (killed) agent's state holds, handed back as the agent would: their processes killed, their
     host-wide leases removed (processors/agent/isolation.py)."""
-    from processors.agent import isolation as iso
-
     leases = Path(os.environ.get(iso.LEASES_ENV) or iso.DEFAULT_LEASES)
     for uid in (doc.get(iso.OWNER_UIDS_KEY) or {}).values():
         iso.kill_uid(uid)
@@ -255,9 +260,6 @@ def test_process_agent_applies_the_host_profile_before_the_start(cfg, registry, 
     """A START naming host profile ``web`` waits while the machine has the default one; Sidekick's request is applied
     by writing ``host-profile.json`` (the visible setting), answered HostProfileApplied on ``machines``, and only then
     is the task started (issue 16)."""
-    from processors.agent.hostprofile import REASON_WAITING_FOR_PROFILE
-    from processors.sidekick.catalogue import PROFILES
-
     m = "m-hp"
     agents.start(cfg, m)
     start = command("j1/web", "START", m, ["sleep", "30"])
@@ -292,11 +294,6 @@ def test_process_agent_applies_the_host_profile_before_the_start(cfg, registry, 
 # -- (b) the broker goes away ------------------------------------------------------------------------------------
 
 def test_tasks_keep_running_while_the_broker_is_down(tmp_path, registry, agents, infra_cfg):
-    from confluent_kafka.admin import AdminClient
-
-    from infra import acls
-    from streams.topics import provision
-
     broker_port, controller_port = free_ports(2)
     own = Config.from_env({"ROPEWALK_BROKER_PORT": str(broker_port), "ROPEWALK_CONTROLLER_PORT": str(controller_port),
                            "ROPEWALK_REDIS_PORT": str(infra_cfg.redis_port), "ROPEWALK_RUN_DIR": str(tmp_path / "run"),
@@ -371,8 +368,6 @@ def test_a_start_admitted_before_the_move_it_is_stale_for_is_stopped_when_the_fo
     the move yet, runs it (its fold still places the task here). Made here in that order, each step waiting on the
     agent's report: RUNNING, the fence STOP, the stale START run again, then the move read: the agent stops the task
     itself (STOPPED ``not_placed``) and its process is gone."""
-    from processors.agent.decide import REASON_NOT_PLACED
-
     m, task = "m-s", "j1/stale"
     tasks = Reader(cfg, registry, "tasks")
     try:
@@ -397,10 +392,6 @@ def test_an_agent_killed_before_the_stop_a_move_needs_makes_it_after_its_restart
     """The agent reads the move of a task it runs and saves its state (offsets past the move, the stop pending), then
     dies before the fold is final (a failpoint: ``os._exit`` there, as a SIGKILL). Restarted, it resumes past the
     move, which it never reads again: the pending stop from its state file stops the task (STOPPED ``not_placed``)."""
-    from processors.agent.decide import REASON_NOT_PLACED
-    from processors.agent.process import FAILPOINT_ENV
-    from infra.process import FAILPOINT_EXIT
-
     m, task = "m-k", "j1/pending"
     tasks = Reader(cfg, registry, "tasks")
     try:
@@ -422,8 +413,6 @@ def test_an_agent_killed_before_the_stop_a_move_needs_makes_it_after_its_restart
 # -- (d) simulated agents ----------------------------------------------------------------------------------------
 
 def test_simulated_agents_run_10000_machines(cfg, registry):
-    from processors.agent.simulated import SimulatedAgents
-
     machines = [f"sim-{i:05d}" for i in range(10_000)]
     sim = SimulatedAgents(cfg, machines, registry=registry, interval_ms=1000, start_delay_ms=100)
     sim.connect()
@@ -512,8 +501,6 @@ def test_a_restarted_simulated_agents_process_beats_under_new_ids(cfg, registry,
     """Its state file may be a few rounds behind what a killed process beat (it is written every few seconds): the
     process that resumes from it must not beat those rounds again under the same event ids with other contents
     (the kill storm found 43 such heartbeats: one id, two different lists of running tasks)."""
-    from processors.agent.simulated import SimulatedAgents
-
     machines = [f"sim-{i}" for i in range(3)]
     state_file = tmp_path / "simulated.json"
 
@@ -549,8 +536,6 @@ def test_the_simulated_agents_save_their_state_only_once_what_they_sent_is_deliv
     broker; restarted from that file it neither ran the tasks nor read the commands again, and nobody told the
     scheduler. A save now waits until what was sent before it is on the log; what cannot be delivered (here a producer
     whose broker does not answer: a leader's node stopped) leaves the file as it was, for a later save."""
-    from processors.agent.simulated import SimulatedAgents
-
     state_file = tmp_path / "simulated.json"
     sim = SimulatedAgents(cfg, ["sim-0"], registry=registry, interval_ms=200, state_file=state_file)
     sim.connect()
@@ -580,10 +565,6 @@ def test_the_process_agent_keeps_what_it_told_until_the_broker_has_it(cfg, regis
     be on disk before anything runs). Killed between the two, it restarted from a state that said "reported", and
     nobody told the scheduler. Now the state file carries every event sent and not yet confirmed (here: a producer
     whose broker does not answer), and the agent started from it sends them again, under the same ids."""
-    from infra.trust import write_machine_key
-    from processors.agent import decide as d
-    from processors.agent.process import ProcessAgent
-
     machine = "m-flight"
     write_machine_key(cfg.secrets, machine)
     work = tmp_path / machine
@@ -628,9 +609,6 @@ def test_what_the_simulated_agents_report_does_not_hang_on_when_a_start_ends(cfg
     is under way, and one that comes after it ended, are reported alike. The kill storm found one event id with two
     contents: a process restarted from a state file older than its reports re-read a STOP before its task's start
     ended, where the process before it had read it after (STOPPED after STARTING, then after RUNNING)."""
-    from processors.agent import decide as d
-    from processors.agent.simulated import SimulatedAgents
-
     start = command("j1/0", "START", "sim-0", ["sleep", "1"])
     second = d.Unplaced("j1/0") if killer == "unplaced" else d.Command(command("j1/0", killer, "sim-0", ["sleep", "1"]))
 
@@ -658,10 +636,6 @@ def test_the_process_agent_deletes_the_working_directory_of_a_task_gone_for_long
     """#29: a task's working directory was kept for ever (its logs already were not). A task that ran and exited
     leaves its directory to the rule of its logs (``ROPEWALK_TASK_LOG_KEEP_S``, here 0); a running task's directory,
     however old, stays."""
-    from infra.trust import write_machine_key
-    from processors.agent import decide as d
-    from processors.agent.process import ProcessAgent, task_dir
-
     machine = "m-dirs"
     write_machine_key(cfg.secrets, machine)
     work = tmp_path / machine

@@ -8,12 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
 import pytest
 import redis
 
+from bench.killstorm import redis_differences, replay_checks
 from processors.allocator.index import Committed, MachineIndex
 from processors.allocator.placement import FILTER_MACHINE_TYPE, NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED
 from processors.allocator.decide import (
@@ -740,10 +742,6 @@ def test_two_allocators_deciding_at_once_for_one_entitlement_keep_capacity_and_q
     commits, the other meets a conflict (capacity, or ``quota_exceeded_at_commit``), reloads what the other took
     and decides again. The log, replayed, has no machine over its capacity and no entitlement over its quota;
     Redis equals a rebuild from the log."""
-    import threading
-
-    from bench.killstorm import redis_differences, replay_checks
-
     r = cfg.redis_client()
     producer = EventProducer(cfg, registry, "test")
     for mid, (dc, cpu) in machines.items():

@@ -25,7 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from streams import serde
+from conftest import drop_topics
+from processors.allocator.rebuild import rebuild_index
+from processors.frontend import demo as frontend
+from processors.resourcebroker.processor import fold_machines
+from processors.taskcontrol.controller import TaskControllerProcess, producer_name
+from streams import archive as ar
+from streams import serde, state
 from streams.clients import EventConsumer, EventProducer
 from streams.deadletter import Skipped
 from streams.events import new_event
@@ -238,8 +244,6 @@ def test_replay_skips_what_it_cannot_decode(cfg, registry, jobs_log):
 
 def test_up_demo_step_skips_what_it_cannot_decode(cfg, registry):
     """``up``'s demo step (``_start_demo``) reads state.jobs for demo.hello: bad records before its state."""
-    from processors.frontend import demo as frontend
-
     put_bad(cfg, registry, "state.jobs", "demo.hello")
     p = EventProducer(cfg, registry, "test")
     p.send(job_state("demo.hello", machine="local-msb1-r01-m001"))
@@ -253,8 +257,6 @@ def test_up_demo_step_skips_what_it_cannot_decode(cfg, registry):
 # --- library readers -------------------------------------------------------------------------------------------
 
 def test_state_readers_skip_what_they_cannot_decode(cfg, registry, jobs_log, machines_log):
-    from streams import state
-
     skipped = Skipped()
     assert list(state.current(cfg, registry, "jobs", skipped=skipped)) == [JOB]
     assert skipped.by_reason == reasons("state.jobs", "state.tasks")
@@ -265,16 +267,12 @@ def test_state_readers_skip_what_they_cannot_decode(cfg, registry, jobs_log, mac
 
 
 def test_fold_machines_skips_what_it_cannot_decode(cfg, registry, machines_log):
-    from processors.resourcebroker.processor import fold_machines
-
     skipped = Skipped()
     assert fold_machines(cfg, registry, skipped=skipped).get("m1") is not None
     assert skipped.by_reason == EXPECTED_REASONS
 
 
 def test_rebuild_skips_what_it_cannot_decode(cfg, registry, machines_log):
-    from processors.allocator.rebuild import rebuild_index
-
     for logical in ("intents", "allocations"):
         put_bad(cfg, registry, logical, ENT)
     st = rebuild_index(cfg, registry)
@@ -283,8 +281,6 @@ def test_rebuild_skips_what_it_cannot_decode(cfg, registry, machines_log):
 
 def test_archive_and_restore_keep_what_nobody_can_decode(cfg, registry, tmp_path):
     """The archive stores values raw: bad records survive a round trip byte for byte (a later reader skips them)."""
-    from streams import archive as ar
-
     bad = put_bad(cfg, registry, "taskcontrol", ENT)
     st = ar.archive(cfg, tmp_path / "archive")
     assert st.records >= len(BAD_KINDS)
@@ -300,15 +296,12 @@ def test_archive_and_restore_keep_what_nobody_can_decode(cfg, registry, tmp_path
         values = [m.value() for m in raw if m.error() is None]
         assert sorted(values, key=lambda v: v or b"") == sorted(bad, key=lambda v: v or b"")
     finally:
-        from conftest import drop_topics
         drop_topics(target)
 
 
 def test_a_task_controller_dead_letters_what_it_cannot_decode_and_answers(cfg, registry):
     """The reference controllers' library: bad records on taskcontrol before a request; it answers the request
     and dead-letters each bad record with its reason."""
-    from processors.taskcontrol.controller import TaskControllerProcess, producer_name
-
     put_bad(cfg, registry, "taskcontrol", ENT)
     p = EventProducer(cfg, registry, "scheduler")
     p.send(new_event("TaskControlRequested", {

@@ -12,6 +12,7 @@ import pytest
 
 from processes import phase_drawn, run_stopped_on_timeout
 
+from bench.harness import REQUIRED, format_table
 from bench.workloads import HOPS
 from infra.process import pid_alive
 
@@ -54,8 +55,6 @@ def test_progress_is_drawn_on_the_terminal(bench_run):
 
 @pytest.mark.timeout(240)
 def test_every_required_figure_is_a_number_or_explained(bench_doc):
-    from bench.harness import REQUIRED
-
     doc = bench_doc
     assert set(REQUIRED) <= set(doc), sorted(set(REQUIRED) - set(doc))
     for key in REQUIRED:
@@ -136,8 +135,6 @@ def test_profile_memory_and_nothing_left_running(bench_doc):
 
 
 def test_table_shows_every_required_figure(bench_doc):
-    from bench.harness import REQUIRED, format_table
-
     table = format_table(bench_doc)
     missing = [k for k in REQUIRED if k not in ("machines", "cores") and k not in table]
     assert not missing

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from infra.config import ENDPOINT_VARS, ENDPOINTS_FILE
+from infra.process import free_ports
 from streams.clients import EventProducer
 from streams.events import new_event
 from test_cli_jobs import ROOT, cli, job_state
@@ -94,9 +96,6 @@ def test_a_reference_controller_given_a_missing_file_says_so_in_one_line(args, s
 def test_up_with_endpoints_remembered_from_a_region_that_is_gone_says_so_and_how_to_forget(tmp_path):
     """A new shell (no endpoint variables) whose last `up` remembered an external broker that is gone: `up` says
     the endpoints were remembered, from which file, and how to forget them; `down --forget` does."""
-    from infra.config import ENDPOINT_VARS, ENDPOINTS_FILE
-    from infra.process import free_ports
-
     broker_port, redis_port = free_ports(2)  # nothing listens on them
     remembered = {"ROPEWALK_BOOTSTRAP_SERVERS": f"127.0.0.1:{broker_port}",
                   "ROPEWALK_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",

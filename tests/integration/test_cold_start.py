@@ -19,11 +19,13 @@ import time
 
 import pytest
 
+from bench.killstorm import replay_checks
 from infra import supervisor
 from infra.config import Config
 from infra.services import power_off, power_off_survivors
 from processors import controlplane
 from regioncli import RegionCli
+from streams.serde import SchemaRegistry
 
 pytestmark = pytest.mark.long
 
@@ -42,9 +44,6 @@ def job_spec(path, entitlement: str, n: int, tasks: int) -> str:
 
 @pytest.mark.timeout(900)
 def test_a_scaled_out_region_killed_in_parts_then_all_at_once_comes_back_as_it_was(tmp_path):
-    from bench.killstorm import replay_checks
-    from streams.serde import SchemaRegistry
-
     region = RegionCli(tmp_path / "run")
     try:
         up = region.json("up", "--machines", "24", "--brokers", "3", "--schedulers", "2", "--allocators", "2",

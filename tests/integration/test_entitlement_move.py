@@ -12,8 +12,14 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaException
 
+from infra.acls import FAUST_APPS
+from infra.config import Config
+from infra.credentials import SCHEDULER
 from regioncli import RegionCli, wait_for
+from streams import groups
+from streams.topics import Topics
 
 TASKS = 16
 ASSIGNED = re.compile(r"assigned partitions \[([0-9, ]*)\]")
@@ -96,14 +102,6 @@ def check_new_entitlements_spread_over_the_shards(cli, mine0, mine1):
     on partitions of their own. Placed by partition alone they would go to 0, 1, 2, 3, which pairs them 32 against 16
     however the assignor splits the partitions (in blocks or interleaved). Waits first for the group's coordinator to
     say what the shards' logs say (the assignment stable)."""
-    from confluent_kafka import KafkaException
-
-    from infra.acls import FAUST_APPS
-    from infra.config import Config
-    from infra.credentials import SCHEDULER
-    from streams import groups
-    from streams.topics import Topics
-
     cfg = Config.from_env(cli.env)  # the operator's
 
     def agreed():

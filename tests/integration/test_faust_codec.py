@@ -18,7 +18,7 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from faust.serializers import codecs as faust_codecs
 from fastavro import schemaless_writer
 
@@ -27,7 +27,7 @@ from streams.clients import EventConsumer, EventProducer, producer_conf
 from streams.codec import EventCodec, register_codec
 from streams.deadletter import DeadLetters
 from streams.events import new_event
-from streams.faustwire import decoded, make_app, source_topic
+from streams.faustwire import FetchBatches, decoded, make_app, source_topic
 from streams.serde import (INVALID_EVENT, MALFORMED, MARKER, NO_MARKER, UNKNOWN_FINGERPRINT, DecodeError,
                            SchemaRegistry, build_schema)
 from streams.topics import Topics
@@ -213,8 +213,6 @@ def test_fetch_batches_hand_over_what_queued_while_busy_and_a_lone_record_alone(
         raw.send(label, topic, ent.encode(), registry.encode(ev.type, ev.to_record(1)))
 
     async def scenario():
-        from streams.faustwire import FetchBatches
-
         app = make_app(cfg, "fetch-batches-test", **FAST)
         fetches = app.fetch_batches = FetchBatches([intents])
         batches: list[list[tuple[int, int]]] = []
@@ -268,7 +266,6 @@ def test_fetch_batches_hand_over_what_queued_while_busy_and_a_lone_record_alone(
     for part in {p for p, _ in seen}:
         offsets = [o for p, o in seen if p == part]
         assert offsets == sorted(offsets)
-    from confluent_kafka import Consumer, TopicPartition
     group = Consumer({**cfg.kafka_conf(), "group.id": f"{cfg.topic_prefix}fetch-batches-test"})
     deadline = time.monotonic() + 10  # faust commits every broker_commit_interval (0.5 s here)
     ends = {p: max(o for q, o in seen if q == p) + 1 for p, _ in seen}
@@ -298,8 +295,6 @@ def test_fetch_batches_a_revocation_drops_what_was_fetched_before_it(cfg, regist
         raw.send(label, intents, ent.encode(), registry.encode(ev.type, ev.to_record(1)))
 
     async def scenario():
-        from streams.faustwire import FetchBatches
-
         app = make_app(cfg, "fetch-batches-revoke-test", **FAST)
         fetches = app.fetch_batches = FetchBatches([intents])
         taken: list[tuple[int, list[tuple[int, int]]]] = []  # (rebalances before it was taken, its positions)

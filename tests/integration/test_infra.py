@@ -1,7 +1,9 @@
 """infra start/stop on real processes: idempotent start, clear failures, nothing left behind."""
+import json
 import os
 import re
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import services
+from infra import broker, services
 from infra.config import Config
 from infra.process import (WANTED_OPEN_FILES, InfraError, ManagedProcess, free_port, free_ports, pid_alive,
                            port_open)
@@ -78,10 +80,6 @@ UP_FAILURES = [
 
 @pytest.mark.parametrize("case,breakage,message", UP_FAILURES, ids=[c[0] for c in UP_FAILURES])
 def test_up_failures_are_one_line_and_start_nothing(own_cfg, tmp_path, monkeypatch, case, breakage, message):
-    import shutil
-
-    from infra import broker
-
     env, taken, moved = breakage
     empty, java_only = tmp_path / "empty", tmp_path / "java_only"
     empty.mkdir()
@@ -156,7 +154,6 @@ def test_cli_up_status_down(own_cfg):
     assert run("status").returncode == 1  # nothing running yet
     up = run("up", "--machines", "0", "--json")
     assert up.returncode == 0, up.stderr
-    import json
     doc = json.loads(up.stdout)
     assert len(doc["topics"]) == len(CATALOGUE) == 17 and all(n for n in doc["topics"].values())
     st = run("status", "--json")

@@ -27,6 +27,7 @@ import pytest
 
 from processors.agent import isolation as iso
 from processors.agent.process import task_dir
+from regioncli import RegionCli
 from test_agent_process import Agents, Reader, agent_state, allocated, command, reports, send, wait_for
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="tasks get uids of their own only from an agent run as root")
@@ -163,8 +164,6 @@ exec sleep 3600
 @ROOT_ONLY
 @pytest.mark.timeout(300)
 def test_a_task_reads_no_file_of_the_run_directory_but_its_own(tmp_path):
-    from regioncli import RegionCli
-
     top = passable_dir()
     run = top / "run"
     region = RegionCli(run, ROPEWALK_TASK_SANDBOX=iso.NONE)  # the files' modes are what is tried, not the sandbox

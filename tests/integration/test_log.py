@@ -8,14 +8,15 @@ import json
 import time
 
 import pytest
+from confluent_kafka.admin import AdminClient
 from fastavro import schemaless_writer
 
-from streams import serde
-from streams.clients import EventConsumer, EventProducer, key_of, producer_conf
+from streams import schemalog, serde
+from streams.clients import DeliveryError, EventConsumer, EventProducer, key_of, producer_conf
 from streams.deadletter import DeadLetters
 from streams.events import new_event
 from streams.serde import MARKER, SchemaRegistry, build_schema
-from streams.topics import CATALOGUE, TOPIC_OF_EVENT, Topics
+from streams.topics import CATALOGUE, TOPIC_OF_EVENT, TopicError, Topics, provision
 
 
 def read_all(consumer, n, timeout_s=20.0):
@@ -111,7 +112,6 @@ def bad_records(registry, cfg):
     next(f for f in wrong["fields"] if f["name"] == "job_id")["type"] = "int"
     wrong_schema = build_schema(wrong, None)
     p = EventProducer(cfg, registry, "test")
-    from streams import schemalog
     for s in (missing_schema, wrong_schema):
         schemalog.publish(p._producer, Topics(cfg.topic_prefix), s)
     p.flush()
@@ -201,8 +201,6 @@ def test_a_reader_given_types_passes_over_the_others_undecoded(cfg, registry):
 
 
 def test_delivery_errors_are_raised_not_swallowed(cfg, registry):
-    from streams.clients import DeliveryError
-
     p = EventProducer(cfg, registry, "test", **{"message.timeout.ms": 2000})
     p.send_raw(cfg.topic_prefix + "no-such-topic-and-no-autocreate", b"k", b"v", partition=99)
     with pytest.raises(DeliveryError):
@@ -227,10 +225,6 @@ def test_producer_is_idempotent_with_acks_all(cfg, registry):
 
 
 def test_provision_is_idempotent_and_checks_copartitioning(cfg):
-    from confluent_kafka.admin import AdminClient
-
-    from streams.topics import TopicError, provision
-
     admin = AdminClient({**cfg.kafka_conf()})
     again = provision(admin, Topics(cfg.topic_prefix, cfg.partitions))
     assert again["created"] == [] and len(again["topics"]) == len(CATALOGUE) == 17  # with `keys` (issue 27)

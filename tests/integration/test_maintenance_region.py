@@ -23,6 +23,7 @@ import pytest
 
 from infra.process import die_with_parent
 from processes import scrape, value
+from processors.allocator.processor import MACHINES_METRIC_S
 from regioncli import ROOT, RegionCli
 
 SPEC = ("name: {name}\nentitlement: e1\ntasks: {tasks}\ncommand: [sleep, '3600']\n"
@@ -39,8 +40,6 @@ def check_metrics(where: dict) -> None:
     got = {w: scrape(a) for w, a in targets.items()}
     assert value(got["allocator-0"], "ropewalk_allocation_attempts_total", result="placed") >= 2
     # ropewalk_machines is counted from the fold every MACHINES_METRIC_S: its last count may predate the registration
-    from processors.allocator.processor import MACHINES_METRIC_S
-
     deadline = time.monotonic() + 3 * MACHINES_METRIC_S
     while value(got["allocator-0"], "ropewalk_machines", status="UP") < 40 and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -8,11 +8,15 @@ import signal
 import subprocess
 
 import pytest
+import redis
 
+from allocator_log import reg
 from infra.config import Config
 from infra.process import free_ports
 from regioncli import wait_for
 from infra.services import redis_binary
+from processors.allocator.fold import RegionFold
+from processors.allocator.index import Decision, MachineIndex
 
 
 def _start(argv: list[str], log) -> subprocess.Popen:
@@ -21,12 +25,6 @@ def _start(argv: list[str], log) -> subprocess.Popen:
 
 @pytest.mark.timeout(120)
 def test_a_sentinel_url_follows_the_primary_across_a_failover(tmp_path):
-    import redis
-
-    from processors.allocator.fold import RegionFold
-    from processors.allocator.index import Decision, MachineIndex
-    from allocator_log import reg
-
     primary, replica, sentinel = free_ports(3)
     server = redis_binary()
     log = open(tmp_path / "redis.log", "w")

@@ -7,10 +7,15 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
+from confluent_kafka import KafkaException
 
 from infra.config import Config
 from infra.process import pid_alive
 from regioncli import RegionCli
+from streams.clients import DeliveryError, EventProducer
+from streams.events import new_event
+from streams.serde import SchemaRegistry
 
 
 @pytest.mark.timeout(240)
@@ -67,13 +72,6 @@ def test_up_submit_fail_move_down(tmp_path):
 
 def forged_commands_fail(cli, tmp_path, victim_job):
     """The attacks of issue 12 against a running region: each fails, and the victim's task keeps running."""
-    import redis
-    from confluent_kafka import KafkaException
-
-    from streams.clients import DeliveryError, EventProducer
-    from streams.events import new_event
-    from streams.serde import SchemaRegistry
-
     cfg, registry = Config.from_env(cli.env), SchemaRegistry.from_dir()
     machine = "local-msb1-r01-m001"
     # Reaching the broker without credentials: `produce intents JobStopped` of another entitlement's job fails.

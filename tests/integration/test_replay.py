@@ -15,7 +15,7 @@ from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, C
 from streams.clients import EventProducer, producer_conf
 from streams.events import new_event
 from streams.partitioner import murmur2, partition_for
-from streams.replay import COPIES, ReplayFilter, matches, replay
+from streams.replay import COPIES, LOG_TIME_SLACK_MS, ReplayFilter, matches, replay
 from streams.serde import MALFORMED, NO_MARKER
 from streams.topics import BY_NAME, TOPIC_OF_EVENT, Topics, provision
 
@@ -235,8 +235,6 @@ def test_replay_seeks_by_log_time(cfg, registry):
     """since/until skip, by Kafka's offsets-for-times, the records whose log time is more than the slack outside
     the window: they are not read at all (stats.not_read), and what is read gives the same answer as a full
     scan filtered on the envelope times."""
-    from streams.replay import LOG_TIME_SLACK_MS
-
     hour, t0 = 3_600_000, 1_790_000_000_000
     events = [task_state("ads", f"job-{h}/{i}", "m1", t0 + h * hour + i, f"h{h}-{i}") for h in range(4) for i in range(25)]
     produce(cfg, registry, events, log_time_is_event_time=True)

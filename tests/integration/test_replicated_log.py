@@ -14,17 +14,23 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 from collections import Counter
 
 import pytest
+from confluent_kafka.admin import AdminClient, ConfigResource
 
+from bench.killstorm import Options, Workload, check, settle
 from infra import broker as embedded_kafka
-from infra import services
+from infra import credentials, services
 from infra.config import Config
 from infra.process import free_port_block, pid_alive
 from regioncli import RegionCli
+from streams.partitioner import partition_for
+from streams.serde import SchemaRegistry
+from streams.topics import Topics
 
 pytestmark = pytest.mark.long  # `make test-long`: CI's kill storm kills broker nodes in brief
 
@@ -51,19 +57,12 @@ def nodes_in_sync(cfg: Config, node: int) -> dict | None:
 
 
 def leader_of(cfg: Config, topic: str, partition: int) -> int:
-    from confluent_kafka.admin import AdminClient
-
     md = AdminClient({**embedded_kafka.admin_conf(cfg), "log_level": 0}).list_topics(topic, timeout=10)
     return md.topics[topic].partitions[partition].leader
 
 
 @pytest.mark.timeout(900)
 def test_a_broker_killed_in_a_burst_loses_nothing_and_rejoins_its_replicas(tmp_path):
-    from bench.killstorm import Options, Workload, check, settle
-    from streams.partitioner import partition_for
-    from streams.serde import SchemaRegistry
-    from streams.topics import Topics
-
     base = free_port_block(2 * BROKERS)  # node i on base + 2i (clients) and base + 2i + 1 (its controller)
     region = RegionCli(tmp_path / "run", ROPEWALK_BROKER_PORT=str(base), ROPEWALK_CONTROLLER_PORT=str(base + 1))
     try:
@@ -77,14 +76,10 @@ def test_a_broker_killed_in_a_burst_loses_nothing_and_rejoins_its_replicas(tmp_p
         assert doc and all(doc["components"][n]["ready"] for n in names), doc and doc["components"]
         assert all(doc["programs"][n]["state"] == "RUNNING" for n in names)  # supervised, as services
         # Every principal's SCRAM user is let in by every node (ensure_users waited for it at `up`).
-        from infra import credentials
-
         for principal in credentials.PRINCIPALS:
             who = credentials.kafka_credentials(cfg.secrets, principal)
             assert all(embedded_kafka.authenticates(n, who.username, who.password) for n in cfg.broker_nodes), principal
         # Every topic replicated 3 times, 2 in sync for a write: the catalogue's, faust's changelogs, the internal ones
-        from confluent_kafka.admin import AdminClient, ConfigResource
-
         admin = AdminClient({**embedded_kafka.admin_conf(cfg), "log_level": 0})
         topics = admin.list_topics(timeout=10).topics
         assert any(t.startswith("scheduler-") for t in topics) and "__consumer_offsets" in topics
@@ -139,7 +134,6 @@ def test_a_broker_killed_in_a_burst_loses_nothing_and_rejoins_its_replicas(tmp_p
         registry = SchemaRegistry.from_dir()
         settle(cfg)
         opts = Options(machines=20, partitions=cfg.partitions)
-        import random
 
         work = Workload(random.Random(0), opts, ["e1"], live={j: ("e1", TASKS) for j in jobs})
         r = cfg.redis_client()

@@ -3,6 +3,7 @@ and registers nothing again); the CLI-facing fail_machine / recover_machine prod
 events keyed to the machine's owner, and name an unknown machine."""
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -11,7 +12,9 @@ import pytest
 from processors.resourcebroker import decide as d
 from processors.resourcebroker.processor import fail_machine, fold_machines, recover_machine
 from processors.resourcebroker.region import generate_region, machines
-from streams.clients import EventConsumer
+from streams.catchup import CatchUpTimeout, read_to_end
+from streams.clients import EventConsumer, EventProducer
+from streams.events import new_event
 from streams.topics import Topics
 from processes import start, stop, wait_ready
 
@@ -106,9 +109,6 @@ def test_fail_and_recover_machine(cfg, registry, broker_proc):
 
 def test_fail_machine_keys_to_the_owner_entitlement(cfg, registry, broker_proc):
     """A machine held by an entitlement: its failure is keyed to that entitlement (the scheduler shard's)."""
-    from streams.clients import EventProducer
-    from streams.events import new_event
-
     wait_ready(broker_proc("--machines", "4", "--dcs", "1"))
     mid = machines(generate_region(4, 1, 0))[0].id
     p = EventProducer(cfg, registry, "test")
@@ -131,8 +131,6 @@ def registrations(n: int, seed: int, now_ms: int = 1_795_000_000_000) -> list:
 
 def produced_registrations(cfg, registry, n: int, seed: int) -> tuple[str, list]:
     """``registrations(n, seed)`` produced on ``machines``: (the topic, the events)."""
-    from streams.clients import EventProducer
-
     events = registrations(n, seed)
     p = EventProducer(cfg, registry, "test")
     for ev in events:
@@ -145,11 +143,6 @@ def test_read_to_end_terminates_while_the_topic_is_written(cfg, registry):
     """Another producer keeps writing to ``machines`` for the whole catch-up (as a big region registering does):
     the read ends at where the partitions ended when it started (everything written before it is read), long
     before its timeout. Reading until a poll comes back empty never ends here: polls keep returning records."""
-    import threading
-
-    from streams.catchup import read_to_end
-    from streams.clients import EventProducer
-
     topic, before = produced_registrations(cfg, registry, 3000, seed=1)
 
     stop_writing = threading.Event()
@@ -201,8 +194,6 @@ def test_read_to_end_terminates_while_the_topic_is_written(cfg, registry):
 
 
 def test_read_to_end_of_empty_partitions_returns_at_once(cfg, registry):
-    from streams.catchup import read_to_end
-
     topic = Topics(cfg.topic_prefix, cfg.partitions).name("machines")
     consumer = EventConsumer(cfg, registry, [topic], name="test-catch-up")
     t0 = time.monotonic()
@@ -216,8 +207,6 @@ def test_read_to_end_of_empty_partitions_returns_at_once(cfg, registry):
 def test_read_to_end_times_out_when_a_partition_is_stuck(cfg, registry):
     """A partition that never advances (here: paused, so nothing is fetched from it, as with a broker away)
     ends the catch-up with CatchUpTimeout naming it, after the stall timeout; the other partitions were read."""
-    from streams.catchup import CatchUpTimeout, read_to_end
-
     topic, events = produced_registrations(cfg, registry, 200, seed=4)
     consumer = EventConsumer(cfg, registry, [topic], name="test-catch-up")
     seen: list = []

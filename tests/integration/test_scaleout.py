@@ -33,11 +33,18 @@ from pathlib import Path
 
 import pytest
 
+from bench.killstorm import redis_caught_up, replay_checks, settle
 from infra import credentials
 from infra.config import Config
 from infra.process import die_with_parent, pid_alive
 from processes import scrape, value
+from processors.frontend.jobspec import validate_spec
 from regioncli import ROOT, RegionCli, wait_for
+from streams import state
+from streams.clients import EventProducer
+from streams.events import new_event
+from streams.partitioner import partition_for
+from streams.serde import SchemaRegistry
 
 ENTITLEMENTS = ["so-e0", "so-e5", "so-e1", "so-e2"]  # one on each of the 4 partitions (streams.partitioner)
 QUOTA = 4
@@ -52,9 +59,6 @@ class Region:
     """The module's region: the CLI, its operator's configuration, a producer on its log."""
 
     def __init__(self, run_dir: Path):
-        from streams.clients import EventProducer
-        from streams.serde import SchemaRegistry
-
         self.cli = RegionCli(run_dir)
         self.run_dir = run_dir
         self.cfg = Config.from_env(self.cli.env)
@@ -71,14 +75,10 @@ class Region:
         return self._producer
 
     def send(self, type_: str, payload: dict, entitlement: str, entity: str) -> None:
-        from streams.events import new_event
-
         self.producer.send(new_event(type_, payload, entitlement=entitlement, entity_id=entity, producer="test"))
         self.producer.flush(30)
 
     def submit(self, entitlement: str, tasks: int = 2) -> str:
-        from processors.frontend.jobspec import validate_spec
-
         self.serial += 1
         payload = validate_spec({**SPEC, "name": f"j{self.serial:03d}", "entitlement": entitlement, "tasks": tasks})
         payload.pop("entitlement")
@@ -87,8 +87,6 @@ class Region:
         return payload["job_id"]
 
     def not_running(self) -> list[str]:
-        from streams import state
-
         jobs = state.current(self.cfg, self.registry, "jobs")
         out = []
         for job, n in sorted(self.jobs.items()):
@@ -109,8 +107,6 @@ class Region:
 
     def checks(self) -> dict:
         """The replayed log's and Redis's checks (bench/killstorm.py), once the allocators are idle."""
-        from bench.killstorm import redis_caught_up, replay_checks, settle
-
         settle(self.cfg, quiet_s=2.0)
         doc = replay_checks(self.cfg, self.registry)
         r = self.cfg.redis_client()
@@ -293,8 +289,6 @@ def test_fewer_shards_then_a_shard_and_an_allocator_on_another_machine_keep_the_
         print(f"\nremote shard owns {sorted(mine)}, remote allocator {sorted(owned)}; region's shards {local}")
         assert shard.poll() is None and allocator.poll() is None
         # jobs of every entitlement: some hash to the remote shard's partitions, some to the allocator's
-        from streams.partitioner import partition_for
-
         jobs = [region.submit(ENTITLEMENTS[i % len(ENTITLEMENTS)]) for i in range(8)]
         region.wait_all_running("every job running with the remote workers in the region")
         assert {partition_for(e, region.cfg.partitions) for e in ENTITLEMENTS} == everyone  # some on each of them

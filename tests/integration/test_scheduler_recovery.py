@@ -26,13 +26,16 @@ The helpers are those of tests/integration/test_scheduler_shard.py.
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 
 import pytest
+from confluent_kafka import Producer
 import test_scheduler_shard as shard_tests  # the shard tests' helpers (tests/integration is on sys.path)
 
 from processors.scheduler import store as st
+from processors.scheduler.reasons import JOB_UNREADABLE
 from streams.clients import EventProducer
 from streams.partitioner import partition_for
 
@@ -70,8 +73,6 @@ def stored_jobs_broken(cfg) -> dict[str, str]:
     """Job -> what is wrong with it, for every job whose latest header on the ``jobs`` changelog names a chunk the
     ``job-chunks`` changelog does not hold at its latest (what any worker recovering the partition would read).
     Read with no worker left writing."""
-    import json
-
     def latest(table: str) -> dict:
         values: dict = {}
         for msg in shard_tests._changelog(cfg, table):
@@ -192,12 +193,6 @@ def test_a_job_whose_chunk_is_gone_is_dead_lettered_and_the_shard_goes_on(cfg, r
     a chunk that is not there. It must not die (the 2026-11-27 bench's did, in the retry timer): the job is logged
     once and left alone, its timer work skipped, an intent naming it dead-lettered with reason ``job_unreadable``,
     and another job of the same entitlement, submitted after, runs."""
-    import json
-
-    from confluent_kafka import Producer
-
-    from processors.scheduler.reasons import JOB_UNREADABLE
-
     m = shard_tests
     w1 = workers("w1", ROPEWALK_SCHEDULER_RETRY_S="0.5")
     log, producer = m.Log(cfg, registry), EventProducer(cfg, registry, "test")

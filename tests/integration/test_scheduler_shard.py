@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import re
 import signal
@@ -21,12 +22,16 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from infra.process import die_with_parent
 from processors.scheduler.decide import PRODUCER
+from processors.scheduler.offsets import PERSIST_AFTER
 from processors.scheduler.shard import APP_ID, SOURCES
 from streams import batches, groups
 from streams.clients import EventConsumer, EventProducer
+from streams.deadletter import DeadLetters
 from streams.events import new_event
 from streams.partitioner import partition_for
 from streams.state import job_whole
@@ -382,7 +387,6 @@ def test_the_timer_asks_again_for_rejected_tasks(cfg, registry, workers):
 # -- (3) two workers, one killed mid-stream ---------------------------------------------------------------------------
 
 def _committed(cfg) -> dict:
-    from confluent_kafka import Consumer, TopicPartition
     t = Topics(cfg.topic_prefix, cfg.partitions)
     c = Consumer({**cfg.kafka_conf(), "group.id": cfg.topic_prefix + "scheduler"})
     try:
@@ -422,8 +426,6 @@ def test_own_echoes_are_passed_over_undecoded_and_bad_records_dead_lettered(cfg,
     """Bytes that are no event at all, on ``intents`` and on ``tasks``: with the record header producer=scheduler
     the shard passes over them without decoding (no dead letter); without it they are decoded, fail, and are
     dead-lettered with their reason; the shard goes on either way."""
-    from streams.deadletter import DeadLetters
-
     w = workers("w1")
     producer = EventProducer(cfg, registry, "test")
     log = Log(cfg, registry, DeadLetters(producer, "test-reader"))  # the garbage is the test reader's too
@@ -451,7 +453,6 @@ def test_own_echoes_are_passed_over_undecoded_and_bad_records_dead_lettered(cfg,
 def _changelog(cfg, table: str, idle_polls: int = 5) -> list:
     """Every record of the shard's changelog of ``table`` (faust: <app id>-<table name>-changelog), from the start,
     until ``idle_polls`` polls of 0.5 s bring nothing."""
-    from confluent_kafka import Consumer, TopicPartition
     topic = f"{cfg.topic_prefix}scheduler-scheduler-{table}-changelog"
     c = Consumer({**cfg.kafka_conf(), "group.id": f"test-{table}", "enable.auto.commit": False})
     try:
@@ -505,8 +506,6 @@ def test_an_output_the_broker_refuses_is_dead_lettered_and_the_shard_goes_on(cfg
     refused by the broker (MSG_SIZE_TOO_LARGE), every time. The shard decides the batch's records again one at a
     time and dead-letters the JobSubmitted whose output is refused twice; another entitlement's job, submitted right
     after it (in the same batch or the next), runs, and the shard goes on deciding."""
-    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
-
     t = Topics(cfg.topic_prefix, cfg.partitions)
     admin = AdminClient({**cfg.kafka_conf()})
     res = ConfigResource("topic", t.name("allocations"), incremental_configs=[
@@ -548,8 +547,6 @@ def test_an_output_the_broker_refuses_is_dead_lettered_and_the_shard_goes_on(cfg
 
 def _stored_offsets(cfg) -> dict[str, int]:
     """The shard's offsets table as its changelog holds it: "<topic>/<partition>" -> the next offset to apply."""
-    import json
-
     return {json.loads(m.key()): json.loads(m.value()) for m in _changelog(cfg, "offsets", idle_polls=3)
             if m.value() is not None}
 
@@ -559,8 +556,6 @@ def test_a_registration_passed_over_stores_its_offsets(cfg, registry, workers):
     """MachineRegistered records are passed over undecoded (``decide`` ignores them), so no batch of them changes
     state; the shard still stores their offsets every PERSIST_AFTER records. At a million machines it did not, and
     a rebalance sent the shard back to offset 0 of a 450,000-record partition (the 2026-11-26 bench run)."""
-    from processors.scheduler.offsets import PERSIST_AFTER
-
     n = PERSIST_AFTER + 500
     w1 = workers("w1")
     producer = EventProducer(cfg, registry, "test")

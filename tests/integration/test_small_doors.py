@@ -15,11 +15,16 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
+import redis
 
 from infra.config import PROJECT_ROOT
+from processors.allocator import lua
+from processors.allocator.index import _READ_CHUNK, READ, SUMMARY_OF, MachineIndex
 from processors.api.guards import BODY_TOO_LARGE, MAX_BODY_BYTES, TOKEN_IN_URL
+from processors.controlplane import worker_env
 from streams.clients import EventConsumer
 from streams.topics import Topics
 from test_trust import Api
@@ -111,8 +116,6 @@ def test_a_body_under_the_cap_is_read_as_before(api):
 
 
 def test_a_token_in_a_url_is_refused_and_no_token_reaches_the_log(api, tmp_path):
-    import urllib.request
-
     for path in (f"/v1/jobs?token={api.admin}", f"/v1/whoami?access_token={api.alice}&x=1",
                  f"/ui/login?Token={api.admin}", f"/healthz?TOKEN={api.admin}"):
         status, doc = api.call("GET", path, None)
@@ -149,7 +152,6 @@ def test_env_names_are_refused_at_the_cli_naming_the_field(cfg, tmp_path):
     spec = tmp_path / "web.json"
     spec.write_text(json.dumps({"name": "web", "entitlement": "e1", "tasks": 1, "command": ["sleep", "1"],
                                 "resources": {"cpu_millicores": 100, "memory_mib": 64}, "env": {"A=B": "1"}}))
-    from processors.controlplane import worker_env
 
     out = subprocess.run([sys.executable, "-m", "processors.frontend.cli", "job", "submit", str(spec), "--direct"],
                          env={**worker_env(cfg), "ROPEWALK_DIRECT": "1"}, cwd=PROJECT_ROOT, capture_output=True,
@@ -181,11 +183,6 @@ def test_an_intents_owner_is_the_caller(api, cfg, registry):
 # -- Redis: what a read-only user can do cannot stall the allocator ---------------------------------------------
 
 def test_a_read_only_redis_user_cannot_eval_a_loop_nor_make_a_read_function_work_unbounded(cfg):
-    import redis
-
-    from processors.allocator import lua
-    from processors.allocator.index import READ, SUMMARY_OF, MachineIndex, _READ_CHUNK
-
     reader = cfg.redis_client(read_only=True)
     allocator = cfg.as_principal("allocator").redis_client()
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,15 +16,24 @@ import urllib.error
 import urllib.request
 
 import pytest
+import redis
+import schemathesis
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from hypothesis import HealthCheck, given, settings
 
 from infra import credentials as cr
+from infra import trust
 from infra.config import PROJECT_ROOT
 from processors.controlplane import worker_env
 from infra.process import free_port, port_open
+from processors.api import users
+from processors.api.client import ApiClient, ApiClientError
+from streams import auth
 from streams.clients import DeliveryError, EventConsumer, EventProducer
 from streams.events import new_event
 from streams.topics import CATALOGUE, Topics
+from test_agent_process import Agents, allocated
 
 OPS = ("READ", "WRITE")
 W, R = "W", "R"
@@ -121,8 +131,6 @@ def test_principal_topic_operation_table(cfg):
 
 def test_no_credentials_no_broker(infra_cfg):
     """A client without credentials, or with a wrong password, gets nothing from the broker."""
-    from confluent_kafka.admin import AdminClient
-
     cfg = infra_cfg
     for conf in ({"bootstrap.servers": cfg.bootstrap_servers},
                  {**cfg.as_principal("agent").kafka_conf(), "sasl.password": "guessed"}):
@@ -198,8 +206,6 @@ REDIS_TABLE = [
 @pytest.mark.parametrize("user,command,allowed", REDIS_TABLE, ids=[f"{u}-{c[0]}" for u, c, _ in REDIS_TABLE])
 def test_redis_users(infra_cfg, user, command, allowed):
     """ACL DRYRUN (the server's own check, without running the command) for each Redis user."""
-    import redis
-
     r = infra_cfg.redis_client()
     try:
         doc = json.loads((infra_cfg.secrets / cr.REDIS_FILE).read_text())["users"]
@@ -215,8 +221,6 @@ def test_redis_users(infra_cfg, user, command, allowed):
 
 
 def test_redis_refuses_flushall_and_writes_for_real(infra_cfg):
-    import redis
-
     cfg = infra_cfg
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(cfg.redis_url).execute_command("FLUSHALL")
@@ -273,8 +277,6 @@ def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
     the scheduler signed for a job and an allocation that do not exist, or for a task placed on the machine for
     another entitlement, is refused for that (the allocation gate, issue 12), and nothing runs; a START the
     scheduler signed and the allocator placed runs."""
-    from test_agent_process import Agents, allocated
-
     m = "local-msb1-r01-m001"
     agents = Agents(tmp_path)
     try:
@@ -322,8 +324,6 @@ class Api:
     """An API process on the test's region, with a users file of its own."""
 
     def __init__(self, cfg, tmp_path, **env: str):
-        from processors.api import users
-
         self.users = tmp_path / "users.yaml"
         self.admin = users.add_user(self.users, "root", region_admin=True)
         self.alice = users.add_user(self.users, "alice", {"e1": "owner"})
@@ -421,8 +421,6 @@ def test_a_user_of_e1_can_do_nothing_to_e2(api, cfg, registry):
 @pytest.mark.timeout(120)
 def test_job_events_stream_shows_only_what_the_user_may_see(api, cfg, registry):
     """GET /v1/events/jobs: the current jobs of the user's entitlements, `ready`, then changes as they come."""
-    from processors.api.client import ApiClient
-
     p = EventProducer(cfg, registry, "test")
     for job, ent in (("e1.a", "e1"), ("e2.b", "e2")):
         p.send(new_event("JobStatePublished", {"job_id": job, "name": job[3:], "state": "running", "spec_version": 1,
@@ -451,8 +449,6 @@ def test_job_events_stream_shows_only_what_the_user_may_see(api, cfg, registry):
 def test_event_streams_are_bounded(cfg, tmp_path):
     """At most ROPEWALK_API_MAX_STREAMS event streams at once: one more is refused (503, too_many_streams, with
     Retry-After) and served again once a stream closed."""
-    from processors.api.client import ApiClient, ApiClientError
-
     api = Api(cfg, tmp_path, ROPEWALK_API_MAX_STREAMS="1")
     try:
         stream = ApiClient(api.url, api.alice).events("jobs")
@@ -481,9 +477,6 @@ def test_openapi_property_based_no_server_errors(api, cfg):
     ROPEWALK_SCHEMATHESIS_EXAMPLES=100 for a long run) as the region administrator; the API answers none of them
     with a 5xx. The event streams never end, so they are left
     to the test above; submissions are not waited for (no scheduler runs here)."""
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-
     schema = schemathesis.openapi.from_url(f"{api.url}/openapi.json")
     failures = []
     ops = [op for op in schema.get_all_operations() if not op.ok().path.startswith("/v1/events/")]
@@ -515,11 +508,6 @@ def test_a_rotated_scheduler_key_is_learnt_from_the_log_and_the_old_one_refused_
     topic (signed by the operator's key) teaches it the new key: a START signed with it runs; a command signed with
     the old key after the overlap ended is refused (`key_retired`), as is one signed with a key announced by nobody
     the agent trusts."""
-    from test_agent_process import Agents, allocated
-
-    from infra import trust
-    from streams import auth
-
     m = "local-msb1-r01-m001"
     now = int(time.time() * 1000)
     doc = trust.trust_doc(cfg.secrets)
@@ -585,8 +573,6 @@ def test_keys_rotate_and_list_through_the_cli(cfg, tmp_path):
     """`ropewalk keys rotate scheduler --overlap-s 0` writes a new key where the scheduler reads its own, announces it
     (signed by the operator's key) and revokes the old; `ropewalk keys list` shows both, the old one with its end;
     `ropewalk keys machine M` writes that machine's key file."""
-    import shutil
-
     secrets = tmp_path / "secrets"
     shutil.copytree(cfg.secrets, secrets)  # a copy: the test session's keys stay as they are
     env = {**os.environ, "ROPEWALK_BOOTSTRAP_SERVERS": cfg.bootstrap_servers, "ROPEWALK_REDIS_URL": cfg.redis_url,

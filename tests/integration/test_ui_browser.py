@@ -54,7 +54,7 @@ def chromium_path() -> str:
 
 
 def sign_in(page, base: str, token: str) -> None:
-    from playwright.sync_api import expect
+    from playwright.sync_api import expect  # noqa: PLC0415 - start-up cost: playwright (~90 ms)
 
     page.goto(f"{base}/ui/login")
     page.fill("#token", token)
@@ -64,7 +64,7 @@ def sign_in(page, base: str, token: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_job_followed_in_the_browser_through_a_machine_failure(region, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect, sync_playwright  # noqa: PLC0415 - start-up cost: playwright (~90 ms)
 
     chromium = chromium_path()
     shots = Path(os.environ.get("ROPEWALK_SCREENSHOTS_DIR") or tmp_path)
@@ -157,7 +157,7 @@ def test_the_upper_floors_in_the_browser(region, tmp_path):
     """The ReBalancer's plans, a job's intents, the SRM and loans (issues 13, 15) on real events made through the
     CLI: each page's empty state first, then its rows; a push label with HTML in it shows as text; a viewer of
     one entitlement sees only its things, and a clear refusal for another's job."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect, sync_playwright  # noqa: PLC0415 - start-up cost: playwright (~90 ms)
 
     cli, base = region.cli, region.base
     shots = Path(os.environ.get("ROPEWALK_SCREENSHOTS_DIR") or tmp_path)
@@ -276,7 +276,7 @@ def test_the_operator_pages_in_the_browser(region, tmp_path):
     its reason linked to that page; a job's timeline marking a machine failure, a maintenance notice and deadline,
     and the spec version of each bar through a rolling update, no label cut to its bar; the free pool counted
     alike on the Entitlements and Loans pages; every job on the SRM page."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect, sync_playwright  # noqa: PLC0415 - start-up cost: playwright (~90 ms)
 
     cli, base = region.cli, region.base
     shots = Path(os.environ.get("ROPEWALK_SCREENSHOTS_DIR") or tmp_path)

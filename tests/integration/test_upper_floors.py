@@ -33,12 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the scheduler's pure harness
 
+from test_cli_jobs import cli  # noqa: E402
 from test_scheduler_decide import Sim  # noqa: E402
 from test_versions import Region  # noqa: E402
 
 from infra.credentials import AGENT, JOBCONTROL, LENDER, SRM  # noqa: E402
 from processors.agent.load import DailyTrace  # noqa: E402
 from processors.allocator.placement import NO_FEASIBLE_MACHINE, QUOTA_EXCEEDED  # noqa: E402
+from processors.controlplane import worker_env  # noqa: E402
 from processors.jobcontrol.processor import JobControlPlane  # noqa: E402
 from processors.resourcebroker import decide as rb  # noqa: E402
 from processors.resourcebroker import loans as ln  # noqa: E402
@@ -287,8 +289,6 @@ def released(machine, ent):
 
 def views(cfg, tmp_path, tasks, rev):
     """The same log through the API's views (authorized per entitlement) and the CLI."""
-    from processors.controlplane import worker_env
-
     api = Api(cfg, tmp_path)
     try:
         code, doc = api.call("GET", f"/v1/jobs/{JOB}/intents", api.alice)
@@ -340,8 +340,6 @@ def views(cfg, tmp_path, tasks, rev):
 def test_srm_plan_says_what_it_would_decide_and_writes_nothing(cfg, registry):
     """`ropewalk srm plan JOB` (issue 15: HPA has no dry run, kubernetes#106765): the SRM's decision now, with its
     rule, from the log as it is, and not one record more on any topic."""
-    from test_cli_jobs import cli
-
     job, ent = "dry.api", "dry"
     p = EventProducer(cfg, registry, "test")
 
