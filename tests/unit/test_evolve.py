@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from processors.evolve import evolver
-from processors.scheduler.model import Task, Terms, replace
+from processors.scheduler.model import Job, Task, Terms, replace
 
 BASE = Task(id="e1.j/3", index=3, state="RUNNING", machine="m1", dc="dc1", msb="msb1", rack="r1",
             terms=Terms(1000, 2048), discovery=True, running_since_ms=1)
@@ -60,7 +60,6 @@ def test_a_copying_replace_equals_dataclasses_replace(changes):
 
 
 def test_a_job_is_copied_and_equals_dataclasses_replace():
-    from processors.scheduler.model import Job
     job = Job(id="e1.j", entitlement="e1", spec=None, spec_version=1, desired=3, seen=("a",))
     assert replace(job, desired=4, seen=("a", "b")) == dataclasses.replace(job, desired=4, seen=("a", "b"))
     with pytest.raises(TypeError, match="unknown fields"):
