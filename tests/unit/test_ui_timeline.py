@@ -55,23 +55,6 @@ def test_bars_name_the_version_and_the_maintenance_of_the_jobs_machines_shows():
     assert all("u1 of m1: kernel" in title for _, _, title in marks)
 
 
-def test_bars_name_the_version_and_the_maintenance_of_the_jobs_machines_shows():
-    """Issue 30: a rolling update shows (each bar names its spec version), and a maintenance of a machine the job
-    ran on is marked (its notice, its deadline, its window); another machine's maintenance is not."""
-    events = [doc(10000, "TaskStatesChanged", reports=[{**report(0, "RUNNING", "m1"), "spec_version": 1}]),
-              doc(60000, "TaskStatesChanged", reports=[{**report(0, "RUNNING", "m1"), "spec_version": 2}])]
-    window = {"kind": "MAINTENANCE", "unavailability_id": "u1", "start_ms": 40_000, "deadline_ms": 30_000,
-              "expected_duration_ms": 50_000, "reason": "kernel", "machine_ids": ["m1", "m7"]}
-    down = [doc(20000, "UnavailabilityStarted", **window),
-            doc(21000, "UnavailabilityStarted", **{**window, "unavailability_id": "u2", "machine_ids": ["m8"]})]
-    out = timeline(events, now_ms=100_000, job=JOB, unavailability=down)
-    assert [i["content"] for i in out["items"] if i["type"] == "range"] == ["RUNNING v1 on m1", "RUNNING v2 on m1"]
-    marks = [(i["start"], i["className"], i["title"]) for i in out["items"] if i["type"] in ("point", "background")]
-    assert [(at, kind) for at, kind, _ in marks] == [(20_000, "op-maintenance"), (30_000, "op-deadline"),
-                                                    (40_000, "maintenance-window")]
-    assert all("u1 of m1: kernel" in title for _, _, title in marks)
-
-
 def test_a_long_history_is_capped_to_the_newest_items():
     rnd = random.Random(13)
     events, ts = [], 0
