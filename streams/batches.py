@@ -31,6 +31,8 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import orjson
+
 from streams.events import Event, derived_event_id
 
 MAX_RECORD_BYTES = 900_000  # bound of one record's encoded size (the broker's default limit is 1,048,576)
@@ -71,8 +73,14 @@ def json_bound(value: Any) -> int:
     """An upper bound of ``value``'s Avro size from its compact JSON text: Avro writes no field names, no quotes,
     no separators; a string's length prefix (1 byte below 64 characters, 2 below 8,192) is at most its two quotes
     plus one byte per 8 KB; a number's varint or double at most 3 bytes per character of a 1..3-character number
-    ("0.5": 8 bytes), fewer beyond; null and booleans 1 byte against 4..5 characters."""
-    return JSON_BOUND * len(json.dumps(value, separators=(",", ":"), default=str)) + 10
+    ("0.5": 8 bytes), fewer beyond; null and booleans 1 byte against 4..5 characters. The text is orjson's (UTF-8
+    bytes: a string's as many as Avro writes, plus its quotes), the standard library's for what orjson refuses (an
+    integer beyond 64 bits)."""
+    try:
+        text: bytes | str = orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # orjson.JSONEncodeError
+        text = json.dumps(value, separators=(",", ":"), default=str)
+    return JSON_BOUND * len(text) + 10
 
 
 def split(items: Sequence[T], *, fixed: int = ENVELOPE_BYTES, size: Callable[[T], int] = size_of,

@@ -60,6 +60,7 @@ BOUNDS = {  # the worst cases of JSON text against Avro bytes: short numbers, do
     "digit": (7, "long"), "double": (0.5, "double"), "tiny double": (1e-05, "double"), "empty": ("", "string"),
     "8 KB string": ("x" * 8192, "string"), "null": (None, "null"), "bool": (False, "boolean"),
     "empty list": ([], {"type": "array", "items": "long"}),
+    "non-ASCII string": ("é€" * 100, "string"), "most negative long": (-2**63, "long"),
     "record": ({"a": None, "b": 1}, {"type": "record", "name": "R", "fields": [
         {"name": "a", "type": ["null", "string"]}, {"name": "b", "type": "long"}]}),
 }
@@ -70,6 +71,13 @@ def test_json_bound_bounds_the_avro_encoding_from_above(value, schema):
     buf = io.BytesIO()
     schemaless_writer(buf, parse_schema(schema), value)
     assert len(buf.getvalue()) <= json_bound(value)
+
+
+def test_json_bound_takes_what_orjson_refuses():
+    """orjson refuses an integer beyond 64 bits; the standard library's text bounds it (and keys that are not
+    strings are written as strings, as the standard library does)."""
+    assert json_bound([2**70]) == 3 * len("[1180591620717411303424]") + 10
+    assert json_bound({1: "a"}) == 3 * len('{"1":"a"}') + 10
 
 
 @pytest.mark.parametrize("n", [0, 1, 36, 5_000, 5_001, 40_000])
