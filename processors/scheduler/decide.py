@@ -66,6 +66,7 @@ The latest ignored report is kept in the job's ``last_ignored`` (also in ``model
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -355,6 +356,30 @@ def _awaited(fold: Fold, ev: Event, task_ids: Iterable[str]) -> "JobWork | None"
     return fold.work_for(job_id)
 
 
+EARLY_REPORTS = 4  # agents' reports a task awaiting its placement holds at most (``_hold_early``)
+
+
+def _hold_early(w: JobWork, t: Task, p: Mapping[str, Any], rid: str) -> bool:
+    """Hold an agent's report that comes before the placement it follows: STARTING or RUNNING of ``t``'s spec
+    version, from a machine, while ``t`` awaits its placement. Only a batch decided again reads them so: a shard
+    stopped after producing a decision and before storing it reads the batch again from its older state, and its
+    topics may come in another order, an agent's reports of the START it commanded (on ``tasks``) before the
+    TasksAllocated it started from (on ``allocations``). Ignored, they were lost (the record is passed) and the task
+    stayed STARTING for good though its agent ran it (the kill storm, stop 41). Held, they apply once the
+    TasksAllocated places ``t`` on that machine (``_on_tasks_allocated``); held reports of another machine are
+    dropped then. Only a report dated at or after the request ``t`` awaits is held (what answers the request comes
+    after it): a report of an earlier run (an old incarnation's, read again) is ignored as before; so is one of
+    another spec version (an update's old run)."""
+    if (t.state != PENDING or t.request_id is None or p["state"] not in (STARTING, RUNNING)
+            or p.get("spec_version", 1) != t.spec_version or p.get("machine_id") is None
+            or t.asked_ms is None or w.fold.cause_ms is None or w.fold.cause_ms < t.asked_ms):
+        return False
+    held = json.dumps({**p, "report_id": rid}, sort_keys=True, separators=(",", ":"))
+    if held not in t.early_reports:
+        w.put(replace(t, early_reports=(*t.early_reports, held)[-EARLY_REPORTS:]))
+    return True
+
+
 def _on_tasks_allocated(fold: Fold, ev: Event) -> None:
     w = _awaited(fold, ev, (pl["task_id"] for pl in ev.payload["placements"]))
     if w is None:
@@ -365,10 +390,15 @@ def _on_tasks_allocated(fold: Fold, ev: Event) -> None:
         t = w.tasks.get(pl["task_id"])
         if t is None or t.request_id != rid or t.state != PENDING:
             continue  # stale (superseded, retired) or applied already
+        early = t.early_reports
         t = w.step(t, ALLOCATED_EV, emit_reason=REASON_ALLOCATED, machine=pl["machine_id"], dc=pl["dc"],
                    msb=pl["msb"], rack=pl["rack"], terms=t.request_terms, request_id=None, request_terms=None,
-                   parked=False)
+                   parked=False, early_reports=())
         steps.advance(w, t)
+        for held in early:  # what its agent reported of this placement before it was read (``_hold_early``)
+            r = json.loads(held)
+            if r["machine_id"] == pl["machine_id"]:
+                _apply_report(w, r, r["report_id"])
         placed = True
     if placed and not any(t.parked for t in w.tasks.values()):
         w.set(last_reason="")
@@ -431,6 +461,8 @@ def _apply_report(w: JobWork, p: Mapping[str, Any], rid: str) -> None:  # noqa: 
         w.ignore(REASON_UNKNOWN_TASK, f"{rid} reports {reported} for {p['task_id']}")
         return
     machine = p.get("machine_id")
+    if machine is not None and machine != t.machine and _hold_early(w, t, p, rid):
+        return
     if (machine is not None and machine != t.machine) or p.get("spec_version", 1) != t.spec_version:
         w.ignore(REASON_STALE_REPORT, f"{rid} reports {t.id} {reported} on {machine} at spec version "
                                       f"{p.get('spec_version', 1)}; the task is {t.state} on {t.machine} at "

@@ -109,6 +109,7 @@ class Task:
     discovery: bool = False  # enabled in service discovery
     request_id: str | None = None  # the allocation request it awaits (None: none outstanding)
     request_terms: Terms | None = None  # what that request asked for
+    asked_ms: int | None = None  # when that request was made (the decision's time)
     parked: bool = False  # unplaced after a rejection: waits for a retry (resize, update, ``retry_unplaced``)
     reason: str = ""  # why it is not (yet) RUNNING; cleared when it runs
     restarts: int = 0  # restarts in place used (restart policy)
@@ -121,6 +122,7 @@ class Task:
     maint_ue: str | None = None  # the planned maintenance (UE id) a choice or the deadline applies to it for
     maint_choice: str | None = None  # CHOICE_MOVE / CHOICE_STOP / CHOICE_KEEP, or HELD_AT_DEADLINE
     move_to: str | None = None  # a ReBalancer move's target machine, until its AllocationRequested is sent
+    early_reports: tuple[str, ...] = ()  # agents' reports (JSON) read before the placement they follow (``decide``)
     _row: Mapping[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     @property

@@ -78,7 +78,8 @@ def job_to_record(job: Job, previous: tuple[Job, Mapping[str, Any]] | None = Non
 def job_from_record(r: Mapping[str, Any]) -> Job:
     tasks = {}
     for tr in r["tasks"]:
-        t = Task(**{**tr, "terms": terms_of(tr["terms"]), "request_terms": terms_of(tr["request_terms"])})
+        t = Task(**{**tr, "terms": terms_of(tr["terms"]), "request_terms": terms_of(tr["request_terms"]),
+                    "early_reports": tuple(tr.get("early_reports", ()))})
         tasks[t.id] = t
     o = r["origin"]
     return Job(id=r["id"], entitlement=r["entitlement"], spec=spec_of(r["spec"]), spec_version=r["spec_version"],

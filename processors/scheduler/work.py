@@ -58,6 +58,7 @@ class Fold:
         self.max_tasks = max_tasks
         self.shard_bucket = state.shard_bucket
         self.cause_id = cause.event_id if cause is not None else None  # recorded in each touched job's ring
+        self.cause_ms = cause.timestamp_ms if cause is not None else None  # the input's own log time
         self.causation_id = self.cause_id
         self.id_root = id_root or self.cause_id or PRODUCER
         self.work: dict[str, JobWork] = {}
@@ -456,7 +457,8 @@ class JobWork:
             targets = {tid: t.move_to for tid in part_place if (t := self.tasks[tid]).move_to is not None}
             rid = self.request(part_place, part_free, self.avoid, targets)
             for tid in part_place:  # a target is asked for once: a retry after a rejection places it anywhere
-                self.put(replace(self.tasks[tid], request_id=rid, request_terms=terms, parked=False, move_to=None))
+                self.put(replace(self.tasks[tid], request_id=rid, request_terms=terms, parked=False, move_to=None,
+                                 asked_ms=self.fold.now))
 
     def _request_parts(self, place: Iterable[str], free: Iterable[str]) -> list[tuple[list[str], list[str]]]:
         """``place`` and ``free`` cut into the parts of as many AllocationRequested as keep each record under

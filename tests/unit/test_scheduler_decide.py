@@ -315,6 +315,48 @@ def running_job(n=3, machines=("m1", "m2", "m3"), job="j", sim=None, **kw):
     return sim
 
 
+# -- a batch decided again in another order ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-report-each", "an-agent-batch"])
+def test_reports_read_before_the_placement_they_follow_apply_once_it_is_read(batched):
+    """A shard stopped after producing a decision and before storing it decides its batch again from the older
+    state; its topics may then come in another order: the agent's reports of the START it commanded (``tasks``)
+    before the TasksAllocated it started from (``allocations``). The kill storm lost a task so (stop 41): the
+    reports were ignored as another machine's, the START commanded again under the same id, which the agent had
+    run already, and the task stayed STARTING for good. Held by the task until its placement is read, they apply
+    then: the same task states and the same events as in order; a report of another machine is dropped."""
+    sim = Sim()
+    sim.feed(entitlement())
+    out = sim.feed(submit("j", 2))
+    before = sim.state  # what the shard stored before the decisions it makes again
+    alloc = allocated(out[0], {"j/0": "m1", "j/1": "m2"})
+    in_order = sim.feed(alloc)
+    reactions = batched_reactions(in_order) if batched else list(agent_reactions(in_order))
+    sim.feed_all(reactions)
+    assert sim.tasks() == {"j/0": ("RUNNING", "m1"), "j/1": ("RUNNING", "m2")}
+    want = sim.state
+
+    again = Sim(before)
+    stray = reports(("j/1", "RUNNING", "m9"))  # a report of a machine it is not placed on: dropped at placement
+    assert again.feed_all([*reactions, stray]) == []  # held: nothing to decide before the placement
+    assert [len(t.early_reports) for t in again.state.jobs["j"].tasks.values()] == [2, 3]
+    redone = again.feed(alloc)
+    assert [e.event_id for e in redone if e.type == "TasksCommanded"] == \
+        [e.event_id for e in in_order if e.type == "TasksCommanded"]  # the START under the same id
+    assert again.tasks() == {"j/0": ("RUNNING", "m1"), "j/1": ("RUNNING", "m2")}
+    assert all(t.early_reports == () for t in again.state.jobs["j"].tasks.values())
+    assert {t.id: (t.state, t.machine, t.discovery) for t in again.state.jobs["j"].tasks.values()} == \
+        {t.id: (t.state, t.machine, t.discovery) for t in want.jobs["j"].tasks.values()}
+
+
+def test_a_report_is_held_only_while_its_task_awaits_a_placement_of_its_version():
+    """A report of another machine or spec version for a task placed or unplaced without a request is stale, as
+    before: ignored with its reason, nothing held."""
+    sim = running_job(1, machines=("m1",))
+    sim.feed(reports(("j/0", "RUNNING", "m7")))
+    assert sim.state.jobs["j"].tasks["j/0"].early_reports == () and "stale_report" in sim.view()["last_ignored"]
+
+
 # -- submit → allocate → start → run ----------------------------------------------------------------------------
 
 def test_deploy_step_by_step():
