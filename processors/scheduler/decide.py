@@ -850,9 +850,9 @@ def decision_time(event: Event, clock_ms: int) -> int:
     """The time a shard decides ``event`` at: the input's own log time (its envelope's), so that a batch decided
     again (a shard stopped after producing its output and before storing its state) decides alike, whatever the
     wall clock says then: the TaskControl limiter's tokens, restart windows and the times the decision records
-    depend on it (the emitted events' envelope keeps the clock: when it was decided). Never later than the deciding ``clock_ms``: an input dated ahead (a skewed or forged clock) is
-    decided at the clock, so no producer can move a limiter or a window into the future. An undated input (0) is
-    decided at the clock."""
+    depend on it (the emitted events' envelope keeps the clock: when it was decided). Never later than the
+    deciding ``clock_ms``: an input dated ahead (a skewed or forged clock) is decided at the clock, so no producer
+    can move a limiter or a window into the future. An undated input (0) is decided at the clock."""
     stamp = event.timestamp_ms
     return clock_ms if stamp <= 0 else min(stamp, clock_ms)
 
