@@ -440,8 +440,7 @@ class Region:
         if state.shard_bucket is not bucket:
             state = replace(state, shard_bucket=bucket)
         try:
-            new, out = sd.decide(state, event, sd.decision_time(event, now), limits=self.limits,
-                                 max_tasks=self.max_tasks, gc_ms=self.gc_ms, clock_ms=now)
+            new, out = sd.decide(state, event, now, limits=self.limits, max_tasks=self.max_tasks, gc_ms=self.gc_ms)
         except Exception:  # noqa: BLE001 - as the shard: the event is dead-lettered, the state kept
             self.decide_failed += 1
             return True

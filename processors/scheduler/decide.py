@@ -846,41 +846,26 @@ def is_own(event: Event) -> bool:
 
 # -- decisions -----------------------------------------------------------------------------------------------------
 
-def decision_time(event: Event, clock_ms: int) -> int:
-    """The time a shard decides ``event`` at: the input's own log time (its envelope's), so that a batch decided
-    again (a shard stopped after producing its output and before storing its state) decides alike, whatever the
-    wall clock says then: the TaskControl limiter's tokens, restart windows and the times the decision records
-    depend on it (the emitted events' envelope keeps the clock: when it was decided). Never later than the
-    deciding ``clock_ms``: an input dated ahead (a skewed or forged clock) is decided at the clock, so no producer
-    can move a limiter or a window into the future. An undated input (0) is decided at the clock."""
-    stamp = event.timestamp_ms
-    return clock_ms if stamp <= 0 else min(stamp, clock_ms)
-
-
 def decide(state: SchedulerState, event: Event, now_ms: int, *, limits: Limits = DEFAULT_LIMITS,
-           max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB, gc_ms: int = DEFAULT_JOB_GC_MS, clock_ms: int | None = None
+           max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB, gc_ms: int = DEFAULT_JOB_GC_MS
            ) -> tuple[SchedulerState, list[Event]]:
     """Apply one decoded input event: the new state and the events to produce (in order).
 
     Event types outside ``CONSUMED`` and the scheduler's own events change nothing. An event id already in the
     job's duplicate ring changes nothing and emits nothing. Emitted ids are ``derived_event_id`` of the input's
-    id and a discriminator; ``causation_id`` is the input's id; ``timestamp_ms`` is ``clock_ms`` (``now_ms`` if not
-    given): when the decision was made, while its contents depend on ``now_ms`` alone. The shard passes the input's
-    ``decision_time`` as ``now_ms`` and its wall clock as ``clock_ms``.
+    id and a discriminator; ``causation_id`` is the input's id; ``timestamp_ms`` is ``now_ms``.
 
-    A job the event names whose grace passed (``is_expired``) at ``clock_ms`` (``now_ms`` if not given: the grace is
-    judged by the clock that ``collect`` runs on, so that an input read late is decided the same whether ``collect``
-    took its job out yet or not) is decided as gone, held or not: the decision is the same whenever ``collect``
-    takes it out (the shard's timer, the history never). It is left in the state as it was unless the decision made
-    a new job of its id (a new incarnation).
+    A job the event names whose grace passed (``is_expired``) is decided as gone, held or not: the decision is the
+    same whenever ``collect`` takes it out (the shard's timer, the history never). It is left in the state as it was
+    unless the decision made a new job of its id (a new incarnation).
     """
     handler = HANDLERS.get(event.type)
     if handler is None or is_own(event):
         return state, []
     hidden = {j: job for j in named_jobs(event) if (job := state.jobs.get(j)) is not None
-              and is_expired(job, now_ms if clock_ms is None else clock_ms, gc_ms)}
+              and is_expired(job, now_ms, gc_ms)}
     seen = dataclasses.replace(state, jobs=state.jobs.without(hidden)) if hidden else state
-    fold = Fold(seen, now_ms, event, limits=limits, max_tasks=max_tasks, stamp_ms=clock_ms)
+    fold = Fold(seen, now_ms, event, limits=limits, max_tasks=max_tasks)
     handler(fold, event)
     new, out = fold.result(steps.close)
     if new is seen:

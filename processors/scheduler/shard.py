@@ -168,7 +168,7 @@ from processors.scheduler import handover as ho
 from processors.scheduler import store as st
 from processors.scheduler.metrics import ShardMetrics
 from processors.scheduler.decide import (
-    CONSUMED, MACHINE_EVENTS, collect, decide, decision_time, machines_of, named_jobs, retry_unplaced,
+    CONSUMED, MACHINE_EVENTS, collect, decide, machines_of, named_jobs, retry_unplaced,
 )
 from processors.scheduler.model import Job, SchedulerState, state_of
 from processors.scheduler.reasons import JOB_UNREADABLE
@@ -741,8 +741,7 @@ def build_app(cfg: Config, *, registry: SchemaRegistry | None = None, retry_s: f
                 state = dataclasses.replace(state, shard_bucket=buckets[part])
                 t_ev = time.monotonic()
                 try:
-                    new, emitted = decide(state, ev, decision_time(ev, now), limits=limits, max_tasks=max_tasks,
-                                          gc_ms=gc_ms, clock_ms=now)
+                    new, emitted = decide(state, ev, now, limits=limits, max_tasks=max_tasks, gc_ms=gc_ms)
                 except Exception as exc:  # noqa: BLE001 - one bad event must not stop the shard
                     log.exception("scheduler: %s %s at %s[%d]@%d failed", ev.type, ev.event_id, rec.topic, part,
                                   rec.offset)

@@ -49,11 +49,9 @@ class Fold:
     """The working copy of one call; the returned state is immutable. Emits with derived ids."""
 
     def __init__(self, state: SchedulerState, now_ms: int, cause: Event | None, id_root: str | None = None,
-                 limits: Limits = DEFAULT_LIMITS, max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB,
-                 stamp_ms: int | None = None):
+                 limits: Limits = DEFAULT_LIMITS, max_tasks: int = DEFAULT_MAX_TASKS_PER_JOB):
         self.state = state
-        self.now = now_ms  # the time the decision is made at (``decide.decision_time``)
-        self.stamp = now_ms if stamp_ms is None else stamp_ms  # the emitted events' envelope time
+        self.now = now_ms
         self.limits = limits
         self.max_tasks = max_tasks
         self.shard_bucket = state.shard_bucket
@@ -158,7 +156,7 @@ class Fold:
         """Emit an event; its id derives from the decision and ``(type_, *disc)`` unless ``event_id`` is given."""
         eid = event_id or self.derive(type_, *disc)
         self.events.append(new_event(type_, payload, entitlement=entitlement, entity_id=entity_id,
-                                     producer=PRODUCER, causation_id=self.causation_id, timestamp_ms=self.stamp,
+                                     producer=PRODUCER, causation_id=self.causation_id, timestamp_ms=self.now,
                                      event_id=eid))
 
     def result(self, close: Callable[["JobWork"], Job]) -> tuple[SchedulerState, list[Event]]:

@@ -3,7 +3,6 @@
 The harness is the scheduler tests' ``Sim`` (every input is also checked for determinism, idempotence and
 schema validity); the TaskController and the agents are played by hand.
 """
-import dataclasses
 import random
 from collections import Counter
 
@@ -424,38 +423,3 @@ def test_the_ops_list_shows_in_job_status():
     assert view["state"] == JOB_UPDATING and view["controller"] == CTL
     assert [(o["task"], o["kind"], o["state"]) for o in view["operations"]] == [
         ("j/0", tc.OP_UPDATE, "pending"), ("j/1", tc.OP_UPDATE, "pending")]
-
-
-def test_a_batch_decided_again_later_decides_alike():
-    """A shard stopped after producing a batch's output and before storing its state decides the batch again from
-    the older state, maybe minutes later (its group assigns it again): it decides each input at the input's own
-    log time (``decision_time``), so the contents under each id are the same. Decided at the wall clock, a minute's
-    tokens more would have moved more tasks under the same ids (the kill storm's conflicting duplicate)."""
-    n = 100
-    sim = big_job(n, LIMITS)
-    assert len(moved(sim.feed(unavailability(["m1", "m2", "m3", "m4", "m5"])))) == 5  # the job's burst, taken at T0
-    failure = unavailability([f"m{i + 1}" for i in range(5, n)])
-    failure = dataclasses.replace(failure, timestamp_ms=T0 + 2_100,
-                                  payload={**failure.payload, "unavailability_id": "ue2"})
-
-    def decided_at(clock_ms):
-        _, out = sd.decide(sim.state, failure, sd.decision_time(failure, clock_ms), limits=LIMITS, clock_ms=clock_ms)
-        return out
-
-    first, again = decided_at(T0 + 2_150), decided_at(T0 + 60_150)
-    assert len(moved(first)) == 2  # two seconds of tokens at 60 a minute
-    assert [(e.event_id, e.type, e.payload) for e in again] == [(e.event_id, e.type, e.payload) for e in first]
-    assert {e.timestamp_ms for e in first} == {T0 + 2_150} and {e.timestamp_ms for e in again} == {T0 + 60_150}
-    # at the clock, as the shard decided before: the same ids, other contents (a full burst a minute later)
-    _, at_clock = sd.decide(sim.state, failure, T0 + 60_150, limits=LIMITS)
-    assert {e.event_id for e in at_clock} & {e.event_id for e in first} and len(moved(at_clock)) == 5
-
-
-@pytest.mark.parametrize("stamp, clock, decided", [
-    (T0 + 100, T0 + 150, T0 + 100),  # the input's log time
-    (T0 + 100, T0 + 100, T0 + 100),
-    (T0 + 30_000, T0 + 150, T0 + 150),  # dated ahead (a skewed or forged clock): decided at the clock
-    (0, T0 + 150, T0 + 150),  # undated
-])
-def test_the_time_an_input_is_decided_at(stamp, clock, decided):
-    assert sd.decision_time(dataclasses.replace(unavailability(["m1"]), timestamp_ms=stamp), clock) == decided
