@@ -28,6 +28,8 @@ def test_a_small_scaled_out_kill_storm_with_pauses_and_a_power_loss_loses_and_do
                                   "--kills", str(KILLS), "--interval-s", "2", "--machines", "16", "--schedulers", "2",
                                   "--allocators", "2", "--brokers", "3", "--pause-every", "4",
                                   "--power-loss-after", str(KILLS // 2), "--json"], 680, cwd=tmp_path, env=env)
+    if not out.stdout.strip():  # the experiment itself failed: what it said (CI once showed only a JSONDecodeError)
+        pytest.fail(f"the storm exited {out.returncode} printing nothing; its stderr:\n{out.stderr[-6000:]}", pytrace=False)
     doc = json.loads(out.stdout)
     assert doc["converged"] and not doc["not_converged"], doc["not_converged"]  # which jobs, in full
     if not (out.returncode == 0 and doc["passed"] and not doc["why_not"]):  # every reason in full (an assertion's
