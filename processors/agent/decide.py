@@ -12,7 +12,9 @@ Inputs:
   at the same spec version starts nothing: the task's run takes the command's id and, if its process is up, is
   reported RUNNING again (``already_running``: a log that was replaced commands a task the agent kept running). A START/RESTART at another spec version, or a RESTART of a live task, kills
   it and runs the new spec once it has exited. STOP kills it (STOPPED once it exited); a STOP for a task
-  the agent does not run is answered STOPPED at once, so the scheduler's STOPPING completes.
+  the agent does not run is answered STOPPED at once, so the scheduler's STOPPING completes, and so is a STOP (another
+  command) for a task it stopped already (``already_stopped``: the scheduler commands again a task whose report it
+  lost, ``scheduler/steps.command_again``).
 * ``Spawned`` / ``SpawnFailed``: the wiring started the process (→ RUNNING) or could not (→ FAILED).
 * ``Exited``: the process ended. Exit 0 → STOPPED (``exited``). Non-zero (or unknown: a process that
   vanished while the agent was down) → restarted in place after a backoff, up to ``Policy.max_restarts``
@@ -134,6 +136,7 @@ REASON_NOT_RUNNING = "not_running"  # STOPPED: a STOP for a task this agent does
 REASON_RESTART_LIMIT = "restart_limit"  # FAILED: crashed again after Policy.max_restarts local restarts
 REASON_SPAWN_FAILED = "spawn_failed"  # FAILED: the process could not be started (no such file, ...)
 REASON_ALREADY_RUNNING = "already_running"  # RUNNING: a START (another command) for a task whose process runs
+REASON_ALREADY_STOPPED = "already_stopped"  # STOPPED: a STOP (another command) for a task it stopped already
 REASON_NOT_IN_LOG = "not_in_log"  # STOPPED: the task was stopped because the log commands it no more
 REASON_NOT_PLACED = "not_placed"  # STOPPED: the allocations log placed the task elsewhere (or freed it) meanwhile
 
@@ -379,8 +382,10 @@ def _on_command(state: AgentState, ev: Event, now_ms: int):
                 [_kill(task_id, WHY_NEW_SPEC)])
     if command == TaskCommand.STOP:
         if run is None or run.phase in (P_STOPPED, P_FAILED):
-            if run is not None and run.phase == P_STOPPED:
-                return state._with(replace(run, commands=seen)), [], []  # already stopped
+            if run is not None and run.phase == P_STOPPED:  # already stopped: said again (its report may be lost)
+                again = _report(state, replace(run, spec=replace(run.spec, run_id=ev.event_id)), STOPPED,
+                                REASON_ALREADY_STOPPED, now_ms, run.exit_code)
+                return state._with(replace(run, reported=STOPPED, commands=seen)), [again], []
             gone = run or TaskRun(task_id=task_id, spec=_spec_of(ev), phase=P_STOPPED, reported=UNKNOWN)
             out = _report(state, replace(gone, spec=replace(gone.spec, run_id=ev.event_id)), STOPPED,
                           REASON_NOT_RUNNING, now_ms)

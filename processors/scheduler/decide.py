@@ -890,13 +890,14 @@ def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int, *, l
 def has_timer_work(job: Job) -> bool:
     """Whether ``retry_unplaced`` may have something to do for ``job``, at some time: a job retry_unplaced passes
     over at every ``now_ms`` is one this says False of. An active or stopping job (a stopping job's stops wait for
-    tokens too) with a planned maintenance not ended (its deadline), a task parked by an AllocationRejected, or
-    operations open or throttled (tokens, a TaskController to ask again). The shard keeps it in each job's header
+    tokens too) with a planned maintenance not ended (its deadline), a task parked by an AllocationRejected,
+    operations open or throttled (tokens, a TaskController to ask again), or a task awaiting its agent's report. The shard keeps it in each job's header
     (``store.plan``), so its timer loads only these jobs."""
     if job.status not in (JOB_ACTIVE, JOB_STOPPING):
         return False
     return (bool(job.ops_open or job.throttled) or any(not m.enforced for m in job.maint)
-            or (job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values())))
+            or (job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()))
+            or any(steps.awaits_report(t) for t in job.tasks.values()))
 
 
 def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAULT_LIMITS
@@ -904,8 +905,8 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
     """The timer's decision: stop what remains on machines whose planned maintenance reached its deadline
     (``steps.enforce_deadlines``); ask again to place every task left unplaced by an AllocationRejected (one request
     per job); perform operations the rate limiter held back, as far as it now allows; ask a TaskController
-    again after ``REASK_MS`` without an answer (a lost request or ack) or with operations still pending.
-    Ids derive from the request ids, the operation ids and ``now_ms``, so a repeat from the same state emits
+    again after ``REASK_MS`` without an answer (a lost request or ack) or with operations still pending; command
+    again a task left STARTING or STOPPING ``steps.RECOMMAND_MS`` with no report (``steps.command_again``). Ids derive from the request ids, the operation ids and ``now_ms``, so a repeat from the same state emits
     the same events."""
     fold = Fold(state, now_ms, None, id_root=f"{PRODUCER}/retry/{now_ms}", limits=limits)
     for job_id in sorted(state.jobs):
@@ -916,6 +917,10 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
             steps.enforce_deadlines(fold.work_of(job))
         if job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()):
             fold.work_of(job).retry_parked(paced=True)  # restarts take a shard token (work.retry_parked)
+        if any(steps.command_due(t, now_ms) for t in job.tasks.values()):
+            w = fold.work_of(job)
+            for t in list(w.tasks.values()):
+                steps.command_again(w, t)
         if job.ops_open or job.throttled:
             w = fold.work_of(job)  # its finish drains what is approved
             if (job.status == JOB_ACTIVE and job.spec.controller and job.tc_asked_ms is not None

@@ -19,6 +19,7 @@ REASON_TASK_RUNNING = "task_running"  # discovery enabled: the agent reports it 
 REASON_CRASHED = "crashed"  # the agent reports it FAILED (non-zero exit, or could not start)
 REASON_EXITED = "exited"  # the agent reports it STOPPED on its own (exit 0)
 REASON_RESTART_POLICY = "restart_policy"  # TaskCommanded RESTART: crashed or exited, restarted in place
+REASON_COMMAND_REPEATED = "command_repeated"  # TaskCommanded again: left STARTING/STOPPING with no report (timer)
 REASON_RESTART_LIMIT = "restart_limit"  # left FAILED/STOPPED: MAX_RESTARTS restarts used up
 REASON_MACHINE_FAILED = "machine_failed"  # its machine went DOWN, or a FAILURE/POWER unavailability
 REASON_MACHINE_UNHEALTHY = "machine_unhealthy"  # its machine went UNHEALTHY (missed heartbeats)

@@ -24,7 +24,7 @@ from processors.scheduler.model import (
     HELD, LEAVING, RELOCATE, RETIRE, RUN, UPDATE, Job, Task, replace, task_id,
 )
 from processors.scheduler.reasons import (
-    REASON_CHOICE_TOO_LATE, REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE,
+    REASON_CHOICE_TOO_LATE, REASON_COMMAND_REPEATED, REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE,
     REASON_MAINTENANCE_STOP, REASON_MUST_VACATE, REASON_NOT_UNDER_NOTICE, REASON_PLACED, REASON_REBALANCE,
     REASON_RESIZED, REASON_RESTART_LIMIT, REASON_RESTART_POLICY, REASON_ROLLING_UPDATE,
 )
@@ -41,6 +41,7 @@ MAX_RESTARTS = 3  # restarts in place of a task that crashed or exited on a heal
 RESTART_RESET_MS = 10 * 60_000  # a task that ran this long before it went down starts with a fresh restart budget
 THROTTLED_LISTED = 1_000  # OperationsThrottled lists at most this many waiting operations (waiting_count: all)
 TC_PENDING_PER_REQUEST = 2_000  # a TaskControlRequested asks about at most this many pending operations
+RECOMMAND_MS = 30_000  # a task left STARTING or STOPPING this long with no report is commanded again (the timer)
 
 # Task commands: the TaskCommand symbols of schemas/TaskCommanded.avsc.
 START = TaskCommand.START
@@ -150,6 +151,32 @@ def stop(w: JobWork, t: Task, reason: str) -> Task:
     t = w.step(t, STOP_COMMANDED, running_since_ms=None)
     w.command(t, STOP, reason)
     return t
+
+
+def awaits_report(t: Task) -> bool:
+    """Whether ``t`` was commanded and waits for its agent's report (STARTING or STOPPING on its machine)."""
+    return t.state in (STARTING, STOPPING) and t.commanded_ms is not None and t.machine is not None
+
+
+def command_due(t: Task, now_ms: int) -> bool:
+    """Whether ``t`` has waited ``RECOMMAND_MS`` for its agent's report (``command_again``)."""
+    return awaits_report(t) and now_ms - t.commanded_ms >= RECOMMAND_MS
+
+
+def command_again(w: JobWork, t: Task) -> None:
+    """The timer's repair of a lost report: ``t`` left STARTING or STOPPING ``RECOMMAND_MS`` with nothing from its
+    agent is sent its command again under a new id (a START of its spec version, or a STOP). The agent answers a
+    command it has not seen from where the task is: a START of the run it has RUNNING is reported RUNNING again
+    (``already_running``), a STOP of a run it stopped is reported STOPPED again (``already_stopped``); a START it
+    never got starts the task. How it is lost: a shard stopped between producing a decision and storing it decides
+    the batch again from the older state, and may read the agent's report of the first decision's command before
+    that command's cause (the report is then ignored, and its record passed: RELIABILITY.md, the kill storm).
+    Edge-triggered reports are repaired by this level-triggered retry, as a kubelet's or a Nomad client's status
+    sync would. A task whose machine is down is left to the machine's failure (``machine_lost``)."""
+    if not command_due(t, w.fold.now) or w.fold.is_down(t.machine):
+        return
+    w.command(w.put(replace(t, commanded_ms=w.fold.now)), START if t.state == STARTING else STOP,
+              REASON_COMMAND_REPEATED)
 
 
 def start_again(w: JobWork, t: Task, command: str, reason: str) -> None:

@@ -17,7 +17,7 @@ from processors.scheduler import lifecycle as lc
 from processors.scheduler import versions as vs
 from processors.scheduler.lifecycle import (
     JOB_ALL_STOPPED, JOB_DELETED, JOB_FREED, JOB_STOPPED, OP_APPROVED, OP_ASKED, OP_ENDED, OP_RUNNING, OP_WANTED,
-    PENDING, STOPPED,
+    PENDING, RESTART_COMMANDED, START_COMMANDED, STOP_COMMANDED, STOPPED,
 )
 from processors.scheduler.model import (
     RUN, Job, SchedulerState, Task, incarnation_tag, index_of, job_phase, operation_id, published_state, replace,
@@ -33,6 +33,7 @@ PRODUCER = "scheduler"
 SEEN_LIMIT = 1024  # input event ids remembered per job (the duplicate ring)
 PUBLISH_PART_TASKS = 500  # JobTasksPublished: tasks per part of a job published in parts (index // this)
 REQUEST_TASKS_AT_ONCE = 2_000  # an AllocationRequested naming fewer tasks is never split (far below the bound)
+COMMANDED = frozenset({START_COMMANDED, RESTART_COMMANDED, STOP_COMMANDED})  # steps that command the task's agent
 
 
 def _sorted_tasks(tasks: Mapping[str, Task]) -> list[Task]:
@@ -290,6 +291,8 @@ class JobWork:
         """Move ``t`` by ``trigger`` through the lifecycle table (raises IllegalTransition: a scheduler bug);
         with ``emit_reason``, announce it in the decision's TaskStatesChanged (its report id derived as a
         TaskStateChanged's would be)."""
+        if trigger in COMMANDED:  # the timer commands it again if no report moves it on (``steps.command_again``)
+            changes.setdefault("commanded_ms", self.fold.now)
         new = self.put(replace(t, state=lc.next_state(t.state, trigger), **changes))
         if emit_reason is not None:
             self.reports.append({

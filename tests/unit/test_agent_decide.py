@@ -2,7 +2,8 @@
 import pytest
 
 from processors.agent.decide import (
-    FAILED, KILL, REASON_ALREADY_RUNNING, REASON_EXITED, REASON_NOT_IN_LOG, REASON_NOT_PLACED, REASON_NOT_RUNNING,
+    FAILED, KILL, REASON_ALREADY_RUNNING, REASON_ALREADY_STOPPED, REASON_EXITED, REASON_NOT_IN_LOG, REASON_NOT_PLACED,
+    REASON_NOT_RUNNING,
     REASON_PROCESS_UP, REASON_RESTART_LIMIT, REASON_SPAWN_FAILED, REASON_SPAWNING, REASON_STOP_COMMANDED, RUNNING,
     SPAWN, STARTING, STOPPED, UNKNOWN, WHY_NEW_SPEC, WHY_NOT_IN_LOG, WHY_NOT_PLACED, WHY_RESTART_POLICY, AgentError,
     Command, Exited, Orphaned, Policy, SpawnFailed, Spawned, Suspended, Tick, Unplaced, decide, forget_finished,
@@ -109,10 +110,12 @@ CASES = {
     "stop kills, STOPPED on exit": (
         UP_ + [(cmd("STOP"), 2), (Exited("j/0", -15), 3)],
         UP_OUT + [([], [(KILL, "j/0", "commanded")]), ([(STOPPED, RUNNING, REASON_STOP_COMMANDED, -15)], [])]),
-    "duplicate stop while killing and after": (
-        UP_ + [(cmd("STOP"), 2), (cmd("STOP", eid="s2"), 3), (Exited("j/0", -15), 4), (cmd("STOP", eid="s3"), 5)],
+    "another stop while killing waits; one after is answered STOPPED again, its redelivery not": (
+        UP_ + [(cmd("STOP"), 2), (cmd("STOP", eid="s2"), 3), (Exited("j/0", -15), 4), (cmd("STOP", eid="s3"), 5),
+               (cmd("STOP", eid="s3"), 6)],
         UP_OUT + [([], [(KILL, "j/0", "commanded")]), ([], []),
-                  ([(STOPPED, RUNNING, REASON_STOP_COMMANDED, -15)], []), ([], [])]),
+                  ([(STOPPED, RUNNING, REASON_STOP_COMMANDED, -15)], []),
+                  ([(STOPPED, STOPPED, REASON_ALREADY_STOPPED, -15)], []), ([], [])]),
     "stop of an unknown task is answered STOPPED": (
         [(cmd("STOP"), 0)], [([(STOPPED, UNKNOWN, REASON_NOT_RUNNING, None)], [])]),
     "command for another machine is ignored": ([(cmd("START", machine="m2"), 0)], [([], [])]),

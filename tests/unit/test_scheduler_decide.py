@@ -9,10 +9,12 @@ import dataclasses
 import json
 import re
 from collections import deque
+from types import MappingProxyType
 
 import pytest
 
 from infra.config import DEFAULT_MAX_TASKS_PER_JOB
+from processors.agent import decide as ag
 from processors.allocator.placement import Entitlement
 from processors.cowmap import CowMap
 from processors.scheduler import decide as sd
@@ -26,13 +28,13 @@ from processors.scheduler.lifecycle import (
 )
 from processors.scheduler.model import SchedulerState, UnknownJob, job_detail
 from processors.scheduler.reasons import (
-    REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_EXITED, REASON_ILLEGAL_REPORT, REASON_INVALID_SPEC,
+    REASON_COMMAND_REPEATED, REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_EXITED, REASON_ILLEGAL_REPORT, REASON_INVALID_SPEC,
     REASON_JOB_NOT_ACTIVE, REASON_JOB_STOPPED, REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE,
     REASON_MACHINE_UNHEALTHY, REASON_NOT_AN_AGENT_STATE, REASON_RESIZED, REASON_RESTART_LIMIT, REASON_RESTART_POLICY,
     REASON_ROLLING_UPDATE, REASON_STALE_REPORT, REASON_STALE_SPEC_VERSION, REASON_UNKNOWN_ENTITLEMENT,
     REASON_UNKNOWN_JOB, REASON_UNKNOWN_TASK,
 )
-from processors.scheduler.steps import MAX_RESTARTS, RESTART_RESET_MS
+from processors.scheduler.steps import MAX_RESTARTS, RECOMMAND_MS, RESTART_RESET_MS
 from processors.scheduler.work import PRODUCER
 from processors.taskcontrol import limiter
 from streams.batches import MAX_RECORD_BYTES, command_events, discovery_changes, task_commands, task_reports
@@ -357,6 +359,91 @@ def test_a_report_is_held_only_while_its_task_awaits_a_placement_of_its_version(
     assert sim.state.jobs["j"].tasks["j/0"].early_reports == () and "stale_report" in sim.view()["last_ignored"]
 
 
+# -- a report lost: the command again (the timer) ------------------------------------------------------------------
+
+class Agents:
+    """The agents' own pure decisions (``processors/agent/decide.py``), one per machine: they carry out the commands
+    they are given and say what they report."""
+
+    def __init__(self):
+        self.states = {}
+
+    def run(self, out, now=T0):
+        reports_out = []
+        for e in out:
+            for cmd in ag.commands(e, lambda m: True):
+                m = cmd.payload["machine_id"]
+                state = self.states.get(m) or ag.initial_state(m)
+                state, evs, actions = ag.decide(state, ag.Command(cmd), now)
+                for a in actions:  # the process starts at once, or exits once killed
+                    if a.kind == ag.SPAWN:
+                        state, more, _ = ag.decide(state, ag.Spawned(a.task_id), now)
+                    else:
+                        state, more, _ = ag.decide(state, ag.Exited(a.task_id, -15), now)
+                    evs = [*evs, *more]
+                self.states[m] = state
+                reports_out += evs
+        return reports_out
+
+
+def _lost_start():
+    """A job of two tasks started; the agents ran them, and their reports were lost (a batch decided again)."""
+    sim, agents = Sim(), Agents()
+    sim.feed(entitlement())
+    out = sim.feed(allocated(sim.feed(submit("j", 2))[0], {"j/0": "m1", "j/1": "m2"}))
+    assert len(agents.run(out)) == 4  # STARTING and RUNNING of each: never read
+    return sim, agents, "STARTING"
+
+
+def _lost_stop():
+    """The same job running, then stopped; the agents stopped the tasks, and their STOPPED reports were lost."""
+    sim, agents = Sim(), Agents()
+    sim.feed(entitlement())
+    out = sim.feed(allocated(sim.feed(submit("j", 2))[0], {"j/0": "m1", "j/1": "m2"}))
+    sim.feed_all(agents.run(out))
+    assert sim.tasks() == {"j/0": ("RUNNING", "m1"), "j/1": ("RUNNING", "m2")}
+    assert len(agents.run(sim.feed(stopped("j")))) == 2
+    return sim, agents, "STOPPING"
+
+
+@pytest.mark.parametrize("lose, command, then", [
+    (_lost_start, "START", {"j/0": ("RUNNING", "m1"), "j/1": ("RUNNING", "m2")}),
+    (_lost_stop, "STOP", {"j/0": ("STOPPED", "m1"), "j/1": ("STOPPED", "m2")}),
+], ids=["start", "stop"])
+def test_a_task_whose_report_was_lost_is_commanded_again_and_its_agent_says_again(lose, command, then):
+    """Reports are edge-triggered: one lost (a shard deciding a batch again read it before the decision it follows,
+    and passed its record: the kill storm's tasks left STARTING or STOPPING for good) left the task waiting for
+    ever. The timer commands a task left STARTING or STOPPING ``RECOMMAND_MS`` again, under a new id, not sooner;
+    the agent, which carried the first command out, says again where the task is (``already_running``,
+    ``already_stopped``), and the task moves on. Deterministic; once a report came, nothing more."""
+    sim, agents, waiting = lose()
+    assert {s for s, _ in sim.tasks().values()} == {waiting}
+    assert retry_unplaced(sim.state, T0 + RECOMMAND_MS - 1) == (sim.state, [])  # not sooner
+    state, out = retry_unplaced(sim.state, T0 + RECOMMAND_MS)
+    assert retry_unplaced(sim.state, T0 + RECOMMAND_MS) == (state, out)
+    again = [(c["command"], c["task_id"], c["machine_id"], c["reason"]) for c in commands(out)]
+    assert again == [(command, "j/0", "m1", REASON_COMMAND_REPEATED), (command, "j/1", "m2", REASON_COMMAND_REPEATED)]
+    assert retry_unplaced(state, T0 + 2 * RECOMMAND_MS - 1) == (state, [])  # the next repeat a while after this one
+    sim.state = state
+    told = agents.run(out, T0 + RECOMMAND_MS)
+    assert {r.payload["reason"] for r in told} == {"already_running" if command == "START" else "already_stopped"}
+    out = sim.feed_all(told)
+    assert sim.tasks() == then
+    assert retry_unplaced(sim.state, T0 + 10 * RECOMMAND_MS) == (sim.state, [])  # nothing awaits a report
+    if command == "STOP":  # all stopped: freed, then gone
+        assert kinds(sim.feed(deallocated(of_type(out, "AllocationRequested")[0])))[-1] == \
+            ("published", JOB_STOPPED, True)
+
+
+def test_a_task_on_a_machine_that_is_down_is_not_commanded_again():
+    """A task whose machine is down is the failure's (moved away, or left for the machine's return): not sent a
+    command it cannot carry out."""
+    sim, _, _ = _lost_start()
+    sim.state = dataclasses.replace(sim.state, machines_down=MappingProxyType({"m1": "DOWN"}))
+    _, out = retry_unplaced(sim.state, T0 + RECOMMAND_MS)
+    assert [(c["command"], c["task_id"]) for c in commands(out)] == [("START", "j/1")]
+
+
 # -- submit → allocate → start → run ----------------------------------------------------------------------------
 
 def test_deploy_step_by_step():
@@ -550,6 +637,7 @@ def test_allocation_rejected_shows_why_and_retry_places_it():
     assert view["tasks"][2] == {"id": "j/2", "state": "PENDING", "machine": None, "dc": None, "msb": None,
                                 "rack": None, "spec_version": 1, "reason": "quota_exceeded"}
     assert sim.feed(rejected(req, ["j/2"])) == []  # the same answer again: no longer outstanding
+    sim.feed(reports(("j/0", "RUNNING", "m1"), ("j/1", "RUNNING", "m2")))  # else the timer commands them again
 
     state, out = retry_unplaced(sim.state, T0 + 30_000)
     assert kinds(out) == [("request", ("j/2",), (), ())]

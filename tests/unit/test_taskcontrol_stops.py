@@ -14,8 +14,9 @@ from processors.scheduler import decide as sd
 from processors.scheduler import lifecycle as lc
 from processors.scheduler import model as sm
 from processors.scheduler.lifecycle import JOB_STOPPED, JOB_STOPPING
+from processors.scheduler.steps import RECOMMAND_MS
 from processors.scheduler.reasons import (
-    REASON_JOB_STOPPED, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE, REASON_MAINTENANCE_ENDED,
+    REASON_COMMAND_REPEATED, REASON_JOB_STOPPED, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE, REASON_MAINTENANCE_ENDED,
     REASON_RESIZED,
 )
 from processors.taskcontrol import protocol as tc
@@ -131,7 +132,8 @@ def _op_numbers(sim, tasks):
 def test_a_job_stop_of_ten_thousand_tasks_is_paced():
     """10,000 tasks stopped at once: the job's bucket sets the pace (here 100 a second after a burst of 500), the
     rest stay RUNNING and listed as waiting, the job "stopping"; never more stops than burst + rate · elapsed,
-    each task stopped once, none left waiting at the end. (The end of a stop, all STOPPED then freed, is the
+    each task stopped once, none left waiting at the end; a stop with no report is sent again after
+    ``steps.RECOMMAND_MS`` (not a new stop: it takes no token), once per that long. (The end of a stop, all STOPPED then freed, is the
     small job's test above: feeding 10,000 agent reports through the checking harness would take minutes.)"""
     n, limits = 10_000, Limits(job=Rate(per_minute=6_000, burst=500), shard=Rate(per_minute=600_000, burst=10_000))
     sim = LimitedSim(limits)
@@ -150,11 +152,16 @@ def test_a_job_stop_of_ten_thousand_tasks_is_paced():
     assert len(done) == 500 and len(sim.view("big")["throttled"]) == n - 500
     assert sim.view("big")["state"] == JOB_STOPPING
     assert sum(t["state"] == "RUNNING" for t in sim.view("big")["tasks"]) == n - 500
-    now = T0
+    now, sent = T0, dict.fromkeys(done, T0)
     while sim.view("big")["throttled"]:
         now += 1_000
         assert now <= T0 + 100_000, f"{sum(done.values())} of {n} stopped after {now - T0} ms"
-        done.update(stops(sim.tick(now)))
+        out = sim.tick(now)
+        again = stops(out, REASON_COMMAND_REPEATED)
+        done.update(t for t in stops(out) if t not in again)
+        for t in again:  # no agent here reports: each stop is sent again, not sooner
+            assert now - sent[t] >= RECOMMAND_MS, (t, now - sent[t])
+        sent.update(dict.fromkeys(stops(out), now))
         assert sum(done.values()) <= 500 + (now - T0) * 6_000 // 60_000
     assert now == T0 + 95_000 and len(done) == n and set(done.values()) == {1}
     assert {t["state"] for t in sim.view("big")["tasks"]} == {"STOPPING"} and sim.view("big")["operations"] == []
