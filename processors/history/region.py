@@ -69,6 +69,7 @@ from processors.scheduler import decide as sd
 from processors.scheduler import lifecycle as lc
 from processors.scheduler import model as sm
 from processors.scheduler import records
+from processors.scheduler import steps
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Bucket, Limits
 from streams import batches, state as states
 from streams.events import Event
@@ -86,8 +87,14 @@ WHAT_IF_TOPIC = "what-if"  # where a what-if's hypothetical events are "read" fr
 LOOP_REQUESTS = 100  # a job's allocation requests at one instant beyond which the shadow takes it for a loop
 WAIT_TRIES = 8  # a silent input is tried again after this many decisions of its partition at most, then decided
 PRUNE_AT = 200_000  # remembered decision times beyond which those long past are forgotten
-# The jobs ``decide.retry_unplaced`` acts on (it passes over the others): the only ones the timer is given here.
+# The jobs ``decide.retry_unplaced`` acts on (it passes over the others): the only ones the timer is given here;
+# and a stopped job awaiting the answer to its free request (``timer_acts_on``).
 TIMER_STATES = frozenset({lc.JOB_ACTIVE, lc.JOB_STOPPING})
+
+
+def timer_acts_on(job: sm.Job) -> bool:
+    """Whether the shard's timer may act on ``job`` (the jobs ``_timer`` gives ``retry_unplaced``)."""
+    return job.status in TIMER_STATES or steps.frees_unanswered(job)
 STATE_TYPES = frozenset({"JobStatePublished", "JobTasksPublished"})  # not read back: the shard coalesces them
 ECHO_TYPES = frozenset({"MachineAssignedToEntitlement", "MachineReleasedToFreePool"})
 
@@ -497,11 +504,11 @@ class Region:
         if self._live_jobs is None:  # (after a snapshot's load) every job once; then kept by ``_decide``
             self._live_jobs = defaultdict(set)
             for j in state.jobs.values():
-                if j.status in TIMER_STATES:
+                if timer_acts_on(j):
                     self._live_jobs[self.partition(j.entitlement)].add(j.id)
         ids = self._live_jobs.get(partition, set())
-        # the timer acts on active and stopping jobs only: the others are left out (as they are left alone)
-        jobs = [j for i in sorted(ids) if (j := state.jobs.get(i)) is not None and j.status in TIMER_STATES]
+        # the timer acts on active and stopping jobs, and stopped ones awaiting their free: the others are left out
+        jobs = [j for i in sorted(ids) if (j := state.jobs.get(i)) is not None and timer_acts_on(j)]
         ids.intersection_update(j.id for j in jobs)
         if not jobs:
             return

@@ -429,7 +429,7 @@ def _on_tasks_deallocated(fold: Fold, ev: Event) -> None:
     for tid in list(w.tasks):
         w.drop(tid)
     # and it forgets its maintenances: a deleted job is tied to no machine (only an event naming it concerns it)
-    w.job_step(JOB_FREED, free_request_id=None, maint=(), tc_notices=(), vacating=())
+    w.job_step(JOB_FREED, free_request_id=None, free_asked_ms=None, maint=(), tc_notices=(), vacating=())
 
 
 def _report_trigger(t: Task, reported: str) -> str | None:
@@ -891,12 +891,15 @@ def has_timer_work(job: Job) -> bool:
     """Whether ``retry_unplaced`` may have something to do for ``job``, at some time: a job retry_unplaced passes
     over at every ``now_ms`` is one this says False of. An active or stopping job (a stopping job's stops wait for
     tokens too) with a planned maintenance not ended (its deadline), a task parked by an AllocationRejected,
-    operations open or throttled (tokens, a TaskController to ask again), or a task awaiting its agent's report. The shard keeps it in each job's header
+    operations open or throttled (tokens, a TaskController to ask again), a task awaiting its agent's report or
+    its placement, or a stopped job awaiting the answer to its free request. The shard keeps it in each job's header
     (``store.plan``), so its timer loads only these jobs."""
+    if steps.frees_unanswered(job):
+        return True
     if job.status not in (JOB_ACTIVE, JOB_STOPPING):
         return False
     return (bool(job.ops_open or job.throttled) or any(not m.enforced for m in job.maint)
-            or (job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()))
+            or (job.status == JOB_ACTIVE and any(t.parked or t.request_id is not None for t in job.tasks.values()))
             or any(steps.awaits_report(t) for t in job.tasks.values()))
 
 
@@ -906,7 +909,8 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
     (``steps.enforce_deadlines``); ask again to place every task left unplaced by an AllocationRejected (one request
     per job); perform operations the rate limiter held back, as far as it now allows; ask a TaskController
     again after ``REASK_MS`` without an answer (a lost request or ack) or with operations still pending; command
-    again a task left STARTING or STOPPING ``steps.RECOMMAND_MS`` with no report (``steps.command_again``). Ids derive from the request ids, the operation ids and ``now_ms``, so a repeat from the same state emits
+    again a task left STARTING or STOPPING ``steps.RECOMMAND_MS`` with no report (``steps.command_again``); ask again
+    for an answer ``steps.ANSWER_WAIT_MS`` overdue (``steps.ask_again``). Ids derive from the request ids, the operation ids and ``now_ms``, so a repeat from the same state emits
     the same events."""
     fold = Fold(state, now_ms, None, id_root=f"{PRODUCER}/retry/{now_ms}", limits=limits)
     for job_id in sorted(state.jobs):
@@ -917,6 +921,8 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
             steps.enforce_deadlines(fold.work_of(job))
         if job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()):
             fold.work_of(job).retry_parked(paced=True)  # restarts take a shard token (work.retry_parked)
+        if steps.answer_overdue(job, now_ms):
+            steps.ask_again(fold.work_of(job))
         if any(steps.command_due(t, now_ms) for t in job.tasks.values()):
             w = fold.work_of(job)
             for t in list(w.tasks.values()):

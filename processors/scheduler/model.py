@@ -185,6 +185,7 @@ class Job:
     updating: bool = False  # a rolling update is in progress
     requests: int = 0  # allocation requests sent (names the next one)
     free_request_id: str | None = None  # the stop's final free request, until the allocator answers it
+    free_asked_ms: int | None = None  # when it was made: made again with no answer (``steps.ask_again``)
     deleted: bool = False  # stopped and freed: the final JobStatePublished said so
     origin: tuple = ()  # what JobSubmitted said (to tell a redelivery from a clashing job id)
     seen: tuple[str, ...] = ()  # the duplicate ring: input event ids applied to this job, newest last

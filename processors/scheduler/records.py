@@ -72,7 +72,8 @@ def job_to_record(job: Job, previous: tuple[Job, Mapping[str, Any]] | None = Non
             "tc_notice_new": job.tc_notice_new,
             "maint": [[u, list(ms), s, d, e] for u, ms, s, d, e in job.maint], "incarnation": job.incarnation,
             "submission": job.submission, "mix": vs.mix_record(job.mix), "generation": job.generation,
-            "vacating": list(job.vacating), "ended_ms": job.ended_ms, "parts": job.parts}
+            "vacating": list(job.vacating), "ended_ms": job.ended_ms, "parts": job.parts,
+            "free_asked_ms": job.free_asked_ms}
 
 
 def job_from_record(r: Mapping[str, Any]) -> Job:
@@ -99,5 +100,6 @@ def job_from_record(r: Mapping[str, Any]) -> Job:
                maint=tuple(Maintenance(u, tuple(ms), s, d, e) for u, ms, s, d, e in r.get("maint", ())),
                incarnation=r.get("incarnation", 1), submission=r.get("submission", ""),
                mix=vs.mix_from_record(r.get("mix")), generation=r.get("generation", 0),
-               vacating=tuple(r.get("vacating", ())), ended_ms=r.get("ended_ms"), parts=r.get("parts", 0))
+               vacating=tuple(r.get("vacating", ())), ended_ms=r.get("ended_ms"), parts=r.get("parts", 0),
+               free_asked_ms=r.get("free_asked_ms"))
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from processors.agent.hostprofile import REASON_HOST_PROFILE_FAILED
 from processors.scheduler import versions as vs
 from processors.scheduler.lifecycle import (
-    ALLOCATED, CHOSEN, DEADLINE_HELD, DEADLINE_MOVED, FAILED, HELD_AT_DEADLINE, JOB_ACTIVE, JOB_STOPPING,
+    ALLOCATED, CHOSEN, DEADLINE_HELD, DEADLINE_MOVED, FAILED, HELD_AT_DEADLINE, JOB_ACTIVE, JOB_STOPPED, JOB_STOPPING,
     MACHINE_FAILED, MOVED_OFF, OP_ACKED, OP_APPROVED, OP_PENDING, OP_PERFORMED, OP_RUNNING, PENDING, RESCHEDULED,
     RESTART_COMMANDED, RUNNING, STARTING, START_COMMANDED, STOPPED, STOPPING, STOP_COMMANDED,
 )
@@ -42,6 +42,7 @@ RESTART_RESET_MS = 10 * 60_000  # a task that ran this long before it went down 
 THROTTLED_LISTED = 1_000  # OperationsThrottled lists at most this many waiting operations (waiting_count: all)
 TC_PENDING_PER_REQUEST = 2_000  # a TaskControlRequested asks about at most this many pending operations
 RECOMMAND_MS = 30_000  # a task left STARTING or STOPPING this long with no report is commanded again (the timer)
+ANSWER_WAIT_MS = 30_000  # an allocation request this long without an answer is made again (the timer)
 
 # Task commands: the TaskCommand symbols of schemas/TaskCommanded.avsc.
 START = TaskCommand.START
@@ -177,6 +178,47 @@ def command_again(w: JobWork, t: Task) -> None:
         return
     w.command(w.put(replace(t, commanded_ms=w.fold.now)), START if t.state == STARTING else STOP,
               REASON_COMMAND_REPEATED)
+
+
+def awaits_answer(t: Task, now_ms: int) -> bool:
+    """Whether ``t``'s placement was asked ``ANSWER_WAIT_MS`` or more ago and not answered (``ask_again``)."""
+    return (t.state == PENDING and t.request_id is not None and t.asked_ms is not None
+            and now_ms - t.asked_ms >= ANSWER_WAIT_MS)
+
+
+def frees_unanswered(job: Job) -> bool:
+    """Whether ``job`` is stopped and waits for the answer to its free request (``ask_again``)."""
+    return job.status == JOB_STOPPED and not job.deleted and job.free_request_id is not None
+
+
+def answer_overdue(job: Job, now_ms: int) -> bool:
+    """Whether the timer asks the allocator again for ``job`` (``ask_again``)."""
+    if frees_unanswered(job):
+        return job.free_asked_ms is None or now_ms - job.free_asked_ms >= ANSWER_WAIT_MS
+    return job.status == JOB_ACTIVE and any(awaits_answer(t, now_ms) for t in job.tasks.values())
+
+
+def ask_again(w: JobWork) -> None:
+    """The timer's repair of a lost answer: a request ``ANSWER_WAIT_MS`` without its answer is made again, as a new
+    request. How one is lost: a shard stopped between producing a decision and storing it decides the batch again
+    from the older state; it may read the allocator's answer to the request that decision made before it makes it
+    again (the answer then concerns no task, and its record is passed), and the request it makes again is the same
+    event, which the allocator answered already and does not answer twice. A task left PENDING so is asked to be
+    freed and placed (a move: wherever the lost answer put it, it is freed first, so it is never placed twice; the
+    old answer, if it comes, is stale); a stopped job's free request is made again (its tasks hold nothing any more:
+    the allocator answers that it freed nothing), and the job is deleted on that answer (the kill storm's "stopped:
+    want it gone" and tasks left PENDING)."""
+    now = w.fold.now
+    if frees_unanswered(w.job):
+        if w.job.free_asked_ms is None or now - w.job.free_asked_ms >= ANSWER_WAIT_MS:
+            w.ask_free()
+        return
+    if w.job.status != JOB_ACTIVE:
+        return
+    for t in w.ordered():
+        if awaits_answer(t, now) and t.intent == RUN:
+            w.free[t.id] = None
+            w.place[t.id] = None  # asked in the decision's AllocationRequested (``JobWork.flush_request``)
 
 
 def start_again(w: JobWork, t: Task, command: str, reason: str) -> None:

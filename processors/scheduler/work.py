@@ -483,10 +483,15 @@ class JobWork:
             self.job_step(JOB_ALL_STOPPED)
             self.job_step(JOB_FREED)
             return
+        self.job_step(JOB_ALL_STOPPED)
+        self.ask_free()
+
+    def ask_free(self) -> None:
+        """Ask to free every task of the stopped job (the answer to the last part is the last: ``finish_stop``)."""
         rid = None
         for _, part_free in self._request_parts((), self.tasks):
             rid = self.request((), part_free)
-        self.job_step(JOB_ALL_STOPPED, free_request_id=rid)
+        self.set(quiet=True, free_request_id=rid, free_asked_ms=self.fold.now)
 
 
 def _by_version(commands: list[dict[str, Any]], mix: vs.Mix | None

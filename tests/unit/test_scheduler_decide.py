@@ -34,7 +34,7 @@ from processors.scheduler.reasons import (
     REASON_ROLLING_UPDATE, REASON_STALE_REPORT, REASON_STALE_SPEC_VERSION, REASON_UNKNOWN_ENTITLEMENT,
     REASON_UNKNOWN_JOB, REASON_UNKNOWN_TASK,
 )
-from processors.scheduler.steps import MAX_RESTARTS, RECOMMAND_MS, RESTART_RESET_MS
+from processors.scheduler.steps import ANSWER_WAIT_MS, MAX_RESTARTS, RECOMMAND_MS, RESTART_RESET_MS
 from processors.scheduler.work import PRODUCER
 from processors.taskcontrol import limiter
 from streams.batches import MAX_RECORD_BYTES, command_events, discovery_changes, task_commands, task_reports
@@ -429,10 +429,46 @@ def test_a_task_whose_report_was_lost_is_commanded_again_and_its_agent_says_agai
     assert {r.payload["reason"] for r in told} == {"already_running" if command == "START" else "already_stopped"}
     out = sim.feed_all(told)
     assert sim.tasks() == then
-    assert retry_unplaced(sim.state, T0 + 10 * RECOMMAND_MS) == (sim.state, [])  # nothing awaits a report
     if command == "STOP":  # all stopped: freed, then gone
         assert kinds(sim.feed(deallocated(of_type(out, "AllocationRequested")[0])))[-1] == \
             ("published", JOB_STOPPED, True)
+    assert retry_unplaced(sim.state, T0 + 10 * RECOMMAND_MS) == (sim.state, [])  # nothing awaits a report
+
+
+def test_a_placement_whose_answer_was_lost_is_asked_again_as_a_move():
+    """An answer read before the request it answers (a batch decided again: the request made again is the same
+    event, which the allocator answered already and does not answer twice) left the task PENDING for good. The timer
+    asks again ``ANSWER_WAIT_MS`` after the request, not sooner, as a new request that frees the task first
+    (wherever the lost answer put it) and places it; the old answer is stale then, the new one applies."""
+    sim = Sim()
+    sim.feed(entitlement())
+    (first,) = of_type(sim.feed(submit("j", 2)), "AllocationRequested")
+    assert retry_unplaced(sim.state, T0 + ANSWER_WAIT_MS - 1) == (sim.state, [])
+    state, out = retry_unplaced(sim.state, T0 + ANSWER_WAIT_MS)
+    assert retry_unplaced(sim.state, T0 + ANSWER_WAIT_MS) == (state, out)  # deterministic
+    assert kinds(out) == [("request", ("j/0", "j/1"), ("j/0", "j/1"), ())]
+    (again,) = out
+    assert again.payload["request_id"] != first.payload["request_id"]
+    sim.state = state
+    assert sim.feed(allocated(first, {"j/0": "m1", "j/1": "m2"}), T0 + ANSWER_WAIT_MS) == []  # stale now
+    out = sim.feed(allocated(again, {"j/0": "m3", "j/1": "m4"}), T0 + ANSWER_WAIT_MS)
+    assert [(c["command"], c["task_id"], c["machine_id"]) for c in commands(out)] == [
+        ("START", "j/0", "m3"), ("START", "j/1", "m4")]
+
+
+def test_a_stopped_job_whose_free_answer_was_lost_asks_again_and_is_deleted():
+    """The same for a stopped job's final free request: made again (its tasks hold nothing any more, and the
+    allocator answers that it freed nothing) ``ANSWER_WAIT_MS`` after it was made; deleted on the answer."""
+    sim = running_job(2, machines=("m1", "m2"))
+    out = sim.feed_all(list(agent_reactions(sim.feed(stopped("j")))))
+    (first,) = of_type(out, "AllocationRequested")
+    assert retry_unplaced(sim.state, T0 + ANSWER_WAIT_MS - 1) == (sim.state, [])
+    state, out = retry_unplaced(sim.state, T0 + ANSWER_WAIT_MS)
+    assert kinds(out) == [("request", (), ("j/0", "j/1"), ())]
+    sim.state = state
+    assert sim.feed(deallocated(first), T0 + ANSWER_WAIT_MS) == []  # the old answer: stale
+    assert kinds(sim.feed(deallocated(out[0]), T0 + ANSWER_WAIT_MS)) == [("published", JOB_STOPPED, True)]
+    assert retry_unplaced(sim.state, T0 + 10 * ANSWER_WAIT_MS) == (sim.state, [])
 
 
 def test_a_task_on_a_machine_that_is_down_is_not_commanded_again():
@@ -642,7 +678,7 @@ def test_allocation_rejected_shows_why_and_retry_places_it():
     state, out = retry_unplaced(sim.state, T0 + 30_000)
     assert kinds(out) == [("request", ("j/2",), (), ())]
     assert retry_unplaced(sim.state, T0 + 30_000) == (state, out)  # deterministic
-    assert retry_unplaced(state, T0 + 60_000) == (state, [])  # outstanding now: nothing to retry
+    assert retry_unplaced(state, T0 + 30_000 + ANSWER_WAIT_MS - 1) == (state, [])  # outstanding now: nothing to retry
     sim.state = state
     out = sim.feed(allocated(out[0], {"j/2": "m3"}))
     assert ("START", "j/2", "m3", 1) in kinds(out) and sim.view()["last_reason"] == ""
