@@ -27,6 +27,7 @@ agent de-duplicates by, and the causation of its reports); a batch of reports, e
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -121,6 +122,13 @@ def command_id(event_id: str, position: int) -> str:
 def batch_id(kind: str, item_ids: Iterable[str]) -> str:
     """The id of a batch of items with these ids (derived from its content: the same items, the same id)."""
     return derived_event_id(kind, *item_ids)
+
+
+def content_key(items: Sequence[Mapping[str, Any]]) -> str:
+    """A short digest of a batch's items (their JSON, keys sorted): part of the id of a batch whose content a decision
+    made again may change (``scheduler/work.JobWork.emit_batches``), so that one id never names two contents."""
+    return hashlib.blake2b(orjson.dumps(list(items), default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS),
+                           digest_size=8).hexdigest()
 
 
 # -- readers: the items of either form ---------------------------------------------------------------------------

@@ -56,7 +56,9 @@ cases: a result for a request the task no longer awaits is stale, a lifecycle du
 stop of a stopping job and a spec version not newer than the job's are no-ops. What the ring alone guards: a
 crash report redelivered after the task was restarted in place would otherwise count as a second crash. A result
 for a request nobody awaits is not put in the ring (``_awaited``): after a crash it may be read before its request
-is asked again, and then it comes again (the allocator answers a repeated request) and must apply.
+is asked again, and then it may come again (the allocator's journal answers a request whose decision is not on the
+log yet) and must apply. A lost answer or report is repaired by the timer: a request 30 s unanswered is made again,
+a task 30 s STARTING or STOPPING is commanded again (``steps.ask_again``, ``steps.command_again``).
 
 **Agent reports are checked, never trusted.** A report naming another machine or another spec version than
 the task's current incarnation is stale (an agent lagging behind a move or an update) and ignored; a
@@ -344,9 +346,10 @@ def _awaited(fold: Fold, ev: Event, task_ids: Iterable[str]) -> "JobWork | None"
     """The job's working copy if the result's request is awaited (by one of ``task_ids``, or as the stopped job's
     final free request), else None. A result nobody awaits changes nothing and is not remembered as applied (not in
     the duplicate ring): a scheduler that crashed after asking may read the answer before it asks again — the same
-    request, the same ids — and the allocator answers a request asked again after its answer with the same events,
-    which must then apply. (The kill storm found a stopped job waiting for good for an answer it had read too
-    early.)"""
+    request, the same ids — and while that decision is not yet on the log the allocator answers the request asked
+    again with the same events (its journal), which must then apply. Once the decision is on the log the allocator
+    does not answer the same request event twice: the timer then makes the request again (``steps.ask_again``).
+    (The kill storm found a stopped job waiting for good for an answer it had read too early.)"""
     job_id, rid = ev.payload["job_id"], ev.payload["request_id"]
     if job_id not in fold.work:
         job = fold.job(job_id)

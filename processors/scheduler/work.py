@@ -26,7 +26,7 @@ from processors.scheduler.model import (
 from processors.taskcontrol import limiter
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Limits
 from processors.taskcontrol.protocol import CONTROLLED
-from streams.batches import SERVICE_DISCOVERY_UPDATED, ENVELOPE_BYTES, batch_id, size_of, split
+from streams.batches import SERVICE_DISCOVERY_UPDATED, ENVELOPE_BYTES, batch_id, content_key, size_of, split
 from streams.events import Event, derived_event_id, new_event
 
 PRODUCER = "scheduler"
@@ -316,12 +316,18 @@ class JobWork:
         """The decision's service-discovery changes as ServiceDiscoveryUpdated, its task transitions as
         TaskStatesChanged and its commands as TasksCommanded, each split so that no record exceeds
         ``batches.MAX_RECORD_BYTES`` (normally one of each). Discovery first: a task leaves it before it stops.
+        The ids of the discovery and command batches hold a digest of their content (``batches.content_key``): a shard
+        that decides a batch of inputs again from an older state (stopped between producing and storing) may read them
+        in another order and decide other commands (the kill storm saw two STOPs under one id, then one); those are
+        then another event, carried out as well, not a second content under one id that readers would drop (the
+        agents answer a command again from where the task is: ``processors/agent/decide.py``).
         Nothing here is signed: the producer seals the commands with the scheduler's key (streams/auth.py), so the
         history's replay and shadow (processors/history) decide the same events without it."""
         job = self.job
         if self.discoveries:
             for i, part in enumerate(split(self.discoveries, fixed=ENVELOPE_BYTES + size_of(job.id))):
-                self.emit(SERVICE_DISCOVERY_UPDATED, job.id, {"job_id": job.id, "changes": part}, "discovery", job.id, i)
+                self.emit(SERVICE_DISCOVERY_UPDATED, job.id, {"job_id": job.id, "changes": part}, "discovery", job.id, i,
+                          content_key(part))
             self.discoveries = []
         if self.reports:
             for part in split(self.reports):
@@ -341,7 +347,8 @@ class JobWork:
                 for i, part in enumerate(parts):
                     self.emit("TasksCommanded", job.id, {"job_id": job.id, "argv": argv, "env": env, "commands": part,
                                                          "part": i, "parts": len(parts), "host_profile": profile,
-                                                         "resources": resources}, "commands", job.id, *disc, i)
+                                                         "resources": resources}, "commands", job.id, *disc, i,
+                              content_key(part))
             self.commands = []
 
     def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = (),
