@@ -161,7 +161,7 @@ def awaits_report(t: Task) -> bool:
 
 def command_due(t: Task, now_ms: int) -> bool:
     """Whether ``t`` has waited ``RECOMMAND_MS`` for its agent's report (``command_again``)."""
-    return awaits_report(t) and now_ms - t.commanded_ms >= RECOMMAND_MS
+    return awaits_report(t) and t.commanded_ms is not None and now_ms - t.commanded_ms >= RECOMMAND_MS
 
 
 def command_again(w: JobWork, t: Task) -> None:
