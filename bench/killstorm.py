@@ -20,8 +20,11 @@ What is checked once every job converged (``check``), from a replay of the log a
 * **tasks placed twice**: a TasksAllocated that places a task still placed on another machine (the allocations
   topic replayed in order; a move frees first); at the end, a task in two machines' task sets in Redis;
 * **tasks started twice**: a START command of a task while its previous START still holds — no STOP command, and no
-  report of it STOPPED, FAILED or PENDING, between them on its partition of ``tasks``: a decision made twice under two
-  ids (a scheduler that decided an event again on another state). (Counting STARTs against placements, as it did
+  report of it STOPPED, FAILED or PENDING, between them on its partition of ``tasks`` — to another machine or at
+  another spec version: a decision made twice under two ids (a scheduler that decided an event again on another
+  state). The same START again (the same machine and version: the timer commanding a task whose report was lost, or
+  a decision made again whose commands differ, under an id of their own) is the same start told again, which the
+  agent running it adopts (``already_running``). (Counting STARTs against placements, as it did
   first, took a task stopped by a shrink and started again in place by a grow before it was freed for two: the
   scaled-out storm's first CI run.)
 * **tasks running twice**: a task in the latest heartbeat of two machines (at the end, not at any moment: a task
@@ -485,8 +488,8 @@ def check(cfg, registry, work: Workload, r) -> dict[str, Any]:
 def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
     """What a replay of the log says (``intents``, ``machines``, ``allocations``, ``tasks``, ``heartbeats``):
     ``conflicting_duplicates`` (one event id with two contents: an event decided twice, differently),
-    ``tasks_placed_twice``, ``tasks_started_twice`` (more START commands of a task, by distinct events, than
-    placements of it: a decision made twice under two ids), ``tasks_running_twice``, ``machines_overcommitted``,
+    ``tasks_placed_twice``, ``tasks_started_twice`` (a START of a task to another machine or version while its
+    last START holds: a decision made twice under two ids), ``tasks_running_twice``, ``machines_overcommitted``,
     ``quota_breaches``, and the counts they come from. Shared by the kill storm and the scale-out tests."""
     from streams.replay import Replay, ReplayFilter  # noqa: PLC0415 - start-up cost: streams.replay (~7 ms over what `ropewalk bench|experiment` load), only for a run
 
@@ -503,7 +506,7 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
     beats: dict[str, tuple[list[str], int]] = {}  # machine -> (its latest heartbeat's tasks, that beat's time)
     story: dict[str, deque] = defaultdict(lambda: deque(maxlen=STORY_EVENTS))  # task -> its last events, told
     placements: Counter = Counter()  # task -> times a TasksAllocated placed it somewhere new
-    live: dict[str, str] = {}  # task -> the START command it runs under, until a stop or an end ends it
+    live: dict[str, tuple[str, tuple]] = {}  # task -> the START it runs under (id, (machine, version)), until it ends
     started_twice_at: list[str] = []
     twice = over = breaches = 0
     over_at: list[str] = []
@@ -574,10 +577,14 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
                 story[c["task_id"]].append(f"{ev.timestamp_ms} {c['command']} to {c['machine_id']} by {ev.producer} "
                                            f"({ev.event_id[:8]})")
                 if c["command"] == "START":
-                    if c["task_id"] in live:  # started again while its last start still holds: decided twice
-                        started_twice_at.append(f"{c['task_id']} on {c['machine_id']} ({live[c['task_id']]}, then "
+                    this = (c["machine_id"], c.get("spec_version"))
+                    was = live.get(c["task_id"])
+                    if was is not None and was[1] != this:  # started elsewhere (or another version) while its last
+                        # start still holds: decided twice. The same start told again (the timer's command_repeated, a
+                        # decision made again) is adopted by the agent that runs it (``already_running``).
+                        started_twice_at.append(f"{c['task_id']} on {c['machine_id']} ({was[0]}, then "
                                                 f"{ev.event_id[:8]})")
-                    live[c["task_id"]] = ev.event_id[:8]
+                    live[c["task_id"]] = (ev.event_id[:8], this)
                 elif c["command"] == "STOP":
                     live.pop(c["task_id"], None)
         elif ev.type == "TaskStatesChanged":  # a stop, a crash or a move ends the task's start (agent or scheduler)
