@@ -57,7 +57,7 @@ stop of a stopping job and a spec version not newer than the job's are no-ops. W
 crash report redelivered after the task was restarted in place would otherwise count as a second crash. A result
 for a request nobody awaits is not put in the ring (``_awaited``): after a crash it may be read before its request
 is asked again, and then it may come again (the allocator's journal answers a request whose decision is not on the
-log yet) and must apply. A lost answer or report is repaired by the timer: a request 30 s unanswered is made again,
+log yet) and must apply. A lost answer or report is repaired by the timer: a request a minute unanswered is made again,
 a task 30 s STARTING or STOPPING is commanded again (``steps.ask_again``, ``steps.command_again``).
 
 **Agent reports are checked, never trusted.** A report naming another machine or another spec version than

@@ -42,7 +42,9 @@ RESTART_RESET_MS = 10 * 60_000  # a task that ran this long before it went down 
 THROTTLED_LISTED = 1_000  # OperationsThrottled lists at most this many waiting operations (waiting_count: all)
 TC_PENDING_PER_REQUEST = 2_000  # a TaskControlRequested asks about at most this many pending operations
 RECOMMAND_MS = 30_000  # a task left STARTING or STOPPING this long with no report is commanded again (the timer)
-ANSWER_WAIT_MS = 30_000  # an allocation request this long without an answer is made again (the timer)
+ANSWER_WAIT_MS = 60_000  # an allocation request this long without an answer is made again (the timer): a minute, as a
+# region coming back from a power loss or a 20,000-task placement may take tens of seconds to answer; each repeat
+# costs the allocator a decision
 
 # Task commands: the TaskCommand symbols of schemas/TaskCommanded.avsc.
 START = TaskCommand.START
