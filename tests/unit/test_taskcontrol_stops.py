@@ -19,6 +19,7 @@ from processors.scheduler.reasons import (
     REASON_COMMAND_REPEATED, REASON_JOB_STOPPED, REASON_MACHINE_MAINTENANCE, REASON_MAINTENANCE_DEADLINE, REASON_MAINTENANCE_ENDED,
     REASON_RESIZED,
 )
+from processors.taskcontrol import limiter
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import REASON_RATE_LIMITED_JOB, Limits, Rate
 from test_maintenance import DEADLINE, ack_with, ended, maintenance, settle
@@ -315,3 +316,23 @@ def test_notices_name_the_tasks_awaiting_a_choice_and_a_move_done_asks_for_the_n
     log = settle(sim, out, alloc)
     assert requests(log) == [], "nothing left to choose: a task running again is no news"
     assert sim.tasks() == {"j/0": ("RUNNING", "m7"), "j/1": ("RUNNING", "m8"), "j/2": ("RUNNING", "m3")}
+
+
+# -- a decision made again that commands otherwise -----------------------------------------------------------------
+
+def test_a_shrink_decided_again_with_fewer_tokens_commands_under_an_id_of_its_own():
+    """The kill storm's conflicting duplicate (stop 42): a shard decided a shrink, was stopped before it stored its
+    state, and decided the shrink again from a state where the job's bucket held fewer tokens (its batch read in
+    another order): a TasksCommanded with two STOPs, then one with one STOP, under one id, and readers kept the
+    first. The id of a command batch holds a digest of its commands: the second decision is another event (carried
+    out as well: the agent stops what it is told to); the same decision made again has the same id."""
+    sim = job_on(THREE_THEN_ONE_A_SECOND, 3)
+    job = sim.state.jobs["j"]
+    spent = limiter.take(job.bucket, THREE_THEN_ONE_A_SECOND.job, sim.now, 2)  # one token left of three
+    fewer = sm.state_of([replace(job, bucket=spent)], sim.state.entitlements.values())
+    shrink = resized("j", 1)
+    first, same, other = (of_type(sd.decide(s, shrink, sim.now, limits=THREE_THEN_ONE_A_SECOND)[1], "TasksCommanded")
+                          for s in (sim.state, sim.state, fewer))
+    assert [len(e.payload["commands"]) for e in (*first, *other)] == [2, 1]
+    assert [e.event_id for e in same] == [e.event_id for e in first]
+    assert other[0].event_id != first[0].event_id
