@@ -9,7 +9,8 @@ so fields with ``init=False`` get their defaults, as with ``replace``), about ha
 A dataclass with a ``__dict__`` (no ``slots``) and no ``__post_init__`` takes a shorter way: the new object gets a
 copy of the old one's ``__dict__`` with the changes over it (and each ``init=False`` field's default), without calling
 ``__init__``, which for a frozen class sets every field through ``object.__setattr__``: the scheduler's ``Job`` of 34
-fields, replaced each time a decision sets one (18 % of a shard's CPU in a burst, py-spy, stop 41), 9.0 → 1.0 µs.
+fields, replaced each time a decision sets one (18 % of a shard's CPU in a burst, py-spy, stop 41), 9.0 → 1.0 µs;
+its ``Task`` too since stop 42 (slots dropped for it: a decided job's life 1.83 → 1.26 ms, ``bench/decide_cost.py``).
 The result is the same: ``__init__`` of such a class only assigns its fields.
 """
 from __future__ import annotations
