@@ -91,14 +91,15 @@ from processors.scheduler.model import (
 )
 from processors.scheduler.reasons import (
     REASON_ALLOCATED, REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_ENTITLEMENT_MISMATCH, REASON_EXITED,
-    REASON_ILLEGAL_REPORT, REASON_JOB_NOT_ACTIVE, REASON_JOB_STOPPED, REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE,
+    REASON_ILLEGAL_REPORT, REASON_JOB_NOT_ACTIVE, REASON_JOB_STOPPED, REASON_LOST_PLACEMENT, REASON_MACHINE_FAILED,
+    REASON_MACHINE_MAINTENANCE,
     REASON_MACHINE_UNHEALTHY, REASON_MAINTENANCE_ENDED, REASON_MOVE_JOB_NOT_RUNNING, REASON_MOVE_NOT_ON_SOURCE,
     REASON_MOVE_TASK_BUSY, REASON_MOVE_TASK_NOT_RUNNING, REASON_MOVE_UNDER_MAINTENANCE, REASON_NOT_AN_AGENT_STATE,
     REASON_REBALANCE, REASON_RESIZED, REASON_STALE_GENERATION, REASON_STALE_REPORT, REASON_STALE_SPEC_VERSION,
     REASON_STALE_SUBMISSION, REASON_SUBMITTED, REASON_TASK_RUNNING, REASON_UNKNOWN_ENTITLEMENT, REASON_UNKNOWN_JOB,
     REASON_UNKNOWN_TASK,
 )
-from processors.scheduler.steps import RESTART_RESET_MS, START
+from processors.scheduler.steps import RESTART_RESET_MS, START, STOP
 from processors.scheduler.work import PRODUCER, Fold, JobWork
 from processors.taskcontrol import protocol as tc
 from processors.taskcontrol.limiter import DEFAULT_LIMITS, Limits
@@ -396,7 +397,7 @@ def _on_tasks_allocated(fold: Fold, ev: Event) -> None:
         early = t.early_reports
         t = w.step(t, ALLOCATED_EV, emit_reason=REASON_ALLOCATED, machine=pl["machine_id"], dc=pl["dc"],
                    msb=pl["msb"], rack=pl["rack"], terms=t.request_terms, request_id=None, request_terms=None,
-                   parked=False, early_reports=())
+                   parked=False, early_reports=(), asked_again=False)
         steps.advance(w, t)
         for held in early:  # what its agent reported of this placement before it was read (``_hold_early``)
             r = json.loads(held)
@@ -417,14 +418,29 @@ def _on_allocation_rejected(fold: Fold, ev: Event) -> None:
         t = w.tasks.get(tid)
         if t is None or t.request_id != p["request_id"] or t.state != PENDING:
             continue
-        w.put(replace(t, request_id=None, request_terms=None, parked=True, reason=p["reason"]))
+        w.put(replace(t, request_id=None, request_terms=None, parked=True, reason=p["reason"], asked_again=False))
         rejected = True
     if rejected:
         w.set(last_reason=f"{p['reason']}: {p['message']}" if p.get("message") else p["reason"])
 
 
 def _on_tasks_deallocated(fold: Fold, ev: Event) -> None:
-    """Only the answer to a stopped job's final free request matters: the job's tasks are gone."""
+    """The answer to a stopped job's final free request: the job's tasks are gone. And the free that answers a request
+    the timer made again (``steps.ask_again``) names where the lost answer had placed a task: the decision that read
+    that answer may have started it there (before the shard was stopped and decided the batch again), so that machine
+    is sent a STOP before the task starts where it is placed now (its agent would also stop it once it reads the
+    free: the STOP makes it sure, and tells the log)."""
+    p = ev.payload
+    job = fold.job(p["job_id"])
+    lost = [] if job is None else [
+        (t, r["machine_id"]) for r in p["placements"] if (t := job.tasks.get(r["task_id"])) is not None
+        and t.asked_again and t.request_id == p.get("request_id") and t.state == PENDING]
+    if lost:
+        fence = fold.work_for(p["job_id"])
+        if fence is not None:  # else this free was applied already (the duplicate ring)
+            for t, machine in lost:
+                fence.command(replace(t, machine=machine), STOP, REASON_LOST_PLACEMENT)
+        return
     w = _awaited(fold, ev, ())
     if (w is None or not lc.JOBS.allows(job_phase(w.job), JOB_FREED)
             or w.job.free_request_id != ev.payload.get("request_id")):

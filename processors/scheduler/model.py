@@ -126,6 +126,8 @@ class Task:
     maint_choice: str | None = None  # CHOICE_MOVE / CHOICE_STOP / CHOICE_KEEP, or HELD_AT_DEADLINE
     move_to: str | None = None  # a ReBalancer move's target machine, until its AllocationRequested is sent
     early_reports: tuple[str, ...] = ()  # agents' reports (JSON) read before the placement they follow (``decide``)
+    asked_again: bool = False  # its request was made again by the timer (``steps.ask_again``): the free answering it
+    # names where a lost answer had put it, and that machine is sent a STOP (``decide._on_tasks_deallocated``)
     commanded_ms: int | None = None  # when its last START/RESTART/STOP was decided: one left STARTING or STOPPING
     # with no report for ``steps.RECOMMAND_MS`` is commanded again by the timer (``steps.command_again``)
     _row: Mapping[str, Any] | None = field(default=None, init=False, compare=False, repr=False)

@@ -20,6 +20,7 @@ REASON_CRASHED = "crashed"  # the agent reports it FAILED (non-zero exit, or cou
 REASON_EXITED = "exited"  # the agent reports it STOPPED on its own (exit 0)
 REASON_RESTART_POLICY = "restart_policy"  # TaskCommanded RESTART: crashed or exited, restarted in place
 REASON_COMMAND_REPEATED = "command_repeated"  # TaskCommanded again: left STARTING/STOPPING with no report (timer)
+REASON_LOST_PLACEMENT = "lost_placement"  # STOP where an answer the shard lost had placed the task (steps.ask_again)
 REASON_RESTART_LIMIT = "restart_limit"  # left FAILED/STOPPED: MAX_RESTARTS restarts used up
 REASON_MACHINE_FAILED = "machine_failed"  # its machine went DOWN, or a FAILURE/POWER unavailability
 REASON_MACHINE_UNHEALTHY = "machine_unhealthy"  # its machine went UNHEALTHY (missed heartbeats)

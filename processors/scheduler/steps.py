@@ -207,7 +207,8 @@ def ask_again(w: JobWork) -> None:
     again (the answer then concerns no task, and its record is passed), and the request it makes again is the same
     event, which the allocator answered already and does not answer twice. A task left PENDING so is asked to be
     freed and placed (a move: wherever the lost answer put it, it is freed first, so it is never placed twice; the
-    old answer, if it comes, is stale); a stopped job's free request is made again (its tasks hold nothing any more:
+    old answer, if it comes, is stale; the machine the free names is sent a STOP, ``decide._on_tasks_deallocated``: the
+    decision that read the lost answer may have started it there); a stopped job's free request is made again (its tasks hold nothing any more:
     the allocator answers that it freed nothing), and the job is deleted on that answer (the kill storm's "stopped:
     want it gone" and tasks left PENDING)."""
     now = w.fold.now
@@ -221,6 +222,7 @@ def ask_again(w: JobWork) -> None:
         if awaits_answer(t, now) and t.intent == RUN:
             w.free[t.id] = None
             w.place[t.id] = None  # asked in the decision's AllocationRequested (``JobWork.flush_request``)
+            w.asked_again.add(t.id)
 
 
 def start_again(w: JobWork, t: Task, command: str, reason: str) -> None:

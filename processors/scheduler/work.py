@@ -201,6 +201,7 @@ class JobWork:
         self.place: dict[str, None] = {}  # ordered sets of task ids for this decision's AllocationRequested
         self.free: dict[str, None] = {}
         self.avoid: set[str] = set()
+        self.asked_again: set[str] = set()  # tasks whose request the timer makes again (``steps.ask_again``)
         self.dirty = False  # something JobStatePublished shows changed
         self.ops_delta = 0  # tasks that gained (+) or lost (-) an operation
         self.waiting: dict[str, Task] = {}  # task id → its operation the limiter held back in this decision
@@ -466,7 +467,7 @@ class JobWork:
             rid = self.request(part_place, part_free, self.avoid, targets)
             for tid in part_place:  # a target is asked for once: a retry after a rejection places it anywhere
                 self.put(replace(self.tasks[tid], request_id=rid, request_terms=terms, parked=False, move_to=None,
-                                 asked_ms=self.fold.now))
+                                 asked_ms=self.fold.now, asked_again=tid in self.asked_again))
 
     def _request_parts(self, place: Iterable[str], free: Iterable[str]) -> list[tuple[list[str], list[str]]]:
         """``place`` and ``free`` cut into the parts of as many AllocationRequested as keep each record under

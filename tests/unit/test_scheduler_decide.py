@@ -28,7 +28,7 @@ from processors.scheduler.lifecycle import (
 )
 from processors.scheduler.model import SchedulerState, UnknownJob, job_detail
 from processors.scheduler.reasons import (
-    REASON_COMMAND_REPEATED, REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_EXITED, REASON_ILLEGAL_REPORT, REASON_INVALID_SPEC,
+    REASON_COMMAND_REPEATED, REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_LOST_PLACEMENT, REASON_EXITED, REASON_ILLEGAL_REPORT, REASON_INVALID_SPEC,
     REASON_JOB_NOT_ACTIVE, REASON_JOB_STOPPED, REASON_MACHINE_FAILED, REASON_MACHINE_MAINTENANCE,
     REASON_MACHINE_UNHEALTHY, REASON_NOT_AN_AGENT_STATE, REASON_RESIZED, REASON_RESTART_LIMIT, REASON_RESTART_POLICY,
     REASON_ROLLING_UPDATE, REASON_STALE_REPORT, REASON_STALE_SPEC_VERSION, REASON_UNKNOWN_ENTITLEMENT,
@@ -439,7 +439,8 @@ def test_a_placement_whose_answer_was_lost_is_asked_again_as_a_move():
     """An answer read before the request it answers (a batch decided again: the request made again is the same
     event, which the allocator answered already and does not answer twice) left the task PENDING for good. The timer
     asks again ``ANSWER_WAIT_MS`` after the request, not sooner, as a new request that frees the task first
-    (wherever the lost answer put it) and places it; the old answer is stale then, the new one applies."""
+    (wherever the lost answer put it) and places it; the old answer is stale then, the new one applies, and where
+    the free says the lost answer had put it, a STOP goes (it may run there)."""
     sim = Sim()
     sim.feed(entitlement())
     (first,) = of_type(sim.feed(submit("j", 2)), "AllocationRequested")
@@ -451,9 +452,18 @@ def test_a_placement_whose_answer_was_lost_is_asked_again_as_a_move():
     assert again.payload["request_id"] != first.payload["request_id"]
     sim.state = state
     assert sim.feed(allocated(first, {"j/0": "m1", "j/1": "m2"}), T0 + ANSWER_WAIT_MS) == []  # stale now
+    # the answer to the request made again frees the tasks where the lost answer had put them (the decision that read
+    # it may have started them there): a STOP goes there first, then the START where they are placed now
+    freed = ev("TasksDeallocated", {"request_id": again.payload["request_id"], "job_id": "j", "placements": [
+        placement("j/0", "m1"), placement("j/1", "m2")], "machines_released": []}, producer="allocator")
+    out = sim.feed(freed, T0 + ANSWER_WAIT_MS)
+    assert [(c["command"], c["task_id"], c["machine_id"], c["reason"]) for c in commands(out)] == [
+        ("STOP", "j/0", "m1", REASON_LOST_PLACEMENT), ("STOP", "j/1", "m2", REASON_LOST_PLACEMENT)]
+    assert sim.tasks() == {"j/0": ("PENDING", None), "j/1": ("PENDING", None)}
     out = sim.feed(allocated(again, {"j/0": "m3", "j/1": "m4"}), T0 + ANSWER_WAIT_MS)
     assert [(c["command"], c["task_id"], c["machine_id"]) for c in commands(out)] == [
         ("START", "j/0", "m3"), ("START", "j/1", "m4")]
+    assert not any(t.asked_again for t in sim.state.jobs["j"].tasks.values())
 
 
 def test_a_stopped_job_whose_free_answer_was_lost_asks_again_and_is_deleted():
