@@ -90,13 +90,13 @@ PRUNE_AT = 200_000  # remembered decision times beyond which those long past are
 # The jobs ``decide.retry_unplaced`` acts on (it passes over the others): the only ones the timer is given here;
 # and a stopped job awaiting the answer to its free request (``timer_acts_on``).
 TIMER_STATES = frozenset({lc.JOB_ACTIVE, lc.JOB_STOPPING})
+STATE_TYPES = frozenset({"JobStatePublished", "JobTasksPublished"})  # not read back: the shard coalesces them
+ECHO_TYPES = frozenset({"MachineAssignedToEntitlement", "MachineReleasedToFreePool"})
 
 
 def timer_acts_on(job: sm.Job) -> bool:
     """Whether the shard's timer may act on ``job`` (the jobs ``_timer`` gives ``retry_unplaced``)."""
     return job.status in TIMER_STATES or steps.frees_unanswered(job)
-STATE_TYPES = frozenset({"JobStatePublished", "JobTasksPublished"})  # not read back: the shard coalesces them
-ECHO_TYPES = frozenset({"MachineAssignedToEntitlement", "MachineReleasedToFreePool"})
 
 Position = tuple[str, int, int]  # (physical topic, partition, offset)
 

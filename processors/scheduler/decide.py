@@ -92,8 +92,7 @@ from processors.scheduler.model import (
 from processors.scheduler.reasons import (
     REASON_ALLOCATED, REASON_CRASHED, REASON_DUPLICATE_JOB_ID, REASON_ENTITLEMENT_MISMATCH, REASON_EXITED,
     REASON_ILLEGAL_REPORT, REASON_JOB_NOT_ACTIVE, REASON_JOB_STOPPED, REASON_LOST_PLACEMENT, REASON_MACHINE_FAILED,
-    REASON_MACHINE_MAINTENANCE,
-    REASON_MACHINE_UNHEALTHY, REASON_MAINTENANCE_ENDED, REASON_MOVE_JOB_NOT_RUNNING, REASON_MOVE_NOT_ON_SOURCE,
+    REASON_MACHINE_MAINTENANCE, REASON_MACHINE_UNHEALTHY, REASON_MAINTENANCE_ENDED, REASON_MOVE_JOB_NOT_RUNNING, REASON_MOVE_NOT_ON_SOURCE,
     REASON_MOVE_TASK_BUSY, REASON_MOVE_TASK_NOT_RUNNING, REASON_MOVE_UNDER_MAINTENANCE, REASON_NOT_AN_AGENT_STATE,
     REASON_REBALANCE, REASON_RESIZED, REASON_STALE_GENERATION, REASON_STALE_REPORT, REASON_STALE_SPEC_VERSION,
     REASON_STALE_SUBMISSION, REASON_SUBMITTED, REASON_TASK_RUNNING, REASON_UNKNOWN_ENTITLEMENT, REASON_UNKNOWN_JOB,
@@ -929,8 +928,8 @@ def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAU
     per job); perform operations the rate limiter held back, as far as it now allows; ask a TaskController
     again after ``REASK_MS`` without an answer (a lost request or ack) or with operations still pending; command
     again a task left STARTING or STOPPING ``steps.RECOMMAND_MS`` with no report (``steps.command_again``); ask again
-    for an answer ``steps.ANSWER_WAIT_MS`` overdue (``steps.ask_again``). Ids derive from the request ids, the operation ids and ``now_ms``, so a repeat from the same state emits
-    the same events."""
+    for an answer ``steps.ANSWER_WAIT_MS`` overdue (``steps.ask_again``). Ids derive from the request ids, the
+    operation ids and ``now_ms``, so a repeat from the same state emits the same events."""
     fold = Fold(state, now_ms, None, id_root=f"{PRODUCER}/retry/{now_ms}", limits=limits)
     for job_id in sorted(state.jobs):
         job = state.jobs[job_id]
