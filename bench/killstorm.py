@@ -68,6 +68,7 @@ from processors import controlplane  # noqa: E402
 from processors.controlplane import scaled_name  # noqa: E402
 from processors.frontend.jobspec import validate_spec  # noqa: E402
 from processors.resourcebroker.decide import IllegalStatusTransition  # noqa: E402
+from processors.scheduler.reasons import REASON_COMMAND_REPEATED, REASON_LOST_PLACEMENT  # noqa: E402
 from streams import state  # noqa: E402
 from streams.clients import DeliveryError, EventProducer  # noqa: E402
 from streams.events import new_event  # noqa: E402
@@ -508,6 +509,7 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
     placements: Counter = Counter()  # task -> times a TasksAllocated placed it somewhere new
     live: dict[str, tuple[str, tuple]] = {}  # task -> the START it runs under (id, (machine, version)), until it ends
     started_twice_at: list[str] = []
+    repairs: Counter = Counter()  # the scheduler's timer commands repaired (RELIABILITY.md, stop 42), by reason
     twice = over = breaches = 0
     over_at: list[str] = []
     log = []
@@ -574,6 +576,8 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
                     over_at.append(f"{m} ({ev.entitlement}: {sums} of {cap})")
         elif ev.type == "TasksCommanded":
             for c in p["commands"]:
+                if c.get("reason") in (REASON_COMMAND_REPEATED, REASON_LOST_PLACEMENT):
+                    repairs[c["reason"]] += 1
                 story[c["task_id"]].append(f"{ev.timestamp_ms} {c['command']} to {c['machine_id']} by {ev.producer} "
                                            f"({ev.event_id[:8]})")
                 if c["command"] == "START":
@@ -611,7 +615,8 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
     started_twice = sorted({t.split(" ", 1)[0] for t in started_twice_at})
     return {"records_replayed": records, "duplicate_records": duplicates, "conflicting_duplicates": conflicting, "conflicting_at": conflicting_at,
             "tasks_placed_twice": twice, "tasks_started_twice": len(started_twice),
-            "started_twice": started_twice_at[:10], "tasks_running_twice": len(running_twice),
+            "started_twice": started_twice_at[:10], "repairs": dict(sorted(repairs.items())),
+            "tasks_running_twice": len(running_twice),
             "running_twice": running_twice[:10], "running_twice_told": running_twice_told,
             "machines_overcommitted": over, "overcommitted": over_at[:10],
             "quota_breaches": breaches, "tasks_placed": len(placed), "placed": {t: m for t, (m, _, _) in placed.items()},
@@ -696,7 +701,8 @@ def format_text(doc: dict) -> str:
              f"  restarts   {doc['restarts_by_program']} (recorded by the supervisor)",
              f"  workload   {doc['workload']}; {doc['jobs_live']} jobs left running, {doc['jobs_stopped']} stopped",
              f"  log        {doc['records_replayed']} records replayed, {doc['duplicate_records']} duplicate records "
-             f"(same id and content: readers drop them), {doc['tasks_placed']} tasks placed at the end"]
+             f"(same id and content: readers drop them), {doc['tasks_placed']} tasks placed at the end",
+             f"  repairs    {doc.get('repairs') or 'none'} (commands the scheduler's timer sent again: a lost report or answer)"]
     lines += [f"  {k:24} {doc[k]}" for k in COUNTS]
     lines += [f"  {'redis_matches_log':24} {doc['redis_matches_log']}"
               + (f"  ({len(doc['redis_differences'])}+ keys differ: {doc['redis_differences'][:3]})"
