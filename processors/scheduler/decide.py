@@ -907,18 +907,32 @@ def decide_all(state: SchedulerState, events: Iterable[Event], now_ms: int, *, l
 
 def has_timer_work(job: Job) -> bool:
     """Whether ``retry_unplaced`` may have something to do for ``job``, at some time: a job retry_unplaced passes
-    over at every ``now_ms`` is one this says False of. An active or stopping job (a stopping job's stops wait for
-    tokens too) with a planned maintenance not ended (its deadline), a task parked by an AllocationRejected,
-    operations open or throttled (tokens, a TaskController to ask again), a task awaiting its agent's report or
-    its placement, or a stopped job awaiting the answer to its free request. The shard keeps it in each job's header
-    (``store.plan``), so its timer loads only these jobs."""
+    over at every ``now_ms`` is one this says False of (``timer_due_ms`` None)."""
+    return timer_due_ms(job) is not None
+
+
+def timer_due_ms(job: Job) -> int | None:
+    """From when ``retry_unplaced`` may have something to do for ``job``: 0 (at once) for an active or stopping job
+    (a stopping job's stops wait for tokens too) with a planned maintenance not ended (its deadline), a task parked
+    by an AllocationRejected, or operations open or throttled (tokens, a TaskController to ask again); else the
+    first time a task awaiting its agent's report is due to be commanded again (``steps.RECOMMAND_MS`` after its
+    command), a task awaiting its placement or a stopped job awaiting its free's answer due to be asked again
+    (``steps.ANSWER_WAIT_MS`` after the request); None: nothing, ever, until a decision changes the job. The shard
+    keeps it in each job's header (``store.plan``), so its timer loads only the jobs due: not every job in flight at
+    each round."""
     if steps.frees_unanswered(job):
-        return True
+        return 0 if job.free_asked_ms is None else job.free_asked_ms + steps.ANSWER_WAIT_MS
     if job.status not in (JOB_ACTIVE, JOB_STOPPING):
-        return False
-    return (bool(job.ops_open or job.throttled) or any(not m.enforced for m in job.maint)
-            or (job.status == JOB_ACTIVE and any(t.parked or t.request_id is not None for t in job.tasks.values()))
-            or any(steps.awaits_report(t) for t in job.tasks.values()))
+        return None
+    if (job.ops_open or job.throttled or any(not m.enforced for m in job.maint)
+            or (job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()))):
+        return 0
+    due = [t.commanded_ms + steps.RECOMMAND_MS for t in job.tasks.values()
+           if steps.awaits_report(t) and t.commanded_ms is not None]
+    if job.status == JOB_ACTIVE:
+        due += [t.asked_ms + steps.ANSWER_WAIT_MS for t in job.tasks.values()
+                if t.state == PENDING and t.request_id is not None and t.asked_ms is not None]
+    return min(due) if due else None
 
 
 def retry_unplaced(state: SchedulerState, now_ms: int, *, limits: Limits = DEFAULT_LIMITS

@@ -450,14 +450,14 @@ class ShardTables:
     def timer_job_keys(self, partitions: set[int], now_ms: int = 0, gc_ms: int | None = None
                        ) -> dict[int, list[str]]:
         """Partition -> the keys of the jobs of it the retry timer may have work for (``store.wants_timer`` of their
-        headers: ``decide.has_timer_work`` when written; and with ``gc_ms``, those whose grace passed at ``now_ms``:
+        headers: ``decide.timer_due_ms`` when written, due by ``now_ms`` if given; and with ``gc_ms``, those whose grace passed at ``now_ms``:
         ``store.expired``, for ``decide.collect``), for ``partitions``, read without decoding any job, but
         those of an entitlement frozen there (as ``partition_job_keys``). The timer used to load and decide on every
         job of the shard every round, most of them running untouched."""
         out: dict[int, list[str]] = {p: [] for p in sorted(partitions)}
         for k, r in list(self.jobs.data.items()):
             if not isinstance(r, dict) or not isinstance(ent := r.get("entitlement"), str) or not (
-                    st.wants_timer(r) or (gc_ms is not None and st.expired(r, now_ms, gc_ms))):
+                    st.wants_timer(r, now_ms or None) or (gc_ms is not None and st.expired(r, now_ms, gc_ms))):
                 continue  # (a header that is no job's is left to load, which says so when an event names it)
             part = self.partition_of_key(k, ent)
             if part in out and not self.frozen(ent, part):

@@ -9,6 +9,8 @@ crash-looped. Now a job is
                                             "version": the latest version written
                                             "timer": ``decide.has_timer_work`` of the job (its timer loads only
                                             these; a header without it, written before, counts as True)
+                                            "timer_at": ``decide.timer_due_ms``: from when (the timer loads a
+                                            job once it is due, not every job in flight at each round)
     chunk    chunks table, key <job>#<i>@<v>  {"entitlement": e, "tasks": [task record, ...]}: the tasks of index
                                             in [i*CHUNK_TASKS, (i+1)*CHUNK_TASKS), in index order, at version v
 
@@ -41,7 +43,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from processors.scheduler.decide import ended_before, has_timer_work, machines_of, maint_machines
+from processors.scheduler.decide import ended_before, has_timer_work, machines_of, maint_machines, timer_due_ms
 from processors.scheduler.lifecycle import JOB_DELETED
 from processors.scheduler.model import Job, Task
 from processors.scheduler.records import job_from_record, job_to_record, terms_of, terms_record
@@ -180,15 +182,19 @@ def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Map
     head = job_to_record(replace(after, tasks=MappingProxyType({})))
     del head["tasks"]
     head.update(format=HEADER_FORMAT, version=version, chunks={str(i): v for i, v in sorted(new_chunks.items())},
-                timer=has_timer_work(after))
+                timer=has_timer_work(after), timer_at=timer_due_ms(after))
     if key != after.id:
         head["key"] = key
     return Plan(head, out_chunks, obsolete)
 
 
-def wants_timer(header: Mapping[str, Any]) -> bool:
+def wants_timer(header: Mapping[str, Any], now_ms: int | None = None) -> bool:
     """Whether the job a header stands for may have work for the retry timer (its ``timer``; True if it has none:
-    a header written before the flag, or the older whole-job record)."""
+    a header written before the flag, or the older whole-job record); with ``now_ms``, whether that work is due by
+    then (its ``timer_at``, ``decide.timer_due_ms``, where the header has one)."""
+    if now_ms is not None and "timer_at" in header:
+        at = header["timer_at"]
+        return at is not None and at <= now_ms
     return bool(header.get("timer", True))
 
 

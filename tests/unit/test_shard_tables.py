@@ -19,6 +19,7 @@ from processors.cowmap import CowMap
 from processors.scheduler import handover as ho
 from processors.scheduler import store as st
 from processors.scheduler.decide import REASK_MS, has_timer_work, retry_unplaced
+from processors.scheduler.steps import RECOMMAND_MS
 from processors.scheduler.shard import ShardTables, unreadable_named
 from streams.faustwire import make_app, tables_ready
 from test_maintenance import maintenance  # the scheduler tests' harness (tests/unit is on sys.path)
@@ -156,6 +157,23 @@ def test_timer_job_keys_are_the_flagged_jobs_of_each_active_partition(tables):
     assert tables.timer_job_keys({other}) == {other: []}
     del tables.jobs.data["k"]["timer"]  # an older header: loaded to be sure
     assert tables.timer_job_keys({part}) == {part: ["j", "k"]}
+
+
+def test_a_job_in_flight_is_loaded_by_the_timer_once_its_repair_is_due(tables):
+    """A job whose tasks await their agents' reports (STARTING since ``T0``) has timer work only once a report is
+    ``RECOMMAND_MS`` late: its header says from when (``timer_at``), so a round before then loads nothing (a burst's
+    jobs in flight are not decoded at every round); a round without a clock loads it as before."""
+    sim = Sim()
+    sim.feed(entitlement())
+    sim.feed(allocated(sim.feed(submit("j", 2))[0], {"j/0": "m1", "j/1": "m2"}))
+    _put(tables, sim.state)
+    part = tables.hash_partition(ENT)
+    assert tables.jobs.data["j"]["timer_at"] == T0 + RECOMMAND_MS
+    assert tables.timer_job_keys({part}, T0 + RECOMMAND_MS - 1) == {part: []}
+    assert tables.timer_job_keys({part}, T0 + RECOMMAND_MS) == {part: ["j"]}
+    assert tables.timer_job_keys({part}) == {part: ["j"]}
+    del tables.jobs.data["j"]["timer_at"]  # an older header: by its flag
+    assert tables.timer_job_keys({part}, T0) == {part: ["j"]}
 
 
 def test_timer_job_keys_follow_a_moved_entitlement_and_skip_a_frozen_one(tables):
