@@ -921,17 +921,15 @@ def timer_due_ms(job: Job) -> int | None:
     keeps it in each job's header (``store.plan``), so its timer loads only the jobs due: not every job in flight at
     each round."""
     if steps.frees_unanswered(job):
-        return 0 if job.free_asked_ms is None else job.free_asked_ms + steps.ANSWER_WAIT_MS
+        return steps.free_due_ms(job)
     if job.status not in (JOB_ACTIVE, JOB_STOPPING):
         return None
     if (job.ops_open or job.throttled or any(not m.enforced for m in job.maint)
             or (job.status == JOB_ACTIVE and any(t.parked for t in job.tasks.values()))):
         return 0
-    due = [t.commanded_ms + steps.RECOMMAND_MS for t in job.tasks.values()
-           if steps.awaits_report(t) and t.commanded_ms is not None]
+    due = [at for t in job.tasks.values() if (at := steps.report_due_ms(t)) is not None]
     if job.status == JOB_ACTIVE:
-        due += [t.asked_ms + steps.ANSWER_WAIT_MS for t in job.tasks.values()
-                if t.state == PENDING and t.request_id is not None and t.asked_ms is not None]
+        due += [at for t in job.tasks.values() if (at := steps.answer_due_ms(t)) is not None]
     return min(due) if due else None
 
 

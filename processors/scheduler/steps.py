@@ -156,14 +156,38 @@ def stop(w: JobWork, t: Task, reason: str) -> Task:
     return t
 
 
-def awaits_report(t: Task) -> bool:
-    """Whether ``t`` was commanded and waits for its agent's report (STARTING or STOPPING on its machine)."""
-    return t.state in (STARTING, STOPPING) and t.commanded_ms is not None and t.machine is not None
+def report_due_ms(t: Task) -> int | None:
+    """When ``t``, commanded and waiting for its agent's report (STARTING or STOPPING on its machine), is to be
+    commanded again (``RECOMMAND_MS`` after its command; ``command_again``); None if it waits for no report."""
+    if t.state in (STARTING, STOPPING) and t.commanded_ms is not None and t.machine is not None:
+        return t.commanded_ms + RECOMMAND_MS
+    return None
+
+
+def answer_due_ms(t: Task) -> int | None:
+    """When ``t``'s placement, asked and not answered, is to be asked again (``ANSWER_WAIT_MS`` after the request;
+    ``ask_again``); None if it awaits no placement."""
+    if t.state == PENDING and t.intent == RUN and t.request_id is not None and t.asked_ms is not None:
+        return t.asked_ms + ANSWER_WAIT_MS
+    return None
+
+
+def free_due_ms(job: Job) -> int | None:
+    """When a stopped job's free request, not answered, is to be made again (``ask_again``); None if the job
+    awaits no such answer."""
+    if not frees_unanswered(job):
+        return None
+    return 0 if job.free_asked_ms is None else job.free_asked_ms + ANSWER_WAIT_MS
+
+
+def due(at_ms: int | None, now_ms: int) -> bool:
+    """Whether a repair due at ``at_ms`` (None: none) is due by ``now_ms``."""
+    return at_ms is not None and at_ms <= now_ms
 
 
 def command_due(t: Task, now_ms: int) -> bool:
     """Whether ``t`` has waited ``RECOMMAND_MS`` for its agent's report (``command_again``)."""
-    return awaits_report(t) and t.commanded_ms is not None and now_ms - t.commanded_ms >= RECOMMAND_MS
+    return due(report_due_ms(t), now_ms)
 
 
 def command_again(w: JobWork, t: Task) -> None:
@@ -182,12 +206,6 @@ def command_again(w: JobWork, t: Task) -> None:
               REASON_COMMAND_REPEATED)
 
 
-def awaits_answer(t: Task, now_ms: int) -> bool:
-    """Whether ``t``'s placement was asked ``ANSWER_WAIT_MS`` or more ago and not answered (``ask_again``)."""
-    return (t.state == PENDING and t.request_id is not None and t.asked_ms is not None
-            and now_ms - t.asked_ms >= ANSWER_WAIT_MS)
-
-
 def frees_unanswered(job: Job) -> bool:
     """Whether ``job`` is stopped and waits for the answer to its free request (``ask_again``)."""
     return job.status == JOB_STOPPED and not job.deleted and job.free_request_id is not None
@@ -196,8 +214,8 @@ def frees_unanswered(job: Job) -> bool:
 def answer_overdue(job: Job, now_ms: int) -> bool:
     """Whether the timer asks the allocator again for ``job`` (``ask_again``)."""
     if frees_unanswered(job):
-        return job.free_asked_ms is None or now_ms - job.free_asked_ms >= ANSWER_WAIT_MS
-    return job.status == JOB_ACTIVE and any(awaits_answer(t, now_ms) for t in job.tasks.values())
+        return due(free_due_ms(job), now_ms)
+    return job.status == JOB_ACTIVE and any(due(answer_due_ms(t), now_ms) for t in job.tasks.values())
 
 
 def ask_again(w: JobWork) -> None:
@@ -207,19 +225,19 @@ def ask_again(w: JobWork) -> None:
     again (the answer then concerns no task, and its record is passed), and the request it makes again is the same
     event, which the allocator answered already and does not answer twice. A task left PENDING so is asked to be
     freed and placed (a move: wherever the lost answer put it, it is freed first, so it is never placed twice; the
-    old answer, if it comes, is stale; the machine the free names is sent a STOP, ``decide._on_tasks_deallocated``: the
-    decision that read the lost answer may have started it there); a stopped job's free request is made again (its tasks hold nothing any more:
-    the allocator answers that it freed nothing), and the job is deleted on that answer (the kill storm's "stopped:
-    want it gone" and tasks left PENDING)."""
+    old answer, if it comes, is stale; the machine the free names is sent a STOP, ``decide._on_tasks_deallocated``:
+    the decision that read the lost answer may have started it there); a stopped job's free request is made again
+    (its tasks hold nothing any more: the allocator answers that it freed nothing), and the job is deleted on that
+    answer (the kill storm's "stopped: want it gone" and tasks left PENDING)."""
     now = w.fold.now
     if frees_unanswered(w.job):
-        if w.job.free_asked_ms is None or now - w.job.free_asked_ms >= ANSWER_WAIT_MS:
+        if due(free_due_ms(w.job), now):
             w.ask_free()
         return
     if w.job.status != JOB_ACTIVE:
         return
     for t in w.ordered():
-        if awaits_answer(t, now) and t.intent == RUN:
+        if due(answer_due_ms(t), now):
             w.free[t.id] = None
             w.place[t.id] = None  # asked in the decision's AllocationRequested (``JobWork.flush_request``)
             w.asked_again.add(t.id)
