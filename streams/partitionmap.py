@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from streams.events import Event, new_event
+from streams.events import Event, derived_event_id, new_event
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
@@ -257,7 +257,11 @@ def read_map(cfg, registry=None, timeout_s: float = 10.0) -> PartitionMap:
 
 def assignment_event(entry: MapEntry, *, producer: str, cause: str | None = None, timestamp_ms: int | None = None,
                      event_id: str | None = None, principal: str | None = None) -> Event:
-    """The ``EntitlementPartitionAssigned`` that records ``entry``."""
+    """The ``EntitlementPartitionAssigned`` that records ``entry``. The adoption of a move (``REASON_MOVED``) is one
+    event however often it is published: the shard publishes it after the batch that adopted it and again from its
+    timer while its map follower has not read it back (a busy machine), under the id of the entitlement's epoch."""
+    if event_id is None and entry.reason == REASON_MOVED:
+        event_id = derived_event_id(EVENT, REASON_MOVED, entry.entitlement, entry.epoch)
     return new_event(EVENT, entry.payload(), entitlement=entry.entitlement, entity_id=entry.entitlement,
                      producer=producer, causation_id=cause, timestamp_ms=timestamp_ms, event_id=event_id,
                      principal=principal)

@@ -129,8 +129,9 @@ def check_decided_once(events):
     """No event id twice among the scheduler's decisions (a decision taken twice emits its derived ids twice), and
     every input the scheduler answered is answered by one shard: the decisions caused by one input all came from
     one partition."""
-    ids = Counter(e["event_id"] for e in events if e["producer"] == "scheduler"
-                  and not e["type"].endswith("Published"))
+    ids = Counter(e["event_id"] for e in events if e["producer"] == "scheduler"  # what it publishes of its state
+                  and not e["type"].endswith("Published")  # (the map's adoption too: sent again until read back,
+                  and e["type"] != "EntitlementPartitionAssigned")  # one id: streams/partitionmap.assignment_event)
     assert not [i for i, n in ids.items() if n > 1], "a scheduler decision twice on the log"
     where = defaultdict(set)
     for e in events:
@@ -162,8 +163,8 @@ def check_no_restart(events, victim):
 def check_move_during_update(events, home, target):
     """The hand-over happened while the rolling update was under way: after its first START at version 2, before
     its last."""
-    handed = [e for e in events if e["type"] == "EntitlementPartitionAssigned" and e["entitlement"] == "e1"
-              and e["payload"]["reason"] == "moved"]
+    handed = list({e["event_id"]: e for e in reversed(events) if e["type"] == "EntitlementPartitionAssigned"
+                   and e["entitlement"] == "e1" and e["payload"]["reason"] == "moved"}.values())  # each id once
     assert len(handed) == 1 and handed[0]["payload"]["partition"] == target
     assert handed[0]["payload"]["history"][-1] == home
     v2 = sorted(e["timestamp_ms"] for e in events if e["type"] == "TasksCommanded"

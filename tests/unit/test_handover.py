@@ -15,7 +15,8 @@ from processors.scheduler.handover import DECIDE, FORWARD, HOLD, Home, Route
 from processors.scheduler.reasons import REASON_UNKNOWN_ENTITLEMENT
 from streams import batches
 from streams.events import new_event
-from streams.partitionmap import MapEntry, PartitionMap, least_loaded
+from streams.partitionmap import (REASON_HELD, REASON_MOVED, MapEntry, PartitionMap, assignment_event,
+                                  least_loaded)
 from streams.partitioner import partition_for
 from streams.serde import SchemaRegistry
 from test_scheduler_decide import (
@@ -301,3 +302,15 @@ def test_home_records_round_trip():
     h = Home(P1, 2, parts=(0, 2), parts_total=3, handover_id="x", history=(0, 1), drain_offset=4)
     assert ho.home_of(ho.home_record(h)) == h and ho.home_of(None) is None
     assert dataclasses.asdict(h)  # plain data
+
+
+def test_the_adoption_of_a_move_is_one_event_however_often_it_is_published():
+    """The shard publishes an adoption after its batch and again from its timer while its map follower lags: one id
+    per move (the entitlement's epoch), so a reader counts it once; another move, or a quota republished, is another."""
+    def ev(reason, epoch=1, weight=4):
+        return assignment_event(MapEntry("e1", 2, epoch, None, (0,), 17, weight, reason), producer="scheduler")
+    assert ev(REASON_MOVED).event_id == ev(REASON_MOVED, weight=5).event_id
+    assert ev(REASON_MOVED).event_id != ev(REASON_MOVED, epoch=2).event_id
+    assert ev(REASON_MOVED).event_id != assignment_event(MapEntry("e2", 2, 1, None, (0,), 17, 4, REASON_MOVED),
+                                                         producer="scheduler").event_id
+    assert ev(REASON_HELD).event_id != ev(REASON_HELD).event_id  # a republished weight is news each time
