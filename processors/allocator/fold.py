@@ -196,6 +196,8 @@ class RegionFold:
         self.decided: OrderedDict[str, None] = OrderedDict()  # request event ids decided on the log
         self.max_decisions = max_decisions
         self.made: OrderedDict[str, None] = OrderedDict()  # decision event ids this fold applied when it made them
+        self.unechoed: set[str] = set()  # of those, the ones not read back from the log yet
+        self.last_applied: dict[tuple[str, int], tuple[int, str]] = {}  # (topic, partition) -> (offset, event id)
         self.applied = 0  # events applied (not counting marks-only no-ops)
 
     @property
@@ -276,14 +278,24 @@ class RegionFold:
             if last is not None and position[2] <= last:
                 return False
         handler = HANDLERS.get(event.type)
-        if handler is not None and event.event_id not in self.made:  # its own decision's echo: applied already
+        if event.event_id in self.made:  # its own decision's echo: applied already
+            self.unechoed.discard(event.event_id)
+        elif handler is not None:
             handler(self, event)
             self.applied += 1
         if event.type in DECISION_TYPES and event.producer == ALLOCATOR_PRODUCER and event.causation_id:
             self.remember_decided(event.causation_id)
         if position is not None:
-            self.marks[(position[0], position[1])] = position[2]
+            tp = (position[0], position[1])
+            self.marks[tp] = position[2]
+            self.last_applied[tp] = (position[2], event.event_id)
         return True
+
+    @property
+    def as_logged(self) -> bool:
+        """Whether the fold holds what a fold of the log up to its marks would: every decision it applied as it made
+        it has been read back since (a snapshot is taken only then: processors/allocator/snapshot.py)."""
+        return not self.unechoed
 
     def remember_made(self, events: Iterable[Event]) -> None:
         """These decision events were applied as they were made (``free``/``commit``, or taken back from Redis): their
@@ -293,12 +305,13 @@ class RegionFold:
         for e in events:
             self.made[e.event_id] = None
             self.made.move_to_end(e.event_id)
+            self.unechoed.add(e.event_id)
             if e.type == "TasksAllocated":  # the request's tasks are answered, as the echo would have said
                 self._answer(e.payload["request_id"], [r["task_id"] for r in e.payload["placements"]])
             elif e.type == "AllocationRejected":
                 self._answer(e.payload["request_id"], e.payload["unplaced_task_ids"])
         while len(self.made) > 8 * self.max_decisions:
-            self.made.popitem(last=False)
+            self.unechoed.discard(self.made.popitem(last=False)[0])
 
     def remember_decided(self, request_event_id: str) -> None:
         self.decided[request_event_id] = None
@@ -330,6 +343,43 @@ class RegionFold:
         if self.machines:
             out["index:summary"] = {k: str(v) for k, v in self.summary().items()}
         return out
+
+    # -- snapshots (processors/allocator/snapshot.py, and the history's: processors/history/snapshots.py) --------
+    def machine_doc(self, m: MachineRec) -> dict[str, Any]:
+        """A machine as a snapshot keeps it (JSON): its record and its tasks' resources."""
+        return {"region": m.region, "dc": m.dc, "msb": m.msb, "rack": m.rack, "type": m.type, "cpu_cap": m.cpu_cap,
+                "mem_cap": m.mem_cap, "cpu_free": m.cpu_free, "mem_free": m.mem_free, "entitlement": m.entitlement,
+                "status": m.status, "host_profile": m.host_profile, "version": m.version,
+                "profile_failed": list(m.profile_failed) if m.profile_failed else None,
+                "maintenance": list(m.maintenance), "tasks": {t: list(self.taskres[t]) for t in sorted(m.tasks)}}
+
+    def restore_machines(self, docs: Iterable[tuple[str, dict[str, Any]]]) -> None:
+        """``machine_doc``'s machines back into an empty fold (their placements with them; the status counts)."""
+        for mid, doc in docs:
+            value = dict(doc)
+            tasks = value.pop("tasks")
+            failed = value.pop("profile_failed", None)  # absent from a snapshot written before host profiles
+            value["profile_failed"] = tuple(failed) if failed else None
+            self.machines[mid] = MachineRec(id=mid, maintenance=tuple(value.pop("maintenance")), tasks=set(tasks),
+                                            **value)
+            for t, (cpu, mem) in tasks.items():
+                self.placement[t] = mid
+                self.taskres[t] = (cpu, mem)
+                self.job_tasks[t.rpartition("/")[0]].add(t)
+        self.statuses = Counter(m.status for m in self.machines.values())
+
+    def requests_doc(self) -> dict[str, list]:
+        return {rid: [r.cpu, r.mem, sorted(r.tasks)] for rid, r in self.requests.items()}
+
+    def restore_requests(self, doc: Mapping[str, Sequence]) -> None:
+        for rid, (cpu, mem, tasks) in doc.items():
+            self.requests[rid] = PendingRequest(cpu, mem, set(tasks))
+
+    def restore_entitlements(self, doc: Mapping[str, dict[str, Any]]) -> None:
+        for name, fields in doc.items():
+            self.entitlement_fields[name] = fields
+            if (ent := entitlement_of(name, fields)) is not None:
+                self.entitlements[name] = ent
 
     def summary(self) -> dict[str, int]:
         """How many machines the fold holds (``machines``), and per status how many have it."""

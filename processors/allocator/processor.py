@@ -64,7 +64,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +74,7 @@ import redis
 
 from infra import metrics
 from infra.config import Config
-from processors.allocator import decide
+from processors.allocator import decide, snapshot
 from processors.allocator.decide import (
     PRODUCER, decision_result, dump_events, expected_partitions, drain_of, in_decision_order, load_events,
     machine_state_event, machines_of, metric_increments, nothing_freed,
@@ -90,7 +90,6 @@ from streams.faustwire import make_app
 from streams.gc_control import GrowthFreezer, folding
 from streams.partitionmap import MapFollower
 from streams.partitioner import partition_for
-from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -191,7 +190,8 @@ class Allocator:
     def __init__(self, cfg: Config, registry: SchemaRegistry, redis_client: redis.Redis,
                  producer: EventProducer | None, *, consumer: str = DEFAULT_CONSUMER,
                  max_attempts: int = MAX_ATTEMPTS, batch: int = BATCH_REQUESTS,
-                 publish_interval_s: float = PUBLISH_INTERVAL_S, partition_map: "MapFollower | None" = None):
+                 publish_interval_s: float = PUBLISH_INTERVAL_S, partition_map: "MapFollower | None" = None,
+                 snapshots: bool = True):
         self.cfg = cfg
         self.partition_map = partition_map  # where entitlements live (drain_of); None: none ever moves
         self.registry = registry
@@ -211,6 +211,7 @@ class Allocator:
         self.owned: dict[int, int | None] = {}  # allocations partition -> its fence (None: unfenced)
         self.ends: dict[tuple[str, int], int] = {}  # where the catch-up ended: the live consumer starts there
         self.caught_up = False
+        self.last_catch_up: dict[str, Any] = {}  # what the last fold of the log read (``catch_up``'s stats)
         self.failed = 0  # records the fold could not apply (dead-lettered)
         self.decided = 0
         self._last_ts = 0  # decision time of the last batch: each batch's is later (in_decision_order)
@@ -226,6 +227,10 @@ class Allocator:
         self.stale = False  # the fold went ahead of Redis and the log (a failed batch): fold the log again
         self.crash: BaseException | None = None  # what ended the loop, if it did not stop when asked
         self._freezer = GrowthFreezer()  # a region registering while this process runs: streams/gc_control.py
+        self.snapshots = snapshots  # start from the newest snapshot of the fold, and write them (snapshot.py)
+        self._read_since_snapshot = 0  # records read since the last snapshot was written
+        self._snapshot_at = 0.0
+        self._snapshot_child: int | None = None  # the pid of the process writing a snapshot now
 
     def key(self, name: str) -> str:
         return self.cfg.topic_prefix + name
@@ -239,15 +244,18 @@ class Allocator:
 
     def _catch_up(self, stall_timeout_s: float) -> dict[str, Any]:
         t0 = time.monotonic()
-        run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES, types=EVENT_TYPES),
-                     stall_timeout_s=stall_timeout_s)
-        parts: dict[tuple[str, int], list[tuple[Event, tuple[str, int, int]]]] = defaultdict(list)
-        for rec in run:
-            if rec.event.type in EVENT_TYPES:
-                parts[(rec.topic, rec.partition)].append((rec.event, (rec.topic, rec.partition, rec.offset)))
+        loaded = snapshot.newest(self.cfg) if self.snapshots else None
+        load_s = time.monotonic() - t0
+        loaded, run, parts = snapshot.read_after(self.cfg, self.registry, loaded, SOURCES, EVENT_TYPES,
+                                                 stall_timeout_s=stall_timeout_s)
         read_s = time.monotonic() - t0
         failed = 0
         with self.lock:
+            if loaded is not None:
+                self.fold = loaded.fold
+                for event, partition in loaded.pending:  # open when the snapshot was taken: as if read just now
+                    if not self.fold.is_decided(event.event_id):
+                        self.pending.setdefault(event.event_id, Pending(event, partition))
             for event, position in merged(parts):
                 try:
                     self.fold.apply(event, position)
@@ -271,9 +279,34 @@ class Allocator:
                 self.index.load_functions()  # this version's readers' functions (project_all loads them too)
             self._adopt_index(refence=generation is None or generation != self.index.generation)
             self.caught_up = True
+            self._read_since_snapshot = run.stats.read
+            self.maybe_snapshot(at_start=True)
         return {"records": run.stats.read, "applied": self.fold.applied, "failed": failed,
                 "machines": len(self.fold.machines), "pending": len(self.pending), "read_s": round(read_s, 3),
-                "seconds": round(time.monotonic() - t0, 3), "redis_behind": behind, "projected": projected}
+                "seconds": round(time.monotonic() - t0, 3), "redis_behind": behind, "projected": projected,
+                "snapshot": None if loaded is None else loaded.path.name, "snapshot_load_s": round(load_s, 3)}
+
+    def maybe_snapshot(self, *, at_start: bool = False) -> None:
+        """Write a snapshot of the fold (in a child process) once enough was read since the last one, the fold holds
+        what the log says (``RegionFold.as_logged``), and the last one is long enough ago; reap a child that
+        ended. Called with the lock held."""
+        if self._snapshot_child is not None:
+            code = snapshot.reaped(self._snapshot_child)
+            if code is None:
+                return
+            if code != 0:
+                log.warning("allocator: the snapshot's writer exited with %s (written again later)", code)
+            self._snapshot_child = None
+        records, every_s = snapshot.settings()
+        if not self.snapshots or self._read_since_snapshot < records or not self.fold.as_logged:
+            return
+        if not at_start and time.monotonic() - self._snapshot_at < every_s:
+            return
+        pending = [(pd.event, pd.partition) for pd in self.pending.values()]
+        self._snapshot_child = snapshot.write_in_child(self.cfg, self.fold, pending,
+                                                       records=sum(o + 1 for o in self.fold.marks.values()))
+        self._snapshot_at = time.monotonic()
+        self._read_since_snapshot = 0
 
     def _adopt_index(self, *, refence: bool) -> None:
         """Redis holds the fold whole now: commit under its generation (named now if it has none), and raise the
@@ -324,6 +357,7 @@ class Allocator:
                     continue
                 if rec.event.type == "AllocationRequested":
                     self._arrived(rec.event, position)
+                self._read_since_snapshot += 1
             self._freezer.grew(len(self.fold.machines))
 
     def read_up_to(self, last_offsets: Mapping[tuple[str, int], int]) -> None:
@@ -331,6 +365,7 @@ class Allocator:
         so, as they do for any record the fold applies as a no-op."""
         with self.lock:
             for (topic, partition), offset in last_offsets.items():
+                self._read_since_snapshot += max(0, offset - self.fold.marks.get((topic, partition), -1))
                 self.fold.read_to(topic, partition, offset)
 
     def _arrived(self, event: Event, position: tuple[str, int, int]) -> None:
@@ -668,6 +703,8 @@ class Allocator:
     def step(self) -> None:
         """After records were applied: decide, project, publish (a failure marks the fold stale)."""
         try:
+            with self.lock:  # before this turn decides: the echoes of the last turn's decisions may all be back
+                self.maybe_snapshot()
             self.answer_repeated()
             self.decide_pending()
             self.project_changes()
@@ -687,6 +724,7 @@ class Allocator:
             self.repeated.clear()
             self.caught_up = self.stale = False
         stats = self.catch_up()
+        self.last_catch_up = stats
         log.info("allocator: folded the log: %s", stats)
         return stats
 

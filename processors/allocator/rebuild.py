@@ -3,11 +3,14 @@
     stats = rebuild_index(cfg)          # {"events", "index_events", "keys", "seconds", "events_per_s", ...}
 
 The Redis index is the projection of the allocator's fold (processors/allocator/fold.py, index.py), so a rebuild
-IS a fold: read the allocator's source topics (``intents``, ``machines``, ``allocations``) to where they end
-now, apply their records to a fresh ``RegionFold`` in memory in the causal order ``fold.merged`` gives (the order
-every allocator folds the log in at start), then write the whole fold to Redis in pipelined batches
+IS a fold: read the allocator's source topics (``intents``, ``machines``, ``unavailability``, ``allocations``) to
+where they end now, apply their records to a ``RegionFold`` in memory in the causal order ``fold.merged`` gives
+(the order every allocator folds the log in at start), then write the whole fold to Redis in pipelined batches
 (``MachineIndex.project_all``) under a scratch prefix, and swap it in. The same Python rules as the live
-allocator, so the rebuilt keys equal the live ones (tests/integration/test_rebuild.py).
+allocator, so the rebuilt keys equal the live ones (tests/integration/test_rebuild.py). The fold starts as the
+newest snapshot of the allocator's fold (processors/allocator/snapshot.py: checked against the log, set aside if
+the log no longer holds where it ended) and reads the log after it, as an allocator's start does; ``--from-log``
+(``from_snapshot=False``) folds the log from its beginning, and ``restore`` always does.
 
 **What is index state.** Every key under the prefix except those matching ``NOT_INDEX_STATE``, which are not
 compared (``index_state``) and which the swap does not delete:
@@ -40,8 +43,8 @@ that fails or is interrupted leaves the live index as it was. The live keys ever
 index meanwhile the swap is refused (``RebuildConflict``) and nothing changes. A running allocator makes a
 rebuild pointless anyway: it holds the fold in memory and projects it into Redis whenever Redis lags it.
 
-**Refusals** (``RebuildRefused``, nothing replaced): a source partition that no longer starts at offset 0
-(retention deleted records: the topics the index is built from must keep everything), and a log without a
+**Refusals** (``RebuildRefused``, nothing replaced): read from its beginning, a source partition that no longer
+starts at offset 0 (retention deleted records that no snapshot holds), and a log without a
 single allocator event while the index holds keys (a wrong broker or prefix would otherwise empty it).
 
 Memory: the fold (about 1 KB per machine in Python) and the records of the log until they are merged (the merge
@@ -53,7 +56,6 @@ import fnmatch
 import re
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -62,7 +64,7 @@ import redis
 from confluent_kafka import Consumer, TopicPartition
 
 from infra.config import Config
-from processors.allocator import lua
+from processors.allocator import lua, snapshot
 from processors.allocator.fold import EVENT_TYPES, FoldError, RegionFold, merged
 from processors.allocator.index import DEFAULT_CONSUMER, FORMAT_KEY, GENERATION, MachineIndex, text
 from processors.allocator.processor import SOURCES
@@ -71,7 +73,6 @@ from streams.events import Event
 from streams.gc_control import folding
 from streams.progress import ProgressFn, silent
 from streams.retry import watermark_offsets
-from streams.replay import Replay, ReplayFilter
 from streams.serde import SchemaRegistry
 from streams.topics import Topics
 
@@ -121,6 +122,8 @@ def index_state(dump: Mapping[str, Any]) -> dict[str, Any]:
 @dataclass
 class RebuildStats:
     events: int = 0  # records read from the allocator's SOURCES (decodable or not)
+    snapshot: str | None = None  # the snapshot of the allocator's fold the rebuild started from (None: the log's
+    snapshot_records: int = 0  # beginning), and the records of the log it stands for (not read again)
     index_events: int = 0  # of those, events the fold applies (machine, allocation and entitlement events)
     skipped: int = 0  # undecodable records (skipped; the live allocator dead-letters them)
     failed: int = 0  # apply errors seen (skipped, as live); see Rebuild.apply
@@ -139,8 +142,14 @@ class RebuildStats:
     def events_per_s(self) -> float:
         return self.events / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def log_events_per_s(self) -> float:
+        """The log the rebuilt index stands for (the snapshot's records and those read after it) per second."""
+        return (self.snapshot_records + self.events) / self.seconds if self.seconds > 0 else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "events_per_s": round(self.events_per_s, 1),
+                "log_events_per_s": round(self.log_events_per_s, 1),
                 **{k: round(getattr(self, k), 3) for k in ("read_s", "apply_s", "write_s", "swap_s", "seconds")}}
 
 
@@ -173,8 +182,10 @@ class Rebuild:
 
     def __init__(self, cfg: Config, registry: SchemaRegistry, redis_client: redis.Redis,
                  consumer: str = DEFAULT_CONSUMER, stall_timeout_s: float = 30.0,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None, *, from_snapshot: bool = True) -> None:
         self.cfg, self.registry, self.r, self.consumer = cfg, registry, redis_client, consumer
+        self.from_snapshot = from_snapshot  # start from the newest snapshot of the allocator's fold (else the log's
+        # beginning)
         self.progress = progress or silent  # a phase per step; the read counts records (streams/progress.py)
         self.stall_timeout_s = stall_timeout_s
         self.prefix = cfg.topic_prefix
@@ -190,24 +201,33 @@ class Rebuild:
         guard.watch(*(self.prefix + k for k in (f"applied:{self.consumer}", "placement")))
 
     def read(self) -> dict[tuple[str, int], list[tuple[Event, Position]]]:
-        """The allocator's source topics up to where they end now: the records the fold applies, per partition.
-        Refused if a partition no longer starts at offset 0 (retention deleted records the index depends on)."""
+        """The allocator's source topics up to where they end now, after the newest snapshot of the allocator's fold
+        (processors/allocator/snapshot.py; the fold starts as it) or from the beginning: the records the fold
+        applies, per partition. From the beginning, refused if a partition no longer starts at offset 0 (retention
+        deleted records the index depends on)."""
         t0 = time.monotonic()
-        if gone := truncated_partitions(self.cfg):
-            raise RebuildRefused(f"the log no longer starts at offset 0 in {', '.join(gone)} (retention deleted "
-                                 f"records): a rebuild from it would lose what they did; the index was left as it is")
-        run = Replay(self.cfg, self.registry, ReplayFilter(topics=SOURCES, types=EVENT_TYPES),
-                     stall_timeout_s=self.stall_timeout_s, progress=self.progress)
-        out: dict[tuple[str, int], list[tuple[Event, Position]]] = defaultdict(list)
-        for rec in run:
-            if rec.event.type in EVENT_TYPES:
-                out[(rec.topic, rec.partition)].append((rec.event, (rec.topic, rec.partition, rec.offset)))
+        loaded = snapshot.newest(self.cfg) if self.from_snapshot else None
+        if loaded is None:
+            self._refuse_truncated()
+        loaded, run, out = snapshot.read_after(self.cfg, self.registry, loaded, SOURCES, EVENT_TYPES,
+                                               stall_timeout_s=self.stall_timeout_s, progress=self.progress)
         st = self.stats
+        if loaded is not None:
+            self.fold = loaded.fold
+            st.snapshot, st.snapshot_records = loaded.path.name, int(loaded.meta.get("records") or 0)
+        elif self.from_snapshot:  # set aside: the log was read from its beginning
+            self._refuse_truncated()
         st.events, st.skipped, st.partitions = run.stats.read, run.stats.skipped, run.stats.partitions
         st.index_events = sum(map(len, out.values()))
         st.read_s = time.monotonic() - t0
         self._ends = dict(run.ends)
         return out
+
+    def _refuse_truncated(self) -> None:
+        if gone := truncated_partitions(self.cfg):
+            raise RebuildRefused(f"the log no longer starts at offset 0 in {', '.join(gone)} (retention deleted "
+                                 f"records) and no snapshot of the allocator's fold holds them: a rebuild from it "
+                                 f"would lose what they did; the index was left as it is")
 
     def apply(self, partitions: Mapping[tuple[str, int], list[tuple[Event, Position]]]) -> None:
         """Apply the records to the fold in the merged order; one the fold cannot apply is skipped (counted)."""
@@ -293,7 +313,8 @@ class Rebuild:
 
 
 def rebuild_index(cfg: Config, registry: SchemaRegistry | None = None, *, redis_client: redis.Redis | None = None,
-                  consumer: str = DEFAULT_CONSUMER, progress: ProgressFn | None = None) -> dict[str, Any]:
+                  consumer: str = DEFAULT_CONSUMER, progress: ProgressFn | None = None,
+                  from_snapshot: bool = True) -> dict[str, Any]:
     """Rebuild the allocator's Redis state under ``cfg.topic_prefix`` from the log and swap it in (see the
     module doc). Returns ``RebuildStats.as_dict()``: events, index_events, keys, seconds, events_per_s, ...
     Raises RebuildConflict if an allocator wrote to the index meanwhile, RebuildRefused if the log cannot give
@@ -301,7 +322,7 @@ def rebuild_index(cfg: Config, registry: SchemaRegistry | None = None, *, redis_
     registry = registry or SchemaRegistry.from_dir()
     r = redis_client or cfg.redis_client(socket_timeout=SWAP_TIMEOUT_S)
     try:
-        return Rebuild(cfg, registry, r, consumer, progress=progress).run().as_dict()
+        return Rebuild(cfg, registry, r, consumer, progress=progress, from_snapshot=from_snapshot).run().as_dict()
     finally:
         if redis_client is None:
             r.close()

@@ -28,7 +28,6 @@ import os
 import re
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +37,6 @@ from fastavro import parse_schema, reader as avro_reader, writer as avro_writer
 
 from infra.config import Config
 from infra.private import make_dir
-from processors.allocator.fold import MachineRec, PendingRequest, entitlement_of
 from processors.allocator.placement import Entitlement
 from processors.history.region import Region
 from processors.scheduler import model as sm
@@ -122,15 +120,8 @@ def _items(region: Region, registry: SchemaRegistry, delta: bool) -> Iterator[di
 
     fold = region.fold
     for mid in (sorted(region.dirty_machines) if delta else fold.machines):
-        m = fold.machines[mid]
-        yield js("machine", mid, {
-            "region": m.region, "dc": m.dc, "msb": m.msb, "rack": m.rack, "type": m.type, "cpu_cap": m.cpu_cap,
-            "mem_cap": m.mem_cap, "cpu_free": m.cpu_free, "mem_free": m.mem_free, "entitlement": m.entitlement,
-            "status": m.status, "host_profile": m.host_profile, "version": m.version,
-            "profile_failed": list(m.profile_failed) if m.profile_failed else None,
-            "maintenance": list(m.maintenance), "tasks": {t: list(fold.taskres[t]) for t in sorted(m.tasks)},
-            "changed_ms": region.changed_ms.get(mid, 0)})
-    yield js("requests", "", {rid: [r.cpu, r.mem, sorted(r.tasks)] for rid, r in fold.requests.items()})
+        yield js("machine", mid, {**fold.machine_doc(fold.machines[mid]), "changed_ms": region.changed_ms.get(mid, 0)})
+    yield js("requests", "", fold.requests_doc())
     yield js("entitlements", "", fold.entitlement_fields)
     yield js("marks", "", [[t, p, o] for (t, p), o in fold.marks.items()])
     st = region.scheduler
@@ -300,24 +291,15 @@ def load(snap: SnapshotFile, region: Region, registry: SchemaRegistry) -> dict[t
                 else:
                     small[kind] = item["json"]
     fold = region.fold
-    for mid, raw in machines.items():
-        value = json.loads(raw)
-        tasks = value.pop("tasks")
-        region.changed_ms[mid] = value.pop("changed_ms")
-        failed = value.pop("profile_failed", None)  # absent from a snapshot written before host profiles
-        value["profile_failed"] = tuple(failed) if failed else None
-        fold.machines[mid] = MachineRec(id=mid, maintenance=tuple(value.pop("maintenance")), tasks=set(tasks), **value)
-        for t, (cpu, mem) in tasks.items():
-            fold.placement[t] = mid
-            fold.taskres[t] = (cpu, mem)
-            fold.job_tasks[t.rpartition("/")[0]].add(t)
-    fold.statuses = Counter(m.status for m in fold.machines.values())  # the index summary's counts (fold.py)
-    for rid, (cpu, mem, tasks) in json.loads(small["requests"]).items():
-        fold.requests[rid] = PendingRequest(cpu, mem, set(tasks))
-    for name, fields in json.loads(small["entitlements"]).items():
-        fold.entitlement_fields[name] = fields
-        if (ent := entitlement_of(name, fields)) is not None:
-            fold.entitlements[name] = ent
+
+    def docs() -> Iterator[tuple[str, dict]]:
+        for mid, raw in machines.items():
+            value = json.loads(raw)
+            region.changed_ms[mid] = value.pop("changed_ms")
+            yield mid, value
+    fold.restore_machines(docs())
+    fold.restore_requests(json.loads(small["requests"]))
+    fold.restore_entitlements(json.loads(small["entitlements"]))
     fold.marks = {(t, p): o for t, p, o in json.loads(small["marks"])}
     region._live_jobs = None  # rebuilt from the jobs by the first timer
     region.scheduler = sm.state_of([records.job_from_record(json.loads(raw)) for raw in jobs.values()],

@@ -4,6 +4,7 @@ crash windows, the fence and the answer from the journal are driven by hand on a
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,9 @@ from processors.allocator.placement import FILTER_MACHINE_TYPE, NO_FEASIBLE_MACH
 from processors.allocator.decide import (
     COMMIT_RETRIES_EXHAUSTED, INVALID_REQUEST, PRODUCER, RELEASED_EMPTY, UNKNOWN_ENTITLEMENT, in_decision_order,
 )
+from processors.allocator import snapshot
+from processors.allocator.fold import EVENT_TYPES, RegionFold
+from processors.allocator.follow import Follower
 from processors.allocator.processor import Allocator, allocator_metrics, build_app
 from streams.clients import EventConsumer, EventProducer, Record
 from streams.deadletter import PROCESSING_FAILED
@@ -376,6 +380,65 @@ def test_a_restarted_allocator_folds_the_log_and_writes_a_lost_index_back(cfg, r
         log = ctx.log.wait(answered("r2", "TasksAllocated"), "a new request decided")
         assert len(log.events("TasksAllocated", request_id="r1")) == 1  # r1 stays answered by the log
         assert len(ctx.index.placements()) == 7
+
+    run_allocator(cfg, registry, second)
+
+
+def fold_of_the_log(cfg, registry) -> dict:
+    """A fold of the whole log from its beginning (no snapshot), as the index would hold it, without the marks."""
+    fold = RegionFold()
+    Follower(cfg, registry, fold, types=EVENT_TYPES).catch_up()
+    return {k: v for k, v in fold.dump().items() if not k.startswith("applied:")}
+
+
+def live_fold(ctx) -> dict:
+    with ctx.allocator.lock:
+        return {k: v for k, v in ctx.allocator.fold.dump().items() if not k.startswith("applied:")}
+
+
+@pytest.mark.parametrize("log_replaced", [False, True], ids=["tail", "log replaced"])
+def test_a_restarted_allocator_starts_from_its_snapshot_and_reads_the_log_after_it(cfg, registry, monkeypatch,
+                                                                                    log_replaced):
+    """The first allocator writes a snapshot once its decision is read back; a request sent while it is stopped is
+    decided by the next one, which reads only the log after the snapshot, decides nothing twice, and holds what a
+    fold of the whole log holds. A snapshot whose last record is not the log's (here: its event id changed in the
+    file, as if the region had been made again under the same run directory) is set aside, and the log is folded
+    from its beginning, with the same decisions."""
+    monkeypatch.setenv(snapshot.RECORDS_ENV, "1")
+    monkeypatch.setenv(snapshot.EVERY_ENV, "0")
+
+    def first(ctx):
+        send(ctx, requested("r1", "e1", "web", 5))
+        ctx.log.wait(answered("r1", "TasksAllocated"), "TasksAllocated")
+
+        def taken():
+            paths = snapshot.listing(cfg)
+            return paths and len(snapshot.load(cfg, paths[-1]).fold.placement) == 5
+        wait_for(taken, "a snapshot holding r1's placements")
+
+    run_allocator(cfg, registry, first, clear=False, region={"e1": 10})
+    newest = snapshot.listing(cfg)[-1]
+    if log_replaced:
+        lines = newest.read_bytes().split(b"\n", 1)
+        meta = json.loads(lines[0])
+        meta["last_applied"][0][3] = "00000000-0000-5000-8000-000000000000"
+        newest.write_bytes(json.dumps(meta).encode() + b"\n" + lines[1])
+    producer = EventProducer(cfg, registry, "test")
+    producer.send(requested("r1", "e1", "web", 5))  # delivered again: decided once
+    producer.send(requested("r2", "e1", "api", 2))
+    producer.flush()
+
+    def second(ctx):
+        log = ctx.log.wait(answered("r2", "TasksAllocated"), "r2 decided after the restart")
+        assert len(log.events("TasksAllocated", request_id="r1")) == 1
+        stats = ctx.allocator.last_catch_up
+        if log_replaced:
+            assert stats["snapshot"] is None and list(snapshot.directory(cfg).glob("*.bad")), stats
+        else:
+            assert stats["snapshot"] == newest.name and stats["records"] < 10, stats  # the tail, not the log
+        wait_for(lambda: ctx.allocator.fold.as_logged and len(ctx.allocator.fold.placement) == 7, "r2's echo")
+        assert live_fold(ctx) == fold_of_the_log(cfg, registry)
+        wait_for(lambda: index_state(ctx.index.dump()) == index_state(ctx.allocator.fold.dump()), "Redis = fold")
 
     run_allocator(cfg, registry, second)
 

@@ -17,17 +17,21 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from processors.allocator.fold import EVENT_TYPES, merged
+from processors.allocator import snapshot
+from processors.allocator.fold import EVENT_TYPES, RegionFold, merged
+from processors.allocator.processor import SOURCES
 from processors.allocator.index import MachineIndex
 from processors.allocator.rebuild import (
     SCRATCH, Rebuild, RebuildConflict, RebuildRefused, index_state, is_index_state, rebuild_index,
 )
 from streams.events import Event, new_event
+from streams.replay import Replay, ReplayFilter
 from streams.topics import Topics, provision
 from test_allocator_processor import MACHINES, answered, requested, run_allocator, send, setup_region, wait_for
 
@@ -200,6 +204,40 @@ def test_rebuilding_twice_gives_the_same_index(region, index, registry):
     assert_same_index(once, live)
     assert second["keys"] == first["keys"] and second["replaced"] == len(index_state(live))
     assert second["events"] == first["events"] and second["index_events"] == first["index_events"]
+
+
+@pytest.mark.timeout(280)
+def test_a_rebuild_from_a_snapshot_of_the_fold_reads_only_the_log_after_it_and_equals_the_live_index(region, index,
+                                                                                                   registry):
+    """A snapshot of the fold of the log's first half (each partition up to the first record at or after the middle
+    moment): the rebuild starts from it, reads the rest, and gives the live index; from the log, the same."""
+    cfg, live = region
+    records = list(Replay(cfg, registry, ReplayFilter(topics=SOURCES, types=EVENT_TYPES)))
+    cut = sorted(r.event.timestamp_ms for r in records)[len(records) // 2]
+    parts: dict = defaultdict(list)
+    ended: set = set()
+    for r in records:  # in offset order per partition
+        tp = (r.topic, r.partition)
+        if tp in ended or r.event.timestamp_ms >= cut:
+            ended.add(tp)
+            continue
+        parts[tp].append((r.event, (r.topic, r.partition, r.offset)))
+    fold = RegionFold()
+    for event, position in merged(parts):
+        fold.apply(event, position)
+    first_half = sum(map(len, parts.values()))
+    path = snapshot.write(cfg, fold, [], records=first_half)
+    try:
+        stats = rebuild_index(cfg, registry)
+        assert stats["snapshot"] == path.name and stats["snapshot_records"] == first_half, stats
+        assert stats["index_events"] == len(records) - first_half, stats
+        assert_same_index(index.dump(), live)
+        from_log = rebuild_index(cfg, registry, from_snapshot=False)
+        assert from_log["snapshot"] is None and from_log["index_events"] == len(records)
+        assert_same_index(index.dump(), live)
+    finally:
+        for p in snapshot.listing(cfg):
+            p.unlink()
 
 
 @pytest.mark.timeout(280)

@@ -57,6 +57,9 @@ def add_commands(sub) -> None:
     sp.add_argument("--force", action="store_true",
                     help="rebuild although the allocator's pid file shows it running (the swap is still refused "
                          "if it writes to the index meanwhile)")
+    sp.add_argument("--from-log", action="store_true",
+                    help="fold the log from its beginning, not from the newest snapshot of the allocator's fold "
+                         "(<run dir>/allocator/)")
     sp = cmd("archive", cmd_archive, "write every topic to Avro container files (incremental, resumable)")
     sp.add_argument("dir", nargs="?", default="archive")
     sp = cmd("restore", cmd_restore, "disaster recovery: an archive back into an empty broker (log, consumer "
@@ -204,10 +207,12 @@ def cmd_rebuild(cfg: Config, args) -> int:
                        f"--machines 0` for the broker and Redis alone; `ropewalk up` after the rebuild), or pass "
                        f"--force (a running allocator also rewrites an index it finds emptied)")
     with Progress() as progress:
-        st = rebuild_index(cfg, _registry(), progress=progress)
-    lines = [f"rebuilt the allocator's Redis index from {st['events']} events ({st['index_events']} applied) in "
-             f"{st['seconds']:.2f}s ({st['events_per_s']:,.0f} events/s): {st['keys']} keys swapped in, "
-             f"{st['replaced']} replaced"]
+        st = rebuild_index(cfg, _registry(), progress=progress, from_snapshot=not args.from_log)
+    start = (f"the snapshot {st['snapshot']} (the fold of {st['snapshot_records']} records) and "
+             if st["snapshot"] else "")
+    lines = [f"rebuilt the allocator's Redis index from {start}{st['events']} events read ({st['index_events']} "
+             f"applied) in {st['seconds']:.2f}s ({st['log_events_per_s']:,.0f} events/s of the log): {st['keys']} "
+             f"keys swapped in, {st['replaced']} replaced"]
     if st["skipped"]:
         lines.append(f"{st['skipped']} undecodable records skipped (the allocator dead-letters them too)")
     if st["failed"]:
@@ -248,7 +253,7 @@ def cmd_restore(cfg: Config, args) -> int:
         services.up(cfg)
         st = ar.restore(cfg, Path(args.dir), force=args.force, progress=progress)
         index = rebuild_index(cfg, _registry(), progress=lambda what, done=None, total=None: progress(
-            f"rebuilding the allocator's index: {what}", done, total))
+            f"rebuilding the allocator's index: {what}", done, total), from_snapshot=False)  # the restored log
     doc = {**_asdict(st), "index": index}
     lines = [f"restored {st.records} records from {args.dir} in {st.seconds:.2f}s ({st.records_per_s:,.0f} records/s); "
              f"offsets of {len(st.groups)} consumer groups committed ({', '.join(sorted(st.groups)) or 'none archived'})",
