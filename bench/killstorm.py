@@ -65,6 +65,7 @@ from bench.env import FAUST_ENV, BenchEnv, cores, sigterm_as_interrupt  # noqa: 
 from infra import broker as embedded_kafka  # noqa: E402
 from infra import services, supervisor  # noqa: E402
 from processors import controlplane  # noqa: E402
+from processors.allocator import snapshot  # noqa: E402
 from processors.controlplane import scaled_name  # noqa: E402
 from processors.frontend.jobspec import validate_spec  # noqa: E402
 from processors.resourcebroker.decide import IllegalStatusTransition  # noqa: E402
@@ -90,6 +91,9 @@ def victims(schedulers: int = 1, allocators: int = 1, broker_nodes: tuple[str, .
             *(scaled_name("scheduler", i) for i in range(schedulers)),
             *(v for v in VICTIMS if not v.startswith(("allocator-", "scheduler-"))), *broker_nodes)
 PRODUCER = "killstorm"
+# the region's processes: the faust timings of a bench, and the allocators' snapshots written often (every 300
+# records read, at most every 3 s) so that a killed allocator starts from one and the storm tests them
+STORM_ENV = {**FAUST_ENV, snapshot.RECORDS_ENV: "300", snapshot.EVERY_ENV: "3"}
 SPEC = {"command": ["sleep", "3600"], "resources": {"cpu_millicores": 500, "memory_mib": 512}, "spread": "msb"}
 
 
@@ -299,7 +303,7 @@ class Storm:
         pids = services.power_off(self.cfg)  # kills every process and waits until they are gone
         time.sleep(POWER_OFF_S)
         services.up(self.cfg)
-        region = controlplane.up(self.cfg, self.opts.machines, ready_timeout_s=300.0, env=dict(FAUST_ENV),
+        region = controlplane.up(self.cfg, self.opts.machines, ready_timeout_s=300.0, env=dict(STORM_ENV),
                                  schedulers=self.opts.schedulers, allocators=self.opts.allocators)
         event = {"at_s": round(at - t0, 2), "processes": len(pids), "dark_s": POWER_OFF_S,
                  "back_s": round(time.monotonic() - at, 1), "ready": region["ready"]}
@@ -311,7 +315,7 @@ class Storm:
     def run(self) -> dict[str, Any]:
         opts, say = self.opts, self.say
         t_start = time.monotonic()
-        region = controlplane.up(self.cfg, opts.machines, ready_timeout_s=180.0, env=dict(FAUST_ENV),
+        region = controlplane.up(self.cfg, opts.machines, ready_timeout_s=180.0, env=dict(STORM_ENV),
                                  schedulers=opts.schedulers, allocators=opts.allocators)
         if not region["ready"]:
             raise RuntimeError(f"killstorm: the region did not come up: {region}")
@@ -372,7 +376,8 @@ class Storm:
             "kills_by_victim": dict(sorted(Counter(k["victim"] for k in self.kills).items())),
             "pauses": [{k: p[k] for k in ("victim", "seconds")} for p in self.pauses],
             "power_losses": self.power_losses,
-            "restarts_by_program": restarts, "workload": dict(self.work.counts),
+            "restarts_by_program": restarts, "allocator_starts": allocator_starts(self.cfg.run_dir),
+            "workload": dict(self.work.counts),
             "jobs_live": len(self.work.live), "jobs_stopped": len(self.work.stopped),
             "not_converged": converged["not"][:10], **checks,
         }
@@ -464,6 +469,23 @@ def restarts_by_program(run_dir: Path) -> dict[str, int]:
     except OSError:
         return {}
     return dict(sorted(Counter(json.loads(line)["program"] for line in lines).items()))
+
+
+def allocator_starts(run_dir: Path) -> dict[str, int]:
+    """How the allocators' folds of the log began, from their logs: from a snapshot (processors/allocator/snapshot.py)
+    or from the log's beginning, and the snapshots set aside (the log no longer held where they ended)."""
+    out: Counter = Counter()
+    for path in Path(run_dir).glob("allocator*.log"):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if "allocator: folded the log:" in line:
+                out["from_log" if "'snapshot': None" in line else "from_snapshot"] += 1
+            elif "allocator: snapshot" in line and "set aside" in line:
+                out["snapshots_set_aside"] += 1
+    return dict(sorted(out.items()))
 
 
 # -- the checks --------------------------------------------------------------------------------------------------
@@ -667,7 +689,7 @@ def redis_differences(cfg, registry, r) -> list[str]:
     from processors.allocator.index import MachineIndex  # noqa: PLC0415 - start-up cost: processors.allocator.index loads redis (~180 ms over what `ropewalk bench|experiment` load), only for a run
     from processors.allocator.rebuild import Rebuild, index_state  # noqa: PLC0415 - start-up cost: processors.allocator.rebuild (~480 ms over what `ropewalk bench|experiment` load), only for a run
 
-    rb = Rebuild(cfg, registry, r)
+    rb = Rebuild(cfg, registry, r, from_snapshot=False)  # the log alone: the allocators' snapshots are under test
     try:
         rb.apply(rb.read())
         rb.write()
@@ -698,7 +720,8 @@ def format_text(doc: dict) -> str:
              f"  kills      {doc['kills_by_victim']}",
              f"  pauses     {[(p['victim'], p['seconds']) for p in doc['pauses']]} (SIGSTOP, then SIGCONT)",
              f"  power      {doc['power_losses']} (every process at once, then up)",
-             f"  restarts   {doc['restarts_by_program']} (recorded by the supervisor)",
+             f"  restarts   {doc['restarts_by_program']} (recorded by the supervisor); allocators' folds began "
+             f"{doc.get('allocator_starts') or {}}",
              f"  workload   {doc['workload']}; {doc['jobs_live']} jobs left running, {doc['jobs_stopped']} stopped",
              f"  log        {doc['records_replayed']} records replayed, {doc['duplicate_records']} duplicate records "
              f"(same id and content: readers drop them), {doc['tasks_placed']} tasks placed at the end",

@@ -476,16 +476,31 @@ def redis_used_memory(redis_client) -> int:
 # -- rebuild and replay --------------------------------------------------------------------------------------------
 
 def rebuild(env, registry: SchemaRegistry) -> dict[str, Any]:
-    """Workload 3a: every Redis index rebuilt from the log (the allocator must be stopped)."""
-    from processors.allocator.rebuild import rebuild_index  # noqa: PLC0415 - start-up cost: processors.allocator.rebuild (~480 ms over what `ropewalk bench|experiment` load), only for a run
+    """Workload 3a: every Redis index rebuilt from the log (the allocator must be stopped); then, from a snapshot of
+    the fold that rebuild made (written as an allocator writes one: processors/allocator/snapshot.py), again:
+    ``from_snapshot`` (the snapshot's load, the log after it, the write and the swap)."""
+    from processors.allocator import snapshot  # noqa: PLC0415 - start-up cost, as below
+    from processors.allocator.rebuild import SWAP_TIMEOUT_S, Rebuild  # noqa: PLC0415 - start-up cost: processors.allocator.rebuild (~480 ms over what `ropewalk bench|experiment` load), only for a run
 
-    t0 = time.monotonic()
-    st = rebuild_index(env.cfg, registry)
-    wall = time.monotonic() - t0
+    r = env.cfg.redis_client(socket_timeout=SWAP_TIMEOUT_S)
+    try:
+        t0 = time.monotonic()
+        rb = Rebuild(env.cfg, registry, r, from_snapshot=False)
+        st = rb.run().as_dict()
+        wall = time.monotonic() - t0
+        t1 = time.monotonic()
+        path = snapshot.write(env.cfg, rb.fold, [], records=st["events"])
+        written_s = time.monotonic() - t1
+        again = Rebuild(env.cfg, registry, r).run().as_dict()
+    finally:
+        r.close()
     return {"impl": "processors.allocator.rebuild.rebuild_index", "events": st["events"],
             "index_events": st.get("index_events"), "keys": st["keys"], "seconds": round(st["seconds"], 3),
             "wall_s": round(wall, 3), "events_per_s": round(st["events_per_s"], 1),
-            "failed": st.get("failed"), "skipped": st.get("skipped")}
+            "failed": st.get("failed"), "skipped": st.get("skipped"),
+            "from_snapshot": {"snapshot_bytes": path.stat().st_size, "snapshot_write_s": round(written_s, 3),
+                              **{k: again[k] for k in ("snapshot", "snapshot_records", "events", "seconds",
+                                                       "read_s", "apply_s", "write_s", "swap_s", "log_events_per_s")}}}
 
 
 def log_size(cfg: Config) -> int:
