@@ -124,10 +124,13 @@ def batch_id(kind: str, item_ids: Iterable[str]) -> str:
     return derived_event_id(kind, *item_ids)
 
 
-def content_key(items: Sequence[Mapping[str, Any]]) -> str:
+def content_key(items: Sequence[Mapping[str, Any]], basis: Sequence[Any] = ()) -> str:
     """A short digest of a batch's items (their JSON, keys sorted): part of the id of a batch whose content a decision
-    made again may change (``scheduler/work.JobWork.emit_batches``), so that one id never names two contents."""
-    return hashlib.blake2b(orjson.dumps(list(items), default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS),
+    made again may change (``scheduler/work.JobWork.emit_batches``), so that one id never names two contents.
+    ``basis``: what the decision found that the items do not show (a command's: when its task was last commanded), so
+    that the same items decided on another state are another event, not a duplicate readers would drop."""
+    doc = list(items) if not basis else [list(items), list(basis)]
+    return hashlib.blake2b(orjson.dumps(doc, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS),
                            digest_size=8).hexdigest()
 
 

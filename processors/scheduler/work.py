@@ -194,6 +194,7 @@ class JobWork:
         self.before = None if new else job  # the job as the decision found it
         self._tasks: dict[str, Task] | None = None  # copied on the first write
         self.commands: list[dict[str, Any]] = []  # this decision's task commands (one TasksCommanded)
+        self.command_basis: dict[str, int | None] = {}  # task id -> when the decision found it last commanded
         self.reports: list[dict[str, Any]] = []  # this decision's own task transitions (one TaskStatesChanged)
         self.discoveries: list[dict[str, Any]] = []  # its service-discovery changes (one ServiceDiscoveryUpdated)
         self.dirty_parts: set[int] = set()  # parts (PUBLISH_PART_TASKS) with a task whose visible state changed
@@ -312,6 +313,8 @@ class JobWork:
         """Command ``t``'s agent (in the decision's TasksCommanded; START/RESTART run the job's spec)."""
         self.commands.append({"task_id": t.id, "machine_id": t.machine, "command": command,
                               "spec_version": t.spec_version, "reason": reason})
+        found = None if self.before is None else self.before.tasks.get(t.id)
+        self.command_basis[t.id] = None if found is None else found.commanded_ms
 
     def emit_batches(self) -> None:
         """The decision's service-discovery changes as ServiceDiscoveryUpdated, its task transitions as
@@ -321,7 +324,11 @@ class JobWork:
         that decides a batch of inputs again from an older state (stopped between producing and storing) may read them
         in another order and decide other commands (the kill storm saw two STOPs under one id, then one); those are
         then another event, carried out as well, not a second content under one id that readers would drop (the
-        agents answer a command again from where the task is: ``processors/agent/decide.py``).
+        agents answer a command again from where the task is: ``processors/agent/decide.py``). A command batch's digest
+        holds, beside its commands, when the decision found each task last commanded: the same STOP decided again after
+        the timer commanded the task again in between (the kill storm, stop 43: the START repeated, then the failure's
+        STOP again under the first STOP's id, dropped as a duplicate, and the repeated START never stopped on the log)
+        is another event.
         Nothing here is signed: the producer seals the commands with the scheduler's key (streams/auth.py), so the
         history's replay and shadow (processors/history) decide the same events without it."""
         job = self.job
@@ -349,8 +356,9 @@ class JobWork:
                     self.emit("TasksCommanded", job.id, {"job_id": job.id, "argv": argv, "env": env, "commands": part,
                                                          "part": i, "parts": len(parts), "host_profile": profile,
                                                          "resources": resources}, "commands", job.id, *disc, i,
-                              content_key(part))
+                              content_key(part, [self.command_basis.get(c["task_id"]) for c in part]))
             self.commands = []
+            self.command_basis = {}
 
     def request(self, place: Iterable[str], free: Iterable[str], avoid: Iterable[str] = (),
                 targets: Mapping[str, str] | None = None) -> str:

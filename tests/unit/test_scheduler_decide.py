@@ -482,6 +482,27 @@ def test_a_stopped_job_whose_free_answer_was_lost_asks_again_and_is_deleted():
     assert retry_unplaced(sim.state, T0 + 10 * ANSWER_WAIT_MS) == (sim.state, [])
 
 
+def test_a_stop_decided_again_after_the_timer_commanded_its_task_again_is_a_command_of_its_own():
+    """The kill storm (stop 43): a shard decided a machine's failure (STOP of the task STARTING there) and was stopped
+    before it stored it; from the stored state the timer commanded the task again (START, ``command_repeated``); the
+    failure decided again gave the same STOP under the first STOP's id, which readers (the agents among them) drop as
+    a duplicate: the repeated START was never stopped on the log. The id of a command batch holds when the decision
+    found each task last commanded: that STOP is another event; the same STOP decided again on the same state is the
+    same event."""
+    sim = Sim()
+    sim.feed(entitlement())
+    sim.feed(allocated(sim.feed(submit("j", 1))[0], {"j/0": "m1"}))  # START: the task STARTING on m1, no report read
+    stored = sim.state
+    down = machine_status("m1", "DOWN")
+    (first,), (same,) = (of_type(decide(stored, down, T0 + 1)[1], "TasksCommanded") for _ in range(2))
+    repeated, out = retry_unplaced(stored, T0 + RECOMMAND_MS)
+    assert [(c["command"], c["reason"]) for c in commands(out)] == [("START", REASON_COMMAND_REPEATED)]
+    (again,) = of_type(decide(repeated, down, T0 + RECOMMAND_MS + 1)[1], "TasksCommanded")
+    assert first.payload["commands"] == again.payload["commands"]  # the same STOP ...
+    assert [c["command"] for c in first.payload["commands"]] == ["STOP"]
+    assert same.event_id == first.event_id and again.event_id != first.event_id  # ... after another START
+
+
 def test_a_task_on_a_machine_that_is_down_is_not_commanded_again():
     """A task whose machine is down is the failure's (moved away, or left for the machine's return): not sent a
     command it cannot carry out."""
