@@ -491,7 +491,10 @@ def rebuild(env, registry: SchemaRegistry) -> dict[str, Any]:
         t1 = time.monotonic()
         path = snapshot.write(env.cfg, rb.fold, [], records=st["events"])
         written_s = time.monotonic() - t1
+        del rb  # its fold: a region's worth of memory
         again = Rebuild(env.cfg, registry, r).run().as_dict()
+        starts = {"from_log": allocator_start(env, registry, r, snapshots=False),
+                  "from_snapshot": allocator_start(env, registry, r, snapshots=True)}
     finally:
         r.close()
     return {"impl": "processors.allocator.rebuild.rebuild_index", "events": st["events"],
@@ -500,7 +503,21 @@ def rebuild(env, registry: SchemaRegistry) -> dict[str, Any]:
             "failed": st.get("failed"), "skipped": st.get("skipped"),
             "from_snapshot": {"snapshot_bytes": path.stat().st_size, "snapshot_write_s": round(written_s, 3),
                               **{k: again[k] for k in ("snapshot", "snapshot_records", "events", "seconds",
-                                                       "read_s", "apply_s", "write_s", "swap_s", "log_events_per_s")}}}
+                                                       "read_s", "apply_s", "write_s", "swap_s", "log_events_per_s")}},
+            "allocator_start": starts}
+
+
+def allocator_start(env, registry: SchemaRegistry, r, *, snapshots: bool) -> dict[str, Any]:
+    """An allocator's start on this log (its catch-up: ready to decide), from the log's beginning or from the newest
+    snapshot of its fold, with Redis holding the index already (as after a restart)."""
+    from processors.allocator.processor import Allocator  # noqa: PLC0415 - start-up cost, as rebuild's
+
+    a = Allocator(env.cfg, registry, r, None, snapshots=snapshots)
+    t0 = time.monotonic()
+    st = a.catch_up()
+    return {"seconds": round(time.monotonic() - t0, 3), **{k: st[k] for k in ("records", "machines", "read_s",
+                                                                             "snapshot", "snapshot_load_s",
+                                                                             "redis_behind")}}
 
 
 def log_size(cfg: Config) -> int:

@@ -100,6 +100,13 @@ def test_conditions_and_consistency(bench_doc):
         assert hop["n"] == fo["tasks_moved"], fo["hops"]
         if hop["n"]:
             assert 0 <= hop["p50_ms"] <= hop["p99_ms"], fo["hops"]
+    rb = doc["details"]["rebuild"]  # from the log, then from a snapshot of that fold (nothing after it)
+    assert rb["from_snapshot"]["snapshot"] and rb["from_snapshot"]["snapshot_records"] == rb["events"]
+    assert rb["from_snapshot"]["events"] < rb["events"], rb
+    starts = rb["allocator_start"]
+    assert starts["from_log"]["snapshot"] is None and starts["from_snapshot"]["snapshot"], starts
+    assert starts["from_log"]["machines"] == starts["from_snapshot"]["machines"] > 0, starts
+    assert starts["from_snapshot"]["records"] < starts["from_log"]["records"], starts
     rp = doc["details"]["replay"]
     assert rp["job"]["matched"] >= 1 and rp["job"]["examined"] >= rp["job"]["matched"]
     assert doc["redis_bytes_per_machine"] > 0
