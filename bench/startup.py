@@ -17,8 +17,11 @@ settings (``bench.env.heartbeat_interval_ms``: 5,000 heartbeats a second in all 
 
 Each figure comes with the broker's raw consume rate of the same run (records/s of same-sized records), the
 baseline to compare it with on a machine others use. CPU seconds (``/proc``) are what the process did, whatever
-else the machine ran: the figures to compare before and after on a noisy machine. (A restart from a snapshot and a
-rebuild from one, items 5 and 6 of the issue, are not built yet; so not measured here.)
+else the machine ran: the figures to compare before and after on a noisy machine.
+3. **restart** (``--no-restart`` leaves it out): the control plane stopped, the allocator's Redis index rebuilt from
+   the log's beginning, a snapshot of that fold written (as an allocator writes one), the index rebuilt again from the
+   snapshot, then an allocator's start (its catch-up, Redis current) from the log and from the snapshot
+   (``bench.workloads.rebuild``; processors/allocator/snapshot.py).
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ def _cpu(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: round(after[k] - before.get(k, 0.0), 2) for k in sorted(after)}
 
 
-def run(machines: int, steady_s: float, keep: bool, partitions: int, say) -> dict[str, Any]:
+def run(machines: int, steady_s: float, keep: bool, partitions: int, say, restart: bool = True) -> dict[str, Any]:
     registry = SchemaRegistry.from_dir()
     doc: dict[str, Any] = {"machines": machines, "cores": cores(), "partitions": partitions,
                            "heartbeat_interval_ms": heartbeat_interval_ms(machines),
@@ -108,10 +111,14 @@ def run(machines: int, steady_s: float, keep: bool, partitions: int, say) -> dic
                              "health_us_per_heartbeat": round(1e6 * used.get("health", 0.0) / beats, 1) if beats else None}
         finally:
             obs.close()
+        doc["peak_rss_kib"] = env.peak_rss()
+        if restart:
+            say("restart: the control plane stopped; the index rebuilt and an allocator started, from the log's "
+                "beginning and from a snapshot of the allocator's fold")
+            env.stop_workers()
+            doc["restart"] = w.rebuild(env, registry)
         raw = w.raw_rates(env.cfg, 100_000, w.mean_record_bytes(env.cfg))
         doc["raw_produce_per_s"], doc["raw_consume_per_s"] = raw["produce_per_s"], raw["consume_per_s"]
-
-        doc["peak_rss_kib"] = env.peak_rss()
     doc["wall_s"] = round(time.monotonic() - t_all, 1)
     return doc
 
@@ -123,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--keep", action="store_true", help="keep the run directory (worker logs)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-restart", action="store_true", help="leave out the restart phase (rebuilds, starts)")
     args = ap.parse_args(argv)
     with sigterm_as_interrupt():
         doc = run(args.machines, args.steady_s, args.keep, args.partitions,
-                  lambda m: print(f"startup: {m}", file=sys.stderr, flush=True))
+                  lambda m: print(f"startup: {m}", file=sys.stderr, flush=True), restart=not args.no_restart)
     print(json.dumps(doc, indent=2, sort_keys=True))
     return 0
 

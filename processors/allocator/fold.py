@@ -62,7 +62,7 @@ import dataclasses
 import heapq
 import math
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -367,6 +367,30 @@ class RegionFold:
                 self.taskres[t] = (cpu, mem)
                 self.job_tasks[t.rpartition("/")[0]].add(t)
         self.statuses = Counter(m.status for m in self.machines.values())
+
+    def machine_rows(self) -> Iterator[list]:
+        """Every machine as a row (positional: a snapshot of the allocator's fold, processors/allocator/snapshot.py),
+        ``restore_rows``'s input: a tenth of ``restore_machines``'s time per machine at 100,000 machines."""
+        taskres = self.taskres
+        for mid, m in self.machines.items():
+            yield [mid, m.region, m.dc, m.msb, m.rack, m.type, m.cpu_cap, m.mem_cap, m.cpu_free, m.mem_free,
+                   m.entitlement, m.status, m.host_profile, m.version, list(m.maintenance),
+                   list(m.profile_failed) if m.profile_failed else None,
+                   [[t, *taskres[t]] for t in sorted(m.tasks)]]
+
+    def restore_rows(self, rows: Iterable[list]) -> None:
+        """``machine_rows`` back into an empty fold (their placements with them; the status counts)."""
+        machines, placement, taskres, job_tasks = self.machines, self.placement, self.taskres, self.job_tasks
+        for (mid, region, dc, msb, rack, type_, cpu_cap, mem_cap, cpu_free, mem_free, owner, status, profile, version,
+             maintenance, failed, tasks) in rows:
+            machines[mid] = MachineRec(mid, region, dc, msb, rack, type_, cpu_cap, mem_cap, cpu_free, mem_free, owner,
+                                       status, profile, version, {t[0] for t in tasks} if tasks else set(), tuple(maintenance),
+                                       tuple(failed) if failed else None)
+            for t, cpu, mem in tasks:
+                placement[t] = mid
+                taskres[t] = (cpu, mem)
+                job_tasks[t.rpartition("/")[0]].add(t)
+        self.statuses = Counter(m.status for m in machines.values())
 
     def requests_doc(self) -> dict[str, list]:
         return {rid: [r.cpu, r.mem, sorted(r.tasks)] for rid, r in self.requests.items()}

