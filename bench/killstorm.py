@@ -91,9 +91,9 @@ def victims(schedulers: int = 1, allocators: int = 1, broker_nodes: tuple[str, .
             *(scaled_name("scheduler", i) for i in range(schedulers)),
             *(v for v in VICTIMS if not v.startswith(("allocator-", "scheduler-"))), *broker_nodes)
 PRODUCER = "killstorm"
-# the region's processes: the faust timings of a bench, and the allocators' snapshots written often (every 300
-# records read, at most every 3 s) so that a killed allocator starts from one and the storm tests them
-STORM_ENV = {**FAUST_ENV, snapshot.RECORDS_ENV: "300", snapshot.EVERY_ENV: "3"}
+# the region's processes: the faust timings of a bench, and the allocators' snapshots written often (every 50
+# records read, at most every 2 s) so that a killed allocator starts from one and the storm tests them
+STORM_ENV = {**FAUST_ENV, snapshot.RECORDS_ENV: "50", snapshot.EVERY_ENV: "2"}
 SPEC = {"command": ["sleep", "3600"], "resources": {"cpu_millicores": 500, "memory_mib": 512}, "spread": "msb"}
 
 
