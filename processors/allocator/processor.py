@@ -231,6 +231,7 @@ class Allocator:
         self.snapshots = snapshots  # start from the newest snapshot of the fold, and write them (snapshot.py)
         self._read_since_snapshot = 0  # records read since the last snapshot was written
         self._snapshot_at = 0.0
+        self._snapshot_settings = snapshot.settings()  # (records between two, least seconds between two)
         self._snapshot_child: int | None = None  # the pid of the process writing a snapshot now
 
     def key(self, name: str) -> str:
@@ -298,7 +299,7 @@ class Allocator:
             if code != 0:
                 log.warning("allocator: the snapshot's writer exited with %s (written again later)", code)
             self._snapshot_child = None
-        records, every_s = snapshot.settings()
+        records, every_s = self._snapshot_settings
         if not self.snapshots or self._read_since_snapshot < records or not self.fold.as_logged:
             return
         if not at_start and time.monotonic() - self._snapshot_at < every_s:
