@@ -6,7 +6,8 @@ The Redis index is the projection of the allocator's fold (processors/allocator/
 IS a fold: read the allocator's source topics (``intents``, ``machines``, ``unavailability``, ``allocations``) to
 where they end now, apply their records to a ``RegionFold`` in memory in the causal order ``fold.merged`` gives
 (the order every allocator folds the log in at start), then write the whole fold to Redis in pipelined batches
-(``MachineIndex.project_all``) under a scratch prefix, and swap it in. The same Python rules as the live
+(``MachineIndex.write_whole``: the keys ``project_all`` writes, without its version checks) under a scratch prefix,
+and swap it in. The same Python rules as the live
 allocator, so the rebuilt keys equal the live ones (tests/integration/test_rebuild.py). The fold starts as the
 newest snapshot of the allocator's fold (processors/allocator/snapshot.py: checked against the log, set aside if
 the log no longer holds where it ended) and reads the log after it, as an allocator's start does; ``--from-log``
@@ -193,6 +194,7 @@ class Rebuild:
         self.stats = RebuildStats()
         self.fold = RegionFold()
         self._guard: redis.client.Pipeline | None = None
+        self._written: list[str] | None = None  # the scratch keys ``write`` wrote (None: scan for them)
         self._rename = redis_client.register_script(_LUA_RENAME)
 
     def guard(self) -> None:
@@ -250,7 +252,8 @@ class Rebuild:
         """The whole fold under the scratch prefix, pipelined."""
         t0 = time.monotonic()
         self.progress("writing the index to Redis")
-        MachineIndex(self.r, self.scratch, self.consumer).project_all(self.fold)
+        self._written = []
+        MachineIndex(self.r, self.scratch, self.consumer).write_whole(self.fold, self._written)
         self.stats.write_s = time.monotonic() - t0
 
     def _scan(self, prefix: str) -> list[str]:
@@ -264,7 +267,7 @@ class Rebuild:
         t0 = time.monotonic()
         self.progress("swapping it in")
         live = [k for k in self._scan(self.prefix) if is_index_state(k[len(self.prefix):])]
-        new = self._scan(self.scratch)
+        new = self._written if self._written is not None else self._scan(self.scratch)
         if live and not self.fold.machines and not self.fold.entitlements:
             raise RebuildRefused(f"the log holds no allocator event under topic prefix {self.prefix!r}, but the "
                                  f"index holds {len(live)} keys: wrong broker or prefix? the index was left as it is")
