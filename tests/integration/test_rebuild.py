@@ -21,12 +21,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import redis
 from confluent_kafka.admin import AdminClient
 
 from processors.allocator import snapshot
 from processors.allocator.fold import EVENT_TYPES, RegionFold, merged
 from processors.allocator.processor import SOURCES
-from processors.allocator.index import MachineIndex
+from processors.allocator.index import MachineIndex, _Bulk
 from processors.allocator.rebuild import (
     SCRATCH, Rebuild, RebuildConflict, RebuildRefused, index_state, is_index_state, rebuild_index,
 )
@@ -367,3 +368,20 @@ def _ev(type_: str, ts: int, tag: str) -> Event:
 def test_the_merge_order(partitions, expected):
     recs = {tp: [(e, (*tp, i)) for i, e in enumerate(evs)] for tp, evs in partitions.items()}
     assert [e.entity_id for e, _ in merged(recs)] == expected
+
+
+def test_a_bulk_write_redis_refuses_in_part_raises_and_the_rest_of_its_round_is_written(index):
+    """``MachineIndex.write_whole``'s rounds (``index._Bulk``): every reply is read, an error reply raised after the
+    round (a rebuild's write then fails and its scratch keys are discarded), the connection usable after it."""
+    r, tag = index.r, uuid.uuid4().hex[:8]
+    wrong, ok = f"bulk-{tag}-string", f"bulk-{tag}-ok"
+    r.set(wrong, "x")
+    try:
+        bulk = _Bulk(r, keys := [])
+        bulk.add(("SADD", wrong, "a"))  # WRONGTYPE
+        bulk.add(("SET", ok, "1"))
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            bulk.flush()
+        assert r.get(ok) == b"1" and keys == [wrong, ok] and r.ping()
+    finally:
+        r.delete(wrong, ok)
