@@ -171,11 +171,13 @@ class _Bulk:
 
     def __init__(self, r: redis.Redis, keys: list[str] | None) -> None:
         self.r, self.keys = r, keys
+        self._seen: set[str] = set(keys or ())
         self.commands: list[tuple] = []
 
     def add(self, command: tuple) -> None:
         self.commands.append(command)
-        if self.keys is not None:
+        if self.keys is not None and command[1] not in self._seen:  # once: the shared hashes come in rounds
+            self._seen.add(command[1])
             self.keys.append(command[1])
         if len(self.commands) >= BULK_CHUNK:
             self.flush()
