@@ -128,7 +128,7 @@ def write(cfg: Config, fold: RegionFold, pending: Iterable[tuple[Event, int]], *
             "marks": [[t, p, o] for (t, p), o in sorted(fold.marks.items())],
             "last_applied": [[t, p, o, eid] for (t, p), (o, eid) in sorted(fold.last_applied.items())]}
     path = d / f"{now:015d}-{records:012d}{SUFFIX}"
-    tmp = d / f".tmp-{os.getpid()}-{now}{SUFFIX}"
+    tmp = d / f".tmp-{os.getpid()}-{now}.part"  # never a ``*.snap``: a reader would take it, half written
     try:
         with open(tmp, "wb") as fh:
             for line in _lines(fold, pending, meta):
@@ -140,9 +140,21 @@ def write(cfg: Config, fold: RegionFold, pending: Iterable[tuple[Event, int]], *
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    for old in listing(cfg)[:-KEEP] + sorted(d.glob("*.bad"))[:-KEEP]:
+    for old in listing(cfg)[:-KEEP] + sorted(d.glob("*.bad"))[:-KEEP] + _abandoned(d, tmp):
         old.unlink(missing_ok=True)
     return path
+
+
+def _abandoned(d: Path, mine: Path) -> list[Path]:
+    """Temporary files of writers killed half-way (an hour old)."""
+    out = []
+    for p in d.glob(".tmp-*.part"):
+        try:
+            if p != mine and time.time() - p.stat().st_mtime > 3600:
+                out.append(p)
+        except OSError:  # renamed or deleted meanwhile
+            pass
+    return out
 
 
 def write_in_child(cfg: Config, fold: RegionFold, pending: list[tuple[Event, int]], *, records: int) -> int:

@@ -127,3 +127,20 @@ def test_a_snapshot_is_written_by_a_child_process(tmp_path):
     _, status_ = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status_) == 0
     assert len(snapshot.load(cfg, snapshot.listing(cfg)[-1]).fold.machines) == 50
+
+
+def test_a_snapshot_being_written_is_not_read(tmp_path, monkeypatch):
+    """The writer's temporary file (a child still writing, or one killed half-way) is never taken for a snapshot:
+    what a reader lists just before the rename is the snapshots before it alone."""
+    cfg = cfg_of(tmp_path)
+    fold, _ = folded([reg("m1")])
+    first = snapshot.write(cfg, fold, [], records=1)
+    listed = []
+    real = os.replace
+
+    def spy(src, dst):
+        listed.append(snapshot.listing(cfg))
+        return real(src, dst)
+    monkeypatch.setattr(snapshot.os, "replace", spy)
+    second = snapshot.write(cfg, fold, [], records=2)
+    assert listed == [[first]] and snapshot.listing(cfg) == [first, second]
