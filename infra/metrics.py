@@ -94,6 +94,10 @@ ALLOCATION_DECISION = Metric(Histogram, "ropewalk_allocation_decision_duration_s
 INDEX_STALENESS = Metric(Gauge, "ropewalk_index_staleness_seconds",
                         "How far the allocator's Redis index is behind the log: now minus the time of the newest "
                         "event it applied, 0 when it has read everything")
+ALLOCATOR_TAIL = Metric(Gauge, "ropewalk_allocator_tail_records",
+                       "Records of the log the allocator has read since its newest snapshot of its fold (written or "
+                       "loaded: processors/allocator/snapshot.py): what a restart would read after the snapshot; it "
+                       "grows past ROPEWALK_ALLOC_SNAPSHOT_RECORDS only while no snapshot can be written")
 MACHINES = Metric(Gauge, "ropewalk_machines", "Machines by status and owning entitlement (free: the free pool)",
                  ["status", "entitlement"])
 TASKCONTROL_ACK = Metric(Histogram, "ropewalk_taskcontrol_ack_duration_seconds",

@@ -126,7 +126,8 @@ def observe_attempts(decision: Sequence[Event]) -> None:
 
 
 # what the allocator's target exports from its start (infra/metrics.own)
-OWNED_METRICS = (metrics.ALLOCATION_ATTEMPTS, metrics.ALLOCATION_DECISION, metrics.INDEX_STALENESS, metrics.MACHINES)
+OWNED_METRICS = (metrics.ALLOCATION_ATTEMPTS, metrics.ALLOCATION_DECISION, metrics.INDEX_STALENESS, metrics.MACHINES,
+                 metrics.ALLOCATOR_TAIL)
 
 
 def observe_machines(machines: Iterable[Any]) -> None:
@@ -299,6 +300,7 @@ class Allocator:
             if code != 0:
                 log.warning("allocator: the snapshot's writer exited with %s (written again later)", code)
             self._snapshot_child = None
+        metrics.ALLOCATOR_TAIL.set(self._read_since_snapshot)
         records, every_s = self._snapshot_settings
         if not self.snapshots or self._read_since_snapshot < records or not self.fold.as_logged:
             return

@@ -69,6 +69,7 @@ def test_every_target_exports_what_its_process_does_and_nothing_else(region):
     assert set(targets) == {*WORKERS, "supervisor"}, targets
     got = {w: scrape(a) for w, a in targets.items()}
     owners = {"ropewalk_index_staleness_seconds": {"allocator-0"},
+              "ropewalk_allocator_tail_records": {"allocator-0"},
               "ropewalk_allocation_decision_duration_seconds": {"allocator-0"},
               "ropewalk_machines": {"allocator-0"},
               "ropewalk_scheduling_attempt_duration_seconds": {"scheduler-0"},
