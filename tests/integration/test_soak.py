@@ -21,7 +21,11 @@ def test_a_short_soak_samples_everything_and_stopped_jobs_leave(tmp_path):
     names = set(samples[0]["rss_kib"])
     assert {"allocator-0", "scheduler-0", "agents", "health", "resourcebroker", "api", "broker", "redis"} <= names
     assert all(s["rss_kib"][n] for s in samples for n in ("allocator-0", "broker", "redis"))
-    assert all(s["disk_bytes"] > 0 and s["redis_bytes"] > 0 and s["changelog_bytes"] > 0 for s in samples)
+    sizes = [(s["day"], s["disk_bytes"], s["redis_bytes"], s["changelog_bytes"]) for s in samples]
+    assert all(disk > 0 and redis_ > 0 for _, disk, redis_, _ in sizes), sizes
+    # the first sample is taken as the first job is submitted: the scheduler may not have written its changelogs yet
+    # (a fresh-clone suite saw 0 there once); every later one has them
+    assert all(changelogs > 0 for _, _, _, changelogs in sizes[1:]), sizes
     assert all(r["recovery_s"] is not None for r in recs), recs  # every kill -9: the shard answered again
     assert all(r["at_s"] is not None and r["replay_s"] >= 0 for r in recs), recs
     w = doc["workload"]
