@@ -234,6 +234,8 @@ class Allocator:
         self._snapshot_at = 0.0
         self._snapshot_settings = snapshot.settings()  # (records between two, least seconds between two)
         self._snapshot_child: int | None = None  # the pid of the process writing a snapshot now
+        self._snapshot_records = 0  # ... the records of the log it stands for
+        self._snapshot_tail = 0  # ... and those read since the one before it (counted again if it fails)
 
     def key(self, name: str) -> str:
         return self.cfg.topic_prefix + name
@@ -297,8 +299,12 @@ class Allocator:
             code = snapshot.reaped(self._snapshot_child)
             if code is None:
                 return
-            if code != 0:
-                log.warning("allocator: the snapshot's writer exited with %s (written again later)", code)
+            if code == 0:
+                log.info("allocator: a snapshot of the fold written (%d records of the log, in %.1f s)",
+                         self._snapshot_records, time.monotonic() - self._snapshot_at)
+            else:  # what it would have held is still to be read after the last one: the next try comes as soon
+                log.warning("allocator: the snapshot's writer exited with %s (tried again)", code)
+                self._read_since_snapshot += self._snapshot_tail
             self._snapshot_child = None
         metrics.ALLOCATOR_TAIL.set(self._read_since_snapshot)
         records, every_s = self._snapshot_settings
@@ -307,10 +313,10 @@ class Allocator:
         if not at_start and time.monotonic() - self._snapshot_at < every_s:
             return
         pending = [(pd.event, pd.partition) for pd in self.pending.values()]
-        self._snapshot_child = snapshot.write_in_child(self.cfg, self.fold, pending,
-                                                       records=sum(o + 1 for o in self.fold.marks.values()))
+        self._snapshot_records = sum(o + 1 for o in self.fold.marks.values())
+        self._snapshot_child = snapshot.write_in_child(self.cfg, self.fold, pending, records=self._snapshot_records)
         self._snapshot_at = time.monotonic()
-        self._read_since_snapshot = 0
+        self._snapshot_tail, self._read_since_snapshot = self._read_since_snapshot, 0
 
     def _adopt_index(self, *, refence: bool) -> None:
         """Redis holds the fold whole now: commit under its generation (named now if it has none), and raise the
