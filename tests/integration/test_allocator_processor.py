@@ -396,14 +396,14 @@ def live_fold(ctx) -> dict:
         return {k: v for k, v in ctx.allocator.fold.dump().items() if not k.startswith("applied:")}
 
 
-@pytest.mark.parametrize("log_replaced", [False, True], ids=["tail", "log replaced"])
+@pytest.mark.parametrize("log_replaced", [None, "event", "offset"], ids=["tail", "another event", "past the log"])
 def test_a_restarted_allocator_starts_from_its_snapshot_and_reads_the_log_after_it(cfg, registry, monkeypatch,
                                                                                     log_replaced):
     """The first allocator writes a snapshot once its decision is read back; a request sent while it is stopped is
     decided by the next one, which reads only the log after the snapshot, decides nothing twice, and holds what a
     fold of the whole log holds. A snapshot whose last record is not the log's (here: its event id changed in the
-    file, as if the region had been made again under the same run directory) is set aside, and the log is folded
-    from its beginning, with the same decisions."""
+    file, as if the region had been made again under the same run directory, or its offset past the log's end) is
+    set aside, and the log is folded from its beginning, with the same decisions."""
     monkeypatch.setenv(snapshot.RECORDS_ENV, "1")
     monkeypatch.setenv(snapshot.EVERY_ENV, "0")
 
@@ -418,10 +418,13 @@ def test_a_restarted_allocator_starts_from_its_snapshot_and_reads_the_log_after_
 
     run_allocator(cfg, registry, first, clear=False, region={"e1": 10})
     newest = snapshot.listing(cfg)[-1]
-    if log_replaced:
+    if log_replaced:  # the record the snapshot names is another event, or beyond the log's end
         lines = newest.read_bytes().split(b"\n", 1)
         meta = json.loads(lines[0])
-        meta["last_applied"][0][3] = "00000000-0000-5000-8000-000000000000"
+        if log_replaced == "event":
+            meta["last_applied"][0][3] = "00000000-0000-5000-8000-000000000000"
+        else:
+            meta["last_applied"][0][2] += 1000
         newest.write_bytes(json.dumps(meta).encode() + b"\n" + lines[1])
     producer = EventProducer(cfg, registry, "test")
     producer.send(requested("r1", "e1", "web", 5))  # delivered again: decided once
