@@ -314,8 +314,13 @@ class Allocator:
             return
         pending = [(pd.event, pd.partition) for pd in self.pending.values()]
         self._snapshot_records = sum(o + 1 for o in self.fold.marks.values())
-        self._snapshot_child = snapshot.write_in_child(self.cfg, self.fold, pending, records=self._snapshot_records)
         self._snapshot_at = time.monotonic()
+        try:
+            self._snapshot_child = snapshot.write_in_child(self.cfg, self.fold, pending,
+                                                           records=self._snapshot_records)
+        except OSError as exc:  # no process to spare (EAGAIN, ENOMEM): a snapshot is a cache; decide on
+            log.warning("allocator: no snapshot written: %s (tried again in %.0f s)", exc, every_s)
+            return
         self._snapshot_tail, self._read_since_snapshot = self._read_since_snapshot, 0
 
     def _adopt_index(self, *, refence: bool) -> None:

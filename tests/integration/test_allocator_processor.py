@@ -888,3 +888,19 @@ def test_two_allocators_deciding_at_once_for_one_entitlement_keep_capacity_and_q
     finally:
         MachineIndex(r, cfg.topic_prefix).clear()
         r.close()
+
+
+def test_a_snapshot_that_cannot_be_forked_is_not_the_allocators_failure(hand, monkeypatch):
+    """No process to spare for the snapshot's writer (EAGAIN): the allocator decides on, and tries again later."""
+    monkeypatch.setenv(snapshot.RECORDS_ENV, "1")
+    a = hand.new()
+    hand.region(a)
+    a.assign([0])
+
+    def no_fork(*_, **__):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(snapshot, "write_in_child", no_fork)
+    a.maybe_snapshot(at_start=True)
+    assert a._snapshot_child is None and a._read_since_snapshot > 0  # nothing written: still to be
+    hand.feed([a], requested("r1", "e1", "web", 2))
+    assert [e.type for e in a.decide_pending() if e.type.startswith("Tasks")] == ["TasksAllocated"]
