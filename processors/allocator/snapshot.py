@@ -213,7 +213,7 @@ def load(cfg: Config, path: Path) -> Loaded:
         fold.applied = meta["applied"]
     except SnapshotError:
         raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError(f"{path.name}: unreadable ({type(exc).__name__}: {exc})") from exc
     return Loaded(path, fold, pending, dict(fold.last_applied), meta)
 

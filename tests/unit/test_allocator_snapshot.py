@@ -86,9 +86,16 @@ REFUSED = {
     "other partitions": (lambda tmp: snapshot.write(cfg_of(tmp, partitions=8), folded([reg("m1")])[0], [],
                                                     records=1), "made under another partitions"),
     "garbage": (lambda tmp: (snapshot.directory(cfg_of(tmp)) / "9.snap").write_bytes(b"\x00not json"), "unreadable"),
+    "a part of another shape": (lambda tmp: other_shape(snapshot.write(cfg_of(tmp), folded([reg("m1")])[0], [],
+                                                                       records=1)), "unreadable"),
     "cut short": (lambda tmp: cut_short(snapshot.write(cfg_of(tmp), folded([reg("m1")])[0], [], records=1)),
                   "unreadable"),
 }
+
+
+def other_shape(path):
+    head, *rest = path.read_bytes().splitlines()
+    path.write_bytes(b"\n".join([head, *rest[:-1], b'{"requests": [], "entitlements": 3, "decided": 4, "pending": 5}']))
 
 
 def cut_short(path):
