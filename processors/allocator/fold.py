@@ -197,6 +197,7 @@ class RegionFold:
         self.max_decisions = max_decisions
         self.made: OrderedDict[str, None] = OrderedDict()  # decision event ids this fold applied when it made them
         self.unechoed: set[str] = set()  # of those, the ones not read back from the log yet
+        self.adopted = 0  # machines taken from the shared index (``adopt``): maybe ahead of the log for good
         self.last_applied: dict[tuple[str, int], tuple[int, str]] = {}  # (topic, partition) -> (offset, event id)
         self.applied = 0  # events applied (not counting marks-only no-ops)
 
@@ -234,6 +235,7 @@ class RegionFold:
         m = self.machines.get(machine_id)
         if m is None:
             return False
+        self.adopted += 1
         tasks = fields["tasks"]
         for t in list(m.tasks):
             if t not in tasks:
@@ -294,8 +296,13 @@ class RegionFold:
     @property
     def as_logged(self) -> bool:
         """Whether the fold holds what a fold of the log up to its marks would: every decision it applied as it made
-        it has been read back since (a snapshot is taken only then: processors/allocator/snapshot.py)."""
-        return not self.unechoed
+        it has been read back since, and it took no machine from the shared index (``adopt``: another allocator's
+        commit, whose events may never reach the log if that allocator died before producing them; the request is
+        then decided again from a fold without it, and the journal gives its events back; a snapshot holding the
+        commit would place the request's tasks where they already are, and the journal would never be asked: the
+        kill storm, stop 43, saw a machine's version in Redis two ahead of the log's). A snapshot is taken only then
+        (processors/allocator/snapshot.py); a fold that adopted is as logged again only when folded anew."""
+        return not self.unechoed and not self.adopted
 
     def remember_made(self, events: Iterable[Event]) -> None:
         """These decision events were applied as they were made (``free``/``commit``, or taken back from Redis): their

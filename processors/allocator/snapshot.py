@@ -119,7 +119,8 @@ def write(cfg: Config, fold: RegionFold, pending: Iterable[tuple[Event, int]], *
     snapshot; older ones beyond ``KEEP`` deleted. ``records``: how many records the fold has read in all (its name
     says it, for the operator)."""
     if not fold.as_logged:
-        raise SnapshotError("the fold is ahead of the log (decisions not read back yet): no snapshot")
+        raise SnapshotError("the fold is ahead of the log (decisions not read back yet, or machines taken from the "
+                            "shared index): no snapshot")
     d = directory(cfg)
     make_dir(d.parent)
     d.mkdir(parents=True, exist_ok=True)

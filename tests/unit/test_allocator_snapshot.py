@@ -10,7 +10,7 @@ import pytest
 
 from allocator_log import SEQUENCES, Log, allocated, reg, requested, state, status
 from processors.allocator import snapshot
-from processors.allocator.fold import ALLOCATOR_PRODUCER, RegionFold
+from processors.allocator.fold import ADOPTED_FIELDS, ALLOCATOR_PRODUCER, RegionFold
 from processors.allocator.placement import Entitlement, Request
 from streams.events import Event
 
@@ -76,6 +76,18 @@ def test_a_fold_ahead_of_the_log_is_not_snapshotted_until_its_decisions_are_read
     fold.apply(*log.add(decision))  # its echo
     assert fold.as_logged
     snapshot.write(cfg_of(tmp_path), fold, [], records=3)
+
+
+def test_a_fold_that_took_a_machine_from_the_shared_index_is_not_snapshotted(tmp_path):
+    """``adopt`` (another allocator's commit, read from Redis) may hold what never reaches the log: a snapshot of it
+    would be given to the next start as if logged (the kill storm, stop 43). Such a fold is never snapshotted."""
+    fold, _ = folded([reg("m1"), reg("m2")])
+    m = fold.machines["m1"]
+    fields = {name: getattr(m, name) for name in ADOPTED_FIELDS}
+    assert fold.adopt("m1", {**fields, "tasks": {"j/0": (1000, 1024)}, "status": m.status, "version": m.version + 1})
+    assert not fold.as_logged
+    with pytest.raises(snapshot.SnapshotError, match="ahead of the log"):
+        snapshot.write(cfg_of(tmp_path), fold, [], records=2)
 
 
 REFUSED = {
