@@ -74,8 +74,12 @@ class Loaded:
     path: Path
     fold: RegionFold
     pending: list[tuple[Event, int]]  # open requests: (AllocationRequested, partition), in the order they arrived
-    verify: dict[tuple[str, int], tuple[int, str]]  # partition -> (offset, event id) of the last record applied
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def verify(self) -> dict[tuple[str, int], tuple[int, str]]:
+        """Partition -> (offset, event id) of the last record the fold applied (``check_log``)."""
+        return self.fold.last_applied
 
 
 def directory(cfg: Config) -> Path:
@@ -216,7 +220,7 @@ def load(cfg: Config, path: Path) -> Loaded:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError(f"{path.name}: unreadable ({type(exc).__name__}: {exc})") from exc
-    return Loaded(path, fold, pending, dict(fold.last_applied), meta)
+    return Loaded(path, fold, pending, meta)
 
 
 def newest(cfg: Config) -> Loaded | None:

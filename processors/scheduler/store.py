@@ -43,7 +43,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
-from processors.scheduler.decide import ended_before, has_timer_work, machines_of, maint_machines, timer_due_ms
+from processors.scheduler.decide import ended_before, machines_of, maint_machines, timer_due_ms
 from processors.scheduler.lifecycle import JOB_DELETED
 from processors.scheduler.model import Job, Task
 from processors.scheduler.records import job_from_record, job_to_record, terms_of, terms_record
@@ -179,10 +179,11 @@ def plan(before: Job | None, header: Mapping[str, Any] | None, chunk_values: Map
                 records.append(r if same else task_record(t))
             out_chunks[chunk_key(key, i, version)] = {"entitlement": after.entitlement, "tasks": records}
             new_chunks[i] = version
+    timer_at = timer_due_ms(after)
     head = job_to_record(replace(after, tasks=MappingProxyType({})))
     del head["tasks"]
     head.update(format=HEADER_FORMAT, version=version, chunks={str(i): v for i, v in sorted(new_chunks.items())},
-                timer=has_timer_work(after), timer_at=timer_due_ms(after))
+                timer=timer_at is not None, timer_at=timer_at)  # (``decide.has_timer_work``, derived)
     if key != after.id:
         head["key"] = key
     return Plan(head, out_chunks, obsolete)
