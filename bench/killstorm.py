@@ -70,7 +70,7 @@ from processors.controlplane import scaled_name  # noqa: E402
 from processors.frontend.jobspec import validate_spec  # noqa: E402
 from processors.resourcebroker.decide import IllegalStatusTransition  # noqa: E402
 from processors.scheduler.reasons import REASON_COMMAND_REPEATED, REASON_LOST_PLACEMENT  # noqa: E402
-from streams import state  # noqa: E402
+from streams import batches, state  # noqa: E402
 from streams.clients import DeliveryError, EventProducer  # noqa: E402
 from streams.events import new_event  # noqa: E402
 from streams.retry import watermark_offsets  # noqa: E402
@@ -551,9 +551,9 @@ def replay_checks(cfg, registry) -> dict[str, Any]:  # noqa: C901
         log.append(ev)
         if ev.type in ("EntitlementCreated", "EntitlementUpdated") and ev.payload.get("quota_machines") is not None:
             quota[ev.entitlement] = ev.payload["quota_machines"]
-        elif ev.type == "MachineRegistered":
-            capacity[ev.payload["machine_id"]] = (ev.payload["capacity"]["cpu_millicores"],
-                                                  ev.payload["capacity"]["memory_mib"])
+        else:
+            for reg in batches.machine_registrations(ev):
+                capacity[reg["machine_id"]] = (reg["capacity"]["cpu_millicores"], reg["capacity"]["memory_mib"])
     # Then in log order per partition (an entitlement's events are in one, in order; topics and partitions are read
     # interleaved, so the capacities and quotas are taken first).
     records = len(log) + duplicates

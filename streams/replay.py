@@ -89,7 +89,8 @@ class ReplayFilter:
     entitlement: str | None = None  # envelope entitlement
     job: str | None = None  # payload job_id, or entity_id == job, or a task of the job (`<job>/<n>`), or an item's
     machine: str | None = None  # payload machine_id, any of machine_ids, any placement's, command's, report's or
-    # machine status's machine_id (the items of TasksCommanded, TaskStatesChanged, MachinesStatusChanged)
+    # machine status's or registration's machine_id (the items of TasksCommanded, TaskStatesChanged, MachinesStatusChanged,
+    # MachinesRegistered)
     since_ms: int | None = None  # envelope timestamp_ms >= since_ms
     until_ms: int | None = None  # envelope timestamp_ms < until_ms
     topics: tuple[str, ...] | None = None  # logical topic names; None: every data topic

@@ -117,7 +117,7 @@ CATALOGUE: tuple[TopicSpec, ...] = (
                   "specs, the ReBalancer's plans, and the scheduler's refusals"),
     TopicSpec("machines", KEY_ENTITLEMENT, ("MachineRegistered", "MachineStatusChanged",
               "MachineAssignedToEntitlement", "MachineReleasedToFreePool", "HostProfileApplied",
-              "MachinesStatusChanged", "HostProfileFailed", "ZoneDisruptionChanged"), True,
+              "MachinesStatusChanged", "HostProfileFailed", "ZoneDisruptionChanged", "MachinesRegistered"), True,
               config=_KEEP_FOREVER, doc="machine registry and ownership; free-pool machines keyed free/<dc>"),
     TopicSpec("unavailability", KEY_ENTITLEMENT, ("UnavailabilityStarted", "UnavailabilityEnded"), True,
               config=_KEEP_FOREVER, doc="failures, maintenance and power events"),

@@ -18,6 +18,7 @@ unchanged, so versions and the materialized Redis keys come out the same)::
 
     MachineRegistered              a new machine joins its DC's free pool, status REGISTERED_STATUS, version 1; a
                                    re-registration updates changed attributes (free capacity follows capacity)
+                                   MachinesRegistered     the same, per machine
     MachineStatusChanged           set status                      MachinesStatusChanged  the same, per machine
     UnavailabilityStarted          kind MAINTENANCE: the machines are under that planned maintenance from its
                                    announcement (placement filters them: machine_in_maintenance); other kinds
@@ -568,7 +569,16 @@ class RegionFold:
 # -- the handlers: one per event type (see the table in the module doc) ----------------------------------------
 
 def _registered(f: RegionFold, e: Event) -> None:
-    p = e.payload
+    _register(f, e.payload, e.event_id)
+
+
+def _registrations(f: RegionFold, e: Event) -> None:
+    for p in e.payload["machines"]:
+        _register(f, p, e.event_id)
+
+
+def _register(f: RegionFold, p: Mapping[str, Any], cause: str) -> None:
+    """The registration ``p`` (a MachineRegistered's payload or an item of a MachinesRegistered) caused by ``cause``."""
     mid, topo = p["machine_id"], p["topology"]
     cpu, mem = p["capacity"]["cpu_millicores"], p["capacity"]["memory_mib"]
     attrs = {"region": topo["region"], "dc": topo["dc"], "msb": topo["msb"], "rack": topo["rack"],
@@ -578,7 +588,7 @@ def _registered(f: RegionFold, e: Event) -> None:
         m = f.machines[mid] = MachineRec(id=mid, cpu_cap=cpu, mem_cap=mem, cpu_free=cpu, mem_free=mem,
                                          entitlement=FREE_POOL_OWNER, status=REGISTERED_STATUS, version=1, **attrs)
         f.statuses[REGISTERED_STATUS] += 1
-        f.changed[mid] = e.event_id
+        f.changed[mid] = cause
         f.reindex(m)
         return
     n = sum(f._set(m, a, v) for a, v in attrs.items())
@@ -587,7 +597,7 @@ def _registered(f: RegionFold, e: Event) -> None:
         m.mem_free += mem - m.mem_cap
         m.cpu_cap, m.mem_cap = cpu, mem
         n += 1
-    f._touch(m, min(n, 1), e.event_id)
+    f._touch(m, min(n, 1), cause)
 
 
 def _status_changed(f: RegionFold, e: Event) -> None:
@@ -732,6 +742,7 @@ def entitlement_of(name: str, fields: Mapping[str, Any]) -> Entitlement | None:
 
 HANDLERS: Mapping[str, Callable[[RegionFold, Event], None]] = {
     "MachineRegistered": _registered,
+    "MachinesRegistered": _registrations,
     "MachineStatusChanged": _status_changed,
     "MachinesStatusChanged": _statuses_changed,
     "UnavailabilityStarted": _maintenance,
@@ -758,7 +769,7 @@ _RANK_REGISTERED, _RANK_INTENTS, _RANK_ALLOCATIONS, _RANK_MACHINES = range(4)
 def _rank(event_type: str) -> int:
     """Within one millisecond: a machine exists before anything names it; then intents, then allocations, then
     the other machine events (an allocator decision's echoes carry its TasksAllocated's time and follow it)."""
-    if event_type == "MachineRegistered":
+    if event_type in ("MachineRegistered", "MachinesRegistered"):
         return _RANK_REGISTERED
     if event_type in ("EntitlementCreated", "EntitlementUpdated"):
         return _RANK_INTENTS

@@ -28,7 +28,7 @@ from processors.cowmap import MACHINE_SHARDS, CowMap
 from processors.resourcebroker.decide import REASON_HEALTH_CHECK
 from processors.resourcebroker.status import DOWN, HEALTH_JUDGED, HEARD, SILENT, UP, moves, next_status
 from streams import batches
-from streams.batches import MACHINES_STATUS_CHANGED
+from streams.batches import MACHINES_REGISTERED, MACHINES_STATUS_CHANGED
 from streams.events import Event, derived_event_id, new_event
 from streams.topics import free_pool_key
 
@@ -195,7 +195,7 @@ def _apply(cur: MachineHealth | None, ev: Event) -> tuple[MachineHealth, int | N
 
 
 APPLIED = frozenset({"MachineRegistered", "MachineStatusChanged", "MachineAssignedToEntitlement",
-                     "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED})
+                     "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED, MACHINES_REGISTERED})
 
 
 def on_machine_event(state: HealthState, event: Event) -> HealthState:
@@ -204,8 +204,15 @@ def on_machine_event(state: HealthState, event: Event) -> HealthState:
 
 
 def _per_machine(events: Iterable[Event]) -> Iterable[Event]:
-    """The events with each MachinesStatusChanged as a MachineStatusChanged per machine (same key, time, id)."""
+    """The events with each MachinesStatusChanged as a MachineStatusChanged per machine, and each MachinesRegistered as
+    a MachineRegistered per machine (same key, time, id)."""
     for ev in events:
+        if ev.type == MACHINES_REGISTERED:
+            for p in ev.payload["machines"]:
+                yield Event(type="MachineRegistered", entitlement=ev.entitlement, entity_id=p["machine_id"], payload=p,
+                            producer=ev.producer, causation_id=ev.causation_id, timestamp_ms=ev.timestamp_ms,
+                            event_id=ev.event_id)
+            continue
         if ev.type != MACHINES_STATUS_CHANGED:
             yield ev
             continue

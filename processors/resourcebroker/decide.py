@@ -6,8 +6,10 @@ No faust, Kafka or Redis; no clock (every time is an argument). The broker's sta
 
 Decisions (all keyed to the machine's current owner: its entitlement, or ``free/<dc>`` in the free pool):
 
-* ``register``/``register_all``: MachineRegistered; nothing if already registered identically; a change of
-  type or capacity re-registers; a change of place (region/dc/msb/rack) raises RegistrationConflict.
+* ``register``/``register_all``: MachinesRegistered, one per owner key and thousand machines
+  (``batches.REGISTRATIONS_PER_RECORD``); nothing for a machine already registered identically; a change of type or
+  capacity re-registers; a change of place (region/dc/msb/rack) raises RegistrationConflict. (A log written before
+  is read as well: a MachineRegistered per machine.)
 * ``machine_failed``: MachineStatusChanged(→DOWN) + UnavailabilityStarted(FAILURE) for that machine.
 * ``machines_failed``: many machines at once (a Health Check tick, a power loss): per owner key ONE
   MachinesStatusChanged(→DOWN) and ONE UnavailabilityStarted(FAILURE) listing them.
@@ -29,15 +31,16 @@ MachineStatusChanged(DOWN) that recorded it, so the recovery can name it from th
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any
 
 from processors.cowmap import MACHINE_SHARDS, CowMap
 from streams import batches
 from streams.enums import UnavailabilityKind
 from streams.events import Event, derived_event_id, new_event
-from streams.batches import MACHINES_STATUS_CHANGED  # one status change of many machines of one owner
+from streams.batches import MACHINES_REGISTERED, MACHINES_STATUS_CHANGED  # many machines of one owner per record
 from streams.topics import free_pool_key, is_free_pool_key
 
 from .region import MachineSpec
@@ -68,7 +71,7 @@ TARGET_DC = "dc"
 DOMAIN_DEPTH = MappingProxyType({TARGET_DC: 1, TARGET_MSB: 2, TARGET_RACK: 3})  # path parts of a fault domain
 
 MACHINE_EVENTS = ("MachineRegistered", "MachineStatusChanged", "MachineAssignedToEntitlement",
-                  "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED)
+                  "MachineReleasedToFreePool", MACHINES_STATUS_CHANGED, MACHINES_REGISTERED)
 
 
 def is_free(owner: str | None, status: str, under_maintenance: bool) -> bool:
@@ -155,8 +158,8 @@ def _stub(machine_id: str, dc: str = "") -> MachineRecord:
                          memory_mib=0, registered=False)
 
 
-def _apply_registered(cur: MachineRecord | None, ev: Event) -> MachineRecord:
-    p = ev.payload
+def _registered(cur: MachineRecord | None, p: Mapping[str, Any], ev: Event) -> MachineRecord:
+    """``cur`` after the registration ``p`` (a MachineRegistered's payload, or an item of a MachinesRegistered)."""
     topo, cap = p["topology"], p["capacity"]
     attrs = dict(region=topo["region"], dc=topo["dc"], msb=topo["msb"], rack=topo["rack"],
                  machine_type=p["machine_type"], cpu_millicores=cap["cpu_millicores"],
@@ -165,6 +168,10 @@ def _apply_registered(cur: MachineRecord | None, ev: Event) -> MachineRecord:
         return MachineRecord(id=p["machine_id"], owner=_owner_of_key(ev.entitlement), owner_ms=ev.timestamp_ms,
                              **attrs)
     return replace(cur, **attrs)  # status and owner stay: re-registration changes attributes only
+
+
+def _apply_registered(cur: MachineRecord | None, ev: Event) -> MachineRecord:
+    return _registered(cur, ev.payload, ev)
 
 
 # A machine's events travel on its owner's partition, so they change partitions with its owner, and a reader of
@@ -240,6 +247,14 @@ class _Fold:
                 if new != cur:
                     self.changes[mid] = new
             return
+        if ev.type == MACHINES_REGISTERED:  # many machines: as one MachineRegistered per machine
+            for p in ev.payload["machines"]:
+                mid = p["machine_id"]
+                held = self.get(mid)
+                new = _registered(held, p, ev)
+                if new != held:
+                    self.changes[mid] = new
+            return
         fn = APPLIERS.get(ev.type)
         if fn is None:
             return
@@ -261,7 +276,8 @@ class _Fold:
 def apply(state: BrokerState, event: Event) -> BrokerState:
     """Fold one event of the ``machines`` topic into the state; other events leave it as it is.
 
-    MachineRegistered creates the machine (UP; owner from the key) or updates its attributes;
+    MachineRegistered (and each machine of a MachinesRegistered) creates the machine (UP; owner from the key) or
+    updates its attributes;
     MachineStatusChanged sets status, reason and the event id; MachineAssignedToEntitlement sets the owner if
     the machine is free; MachineReleasedToFreePool frees it if the releasing entitlement holds it. Applying an
     event twice gives the same state.
@@ -328,9 +344,17 @@ def failure_unavailability_id(status_event_id: str) -> str:
 
 # -- decisions: registration -----------------------------------------------------------------------------------
 
+def _spec_record(m: MachineSpec, held: MachineRecord | None) -> MachineRecord:
+    """The record of ``m`` as just registered (over ``held``, the state's record, whose owner and profile stay)."""
+    return MachineRecord(id=m.id, region=m.region, dc=m.dc, msb=m.msb, rack=m.rack, machine_type=m.machine_type,
+                         cpu_millicores=m.cpu_millicores, memory_mib=m.memory_mib,
+                         owner=held.owner if held is not None else None,
+                         host_profile=held.host_profile if held is not None else None)
+
+
 def register(state: BrokerState, machine: MachineSpec, now_ms: int, *, causation_id: str | None = None,
              producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
-    """Register one machine: MachineRegistered keyed ``free/<dc>`` (its owner's key on a re-registration).
+    """Register one machine: a MachinesRegistered of it keyed ``free/<dc>`` (its owner's key on a re-registration).
 
     Nothing if it is registered with the same place, type and capacity. Raises RegistrationConflict if the
     id is registered at another place.
@@ -340,11 +364,16 @@ def register(state: BrokerState, machine: MachineSpec, now_ms: int, *, causation
 
 def register_all(state: BrokerState, machines: Iterable[MachineSpec], now_ms: int, *,
                  causation_id: str | None = None, producer: str = PRODUCER) -> tuple[BrokerState, list[Event]]:
-    """``register`` for many machines in one step: one copy of the state however many machines (building the
-    events dominates: about 20 µs a machine, so a million-machine region registers in about 20 s)."""
-    fold = _Fold(state)
+    """``register`` for many machines in one step: one MachinesRegistered per owner key (in order of first
+    appearance) and ``batches.REGISTRATIONS_PER_RECORD`` machines (the region's order within a key), one copy of the
+    state however many machines. An event's id derives from its key, the time and each machine's id, type and
+    capacity: the same registration at the same time, the same ids. Raises RegistrationConflict (nothing decided)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    listed: dict[str, MachineSpec] = {}  # a machine listed twice: its second listing is read as a re-registration
     for m in machines:
-        cur = fold.get(m.id)
+        cur = state.machines.get(m.id)
+        if m.id in listed:
+            cur = _spec_record(listed[m.id], cur)
         if cur is not None and cur.registered:
             if (cur.region, cur.dc, cur.msb, cur.rack) != (m.region, m.dc, m.msb, m.rack):
                 raise RegistrationConflict(
@@ -354,13 +383,19 @@ def register_all(state: BrokerState, machines: Iterable[MachineSpec], now_ms: in
                                                                           m.memory_mib):
                 continue
         key = cur.owner if cur is not None and cur.owner is not None else free_pool_key(m.dc)
-        fold.emit(new_event(
-            "MachineRegistered",
-            {"machine_id": m.id, "topology": m.topology(), "machine_type": m.machine_type,
-             "capacity": m.capacity(), "host_profile": cur.host_profile if cur is not None else None},
-            entitlement=key, entity_id=m.id, producer=producer, causation_id=causation_id, timestamp_ms=now_ms,
-            event_id=derived_event_id(PRODUCER, "registered", m.id, now_ms, m.machine_type, m.cpu_millicores,
-                                      m.memory_mib)))
+        listed[m.id] = m
+        groups.setdefault(key, []).append(
+            {"machine_id": m.id, "topology": m.topology(), "machine_type": m.machine_type, "capacity": m.capacity(),
+             "host_profile": cur.host_profile if cur is not None else None})
+    fold = _Fold(state)
+    for key, items in groups.items():
+        for part in batches.split(items, max_items=batches.REGISTRATIONS_PER_RECORD):
+            fold.emit(new_event(
+                MACHINES_REGISTERED, {"machines": part}, entitlement=key, entity_id=key, producer=producer,
+                causation_id=causation_id, timestamp_ms=now_ms,
+                event_id=derived_event_id(PRODUCER, "registered", key, now_ms, *(
+                    f"{r['machine_id']}/{r['machine_type']}/{r['capacity']['cpu_millicores']}/"
+                    f"{r['capacity']['memory_mib']}" for r in part))))
     return fold.result()
 
 

@@ -117,7 +117,7 @@ def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[Lo
     p = ev.payload
     t = ev.type
     if t in MACHINE_TYPES:
-        before = {m: book.broker.get(m) for m in _machines_of(ev)}
+        before = {m: book.broker.get(m) for m in batches.machine_ids(ev)}
         book = _with(book, broker=rb.apply(book.broker, ev))
         return _returns(book, ev, before, (tuning or Tuning()).bound_ms)
     if t in ("EntitlementCreated", "EntitlementUpdated"):
@@ -148,12 +148,6 @@ def apply(book: LoanBook, ev: Event, tuning: "Tuning | None" = None) -> tuple[Lo
     if t in ("LoanGranted", "LoanRevoked", "LoanReturned"):
         return apply_own(book, ev), []
     return book, []
-
-
-def _machines_of(ev: Event) -> list[str]:
-    if ev.type in ("MachineStatusChanged", batches.MACHINES_STATUS_CHANGED):
-        return [m["machine_id"] for m in batches.machine_statuses(ev)]
-    return [ev.payload["machine_id"]]
 
 
 def apply_own(book: LoanBook, ev: Event) -> LoanBook:

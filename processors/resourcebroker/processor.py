@@ -9,8 +9,9 @@
    ended when catching up started (``read_to_end``: the high watermark of the first fetch response, or
    end-of-partition), so it ends while the topic is written.
 2. **Register**: ``register_all`` the region's machines against that state — only machines not registered yet
-   (or whose type/capacity changed) produce a MachineRegistered (keyed ``free/<dc>``), so a restart registers
-   nothing twice: idempotence comes from folding the log, not from a local file.
+   (or whose type/capacity changed) are registered, in MachinesRegistered records of a thousand machines (keyed
+   ``free/<dc>``), so a restart registers nothing twice: idempotence comes from folding the log, not from a local
+   file. Its own registrations read back are passed over (they are in the state as decided).
 3. **Follow** ``machines`` (to keep the state current: assignments, statuses from the Health Check Service)
    and ``unavailability`` (counted and logged; no broker decision is driven by it yet — the Ops Planner names
    maintenance windows itself). A bad record goes to ``deadletter``; a handler error is logged and skipped.
@@ -33,6 +34,7 @@ import time
 from collections.abc import Iterable
 
 from infra.config import Config
+from streams import batches
 from streams.catchup import CATCH_UP_TIMEOUT_S, read_to_end
 from streams.partitionmap import routed_producer
 from streams.clients import BACKGROUND_READER, EventConsumer, EventProducer, Record
@@ -51,7 +53,7 @@ log = logging.getLogger("ropewalk.resourcebroker")
 PRODUCER = d.PRODUCER
 POLL_S = 0.2
 POLL_MAX = 10000
-REGISTER_BATCH = 5000  # MachineRegistered events decided and produced per step (bounded memory for big regions)
+REGISTER_BATCH = 5000  # machines registered (decided and produced) per step: bounded memory for big regions
 
 
 def now_ms() -> int:
@@ -164,7 +166,8 @@ class ResourceBroker(LoopWorker):
         self.dead_letters = DeadLetters(self.producer, PRODUCER)
         self.state = d.BrokerState()
         self.consumer: EventConsumer | None = None
-        self.registered = 0  # MachineRegistered produced by this process
+        self.registered = 0  # machines registered by this process
+        self._own: set[str] = set()  # ids of the registrations it produced, applied as decided: passed over when read
         self.unavailability_seen = 0
         self.errors = 0
         self._freezer = GrowthFreezer()  # machines registering while this process runs: streams/gc_control.py
@@ -192,7 +195,8 @@ class ResourceBroker(LoopWorker):
         def flush_batch() -> None:
             self.state, events = d.register_all(self.state, batch, ts)
             produce(self.producer, events)
-            self.registered += len(events)
+            self._own.update(ev.event_id for ev in events)
+            self.registered += sum(len(batches.machine_registrations(ev)) for ev in events)
             batch.clear()
 
         for m in iter_machines(self.region):
@@ -222,7 +226,11 @@ class ResourceBroker(LoopWorker):
                     self.dead_letters.route_failed(rec, self.registry, exc, log)
 
     def _handle(self, records: list[Record]) -> None:
-        machine_events = [r.event for r in records if r.event.type in d.MACHINE_EVENTS]
+        own = self._own
+        machine_events = [r.event for r in records if r.event.type in d.MACHINE_EVENTS
+                          and (not own or r.event.event_id not in own)]  # its own registrations: in the state
+        if own:
+            own.difference_update(r.event.event_id for r in records)
         if machine_events:
             self.state = d.apply_all(self.state, machine_events)
         for r in records:

@@ -298,7 +298,7 @@ def test_the_forgeries_of_issue_27_are_refused_change_nothing_and_are_dead_lette
         assert by_type["TasksCommanded"] <= {"scheduler", "operator"}
         assert by_type["AgentHeartbeat"] <= {f"machine/{m}" for m in (*machines, LOCAL)}
         assert all(i.startswith("machine/") for i in by_type["TaskCommandRefused"])
-        assert {d["identity"] for d in shown if d["type"] == "MachineRegistered"} == {"resourcebroker"}
+        assert {d["identity"] for d in shown if d["type"] == "MachinesRegistered"} == {"resourcebroker"}
 
         # -- the health check is not blinded: the local agent stopped, its machine is no longer UP ----------------
         agent_pid = worker_pid(cfg, "agent-local")

@@ -257,8 +257,8 @@ def test_host_profiles_are_applied_before_any_task_starts(region):  # noqa: C901
         if e.type in ("EntitlementCreated", "EntitlementUpdated") and (e.type == "EntitlementCreated"
                                                                        or p["host_profile"] is not None):
             profile_of[e.entitlement] = p["host_profile"] or ""
-        elif e.type == "MachineRegistered":
-            applied[p["machine_id"]] = p.get("host_profile") or ""
+        elif batches.machine_registrations(e):
+            applied.update((r["machine_id"], r.get("host_profile") or "") for r in batches.machine_registrations(e))
         elif e.type == "MachineAssignedToEntitlement":
             holding[e.entitlement].add(p["machine_id"])
             most_held[e.entitlement] = max(most_held[e.entitlement], len(holding[e.entitlement]))

@@ -12,6 +12,7 @@ import pytest
 from processors.resourcebroker import decide as d
 from processors.resourcebroker.processor import fail_machine, fold_machines, recover_machine
 from processors.resourcebroker.region import generate_region, machines
+from streams import batches
 from streams.catchup import CatchUpTimeout, read_to_end
 from streams.clients import EventConsumer, EventProducer
 from streams.events import new_event
@@ -58,12 +59,14 @@ def test_registers_a_generated_region_once(cfg, registry, broker_proc):
     line = wait_ready(p)
     assert f"{N} registered" in line
     recs = read_all(cfg, registry, "machines")
-    regs = [r for r in recs if r.event.type == "MachineRegistered"]
+    regs = [(r, m) for r in recs for m in batches.machine_registrations(r.event)]
     assert len(regs) == N
+    assert {r.event.type for r, _ in regs} == {"MachinesRegistered"}  # a record per DC's free pool and thousand
     expected = {m.id: m for m in machines(generate_region(N, 2, 3))}
-    assert {r.event.payload["machine_id"] for r in regs} == set(expected)
-    for r in regs:
-        dc = expected[r.event.payload["machine_id"]].dc
+    assert len({(r.partition, r.offset) for r, _ in regs}) == len({m.dc for m in expected.values()})  # N < 1,000
+    assert {m["machine_id"] for _, m in regs} == set(expected)
+    for r, m in regs:
+        dc = expected[m["machine_id"]].dc
         assert r.key == f"free/{dc}".encode() and r.event.entitlement == f"free/{dc}"
     stop(p)
     assert p.returncode == 0  # SIGTERM: a clean stop, not a kill
@@ -73,7 +76,7 @@ def test_registers_a_generated_region_once(cfg, registry, broker_proc):
     assert f"{N} machines, 0 registered" in line, line
     stop(p2)  # the marker: all it would (wrongly) register again is on the log once it has stopped cleanly
     assert p2.returncode == 0
-    regs2 = [r for r in read_all(cfg, registry, "machines") if r.event.type == "MachineRegistered"]
+    regs2 = [m for r in read_all(cfg, registry, "machines") for m in batches.machine_registrations(r.event)]
     assert len(regs2) == N
 
 
@@ -123,7 +126,7 @@ def test_fail_machine_keys_to_the_owner_entitlement(cfg, registry, broker_proc):
 # -- catching up (read_to_end) -------------------------------------------------------------------------------------
 
 def registrations(n: int, seed: int, now_ms: int = 1_795_000_000_000) -> list:
-    """MachineRegistered events of a generated region of ``n`` machines over 2 DCs (two partitions' keys);
+    """MachinesRegistered events of a generated region of ``n`` machines over 2 DCs (two partitions' keys);
     the event ids derive from the machine ids and ``now_ms``."""
     _, events = d.register_all(d.BrokerState(), machines(generate_region(n, 2, seed)), now_ms)
     return events
@@ -151,7 +154,8 @@ def test_read_to_end_terminates_while_the_topic_is_written(cfg, registry):
     def writer() -> None:
         wp = EventProducer(cfg, registry, "test-writer")
         # more than can be written before the test stops it
-        for ev in registrations(50_000, seed=2, now_ms=1_795_000_000_001):
+        for m in machines(generate_region(50_000, 2, 2)):  # a record per machine
+            ev = d.register(d.BrokerState(), m, 1_795_000_000_001)[1][0]
             if stop_writing.is_set():
                 break
             wp.send(ev, validate=False)

@@ -27,6 +27,11 @@ def registered(n):
     return events
 
 
+def machine_ids(n):
+    """The ids of ``registered(n)``'s machines, in order."""
+    return [m.id for m in iter_machines(generate_region(n))]
+
+
 def entitlement(name, quota):
     return ev("EntitlementCreated", {"name": name, "quota_machines": quota, "machine_type": None, "dc_pin": None,
                                      "host_profile": None}, name)
@@ -106,7 +111,7 @@ def test_an_elastic_entitlement_waiting_for_quota_borrows_up_to_its_max_and_the_
 
 @pytest.mark.parametrize("case, setup, want", [
     ("not elastic", lambda b: b.feed(elastic("batch", is_elastic=False)), []),
-    ("no headroom", lambda b: b.feed(*[assigned(m.payload["machine_id"], "web") for m in registered(10)[:9]]), []),
+    ("no headroom", lambda b: b.feed(*[assigned(m, "web") for m in machine_ids(10)[:9]]), []),
     ("owner waits", lambda b: b.feed(rejected("web", "web.api", NO_FEASIBLE_MACHINE, 1)), []),
     ("demand is old", lambda b: None, "old"),
 ])
@@ -121,7 +126,7 @@ def test_an_owner_short_of_machines_takes_them_back_with_notice_and_each_return_
     b = lending(10, max_borrowed=4)
     b.feed(rejected("batch", "batch.crunch", QUOTA_EXCEEDED, 4))
     b.tick(T0 + 1000)
-    ids = [e.payload["machine_id"] for e in registered(10)]
+    ids = machine_ids(10)
     borrowed = ids[:4]
     b.feed(*[assigned(m, "batch", T0 + 2000) for m in borrowed])  # the allocator placed batch on 4 free machines
     b.feed(*[assigned(m, "web", T0 + 2000) for m in ids[4:8]])  # web holds 4 of its 6; 2 free = the headroom
@@ -159,7 +164,7 @@ def test_lent_quota_not_in_use_goes_back_first_and_no_new_loan_within_the_cooldo
     b = lending(10, max_borrowed=4)
     b.feed(rejected("batch", "batch.crunch", QUOTA_EXCEEDED, 4))
     b.tick(T0 + 1000)
-    ids = [e.payload["machine_id"] for e in registered(10)]
+    ids = machine_ids(10)
     b.feed(*[assigned(m, "web", T0 + 2000) for m in ids])  # web took every machine: below half the headroom
     out = b.tick(T0 + 3000)
     assert types(out) == ["LoanRevoked", "EntitlementUpdated"], "nothing to vacate: batch used none of it"

@@ -10,6 +10,7 @@ from processors.resourcebroker.decide import (
 )
 from processors.cowmap import MACHINE_SHARDS
 from processors.resourcebroker.region import MachineSpec, machines, parse_region
+from streams import batches
 from streams.events import new_event
 from streams.serde import SchemaRegistry
 
@@ -72,7 +73,7 @@ def summary(events):
     for ev in events:
         p = ev.payload
         what = p.get("status") or p.get("kind") or ""
-        if ev.type == "MachinesStatusChanged":
+        if ev.type in ("MachinesStatusChanged", "MachinesRegistered"):
             machines = tuple(m["machine_id"] for m in p["machines"])
         else:
             machines = p["machine_id"] if "machine_id" in p else tuple(p["machine_ids"])
@@ -87,12 +88,12 @@ def summary(events):
 
 def test_register_new_machine_in_its_free_pool():
     state, events = register(BrokerState(), M[A1], T0)
-    assert summary(valid(events)) == [("MachineRegistered", "free/dc1", A1, "")]
+    assert summary(valid(events)) == [("MachinesRegistered", "free/dc1", (A1,), "")]
     ev = events[0]
-    assert ev.payload == {"machine_id": A1, "topology": {"region": "r1", "dc": "dc1", "msb": "msb1", "rack": "r01"},
-                          "machine_type": "skylake", "capacity": {"cpu_millicores": 32000, "memory_mib": 131072},
-                          "host_profile": None}
-    assert (ev.entity_id, ev.timestamp_ms, ev.producer) == (A1, T0, "resourcebroker")
+    assert ev.payload == {"machines": [{
+        "machine_id": A1, "topology": {"region": "r1", "dc": "dc1", "msb": "msb1", "rack": "r01"},
+        "machine_type": "skylake", "capacity": {"cpu_millicores": 32000, "memory_mib": 131072}, "host_profile": None}]}
+    assert (ev.entity_id, ev.timestamp_ms, ev.producer) == ("free/dc1", T0, "resourcebroker")
     rec = state.get(A1)
     assert (rec.status, rec.owner, rec.owner_key, rec.fault_domain("rack")) == (UP, None, "free/dc1", "dc1/msb1/r01")
 
@@ -101,12 +102,12 @@ def test_register_new_machine_in_its_free_pool():
 REGISTRATIONS = {
     "identical-again": (registered_state(), M[A1], []),
     "capacity-changed": (registered_state(), M[A1]._replace(cpu_millicores=64000),
-                         [("MachineRegistered", "free/dc1", A1, "")]),
+                         [("MachinesRegistered", "free/dc1", (A1,), "")]),
     "type-changed-owned-machine": (registered_state({A1: "e1"}), M[A1]._replace(machine_type="broadwell"),
-                                   [("MachineRegistered", "e1", A1, "")]),
+                                   [("MachinesRegistered", "e1", (A1,), "")]),
     "new-machine-next-to-known": (registered_state(), MachineSpec("dc2-msb1-r01-m003", "r1", "dc2", "msb1", "r01",
                                                                   "skylake", 1000, 1024),
-                                  [("MachineRegistered", "free/dc2", "dc2-msb1-r01-m003", "")]),
+                                  [("MachinesRegistered", "free/dc2", ("dc2-msb1-r01-m003",), "")]),
 }
 
 
@@ -121,7 +122,8 @@ def test_register(state, machine, expected):
 
 def test_register_is_idempotent():
     state, events = register_all(BrokerState(), MACHINES, T0)
-    assert len(valid(events)) == len(MACHINES) == len(state) == 10
+    assert len(valid(events)) == 2 and len(MACHINES) == len(state) == 10  # one record per DC's free pool
+    assert [r["machine_id"] for e in events for r in batches.machine_registrations(e)] == [m.id for m in MACHINES]
     again, more = register_all(state, MACHINES, T0 + 5)
     assert (again, more) == (state, [])
     assert again is state
