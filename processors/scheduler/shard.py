@@ -63,7 +63,7 @@ scanned (O(jobs held by this worker)), which is rare.
 
 **Own echoes and ignored types.** The scheduler's own events come back on the topics it reads. Every record an
 ``EventProducer`` sends carries the headers ``producer`` and ``type``; a record whose producer is ``scheduler``, or
-whose type ``decide`` does nothing with (``CONSUMED``: no MachineRegistered, no assignment echoes), is passed over
+whose type ``decide`` does nothing with (``CONSUMED``: no registration, no assignment echoes), is passed over
 in the gate, before decoding (after the offset guard has counted it). Records without the headers (older logs,
 other writers) are decoded, and ``decide`` drops the scheduler's own by ``is_own`` and ignores the other types.
 
@@ -245,8 +245,9 @@ def shard_bucket_key(partition: int) -> str:
 
 
 def is_ignored_record(msg: Any) -> bool:
-    """Whether a record's ``type`` header names an event the shard does nothing with (a MachineRegistered, say:
-    100,000 of them when a region registers): passed over undecoded, like the scheduler's own echoes."""
+    """Whether a record's ``type`` header names an event the shard does nothing with (a registration, say: a
+    MachinesRegistered per thousand machines, on older logs a MachineRegistered per machine): passed over undecoded,
+    like the scheduler's own echoes."""
     return not passes_type(getattr(msg, "headers", None), SHARD_CONSUMED)
 
 

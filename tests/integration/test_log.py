@@ -230,3 +230,35 @@ def test_provision_is_idempotent_and_checks_copartitioning(cfg):
     assert again["created"] == [] and len(again["topics"]) == len(CATALOGUE) == 17  # with `keys` (issue 27)
     with pytest.raises(TopicError, match="co-partitioned"):
         provision(admin, Topics(cfg.topic_prefix, cfg.partitions * 2))
+
+
+def test_a_poll_hands_out_a_bounded_number_of_bytes_and_the_rest_in_order_next(cfg, registry, monkeypatch):
+    """A poll's records are decoded at once, and one record may hold a thousand machines: a poll hands out at most
+    ``POLL_BYTES`` of values (at least one record), the rest first in the next polls, in order; a reader to the
+    end (``read_to_end``: end-of-partition markers among what is held) still reads every record once."""
+    from streams import clients  # noqa: PLC0415
+    from streams.catchup import read_to_end  # noqa: PLC0415
+
+    topic = Topics(cfg.topic_prefix, cfg.partitions).name("intents")
+    p = EventProducer(cfg, registry, "test")
+    jobs = [f"j{i:03d}" for i in range(60)]
+    for job in jobs:
+        p.send(job_stopped("e-bounded", job, reason="x" * 1000))  # one partition: their order is the log's
+    p.flush()
+    size = len(registry.encode("JobStopped", job_stopped("e-bounded", "j000", reason="x" * 1000).to_record(1)))
+    monkeypatch.setattr(clients, "POLL_BYTES", 5 * size)
+
+    c = EventConsumer(cfg, registry, [topic], name="bounded")
+    polls: list[int] = []
+
+    def handle(records):
+        polls.append(len(records))
+        seen.extend(r.event.payload["job_id"] for r in records if r.event.entitlement == "e-bounded")
+
+    seen: list[str] = []
+    try:
+        n = read_to_end(c, handle)
+    finally:
+        c.close()
+    assert seen == jobs and n >= len(jobs)
+    assert max(polls) <= 5, polls  # 5 values' bytes a poll at most (at 6 the budget is passed)
