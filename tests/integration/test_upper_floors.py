@@ -51,6 +51,7 @@ from processors.srm import decide as sd  # noqa: E402
 from processors.srm.processor import Autoscaler  # noqa: E402
 from regioncli import ROOT, wait_for  # noqa: E402
 from test_trust import Api  # noqa: E402
+from streams import batches  # noqa: E402
 from streams import replay as rp  # noqa: E402
 from streams.clients import EventProducer  # noqa: E402
 from streams.events import new_event  # noqa: E402
@@ -223,7 +224,7 @@ def test_a_push_a_canary_and_the_srm_together_and_a_loan_taken_back(cfg, registr
 
         # -- loans: an elastic borrower, then the owner short of machines ------------------------------------------
         _, machines = rb.register_all(rb.BrokerState(), iter_machines(generate_region(10)), int(time.time() * 1000))
-        ids = [m.payload["machine_id"] for m in machines]
+        ids = [r["machine_id"] for m in machines for r in batches.machine_registrations(m)]
         send(cfg, registry, [*machines, entitlement(BORROWER, 0),
                              event("EntitlementElasticityChanged", {"elastic": True, "max_borrowed_machines": 4,
                                                                     "revoke_notice_ms": 3000, "lend_idle": True},
