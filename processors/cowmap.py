@@ -113,17 +113,16 @@ class CowMap(Mapping[str, V], Generic[V]):
         """A new map with ``changes`` set (added or replaced); this one is unchanged."""
         if not changes:
             return self
-        by_shard: dict[int, list[str]] = {}
-        mask = self._mask
-        for key in changes:
-            by_shard.setdefault(_shard_of(key, mask), []).append(key)
+        by_shard: dict[int, dict[str, V]] = {}
+        mask, crc32, group = self._mask, zlib.crc32, by_shard.setdefault  # a hot loop (a region's registration)
+        for key, value in changes.items():
+            group(crc32(key.encode()) & mask, {})[key] = value  # _shard_of, inlined
         shards = list(self._shards)
         size = self._len
-        for i, keys in by_shard.items():
+        for i, part in by_shard.items():
             shard = dict(shards[i])
             size -= len(shard)
-            for key in keys:
-                shard[key] = changes[key]
+            shard.update(part)
             size += len(shard)
             shards[i] = shard
         return self._new(tuple(shards), size)
