@@ -686,23 +686,15 @@ class Allocator:
                         consumer = EventConsumer(self.cfg, self.registry, [self.topics.name(t) for t in SOURCES],
                                                  name=PRODUCER, start_offsets=self.ends, dead_letters=dead_letters,
                                                  types=EVENT_TYPES, follows=True)
-                    records = consumer.poll(POLL_RECORDS, POLL_S, linger_s=0.0)
-                    self.on_records(records, dead_letters)
-                    # behind the log: how old the newest record of this poll was when it was applied; 0 when idle
-                    metrics.INDEX_STALENESS.set(max(0.0, time.time() - max(r.log_timestamp_ms for r in records)
-                                                    / 1000) if records else 0.0)
-                    if time.monotonic() - self._machines_observed_at > MACHINES_METRIC_S:
-                        with self.lock:
-                            observe_machines(self.fold.machines.values())
-                        self._machines_observed_at = time.monotonic()
-                    self.read_up_to(consumer.last_offsets)  # records of types the fold ignores: not even decoded
-                    self.check_index()
-                    self.step()
+                    self._turn(consumer, dead_letters)
                 except TRANSIENT as exc:
                     self.stale = True
                     log.warning("allocator: %s (%s); folding the log again once it answers", type(exc).__name__, exc)
                     stop.wait(1.0)
         except BaseException as exc:
+            if stop.is_set():  # asked to stop meanwhile: what failed after that (its topics gone, say) is no crash
+                log.info("allocator: stopping; the loop's last step failed (%s: %s)", type(exc).__name__, exc)
+                return
             self.crash = exc
             log.exception("allocator: the loop failed")
             raise
@@ -714,6 +706,21 @@ class Allocator:
                     self.producer.flush(5.0)  # what was decided reaches the log (else its journal answers later)
                 except DeliveryError as exc:
                     log.warning("allocator: at stop: %s (journaled in Redis: produced again at the next start)", exc)
+
+    def _turn(self, consumer: EventConsumer, dead_letters: DeadLetters) -> None:
+        """One turn of the loop: a poll's records applied, then ``step``."""
+        records = consumer.poll(POLL_RECORDS, POLL_S, linger_s=0.0)
+        self.on_records(records, dead_letters)
+        # behind the log: how old the newest record of this poll was when it was applied; 0 when idle
+        metrics.INDEX_STALENESS.set(max(0.0, time.time() - max(r.log_timestamp_ms for r in records) / 1000)
+                                    if records else 0.0)
+        if time.monotonic() - self._machines_observed_at > MACHINES_METRIC_S:
+            with self.lock:
+                observe_machines(self.fold.machines.values())
+            self._machines_observed_at = time.monotonic()
+        self.read_up_to(consumer.last_offsets)  # records of types the fold ignores: not even decoded
+        self.check_index()
+        self.step()
 
     def step(self) -> None:
         """After records were applied: decide, project, publish (a failure marks the fold stale)."""

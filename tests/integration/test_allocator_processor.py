@@ -904,3 +904,30 @@ def test_a_snapshot_that_cannot_be_forked_is_not_the_allocators_failure(hand, mo
     assert a._snapshot_child is None and a._read_since_snapshot > 0  # nothing written: still to be
     hand.feed([a], requested("r1", "e1", "web", 2))
     assert [e.type for e in a.decide_pending() if e.type.startswith("Tasks")] == ["TasksAllocated"]
+
+
+@pytest.mark.parametrize("stopping", [True, False], ids=["asked to stop: no crash", "running: a crash"])
+def test_a_loop_step_that_fails_after_the_allocator_was_asked_to_stop_is_no_crash(cfg, registry, stopping):
+    """A stopped test's allocator thread kept folding, its topics dropped, and its catch-up's stall (60 s later)
+    was raised as an unhandled thread exception in another test. What fails once ``stop`` is set is logged, not the
+    loop's crash; what fails while it runs still is."""
+    r = cfg.redis_client()
+    allocator = Allocator(cfg, registry, r, None)
+    stop = threading.Event()
+
+    def refold():
+        if stopping:
+            stop.set()
+        raise RuntimeError("the topics are gone")
+
+    allocator.refold = refold
+    try:
+        if stopping:
+            allocator.run(stop, None)
+            assert allocator.crash is None
+        else:
+            with pytest.raises(RuntimeError, match="the topics are gone"):
+                allocator.run(stop, None)
+            assert isinstance(allocator.crash, RuntimeError)
+    finally:
+        r.close()
