@@ -292,21 +292,30 @@ def test_forged_start_is_refused_by_the_process_agent(cfg, registry, tmp_path):
                     forged_task("START", m, ["sh", "-c", f"id > {pwned}"]),  # no allocation at all
                     forged_task("START", m, ["sh", "-c", f"id > {pwned}"], task="e1.web/0", job="e1.web",
                                 entitlement="e2"))  # placed for e1, commanded as e2's
-        _produce_as(cfg, registry, "scheduler", forged_task("START", m, ["sleep", "30"], task="e1.web/0",
-                                                            job="e1.web", entitlement="e1"))
         tasks = EventConsumer(cfg, registry, [Topics(cfg.topic_prefix, cfg.partitions).name("tasks")], name="t")
-        seen, deadline = [], time.monotonic() + 60
+        seen: list = []
+
+        def read_until(done, timeout_s: float = 60.0) -> None:
+            deadline = time.monotonic() + timeout_s
+            while not done() and time.monotonic() < deadline:
+                seen.extend(r.event for r in tasks.poll(1000, 0.5))
+
+        def refusals():
+            return {(e.payload["task_id"], e.payload["reason"]) for e in seen if e.type == "TaskCommandRefused"}
+
         try:
-            while time.monotonic() < deadline:
-                seen += [r.event for r in tasks.poll(1000, 0.5)]
-                refused = {(e.payload["task_id"], e.payload["reason"]) for e in seen if e.type == "TaskCommandRefused"}
-                running = any(e.type == "TaskStatesChanged" and any(r["state"] == "RUNNING" and r["task_id"] ==
-                                                                     "e1.web/0" for r in e.payload["reports"])
-                              for e in seen)
-                if len(refused) == 3 and running:
-                    break
+            # The refusals first: the START as e2's travels on e2's partition, the real one below on e1's, and an
+            # agent that read the real one first (the task running) would not judge the other's allocation.
+            read_until(lambda: len(refusals()) == 3)
+            _produce_as(cfg, registry, "scheduler", forged_task("START", m, ["sleep", "30"], task="e1.web/0",
+                                                                job="e1.web", entitlement="e1"))
+            read_until(lambda: any(e.type == "TaskStatesChanged" and any(
+                r["state"] == "RUNNING" and r["task_id"] == "e1.web/0" for r in e.payload["reports"]) for e in seen))
         finally:
             tasks.close()
+        refused = refusals()
+        running = any(e.type == "TaskStatesChanged" and any(r["state"] == "RUNNING" and r["task_id"] == "e1.web/0"
+                                                            for r in e.payload["reports"]) for e in seen)
         assert refused == {("e1.web/0", "unsigned"), ("e2.victim/0", "not_allocated"),
                            ("e1.web/0", "allocated_to_other_entitlement")}, seen
         assert running
